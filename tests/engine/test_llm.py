@@ -1,0 +1,115 @@
+"""End-to-end engine behaviour on the real SmolLM2 model (CPU, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.prompts import chat_prompts
+from tokenmill import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0)
+SYSTEM = (
+    "You are a careful assistant for a school. Answer in plain words, keep answers short, "
+    "and never invent facts you are not sure about."
+)
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2 KV per 16-token block in fp32
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_llm) -> list[list[int]]:
+    convs = [[{"role": "system", "content": SYSTEM}, *c[-1:]] for c in chat_prompts(8, seed=3)]
+    return [smollm2_llm.encode_chat(c) for c in convs]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_llm, prompts) -> list[list[int]]:
+    outs = smollm2_llm.generate(prompts, GREEDY)
+    assert all(o.ok for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def _variant(**kwargs) -> LLM:
+    return LLM("smollm2-135m-instruct", device="cpu", dtype="float32", **kwargs)
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs(prompts, reference) -> None:
+    on = _variant(enable_prefix_caching=True)
+    outs_on = on.generate(prompts, GREEDY)
+    outs_again = on.generate(prompts, GREEDY)  # the whole prompts are cached now
+    off = _variant(enable_prefix_caching=False)
+    outs_off = off.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs_on] == reference
+    assert [o.token_ids for o in outs_again] == reference
+    assert [o.token_ids for o in outs_off] == reference
+    assert sum(o.num_cached_tokens for o in outs_on) > 0  # the shared system prompt
+    assert all(o.num_cached_tokens >= len(p) - 16 for o, p in zip(outs_again, prompts, strict=True))
+    assert all(o.num_cached_tokens == 0 for o in outs_off)
+
+
+def test_tiny_kv_pool_preempts_and_gives_identical_outputs(prompts, reference) -> None:
+    tiny = _variant(kv_cache_memory=12 * BLOCK_BYTES, enable_prefix_caching=False)
+    outs = tiny.generate(prompts, GREEDY)
+    assert tiny.engine.scheduler.stats.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+    tiny.engine.scheduler.kv.check_integrity()
+    assert tiny.engine.scheduler.kv.num_free_blocks == 12
+
+
+def test_chunked_prefill_gives_identical_outputs(prompts, reference) -> None:
+    chunked = _variant(max_num_batched_tokens=16, block_size=8)
+    outs = chunked.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_too_long_prompt_is_a_per_request_error(smollm2_llm, prompts, reference) -> None:
+    too_long = [1] * (smollm2_llm.engine.max_model_len + 5)
+    outs = smollm2_llm.generate([prompts[0], too_long, prompts[1], []], GREEDY)
+    assert outs[0].token_ids == reference[0] and outs[2].token_ids == reference[1]
+    assert outs[1].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert outs[3].finish_reason == "error" and "empty" in outs[3].error
+
+
+def test_seeded_sampling_is_batch_invariant(smollm2_llm, prompts) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    alone = smollm2_llm.generate([prompts[2]], seeded)[0]
+    others = SamplingParams(max_tokens=24, temperature=0.8)
+    mixed = smollm2_llm.generate([prompts[0], prompts[2], prompts[5]], [others, seeded, others])
+    assert mixed[1].token_ids == alone.token_ids
+    other_seed = smollm2_llm.generate(
+        [prompts[2]], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=99)
+    )[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_string_truncates_text(smollm2_llm, prompts, reference) -> None:
+    full = smollm2_llm.generate([prompts[0]], GREEDY)[0]
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    out = smollm2_llm.generate(
+        [prompts[0]], SamplingParams(max_tokens=32, temperature=0, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.token_ids == reference[0][: len(out.token_ids)]
+
+
+def test_logprobs_and_finish_reasons(smollm2_llm, prompts) -> None:
+    out = smollm2_llm.generate(
+        [prompts[1]], SamplingParams(max_tokens=5, temperature=0, logprobs=3)
+    )[0]
+    assert out.finish_reason == "length" and len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert lp.token_id == tok and lp.rank == 1 and lp.logprob <= 0
+        assert len(lp.top) == 3 and max(lp.top, key=lp.top.get) == tok
+
+
+def test_chat_and_text_prompts(smollm2_llm) -> None:
+    one = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=16, temperature=0),
+    )
+    assert len(one) == 1 and "Paris" in one[0].text and one[0].finish_reason == "stop"
+    text = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(max_tokens=4, temperature=0)
+    )
+    assert text[0].ok and text[0].num_completion_tokens == 4 and text[0].num_prompt_tokens > 3

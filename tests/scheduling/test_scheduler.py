@@ -1,0 +1,255 @@
+"""Scheduler tests with the real KV cache manager and a fake model, on tiny block sizes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduling.scheduler_output import SchedulerOutput
+
+VOCAB = 50
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    """A deterministic 'model': the next token depends on the whole sequence."""
+    return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + len(tokens)) % VOCAB
+
+
+def make_scheduler(
+    num_blocks: int,
+    block_size: int,
+    budget: int = 64,
+    max_seqs: int = 16,
+    prefix: bool = True,
+    max_model_len: int = 10_000,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_model_len), kv)
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+    """Drive the scheduler with the fake model; check invariants after every step."""
+    outputs = []
+    shadow: dict[str, int] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return outputs
+        out = sched.schedule()
+        assert not out.is_empty, "scheduler made no progress"
+        assert out.num_tokens <= sched.config.max_num_batched_tokens
+        assert len(out.scheduled) <= sched.config.max_num_seqs
+        sampled = {}
+        for item in out.scheduled:
+            req = item.request
+            # The step continues exactly where computation stopped, or later after a hit.
+            assert item.start >= shadow.get(req.request_id, 0) or req.num_preemptions
+            assert item.end <= req.num_tokens
+            assert len(item.block_ids) * sched.kv.block_size >= item.end
+            shadow[req.request_id] = item.end
+            if item.sample:
+                assert item.end == req.num_tokens
+                sampled[req.request_id] = [fake_next_token(req.all_token_ids)]
+        for rid in out.preempted_ids:
+            shadow[rid] = 0
+        sched.update_from_output(out, sampled)
+        sched.kv.check_integrity()
+        outputs.append(out)
+    raise AssertionError("did not finish")
+
+
+def make_requests(n: int, seed: int, shared_prefix: int = 0, max_tokens: int = 8) -> list[Request]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
+    reqs = []
+    for i in range(n):
+        prompt = prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+        params = SamplingParams(max_tokens=rng.randint(1, max_tokens), temperature=0)
+        reqs.append(Request(f"r{i}", prompt, params, arrival_index=i))
+    return reqs
+
+
+def expected_outputs(reqs: list[Request]) -> dict[str, list[int]]:
+    result = {}
+    for r in reqs:
+        seq = list(r.prompt_token_ids)
+        out = []
+        for _ in range(r.sampling_params.max_tokens):
+            tok = fake_next_token(seq)
+            seq.append(tok)
+            out.append(tok)
+        result[r.request_id] = out
+    return result
+
+
+def test_all_finish_with_expected_tokens() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    reqs = make_requests(6, seed=0)
+    expected = expected_outputs(reqs)
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched)
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == expected[r.request_id]
+    assert sched.kv.num_free_blocks == 64
+
+
+def test_chunked_prefill_samples_only_at_the_end() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=2, budget=4)
+    req = Request("a", list(range(10)), SamplingParams(max_tokens=2, temperature=0))
+    sched.add_request(req)
+    outs = run_to_completion(sched)
+    chunks = [
+        (o.scheduled[0].start, o.scheduled[0].num_new_tokens, o.scheduled[0].sample) for o in outs
+    ]
+    assert chunks[:3] == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert chunks[3] == (10, 1, True)
+    assert len(req.output_token_ids) == 2
+
+
+def test_max_num_seqs_is_respected() -> None:
+    sched = make_scheduler(num_blocks=256, block_size=4, max_seqs=3)
+    for r in make_requests(10, seed=1):
+        sched.add_request(r)
+    outs = run_to_completion(sched)
+    assert max(len(o.scheduled) for o in outs) == 3
+
+
+def test_preemption_by_recompute_keeps_outputs() -> None:
+    reqs = make_requests(8, seed=2, max_tokens=20)
+    expected = expected_outputs(reqs)
+    # 12 blocks of 2 tokens: far too few for 8 requests growing to ~30 tokens each.
+    sched = make_scheduler(num_blocks=16, block_size=2, budget=32)
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched)
+    assert sched.stats.num_preemptions > 0
+    for r in reqs:
+        assert r.output_token_ids == expected[r.request_id]
+
+
+def test_prefix_cache_hit_skips_computation() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks
+    first = Request("a", prompt, SamplingParams(max_tokens=1, temperature=0))
+    sched.add_request(first)
+    run_to_completion(sched)
+    second = Request("b", prompt[:16] + [40, 41], SamplingParams(max_tokens=1, temperature=0))
+    sched.add_request(second)
+    out = sched.schedule()
+    assert out.scheduled[0].start == 16 and out.scheduled[0].num_new_tokens == 2
+    assert second.num_cached_prompt_tokens == 16
+    assert sched.kv.prefix_cache_stats.hit_tokens == 16
+
+
+def test_fully_cached_prompt_still_computes_last_token() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=1, temperature=0)))
+        outs = run_to_completion(sched)
+    first = outs[0].scheduled[0]
+    assert first.start == 12 and first.num_new_tokens == 4 and first.sample
+
+
+def test_prompt_longer_than_context_is_refused() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=10)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(Request("a", list(range(10)), SamplingParams()))
+
+
+def test_generation_stops_at_max_model_len() -> None:
+    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=12)
+    req = Request("a", list(range(8)), SamplingParams(max_tokens=100, temperature=0))
+    sched.add_request(req)
+    run_to_completion(sched)
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.num_tokens == 12
+
+
+def test_eos_and_stop_token_ids() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    prompt = [1, 2, 3]
+    first_token = fake_next_token(prompt)
+    eos = Request(
+        "eos", prompt, SamplingParams(max_tokens=5, temperature=0), eos_token_ids=(first_token,)
+    )
+    ignored = Request(
+        "ign",
+        prompt,
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        eos_token_ids=(first_token,),
+    )
+    stop_id = Request(
+        "stop", prompt, SamplingParams(max_tokens=5, temperature=0, stop_token_ids=[first_token])
+    )
+    min_tok = Request(
+        "min",
+        prompt,
+        SamplingParams(max_tokens=5, min_tokens=3, temperature=0),
+        eos_token_ids=(first_token,),
+    )
+    for r in (eos, ignored, stop_id, min_tok):
+        sched.add_request(r)
+    run_to_completion(sched)
+    assert eos.output_token_ids == [first_token] and eos.status is RequestStatus.FINISHED_STOPPED
+    assert ignored.num_output_tokens == 5 and ignored.status is RequestStatus.FINISHED_LENGTH
+    assert stop_id.stop_reason == first_token and stop_id.num_output_tokens == 1
+    assert min_tok.num_output_tokens >= 3
+
+
+def test_finish_requests_frees_blocks() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    reqs = make_requests(3, seed=5)
+    for r in reqs:
+        sched.add_request(r)
+    sched.schedule()
+    sched.finish_requests(["r0", "r2"], RequestStatus.FINISHED_ABORTED)
+    sched.kv.check_integrity()
+    assert [r.request_id for r in sched.running] == ["r1"]
+    assert reqs[0].status is RequestStatus.FINISHED_ABORTED
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_configs_give_identical_outputs(block_size: int, seed: int) -> None:
+    """Same outputs whatever the pool size, budget and prefix caching."""
+    rng = random.Random(seed * 10 + block_size)
+    reqs_template = make_requests(10, seed=seed, shared_prefix=rng.choice([0, 5, 9]), max_tokens=10)
+    expected = expected_outputs(reqs_template)
+    # Smallest pool that still fits the longest request alone.
+    longest = max(r.num_tokens + r.sampling_params.max_tokens for r in reqs_template)
+    min_blocks = -(-longest // block_size) + 1
+    for num_blocks, budget, prefix in [
+        (min_blocks, rng.randint(1, 8), True),
+        (min_blocks * 3, rng.randint(4, 32), False),
+        (512, 256, True),
+    ]:
+        reqs = [
+            Request(r.request_id, list(r.prompt_token_ids), r.sampling_params)
+            for r in reqs_template
+        ]
+        sched = make_scheduler(num_blocks, block_size, budget=budget, max_seqs=4, prefix=prefix)
+        for r in reqs:
+            sched.add_request(r)
+        run_to_completion(sched)
+        assert {r.request_id: r.output_token_ids for r in reqs} == expected
+        assert sched.kv.num_free_blocks == num_blocks
+
+
+def test_prefix_shared_within_one_step() -> None:
+    """Blocks are cached when scheduled, so a request admitted later in the same step hits."""
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(1, 18))
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    sched.add_request(Request("b", prompt[:16] + [9], SamplingParams(max_tokens=1, temperature=0)))
+    out = sched.schedule()
+    assert [(s.request_id, s.start, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 0, 17),
+        ("b", 16, 1),
+    ]
+    assert out.scheduled[0].block_ids[:4] == out.scheduled[1].block_ids[:4]

@@ -1,0 +1,33 @@
+"""tokenmill: batch/offline LLM inference.
+
+Heavy modules (torch, transformers) load on first use, so ``import tokenmill`` stays cheap
+and the pure-Python parts (scheduler, job spec) import without them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "tokenmill.engine.llm",
+    "SamplingParams": "tokenmill.engine.sampling_params",
+    "RequestOutput": "tokenmill.engine.outputs",
+    "EngineConfig": "tokenmill.engine.engine_config",
+}
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine_config import EngineConfig
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.outputs import RequestOutput
+    from tokenmill.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

@@ -1,0 +1,44 @@
+"""What every attention backend is told about a step (built once per step by the runner).
+
+A step is a flat batch of ``num_tokens`` query tokens from ``B`` requests:
+
+    tokens:           [ r0 r0 r0 r0 | r1 | r2 r2 ]      query_start_loc = [0, 4, 5, 7]
+    request r0 seq:   [ cached/computed ... | 4 new ]   seq_lens[0] = context incl. new tokens
+    block_tables[b]:  the request's KV block ids, padded with 0 to the batch's widest row
+    slot_mapping[t]:  block_tables[b][pos // block_size] * block_size + pos % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommonAttentionMetadata:
+    # device tensors
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    # host copies the scheduler already knows (no device reads needed)
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)

@@ -1,0 +1,139 @@
+"""IncrementalDetokenizer: output tokens to text, a few tokens at a time, with stop strings.
+
+Decoding each new token alone is wrong (byte-level BPE splits one character over several
+tokens; SentencePiece drops a leading space) and decoding everything each step is quadratic.
+Instead keep two offsets into the output tokens and decode a short window:
+
+    token_ids:  [ ... committed ... | prefix window | unread (new) tokens ]
+                                    ^prefix_offset  ^read_offset
+    new text = decode(ids[prefix:])[len(decode(ids[prefix:read])):]
+
+The prefix window gives the new tokens their left context. When the new text ends in U+FFFD
+its last character is still incomplete: only the text before it is emitted and the offsets
+stay, so the next tokens are decoded together with it. Once the text ends on a whole
+character, the offsets move on: prefix <- read, read <- len(ids).
+
+Stop strings are searched only where a new match can be, the new text plus the
+``len(longest stop) - 1`` characters before it.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer"]
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes one request's output tokens incrementally and watches for its stop strings.
+
+    ``output_text`` is the text decoded so far, never ending in a half-decoded character. Once
+    the sequence is complete, ``flush()`` releases any held-back tail; after that (and when no
+    stop string matched) ``output_text == tokenizer.decode(output_ids, skip_special_tokens=...)``.
+    ``prompt_token_ids`` is accepted for interface symmetry but unused: the output is decoded
+    on its own so that the text is exactly what decoding the output tokens gives.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._num_pending_chars = 0  # text emitted past read_offset's (incomplete tail held)
+        self._text = ""
+        self._stop_string: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """Text so far; after a stop string, cut before it (or after it, when included)."""
+        return self._text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text, if any."""
+        return self._stop_string
+
+    def append(self, token_ids: list[int]) -> str | None:
+        """Feed newly generated tokens; return the stop string they completed, else None.
+
+        Stop strings are not looked for while fewer than ``params.min_tokens`` tokens have been
+        generated. Raises RuntimeError when called after a stop string matched.
+        """
+        if self._stop_string is not None:
+            raise RuntimeError(
+                f"IncrementalDetokenizer.append: the text already stopped at "
+                f"{self._stop_string!r}; finish the request instead of feeding more tokens"
+            )
+        self._token_ids.extend(token_ids)
+        return self._decode_new(final=False)
+
+    def flush(self) -> str | None:
+        """Emit a held-back incomplete tail (as U+FFFD, like ``decode``) once no more tokens come.
+
+        Call it when the request finishes for another reason than a stop string (EOS, length).
+        Returns the stop string the tail completed, else None; a no-op after a stop string.
+        """
+        if self._stop_string is not None:
+            return None
+        return self._decode_new(final=True)
+
+    def _decode_new(self, final: bool) -> str | None:
+        ids = self._token_ids
+        if self._read_offset == len(ids):
+            return None
+        prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])[len(prefix_text) :]
+        complete = final or not new_text.endswith(_REPLACEMENT_CHAR)
+        if not complete:
+            # Only the trailing incomplete character waits; the text before it is settled.
+            new_text = new_text.rstrip(_REPLACEMENT_CHAR)
+        start = len(self._text)
+        self._text += new_text[self._num_pending_chars :]
+        if final or (complete and new_text):
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+            self._num_pending_chars = 0
+        else:
+            # Offsets stay (nothing new, e.g. skipped special tokens, or an incomplete
+            # character); remember what of this window's text was already emitted.
+            self._num_pending_chars = len(new_text)
+        if len(self._text) > start and self._max_stop_len and len(ids) >= self._params.min_tokens:
+            return self._find_stop(max(0, start - self._max_stop_len + 1))
+        return None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            token_ids, skip_special_tokens=self._params.skip_special_tokens
+        )
+
+    def _find_stop(self, search_from: int) -> str | None:
+        """Cut the text at the stop string whose first match ends earliest (ties: list order).
+
+        Earliest end is what streaming the text one character at a time would find, so the
+        result does not depend on how the text was split into tokens.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self._params.stop:
+            start = self._text.find(stop, search_from)
+            if start >= 0 and (best is None or start + len(stop) < best[0]):
+                best = (start + len(stop), start, stop)
+        if best is None:
+            return None
+        end, start, stop = best
+        self._text = self._text[: end if self._params.include_stop_str_in_output else start]
+        self._stop_string = stop
+        return stop

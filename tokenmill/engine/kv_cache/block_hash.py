@@ -1,0 +1,81 @@
+"""Chained hashes of full KV blocks: the prefix cache's keys.
+
+A block's KV depends on every token before it, so its key chains its parent's key:
+
+    tokens:  [ t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9 ]       block_size = 4
+               block 0       block 1       partial: never hashed
+    key0 = hash_block_tokens(None, (t0, t1, t2, t3), extra_keys)
+    key1 = hash_block_tokens(key0, (t4, t5, t6, t7), extra_keys)
+
+``extra_keys`` (the model, an adapter, ...) enter every key, the first one included, so two
+models never share a block. A key is only an int and may collide; a ``BlockHash`` also keeps
+what the key was made of, and the prefix cache compares that on every hit (see block_pool.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["BlockHash", "BlockHashChain", "hash_block_tokens"]
+
+
+def hash_block_tokens(
+    parent: int | None, token_ids: tuple[int, ...], extra_keys: tuple[Hashable, ...]
+) -> int:
+    """Return the key of a full block whose parent block has key ``parent`` (None: first block).
+
+    Python's tuple hash: fast and stable within a process, which is all an in-memory cache
+    needs. Collisions are harmless because hits are verified against the stored content.
+    """
+    return hash((parent, token_ids, extra_keys))
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    """A full block's key together with what it was computed from.
+
+    Equality compares all four fields (``value`` first, so most mismatches stop there).
+    """
+
+    value: int  # the key in the prefix cache map
+    parent: int | None  # the previous block's key; None for a request's first block
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[Hashable, ...]
+
+
+class BlockHashChain:
+    """The ``BlockHash`` of each full block of one request, grown as its tokens arrive.
+
+    Each block is hashed once: ``extend`` only hashes blocks past those already known, so a
+    request's prompt is never rehashed step after step. Token ids are assumed final once a
+    block is hashed (``all_token_ids`` only grows).
+    """
+
+    def __init__(self, block_size: int, extra_keys: tuple[Hashable, ...] = ()) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.extra_keys = extra_keys
+        self.hashes: list[BlockHash] = []
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
+        """Hash blocks until ``num_blocks`` are known (fewer is a no-op).
+
+        Raises ValueError when ``token_ids`` does not fill ``num_blocks`` blocks.
+        """
+        bs = self.block_size
+        if num_blocks * bs > len(token_ids):
+            raise ValueError(
+                f"cannot hash {num_blocks} blocks of {bs} tokens from {len(token_ids)} tokens"
+            )
+        hashes = self.hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1].value if hashes else None
+            block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            value = hash_block_tokens(parent, block_tokens, self.extra_keys)
+            hashes.append(BlockHash(value, parent, block_tokens, self.extra_keys))

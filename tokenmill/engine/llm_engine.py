@@ -1,0 +1,223 @@
+"""LLMEngine: requests in, finished RequestOutputs out, one ``step`` at a time.
+
+add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Scheduler.update_from_output
+                                                             ─► detokenize, stop strings
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.attention.backend import get_attention_backend
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.model_loader import build_model
+from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenmill.engine.outputs import RequestOutput, TokenLogprob
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None
+
+
+class LLMEngine:
+    """One engine replica: the model, its KV cache, the scheduler and the tokenizer."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = resolve_model_source(config.model)
+        self.model_config = source.load_config()
+        self.tokenizer = source.load_tokenizer()
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(self.model_config, self.device)
+        mc = self.model_config
+        max_len = min(
+            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
+        backend = get_attention_backend(
+            "torch" if config.attention_backend == "auto" else config.attention_backend
+        )
+        model = build_model(
+            mc,
+            backend,
+            max_len,
+            self.device,
+            self.dtype,
+            source.iter_weights(),
+            source=str(source.path),
+            seed=config.seed,
+        )
+
+        block_bytes = kv_bytes_per_block(mc, config.block_size, self.dtype)
+        budget = config.kv_cache_budget(self.device, self._activation_reserve())
+        num_blocks = budget // block_bytes
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory leaves room for {max(num_blocks, 0)} KV blocks of "
+                f"{block_bytes} bytes; raise kv_cache_memory or lower block_size"
+            )
+        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self.runner = ModelRunner(
+            model,
+            mc,
+            backend,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            seed=config.seed,
+        )
+        kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            extra_keys=(str(source.path),),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            kv,
+        )
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = tuple(sorted(eos))
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = 0
+        log.info(
+            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            source.path.name,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    def _activation_reserve(self) -> int:
+        # Peak activations of one full step: a few [T, hidden] and one [T, 2 * intermediate]
+        # tensor, plus fp32 logits of the sampled rows. Only GPU sizing subtracts it.
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        tokens = self.config.max_num_batched_tokens
+        per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * elem
+        logits = self.config.max_num_seqs * mc.vocab_size * 4 * 3
+        return tokens * per_token + logits
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. Raises ValueError (the request is not queued) when the prompt is
+        empty, holds ids outside the vocabulary, or leaves no room in the context."""
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the model's context "
+                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
+            )
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_index=self._arrivals,
+        )
+        self._arrivals += 1
+        self.scheduler.add_request(req)
+        self._tracked[request_id] = _Tracked(
+            req,
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+            [] if params.logprobs is not None else None,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "the scheduler could not schedule any request: the KV "
+                    "cache is too small for the waiting prompt"
+                )
+            return []
+        out = self.runner.execute(sched)
+        sampled = out.as_dict()
+        self._record_logprobs(out)
+        finished = self.scheduler.update_from_output(sched, sampled)
+        stopped_by_string: list[str] = []
+        for rid, tokens in sampled.items():
+            tracked = self._tracked[rid]
+            req = tracked.request
+            new = req.output_token_ids[len(req.output_token_ids) - len(tokens) :]
+            match = (
+                tracked.detokenizer.append(new)
+                if req.status is not RequestStatus.PREEMPTED
+                else None
+            )
+            if match is not None:
+                req.stop_reason = match
+                if req.finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    stopped_by_string.append(rid)
+        if stopped_by_string:
+            self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
+            finished.extend(self._tracked[rid].request for rid in stopped_by_string)
+        return [self._finish(req) for req in finished]
+
+    def _record_logprobs(self, out) -> None:
+        lp = out.sampler_output.logprobs if out.sampler_output is not None else None
+        if lp is None:
+            return
+        rows = lp.to_lists()
+        for i, rid in enumerate(out.request_ids):
+            tracked = self._tracked[rid]
+            if tracked.logprobs is None:
+                continue
+            n = tracked.request.sampling_params.logprobs or 0
+            token_id, logprob, rank, top_ids, top_lps = rows[i]
+            tracked.logprobs.append(
+                TokenLogprob(
+                    token_id, logprob, rank, dict(zip(top_ids[:n], top_lps[:n], strict=True))
+                )
+            )
+
+    def _finish(self, req: Request) -> RequestOutput:
+        tracked = self._tracked.pop(req.request_id)
+        if tracked.detokenizer.stop_string is None and tracked.detokenizer.flush() is not None:
+            req.stop_reason = tracked.detokenizer.stop_string
+            req.status = RequestStatus.FINISHED_STOPPED
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text=tracked.detokenizer.output_text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.status.value,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            logprobs=tracked.logprobs,
+        )

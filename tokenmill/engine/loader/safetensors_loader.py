@@ -1,0 +1,120 @@
+"""HF model directories: ``config.json`` plus safetensors weights, streamed one tensor at a time.
+
+    model_dir/
+      config.json                       -> ModelConfig.from_hf_dict
+      model.safetensors                 one file, or
+      model.safetensors.index.json      {"weight_map": {tensor name: shard file}} + the shards, or
+      *.safetensors                     any other set of files, read in name order
+
+Only safetensors are read: pickle checkpoints (``pytorch_model.bin``, ``*.pt``) can run code
+when loaded, so they are refused by ``resolve_model_source`` before we get here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
+from tokenmill.engine.model_config import ModelConfig
+
+__all__ = ["load_hf_config", "safetensors_files", "iter_safetensors_weights"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Buffers some older checkpoints saved alongside the weights; the engine computes them itself.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_config(model_dir: Path) -> ModelConfig:
+    """Parse ``model_dir/config.json``. Raises FileNotFoundError or ValueError naming the file."""
+    config_path = model_dir / "config.json"
+    try:
+        cfg: Any = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{config_path} does not exist; an HF model directory needs config.json next to "
+            "its *.safetensors files"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}); fix or re-download it") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(cfg).__name__}")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "unknown")
+        raise ValueError(
+            f"config key 'quantization_config' in {config_path} says the weights are "
+            f"{method}-quantized; only float safetensors checkpoints or GGUF files are supported"
+        )
+    return ModelConfig.from_hf_dict(cfg, source=str(config_path))
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files of ``model_dir``, in load order.
+
+    Raises FileNotFoundError naming the directory (no weights) or the index and the shard it
+    lists that is missing; ValueError if the index is not valid JSON.
+    """
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{index_path} is not a valid safetensors index (need a 'weight_map' object): {e}"
+            ) from e
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"{index_path} lists shard {file.name}, which is missing from {model_dir}; "
+                    "re-download the checkpoint"
+                )
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+def iter_safetensors_weights(
+    model_dir: Path, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of every weight file, one at a time.
+
+    Tensors keep their stored float dtype and HF layout. Raises ValueError naming the file for a
+    corrupt or truncated file, a non-float (quantized) tensor, or a shape the config disagrees
+    with.
+    """
+    shapes = expected_shapes(config)
+    for file in safetensors_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"{file} is not a readable safetensors file ({e}); it may be truncated or "
+                "corrupt: re-download it"
+            ) from e
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(_SKIPPED_SUFFIXES):
+                    continue
+                try:
+                    tensor = f.get_tensor(name)
+                except (SafetensorError, OSError, RuntimeError) as e:
+                    raise ValueError(f"cannot read tensor {name} from {file} ({e})") from e
+                if not tensor.is_floating_point():
+                    raise ValueError(
+                        f"tensor {name} in {file} has dtype {tensor.dtype}; only float "
+                        "checkpoints are supported (quantized safetensors are not)"
+                    )
+                check_shape(name, tuple(tensor.shape), shapes, str(file))
+                yield name, tensor

@@ -1,0 +1,73 @@
+"""Tokenizers for both model formats, built offline by transformers, never with remote code.
+
+HF directories: ``AutoTokenizer`` reads tokenizer.json / tokenizer_config.json and the chat
+template (tokenizer_config.json or chat_template.jinja). GGUF files: transformers rebuilds a
+fast tokenizer from the ``tokenizer.ggml.*`` metadata; the chat template comes from
+``tokenizer.chat_template`` and is set here if transformers did not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+__all__ = ["load_hf_tokenizer", "load_gguf_tokenizer"]
+
+
+# Files one of which holds the vocabulary of an HF tokenizer. Without them transformers 5
+# silently builds an empty tokenizer from the model type, so look before loading.
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
+
+def load_hf_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer saved in HF directory ``model_dir``. Raises ValueError naming it."""
+    if not any((model_dir / name).is_file() for name in _VOCAB_FILES):
+        raise ValueError(
+            f"cannot load a tokenizer from {model_dir}: it has none of {', '.join(_VOCAB_FILES)}; "
+            "copy the model's tokenizer files next to config.json"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), trust_remote_code=False, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"cannot load a tokenizer from {model_dir} ({type(e).__name__}: {e}); the directory "
+            "needs tokenizer.json (or the files of a transformers tokenizer) and "
+            "tokenizer_config.json, without custom tokenizer code"
+        ) from e
+    return _checked(tokenizer, model_dir)
+
+
+def load_gguf_tokenizer(gguf_path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
+    """Build the tokenizer stored in GGUF file ``gguf_path``.
+
+    ``chat_template`` (the file's ``tokenizer.chat_template``) is set on the tokenizer when
+    transformers left it unset. Raises ValueError naming the file.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent),
+            gguf_file=gguf_path.name,
+            trust_remote_code=False,
+            local_files_only=True,
+        )
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+        raise ValueError(
+            f"cannot build a tokenizer from the tokenizer.ggml.* metadata of {gguf_path} "
+            f"({type(e).__name__}: {e}); transformers supports GGUF tokenizers of the "
+            "llama (SentencePiece) and gpt2 (BPE) kinds"
+        ) from e
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
+    return _checked(tokenizer, gguf_path)
+
+
+def _checked(tokenizer: PreTrainedTokenizerBase, source: Path) -> PreTrainedTokenizerBase:
+    if len(tokenizer) < 2:
+        raise ValueError(
+            f"the tokenizer loaded from {source} has an empty vocabulary; "
+            "its tokenizer files are incomplete"
+        )
+    return tokenizer

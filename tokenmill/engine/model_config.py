@@ -1,0 +1,145 @@
+"""ModelConfig: the architecture facts the engine needs, parsed from an HF ``config.json`` dict.
+
+GGUF metadata is translated into the same HF-style dict by the GGUF loader, so there is one
+validation path for both formats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# HF `architectures` names this engine implements; see models/registry.py.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# Rope scaling types implemented in models/rope.py.
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of a Llama-family decoder.
+
+    Attributes mirror HF config keys; ``source`` names the file or directory they came from so
+    errors can point at it.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head, before RoPE
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        where = f" in {self.source}" if self.source else ""
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}{where}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}{where}"
+            )
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, key) <= 0:
+                raise ValueError(
+                    f"config key {key} must be positive{where}, got {getattr(self, key)}"
+                )
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}{where}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "") -> ModelConfig:
+        """Build from an HF ``config.json`` dict; ValueError names ``source`` and the key."""
+        where = f" in {source}" if source else ""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"config has no 'architectures' list{where}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}{where}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ValueError(f"config key {key!r} is missing{where}")
+            return cfg[key]
+
+        n_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers 5 moved rope settings into `rope_parameters`.
+        rope_params = cfg.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default" and not rope_scaling:
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=int(need("num_hidden_layers")),
+            num_attention_heads=n_heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=int(need("max_position_embeddings")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            source=source,
+        )

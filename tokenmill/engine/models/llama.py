@@ -1,0 +1,181 @@
+"""The Llama family: Llama (incl. Llama-3 RoPE scaling, SmolLM), Mistral, Qwen2, Qwen3.
+
+One decoder covers them: GQA, RoPE, RMSNorm, SiLU-gated MLP; Qwen2 adds q/k/v biases,
+Qwen3 RMSNorm on q and k per head. Parameter names follow HF so checkpoints map 1:1, except
+that q/k/v and gate/up are merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
+
+The model runs on a flat batch of tokens ([T], any mix of prefill chunks and decode tokens);
+attention goes through the backend with the paged KV cache of each layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from tokenmill.engine.attention.backend import AttentionBackend
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from tokenmill.engine.models.rope import RotaryEmbedding
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.attention_bias
+        )
+        self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rope = rope
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.n_heads, self.head_dim)  # [T, Hq, d]
+        k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, d]
+        v = v.view(t, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, (inter, inter), bias=False)
+        self.down_proj = torch.nn.Linear(inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rope, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        rope = RotaryEmbedding(config, max_positions)
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config, rope, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = rope
+
+
+# HF parameter name suffix -> (merged module attribute, part index)
+_MERGED_PARTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the logits."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],
+        attn_meta: Any,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, attn_meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
+        """Copy HF-named tensors into the parameters; every parameter must be filled once.
+
+        Raises ValueError naming the tensor (and ``source``) on an unknown name, a shape
+        mismatch, or parameters the checkpoint never provided.
+        """
+        params = dict(self.named_parameters())
+        filled: set[str] = set()
+        where = f" in {source}" if source else ""
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes still store the head
+            if "rotary_emb.inv_freq" in name:
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in _MERGED_PARTS:
+                merged, index = _MERGED_PARTS[proj]
+                target = f"{parent}.{merged}.{leaf}"
+                if target not in params:
+                    raise ValueError(f"unexpected weight {name}{where}")
+                module = self.get_submodule(f"{parent}.{merged}")
+                module.load_part(index, name, tensor, is_bias=leaf == "bias")
+                filled.add(f"{target}#{index}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name}{where}")
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"weight {name}{where} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            filled.add(name)
+        missing = [n for n in params if not self._is_filled(n, filled)]
+        if missing:
+            raise ValueError(
+                f"checkpoint{where} lacks weights: {', '.join(missing[:8])}"
+                + (" ..." if len(missing) > 8 else "")
+            )
+
+    def _is_filled(self, name: str, filled: set[str]) -> bool:
+        module_path = name.rpartition(".")[0]
+        module = self.get_submodule(module_path)
+        if isinstance(module, MergedLinear):
+            return all(f"{name}#{i}" in filled for i in range(len(module.part_sizes)))
+        return name in filled

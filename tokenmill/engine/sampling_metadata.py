@@ -1,0 +1,193 @@
+"""SamplingMetadata: the per-row sampling settings of one engine step, as device tensors.
+
+Built once per step on the host from the requests' ``SamplingParams`` and token histories, then
+read by the ``Sampler`` without a single host-device sync. Row ``i`` describes logits row ``i``.
+
+    params[i] ──► temperature[i], top_k[i], top_p[i], min_p[i], penalties[i]   (Tensor[B])
+    prompt_token_ids[i] ──► prompt_mask[i, :]            (only when a row has repetition_penalty)
+    output_token_ids[i] ──► output_token_counts[i, :]    (only when a row has any penalty)
+    (seed, len(output_token_ids[i])) ──► row_seeds       (seeded, non-greedy rows)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+__all__ = ["SamplingMetadata", "row_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling tensors for a batch of ``num_rows`` logits rows over ``vocab_size``.
+
+    Greedy rows carry ``temperature == 1`` (never used, but keeps the division finite) and are
+    flagged in ``greedy``. Disabled filters are no-ops: ``top_k == vocab_size``, ``top_p == 1``,
+    ``min_p == 0``. The ``no_*`` / ``all_*`` flags are host booleans that let the sampler skip
+    whole stages.
+    """
+
+    num_rows: int
+    vocab_size: int
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] int64, vocab_size when off
+    top_p: torch.Tensor  # [B] float32, 1.0 when off
+    min_p: torch.Tensor  # [B] float32, 0.0 when off
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    all_greedy: bool
+    all_random: bool
+    no_top_k: bool
+    no_top_p: bool
+    no_min_p: bool
+    no_penalties: bool
+    no_repetition_penalty: bool
+    max_num_logprobs: int | None  # largest ``logprobs`` asked for in the batch; None: nobody asked
+    output_token_counts: torch.Tensor | None  # [B, V] float32; None when no_penalties
+    prompt_mask: torch.Tensor | None  # [B, V] bool; None when no_repetition_penalty
+    # (row, seed derived from (request seed, output position)) for seeded non-greedy rows.
+    row_seeds: tuple[tuple[int, int], ...]
+    # Whether some non-greedy row has no seed and draws from ``generator``.
+    has_unseeded_random: bool
+    generator: torch.Generator | None  # shared by unseeded rows; None: torch's default RNG
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+    ) -> SamplingMetadata:
+        """Build the metadata for one step; row ``i`` is ``params[i]`` and its histories.
+
+        ``output_token_ids[i]`` is everything the row generated so far: its length is the row's
+        output position, which seeds a seeded row's draw. ``generator`` (on ``device``) serves
+        the unseeded rows. Raises ValueError when the three lists differ in length, when
+        ``vocab_size < 1`` or when a token id lies outside ``[0, vocab_size)``.
+        """
+        device = torch.device(device)
+        num_rows = len(params)
+        if len(prompt_token_ids) != num_rows or len(output_token_ids) != num_rows:
+            raise ValueError(
+                f"SamplingMetadata.build: got {num_rows} params, {len(prompt_token_ids)} prompts "
+                f"and {len(output_token_ids)} outputs; pass one of each per logits row"
+            )
+        if vocab_size < 1:
+            raise ValueError(f"SamplingMetadata.build: vocab_size must be >= 1, got {vocab_size}")
+
+        greedy = [p.greedy for p in params]
+        temperature = [1.0 if p.greedy else float(p.temperature) for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [float(p.top_p) for p in params]
+        min_p = [float(p.min_p) for p in params]
+        presence = [float(p.presence_penalty) for p in params]
+        frequency = [float(p.frequency_penalty) for p in params]
+        repetition = [float(p.repetition_penalty) for p in params]
+        # Filters only matter on rows that sample.
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        no_repetition_penalty = all(r == 1.0 for r in repetition)
+        no_penalties = no_repetition_penalty and all(
+            p == 0.0 and f == 0.0 for p, f in zip(presence, frequency, strict=True)
+        )
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+
+        output_token_counts = None
+        prompt_mask = None
+        if not no_penalties:
+            output_token_counts = _token_counts(output_token_ids, vocab_size, device)
+        if not no_repetition_penalty:
+            prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
+
+        row_seeds = tuple(
+            (i, row_seed(params[i].seed, len(output_token_ids[i])))
+            for i in random_rows
+            if params[i].seed is not None
+        )
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab_size,
+            temperature=_to_device(temperature, torch.float32, device),
+            greedy=_to_device(greedy, torch.bool, device),
+            top_k=_to_device(top_k, torch.int64, device),
+            top_p=_to_device(top_p, torch.float32, device),
+            min_p=_to_device(min_p, torch.float32, device),
+            presence_penalty=_to_device(presence, torch.float32, device),
+            frequency_penalty=_to_device(frequency, torch.float32, device),
+            repetition_penalty=_to_device(repetition, torch.float32, device),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_top_k=all(top_k[i] == vocab_size for i in random_rows),
+            no_top_p=all(top_p[i] >= 1.0 for i in random_rows),
+            no_min_p=all(min_p[i] <= 0.0 for i in random_rows),
+            no_penalties=no_penalties,
+            no_repetition_penalty=no_repetition_penalty,
+            max_num_logprobs=max(asked) if asked else None,
+            output_token_counts=output_token_counts,
+            prompt_mask=prompt_mask,
+            row_seeds=row_seeds,
+            has_unseeded_random=len(row_seeds) < len(random_rows),
+            generator=generator,
+        )
+
+
+def row_seed(seed: int, position: int) -> int:
+    """Mix a request seed and an output position into one 63-bit generator seed (splitmix64).
+
+    A seeded row's draw depends on nothing else, so it is the same in any batch and any row.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _to_device(
+    values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Copy a host list to ``device`` without blocking the host (pinned staging on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Count each row's token ids: returns [B, V] float32 with counts[i, t] = #t in row i.
+
+    All rows go to the device as one flat [N] tensor of ids with flat index ``row * V + id``,
+    summed into [B * V] counts there.
+    """
+    num_rows = len(token_ids)
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=num_rows)  # [B]
+    # numpy reads Python ints an order of magnitude faster than torch.tensor(list).
+    flat = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=int(lengths.sum()))
+    if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):  # [N], host memory
+        row, bad = next(
+            (i, t) for i, ids in enumerate(token_ids) for t in ids if not 0 <= t < vocab_size
+        )
+        raise ValueError(
+            f"SamplingMetadata.build: row {row} holds token id {bad} outside "
+            f"[0, {vocab_size}); check the tokenizer and the model's vocab_size"
+        )
+    rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)  # [N]
+    flat_index = torch.from_numpy(rows * vocab_size + flat)  # [N]
+    if device.type == "cuda":
+        flat_index = flat_index.pin_memory()
+    flat_index = flat_index.to(device, non_blocking=True)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    counts.index_add_(0, flat_index, torch.ones(flat_index.shape, device=device))
+    return counts.view(num_rows, vocab_size)  # [B, V]

@@ -1,0 +1,1 @@
+"""Readers, writers, fsspec storage and atomic commit (the job runner issue)."""

@@ -1,0 +1,1 @@
+"""Job spec, runner, checkpoint manifest, CLI and submit() (the job runner issue)."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a pure-PyTorch reference (the Triton kernels issue)."""

@@ -1,0 +1,1 @@
+"""Step scheduling (continuous batching); later the dataset planner and replica dispatch."""
