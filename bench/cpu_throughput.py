@@ -26,8 +26,8 @@ from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine.loader import resolve_model_source  # noqa: E402
 
 
-def run_tokenmill(convs, max_tokens: int) -> tuple[float, int, list[list[int]]]:
-    llm = LLM("smollm2-135m-instruct", device="cpu", dtype="float32")
+def run_tokenmill(convs, max_tokens: int, dtype: str) -> tuple[float, int, list[list[int]]]:
+    llm = LLM("smollm2-135m-instruct", device="cpu", dtype=dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.chat(convs[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     start = time.perf_counter()
@@ -36,13 +36,13 @@ def run_tokenmill(convs, max_tokens: int) -> tuple[float, int, list[list[int]]]:
     return elapsed, sum(o.num_completion_tokens for o in outs), [o.token_ids for o in outs]
 
 
-def run_hf(convs, max_tokens: int) -> tuple[float, int, list[list[int]]]:
+def run_hf(convs, max_tokens: int, dtype: str) -> tuple[float, int, list[list[int]]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_source("smollm2-135m-instruct").path
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype), attn_implementation="sdpa"
     ).eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -73,17 +73,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", type=Path, help="also write results here")
     args = parser.parse_args()
     convs = chat_prompts(args.prompts)
 
-    tm_time, tm_tokens, tm_ids = run_tokenmill(convs, args.max_tokens)
-    hf_time, hf_tokens, hf_ids = run_hf(convs, args.max_tokens)
+    tm_time, tm_tokens, tm_ids = run_tokenmill(convs, args.max_tokens, args.dtype)
+    hf_time, hf_tokens, hf_ids = run_hf(convs, args.max_tokens, args.dtype)
     same = sum(a == b for a, b in zip(tm_ids, hf_ids, strict=True))
     tm_tps, hf_tps = tm_tokens / tm_time, hf_tokens / hf_time
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "torch_threads": torch.get_num_threads(),
+        "dtype": args.dtype,
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "tokenmill": {

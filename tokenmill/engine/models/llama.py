@@ -18,11 +18,13 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
-from tokenmill.engine.models.rope import RotaryEmbedding
+from tokenmill.engine.models.rope import RotaryEmbedding, apply_rope
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, 1, d/2], looked up once a step
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -35,21 +37,20 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rope = rope
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
-    ) -> torch.Tensor:
+    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.n_heads, self.head_dim)  # [T, Hq, d]
-        k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, d]
-        v = v.view(t, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        hq, hkv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, d]
+        v = qkv[:, hq + hkv :]  # [T, Hkv, d]
+        if self.q_norm is None:
+            qk = apply_rope(qkv[:, : hq + hkv], *rope)  # q and k rotated in one pass
+            q, k = qk[:, :hq], qk[:, hq:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :hq]), *rope)
+            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), *rope)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -66,30 +67,29 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rope, backend)
+        self.self_attn = LlamaAttention(config, backend)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
+        self, rope: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
-        rope = RotaryEmbedding(config, max_positions)
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, rope, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = rope
+        self.rope = RotaryEmbedding(config, max_positions)
 
 
 # HF parameter name suffix -> (merged module attribute, part index)
@@ -122,8 +122,9 @@ class LlamaForCausalLM(torch.nn.Module):
         attn_meta: Any,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rope.lookup(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, attn_meta)
+            x = layer(rope, x, kv_cache, attn_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]

@@ -38,9 +38,10 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin for every position up to ``max_positions``.
+    """Precomputed cos/sin of every position up to ``max_positions``.
 
-    cos, sin: [max_positions, head_dim] (the half-size frequencies repeated twice).
+    cos, sin: [max_positions, head_dim // 2]. ``lookup`` runs once per step; ``apply_rope``
+    then rotates q and k of every layer with the same tables.
     """
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
@@ -57,19 +58,22 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = rope_inv_freq(self.config)
             positions = torch.arange(self.max_positions, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)  # [P, d/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, d]
-            self.cos = emb.cos()
-            self.sin = emb.sin()
+            self.cos = freqs.cos()
+            self.sin = freqs.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, d]; k: [T, Hkv, d]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """cos, sin of ``positions`` [T]: each [T, 1, d/2], broadcastable over heads."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, d] in HF's rotate-half layout: the halves (x1, x2) become
+    (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
