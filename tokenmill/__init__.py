@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "JobSpec", "submit", "run_job"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -16,6 +16,9 @@ _LAZY = {
     "SamplingParams": "tokenmill.engine.sampling_params",
     "RequestOutput": "tokenmill.engine.outputs",
     "EngineConfig": "tokenmill.engine.engine_config",
+    "JobSpec": "tokenmill.jobs.spec",
+    "submit": "tokenmill.jobs.submit",
+    "run_job": "tokenmill.jobs.runner",
 }
 
 if TYPE_CHECKING:
@@ -23,6 +26,9 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.outputs import RequestOutput
     from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.jobs.runner import run_job
+    from tokenmill.jobs.spec import JobSpec
+    from tokenmill.jobs.submit import submit
 
 
 def __getattr__(name: str) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        token_lists = [p if not isinstance(p, str) else self.tokenizer.encode(p) for p in prompts]
+        token_lists = [
+            p if not isinstance(p, str) else encode_prompt(self.tokenizer, p) for p in prompts
+        ]
         return self._run(token_lists, sampling_params)
 
     def chat(
@@ -93,12 +96,7 @@ class LLM:
         self, messages: Sequence[Message], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.config.model!r} has no chat template; use generate()")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
 
     def _run(
         self,

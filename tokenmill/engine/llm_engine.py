@@ -153,6 +153,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self._tracked.pop(rid, None)
+
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the requests that finished in it."""

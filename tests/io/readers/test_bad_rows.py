@@ -1,0 +1,87 @@
+"""Bad rows: each kind becomes an error row in place; the stream and good rows go on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.io.readers.reader_files import read, summary, write_jsonl
+
+GOOD_BEFORE = {"id": "before", "prompt": "ok"}
+GOOD_AFTER = {"id": "after", "prompt": "ok"}
+
+
+@pytest.mark.parametrize(
+    ("line", "row_id", "message"),
+    [
+        ("{not json", "in.jsonl:2", "not valid JSON"),
+        ('["a", "list"]', "in.jsonl:2", "expected a JSON object per line, got a list"),
+        ("42", "in.jsonl:2", "expected a JSON object per line"),
+        ({"id": None, "prompt": "x"}, "in.jsonl:2", "missing id"),
+        ({"id": "", "prompt": "x"}, "in.jsonl:2", "missing id"),
+        ({"prompt": "x"}, "in.jsonl:2", "missing id"),
+        ({"id": {"a": 1}, "prompt": "x"}, "in.jsonl:2", "must hold a string or an integer"),
+        ({"id": "r"}, "r", "missing prompt: no column 'prompt'"),
+        ({"id": "r", "prompt": ""}, "r", "missing prompt"),
+        ({"id": "r", "prompt": ["a"]}, "r", "must be a non-empty string, got a list"),
+        ({"id": "before", "prompt": "again"}, "before", "duplicate id 'before'"),
+    ],
+)
+def test_bad_row_between_good_rows(tmp_path, line, row_id, message):
+    f = write_jsonl(tmp_path / "in.jsonl", [GOOD_BEFORE, line, GOOD_AFTER])
+    rows = read(f)
+    assert summary(rows) == [(0, "before", True), (1, row_id, False), (2, "after", True)]
+    assert rows[1].error.startswith(f"{f}:2: ")
+    assert message in rows[1].error
+    assert rows[1].prompt is None and rows[1].messages is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list of {role, content} messages, got a string"),
+        (["hello"], "column 'messages'[0] must be an object"),
+        ([{"role": "robot", "content": "x"}], "[0].role is 'robot'"),
+        ([{"role": "user", "content": "x"}, {"role": "user"}], "[1].content must be a string"),
+        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "got a list"),
+    ],
+)
+def test_bad_messages_name_the_problem(tmp_path, messages, message):
+    f = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"id": "a", "messages": [{"role": "user", "content": "x"}]},
+            {"id": "b", "messages": messages},
+            {"id": "c", "messages": [{"role": "user", "content": "y"}]},
+        ],
+    )
+    rows = read(f, messages_column="messages")
+    assert summary(rows) == [(0, "a", True), (1, "b", False), (2, "c", True)]
+    assert message in rows[1].error
+
+
+def test_invalid_utf8_line(tmp_path):
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "\xff"}\n{"id": "c", "prompt": "y"}\n')
+    rows = read(f)
+    assert summary(rows) == [(0, "a", True), (1, "in.jsonl:2", False), (2, "c", True)]
+    assert "not valid UTF-8" in rows[1].error
+
+
+def test_duplicates_across_files_keep_the_first(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "first"}, {"id": "y", "prompt": "1"}])
+    write_jsonl(tmp_path / "b.jsonl", [{"id": "x", "prompt": "second"}, {"id": 5, "prompt": "2"}])
+    write_jsonl(tmp_path / "c.jsonl", [{"id": "5", "prompt": "3"}])
+    rows = read(tmp_path, passthrough_columns=("prompt",))
+    assert summary(rows) == [(0, "x", True), (1, "y", True), (2, "x", False), (3, "5", True),
+                             (4, "5", False)]  # fmt: skip
+    assert rows[0].prompt == "first"
+    assert "b.jsonl:1: duplicate id 'x'" in rows[2].error
+    assert rows[2].passthrough == {"prompt": "second"}
+
+
+def test_a_bad_row_still_claims_its_id(tmp_path):
+    f = write_jsonl(tmp_path / "in.jsonl", [{"id": "x"}, {"id": "x", "prompt": "fixed?"}])
+    rows = read(f)
+    assert summary(rows) == [(0, "x", False), (1, "x", False)]
+    assert "missing prompt" in rows[0].error and "duplicate id" in rows[1].error

@@ -1,0 +1,66 @@
+"""list_input_files: files, directories (recursive), globs, and missing paths."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.io.readers import InputConfig, list_input_files
+from tokenmill.io.readers.file_listing import display_names
+
+
+def _touch(path, text="{}\n"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_single_file(tmp_path):
+    f = _touch(tmp_path / "in.jsonl")
+    assert list_input_files(InputConfig(path=str(f))) == [str(f)]
+
+
+def test_directory_is_recursive_sorted_and_skips_markers(tmp_path):
+    for name in ["b.jsonl", "a.parquet", "sub/c.ndjson", "x.json", "notes.txt", "_SUCCESS",
+                 ".hidden.jsonl", "_temporary/part-0.jsonl", "sub/.a.jsonl.crc"]:  # fmt: skip
+        _touch(tmp_path / name)
+    found = list_input_files(InputConfig(path=str(tmp_path)))
+    names = [p[len(str(tmp_path)) + 1 :] for p in found]
+    assert names == ["a.parquet", "b.jsonl", "sub/c.ndjson", "x.json"]
+
+
+def test_glob_keeps_every_match_sorted(tmp_path):
+    for name in ["p2.jsonl", "p1.jsonl", "q.jsonl"]:
+        _touch(tmp_path / name)
+    found = list_input_files(InputConfig(path=str(tmp_path / "p*.jsonl")))
+    assert found == [str(tmp_path / "p1.jsonl"), str(tmp_path / "p2.jsonl")]
+
+
+def test_file_url_keeps_protocol(tmp_path):
+    f = _touch(tmp_path / "in.jsonl")
+    assert list_input_files(InputConfig(path=f"file://{f}")) == [f"file://{f}"]
+
+
+@pytest.mark.parametrize(
+    ("relative", "message"),
+    [
+        ("missing.jsonl", "does not exist"),
+        ("nothing*.jsonl", "matches no files"),
+        ("empty", "no .jsonl"),
+    ],
+)
+def test_nothing_found_names_the_path(tmp_path, relative, message):
+    (tmp_path / "empty").mkdir()
+    _touch(tmp_path / "empty" / "readme.txt")
+    path = str(tmp_path / relative)
+    with pytest.raises(FileNotFoundError, match=message) as e:
+        list_input_files(InputConfig(path=path))
+    assert path in str(e.value)
+
+
+def test_display_names_are_relative_to_the_common_directory():
+    assert display_names(["/d/a.jsonl"]) == ["a.jsonl"]
+    assert display_names(["s3://b/p/a.jsonl", "s3://b/p/c.jsonl"]) == ["a.jsonl", "c.jsonl"]
+    assert display_names(["/d/x/part-0.jsonl", "/d/y/part-0.jsonl"]) == [
+        "x/part-0.jsonl",
+        "y/part-0.jsonl",
+    ]

@@ -1,0 +1,42 @@
+"""detect_format: by suffix, and OpenAI Batch by the first line."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.io.readers.reader_files import batch_line, chat_body, write_jsonl, write_parquet
+from tokenmill.io.readers import detect_format
+
+
+def test_by_suffix(tmp_path):
+    j = write_jsonl(tmp_path / "a.ndjson", [{"prompt": "x"}])
+    p = write_parquet(tmp_path / "a.parquet", {"prompt": ["x"]})
+    assert detect_format([str(j)], "auto") == "jsonl"
+    assert detect_format([str(p)], "auto") == "parquet"
+
+
+def test_openai_batch_by_first_non_blank_line(tmp_path):
+    f = write_jsonl(tmp_path / "batch.jsonl", ["", batch_line("r1", chat_body())])
+    assert detect_format([str(f)], "auto") == "openai-batch"
+
+
+def test_explicit_format_wins(tmp_path):
+    f = write_jsonl(tmp_path / "data.txt", [{"prompt": "x"}])
+    assert detect_format([str(f)], "jsonl") == "jsonl"
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [(["a.jsonl", "b.parquet"], "mixes formats"), (["a.csv"], "set input.format")],
+)
+def test_unknown_or_mixed_suffixes_are_errors(tmp_path, names, message):
+    files = [str(tmp_path / n) for n in names]
+    with pytest.raises(ValueError, match=message):
+        detect_format(files, "auto")
+
+
+def test_json_array_file_is_explained(tmp_path):
+    f = tmp_path / "a.json"
+    f.write_text('[\n  {"prompt": "x"}\n]\n')
+    with pytest.raises(ValueError, match="JSON array"):
+        detect_format([str(f)], "auto")

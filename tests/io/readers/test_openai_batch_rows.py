@@ -1,0 +1,151 @@
+"""OpenAI Batch input: chat and completions lines, sampling mapping, every invalid kind."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.io.readers.reader_files import batch_line, chat_body, read, summary, write_jsonl
+
+COMPLETIONS = "/v1/completions"
+
+
+def test_chat_line(tmp_path):
+    body = chat_body(
+        max_completion_tokens=32,
+        temperature=0.5,
+        top_p=0.9,
+        stop="END",
+        seed=7,
+        presence_penalty=0.1,
+        frequency_penalty=-0.2,
+        logprobs=True,
+        top_logprobs=4,
+        user="u",
+        stream=False,
+        metadata={"k": "v"},
+        store=False,
+        n=1,
+    )
+    f = write_jsonl(tmp_path / "batch.jsonl", [batch_line("req-1", body)])
+    (row,) = read(f)
+    assert row.error is None
+    assert (row.row_id, row.custom_id, row.endpoint) == ("req-1", "req-1", "/v1/chat/completions")
+    assert row.messages == [{"role": "user", "content": "hi"}] and row.prompt is None
+    assert row.sampling == {
+        "max_tokens": 32,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "stop": ["END"],
+        "seed": 7,
+        "presence_penalty": 0.1,
+        "frequency_penalty": -0.2,
+        "logprobs": 4,
+    }
+
+
+def test_completions_line(tmp_path):
+    body = {"model": "m", "prompt": "Once", "max_tokens": 8, "logprobs": 2, "stop": ["a", "b"]}
+    f = write_jsonl(tmp_path / "batch.jsonl", [batch_line("c1", body, COMPLETIONS)])
+    (row,) = read(f)
+    assert (row.prompt, row.messages, row.endpoint) == ("Once", None, COMPLETIONS)
+    assert row.sampling == {"max_tokens": 8, "logprobs": 2, "stop": ["a", "b"]}
+
+
+def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
+    lines = [batch_line("a", chat_body(logprobs=True)), batch_line("b", chat_body(logprobs=False))]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert rows[0].sampling == {"logprobs": 0} and rows[1].sampling == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", 0, "body.max_tokens must be an integer >= 1, got 0"),
+        ("max_tokens", -3, "body.max_tokens"),
+        ("max_tokens", 2.5, "body.max_tokens"),
+        ("max_completion_tokens", 0, "body.max_completion_tokens"),
+        ("temperature", -0.1, "body.temperature must be a number >= 0"),
+        ("temperature", "hot", "body.temperature"),
+        ("temperature", True, "body.temperature"),
+        ("top_p", 0, "body.top_p must be in (0, 1]"),
+        ("top_p", 1.5, "body.top_p"),
+        ("presence_penalty", 2.5, "body.presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", -3, "body.frequency_penalty"),
+        ("seed", 1.5, "body.seed must be an integer"),
+        ("seed", "7", "body.seed"),
+        ("stop", ["ok", 3], "body.stop"),
+        ("stop", "", "body.stop"),
+        ("logprobs", 3, "body.logprobs must be true or false"),
+        ("top_logprobs", 21, "body.top_logprobs must be an integer in [0, 20], got 21"),
+        ("top_logprobs", 2, "needs body.logprobs: true"),
+        ("n", 2, "body.n=2 is not supported"),
+        ("tools", [{"type": "function"}], "body.tools="),
+        ("response_format", {"type": "json_object"}, "body.response_format="),
+        ("logit_bias", {"50256": -100}, "body.logit_bias="),
+        ("stream", True, "body.stream must be false"),
+        ("temprature", 1, "body.temprature is not supported"),
+        ("prompt", "x", "body.prompt is not supported"),
+    ],
+)
+def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
+    lines = [
+        batch_line("good-1", chat_body()),
+        batch_line("bad", chat_body(**{field: value})),
+        batch_line("good-2", chat_body()),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert summary(rows) == [(0, "good-1", True), (1, "bad", False), (2, "good-2", True)]
+    assert message in rows[1].error, rows[1].error
+    assert rows[1].error.startswith(f"{tmp_path / 'b.jsonl'}:2: ")
+    assert (rows[1].custom_id, rows[1].endpoint) == ("bad", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt": ["a", "b"]}, "only one prompt per line is supported"),
+        ({"prompt": ""}, "missing prompt"),
+        ({}, "missing prompt"),
+        ({"prompt": "x", "logprobs": 21}, "body.logprobs must be an integer in [0, 20]"),
+        ({"prompt": "x", "logprobs": True}, "body.logprobs"),
+        ({"prompt": "x", "best_of": 3}, "body.best_of=3 is not supported"),
+        ({"prompt": "x", "max_tokens": 4, "echo": True}, "body.echo is not supported"),
+        ({"prompt": "x", "top_logprobs": 2}, "body.top_logprobs is not supported"),
+    ],
+)
+def test_invalid_completions_line_is_a_bad_row(tmp_path, body, message):
+    lines = [
+        batch_line("good", {"prompt": "ok"}, COMPLETIONS),
+        batch_line("bad", body, COMPLETIONS),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert summary(rows) == [(0, "good", True), (1, "bad", False)]
+    assert message in rows[1].error, rows[1].error
+
+
+@pytest.mark.parametrize(
+    ("line", "row_id", "message"),
+    [
+        ({"method": "POST", "url": "/v1/completions", "body": {}}, "b.jsonl:2", "custom_id"),
+        ({**batch_line("x", chat_body()), "custom_id": 5}, "b.jsonl:2", "custom_id"),
+        ({**batch_line("x", chat_body()), "method": "GET"}, "x", 'method must be "POST"'),
+        ({**batch_line("x", chat_body()), "url": "/v1/embeddings"}, "x", "is not supported"),
+        ({**batch_line("x", chat_body()), "body": "text"}, "x", "body must be an object"),
+        (batch_line("x", {"messages": []}), "x", "body.messages must be a non-empty list"),
+        (batch_line("x", chat_body(max_tokens=3, max_completion_tokens=4)), "x", "disagree"),
+        (batch_line("first", chat_body()), "first", "duplicate id 'first'"),
+        ("[1, 2]", "b.jsonl:2", "expected a JSON object"),
+    ],
+)
+def test_invalid_envelope_is_a_bad_row(tmp_path, line, row_id, message):
+    lines = [batch_line("first", chat_body()), line, batch_line("last", chat_body())]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines), format="openai-batch")
+    assert summary(rows) == [(0, "first", True), (1, row_id, False), (2, "last", True)]
+    assert message in rows[1].error, rows[1].error
+
+
+def test_duplicate_custom_id_across_files(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", [batch_line("r", chat_body())])
+    write_jsonl(tmp_path / "b.jsonl", [batch_line("r", chat_body()), batch_line("s", chat_body())])
+    rows = read(tmp_path)
+    assert summary(rows) == [(0, "r", True), (1, "r", False), (2, "s", True)]

@@ -1,0 +1,74 @@
+"""Parquet rows: columns, 0-based row ids, messages as a list of structs, batching."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tests.io.readers.reader_files import read, summary, write_parquet
+from tokenmill.io.readers import parquet_records
+
+
+def test_rows_ids_and_passthrough(tmp_path):
+    f = write_parquet(
+        tmp_path / "in.parquet",
+        {"id": [10, 11, None], "prompt": ["a", "b", "c"], "meta": ["m0", None, "m2"]},
+    )
+    rows = read(f, passthrough_columns=("meta", "absent"))
+    assert summary(rows) == [(0, "10", True), (1, "11", True), (2, "in.parquet:2", False)]
+    assert rows[0].prompt == "a" and rows[0].passthrough == {"meta": "m0", "absent": None}
+    assert rows[1].source == f"{f}:1"
+    assert "missing id" in rows[2].error and rows[2].error.startswith(f"{f}:2: ")
+
+
+def test_no_id_column_gives_zero_based_row_ids_across_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_records, "PARQUET_BATCH_ROWS", 3)
+    write_parquet(tmp_path / "a.parquet", {"prompt": [f"p{i}" for i in range(7)]}, 2)
+    write_parquet(tmp_path / "b.parquet", {"prompt": ["q0", ""]})
+    rows = read(tmp_path)
+    assert [r.row_index for r in rows] == list(range(9))
+    assert [r.row_id for r in rows[:8]] == [f"a.parquet:{i}" for i in range(7)] + ["b.parquet:0"]
+    assert [r.prompt for r in rows[:7]] == [f"p{i}" for i in range(7)]
+    assert "missing prompt" in rows[8].error
+
+
+def test_messages_column_of_structs(tmp_path):
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string())])
+    table = pa.table(
+        {
+            "id": ["c1", "c2"],
+            "messages": pa.array(
+                [
+                    [{"role": "system", "content": "Be brief.", "name": None},
+                     {"role": "user", "content": "Hi", "name": "ann"}],
+                    [{"role": "wizard", "content": "x", "name": None}],
+                ],
+                type=pa.list_(message),
+            ),
+        }
+    )  # fmt: skip
+    pq.write_table(table, tmp_path / "chat.parquet")
+    rows = read(tmp_path / "chat.parquet", messages_column="messages")
+    # Null struct fields are dropped: Parquet fills absent fields with nulls.
+    assert rows[0].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi", "name": "ann"},
+    ]
+    assert rows[1].row_id == "c2" and "role is 'wizard'" in rows[1].error
+
+
+def test_missing_prompt_column_lists_the_file_columns(tmp_path):
+    f = write_parquet(tmp_path / "in.parquet", {"id": ["a"], "text": ["x"]})
+    (row,) = read(f)
+    assert "no column 'prompt'" in row.error and "id, text" in row.error
+
+
+def test_unreadable_parquet_names_the_file(tmp_path):
+    f = tmp_path / "broken.parquet"
+    f.write_bytes(b"not parquet at all")
+    try:
+        read(f)
+    except ValueError as e:
+        assert str(f) in str(e)
+    else:
+        raise AssertionError("expected ValueError")

@@ -1,0 +1,172 @@
+"""OutputStore: names stay below the prefix, writes are all-or-nothing, local and on S3."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tokenmill.io import storage
+from tokenmill.io.storage import OutputStore, is_temp_name
+
+try:  # the shared moto fixture, once it exists; until then the local one below
+    from tests.s3_server import s3_endpoint  # noqa: F401
+except ImportError:
+
+    @pytest.fixture(scope="session")
+    def s3_endpoint() -> Iterator[tuple[str, dict[str, Any]]]:
+        pytest.importorskip("s3fs")
+        moto_server = pytest.importorskip("moto.server")
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        options = {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": endpoint,
+        }
+        try:
+            yield endpoint, options
+        finally:
+            server.stop()
+
+
+def test_path_joins_below_the_root(tmp_path) -> None:
+    store = OutputStore(str(tmp_path / "out") + "/")
+    assert store.is_local
+    assert store.url == str(tmp_path / "out")
+    assert store.path("shards/part-00000.parquet") == str(
+        tmp_path / "out/shards/part-00000.parquet"
+    )
+
+
+@pytest.mark.parametrize(
+    "name", ["../x", "/etc/x", "a/../../b", "", "a//b", "./a", "a/..", "C:/x", "a\\..\\b"]
+)
+def test_names_outside_the_prefix_are_rejected(tmp_path, name: str) -> None:
+    store = OutputStore(str(tmp_path))
+    for call in (store.path, store.read_bytes, store.exists, store.delete):
+        with pytest.raises(ValueError, match="output"):
+            call(name)
+    with pytest.raises(ValueError, match="output"):
+        store.write_atomic(name, b"x")
+    assert os.listdir(tmp_path) == []
+
+
+def test_write_read_list_delete(tmp_path) -> None:
+    store = OutputStore(str(tmp_path / "out"))
+    assert store.read_bytes("a.json") is None and not store.exists("a.json")
+    assert store.list() == []
+    store.write_atomic("shards/part-00001.jsonl", b"1")
+    store.write_atomic("shards/part-00000.jsonl", b"0")
+    store.write_atomic("a.json", b"{}")
+    store.write_atomic("a.json", b'{"v": 2}')  # replaces
+    assert store.read_bytes("a.json") == b'{"v": 2}'
+    assert store.exists("shards/part-00000.jsonl") and not store.exists("shards")
+    assert store.list() == ["a.json", "shards/part-00000.jsonl", "shards/part-00001.jsonl"]
+    assert store.list("shards/") == ["shards/part-00000.jsonl", "shards/part-00001.jsonl"]
+    assert store.list("shards/part-00001") == ["shards/part-00001.jsonl"]
+    assert store.list("errors/") == []
+    store.delete("a.json")
+    store.delete("a.json")  # missing is fine
+    assert store.list() == ["shards/part-00000.jsonl", "shards/part-00001.jsonl"]
+
+
+def test_crash_before_rename_leaves_no_partial_file(tmp_path, monkeypatch) -> None:
+    store = OutputStore(str(tmp_path))
+    store.write_atomic("m.json", b"old")
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(storage.os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        store.write_atomic("m.json", b"new")
+    with pytest.raises(OSError, match="disk gone"):
+        store.write_atomic("shards/part-00000.jsonl", b"data")
+    monkeypatch.undo()
+    # the old content survives, the new name never appears, the failed writer cleaned up
+    assert store.read_bytes("m.json") == b"old"
+    assert not store.exists("shards/part-00000.jsonl")
+    assert sorted(os.listdir(tmp_path)) == ["m.json", "shards"]
+    assert os.listdir(tmp_path / "shards") == []
+
+
+def test_killed_writer_leaves_temp_that_cleanup_removes(tmp_path, monkeypatch) -> None:
+    store = OutputStore(str(tmp_path))
+
+    def killed(src: str, dst: str) -> None:
+        raise KeyboardInterrupt  # stands for SIGKILL: the process ends here
+
+    # a killed process runs no cleanup either
+    monkeypatch.setattr(storage.os, "replace", killed)
+    monkeypatch.setattr(storage, "_remove_quietly", lambda path: None)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_atomic("shards/part-00000.parquet", b"partial?")
+    monkeypatch.undo()
+
+    left = os.listdir(tmp_path / "shards")
+    assert len(left) == 1 and is_temp_name(left[0]) and left[0].startswith(".part-00000.parquet")
+    assert not store.exists("shards/part-00000.parquet")
+    assert store.list() == []  # temp files are never listed as output
+    store.write_atomic("keep.json", b"{}")
+    assert store.cleanup_temp() == 1
+    assert store.cleanup_temp() == 0
+    assert os.listdir(tmp_path / "shards") == []
+    assert store.list() == ["keep.json"]
+
+
+def test_temp_like_names_are_refused(tmp_path) -> None:
+    store = OutputStore(str(tmp_path))
+    with pytest.raises(ValueError, match="temporary"):
+        store.write_atomic(".x.tmp-0123456789abcdef", b"")
+
+
+def test_empty_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="output.path"):
+        OutputStore("  ")
+
+
+def test_s3_round_trip(s3_endpoint) -> None:
+    boto3 = pytest.importorskip("boto3")
+
+    endpoint, options = s3_endpoint
+    bucket = f"tm-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)
+
+    store = OutputStore(f"s3://{bucket}/out/", storage_options=options)
+    assert not store.is_local and store.url == f"s3://{bucket}/out"
+    assert store.path("shards/part-00000.jsonl") == f"s3://{bucket}/out/shards/part-00000.jsonl"
+    with pytest.raises(ValueError):
+        store.path("../escape")
+
+    assert store.list() == [] and store.read_bytes("m.json") is None
+    store.write_atomic("shards/part-00000.jsonl", b'{"id": "a"}\n')
+    store.write_atomic("errors/part-00000.jsonl", b"")
+    store.write_atomic("m.json", b"1")
+    store.write_atomic("m.json", b"2")
+    assert store.read_bytes("m.json") == b"2"
+    assert store.exists("shards/part-00000.jsonl") and not store.exists("nope")
+    assert store.list() == ["errors/part-00000.jsonl", "m.json", "shards/part-00000.jsonl"]
+    assert store.list("shards/") == ["shards/part-00000.jsonl"]
+    assert store.read_bytes("errors/part-00000.jsonl") == b""
+
+    # a sibling prefix that shares the string prefix is not ours
+    OutputStore(f"s3://{bucket}/outer", storage_options=options).write_atomic("x", b"x")
+    assert store.list() == ["errors/part-00000.jsonl", "m.json", "shards/part-00000.jsonl"]
+
+    store.delete("m.json")
+    store.delete("m.json")
+    assert not store.exists("m.json")
+    assert store.list() == ["errors/part-00000.jsonl", "shards/part-00000.jsonl"]
+    assert store.cleanup_temp() == 0

@@ -1,0 +1,248 @@
+"""Shard serialization: names, round trips, empty shards, passthrough, OpenAI Batch lines."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tokenmill.io.openai_batch_output import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from tokenmill.io.rows import ResultRow
+from tokenmill.io.storage import OutputStore
+from tokenmill.io.writers import (
+    FIXED_COLUMNS,
+    OUTPUT_FORMATS,
+    encode_errors,
+    encode_results,
+    read_results,
+    shard_index,
+    shard_names,
+)
+
+
+def _rows() -> list[ResultRow]:
+    # deliberately out of row order: writers sort by row_index
+    return [
+        ResultRow(2, "r2", error="prompt is 9000 tokens; max_model_len is 4096"),
+        ResultRow(1, "r1", "héllo", "length", 3, 4, passthrough={"lang": "fr", "n": 2}),
+        ResultRow(0, "r0", "hi", "stop", 5, 1, passthrough={"lang": "en", "n": 1}),
+    ]
+
+
+def _batch_rows(endpoint: str, logprobs: bool = False) -> list[ResultRow]:
+    lp = [
+        {"token": "Hi", "logprob": -0.1, "top_logprobs": [{"token": "Hi", "logprob": -0.1}]},
+        {"token": "!", "logprob": -0.5, "top_logprobs": [{"token": "!", "logprob": -0.5}]},
+    ]
+    return [
+        ResultRow(
+            0,
+            "req-0",
+            "Hi!",
+            "stop",
+            7,
+            2,
+            custom_id="req-0",
+            endpoint=endpoint,
+            model="tiny",
+            logprobs=lp if logprobs else None,
+        ),
+        ResultRow(1, "req-1", custom_id="req-1", endpoint=endpoint, error="missing 'messages'"),
+    ]
+
+
+def test_shard_names() -> None:
+    assert shard_names(0, "parquet") == ("shards/part-00000.parquet", "errors/part-00000.jsonl")
+    assert shard_names(7, "jsonl") == ("shards/part-00007.jsonl", "errors/part-00007.jsonl")
+    assert shard_names(12, "openai-batch") == ("shards/part-00012.jsonl", "errors/part-00012.jsonl")
+    assert shard_names(123456, "jsonl")[0] == "shards/part-123456.jsonl"
+    names = [shard_names(i, "parquet")[0] for i in (10, 9, 100, 99999)]
+    assert sorted(names) == [shard_names(i, "parquet")[0] for i in (9, 10, 100, 99999)]
+    assert [shard_index(n) for n in names] == [10, 9, 100, 99999]
+    with pytest.raises(ValueError, match="output.format"):
+        shard_names(0, "csv")
+    with pytest.raises(ValueError, match="shard index"):
+        shard_names(-1, "jsonl")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_plain_round_trip(tmp_path, fmt: str) -> None:
+    store = OutputStore(str(tmp_path))
+    data_name, error_name = shard_names(0, fmt)
+    store.write_atomic(data_name, encode_results(_rows(), fmt))
+    store.write_atomic(error_name, encode_errors(_rows(), fmt))
+    assert read_results(store, [data_name], fmt) == [
+        {
+            "id": "r0",
+            "text": "hi",
+            "finish_reason": "stop",
+            "prompt_tokens": 5,
+            "completion_tokens": 1,
+            "lang": "en",
+            "n": 1,
+        },
+        {
+            "id": "r1",
+            "text": "héllo",
+            "finish_reason": "length",
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "lang": "fr",
+            "n": 2,
+        },
+    ]
+    assert read_results(store, [error_name], fmt) == [
+        {"id": "r2", "error": "prompt is 9000 tokens; max_model_len is 4096"}
+    ]
+    # error files are plain JSONL, one object per line, in every format
+    lines = store.read_bytes(error_name).decode().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["r2"]
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_empty_shards_are_valid_files(tmp_path, fmt: str) -> None:
+    store = OutputStore(str(tmp_path))
+    data_name, error_name = shard_names(3, fmt)
+    store.write_atomic(data_name, encode_results([], fmt))
+    store.write_atomic(error_name, encode_errors([], fmt))
+    assert read_results(store, [data_name, error_name], fmt) == []
+    if fmt == "parquet":
+        table = pq.read_table(tmp_path / data_name)
+        assert table.num_rows == 0 and tuple(table.column_names) == FIXED_COLUMNS
+    else:
+        assert store.read_bytes(data_name) == b""
+    assert store.read_bytes(error_name) == b""
+
+
+def test_parquet_shards_concatenate(tmp_path) -> None:
+    """Fixed columns keep one type across shards: empty, all-error and passthrough-less
+    shards read back together with full ones."""
+    shards = [
+        encode_results(_rows(), "parquet"),
+        encode_results([], "parquet"),
+        encode_results([ResultRow(9, "r9", error="bad")], "parquet"),
+        encode_results([ResultRow(5, "r5", "x", "stop", 1, 1)], "parquet"),
+        encode_results([ResultRow(6, "r6", "y", "stop", 1, 1, passthrough={"n": None})], "parquet"),
+    ]
+    for i, data in enumerate(shards):
+        (tmp_path / f"part-{i}.parquet").write_bytes(data)
+    tables = [pq.read_table(tmp_path / f"part-{i}.parquet") for i in range(len(shards))]
+    for t in tables:
+        for name in FIXED_COLUMNS:
+            assert t.schema.field(name).type == (
+                pa.int64() if name.endswith("_tokens") else pa.string()
+            )
+    merged = pa.concat_tables(tables, promote_options="default")
+    assert merged.column("id").to_pylist() == ["r0", "r1", "r5", "r6"]
+    assert merged.column("n").to_pylist() == [1, 2, None, None]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_passthrough_with_mixed_types(tmp_path, fmt: str) -> None:
+    rows = [
+        ResultRow(
+            0,
+            "a",
+            "t",
+            "stop",
+            1,
+            1,
+            passthrough={"x": 1, "meta": {"k": [1, 2]}, "raw": b"\x00\xff"},
+        ),
+        ResultRow(1, "b", "t", "stop", 1, 1, passthrough={"x": "one", "only_b": 2.5}),
+        ResultRow(2, "c", "t", "stop", 1, 1, passthrough={"x": None}),
+    ]
+    store = OutputStore(str(tmp_path))
+    name = shard_names(0, fmt)[0]
+    store.write_atomic(name, encode_results(rows, fmt))
+    got = read_results(store, [name], fmt)
+    assert [r["id"] for r in got] == ["a", "b", "c"]
+    if fmt == "jsonl":
+        assert [r["x"] for r in got] == [1, "one", None]
+        assert got[0]["meta"] == {"k": [1, 2]} and got[0]["raw"] == "AP8="
+        assert "only_b" not in got[0] and got[1]["only_b"] == 2.5
+    else:
+        # no common Arrow type for 1 and "one": the column is kept as strings
+        assert [r["x"] for r in got] == ["1", "one", None]
+        assert got[0]["meta"] == {"k": [1, 2]} and got[0]["raw"] == b"\x00\xff"
+        assert [r["only_b"] for r in got] == [None, 2.5, None]
+    assert list(got[0])[:5] == list(FIXED_COLUMNS)
+
+
+def test_passthrough_clashing_with_fixed_column_is_an_error() -> None:
+    row = ResultRow(0, "a", "t", "stop", 1, 1, passthrough={"text": "original"})
+    with pytest.raises(ValueError, match="passthrough column 'text'"):
+        encode_results([row], "jsonl")
+
+
+@pytest.mark.parametrize("endpoint", [CHAT_ENDPOINT, COMPLETIONS_ENDPOINT])
+def test_openai_batch_lines(tmp_path, endpoint: str) -> None:
+    rows = _batch_rows(endpoint)
+    data = encode_results(rows, "openai-batch", created=1700000000)
+    errors = encode_errors(rows, "openai-batch")
+    (line,) = [json.loads(x) for x in data.decode().splitlines()]
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["id"].startswith("batch_req_") and line["custom_id"] == "req-0"
+    assert line["error"] is None
+    response = line["response"]
+    assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+    body = response["body"]
+    assert body["created"] == 1700000000 and body["model"] == "tiny"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] is None
+    if endpoint == CHAT_ENDPOINT:
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        assert choice["message"] == {"role": "assistant", "content": "Hi!"}
+    else:
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        assert choice["text"] == "Hi!"
+
+    (err,) = [json.loads(x) for x in errors.decode().splitlines()]
+    assert err["custom_id"] == "req-1" and err["response"] is None
+    assert err["id"].startswith("batch_req_") and err["id"] != line["id"]
+    assert err["error"] == {"code": "invalid_request", "message": "missing 'messages'"}
+
+    store = OutputStore(str(tmp_path))
+    data_name, error_name = shard_names(0, "openai-batch")
+    store.write_atomic(data_name, data)
+    store.write_atomic(error_name, errors)
+    assert read_results(store, [data_name, error_name], "openai-batch") == [line, err]
+
+
+def test_openai_batch_logprobs() -> None:
+    chat = json.loads(encode_results(_batch_rows(CHAT_ENDPOINT, logprobs=True), "openai-batch"))
+    logprobs = chat["response"]["body"]["choices"][0]["logprobs"]
+    assert [e["token"] for e in logprobs["content"]] == ["Hi", "!"]
+    assert logprobs["content"][1]["top_logprobs"] == [{"token": "!", "logprob": -0.5}]
+
+    rows = _batch_rows(COMPLETIONS_ENDPOINT, logprobs=True)
+    legacy = json.loads(encode_results(rows, "openai-batch"))["response"]["body"]
+    assert legacy["choices"][0]["logprobs"] == {
+        "tokens": ["Hi", "!"],
+        "token_logprobs": [-0.1, -0.5],
+        "top_logprobs": [{"Hi": -0.1}, {"!": -0.5}],
+    }
+
+
+def test_openai_batch_needs_an_endpoint() -> None:
+    row = ResultRow(0, "a", "t", "stop", 1, 1, custom_id="a")
+    with pytest.raises(ValueError, match="row 'a'.*url"):
+        encode_results([row], "openai-batch")
+
+
+@pytest.mark.parametrize("fmt", OUTPUT_FORMATS)
+def test_bytes_are_deterministic(fmt: str) -> None:
+    """A rerun (rows finishing in another order) writes the very same bytes."""
+    rows = _rows() if fmt != "openai-batch" else _batch_rows(CHAT_ENDPOINT, logprobs=True)
+    first = encode_results(rows, fmt), encode_errors(rows, fmt)
+    again = encode_results(rows[::-1], fmt), encode_errors(list(reversed(rows)), fmt)
+    assert first == again
+
+
+def test_read_results_names_a_missing_file(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="part-00000.jsonl"):
+        read_results(OutputStore(str(tmp_path)), ["shards/part-00000.jsonl"], "jsonl")

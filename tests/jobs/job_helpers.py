@@ -1,0 +1,54 @@
+"""Building small jobs on the tiny random model for the job-runner tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def chat_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": f"r{i:04d}",
+            "topic": f"t{i % 3}",
+            "messages": [{"role": "user", "content": f"question number {i}: what is {i} + {i}?"}],
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def job_dict(
+    model: Path, input_path: Path | str, out_path: Path | str, name: str = "test", **sections: Any
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "model": {"source": str(model)},
+        "input": {
+            "path": str(input_path),
+            "messages_column": "messages",
+            "prompt_column": None,
+            "passthrough_columns": ["topic"],
+        },
+        "sampling": {"max_tokens": 8, "temperature": 0.0},
+        "output": {"path": str(out_path), "format": "jsonl", "rows_per_shard": 4},
+        "engine": {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20},
+    }
+    for section, values in sections.items():
+        spec.setdefault(section, {}).update(values)
+    return spec
+
+
+def read_jsonl_dir(folder: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(folder.glob("*.jsonl")):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return rows

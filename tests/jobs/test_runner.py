@@ -1,0 +1,164 @@
+"""The local job runner end to end on the tiny model: outputs, errors, resume, refusal, lock."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import run_job, submit
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.lock import JobLock
+from tokenmill.jobs.manifest import FingerprintMismatchError
+
+BAD_LINES = [
+    "{not json",
+    json.dumps({"messages": [{"role": "user", "content": "no id"}]}),
+    json.dumps({"id": "r0001", "messages": [{"role": "user", "content": "duplicate"}]}),
+    json.dumps({"id": "bad-role", "messages": [{"role": "wizard", "content": "hi"}]}),
+    json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "x" * 2000}]}),
+]
+
+
+def _outputs(out: Path) -> tuple[list[dict], list[dict]]:
+    return read_jsonl_dir(out / "shards"), read_jsonl_dir(out / "errors")
+
+
+def test_jsonl_job_writes_every_row_once(tiny_model: Path, tmp_path: Path) -> None:
+    rows = chat_rows(10)
+    lines = [json.dumps(r) for r in rows[:5]] + BAD_LINES + [json.dumps(r) for r in rows[5:]]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out"
+    report = run_job(job_dict(tiny_model, src, out), show_progress=False)
+
+    assert report.status == "complete"
+    assert (report.rows_ok, report.rows_failed, report.rows_total) == (10, 5, 15)
+    ok, errors = _outputs(out)
+    assert sorted(r["id"] for r in ok) == sorted(r["id"] for r in rows)
+    assert all(r["topic"] == f"t{int(r['id'][1:]) % 3}" for r in ok)
+    assert all(r["completion_tokens"] > 0 and r["prompt_tokens"] > 0 for r in ok)
+    assert len(errors) == 5
+    text = " ".join(e["error"] for e in errors)
+    for needle in ("JSON", "id", "duplicate", "wizard", "context"):
+        assert needle in text, needle
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["status"] == "complete" and saved["rows_ok"] == 10
+    manifest = json.loads((out / "test.manifest.json").read_text())
+    assert manifest["complete"] and manifest["total_rows"] == 15
+
+    again = run_job(job_dict(tiny_model, src, out), show_progress=False)
+    assert again.status == "complete" and again.rows_this_run == 0 and again.rows_ok == 10
+
+
+def test_changed_fingerprint_refuses_to_resume_unless_fresh(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    changed = job_dict(tiny_model, src, out, sampling={"max_tokens": 5})
+    with pytest.raises(FingerprintMismatchError, match="--fresh"):
+        run_job(changed, show_progress=False)
+    report = run_job(changed, fresh=True, show_progress=False)
+    assert report.status == "complete" and report.rows_this_run == 6
+    ok, _ = _outputs(out)
+    assert len(ok) == 6 and all(r["completion_tokens"] <= 5 for r in ok)
+
+
+def test_parquet_in_and_out(tiny_model: Path, tmp_path: Path) -> None:
+    rows = chat_rows(7)
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, output={"format": "parquet", "rows_per_shard": 3})
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.shards_committed == 3
+    table = pa.concat_tables(pq.read_table(p) for p in sorted((out / "shards").glob("*.parquet")))
+    assert sorted(table.column("id").to_pylist()) == [r["id"] for r in rows]
+    assert set(table.column_names) >= {"id", "text", "finish_reason", "topic"}
+
+
+def test_local_greedy_output_is_deterministic(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(9))
+    texts = []
+    for name in ("a", "b"):
+        spec = job_dict(
+            tiny_model, src, tmp_path / name, engine={"max_num_seqs": 3 if name == "a" else 8}
+        )
+        run_job(spec, show_progress=False)
+        ok, _ = _outputs(tmp_path / name)
+        texts.append({r["id"]: r["text"] for r in ok})
+    assert texts[0] == texts[1]
+
+
+def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(120))
+    ref_out, out = tmp_path / "ref", tmp_path / "out"
+    run_job(job_dict(tiny_model, src, ref_out, sampling={"max_tokens": 16}), show_progress=False)
+    spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine={"max_num_seqs": 2})
+    handle = submit(spec)
+    manifest = out / "test.manifest.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if manifest.exists() and json.loads(manifest.read_text())["shards"]:
+            break
+        time.sleep(0.02)
+    handle.cancel()
+    assert handle.wait(60)
+    first = handle.result()
+    assert first.status == "cancelled" and 0 < first.rows_this_run < 120
+    resumed = submit(spec).result(120)
+    assert resumed.status == "complete" and resumed.rows_resumed == first.rows_this_run
+    ok, _ = _outputs(out)
+    ref, _ = _outputs(ref_out)
+    assert len(ok) == 120
+    assert {r["id"]: r["text"] for r in ok} == {r["id"]: r["text"] for r in ref}
+
+
+def test_cli_exit_codes(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    spec = job_dict(tiny_model, src, out)
+    spec["engine"]["warp_speed"] = 9
+    import yaml
+
+    job.write_text(yaml.safe_dump(spec))
+    assert cli_main([str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "engine.warp_speed: unknown key" in err and str(job) in err
+
+    del spec["engine"]["warp_speed"]
+    job.write_text(yaml.safe_dump(spec))
+    assert cli_main([str(job), "--set", "sampling.temperature=hot"]) == 2
+
+    out.mkdir()
+    with JobLock("test", str(out), str(out)):
+        assert cli_main([str(job), "--quiet"]) == 75
+    assert not (out / "shards").exists() and not (out / "test.manifest.json").exists()
+
+    assert cli_main([str(job), "--quiet"]) == 0
+    assert "complete" in capsys.readouterr().out
+
+
+def test_dry_run_reports_and_writes_nothing(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    rows = chat_rows(6)
+    for r in rows:  # a long shared system prompt: most prompt tokens are shared prefixes
+        r["messages"].insert(0, {"role": "system", "content": "You are terse. " * 20})
+    src = write_jsonl(tmp_path / "in.jsonl", [json.dumps(r) for r in rows] + BAD_LINES[:2])
+    out = tmp_path / "out"
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, src, out)))
+    assert cli_main([str(job), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "rows            8 (2 bad)" in text
+    share = float(text.split("shared prefixes")[1].split("%")[0])
+    assert share > 50
+    assert not out.exists()

@@ -1,0 +1,67 @@
+"""A job reading from and writing to S3 (moto's server on 127.0.0.1), killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fsspec
+import yaml
+
+from tests.jobs.job_helpers import chat_rows, job_dict
+from tests.s3_server import s3_endpoint  # noqa: F401
+from tokenmill import run_job
+
+
+def test_s3_job_killed_and_resumed(tiny_model: Path, tmp_path: Path, s3_endpoint) -> None:  # noqa: F811
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("jobs")
+    rows = chat_rows(40)
+    for part in range(2):
+        fs.pipe_file(
+            f"jobs/in/part-{part}.jsonl",
+            "".join(json.dumps(r) + "\n" for r in rows[part * 20 : (part + 1) * 20]).encode(),
+        )
+    spec = job_dict(
+        tiny_model,
+        "s3://jobs/in/",
+        "s3://jobs/out/",
+        sampling={"max_tokens": 10},
+        engine={"max_num_seqs": 2},
+    )
+    spec["input"]["storage_options"] = options
+    spec["output"]["storage_options"] = options
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.jobs.cli", str(job), "--quiet"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        fs.invalidate_cache()
+        if fs.exists("jobs/out/shards") and fs.ls("jobs/out/shards"):
+            break
+        time.sleep(0.05)
+    killed = proc.poll() is None
+    if killed:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert killed, "the job finished before it could be killed"
+
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_resumed > 0
+    fs.invalidate_cache()
+    out_rows = []
+    for key in sorted(fs.glob("jobs/out/shards/*.jsonl")):
+        out_rows.extend(json.loads(line) for line in fs.cat_file(key).decode().splitlines())
+    assert sorted(r["id"] for r in out_rows) == sorted(r["id"] for r in rows)
+    assert fs.exists("jobs/out/report.json") and fs.exists("jobs/out/test.manifest.json")

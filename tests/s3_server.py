@@ -1,0 +1,55 @@
+"""A local S3 for tests: moto's threaded server on 127.0.0.1, reached through s3fs.
+
+Import the fixture into a test module (``from tests.s3_server import s3_endpoint``) and take
+``s3_endpoint``: it yields ``(endpoint_url, storage_options)``, where storage_options are what
+``fsspec``/``s3fs`` need (``InputConfig.storage_options``). Each test gets a fresh, empty S3.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("moto.server", reason="needs moto[server] (pip install 'moto[server]')")
+pytest.importorskip("s3fs", reason="needs s3fs")
+
+from moto.server import ThreadedMotoServer  # noqa: E402
+
+_FAKE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_SECURITY_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``(endpoint_url, storage_options)`` of a moto S3 server on 127.0.0.1 (free port)."""
+    for name, value in _FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    # Never fall back to a real credential chain or the instance metadata service.
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint_url = f"http://{host}:{port}"
+        # moto keeps its state per process: start every test from an empty S3.
+        reset = urllib.request.Request(f"{endpoint_url}/moto-api/reset", method="POST")
+        urllib.request.urlopen(reset, timeout=10).close()
+        storage_options: dict[str, Any] = {
+            "endpoint_url": endpoint_url,
+            "key": "testing",
+            "secret": "testing",
+            # A fresh filesystem object per test: no listing cached from another server.
+            "skip_instance_cache": True,
+        }
+        yield endpoint_url, storage_options
+    finally:
+        server.stop()

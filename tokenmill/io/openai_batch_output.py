@@ -1,0 +1,128 @@
+"""Result rows as OpenAI Batch output lines (one JSON object per line).
+
+A good row becomes
+
+    {"id": "batch_req_<hex>", "custom_id": "...", "error": null,
+     "response": {"status_code": 200, "request_id": "req_<hex>",
+                  "body": <a chat.completion or text_completion object>}}
+
+and a failed row, in the separate error file,
+
+    {"id": "batch_req_<hex>", "custom_id": "...", "response": null,
+     "error": {"code": "invalid_request", "message": "..."}}
+
+Every id is a hash of the row id and ``created`` is passed in (default 0), so a rerun of a
+greedy job writes byte-identical lines: that is what makes a recomputed shard indistinguishable
+from the one a crash interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from tokenmill.io.rows import ResultRow
+
+__all__ = ["CHAT_ENDPOINT", "COMPLETIONS_ENDPOINT", "error_line", "result_line"]
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+COMPLETIONS_ENDPOINT = "/v1/completions"
+
+
+def _stable_hex(kind: str, row: ResultRow, n: int) -> str:
+    return hashlib.sha256(f"{kind}\0{row.row_id}".encode()).hexdigest()[:n]
+
+
+def _custom_id(row: ResultRow) -> str:
+    return row.custom_id if row.custom_id is not None else row.row_id
+
+
+def result_line(row: ResultRow, created: int = 0) -> dict[str, Any]:
+    """The Batch output object of a good row. Raises ValueError for an unknown endpoint."""
+    if row.endpoint == CHAT_ENDPOINT:
+        body = _chat_body(row, created)
+    elif row.endpoint == COMPLETIONS_ENDPOINT:
+        body = _completion_body(row, created)
+    else:
+        raise ValueError(
+            f"row {row.row_id!r}: OpenAI Batch output needs url {CHAT_ENDPOINT!r} or "
+            f"{COMPLETIONS_ENDPOINT!r}, got {row.endpoint!r}; fix the input line's 'url'"
+        )
+    return {
+        "id": f"batch_req_{_stable_hex('batch_req', row, 32)}",
+        "custom_id": _custom_id(row),
+        "response": {
+            "status_code": 200,
+            "request_id": f"req_{_stable_hex('request', row, 32)}",
+            "body": body,
+        },
+        "error": None,
+    }
+
+
+def error_line(row: ResultRow) -> dict[str, Any]:
+    """The Batch error-file object of a failed row."""
+    return {
+        "id": f"batch_req_{_stable_hex('batch_req', row, 32)}",
+        "custom_id": _custom_id(row),
+        "response": None,
+        "error": {"code": "invalid_request", "message": row.error or "unknown error"},
+    }
+
+
+def _usage(row: ResultRow) -> dict[str, int]:
+    return {
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "total_tokens": row.prompt_tokens + row.completion_tokens,
+    }
+
+
+def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
+    logprobs = None
+    if row.logprobs is not None:
+        logprobs = {"content": [dict(entry) for entry in row.logprobs]}
+    return {
+        "id": f"chatcmpl-{_stable_hex('chatcmpl', row, 29)}",
+        "object": "chat.completion",
+        "created": created,
+        "model": row.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": row.text},
+                "logprobs": logprobs,
+                "finish_reason": row.finish_reason,
+            }
+        ],
+        "usage": _usage(row),
+    }
+
+
+def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
+    logprobs = None
+    if row.logprobs is not None:
+        # The legacy completions shape: parallel lists, top alternatives as {token: logprob}.
+        logprobs = {
+            "tokens": [e["token"] for e in row.logprobs],
+            "token_logprobs": [e["logprob"] for e in row.logprobs],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()}
+                for e in row.logprobs
+            ],
+        }
+    return {
+        "id": f"cmpl-{_stable_hex('cmpl', row, 29)}",
+        "object": "text_completion",
+        "created": created,
+        "model": row.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": row.text,
+                "logprobs": logprobs,
+                "finish_reason": row.finish_reason,
+            }
+        ],
+        "usage": _usage(row),
+    }

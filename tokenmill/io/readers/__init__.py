@@ -1,0 +1,21 @@
+"""Input readers: JSONL, Parquet and OpenAI Batch files, local or on object storage (fsspec).
+
+cfg = InputConfig(path="s3://bucket/prompts/", id_column="id", prompt_column="prompt")
+for row in iter_input_rows(cfg):   # streams; row.error set on bad rows
+    ...
+"""
+
+from tokenmill.io.readers.file_listing import list_input_files
+from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.input_config import FORMATS, InputConfig
+from tokenmill.io.readers.input_fingerprint import input_fingerprint
+from tokenmill.io.readers.input_rows import iter_input_rows
+
+__all__ = [
+    "FORMATS",
+    "InputConfig",
+    "detect_format",
+    "input_fingerprint",
+    "iter_input_rows",
+    "list_input_files",
+]

@@ -1,0 +1,65 @@
+"""Expanding an input path (file, directory, glob, URL) into the sorted list of its files."""
+
+from __future__ import annotations
+
+from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.storage import has_protocol, resolve
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+
+def list_input_files(cfg: InputConfig) -> list[str]:
+    """The input files of ``cfg.path``, sorted, as URLs that can be reopened.
+
+    A glob keeps every file it matches. A directory gives every file with a supported
+    suffix (.jsonl .json .ndjson .parquet) below it, recursively, skipping names that start
+    with "." or "_" (``_SUCCESS``, ``_temporary/``, ``.crc`` files of Spark and Hadoop).
+    URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
+    Raises FileNotFoundError naming the path when nothing matches.
+    """
+    fs, root = resolve(cfg.path, cfg.storage_options)
+    if any(ch in root for ch in "*?["):
+        matches = fs.glob(root, detail=True)
+        paths = [p for p, info in matches.items() if info.get("type") == "file"]
+        if not paths:
+            raise FileNotFoundError(
+                f"input.path {cfg.path!r} matches no files; check the pattern and the location"
+            )
+    elif fs.isdir(root):
+        paths = [p for p in fs.find(root) if _wanted_in_directory(p, root)]
+        if not paths:
+            raise FileNotFoundError(
+                f"input.path {cfg.path!r} is a directory with no "
+                f"{'/'.join(SUPPORTED_SUFFIXES)} files in it; point it at the data"
+            )
+    elif fs.isfile(root):
+        paths = [root]
+    else:
+        raise FileNotFoundError(f"input.path {cfg.path!r} does not exist")
+    if has_protocol(cfg.path):
+        paths = [fs.unstrip_protocol(p) for p in paths]
+    return sorted(paths)
+
+
+def display_names(files: list[str]) -> list[str]:
+    """Short names for ids and messages: each file's path below the files' common directory.
+
+    For files in one directory this is the base name; files in subdirectories keep the
+    subdirectory (``a/part-0.jsonl``), so two ``part-0.jsonl`` never give the same ids.
+    """
+    parts = [f.split("/") for f in files]
+    common = min((len(p) - 1 for p in parts), default=0)
+    for i in range(common):
+        if len({p[i] for p in parts}) > 1:
+            common = i
+            break
+    return ["/".join(p[common:]) for p in parts]
+
+
+def _wanted_in_directory(path: str, root: str) -> bool:
+    relative = path[len(root) :].strip("/").split("/")
+    if any(part.startswith((".", "_")) for part in relative):
+        return False
+    return path.lower().endswith(SUPPORTED_SUFFIXES)

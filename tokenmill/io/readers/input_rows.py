@@ -1,0 +1,136 @@
+"""iter_input_rows: every row of every input file, in order, as InputRows; bad rows included.
+
+    files (sorted) ─► JsonlRecords | ParquetRecords ─► Record ─► parse ─► duplicate check
+                                                                          ─► InputRow(row_index)
+
+``row_index`` counts every row of the whole input, bad ones included (blank JSONL lines are not
+rows), so it is stable across runs and shards can be defined as row-index ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenmill.io.readers.file_listing import display_names, list_input_files
+from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.jsonl_records import JsonlRecords
+from tokenmill.io.readers.openai_batch_rows import parse_openai_batch_row
+from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS
+from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.io.readers.plain_rows import PlainColumns, parse_plain_row
+from tokenmill.io.readers.record import Record, RecordSource
+from tokenmill.io.readers.row_error import RowError
+from tokenmill.io.rows import InputRow
+
+Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
+
+
+def iter_input_rows(cfg: InputConfig) -> Iterator[InputRow]:
+    """Stream the input of ``cfg`` as InputRows, ``row_index`` 0, 1, 2, ... across all files.
+
+    Bad rows (not JSON, not an object, missing id or prompt, invalid messages or parameters,
+    repeated id) come out as ``InputRow(error=...)`` and never stop the stream; their message
+    starts with "file:line". Ids must be unique over the whole input: the first row with an id
+    keeps it, later ones are bad. Memory stays bounded by one line or one Parquet batch, plus
+    the set of ids seen so far (about 100 bytes per row).
+    Raises FileNotFoundError / ValueError naming the path for a missing or unreadable input.
+    """
+    files = list_input_files(cfg)
+    fmt = detect_format(files, cfg.format, cfg.storage_options)
+    if fmt != "openai-batch":
+        cfg.check_plain_columns()
+    seen: set[str] = set()
+    row_index = 0
+    for url, name in zip(files, display_names(files), strict=True):
+        with _open_source(url, fmt, cfg) as source:
+            maker = _RowMaker(
+                url, name, _parser(fmt, cfg, source), fmt == "openai-batch", cfg.passthrough_columns
+            )
+            for record in source:
+                yield maker.row(record, row_index, seen)
+                row_index += 1
+
+
+def _open_source(url: str, fmt: str, cfg: InputConfig) -> JsonlRecords | ParquetRecords:
+    if fmt == "parquet":
+        wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.passthrough_columns]
+        return ParquetRecords(url, cfg.storage_options, [c for c in wanted if c is not None])
+    return JsonlRecords(url, cfg.storage_options)
+
+
+def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
+    if fmt == "openai-batch":
+        passthrough = cfg.passthrough_columns
+
+        def parse_batch(value: Any, row_index: int, source: str, fallback_id: str) -> InputRow:
+            return parse_openai_batch_row(
+                value, passthrough_columns=passthrough, row_index=row_index, source=source
+            )
+
+        return parse_batch
+    columns = PlainColumns.for_file(cfg, source.has_column, source.columns_hint())
+
+    def parse_plain(value: Any, row_index: int, source: str, fallback_id: str) -> InputRow:
+        return parse_plain_row(
+            value, columns=columns, row_index=row_index, source=source, fallback_id=fallback_id
+        )
+
+    return parse_plain
+
+
+@dataclass(frozen=True)
+class _RowMaker:
+    """Builds the InputRow of each Record of one file: parse, then the duplicate check."""
+
+    url: str
+    name: str  # the file's display name, for fallback ids
+    parse: Parse
+    batch: bool  # OpenAI Batch input: error rows carry custom_id and endpoint
+    passthrough_columns: tuple[str, ...]
+
+    def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
+        source = f"{self.url}:{record.position}"
+        fallback_id = f"{self.name}:{record.position}"
+        if record.error is not None:
+            return InputRow(row_index, fallback_id, source, error=f"{source}: {record.error}")
+        try:
+            row = self.parse(record.value, row_index, source, fallback_id)
+        except RowError as e:
+            if e.row_id is not None:
+                # A bad row still claims its id: a later row with it is a duplicate, not a fix.
+                seen.add(e.row_id)
+            return self._bad_row(record.value, e, row_index, source, fallback_id)
+        if row.row_id in seen:
+            return replace(
+                row,
+                prompt=None,
+                messages=None,
+                sampling={},
+                error=f"{source}: duplicate id {row.row_id!r}: an earlier row already has it; "
+                "ids must be unique across all input files",
+            )
+        seen.add(row.row_id)
+        return row
+
+    def _bad_row(
+        self, value: Any, error: RowError, row_index: int, source: str, fallback_id: str
+    ) -> InputRow:
+        # Keep what the error file may echo: passthrough columns, custom_id, endpoint.
+        passthrough: dict[str, Any] = {}
+        endpoint = None
+        if isinstance(value, dict):
+            passthrough = {name: value.get(name) for name in self.passthrough_columns}
+            if self.batch and value.get("url") in (CHAT, COMPLETIONS):
+                endpoint = value["url"]
+        return InputRow(
+            row_index,
+            error.row_id or fallback_id,
+            source,
+            passthrough=passthrough,
+            custom_id=error.row_id if self.batch else None,
+            endpoint=endpoint,
+            error=f"{source}: {error}",
+        )

@@ -1,0 +1,71 @@
+"""Turning one OpenAI Batch input line (custom_id, method, url, body) into an InputRow.
+
+See https://platform.openai.com/docs/guides/batch. Supported endpoints:
+``/v1/chat/completions`` (body.messages) and ``/v1/completions`` (body.prompt, one string).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.io.readers.messages import check_messages
+from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS, openai_sampling
+from tokenmill.io.readers.row_error import RowError, short_repr, type_name
+from tokenmill.io.rows import InputRow
+
+
+def parse_openai_batch_row(
+    value: Any, *, passthrough_columns: tuple[str, ...], row_index: int, source: str
+) -> InputRow:
+    """The InputRow for one batch line (row_id = custom_id), or RowError saying what is wrong."""
+    if not isinstance(value, dict):
+        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
+    custom_id = value.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RowError(
+            f"missing id: custom_id must be a non-empty string, got {type_name(custom_id)}; "
+            "every batch line needs a unique custom_id"
+        )
+    method = value.get("method")
+    if method != "POST":
+        raise RowError(f'method must be "POST", got {short_repr(method)}', custom_id)
+    url = value.get("url")
+    if url not in (CHAT, COMPLETIONS):
+        raise RowError(
+            f"url {short_repr(url)} is not supported; use {CHAT} or {COMPLETIONS}", custom_id
+        )
+    body = value.get("body")
+    if not isinstance(body, dict):
+        raise RowError(f"body must be an object, got {type_name(body)}", custom_id)
+    sampling = openai_sampling(body, url, custom_id)
+    passthrough = {name: value.get(name) for name in passthrough_columns}
+    fields: dict[str, Any] = {}
+    if url == CHAT:
+        fields["messages"] = check_messages(body.get("messages"), "body.messages", custom_id)
+    else:
+        fields["prompt"] = _prompt(body.get("prompt"), custom_id)
+    return InputRow(
+        row_index,
+        custom_id,
+        source,
+        sampling=sampling,
+        passthrough=passthrough,
+        custom_id=custom_id,
+        endpoint=url,
+        **fields,
+    )
+
+
+def _prompt(prompt: Any, custom_id: str) -> str:
+    if isinstance(prompt, list):
+        raise RowError(
+            "body.prompt is a list: only one prompt per line is supported; "
+            "write one line per prompt",
+            custom_id,
+        )
+    if not isinstance(prompt, str) or not prompt:
+        raise RowError(
+            f"missing prompt: body.prompt must be a non-empty string, got {type_name(prompt)}",
+            custom_id,
+        )
+    return prompt

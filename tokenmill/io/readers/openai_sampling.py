@@ -1,0 +1,152 @@
+"""Mapping an OpenAI Batch request body's sampling fields to SamplingParams keyword arguments.
+
+Every field is checked here, so a bad value becomes a bad row naming the field instead of
+failing later inside the engine. Fields that would change results but that tokenmill does not
+implement are refused rather than silently ignored; unknown fields are refused too (a typo like
+``temprature`` must not pass unnoticed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tokenmill.io.readers.row_error import RowError, short_repr
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+_COMMON = frozenset(
+    {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
+     "frequency_penalty", "logprobs"}
+)  # fmt: skip
+_SUPPORTED = {
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    COMPLETIONS: _COMMON | {"prompt"},
+}
+# Accepted and ignored: they do not change the completion (the job's model always answers).
+_IGNORED = frozenset({"model", "user", "metadata", "store", "stream"})
+# Refused unless they hold their no-op value (given here).
+_UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "tools": [], "logit_bias": {}}
+_LOGPROBS = "an integer in [0, 20]"
+
+
+def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[str, Any]:
+    """SamplingParams keyword arguments from ``body``; RowError names the first bad field."""
+    _refuse_unsupported(body, endpoint, row_id)
+    fields = {k: v for k, v in body.items() if v is not None}
+    sampling: dict[str, Any] = {}
+
+    max_tokens = _max_tokens(fields, row_id)
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if "temperature" in fields:
+        value = fields["temperature"]
+        _expect(_is_number(value) and value >= 0, "temperature", value, "a number >= 0", row_id)
+        sampling["temperature"] = value
+    if "top_p" in fields:
+        value = fields["top_p"]
+        _expect(_is_number(value) and 0 < value <= 1, "top_p", value, "in (0, 1]", row_id)
+        sampling["top_p"] = value
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in fields:
+            value = fields[name]
+            _expect(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]", row_id)
+            sampling[name] = value
+    if "seed" in fields:
+        value = fields["seed"]
+        _expect(_is_int(value), "seed", value, "an integer", row_id)
+        sampling["seed"] = value
+    if "stop" in fields:
+        stop = _stop(fields["stop"], row_id)
+        if stop:
+            sampling["stop"] = stop
+    logprobs = _logprobs(fields, endpoint, row_id)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    return sampling
+
+
+def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> None:
+    for name, value in body.items():
+        if name in _SUPPORTED[endpoint] or value is None:
+            continue
+        if name == "stream":
+            if value is not False:
+                raise RowError(f"body.stream must be false in a batch file, got {value!r}", row_id)
+        elif name in _IGNORED:
+            continue
+        elif name in _UNSUPPORTED_UNLESS:
+            if value != _UNSUPPORTED_UNLESS[name] or isinstance(value, bool):
+                raise RowError(
+                    f"body.{name}={short_repr(value)} is not supported by tokenmill; remove it",
+                    row_id,
+                )
+        elif name == "response_format":
+            if value != {"type": "text"}:
+                raise RowError(
+                    f"body.response_format={short_repr(value)} is not supported by tokenmill "
+                    "(only plain text output); remove it",
+                    row_id,
+                )
+        else:
+            raise RowError(
+                f"body.{name} is not supported by tokenmill for {endpoint}; remove it "
+                f"(supported: {', '.join(sorted(_SUPPORTED[endpoint] | _IGNORED))})",
+                row_id,
+            )
+
+
+def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
+    found = {n: fields[n] for n in ("max_tokens", "max_completion_tokens") if n in fields}
+    for name, value in found.items():
+        _expect(_is_int(value) and value >= 1, name, value, "an integer >= 1", row_id)
+    if len(set(found.values())) > 1:
+        raise RowError(
+            f"body.max_tokens={found['max_tokens']} and body.max_completion_tokens="
+            f"{found['max_completion_tokens']} disagree; give one of them",
+            row_id,
+        )
+    return next(iter(found.values()), None)
+
+
+def _stop(value: Any, row_id: str) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    _expect(
+        isinstance(stop, list) and all(isinstance(s, str) and s for s in stop),
+        "stop",
+        value,
+        "a non-empty string or a list of them",
+        row_id,
+    )
+    return list(stop)
+
+
+def _logprobs(fields: dict[str, Any], endpoint: str, row_id: str) -> int | None:
+    value = fields.get("logprobs")
+    if endpoint == COMPLETIONS:
+        if value is None:
+            return None
+        _expect(_is_int(value) and 0 <= value <= 20, "logprobs", value, _LOGPROBS, row_id)
+        return value
+    top = fields.get("top_logprobs")
+    if value is not None:
+        _expect(isinstance(value, bool), "logprobs", value, "true or false", row_id)
+    if top is not None:
+        _expect(_is_int(top) and 0 <= top <= 20, "top_logprobs", top, _LOGPROBS, row_id)
+        if not value:
+            raise RowError("body.top_logprobs needs body.logprobs: true", row_id)
+    return (top or 0) if value else None
+
+
+def _expect(ok: bool, name: str, value: Any, expected: str, row_id: str) -> None:
+    if not ok:
+        raise RowError(f"body.{name} must be {expected}, got {short_repr(value)}", row_id)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,98 @@
+"""Turning a plain JSONL/Parquet row (id + prompt or messages columns) into an InputRow."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.messages import check_messages
+from tokenmill.io.readers.row_error import RowError, type_name
+from tokenmill.io.rows import InputRow
+
+
+@dataclass(frozen=True)
+class PlainColumns:
+    """Which columns one file's rows are read from, decided once per file.
+
+    ``id_column`` is None when the config has none or the file's data lacks it: then ids are
+    the fallback ``"<file>:<line>"``, unless a row carries a usable id of its own (JSONL files,
+    whose columns are judged from their first object).
+    """
+
+    id_column: str | None
+    config_id_column: str | None
+    prompt_column: str | None
+    messages_column: str | None
+    passthrough_columns: tuple[str, ...]
+    columns_hint: str = ""  # the file's columns, for "no such column" messages
+
+    @classmethod
+    def for_file(cls, cfg: InputConfig, has_column: Any, columns_hint: str) -> PlainColumns:
+        present = cfg.id_column is not None and has_column(cfg.id_column)
+        return cls(
+            id_column=cfg.id_column if present else None,
+            config_id_column=cfg.id_column,
+            prompt_column=cfg.prompt_column if cfg.messages_column is None else None,
+            messages_column=cfg.messages_column,
+            passthrough_columns=cfg.passthrough_columns,
+            columns_hint=columns_hint,
+        )
+
+
+def parse_plain_row(
+    value: Any, *, columns: PlainColumns, row_index: int, source: str, fallback_id: str
+) -> InputRow:
+    """The InputRow for one plain row, or RowError saying what is wrong with it."""
+    if not isinstance(value, dict):
+        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
+    row_id = _row_id(value, columns, fallback_id)
+    passthrough = {name: value.get(name) for name in columns.passthrough_columns}
+    if columns.messages_column is not None:
+        messages = check_messages(
+            value.get(columns.messages_column), f"column {columns.messages_column!r}", row_id
+        )
+        return InputRow(row_index, row_id, source, messages=messages, passthrough=passthrough)
+    assert columns.prompt_column is not None  # InputConfig.check_plain_columns guarantees it
+    prompt = value.get(columns.prompt_column)
+    if not isinstance(prompt, str) or not prompt:
+        raise RowError(_missing_prompt(value, columns), row_id)
+    return InputRow(row_index, row_id, source, prompt=prompt, passthrough=passthrough)
+
+
+def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> str:
+    name = columns.id_column or columns.config_id_column
+    raw = value.get(name) if name is not None else None
+    if raw is None or raw == "" or (isinstance(raw, float) and math.isnan(raw)):
+        if columns.id_column is None:
+            return fallback_id
+        raise RowError(
+            f"missing id: column {columns.id_column!r} is absent, null or empty in this row; "
+            "give every row a unique id, or set input.id_column: null to use file:line ids"
+        )
+    if isinstance(raw, str):
+        return raw
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return str(raw)
+    # pandas turns integer ids into floats when a column has nulls.
+    if isinstance(raw, float) and raw.is_integer():
+        return str(int(raw))
+    raise RowError(
+        f"id column {name!r} must hold a string or an integer, got {type_name(raw)}; "
+        "fix the id or set input.id_column"
+    )
+
+
+def _missing_prompt(value: dict[str, Any], columns: PlainColumns) -> str:
+    name = columns.prompt_column
+    if name in value:
+        return (
+            f"missing prompt: column {name!r} must be a non-empty string, "
+            f"got {type_name(value[name])}"
+        )
+    have = columns.columns_hint or ", ".join(list(value)[:20])
+    return (
+        f"missing prompt: no column {name!r} in this row (it has: {have or 'nothing'}); "
+        "set input.prompt_column, or input.messages_column for chat rows"
+    )

@@ -1,0 +1,54 @@
+"""The records that flow between readers, the runner and writers.
+
+Every input row gets a ``row_index``: its position in the whole input (files sorted by name,
+then line or row order). Shards cover fixed ranges of row indices, which is what makes
+progress resumable: shard k holds the results of rows [k * rows_per_shard, (k+1) * rows_per_shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class InputRow:
+    """One input row, parsed. ``error`` set means the row is bad and goes to the error file.
+
+    Exactly one of ``prompt`` / ``messages`` is set on a good row. ``sampling`` holds per-row
+    SamplingParams keyword overrides (OpenAI Batch bodies); ``passthrough`` the columns copied
+    to the output as they are. ``custom_id``/``endpoint`` are set for OpenAI Batch rows.
+    """
+
+    row_index: int
+    row_id: str
+    source: str  # "file:line" (1-based line for JSONL, 0-based row for Parquet), for messages
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    custom_id: str | None = None
+    endpoint: str | None = None  # "/v1/chat/completions" | "/v1/completions"
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """The outcome of one input row: a completion, or an error message."""
+
+    row_index: int
+    row_id: str
+    text: str = ""
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    custom_id: str | None = None
+    endpoint: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI-shaped entries when asked for
+    model: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

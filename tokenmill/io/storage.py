@@ -1,0 +1,236 @@
+"""The job's output prefix: a local folder or an object-store prefix, written atomically.
+
+Every file lands under the prefix with all of its bytes or not at all:
+
+    local        <dir>/.<name>.tmp-<hex>  --write, fsync-->  os.replace  -->  <dir>/<name>
+                 (then fsync <dir>, so the rename itself survives a power cut)
+    object store one PUT of the whole bytes to the final key (S3/GCS/Azure show an object
+                 only once its upload completes, multipart uploads included)
+
+A writer killed between the two local steps leaves a ``.<name>.tmp-<hex>`` file and never a
+partial ``<name>``; ``cleanup_temp`` removes those leftovers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+__all__ = ["OutputStore", "is_temp_name"]
+
+_TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+
+
+def is_temp_name(basename: str) -> bool:
+    """True for the temporary names ``write_atomic`` uses before its rename."""
+    return _TEMP_NAME.match(basename) is not None
+
+
+def _check_name(name: str, where: str) -> str:
+    """Return ``name`` if it is a relative path that stays below the prefix, else raise."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: empty file name {name!r}; give a path relative to the output")
+    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name):
+        raise ValueError(
+            f"{where}: {name!r} is absolute; output files are named relative to the output prefix"
+        )
+    parts = name.split("/")
+    if any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise ValueError(
+            f"{where}: {name!r} has an empty, '.', '..' or backslash component; "
+            "output files must stay below the output prefix"
+        )
+    return name
+
+
+class OutputStore:
+    """The job's output prefix. Every write goes below it; anything else raises ValueError.
+
+    ``url`` is a local path or an fsspec URL (``s3://bucket/prefix/``, ``gs://…``,
+    ``file:///…``); ``storage_options`` go to the fsspec filesystem (credentials,
+    ``endpoint_url``, …). Attributes: ``url`` (as given, without trailing slashes), ``root``
+    (absolute local directory, or the bucket path without protocol), ``is_local``, ``fs``.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise ValueError("output.path is empty; give a local folder or an s3://… prefix")
+        self.url = url.rstrip("/") or "/"
+        self.storage_options = dict(storage_options or {})
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(
+                f"output.path {url!r}: cannot open its filesystem ({exc}); for s3:// install "
+                "s3fs (pip install 'tokenmill[s3]'), and check output.storage_options"
+            ) from None
+        self.fs: fsspec.AbstractFileSystem = fs
+        self.is_local: bool = isinstance(fs, LocalFileSystem)
+        self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
+        if not self.is_local and not self.root:
+            raise ValueError(f"output.path {url!r} names no bucket; give e.g. s3://bucket/prefix")
+
+    def __repr__(self) -> str:
+        return f"OutputStore({self.url!r})"
+
+    # -- names -----------------------------------------------------------------------------
+
+    def path(self, name: str) -> str:
+        """The full path (local) or URL (object store) of ``name``; raises ValueError when
+        ``name`` is empty, absolute or climbs out with ``..``."""
+        return self._full(_check_name(name, f"output {self.url}"))
+
+    def _full(self, name: str) -> str:
+        if self.is_local:
+            return os.path.join(self.root, *name.split("/"))
+        return self.fs.unstrip_protocol(f"{self.root}/{name}")
+
+    def _fs_path(self, name: str) -> str:
+        """The path the filesystem's own methods take (no protocol)."""
+        if self.is_local:
+            return self.path(name)
+        return f"{self.root}/{_check_name(name, f'output {self.url}')}"
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Commit ``data`` as ``name``, all or nothing, replacing any older file.
+
+        Local: temp file in the same folder, fsync, ``os.replace``, fsync of the folder.
+        Object store: one ``fs.pipe`` of the whole bytes. Creates parent folders. Raises
+        ValueError for a bad name; OSError (or the store client's error) when the write fails,
+        in which case ``name`` keeps its previous content, if any.
+        """
+        _check_name(name, f"output {self.url}")
+        if is_temp_name(name.rsplit("/", 1)[-1]):
+            raise ValueError(
+                f"output {self.url}: {name!r} looks like a temporary file name; "
+                "choose another name (cleanup_temp would delete it)"
+            )
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"write_atomic({name!r}) takes bytes, got {type(data).__name__}")
+        if self.is_local:
+            self._write_local(self.path(name), bytes(data))
+        else:
+            self.fs.pipe_file(self._fs_path(name), bytes(data))
+
+    def _write_local(self, final: str, data: bytes) -> None:
+        folder, base = os.path.split(final)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{base}.tmp-{secrets.token_hex(8)}")
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            _remove_quietly(tmp)
+            raise
+        _fsync_dir(folder)
+
+    def delete(self, name: str) -> None:
+        """Remove ``name``; a missing file is fine."""
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path(name))
+            return
+        path = self._fs_path(name)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+        self.fs.invalidate_cache(path)
+
+    def cleanup_temp(self) -> int:
+        """Remove temporary files a killed writer left behind; return how many.
+
+        Object stores never hold any (a PUT has no temporary name), so this is 0 there. Call it
+        only while no other writer of this output runs (under the job lock).
+        """
+        if not self.is_local:
+            return 0
+        removed = 0
+        for folder, _dirs, files in os.walk(self.root):
+            for base in files:
+                if is_temp_name(base):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(folder, base))
+                        removed += 1
+        return removed
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def read_bytes(self, name: str) -> bytes | None:
+        """The content of ``name``, or None when it does not exist."""
+        try:
+            if self.is_local:
+                with open(self.path(name), "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(self._fs_path(name))
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists (as a file)."""
+        if self.is_local:
+            return os.path.isfile(self.path(name))
+        path = self._fs_path(name)
+        self.fs.invalidate_cache(path)  # another process may have written it
+        return bool(self.fs.isfile(path))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Names (relative to the store, '/'-separated) that start with ``prefix``, sorted.
+
+        ``prefix`` is a plain string prefix: ``"shards/"`` or ``"shards/part-0001"``. Temporary
+        files of in-flight local writes are left out.
+        """
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if folder:
+            _check_name(folder, f"output {self.url}: list({prefix!r})")
+        if self.is_local:
+            names = self._walk_local(os.path.join(self.root, *folder.split("/")))
+        else:
+            base = f"{self.root}/{folder}" if folder else self.root
+            self.fs.invalidate_cache(base)
+            try:
+                found = self.fs.find(base)
+            except FileNotFoundError:
+                found = []
+            cut = len(self.root) + 1
+            names = [p[cut:] for p in found if p.startswith(self.root + "/")]
+        return sorted(n for n in names if n.startswith(prefix))
+
+    def _walk_local(self, top: str) -> list[str]:
+        names = []
+        for folder, _dirs, files in os.walk(top):
+            rel = os.path.relpath(folder, self.root)
+            for base in files:
+                if is_temp_name(base):
+                    continue
+                names.append(base if rel == "." else f"{rel.replace(os.sep, '/')}/{base}")
+        return names
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
+def _fsync_dir(folder: str) -> None:
+    """Make a rename in ``folder`` durable. Some filesystems refuse to fsync a folder; the
+    rename is still atomic there, only its durability across a power cut is weaker."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

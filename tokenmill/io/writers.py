@@ -1,0 +1,206 @@
+"""Shard serialization: result rows to bytes, so that one shard file is one atomic write.
+
+    shard k ──► shards/part-<k:05d>.parquet | .jsonl   the good rows (encode_results)
+           └──► errors/part-<k:05d>.jsonl              the failed rows (encode_errors)
+
+Data rows (parquet, jsonl) have the columns ``id, text, finish_reason, prompt_tokens,
+completion_tokens`` and then the passthrough columns, each under its own name. The fixed
+columns have a fixed Parquet type (string, int64), so empty shards and shards with different
+passthrough values read back as one dataset. Error files are JSONL in every format. Rows are
+written in ``row_index`` order, whatever order they finished in: the same results give the
+same bytes, so a recomputed shard is identical to the one a crash interrupted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tokenmill.io.openai_batch_output import error_line, result_line
+from tokenmill.io.rows import ResultRow
+from tokenmill.io.storage import OutputStore
+
+__all__ = [
+    "FIXED_COLUMNS",
+    "OUTPUT_FORMATS",
+    "encode_errors",
+    "encode_results",
+    "read_results",
+    "shard_index",
+    "shard_names",
+]
+
+OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
+
+FIXED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+    ]
+)
+FIXED_COLUMNS = tuple(FIXED_SCHEMA.names)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in OUTPUT_FORMATS:
+        raise ValueError(f"output.format {fmt!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+
+
+def shard_names(index: int, fmt: str) -> tuple[str, str]:
+    """(data file, error file) of shard ``index``, e.g.
+    ``("shards/part-00000.parquet", "errors/part-00000.jsonl")``.
+
+    Zero-padded to 5 digits, wider past 99,999 (so plain sorting follows shard order up to
+    100,000 shards; ``shard_index`` parses the number back for anything larger).
+    """
+    _check_format(fmt)
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"shard index must be an int >= 0, got {index!r}")
+    ext = "parquet" if fmt == "parquet" else "jsonl"
+    return f"shards/part-{index:05d}.{ext}", f"errors/part-{index:05d}.jsonl"
+
+
+def shard_index(name: str) -> int:
+    """The shard number in a name made by ``shard_names``; ValueError for other names."""
+    base = name.rsplit("/", 1)[-1]
+    stem = base.split(".", 1)[0]
+    if not stem.startswith("part-") or not stem[5:].isdigit():
+        raise ValueError(f"{name!r} is not a shard file name (expected part-<number>.<ext>)")
+    return int(stem[5:])
+
+
+def encode_results(rows: list[ResultRow], fmt: str, created: int = 0) -> bytes:
+    """The data file of a shard holding the good rows of ``rows`` (failed rows are skipped:
+    pass the same list to ``encode_errors``). ``created`` is the OpenAI ``created`` field
+    (openai-batch only). Raises ValueError for an unknown format, a passthrough column that
+    clashes with a fixed column, or an openai-batch row without a supported endpoint."""
+    _check_format(fmt)
+    good = _in_order(r for r in rows if r.ok)
+    if fmt == "parquet":
+        return _parquet_bytes(good)
+    if fmt == "jsonl":
+        return _jsonl_bytes(_plain_record(r) for r in good)
+    return _jsonl_bytes(result_line(r, created) for r in good)
+
+
+def encode_errors(rows: list[ResultRow], fmt: str) -> bytes:
+    """The error file (JSONL) of a shard holding the failed rows of ``rows``: ``{"id",
+    "error"}`` per line, or OpenAI Batch error objects for openai-batch."""
+    _check_format(fmt)
+    failed = _in_order(r for r in rows if not r.ok)
+    if fmt == "openai-batch":
+        return _jsonl_bytes(error_line(r) for r in failed)
+    return _jsonl_bytes({"id": r.row_id, "error": r.error} for r in failed)
+
+
+def read_results(store: OutputStore, names: list[str], fmt: str) -> list[dict[str, Any]]:
+    """Read shard files (data or error files) back as dicts, in the order of ``names``.
+
+    ``.parquet`` files are read with pyarrow, everything else as JSONL. Raises
+    FileNotFoundError naming the file when one is missing.
+    """
+    _check_format(fmt)
+    out: list[dict[str, Any]] = []
+    for name in names:
+        data = store.read_bytes(name)
+        if data is None:
+            raise FileNotFoundError(f"{store.path(name)}: shard file not found")
+        if name.endswith(".parquet"):
+            out.extend(pq.read_table(pa.BufferReader(data)).to_pylist())
+        else:
+            out.extend(_read_jsonl(data, store.path(name)))
+    return out
+
+
+# -- plain rows --------------------------------------------------------------------------------
+
+
+def _in_order(rows: Any) -> list[ResultRow]:
+    return sorted(rows, key=lambda r: r.row_index)
+
+
+def _plain_record(row: ResultRow) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": row.row_id,
+        "text": row.text,
+        "finish_reason": row.finish_reason,
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+    }
+    for key, value in row.passthrough.items():
+        if key in record:
+            raise ValueError(
+                f"row {row.row_id!r}: passthrough column {key!r} clashes with the output column "
+                f"of the same name; drop it from input.passthrough_columns or rename it"
+            )
+        record[key] = value
+    return record
+
+
+def _parquet_bytes(rows: list[ResultRow]) -> bytes:
+    records = [_plain_record(r) for r in rows]
+    columns: dict[str, pa.Array] = {
+        f.name: pa.array([rec[f.name] for rec in records], type=f.type) for f in FIXED_SCHEMA
+    }
+    extra: list[str] = []
+    for row in rows:  # columns in first-seen order; dict keys dedupe
+        extra.extend(k for k in row.passthrough if k not in extra)
+    for key in extra:
+        columns[key] = _passthrough_array(key, [r.passthrough.get(key) for r in rows])
+    table = pa.table(columns) if records else FIXED_SCHEMA.empty_table()
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def _passthrough_array(key: str, values: list[Any]) -> pa.Array:
+    """Arrow's own inference first; a column whose values share no Arrow type (``1`` and
+    ``"a"``) is stored as strings, with non-strings JSON-encoded, rather than failing the shard."""
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+        return pa.array(
+            [
+                v if v is None or isinstance(v, str) else json.dumps(v, default=_json_default)
+                for v in values
+            ],
+            type=pa.string(),
+        )
+
+
+# -- JSONL ---------------------------------------------------------------------------------
+
+
+def _json_default(value: Any) -> Any:
+    """Values JSON lacks, as Parquet inputs hand them over: bytes, dates, decimals."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return value.tolist()
+    return str(value)
+
+
+def _jsonl_bytes(records: Any) -> bytes:
+    lines = [json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n" for rec in records]
+    return "".join(lines).encode("utf-8")
+
+
+def _read_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:
+    out = []
+    for lineno, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}:{lineno}: not valid JSON ({exc})") from None
+    return out

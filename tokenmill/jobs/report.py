@@ -1,0 +1,50 @@
+"""The job report: what a run did, as JSON (report.json) and as a summary for people."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class JobReport:
+    job: str
+    output: str
+    status: str = "running"  # running | complete | cancelled | failed
+    rows_total: int = 0  # rows in the input
+    rows_ok: int = 0  # finished with a completion (this run and earlier runs)
+    rows_failed: int = 0  # in the error files (this run and earlier runs)
+    rows_this_run: int = 0
+    rows_resumed: int = 0  # already done by an earlier run, skipped
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_seconds: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    shards_committed: int = 0
+    executor: str = "local"
+    error: str | None = None
+    throughput_over_time: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        raw["output_tokens_per_s"] = round(self.output_tokens_per_s, 2)
+        return json.dumps(raw, indent=1)
+
+    def summary(self) -> str:
+        lines = [
+            f"job {self.job}: {self.status}",
+            f"  rows        {self.rows_ok} ok, {self.rows_failed} failed "
+            f"({self.rows_this_run} this run, {self.rows_resumed} resumed from earlier runs)",
+            f"  tokens      {self.prompt_tokens} in, {self.completion_tokens} out (this run)",
+            f"  throughput  {self.output_tokens_per_s:.1f} output tokens/s "
+            f"over {self.wall_seconds:.1f} s",
+            f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
+            f"  output      {self.output}",
+        ]
+        if self.error:
+            lines.append(f"  error       {self.error}")
+        return "\n".join(lines)

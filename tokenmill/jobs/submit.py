@@ -1,0 +1,63 @@
+"""tokenmill.submit(spec): run a job in the background and get a handle on it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from tokenmill.jobs.report import JobReport
+from tokenmill.jobs.runner import run_job
+from tokenmill.jobs.spec import JobSpec, coerce_spec
+
+
+class JobHandle:
+    """A running job. ``cancel`` stops it at the next commit boundary: committed shards stay,
+    in-flight rows are dropped, and a later run of the same job resumes from there."""
+
+    def __init__(self, spec: JobSpec, fresh: bool) -> None:
+        self.spec = spec
+        self._cancel = threading.Event()
+        self._report: JobReport | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fresh,), name=f"tokenmill-job-{spec.name}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fresh: bool) -> None:
+        try:
+            self._report = run_job(self.spec, fresh=fresh, cancel=self._cancel, show_progress=False)
+        except BaseException as exc:  # handed to the caller through result()
+            self._error = exc
+
+    def status(self) -> str:
+        """running | complete | cancelled | failed"""
+        if self._thread.is_alive():
+            return "running"
+        if self._error is not None:
+            return "failed"
+        return self._report.status if self._report else "failed"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the job ends or ``timeout`` seconds pass; True when it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def result(self, timeout: float | None = None) -> JobReport:
+        """The report once the job ended; re-raises the job's error if it failed.
+        Raises TimeoutError when it is still running after ``timeout`` seconds."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"job {self.spec.name!r} is still running")
+        if self._error is not None:
+            raise self._error
+        assert self._report is not None
+        return self._report
+
+
+def submit(spec: JobSpec | str | os.PathLike | dict[str, Any], *, fresh: bool = False) -> JobHandle:
+    """Start a job (a JobSpec, a job.yaml path or a dict) in a background thread."""
+    return JobHandle(coerce_spec(spec), fresh)
