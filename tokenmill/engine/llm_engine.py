@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.attention.backend import get_attention_backend
+from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
@@ -47,9 +47,10 @@ class LLMEngine:
         max_len = min(
             config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
-        backend = get_attention_backend(
-            "torch" if config.attention_backend == "auto" else config.attention_backend
-        )
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = default_backend_name(self.device)
+        backend = get_attention_backend(backend_name, mc.num_key_value_heads)
         model = build_model(
             mc,
             backend,

@@ -35,10 +35,19 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Backend by name; raises ValueError listing the known ones."""
+def get_attention_backend(name: str, num_kv_heads: int) -> AttentionBackend:
+    """Backend by name for a model with ``num_kv_heads``; ValueError lists the known ones."""
     if name == "torch":
         from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "triton":
+        from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(num_kv_heads)
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")
+
+
+def default_backend_name(device: torch.device) -> str:
+    """Triton kernels on CUDA, the torch reference elsewhere."""
+    return "triton" if device.type == "cuda" else "torch"

@@ -1,0 +1,105 @@
+"""rms_norm (Triton) against rms_norm_ref, with and without the fused residual add."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenmill.engine.models.layers import RMSNorm
+from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+# Triton's interpreter truncates fp32 -> bf16 where the GPU (and torch) round to nearest:
+# bf16 results there can be one ulp (2^-7 relative at most) further off.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Both sides compute rsqrt(mean(x^2)) in fp32 and differ only in summation order (a few fp32
+# ulps in rstd); that can flip one rounding of the normalised value to the dtype and then
+# of the product with the weight: at most ~2 ulps of the dtype (bf16 ulp 2^-8 relative,
+# fp16 2^-11; bf16 also covers the interpreter's truncation). fp32 differs by a few ulps.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+def _sum_tol(dtype: torch.dtype) -> dict[str, float]:
+    """s = x + residual: exact, as both add in fp32 and round once to the dtype; one bf16
+    ulp under the interpreter."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        return dict(rtol=8e-3, atol=0.0)
+    return dict(rtol=0.0, atol=0.0)
+
+
+def _inputs(t: int, h: int, dtype: torch.dtype, pad: int = 0):
+    gen = torch.Generator().manual_seed(t * 31 + h)
+    wide = torch.randn(t, h + pad, generator=gen).to(DEVICE, dtype)
+    x = wide[:, :h]  # [T, H], row stride H + pad when pad > 0
+    residual = (2 * torch.randn(t, h, generator=gen)).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(h, generator=gen)).to(DEVICE, dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("t", "h", "pad"), [(5, 576, 0), (3, 64, 0), (2, 1000, 24)])
+def test_rms_norm_matches_ref(t, h, pad, with_residual, dtype) -> None:
+    x, residual, weight = _inputs(t, h, dtype, pad)
+    x_before = x.clone()
+    res_ref_in = residual.clone() if with_residual else None
+    y, s = rms_norm(x, weight, EPS, residual if with_residual else None)
+    y_ref, s_ref = rms_norm_ref(x, weight, EPS, res_ref_in)
+    assert y.dtype == dtype and y.shape == (t, h)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    torch.testing.assert_close(x, x_before, atol=0, rtol=0)  # x is only read
+    if with_residual:
+        assert s is residual  # written in place
+        torch.testing.assert_close(s, s_ref, **_sum_tol(dtype))
+    else:
+        assert s is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_in_place_out(dtype) -> None:
+    x, residual, weight = _inputs(4, 576, dtype)
+    y_ref, _ = rms_norm_ref(x, weight, EPS)
+    y, _ = rms_norm(x, weight, EPS, out=x)  # normalise x where it lies
+    assert y is x
+    torch.testing.assert_close(x, y_ref, **TOL[dtype])
+
+
+def test_rms_norm_ref_is_engine_rmsnorm() -> None:
+    x, _, weight = _inputs(3, 64, torch.bfloat16)
+    layer = RMSNorm(64, EPS).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        expected = layer(x)
+    torch.testing.assert_close(rms_norm_ref(x, weight, EPS)[0], expected, atol=0, rtol=0)
+
+
+def test_rms_norm_rejects_mismatch() -> None:
+    x, residual, weight = _inputs(2, 64, torch.float32)
+    with pytest.raises(ValueError, match="weight dtype"):
+        rms_norm(x, weight.half(), EPS)
+    with pytest.raises(ValueError, match="residual must have shape"):
+        rms_norm(x, weight, EPS, residual[:1])
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        rms_norm(x.t().contiguous().t(), weight, EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h", [4096, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_engine_size(h, with_residual, dtype) -> None:
+    x, residual, weight = _inputs(4096, h, dtype)
+    res_ref_in = residual.clone() if with_residual else None
+    y, s = rms_norm(x, weight, EPS, residual if with_residual else None)
+    y_ref, s_ref = rms_norm_ref(x, weight, EPS, res_ref_in)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    if with_residual:
+        torch.testing.assert_close(s, s_ref, **_sum_tol(dtype))

@@ -1,0 +1,99 @@
+"""rope_ (Triton, in place) against rope_ref, with Llama-3 scaled tables from the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models.rope import rope_inv_freq
+from tokenmill.kernels.rope import rope_, rope_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Both rotate in fp32 and round once; only FMA contraction and operation order differ, so
+# low precision results agree to one ulp of the dtype (fp16 2^-11 relative; bf16 up to 2^-7,
+# with room for a second ulp because Triton's interpreter truncates fp32 -> bf16 where the
+# GPU rounds to nearest) and fp32 ones to a few ulps.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+
+
+def _tables(hq: int, hkv: int, d: int, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128,
+        hidden_size=hq * d,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=hq,
+        num_key_value_heads=hkv,
+        head_dim=d,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    # As RotaryEmbedding.build: the Llama-3 scaling lives in the frequencies.
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(config))
+    return freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)  # [P, d/2] each
+
+
+def _run(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, max_pos: int) -> None:
+    cos, sin = _tables(hq, hkv, d, max_pos)
+    gen = torch.Generator().manual_seed(t * 13 + hq + d)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(DEVICE, dtype)  # [T, Hq+2Hkv, d]
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    positions[0] = max_pos - 1  # the last row of the table, beyond the original context
+    positions = positions.to(DEVICE)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]  # strided views, as in the engine
+    q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
+    v_before = qkv[:, hq + hkv :].clone()
+
+    rope_(q, k, positions, cos, sin)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, hq + hkv :], v_before, atol=0, rtol=0)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(3, 4, 2, 64), (2, 3, 1, 128)])
+def test_rope_matches_ref(t, hq, hkv, d, dtype) -> None:
+    _run(t, hq, hkv, d, dtype, max_pos=20000)
+
+
+def test_rope_ref_rotates_like_the_engine() -> None:
+    # Position 0 is the identity; rotation preserves each half-pair's norm.
+    cos, sin = _tables(2, 1, 64, 16)
+    x = torch.randn(2, 2, 64, device=DEVICE)
+    q, _ = rope_ref(x, x[:, :1], torch.tensor([0, 9], device=DEVICE), cos, sin)
+    torch.testing.assert_close(q[0], x[0])
+    pair_norm = lambda y: y[..., :32] ** 2 + y[..., 32:] ** 2  # noqa: E731
+    torch.testing.assert_close(pair_norm(q[1]), pair_norm(x[1]), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_rejects_mismatch() -> None:
+    cos, sin = _tables(2, 1, 64, 16)
+    q = torch.zeros(2, 2, 64, device=DEVICE)
+    pos = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        rope_(q, q[:, :1], pos, cos.half(), sin)
+    with pytest.raises(ValueError, match="positions"):
+        rope_(q, q[:, :1], pos.int(), cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
+def test_rope_engine_size(hq, hkv, d, dtype) -> None:
+    _run(4096, hq, hkv, d, dtype, max_pos=131072)

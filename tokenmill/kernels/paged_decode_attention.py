@@ -1,0 +1,433 @@
+"""Paged decode attention: flash-decoding (split-K) over a paged KV cache, and its reference.
+
+Each request has one query token (decode). Its keys/values live in fixed-size cache blocks
+named by its row of ``block_tables``. Shapes:
+
+    q             [B, Hq, d]                 one query token per request (any strides)
+    k/v_cache     [num_blocks, BS, Hkv, d]   e.g. kv_cache[0] / kv_cache[1] of the engine's
+                                             [2, num_blocks, BS, Hkv, d] (strides are used)
+    block_tables  [B, max_blocks] int32      cache block of each BS-token slice of a request
+    seq_lens      [B] int32                  keys per request, the query token's own included
+    out           [B, Hq, d]
+    workspace     partial_out [B, Hq, S, d] fp32, lse [B, Hq, S] fp32   (S = num_splits)
+
+Algorithm (two kernels, grid sized from B, Hkv, S only, so the launch is CUDA-graph safe):
+
+1. ``_split_kernel``, grid (B, Hkv, S). Program (b, h, s) takes request b, KV head h and the
+   s-th contiguous slice of the request's keys, for all G = Hq // Hkv query heads of that KV
+   head at once: every K/V tile is read from HBM once per GQA group, not once per query head.
+   Keys are walked in tiles of BLOCK_N rows; an online softmax in fp32 keeps the running max
+   m, sum l and output acc; the program stores acc / l and lse = m + log(l). A split with no
+   keys stores lse = -inf and a zero output.
+2. ``_merge_kernel``, grid (B, Hq): out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),
+   M = max_s lse_s; -inf splits weigh 0, and an empty request (seq_len 0, a padded graph row)
+   gets zeros rather than NaN. With S == 1 the split kernel writes ``out`` itself.
+
+Splitting is per request: its n_tiles = cdiv(seq_len, BLOCK_N) key tiles are cut into S runs
+of cdiv(n_tiles, S) tiles, so a short request is not split into a long request's slices and
+the result of a request never depends on the rest of the batch (or on block_tables' width).
+Example: seq_len = 19, BLOCK_SIZE = 4, BLOCK_N = 8, S = 4 -> 3 tiles, 1 tile per split:
+
+    token             0..3    4..7    8..11   12..15  16..18
+    block_tables[b]  [   7   |   2   |   9   |   4   |  5 x  ]   x: past seq_len, masked
+    key tile         [      t0       |      t1       |  t2   ]
+    split program    [      s0       |      s1       |  s2   ]   s3: no tile, lse = -inf
+
+A tile may span several cache blocks (BS < BLOCK_N: every row looks up its own block id) or
+sit inside one (BS % BLOCK_N == 0: one block id per tile). Rows of a tile are d contiguous
+elements, Hkv * d apart within a block: BLOCK_N coalesced rows per load.
+
+Scores use ``tl.dot`` on a [G_PAD, d] query tile (G_PAD = max(16, next_pow2(G)), padded rows
+are zero and never stored) against the [BLOCK_N, d] key tile, and [G_PAD, BLOCK_N] @
+[BLOCK_N, d] for the values. Padding G = 1..8 to 16 wastes tensor-core work, but decode is
+bandwidth bound (~16 FLOP per KV byte against a bf16 ridge of ~190), and the alternative,
+a broadcast-multiply-sum over a [G, BLOCK_N, d] register tile, spills registers for G > 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = [
+    "DecodeWorkspace",
+    "choose_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+]
+
+_LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
+
+
+@triton.jit
+def _split_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    # sizes
+    qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
+    max_blocks,  # block_tables.shape[1]
+    num_splits,  # not a constexpr: callers pick it per step, that must not recompile
+    # strides
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_btb, stride_btn,
+    stride_ob, stride_oh, stride_os, stride_od,  # partial_out, or out itself when S == 1
+    stride_lb, stride_lh, stride_ls,
+    # meta-parameters
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # max(16, next_pow2(GROUP)): tl.dot needs M >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # keys per tile
+    STORE_LSE: tl.constexpr,  # False when S == 1: o_ptr is out
+    DOT_FP32: tl.constexpr,  # dots in fp32 (fp32 inputs; bf16 in the interpreter)
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Clamp to the table's width: a bad seq_len must not read past a row of block_tables.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, n_tiles)
+
+    offs_g = tl.arange(0, GROUP_PAD)  # query head within the GQA group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    q_heads = kv_head * GROUP + offs_g
+
+    q_ptrs = q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+    # Every tile in [tile_start, tile_end) holds at least one key < seq_len, so each row's
+    # running max is finite after the first tile and exp2(m_i - m_new) never sees -inf - -inf.
+    for t in range(tile_start, tile_end):
+        offs_tok = t * BLOCK_N + offs_n  # token positions of this tile's rows
+        mask_n = offs_tok < seq_len
+        if BLOCK_SIZE % BLOCK_N == 0:
+            # The tile sits inside one cache block: one block id for all rows.
+            blk = tl.load(bt_row + ((t * BLOCK_N) // BLOCK_SIZE) * stride_btn)
+        else:
+            blk = tl.load(bt_row + (offs_tok // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0)
+        blk = blk.to(tl.int64)  # num_blocks * block stride can pass 2**31 elements
+        slot = offs_tok % BLOCK_SIZE
+        k_rows = blk * stride_kb + slot * stride_kt  # [BLOCK_N] (or a scalar block term)
+        v_rows = blk * stride_vb + slot * stride_vt
+        k = tl.load(
+            k_head + k_rows[:, None] + offs_d[None, :] * stride_kd,
+            mask=mask_n[:, None],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(
+            v_head + v_rows[:, None] + offs_d[None, :] * stride_vd,
+            mask=mask_n[:, None],
+            other=0.0,
+        )  # [BLOCK_N, HEAD_DIM]
+
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        s = tl.where(mask_n[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)  # P in 16 bits, as flash attention does
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty split: zeros, not 0/0
+    o_ptrs = (
+        o_ptr
+        + b * stride_ob
+        + q_heads[:, None] * stride_oh
+        + split * stride_os
+        + offs_d[None, :] * stride_od
+    )
+    tl.store(o_ptrs, out, mask=mask_g[:, None])
+    if STORE_LSE:
+        # m_i is in log2 units (scores were scaled by log2(e)); lse is in natural-log units.
+        lse = m_i * _LN2 + tl.log(tl.where(has_keys, l_i, 1.0))
+        lse = tl.where(has_keys, lse, float("-inf"))
+        tl.store(
+            lse_ptr + b * stride_lb + q_heads * stride_lh + split * stride_ls, lse, mask=mask_g
+        )
+
+
+@triton.jit
+def _merge_kernel(
+    # pointers
+    part_ptr, lse_ptr, out_ptr,
+    # sizes
+    num_splits,
+    # strides
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < num_splits
+
+    lse = tl.load(
+        lse_ptr + b * stride_lb + head * stride_lh + offs_s * stride_ls,
+        mask=mask_s,
+        other=float("-inf"),
+    )  # [SPLITS_PAD]
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: weights exp(-inf)
+    w = tl.exp(lse - lse_max)
+    denom = tl.sum(w, 0)
+    part = tl.load(
+        part_ptr
+        + b * stride_pb
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :] * stride_pd,
+        mask=mask_s[:, None],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM]
+    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od, out)
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Preallocated split-K scratch, reusable across calls (and CUDA-graph replays).
+
+    partial_out: [max_batch, Hq, num_splits, d] fp32, each split's normalized output.
+    lse: [max_batch, Hq, num_splits] fp32, each split's natural-log sum of exp(scale * q.k).
+    A call with batch B <= max_batch uses rows [:B].
+    """
+
+    partial_out: Tensor
+    lse: Tensor
+
+    @staticmethod
+    def allocate(
+        max_batch: int, num_q_heads: int, num_splits: int, head_dim: int, device: torch.device
+    ) -> DecodeWorkspace:
+        return DecodeWorkspace(
+            partial_out=torch.empty(
+                max_batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device
+            ),
+            lse=torch.empty(max_batch, num_q_heads, num_splits, dtype=torch.float32, device=device),
+        )
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Splits per request so that batch * num_kv_heads * splits programs fill the GPU.
+
+    Aims at ~4 programs per SM (enough loads in flight to saturate HBM), but never makes a
+    split shorter than MIN_TOKENS_PER_SPLIT keys of ``max_seq_len``, nor more than MAX_SPLITS.
+    A pure function of its arguments, so a CUDA graph captured for (batch, max_seq_len) keeps
+    a fixed grid. Raises ValueError for non-positive sizes.
+    """
+    if batch < 1 or num_kv_heads < 1 or num_sms < 1 or max_seq_len < 0:
+        raise ValueError(
+            f"choose_num_splits: batch={batch}, num_kv_heads={num_kv_heads}, "
+            f"num_sms={num_sms} must be >= 1 and max_seq_len={max_seq_len} >= 0"
+        )
+    wanted = -(-4 * num_sms // (batch * num_kv_heads))
+    useful = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"paged_decode_attention: {msg}")
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    num_splits: int,
+    out: Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
+    *,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """Attention of one query token per request over its paged K/V (flash-decoding).
+
+    Takes q [B, Hq, d] (any strides), k_cache / v_cache [num_blocks, block_size, Hkv, d]
+    (any strides, e.g. views of a [2, ...] cache), block_tables [B, max_blocks] int32,
+    seq_lens [B] int32 (keys per request incl. the query's own; 0 gives zeros), the softmax
+    scale and num_splits (fixed per call site: it sizes the grid). Writes and returns ``out``
+    [B, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
+    DecodeWorkspace); allocated per call when None and num_splits > 1. ``block_n`` (keys per
+    tile), ``num_warps`` and ``num_stages`` are tuning knobs. No host syncs: capturable in a
+    CUDA graph when out and workspace are preallocated. Raises ValueError on bad shapes
+    or dtypes.
+    """
+    _check(q.dim() == 3, f"q must be [B, Hq, d], got {tuple(q.shape)}")
+    batch, num_q_heads, head_dim = q.shape
+    _check(
+        k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
+        "k_cache and v_cache must both be [num_blocks, block_size, Hkv, d], got "
+        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}",
+    )
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    _check(kv_dim == head_dim, f"q's head dim {head_dim} != the cache's {kv_dim}")
+    _check(
+        head_dim in (16, 32, 64, 128, 256), f"head dim {head_dim} is not a power of 2 in 16..256"
+    )
+    _check(
+        num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
+    )
+    _check(q.dtype in _DTYPES, f"dtype {q.dtype} is not one of {_DTYPES}")
+    _check(
+        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+        f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
+    )
+    _check(
+        block_tables.dim() == 2
+        and block_tables.shape[0] == batch
+        and block_tables.dtype == torch.int32,
+        f"block_tables must be [B={batch}, max_blocks] int32, got "
+        f"{tuple(block_tables.shape)} {block_tables.dtype}",
+    )
+    _check(
+        seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32,
+        f"seq_lens must be [B={batch}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}",
+    )
+    _check(num_splits >= 1, f"num_splits={num_splits} must be >= 1")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    _check(len(devices) == 1, f"inputs are on different devices: {devices}")
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    _check(
+        block_n >= 16 and block_n & (block_n - 1) == 0,
+        f"block_n={block_n} is not a power of 2 >= 16",
+    )
+
+    if out is None:
+        out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    _check(
+        out.shape == q.shape and out.dtype == q.dtype,
+        f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}",
+    )
+    if num_splits == 1:
+        # One split is the whole answer: the split kernel writes out, no merge.
+        part, part_strides = out, (out.stride(0), out.stride(1), 0, out.stride(2))
+        lse, lse_strides = out, (0, 0, 0)  # never written: STORE_LSE is off
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(batch, num_q_heads, num_splits, head_dim, q.device)
+        part, lse = workspace.partial_out, workspace.lse
+        _check(
+            part.dim() == 4
+            and part.shape[0] >= batch
+            and tuple(part.shape[1:]) == (num_q_heads, num_splits, head_dim)
+            and part.dtype == torch.float32,
+            f"workspace.partial_out must be [>={batch}, {num_q_heads}, {num_splits}, {head_dim}] "
+            f"fp32, got {tuple(part.shape)} {part.dtype}",
+        )
+        _check(
+            lse.dim() == 3
+            and lse.shape[0] >= batch
+            and tuple(lse.shape[1:]) == (num_q_heads, num_splits)
+            and lse.dtype == torch.float32,
+            f"workspace.lse must be [>={batch}, {num_q_heads}, {num_splits}] fp32, got "
+            f"{tuple(lse.shape)} {lse.dtype}",
+        )
+        part_strides, lse_strides = part.stride(), lse.stride()
+
+    group = num_q_heads // num_kv_heads
+    # fp32 inputs get exact fp32 dots, not tf32. CPU tensors only reach Triton through its
+    # interpreter, whose tl.dot multiplies bf16 operands as their raw uint16 bits (triton 3.9):
+    # there, every dtype goes through fp32 dots.
+    dot_fp32 = q.dtype == torch.float32 or q.device.type == "cpu"
+    if batch == 0:
+        return out
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        scale * _LOG2E, block_tables.shape[1], num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *part_strides, *lse_strides,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        STORE_LSE=num_splits > 1,
+        DOT_FP32=dot_fp32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_kernel[(batch, num_q_heads)](
+            part, lse, out,
+            num_splits,
+            *part.stride(), *lse.stride(), *out.stride(),
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def paged_decode_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Plain-torch reference, one request at a time, in fp32; returns [B, Hq, d] in q's dtype.
+
+    Syncs the host (reads seq_lens): for tests and benchmarks, not for the hot path.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        blocks = block_tables[b, : math.ceil(seq_len / block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, Hkv, d]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, d]: query head i reads KV head i // G
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [Hq, L]
+        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)

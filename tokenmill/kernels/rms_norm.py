@@ -1,0 +1,166 @@
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
+
+    without residual:  y = w * (x * rsqrt(mean(x^2) + eps))
+    with residual:     s = x + residual;  y = w * (s * rsqrt(mean(s^2) + eps));  residual <- s
+
+Numerics mirror the engine's ``RMSNorm`` (models/layers.py): s is rounded to x's dtype (as
+``x + residual`` is in torch), the statistics and the normalisation run in float32, the
+normalised row is rounded to x's dtype, then multiplied by the weight and rounded again.
+
+Shapes:
+    x:        [T, H]  rows may be strided, the last dim must be contiguous
+    residual: [T, H]  same dtype; overwritten with s
+    weight:   [H]     same dtype
+    out:      [T, H]  new (or caller's ``out``, which may be x itself)
+
+Kernel: each program normalises ROWS rows held whole in one [ROWS, BLOCK_H] tile,
+BLOCK_H = next_power_of_2(H); small H packs several rows per program so every program moves
+about 4096 elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rms_norm_ref"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_BLOCK_H = 65536  # a whole row lives in registers; wider rows would spill
+_ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit
+def _rms_norm_kernel(
+    # pointers
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    # sizes
+    num_rows,
+    hidden,
+    eps,
+    # strides (rows; the last dim is contiguous)
+    stride_xt,
+    stride_rt,
+    stride_ot,
+    # meta-parameters
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    cols = tl.arange(0, BLOCK_H)[None, :]  # [1, BLOCK_H]
+    mask = (rows < num_rows) & (cols < hidden)
+
+    x = tl.load(x_ptr + rows * stride_xt + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_ptrs = residual_ptr + rows * stride_rt + cols
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
+        tl.store(r_ptrs, x, mask=mask)
+
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=1) / hidden  # [ROWS]; masked columns add 0
+    rstd = tl.rsqrt(mean_sq + eps)
+    normed = (xf * rstd[:, None]).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0)
+    y = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + rows * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_config(hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_H, ROWS, num_warps) for rows of ``hidden`` elements."""
+    block_h = triton.next_power_of_2(hidden)
+    rows = max(1, min(16, _ELEMENTS_PER_PROGRAM // block_h))
+    # ~16 elements a thread: 8 warps for H=4096, 16 for H >= 8192.
+    num_warps = max(1, min(16, rows * block_h // 512))
+    return block_h, rows, num_warps
+
+
+def _check_2d(name: str, t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} like x; got {tuple(t.shape)}")
+    if t.dtype != x.dtype:
+        raise ValueError(f"{name} dtype {t.dtype} differs from x's {x.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H], overwritten with x + residual
+    out: torch.Tensor | None = None,  # [T, H]; may be x
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of x (or of x + residual) scaled by ``weight``.
+
+    Returns ``(y, None)`` without a residual and ``(y, residual)`` with one, where y is
+    ``out`` if given (else a new tensor) and ``residual`` now holds s = x + residual.
+    Buffers written: ``residual`` (in place, when given) and ``out`` (when given; it may be
+    ``x`` itself, normalising x in place). ``x`` and ``weight`` are only read otherwise.
+    Raises ValueError on shape, dtype, device or stride mismatches.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H]; got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x dtype {x.dtype} unsupported; expected one of {_DTYPES}")
+    t, h = x.shape
+    _check_2d("x", x, (t, h), x)
+    _check_2d("weight", weight, (h,), x)
+    if weight.stride(0) != 1 and h > 1:
+        raise ValueError(f"weight must be contiguous; stride {weight.stride()}")
+    if residual is not None:
+        _check_2d("residual", residual, (t, h), x)
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    else:
+        _check_2d("out", out, (t, h), x)
+        if residual is not None and out.data_ptr() == residual.data_ptr():
+            raise ValueError("out must not be residual: both results would share one buffer")
+    block_h, rows, num_warps = _launch_config(h)
+    if block_h > _MAX_BLOCK_H:
+        raise ValueError(f"hidden size {h} too large for one tile (max {_MAX_BLOCK_H})")
+    if t == 0:
+        return out, residual
+    res = residual if residual is not None else x  # never touched when HAS_RESIDUAL is False
+    _rms_norm_kernel[(triton.cdiv(t, rows),)](
+        x,
+        res,
+        weight,
+        out,
+        t,
+        h,
+        eps,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
+        BLOCK_H=block_h,
+        num_warps=num_warps,
+    )
+    return out, residual
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The engine's RMSNorm in torch; returns (y, s) like :func:`rms_norm` but mutates
+    nothing (s = x + residual is a new tensor, None without a residual)."""
+    s = None
+    if residual is not None:
+        x = s = x + residual
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype), s
