@@ -181,7 +181,7 @@ def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> lis
             if sdpa is None:
                 sdpa = time_sdpa(args[0], k, v, num_reqs, seq_len, args[-1])
             for cfg in configs:
-                used = cfg or default_prefill_config(HEAD_DIM, DTYPE)
+                used = cfg or default_prefill_config(HEAD_DIM, DTYPE, block_size)
                 ms, err = time_kernel(args, used, sdpa[1])
                 rows.append(
                     {

@@ -45,9 +45,17 @@ def _smollm2() -> str:
     return os.environ.get("SMOLLM2_GGUF", "smollm2-135m-instruct")
 
 
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
 @pytest.mark.gpu
 def test_smollm2_triton_backend_on_gpu() -> None:
-    prompts = chat_prompts(16, seed=1)
+    """fp32: the same greedy tokens as the torch backend. bf16: rounding alone moves greedy
+    continuations of this 135M model (torch-bf16 matched torch-fp32 on 7 of 32 prompts in
+    BENCHMARKS.md), so the kernels are held to being as faithful to fp32 as the reference
+    backend is, measured by where continuations first leave the fp32 ones."""
+    prompts = chat_prompts(32, seed=1)
     greedy = SamplingParams(max_tokens=48, temperature=0)
     results = {}
     for dtype in ("float32", "bfloat16"):
@@ -57,8 +65,10 @@ def test_smollm2_triton_backend_on_gpu() -> None:
             del llm
             torch.cuda.empty_cache()
     assert results["float32", "triton"] == results["float32", "torch"]
-    same = sum(
-        a == b
-        for a, b in zip(results["bfloat16", "triton"], results["bfloat16", "torch"], strict=True)
-    )
-    assert same >= 0.9 * len(prompts), f"{same}/{len(prompts)} bf16 continuations identical"
+    ref = results["float32", "torch"]
+
+    def faithfulness(backend: str) -> float:
+        outs = results["bfloat16", backend]
+        return sum(_first_diff(a, b) for a, b in zip(outs, ref, strict=True)) / len(ref)
+
+    assert faithfulness("triton") >= faithfulness("torch") - 3.0

@@ -101,7 +101,7 @@ def _run_locked(
 
     total = count_input_rows(input_config(spec))
     progress = Progress(total, manifest.rows_done, enabled=show_progress)
-    executor = _make_executor(spec)
+    executor = _make_executor(spec, total)
     feed = _Feed(spec, manifest, progress)
     fmt = spec.output.format
     try:
@@ -208,11 +208,11 @@ def _fill_totals(report: JobReport, manifest: Manifest) -> None:
     report.rows_total = manifest.total_rows or manifest.rows_done
 
 
-def _make_executor(spec: JobSpec) -> Any:
+def _make_executor(spec: JobSpec, expected_rows: int | None) -> Any:
     if spec.execution.executor == "ray":
         from tokenmill.jobs.ray_executor import RayExecutor
 
-        return RayExecutor(spec)
+        return RayExecutor(spec, expected_rows=expected_rows)
     from tokenmill.jobs.local_executor import RowProcessor
 
     return RowProcessor(spec)

@@ -91,20 +91,27 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig.num_stages={self.num_stages}: need >= 1")
 
 
-def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillAttentionConfig:
-    """Hopper (H100/H200) starting points per head dim; a small fixed tile in the interpreter.
+def default_prefill_config(
+    head_dim: int, dtype: torch.dtype, block_size: int = 16
+) -> PrefillAttentionConfig:
+    """Hopper (H100/H200) tiles per head dim and KV block size; a small fixed tile in the
+    interpreter.
 
-    d <= 64: 128x64 tiles, 4 warps. d = 128: 128x64, 8 warps, 3 stages (K+V stages 96 KB + Q
-    32 KB of shared memory in bf16). d = 256: 64x32, 8 warps, 2 stages. fp32 halves BLOCK_N
-    (twice the bytes per element). Under ``TRITON_INTERPRET=1`` numpy gains nothing from big
-    tiles, and small ones make tiny test batches span several tiles.
+    d <= 64: 128x64 tiles, 4 warps. d = 128: when a 128-key tile fits inside one cache block
+    (block_size % 128 == 0) 128x128 tiles with 8 warps; otherwise each key's block id is
+    gathered and 128x64 tiles with 4 warps do best. Measured on the H200 at 32/8 heads, bf16
+    (BENCHMARKS.md): 128x128 reached 400-434 TFLOP/s at 4k-8k with block_size 128 against
+    292-335 for 128x64/8 warps; with block_size 16, 128x64/4 warps led (296-349). d = 256:
+    64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per element).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
         return PrefillAttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     if head_dim <= 64:
         cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    elif head_dim <= 128 and block_size % 128 == 0:
+        cfg = PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     elif head_dim <= 128:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     else:
         cfg = PrefillAttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     if dtype == torch.float32:
@@ -383,7 +390,7 @@ def paged_prefill_attention(
     if t == 0 or num_reqs == 0 or max_query_len <= 0:
         return out
 
-    cfg = config or default_prefill_config(d, q.dtype)
+    cfg = config or default_prefill_config(d, q.dtype, k_cache.shape[1])
     group = hq // hkv
     heads_per_tile = group if cfg.pack_gqa and group <= cfg.block_m else 1
     tokens_per_tile = cfg.block_m // heads_per_tile

@@ -1,0 +1,184 @@
+"""The Ray executor on CPU with 2 replicas: the same rows as the local executor, a job that
+was cancelled resumes under Ray, the input streams (bounded) and cancel stops it.
+One Ray session serves the whole file: Ray and each actor pool start slowly."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import run_job
+from tokenmill.io.rows import InputRow
+from tokenmill.jobs.spec import JobSpec
+
+ray = pytest.importorskip("ray")
+
+from tokenmill.jobs.ray_executor import RayExecutor, replica_resources  # noqa: E402
+
+BAD_LINES = [
+    "{not json",
+    json.dumps({"id": "r0001", "messages": [{"role": "user", "content": "duplicate"}]}),
+    json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "x" * 2000}]}),
+]
+# max_num_seqs 2 -> chunks of 8 rows: the 12 good rows make two chunks, work for both replicas
+SMALL = {"engine": {"max_num_seqs": 2}, "sampling": {"max_tokens": 6}}
+PREFIX = "You are a careful counting assistant. " * 3
+RAY = {"executor": "ray", "replicas": 2, "ray_address": None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rows = [json.dumps(r) for r in chat_rows(12)]
+    lines = rows[:3] + BAD_LINES + rows[3:]
+    return write_jsonl(tmp_path_factory.mktemp("ray") / "in.jsonl", lines)
+
+
+@pytest.fixture(scope="module")
+def local_outputs(tiny_model: Path, job_input: Path) -> dict[str, Any]:
+    out = job_input.parent / "local"
+    report = run_job(job_dict(tiny_model, job_input, out, **SMALL), show_progress=False)
+    assert report.status == "complete"
+    return _outputs(out)
+
+
+def _outputs(out: Path) -> dict[str, Any]:
+    """Every output row (id, text, finish_reason, token counts, passthrough) and error row,
+    in shard order: equal dicts mean equal shard files."""
+    return {"ok": read_jsonl_dir(out / "shards"), "errors": read_jsonl_dir(out / "errors")}
+
+
+def test_ray_gives_the_same_rows_as_local(
+    tiny_model: Path, job_input: Path, local_outputs: dict[str, Any]
+) -> None:
+    out = job_input.parent / "ray-same"
+    spec = job_dict(tiny_model, job_input, out, execution=RAY, **SMALL)
+    report = run_job(spec, show_progress=False)
+
+    assert report.status == "complete" and report.executor == "ray"
+    assert (report.rows_ok, report.rows_failed, report.rows_total) == (12, 3, 15)
+    got = _outputs(out)
+    assert len(got["ok"]) == 12 and len(got["errors"]) == 3
+    assert got == local_outputs
+    assert report.prefix_cache_hit_rate > 0  # the chat template's shared prefix, per replica
+
+
+class _CancelAfterFirstShard(threading.Event):
+    """Reads as set once the manifest records a shard: a deterministic mid-job cancel."""
+
+    def __init__(self, manifest: Path) -> None:
+        super().__init__()
+        self.manifest = manifest
+
+    def is_set(self) -> bool:
+        return super().is_set() or (
+            self.manifest.exists() and bool(json.loads(self.manifest.read_text())["shards"])
+        )
+
+
+def test_ray_resumes_a_cancelled_job_with_every_row_once(
+    tiny_model: Path, job_input: Path, local_outputs: dict[str, Any]
+) -> None:
+    out = job_input.parent / "resume"
+    local = job_dict(tiny_model, job_input, out, **SMALL)
+    cancel = _CancelAfterFirstShard(out / "test.manifest.json")
+    first = run_job(local, cancel=cancel, show_progress=False)
+    assert first.status == "cancelled" and 0 < first.rows_this_run < 15
+
+    resumed = run_job(
+        job_dict(tiny_model, job_input, out, execution=RAY, **SMALL), show_progress=False
+    )
+    assert resumed.status == "complete" and resumed.executor == "ray"
+    assert resumed.rows_resumed == first.rows_this_run
+    assert first.rows_this_run + resumed.rows_this_run == 15
+    assert _outputs(out) == local_outputs
+
+
+def test_executor_streams_through_every_replica_and_cancels(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = JobSpec.from_dict(
+        job_dict(
+            tiny_model,
+            tmp_path / "unused.jsonl",
+            tmp_path / "out",
+            execution=RAY,
+            engine={"max_num_seqs": 1},
+            sampling={"max_tokens": 2},
+        )
+    )
+    executor = RayExecutor(spec)
+    assert (executor.chunk_rows, executor.max_in_flight) == (4, 24)
+    pulled = 0
+
+    def rows(n: int) -> Iterator[InputRow]:
+        nonlocal pulled
+        for i in range(n):
+            pulled += 1
+            prompt = f"{PREFIX}count to {i}"
+            yield InputRow(i, f"r{i}", f"gen:{i}", prompt=prompt, passthrough={"i": i})
+
+    cancel = threading.Event()
+    watchdog = threading.Timer(120, cancel.set)  # a stalled stream fails instead of hanging
+    watchdog.start()
+    seen: list[int] = []
+    pulled_at_first_result = None
+    try:
+        for result in executor.process(rows(10_000), cancel):
+            if pulled_at_first_result is None:
+                pulled_at_first_result = pulled
+            assert result.ok and result.completion_tokens > 0, result
+            assert result.passthrough == {"i": result.row_index}
+            seen.append(result.row_index)
+            if len(executor.prefix_stats_by_replica) == 2 and len(seen) >= 40:
+                cancel.set()
+        pulled_at_cancel = pulled
+        stats = executor.prefix_stats
+        start = time.monotonic()
+    finally:
+        watchdog.cancel()
+        executor.close()
+    assert time.monotonic() - start < 30
+    # results flow back while the input is read, never more than the in-flight cap ahead
+    assert pulled_at_first_result is not None and pulled_at_first_result <= 24
+    assert len(seen) == len(set(seen)) >= 40
+    assert pulled_at_cancel <= len(seen) + 24  # it stopped pulling when cancelled
+    assert stats[0] > 0 and stats[1] > 0  # PREFIX spans whole KV blocks: cache hits
+
+
+def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> None:
+    def spec(device: str = "cpu", replicas: int = 1) -> JobSpec:
+        execution = {**RAY, "replicas": replicas}
+        raw = job_dict(
+            tiny_model, tmp_path, tmp_path, engine={"device": device}, execution=execution
+        )
+        return JobSpec.from_dict(raw)  # engine.max_num_seqs 8
+
+    assert replica_resources(spec("cpu"), cluster_gpus=8) == {"num_cpus": 1}
+    assert replica_resources(spec("cuda"), cluster_gpus=0) == {"num_gpus": 1}
+    assert replica_resources(spec("auto"), cluster_gpus=8) == {"num_gpus": 1}
+    assert replica_resources(spec("auto"), cluster_gpus=0) == {"num_cpus": 1}
+
+    ray_spec = spec(replicas=4)
+    executor = RayExecutor(ray_spec)  # starts nothing until process()
+    assert (executor.chunk_rows, executor.max_in_flight) == (32, 3 * 4 * 32)
+    executor.close()
+    small = RayExecutor(ray_spec, expected_rows=20)  # 2 chunks of 3 rows per replica
+    assert (small.chunk_rows, small.max_in_flight) == (3, 3 * 4 * 3)
+    small.close()
