@@ -12,9 +12,11 @@ of the H200 (4.25 TB/s, /work/shared/GPU.md). Shapes are Llama-3-8B's, bf16:
 
     PYTHONPATH=$PWD python3 bench/kernel_bench_elementwise.py [--sweep] [--json PATH]
 
-``--sweep`` also times other launch configurations (num_warps, rows per program) of the same
-cases. Results are printed as a table; the JSON (default $OUT/kernel_bench_elementwise.json
-when $OUT is set) holds every row plus the device and versions.
+``--sweep`` also times other launch configurations (num_warps, rows or tokens per program) of
+the same cases, each row tagged with its configuration (the default rope_ row is tagged with
+the one ``_launch_config`` picked). Results are printed as a table; the JSON (default
+$OUT/kernel_bench_elementwise.json when $OUT is set) holds every row plus the device and
+versions.
 """
 
 from __future__ import annotations
@@ -179,12 +181,23 @@ def benchmark() -> list[dict]:
     rows = []
     for t in TOKENS:
         rows.append(_rms_norm_case(t))
-        rows.append(_rope_case(t))
+        tokens_pp, warps = rope_mod._launch_config(t, N_HEADS, N_KV, HEAD_DIM)
+        rows.append(_rope_case(t, tag=f" [default tokens={tokens_pp} warps={warps}]"))
         rows.append(_silu_case(t))
     return rows
 
 
 # -- launch-configuration sweep ---------------------------------------------------------------
+
+# rope_ (tokens per program, num_warps): 10-80 fp32 q + k tile elements a thread at Llama-3-8B
+# shapes. Denser variants (4 tokens / 4 warps, 8 / 8) spill registers on sm_90 (ptxas -v)
+# and are left out.
+ROPE_SWEEP = (
+    (1, 2), (1, 4), (1, 8), (1, 16),
+    (2, 4), (2, 8), (2, 16),
+    (4, 8), (4, 16),
+    (8, 16),
+)  # fmt: skip
 
 
 @contextmanager
@@ -205,9 +218,10 @@ def sweep() -> list[dict]:
             cfg = (triton.next_power_of_2(HIDDEN), rows_pp, warps)
             with _patched(rms_norm_mod, "_launch_config", lambda h, cfg=cfg: cfg):
                 rows.append(_rms_norm_case(t, False, f" [rows={rows_pp} warps={warps}]"))
-        for warps in (2, 4, 8, 16):
-            with _patched(rope_mod, "_num_warps", lambda hq, half, w=warps: w):
-                rows.append(_rope_case(t, False, f" [warps={warps}]"))
+        for tokens_pp, warps in ROPE_SWEEP:
+            cfg = (tokens_pp, warps)
+            with _patched(rope_mod, "_launch_config", lambda *_, cfg=cfg: cfg):
+                rows.append(_rope_case(t, False, f" [tokens={tokens_pp} warps={warps}]"))
         for block, warps in ((512, 2), (1024, 4), (1024, 8), (2048, 8), (2048, 16)):
             with _patched(silu_mod, "_launch_config", lambda i, c=(block, warps): c):
                 rows.append(_silu_case(t, False, f" [block={block} warps={warps}]"))

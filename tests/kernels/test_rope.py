@@ -7,6 +7,7 @@ import torch
 
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.rope import rope_inv_freq
+from tokenmill.kernels import rope as rope_mod
 from tokenmill.kernels.rope import rope_, rope_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,6 +71,44 @@ def _run(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, max_pos: int) ->
 @pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(3, 4, 2, 64), (2, 3, 1, 128)])
 def test_rope_matches_ref(t, hq, hkv, d, dtype) -> None:
     _run(t, hq, hkv, d, dtype, max_pos=20000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("t", "hq", "hkv", "d", "tokens"),
+    [
+        (7, 4, 2, 64, 4),  # a partial last program: 4 + 3 tokens
+        (3, 3, 1, 128, 4),  # T < TOKENS: one program, mostly masked
+        (9, 2, 1, 64, 2),
+    ],
+)
+def test_rope_tokens_per_program_masks_the_tail(monkeypatch, t, hq, hkv, d, tokens, dtype) -> None:
+    # The default config keeps small T at one token a program; force several so the last
+    # program is partial and its token mask is exercised.
+    monkeypatch.setattr(rope_mod, "_launch_config", lambda *_: (tokens, 2))
+    _run(t, hq, hkv, d, dtype, max_pos=20000)
+
+
+def test_rope_tokens_per_program_writes_nothing_past_t(monkeypatch) -> None:
+    # q, k are the first T rows of a bigger buffer: rows past T must stay as they were.
+    monkeypatch.setattr(rope_mod, "_launch_config", lambda *_: (4, 2))
+    cos, sin = _tables(2, 1, 64, 16)
+    qkv = torch.randn(8, 4, 64, device=DEVICE)  # [8, Hq + 2 Hkv, d]
+    before = qkv.clone()
+    positions = torch.arange(5, device=DEVICE) + 1
+    rope_(qkv[:5, :2], qkv[:5, 2:3], positions, cos, sin)
+    torch.testing.assert_close(qkv[5:], before[5:], atol=0, rtol=0)
+    assert not torch.equal(qkv[:5, :3], before[:5, :3])
+
+
+@pytest.mark.parametrize("t", [1, 64, 4096, 16384, 1 << 20])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64), (64, 8, 128), (4, 1, 32)])
+def test_rope_launch_config(t, hq, hkv, d) -> None:
+    tokens, warps = rope_mod._launch_config(t, hq, hkv, d)
+    assert tokens & (tokens - 1) == 0 and 1 <= tokens <= rope_mod._MAX_TOKENS
+    assert warps & (warps - 1) == 0 and 1 <= warps <= 16
+    if t <= rope_mod._MIN_PROGRAMS:
+        assert tokens == 1  # small batches (decode) keep one token a program
 
 
 def test_rope_ref_rotates_like_the_engine() -> None:

@@ -15,8 +15,16 @@ Shapes:
     positions: [T] int64, each < P
     cos, sin:  [P, d/2] float32
 
-Kernel: one program per token rotates all its q heads and then all its k heads, each as one
-[heads, d/2] tile per half.
+Kernel: program i rotates TOKENS consecutive tokens, all their q heads and all their k heads,
+as one [TOKENS, heads, d/2] tile per half; tokens past T are masked off:
+
+    T = 7, TOKENS = 4:   tokens  0 1 2 3 | 4 5 6 (7)
+                         program    0    |    1     (7) masked: no load, no store
+
+Every q and k load of the tile is issued before the positions -> cos/sin loads and before any
+store, so one program keeps all its bytes in flight and waits on memory about twice (loads,
+then the dependent table rows) however many tokens it holds. ``_launch_config`` picks TOKENS
+and num_warps.
 """
 
 from __future__ import annotations
@@ -30,29 +38,48 @@ from tokenmill.engine.models.rope import apply_rope
 __all__ = ["rope_", "rope_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_ELEMENTS_PER_PROGRAM = 16384  # q + k tile elements (padded) a program aims at
+_MIN_PROGRAMS = 512  # ~4 programs on each of the H200's 132 SMs before packing tokens
+_MAX_TOKENS = 8
+_ELEMENTS_PER_THREAD = 32  # fp32 q + k tile elements a thread, at least (warps round down)
 
 
 @triton.jit
-def _rotate_heads(
-    base_ptr,  # head 0, element 0 of one token
+def _load_heads(
+    base_ptr,  # head 0, element 0 of token 0
+    tok,  # [TOKENS, 1, 1] int64 token ids
+    num_tokens,
     num_heads,
     half,
+    stride_t,
     stride_h,
-    cos,  # [1, BLOCK_HALF] float32
-    sin,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    h = tl.arange(0, BLOCK_HEADS)[:, None]
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < num_heads) & (j < half)
-    p1 = base_ptr + h * stride_h + j
-    p2 = p1 + half
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p2, mask=mask, other=0.0).to(tl.float32)
-    dtype = base_ptr.dtype.element_ty
+    h = tl.arange(0, BLOCK_HEADS)[None, :, None]
+    j = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mask = (tok < num_tokens) & (h < num_heads) & (j < half)  # [TOKENS, BLOCK_HEADS, BLOCK_HALF]
+    p1 = base_ptr + tok * stride_t + h * stride_h + j
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + half, mask=mask, other=0.0)
+    return p1, mask, x1, x2
+
+
+@triton.jit
+def _store_rotated(
+    p1,  # [TOKENS, BLOCK_HEADS, BLOCK_HALF] pointers to x1; x2 lies half further
+    mask,
+    x1,
+    x2,
+    half,
+    cos,  # [TOKENS, 1, BLOCK_HALF] float32
+    sin,
+):
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    dtype = p1.dtype.element_ty
     tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(p2, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    tl.store(p1 + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -64,6 +91,7 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     # sizes
+    num_tokens,
     num_q_heads,
     num_kv_heads,
     half,
@@ -75,31 +103,63 @@ def _rope_kernel(
     stride_cos,
     stride_sin,
     # meta-parameters
+    TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_ptr + pos * stride_cos + j, mask=j < half, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_sin + j, mask=j < half, other=0.0)[None, :]
-    cos = cos.to(tl.float32)
-    sin = sin.to(tl.float32)
-    _rotate_heads(
-        q_ptr + t * stride_qt, num_q_heads, half, stride_qh, cos, sin, BLOCK_HQ, BLOCK_HALF
+    tok = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
+    tok3 = tok[:, None, None]  # [TOKENS, 1, 1]
+    q_p, q_mask, q1, q2 = _load_heads(
+        q_ptr, tok3, num_tokens, num_q_heads, half, stride_qt, stride_qh, BLOCK_HQ, BLOCK_HALF
     )
-    _rotate_heads(
-        k_ptr + t * stride_kt, num_kv_heads, half, stride_kh, cos, sin, BLOCK_HKV, BLOCK_HALF
+    k_p, k_mask, k1, k2 = _load_heads(
+        k_ptr, tok3, num_tokens, num_kv_heads, half, stride_kt, stride_kh, BLOCK_HKV, BLOCK_HALF
     )
+    # Masked tokens read row 0 of the tables; their results are never stored.
+    pos = tl.load(pos_ptr + tok, mask=tok < num_tokens, other=0).to(tl.int64)[:, None]
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_mask = (tok[:, None] < num_tokens) & (j < half)  # [TOKENS, BLOCK_HALF]
+    # Loaded 2-D and then expanded, so the compiler lays the rows out as a slice of the q/k
+    # tiles' layout; a 3-D [TOKENS, 1, BLOCK_HALF] load becomes a layout of its own, and at
+    # 8 tokens / 16 warps the tiles were shuffled through shared memory to match it.
+    cos = tl.load(cos_ptr + pos * stride_cos + j, mask=cs_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + j, mask=cs_mask, other=0.0).to(tl.float32)
+    cos = cos[:, None, :]  # [TOKENS, 1, BLOCK_HALF]
+    sin = sin[:, None, :]
+    _store_rotated(q_p, q_mask, q1, q2, half, cos, sin)
+    _store_rotated(k_p, k_mask, k1, k2, half, cos, sin)
 
 
-def _num_warps(block_hq: int, block_half: int) -> int:
-    """~32 elements of the q tile a thread: 4 warps for Llama-3-8B's 32 heads of d 128.
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
-    Measured on the H200 (BENCHMARKS.md): 4 warps beat 2, 8 and 16 at T = 4096 and 16384.
+
+def _launch_config(t: int, hq: int, hkv: int, d: int) -> tuple[int, int]:
+    """(TOKENS, num_warps) for T tokens of hq q and hkv k heads of size d.
+
+    One token of Llama-3-8B (32 + 8 heads of d 128) is only 5,120 elements, so one token a
+    program leaves each program a short load -> table -> store chain whose fixed cost (and
+    the grid's tail) weighs at T = 4096 (43-77% of the copy ceiling vs 91% at 16384 on the
+    H200, 1 token / 4 warps). TOKENS therefore doubles while the padded q + k tile stays
+    within ``_ELEMENTS_PER_PROGRAM`` and the grid keeps ``_MIN_PROGRAMS`` programs (small
+    T, e.g. decode, stays at one token a program so every SM gets work). num_warps gives a
+    thread 32-64 fp32 tile elements (the power of two at or below tile elements / 1024): 4 warps
+    for one Llama token, the measured best of 2/4/8/16 for the one-token kernel.
+    Llama-3-8B at T = 4096 and 16384: 2 tokens, 8 warps. Provisional until the H200 sweep
+    (bench/kernel_bench_elementwise.py --sweep) picks between tokens x warps variants.
     """
-    return max(1, min(16, block_hq * block_half * 2 // 1024))
+    half = triton.next_power_of_2(d // 2)
+    per_token = (triton.next_power_of_2(hq) + triton.next_power_of_2(hkv)) * 2 * half
+    tokens = 1
+    while (
+        tokens < _MAX_TOKENS
+        and 2 * tokens * per_token <= _ELEMENTS_PER_PROGRAM
+        and triton.cdiv(t, 2 * tokens) >= _MIN_PROGRAMS
+    ):
+        tokens *= 2
+    num_warps = max(1, min(16, _pow2_floor(tokens * per_token // (32 * _ELEMENTS_PER_THREAD))))
+    return tokens, num_warps
 
 
 def _check(
@@ -159,13 +219,14 @@ def rope_(
     hkv = k.shape[1]
     if t == 0:
         return
-    block_hq, block_half = triton.next_power_of_2(hq), triton.next_power_of_2(d // 2)
-    _rope_kernel[(t,)](
+    tokens, num_warps = _launch_config(t, hq, hkv, d)
+    _rope_kernel[(triton.cdiv(t, tokens),)](
         q,
         k,
         positions,
         cos,
         sin,
+        t,
         hq,
         hkv,
         d // 2,
@@ -175,10 +236,11 @@ def rope_(
         k.stride(1),
         cos.stride(0),
         sin.stride(0),
-        BLOCK_HQ=block_hq,
+        TOKENS=tokens,
+        BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=block_half,
-        num_warps=_num_warps(block_hq, block_half),
+        BLOCK_HALF=triton.next_power_of_2(d // 2),
+        num_warps=num_warps,
     )
 
 

@@ -18,13 +18,11 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
-from tokenmill.engine.models.rope import RotaryEmbedding, apply_rope
-
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) [T, 1, d/2], looked up once a step
+from tokenmill.engine.models.rope import RopeStep, RotaryEmbedding, apply_rope
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
@@ -40,55 +38,73 @@ class LlamaAttention(torch.nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
-    def forward(self, rope: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any):
+    def forward(self, rope: RopeStep, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any):
         t = x.shape[0]
         hq, hkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, d]
         v = qkv[:, hq + hkv :]  # [T, Hkv, d]
-        if self.q_norm is None:
-            qk = apply_rope(qkv[:, : hq + hkv], *rope)  # q and k rotated in one pass
-            q, k = qk[:, :hq], qk[:, hq:]
+        if self.q_norm is not None:
+            q, k = rope.rotate(self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv]))
+        elif rope.fused:
+            q, k = rope.rotate(qkv[:, :hq], qkv[:, hq : hq + hkv])  # in place, in qkv
         else:
-            q = apply_rope(self.q_norm(qkv[:, :hq]), *rope)
-            k = apply_rope(self.k_norm(qkv[:, hq : hq + hkv]), *rope)
+            qk = apply_rope(qkv[:, : hq + hkv], rope.cos, rope.sin)  # q and k in one pass
+            q, k = qk[:, :hq], qk[:, hq:]
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
+        self.fused = fused
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, (inter, inter), bias=False)
         self.down_proj = torch.nn.Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend, fused)
+        self.mlp = LlamaMLP(config, fused)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
 
     def forward(
-        self, rope: RopeTables, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        rope: RopeStep,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (before its residual add); residual: the running
+        sum. Returns the same pair for the next layer, so each add fuses into a norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(torch.nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, fused: bool
+    ):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.fused = fused
         self.rope = RotaryEmbedding(config, max_positions)
 
 
@@ -103,12 +119,16 @@ _MERGED_PARTS = {
 
 
 class LlamaForCausalLM(torch.nn.Module):
-    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the logits."""
+    """Decoder + LM head. ``forward`` returns hidden states; ``compute_logits`` the logits.
+
+    With the Triton attention backend the norms, RoPE and SiLU-and-mul run as fused Triton
+    kernels too; with the torch backend everything is plain torch (the reference path).
+    """
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions)
+        self.model = LlamaModel(config, backend, max_positions, fused=backend.name == "triton")
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -122,10 +142,11 @@ class LlamaForCausalLM(torch.nn.Module):
         attn_meta: Any,
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
-        rope = self.model.rope.lookup(positions, x.dtype)
+        rope = self.model.rope.prepare(positions, x.dtype, self.model.fused)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, attn_meta)
-        return self.model.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, attn_meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +62,13 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos = freqs.cos()
             self.sin = freqs.sin()
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool) -> RopeStep:
+        """What every layer needs to rotate this step's q and k (computed once per step)."""
+        if fused:
+            return RopeStep(positions, self.cos, self.sin, fused=True)
+        cos, sin = self.lookup(positions, dtype)
+        return RopeStep(positions, cos, sin, fused=False)
+
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +77,26 @@ class RotaryEmbedding(torch.nn.Module):
             self.cos[positions].unsqueeze(1).to(dtype),
             self.sin[positions].unsqueeze(1).to(dtype),
         )
+
+
+@dataclass(frozen=True)
+class RopeStep:
+    """One step's rotation inputs: the full tables for the Triton kernel (which indexes them
+    by position itself), or the tables already looked up at ``positions`` ([T, 1, d/2])."""
+
+    positions: torch.Tensor  # [T]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    fused: bool
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q [T, Hq, d], k [T, Hkv, d]); the fused kernel rotates them in place."""
+        if self.fused:
+            from tokenmill.kernels.rope import rope_
+
+            rope_(q, k, self.positions, self.cos, self.sin)
+            return q, k
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
