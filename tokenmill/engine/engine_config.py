@@ -28,7 +28,10 @@ class EngineConfig:
     ``kv_cache_memory``: bytes (int) or a fraction of the device's memory (float in (0, 1]);
     None means 2 GiB on CPU and 90% of the GPU's memory (less weights and activations).
     ``max_num_batched_tokens`` is the per-step token budget; prompts longer than it are
-    prefilled in chunks.
+    prefilled in chunks. ``cuda_graphs`` captures decode steps (CUDA with the Triton backend).
+    ``load_format="random"`` builds the model from ``config.json`` alone with random weights
+    and no tokenizer (prompts must be token ids): for throughput benchmarks of real shapes.
+    ``profile_steps`` records per-step CPU and GPU time (``LLMEngine.step_profile()``).
     """
 
     model: str
@@ -41,6 +44,9 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    cuda_graphs: bool = True
+    load_format: str = "auto"  # "random": config.json only, N(0, 0.02) weights (benchmarks)
+    profile_steps: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,6 +60,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
             )
+        if self.load_format not in ("auto", "random"):
+            raise ValueError(f"load_format must be auto or random, got {self.load_format!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -39,6 +39,9 @@ class LLM:
         kv_cache_memory: int | float | None = None,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
+        cuda_graphs: bool = True,
+        load_format: str = "auto",
+        profile_steps: bool = False,
         seed: int = 0,
     ) -> None:
         self.config = EngineConfig(
@@ -52,6 +55,9 @@ class LLM:
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
+            load_format=load_format,
+            profile_steps=profile_steps,
             seed=seed,
         )
         self.engine = LLMEngine(self.config)

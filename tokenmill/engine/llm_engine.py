@@ -6,8 +6,11 @@ add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Schedule
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,6 +19,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
@@ -29,7 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Tracked:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer (random weights)
     logprobs: list[TokenLogprob] | None
 
 
@@ -38,9 +42,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        source = resolve_model_source(config.model)
-        self.model_config = source.load_config()
-        self.tokenizer = source.load_tokenizer()
+        if config.load_format == "random":
+            source = None
+            self.model_config = _config_only(config.model)
+            self.tokenizer = None
+            model_path = config.model
+        else:
+            source = resolve_model_source(config.model)
+            self.model_config = source.load_config()
+            self.tokenizer = source.load_tokenizer()
+            model_path = str(source.path)
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.model_config, self.device)
         mc = self.model_config
@@ -57,8 +68,8 @@ class LLMEngine:
             max_len,
             self.device,
             self.dtype,
-            source.iter_weights(),
-            source=str(source.path),
+            None if source is None else source.iter_weights(),
+            source=model_path,
             seed=config.seed,
         )
 
@@ -81,25 +92,28 @@ class LLMEngine:
             config.block_size,
             seed=config.seed,
         )
+        self.runner.profiler.enabled = config.profile_steps
+        if config.cuda_graphs:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
         kv = KVCacheManager(
             num_blocks,
             config.block_size,
             config.enable_prefix_caching,
-            extra_keys=(str(source.path),),
+            extra_keys=(model_path,),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             kv,
         )
         eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = 0
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
-            source.path.name,
+            Path(model_path).name,
             self.device,
             self.dtype,
             num_blocks,
@@ -147,7 +161,9 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._tracked[request_id] = _Tracked(
             req,
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
             [] if params.logprobs is not None else None,
         )
 
@@ -163,7 +179,9 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the requests that finished in it."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        schedule_ms = (time.perf_counter() - t0) * 1e3
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
@@ -172,6 +190,7 @@ class LLMEngine:
                 )
             return []
         out = self.runner.execute(sched)
+        t1 = time.perf_counter()
         sampled = out.as_dict()
         self._record_logprobs(out)
         finished = self.scheduler.update_from_output(sched, sampled)
@@ -179,6 +198,8 @@ class LLMEngine:
         for rid, tokens in sampled.items():
             tracked = self._tracked[rid]
             req = tracked.request
+            if tracked.detokenizer is None:
+                continue
             new = req.output_token_ids[len(req.output_token_ids) - len(tokens) :]
             match = (
                 tracked.detokenizer.append(new)
@@ -194,7 +215,13 @@ class LLMEngine:
         if stopped_by_string:
             self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
             finished.extend(self._tracked[rid].request for rid in stopped_by_string)
-        return [self._finish(req) for req in finished]
+        results = [self._finish(req) for req in finished]
+        self.runner.profiler.add_host_ms(schedule_ms + (time.perf_counter() - t1) * 1e3)
+        return results
+
+    def step_profile(self) -> dict:
+        """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py."""
+        return self.runner.profiler.summary()
 
     def _record_logprobs(self, out) -> None:
         lp = out.sampler_output.logprobs if out.sampler_output is not None else None
@@ -215,16 +242,25 @@ class LLMEngine:
 
     def _finish(self, req: Request) -> RequestOutput:
         tracked = self._tracked.pop(req.request_id)
-        if tracked.detokenizer.stop_string is None and tracked.detokenizer.flush() is not None:
-            req.stop_reason = tracked.detokenizer.stop_string
+        detok = tracked.detokenizer
+        if detok is not None and detok.stop_string is None and detok.flush() is not None:
+            req.stop_reason = detok.stop_string
             req.status = RequestStatus.FINISHED_STOPPED
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            text=tracked.detokenizer.output_text,
+            text="" if detok is None else detok.output_text,
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.value,
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_prompt_tokens,
             logprobs=tracked.logprobs,
         )
+
+
+def _config_only(model: str) -> ModelConfig:
+    """The ModelConfig of a directory holding only ``config.json`` (random-weight models)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"load_format=random needs {path} (an HF config.json)")
+    return ModelConfig.from_hf_dict(json.loads(path.read_text()), str(path))

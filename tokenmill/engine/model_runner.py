@@ -1,18 +1,13 @@
 """ModelRunner: turns a SchedulerOutput into one forward pass and sampled tokens.
 
-Per step it flattens the scheduled requests into varlen tensors
-
-    input_ids, positions, slot_mapping:  [T]        (T = tokens scheduled this step)
-    query_start_loc:                     [B + 1]
-    seq_lens:                            [B]
-    block_tables:                        [B, max_blocks]
-    logits_indices:                      [S]        last token of each request that samples
-
-runs the model once, computes logits only at ``logits_indices`` and samples.
+Per step it flattens the scheduled requests into a HostBatch (varlen arrays, see
+host_batch.py), then either replays a captured CUDA graph (decode-only steps on the GPU) or
+uploads the arrays and runs the model eagerly; logits only at the sampling rows; then samples.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,9 +15,11 @@ import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.sampler import Sampler, SamplerOutput
 from tokenmill.engine.sampling_metadata import SamplingMetadata
+from tokenmill.engine.step_profile import StepProfiler
 from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
 
@@ -91,18 +88,48 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.graphs = None  # a DecodeGraphRunner once enable_cuda_graphs() captured them
+        self.profiler = StepProfiler(device)
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode-step graphs (CUDA + Triton backend only; a no-op elsewhere)."""
+        if self.device.type != "cuda" or self.backend.name != "triton":
+            return
+        from tokenmill.engine.cuda_graphs import DecodeGraphRunner
+
+        self.graphs = DecodeGraphRunner(
+            self.model,
+            self.backend,
+            self.kv_caches,
+            max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.device,
+        )
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        common, input_ids, positions, logits_idx, sampling_rows = self._prepare(sched)
         if not sched.scheduled:
             return ModelOutput((), [], None)
-        attn_meta = self.backend.build(common)
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, hidden]
-        if not sampling_rows:
-            return ModelOutput((), [], None)
-        logits = self.model.compute_logits(hidden[logits_idx])  # [S, V]
-        reqs = [s.request for s in sampling_rows]
+        t0 = time.perf_counter()
+        batch = HostBatch.build(sched, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            self.profiler.begin(t0, batch, graph=True)
+            logits = self.graphs.run(batch)  # [B, V]
+            if len(batch.logits_rows) != batch.num_reqs:
+                logits = logits[torch.from_numpy(batch.logits_rows).to(self.device)]
+        else:
+            self.profiler.begin(t0, batch, graph=False)
+            common, input_ids, positions = self._upload(batch)
+            attn_meta = self.backend.build(common)
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
+            if not batch.sampling:
+                self.profiler.end()
+                return ModelOutput((), [], None)
+            rows = torch.from_numpy(batch.logits_rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])  # [S, V]
+        reqs = [s.request for s in batch.sampling]
         meta = SamplingMetadata.build(
             [r.sampling_params for r in reqs],
             [r.prompt_token_ids for r in reqs],
@@ -112,51 +139,27 @@ class ModelRunner:
             generator=self.generator,
         )
         out = self.sampler(logits, meta)
+        self.profiler.end()
         tokens = out.sampled_token_ids.tolist()  # the step's one device-to-host read
         return ModelOutput(tuple(r.request_id for r in reqs), tokens, out)
 
-    def _prepare(self, sched: SchedulerOutput):
-        bs = self.block_size
-        n = len(sched.scheduled)
-        query_lens = [s.num_new_tokens for s in sched.scheduled]
-        seq_lens = [s.end for s in sched.scheduled]
-        total = sum(query_lens)
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        max_blocks = max((len(s.block_ids) for s in sched.scheduled), default=1)
-        block_tables = np.zeros((n, max(max_blocks, 1)), dtype=np.int32)
-        logits_idx: list[int] = []
-        sampling_rows = []
-        offset = 0
-        for i, s in enumerate(sched.scheduled):
-            end = offset + s.num_new_tokens
-            input_ids[offset:end] = s.request.all_token_ids[s.start : s.end]
-            positions[offset:end] = np.arange(s.start, s.end)
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-            if s.sample:
-                logits_idx.append(end - 1)
-                sampling_rows.append(s)
-            offset = end
-        # slot of position p in row b: block_tables[b, p // bs] * bs + p % bs
-        row_of_token = np.repeat(np.arange(n), query_lens)
-        slots = block_tables[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        qsl = np.zeros(n + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
-
+    def _upload(
+        self, batch: HostBatch
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
         dev = self.device
+        qsl = np.zeros(batch.num_reqs + 1, dtype=np.int32)
+        np.cumsum(batch.query_lens, out=qsl[1:])
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
-            query_lens_host=tuple(query_lens),
-            seq_lens_host=tuple(seq_lens),
-            block_size=bs,
+            seq_lens=torch.from_numpy(batch.seq_lens).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
+            query_lens_host=tuple(batch.query_lens.tolist()),
+            seq_lens_host=tuple(batch.seq_lens.tolist()),
+            block_size=self.block_size,
         )
         return (
             common,
-            torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(positions).to(dev, non_blocking=True),
-            torch.tensor(logits_idx, dtype=torch.long).to(dev, non_blocking=True),
-            sampling_rows,
+            torch.from_numpy(batch.input_ids).to(dev, non_blocking=True),
+            torch.from_numpy(batch.positions).to(dev, non_blocking=True),
         )

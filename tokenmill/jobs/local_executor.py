@@ -34,6 +34,7 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         block_size=e.block_size,
         kv_cache_memory=e.kv_cache_memory,
         enable_prefix_caching=e.prefix_caching,
+        cuda_graphs=e.cuda_graphs,
     )
 
 

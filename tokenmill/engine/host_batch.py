@@ -1,0 +1,84 @@
+"""HostBatch: one step's inputs flattened on the host (numpy), before they go to the device.
+
+    input_ids, positions, slot_mapping:  [T]        (T = tokens scheduled this step)
+    query_lens, seq_lens:                [B]
+    block_tables:                        [B, max_blocks]   padded with 0
+    logits_rows:                         [S]        last token of each request that samples
+
+slot of position p in row b = block_tables[b, p // block_size] * block_size + p % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_lens: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_rows: np.ndarray
+    sampling: tuple[ScheduledRequest, ...]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_tokens == self.num_reqs
+
+    @classmethod
+    def build(cls, sched: SchedulerOutput, block_size: int) -> HostBatch:
+        rows = sched.scheduled
+        n = len(rows)
+        query_lens = np.fromiter((s.num_new_tokens for s in rows), dtype=np.int32, count=n)
+        seq_lens = np.fromiter((s.end for s in rows), dtype=np.int32, count=n)
+        total = int(query_lens.sum())
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        width = max((len(s.block_ids) for s in rows), default=1)
+        block_tables = np.zeros((n, max(width, 1)), dtype=np.int32)
+        logits_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        offset = 0
+        for i, s in enumerate(rows):
+            end = offset + s.num_new_tokens
+            if s.num_new_tokens == 1:
+                input_ids[offset] = s.request.all_token_ids[s.start]
+                positions[offset] = s.start
+            else:
+                input_ids[offset:end] = s.request.all_token_ids[s.start : s.end]
+                positions[offset:end] = np.arange(s.start, s.end)
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+            if s.sample:
+                logits_rows.append(end - 1)
+                sampling.append(s)
+            offset = end
+        row_of_token = np.repeat(np.arange(n), query_lens)
+        slots = (
+            block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            logits_rows=np.asarray(logits_rows, dtype=np.int64),
+            sampling=tuple(sampling),
+        )
