@@ -225,3 +225,22 @@ def test_cuda_graph_replay_gpu() -> None:
         ref = paged_decode_attention_ref(q_buf, kv_buf[0], kv_buf[1], bt_buf, seq_buf, scale)
         assert not out.isnan().any()
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_fixed_split_boundaries_make_results_batch_invariant() -> None:
+    """With split_keys, a request's output is bit-identical whatever the grid's split count
+    or its batch neighbours: the engine relies on it for CUDA-graph == eager decoding."""
+    seq_lens = [1, 40, 70, 129]
+    q, kv, bt, seq = _make_case(seq_lens, 8, 2, 64, 16, torch.float32)
+    scale = 64**-0.5
+    ref = paged_decode_attention_ref(q, kv[0], kv[1], bt, seq, scale)
+    outs = [
+        paged_decode_attention(q, kv[0], kv[1], bt, seq, scale, splits, block_n=16, split_keys=32)
+        for splits in (5, 8)  # 5 = cdiv(129, 32) covers the longest; 8 adds empty splits
+    ]
+    torch.testing.assert_close(outs[0], ref, **TOL[torch.float32])
+    assert torch.equal(outs[0], outs[1])
+    alone = paged_decode_attention(
+        q[2:3], kv[0], kv[1], bt[2:3], seq[2:3], scale, 3, block_n=16, split_keys=32
+    )
+    assert torch.equal(alone[0], outs[0][2])

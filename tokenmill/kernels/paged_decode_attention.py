@@ -76,6 +76,9 @@ def _split_kernel(
     qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
     max_blocks,  # block_tables.shape[1]
     num_splits,  # not a constexpr: callers pick it per step, that must not recompile
+    split_tiles,  # > 0: every split covers this many tiles from the sequence start (fixed
+    #               boundaries: a request's result depends only on its own length); 0: each
+    #               request's tiles are divided into num_splits equal runs
     # strides
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -100,6 +103,8 @@ def _split_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
     n_tiles = tl.cdiv(seq_len, BLOCK_N)
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    if split_tiles > 0:
+        tiles_per_split = split_tiles
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, n_tiles)
 
@@ -284,6 +289,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    split_keys: int | None = None,
 ) -> Tensor:
     """Attention of one query token per request over its paged K/V (flash-decoding).
 
@@ -293,9 +299,12 @@ def paged_decode_attention(
     scale and num_splits (fixed per call site: it sizes the grid). Writes and returns ``out``
     [B, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
     DecodeWorkspace); allocated per call when None and num_splits > 1. ``block_n`` (keys per
-    tile), ``num_warps`` and ``num_stages`` are tuning knobs. No host syncs: capturable in a
-    CUDA graph when out and workspace are preallocated. Raises ValueError on bad shapes
-    or dtypes.
+    tile), ``num_warps`` and ``num_stages`` are tuning knobs. ``split_keys`` fixes the split
+    boundaries at multiples of that many keys (rounded up to whole tiles): a request's result
+    then depends only on its own length, whatever the batch, the grid or a CUDA graph's
+    bucket; ``num_splits`` must then cover the longest request (``cdiv(len, split_keys)``).
+    No host syncs: capturable in a CUDA graph when out and workspace are preallocated. Raises
+    ValueError on bad shapes or dtypes.
     """
     _check(q.dim() == 3, f"q must be [B, Hq, d], got {tuple(q.shape)}")
     batch, num_q_heads, head_dim = q.shape
@@ -380,6 +389,7 @@ def paged_decode_attention(
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part, lse,
         scale * _LOG2E, block_tables.shape[1], num_splits,
+        0 if split_keys is None else -(-split_keys // block_n),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, *lse_strides,
         GROUP=group,

@@ -29,28 +29,27 @@ class TritonAttentionBackend:
     def __init__(self, num_kv_heads: int) -> None:
         # Imported here so the CPU path never needs Triton.
         from tokenmill.kernels.kv_store import store_kv
-        from tokenmill.kernels.paged_decode_attention import (
-            choose_num_splits,
-            paged_decode_attention,
-        )
+        from tokenmill.kernels.paged_decode_attention import paged_decode_attention
         from tokenmill.kernels.paged_prefill_attention import paged_prefill_attention
 
         self._store_kv = store_kv
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
-        self._choose_num_splits = choose_num_splits
-        self._num_sms = 132
-        if torch.cuda.is_available():
-            self._num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.num_kv_heads = num_kv_heads
+        self.split_keys = 0  # set by set_max_model_len
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """Fix decode's split-K boundaries for this engine: every request's keys split at
+        multiples of ``split_keys``, so its result depends on nothing but its own length
+        (eager and CUDA-graph steps, any batch, give the same tokens). At most 8 splits a
+        request at the longest context; at least 256 keys a split."""
+        self.split_keys = max(256, -(-max_model_len // 8))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         decode_only = common.max_query_len == 1
         splits = 1
         if decode_only:
-            splits = self._choose_num_splits(
-                common.num_reqs, self.num_kv_heads, common.max_seq_len, self._num_sms
-            )
+            splits = max(1, -(-common.max_seq_len // self.split_keys))
         return TritonAttentionMetadata(common, decode_only, splits)
 
     def forward(
@@ -67,7 +66,14 @@ class TritonAttentionBackend:
         self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
         if meta.decode_only:
             return self._decode(
-                q, k_cache, v_cache, c.block_tables, c.seq_lens, scale, meta.num_splits
+                q,
+                k_cache,
+                v_cache,
+                c.block_tables,
+                c.seq_lens,
+                scale,
+                meta.num_splits,
+                split_keys=self.split_keys,
             )
         return self._prefill(
             q,
