@@ -100,8 +100,8 @@ def _run_locked(
         return report
 
     total = count_input_rows(input_config(spec))
+    executor = _make_executor(spec, total)  # loads the model: not part of the rate
     progress = Progress(total, manifest.rows_done, enabled=show_progress)
-    executor = _make_executor(spec, total)
     feed = _Feed(spec, manifest, progress)
     fmt = spec.output.format
     try:
