@@ -6,7 +6,6 @@ add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Schedule
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.loader import resolve_model_source
-from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
@@ -44,7 +43,7 @@ class LLMEngine:
         self.config = config
         if config.load_format == "random":
             source = None
-            self.model_config = _config_only(config.model)
+            self.model_config = load_hf_config(Path(config.model))  # config.json alone
             self.tokenizer = None
             model_path = config.model
         else:
@@ -258,11 +257,3 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_prompt_tokens,
             logprobs=tracked.logprobs,
         )
-
-
-def _config_only(model: str) -> ModelConfig:
-    """The ModelConfig of a directory holding only ``config.json`` (random-weight models)."""
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"load_format=random needs {path} (an HF config.json)")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()), str(path))

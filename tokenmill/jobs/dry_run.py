@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.kv_cache import hash_block_tokens
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
@@ -82,9 +83,9 @@ def dry_run(spec: JobSpec) -> DryRunReport:
                 report.bad_examples.append((row.row_id, reason))
             continue
         report.prompt_tokens += len(ids)
-        parent = 0
+        parent = None
         for start in range(0, len(ids) - block + 1, block):
-            parent = hash((parent, tuple(ids[start : start + block])))
+            parent = hash_block_tokens(parent, tuple(ids[start : start + block]), ())
             if parent in seen_blocks:
                 report.shared_prefix_tokens += block
             elif len(seen_blocks) < MAX_TRACKED_BLOCKS:

@@ -192,10 +192,7 @@ def _commit_ready(
 
 
 def _discard(store: OutputStore, manifest: Manifest) -> None:
-    """--fresh: remove an earlier run's shards, report and manifest."""
-    for record in manifest.shards.values():
-        store.delete(record.data)
-        store.delete(record.error_file)
+    """--fresh: remove an earlier run's shards (committed or not), report and manifest."""
     for name in store.list("shards/") + store.list("errors/"):
         store.delete(name)
     store.delete(REPORT_NAME)
