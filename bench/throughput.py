@@ -135,6 +135,7 @@ def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, prefix_caching=True,
     bound = roofline_seconds(cfg, recs)
     profile = llm.engine.step_profile()
     hits = llm.engine.scheduler.kv.prefix_cache_stats
+    preemptions = llm.engine.scheduler.stats.num_preemptions
     del llm
     torch.cuda.empty_cache()
     return {
@@ -144,6 +145,7 @@ def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, prefix_caching=True,
         "step_profile": profile,
         "prefix_hit_rate": round(hits.hit_rate, 3),
         "steps": len(recs),
+        "preemptions": preemptions,
         "roofline_tok_per_s": round(tokens / bound, 1) if bound else None,
     }
 
@@ -202,6 +204,8 @@ def main() -> None:
     parser.add_argument("--llama-requests", type=int, default=1024)
     parser.add_argument("--hf-batch", type=int, default=256)
     parser.add_argument("--hf-out", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="llama8b's batch cap")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF peer runs")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     results: dict = {}
@@ -212,8 +216,16 @@ def main() -> None:
             if name == "llama8b":
                 cfg, n = LLAMA_8B, args.llama_requests
                 prompts = random_prompts(rng, [1000] * n, cfg["vocab_size"])
-                res = run_tokenmill(cfg, model_dir(cfg, root, name), prompts, [1000] * n)
-                res["hf"] = run_hf(cfg, args.hf_batch, 1000, args.hf_out)
+                res = run_tokenmill(
+                    cfg,
+                    model_dir(cfg, root, name),
+                    prompts,
+                    [1000] * n,
+                    max_num_seqs=args.max_num_seqs,
+                )
+                res["max_num_seqs"] = args.max_num_seqs
+                if not args.no_hf:
+                    res["hf"] = run_hf(cfg, args.hf_batch, 1000, args.hf_out)
             elif name == "qwen3":
                 cfg = QWEN3_06B
                 r = np.random.default_rng(0)
@@ -221,7 +233,8 @@ def main() -> None:
                 outs = r.integers(100, 1025, 256).tolist()
                 prompts = random_prompts(rng, ins, cfg["vocab_size"])
                 res = run_tokenmill(cfg, model_dir(cfg, root, name), prompts, outs)
-                res["hf"] = run_hf(cfg, args.hf_batch, 562, args.hf_out)
+                if not args.no_hf:
+                    res["hf"] = run_hf(cfg, args.hf_batch, 562, args.hf_out)
             else:
                 cfg = LLAMA_8B
                 system = rng.integers(1000, 100000, 2000).tolist()
@@ -234,8 +247,8 @@ def main() -> None:
                 res["speedup"] = round(res["on"]["tok_per_s"] / res["off"]["tok_per_s"], 2)
             results[name] = res
             print(name, json.dumps(res), flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "throughput.json").write_text(json.dumps(results, indent=1))
+            if os.environ.get("OUT"):  # after each workload: a timeout keeps what finished
+                Path(os.environ["OUT"], "throughput.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.device_copy import upload, upload_into
 from tokenmill.engine.host_batch import HostBatch
 
 
@@ -116,17 +117,26 @@ class DecodeGraphRunner:
     def can_run(self, batch: HostBatch) -> bool:
         return batch.decode_only and 0 < batch.num_reqs <= self.max_bs and bool(self.graphs)
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Logits [B, V] of a decode-only batch (a view into the graph's output)."""
+    def run(self, batch: HostBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, V] of a decode-only batch (a view into the graph's output).
+
+        ``pending`` ([P], on the device) are the input tokens at ``batch.pending_rows``
+        that the host does not know yet."""
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
         s = self.static
         width = batch.block_tables.shape[1]
-        s.input_ids[:b].copy_(torch.from_numpy(batch.input_ids), non_blocking=True)
-        s.positions[:b].copy_(torch.from_numpy(batch.positions), non_blocking=True)
-        s.slot_mapping[:b].copy_(torch.from_numpy(batch.slot_mapping), non_blocking=True)
-        s.seq_lens[:b].copy_(torch.from_numpy(batch.seq_lens), non_blocking=True)
-        s.block_tables[:b, :width].copy_(torch.from_numpy(batch.block_tables), non_blocking=True)
+        for dst, src in (
+            (s.input_ids[:b], batch.input_ids),
+            (s.positions[:b], batch.positions),
+            (s.slot_mapping[:b], batch.slot_mapping),
+            (s.seq_lens[:b], batch.seq_lens),
+            (s.block_tables[:b, :width], batch.block_tables),
+        ):
+            upload_into(dst, torch.from_numpy(src))
+        if pending is not None:
+            rows = upload(torch.from_numpy(batch.pending_rows), s.input_ids.device)
+            s.input_ids.index_copy_(0, rows, pending)
         if bs > b:  # padding rows: no KV write, no keys
             s.slot_mapping[b:bs].fill_(-1)
             s.seq_lens[b:bs].zero_()

@@ -32,6 +32,8 @@ class EngineConfig:
     ``load_format="random"`` builds the model from ``config.json`` alone with random weights
     and no tokenizer (prompts must be token ids): for throughput benchmarks of real shapes.
     ``profile_steps`` records per-step CPU and GPU time (``LLMEngine.step_profile()``).
+    ``async_scheduling`` schedules step n+1 while the device runs step n (None: on CUDA only,
+    where it hides the host's work; on CPU the host is the device, so nothing overlaps).
     """
 
     model: str
@@ -47,6 +49,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     load_format: str = "auto"  # "random": config.json only, N(0, 0.02) weights (benchmarks)
     profile_steps: bool = False
+    async_scheduling: bool | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +85,11 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but no CUDA GPU is visible; use device=cpu")
         return device
+
+    def resolve_async_scheduling(self, device: torch.device) -> bool:
+        if self.async_scheduling is None:
+            return device.type == "cuda"
+        return self.async_scheduling
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -42,6 +42,7 @@ class LLM:
         cuda_graphs: bool = True,
         load_format: str = "auto",
         profile_steps: bool = False,
+        async_scheduling: bool | None = None,
         seed: int = 0,
     ) -> None:
         self.config = EngineConfig(
@@ -58,6 +59,7 @@ class LLM:
             cuda_graphs=cuda_graphs,
             load_format=load_format,
             profile_steps=profile_steps,
+            async_scheduling=async_scheduling,
             seed=seed,
         )
         self.engine = LLMEngine(self.config)

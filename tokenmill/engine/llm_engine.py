@@ -1,7 +1,12 @@
 """LLMEngine: requests in, finished RequestOutputs out, one ``step`` at a time.
 
-add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Scheduler.update_from_output
-                                                             ─► detokenize, stop strings
+add_request ─► Scheduler.schedule ─► ModelRunner.launch ─► Scheduler.update_from_output
+                                                           ─► detokenize, stop strings
+
+With async scheduling (the default on CUDA) each ``step`` call overlaps host and device:
+
+    call n:   schedule n ─► launch n ─► process n-1 (wait for its tokens, update, detokenize)
+    GPU:                  [ .. step n-1 .. ][ .. step n .. ]
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ from tokenmill.engine.attention.backend import default_backend_name, get_attenti
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
+from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +111,12 @@ class LLMEngine:
             extra_keys=(model_path,),
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                async_scheduling=config.resolve_async_scheduling(self.device),
+            ),
             kv,
         )
         eos = set(mc.eos_token_ids)
@@ -111,6 +124,8 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
+        # Async scheduling: the step launched by the last ``step`` call, processed by the next.
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
@@ -169,7 +184,7 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
@@ -179,57 +194,80 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that finished in it."""
+        """Run one scheduled step; return the requests that finished.
+
+        With async scheduling the step launched here is processed by the next call: its
+        results come one call later, and ``has_unfinished`` stays True until they have."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        schedule_ms = (time.perf_counter() - t0) * 1e3
-        if sched.is_empty:
+        host_ms = (time.perf_counter() - t0) * 1e3
+        if sched.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
                     "the scheduler could not schedule any request: the KV "
                     "cache is too small for the waiting prompt"
                 )
             return []
-        out = self.runner.execute(sched)
-        t1 = time.perf_counter()
+        launched = None if sched.is_empty else (sched, self.runner.launch(sched))
+        if self.scheduler.config.async_scheduling:
+            launched, self._in_flight = self._in_flight, launched
+        results: list[RequestOutput] = []
+        if launched is not None:
+            results, processing_ms = self._process(*launched)
+            host_ms += processing_ms
+        self.runner.profiler.add_host_ms(host_ms)
+        return results
+
+    def _process(
+        self, sched: SchedulerOutput, launched: LaunchedStep
+    ) -> tuple[list[RequestOutput], float]:
+        """Apply a step's sampled tokens; return the finished requests and the host ms spent
+        (not counting the wait for the device)."""
+        out = launched.output()
+        t0 = time.perf_counter()
+        self.runner.profiler.add_wait_ms(launched.wait_ms)
         sampled = out.as_dict()
-        self._record_logprobs(out)
+        # The requests this step still serves: ones finished or aborted since it was launched
+        # (async scheduling) drop their token; a reused request id is a different Request.
+        live = [
+            (item.request, item.request.num_output_tokens)
+            for item in sched.scheduled
+            if not item.request.finished
+            and item.request_id in sampled
+            and self._tracked[item.request_id].request is item.request
+        ]
+        self._record_logprobs(out, {req.request_id for req, _ in live})
         finished = self.scheduler.update_from_output(sched, sampled)
         stopped_by_string: list[str] = []
-        for rid, tokens in sampled.items():
-            tracked = self._tracked[rid]
-            req = tracked.request
+        for req, before in live:
+            tracked = self._tracked[req.request_id]
             if tracked.detokenizer is None:
                 continue
-            new = req.output_token_ids[len(req.output_token_ids) - len(tokens) :]
-            match = (
-                tracked.detokenizer.append(new)
-                if req.status is not RequestStatus.PREEMPTED
-                else None
-            )
+            match = tracked.detokenizer.append(req.output_token_ids[before:])
             if match is not None:
                 req.stop_reason = match
                 if req.finished:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
-                    stopped_by_string.append(rid)
+                    stopped_by_string.append(req.request_id)
         if stopped_by_string:
             self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
             finished.extend(self._tracked[rid].request for rid in stopped_by_string)
         results = [self._finish(req) for req in finished]
-        self.runner.profiler.add_host_ms(schedule_ms + (time.perf_counter() - t1) * 1e3)
-        return results
+        return results, (time.perf_counter() - t0) * 1e3
 
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py."""
         return self.runner.profiler.summary()
 
-    def _record_logprobs(self, out) -> None:
+    def _record_logprobs(self, out: ModelOutput, request_ids: set[str]) -> None:
         lp = out.sampler_output.logprobs if out.sampler_output is not None else None
         if lp is None:
             return
         rows = lp.to_lists()
         for i, rid in enumerate(out.request_ids):
+            if rid not in request_ids:
+                continue
             tracked = self._tracked[rid]
             if tracked.logprobs is None:
                 continue

@@ -3,6 +3,13 @@
 Per step it flattens the scheduled requests into a HostBatch (varlen arrays, see
 host_batch.py), then either replays a captured CUDA graph (decode-only steps on the GPU) or
 uploads the arrays and runs the model eagerly; logits only at the sampling rows; then samples.
+
+``launch`` only enqueues: it returns a LaunchedStep whose tokens arrive later, so the engine
+can schedule step n+1 while the GPU runs step n. Input tokens the host does not know yet
+(sampled by the previous launch) are copied on the device from that launch's sampled tokens:
+
+    step n:    sampled_n = sampler(...)                      [S_n] on the device
+    step n+1:  input_ids[pending_rows] = sampled_n[pending_src]
 """
 
 from __future__ import annotations
@@ -15,26 +22,25 @@ import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.device_copy import upload
 from tokenmill.engine.host_batch import HostBatch
+from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.model_config import ModelConfig
-from tokenmill.engine.sampler import Sampler, SamplerOutput
+from tokenmill.engine.model_output import ModelOutput
+from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
 from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
+__all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block"]
+
 
 @dataclass(frozen=True)
-class ModelOutput:
-    """Sampled tokens of the requests that sampled this step, in batch order."""
+class _Sampled:
+    """The last launch's sampled tokens, kept on the device for the next launch's inputs."""
 
-    request_ids: tuple[str, ...]
-    sampled_token_ids: list[int]
-    sampler_output: SamplerOutput | None
-
-    def as_dict(self) -> dict[str, list[int]]:
-        return {
-            rid: [tok] for rid, tok in zip(self.request_ids, self.sampled_token_ids, strict=True)
-        }
+    tokens: torch.Tensor  # [S] int64
+    rows: dict[str, int]  # request id -> index in ``tokens``
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -90,6 +96,7 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.graphs = None  # a DecodeGraphRunner once enable_cuda_graphs() captured them
         self.profiler = StepProfiler(device)
+        self._last: _Sampled | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode-step graphs (CUDA + Triton backend only; a no-op elsewhere)."""
@@ -108,26 +115,39 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Run one step and wait for its tokens."""
+        return self.launch(sched).output()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Enqueue one step (forward, sampling, the copy of its tokens to the host)."""
         if not sched.scheduled:
-            return ModelOutput((), [], None)
+            return LaunchedStep.empty()
         t0 = time.perf_counter()
-        batch = HostBatch.build(sched, self.block_size)
+        last = self._last
+        batch = HostBatch.build(sched, self.block_size, None if last is None else last.rows)
+        pending = None  # [P] the pending input tokens, on the device
+        if len(batch.pending_rows) and last is not None:  # (build raised if last is None)
+            pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
         if self.graphs is not None and self.graphs.can_run(batch):
             self.profiler.begin(t0, batch, graph=True)
-            logits = self.graphs.run(batch)  # [B, V]
+            logits = self.graphs.run(batch, pending)  # [B, V]
             if len(batch.logits_rows) != batch.num_reqs:
-                logits = logits[torch.from_numpy(batch.logits_rows).to(self.device)]
+                logits = logits[upload(torch.from_numpy(batch.logits_rows), self.device)]
         else:
             self.profiler.begin(t0, batch, graph=False)
             common, input_ids, positions = self._upload(batch)
+            if pending is not None:
+                rows = upload(torch.from_numpy(batch.pending_rows), self.device)
+                input_ids.index_copy_(0, rows, pending)
             attn_meta = self.backend.build(common)
             hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
             if not batch.sampling:
+                self._last = None
                 self.profiler.end()
-                return ModelOutput((), [], None)
-            rows = torch.from_numpy(batch.logits_rows).to(self.device, non_blocking=True)
+                return LaunchedStep.empty()
+            rows = upload(torch.from_numpy(batch.logits_rows), self.device)
             logits = self.model.compute_logits(hidden[rows])  # [S, V]
         reqs = [s.request for s in batch.sampling]
         meta = SamplingMetadata.build(
@@ -137,29 +157,30 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
             generator=self.generator,
+            pending_rows=batch.pending_sampling_rows,
+            pending_token_ids=pending,
         )
         out = self.sampler(logits, meta)
+        self._last = _Sampled(out.sampled_token_ids, batch.sampled_positions)
+        step = LaunchedStep.start(tuple(r.request_id for r in reqs), out)
         self.profiler.end()
-        tokens = out.sampled_token_ids.tolist()  # the step's one device-to-host read
-        return ModelOutput(tuple(r.request_id for r in reqs), tokens, out)
+        return step
 
     def _upload(
         self, batch: HostBatch
     ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
-        dev = self.device
+        def dev(array: np.ndarray) -> torch.Tensor:
+            return upload(torch.from_numpy(array), self.device)
+
         qsl = np.zeros(batch.num_reqs + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
         common = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev, non_blocking=True),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=dev(qsl),
+            seq_lens=dev(batch.seq_lens),
+            block_tables=dev(batch.block_tables),
+            slot_mapping=dev(batch.slot_mapping),
             query_lens_host=tuple(batch.query_lens.tolist()),
             seq_lens_host=tuple(batch.seq_lens.tolist()),
             block_size=self.block_size,
         )
-        return (
-            common,
-            torch.from_numpy(batch.input_ids).to(dev, non_blocking=True),
-            torch.from_numpy(batch.positions).to(dev, non_blocking=True),
-        )
+        return common, dev(batch.input_ids), dev(batch.positions)

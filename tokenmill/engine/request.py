@@ -4,6 +4,14 @@ all_token_ids:  [ prompt ............ | output ...... ]
                  ^0                    ^num_prompt_tokens
 num_computed_tokens chases num_tokens: whatever lies between is what the next steps
 schedule (a prefill chunk, one decode token, later speculative tokens).
+
+With async scheduling the next step is scheduled while the GPU still samples this one, so a
+request can run ahead of what the host knows:
+
+    all_token_ids:  [ prompt | output ... ] (pending)
+                                          ^num_tokens   num_pending_tokens = 1
+    the next step feeds the pending token (read on the device from the step that sampled it)
+    and samples the one after it.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ class RequestStatus(enum.Enum):
         )
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues find and remove a request by ``is``, not by value
 class Request:
     """Mutable per-request state owned by the scheduler. Pure Python: no torch."""
 
@@ -45,6 +53,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (stats)
     num_preemptions: int = 0
+    # Tokens sampled by steps whose results the host has not read yet (async scheduling).
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
 

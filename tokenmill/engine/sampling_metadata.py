@@ -7,16 +7,22 @@ read by the ``Sampler`` without a single host-device sync. Row ``i`` describes l
     prompt_token_ids[i] ──► prompt_mask[i, :]            (only when a row has repetition_penalty)
     output_token_ids[i] ──► output_token_counts[i, :]    (only when a row has any penalty)
     (seed, len(output_token_ids[i])) ──► row_seeds       (seeded, non-greedy rows)
+
+With async scheduling a row's last output token may still be on the device only (sampled by
+the previous step): ``pending_rows`` names those rows and ``pending_token_ids`` holds their
+tokens there; they count as output (position, penalties) without a host read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 
+from tokenmill.engine.device_copy import upload
 from tokenmill.engine.sampling_params import SamplingParams
 
 __all__ = ["SamplingMetadata", "row_seed"]
@@ -69,12 +75,16 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         generator: torch.Generator | None = None,
+        pending_rows: Sequence[int] = (),
+        pending_token_ids: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for one step; row ``i`` is ``params[i]`` and its histories.
 
         ``output_token_ids[i]`` is everything the row generated so far: its length is the row's
         output position, which seeds a seeded row's draw. ``generator`` (on ``device``) serves
-        the unseeded rows. Raises ValueError when the three lists differ in length, when
+        the unseeded rows. ``pending_rows`` have one more output token, not in
+        ``output_token_ids`` but in ``pending_token_ids`` ([P] int64 on ``device``, one per
+        pending row). Raises ValueError when the three lists differ in length, when
         ``vocab_size < 1`` or when a token id lies outside ``[0, vocab_size)``.
         """
         device = torch.device(device)
@@ -107,11 +117,14 @@ class SamplingMetadata:
         prompt_mask = None
         if not no_penalties:
             output_token_counts = _token_counts(output_token_ids, vocab_size, device)
+            if pending_rows:
+                _count_pending(output_token_counts, pending_rows, pending_token_ids)
         if not no_repetition_penalty:
             prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
 
+        pending = set(pending_rows)
         row_seeds = tuple(
-            (i, row_seed(params[i].seed, len(output_token_ids[i])))
+            (i, row_seed(params[i].seed, len(output_token_ids[i]) + (i in pending)))
             for i in random_rows
             if params[i].seed is not None
         )
@@ -157,10 +170,23 @@ def _to_device(
     values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """Copy a host list to ``device`` without blocking the host (pinned staging on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def _count_pending(
+    counts: torch.Tensor, rows: Sequence[int], token_ids: torch.Tensor | None
+) -> None:
+    """Add one count per pending row for its device-resident token (no host read)."""
+    if token_ids is None or token_ids.shape != (len(rows),):
+        raise ValueError(
+            f"SamplingMetadata.build: {len(rows)} pending rows need pending_token_ids of "
+            f"shape [{len(rows)}]"
+        )
+    vocab_size = counts.shape[1]
+    rows_t = _to_device(list(rows), torch.int64, counts.device)
+    flat = counts.view(-1)
+    ones = torch.ones_like(token_ids, dtype=flat.dtype)
+    flat.index_add_(0, rows_t * vocab_size + token_ids, ones)
 
 
 def _token_counts(
@@ -184,10 +210,7 @@ def _token_counts(
             f"[0, {vocab_size}); check the tokenizer and the model's vocab_size"
         )
     rows = np.repeat(np.arange(num_rows, dtype=np.int64), lengths)  # [N]
-    flat_index = torch.from_numpy(rows * vocab_size + flat)  # [N]
-    if device.type == "cuda":
-        flat_index = flat_index.pin_memory()
-    flat_index = flat_index.to(device, non_blocking=True)
+    flat_index = upload(torch.from_numpy(rows * vocab_size + flat), device)  # [N]
     counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
     counts.index_add_(0, flat_index, torch.ones(flat_index.shape, device=device))
     return counts.view(num_rows, vocab_size)  # [B, V]

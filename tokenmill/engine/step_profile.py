@@ -1,9 +1,14 @@
 """Per-step timing: where a step's time goes (host preparation vs device compute).
 
 For each step: CPU milliseconds from the start of input preparation until the step's kernels
-are all enqueued (scheduling is timed by the engine and added), and GPU milliseconds between
-CUDA events around the step's kernels. Events are read only in ``summary`` (one sync), never
-inside a step.
+are all enqueued (scheduling and output processing are timed by the engine and added), the
+milliseconds the host then sat waiting for a step's tokens, and GPU milliseconds between CUDA
+events around the step's kernels. Events are read only in ``summary`` (one sync), never
+inside a step. With async scheduling a step's wait and processing belong to the previous
+step's tokens; per step on average it is the same host work.
+
+When the host keeps ahead of the device, ``wait_ms`` is about ``gpu_ms - cpu_ms``: the CPU
+work is hidden. When ``wait_ms`` is near 0 the device waits for the host instead.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class StepRecord:
     graph: bool
     context_tokens: int = 0  # sum of the batch's sequence lengths (KV the step reads)
     cpu_ms: float = 0.0
+    wait_ms: float = 0.0
     events: tuple | None = None
     gpu_ms: float | None = None
 
@@ -65,6 +71,11 @@ class StepProfiler:
         if self.enabled and self.records:
             self.records[-1].cpu_ms += ms
 
+    def add_wait_ms(self, ms: float) -> None:
+        """Time the host blocked on the device for a step's tokens."""
+        if self.enabled and self.records:
+            self.records[-1].wait_ms += ms
+
     def summary(self) -> dict:
         """Mean CPU and GPU ms per step, split into decode (graph or eager) and other steps."""
         if self.device.type == "cuda":
@@ -86,6 +97,16 @@ class StepProfiler:
                 "graph_steps": sum(r.graph for r in rows),
                 "mean_batch": round(sum(r.num_reqs for r in rows) / len(rows), 1),
                 "cpu_ms": round(sum(r.cpu_ms for r in rows) / len(rows), 3),
+                "wait_ms": round(sum(r.wait_ms for r in rows) / len(rows), 3),
                 "gpu_ms": round(sum(gpu) / len(gpu), 3) if gpu else None,
+                "gpu_ms_median_max": _median_max(gpu),
             }
         return out
+
+
+def _median_max(values: list[float]) -> tuple[float, float] | None:
+    """Median and maximum: a max far above the median points at one-off costs (a compile)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[len(ordered) // 2], 3), round(ordered[-1], 3)

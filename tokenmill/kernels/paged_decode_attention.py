@@ -68,7 +68,7 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _split_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
@@ -186,7 +186,7 @@ def _split_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     # pointers
     part_ptr, lse_ptr, out_ptr,

@@ -203,7 +203,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_req", "stride_bt"])
 def _paged_prefill_attention_kernel(
     # pointers
     q_ptr,  # [T, Hq, d]

@@ -31,7 +31,7 @@ _MAX_BLOCK_H = 65536  # a whole row lives in registers; wider rows would spill
 _ELEMENTS_PER_PROGRAM = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     # pointers
     x_ptr,

@@ -82,7 +82,7 @@ def _store_rotated(
     tl.store(p1 + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(
     # pointers
     q_ptr,

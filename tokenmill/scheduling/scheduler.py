@@ -9,6 +9,12 @@ When a running request cannot get a block, the most recently admitted running re
 preempted by recompute: its blocks are freed, ``num_computed_tokens`` drops to 0 and it goes
 back to the front of the queue, keeping the tokens it has generated.
 
+With ``async_scheduling`` step n+1 is scheduled before step n's sampled tokens are read:
+every request that samples in a step gets a pending token (``Request.num_pending_tokens``),
+which the next step already schedules as its input. A request whose pending token will end it
+by length (``max_tokens``, ``max_model_len``) is not scheduled again; one that turns out to
+stop on EOS or a stop string has computed one token too many, which is dropped.
+
 Pure Python: no torch, so it is tested on CPU with tiny block sizes.
 """
 
@@ -34,6 +40,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -88,8 +95,8 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(self._num_known(req) - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_when_pending_lands(req):
                 idx += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -109,6 +116,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_pending_tokens:
+                    break  # preempted with a token in flight: wait until it lands
                 hit_blocks, hit_tokens = self._prefix_hit(req)
                 num_new = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
                 if not self.kv.allocate_slots(req, num_new, hit_blocks):
@@ -130,6 +139,20 @@ class Scheduler:
         self.stats.num_scheduled_tokens += out.num_tokens
         return out
 
+    @staticmethod
+    def _num_known(req: Request) -> int:
+        """Tokens the next step may compute: the known ones and the pending ones."""
+        return req.num_tokens + req.num_pending_tokens
+
+    def _ends_when_pending_lands(self, req: Request) -> bool:
+        if not req.num_pending_tokens:
+            return False
+        outputs = req.num_output_tokens + req.num_pending_tokens
+        return (
+            outputs >= req.sampling_params.max_tokens
+            or self._num_known(req) >= self.config.max_model_len
+        )
+
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
         if req.num_computed_tokens:
             return [], 0
@@ -140,13 +163,17 @@ class Scheduler:
         req.num_computed_tokens += num_new
         # Cache at schedule time: each layer stores the step's K/V before any attention
         # reads, so requests admitted later in this same step may already share these blocks.
-        self.kv.cache_blocks(req, req.num_computed_tokens)
+        # Only blocks of known tokens: a pending token's id is not on the host yet.
+        self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
+        sample = req.num_computed_tokens == self._num_known(req)
+        if sample and self.config.async_scheduling:
+            req.num_pending_tokens += 1
         return ScheduledRequest(
             request=req,
             start=start,
             num_new_tokens=num_new,
             block_ids=tuple(self.kv.block_ids(req.request_id)),
-            sample=req.num_computed_tokens == req.num_tokens,
+            sample=sample,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -165,12 +192,18 @@ class Scheduler:
 
         ``sampled`` maps request id to the tokens accepted this step (one without
         speculation). Returns the requests that finished this step.
+
+        With async scheduling a request may have been preempted since this step ran (it was
+        computed on intact blocks, so its token stands) or finished (its token is dropped).
         """
         finished: list[Request] = []
         for item in output.scheduled:
             req = item.request
-            if req.finished or req.status is RequestStatus.PREEMPTED:
+            if item.sample and self.config.async_scheduling:
+                req.num_pending_tokens -= 1
+            if req.finished:
                 continue
+            status_before = req.status
             for token in sampled.get(req.request_id, ()):
                 req.append_output_token(token)
                 status = self._stop_status(req, token)
@@ -178,7 +211,8 @@ class Scheduler:
                     req.status = status
                     break
             if req.finished:
-                self.running.remove(req)
+                preempted = status_before is RequestStatus.PREEMPTED
+                (self.waiting if preempted else self.running).remove(req)
                 self._finish(req, req.status)
                 finished.append(req)
         return finished

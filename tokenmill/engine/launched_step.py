@@ -1,0 +1,68 @@
+"""LaunchedStep: a step whose kernels are enqueued and whose sampled tokens are on their way.
+
+    launch(step n) ─► sampler ─► copy tokens (and logprobs) to pinned host memory ─► event
+                        host: schedule and launch step n+1 ...
+    output()  ─► wait for the event (the only host-device sync of a step) ─► ModelOutput
+
+The copies start as soon as the sampler's kernels are enqueued, so by the time the host has
+launched the next step, the previous step's tokens are usually already in host memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.device_copy import download
+from tokenmill.engine.model_output import ModelOutput
+from tokenmill.engine.sampler import LogprobsTensors, SamplerOutput
+
+
+@dataclass
+class LaunchedStep:
+    request_ids: tuple[str, ...]  # the rows that sample, in order
+    tokens: torch.Tensor | None  # [S] int64 on the host (filled once ``ready`` completes)
+    logprobs: LogprobsTensors | None  # host copies, same condition
+    ready: torch.cuda.Event | None  # None on CPU: already complete
+    wait_ms: float = 0.0  # how long ``output`` blocked on the device
+
+    @classmethod
+    def empty(cls) -> LaunchedStep:
+        return cls((), None, None, None)
+
+    @classmethod
+    def start(cls, request_ids: tuple[str, ...], out: SamplerOutput) -> LaunchedStep:
+        """Begin copying ``out`` to the host behind the work already enqueued."""
+        lp = out.logprobs
+        host_lp = None
+        if lp is not None:
+            host_lp = LogprobsTensors(
+                sampled_token_ids=download(lp.sampled_token_ids),
+                sampled_logprobs=download(lp.sampled_logprobs),
+                sampled_ranks=download(lp.sampled_ranks),
+                top_token_ids=download(lp.top_token_ids),
+                top_logprobs=download(lp.top_logprobs),
+            )
+        tokens = download(out.sampled_token_ids)
+        ready = None
+        if out.sampled_token_ids.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return cls(request_ids, tokens, host_lp, ready)
+
+    def output(self) -> ModelOutput:
+        """Wait for the copies and return the step's tokens (and logprobs) as host values."""
+        if self.tokens is None:
+            return ModelOutput((), [], None)
+        if self.ready is not None:
+            t0 = time.perf_counter()
+            self.ready.synchronize()
+            self.wait_ms = (time.perf_counter() - t0) * 1e3
+            self.ready = None
+        return ModelOutput(
+            self.request_ids,
+            self.tokens.tolist(),
+            SamplerOutput(sampled_token_ids=self.tokens, logprobs=self.logprobs),
+        )
