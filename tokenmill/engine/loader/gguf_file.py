@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gguf
 import numpy as np
+
+if TYPE_CHECKING:  # gguf is imported when a GGUF file is opened, not with the engine
+    import gguf
 
 __all__ = ["GGUF_MAGIC", "open_gguf", "metadata_value", "metadata_array_length"]
 
@@ -43,6 +45,8 @@ def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
         raise ValueError(
             f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
         )
+    import gguf  # a missing package must not read as a corrupt file below
+
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader fails with ValueError, IndexError, ... on damaged files
@@ -69,6 +73,8 @@ def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
     if field is None:
         return None
     value = field.contents()
+    import gguf
+
     if field.types == [gguf.GGUFValueType.FLOAT32]:
         return float(str(np.float32(value)))
     return value

@@ -20,9 +20,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.engine.loader.gguf_config import gguf_hf_config
 from tokenmill.engine.loader.gguf_file import GGUF_MAGIC, metadata_value, open_gguf
-from tokenmill.engine.loader.gguf_loader import iter_gguf_weights
 from tokenmill.engine.loader.safetensors_loader import (
     iter_safetensors_weights,
     load_hf_config,
@@ -54,6 +52,8 @@ class ModelSource:
         """The model's ModelConfig. Raises ValueError/FileNotFoundError naming the file."""
         if self.kind == "hf":
             return load_hf_config(self.path)
+        from tokenmill.engine.loader.gguf_config import gguf_hf_config  # needs gguf
+
         cfg = gguf_hf_config(open_gguf(self.path), self.path)
         return ModelConfig.from_hf_dict(cfg, source=str(self.path))
 
@@ -67,6 +67,8 @@ class ModelSource:
         config = self.load_config()
         if self.kind == "hf":
             return iter_safetensors_weights(self.path, config)
+        from tokenmill.engine.loader.gguf_loader import iter_gguf_weights  # needs gguf
+
         reader = open_gguf(self.path)
         arch = str(metadata_value(reader, "general.architecture"))
         return iter_gguf_weights(reader, self.path, config, arch)

@@ -1,0 +1,140 @@
+"""Where a GPU engine step's time goes: CUDA time per kernel of decode and mixed steps.
+
+Random weights of a real shape (the shapes of bench/throughput.py). ``--batch`` requests of
+``--prompt-len`` tokens are prefilled, then ``--steps`` eager decode steps run under
+torch.profiler, then ``--steps`` mixed steps (chunks of new 7,000-token prompts beside the
+running decodes). Prints, per step kind, the CUDA milliseconds per step of the busiest
+kernels next to the step's roofline (weights + KV bytes / 4.25 TB/s), and writes JSON to $OUT.
+
+    PYTHONPATH=$PWD python3 bench/step_breakdown.py [--models llama8b,qwen3] [--batch 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.throughput import HBM_BPS, LLAMA_8B, QWEN3_06B, model_dir, param_bytes  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+
+SHAPES = {"llama8b": LLAMA_8B, "qwen3": QWEN3_06B}
+
+
+def kernel_table(prof, steps: int, top: int) -> list[dict]:
+    rows = []
+    for evt in prof.key_averages():
+        ms = evt.device_time_total / 1e3 / steps
+        if ms > 0:
+            rows.append({"kernel": evt.key[:90], "ms_per_step": round(ms, 3), "calls": evt.count})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    for r in rows:
+        r["share"] = round(r["ms_per_step"] / total, 3) if total else 0.0
+    return rows[:top]
+
+
+def profiled_steps(llm: LLM, steps: int, want_mixed: bool):
+    engine = llm.engine
+    records = engine.runner.profiler.records
+    start = len(records)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kinds = [r.num_tokens != r.num_reqs for r in records[start:]]
+    assert all(k == want_mixed for k in kinds), f"expected mixed={want_mixed}, got {kinds}"
+    return prof, records[start:]
+
+
+def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) -> dict:
+    cfg = SHAPES[name]
+    llm = LLM(
+        str(model_dir(cfg, root, name)),
+        load_format="random",
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=batch + 16,
+        cuda_graphs=False,
+        async_scheduling=False,
+        profile_steps=True,
+    )
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=4096, temperature=0, ignore_eos=True)
+    vocab = cfg["vocab_size"]
+    for i in range(batch):
+        engine.add_request(f"d{i}", rng.integers(1000, vocab - 1000, prompt_len).tolist(), params)
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(3):  # warm decode steps
+        engine.step()
+    prof, recs = profiled_steps(llm, steps, want_mixed=False)
+    d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
+    ctx = sum(r.context_tokens for r in recs) / len(recs)
+    roof_ms = (param_bytes(cfg) + ctx * kv_per_token) / HBM_BPS * 1e3
+    decode = {
+        "batch": batch,
+        "mean_context_tokens": round(ctx / batch, 1),
+        "roofline_ms": round(roof_ms, 3),
+        "step_gpu_ms": engine.step_profile()["decode"]["gpu_ms"],
+        "kernels": kernel_table(prof, steps, 14),
+    }
+    engine.runner.profiler.records.clear()
+    # Long new prompts, chunked by the step budget, keep every profiled step mixed.
+    long_len = min(7000, cfg["max_position_embeddings"] - 200)
+    for i in range(steps + 2):
+        engine.add_request(f"p{i}", rng.integers(1000, vocab - 1000, long_len).tolist(), params)
+    engine.step()  # the first mixed step (admission)
+    prof, recs = profiled_steps(llm, steps, want_mixed=True)
+    mixed = {
+        "mean_tokens": round(sum(r.num_tokens for r in recs) / len(recs), 1),
+        "step_gpu_ms": engine.step_profile()["prefill_or_mixed"]["gpu_ms"],
+        "flop_bound_ms": round(
+            sum(r.num_tokens for r in recs) / len(recs) * param_bytes(cfg) / 795e12 * 1e3, 3
+        ),
+        "kernels": kernel_table(prof, steps, 14),
+    }
+    del llm, engine
+    torch.cuda.empty_cache()
+    return {"decode": decode, "mixed": mixed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama8b,qwen3")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            res = breakdown(name, args.batch, args.prompt_len, args.steps, Path(tmp))
+            results[name] = res
+            for kind in ("decode", "mixed"):
+                r = res[kind]
+                head = {k: v for k, v in r.items() if k != "kernels"}
+                print(f"\n{name} {kind}: {json.dumps(head)}")
+                for k in r["kernels"]:
+                    print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls']:<5} "
+                          f"{k['kernel']}")  # fmt: skip
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "step_breakdown.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
