@@ -43,11 +43,25 @@ def kernel_table(prof, steps: int, top: int) -> list[dict]:
     return rows[:top]
 
 
+def host_table(prof, steps: int, top: int) -> list[dict]:
+    """Host time per step by operator (self time: where the CPU itself spends it)."""
+    rows = [
+        {
+            "op": evt.key[:90],
+            "self_cpu_ms_per_step": round(evt.self_cpu_time_total / 1e3 / steps, 3),
+        }
+        for evt in prof.key_averages()
+        if evt.self_cpu_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r["self_cpu_ms_per_step"])
+    return rows[:top]
+
+
 def profiled_steps(llm: LLM, steps: int, want_mixed: bool):
     engine = llm.engine
     records = engine.runner.profiler.records
     start = len(records)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -106,6 +120,10 @@ def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) ->
             sum(r.num_tokens for r in recs) / len(recs) * param_bytes(cfg) / 795e12 * 1e3, 3
         ),
         "kernels": kernel_table(prof, steps, 14),
+        "host": host_table(prof, steps, 12),
+        "host_ms_per_step": round(
+            sum(r.cpu_ms for r in engine.runner.profiler.records) / max(1, len(recs)), 3
+        ),
     }
     del llm, engine
     torch.cuda.empty_cache()
@@ -127,11 +145,13 @@ def main() -> None:
             results[name] = res
             for kind in ("decode", "mixed"):
                 r = res[kind]
-                head = {k: v for k, v in r.items() if k != "kernels"}
+                head = {k: v for k, v in r.items() if k not in ("kernels", "host")}
                 print(f"\n{name} {kind}: {json.dumps(head)}")
                 for k in r["kernels"]:
                     print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls']:<5} "
                           f"{k['kernel']}")  # fmt: skip
+                for h in r.get("host", []):
+                    print(f"  host {h['self_cpu_ms_per_step']:9.3f} ms  {h['op']}")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "step_breakdown.json").write_text(json.dumps(results, indent=1))
 

@@ -63,6 +63,30 @@ def test_rms_norm_matches_ref(t, h, pad, with_residual, dtype) -> None:
         assert s is None
 
 
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(5, 4, 2, 32), (3, 3, 1, 64)])
+def test_per_head_norm_reads_the_fused_qkv_view(t, hq, hkv, d, dtype) -> None:
+    """Qwen3's q/k norm: [T, N, d] views into the qkv projection (token stride (hq + 2 hkv)
+    d, head stride d), each head normalised on its own; in place and into a new tensor."""
+    gen = torch.Generator().manual_seed(t + d)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(DEVICE, dtype)
+    q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]
+    q_ref, _ = rms_norm_ref(q, weight, EPS)
+    k_ref, _ = rms_norm_ref(k, weight, EPS)
+    before = qkv.clone()
+    y, s = rms_norm(q, weight, EPS)
+    assert s is None and y.shape == (t, hq, d)
+    torch.testing.assert_close(y, q_ref, **TOL[dtype])
+    torch.testing.assert_close(qkv, before, atol=0, rtol=0)  # read only
+    rms_norm(k, weight, EPS, out=k)  # in place, inside qkv
+    torch.testing.assert_close(qkv[:, hq : hq + hkv], k_ref, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, :hq], before[:, :hq], atol=0, rtol=0)
+    torch.testing.assert_close(qkv[:, hq + hkv :], before[:, hq + hkv :], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="per-head norms take none"):
+        rms_norm(q, weight, EPS, residual=torch.zeros_like(q))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_in_place_out(dtype) -> None:
     x, residual, weight = _inputs(4, 576, dtype)
@@ -103,3 +127,15 @@ def test_rms_norm_engine_size(h, with_residual, dtype) -> None:
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
     if with_residual:
         torch.testing.assert_close(s, s_ref, **_sum_tol(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_per_head_norm_engine_size(dtype) -> None:
+    """Qwen3-0.6B's q norm at a full step: 8,192 tokens x 16 heads x 128."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(8192, 32, 128, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(128, generator=gen)).to(DEVICE, dtype)
+    y, _ = rms_norm(qkv[:, :16], weight, EPS)
+    y_ref, _ = rms_norm_ref(qkv[:, :16], weight, EPS)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])

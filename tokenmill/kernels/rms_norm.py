@@ -9,9 +9,14 @@ normalised row is rounded to x's dtype, then multiplied by the weight and rounde
 
 Shapes:
     x:        [T, H]  rows may be strided, the last dim must be contiguous
-    residual: [T, H]  same dtype; overwritten with s
+              or [T, N, H]: N heads a token, each normalised on its own (Qwen3's q/k norm,
+              read straight out of the fused qkv projection: strided tokens and heads)
+    residual: [T, H]  same dtype; overwritten with s (2-D x only)
     weight:   [H]     same dtype
-    out:      [T, H]  new (or caller's ``out``, which may be x itself)
+    out:      x's shape; new (or caller's ``out``, which may be x itself)
+
+Row r of the T * N rows is token r // N, head r % N:
+    x_ptr + (r // N) * stride_xt + (r % N) * stride_xh + col
 
 Kernel: each program normalises ROWS rows held whole in one [ROWS, BLOCK_H] tile,
 BLOCK_H = next_power_of_2(H); small H packs several rows per program so every program moves
@@ -39,13 +44,16 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     # sizes
-    num_rows,
+    num_rows,  # T * N
+    num_heads,  # N (1 for 2-D x)
     hidden,
     eps,
-    # strides (rows; the last dim is contiguous)
+    # strides (tokens, heads; the last dim is contiguous)
     stride_xt,
+    stride_xh,
     stride_rt,
     stride_ot,
+    stride_oh,
     # meta-parameters
     HAS_RESIDUAL: tl.constexpr,
     ROWS: tl.constexpr,
@@ -55,10 +63,12 @@ def _rms_norm_kernel(
     rows = pid * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
     cols = tl.arange(0, BLOCK_H)[None, :]  # [1, BLOCK_H]
     mask = (rows < num_rows) & (cols < hidden)
+    tok = rows // num_heads
+    head = rows % num_heads
 
-    x = tl.load(x_ptr + rows * stride_xt + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r_ptrs = residual_ptr + rows * stride_rt + cols
+    x = tl.load(x_ptr + tok * stride_xt + head * stride_xh + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # 2-D only: tok == rows
+        r_ptrs = residual_ptr + tok * stride_rt + cols
         r = tl.load(r_ptrs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like torch's add
         tl.store(r_ptrs, x, mask=mask)
@@ -69,7 +79,8 @@ def _rms_norm_kernel(
     normed = (xf * rstd[:, None]).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + rows * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    o_ptrs = out_ptr + tok * stride_ot + head * stride_oh + cols
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_config(hidden: int) -> tuple[int, int, int]:
@@ -81,25 +92,30 @@ def _launch_config(hidden: int) -> tuple[int, int, int]:
     return block_h, rows, num_warps
 
 
-def _check_2d(name: str, t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor) -> None:
+def _check_like(name: str, t: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape} like x; got {tuple(t.shape)}")
     if t.dtype != x.dtype:
         raise ValueError(f"{name} dtype {t.dtype} differs from x's {x.dtype}")
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+    if t.dim() >= 2 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim; strides {t.stride()}")
 
 
+def _token_head_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(token stride, head stride) of a [T, H] or [T, N, H] tensor (head stride 0 in 2-D)."""
+    return (t.stride(0), t.stride(1)) if t.dim() == 3 else (t.stride(0), 0)
+
+
 def rms_norm(
-    x: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [T, H] or [T, N, H]
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H], overwritten with x + residual
-    out: torch.Tensor | None = None,  # [T, H]; may be x
+    out: torch.Tensor | None = None,  # x's shape; may be x
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm of x (or of x + residual) scaled by ``weight``.
+    """RMSNorm of x (or of x + residual) scaled by ``weight``, over x's last dim.
 
     Returns ``(y, None)`` without a residual and ``(y, residual)`` with one, where y is
     ``out`` if given (else a new tensor) and ``residual`` now holds s = x + residual.
@@ -107,40 +123,44 @@ def rms_norm(
     ``x`` itself, normalising x in place). ``x`` and ``weight`` are only read otherwise.
     Raises ValueError on shape, dtype, device or stride mismatches.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H]; got shape {tuple(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [T, H] or [T, N, H]; got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x dtype {x.dtype} unsupported; expected one of {_DTYPES}")
-    t, h = x.shape
-    _check_2d("x", x, (t, h), x)
-    _check_2d("weight", weight, (h,), x)
+    t, h = x.shape[0], x.shape[-1]
+    n = x.shape[1] if x.dim() == 3 else 1
+    _check_like("x", x, tuple(x.shape), x)
+    _check_like("weight", weight, (h,), x)
     if weight.stride(0) != 1 and h > 1:
         raise ValueError(f"weight must be contiguous; stride {weight.stride()}")
     if residual is not None:
-        _check_2d("residual", residual, (t, h), x)
+        if x.dim() == 3:
+            raise ValueError("residual needs a 2-D x [T, H]; per-head norms take none")
+        _check_like("residual", residual, (t, h), x)
     if out is None:
-        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     else:
-        _check_2d("out", out, (t, h), x)
+        _check_like("out", out, tuple(x.shape), x)
         if residual is not None and out.data_ptr() == residual.data_ptr():
             raise ValueError("out must not be residual: both results would share one buffer")
     block_h, rows, num_warps = _launch_config(h)
     if block_h > _MAX_BLOCK_H:
         raise ValueError(f"hidden size {h} too large for one tile (max {_MAX_BLOCK_H})")
-    if t == 0:
+    if t == 0 or n == 0:
         return out, residual
     res = residual if residual is not None else x  # never touched when HAS_RESIDUAL is False
-    _rms_norm_kernel[(triton.cdiv(t, rows),)](
+    _rms_norm_kernel[(triton.cdiv(t * n, rows),)](
         x,
         res,
         weight,
         out,
-        t,
+        t * n,
+        n,
         h,
         eps,
-        x.stride(0),
+        *_token_head_strides(x),
         res.stride(0),
-        out.stride(0),
+        *_token_head_strides(out),
         HAS_RESIDUAL=residual is not None,
         ROWS=rows,
         BLOCK_H=block_h,

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32, then scaled by the weight in the input dtype.
 
-    ``fused`` selects the Triton kernel (tokenmill/kernels/rms_norm.py) for 2-D inputs; it
-    also fuses the residual add: ``forward(x, residual)`` returns ``(norm(x + residual),
-    x + residual)`` and, fused, writes the sum into ``residual`` in place.
+    ``fused`` selects the Triton kernel (tokenmill/kernels/rms_norm.py) for 2-D inputs and
+    per-head 3-D ones ([T, N, d], Qwen3's q/k norm). It also fuses the residual add:
+    ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)`` and, fused,
+    writes the sum into ``residual`` in place.
     """
 
     def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
@@ -21,7 +22,7 @@ class RMSNorm(torch.nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.fused and x.dim() == 2:
+        if self.fused and x.dim() in (2, 3):
             from tokenmill.kernels.rms_norm import rms_norm
 
             y, summed = rms_norm(x, self.weight, self.eps, residual)

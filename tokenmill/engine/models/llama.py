@@ -33,8 +33,9 @@ class LlamaAttention(torch.nn.Module):
             config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.attention_bias
         )
         self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, fused) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, fused) if config.qk_norm else None
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
