@@ -17,11 +17,21 @@ from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 
 
-@pytest.mark.parametrize(("arch", "block_size"), [("llama", 4), ("llama", 16), ("qwen3", 16)])
+@pytest.mark.parametrize(
+    ("arch", "block_size", "device"),
+    [
+        ("llama", 4, "cpu"),
+        ("llama", 16, "cpu"),
+        ("qwen3", 16, "cpu"),
+        pytest.param("llama", 16, "cuda", marks=pytest.mark.gpu),
+        pytest.param("qwen3", 16, "cuda", marks=pytest.mark.gpu),
+    ],
+)
 def test_tiny_model_triton_matches_torch_backend(
-    tmp_path: Path, arch: str, block_size: int
+    tmp_path: Path, arch: str, block_size: int, device: str
 ) -> None:
-    """qwen3 adds the per-head q/k norms, which the fused path runs in the RMSNorm kernel."""
+    """qwen3 adds the per-head q/k norms, which the fused path runs in the RMSNorm kernel.
+    Mixed steps (decode rows beside prefill chunks) use both attention kernels."""
     path = save_tiny_model(arch, tmp_path / "m")
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(5, 280, (9,), generator=g).tolist()
@@ -33,7 +43,7 @@ def test_tiny_model_triton_matches_torch_backend(
         # A small token budget forces chunked prefill; the shared prefix gives cache hits.
         llm = LLM(
             str(path),
-            device="cpu",
+            device=device,
             dtype="float32",
             block_size=block_size,
             kv_cache_memory=4 << 20,

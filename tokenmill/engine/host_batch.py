@@ -4,6 +4,7 @@
     query_lens, seq_lens:                [B]
     block_tables:                        [B, max_blocks]   padded with 0
     logits_rows:                         [S]        last token of each request that samples
+    rows are the scheduled requests with the one-token ones (decodes) moved first
     pending_rows, pending_src:           [P]        async scheduling: input_ids[pending_rows[i]]
                                                     is the previous step's sampled token
                                                     number pending_src[i] (0 until filled in)
@@ -59,7 +60,8 @@ class HostBatch:
         """Flatten ``sched``. ``prev_rows`` (the previous step's ``sampled_positions``) is
         where each pending input token will come from; raises RuntimeError when a request has
         a pending token the previous step did not sample."""
-        rows = sched.scheduled
+        # One-token rows first (stable): attention backends run them with the decode kernel.
+        rows = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
         n = len(rows)
         query_lens = np.fromiter((s.num_new_tokens for s in rows), dtype=np.int32, count=n)
         seq_lens = np.fromiter((s.end for s in rows), dtype=np.int32, count=n)

@@ -6,6 +6,9 @@ A step is a flat batch of ``num_tokens`` query tokens from ``B`` requests:
     request r0 seq:   [ cached/computed ... | 4 new ]   seq_lens[0] = context incl. new tokens
     block_tables[b]:  the request's KV block ids, padded with 0 to the batch's widest row
     slot_mapping[t]:  block_tables[b][pos // block_size] * block_size + pos % block_size
+
+The runner puts one-token rows (decodes) first, so a backend can send the leading
+``num_decodes`` rows to a decode kernel and the rest to a prefill kernel.
 """
 
 from __future__ import annotations
@@ -42,3 +45,13 @@ class CommonAttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_host, default=0)
+
+    @property
+    def num_decodes(self) -> int:
+        """How many leading rows have a single query token."""
+        n = 0
+        for q_len in self.query_lens_host:
+            if q_len != 1:
+                break
+            n += 1
+        return n

@@ -1,10 +1,16 @@
 """Paged attention with the Triton kernels (the GPU path).
 
-Per layer: the step's K/V go into the paged cache (``store_kv``), then either
-  * decode-only steps (every request has one query token): split-K flash-decoding over each
-    request's blocks, all query heads of a KV head's GQA group together; or
-  * any step with a prefill chunk: the varlen prefill kernel, which also serves the decode
-    rows mixed into that step (a query of length 1 is just a short chunk).
+Per layer: the step's K/V go into the paged cache (``store_kv``), then
+  * the one-token rows (decodes; the runner puts them first): split-K flash-decoding over
+    each request's blocks, all query heads of a KV head's GQA group together;
+  * the rows with a prefill chunk: the varlen prefill kernel.
+
+    q rows:  [ d d d d d | p p p p p p p p | p p p ]     num_decodes = 5
+               decode kernel   prefill kernel (query_start_loc shifted by -5)
+
+A mixed step thus reads each decode row's keys with the decode kernel, as a pure decode step
+does (the prefill kernel would give each of them a whole tile of query rows), and a decode
+row's result does not depend on which kind of step it ran in.
 """
 
 from __future__ import annotations
@@ -19,8 +25,14 @@ from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     common: CommonAttentionMetadata
-    decode_only: bool
-    num_splits: int
+    num_decodes: int  # leading one-token rows
+    num_splits: int  # decode splits, covering the longest decode row
+    prefill_query_start_loc: torch.Tensor | None  # [P + 1], rebased to the first prefill row
+    prefill_max_query_len: int
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.common.num_reqs
 
 
 class TritonAttentionBackend:
@@ -46,11 +58,14 @@ class TritonAttentionBackend:
         self.split_keys = max(256, -(-max_model_len // 8))
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        decode_only = common.max_query_len == 1
-        splits = 1
-        if decode_only:
-            splits = max(1, -(-common.max_seq_len // self.split_keys))
-        return TritonAttentionMetadata(common, decode_only, splits)
+        nd = common.num_decodes
+        longest = max(common.seq_lens_host[:nd], default=0)
+        splits = max(1, -(-longest // self.split_keys))
+        prefill_qsl = None
+        if nd < common.num_reqs:  # one small device op a step, shared by every layer
+            prefill_qsl = common.query_start_loc[nd:] - nd if nd else common.query_start_loc
+        prefill_max = max(common.query_lens_host[nd:], default=0)
+        return TritonAttentionMetadata(common, nd, splits, prefill_qsl, prefill_max)
 
     def forward(
         self,
@@ -64,6 +79,7 @@ class TritonAttentionBackend:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         c = meta.common
         self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
+        nd = meta.num_decodes
         if meta.decode_only:
             return self._decode(
                 q,
@@ -75,13 +91,28 @@ class TritonAttentionBackend:
                 meta.num_splits,
                 split_keys=self.split_keys,
             )
-        return self._prefill(
-            q,
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]
+        if nd:
+            self._decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                c.block_tables[:nd],
+                c.seq_lens[:nd],
+                scale,
+                meta.num_splits,
+                split_keys=self.split_keys,
+                out=out[:nd],
+            )
+        self._prefill(
+            q[nd:],
             k_cache,
             v_cache,
-            c.block_tables,
-            c.query_start_loc,
-            c.seq_lens,
-            c.max_query_len,
+            c.block_tables[nd:],
+            meta.prefill_query_start_loc,
+            c.seq_lens[nd:],
+            meta.prefill_max_query_len,
             scale,
+            out=out[nd:],
         )
+        return out
