@@ -142,6 +142,20 @@ def test_writes_into_out_and_skips_empty_requests() -> None:
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
 
 
+def test_first_req_leaves_earlier_rows_alone() -> None:
+    """A mixed step: two one-token rows (for the decode kernel) then two prefill chunks; with
+    first_req=2 only the chunks' tokens are written and they equal the reference."""
+    requests = [(1, 30), (1, 7), (5, 21), (3, 3)]
+    args = make_batch(requests, 4, 2, 64, 16, torch.float32)
+    out = torch.full(args[0].shape, float("nan"), device=args[0].device)
+    paged_prefill_attention(*args, out=out, first_req=2)
+    ref = paged_prefill_attention_ref(*args)
+    assert out[:2].isnan().all()  # the decode rows' tokens: untouched
+    torch.testing.assert_close(out[2:], ref[2:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="first_req"):
+        paged_prefill_attention(*args, first_req=5)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

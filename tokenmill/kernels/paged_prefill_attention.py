@@ -203,7 +203,7 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["tiles_per_req", "stride_bt"])
+@triton.jit(do_not_specialize=["first_req", "tiles_per_req", "stride_bt"])
 def _paged_prefill_attention_kernel(
     # pointers
     q_ptr,  # [T, Hq, d]
@@ -215,6 +215,7 @@ def _paged_prefill_attention_kernel(
     seq_lens_ptr,  # [B] int32
     # sizes
     qk_scale,  # softmax scale * log2(e)
+    first_req,  # requests before it are someone else's (a mixed step's decode rows)
     tiles_per_req,
     # strides (the head dim is contiguous: checked by the wrapper)
     stride_qt,
@@ -241,7 +242,7 @@ def _paged_prefill_attention_kernel(
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid = tl.program_id(0)
-    req = pid // tiles_per_req
+    req = first_req + pid // tiles_per_req
     # reversed: late tiles have the most keys, so they start first
     tile = tiles_per_req - 1 - pid % tiles_per_req
     q_head0 = tl.program_id(1) * HEADS_PER_TILE
@@ -370,6 +371,7 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, d]
     config: PrefillAttentionConfig | None = None,
+    first_req: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged K/V context.
 
@@ -378,15 +380,20 @@ def paged_prefill_attention(
     host-side ``max_query_len`` (which must be >= every request's query count: it sizes the
     grid, and tokens beyond it would be left unwritten). ``config`` overrides the launch
     parameters (see ``default_prefill_config``). Writes into ``out`` when given (else a new
-    contiguous tensor) and returns it. Raises ValueError on mismatched shapes, dtypes,
-    strides or devices. No host-device synchronisation.
+    contiguous tensor) and returns it. Requests before ``first_req`` are skipped (their
+    tokens in ``out`` are left for another kernel; tensors are passed whole, not sliced, so
+    that no pointer loses its alignment and no new kernel variant is compiled mid-job).
+    Raises ValueError on mismatched shapes, dtypes, strides or devices. No host-device
+    synchronisation.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    num_reqs = seq_lens.shape[0]
+    num_reqs = seq_lens.shape[0] - first_req
+    if not 0 <= first_req <= seq_lens.shape[0]:
+        raise ValueError(f"first_req={first_req} is outside [0, {seq_lens.shape[0]}]")
     if t == 0 or num_reqs == 0 or max_query_len <= 0:
         return out
 
@@ -402,7 +409,7 @@ def paged_prefill_attention(
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     _paged_prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, tiles_per_req,
+        scale * _LOG2E, first_req, tiles_per_req,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

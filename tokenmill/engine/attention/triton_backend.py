@@ -6,7 +6,7 @@ Per layer: the step's K/V go into the paged cache (``store_kv``), then
   * the rows with a prefill chunk: the varlen prefill kernel.
 
     q rows:  [ d d d d d | p p p p p p p p | p p p ]     num_decodes = 5
-               decode kernel   prefill kernel (query_start_loc shifted by -5)
+               decode kernel   prefill kernel (first_req = 5)
 
 A mixed step thus reads each decode row's keys with the decode kernel, as a pure decode step
 does (the prefill kernel would give each of them a whole tile of query rows), and a decode
@@ -27,7 +27,6 @@ class TritonAttentionMetadata:
     common: CommonAttentionMetadata
     num_decodes: int  # leading one-token rows
     num_splits: int  # decode splits, covering the longest decode row
-    prefill_query_start_loc: torch.Tensor | None  # [P + 1], rebased to the first prefill row
     prefill_max_query_len: int
 
     @property
@@ -61,11 +60,8 @@ class TritonAttentionBackend:
         nd = common.num_decodes
         longest = max(common.seq_lens_host[:nd], default=0)
         splits = max(1, -(-longest // self.split_keys))
-        prefill_qsl = None
-        if nd < common.num_reqs:  # one small device op a step, shared by every layer
-            prefill_qsl = common.query_start_loc[nd:] - nd if nd else common.query_start_loc
         prefill_max = max(common.query_lens_host[nd:], default=0)
-        return TritonAttentionMetadata(common, nd, splits, prefill_qsl, prefill_max)
+        return TritonAttentionMetadata(common, nd, splits, prefill_max)
 
     def forward(
         self,
@@ -105,14 +101,15 @@ class TritonAttentionBackend:
                 out=out[:nd],
             )
         self._prefill(
-            q[nd:],
+            q,
             k_cache,
             v_cache,
-            c.block_tables[nd:],
-            meta.prefill_query_start_loc,
-            c.seq_lens[nd:],
+            c.block_tables,
+            c.query_start_loc,
+            c.seq_lens,
             meta.prefill_max_query_len,
             scale,
-            out=out[nd:],
+            out=out,
+            first_req=nd,
         )
         return out
