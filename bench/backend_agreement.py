@@ -1,6 +1,7 @@
 """How often greedy continuations agree across attention backends and dtypes (SmolLM2, GPU).
 
-Pairs: triton-bf16 vs torch-bf16 (the kernels' effect), torch-bf16 vs torch-fp32 and
+Pairs: triton-bf16 vs torch-bf16 (the kernels' effect; also with CUDA graphs off, whose
+padded batches can change cuBLAS's choice of GEMM kernel), torch-bf16 vs torch-fp32 and
 triton-bf16 vs torch-fp32 (bf16's own effect), triton-fp32 vs torch-fp32 (must be equal).
 Prints identical continuations and the mean position of the first differing token.
 
@@ -33,15 +34,23 @@ def main() -> None:
     prompts = chat_prompts(int(os.environ.get("PROMPTS", "32")), seed=1)
     greedy = SamplingParams(max_tokens=48, temperature=0)
     runs = {}
-    for dtype in ("float32", "bfloat16"):
-        for backend in ("torch", "triton"):
-            llm = LLM(model, device="cuda", dtype=dtype, attention_backend=backend)
-            runs[backend, dtype] = [o.token_ids for o in llm.chat(prompts, greedy)]
-            del llm
-            torch.cuda.empty_cache()
+    variants = [
+        ("torch", "float32", True),
+        ("triton", "float32", True),
+        ("torch", "bfloat16", True),
+        ("triton", "bfloat16", True),
+        ("triton-eager", "bfloat16", False),
+    ]
+    for name, dtype, graphs in variants:
+        backend = name.split("-")[0]
+        llm = LLM(model, device="cuda", dtype=dtype, attention_backend=backend, cuda_graphs=graphs)
+        runs[name, dtype] = [o.token_ids for o in llm.chat(prompts, greedy)]
+        del llm
+        torch.cuda.empty_cache()
     pairs = [
         (("triton", "float32"), ("torch", "float32")),
         (("triton", "bfloat16"), ("torch", "bfloat16")),
+        (("triton-eager", "bfloat16"), ("torch", "bfloat16")),
         (("torch", "bfloat16"), ("torch", "float32")),
         (("triton", "bfloat16"), ("torch", "float32")),
     ]

@@ -105,10 +105,10 @@ def test_rope_tokens_per_program_writes_nothing_past_t(monkeypatch) -> None:
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64), (64, 8, 128), (4, 1, 32)])
 def test_rope_launch_config(t, hq, hkv, d) -> None:
     tokens, warps = rope_mod._launch_config(t, hq, hkv, d)
-    assert tokens & (tokens - 1) == 0 and 1 <= tokens <= rope_mod._MAX_TOKENS
+    assert tokens == 1  # the H200 sweep: packing tokens was slower at every size
     assert warps & (warps - 1) == 0 and 1 <= warps <= 16
-    if t <= rope_mod._MIN_PROGRAMS:
-        assert tokens == 1  # small batches (decode) keep one token a program
+    if (hq, hkv, d) == (32, 8, 128):
+        assert warps == 8  # the sweep's best at T = 4096
 
 
 def test_rope_ref_rotates_like_the_engine() -> None:

@@ -6,8 +6,9 @@ position p = positions[t]:
     x = [ x1 (d/2) | x2 (d/2) ]  ->  [ x1 cos[p] - x2 sin[p] | x2 cos[p] + x1 sin[p] ]
 
 The tables come from ``RotaryEmbedding`` (models/rope.py), so any rope scaling (Llama-3,
-linear) is already in them. The rotation runs in float32; the result is rounded once to the
-input dtype.
+linear) is already in them. The rotation runs in float32, rounded where the engine's torch
+path rounds (the tables, each product and each sum in the input dtype), so the Triton and
+torch backends rotate to the same bits.
 
 Shapes:
     q:         [T, Hq, d]   strided view of the fused qkv output [T, Hq + 2 Hkv, d]
@@ -38,10 +39,8 @@ from tokenmill.engine.models.rope import apply_rope
 __all__ = ["rope_", "rope_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_ELEMENTS_PER_PROGRAM = 16384  # q + k tile elements (padded) a program aims at
-_MIN_PROGRAMS = 512  # ~4 programs on each of the H200's 132 SMs before packing tokens
-_MAX_TOKENS = 8
-_ELEMENTS_PER_THREAD = 32  # fp32 q + k tile elements a thread, at least (warps round down)
+_MAX_TOKENS = 8  # the kernel packs up to this many tokens a program (bench sweep variants)
+_ELEMENTS_PER_THREAD = 16  # fp32 q + k tile elements a thread (warps round down)
 
 
 @triton.jit
@@ -75,11 +74,19 @@ def _store_rotated(
     cos,  # [TOKENS, 1, BLOCK_HALF] float32
     sin,
 ):
+    # Rounded where the engine's torch path rounds (tables, each product, the sum, in x's
+    # dtype), so both backends rotate to the same bits; in fp32 every rounding is a no-op.
+    dtype = p1.dtype.element_ty
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    dtype = p1.dtype.element_ty
-    tl.store(p1, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(p1 + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    a = (x1 * cos).to(dtype).to(tl.float32)
+    b = (x2 * sin).to(dtype).to(tl.float32)
+    tl.store(p1, (a - b).to(dtype), mask=mask)
+    a = (x2 * cos).to(dtype).to(tl.float32)
+    b = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(p1 + half, (a + b).to(dtype), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -138,28 +145,17 @@ def _pow2_floor(n: int) -> int:
 def _launch_config(t: int, hq: int, hkv: int, d: int) -> tuple[int, int]:
     """(TOKENS, num_warps) for T tokens of hq q and hkv k heads of size d.
 
-    One token of Llama-3-8B (32 + 8 heads of d 128) is only 5,120 elements, so one token a
-    program leaves each program a short load -> table -> store chain whose fixed cost (and
-    the grid's tail) weighs at T = 4096 (43-77% of the copy ceiling vs 91% at 16384 on the
-    H200, 1 token / 4 warps). TOKENS therefore doubles while the padded q + k tile stays
-    within ``_ELEMENTS_PER_PROGRAM`` and the grid keeps ``_MIN_PROGRAMS`` programs (small
-    T, e.g. decode, stays at one token a program so every SM gets work). num_warps gives a
-    thread 32-64 fp32 tile elements (the power of two at or below tile elements / 1024): 4 warps
-    for one Llama token, the measured best of 2/4/8/16 for the one-token kernel.
-    Llama-3-8B at T = 4096 and 16384: 2 tokens, 8 warps. Provisional until the H200 sweep
-    (bench/kernel_bench_elementwise.py --sweep) picks between tokens x warps variants.
+    One token a program, num_warps giving a thread about 16 elements of the padded q + k
+    tile (8 warps for a Llama-3-8B token: 32 + 8 heads of d 128). Measured on the H200
+    (bench/kernel_bench_elementwise.py --sweep, BENCHMARKS.md), Llama-3-8B bf16: one token /
+    8 warps reached 74% of the copy ceiling at T = 4,096 and 88% at 16,384; packing 2, 4 or 8
+    tokens a program was slower at both sizes (39-56% at 4,096). ``t`` is kept for callers
+    and for a future size-dependent choice.
     """
+    del t
     half = triton.next_power_of_2(d // 2)
     per_token = (triton.next_power_of_2(hq) + triton.next_power_of_2(hkv)) * 2 * half
-    tokens = 1
-    while (
-        tokens < _MAX_TOKENS
-        and 2 * tokens * per_token <= _ELEMENTS_PER_PROGRAM
-        and triton.cdiv(t, 2 * tokens) >= _MIN_PROGRAMS
-    ):
-        tokens *= 2
-    num_warps = max(1, min(16, _pow2_floor(tokens * per_token // (32 * _ELEMENTS_PER_THREAD))))
-    return tokens, num_warps
+    return 1, max(1, min(16, _pow2_floor(per_token // (32 * _ELEMENTS_PER_THREAD))))
 
 
 def _check(
@@ -251,11 +247,8 @@ def rope_ref(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's ``apply_rope`` run in float32; returns new rotated (q, k) in the input
-    dtype and mutates nothing."""
-    c = cos[positions].unsqueeze(1)  # [T, 1, d/2]
-    s = sin[positions].unsqueeze(1)
-    return (
-        apply_rope(q.float(), c, s).to(q.dtype),
-        apply_rope(k.float(), c, s).to(k.dtype),
-    )
+    """The engine's torch path (``apply_rope`` with the tables cast to q's dtype); returns
+    new rotated (q, k) and mutates nothing."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    return apply_rope(q, c, s), apply_rope(k, c, s)

@@ -2,8 +2,9 @@
 
     x = [ gate (I) | up (I) ]   ->   y = silu(gate) * up,   silu(g) = g / (1 + exp(-g))
 
-computed in float32 and rounded once to x's dtype (the engine's ``silu_and_mul`` rounds
-silu(gate) before the product; the two differ by at most one ulp of the dtype).
+computed in float32 and rounded where the engine's torch ``silu_and_mul`` rounds: silu(gate)
+to x's dtype, then the product, so both backends give the same bits (up to the last-ulp
+difference between Triton's and CUDA's exp).
 
 Shapes:
     x: [T, 2I]  rows may be strided, the last dim must be contiguous
@@ -44,7 +45,8 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * stride_xt
     g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = s * u
     tl.store(out_ptr + t * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -103,6 +105,6 @@ def silu_and_mul(
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in float32, rounded once to x's dtype; x: [T, 2I] -> [T, I]."""
-    gate, up = x.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(x.dtype)
+    """The engine's torch path: silu(gate) * up in x's dtype; x: [T, 2I] -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
