@@ -96,11 +96,41 @@ def test_local_greedy_output_is_deterministic(tiny_model: Path, tmp_path: Path) 
     assert texts[0] == texts[1]
 
 
-def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path) -> None:
+def test_async_scheduling_job_matches_the_plain_loop(tiny_model: Path, tmp_path: Path) -> None:
+    """On a GPU jobs run with async scheduling: the job path (rows in flight, results a step
+    later) must write the same rows as with the plain loop, stop strings included."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    probe = tmp_path / "probe"
+    run_job(job_dict(tiny_model, src, probe, sampling={"max_tokens": 20}), show_progress=False)
+    texts = [r["text"] for r in _outputs(probe)[0]]
+    # A character some but not all rows produce: those rows stop early, the rest run out.
+    stop = max(
+        (c for c in set("".join(texts)) if sum(c in t for t in texts) < len(texts)),
+        key=lambda c: sum(c in t for t in texts),
+    )
+    rows = {}
+    for mode in (False, True):
+        spec = job_dict(
+            tiny_model,
+            src,
+            tmp_path / str(mode),
+            sampling={"max_tokens": 20, "stop": [stop]},
+            engine={"max_num_seqs": 5, "async_scheduling": mode},
+        )
+        assert run_job(spec, show_progress=False).status == "complete"
+        ok, _ = _outputs(tmp_path / str(mode))
+        rows[mode] = {r["id"]: (r["text"], r["finish_reason"]) for r in ok}
+    assert rows[True] == rows[False] and len(rows[True]) == 12
+    assert {reason for _, reason in rows[True].values()} >= {"stop", "length"}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_scheduling) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(120))
     ref_out, out = tmp_path / "ref", tmp_path / "out"
     run_job(job_dict(tiny_model, src, ref_out, sampling={"max_tokens": 16}), show_progress=False)
-    spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine={"max_num_seqs": 2})
+    engine = {"max_num_seqs": 2, "async_scheduling": async_scheduling}
+    spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine=engine)
     handle = submit(spec)
     manifest = out / "test.manifest.json"
     deadline = time.monotonic() + 60

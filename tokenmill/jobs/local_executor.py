@@ -35,6 +35,7 @@ def engine_config(spec: JobSpec) -> EngineConfig:
         kv_cache_memory=e.kv_cache_memory,
         enable_prefix_caching=e.prefix_caching,
         cuda_graphs=e.cuda_graphs,
+        async_scheduling=e.async_scheduling,
     )
 
 

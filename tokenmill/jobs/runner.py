@@ -53,8 +53,9 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
 
 def fingerprint_of(spec: JobSpec) -> str:
     source = resolve_model_source(spec.model.source)
-    template = getattr(source.load_tokenizer(), "chat_template", None)
-    return job_fingerprint(spec, source.path, template, input_fingerprint(input_config(spec)))
+    return job_fingerprint(
+        spec, source.path, source.chat_template(), input_fingerprint(input_config(spec))
+    )
 
 
 def run_job(

@@ -93,6 +93,7 @@ class EngineSection(_Section):
     block_size: int = Field(16, ge=1)
     prefix_caching: bool = True
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None  # None: on with CUDA
     kv_cache_memory: int | float | None = None
 
 

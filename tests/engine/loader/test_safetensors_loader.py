@@ -91,7 +91,9 @@ def test_bfloat16_weights_keep_their_dtype(tmp_path: Path) -> None:
 
 
 def test_tokenizer_round_trips_with_chat_template(tiny_hf_dir: TinyDir) -> None:
-    tokenizer = resolve_model_source(tiny_hf_dir("llama")).load_tokenizer()
+    source = resolve_model_source(tiny_hf_dir("llama"))
+    tokenizer = source.load_tokenizer()
+    assert source.chat_template() == tokenizer.chat_template  # read without the tokenizer
     text = "Hello, wörld! 12 + 3"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert tokenizer.chat_template == CHAT_TEMPLATE

@@ -67,6 +67,7 @@ def test_weights_equal_transformers_gguf_loader(
 
 def test_tokenizer_round_trips_and_has_chat_template(smollm2: ModelSource) -> None:
     tokenizer = smollm2.load_tokenizer()
+    assert smollm2.chat_template() == tokenizer.chat_template  # read without the tokenizer
     text = "The quick brown fox jumps over 13 lazy dogs."
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) < len(text) and tokenizer.decode(ids) == text

@@ -11,6 +11,7 @@ Nothing is downloaded and nothing is unpickled: pickle checkpoints are refused.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -72,6 +73,25 @@ class ModelSource:
         reader = open_gguf(self.path)
         arch = str(metadata_value(reader, "general.architecture"))
         return iter_gguf_weights(reader, self.path, config, arch)
+
+    def chat_template(self) -> str | None:
+        """The chat template the model ships, read without building its tokenizer (a job's
+        fingerprint needs only this; the engine builds the tokenizer once). HF directories:
+        ``tokenizer_config.json``'s ``chat_template`` (JSON-encoded when it is a list of named
+        templates), else ``chat_template.jinja``. GGUF: ``tokenizer.chat_template``."""
+        if self.kind == "gguf":
+            value = metadata_value(open_gguf(self.path), "tokenizer.chat_template")
+            return None if value is None else str(value)
+        config_file = self.path / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                value = json.loads(config_file.read_text()).get("chat_template")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read {config_file}: {e}") from e
+            if value is not None:
+                return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        jinja = self.path / "chat_template.jinja"
+        return jinja.read_text() if jinja.is_file() else None
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The model's tokenizer, with ``chat_template`` set when the model ships one."""
