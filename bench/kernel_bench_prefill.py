@@ -16,7 +16,8 @@ prefixes, and every timed shape against SDPA's output.
 
     PYTHONPATH=$PWD python3 bench/kernel_bench_prefill.py [--sweep] [--json PATH]
 
-``--sweep`` also times a few tile configurations (rows tagged with their config).
+``--sweep`` also times a few tile configurations (rows tagged with their config), among them
+``read_new_keys`` (the prompt's own keys read from contiguous k/v rows, not the block table).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ SWEEP = [
     PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=4),
     PrefillAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
     PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, pack_gqa=False),
+    # the step's own keys read from k_new/v_new rows instead of through the block table
+    PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, read_new_keys=True),
+    PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, read_new_keys=True),
 ]
 
 
@@ -155,13 +159,23 @@ def time_sdpa(
 
 
 def time_kernel(
-    args: tuple, config: PrefillAttentionConfig, expected: torch.Tensor
+    args: tuple,
+    config: PrefillAttentionConfig,
+    expected: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
 ) -> tuple[float, float]:
-    """(median ms, max abs error vs ``expected``) of the kernel with ``config``."""
+    """(median ms, max abs error vs ``expected``) of the kernel with ``config``; ``k_new`` /
+    ``v_new`` are the step's own keys (all of them: full prefills), used when the config
+    says ``read_new_keys``."""
     out = torch.empty_like(args[0])
-    paged_prefill_attention(*args, out=out, config=config)
+
+    def run() -> torch.Tensor:
+        return paged_prefill_attention(*args, out=out, config=config, k_new=k_new, v_new=v_new)
+
+    run()
     err = (out.float() - expected.float()).abs().max().item()
-    return time_ms(lambda: paged_prefill_attention(*args, out=out, config=config)), err
+    return time_ms(run), err
 
 
 def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> list[dict]:
@@ -182,7 +196,7 @@ def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> lis
                 sdpa = time_sdpa(args[0], k, v, num_reqs, seq_len, args[-1])
             for cfg in configs:
                 used = cfg or default_prefill_config(HEAD_DIM, DTYPE, block_size)
-                ms, err = time_kernel(args, used, sdpa[1])
+                ms, err = time_kernel(args, used, sdpa[1], k, v)
                 rows.append(
                     {
                         "kernel": "prefill",
@@ -218,7 +232,8 @@ def main() -> None:
     for r in rows:
         c = r["config"]
         tag = f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
-        tag += ("" if c["pack_gqa"] else " nopack") + (" *" if c["default"] else "")
+        tag += ("" if c["pack_gqa"] else " nopack") + (" new-kv" if c["read_new_keys"] else "")
+        tag += " *" if c["default"] else ""
         print(
             f"{r['shape']:<36} {tag:<24} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
             f"{r['sdpa_ms']:>8.3f} {r['sdpa_tflops']:>9.1f} {r['max_abs_err_vs_sdpa']:>8.4f}"

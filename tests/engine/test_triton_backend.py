@@ -54,6 +54,39 @@ def test_tiny_model_triton_matches_torch_backend(
     assert outs["triton"] == outs["torch"]
 
 
+def test_read_new_keys_in_the_engine_matches_torch_backend(tmp_path: Path, monkeypatch) -> None:
+    """The prefill kernel reading the step's own keys from k/v (config.read_new_keys) gives
+    the torch backend's tokens through chunked prefill, cache hits and mixed steps."""
+    import dataclasses
+
+    from tokenmill.kernels import paged_prefill_attention as prefill
+
+    default = prefill.default_prefill_config
+    monkeypatch.setattr(
+        prefill,
+        "default_prefill_config",
+        lambda *a, **k: dataclasses.replace(default(*a, **k), read_new_keys=True),
+    )
+    path = save_tiny_model("llama", tmp_path / "m")
+    g = torch.Generator().manual_seed(2)
+    shared = torch.randint(5, 280, (21,), generator=g).tolist()
+    prompts = [shared + torch.randint(5, 280, (n,), generator=g).tolist() for n in (2, 9, 30)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            kv_cache_memory=4 << 20,
+            max_num_batched_tokens=24,
+            attention_backend=backend,
+        )
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["torch"]
+
+
 def _smollm2() -> str:
     return os.environ.get("SMOLLM2_GGUF", "smollm2-135m-instruct")
 

@@ -142,6 +142,56 @@ def test_writes_into_out_and_skips_empty_requests() -> None:
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
 
 
+def _new_rows_then_poison(args: tuple, block_n: int) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(args with the cache slots the kernel must take from k_new/v_new overwritten by NaN,
+    k_new, v_new). k_new/v_new hold, row by row in query-token order, what the cache held at
+    the step's own slots; of those, the kernel reads from k_new the ones in key tiles that
+    start at or past the context (the tile straddling it still comes from the cache)."""
+    q, k_cache, v_cache, block_tables, qsl, seq_lens = args[:6]
+    block_size = k_cache.shape[1]
+
+    def slots_of(b: int, pos: torch.Tensor) -> torch.Tensor:
+        return block_tables[b, pos // block_size].long() * block_size + pos % block_size
+
+    new_slots, poison = [], []
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        ctx = seq_len - int(qsl[b + 1] - qsl[b])
+        new_slots.append(slots_of(b, torch.arange(ctx, seq_len, device=q.device)))
+        ctx_up = -(-ctx // block_n) * block_n
+        poison.append(slots_of(b, torch.arange(min(ctx_up, seq_len), seq_len, device=q.device)))
+    new_slots, poison = torch.cat(new_slots), torch.cat(poison)
+    k_new = k_cache.reshape(-1, *k_cache.shape[2:])[new_slots].clone()  # [T, Hkv, d]
+    v_new = v_cache.reshape(-1, *v_cache.shape[2:])[new_slots].clone()
+    k_bad, v_bad = k_cache.clone(), v_cache.clone()
+    k_bad.view(-1, *k_cache.shape[2:])[poison] = float("nan")
+    v_bad.view(-1, *v_cache.shape[2:])[poison] = float("nan")
+    return (q, k_bad, v_bad, *args[3:]), k_new, v_new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("block_size", "config"),
+    [
+        (16, PrefillAttentionConfig(block_m=16, block_n=32, read_new_keys=True)),
+        (16, PrefillAttentionConfig(block_m=32, block_n=16, read_new_keys=True)),
+        (32, PrefillAttentionConfig(block_m=64, block_n=16, read_new_keys=True)),
+    ],
+    ids=["gather", "tile-is-block", "in-block"],
+)
+def test_read_new_keys_uses_k_new_for_the_steps_own_tokens(block_size, config, dtype) -> None:
+    """The cache slots of the key tiles past each context are NaN: the result still equals
+    the reference on the intact cache, so those keys came from k_new/v_new."""
+    args = make_batch(CPU_REQUESTS + [(40, 40), (9, 50)], 8, 2, 64, block_size, dtype)
+    ref = paged_prefill_attention_ref(*args)
+    poisoned, k_new, v_new = _new_rows_then_poison(args, config.block_n)
+    out = paged_prefill_attention(*poisoned, config=config, k_new=k_new, v_new=v_new)
+    assert not out.isnan().any()
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="k_new"):
+        paged_prefill_attention(*poisoned, config=config, k_new=k_new[1:], v_new=v_new)
+
+
 def test_first_req_leaves_earlier_rows_alone() -> None:
     """A mixed step: two one-token rows (for the decode kernel) then two prefill chunks; with
     first_req=2 only the chunks' tokens are written and they equal the reference."""

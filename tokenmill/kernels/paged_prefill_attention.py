@@ -46,6 +46,13 @@ one of two ways, picked at launch (``TILE_IN_BLOCK``):
 * otherwise (e.g. block_size 16, BLOCK_N 64): one block id per key token, gathered from the
   block table (each key row is still ``d`` contiguous elements, so loads stay vectorised).
 
+With ``read_new_keys`` (and ``k_new``/``v_new`` passed), key tiles that start at or past
+``ctx`` hold only this step's tokens, which are read from ``k_new``/``v_new`` row by row
+(token ``q_start + p - ctx`` for key position ``p``) with no block table:
+
+    keys:   [ 0 ........ ctx_up )[ ctx_up ........ n_stop )      ctx_up = ctx rounded up to
+            paged (block table)    k_new rows                    a multiple of BLOCK_N
+
 Uninitialised cache slots past ``seq_len`` (possibly NaN) are never loaded unmasked.
 """
 
@@ -53,11 +60,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenmill.kernels.paged_prefill_config import PrefillAttentionConfig, default_prefill_config
 
 __all__ = [
     "PrefillAttentionConfig",
@@ -68,60 +76,6 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@dataclass(frozen=True)
-class PrefillAttentionConfig:
-    """Launch parameters. ``block_m`` counts query rows (tokens x packed heads) per program."""
-
-    block_m: int = 128
-    block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    pack_gqa: bool = True  # put the query heads of one KV head in the same tile
-
-    def __post_init__(self) -> None:
-        for key in ("block_m", "block_n"):
-            value = getattr(self, key)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"PrefillAttentionConfig.{key}={value}: need a power of two >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"PrefillAttentionConfig.num_warps={self.num_warps}: need 1-16, pow2")
-        if self.num_stages < 1:
-            raise ValueError(f"PrefillAttentionConfig.num_stages={self.num_stages}: need >= 1")
-
-
-def default_prefill_config(
-    head_dim: int, dtype: torch.dtype, block_size: int = 16
-) -> PrefillAttentionConfig:
-    """Hopper (H100/H200) tiles per head dim and KV block size; a small fixed tile in the
-    interpreter.
-
-    d <= 64: 128x64 tiles, 4 warps. d = 128: when a 128-key tile fits inside one cache block
-    (block_size % 128 == 0) 128x128 tiles with 8 warps; otherwise each key's block id is
-    gathered and 128x64 tiles with 4 warps do best. Measured on the H200 at 32/8 heads, bf16
-    (BENCHMARKS.md): 128x128 reached 400-434 TFLOP/s at 4k-8k with block_size 128 against
-    292-335 for 128x64/8 warps; with block_size 16, 128x64/4 warps led (296-349). d = 256:
-    64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per element).
-    """
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return PrefillAttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    elif head_dim <= 128 and block_size % 128 == 0:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-    elif head_dim <= 128:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    else:
-        cfg = PrefillAttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    if dtype == torch.float32:
-        cfg = PrefillAttentionConfig(
-            block_m=cfg.block_m,
-            block_n=max(16, cfg.block_n // 2),
-            num_warps=cfg.num_warps,
-            num_stages=2,
-        )
-    return cfg
 
 
 @triton.jit
@@ -149,13 +103,17 @@ def _attend_keys(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    FROM_NEW: tl.constexpr = False,  # k_base/v_base: row 0 of k_new/v_new; stride_ks/vs: rows
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(n_start, n_stop, BLOCK_N):
         key_pos = start_n + offs_n  # [BLOCK_N]
         key_ok = key_pos < seq_len
-        if TILE_IN_BLOCK:
+        if FROM_NEW:
+            k_off = key_pos.to(tl.int64) * stride_ks
+            v_off = key_pos.to(tl.int64) * stride_vs
+        elif TILE_IN_BLOCK:
             blk = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
             slot = start_n % BLOCK_SIZE + offs_n
             k_off = blk * stride_kb + slot * stride_ks  # [BLOCK_N]
@@ -213,6 +171,8 @@ def _paged_prefill_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
+    k_new_ptr,  # [T, Hkv, d] this step's keys (READ_NEW only)
+    v_new_ptr,
     # sizes
     qk_scale,  # softmax scale * log2(e)
     first_req,  # requests before it are someone else's (a mixed step's decode rows)
@@ -229,6 +189,10 @@ def _paged_prefill_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
     # meta-parameters
     GROUP_SIZE: tl.constexpr,  # Hq // Hkv
     HEADS_PER_TILE: tl.constexpr,  # GROUP_SIZE when packing GQA heads, else 1
@@ -239,6 +203,7 @@ def _paged_prefill_attention_kernel(
     TILE_IN_BLOCK: tl.constexpr,  # BLOCK_SIZE % BLOCK_N == 0
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
     DOT_IN_FP32: tl.constexpr,  # interpreter + bf16 only: see paged_prefill_attention
+    READ_NEW: tl.constexpr,  # key tiles past the context come from k_new/v_new
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid = tl.program_id(0)
@@ -278,16 +243,43 @@ def _paged_prefill_attention_kernel(
     bt_row = block_tables_ptr + req * stride_bt
     n_full = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N  # keys <= the first row's position
     n_stop = tl.minimum(seq_len, ctx_len + tok0 + TOKENS_PER_TILE)  # past the last row's position
+    if READ_NEW:
+        # key position p of this request is row q_start + p - ctx_len of k_new / v_new
+        row0 = (q_start - ctx_len).to(tl.int64)
+        kn_base = k_new_ptr + row0 * stride_knt + kv_head * stride_knh
+        vn_base = v_new_ptr + row0 * stride_vnt + kv_head * stride_vnh
+        ctx_up = tl.cdiv(ctx_len, BLOCK_N) * BLOCK_N  # first tile holding only new keys
+        split_full = tl.minimum(ctx_up, n_full)
+        split_diag = tl.minimum(tl.maximum(ctx_up, n_full), n_stop)
+    else:
+        kn_base = k_base
+        vn_base = v_base
+        split_full = n_full
+        split_diag = n_stop
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, 0, n_full, qk_scale,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, 0, split_full, qk_scale,
         stride_kb, stride_ks, stride_vb, stride_vs,
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
     )  # fmt: skip
+    if READ_NEW:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_full, n_full,
+            qk_scale, 0, stride_knt, 0, stride_vnt,
+            HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
+            True,
+        )  # fmt: skip
     acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, n_stop, qk_scale,
+        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, split_diag, qk_scale,
         stride_kb, stride_ks, stride_vb, stride_vs,
         HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
     )  # fmt: skip
+    if READ_NEW:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_diag, n_stop,
+            qk_scale, 0, stride_knt, 0, stride_vnt,
+            HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
+            True,
+        )  # fmt: skip
 
     l_i = tl.where(row_ok, l_i, 1.0)  # padding rows: avoid 0 / 0; they are not stored
     out = acc / l_i[:, None]
@@ -372,6 +364,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [T, Hq, d]
     config: PrefillAttentionConfig | None = None,
     first_req: int = 0,
+    k_new: torch.Tensor | None = None,  # [T, Hkv, d]: this step's keys, as stored in the cache
+    v_new: torch.Tensor | None = None,  # [T, Hkv, d]
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged K/V context.
 
@@ -383,6 +377,8 @@ def paged_prefill_attention(
     contiguous tensor) and returns it. Requests before ``first_req`` are skipped (their
     tokens in ``out`` are left for another kernel; tensors are passed whole, not sliced, so
     that no pointer loses its alignment and no new kernel variant is compiled mid-job).
+    ``k_new``/``v_new`` (the keys and values this step stored, one row per query token) are
+    read instead of the cache for the step's own tokens when ``config.read_new_keys``.
     Raises ValueError on mismatched shapes, dtypes, strides or devices. No host-device
     synchronisation.
     """
@@ -398,6 +394,18 @@ def paged_prefill_attention(
         return out
 
     cfg = config or default_prefill_config(d, q.dtype, k_cache.shape[1])
+    read_new = cfg.read_new_keys and k_new is not None and v_new is not None
+    if read_new:
+        for name, x in (("k_new", k_new), ("v_new", v_new)):
+            if x.shape != (t, hkv, d) or x.dtype != q.dtype or x.device != q.device:
+                raise ValueError(
+                    f"{name}: expected {q.dtype} {(t, hkv, d)} on {q.device}, got "
+                    f"{x.dtype} {tuple(x.shape)} on {x.device}"
+                )
+            if x.stride(-1) != 1:
+                raise ValueError(f"{name}: the head dim must be contiguous, got {x.stride()}")
+    kn = k_new if read_new else k_cache
+    vn = v_new if read_new else v_cache
     group = hq // hkv
     heads_per_tile = group if cfg.pack_gqa and group <= cfg.block_m else 1
     tokens_per_tile = cfg.block_m // heads_per_tile
@@ -408,13 +416,15 @@ def paged_prefill_attention(
     # dot operands to fp32, which keeps the GPU's numerics (bf16 products are exact in fp32).
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     _paged_prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, kn, vn,
         scale * _LOG2E, first_req, tiles_per_req,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0),
+        kn.stride(0) if read_new else 0, kn.stride(1) if read_new else 0,
+        vn.stride(0) if read_new else 0, vn.stride(1) if read_new else 0,
         GROUP_SIZE=group,
         HEADS_PER_TILE=heads_per_tile,
         HEAD_DIM=d,
@@ -424,6 +434,7 @@ def paged_prefill_attention(
         TILE_IN_BLOCK=block_size % cfg.block_n == 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreting and q.dtype == torch.bfloat16,
+        READ_NEW=read_new,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -111,5 +111,7 @@ class TritonAttentionBackend:
             scale,
             out=out,
             first_req=nd,
+            k_new=k,
+            v_new=v,
         )
         return out
