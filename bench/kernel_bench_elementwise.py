@@ -37,7 +37,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenmill.engine.model_config import ModelConfig  # noqa: E402
-from tokenmill.engine.models.rope import rope_inv_freq  # noqa: E402
+from tokenmill.engine.models.rope import RotaryEmbedding  # noqa: E402
 from tokenmill.kernels import rms_norm as rms_norm_mod  # noqa: E402
 from tokenmill.kernels import rope as rope_mod  # noqa: E402
 from tokenmill.kernels import silu_and_mul as silu_mod  # noqa: E402
@@ -138,9 +138,8 @@ def _rope_tables() -> tuple[torch.Tensor, torch.Tensor]:
             "original_max_position_embeddings": 8192,
         },
     )
-    inv_freq = rope_inv_freq(config).cuda()
-    freqs = torch.outer(torch.arange(MAX_POSITIONS, device="cuda", dtype=torch.float32), inv_freq)
-    return freqs.cos(), freqs.sin()  # [P, d/2] fp32 each
+    rope = RotaryEmbedding(config, MAX_POSITIONS)  # the engine's tables
+    return rope.cos.cuda(), rope.sin.cuda()  # [P, d/2] fp32 each
 
 
 def _rope_case(t: int, with_torch: bool = True, tag: str = "") -> dict:
@@ -181,7 +180,7 @@ def benchmark() -> list[dict]:
     rows = []
     for t in TOKENS:
         rows.append(_rms_norm_case(t))
-        tokens_pp, warps = rope_mod._launch_config(t, N_HEADS, N_KV, HEAD_DIM)
+        tokens_pp, warps = rope_mod._launch_config(N_HEADS, N_KV, HEAD_DIM)
         rows.append(_rope_case(t, tag=f" [default tokens={tokens_pp} warps={warps}]"))
         rows.append(_silu_case(t))
     return rows

@@ -115,10 +115,6 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """Run one step and wait for its tokens."""
-        return self.launch(sched).output()
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Enqueue one step (forward, sampling, the copy of its tokens to the host)."""

@@ -38,16 +38,20 @@ def prompt_ids_for(row: InputRow, tokenizer: Any) -> list[int]:
     raise ValueError("the row has neither a prompt nor messages")
 
 
+def _identity(row: InputRow, model: str) -> dict[str, Any]:
+    """The fields a result carries over from its input row, whether it succeeded or not."""
+    return {
+        "row_index": row.row_index,
+        "row_id": row.row_id,
+        "passthrough": row.passthrough,
+        "custom_id": row.custom_id,
+        "endpoint": row.endpoint,
+        "model": model,
+    }
+
+
 def error_result(row: InputRow, message: str, model: str = "") -> ResultRow:
-    return ResultRow(
-        row_index=row.row_index,
-        row_id=row.row_id,
-        passthrough=row.passthrough,
-        custom_id=row.custom_id,
-        endpoint=row.endpoint,
-        model=model,
-        error=f"{row.source}: {message}",
-    )
+    return ResultRow(**_identity(row, model), error=f"{row.source}: {message}")
 
 
 def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model: str) -> ResultRow:
@@ -67,15 +71,10 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
             for lp in out.logprobs
         ]
     return ResultRow(
-        row_index=row.row_index,
-        row_id=row.row_id,
+        **_identity(row, model),
         text=out.text,
         finish_reason="stop" if out.finish_reason == "stop" else "length",
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_completion_tokens,
-        passthrough=row.passthrough,
-        custom_id=row.custom_id,
-        endpoint=row.endpoint,
         logprobs=logprobs,
-        model=model,
     )

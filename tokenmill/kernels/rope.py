@@ -142,17 +142,15 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _launch_config(t: int, hq: int, hkv: int, d: int) -> tuple[int, int]:
-    """(TOKENS, num_warps) for T tokens of hq q and hkv k heads of size d.
+def _launch_config(hq: int, hkv: int, d: int) -> tuple[int, int]:
+    """(TOKENS, num_warps) for hq q and hkv k heads of size d, whatever the token count.
 
     One token a program, num_warps giving a thread about 16 elements of the padded q + k
     tile (8 warps for a Llama-3-8B token: 32 + 8 heads of d 128). Measured on the H200
     (bench/kernel_bench_elementwise.py --sweep, BENCHMARKS.md), Llama-3-8B bf16: one token /
     8 warps reached 74% of the copy ceiling at T = 4,096 and 88% at 16,384; packing 2, 4 or 8
-    tokens a program was slower at both sizes (39-56% at 4,096). ``t`` is kept for callers
-    and for a future size-dependent choice.
+    tokens a program was slower at both sizes (39-56% at 4,096).
     """
-    del t
     half = triton.next_power_of_2(d // 2)
     per_token = (triton.next_power_of_2(hq) + triton.next_power_of_2(hkv)) * 2 * half
     return 1, max(1, min(16, _pow2_floor(per_token // (32 * _ELEMENTS_PER_THREAD))))
@@ -215,7 +213,7 @@ def rope_(
     hkv = k.shape[1]
     if t == 0:
         return
-    tokens, num_warps = _launch_config(t, hq, hkv, d)
+    tokens, num_warps = _launch_config(hq, hkv, d)
     _rope_kernel[(triton.cdiv(t, tokens),)](
         q,
         k,

@@ -97,8 +97,7 @@ class ModelSource:
         """The model's tokenizer, with ``chat_template`` set when the model ships one."""
         if self.kind == "hf":
             return load_hf_tokenizer(self.path)
-        template = metadata_value(open_gguf(self.path), "tokenizer.chat_template")
-        return load_gguf_tokenizer(self.path, template)
+        return load_gguf_tokenizer(self.path, self.chat_template())
 
 
 def _package_gguf(package: str) -> Path:
