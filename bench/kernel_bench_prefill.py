@@ -56,15 +56,14 @@ CEILING_TFLOPS = 795
 ATOL = RTOL = 1.6e-2
 
 SWEEP = [
-    PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
     PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
     PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-    PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=4),
     PrefillAttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
     PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, pack_gqa=False),
     # the step's own keys read from k_new/v_new rows instead of through the block table
     PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, read_new_keys=True),
-    PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, read_new_keys=True),
+    PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, read_new_keys=True),
+    PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, read_new_keys=True),
 ]
 
 
@@ -164,18 +163,35 @@ def time_kernel(
     expected: torch.Tensor,
     k_new: torch.Tensor,
     v_new: torch.Tensor,
+    fresh: bool,
 ) -> tuple[float, float]:
     """(median ms, max abs error vs ``expected``) of the kernel with ``config``; ``k_new`` /
     ``v_new`` are the step's own keys (all of them: full prefills), used when the config
-    says ``read_new_keys``."""
+    says ``read_new_keys``; ``fresh`` tells the kernel so, as the engine does."""
     out = torch.empty_like(args[0])
 
     def run() -> torch.Tensor:
-        return paged_prefill_attention(*args, out=out, config=config, k_new=k_new, v_new=v_new)
+        return paged_prefill_attention(
+            *args, out=out, config=config, k_new=k_new, v_new=v_new, fresh=fresh
+        )
 
     run()
     err = (out.float() - expected.float()).abs().max().item()
     return time_ms(run), err
+
+
+def _variants(
+    configs: list[PrefillAttentionConfig | None], block_size: int
+) -> list[tuple[PrefillAttentionConfig | None, bool]]:
+    """(config, fresh) pairs to time. The workload is fresh prompts, so the kernel is told
+    ``fresh`` as the engine would; swept ``read_new_keys`` configs are also timed without it
+    (the variant a step with any cached prefix runs)."""
+    pairs: list[tuple[PrefillAttentionConfig | None, bool]] = []
+    for cfg in configs:
+        pairs.append((cfg, True))
+        if cfg is not None and cfg.read_new_keys:
+            pairs.append((cfg, False))
+    return pairs
 
 
 def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> list[dict]:
@@ -194,9 +210,9 @@ def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> lis
             args, k, v = paged_batch([(seq_len, seq_len)] * num_reqs, block_size)
             if sdpa is None:
                 sdpa = time_sdpa(args[0], k, v, num_reqs, seq_len, args[-1])
-            for cfg in configs:
-                used = cfg or default_prefill_config(HEAD_DIM, DTYPE, block_size)
-                ms, err = time_kernel(args, used, sdpa[1], k, v)
+            for cfg, fresh in _variants(configs, block_size):
+                used = cfg or default_prefill_config(HEAD_DIM, DTYPE)
+                ms, err = time_kernel(args, used, sdpa[1], k, v, fresh)
                 rows.append(
                     {
                         "kernel": "prefill",
@@ -208,6 +224,7 @@ def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> lis
                         "sdpa_tflops": round(flops / sdpa[0] / 1e9, 1),
                         "ceiling_tflops": CEILING_TFLOPS,
                         "config": {**vars(used), "default": cfg is None},
+                        "fresh": fresh,
                         "max_abs_err_vs_sdpa": round(err, 5),
                         "max_abs_err_vs_ref": round(ref_err, 5),
                         "gpu": torch.cuda.get_device_name(),
@@ -233,6 +250,7 @@ def main() -> None:
         c = r["config"]
         tag = f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
         tag += ("" if c["pack_gqa"] else " nopack") + (" new-kv" if c["read_new_keys"] else "")
+        tag += "" if r["fresh"] or not c["read_new_keys"] else " ctx"
         tag += " *" if c["default"] else ""
         print(
             f"{r['shape']:<36} {tag:<24} {r['ms']:>8.3f} {r['tflops']:>8.1f} "

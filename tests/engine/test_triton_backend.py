@@ -54,9 +54,14 @@ def test_tiny_model_triton_matches_torch_backend(
     assert outs["triton"] == outs["torch"]
 
 
-def test_read_new_keys_in_the_engine_matches_torch_backend(tmp_path: Path, monkeypatch) -> None:
-    """The prefill kernel reading the step's own keys from k/v (config.read_new_keys) gives
-    the torch backend's tokens through chunked prefill, cache hits and mixed steps."""
+@pytest.mark.parametrize("read_new_keys", [True, False], ids=["new-keys-from-kv", "block-table"])
+def test_prefill_key_sources_in_the_engine_match_torch_backend(
+    tmp_path: Path, monkeypatch, read_new_keys: bool
+) -> None:
+    """The prefill kernel reading the step's own keys from k/v (the default; all of them in
+    steps of fresh prompts, where the backend passes ``fresh``) or every key through the
+    block table gives the torch backend's tokens through chunked prefill, prefix-cache hits
+    and mixed steps."""
     import dataclasses
 
     from tokenmill.kernels import paged_prefill_attention as prefill
@@ -65,7 +70,7 @@ def test_read_new_keys_in_the_engine_matches_torch_backend(tmp_path: Path, monke
     monkeypatch.setattr(
         prefill,
         "default_prefill_config",
-        lambda *a, **k: dataclasses.replace(default(*a, **k), read_new_keys=True),
+        lambda *a, **k: dataclasses.replace(default(*a, **k), read_new_keys=read_new_keys),
     )
     path = save_tiny_model("llama", tmp_path / "m")
     g = torch.Generator().manual_seed(2)

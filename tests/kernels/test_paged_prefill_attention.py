@@ -192,6 +192,34 @@ def test_read_new_keys_uses_k_new_for_the_steps_own_tokens(block_size, config, d
         paged_prefill_attention(*poisoned, config=config, k_new=k_new[1:], v_new=v_new)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fresh_prompts_read_no_cache_at_all(block_size: int) -> None:
+    """Fresh prompts (no cached keys) with fresh=True: the whole cache is NaN and the result
+    still equals the reference on the intact cache. Two one-token rows lead the batch, as a
+    mixed step's decode rows do; first_req skips them, so they do not count against fresh."""
+    requests = [(1, 30), (1, 7), (7, 7), (40, 40), (1, 1), (23, 23)]
+    config = PrefillAttentionConfig(block_m=32, block_n=16, read_new_keys=True)
+    args = make_batch(requests, 8, 2, 64, block_size, torch.float32)
+    ref = paged_prefill_attention_ref(*args)
+    q, k_cache, v_cache = args[:3]
+    new_slots = []
+    for b, (q_len, seq_len) in enumerate(requests):
+        pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        new_slots.append(args[3][b, pos // block_size].long() * block_size + pos % block_size)
+    slots = torch.cat(new_slots)
+    k_new = k_cache.reshape(-1, *k_cache.shape[2:])[slots].clone()  # [T, Hkv, d]
+    v_new = v_cache.reshape(-1, *v_cache.shape[2:])[slots].clone()
+    nan_cache = torch.full_like(k_cache, float("nan"))
+    out = torch.zeros_like(q)
+    paged_prefill_attention(
+        q, nan_cache, nan_cache, *args[3:], out=out, config=config,
+        first_req=2, k_new=k_new, v_new=v_new, fresh=True,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[2:], ref[2:], atol=1e-4, rtol=1e-4)
+    assert not out[:2].any(), "rows before first_req are another kernel's"
+
+
 def test_first_req_leaves_earlier_rows_alone() -> None:
     """A mixed step: two one-token rows (for the decode kernel) then two prefill chunks; with
     first_req=2 only the chunks' tokens are written and they equal the reference."""

@@ -106,7 +106,7 @@ def test_rope_launch_config(hq, hkv, d) -> None:
     assert tokens == 1  # the H200 sweep: packing tokens was slower at every size
     assert warps & (warps - 1) == 0 and 1 <= warps <= 16
     if (hq, hkv, d) == (32, 8, 128):
-        assert warps == 8  # the sweep's best at T = 4096
+        assert warps == 4  # the sweep: best over T = 4,096 and 16,384 together
 
 
 def test_rope_ref_rotates_like_the_engine() -> None:

@@ -53,6 +53,9 @@ With ``read_new_keys`` (and ``k_new``/``v_new`` passed), key tiles that start at
     keys:   [ 0 ........ ctx_up )[ ctx_up ........ n_stop )      ctx_up = ctx rounded up to
             paged (block table)    k_new rows                    a multiple of BLOCK_N
 
+When the caller knows that no request has keys from earlier steps (``fresh``: a step of new
+prompts), the kernel is compiled without the block-table paths and reads only k_new/v_new.
+
 Uninitialised cache slots past ``seq_len`` (possibly NaN) are never loaded unmasked.
 """
 
@@ -204,6 +207,7 @@ def _paged_prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
     DOT_IN_FP32: tl.constexpr,  # interpreter + bf16 only: see paged_prefill_attention
     READ_NEW: tl.constexpr,  # key tiles past the context come from k_new/v_new
+    HAS_CONTEXT: tl.constexpr,  # False: no request has cached keys (READ_NEW reads them all)
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid = tl.program_id(0)
@@ -256,11 +260,12 @@ def _paged_prefill_attention_kernel(
         vn_base = v_base
         split_full = n_full
         split_diag = n_stop
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, 0, split_full, qk_scale,
-        stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
-    )  # fmt: skip
+    if HAS_CONTEXT:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, 0, split_full, qk_scale,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
     if READ_NEW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_full, n_full,
@@ -268,11 +273,12 @@ def _paged_prefill_attention_kernel(
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
             True,
         )  # fmt: skip
-    acc, l_i, m_i = _attend_keys(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, split_diag, qk_scale,
-        stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
-    )  # fmt: skip
+    if HAS_CONTEXT:
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, split_diag,
+            qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
+        )  # fmt: skip
     if READ_NEW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_diag, n_stop,
@@ -366,6 +372,7 @@ def paged_prefill_attention(
     first_req: int = 0,
     k_new: torch.Tensor | None = None,  # [T, Hkv, d]: this step's keys, as stored in the cache
     v_new: torch.Tensor | None = None,  # [T, Hkv, d]
+    fresh: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged K/V context.
 
@@ -379,6 +386,9 @@ def paged_prefill_attention(
     that no pointer loses its alignment and no new kernel variant is compiled mid-job).
     ``k_new``/``v_new`` (the keys and values this step stored, one row per query token) are
     read instead of the cache for the step's own tokens when ``config.read_new_keys``.
+    ``fresh=True`` promises that no request has keys from earlier steps (every ``seq_len``
+    equals its query count, as the caller knows from its host-side lengths); with
+    ``read_new_keys`` the kernel is then compiled without its block-table paths.
     Raises ValueError on mismatched shapes, dtypes, strides or devices. No host-device
     synchronisation.
     """
@@ -393,7 +403,7 @@ def paged_prefill_attention(
     if t == 0 or num_reqs == 0 or max_query_len <= 0:
         return out
 
-    cfg = config or default_prefill_config(d, q.dtype, k_cache.shape[1])
+    cfg = config or default_prefill_config(d, q.dtype)
     read_new = cfg.read_new_keys and k_new is not None and v_new is not None
     if read_new:
         for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -435,6 +445,7 @@ def paged_prefill_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_IN_FP32=interpreting and q.dtype == torch.bfloat16,
         READ_NEW=read_new,
+        HAS_CONTEXT=not (fresh and read_new),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -25,8 +25,8 @@ class PrefillAttentionConfig:
     pack_gqa: bool = True  # put the query heads of one KV head in the same tile
     # Read the keys of this step's own tokens from ``k_new``/``v_new`` (rows in token order)
     # instead of through the block table; the cached context still goes through the table.
-    # Same values, so the same result; it only spares the per-key block-id gather (block
-    # sizes below BLOCK_N). Off until measured on the GPU (bench/kernel_bench_prefill.py).
+    # Same values, so the same result; it spares the per-key block-id gather (block sizes
+    # below BLOCK_N) and, for a batch of fresh prompts, every block-table lookup.
     read_new_keys: bool = False
 
     def __post_init__(self) -> None:
@@ -40,27 +40,27 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig.num_stages={self.num_stages}: need >= 1")
 
 
-def default_prefill_config(
-    head_dim: int, dtype: torch.dtype, block_size: int = 16
-) -> PrefillAttentionConfig:
-    """Hopper (H100/H200) tiles per head dim and KV block size; a small fixed tile in the
-    interpreter.
+def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillAttentionConfig:
+    """Hopper (H100/H200) tiles per head dim; a small fixed tile in the interpreter.
 
-    d <= 64: 128x64 tiles, 4 warps. d = 128: when a 128-key tile fits inside one cache block
-    (block_size % 128 == 0) 128x128 tiles with 8 warps; otherwise each key's block id is
-    gathered and 128x64 tiles with 4 warps do best. Measured on the H200 at 32/8 heads, bf16
-    (BENCHMARKS.md): 128x128 reached 400-434 TFLOP/s at 4k-8k with block_size 128 against
-    292-335 for 128x64/8 warps; with block_size 16, 128x64/4 warps led (296-349). d = 256:
-    64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per element).
+    d <= 64: 128x64 tiles, 4 warps. d = 128: 128x128 tiles, 8 warps, 2 stages, and the
+    step's own keys read from k_new/v_new (``read_new_keys``), for every block size.
+    Measured on the H200 at 32/8 heads, bf16, fresh prompts (BENCHMARKS.md, session 3):
+    357/408/441 TFLOP/s at 2k/4k/8k with block_size 16 (the block-table gather path gave
+    330-356 at 4k-8k) and 356/408/427 with block_size 128, against SDPA's flash backend at
+    302/322/332. d = 256: 64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per
+    element).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return PrefillAttentionConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+        return PrefillAttentionConfig(
+            block_m=32, block_n=16, num_warps=4, num_stages=1, read_new_keys=True
+        )
     if head_dim <= 64:
         cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    elif head_dim <= 128 and block_size % 128 == 0:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
     elif head_dim <= 128:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        cfg = PrefillAttentionConfig(
+            block_m=128, block_n=128, num_warps=8, num_stages=2, read_new_keys=True
+        )
     else:
         cfg = PrefillAttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     if dtype == torch.float32:
@@ -69,5 +69,6 @@ def default_prefill_config(
             block_n=max(16, cfg.block_n // 2),
             num_warps=cfg.num_warps,
             num_stages=2,
+            read_new_keys=cfg.read_new_keys,
         )
     return cfg

@@ -40,7 +40,7 @@ __all__ = ["rope_", "rope_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_TOKENS = 8  # the kernel packs up to this many tokens a program (bench sweep variants)
-_ELEMENTS_PER_THREAD = 16  # fp32 q + k tile elements a thread (warps round down)
+_ELEMENTS_PER_THREAD = 32  # fp32 q + k tile elements a thread (warps round down)
 
 
 @triton.jit
@@ -76,6 +76,8 @@ def _store_rotated(
 ):
     # Rounded where the engine's torch path rounds (tables, each product, the sum, in x's
     # dtype), so both backends rotate to the same bits; in fp32 every rounding is a no-op.
+    # The launch turns FMA contraction off: otherwise the compiler turns a product and the
+    # sum into one 16-bit FMA, one rounding where torch has two (24% of bf16 outputs off).
     dtype = p1.dtype.element_ty
     cos = cos.to(dtype).to(tl.float32)
     sin = sin.to(dtype).to(tl.float32)
@@ -145,11 +147,12 @@ def _pow2_floor(n: int) -> int:
 def _launch_config(hq: int, hkv: int, d: int) -> tuple[int, int]:
     """(TOKENS, num_warps) for hq q and hkv k heads of size d, whatever the token count.
 
-    One token a program, num_warps giving a thread about 16 elements of the padded q + k
-    tile (8 warps for a Llama-3-8B token: 32 + 8 heads of d 128). Measured on the H200
-    (bench/kernel_bench_elementwise.py --sweep, BENCHMARKS.md), Llama-3-8B bf16: one token /
-    8 warps reached 74% of the copy ceiling at T = 4,096 and 88% at 16,384; packing 2, 4 or 8
-    tokens a program was slower at both sizes (39-56% at 4,096).
+    One token a program, num_warps giving a thread about 32 elements of the padded q + k
+    tile (4 warps for a Llama-3-8B token: 32 + 8 heads of d 128). Measured on the H200
+    (bench/kernel_bench_elementwise.py --sweep, BENCHMARKS.md), Llama-3-8B bf16, with FMA
+    contraction off: one token / 4 warps reached 74% of the copy ceiling at T = 4,096 and
+    92% at 16,384 (8 warps: 69% and 84%; 2 warps: 76% and 89%); packing 2, 4 or 8 tokens a
+    program was no faster at either size.
     """
     half = triton.next_power_of_2(d // 2)
     per_token = (triton.next_power_of_2(hq) + triton.next_power_of_2(hkv)) * 2 * half
@@ -235,6 +238,7 @@ def rope_(
         BLOCK_HKV=triton.next_power_of_2(hkv),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
         num_warps=num_warps,
+        enable_fp_fusion=False,  # see _store_rotated
     )
 
 

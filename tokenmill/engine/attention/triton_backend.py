@@ -28,6 +28,7 @@ class TritonAttentionMetadata:
     num_decodes: int  # leading one-token rows
     num_splits: int  # decode splits, covering the longest decode row
     prefill_max_query_len: int
+    prefills_fresh: bool  # no prefill row has keys from earlier steps (a new prompt each)
 
     @property
     def decode_only(self) -> bool:
@@ -61,7 +62,8 @@ class TritonAttentionBackend:
         longest = max(common.seq_lens_host[:nd], default=0)
         splits = max(1, -(-longest // self.split_keys))
         prefill_max = max(common.query_lens_host[nd:], default=0)
-        return TritonAttentionMetadata(common, nd, splits, prefill_max)
+        fresh = common.seq_lens_host[nd:] == common.query_lens_host[nd:]
+        return TritonAttentionMetadata(common, nd, splits, prefill_max, fresh)
 
     def forward(
         self,
@@ -113,5 +115,6 @@ class TritonAttentionBackend:
             first_req=nd,
             k_new=k,
             v_new=v,
+            fresh=meta.prefills_fresh,
         )
         return out
