@@ -54,6 +54,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tokenmill.kernels.paged_inputs import check_paged_inputs
+
 __all__ = [
     "DecodeWorkspace",
     "choose_num_splits",
@@ -63,7 +65,6 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
 
@@ -306,40 +307,14 @@ def paged_decode_attention(
     No host syncs: capturable in a CUDA graph when out and workspace are preallocated. Raises
     ValueError on bad shapes or dtypes.
     """
-    _check(q.dim() == 3, f"q must be [B, Hq, d], got {tuple(q.shape)}")
-    batch, num_q_heads, head_dim = q.shape
-    _check(
-        k_cache.dim() == 4 and v_cache.shape == k_cache.shape,
-        "k_cache and v_cache must both be [num_blocks, block_size, Hkv, d], got "
-        f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}",
-    )
-    _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    _check(kv_dim == head_dim, f"q's head dim {head_dim} != the cache's {kv_dim}")
-    _check(
-        head_dim in (16, 32, 64, 128, 256), f"head dim {head_dim} is not a power of 2 in 16..256"
-    )
-    _check(
-        num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}"
-    )
-    _check(q.dtype in _DTYPES, f"dtype {q.dtype} is not one of {_DTYPES}")
-    _check(
-        k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
-        f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}",
-    )
-    _check(
-        block_tables.dim() == 2
-        and block_tables.shape[0] == batch
-        and block_tables.dtype == torch.int32,
-        f"block_tables must be [B={batch}, max_blocks] int32, got "
-        f"{tuple(block_tables.shape)} {block_tables.dtype}",
-    )
-    _check(
-        seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32,
-        f"seq_lens must be [B={batch}] int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}",
-    )
+    batch = q.shape[0] if q.dim() == 3 else -1
+    shapes = check_paged_inputs(
+        "paged_decode_attention", q, k_cache, v_cache, block_tables, batch,
+        {"seq_lens": (seq_lens, (batch,))},
+    )  # fmt: skip
+    num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
+    head_dim, block_size = shapes.head_dim, shapes.block_size
     _check(num_splits >= 1, f"num_splits={num_splits} must be >= 1")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
-    _check(len(devices) == 1, f"inputs are on different devices: {devices}")
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     _check(

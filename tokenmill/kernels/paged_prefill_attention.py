@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.paged_inputs import check_paged_inputs
 from tokenmill.kernels.paged_prefill_config import PrefillAttentionConfig, default_prefill_config
 
 __all__ = [
@@ -78,7 +79,6 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -302,52 +302,14 @@ def _check_inputs(
     seq_lens: torch.Tensor,
     out: torch.Tensor | None,
 ) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [T, Hq, d], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache/v_cache: expected equal [num_blocks, block_size, Hkv, d], got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    _, hq, d = q.shape
-    _, _, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"head dim: q has {d}, k_cache/v_cache have {dk}")
-    if d < 16 or d > 256 or d & (d - 1):
-        raise ValueError(f"head dim {d}: supported are powers of two from 16 to 256")
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(
-            f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; "
-            "expected all the same, one of float16/bfloat16/float32"
-        )
+    b = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    check_paged_inputs(
+        "paged_prefill_attention", q, k_cache, v_cache, block_tables, b,
+        {"query_start_loc": (query_start_loc, (b + 1,)), "seq_lens": (seq_lens, (b,))},
+    )  # fmt: skip
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name}: the head dim must be contiguous, got strides {x.stride()}")
-    if block_tables.dim() != 2:
-        raise ValueError(f"block_tables: expected [B, max_blocks], got {tuple(block_tables.shape)}")
-    b = block_tables.shape[0]
-    for name, x, shape in (
-        ("block_tables", block_tables, tuple(block_tables.shape)),
-        ("query_start_loc", query_start_loc, (b + 1,)),
-        ("seq_lens", seq_lens, (b,)),
-    ):
-        if x.dtype != torch.int32 or tuple(x.shape) != shape:
-            raise ValueError(f"{name}: expected int32 {shape}, got {x.dtype} {tuple(x.shape)}")
-    if block_tables.stride(-1) != 1:
-        raise ValueError(f"block_tables: need contiguous rows, got strides {block_tables.stride()}")
-    for name, x in (
-        ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-        ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-    ):  # fmt: skip
-        if x.device != q.device:
-            raise ValueError(f"{name} is on {x.device}, q on {q.device}: move them to one device")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"q is on {q.device}: the Triton kernel needs CUDA tensors "
-            "(or TRITON_INTERPRET=1 set before tokenmill.kernels is imported)"
-        )
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
