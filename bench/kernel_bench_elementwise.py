@@ -3,7 +3,9 @@
 Each case checks the kernel against its torch reference first, then times both with
 ``triton.testing.do_bench`` (median; it flushes L2 between runs) and reports the bytes the op
 must move (reads + writes) over the kernel's time, against the device-to-device copy ceiling
-of the H200 (4.25 TB/s, /work/shared/GPU.md). Shapes are Llama-3-8B's, bf16:
+of the H200 (4.25 TB/s, /work/shared/GPU.md) and against a copy of the same bytes timed in
+the same run (``%copy``: at T=4096 the ops move 80-350 MB, where a copy's own launch and
+tail cost shows). Shapes are Llama-3-8B's, bf16:
 
     rms_norm + residual  T=4096/16384, H=4096          reads x, residual, w; writes residual, y
     rope_ (in place)     T=4096/16384, 32/8 heads, d 128   reads+writes q, k; reads positions
@@ -22,6 +24,7 @@ versions.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -84,9 +87,21 @@ def _time_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+@functools.cache
+def _copy_ms(nbytes: int) -> float:
+    """A device-to-device copy moving ``nbytes`` (half read, half written): the ceiling at
+    this transfer size, where fixed launch and tail costs weigh more than in GPU.md's."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return _time_ms(lambda: dst.copy_(src))
+
+
 def _row(kernel: str, shape: str, ms: float, nbytes: int, torch_ms: float | None) -> dict:
     tbps = nbytes / (ms * 1e-3) / 1e12
+    copy_ms = _copy_ms(nbytes)
     return {
+        "copy_ms": round(copy_ms, 4),
+        "pct_of_same_size_copy": round(100 * copy_ms / ms, 1),
         "kernel": kernel,
         "shape": shape,
         "ms": round(ms, 4),
@@ -228,13 +243,16 @@ def sweep() -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    head = f"{'kernel':<38} {'shape':<34} {'ms':>8} {'TB/s':>6} {'%ceil':>6} {'torch ms':>9}"
+    head = (
+        f"{'kernel':<38} {'shape':<34} {'ms':>8} {'TB/s':>6} {'%ceil':>6} {'%copy':>6} "
+        f"{'torch ms':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         torch_ms = "" if r["torch_ms"] is None else f"{r['torch_ms']:.4f}"
         lines.append(
             f"{r['kernel']:<38} {r['shape']:<34} {r['ms']:>8.4f} {r['tbps']:>6.2f} "
-            f"{r['pct_of_ceiling']:>6.1f} {torch_ms:>9}"
+            f"{r['pct_of_ceiling']:>6.1f} {r['pct_of_same_size_copy']:>6.1f} {torch_ms:>9}"
         )
     return "\n".join(lines)
 

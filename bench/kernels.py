@@ -33,10 +33,12 @@ def _line(row: dict) -> str:
         )
     peer = row.get("torch_ms", row.get("peer_ms"))
     peer_txt = f", peer {peer:.3f} ms" if isinstance(peer, (int, float)) else ""
+    copy = row.get("pct_of_same_size_copy")
+    copy_txt = f" ({copy:.1f}% of a same-size copy)" if copy is not None else ""
     return (
         f"{row['kernel']:<10} {row['shape']:<40} {row['ms']:8.3f} ms "
         f"{row['tbps']:6.2f} TB/s = {row['pct_of_ceiling']:5.1f}% of "
-        f"{row['ceiling_tbps']}{peer_txt}"
+        f"{row['ceiling_tbps']}{copy_txt}{peer_txt}"
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.kernels.paged_prefill_attention import (
     PrefillAttentionConfig,
+    default_prefill_config,
     paged_prefill_attention,
     paged_prefill_attention_ref,
 )
@@ -281,6 +282,35 @@ GPU_CASES = [
 def test_matches_ref_gpu(dtype: torch.dtype, heads: tuple[int, int, int], block_size: int) -> None:
     hq, hkv, d = heads
     assert_matches_ref(make_batch(GPU_REQUESTS, hq, hkv, d, block_size, dtype, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", GPU_HEADS[:3], ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_default_reads_new_keys_from_k_new_gpu(heads: tuple[int, int, int], block_size: int):
+    """The default config at full size, as the engine calls it: the step's own keys from
+    k_new/v_new (their cache slots NaN), cached prefixes through the table; then a batch of
+    fresh prompts with ``fresh`` and the whole cache NaN."""
+    hq, hkv, d = heads
+    args = make_batch(GPU_REQUESTS, hq, hkv, d, block_size, torch.bfloat16, device="cuda")
+    ref = paged_prefill_attention_ref(*args)
+    block_n = default_prefill_config(d, torch.bfloat16).block_n
+    poisoned, k_new, v_new = _new_rows_then_poison(args, block_n)
+    out = paged_prefill_attention(*poisoned, k_new=k_new, v_new=v_new)
+    atol, rtol = TOLERANCES[torch.bfloat16]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+    fresh = [(s, s) for _, s in GPU_REQUESTS]
+    args = make_batch(fresh, hq, hkv, d, block_size, torch.bfloat16, device="cuda")
+    ref = paged_prefill_attention_ref(*args)
+    _, k_new, v_new = _new_rows_then_poison(args, block_n)  # every key is new
+    nan_cache = torch.full_like(args[1], float("nan"))
+    out = paged_prefill_attention(
+        args[0], nan_cache, nan_cache, *args[3:], k_new=k_new, v_new=v_new, fresh=True
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu
