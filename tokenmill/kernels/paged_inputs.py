@@ -75,13 +75,12 @@ def check_paged_inputs(
         )
     if block_tables.stride(-1) != 1:
         fail(f"block_tables: need contiguous rows, got strides {block_tables.stride()}")
-    tables = {"block_tables": (block_tables, ()), **per_request}
     for name, (x, shape) in per_request.items():
         if x.dtype != torch.int32 or tuple(x.shape) != shape:
             fail(f"{name}: expected int32 {shape}, got {x.dtype} {tuple(x.shape)}")
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)) + tuple(
-        (name, x) for name, (x, _) in tables.items()
-    ):
+    others = {"k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables}
+    others.update({name: x for name, (x, _) in per_request.items()})
+    for name, x in others.items():
         if x.device != q.device:
             fail(f"{name} is on {x.device}, q on {q.device}: move them to one device")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
