@@ -15,6 +15,9 @@ kernel is checked against ``paged_prefill_attention_ref`` on a ragged batch with
 prefixes, and every timed shape against SDPA's output.
 
     PYTHONPATH=$PWD python3 bench/kernel_bench_prefill.py [--sweep] [--json PATH]
+        [--layout llama3-8b|smollm2]
+
+``--layout smollm2`` runs the embedded default model's heads (9 query / 3 KV, d 64) instead.
 
 ``--sweep`` also times a few tile configurations (rows tagged with their config), among them
 ``read_new_keys`` (the prompt's own keys read from contiguous k/v rows, not the block table).
@@ -27,6 +30,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,7 +47,18 @@ from tokenmill.kernels.paged_prefill_attention import (  # noqa: E402
     paged_prefill_attention_ref,
 )
 
-HQ, HKV, HEAD_DIM = 32, 8, 128
+
+@dataclass(frozen=True)
+class Heads:
+    """Query heads, KV heads, head dim."""
+
+    hq: int
+    hkv: int
+    d: int
+
+
+# the issue's shape (Llama-3-8B) and the embedded default model's
+LAYOUTS = {"llama3-8b": Heads(32, 8, 128), "smollm2": Heads(9, 3, 64)}
 DTYPE = torch.bfloat16
 SHAPES = [(8, 2048), (4, 4096), (2, 8192)]  # (requests, tokens each): 16k tokens per batch
 BLOCK_SIZES = [16, 128]
@@ -64,6 +79,8 @@ SWEEP = [
     PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, read_new_keys=True),
     PrefillAttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, read_new_keys=True),
     PrefillAttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, read_new_keys=True),
+    # d 64's default tile with the new keys (--layout smollm2)
+    PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, read_new_keys=True),
 ]
 
 
@@ -72,7 +89,7 @@ def causal_flops(q_lens: list[int], k_lens: list[int], hq: int, d: int) -> float
 
 
 def paged_batch(
-    requests: list[tuple[int, int]], block_size: int, seed: int = 0
+    requests: list[tuple[int, int]], block_size: int, heads: Heads, seed: int = 0
 ) -> tuple[tuple, torch.Tensor, torch.Tensor]:
     """Kernel arguments for ``requests`` = [(q_len, seq_len)], plus the contiguous K/V each
     request's context was written from (``[sum(seq_len), Hkv, d]``, requests back to back)."""
@@ -80,9 +97,10 @@ def paged_batch(
     q_lens = [q for q, _ in requests]
     seq_lens = [s for _, s in requests]
     # data first: the same for every block size (the SDPA output is shared across them)
-    k = torch.randn(sum(seq_lens), HKV, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
-    v = torch.randn(sum(seq_lens), HKV, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
-    q = torch.randn(sum(q_lens), HQ, HEAD_DIM, generator=g, device=DEVICE, dtype=DTYPE)
+    hq, hkv, d = heads.hq, heads.hkv, heads.d
+    k = torch.randn(sum(seq_lens), hkv, d, generator=g, device=DEVICE, dtype=DTYPE)
+    v = torch.randn(sum(seq_lens), hkv, d, generator=g, device=DEVICE, dtype=DTYPE)
+    q = torch.randn(sum(q_lens), hq, d, generator=g, device=DEVICE, dtype=DTYPE)
     blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req)
     perm = torch.randperm(num_blocks, generator=g, device=DEVICE).to(torch.int32)
@@ -94,9 +112,9 @@ def paged_batch(
         used += n
         pos = torch.arange(s, device=DEVICE)
         slots.append(block_tables[b, pos // block_size].long() * block_size + pos % block_size)
-    kv = torch.zeros(2, num_blocks, block_size, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    kv.view(2, -1, HKV, HEAD_DIM)[0, torch.cat(slots)] = k  # kv: [2, NB, BS, Hkv, d]
-    kv.view(2, -1, HKV, HEAD_DIM)[1, torch.cat(slots)] = v
+    kv = torch.zeros(2, num_blocks, block_size, hkv, d, device=DEVICE, dtype=DTYPE)
+    kv.view(2, -1, hkv, d)[0, torch.cat(slots)] = k  # kv: [2, NB, BS, Hkv, d]
+    kv.view(2, -1, hkv, d)[1, torch.cat(slots)] = v
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     args = (
         q,  # [T, Hq, d]
@@ -106,7 +124,7 @@ def paged_batch(
         qsl.to(DEVICE),  # [B + 1]
         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),  # [B]
         max(q_lens),
-        HEAD_DIM**-0.5,
+        d**-0.5,
     )
     return args, k, v
 
@@ -124,12 +142,12 @@ def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def check_against_ref() -> float:
+def check_against_ref(heads: Heads) -> float:
     """Max abs error vs the torch reference on a ragged batch with cached prefixes; raises
     RuntimeError past ATOL + RTOL * |ref| (or on NaN)."""
     worst = 0.0
     for block_size in BLOCK_SIZES:
-        args, _, _ = paged_batch(CHECK_REQUESTS, block_size)
+        args, _, _ = paged_batch(CHECK_REQUESTS, block_size, heads)
         out = paged_prefill_attention(*args).float()
         ref = paged_prefill_attention_ref(*args).float()
         err = (out - ref).abs()
@@ -150,10 +168,11 @@ def time_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_reqs: int, seq_len: int, scale: float
 ) -> tuple[float, torch.Tensor]:
     """SDPA flash on the same data laid out [B, H, L, d]: (median ms, output as [T, Hq, d])."""
-    qs = q.view(num_reqs, seq_len, HQ, HEAD_DIM).transpose(1, 2).contiguous()  # [B, Hq, L, d]
-    ks = k.view(num_reqs, seq_len, HKV, HEAD_DIM).transpose(1, 2).contiguous()  # [B, Hkv, L, d]
-    vs = v.view(num_reqs, seq_len, HKV, HEAD_DIM).transpose(1, 2).contiguous()
-    out = sdpa_flash(qs, ks, vs, scale).transpose(1, 2).reshape(-1, HQ, HEAD_DIM)
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    qs = q.view(num_reqs, seq_len, hq, d).transpose(1, 2).contiguous()  # [B, Hq, L, d]
+    ks = k.view(num_reqs, seq_len, hkv, d).transpose(1, 2).contiguous()  # [B, Hkv, L, d]
+    vs = v.view(num_reqs, seq_len, hkv, d).transpose(1, 2).contiguous()
+    out = sdpa_flash(qs, ks, vs, scale).transpose(1, 2).reshape(-1, hq, d)
     return time_ms(lambda: sdpa_flash(qs, ks, vs, scale)), out
 
 
@@ -194,30 +213,32 @@ def _variants(
     return pairs
 
 
-def benchmark(configs: list[PrefillAttentionConfig | None] | None = None) -> list[dict]:
+def benchmark(
+    configs: list[PrefillAttentionConfig | None] | None = None, heads: Heads = LAYOUTS["llama3-8b"]
+) -> list[dict]:
     """One row per (shape, block size, config); ``None`` in ``configs`` = the default."""
     if not torch.cuda.is_available():
         raise RuntimeError("kernel_bench_prefill needs a CUDA GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the benchmark times compiled kernels")
     configs = configs or [None]
-    ref_err = check_against_ref()
+    ref_err = check_against_ref(heads)
     rows = []
     for num_reqs, seq_len in SHAPES:
-        flops = causal_flops([seq_len] * num_reqs, [seq_len] * num_reqs, HQ, HEAD_DIM)
+        flops = causal_flops([seq_len] * num_reqs, [seq_len] * num_reqs, heads.hq, heads.d)
         sdpa = None  # (ms, out): the same data for every block size, timed once per shape
         for block_size in BLOCK_SIZES:
-            args, k, v = paged_batch([(seq_len, seq_len)] * num_reqs, block_size)
+            args, k, v = paged_batch([(seq_len, seq_len)] * num_reqs, block_size, heads)
             if sdpa is None:
                 sdpa = time_sdpa(args[0], k, v, num_reqs, seq_len, args[-1])
             for cfg, fresh in _variants(configs, block_size):
-                used = cfg or default_prefill_config(HEAD_DIM, DTYPE)
+                used = cfg or default_prefill_config(heads.d, DTYPE)
                 ms, err = time_kernel(args, used, sdpa[1], k, v, fresh)
                 rows.append(
                     {
                         "kernel": "prefill",
                         "shape": f"{num_reqs}x{seq_len} bs{block_size} "
-                        f"hq{HQ} hkv{HKV} d{HEAD_DIM} bf16",
+                        f"hq{heads.hq} hkv{heads.hkv} d{heads.d} bf16",
                         "ms": round(ms, 4),
                         "tflops": round(flops / ms / 1e9, 1),
                         "sdpa_ms": round(sdpa[0], 4),
@@ -237,8 +258,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP configs")
     parser.add_argument("--json", type=Path, help="write the rows here (default: $OUT if set)")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="llama3-8b")
     args = parser.parse_args()
-    rows = benchmark([None, *SWEEP] if args.sweep else None)
+    rows = benchmark([None, *SWEEP] if args.sweep else None, LAYOUTS[args.layout])
     path = args.json
     if path is None and "OUT" in os.environ:
         path = Path(os.environ["OUT"]) / "kernel_bench_prefill.json"
