@@ -6,6 +6,7 @@ own; the kernel module re-exports both names.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -64,11 +65,5 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillAttentio
     else:
         cfg = PrefillAttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     if dtype == torch.float32:
-        cfg = PrefillAttentionConfig(
-            block_m=cfg.block_m,
-            block_n=max(16, cfg.block_n // 2),
-            num_warps=cfg.num_warps,
-            num_stages=2,
-            read_new_keys=cfg.read_new_keys,
-        )
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), num_stages=2)
     return cfg

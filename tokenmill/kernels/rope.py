@@ -42,7 +42,6 @@ from tokenmill.engine.models.rope import apply_rope
 __all__ = ["rope_", "rope_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_TOKENS = 8  # the kernel packs up to this many tokens a program (bench sweep variants)
 _ELEMENTS_PER_THREAD = 32  # fp32 q + k tile elements a thread (warps round down)
 
 

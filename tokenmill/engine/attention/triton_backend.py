@@ -78,17 +78,6 @@ class TritonAttentionBackend:
         c = meta.common
         self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
         nd = meta.num_decodes
-        if meta.decode_only:
-            return self._decode(
-                q,
-                k_cache,
-                v_cache,
-                c.block_tables,
-                c.seq_lens,
-                scale,
-                meta.num_splits,
-                split_keys=self.split_keys,
-            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]
         if nd:
             self._decode(
@@ -102,6 +91,8 @@ class TritonAttentionBackend:
                 split_keys=self.split_keys,
                 out=out[:nd],
             )
+        if meta.decode_only:
+            return out
         self._prefill(
             q,
             k_cache,
