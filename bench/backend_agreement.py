@@ -3,18 +3,23 @@
 Pairs: triton-bf16 vs torch-bf16 (the kernels' effect; also with CUDA graphs off, whose
 padded batches can change cuBLAS's choice of GEMM kernel), torch-bf16 vs torch-fp32 and
 triton-bf16 vs torch-fp32 (bf16's own effect), triton-fp32 vs torch-fp32 (must be equal).
-Prints identical continuations and the mean position of the first differing token.
+As a yardstick for the first pair, the torch backend also runs with torch's other SDPA
+kernels (memory-efficient, and math), each compared with torch-bf16 on its default kernels:
+two correct attention implementations that sum in different orders. Prints identical
+continuations and the mean position of the first differing token.
 
     SMOLLM2_GGUF=/path/model.gguf PYTHONPATH=$PWD python3 bench/backend_agreement.py
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,17 +39,23 @@ def main() -> None:
     prompts = chat_prompts(int(os.environ.get("PROMPTS", "32")), seed=1)
     greedy = SamplingParams(max_tokens=48, temperature=0)
     runs = {}
+    # (name, dtype, CUDA graphs, SDPA kernels the torch backend may use; None = torch's choice)
     variants = [
-        ("torch", "float32", True),
-        ("triton", "float32", True),
-        ("torch", "bfloat16", True),
-        ("triton", "bfloat16", True),
-        ("triton-eager", "bfloat16", False),
+        ("torch", "float32", True, None),
+        ("triton", "float32", True, None),
+        ("torch", "bfloat16", True, None),
+        ("triton", "bfloat16", True, None),
+        ("triton-eager", "bfloat16", False, None),
+        ("torch-efficient", "bfloat16", True, [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]),
+        ("torch-math", "bfloat16", True, [SDPBackend.MATH]),
     ]
-    for name, dtype, graphs in variants:
+    for name, dtype, graphs, sdpa in variants:
         backend = name.split("-")[0]
-        llm = LLM(model, device="cuda", dtype=dtype, attention_backend=backend, cuda_graphs=graphs)
-        runs[name, dtype] = [o.token_ids for o in llm.chat(prompts, greedy)]
+        with sdpa_kernel(sdpa) if sdpa else contextlib.nullcontext():
+            llm = LLM(
+                model, device="cuda", dtype=dtype, attention_backend=backend, cuda_graphs=graphs
+            )
+            runs[name, dtype] = [o.token_ids for o in llm.chat(prompts, greedy)]
         del llm
         torch.cuda.empty_cache()
     pairs = [
@@ -53,6 +64,8 @@ def main() -> None:
         (("triton-eager", "bfloat16"), ("torch", "bfloat16")),
         (("torch", "bfloat16"), ("torch", "float32")),
         (("triton", "bfloat16"), ("torch", "float32")),
+        (("torch-efficient", "bfloat16"), ("torch", "bfloat16")),
+        (("torch-math", "bfloat16"), ("torch", "bfloat16")),
     ]
     for a, b in pairs:
         diffs = [first_diff(x, y) for x, y in zip(runs[a], runs[b], strict=True)]

@@ -3,8 +3,8 @@
 Workload: Llama-3-8B decode layout (32 q / 8 kv heads, d 128, bf16), block_size 16 and 128,
 batch 64 and 256, every request at the same context of 1k / 4k / 16k tokens (a shape whose
 K+V passes ~60 GB is skipped), random non-contiguous block tables. Each shape is checked
-against a peer first, then timed with ``triton.testing.do_bench`` (median; it flushes L2
-between runs). Bandwidth counts the K and V bytes that must be read, sum over requests of
+against a peer first, then timed with ``bench.gpu_timing.time_ms`` (median; L2 flushed clean
+before each call). Bandwidth counts the K and V bytes that must be read, sum over requests of
 seq_len * Hkv * d * 2 (K and V) * 2 (bytes of bf16), against the 4.25 TB/s device-to-device
 copy ceiling measured on the H200. q, out and the fp32 split partials are not counted
 (about 2% of the K/V bytes at batch 64 and 1k, under 0.5% from 4k).
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from tokenmill.kernels.paged_decode_attention import (  # noqa: E402
     MAX_SPLITS,
     DecodeWorkspace,
@@ -91,10 +91,6 @@ def _gather_sdpa(q, kv, block_tables, seq_lens, scale: float) -> torch.Tensor:
     return out.reshape(batch, HQ, HEAD_DIM)
 
 
-def _time(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def _row(shape: str, ms: float, nbytes: int, **extra) -> dict:
     tbps = nbytes / (ms * 1e-3) / 1e12
     return {
@@ -140,7 +136,7 @@ def _bench_shape(batch: int, ctx: int, block_size: int, num_sms: int, sweep: boo
             return None
         ok = torch.allclose(out[:2].float(), ref2, atol=ATOL, rtol=RTOL)
         config = dict(num_splits=num_splits, block_n=block_n, num_warps=warps, num_stages=stages)
-        return _row(shape, _time(fn), nbytes, correct=ok, **config)
+        return _row(shape, time_ms(fn), nbytes, correct=ok, **config)
 
     row = measure(splits, None, 4, 2)  # the wrapper's defaults
     assert row is not None
@@ -151,7 +147,7 @@ def _bench_shape(batch: int, ctx: int, block_size: int, num_sms: int, sweep: boo
         row["correct"] = row["correct"] and torch.allclose(out.float(), peer, atol=ATOL, rtol=RTOL)
         del peer
         row["peer"] = "gather+sdpa"
-        row["peer_ms"] = _time(lambda: _gather_sdpa(q, kv, bt, seq, scale))
+        row["peer_ms"] = time_ms(lambda: _gather_sdpa(q, kv, bt, seq, scale))
     except Exception as e:  # out of memory, or no SDPA kernel for it: keep the kernel's row
         row["peer"], row["peer_ms"] = f"gather+sdpa failed: {type(e).__name__}: {e}"[:200], None
     torch.cuda.empty_cache()
@@ -181,6 +177,7 @@ def benchmark(sweep: bool = False) -> list[dict]:
     per tuning variant on the 4k and 16k shapes (marked ``variant``)."""
     if not torch.cuda.is_available():
         raise RuntimeError("kernel_bench_decode needs a CUDA GPU")
+    warm_up_gpu()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict] = []
     for block_size in BLOCK_SIZES:

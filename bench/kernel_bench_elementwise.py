@@ -1,11 +1,11 @@
 """Memory bandwidth of the element-wise kernels (RMSNorm + residual, RoPE, SiLU-and-mul).
 
 Each case checks the kernel against its torch reference first, then times both with
-``triton.testing.do_bench`` (median; it flushes L2 between runs) and reports the bytes the op
-must move (reads + writes) over the kernel's time, against the device-to-device copy ceiling
-of the H200 (4.25 TB/s, /work/shared/GPU.md) and against a copy of the same bytes timed in
-the same run (``%copy``: at T=4096 the ops move 80-350 MB, where a copy's own launch and
-tail cost shows). Shapes are Llama-3-8B's, bf16:
+``bench.gpu_timing.time_ms`` (median; L2 flushed clean before each call) and reports the
+bytes the op must move (reads + writes) over the kernel's time, against the device-to-device
+copy ceiling of the H200 (4.25 TB/s, /work/shared/GPU.md) and against a copy of the same
+bytes timed in the same run (``%copy``: at T=4096 the ops move 80-350 MB, where a copy's
+own launch and tail cost shows). Shapes are Llama-3-8B's, bf16:
 
     rms_norm + residual  T=4096/16384, H=4096          reads x, residual, w; writes residual, y
     rope_ (in place)     T=4096/16384, 32/8 heads, d 128   reads+writes q, k; reads positions
@@ -29,17 +29,17 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from tokenmill.engine.model_config import ModelConfig  # noqa: E402
 from tokenmill.engine.models.rope import RotaryEmbedding  # noqa: E402
 from tokenmill.kernels import rms_norm as rms_norm_mod  # noqa: E402
@@ -84,17 +84,13 @@ def silu_and_mul_bytes(t: int, inter: int, elem: int) -> int:
 # -- one case -------------------------------------------------------------------------------
 
 
-def _time_ms(fn: Callable[[], Any]) -> float:
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
 @functools.cache
 def _copy_ms(nbytes: int) -> float:
     """A device-to-device copy moving ``nbytes`` (half read, half written): the ceiling at
     this transfer size, where fixed launch and tail costs weigh more than in GPU.md's."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return _time_ms(lambda: dst.copy_(src))
+    return time_ms(lambda: dst.copy_(src))
 
 
 def _row(kernel: str, shape: str, ms: float, nbytes: int, torch_ms: float | None) -> dict:
@@ -126,8 +122,8 @@ def _rms_norm_case(t: int, with_torch: bool = True, tag: str = "") -> dict:
     torch.testing.assert_close(s, s_ref, atol=0, rtol=0)  # fp32 add, one rounding: exact
 
     # Timed in place: the residual keeps accumulating x, harmless for bandwidth.
-    ms = _time_ms(lambda: rms_norm(x, weight, EPS, residual))
-    torch_ms = _time_ms(lambda: rms_norm_ref(x, weight, EPS, residual)) if with_torch else None
+    ms = time_ms(lambda: rms_norm(x, weight, EPS, residual))
+    torch_ms = time_ms(lambda: rms_norm_ref(x, weight, EPS, residual)) if with_torch else None
     nbytes = rms_norm_bytes(t, HIDDEN, x.element_size())
     return _row("rms_norm+residual" + tag, f"T={t} H={HIDDEN} bf16", ms, nbytes, torch_ms)
 
@@ -180,8 +176,8 @@ def _rope_case(
     torch.testing.assert_close(check[:, :hq], q_ref, **TOL)
     torch.testing.assert_close(check[:, hq : hq + hkv], k_ref, **TOL)
 
-    ms = _time_ms(lambda: rope_(q, k, positions, cos, sin))  # rotates qkv again each call
-    torch_ms = _time_ms(lambda: rope_ref(q, k, positions, cos, sin)) if with_torch else None
+    ms = time_ms(lambda: rope_(q, k, positions, cos, sin))  # rotates qkv again each call
+    torch_ms = time_ms(lambda: rope_ref(q, k, positions, cos, sin)) if with_torch else None
     shape = f"T={t} Hq={hq} Hkv={hkv} d={HEAD_DIM} bf16"
     return _row("rope_" + tag, shape, ms, nbytes, torch_ms)
 
@@ -190,8 +186,8 @@ def _silu_case(t: int, with_torch: bool = True, tag: str = "") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, 2 * INTER, device="cuda", dtype=DTYPE, generator=gen)  # [T, 2I]
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL)
-    ms = _time_ms(lambda: silu_and_mul(x))
-    torch_ms = _time_ms(lambda: silu_and_mul_ref(x)) if with_torch else None
+    ms = time_ms(lambda: silu_and_mul(x))
+    torch_ms = time_ms(lambda: silu_and_mul_ref(x)) if with_torch else None
     nbytes = silu_and_mul_bytes(t, INTER, x.element_size())
     return _row("silu_and_mul" + tag, f"T={t} I={INTER} bf16", ms, nbytes, torch_ms)
 
@@ -200,6 +196,7 @@ def benchmark() -> list[dict]:
     """Every kernel at every size with the default launch configuration; needs CUDA."""
     if not torch.cuda.is_available():
         raise RuntimeError("kernel_bench_elementwise needs a CUDA GPU")
+    warm_up_gpu()
     rows = []
     for t in TOKENS:
         rows.append(_rms_norm_case(t))
@@ -289,7 +286,7 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "triton": triton.__version__,
-            "timer": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)",
+            "timer": "bench.gpu_timing.time_ms median (warmup 25 ms, rep 100 ms, read-flushed L2)",
         }
         out.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
         print(f"wrote {out}")

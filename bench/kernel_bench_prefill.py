@@ -5,8 +5,8 @@ head dim 128), bf16, ~16k tokens per batch: 8 x 2k, 4 x 4k, 2 x 8k; K/V read thr
 paged cache with block size 16 and 128 (random block order). The peer is
 ``F.scaled_dot_product_attention(is_causal=True, enable_gqa=True)`` under
 ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` on contiguous [B, H, L, d] tensors of the same
-data. Times are ``triton.testing.do_bench`` medians. FLOPs (two matmuls, half the score
-matrix kept by the causal mask):
+data. Times are ``bench.gpu_timing.time_ms`` medians (L2 flushed clean before each call).
+FLOPs (two matmuls, half the score matrix kept by the causal mask):
 
     flops = 4 * sum_b(q_len_b * k_len_b / 2) * Hq * d       (= 2 * B * L^2 * Hq * d here)
 
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from tokenmill.kernels.paged_prefill_attention import (  # noqa: E402
     PrefillAttentionConfig,
     default_prefill_config,
@@ -160,10 +160,6 @@ def check_against_ref(heads: Heads) -> float:
     return worst
 
 
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
 def time_sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_reqs: int, seq_len: int, scale: float
 ) -> tuple[float, torch.Tensor]:
@@ -203,12 +199,12 @@ def _variants(
     configs: list[PrefillAttentionConfig | None], block_size: int
 ) -> list[tuple[PrefillAttentionConfig | None, bool]]:
     """(config, fresh) pairs to time. The workload is fresh prompts, so the kernel is told
-    ``fresh`` as the engine would; swept ``read_new_keys`` configs are also timed without it
-    (the variant a step with any cached prefix runs)."""
+    ``fresh`` as the engine would; the default and swept ``read_new_keys`` configs are also
+    timed without it (the variant a step with any cached prefix runs)."""
     pairs: list[tuple[PrefillAttentionConfig | None, bool]] = []
     for cfg in configs:
         pairs.append((cfg, True))
-        if cfg is not None and cfg.read_new_keys:
+        if cfg is None or cfg.read_new_keys:
             pairs.append((cfg, False))
     return pairs
 
@@ -221,6 +217,7 @@ def benchmark(
         raise RuntimeError("kernel_bench_prefill needs a CUDA GPU")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: the benchmark times compiled kernels")
+    warm_up_gpu()
     configs = configs or [None]
     ref_err = check_against_ref(heads)
     rows = []
@@ -232,7 +229,7 @@ def benchmark(
             if sdpa is None:
                 sdpa = time_sdpa(args[0], k, v, num_reqs, seq_len, args[-1])
             for cfg, fresh in _variants(configs, block_size):
-                used = cfg or default_prefill_config(heads.d, DTYPE)
+                used = cfg or default_prefill_config(heads.d, DTYPE, fresh)
                 ms, err = time_kernel(args, used, sdpa[1], k, v, fresh)
                 rows.append(
                     {

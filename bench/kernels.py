@@ -26,8 +26,10 @@ from bench import kernel_bench_decode, kernel_bench_elementwise, kernel_bench_pr
 
 def _line(row: dict) -> str:
     if "tflops" in row:
+        # a step with any cached prefix runs the kernel with its block-table code compiled in
+        shape = row["shape"] + ("" if row.get("fresh", True) else " (ctx code)")
         return (
-            f"{row['kernel']:<10} {row['shape']:<40} {row['ms']:8.3f} ms "
+            f"{row['kernel']:<10} {shape:<40} {row['ms']:8.3f} ms "
             f"{row['tflops']:7.1f} TFLOP/s (SDPA {row.get('sdpa_tflops', float('nan')):6.1f}, "
             f"ceiling {row['ceiling_tflops']})"
         )

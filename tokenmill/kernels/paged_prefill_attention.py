@@ -365,7 +365,7 @@ def paged_prefill_attention(
     if t == 0 or num_reqs == 0 or max_query_len <= 0:
         return out
 
-    cfg = config or default_prefill_config(d, q.dtype)
+    cfg = config or default_prefill_config(d, q.dtype, fresh)
     read_new = cfg.read_new_keys and k_new is not None and v_new is not None
     if read_new:
         for name, x in (("k_new", k_new), ("v_new", v_new)):

@@ -41,23 +41,30 @@ class PrefillAttentionConfig:
             raise ValueError(f"PrefillAttentionConfig.num_stages={self.num_stages}: need >= 1")
 
 
-def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillAttentionConfig:
+def default_prefill_config(
+    head_dim: int, dtype: torch.dtype, fresh: bool = False
+) -> PrefillAttentionConfig:
     """Hopper (H100/H200) tiles per head dim; a small fixed tile in the interpreter.
 
-    d <= 64: 128x64 tiles, 4 warps. d = 128: 128x128 tiles, 8 warps, 2 stages, and the
-    step's own keys read from k_new/v_new (``read_new_keys``), for every block size.
-    Measured on the H200 at 32/8 heads, bf16, fresh prompts (BENCHMARKS.md, session 3):
-    357/408/441 TFLOP/s at 2k/4k/8k with block_size 16 (the block-table gather path gave
-    330-356 at 4k-8k) and 356/408/427 with block_size 128, against SDPA's flash backend at
-    302/322/332. d = 256: 64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per
-    element).
+    Every head dim up to 128 reads the step's own keys from k_new/v_new (``read_new_keys``).
+    Measured on the H200 in bf16 on fresh prompts (BENCHMARKS.md):
+    - d = 128 (32/8 heads, session 3): 128x128 tiles, 8 warps, 2 stages. 357/408/441 TFLOP/s
+      at 2k/4k/8k with block_size 16 (the block-table gather path gave 330-356 at 4k-8k) and
+      356/408/427 with block_size 128, against SDPA's flash backend at 302/322/332.
+    - d = 64 (SmolLM2's 9/3 heads, session 4): 128x64 tiles, 3 stages; 8 warps when the
+      caller promises ``fresh`` (290/331/373 TFLOP/s at block_size 16, where 4 warps reading
+      every key through the table gave 211/239/265 and SDPA 221/241/253), else 4 warps (with
+      the block-table code compiled in, 4 warps gave 255/303/358 and 8 warps 226/274/312).
+    d = 256: 64x32, 8 warps, 2 stages. fp32 halves BLOCK_N (twice the bytes per element).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
         return PrefillAttentionConfig(
             block_m=32, block_n=16, num_warps=4, num_stages=1, read_new_keys=True
         )
     if head_dim <= 64:
-        cfg = PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        cfg = PrefillAttentionConfig(
+            block_m=128, block_n=64, num_warps=8 if fresh else 4, num_stages=3, read_new_keys=True
+        )
     elif head_dim <= 128:
         cfg = PrefillAttentionConfig(
             block_m=128, block_n=128, num_warps=8, num_stages=2, read_new_keys=True

@@ -1,0 +1,72 @@
+"""How the kernel benchmarks time GPU work: warm clocks, a clean cold L2, CUDA events, median.
+
+- ``warm_up_gpu``: an idle H200 sits at a low SM clock (360 MHz seen) and takes a while under
+  load to reach its boost clock, so the first rows a fresh process timed came out slow. Every
+  benchmark calls it once before its first timing.
+- ``time_ms``: before every timed call, 256 MiB are *read* (a sum), which evicts everything
+  from L2 and leaves no dirty line in it. ``triton.testing.do_bench`` instead clears L2 by
+  zeroing a buffer, leaving up to L2's size of dirty lines that the timed kernel then pays to
+  write back. For an 84 MB RoPE call that was a quarter of its time: on the H200, RoPE at
+  T=4096 read 76.4% of 4.25 TB/s with the zeroing flush and 85.0% with the read flush, a
+  same-size copy 79.0% and 90.4% (session 4, BENCHMARKS.md). At 336 MB both flushes agree
+  within 3 points.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_WARM_UP_SIDE = 4096  # a bf16 matmul of ~0.2 ms on an H200: keeps every SM busy
+_FLUSH_INT32S = (256 << 20) // 4  # 256 MiB, five times an H200's L2
+
+
+def warm_up_gpu(seconds: float = 1.0) -> None:
+    """Run bf16 matmuls back to back for ``seconds`` of wall time (synchronised)."""
+    a = torch.randn(_WARM_UP_SIDE, _WARM_UP_SIDE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(_WARM_UP_SIDE, _WARM_UP_SIDE, device="cuda", dtype=torch.bfloat16)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(20):
+            a @ b
+        torch.cuda.synchronize()
+
+
+@functools.cache
+def _flush_buffer() -> torch.Tensor:
+    return torch.ones(_FLUSH_INT32S, dtype=torch.int32, device="cuda")
+
+
+def _flush_l2() -> None:
+    _flush_buffer().sum(dtype=torch.int64)
+
+
+def time_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` over about ``rep_ms`` of calls (after ``warmup_ms``),
+    each started on a clean, cold L2 and timed alone with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    probe[0].record()
+    for _ in range(5):
+        fn()
+    probe[1].record()
+    torch.cuda.synchronize()
+    per_call = max(probe[0].elapsed_time(probe[1]) / 5, 1e-3)
+    for _ in range(max(1, round(warmup_ms / per_call))):
+        fn()
+    reps = max(5, round(rep_ms / per_call))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends, strict=True):
+        _flush_l2()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
