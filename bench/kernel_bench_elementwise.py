@@ -15,8 +15,7 @@ own launch and tail cost shows). Shapes are Llama-3-8B's, bf16:
     PYTHONPATH=$PWD python3 bench/kernel_bench_elementwise.py [--sweep] [--json PATH]
 
 ``--sweep`` also times other launch configurations (num_warps, rows or tokens per program) of
-the same cases, and rope_ with per-token tables (``positions=None``), each row tagged with its
-configuration (the default rope_ row is tagged with
+the same cases, each row tagged with its configuration (the default rope_ row is tagged with
 the one ``_launch_config`` picked). Results are printed as a table; the JSON (default
 $OUT/kernel_bench_elementwise.json when $OUT is set) holds every row plus the device and
 versions.
@@ -154,21 +153,13 @@ def _rope_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return rope.cos.cuda(), rope.sin.cuda()  # [P, d/2] fp32 each
 
 
-def _rope_case(
-    t: int, with_torch: bool = True, tag: str = "", per_token_tables: bool = False
-) -> dict:
-    """``per_token_tables``: the cos/sin rows gathered for the tokens beforehand (once a step
-    in an engine, not timed here) and the kernel run without positions."""
+def _rope_case(t: int, with_torch: bool = True, tag: str = "") -> dict:
     cos, sin = _rope_tables()
     gen = torch.Generator(device="cuda").manual_seed(t)
     hq, hkv = N_HEADS, N_KV
     qkv = torch.randn(t, hq + 2 * hkv, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     positions = torch.randperm(MAX_POSITIONS, device="cuda", generator=gen)[:t]  # distinct
     q, k = qkv[:, :hq], qkv[:, hq : hq + hkv]  # strided views of the fused qkv output
-    nbytes = rope_bytes(t, hq, hkv, HEAD_DIM, qkv.element_size())
-    if per_token_tables:
-        cos, sin, positions = cos[positions], sin[positions], None
-        nbytes -= 8 * t  # no positions read
 
     q_ref, k_ref = rope_ref(q, k, positions, cos, sin)
     check = qkv.clone()
@@ -178,6 +169,7 @@ def _rope_case(
 
     ms = time_ms(lambda: rope_(q, k, positions, cos, sin))  # rotates qkv again each call
     torch_ms = time_ms(lambda: rope_ref(q, k, positions, cos, sin)) if with_torch else None
+    nbytes = rope_bytes(t, hq, hkv, HEAD_DIM, qkv.element_size())
     shape = f"T={t} Hq={hq} Hkv={hkv} d={HEAD_DIM} bf16"
     return _row("rope_" + tag, shape, ms, nbytes, torch_ms)
 
@@ -241,10 +233,6 @@ def sweep() -> list[dict]:
             cfg = (tokens_pp, warps)
             with _patched(rope_mod, "_launch_config", lambda *_, cfg=cfg: cfg):
                 rows.append(_rope_case(t, False, f" [tokens={tokens_pp} warps={warps}]"))
-        for warps in (2, 4, 8):
-            with _patched(rope_mod, "_launch_config", lambda *_, w=warps: (1, w)):
-                tag = f" [per-token tables, warps={warps}]"
-                rows.append(_rope_case(t, False, tag, per_token_tables=True))
         for block, warps in ((512, 2), (1024, 4), (1024, 8), (2048, 8), (2048, 16)):
             with _patched(silu_mod, "_launch_config", lambda i, c=(block, warps): c):
                 rows.append(_silu_case(t, False, f" [block={block} warps={warps}]"))

@@ -109,25 +109,6 @@ def test_rope_launch_config(hq, hkv, d) -> None:
         assert warps == 4  # the sweep: best over T = 4,096 and 16,384 together
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_per_token_tables_match_positions(dtype) -> None:
-    # Tables gathered per token (positions=None) rotate to the same bits as the kernel
-    # gathering them by position itself.
-    cos, sin = _tables(4, 2, 64, 300)
-    gen = torch.Generator().manual_seed(5)
-    qkv = torch.randn(9, 8, 64, generator=gen).to(DEVICE, dtype)
-    positions = torch.randint(0, 300, (9,), generator=gen).to(DEVICE)
-    by_position, per_token = qkv.clone(), qkv.clone()
-    rope_(by_position[:, :4], by_position[:, 4:6], positions, cos, sin)
-    rope_(per_token[:, :4], per_token[:, 4:6], None, cos[positions], sin[positions])
-    assert torch.equal(per_token, by_position)
-    q_ref, k_ref = rope_ref(qkv[:, :4], qkv[:, 4:6], None, cos[positions], sin[positions])
-    torch.testing.assert_close(per_token[:, :4], q_ref, **TOL[dtype])
-    torch.testing.assert_close(per_token[:, 4:6], k_ref, **TOL[dtype])
-    with pytest.raises(ValueError, match=r"\[T=9, d/2=32\]"):
-        rope_(qkv[:, :4], qkv[:, 4:6], None, cos, sin)  # whole tables, not per token
-
-
 def test_rope_ref_rotates_like_the_engine() -> None:
     # Position 0 is the identity; rotation preserves each half-pair's norm.
     cos, sin = _tables(2, 1, 64, 16)

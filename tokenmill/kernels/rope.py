@@ -15,9 +15,6 @@ Shapes:
     k:         [T, Hkv, d]  idem
     positions: [T] int64, each < P
     cos, sin:  [P, d/2] float32
-               or, without positions, [T, d/2]: the rows of this step's tokens, gathered
-               once a step (the same for every layer) so that no program waits on a
-               position before it can load its table rows
 
 Kernel: program i rotates TOKENS consecutive tokens, all their q heads and all their k heads,
 as one [TOKENS, heads, d/2] tile per half; tokens past T are masked off:
@@ -114,7 +111,6 @@ def _rope_kernel(
     stride_cos,
     stride_sin,
     # meta-parameters
-    PER_TOKEN_TABLES: tl.constexpr,  # cos/sin row t is token t's (no positions to read)
     TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
@@ -129,10 +125,7 @@ def _rope_kernel(
         k_ptr, tok3, num_tokens, num_kv_heads, half, stride_kt, stride_kh, BLOCK_HKV, BLOCK_HALF
     )
     # Masked tokens read row 0 of the tables; their results are never stored.
-    if PER_TOKEN_TABLES:
-        pos = tl.where(tok < num_tokens, tok, 0)[:, None]
-    else:
-        pos = tl.load(pos_ptr + tok, mask=tok < num_tokens, other=0).to(tl.int64)[:, None]
+    pos = tl.load(pos_ptr + tok, mask=tok < num_tokens, other=0).to(tl.int64)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
     cs_mask = (tok[:, None] < num_tokens) & (j < half)  # [TOKENS, BLOCK_HALF]
     # Loaded 2-D and then expanded, so the compiler lays the rows out as a slice of the q/k
@@ -168,7 +161,7 @@ def _launch_config(hq: int, hkv: int, d: int) -> tuple[int, int]:
 def _check(
     q: torch.Tensor,
     k: torch.Tensor,
-    positions: torch.Tensor | None,
+    positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
@@ -187,26 +180,19 @@ def _check(
         raise ValueError(
             f"q and k must be contiguous in head_dim; strides {q.stride()}, {k.stride()}"
         )
-    if positions is not None and (
-        positions.shape != (q.shape[0],) or positions.dtype != torch.int64
-    ):
+    if positions.shape != (q.shape[0],) or positions.dtype != torch.int64:
         raise ValueError(
             f"positions must be int64 [T={q.shape[0]}]; got {positions.dtype} "
             f"{tuple(positions.shape)}"
         )
-    rows = "P" if positions is not None else f"T={q.shape[0]}"
     for name, table in (("cos", cos), ("sin", sin)):
-        shape_ok = table.dim() == 2 and table.shape[1] == d // 2
-        if positions is None:
-            shape_ok = shape_ok and table.shape[0] == q.shape[0]
-        if not shape_ok or table.dtype != torch.float32:
+        if table.dim() != 2 or table.shape[1] != d // 2 or table.dtype != torch.float32:
             raise ValueError(
-                f"{name} must be float32 [{rows}, d/2={d // 2}]; got {table.dtype} "
-                f"{tuple(table.shape)}"
+                f"{name} must be float32 [P, d/2={d // 2}]; got {table.dtype} {tuple(table.shape)}"
             )
         if table.stride(1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim; strides {table.stride()}")
-    devices = {t.device for t in (q, k, cos, sin) + (() if positions is None else (positions,))}
+    devices = {t.device for t in (q, k, positions, cos, sin)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
@@ -214,13 +200,11 @@ def _check(
 def rope_(
     q: torch.Tensor,  # [T, Hq, d]
     k: torch.Tensor,  # [T, Hkv, d]
-    positions: torch.Tensor | None,  # [T] int64, or None: cos/sin are already per token
-    cos: torch.Tensor,  # [P, d/2] float32 ([T, d/2] without positions)
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [P, d/2] float32
     sin: torch.Tensor,  # [P, d/2] float32
 ) -> None:
-    """Rotate q and k in place by the angles of ``positions``, or, with ``positions=None``,
-    by per-token tables (row t for token t, gathered once a step for all layers: the kernel
-    then has no position -> table row load to wait on).
+    """Rotate q and k in place by the angles of ``positions``.
 
     Mutates q and k (and so the fused qkv tensor they view); reads the rest. q and k must
     not overlap. Positions must be < P: they are not checked on the device (that would need
@@ -235,7 +219,7 @@ def rope_(
     _rope_kernel[(triton.cdiv(t, tokens),)](
         q,
         k,
-        cos if positions is None else positions,  # not read without positions
+        positions,
         cos,
         sin,
         t,
@@ -248,7 +232,6 @@ def rope_(
         k.stride(1),
         cos.stride(0),
         sin.stride(0),
-        PER_TOKEN_TABLES=positions is None,
         TOKENS=tokens,
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
@@ -261,14 +244,12 @@ def rope_(
 def rope_ref(
     q: torch.Tensor,
     k: torch.Tensor,
-    positions: torch.Tensor | None,
+    positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's torch path (``apply_rope`` with the tables cast to q's dtype); returns
-    new rotated (q, k) and mutates nothing. ``positions=None``: cos/sin are per token."""
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    c = cos.unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
-    s = sin.unsqueeze(1).to(q.dtype)
+    new rotated (q, k) and mutates nothing."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
+    s = sin[positions].unsqueeze(1).to(q.dtype)
     return apply_rope(q, c, s), apply_rope(k, c, s)
