@@ -85,7 +85,10 @@ SWEEP = [
 
 
 def causal_flops(q_lens: list[int], k_lens: list[int], hq: int, d: int) -> float:
-    return 4 * sum(q * k / 2 for q, k in zip(q_lens, k_lens, strict=True)) * hq * d
+    """Two matmuls over the keys each query sees: all of the cached context (k - q) and half
+    of the request's own q x q block."""
+    pairs = sum(q * (k - q) + q * q / 2 for q, k in zip(q_lens, k_lens, strict=True))
+    return 4 * pairs * hq * d
 
 
 def paged_batch(
@@ -181,8 +184,9 @@ def time_kernel(
     fresh: bool,
 ) -> tuple[float, float]:
     """(median ms, max abs error vs ``expected``) of the kernel with ``config``; ``k_new`` /
-    ``v_new`` are the step's own keys (all of them: full prefills), used when the config
-    says ``read_new_keys``; ``fresh`` tells the kernel so, as the engine does."""
+    ``v_new`` are the step's own keys (all of a full prefill's, a chunk's last rows), used
+    when the config says ``read_new_keys``; ``fresh``: no cached context, as the engine
+    tells the kernel."""
     out = torch.empty_like(args[0])
 
     def run() -> torch.Tensor:
@@ -251,6 +255,24 @@ def benchmark(
     return rows
 
 
+def print_rows(rows: list[dict]) -> None:
+    """The rows as a table, configs tagged (``ctx``: a ``read_new_keys`` config run without
+    ``fresh``, its block-table code compiled in)."""
+    head = ("shape", "config", "ms", "TFLOP/s", "SDPA ms", "SDPA TF/s", "err")
+    print("{:<40} {:<24} {:>8} {:>8} {:>8} {:>9} {:>8}".format(*head))
+    for r in rows:
+        c = r["config"]
+        tag = f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
+        tag += ("" if c["pack_gqa"] else " nopack") + (" new-kv" if c["read_new_keys"] else "")
+        tag += "" if r["fresh"] or not c["read_new_keys"] else " ctx"
+        tag += " *" if c["default"] else ""
+        print(
+            f"{r['shape']:<40} {tag:<24} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
+            f"{r['sdpa_ms']:>8.3f} {r['sdpa_tflops']:>9.1f} {r['max_abs_err_vs_sdpa']:>8.4f}"
+        )
+    print(f"ceiling {CEILING_TFLOPS} TFLOP/s (bf16 dense matmul); * = default config")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP configs")
@@ -263,19 +285,7 @@ def main() -> None:
         path = Path(os.environ["OUT"]) / "kernel_bench_prefill.json"
     if path:
         path.write_text(json.dumps(rows, indent=2))
-    head = ("shape", "config", "ms", "TFLOP/s", "SDPA ms", "SDPA TF/s", "err")
-    print("{:<36} {:<24} {:>8} {:>8} {:>8} {:>9} {:>8}".format(*head))
-    for r in rows:
-        c = r["config"]
-        tag = f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']}"
-        tag += ("" if c["pack_gqa"] else " nopack") + (" new-kv" if c["read_new_keys"] else "")
-        tag += "" if r["fresh"] or not c["read_new_keys"] else " ctx"
-        tag += " *" if c["default"] else ""
-        print(
-            f"{r['shape']:<36} {tag:<24} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
-            f"{r['sdpa_ms']:>8.3f} {r['sdpa_tflops']:>9.1f} {r['max_abs_err_vs_sdpa']:>8.4f}"
-        )
-    print(f"ceiling {CEILING_TFLOPS} TFLOP/s (bf16 dense matmul); * = default config")
+    print_rows(rows)
 
 
 if __name__ == "__main__":
