@@ -42,13 +42,20 @@ def _flush_buffer() -> torch.Tensor:
     return torch.ones(_FLUSH_INT32S, dtype=torch.int32, device="cuda")
 
 
-def _flush_l2() -> None:
+def flush_l2() -> None:
+    """Read 256 MiB: evicts everything from L2 and leaves no dirty line behind."""
     _flush_buffer().sum(dtype=torch.int64)
 
 
-def time_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+def time_ms(
+    fn: Callable[[], Any],
+    warmup_ms: float = 25,
+    rep_ms: float = 100,
+    before: Callable[[], Any] | None = flush_l2,
+) -> float:
     """Median milliseconds of ``fn()`` over about ``rep_ms`` of calls (after ``warmup_ms``),
-    each started on a clean, cold L2 and timed alone with CUDA events."""
+    each timed alone with CUDA events after an untimed ``before()`` (by default ``flush_l2``:
+    each call starts on a clean, cold L2; ``bench/l2_flush_effect.py`` swaps it)."""
     fn()
     torch.cuda.synchronize()
     probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -64,7 +71,8 @@ def time_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends, strict=True):
-        _flush_l2()
+        if before is not None:
+            before()
         start.record()
         fn()
         end.record()

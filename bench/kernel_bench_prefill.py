@@ -56,6 +56,9 @@ class Heads:
     hkv: int
     d: int
 
+    def __str__(self) -> str:  # as the shape labels print it
+        return f"hq{self.hq} hkv{self.hkv} d{self.d}"
+
 
 # the issue's shape (Llama-3-8B) and the embedded default model's
 LAYOUTS = {"llama3-8b": Heads(32, 8, 128), "smollm2": Heads(9, 3, 64)}
@@ -235,24 +238,39 @@ def benchmark(
             for cfg, fresh in _variants(configs, block_size):
                 used = cfg or default_prefill_config(heads.d, DTYPE, fresh)
                 ms, err = time_kernel(args, used, sdpa[1], k, v, fresh)
+                shape = f"{num_reqs}x{seq_len} bs{block_size} {heads} bf16"
                 rows.append(
-                    {
-                        "kernel": "prefill",
-                        "shape": f"{num_reqs}x{seq_len} bs{block_size} "
-                        f"hq{heads.hq} hkv{heads.hkv} d{heads.d} bf16",
-                        "ms": round(ms, 4),
-                        "tflops": round(flops / ms / 1e9, 1),
-                        "sdpa_ms": round(sdpa[0], 4),
-                        "sdpa_tflops": round(flops / sdpa[0] / 1e9, 1),
-                        "ceiling_tflops": CEILING_TFLOPS,
-                        "config": {**vars(used), "default": cfg is None},
-                        "fresh": fresh,
-                        "max_abs_err_vs_sdpa": round(err, 5),
-                        "max_abs_err_vs_ref": round(ref_err, 5),
-                        "gpu": torch.cuda.get_device_name(),
-                    }
+                    make_row(shape, flops, ms, sdpa[0], used, cfg is None, fresh, err, ref_err)
                 )
     return rows
+
+
+def make_row(
+    shape: str,
+    flops: float,
+    ms: float,
+    sdpa_ms: float,
+    config: PrefillAttentionConfig,
+    default: bool,
+    fresh: bool,
+    err: float,
+    ref_err: float,
+) -> dict:
+    """One timed (shape, config) as the JSON row ``print_rows`` and ``bench/kernels.py`` read."""
+    return {
+        "kernel": "prefill",
+        "shape": shape,
+        "ms": round(ms, 4),
+        "tflops": round(flops / ms / 1e9, 1),
+        "sdpa_ms": round(sdpa_ms, 4),
+        "sdpa_tflops": round(flops / sdpa_ms / 1e9, 1),
+        "ceiling_tflops": CEILING_TFLOPS,
+        "config": {**vars(config), "default": default},
+        "fresh": fresh,
+        "max_abs_err_vs_sdpa": round(err, 5),
+        "max_abs_err_vs_ref": round(ref_err, 5),
+        "gpu": torch.cuda.get_device_name(),
+    }
 
 
 def print_rows(rows: list[dict]) -> None:

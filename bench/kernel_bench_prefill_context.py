@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from bench.kernel_bench_prefill import (  # noqa: E402
     BLOCK_SIZES,
-    CEILING_TFLOPS,
     DTYPE,
     LAYOUTS,
     SWEEP,
     Heads,
     causal_flops,
     check_against_ref,
+    make_row,
     paged_batch,
     print_rows,
     time_kernel,
@@ -65,17 +65,15 @@ def _sdpa_lower_right(
     ks = k.view(num_reqs, seq_len, hkv, d).transpose(1, 2).contiguous()
     vs = v.view(num_reqs, seq_len, hkv, d).transpose(1, 2).contiguous()
     mask = causal_lower_right(q_len, seq_len)
+    gqa = {"enable_gqa": True}
     try:
-        F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, **gqa)
     except (RuntimeError, TypeError):  # a torch whose causal bias rejects enable_gqa
         ks, vs = (x.repeat_interleave(hq // hkv, dim=1) for x in (ks, vs))
+        gqa = {}
 
     def run() -> torch.Tensor:
-        if ks.shape[1] == hq:
-            return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        return F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, **gqa)
 
     return time_ms(run), run().transpose(1, 2).reshape(-1, hq, d)
 
@@ -101,22 +99,9 @@ def benchmark(
             for cfg in configs:
                 used = cfg or default_prefill_config(heads.d, DTYPE, fresh=False)
                 ms, err = time_kernel(args, used, sdpa[1], k_new, v_new, fresh=False)
+                shape = f"{num_reqs}x({q_len} of {seq_len}) bs{block_size} {heads}"
                 rows.append(
-                    {
-                        "kernel": "prefill",
-                        "shape": f"{num_reqs}x({q_len} of {seq_len}) bs{block_size} "
-                        f"hq{heads.hq} hkv{heads.hkv} d{heads.d}",
-                        "ms": round(ms, 4),
-                        "tflops": round(flops / ms / 1e9, 1),
-                        "sdpa_ms": round(sdpa[0], 4),
-                        "sdpa_tflops": round(flops / sdpa[0] / 1e9, 1),
-                        "ceiling_tflops": CEILING_TFLOPS,
-                        "config": {**vars(used), "default": cfg is None},
-                        "fresh": False,
-                        "max_abs_err_vs_sdpa": round(err, 5),
-                        "max_abs_err_vs_ref": round(ref_err, 5),
-                        "gpu": torch.cuda.get_device_name(),
-                    }
+                    make_row(shape, flops, ms, sdpa[0], used, cfg is None, False, err, ref_err)
                 )
     return rows
 

@@ -1,16 +1,15 @@
 """How the way L2 is flushed between timed calls changes a bandwidth figure (GPU).
 
 Times RoPE (T=4096 and 16384), RMSNorm + residual and a copy of the same bytes four ways:
-``triton.testing.do_bench`` (it zeroes a 256 MB buffer before each call), the same zeroing
-flush in a plain CUDA-event loop, a read flush (``bench.gpu_timing.time_ms``'s: a sum over
-256 MB, leaving L2 clean), and no flush. Prints % of the 4.25 TB/s copy ceiling.
+``triton.testing.do_bench`` (it zeroes a 256 MB buffer before each call), and
+``bench.gpu_timing.time_ms`` with the same zeroing flush, with its own read flush (a sum over
+256 MB, leaving L2 clean), and with no flush. Prints % of the 4.25 TB/s copy ceiling.
 
     PYTHONPATH=$PWD python3 bench/l2_flush_effect.py
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,24 +26,6 @@ from tokenmill.kernels.rms_norm import rms_norm  # noqa: E402
 from tokenmill.kernels.rope import rope_  # noqa: E402
 
 CEILING_TBPS = 4.25
-CALLS = 200
-
-
-def _event_loop_ms(fn: Callable[[], Any], before: Callable[[], Any] | None) -> float:
-    """Median of CALLS calls, each timed alone, ``before()`` run untimed ahead of each."""
-    for _ in range(10):
-        fn()
-    pairs = []
-    for _ in range(CALLS):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
 def _copy(nbytes: int) -> Callable[[], Any]:
@@ -83,9 +64,9 @@ def main() -> None:
         for name, fn, nbytes in _cases(t, cos, sin):
             times = [
                 triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"),
-                _event_loop_ms(fn, zero_buf.zero_),
+                time_ms(fn, before=zero_buf.zero_),
                 time_ms(fn),
-                _event_loop_ms(fn, None),
+                time_ms(fn, before=None),
             ]
             pcts = [100 * nbytes / (ms * 1e-3) / 1e12 / CEILING_TBPS for ms in times]
             print(f"{name:<24} {t:>6} " + " ".join(f"{p:>8.1f}" for p in pcts), flush=True)
