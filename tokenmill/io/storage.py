@@ -7,13 +7,16 @@ Every file lands under the prefix with all of its bytes or not at all:
     object store one PUT of the whole bytes to the final key (S3/GCS/Azure show an object
                  only once its upload completes, multipart uploads included)
 
-A writer killed between the two local steps leaves a ``.<name>.tmp-<hex>`` file and never a
-partial ``<name>``; ``cleanup_temp`` removes those leftovers.
+A writer killed between the two local steps leaves a ``.<name>.tmp-<owner>-<hex>`` file and
+never a partial ``<name>``; ``cleanup_temp`` removes those leftovers. ``<owner>`` is a token
+derived from the job's name, so cleanup removes only the temporary files of this job's own
+writes, in the folders it writes to, and never a file someone else put there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -22,14 +25,21 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["OutputStore", "is_temp_name"]
+__all__ = ["OutputStore", "is_temp_name", "owner_token"]
 
-_TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+_TEMP_NAME = re.compile(r"^\..+\.tmp-(?:[0-9a-f]{8}-)?[0-9a-f]{16}$")
+# The only folders a job writes to, below its prefix: cleanup looks nowhere else.
+_WRITTEN_FOLDERS = ("", "shards", "errors")
 
 
 def is_temp_name(basename: str) -> bool:
-    """True for the temporary names ``write_atomic`` uses before its rename."""
+    """True for the temporary names ``write_atomic`` uses before its rename (any owner's)."""
     return _TEMP_NAME.match(basename) is not None
+
+
+def owner_token(owner: str) -> str:
+    """The 8 hex digits that mark the temporary files written for ``owner`` (a job name)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:8]
 
 
 def _check_name(name: str, where: str) -> str:
@@ -54,14 +64,19 @@ class OutputStore:
 
     ``url`` is a local path or an fsspec URL (``s3://bucket/prefix/``, ``gs://…``,
     ``file:///…``); ``storage_options`` go to the fsspec filesystem (credentials,
-    ``endpoint_url``, …). Attributes: ``url`` (as given, without trailing slashes), ``root``
-    (absolute local directory, or the bucket path without protocol), ``is_local``, ``fs``.
+    ``endpoint_url``, …). ``owner`` (the job name) marks this store's temporary files, so that
+    ``cleanup_temp`` removes only those. Attributes: ``url`` (as given, without trailing
+    slashes), ``root`` (absolute local directory, or the bucket path without protocol),
+    ``is_local``, ``fs``.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, owner: str = ""
+    ) -> None:
         if not isinstance(url, str) or not url.strip():
             raise ValueError("output.path is empty; give a local folder or an s3://… prefix")
         self.url = url.rstrip("/") or "/"
+        self._token = owner_token(owner)
         self.storage_options = dict(storage_options or {})
         try:
             fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
@@ -123,7 +138,7 @@ class OutputStore:
     def _write_local(self, final: str, data: bytes) -> None:
         folder, base = os.path.split(final)
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{base}.tmp-{secrets.token_hex(8)}")
+        tmp = os.path.join(folder, f".{base}.tmp-{self._token}-{secrets.token_hex(8)}")
         try:
             with open(tmp, "xb") as f:
                 f.write(data)
@@ -147,19 +162,28 @@ class OutputStore:
         self.fs.invalidate_cache(path)
 
     def cleanup_temp(self) -> int:
-        """Remove temporary files a killed writer left behind; return how many.
+        """Remove temporary files a killed writer of this owner left behind; return how many.
 
-        Object stores never hold any (a PUT has no temporary name), so this is 0 there. Call it
-        only while no other writer of this output runs (under the job lock).
+        Only names of this store's own pattern (``.<name>.tmp-<owner token>-<hex>``) in the
+        folders a job writes (the prefix itself, ``shards/``, ``errors/``) are touched. Object
+        stores never hold any (a PUT has no temporary name), so this is 0 there. Call it only
+        while no other writer of this output runs (under the job lock).
         """
         if not self.is_local:
             return 0
+        own = re.compile(rf"^\..+\.tmp-{self._token}-[0-9a-f]{{16}}$")
         removed = 0
-        for folder, _dirs, files in os.walk(self.root):
-            for base in files:
-                if is_temp_name(base):
+        for sub in _WRITTEN_FOLDERS:
+            folder = os.path.join(self.root, sub) if sub else self.root
+            try:
+                names = os.listdir(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for base in names:
+                path = os.path.join(folder, base)
+                if own.match(base) and os.path.isfile(path) and not os.path.islink(path):
                     with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(folder, base))
+                        os.remove(path)
                         removed += 1
         return removed
 
@@ -204,6 +228,49 @@ class OutputStore:
             cut = len(self.root) + 1
             names = [p[cut:] for p in found if p.startswith(self.root + "/")]
         return sorted(n for n in names if n.startswith(prefix))
+
+    def top_names(self) -> list[str]:
+        """Names of the files directly under the prefix (not in subfolders), sorted."""
+        if self.is_local:
+            try:
+                return sorted(
+                    n
+                    for n in os.listdir(self.root)
+                    if os.path.isfile(os.path.join(self.root, n)) and not is_temp_name(n)
+                )
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            info["name"].rsplit("/", 1)[-1] for info in found if info.get("type") == "file"
+        )
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """``{name: size in bytes}`` of the files ``list(prefix)`` would return (one listing
+        call on object stores)."""
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if self.is_local:
+            out = {}
+            for name in self.list(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    out[name] = os.path.getsize(self._full(name))
+            return out
+        base = f"{self.root}/{_check_name(folder, f'output {self.url}')}" if folder else self.root
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        cut = len(self.root) + 1
+        return {
+            p[cut:]: int(info.get("size") or 0)
+            for p, info in found.items()
+            if p.startswith(self.root + "/") and p[cut:].startswith(prefix)
+        }
 
     def _walk_local(self, top: str) -> list[str]:
         names = []

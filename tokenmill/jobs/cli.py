@@ -1,9 +1,12 @@
-"""run-job: run a job.yaml to completion, resumably. Cron-friendly exit codes:
+"""run-job: run a job.yaml to completion, resumably. Cron- and Airflow-friendly exit codes:
 
 0   the job is complete (row errors are counted in the report, not fatal)
-1   the job failed (or was cancelled); rerun the same command to resume
-2   the spec is invalid (the message names the file and key)
-75  another run of the same job holds the lock
+1   the job failed; rerun the same command to resume
+2   the spec cannot work: invalid, its output/input/model paths are wrong, or the output
+    holds progress made with other settings (the message names the file and the key);
+    rerunning will not help until it is fixed
+75  temporary: another run holds the output, the run was stopped by SIGTERM/SIGINT, or the
+    storage failed mid-run; committed shards are kept: rerun the same command to resume
 """
 
 from __future__ import annotations
@@ -11,19 +14,26 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
+from tokenmill.jobs.stop_signals import JobInterrupted, StopOnSignals
 
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_LOCKED = 0, 1, 2, 75
+log = logging.getLogger("tokenmill.jobs")
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TEMPORARY = 0, 1, 2, 75
+
+_RESUME = "committed shards are kept; rerun the same command to resume"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="run-job",
         description="Run a tokenmill batch inference job (resumes where it stopped).",
-        epilog="exit codes: 0 complete, 1 failed, 2 invalid spec, 75 locked by another run",
+        epilog="exit codes: 0 complete, 1 failed, 2 invalid spec, 75 temporary (locked, "
+        "stopped by a signal, storage failure): rerun to resume",
     )
     parser.add_argument("job", help="path to the job.yaml")
     parser.add_argument(
@@ -48,33 +58,47 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
     )
+    cancel = threading.Event()
+    with StopOnSignals(cancel) as stop:
+        try:
+            return _run(args, cancel, stop)
+        except JobSpecError as exc:
+            return _fail(str(exc), EXIT_INVALID)
+        except JobLockedError as exc:
+            return _fail(str(exc), EXIT_TEMPORARY)
+        except (JobInterrupted, KeyboardInterrupt) as exc:
+            return _fail(f"stopped ({exc or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
+        except FingerprintMismatchError as exc:  # needs a decision: --fresh or another path
+            return _fail(str(exc), EXIT_INVALID)
+        except OSError as exc:  # the storage: disk full, object store down after retries
+            return _fail(f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY)
+        except Exception as exc:
+            log.exception("the job failed")
+            return _fail(f"the job failed ({type(exc).__name__}: {exc}); {_RESUME}", EXIT_FAILED)
 
-    try:
-        spec = JobSpec.load(args.job, args.overrides)
-    except JobSpecError as exc:
-        print(f"run-job: {exc}", file=sys.stderr)
-        return EXIT_INVALID
 
-    try:
-        if args.dry_run:
-            from tokenmill.jobs.dry_run import dry_run
+def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals) -> int:
+    spec = JobSpec.load(args.job, args.overrides)
+    if args.dry_run:
+        from tokenmill.jobs.dry_run import dry_run
 
-            print(dry_run(spec).summary())
-            return EXIT_OK
-        from tokenmill.jobs.runner import run_job
+        print(dry_run(spec).summary())
+        return EXIT_OK
+    from tokenmill.jobs.runner import run_job
 
-        report = run_job(spec, fresh=args.fresh, show_progress=not args.quiet)
-    except JobLockedError as exc:
-        print(f"run-job: {exc}", file=sys.stderr)
-        return EXIT_LOCKED
-    except (FingerprintMismatchError, FileNotFoundError, ValueError) as exc:
-        print(f"run-job: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("run-job: interrupted; rerun the same command to resume", file=sys.stderr)
-        return EXIT_FAILED
+    report = run_job(spec, fresh=args.fresh, cancel=cancel, show_progress=not args.quiet)
     print(report.summary())
-    return EXIT_OK if report.status == "complete" else EXIT_FAILED
+    if report.status == "complete":
+        return EXIT_OK
+    if stop.received is not None:
+        print(f"run-job: stopped by {stop.received}; {_RESUME}", file=sys.stderr)
+        return EXIT_TEMPORARY
+    return EXIT_FAILED
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"run-job: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.requests import prompt_ids_for, sampling_params_for
-from tokenmill.jobs.runner import fingerprint_of, input_config
+from tokenmill.jobs.output_location import check_output_location
+from tokenmill.jobs.preflight import check_input, input_config
+from tokenmill.jobs.requests import prompt_ids_for, row_error_reason, sampling_params_for
+from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
 
 MAX_EXAMPLES = 20
@@ -55,6 +57,16 @@ class DryRunReport:
 
 
 def dry_run(spec: JobSpec) -> DryRunReport:
+    """Read, check and tokenize every row as a run would; write nothing. Raises JobSpecError
+    for what a run would refuse up front (output location, input, model)."""
+    check_output_location(
+        spec.output.path,
+        dict(spec.output.storage_options),
+        spec.input.path,
+        dict(spec.input.storage_options),
+    )
+    check_input(spec)
+    fingerprint = fingerprint_of(spec)  # also checks model.source
     source = resolve_model_source(spec.model.source)
     tokenizer = source.load_tokenizer()
     config = source.load_config()
@@ -75,12 +87,12 @@ def dry_run(spec: JobSpec) -> DryRunReport:
                 ids = prompt_ids_for(row, tokenizer)
                 if len(ids) >= max_len:
                     reason = f"{len(ids)} prompt tokens exceed the context ({max_len})"
-            except ValueError as exc:
-                reason = str(exc)
+            except Exception as exc:  # as the run would: this row's error, not the job's
+                reason = row_error_reason(exc)
         if reason is not None:
             report.bad_rows += 1
             if len(report.bad_examples) < MAX_EXAMPLES:
-                report.bad_examples.append((row.row_id, reason))
+                report.bad_examples.append((row.row_id, f"{row.source}: {reason}"))
             continue
         report.prompt_tokens += len(ids)
         parent = None
@@ -94,6 +106,6 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     manifest = Manifest.load(store, spec.name)
     if manifest is not None:
-        report.resumable = manifest.fingerprint == fingerprint_of(spec)
+        report.resumable = manifest.fingerprint == fingerprint
         report.rows_already_done = manifest.rows_done if report.resumable else 0
     return report

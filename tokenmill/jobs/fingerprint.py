@@ -4,6 +4,9 @@ Model identity (resolved file or directory, its size), dtype, quantization, the 
 section, the chat template, the input (files, sizes, content samples, columns), and the output
 format and shard size (they decide which file holds which row). Engine tuning (batch sizes,
 block size, replicas) is left out: it does not change greedy results.
+
+The settings themselves are kept beside the hash in the manifest, so that a refused resume
+can say which of them changed (``changed_settings``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.jobs.spec import JobSpec
+
+JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 
 
 def model_identity(path: Path) -> dict[str, Any]:
@@ -26,10 +31,11 @@ def model_identity(path: Path) -> dict[str, Any]:
     }
 
 
-def job_fingerprint(
+def job_settings(
     spec: JobSpec, model_path: Path, chat_template: str | None, input_fingerprint: str
-) -> str:
-    payload = {
+) -> JobSettings:
+    """Everything that changes results, as plain JSON values."""
+    settings = {
         "model": model_identity(model_path),
         "dtype": spec.model.dtype,
         "quantization": spec.model.quantization,
@@ -38,5 +44,41 @@ def job_fingerprint(
         "input": input_fingerprint,
         "output": {"format": spec.output.format, "rows_per_shard": spec.output.rows_per_shard},
     }
-    blob = json.dumps(payload, sort_keys=True).encode()
+    return json.loads(json.dumps(settings))  # tuples become lists, as they read back
+
+
+def fingerprint(settings: JobSettings) -> str:
+    """The hex sha256 of ``settings`` (the manifest's ``fingerprint``)."""
+    blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def settings_record(settings: JobSettings) -> JobSettings:
+    """``settings`` as the manifest keeps them: the chat template as a short hash."""
+    template = settings.get("chat_template", "")
+    return {**settings, "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16]}
+
+
+def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
+    """``["sampling.max_tokens: 8 -> 12", ...]`` for every leaf that differs (sorted)."""
+    old_flat, new_flat = _flatten(old), _flatten(new)
+    out = []
+    for key in sorted(old_flat.keys() | new_flat.keys()):
+        before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
+        if before != after:
+            out.append(f"{key}: {_short(before)} -> {_short(after)}")
+    return out
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out |= _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return {prefix: value}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -17,6 +17,7 @@ from tokenmill.jobs.requests import (
     error_result,
     prompt_ids_for,
     result_from_output,
+    row_error_reason,
     sampling_params_for,
 )
 from tokenmill.jobs.spec import JobSpec
@@ -70,8 +71,8 @@ class RowProcessor:
                     rid = str(row.row_index)
                     self.engine.add_request(rid, ids, params)
                     in_flight[rid] = row
-                except ValueError as exc:
-                    yield error_result(row, str(exc), self.model_name)
+                except Exception as exc:  # templating, tokenizing, parameters: the row's error
+                    yield error_result(row, row_error_reason(exc), self.model_name)
             if cancel.is_set():
                 self.engine.abort_requests(list(in_flight))
                 return
@@ -92,3 +93,4 @@ class RowProcessor:
     def close(self) -> None:
         """Release the engine's memory (the KV cache) promptly."""
         self.engine = None  # type: ignore[assignment]
+

@@ -1,9 +1,11 @@
-"""One run per job at a time: an exclusive ``flock`` held for the whole run.
+"""One run per output prefix at a time: an exclusive ``flock`` held for the whole run.
 
 The kernel drops the lock when the process dies (SIGKILL included), so a killed run never
-leaves a stale lock behind. Local outputs keep the lock file beside the output; object-store
-outputs keep it in ``~/.cache/tokenmill/locks`` (one machine at a time: runs on several
-machines against one bucket prefix are not prevented).
+leaves a stale lock behind. The lock belongs to the output prefix, not to the job name, so
+two jobs pointed at one prefix can never write it at once (the ownership record then refuses
+the one that does not own it). Local outputs keep the lock file in the output folder;
+object-store outputs keep it in ``~/.cache/tokenmill/locks`` (one machine at a time: runs on
+several machines against one bucket prefix are not prevented).
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ import hashlib
 import os
 from pathlib import Path
 
+LOCK_FILE = ".tokenmill.lock"
+
 
 class JobLockedError(RuntimeError):
-    """Another run of the same job holds the lock."""
+    """Another run holds the output's lock."""
 
 
 class JobLock:
     def __init__(self, job: str, output_url: str, local_dir: str | None) -> None:
         if local_dir is not None:
-            self.path = Path(local_dir) / f".{job}.lock"
+            self.path = Path(local_dir) / LOCK_FILE
         else:
             digest = hashlib.sha256(output_url.encode()).hexdigest()[:16]
-            self.path = Path.home() / ".cache" / "tokenmill" / "locks" / f"{job}-{digest}.lock"
+            self.path = Path.home() / ".cache" / "tokenmill" / "locks" / f"{digest}.lock"
         self.job = job
+        self.output_url = output_url
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -38,10 +43,11 @@ class JobLock:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise JobLockedError(
-                f"job {self.job!r} is already running ({holder}; lock {self.path})"
+                f"output {self.output_url} is in use by a running job ({holder}; lock "
+                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished."
             ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode())
+        os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())
         self._fd = fd
 
     def release(self) -> None:

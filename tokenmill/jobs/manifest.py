@@ -1,15 +1,19 @@
 """The checkpoint manifest: which shards are committed, under which fingerprint.
 
     <output>/<job>.manifest.json
-    {"version": 1, "job": "quickstart", "fingerprint": "…", "rows_per_shard": 1000,
+    {"version": 1, "job": "quickstart", "fingerprint": "…", "settings": {…},
+     "rows_per_shard": 1000,
      "shards": {"0": {"first_row": 0, "end_row": 1000, "ok": 998, "errors": 2,
                       "data": "shards/part-00000.parquet", "error_file": "errors/part-00000.jsonl",
+                      "data_bytes": …, "error_bytes": …,
                       "prompt_tokens": …, "completion_tokens": …}, …},
      "complete": false, "total_rows": null}
 
 A shard's files are committed first, then the manifest is rewritten (one atomic write) to name
 them. A crash between the two leaves files the manifest does not list; the rerun recomputes
 that shard and overwrites the same names, so each row ends up in the output exactly once.
+A resume checks that every committed shard's files still exist with the sizes recorded here
+(``drop_missing_shards``); a shard whose files went missing is computed again.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.fingerprint import JobSettings, changed_settings
 
 MANIFEST_VERSION = 1
 
@@ -36,6 +41,12 @@ class ShardRecord:
     error_file: str
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    data_bytes: int | None = None  # None in manifests written before sizes were recorded
+    error_bytes: int | None = None
+
+    def files(self) -> dict[str, int | None]:
+        """{file name: recorded size or None}"""
+        return {self.data: self.data_bytes, self.error_file: self.error_bytes}
 
 
 @dataclass
@@ -46,6 +57,7 @@ class Manifest:
     shards: dict[int, ShardRecord] = field(default_factory=dict)
     complete: bool = False
     total_rows: int | None = None
+    settings: JobSettings | None = None  # what the fingerprint hashes, to name changes
 
     @staticmethod
     def file_name(job: str) -> str:
@@ -65,26 +77,54 @@ class Manifest:
                 shards={int(k): ShardRecord(**v) for k, v in raw["shards"].items()},
                 complete=bool(raw.get("complete", False)),
                 total_rows=raw.get("total_rows"),
+                settings=raw.get("settings"),
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RuntimeError(
                 f"{store.path(cls.file_name(job))} is not a tokenmill manifest ({exc}); "
                 "move it away or rerun with --fresh"
             ) from None
 
-    def check_fingerprint(self, fingerprint: str, where: str) -> None:
-        if fingerprint != self.fingerprint:
-            raise FingerprintMismatchError(
-                f"{where} holds progress of job {self.job!r} made with a different model, "
-                "sampling, chat template, input or output settings; refusing to mix results. "
-                "Rerun with --fresh to discard it, or point output.path elsewhere."
-            )
+    def check_fingerprint(self, fingerprint: str, settings: JobSettings, where: str) -> None:
+        """Raise FingerprintMismatchError naming the changed settings (old -> new)."""
+        if fingerprint == self.fingerprint:
+            return
+        if self.settings is not None:
+            changes = changed_settings(self.settings, settings)
+            what = "; ".join(changes) if changes else "an internal setting"
+        else:
+            what = "the model, sampling, chat template, input or output settings"
+        raise FingerprintMismatchError(
+            f"{where} holds progress of job {self.job!r} made with other settings; refusing "
+            f"to mix results. Changed since then: {what}. Rerun with --fresh to discard the "
+            "earlier progress, or point output.path elsewhere."
+        )
+
+    def drop_missing_shards(self, sizes: dict[str, int]) -> dict[int, list[str]]:
+        """Forget committed shards whose files are missing from ``sizes`` ({name: bytes}) or
+        have another size than recorded; return {shard: [problems]} for those dropped."""
+        dropped: dict[int, list[str]] = {}
+        for index, shard in sorted(self.shards.items()):
+            problems = []
+            for name, expected in shard.files().items():
+                if name not in sizes:
+                    problems.append(f"{name} is missing")
+                elif expected is not None and sizes[name] != expected:
+                    problems.append(f"{name} has {sizes[name]} bytes, {expected} were written")
+            if problems:
+                dropped[index] = problems
+        for index in dropped:
+            del self.shards[index]
+        if dropped:
+            self.complete = False
+        return dropped
 
     def save(self, store: OutputStore) -> None:
         raw = {
             "version": MANIFEST_VERSION,
             "job": self.job,
             "fingerprint": self.fingerprint,
+            "settings": self.settings,
             "rows_per_shard": self.rows_per_shard,
             "shards": {str(k): asdict(v) for k, v in sorted(self.shards.items())},
             "complete": self.complete,

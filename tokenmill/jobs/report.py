@@ -21,6 +21,7 @@ class JobReport:
     wall_seconds: float = 0.0
     prefix_cache_hit_rate: float = 0.0
     shards_committed: int = 0
+    shards_recomputed: int = 0  # committed earlier, but their files had gone missing
     executor: str = "local"
     error: str | None = None
     throughput_over_time: list[tuple[float, int]] = field(default_factory=list)
@@ -45,6 +46,10 @@ class JobReport:
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
             f"  output      {self.output}",
         ]
+        if self.shards_recomputed:
+            lines.append(
+                f"  recomputed  {self.shards_recomputed} committed shards whose files were gone"
+            )
         if self.error:
             lines.append(f"  error       {self.error}")
         return "\n".join(lines)

@@ -38,6 +38,12 @@ def prompt_ids_for(row: InputRow, tokenizer: Any) -> list[int]:
     raise ValueError("the row has neither a prompt nor messages")
 
 
+def row_error_reason(exc: Exception) -> str:
+    """A row error's message: ValueErrors are ours and read as they are; anything else (a
+    chat template's TemplateError, a tokenizer's error) is named by its type."""
+    return str(exc) if type(exc) is ValueError else f"{type(exc).__name__}: {exc}"
+
+
 def _identity(row: InputRow, model: str) -> dict[str, Any]:
     """The fields a result carries over from its input row, whether it succeeded or not."""
     return {

@@ -1,7 +1,8 @@
 """The job runner: spec in, committed shards and a report out, resumable at any moment.
 
-lock ─► manifest (fingerprint check) ─► reader ─► skip committed shards ─► executor
-    ─► shard tracker ─► commit data + error files ─► manifest ─► report.json
+checks (output location, input, spec) ─► lock ─► ownership ─► manifest (fingerprint, shard
+files verified) ─► reader ─► skip committed shards ─► executor ─► shard tracker ─► commit
+data + error files ─► manifest ─► report.json
 """
 
 from __future__ import annotations
@@ -14,48 +15,51 @@ from collections.abc import Iterator
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
-from tokenmill.io.readers import InputConfig, input_fingerprint, iter_input_rows
+from tokenmill.io.readers import input_fingerprint, iter_input_rows
 from tokenmill.io.rows import InputRow
 from tokenmill.io.storage import OutputStore
-from tokenmill.io.writers import encode_errors, encode_results, shard_names
-from tokenmill.jobs.fingerprint import job_fingerprint
-from tokenmill.jobs.lock import JobLock
-from tokenmill.jobs.manifest import Manifest, ShardRecord
+from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
+from tokenmill.jobs.lock import JobLock, JobLockedError
+from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.output_location import check_output_location
+from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, check_not_foreign, claim_output
+from tokenmill.jobs.preflight import check_input, input_config
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.requests import error_result
 from tokenmill.jobs.row_count import count_input_rows
+from tokenmill.jobs.shard_commit import commit_shard, discard_progress
 from tokenmill.jobs.shard_tracker import ShardTracker
-from tokenmill.jobs.spec import JobSpec, coerce_spec
+from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
+
+__all__ = ["fingerprint_of", "input_config", "open_output", "run_job", "settings_of"]
 
 log = logging.getLogger("tokenmill.jobs")
-REPORT_NAME = "report.json"
-
-
-def input_config(spec: JobSpec) -> InputConfig:
-    i = spec.input
-    return InputConfig(
-        path=i.path,
-        format=i.format,
-        id_column=i.id_column,
-        prompt_column=i.prompt_column,
-        messages_column=i.messages_column,
-        passthrough_columns=tuple(i.passthrough_columns),
-        storage_options=dict(i.storage_options),
-    )
 
 
 def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
-    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    """The job's output store and its lock. Raises JobSpecError for an unusable output.path."""
+    try:
+        store = OutputStore(spec.output.path, dict(spec.output.storage_options), owner=spec.name)
+    except ValueError as exc:
+        raise JobSpecError(str(exc)) from None
     local_dir = store.root if store.is_local else None
     return store, JobLock(spec.name, store.url, local_dir)
 
 
+def settings_of(spec: JobSpec) -> JobSettings:
+    """What the job's fingerprint covers. Raises JobSpecError naming model.source when the
+    model cannot be found."""
+    try:
+        source = resolve_model_source(spec.model.source)
+        template = source.chat_template()
+    except (FileNotFoundError, ValueError) as exc:
+        raise JobSpecError(f"model.source: {exc}") from None
+    return job_settings(spec, source.path, template, input_fingerprint(input_config(spec)))
+
+
 def fingerprint_of(spec: JobSpec) -> str:
-    source = resolve_model_source(spec.model.source)
-    return job_fingerprint(
-        spec, source.path, source.chat_template(), input_fingerprint(input_config(spec))
-    )
+    return fingerprint(settings_of(spec))
 
 
 def run_job(
@@ -65,14 +69,47 @@ def run_job(
     cancel: threading.Event | None = None,
     show_progress: bool = True,
 ) -> JobReport:
-    """Run (or resume) the job to completion. Raises JobLockedError when another run holds
-    the job, FingerprintMismatchError when the output holds another configuration's progress
-    (unless ``fresh``); per-row problems never raise, they go to the error files.
-    ``spec`` may be a JobSpec, a path to a job.yaml or a dict of sections."""
+    """Run (or resume) the job to completion. ``spec`` may be a JobSpec, a path to a job.yaml
+    or a dict of sections.
+
+    Raises JobSpecError (OutputPathError, OutputOwnedError) when the spec cannot work: the
+    output is the root, the input or inside it, or belongs to another job; the input cannot
+    be read or does not fit the output format. Raises JobLockedError when another run holds
+    the output, FingerprintMismatchError when the output holds another configuration's
+    progress (unless ``fresh``). Per-row problems never raise: they go to the error files.
+    """
     spec = coerce_spec(spec)
+    check_output_location(
+        spec.output.path,
+        dict(spec.output.storage_options),
+        spec.input.path,
+        dict(spec.input.storage_options),
+    )
+    check_input(spec)
     store, lock = open_output(spec)
-    with lock:
+    try:
+        lock.acquire()
+    except JobLockedError:
+        _reachable(store, lambda: check_not_foreign(store, spec.name))  # another job: exit 2
+        raise
+    try:
         return _run_locked(spec, store, fresh, cancel or threading.Event(), show_progress)
+    finally:
+        lock.release()
+
+
+def _reachable(store: OutputStore, check: Any) -> Any:
+    """Run ``check`` (a first read of the output); its store client's errors become a spec
+    error naming output.path."""
+    try:
+        return check()
+    except JobSpecError:
+        raise
+    except Exception as exc:
+        raise JobSpecError(
+            f"output.path {store.url!r} cannot be reached ({type(exc).__name__}: {exc}); check "
+            "the address, output.storage_options (endpoint_url, credentials) and the network"
+        ) from None
 
 
 def _run_locked(
@@ -80,19 +117,24 @@ def _run_locked(
 ) -> JobReport:
     start = time.monotonic()
     report = JobReport(job=spec.name, output=store.url, executor=spec.execution.executor)
-    fingerprint = fingerprint_of(spec)
+    owner = _reachable(store, lambda: check_claimable(store, spec.name))
+    settings = settings_of(spec)
+    fp, record = fingerprint(settings), settings_record(settings)
     manifest = Manifest.load(store, spec.name)
     if manifest is not None and fresh:
-        _discard(store, manifest)
+        discard_progress(store, manifest)
         manifest = None
     if manifest is not None:
-        manifest.check_fingerprint(fingerprint, store.url)
+        manifest.check_fingerprint(fp, record, store.url)
+        manifest.settings = record
+    claim_output(store, spec.name, fp, owner)
     if manifest is None:
-        manifest = Manifest(spec.name, fingerprint, spec.output.rows_per_shard)
-        manifest.save(store)
+        manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
+    manifest.save(store)
     removed = store.cleanup_temp()
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
+    _verify_committed(store, manifest, report)
 
     if manifest.complete:
         _fill_totals(report, manifest)
@@ -101,25 +143,27 @@ def _run_locked(
         return report
 
     total = count_input_rows(input_config(spec))
-    executor = _make_executor(spec, total)  # loads the model: not part of the rate
+    executor = None if cancel.is_set() else _make_executor(spec, total)  # loads the model
     progress = Progress(total, manifest.rows_done, enabled=show_progress)
     feed = _Feed(spec, manifest, progress)
     fmt = spec.output.format
     try:
-        for result in executor.process(feed.rows(), cancel):
-            feed.tracker.add_result(result)
-            report.prompt_tokens += result.prompt_tokens
-            report.completion_tokens += result.completion_tokens
-            progress.update(1, result.completion_tokens)
+        if executor is not None and not cancel.is_set():
+            for result in executor.process(feed.rows(), cancel):
+                feed.tracker.add_result(result)
+                report.prompt_tokens += result.prompt_tokens
+                report.completion_tokens += result.completion_tokens
+                progress.update(1, result.completion_tokens)
+                _commit_ready(store, manifest, feed, report, fmt)
             _commit_ready(store, manifest, feed, report, fmt)
-        _commit_ready(store, manifest, feed, report, fmt)
     finally:
         progress.close()
         report.wall_seconds = round(time.monotonic() - start, 3)
         report.throughput_over_time = progress.samples
-        queried, hits = executor.prefix_stats
-        report.prefix_cache_hit_rate = round(hits / queried, 4) if queried else 0.0
-        executor.close()
+        if executor is not None:
+            queried, hits = executor.prefix_stats
+            report.prefix_cache_hit_rate = round(hits / queried, 4) if queried else 0.0
+            executor.close()
 
     if cancel.is_set():
         report.status = "cancelled"
@@ -137,6 +181,18 @@ def _run_locked(
     _fill_totals(report, manifest)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     return report
+
+
+def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:
+    """Forget committed shards whose files are gone or changed size, so they are recomputed."""
+    sizes = store.sizes("shards/") | store.sizes("errors/")
+    dropped = manifest.drop_missing_shards(sizes)
+    if not dropped:
+        return
+    for index, problems in dropped.items():
+        log.warning("shard %d is recomputed: %s", index, "; ".join(problems))
+    report.shards_recomputed = len(dropped)
+    manifest.save(store)
 
 
 class _Feed:
@@ -171,33 +227,10 @@ def _commit_ready(
 ) -> None:
     """Commit every complete shard: data file, error file, then the manifest naming them."""
     for shard, results in feed.tracker.pop_complete():
-        data_name, error_name = shard_names(shard, fmt)
-        ok = [r for r in results if r.ok]
-        bad = [r for r in results if not r.ok]
-        store.write_atomic(data_name, encode_results(ok, fmt))
-        store.write_atomic(error_name, encode_errors(bad, fmt))
-        first = shard * manifest.rows_per_shard
-        manifest.shards[shard] = ShardRecord(
-            first_row=first,
-            end_row=first + len(results),
-            ok=len(ok),
-            errors=len(bad),
-            data=data_name,
-            error_file=error_name,
-            prompt_tokens=sum(r.prompt_tokens for r in ok),
-            completion_tokens=sum(r.completion_tokens for r in ok),
-        )
+        manifest.shards[shard] = commit_shard(store, shard, results, fmt, manifest.rows_per_shard)
         manifest.save(store)
         report.shards_committed += 1
         report.rows_this_run += len(results)
-
-
-def _discard(store: OutputStore, manifest: Manifest) -> None:
-    """--fresh: remove an earlier run's shards (committed or not), report and manifest."""
-    for name in store.list("shards/") + store.list("errors/"):
-        store.delete(name)
-    store.delete(REPORT_NAME)
-    store.delete(Manifest.file_name(manifest.job))
 
 
 def _fill_totals(report: JobReport, manifest: Manifest) -> None:

@@ -3,16 +3,45 @@
 Every key but ``model.source``, ``input.path`` and ``output.path`` has a default. Unknown keys
 are errors that name the key and the file. ``--set key.path=value`` overrides are applied to
 the raw YAML before validation, so they are checked the same way.
+
+Scalars are strict: YAML already turns ``8``, ``0.5`` and ``true`` into numbers and booleans,
+so ``rows_per_shard: true`` or ``max_tokens: "5"`` is a mistake to report, not to coerce.
+Lists stay lists (tuple fields accept them); their items are strict too. The raw value is
+measured before validation (``yaml_limits``), so YAML alias bombs are refused at once, and
+every error message shows values through a bounded repr.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import ErrorDetails
+
+from tokenmill.jobs.yaml_limits import (
+    MAX_FILE_BYTES,
+    dotted_key,
+    find_oversize,
+    show_value,
+)
 
 # Output columns a passthrough column may not shadow.
 RESERVED_OUTPUT_COLUMNS = {
@@ -25,8 +54,70 @@ RESERVED_OUTPUT_COLUMNS = {
 }
 
 
+DEVICES = ("auto", "cpu", "cuda", "cuda:<n>")
+_DEVICE = re.compile(r"auto|cpu|cuda|cuda:(0|[1-9][0-9]{0,2})")  # torch keeps n in an int8
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+MAX_ERROR_LINES = 20
+
+
 class JobSpecError(ValueError):
     """The spec is invalid; the message names the file and the key."""
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError(f"must not be empty or blank, got {show_value(value)}")
+    if "\0" in value:
+        raise ValueError(f"must not contain a NUL character, got {show_value(value)}")
+    return value
+
+
+def _device(value: str) -> str:
+    if _DEVICE.fullmatch(value) is None or (value.startswith("cuda:") and int(value[5:]) > 127):
+        raise ValueError(
+            f"must be one of {', '.join(DEVICES)} (n a GPU index: 0, 1, ...), "
+            f"got {show_value(value)}"
+        )
+    return value
+
+
+def _job_name(value: str) -> str:
+    if _NAME.fullmatch(value) is None:
+        raise ValueError(
+            "must be 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit "
+            f"(it names the manifest file), got {show_value(value)}"
+        )
+    return value
+
+
+def _max_model_len(value: Any) -> Any:
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+        return value
+    raise ValueError(f"expected an integer >= 2 or auto, got {_shown_with_type(value)}")
+
+
+def _kv_cache_memory(value: Any) -> Any:
+    if value is None:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, float) and math.isfinite(value) and 0 < value <= 1:
+        return value
+    raise ValueError(
+        "expected bytes (a positive integer) or a fraction of the device's memory "
+        f"(a number in (0, 1]), got {_shown_with_type(value)}"
+    )
+
+
+# Scalars: strict, so YAML's numbers and booleans pass and quoted or mistyped ones do not.
+Number = Annotated[float, Strict(), AllowInfNan(False)]  # ints pass (and become floats)
+NonBlank = Annotated[StrictStr, AfterValidator(_not_blank)]
+Device = Annotated[StrictStr, AfterValidator(_device)]
+JobName = Annotated[StrictStr, AfterValidator(_job_name)]
+MaxModelLen = Annotated[int | Literal["auto"], BeforeValidator(_max_model_len)]
+KvCacheMemory = Annotated[int | float | None, BeforeValidator(_kv_cache_memory)]
 
 
 class _Section(BaseModel):
@@ -34,43 +125,46 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    source: str
+    source: NonBlank
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     quantization: Literal["none"] = "none"
-    tensor_parallel: int = Field(1, ge=1, le=1)  # >1 lands with tensor parallelism
-    pipeline_parallel: int = Field(1, ge=1, le=1)  # >1 lands with pipeline parallelism
+    tensor_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with tensor parallelism
+    pipeline_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with pipeline parallelism
 
 
 class InputSection(_Section):
-    path: str
+    path: NonBlank
     format: Literal["auto", "jsonl", "parquet", "openai-batch"] = "auto"
-    id_column: str | None = "id"
-    prompt_column: str | None = "prompt"
-    messages_column: str | None = None
-    passthrough_columns: tuple[str, ...] = ()
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    id_column: StrictStr | None = "id"
+    prompt_column: StrictStr | None = "prompt"
+    messages_column: StrictStr | None = None
+    passthrough_columns: tuple[StrictStr, ...] = ()
+    storage_options: dict[StrictStr, Any] = Field(default_factory=dict)
 
     @field_validator("passthrough_columns")
     @classmethod
     def _no_clash(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         clash = sorted(set(value) & RESERVED_OUTPUT_COLUMNS)
         if clash:
-            raise ValueError(f"{', '.join(clash)} would overwrite output columns; rename them")
+            raise ValueError(
+                f"{', '.join(clash)} would overwrite the output column(s) of that name; "
+                "rename them in the input or leave them out"
+            )
         return value
 
 
 class SamplingSection(_Section):
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    seed: int | None = 0
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    max_tokens: StrictInt = Field(128, ge=1)
+    temperature: Number = Field(0.0, ge=0)
+    top_p: Number = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(-1, ge=-1)
+    min_p: Number = Field(0.0, ge=0, le=1)
+    presence_penalty: Number = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Number = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Number = Field(1.0, gt=0)
+    seed: StrictInt | None = 0
+    stop: tuple[StrictStr, ...] = ()
+    ignore_eos: StrictBool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -79,32 +173,32 @@ class SamplingSection(_Section):
 
 
 class OutputSection(_Section):
-    path: str
+    path: NonBlank
     format: Literal["parquet", "jsonl", "openai-batch"] = "parquet"
-    rows_per_shard: int = Field(1000, ge=1)
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    rows_per_shard: StrictInt = Field(1000, ge=1)
+    storage_options: dict[StrictStr, Any] = Field(default_factory=dict)
 
 
 class EngineSection(_Section):
-    device: str = "auto"
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=16)
-    max_model_len: int | Literal["auto"] = "auto"
-    block_size: int = Field(16, ge=1)
-    prefix_caching: bool = True
-    cuda_graphs: bool = True
-    async_scheduling: bool | None = None  # None: on with CUDA
-    kv_cache_memory: int | float | None = None
+    device: Device = "auto"
+    max_num_seqs: StrictInt = Field(256, ge=1)
+    max_num_batched_tokens: StrictInt = Field(8192, ge=16)
+    max_model_len: MaxModelLen = "auto"
+    block_size: StrictInt = Field(16, ge=1)
+    prefix_caching: StrictBool = True
+    cuda_graphs: StrictBool = True
+    async_scheduling: StrictBool | None = None  # None: on with CUDA
+    kv_cache_memory: KvCacheMemory = None  # bytes (int) or a fraction of device memory
 
 
 class ExecutionSection(_Section):
     executor: Literal["local", "ray"] = "local"
-    replicas: int = Field(1, ge=1)
-    ray_address: str | None = None
+    replicas: StrictInt = Field(1, ge=1)
+    ray_address: StrictStr | None = None
 
 
 class JobSpec(_Section):
-    name: str = Field("job", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: JobName = "job"
     model: ModelSection
     input: InputSection
     sampling: SamplingSection = SamplingSection()
@@ -120,12 +214,7 @@ class JobSpec(_Section):
         cron job or a shell would see them). Raises JobSpecError naming the file and key.
         """
         path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise JobSpecError(f"{path}: no such job file") from None
-        except yaml.YAMLError as exc:
-            raise JobSpecError(f"{path}: not valid YAML: {exc}") from None
+        raw = _read_yaml(path)
         if not isinstance(raw, dict):
             raise JobSpecError(f"{path}: expected a mapping of sections (name, model, input, ...)")
         for item in overrides or []:
@@ -134,6 +223,14 @@ class JobSpec(_Section):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "<dict>") -> JobSpec:
+        """Validate a dict of sections; ``where`` (a file name) starts every error message.
+
+        Raises JobSpecError listing each bad key, also for values too large to validate
+        (over ``yaml_limits.MAX_ITEMS`` once YAML aliases are expanded) or self-referencing.
+        """
+        oversize = find_oversize(raw)
+        if oversize is not None:
+            raise JobSpecError(f"{where}: invalid job spec:\n  {oversize.key}: {oversize.reason}")
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:
@@ -143,34 +240,102 @@ class JobSpec(_Section):
         return self.model_dump(mode="json")
 
 
+def _read_yaml(path: Path) -> Any:
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise JobSpecError(f"{path}: no such job file") from None
+    except OSError as exc:
+        raise JobSpecError(f"{path}: cannot read the job file: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise JobSpecError(f"{path}: over {MAX_FILE_BYTES >> 20} MiB; is this a job.yaml?")
+    try:
+        return yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise JobSpecError(f"{path}: not valid YAML: the file is not UTF-8 text") from None
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise JobSpecError(f"{path}: not valid YAML: lists or mappings nested too deep") from None
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit limit
+        raise JobSpecError(f"{path}: not valid YAML: {str(exc).split(';')[0][:200]}") from None
+
+
+def _parse_override_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return text  # validation then reports it, e.g. "expected an integer, got the string"
+
+
 def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     """Set ``a.b.c=value`` in ``raw``; the value is parsed as YAML (numbers, bools, lists)."""
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise JobSpecError(f"--set {item!r}: expected key.path=value")
+        raise JobSpecError(f"{where}: --set {show_value(item)}: expected key.path=value")
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise JobSpecError(f"{where}: --set {key}: {part} is not a section")
+            raise JobSpecError(
+                f"{where}: --set {dotted_key(parts)}: {dotted_key([part])} is not a section"
+            )
         node = child
-    try:
-        node[parts[-1]] = yaml.safe_load(value)
-    except yaml.YAMLError:
-        node[parts[-1]] = value
+    node[parts[-1]] = _parse_override_value(value)
+
+
+# What a strict scalar field expected, by pydantic error type.
+_EXPECTED = {
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "finite_number": "expected a finite number",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "string_type": "expected a string",
+    "tuple_type": "expected a list",
+    "list_type": "expected a list",
+    "dict_type": "expected a mapping",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+}
+
+
+def _shown_with_type(value: Any) -> str:
+    """A value for a "got ..." clause; strings say so, since '5' reads like the number 5."""
+    shown = show_value(value)
+    return f"the string {shown}" if isinstance(value, str) else shown
+
+
+def _describe(err: ErrorDetails) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "value_error":  # our validators' messages say what they got
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    got = _shown_with_type(err.get("input"))
+    if kind in _EXPECTED:
+        return f"{_EXPECTED[kind]}, got {got}"
+    what = err["msg"]
+    for prefix, instead in (("Input should", "must"), ("String should", "must")):
+        if what.startswith(prefix):
+            what = instead + what[len(prefix) :]
+    return f"{what}, got {got}"
 
 
 def _format_errors(exc: ValidationError, where: str) -> str:
+    """``<where>: invalid job spec:`` then one ``  <key>: <what>`` line per error (bounded)."""
+    errors = exc.errors(include_url=False)
     lines = [f"{where}: invalid job spec:"]
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        elif err["type"] == "missing":
-            lines.append(f"  {key}: required key is missing")
-        else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    lines += [f"  {dotted_key(e['loc'])}: {_describe(e)}" for e in errors[:MAX_ERROR_LINES]]
+    if len(errors) > MAX_ERROR_LINES:
+        lines.append(f"  ... and {len(errors) - MAX_ERROR_LINES} more")
     return "\n".join(lines)
 
 

@@ -23,14 +23,14 @@ GOOD_AFTER = {"id": "after", "prompt": "ok"}
         ({"id": "r"}, "r", "missing prompt: no column 'prompt'"),
         ({"id": "r", "prompt": ""}, "r", "missing prompt"),
         ({"id": "r", "prompt": ["a"]}, "r", "must be a non-empty string, got a list"),
-        ({"id": "before", "prompt": "again"}, "before", "duplicate id 'before'"),
+        ({"id": "before", "prompt": "again"}, "in.jsonl:2", "duplicate id 'before'"),
     ],
 )
 def test_bad_row_between_good_rows(tmp_path, line, row_id, message):
     f = write_jsonl(tmp_path / "in.jsonl", [GOOD_BEFORE, line, GOOD_AFTER])
     rows = read(f)
     assert summary(rows) == [(0, "before", True), (1, row_id, False), (2, "after", True)]
-    assert rows[1].error.startswith(f"{f}:2: ")
+    assert rows[1].source == f"{f}:2" and not rows[1].error.startswith(str(f))  # said once
     assert message in rows[1].error
     assert rows[1].prompt is None and rows[1].messages is None
 
@@ -73,15 +73,16 @@ def test_duplicates_across_files_keep_the_first(tmp_path):
     write_jsonl(tmp_path / "b.jsonl", [{"id": "x", "prompt": "second"}, {"id": 5, "prompt": "2"}])
     write_jsonl(tmp_path / "c.jsonl", [{"id": "5", "prompt": "3"}])
     rows = read(tmp_path, passthrough_columns=("prompt",))
-    assert summary(rows) == [(0, "x", True), (1, "y", True), (2, "x", False), (3, "5", True),
-                             (4, "5", False)]  # fmt: skip
+    # A duplicate's error row has its line's id: the duplicated id is the first row's alone.
+    assert summary(rows) == [(0, "x", True), (1, "y", True), (2, "b.jsonl:1", False),
+                             (3, "5", True), (4, "c.jsonl:1", False)]  # fmt: skip
     assert rows[0].prompt == "first"
-    assert "b.jsonl:1: duplicate id 'x'" in rows[2].error
+    assert rows[2].source.endswith("b.jsonl:1") and "duplicate id 'x'" in rows[2].error
     assert rows[2].passthrough == {"prompt": "second"}
 
 
 def test_a_bad_row_still_claims_its_id(tmp_path):
     f = write_jsonl(tmp_path / "in.jsonl", [{"id": "x"}, {"id": "x", "prompt": "fixed?"}])
     rows = read(f)
-    assert summary(rows) == [(0, "x", False), (1, "x", False)]
+    assert summary(rows) == [(0, "x", False), (1, "in.jsonl:2", False)]
     assert "missing prompt" in rows[0].error and "duplicate id" in rows[1].error

@@ -96,7 +96,8 @@ def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
     assert summary(rows) == [(0, "good-1", True), (1, "bad", False), (2, "good-2", True)]
     assert message in rows[1].error, rows[1].error
-    assert rows[1].error.startswith(f"{tmp_path / 'b.jsonl'}:2: ")
+    assert rows[1].source == f"{tmp_path / 'b.jsonl'}:2"
+    assert not rows[1].error.startswith(str(tmp_path))  # the location is added once, later
     assert (rows[1].custom_id, rows[1].endpoint) == ("bad", "/v1/chat/completions")
 
 
@@ -133,7 +134,7 @@ def test_invalid_completions_line_is_a_bad_row(tmp_path, body, message):
         ({**batch_line("x", chat_body()), "body": "text"}, "x", "body must be an object"),
         (batch_line("x", {"messages": []}), "x", "body.messages must be a non-empty list"),
         (batch_line("x", chat_body(max_tokens=3, max_completion_tokens=4)), "x", "disagree"),
-        (batch_line("first", chat_body()), "first", "duplicate id 'first'"),
+        (batch_line("first", chat_body()), "b.jsonl:2", "duplicate id 'first'"),
         ("[1, 2]", "b.jsonl:2", "expected a JSON object"),
     ],
 )
@@ -148,4 +149,4 @@ def test_duplicate_custom_id_across_files(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [batch_line("r", chat_body())])
     write_jsonl(tmp_path / "b.jsonl", [batch_line("r", chat_body()), batch_line("s", chat_body())])
     rows = read(tmp_path)
-    assert summary(rows) == [(0, "r", True), (1, "r", False), (2, "s", True)]
+    assert summary(rows) == [(0, "r", True), (1, "b.jsonl:1", False), (2, "s", True)]

@@ -18,7 +18,7 @@ def test_rows_ids_and_passthrough(tmp_path):
     assert summary(rows) == [(0, "10", True), (1, "11", True), (2, "in.parquet:2", False)]
     assert rows[0].prompt == "a" and rows[0].passthrough == {"meta": "m0", "absent": None}
     assert rows[1].source == f"{f}:1"
-    assert "missing id" in rows[2].error and rows[2].error.startswith(f"{f}:2: ")
+    assert "missing id" in rows[2].error and rows[2].source == f"{f}:2"
 
 
 def test_no_id_column_gives_zero_based_row_ids_across_batches(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.storage import has_protocol, resolve
 
@@ -14,8 +15,10 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     """The input files of ``cfg.path``, sorted, as URLs that can be reopened.
 
     A glob keeps every file it matches. A directory gives every file with a supported
-    suffix (.jsonl .json .ndjson .parquet) below it, recursively, skipping names that start
-    with "." or "_" (``_SUCCESS``, ``_temporary/``, ``.crc`` files of Spark and Hadoop).
+    suffix (.jsonl .json .ndjson .parquet), plain or compressed (.gz .zst .bz2 .xz: x.jsonl.gz),
+    below it, recursively, skipping names that start with "." or "_" (``_SUCCESS``,
+    ``_temporary/``, ``.crc`` files of Spark and Hadoop). Compressed Parquet is listed too, so
+    that detect_format refuses it by name instead of the directory silently losing its rows.
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
     Raises FileNotFoundError naming the path when nothing matches.
     """
@@ -32,7 +35,8 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         if not paths:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} is a directory with no "
-                f"{'/'.join(SUPPORTED_SUFFIXES)} files in it; point it at the data"
+                f"{'/'.join(SUPPORTED_SUFFIXES)} files in it (plain or "
+                f"{'/'.join(COMPRESSION_SUFFIXES)}); point it at the data"
             )
     elif fs.isfile(root):
         paths = [root]
@@ -62,4 +66,4 @@ def _wanted_in_directory(path: str, root: str) -> bool:
     relative = path[len(root) :].strip("/").split("/")
     if any(part.startswith((".", "_")) for part in relative):
         return False
-    return path.lower().endswith(SUPPORTED_SUFFIXES)
+    return strip_compression_suffix(path.lower()).endswith(SUPPORTED_SUFFIXES)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tokenmill.io.readers.compression import (
+    DECOMPRESS_COMMANDS,
+    compression_by_suffix,
+    open_input,
+    strip_compression_suffix,
+)
 from tokenmill.io.readers.file_listing import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from tokenmill.io.readers.input_config import FORMATS
-from tokenmill.io.readers.storage import resolve
 
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
@@ -15,13 +20,18 @@ OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | None = None) -> str:
     """The format of ``files``: ``fmt`` itself unless it is "auto".
 
-    Auto: .jsonl/.json/.ndjson files are "jsonl", or "openai-batch" when the first non-blank
-    line of the first file is an object with custom_id, method, url and body; .parquet files
-    are "parquet". Raises ValueError naming a file when the suffixes are unknown or mixed, or
-    when a .json file holds one JSON array instead of JSON Lines.
+    Auto: .jsonl/.json/.ndjson files, plain or compressed (x.jsonl.gz, .zst, .bz2, .xz), are
+    "jsonl", or "openai-batch" when the first non-blank line of the first file (decompressed)
+    is an object with custom_id, method, url and body; .parquet files are "parquet".
+    Raises ValueError naming a file when the suffixes are unknown or mixed, when a .json file
+    holds one JSON array instead of JSON Lines, or when a Parquet file has a compression
+    suffix (x.parquet.gz; also with ``fmt`` "parquet"): Parquet compresses inside the file.
     """
     if fmt not in FORMATS:
         raise ValueError(f"input.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "parquet":
+        for f in files:
+            _refuse_compressed_parquet(f)
     if fmt != "auto":
         return fmt
     if not files:
@@ -49,20 +59,32 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
 
 
 def _kind_by_suffix(url: str) -> str:
-    lower = url.lower()
+    lower = strip_compression_suffix(url.lower())
     if lower.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if lower.endswith(PARQUET_SUFFIXES):
+        _refuse_compressed_parquet(url)
         return "parquet"
     raise ValueError(
         f"cannot tell the format of {url} from its name (expected .jsonl, .json, .ndjson or "
-        ".parquet); rename it or set input.format (jsonl | parquet | openai-batch)"
+        ".parquet, JSONL optionally compressed: .jsonl.gz .zst .bz2 .xz); rename it or set "
+        "input.format (jsonl | parquet | openai-batch)"
     )
 
 
+def _refuse_compressed_parquet(url: str) -> None:
+    codec = compression_by_suffix(url)
+    if codec is not None:
+        raise ValueError(
+            f"{url} is a {codec}-compressed Parquet file; Parquet compresses inside the file "
+            f"and is read only uncompressed: decompress it (`{DECOMPRESS_COMMANDS[codec]} "
+            f"{url.rsplit('/', 1)[-1]}`) or rewrite it with "
+            "pyarrow.parquet.write_table(..., compression='zstd')"
+        )
+
+
 def _first_line(url: str, storage_options: dict[str, Any]) -> str:
-    fs, path = resolve(url, storage_options)
-    with fs.open(path, "rb") as f:
+    with open_input(url, storage_options) as f:
         for raw in f:
             if raw.strip():
                 return raw.decode("utf-8-sig", errors="replace").strip()

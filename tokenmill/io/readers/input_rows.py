@@ -10,7 +10,7 @@ rows), so it is stable across runs and shards can be defined as row-index ranges
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.io.readers.file_listing import display_names, list_input_files
@@ -23,6 +23,7 @@ from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.readers.plain_rows import PlainColumns, parse_plain_row
 from tokenmill.io.readers.record import Record, RecordSource
 from tokenmill.io.readers.row_error import RowError
+from tokenmill.io.readers.text_check import unwritable_field
 from tokenmill.io.rows import InputRow
 
 Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
@@ -92,31 +93,52 @@ class _RowMaker:
     passthrough_columns: tuple[str, ...]
 
     def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
+        """The row of ``record``; a bad one carries ``error`` (without its location: the
+        error file adds ``source`` once)."""
         source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None:
-            return InputRow(row_index, fallback_id, source, error=f"{source}: {record.error}")
+            return InputRow(row_index, fallback_id, source, error=record.error)
         try:
             row = self.parse(record.value, row_index, source, fallback_id)
         except RowError as e:
             if e.row_id is not None:
                 # A bad row still claims its id: a later row with it is a duplicate, not a fix.
                 seen.add(e.row_id)
-            return self._bad_row(record.value, e, row_index, source, fallback_id)
+            return self._bad_row(record.value, str(e), e.row_id, row_index, source, fallback_id)
+        except Exception as e:  # any surprise in a row is that row's error, never the job's
+            reason = f"the row could not be read ({type(e).__name__}: {e})"
+            return self._bad_row(record.value, reason, None, row_index, source, fallback_id)
+        bad_text = unwritable_field(row)
+        if bad_text is not None:
+            own_id = row.row_id if bad_text not in ("id", "custom_id") else None
+            reason = (
+                f"{bad_text} holds text that is not valid Unicode (a lone surrogate such as "
+                "\\ud800); fix the row's text"
+            )
+            return self._bad_row(record.value, reason, own_id, row_index, source, fallback_id)
         if row.row_id in seen:
-            return replace(
-                row,
-                prompt=None,
-                messages=None,
-                sampling={},
-                error=f"{source}: duplicate id {row.row_id!r}: an earlier row already has it; "
+            # The error row gets the line's own id: the duplicated id is already written.
+            return InputRow(
+                row_index,
+                fallback_id,
+                source,
+                passthrough=row.passthrough,
+                endpoint=row.endpoint,
+                error=f"duplicate id {row.row_id!r}: an earlier row already has it; "
                 "ids must be unique across all input files",
             )
         seen.add(row.row_id)
         return row
 
     def _bad_row(
-        self, value: Any, error: RowError, row_index: int, source: str, fallback_id: str
+        self,
+        value: Any,
+        reason: str,
+        own_id: str | None,
+        row_index: int,
+        source: str,
+        fallback_id: str,
     ) -> InputRow:
         # Keep what the error file may echo: passthrough columns, custom_id, endpoint.
         passthrough: dict[str, Any] = {}
@@ -127,10 +149,10 @@ class _RowMaker:
                 endpoint = value["url"]
         return InputRow(
             row_index,
-            error.row_id or fallback_id,
+            own_id or fallback_id,
             source,
             passthrough=passthrough,
-            custom_id=error.row_id if self.batch else None,
+            custom_id=own_id if self.batch else None,
             endpoint=endpoint,
-            error=f"{source}: {error}",
+            error=reason,
         )

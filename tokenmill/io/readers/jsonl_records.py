@@ -1,4 +1,4 @@
-"""JsonlRecords: stream a JSON Lines file line by line, whatever its size."""
+"""JsonlRecords: stream a JSON Lines file line by line, whatever its size or compression."""
 
 from __future__ import annotations
 
@@ -6,31 +6,36 @@ import json
 from collections.abc import Iterator
 from typing import IO, Any
 
+from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.record import Record
-from tokenmill.io.readers.storage import resolve
 
 # How many lines to look through for the first JSON object when deciding which columns
 # the file has; a file that starts with more unreadable lines than this is treated as
 # having none.
 _PEEK_LINES = 1000
 
+# Characters of the line shown either side of a JSON error's position.
+_EXCERPT_HALF = 10
+
 
 class JsonlRecords:
     """An open JSONL file; iterate it for Records, one per non-blank line.
 
     Blank lines are skipped but keep their line numbers, so ``position`` is the line an editor
-    shows. Use as a context manager; the file is read through fsspec in blocks, never whole.
+    shows. Use as a context manager; the file is read through fsspec in blocks, never whole,
+    and decompressed on the fly when compressed (see ``compression.open_input``).
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         self.url = url
         self._storage_options = storage_options
         self._file: IO[bytes] | None = None
+        self._fresh = False  # _file is at its first byte, nothing read from it yet
         self._first_keys: frozenset[str] | None = None
 
     def __enter__(self) -> JsonlRecords:
-        fs, path = resolve(self.url, self._storage_options)
-        self._file = fs.open(path, "rb")
+        self._file = open_input(self.url, self._storage_options)
+        self._fresh = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -48,16 +53,14 @@ class JsonlRecords:
         return ""
 
     def __iter__(self) -> Iterator[Record]:
-        f = self._opened()
-        f.seek(0)
+        f = self._from_start()
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             yield _decode(line_no, raw)
 
     def _peek_first_keys(self) -> frozenset[str]:
-        f = self._opened()
-        f.seek(0)
+        f = self._from_start()
         keys: frozenset[str] = frozenset()
         for line_no, raw in enumerate(f, start=1):
             if line_no > _PEEK_LINES:
@@ -68,22 +71,50 @@ class JsonlRecords:
             if isinstance(record.value, dict):
                 keys = frozenset(record.value)
                 break
-        f.seek(0)
         return keys
 
-    def _opened(self) -> IO[bytes]:
+    def _from_start(self) -> IO[bytes]:
+        """The open file at its first byte: as opened, seeked back, or reopened when it is a
+        decompressing stream, which cannot seek backwards."""
         if self._file is None:
             raise RuntimeError(f"JsonlRecords({self.url!r}) used outside its 'with' block")
+        if self._fresh:
+            self._fresh = False
+        elif self._file.seekable():
+            self._file.seek(0)
+        else:
+            self._file.close()
+            self._file = open_input(self.url, self._storage_options)
         return self._file
 
 
 def _decode(line_no: int, raw: bytes) -> Record:
     try:
-        # utf-8-sig on line 1 drops a byte-order mark some editors write.
+        # utf-8-sig on line 1 drops a byte-order mark some editors write (and never show).
         text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
     except UnicodeDecodeError as e:
         return Record(line_no, error=f"line is not valid UTF-8 ({e.reason} at byte {e.start})")
+    # Without its line break, an unterminated string reads as one, not as a control character.
+    text = text.rstrip("\r\n")
     try:
         return Record(line_no, value=json.loads(text))
     except json.JSONDecodeError as e:
-        return Record(line_no, error=f"line is not valid JSON ({e.msg} at column {e.colno})")
+        return Record(line_no, error=f"line is not valid JSON: {_json_error(e, text)}")
+    except RecursionError:
+        return Record(line_no, error="line is nested too deeply to read (over ~1000 levels)")
+    except ValueError as e:  # an integer of more than 4,300 digits
+        return Record(line_no, error=f"line cannot be read: {e}")
+
+
+def _json_error(e: json.JSONDecodeError, text: str) -> str:
+    """What is wrong, where, and the text there, for any JSONDecodeError of one line ``text``.
+
+    The column counts characters (not bytes) from 1, as an editor shows it; the line holds no
+    line break, so ``e.pos`` is the column less one. json's messages that end in " at"
+    ("Unterminated string starting at") expect a position after them: the column, here.
+    """
+    what = e.msg.removesuffix(" at")
+    what = what[:1].lower() + what[1:]
+    start = max(0, e.pos - _EXCERPT_HALF)
+    excerpt = text[start : e.pos + _EXCERPT_HALF]
+    return f"{what} at column {e.pos + 1}, near {excerpt!r}"

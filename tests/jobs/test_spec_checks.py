@@ -1,0 +1,318 @@
+"""JobSpec against hostile input: strict scalars, device names, blank paths, YAML alias
+bombs and error messages that stay short whatever the value."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tokenmill.jobs.spec import JobSpec, JobSpecError
+from tokenmill.jobs.yaml_limits import MAX_SHOWN, find_oversize, show_value
+
+REPO = Path(__file__).resolve().parents[2]
+LETTERS = "abcdefghi"
+
+
+def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "model": {"source": "some-model"},
+        "input": {"path": "in.jsonl"},
+        "output": {"path": "out/"},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def _error(raw: Any, where: str = "job.yaml") -> str:
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.from_dict(raw, where)
+    return str(info.value)
+
+
+def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BASE_YAML = "model: {source: m}\ninput: {path: in.jsonl}\noutput: {path: out}\n"
+
+
+# -- 1. strict scalars -------------------------------------------------------------------
+
+WRONG_TYPES = [
+    ("model", "source", 5, "expected a string, got 5"),
+    ("model", "tensor_parallel", True, "expected an integer, got true"),
+    ("model", "pipeline_parallel", "1", "expected an integer, got the string '1'"),
+    ("input", "id_column", 7, "expected a string, got 7"),
+    ("input", "passthrough_columns", ["topic", 3], "expected a string, got 3"),
+    ("input", "passthrough_columns", "topic", "expected a list, got the string 'topic'"),
+    ("sampling", "max_tokens", "5", "expected an integer, got the string '5'"),
+    ("sampling", "max_tokens", 2.0, "expected an integer, got 2.0"),
+    ("sampling", "top_k", False, "expected an integer, got false"),
+    ("sampling", "seed", True, "expected an integer, got true"),
+    ("sampling", "temperature", True, "expected a number, got true"),
+    ("sampling", "top_p", "0.9", "expected a number, got the string '0.9'"),
+    ("sampling", "repetition_penalty", float("nan"), "expected a finite number, got nan"),
+    ("sampling", "stop", ["</s>", 1], "expected a string, got 1"),
+    ("sampling", "ignore_eos", 1, "expected true or false, got 1"),
+    ("sampling", "ignore_eos", "yes", "expected true or false, got the string 'yes'"),
+    ("output", "rows_per_shard", True, "expected an integer, got true"),
+    ("output", "rows_per_shard", "5", "expected an integer, got the string '5'"),
+    ("engine", "max_num_seqs", True, "expected an integer, got true"),
+    ("engine", "max_num_batched_tokens", 8192.0, "expected an integer, got 8192.0"),
+    ("engine", "block_size", "16", "expected an integer, got the string '16'"),
+    ("engine", "max_model_len", True, "expected an integer >= 2 or auto, got true"),
+    ("engine", "max_model_len", "512", "got the string '512'"),
+    ("engine", "prefix_caching", 0, "expected true or false, got 0"),
+    ("engine", "cuda_graphs", "no", "expected true or false, got the string 'no'"),
+    ("engine", "async_scheduling", 1, "expected true or false, got 1"),
+    ("engine", "kv_cache_memory", True, "got true"),
+    ("engine", "kv_cache_memory", "0.5", "got the string '0.5'"),
+    ("engine", "kv_cache_memory", 1.5, "a number in (0, 1]"),
+    ("execution", "replicas", True, "expected an integer, got true"),
+    ("execution", "ray_address", 5, "expected a string, got 5"),
+]
+
+
+@pytest.mark.parametrize(("section", "key", "value", "what"), WRONG_TYPES)
+def test_wrong_scalar_types_are_refused(section: str, key: str, value: Any, what: str) -> None:
+    message = _error(_raw(**{section: {key: value}}))
+    assert message.startswith("job.yaml: invalid job spec:\n  ")
+    line = message.splitlines()[1]
+    assert line.startswith(f"  {section}.{key}"), message
+    assert what in line, message
+
+
+def test_strict_type_message_reads_well() -> None:
+    message = _error(_raw(output={"rows_per_shard": True}), "jobs/a.yaml")
+    assert message == (
+        "jobs/a.yaml: invalid job spec:\n  output.rows_per_shard: expected an integer, got true"
+    )
+
+
+def test_yaml_spellings_still_load(tmp_path: Path) -> None:
+    """YAML's own true/false/yes/no, ints for float fields and lists for tuple fields."""
+    path = _write(
+        tmp_path,
+        BASE_YAML
+        + "input: {path: in.jsonl, passthrough_columns: [topic, lang]}\n"
+        + "sampling: {temperature: 1, top_p: 1, stop: [a, b], ignore_eos: yes, seed: null}\n"
+        + "engine: {prefix_caching: no, cuda_graphs: false, async_scheduling: true,\n"
+        + "         kv_cache_memory: 0.5, max_model_len: 512, device: 'cuda:1'}\n",
+    )
+    spec = JobSpec.load(path)
+    assert spec.input.passthrough_columns == ("topic", "lang")
+    assert spec.sampling.temperature == 1.0 and isinstance(spec.sampling.temperature, float)
+    assert spec.sampling.stop == ("a", "b") and spec.sampling.ignore_eos is True
+    assert spec.engine.prefix_caching is False and spec.engine.async_scheduling is True
+    assert spec.engine.kv_cache_memory == 0.5 and spec.engine.max_model_len == 512
+    assert JobSpec.from_dict(spec.to_dict()) == spec  # what the Ray replicas rebuild
+    assert JobSpec.from_dict(_raw(sampling={"stop": "</s>"})).sampling.stop == ("</s>",)
+    assert JobSpec.from_dict(_raw(engine={"kv_cache_memory": 16 << 20})).engine.kv_cache_memory
+
+
+def test_set_overrides_are_parsed_as_yaml(tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE_YAML)
+    spec = JobSpec.load(
+        path,
+        [
+            "output.rows_per_shard=8",
+            "sampling.temperature=0.7",
+            "sampling.ignore_eos=true",
+            "sampling.stop=[x, y]",
+            "engine.device=cuda:0",
+            "engine.kv_cache_memory=1048576",
+        ],
+    )
+    assert spec.output.rows_per_shard == 8 and spec.sampling.temperature == 0.7
+    assert spec.sampling.ignore_eos is True and spec.sampling.stop == ("x", "y")
+    assert spec.engine.device == "cuda:0" and spec.engine.kv_cache_memory == 1 << 20
+    with pytest.raises(JobSpecError, match=r"output.rows_per_shard: expected an integer, got tr"):
+        JobSpec.load(path, ["output.rows_per_shard=true"])
+    with pytest.raises(JobSpecError, match=r"max_tokens: expected an integer, got the string"):
+        JobSpec.load(path, ["sampling.max_tokens=" + "9" * 5000])  # past int()'s digit limit
+
+
+# -- 2. device names ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3", "cuda:127"])
+def test_known_devices_are_accepted(device: str) -> None:
+    assert JobSpec.from_dict(_raw(engine={"device": device})).engine.device == device
+
+
+@pytest.mark.parametrize(
+    "device", ["banana", "CPU", "cuda:", "cuda:-1", "cuda:x", "cuda:00", "cuda:1 ", "mps", ""]
+)
+def test_unknown_devices_are_refused(device: str) -> None:
+    message = _error(_raw(engine={"device": device}))
+    line = message.splitlines()[1]
+    assert line.startswith("  engine.device: must be one of auto, cpu, cuda, cuda:<n>"), message
+    assert repr(device) in line
+
+
+# -- 3. blank paths ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("section", "key"), [("input", "path"), ("output", "path"), ("model", "source")]
+)
+@pytest.mark.parametrize("value", ["", "   ", "\t\n"])
+def test_blank_paths_and_sources_are_refused(section: str, key: str, value: str) -> None:
+    message = _error(_raw(**{section: {key: value}}))
+    assert f"  {section}.{key}: must not be empty or blank" in message
+
+
+# -- 4. YAML bombs and bounded messages ----------------------------------------------------
+
+
+def _laughs(indent: str = "") -> list[str]:
+    """Nine anchors, each a list of nine aliases of the one before: 9**9 items expanded."""
+    lines = [f"{indent}a: &a [" + ", ".join(["lol"] * 9) + "]"]
+    for prev, cur in zip(LETTERS[:-1], LETTERS[1:], strict=True):
+        lines.append(f"{indent}{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    return lines
+
+
+def _inline_laughs() -> str:
+    """The same anchors defined inside ``sampling.stop`` itself."""
+    anchors = ["&a [" + ", ".join(["lol"] * 9) + "]"]
+    anchors += [
+        f"&{c} [" + ", ".join([f"*{p}"] * 9) + "]"
+        for p, c in zip(LETTERS[:-1], LETTERS[1:], strict=True)
+    ]
+    return "sampling:\n  stop: [" + ", ".join(anchors) + "]\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("\n".join(_laughs()) + "\n", "f"),  # as unknown top-level keys
+        ("x:\n" + "\n".join(_laughs("  ")) + "\nsampling:\n  stop: *i\n", "x.f"),
+        (_inline_laughs(), "sampling.stop"),
+    ],
+    ids=["top-level", "aliased-as-stop", "inside-stop"],
+)
+def test_yaml_alias_bombs_fail_fast(tmp_path: Path, text: str, key: str) -> None:
+    path = _write(tmp_path, BASE_YAML + text)
+    start = time.perf_counter()
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(path)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert message.startswith(f"{path}: invalid job spec:\n  {key}"), message
+    assert "expands to over 100,000 values" in message and len(message) < 400
+
+
+def test_many_alias_uses_are_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, BASE_YAML + "z: &z [1]\nw: [" + ", ".join(["*z"] * 150) + "]\n")
+    with pytest.raises(JobSpecError, match=r"  w\.\d+: repeats a list or mapping more than 100"):
+        JobSpec.load(path)
+    few = _write(tmp_path, BASE_YAML + "x: &o {key: v}\ninput: {path: a, storage_options: *o}\n")
+    with pytest.raises(JobSpecError, match=r"  x: unknown key"):  # a few aliases are fine
+        JobSpec.load(few)
+
+
+def test_from_dict_refuses_huge_and_self_referencing_values() -> None:
+    start = time.perf_counter()
+    message = _error(_raw(sampling={"stop": ["x"] * 10_000_000}))
+    assert time.perf_counter() - start < 1.0
+    assert "  sampling.stop: expands to over 100,000 values" in message
+    loop: list[Any] = ["a"]
+    loop.append(loop)
+    message = _error(_raw(sampling={"stop": loop}))
+    assert "  sampling.stop.1: contains itself" in message
+    nested: Any = []
+    for _ in range(1000):
+        nested = [nested]
+    assert "nested more than 32" in _error(_raw(input={"storage_options": {"x": nested}}))
+
+
+def test_deep_or_huge_yaml_files_are_spec_errors(tmp_path: Path) -> None:
+    deep = _write(tmp_path, BASE_YAML + "x: " + "[" * 50_000 + "]" * 50_000 + "\n", "deep.yaml")
+    with pytest.raises(JobSpecError, match="deep.yaml: not valid YAML: .*nested too deep"):
+        JobSpec.load(deep)
+    digits = _write(tmp_path, BASE_YAML + "x: " + "1" * 5000 + "\n", "digits.yaml")
+    with pytest.raises(JobSpecError, match="digits.yaml: not valid YAML"):
+        JobSpec.load(digits)
+    big = _write(tmp_path, BASE_YAML + "#" * (2 << 20) + "\n", "big.yaml")
+    with pytest.raises(JobSpecError, match="big.yaml: over 1 MiB"):
+        JobSpec.load(big)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(JobSpecError, match="binary.yaml: not valid YAML: .*not UTF-8"):
+        JobSpec.load(binary)
+    with pytest.raises(JobSpecError, match="cannot read the job file"):
+        JobSpec.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _raw(output={"rows_per_shard": "9" * 1_000_000}),
+        _raw(engine={"device": ["x" * 10_000] * 50_000}),
+        _raw(engine={"device": {str(i): i for i in range(50_000)}}),
+        _raw(engine={"block_size": {frozenset(range(50_000))}}),
+        _raw(model={"source": 10**5000}),
+        {**_raw(), "k" * 1_000_000: 1},
+        _raw(sampling={"stop": list(range(50_000))}),
+    ],
+    ids=["long-string", "long-list", "big-dict", "big-set", "huge-int", "long-key", "errors"],
+)
+def test_error_messages_stay_short(raw: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    message = _error(raw)
+    assert time.perf_counter() - start < 1.0
+    lines = message.splitlines()
+    assert len(lines) <= 22 and all(len(line) < 200 for line in lines), message
+
+
+def test_show_value_is_bounded() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    values = [
+        "x" * 10**6,
+        list(range(10**6)),
+        {i: i for i in range(10**5)},
+        set(range(10**5)),
+        10**5000,
+        loop,
+        [[[[[["deep"]]]]]],
+    ]
+    for value in values:
+        assert len(show_value(value)) <= MAX_SHOWN
+    assert (show_value(True), show_value(False), show_value(None)) == ("true", "false", "null")
+    assert show_value("cpu") == "'cpu'" and show_value(2.5) == "2.5"
+    assert find_oversize(_raw(sampling={"stop": ["a"] * 1000})) is None
+
+
+# -- specs built elsewhere still validate ----------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "examples").glob("*.yaml")))
+def test_example_configs_validate(path: Path) -> None:
+    assert JobSpec.load(path).model.source
+
+
+def test_job_helpers_and_bench_specs_validate(tmp_path: Path) -> None:
+    from tests.jobs.job_helpers import job_dict
+
+    raw = job_dict(tmp_path / "model", tmp_path / "in.jsonl", tmp_path / "out")
+    spec = JobSpec.from_dict(raw)
+    assert spec.engine.kv_cache_memory == 16 << 20 and spec.input.passthrough_columns == ("topic",)
+    bench = {  # as bench/job_memory.py writes it
+        "name": "memory",
+        "model": {"source": "smollm2-135m-instruct"},
+        "input": {"path": str(tmp_path / "rows.jsonl")},
+        "sampling": {"max_tokens": 1},
+        "output": {"path": str(tmp_path / "out"), "format": "jsonl", "rows_per_shard": 10000},
+        "engine": {"device": "cpu", "max_num_seqs": 512, "kv_cache_memory": 64 << 20},
+    }
+    path = _write(tmp_path, yaml.safe_dump(bench))
+    assert JobSpec.load(path).engine.max_num_seqs == 512

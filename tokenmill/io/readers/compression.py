@@ -1,0 +1,164 @@
+"""Opening an input file as a stream of decompressed bytes: the one way readers open JSONL.
+
+    x.jsonl.gz ──suffix──► gzip ──┐
+    x.ndjson.zst ────────► zstd ──┼─► codec from fsspec's registry ─► buffered, line-iterable
+    x.jsonl ──magic bytes─► none ─┘   (fsspec.compression.compr)      stream; never read whole
+
+Suffixes: ``.gz`` gzip, ``.zst`` zstd (needs the ``zstandard`` package), ``.bz2`` bzip2,
+``.xz`` xz. The codecs are fsspec's own, the ones ``fs.open(path, compression=...)`` applies;
+they are wrapped here rather than asked for through ``fs.open`` because gzip, bz2 and xz
+never close the file under them, and zstandard's reader cannot iterate lines.
+
+A file whose name names no compression but whose first bytes are a gzip, zstd, bzip2 or xz
+magic number is **decompressed by its magic**. That is safe: none of those magics can start
+UTF-8 JSON text (gzip ``1f 8b``, zstd ``28 b5 2f fd`` and xz ``fd 37 7a 58 5a 00`` are not
+valid UTF-8; bzip2's ASCII ``BZh9`` is only taken with the block or end-of-stream magic that
+must follow it, ten bytes in all), and it reads a misnamed ``prompts.jsonl`` that is really
+gzip instead of failing every row as "not valid UTF-8". A name whose compression the bytes do
+not carry (``x.jsonl.gz`` holding plain text) is a ValueError naming the file.
+
+Limits: a decompressing stream cannot seek, so a reader that must start over reopens the file.
+zstandard's reader does not notice a zstd file cut short inside its last frame: the rows
+already decompressed come out and the rest are missing (gzip, bzip2 and xz raise).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import IO, Any
+
+from fsspec.compression import compr
+
+from tokenmill.io.readers.storage import resolve
+
+# Suffix -> fsspec codec name.
+COMPRESSION_SUFFIXES: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
+
+# Codec name -> the shell command that undoes it, for messages.
+DECOMPRESS_COMMANDS: dict[str, str] = {
+    "gzip": "gunzip",
+    "zstd": "zstd -d",
+    "bz2": "bunzip2",
+    "xz": "unxz",
+}
+
+_MAGIC_BYTES = 10
+_BZIP2_STREAM_MAGICS = (b"1AY&SY", b"\x17rE8P\x90")  # first block / end of an empty stream
+_STREAM_BUFFER = 1 << 18  # decompressed bytes buffered for line iteration
+
+
+def compression_by_suffix(url: str) -> str | None:
+    """The fsspec codec name the suffix of ``url`` names ("gzip", "zstd", "bz2", "xz"), or None."""
+    lower = url.lower()
+    for suffix, name in COMPRESSION_SUFFIXES.items():
+        if lower.endswith(suffix):
+            return name
+    return None
+
+
+def strip_compression_suffix(url: str) -> str:
+    """``url`` without its compression suffix: "x.jsonl.gz" -> "x.jsonl"; others unchanged."""
+    lower = url.lower()
+    for suffix in COMPRESSION_SUFFIXES:
+        if lower.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+def compression_by_magic(head: bytes) -> str | None:
+    """The codec whose magic number starts ``head`` (a file's first 10 bytes), or None."""
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "zstd"
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return "xz"
+    if head.startswith(b"BZh") and head[3:4] in b"123456789" and head[4:10] in _BZIP2_STREAM_MAGICS:
+        return "bz2"
+    return None
+
+
+def open_input(url: str, storage_options: dict[str, Any]) -> IO[bytes]:
+    """Open input file ``url`` for reading its decompressed bytes; close it when done.
+
+    The codec comes from the suffix or, for a name without one, the magic number (see the
+    module docstring). Plain files come back as fsspec opened them (seekable); compressed
+    ones as a buffered stream that iterates lines but cannot seek.
+    Raises ValueError naming the file when the bytes do not match the suffix's compression,
+    when the codec is not installed (zstd without ``zstandard``), or, while reading, when the
+    compressed data is corrupt or truncated; FileNotFoundError when the file is missing.
+    """
+    fs, path = resolve(url, storage_options)
+    raw = fs.open(path, "rb")
+    try:
+        head = raw.read(_MAGIC_BYTES)
+        try:
+            raw.seek(0)
+        except (OSError, ValueError, NotImplementedError):
+            # A streaming filesystem file (HTTP) cannot seek back: start it over.
+            raw.close()
+            raw = fs.open(path, "rb")
+        codec = _codec(url, head)
+        if codec is None:
+            return raw
+        if codec not in compr:
+            raise ValueError(
+                f"{url} is {codec}-compressed but this Python has no {codec} codec; "
+                + ("pip install zstandard" if codec == "zstd" else "decompress it first")
+            )
+        stream = compr[codec](raw, mode="r")
+        return io.BufferedReader(_Decompressed(url, codec, stream, raw), _STREAM_BUFFER)
+    except BaseException:
+        raw.close()
+        raise
+
+
+def _codec(url: str, head: bytes) -> str | None:
+    by_name = compression_by_suffix(url)
+    by_magic = compression_by_magic(head)
+    if by_name is None or by_name == by_magic:
+        return by_magic
+    if not head:
+        return None  # an empty file holds no rows, whatever its name says
+    found = f"{by_magic} data" if by_magic else f"not {by_name} data"
+    raise ValueError(
+        f"{url}: the name says {by_name} but the file is {found} (it starts with "
+        f"{head[:4]!r}); rename it to match its contents"
+    )
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of one file, for io.BufferedReader.
+
+    Closing closes the codec's stream and the file under it (fsspec's gzip, bz2 and xz codecs
+    leave that file open). Codec errors become ValueErrors naming the file.
+    """
+
+    def __init__(self, url: str, codec: str, stream: Any, raw: IO[bytes]) -> None:
+        self._url = url
+        self._codec = codec
+        self._stream = stream
+        self._raw = raw
+        self._done = 0  # decompressed bytes handed out so far
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        try:
+            n = self._stream.readinto(buffer)
+        except Exception as e:
+            raise ValueError(
+                f"{self._url}: {self._codec} decompression failed after {self._done} bytes "
+                f"({type(e).__name__}: {e}); the file may be truncated or corrupt"
+            ) from e
+        self._done += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._stream.close()
+            finally:
+                self._raw.close()
+        super().close()

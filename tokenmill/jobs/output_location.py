@@ -1,0 +1,94 @@
+"""Where a job may write: ``output.path`` checked against the filesystem root and the input.
+
+    refused: output.path = /              (or a whole bucket: s3://bucket)
+             output.path = the input file, or any existing file
+             output.path = an ancestor of the input       (shards would land among the inputs)
+             output.path inside an input directory        (the next read takes the job's own
+                                                           files as input rows)
+
+Checks compare paths only (local paths after resolving ``..`` and symlinks), so they cost no
+request to object storage. Raised as OutputPathError, a spec error (exit 2) naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+
+from tokenmill.io.readers.file_listing import SUPPORTED_SUFFIXES
+from tokenmill.io.readers.storage import resolve
+from tokenmill.jobs.spec import JobSpecError
+
+_GLOB_CHARS = "*?["
+
+
+class OutputPathError(JobSpecError):
+    """``output.path`` is somewhere a job must not write."""
+
+
+def check_output_location(
+    output_path: str,
+    output_options: dict[str, Any],
+    input_path: str,
+    input_options: dict[str, Any],
+) -> None:
+    """Raise OutputPathError naming ``output.path`` when it is the root, a whole bucket, a
+    file, the input, an ancestor of the input, or inside an input directory."""
+    if not isinstance(output_path, str) or not output_path.strip():
+        raise OutputPathError("output.path is empty; give a folder or an s3://bucket/prefix")
+    try:
+        out_fs, out_root = resolve(output_path, output_options)
+        in_fs, in_root = resolve(input_path, input_options)
+    except (ImportError, ValueError) as exc:
+        raise OutputPathError(
+            f"output.path {output_path!r} or input.path {input_path!r}: cannot open its "
+            f"filesystem ({exc}); for s3:// install s3fs and check storage_options"
+        ) from None
+    local = isinstance(out_fs, LocalFileSystem)
+    out = _normal(out_root, local)
+    where = f"output.path {output_path!r}"
+    if local and out == "/":
+        raise OutputPathError(f"{where} is the filesystem root; give a folder of its own")
+    if not local and "/" not in out:
+        raise OutputPathError(f"{where} names a whole bucket; give a prefix (s3://bucket/out/)")
+    if local and os.path.exists(out) and not os.path.isdir(out):
+        what = "the input file" if out == _normal(in_root, True) else "an existing file"
+        raise OutputPathError(f"{where} is {what}; output.path must be a folder")
+    if type(in_fs) is not type(out_fs):
+        return
+    base, is_folder = _input_base(in_root, in_fs, local)
+    if _within(base, out):
+        raise OutputPathError(
+            f"{where} contains the input {input_path!r}; the job's shards would land among "
+            "its inputs. Give output.path a folder outside the input."
+        )
+    if is_folder and _within(out, base):
+        raise OutputPathError(
+            f"{where} is inside the input folder {input_path!r}; the next read would take "
+            "the job's own files as input rows. Give output.path a folder outside the input."
+        )
+
+
+def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool]:
+    """(the input's fixed folder or file, whether it is read as a folder).
+
+    A glob's base is its part before the first wildcard component; it counts as a folder
+    when the glob reaches below it (``**``) or lists it directly (``dir/*``)."""
+    parts = root.split("/")
+    wild = next((i for i, p in enumerate(parts) if any(c in p for c in _GLOB_CHARS)), None)
+    if wild is not None:
+        return _normal("/".join(parts[:wild]) or "/", local), True
+    path = _normal(root, local)
+    if local:
+        return path, os.path.isdir(path)
+    return path, not path.lower().endswith(SUPPORTED_SUFFIXES)
+
+
+def _normal(path: str, local: bool) -> str:
+    return os.path.realpath(path) if local else path.strip("/")
+
+
+def _within(child: str, parent: str) -> bool:
+    return child == parent or child.startswith(parent.rstrip("/") + "/")

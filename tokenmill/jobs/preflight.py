@@ -1,0 +1,74 @@
+"""Checks a job's spec against its input before any weight is loaded: exit 2, key named.
+
+    input.path lists files?  ─► their format  ─► output.format fits it?
+                                              ─► Parquet: the prompt/messages column exists?
+
+A spec that cannot work fails here, in seconds, instead of after minutes of inference or
+with every row in the error file.
+"""
+
+from __future__ import annotations
+
+from tokenmill.io.readers import InputConfig, detect_format, list_input_files
+from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.jobs.spec import JobSpec, JobSpecError
+
+
+def input_config(spec: JobSpec) -> InputConfig:
+    i = spec.input
+    return InputConfig(
+        path=i.path,
+        format=i.format,
+        id_column=i.id_column,
+        prompt_column=i.prompt_column,
+        messages_column=i.messages_column,
+        passthrough_columns=tuple(i.passthrough_columns),
+        storage_options=dict(i.storage_options),
+    )
+
+
+def check_input(spec: JobSpec) -> str:
+    """The input's format, after checking that the spec can read it and write its output.
+    Raises JobSpecError naming the key (input.path, output.format, input.prompt_column, ...)."""
+    try:
+        cfg = input_config(spec)
+    except ValueError as exc:
+        raise JobSpecError(str(exc)) from None
+    try:
+        files = list_input_files(cfg)
+        fmt = detect_format(files, cfg.format, cfg.storage_options)
+    except (FileNotFoundError, ValueError) as exc:
+        raise JobSpecError(f"input.path: {exc}") from None
+    except Exception as exc:  # the store's client: unreachable endpoint, refused credentials
+        raise JobSpecError(
+            f"input.path {cfg.path!r} cannot be read ({type(exc).__name__}: {exc}); check the "
+            "address, input.storage_options (endpoint_url, credentials) and the network"
+        ) from None
+    if spec.output.format == "openai-batch" and fmt != "openai-batch":
+        raise JobSpecError(
+            f"output.format: openai-batch needs OpenAI Batch input lines (custom_id, method, "
+            f"url, body), but input {cfg.path!r} is {fmt}; set output.format to jsonl or "
+            "parquet"
+        )
+    if fmt == "parquet":
+        _check_parquet_columns(files[0], cfg)
+    return fmt
+
+
+def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
+    key, column = (
+        ("messages_column", cfg.messages_column)
+        if cfg.messages_column is not None
+        else ("prompt_column", cfg.prompt_column)
+    )
+    try:
+        with ParquetRecords(url, cfg.storage_options, []) as records:
+            if column is None or records.has_column(column):
+                return
+            have = records.columns_hint()
+    except ValueError as exc:
+        raise JobSpecError(f"input.path: {exc}") from None
+    raise JobSpecError(
+        f"input.{key}: {column!r} is not a column of {url} (it has: {have or 'no columns'}); "
+        "set input.prompt_column, or input.messages_column for chat rows"
+    )

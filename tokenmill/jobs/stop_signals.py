@@ -1,0 +1,57 @@
+"""SIGTERM and SIGINT stop a run at its next commit boundary, not in the middle of nowhere.
+
+    1st signal ─► cancel.set(): in-flight rows are dropped, complete shards are committed,
+                  the report says "cancelled", run-job exits 75 (rerun to resume)
+    2nd signal ─► JobInterrupted raised at once (as safe as SIGKILL: every write is atomic)
+
+SIGTERM is what Airflow, Kubernetes and systemd send before they kill; SIGINT is Ctrl-C.
+Handlers can only be installed from the main thread; elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("tokenmill.jobs")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class JobInterrupted(Exception):
+    """A second stop signal arrived: the run ends now, without waiting for a commit."""
+
+
+class StopOnSignals:
+    """Context manager: while open, SIGTERM/SIGINT set ``cancel`` (and a second one raises
+    JobInterrupted). ``received`` names the first signal, or is None."""
+
+    def __init__(self, cancel: threading.Event) -> None:
+        self.cancel = cancel
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopOnSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            raise JobInterrupted(f"{name} received again: stopping now")
+        self.received = name
+        self.cancel.set()
+        log.warning(
+            "%s received: stopping at the next commit boundary (send it again to stop at once)",
+            name,
+        )
