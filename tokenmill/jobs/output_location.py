@@ -13,6 +13,7 @@ request to object storage. Raised as OutputPathError, a spec error (exit 2) nami
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from fsspec.implementations.local import LocalFileSystem
@@ -22,6 +23,15 @@ from tokenmill.io.readers.storage import resolve
 from tokenmill.jobs.spec import JobSpecError
 
 _GLOB_CHARS = "*?["
+# Names of every kind a job writes below its prefix, to test a glob input against.
+_WRITTEN_EXAMPLES = (
+    "report.json",
+    "job.manifest.json",
+    "_tokenmill_owner.json",
+    "shards/part-00000.jsonl",
+    "shards/part-00000.parquet",
+    "errors/part-00000.jsonl",
+)
 
 
 class OutputPathError(JobSpecError):
@@ -58,32 +68,63 @@ def check_output_location(
         raise OutputPathError(f"{where} is {what}; output.path must be a folder")
     if type(in_fs) is not type(out_fs):
         return
-    base, is_folder = _input_base(in_root, in_fs, local)
+    base, is_folder, pattern = _input_base(in_root, in_fs, local)
     if _within(base, out):
         raise OutputPathError(
             f"{where} contains the input {input_path!r}; the job's shards would land among "
             "its inputs. Give output.path a folder outside the input."
         )
-    if is_folder and _within(out, base):
+    inside = is_folder and _within(out, base)
+    if pattern is not None and not inside:
+        inside = any(pattern.fullmatch(f"{out}/{name}") for name in _WRITTEN_EXAMPLES)
+    if inside:
         raise OutputPathError(
             f"{where} is inside the input folder {input_path!r}; the next read would take "
             "the job's own files as input rows. Give output.path a folder outside the input."
         )
 
 
-def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool]:
-    """(the input's fixed folder or file, whether it is read as a folder).
+def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool, re.Pattern[str] | None]:
+    """(the input's fixed folder or file, whether everything below it is input, the glob as a
+    regex over full paths when the input is a glob).
 
-    A glob's base is its part before the first wildcard component; it counts as a folder
-    when the glob reaches below it (``**``) or lists it directly (``dir/*``)."""
+    A glob's base is its part before the first wildcard component; with ``**`` everything
+    below the base is input, otherwise only what the pattern reaches (``dir/*.jsonl`` reads
+    ``dir/a.jsonl`` but never ``dir/out/shards/part-00000.jsonl``)."""
     parts = root.split("/")
     wild = next((i for i, p in enumerate(parts) if any(c in p for c in _GLOB_CHARS)), None)
     if wild is not None:
-        return _normal("/".join(parts[:wild]) or "/", local), True
+        base = _normal("/".join(parts[:wild]) or "/", local)
+        rest = "/".join(parts[wild:])
+        return base, "**" in rest, re.compile(re.escape(base.rstrip("/")) + "/" + _glob_regex(rest))
     path = _normal(root, local)
     if local:
-        return path, os.path.isdir(path)
-    return path, not path.lower().endswith(SUPPORTED_SUFFIXES)
+        return path, os.path.isdir(path), None
+    return path, not path.lower().endswith(SUPPORTED_SUFFIXES), None
+
+
+def _glob_regex(pattern: str) -> str:
+    """A glob as a regex: ``*`` and ``?`` stay within one path component, ``**`` does not."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
+            end = pattern.index("]", i + 1)
+            body = pattern[i + 1 : end].replace("\\", "\\\\")
+            out.append(f"[^{body[1:]}]" if body.startswith("!") else f"[{body}]")
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
 
 
 def _normal(path: str, local: bool) -> str:

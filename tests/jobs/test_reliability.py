@@ -1,0 +1,438 @@
+"""The ten findings of the 2026-12-01 hostile-user review (issue 11), one test or more each.
+
+Each test failed on main before the fix: jobs overwriting each other, foreign files deleted,
+output read back as input, gzip dropped, poison rows crashing every rerun, late errors,
+YAML bombs, tracebacks instead of exit 2, repeated locations, and vanished shards trusted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import run_job
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.lock import JobLock
+from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.ownership import OWNER_FILE, OutputOwnedError
+from tokenmill.jobs.spec import JobSpecError
+
+INVALID, TEMPORARY = 2, 75
+
+
+def _job_file(tmp_path: Path, spec: dict, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _ids(folder: Path) -> list[str]:
+    return sorted(r["id"] for r in read_jsonl_dir(folder))
+
+
+# 1. Two jobs on one output.path ------------------------------------------------------------
+
+
+def test_second_job_on_an_output_is_refused_and_the_first_keeps_its_rows(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    a_in = write_jsonl(tmp_path / "a.jsonl", chat_rows(6))
+    b_in = write_jsonl(tmp_path / "b.jsonl", chat_rows(5, start=100))
+    out = tmp_path / "out"
+    assert run_job(job_dict(tiny_model, a_in, out, name="a"), show_progress=False).status == (
+        "complete"
+    )
+    before = {p.name: p.read_bytes() for p in (out / "shards").iterdir()}
+
+    with pytest.raises(OutputOwnedError, match="belongs to job 'a'"):
+        run_job(job_dict(tiny_model, b_in, out, name="b"), show_progress=False)
+    with pytest.raises(OutputOwnedError):  # --fresh discards only a job's own progress
+        run_job(job_dict(tiny_model, b_in, out, name="b"), fresh=True, show_progress=False)
+    assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, b_in, out, name="b")))]) == (
+        INVALID
+    )
+    assert "belongs to job 'a'" in capsys.readouterr().err
+
+    assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
+    again = run_job(job_dict(tiny_model, a_in, out, name="a"), show_progress=False)
+    assert again.status == "complete" and again.rows_ok == 6
+    assert _ids(out / "shards") == [r["id"] for r in chat_rows(6)]
+
+
+def test_job_blocked_by_another_jobs_running_run_is_refused_not_retried(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Run at the same time: the lock is the output's, so the second waits for nothing; a job
+    that does not own the output gets exit 2 (not 75, which would invite a retry)."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out, name="a"), show_progress=False)
+    with JobLock("a", str(out), str(out)):  # job a is running
+        assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, src, out, name="b")))]) == (
+            INVALID
+        )
+        assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, src, out, name="a")))]) == (
+            TEMPORARY
+        )
+
+
+def test_unclaimed_output_with_files_at_our_names_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    write_jsonl(out / "shards" / "part-00000.jsonl", [{"id": "someone else's"}])
+    with pytest.raises(OutputOwnedError, match="did not write"):
+        run_job(job_dict(tiny_model, src, out), show_progress=False)
+    assert read_jsonl_dir(out / "shards") == [{"id": "someone else's"}]
+
+
+def test_output_of_a_job_from_before_the_ownership_record_is_adopted(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    (out / OWNER_FILE).unlink()
+    report = run_job(job_dict(tiny_model, src, out), show_progress=False)
+    assert report.status == "complete" and report.rows_this_run == 0
+    assert json.loads((out / OWNER_FILE).read_text())["job"] == "test"
+    (out / OWNER_FILE).unlink()
+    with pytest.raises(OutputOwnedError, match="belongs to job 'test'"):
+        run_job(job_dict(tiny_model, src, out, name="other"), show_progress=False)
+
+
+# 2. Files the job did not write are never deleted ------------------------------------------
+
+
+def test_cleanup_and_fresh_delete_only_the_jobs_own_files(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    foreign = [
+        out / ".notes.txt.tmp-0123456789abcdef",  # a user's file in the temp pattern
+        out / "shards" / ".data.tmp-fedcba9876543210",
+        out / "shards" / "README.txt",
+        out / "errors" / "triage.md",
+        out / "mine.csv",
+    ]
+    for path in foreign:
+        path.write_text("keep me")
+    leftover = out / "shards" / f".part-00009.jsonl.tmp-{_token('test')}-0123456789abcdef"
+    leftover.write_text("a killed writer's temp file")
+
+    assert run_job(job_dict(tiny_model, src, out), show_progress=False).status == "complete"
+    assert not leftover.exists()  # the job's own leftover goes
+    changed = job_dict(tiny_model, src, out, sampling={"max_tokens": 4})
+    assert run_job(changed, fresh=True, show_progress=False).status == "complete"
+    assert all(p.read_text() == "keep me" for p in foreign)
+    assert len(_ids(out / "shards")) == 5
+
+
+def _token(job: str) -> str:
+    from tokenmill.io.storage import owner_token
+
+    return owner_token(job)
+
+
+@pytest.mark.parametrize("path", ["/", "../..", "."])
+def test_root_and_input_ancestors_are_refused(
+    tiny_model: Path, tmp_path: Path, path: str, monkeypatch, capsys
+) -> None:
+    data = tmp_path / "work" / "data"
+    src = write_jsonl(data / "in.jsonl", chat_rows(2))
+    monkeypatch.chdir(data)  # "../.." and "." are then ancestors of the input
+    job = _job_file(tmp_path, job_dict(tiny_model, src, path))
+    before = sorted(p for p in tmp_path.rglob("*"))
+    assert cli_main([str(job), "--dry-run"]) == INVALID
+    assert cli_main([str(job)]) == INVALID
+    assert "output.path" in capsys.readouterr().err
+    assert sorted(p for p in tmp_path.rglob("*")) == before
+    assert not Path("/.tokenmill.lock").exists()
+
+
+# 3. Output inside the input directory ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("input_of", "output_of", "needle"),
+    [
+        (lambda d: d, lambda d: d / "out", "inside the input folder"),
+        (lambda d: d / "**" / "*.jsonl", lambda d: d / "sub" / "out", "inside the input folder"),
+        (lambda d: d / "*.jsonl", lambda d: d, "contains the input"),
+        (lambda d: d / "*" / "*.json*", lambda d: d / "out", "inside the input folder"),
+        (lambda d: d / "in.jsonl", lambda d: d / "in.jsonl", "the input file"),
+        (lambda d: d / "in.jsonl", lambda d: d.parent, "contains the input"),
+    ],
+    ids=["dir", "recursive-glob", "glob-base", "glob-reaches-it", "the-file", "ancestor"],
+)
+def test_output_inside_or_over_the_input_is_refused(
+    tiny_model: Path, tmp_path: Path, input_of, output_of, needle: str
+) -> None:
+    data = tmp_path / "data"
+    write_jsonl(data / "in.jsonl", chat_rows(3))
+    spec = job_dict(tiny_model, input_of(data), output_of(data))
+    with pytest.raises(JobSpecError, match=needle):
+        run_job(spec, show_progress=False)
+    assert sorted(p.name for p in data.iterdir()) == ["in.jsonl"]
+
+
+@pytest.mark.parametrize("pattern", ["in.jsonl", "*.jsonl"])
+def test_output_beside_the_input_files_is_fine(
+    tiny_model: Path, tmp_path: Path, pattern: str
+) -> None:
+    write_jsonl(tmp_path / "data" / "in.jsonl", chat_rows(3))
+    spec = job_dict(tiny_model, tmp_path / "data" / pattern, tmp_path / "data" / "out")
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 3
+
+
+# 4. Gzip input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["auto", "jsonl"])
+def test_gzip_input_is_read(tiny_model: Path, tmp_path: Path, fmt: str) -> None:
+    src = tmp_path / "in.jsonl.gz"
+    src.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in chat_rows(7)).encode()))
+    spec = job_dict(tiny_model, src, tmp_path / "out")
+    spec["input"]["format"] = fmt
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 7, 0)
+
+
+# 5. Poison rows are row errors, on the first run and on every rerun ------------------------
+
+
+POISON = [
+    '{"id": "p1", "messages": [{"role": "user", "content": "bad \\ud800 text"}]}',
+    '{"id": "p2\\udfff", "messages": [{"role": "user", "content": "fine"}]}',
+    '{"id": "p3", "topic": "x\\ud800", "messages": [{"role": "user", "content": "fine"}]}',
+    '{"id": "p4", "topic": {"k": ["\\udc00"]}, "messages": [{"role": "user", "content": "f"}]}',
+]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_unpaired_surrogates_are_row_errors(
+    tiny_model: Path, tmp_path: Path, fmt: str, capsys
+) -> None:
+    good = [json.dumps(r) for r in chat_rows(4)]
+    src = write_jsonl(tmp_path / "in.jsonl", [good[0], *POISON, *good[1:]])
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, output={"format": fmt})
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 4, 4)
+    errors = read_jsonl_dir(out / "errors")
+    assert len(errors) == 4 and all("not valid Unicode" in e["error"] for e in errors)
+    assert {e["error"].split(": ")[0].rsplit(":", 1)[1] for e in errors} == {"2", "3", "4", "5"}
+    for path in (out / "errors").iterdir():
+        path.read_bytes().decode("utf-8")  # every byte written is valid UTF-8
+
+    job = _job_file(tmp_path, spec)
+    assert cli_main([str(job), "--dry-run"]) == 0
+    assert "(4 bad)" in capsys.readouterr().out
+
+
+def test_a_row_that_cannot_be_written_is_an_error_not_a_crash(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Passthrough values Arrow cannot hold together with others in one shard still commit."""
+    rows = chat_rows(4)
+    rows[1]["topic"] = 10**30  # beyond int64: the shard falls back, the row is written
+    rows[2]["topic"] = {"deep": [[[1.5]]]}
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, output={"format": "parquet", "rows_per_shard": 8})
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok + report.rows_failed == 4
+    table = pq.read_table(out / "shards" / "part-00000.parquet")
+    assert table.num_rows == report.rows_ok
+
+
+# 6. Errors that could be found first are found first ---------------------------------------
+
+
+def test_openai_batch_output_needs_batch_input_up_front(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    job = _job_file(tmp_path, job_dict(tiny_model, src, tmp_path / "out", output={
+        "format": "openai-batch"}))  # fmt: skip
+    start = time.monotonic()
+    assert cli_main([str(job), "--dry-run"]) == INVALID
+    assert cli_main([str(job)]) == INVALID
+    assert time.monotonic() - start < 10  # no model loaded, no inference
+    err = capsys.readouterr().err
+    assert "output.format" in err and "OpenAI Batch" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_without_the_prompt_column_fails_up_front(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "question": ["q1", "q2"]}), src)
+    spec = job_dict(tiny_model, src, tmp_path / "out")
+    spec["input"] |= {"messages_column": None, "prompt_column": "prompt", "passthrough_columns": []}
+    job = _job_file(tmp_path, spec)
+    assert cli_main([str(job)]) == INVALID
+    err = capsys.readouterr().err
+    assert "input.prompt_column" in err and "question" in err
+    assert not (tmp_path / "out").exists()
+
+
+# 7. A YAML bomb ----------------------------------------------------------------------------
+
+
+def test_yaml_bomb_is_refused_at_once(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        lines.append(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]")
+    spec = job_dict(tiny_model, tmp_path / "in.jsonl", tmp_path / "out")
+    body = yaml.safe_dump(spec).replace("sampling:\n", "sampling:\n  stop: *l8\n")
+    job = tmp_path / "bomb.yaml"
+    job.write_text("\n".join(lines) + "\n" + body)
+    start = time.monotonic()
+    assert cli_main([str(job)]) == INVALID
+    assert time.monotonic() - start < 2
+    err = capsys.readouterr().err
+    assert len(err) < 2000 and str(job) in err
+
+
+# 8. Exit codes -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "needle"),
+    [
+        ("engine", {"device": "banana"}, "engine.device"),
+        ("output", {"path": ""}, "output.path"),
+        ("output", {"rows_per_shard": True}, "output.rows_per_shard"),
+        ("model", {"source": "/no/such/model.gguf"}, "model.source"),
+        ("input", {"path": "/no/such/input.jsonl"}, "input.path"),
+    ],
+    ids=["device", "empty-output", "bool-as-int", "missing-model", "missing-input"],
+)
+def test_bad_spec_values_exit_2_naming_the_key(
+    tiny_model: Path, tmp_path: Path, section: str, values: dict, needle: str, capsys
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, tmp_path / "out")
+    spec[section] |= values
+    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == INVALID
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_unreachable_s3_endpoint_exits_2_naming_the_key(
+    tiny_model: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{_free_port()}",  # nothing listens there
+        "key": "testing",
+        "secret": "testing",
+        "skip_instance_cache": True,
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, "s3://bucket/out/")
+    spec["output"]["storage_options"] = options
+    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == INVALID
+    err = capsys.readouterr().err
+    assert "output.path" in err and "endpoint_url" in err and "testing" not in err
+
+    spec = job_dict(tiny_model, "s3://bucket/in.jsonl", tmp_path / "out")
+    spec["input"]["storage_options"] = options
+    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == INVALID
+    err = capsys.readouterr().err
+    assert "input.path" in err and "testing" not in err
+
+
+# 9. Messages -------------------------------------------------------------------------------
+
+
+def test_error_lines_name_their_location_once_and_duplicates_keep_their_own_id(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    rows = chat_rows(3)
+    lines = [json.dumps(r) for r in rows] + ['{"id": "x", "a": "unterminated', json.dumps(rows[0])]
+    src = write_jsonl(tmp_path / "f.jsonl", lines)
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    errors = {e["id"]: e["error"] for e in read_jsonl_dir(out / "errors")}
+    assert set(errors) == {"f.jsonl:4", "f.jsonl:5"}  # the duplicate does not reuse r0000
+    bad_json, duplicate = errors["f.jsonl:4"], errors["f.jsonl:5"]
+    assert bad_json.count("f.jsonl:4") == 1 and bad_json.startswith(f"{src}:4: ")
+    assert "at at" not in bad_json and "column 18" in bad_json
+    assert duplicate.startswith(f"{src}:5: duplicate id 'r0000'")
+    assert "r0000" not in errors and "r0000" in _ids(out / "shards")
+
+
+def test_fingerprint_refusal_names_what_changed(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    changed = job_dict(tiny_model, src, out, sampling={"max_tokens": 5, "temperature": 0.5})
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(changed, show_progress=False)
+    message = str(info.value)
+    assert "sampling.max_tokens: 8 -> 5" in message
+    assert "sampling.temperature: 0.0 -> 0.5" in message
+    assert "--fresh" in message
+
+
+# 10. Committed shards are verified on resume -----------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_vanished_shards_are_recomputed(tiny_model: Path, tmp_path: Path, damage: str) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(10))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    reference = {r["id"]: r["text"] for r in read_jsonl_dir(out / "shards")}
+    victim = out / "shards" / "part-00001.jsonl"
+    if damage == "delete":
+        victim.unlink()
+    else:
+        victim.write_bytes(victim.read_bytes()[:10])
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.shards_recomputed == 1
+    assert report.rows_this_run == 4 and report.rows_ok == 10
+    assert {r["id"]: r["text"] for r in read_jsonl_dir(out / "shards")} == reference
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["shards_recomputed"] == 1
+
+
+def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    manifest_path = out / "test.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for shard in manifest["shards"].values():  # as written before sizes were recorded
+        del shard["data_bytes"], shard["error_bytes"]
+    manifest_path.write_text(json.dumps(manifest))
+    os.remove(out / "errors" / "part-00000.jsonl")
+    report = run_job(spec, show_progress=False)
+    assert report.shards_recomputed == 1 and report.rows_ok == 8
