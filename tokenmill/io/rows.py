@@ -47,7 +47,8 @@ class ResultRow:
     endpoint: str | None = None
     logprobs: list[dict[str, Any]] | None = None  # OpenAI-shaped entries when asked for
     model: str = ""
-    error: str | None = None
+    error: str | None = None  # starts with the row's "file:line" location
+    source: str = ""  # the input row's "file:line"
 
     @property
     def ok(self) -> bool:

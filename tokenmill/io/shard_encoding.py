@@ -34,13 +34,13 @@ def encode_shard(results: list[ResultRow], fmt: str) -> EncodedShard:
     bad = [r for r in results if not r.ok]
     try:
         data = encode_results(ok, fmt)
-    except (ValueError, TypeError, OverflowError, UnicodeError, RecursionError):
+    except Exception:  # of any row: find which ones (Arrow's errors are of several kinds)
         ok, unwritable = _split_writable(ok, fmt)
         bad += unwritable
         data = encode_results(ok, fmt)
     try:
         errors = encode_errors(bad, fmt)
-    except (ValueError, TypeError, OverflowError, UnicodeError, RecursionError):
+    except Exception:
         bad = [_writable_error(r) for r in bad]
         errors = encode_errors(bad, fmt)
     return EncodedShard(data, errors, ok, sorted(bad, key=lambda r: r.row_index))
@@ -52,9 +52,10 @@ def _split_writable(rows: list[ResultRow], fmt: str) -> tuple[list[ResultRow], l
         try:
             encode_results([row], fmt)
             ok.append(row)
-        except (ValueError, TypeError, OverflowError, UnicodeError, RecursionError) as exc:
+        except Exception as exc:
             reason = f"the result cannot be written as {fmt}: {type(exc).__name__}: {exc}"
-            bad.append(replace(row, error=writable_text(reason)))
+            where = f"{row.source}: " if row.source else ""
+            bad.append(replace(row, error=writable_text(where + reason)))
     return ok, bad
 
 

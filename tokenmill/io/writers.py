@@ -156,7 +156,13 @@ def _parquet_bytes(rows: list[ResultRow]) -> bytes:
         columns[key] = _passthrough_array(key, [r.passthrough.get(key) for r in rows])
     table = pa.table(columns) if records else FIXED_SCHEMA.empty_table()
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    try:
+        pq.write_table(table, sink)
+    except pa.ArrowException:  # a type Parquet cannot store (an empty struct: ``{}``)
+        for key in extra:
+            columns[key] = _json_strings([r.passthrough.get(key) for r in rows])
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table(columns), sink)
     return sink.getvalue().to_pybytes()
 
 
@@ -166,13 +172,18 @@ def _passthrough_array(key: str, values: list[Any]) -> pa.Array:
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        return pa.array(
-            [
-                v if v is None or isinstance(v, str) else json.dumps(v, default=_json_default)
-                for v in values
-            ],
-            type=pa.string(),
-        )
+        return _json_strings(values)
+
+
+def _json_strings(values: list[Any]) -> pa.Array:
+    """Strings as they are, other values JSON-encoded, nulls kept."""
+    return pa.array(
+        [
+            v if v is None or isinstance(v, str) else json.dumps(v, default=_json_default)
+            for v in values
+        ],
+        type=pa.string(),
+    )
 
 
 # -- JSONL ---------------------------------------------------------------------------------
@@ -189,14 +200,22 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+# Characters JSON leaves raw inside strings but Python's str.splitlines (and other line
+# readers) take as line breaks: escaped, so every record stays on one line for every reader.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _jsonl_bytes(records: Any) -> bytes:
-    lines = [json.dumps(rec, ensure_ascii=False, default=_json_default) + "\n" for rec in records]
+    lines = [
+        json.dumps(rec, ensure_ascii=False, default=_json_default).translate(_LINE_BREAKS) + "\n"
+        for rec in records
+    ]
     return "".join(lines).encode("utf-8")
 
 
 def _read_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:
     out = []
-    for lineno, line in enumerate(data.decode("utf-8").splitlines(), 1):
+    for lineno, line in enumerate(data.decode("utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

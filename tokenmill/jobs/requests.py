@@ -49,6 +49,7 @@ def _identity(row: InputRow, model: str) -> dict[str, Any]:
     return {
         "row_index": row.row_index,
         "row_id": row.row_id,
+        "source": row.source,
         "passthrough": row.passthrough,
         "custom_id": row.custom_id,
         "endpoint": row.endpoint,

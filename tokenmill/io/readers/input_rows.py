@@ -94,40 +94,37 @@ class _RowMaker:
 
     def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
-        error file adds ``source`` once)."""
+        error file adds ``source`` once). A bad row claims its id (a later row with it is a
+        duplicate, not a fix); an id already taken is never reused by an error row."""
         source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None:
             return InputRow(row_index, fallback_id, source, error=record.error)
+
+        def refuse(reason: str, own_id: str | None) -> InputRow:
+            if own_id is not None and own_id in seen:
+                reason += f" (its id {own_id!r} is also an earlier row's)"
+                own_id = None
+            elif own_id is not None:
+                seen.add(own_id)
+            return self._bad_row(record.value, reason, own_id, row_index, source, fallback_id)
+
         try:
             row = self.parse(record.value, row_index, source, fallback_id)
         except RowError as e:
-            if e.row_id is not None:
-                # A bad row still claims its id: a later row with it is a duplicate, not a fix.
-                seen.add(e.row_id)
-            return self._bad_row(record.value, str(e), e.row_id, row_index, source, fallback_id)
+            return refuse(str(e), e.row_id)
         except Exception as e:  # any surprise in a row is that row's error, never the job's
-            reason = f"the row could not be read ({type(e).__name__}: {e})"
-            return self._bad_row(record.value, reason, None, row_index, source, fallback_id)
-        bad_text = unwritable_field(row)
-        if bad_text is not None:
-            own_id = row.row_id if bad_text not in ("id", "custom_id") else None
-            reason = (
-                f"{bad_text} holds text that is not valid Unicode (a lone surrogate such as "
-                "\\ud800); fix the row's text"
-            )
-            return self._bad_row(record.value, reason, own_id, row_index, source, fallback_id)
+            return refuse(f"the row could not be read ({type(e).__name__}: {e})", None)
         if row.row_id in seen:
-            # The error row gets the line's own id: the duplicated id is already written.
-            return InputRow(
-                row_index,
-                fallback_id,
-                source,
-                passthrough=row.passthrough,
-                endpoint=row.endpoint,
-                error=f"duplicate id {row.row_id!r}: an earlier row already has it; "
+            return refuse(
+                f"duplicate id {row.row_id!r}: an earlier row already has it; "
                 "ids must be unique across all input files",
+                None,
             )
+        unwritable = unwritable_field(row)
+        if unwritable is not None:
+            own_id = None if unwritable.startswith(("id ", "custom_id ")) else row.row_id
+            return refuse(f"{unwritable}; fix the row", own_id)
         seen.add(row.row_id)
         return row
 

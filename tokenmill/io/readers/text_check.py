@@ -1,30 +1,51 @@
-"""Finding text a row carries that cannot be written out: lone UTF-16 surrogates.
+"""Finding what a row carries that cannot be written out, before the row is run.
 
 JSON may spell a string ``"\\ud800"``: Python's decoder accepts it and yields a str that is
-not valid Unicode, which UTF-8 (every output format) cannot encode. Such a row is refused when
-it is read, naming the field, instead of failing the shard's commit on every rerun.
+not valid Unicode (a lone surrogate), which UTF-8, and so every output format, cannot encode.
+Passthrough values are written as they are, so they must also encode as JSON (not nested past
+Python's recursion limit). Such a row is refused when it is read, naming the field, instead of
+failing the shard's commit (and every rerun's), and ``--dry-run`` finds it too.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tokenmill.io.rows import InputRow
 
-_MAX_DEPTH = 200  # deeper parts are left to the writer, which turns failures into row errors
+_MAX_DEPTH = 200  # prompts and messages are shallow; deeper parts are not walked
 
 
 def unwritable_field(row: InputRow) -> str | None:
-    """The name of the first field of ``row`` holding text that is not valid Unicode
-    (e.g. ``"id"``, ``"messages[0].content"``, ``"passthrough 'note'"``), or None."""
+    """Why the first unwritable field of ``row`` is so (``"id holds text that is not valid
+    Unicode ..."``, ``"passthrough column 'x' ..."``), or None when every field is fine."""
     fields: list[tuple[str, Any]] = [("id", row.row_id), ("custom_id", row.custom_id)]
     fields += [("prompt", row.prompt), ("messages", row.messages)]
-    fields += [(f"passthrough {k!r}", v) for k, v in row.passthrough.items()]
     fields += [(f"sampling.{k}", v) for k, v in row.sampling.items()]
     for name, value in fields:
         where = _first_bad(value, name, 0)
         if where is not None:
-            return where
+            return f"{where} {_NOT_UNICODE}"
+    for name, value in row.passthrough.items():
+        problem = _json_problem(value)
+        if problem is not None:
+            return f"passthrough column {name!r} {problem}"
+    return None
+
+
+_NOT_UNICODE = "holds text that is not valid Unicode (a lone surrogate such as \\ud800)"
+
+
+def _json_problem(value: Any) -> str | None:
+    try:
+        json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+    except UnicodeEncodeError:
+        return _NOT_UNICODE
+    except RecursionError:
+        return "is nested too deeply to write"
+    except (TypeError, ValueError) as exc:
+        return f"cannot be written as JSON ({exc})"
     return None
 
 
