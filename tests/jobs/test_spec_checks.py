@@ -268,7 +268,8 @@ def test_deep_or_huge_yaml_files_are_spec_errors(tmp_path: Path) -> None:
 def test_error_messages_stay_short(raw: dict[str, Any]) -> None:
     start = time.perf_counter()
     message = _error(raw)
-    assert time.perf_counter() - start < 1.0
+    # Over a minute and 2 GB before the bounds; 5 s leaves room for a loaded CI machine.
+    assert time.perf_counter() - start < 5.0
     lines = message.splitlines()
     assert len(lines) <= 22 and all(len(line) < 200 for line in lines), message
 

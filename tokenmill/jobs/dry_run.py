@@ -10,8 +10,7 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.output_location import check_output_location
-from tokenmill.jobs.preflight import check_input, input_config
+from tokenmill.jobs.preflight import check_up_front, input_config
 from tokenmill.jobs.requests import prompt_ids_for, row_error_reason, sampling_params_for
 from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
@@ -59,13 +58,7 @@ class DryRunReport:
 def dry_run(spec: JobSpec) -> DryRunReport:
     """Read, check and tokenize every row as a run would; write nothing. Raises JobSpecError
     for what a run would refuse up front (output location, input, model)."""
-    check_output_location(
-        spec.output.path,
-        dict(spec.output.storage_options),
-        spec.input.path,
-        dict(spec.input.storage_options),
-    )
-    check_input(spec)
+    check_up_front(spec)
     fingerprint = fingerprint_of(spec)  # also checks model.source
     source = resolve_model_source(spec.model.source)
     tokenizer = source.load_tokenizer()

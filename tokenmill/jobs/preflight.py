@@ -1,7 +1,9 @@
-"""Checks a job's spec against its input before any weight is loaded: exit 2, key named.
+"""Checks a job's spec against its output and input before any weight is loaded: exit 2,
+key named.
 
-    input.path lists files?  ─► their format  ─► output.format fits it?
-                                              ─► Parquet: the prompt/messages column exists?
+    output.path allowed? ─► input.path lists files? ─► their format ─► output.format fits?
+                                                                    ─► Parquet: prompt or
+                                                                       messages column there?
 
 A spec that cannot work fails here, in seconds, instead of after minutes of inference or
 with every row in the error file.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files
 from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.jobs.output_location import check_output_location
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 
 
@@ -25,6 +28,19 @@ def input_config(spec: JobSpec) -> InputConfig:
         passthrough_columns=tuple(i.passthrough_columns),
         storage_options=dict(i.storage_options),
     )
+
+
+def check_up_front(spec: JobSpec) -> str:
+    """Everything a run checks before taking the lock or loading weights: where it may write
+    (``check_output_location``) and what it reads (``check_input``). Returns the input's
+    format; raises JobSpecError naming the key."""
+    check_output_location(
+        spec.output.path,
+        dict(spec.output.storage_options),
+        spec.input.path,
+        dict(spec.input.storage_options),
+    )
+    return check_input(spec)
 
 
 def check_input(spec: JobSpec) -> str:

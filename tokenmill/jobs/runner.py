@@ -21,9 +21,8 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.output_location import check_output_location
 from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, check_not_foreign, claim_output
-from tokenmill.jobs.preflight import check_input, input_config
+from tokenmill.jobs.preflight import check_up_front, input_config
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.requests import error_result
@@ -79,13 +78,7 @@ def run_job(
     progress (unless ``fresh``). Per-row problems never raise: they go to the error files.
     """
     spec = coerce_spec(spec)
-    check_output_location(
-        spec.output.path,
-        dict(spec.output.storage_options),
-        spec.input.path,
-        dict(spec.input.storage_options),
-    )
-    check_input(spec)
+    check_up_front(spec)
     store, lock = open_output(spec)
     try:
         lock.acquire()
