@@ -20,16 +20,35 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["OutputStore", "is_temp_name", "owner_token"]
+__all__ = ["OutputStore", "StorageError", "is_temp_name", "owner_token"]
 
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(?:[0-9a-f]{8}-)?[0-9a-f]{16}$")
 # The only folders a job writes to, below its prefix: cleanup looks nowhere else.
 _WRITTEN_FOLDERS = ("", "shards", "errors")
+
+
+class StorageError(OSError):
+    """An object store's client failed (connection refused, timeouts, 5xx after its retries).
+
+    An OSError like a local disk's errors, whatever exception type the client raised, so
+    callers treat every storage failure alike: committed work stays, a rerun resumes."""
+
+
+@contextlib.contextmanager
+def _client_errors(url: str, what: str) -> Iterator[None]:
+    """Re-raise a store client's own exception types as StorageError (OSErrors pass)."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        raise StorageError(f"{url}: {what} failed ({type(exc).__name__}: {exc})") from exc
 
 
 def is_temp_name(basename: str) -> bool:
@@ -133,7 +152,8 @@ class OutputStore:
         if self.is_local:
             self._write_local(self.path(name), bytes(data))
         else:
-            self.fs.pipe_file(self._fs_path(name), bytes(data))
+            with _client_errors(self.url, f"writing {name}"):
+                self.fs.pipe_file(self._fs_path(name), bytes(data))
 
     def _write_local(self, final: str, data: bytes) -> None:
         folder, base = os.path.split(final)
@@ -157,7 +177,7 @@ class OutputStore:
                 os.remove(self.path(name))
             return
         path = self._fs_path(name)
-        with contextlib.suppress(FileNotFoundError):
+        with _client_errors(self.url, f"deleting {name}"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
         self.fs.invalidate_cache(path)
 
@@ -195,7 +215,8 @@ class OutputStore:
             if self.is_local:
                 with open(self.path(name), "rb") as f:
                     return f.read()
-            return self.fs.cat_file(self._fs_path(name))
+            with _client_errors(self.url, f"reading {name}"):
+                return self.fs.cat_file(self._fs_path(name))
         except FileNotFoundError:
             return None
 
@@ -205,7 +226,8 @@ class OutputStore:
             return os.path.isfile(self.path(name))
         path = self._fs_path(name)
         self.fs.invalidate_cache(path)  # another process may have written it
-        return bool(self.fs.isfile(path))
+        with _client_errors(self.url, f"looking for {name}"):
+            return bool(self.fs.isfile(path))
 
     def list(self, prefix: str = "") -> list[str]:
         """Names (relative to the store, '/'-separated) that start with ``prefix``, sorted.
@@ -222,7 +244,8 @@ class OutputStore:
             base = f"{self.root}/{folder}" if folder else self.root
             self.fs.invalidate_cache(base)
             try:
-                found = self.fs.find(base)
+                with _client_errors(self.url, "listing"):
+                    found = self.fs.find(base)
             except FileNotFoundError:
                 found = []
             cut = len(self.root) + 1
@@ -242,7 +265,8 @@ class OutputStore:
                 return []
         self.fs.invalidate_cache(self.root)
         try:
-            found = self.fs.ls(self.root, detail=True)
+            with _client_errors(self.url, "listing"):
+                found = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
         return sorted(
@@ -262,7 +286,8 @@ class OutputStore:
         base = f"{self.root}/{_check_name(folder, f'output {self.url}')}" if folder else self.root
         self.fs.invalidate_cache(base)
         try:
-            found = self.fs.find(base, detail=True)
+            with _client_errors(self.url, "listing"):
+                found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return {}
         cut = len(self.root) + 1

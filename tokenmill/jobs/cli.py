@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
 
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
-from tokenmill.jobs.stop_signals import JobInterrupted, StopOnSignals
+from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # the storage: disk full, object store down after retries
             return _fail(f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY)
         except Exception as exc:
+            if _from_a_store_client(exc):  # e.g. botocore's, raised while reading the input
+                return _fail(
+                    f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY
+                )
             log.exception("the job failed")
             return _fail(f"the job failed ({type(exc).__name__}: {exc}); {_RESUME}", EXIT_FAILED)
 
@@ -96,10 +101,36 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     return EXIT_FAILED
 
 
+# Object-store client packages: their exceptions are storage failures, not tokenmill bugs.
+_STORE_CLIENTS = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "gcsfs", "adlfs", "azure"}
+)
+
+
+def _from_a_store_client(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(10):  # the exception and what caused it
+        if seen is None:
+            return False
+        if type(seen).__module__.split(".")[0] in _STORE_CLIENTS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def entry() -> None:
+    """The ``run-job`` command: ``main``, then exit without being cut short by a late
+    SIGTERM/SIGINT (the run is over; interpreter shutdown takes a moment with torch loaded)."""
+    code = main()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 def _fail(message: str, code: int) -> int:
     print(f"run-job: {message}", file=sys.stderr)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -1,0 +1,177 @@
+"""SIGTERM a real `run-job` process. The first signal stops it at the next commit boundary
+(exit 75, committed shards kept, a rerun finishes with every row exactly once); a second one
+stops it at once, even while a storage write hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import yaml
+
+from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.s3_server import s3_endpoint  # noqa: F401
+from tokenmill import run_job
+from tokenmill.jobs.runner import open_output
+from tokenmill.jobs.spec import JobSpec
+
+pytestmark = pytest.mark.slow
+
+ROWS = 48  # 12 shards of 4
+SETTINGS: dict[str, Any] = {"sampling": {"max_tokens": 12}, "engine": {"max_num_seqs": 4}}
+RESUME_HINT = "rerun the same command to resume"
+
+
+class _RunJob:
+    """A `run-job --quiet` subprocess; a thread collects its stderr as it comes."""
+
+    def __init__(self, job: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenmill.jobs.cli", str(job), "--quiet"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        self.lines.extend(self.proc.stderr)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float = 120) -> bool:
+        """Poll ``ready`` while the process runs; False when it exited (or timed out) first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if ready():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def wait(self, timeout: float = 120) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        return rc
+
+
+def _write_job(path: Path, spec: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _local_shards(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "test.manifest.json").read_text())["shards"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return {}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """(input file, {id: text}) of an uninterrupted run."""
+    tmp = tmp_path_factory.mktemp("sigterm-ref")
+    src = write_jsonl(tmp / "in.jsonl", chat_rows(ROWS))
+    report = run_job(job_dict(tiny_model, src, tmp / "out", **SETTINGS), show_progress=False)
+    assert report.status == "complete" and report.rows_ok == ROWS
+    return src, {r["id"]: r["text"] for r in read_jsonl_dir(tmp / "out" / "shards")}
+
+
+def _assert_same_rows(rows: list[dict[str, Any]], want: dict[str, str]) -> None:
+    assert sorted(r["id"] for r in rows) == sorted(want)  # each row exactly once
+    assert {r["id"]: r["text"] for r in rows} == want
+
+
+def test_sigterm_stops_at_a_commit_boundary_then_resumes(
+    tiny_model: Path, tmp_path: Path, reference: tuple[Path, dict]
+) -> None:
+    src, want = reference
+    out = tmp_path / "out"
+    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, out, **SETTINGS))
+
+    run = _RunJob(job)
+    assert run.wait_until(lambda: bool(_local_shards(out))), "finished before its first commit"
+    before = _local_shards(out)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 75, run.stderr
+    assert "SIGTERM" in run.stderr and RESUME_HINT in run.stderr, run.stderr
+
+    after = _local_shards(out)
+    assert before.items() <= after.items(), "a committed shard was changed or forgotten"
+    assert len(after) < ROWS // 4, "the run did not stop early"
+    assert json.loads((out / "report.json").read_text())["status"] == "cancelled"
+    for record in after.values():
+        assert (out / record["data"]).stat().st_size == record["data_bytes"]
+
+    rerun = _RunJob(job)
+    assert rerun.wait() == 0, rerun.stderr
+    _assert_same_rows(read_jsonl_dir(out / "shards"), want)
+    assert not read_jsonl_dir(out / "errors")
+    assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
+
+
+def test_second_sigterm_stops_at_once_while_a_write_hangs(
+    tiny_model: Path,
+    tmp_path: Path,
+    reference: tuple[Path, dict],
+    faulty_s3: FaultyS3,  # noqa: F811
+    request: pytest.FixtureRequest,
+) -> None:
+    src, want = reference
+    bucket = f"sigterm-{uuid.uuid4().hex[:12]}"  # S3 outputs lock per URL: one of its own
+    direct = fsspec.filesystem("s3", **faulty_s3.direct)
+    direct.mkdir(bucket)
+    spec = job_dict(tiny_model, src, f"s3://{bucket}/out", **SETTINGS)
+    # A hung PUT would block the run for 30 s: long past the signals.
+    spec["output"]["storage_options"] = faulty_s3.options(read_timeout_s=30, retries=0)
+    job = _write_job(tmp_path / "job.yaml", spec)
+    # The lock file of an S3 output lives in ~/.cache/tokenmill/locks: leave none behind.
+    lock_file = open_output(JobSpec.from_dict(spec))[1].path
+    request.addfinalizer(lambda: lock_file.unlink(missing_ok=True))
+
+    def committed() -> bool:
+        direct.invalidate_cache()
+        try:
+            return bool(json.loads(direct.cat_file(f"{bucket}/out/test.manifest.json"))["shards"])
+        except (FileNotFoundError, ValueError, KeyError):
+            return False
+
+    run = _RunJob(job)
+    assert run.wait_until(committed), f"finished before its first commit: {run.stderr}"
+    faulty_s3.proxy.hang(seconds=60, methods=("PUT",))  # the next commit blocks
+    assert run.wait_until(lambda: faulty_s3.proxy.stats["hung"] > 0), run.stderr
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait_until(lambda: "SIGTERM received" in run.stderr, timeout=10), run.stderr
+    time.sleep(0.5)
+    assert run.proc.poll() is None, "the first SIGTERM should wait for the hung commit"
+
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(20) == 75, run.stderr
+    assert time.monotonic() - sent < 10, "the second SIGTERM did not stop the run at once"
+    assert "received again" in run.stderr and RESUME_HINT in run.stderr, run.stderr
+
+    faulty_s3.proxy.clear()
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_resumed > 0
+    rows = []
+    for key in sorted(direct.glob(f"{bucket}/out/shards/*.jsonl")):
+        rows.extend(json.loads(line) for line in direct.cat_file(key).decode().splitlines())
+    _assert_same_rows(rows, want)
