@@ -113,3 +113,26 @@ def test_chat_and_text_prompts(smollm2_llm) -> None:
         "The capital of France is", SamplingParams(max_tokens=4, temperature=0)
     )
     assert text[0].ok and text[0].num_completion_tokens == 4 and text[0].num_prompt_tokens > 3
+
+
+def test_text_decoded_at_finish_matches_the_tokenizer_and_stop_strings(
+    smollm2_llm, prompts
+) -> None:
+    """Requests without stop strings get their text decoded once, at the end (batched); with
+    stop strings, incrementally. Either way the text is what the tokenizer decodes."""
+    tok = smollm2_llm.tokenizer
+    plain = [
+        SamplingParams(max_tokens=24, temperature=0, skip_special_tokens=skip)
+        for skip in (True, False)
+    ]
+    outs = smollm2_llm.generate(prompts[:4], [plain[i % 2] for i in range(4)])
+    for i, o in enumerate(outs):
+        assert o.text == tok.decode(o.token_ids, skip_special_tokens=i % 2 == 0)
+        assert o.text
+    # A stop string cut from one of them, beside plain requests in the same batch.
+    cut = outs[0].text.split()[2]
+    mixed = [SamplingParams(max_tokens=24, temperature=0, stop=[cut]), plain[0], plain[0]]
+    stopped, *rest = smollm2_llm.generate([prompts[0], prompts[1], prompts[2]], mixed)
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == cut
+    assert outs[0].text.startswith(stopped.text) and cut not in stopped.text
+    assert [o.text for o in rest] == [tok.decode(o.token_ids) for o in rest]

@@ -1,7 +1,12 @@
 """LLMEngine: requests in, finished RequestOutputs out, one ``step`` at a time.
 
 add_request ─► Scheduler.schedule ─► ModelRunner.launch ─► Scheduler.update_from_output
-                                                           ─► detokenize, stop strings
+                                        ─► stop strings (incremental text, only where asked)
+                                        ─► finished: text decoded once, batched
+
+Text is off the hot path: a request's output is decoded once, when it finishes, together
+with the other requests finishing that step. Only requests with stop strings decode as they
+go (``IncrementalDetokenizer``), since their text decides when they stop.
 
 With async scheduling (the default on CUDA) each ``step`` call overlaps host and device:
 
@@ -40,7 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Tracked:
     request: Request
-    detokenizer: IncrementalDetokenizer | None  # None: no tokenizer (random weights)
+    detokenizer: IncrementalDetokenizer | None  # only for requests with stop strings
     logprobs: list[TokenLogprob] | None
 
 
@@ -124,6 +129,7 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
+        self._num_watched = 0  # tracked requests with an IncrementalDetokenizer
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
@@ -175,13 +181,13 @@ class LLMEngine:
         )
         self._arrivals += 1
         self.scheduler.add_request(req)
+        watch = self.tokenizer is not None and bool(params.stop)
         self._tracked[request_id] = _Tracked(
             req,
-            None
-            if self.tokenizer is None
-            else IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params) if watch else None,
             [] if params.logprobs is not None else None,
         )
+        self._num_watched += watch
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -190,7 +196,9 @@ class LLMEngine:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
-            self._tracked.pop(rid, None)
+            tracked = self._tracked.pop(rid, None)
+            if tracked is not None and tracked.detokenizer is not None:
+                self._num_watched -= 1
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -227,23 +235,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
         sampled = out.as_dict()
-        # The requests this step still serves: ones finished or aborted since it was launched
-        # (async scheduling) drop their token; a reused request id is a different Request.
-        live = [
-            (item.request, item.request.num_output_tokens)
-            for item in sched.scheduled
-            if not item.request.finished
-            and item.request_id in sampled
-            and self._tracked[item.request_id].request is item.request
-        ]
-        self._record_logprobs(out, {req.request_id for req, _ in live})
+        lp = out.sampler_output.logprobs if out.sampler_output is not None else None
+        if lp is not None:
+            self._record_logprobs(out, {r.request_id for r in self._live(sched, sampled)})
+        # Requests whose text decides their end: (request, detokenizer, outputs so far).
+        watched = []
+        if self._num_watched:
+            for req in self._live(sched, sampled):
+                detokenizer = self._tracked[req.request_id].detokenizer
+                if detokenizer is not None:
+                    watched.append((req, detokenizer, req.num_output_tokens))
         finished = self.scheduler.update_from_output(sched, sampled)
         stopped_by_string: list[str] = []
-        for req, before in live:
-            tracked = self._tracked[req.request_id]
-            if tracked.detokenizer is None:
-                continue
-            match = tracked.detokenizer.append(req.output_token_ids[before:])
+        for req, detokenizer, before in watched:
+            match = detokenizer.append(req.output_token_ids[before:])
             if match is not None:
                 req.stop_reason = match
                 if req.finished:
@@ -253,8 +258,19 @@ class LLMEngine:
         if stopped_by_string:
             self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
             finished.extend(self._tracked[rid].request for rid in stopped_by_string)
-        results = [self._finish(req) for req in finished]
+        results = self._finish(finished)
         return results, (time.perf_counter() - t0) * 1e3
+
+    def _live(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """The requests this step still serves: ones finished or aborted since it was launched
+        (async scheduling) drop their token; a reused request id is a different Request."""
+        return [
+            item.request
+            for item in sched.scheduled
+            if not item.request.finished
+            and item.request_id in sampled
+            and self._tracked[item.request_id].request is item.request
+        ]
 
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py."""
@@ -279,19 +295,45 @@ class LLMEngine:
                 )
             )
 
-    def _finish(self, req: Request) -> RequestOutput:
-        tracked = self._tracked.pop(req.request_id)
-        detok = tracked.detokenizer
-        if detok is not None and detok.stop_string is None and detok.flush() is not None:
-            req.stop_reason = detok.stop_string
-            req.status = RequestStatus.FINISHED_STOPPED
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            text="" if detok is None else detok.output_text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.status.value,
-            stop_reason=req.stop_reason,
-            num_cached_tokens=req.num_cached_prompt_tokens,
-            logprobs=tracked.logprobs,
-        )
+    def _finish(self, finished: list[Request]) -> list[RequestOutput]:
+        """The outputs of ``finished`` requests; their text decoded here, in one batch per
+        ``skip_special_tokens`` setting (requests with stop strings already have theirs)."""
+        tracked = [self._tracked.pop(req.request_id) for req in finished]
+        texts = self._decode_finished([t for t in tracked if t.detokenizer is None])
+        results = []
+        for t in tracked:
+            req, detok = t.request, t.detokenizer
+            if detok is not None:
+                self._num_watched -= 1
+                if detok.stop_string is None and detok.flush() is not None:
+                    req.stop_reason = detok.stop_string
+                    req.status = RequestStatus.FINISHED_STOPPED
+            results.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    text=detok.output_text if detok is not None else texts.get(req.request_id, ""),
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=req.status.value,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_prompt_tokens,
+                    logprobs=t.logprobs,
+                )
+            )
+        return results
+
+    def _decode_finished(self, tracked: list[_Tracked]) -> dict[str, str]:
+        """{request id: text} of finished requests, decoded in batches."""
+        if self.tokenizer is None or not tracked:
+            return {}
+        texts: dict[str, str] = {}
+        for skip in (True, False):
+            group = [
+                t.request for t in tracked if t.request.sampling_params.skip_special_tokens is skip
+            ]
+            if group:
+                decoded = self.tokenizer.batch_decode(
+                    [r.output_token_ids for r in group], skip_special_tokens=skip
+                )
+                texts.update(zip((r.request_id for r in group), decoded, strict=True))
+        return texts
