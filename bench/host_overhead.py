@@ -4,7 +4,8 @@ The engine's host work (scheduling, input building, sampling metadata, output pr
 detokenization) grows with the number of running requests; on a small model it, not the
 device, bounds throughput. This prints, per ``max_num_seqs``: output tok/s, and the mean host
 ms and device ms per decode step (``profile_steps``), then HF `generate` on the same prompts
-as one static batch of each size (EOS ignored on both sides, greedy).
+in static batches of each size, or of ``--peer-batch`` once (EOS ignored on both sides,
+greedy).
 
     PYTHONPATH=. python bench/host_overhead.py --model tiny --device cpu --batches 256,1024
     PYTHONPATH=. python bench/host_overhead.py --model smollm2-135m-instruct --device cuda \
@@ -30,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.engine.loader import resolve_model_source  # noqa: E402
 
 
 def tiny_llama(folder: Path) -> Path:
@@ -70,7 +72,9 @@ def run_hf(
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    where = {"gguf_file": model_dir.name} if model_dir.is_file() else {}
+    folder = model_dir.parent if model_dir.is_file() else model_dir
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **where).to(device).eval()
     pad = 0
     outs: list[list[int]] = []
     tokens = 0
@@ -112,6 +116,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-peer", action="store_true", help="skip HF generate")
+    parser.add_argument(
+        "--peer-batch", type=int, default=0, help="one HF run at this batch (default: each)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -119,6 +126,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_llama(Path(tmp))) if args.model == "tiny" else args.model
+        model_path = Path(model) if args.model == "tiny" else resolve_model_source(model).path
         rows = []
         prompts: list[list[int]] = []
         for batch in batches:
@@ -139,15 +147,22 @@ def main() -> None:
                 "profile": profile,
             }
             del llm
-            if not args.no_peer and args.model == "tiny":
+            if not args.no_peer and not args.peer_batch:
                 hf_s, hf_tokens, hf_ids = run_hf(
-                    Path(model), prompts, batch, args.max_tokens, args.device
+                    model_path, prompts, batch, args.max_tokens, args.device
                 )
                 row["hf_tok_per_s"] = round(hf_tokens / hf_s, 1)
                 row["ratio"] = round(row["tok_per_s"] / row["hf_tok_per_s"], 2)
                 row["identical"] = sum(a == b for a, b in zip(tm_ids, hf_ids, strict=True))
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        if not args.no_peer and args.peer_batch:
+            hf_s, hf_tokens, _ = run_hf(
+                model_path, prompts, args.peer_batch, args.max_tokens, args.device
+            )
+            peer = {"hf_batch": args.peer_batch, "hf_tok_per_s": round(hf_tokens / hf_s, 1)}
+            rows.append(peer)
+            print(json.dumps(peer), flush=True)
 
     result = {
         "model": args.model,
