@@ -19,6 +19,7 @@ negligible, so its step time is almost all host work; prompts are random token i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--no-peer", action="store_true", help="skip HF generate")
     parser.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="bytes, or a fraction of the GPU"
+    )
+    parser.add_argument(
         "--peer-batch", type=int, default=0, help="one HF run at this batch (default: each)"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -136,6 +140,7 @@ def main() -> None:
                 max_num_seqs=batch,
                 max_num_batched_tokens=max(8192, batch * args.prompt_len),
                 profile_steps=True,
+                kv_cache_memory=args.kv_cache_memory,
             )
             prompts = prompts or prompts_for(args.model, llm, count, args.prompt_len)
             seconds, tokens, profile, tm_ids = run_tokenmill(llm, prompts, args.max_tokens)
@@ -146,7 +151,10 @@ def main() -> None:
                 "gpu_ms_per_step": profile.get("decode", {}).get("gpu_ms"),
                 "profile": profile,
             }
-            del llm
+            del llm  # free its KV cache before the next engine sizes its own
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             if not args.no_peer and not args.peer_batch:
                 hf_s, hf_tokens, hf_ids = run_hf(
                     model_path, prompts, batch, args.max_tokens, args.device
