@@ -178,6 +178,11 @@ class KVCacheManager:
         state = self._states.get(request.request_id)
         if state is None:
             raise ValueError(f"request {request.request_id!r} has no KV blocks to cache")
+        if (
+            state.caching_stopped
+            or num_computed_tokens // self.block_size <= state.num_cached_blocks
+        ):
+            return  # no newly full block: most decode steps
         if num_computed_tokens > min(request.num_tokens, len(state.block_ids) * self.block_size):
             raise ValueError(
                 f"request {request.request_id!r}: num_computed_tokens={num_computed_tokens} is "
@@ -227,6 +232,12 @@ class KVCacheManager:
         bs = self.block_size
         state = self._states.get(request.request_id)
         num_held = len(state.block_ids) if state is not None else 0
+        if (
+            not new_computed_blocks
+            and state is not None
+            and request.num_computed_tokens + num_new_tokens <= num_held * bs
+        ):
+            return True  # fits in the blocks it holds: most decode steps
         hits = [self.pool.blocks[i] for i in new_computed_blocks]
         if hits:
             self._check_hits(request, state, hits)
