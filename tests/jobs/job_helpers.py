@@ -52,3 +52,15 @@ def read_jsonl_dir(folder: Path) -> list[dict[str, Any]]:
     for path in sorted(folder.glob("*.jsonl")):
         rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return rows
+
+
+def reference_run(
+    model: Path, folder: Path, rows: int, **sections: Any
+) -> tuple[Path, dict[str, str]]:
+    """An uninterrupted local run of ``rows`` chat rows: (input file, {id: text})."""
+    from tokenmill import run_job
+
+    src = write_jsonl(folder / "in.jsonl", chat_rows(rows))
+    report = run_job(job_dict(model, src, folder / "out", **sections), show_progress=False)
+    assert report.status == "complete" and report.rows_ok == rows
+    return src, {r["id"]: r["text"] for r in read_jsonl_dir(folder / "out" / "shards")}

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import job_dict, reference_run
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.runner import open_output
@@ -42,11 +42,7 @@ RESUME_HINT = "rerun the same command to resume"
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(input file, {id: text}) of an uninterrupted local run."""
-    tmp = tmp_path_factory.mktemp("s3-faults-ref")
-    src = write_jsonl(tmp / "in.jsonl", chat_rows(ROWS))
-    report = run_job(job_dict(tiny_model, src, tmp / "out", **SETTINGS), show_progress=False)
-    assert report.status == "complete" and report.rows_ok == ROWS
-    return src, {r["id"]: r["text"] for r in read_jsonl_dir(tmp / "out" / "shards")}
+    return reference_run(tiny_model, tmp_path_factory.mktemp("s3-faults-ref"), ROWS, **SETTINGS)
 
 
 class _S3Job:

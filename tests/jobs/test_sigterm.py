@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import job_dict, read_jsonl_dir, reference_run
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.runner import open_output
@@ -87,11 +87,7 @@ def _local_shards(out: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """(input file, {id: text}) of an uninterrupted run."""
-    tmp = tmp_path_factory.mktemp("sigterm-ref")
-    src = write_jsonl(tmp / "in.jsonl", chat_rows(ROWS))
-    report = run_job(job_dict(tiny_model, src, tmp / "out", **SETTINGS), show_progress=False)
-    assert report.status == "complete" and report.rows_ok == ROWS
-    return src, {r["id"]: r["text"] for r in read_jsonl_dir(tmp / "out" / "shards")}
+    return reference_run(tiny_model, tmp_path_factory.mktemp("sigterm-ref"), ROWS, **SETTINGS)
 
 
 def _assert_same_rows(rows: list[dict[str, Any]], want: dict[str, str]) -> None:
