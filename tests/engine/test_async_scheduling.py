@@ -10,10 +10,10 @@ import pytest
 
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.core import KVCacheManager
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.request import Request
-from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
 
 BLOCK = 4
 

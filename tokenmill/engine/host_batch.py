@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.scheduling.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)

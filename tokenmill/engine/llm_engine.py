@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
+from tokenmill.engine.core import KVCacheManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
-from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
@@ -34,10 +37,7 @@ from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
-from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
-from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

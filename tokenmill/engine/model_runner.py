@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.device_copy import upload
 from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.launched_step import LaunchedStep
@@ -30,7 +31,6 @@ from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
-from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
 __all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.kv_cache import hash_block_tokens
+from tokenmill.engine.core import hash_block_tokens
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore

@@ -93,4 +93,3 @@ class RowProcessor:
     def close(self) -> None:
         """Release the engine's memory (the KV cache) promptly."""
         self.engine = None  # type: ignore[assignment]
-

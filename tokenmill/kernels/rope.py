@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.engine.models.rope import apply_rope
+from tokenmill.kernels.rotate_half import apply_rope
 
 __all__ = ["rope_", "rope_ref"]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.kernels.rotate_half import apply_rope
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -97,11 +98,3 @@ class RopeStep:
             rope_(q, k, self.positions, self.cos, self.sin)
             return q, k
         return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, d] in HF's rotate-half layout: the halves (x1, x2) become
-    (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -32,14 +32,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.engine.kv_cache.block_hash import BlockHash, BlockHashChain
-from tokenmill.engine.kv_cache.block_pool import BlockPool, KVBlock
+from tokenmill.engine.core.block_hash import BlockHash, BlockHashChain
+from tokenmill.engine.core.block_pool import BlockPool, KVBlock
 
 __all__ = ["KVCacheManager", "KVRequest", "PrefixCacheStats"]
 
 
 class KVRequest(Protocol):
-    """What the manager reads from a request (``tokenmill.engine.request.Request`` fits)."""
+    """What the manager reads from a request (``tokenmill.engine.core.request.Request`` fits)."""
 
     @property
     def request_id(self) -> str: ...

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.core import KVCacheManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.scheduling.scheduler import Scheduler, SchedulerConfig
-from tokenmill.scheduling.scheduler_output import SchedulerOutput
 
 VOCAB = 50
 

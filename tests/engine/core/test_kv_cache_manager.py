@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenmill.engine.kv_cache import KVCacheManager, block_hash
-from tokenmill.engine.request import Request
+from tokenmill.engine.core import KVCacheManager, block_hash
+from tokenmill.engine.core.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engine.kv_cache import BlockHash, BlockHashChain, BlockPool, KVBlock
+from tokenmill.engine.core import BlockHash, BlockHashChain, BlockPool, KVBlock
 
 
 def _chain(tokens: list[int], block_size: int = 2) -> list[BlockHash]:

@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_cache.block_hash import BlockHash
+from tokenmill.engine.core.block_hash import BlockHash
 
 __all__ = ["BlockPool", "KVBlock"]
 

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.scheduling.scheduler_output import (
+from tokenmill.engine.core import KVCacheManager
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.core.request import Request
 
 
 @dataclass(frozen=True)

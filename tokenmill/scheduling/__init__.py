@@ -1,1 +1,0 @@
-"""Step scheduling (continuous batching); later the dataset planner and replica dispatch."""
