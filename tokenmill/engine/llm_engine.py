@@ -104,8 +104,7 @@ class LLMEngine:
             config.block_size,
             seed=config.seed,
         )
-        if hasattr(backend, "set_max_model_len"):
-            backend.set_max_model_len(self.max_model_len)
+        backend.set_max_model_len(self.max_model_len)
         self.runner.profiler.enabled = config.profile_steps
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)

@@ -100,7 +100,7 @@ class ModelRunner:
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture decode-step graphs (CUDA + Triton backend only; a no-op elsewhere)."""
-        if self.device.type != "cuda" or self.backend.name != "triton":
+        if self.device.type != "cuda" or not self.backend.cuda_graphs:
             return
         from tokenmill.engine.cuda_graphs import DecodeGraphRunner
 

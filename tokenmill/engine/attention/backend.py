@@ -1,51 +1,44 @@
-"""The attention backend interface and its registry.
+"""The attention backend registry: a backend by name, and the default for a device.
 
-A backend turns the step's CommonAttentionMetadata into whatever it needs (``build``, once
-per step) and then, per layer, stores the new K/V into the paged cache and attends
-(``forward``). The KV cache of one layer is one tensor:
-
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (K at [0], V at [1])
+The interface every backend implements is ``interface.AttentionBackend`` (re-exported here).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
 
 import torch
 
-from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.attention.interface import AttentionBackend
+
+__all__ = ["AttentionBackend", "default_backend_name", "get_attention_backend"]
 
 
-class AttentionBackend(Protocol):
-    name: str
+def _torch_backend(num_kv_heads: int) -> AttentionBackend:
+    from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
 
-    def build(self, common: CommonAttentionMetadata) -> Any:
-        """Per-step metadata for ``forward``; called once per step, outside the layers."""
-        ...
+    return TorchAttentionBackend()
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, d]
-        k: torch.Tensor,  # [T, Hkv, d]
-        v: torch.Tensor,  # [T, Hkv, d]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, d]
-        meta: Any,
-        scale: float,
-    ) -> torch.Tensor:  # [T, Hq, d]
-        ...
+
+def _triton_backend(num_kv_heads: int) -> AttentionBackend:
+    from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(num_kv_heads)
+
+
+# name -> factory(num_kv_heads); imported lazily so the CPU path never needs Triton.
+_BACKENDS: dict[str, Callable[[int], AttentionBackend]] = {
+    "torch": _torch_backend,
+    "triton": _triton_backend,
+}
 
 
 def get_attention_backend(name: str, num_kv_heads: int) -> AttentionBackend:
     """Backend by name for a model with ``num_kv_heads``; ValueError lists the known ones."""
-    if name == "torch":
-        from tokenmill.engine.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(num_kv_heads)
-    raise ValueError(f"unknown attention backend {name!r}; available: torch, triton")
+    factory = _BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}")
+    return factory(num_kv_heads)
 
 
 def default_backend_name(device: torch.device) -> str:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.engine.attention.interface import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 
 
@@ -60,7 +61,7 @@ class TorchAttentionMetadata:
     fresh_groups: tuple[FreshPrefillGroup, ...] = ()
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:

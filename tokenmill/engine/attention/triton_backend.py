@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.attention.interface import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 
 
@@ -35,8 +36,10 @@ class TritonAttentionMetadata:
         return self.num_decodes == self.common.num_reqs
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    fused_layers = True
+    cuda_graphs = True
 
     def __init__(self, num_kv_heads: int) -> None:
         # Imported here so the CPU path never needs Triton.

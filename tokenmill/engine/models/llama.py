@@ -129,7 +129,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions, fused=backend.name == "triton")
+        self.model = LlamaModel(config, backend, max_positions, fused=backend.fused_layers)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
