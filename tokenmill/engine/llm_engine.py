@@ -235,15 +235,15 @@ class LLMEngine:
         self.runner.profiler.add_wait_ms(launched.wait_ms)
         sampled = out.as_dict()
         lp = out.sampler_output.logprobs if out.sampler_output is not None else None
+        live = self._live(sched, sampled) if lp is not None or self._num_watched else []
         if lp is not None:
-            self._record_logprobs(out, {r.request_id for r in self._live(sched, sampled)})
+            self._record_logprobs(out, {r.request_id for r in live})
         # Requests whose text decides their end: (request, detokenizer, outputs so far).
         watched = []
-        if self._num_watched:
-            for req in self._live(sched, sampled):
-                detokenizer = self._tracked[req.request_id].detokenizer
-                if detokenizer is not None:
-                    watched.append((req, detokenizer, req.num_output_tokens))
+        for req in live if self._num_watched else ():
+            detokenizer = self._tracked[req.request_id].detokenizer
+            if detokenizer is not None:
+                watched.append((req, detokenizer, req.num_output_tokens))
         finished = self.scheduler.update_from_output(sched, sampled)
         stopped_by_string: list[str] = []
         for req, detokenizer, before in watched:

@@ -238,18 +238,9 @@ class OutputStore:
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         if folder:
             _check_name(folder, f"output {self.url}: list({prefix!r})")
-        if self.is_local:
-            names = self._walk_local(os.path.join(self.root, *folder.split("/")))
-        else:
-            base = f"{self.root}/{folder}" if folder else self.root
-            self.fs.invalidate_cache(base)
-            try:
-                with _client_errors(self.url, "listing"):
-                    found = self.fs.find(base)
-            except FileNotFoundError:
-                found = []
-            cut = len(self.root) + 1
-            names = [p[cut:] for p in found if p.startswith(self.root + "/")]
+        if not self.is_local:
+            return sorted(self.sizes(prefix))
+        names = self._walk_local(os.path.join(self.root, *folder.split("/")))
         return sorted(n for n in names if n.startswith(prefix))
 
     def top_names(self) -> list[str]:

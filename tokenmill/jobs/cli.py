@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"stopped ({exc or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
         except FingerprintMismatchError as exc:  # needs a decision: --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
-        except OSError as exc:  # the storage: disk full, object store down after retries
-            return _fail(f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY)
         except Exception as exc:
-            if _from_a_store_client(exc):  # e.g. botocore's, raised while reading the input
+            # The storage (disk full, object store down after retries; a store client's own
+            # exception types, e.g. botocore's while reading the input) is temporary.
+            if isinstance(exc, OSError) or _from_a_store_client(exc):
                 return _fail(
                     f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY
                 )

@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.spec import JobSpecError
 
 OWNER_FILE = "_tokenmill_owner.json"
 REPORT_NAME = "report.json"
-_MANIFEST_SUFFIX = ".manifest.json"
+_MANIFEST_SUFFIX = Manifest.file_name("")
 _JOB_FOLDERS = ("shards/", "errors/")
 _SHOWN = 5  # foreign file names quoted in a refusal
 
@@ -55,13 +56,6 @@ def read_owner(store: OutputStore) -> Owner | None:
         ) from None
 
 
-def check_not_foreign(store: OutputStore, job: str) -> None:
-    """Raise OutputOwnedError when ``store`` belongs to a job other than ``job``."""
-    owner = read_owner(store)
-    if owner is not None and owner.job != job:
-        raise OutputOwnedError(_owned_by(store, owner.job, owner.created, job))
-
-
 def check_claimable(store: OutputStore, job: str) -> Owner | None:
     """The owner record of ``store`` after checking that ``job`` may write there (reads only).
 
@@ -75,7 +69,7 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
         return owner
     names = store.top_names() + store.list("shards/") + store.list("errors/")
     manifests = [n for n in names if "/" not in n and n.endswith(_MANIFEST_SUFFIX)]
-    others = [m[: -len(_MANIFEST_SUFFIX)] for m in manifests if m != f"{job}{_MANIFEST_SUFFIX}"]
+    others = [m[: -len(_MANIFEST_SUFFIX)] for m in manifests if m != Manifest.file_name(job)]
     if others:
         raise OutputOwnedError(_owned_by(store, others[0], "", job))
     if not manifests:  # not an output of an earlier run of this job: must be free of our names

@@ -21,7 +21,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, check_not_foreign, claim_output
+from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, claim_output
 from tokenmill.jobs.preflight import check_up_front, input_config
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
@@ -83,7 +83,7 @@ def run_job(
     try:
         lock.acquire()
     except JobLockedError:
-        _reachable(store, lambda: check_not_foreign(store, spec.name))  # another job: exit 2
+        _reachable(store, lambda: check_claimable(store, spec.name))  # not ours: exit 2
         raise
     try:
         return _run_locked(spec, store, fresh, cancel or threading.Event(), show_progress)

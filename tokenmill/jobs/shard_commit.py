@@ -7,16 +7,12 @@ only files this job wrote: names of its own shard pattern, its report and its ma
 
 from __future__ import annotations
 
-import re
-
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.shard_encoding import encode_shard
 from tokenmill.io.storage import OutputStore
-from tokenmill.io.writers import shard_names
+from tokenmill.io.writers import shard_index, shard_names
 from tokenmill.jobs.manifest import Manifest, ShardRecord
 from tokenmill.jobs.ownership import REPORT_NAME
-
-_OWN_SHARD = re.compile(r"^(shards/part-\d{5,}\.(jsonl|parquet)|errors/part-\d{5,}\.jsonl)$")
 
 
 def commit_shard(
@@ -46,7 +42,16 @@ def commit_shard(
 def discard_progress(store: OutputStore, manifest: Manifest) -> None:
     """--fresh: remove the job's shards (committed or not), report and manifest; nothing else."""
     for name in store.list("shards/") + store.list("errors/"):
-        if _OWN_SHARD.match(name):
+        if _is_shard_file(name):
             store.delete(name)
     store.delete(REPORT_NAME)
     store.delete(Manifest.file_name(manifest.job))
+
+
+def _is_shard_file(name: str) -> bool:
+    """Whether ``name`` is exactly a name ``shard_names`` gives, in any output format."""
+    try:
+        index = shard_index(name)
+    except ValueError:
+        return False
+    return name in shard_names(index, "parquet") + shard_names(index, "jsonl")

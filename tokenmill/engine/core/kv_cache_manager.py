@@ -178,19 +178,14 @@ class KVCacheManager:
         state = self._states.get(request.request_id)
         if state is None:
             raise ValueError(f"request {request.request_id!r} has no KV blocks to cache")
-        if (
-            state.caching_stopped
-            or num_computed_tokens // self.block_size <= state.num_cached_blocks
-        ):
+        num_full = num_computed_tokens // self.block_size
+        if state.caching_stopped or num_full <= state.num_cached_blocks:
             return  # no newly full block: most decode steps
         if num_computed_tokens > min(request.num_tokens, len(state.block_ids) * self.block_size):
             raise ValueError(
                 f"request {request.request_id!r}: num_computed_tokens={num_computed_tokens} is "
                 f"past its {request.num_tokens} tokens or {len(state.block_ids)} blocks"
             )
-        num_full = num_computed_tokens // self.block_size
-        if state.caching_stopped or num_full <= state.num_cached_blocks:
-            return
         state.chain.extend(request.all_token_ids, num_full)
         parent, parent_hash = state.parent, state.parent_hash
         for j in range(state.num_cached_blocks, num_full):
