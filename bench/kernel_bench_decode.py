@@ -41,7 +41,7 @@ from tokenmill.kernels.paged_decode_attention import (  # noqa: E402
     paged_decode_attention_ref,
 )
 
-CEILING_TBPS = 4.25  # H200 device-to-device copy, measured (shared/GPU.md)
+CEILING_TBPS = 4.25  # H200 device-to-device copy, measured (see BENCHMARKS.md)
 MAX_KV_BYTES = 60e9
 HQ, HKV, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 BATCHES = (64, 256)

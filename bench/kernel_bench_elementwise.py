@@ -3,7 +3,7 @@
 Each case checks the kernel against its torch reference first, then times both with
 ``bench.gpu_timing.time_ms`` (median; L2 flushed clean before each call) and reports the
 bytes the op must move (reads + writes) over the kernel's time, against the device-to-device
-copy ceiling of the H200 (4.25 TB/s, /work/shared/GPU.md) and against a copy of the same
+copy ceiling of the H200 (4.25 TB/s, measured: BENCHMARKS.md) and against a copy of the same
 bytes timed in the same run (``%copy``: at T=4096 the ops move 80-350 MB, where a copy's
 own launch and tail cost shows). Shapes are Llama-3-8B's, bf16:
 

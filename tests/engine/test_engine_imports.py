@@ -1,5 +1,5 @@
 """The engine, kernels and benchmarks import with torch, triton, transformers and safetensors
-alone: the lent GPU machine has no gguf, pydantic, ray, pyarrow or fsspec (../shared/GPU.md)."""
+alone: the GPU machines benchmarks run on may lack gguf, pydantic, ray, pyarrow and fsspec."""
 
 from __future__ import annotations
 
