@@ -109,15 +109,15 @@ def roofline_seconds(cfg: dict, records) -> float:
     return seconds
 
 
-def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, prefix_caching=True, max_num_seqs=256):
+def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, **engine_settings):
+    """``engine_settings``: EngineConfig fields over its defaults (max_num_seqs, ...)."""
     llm = LLM(
         str(path),
         load_format="random",
         dtype="bfloat16",
         device="cuda",
-        max_num_seqs=max_num_seqs,
-        enable_prefix_caching=prefix_caching,
         profile_steps=True,
+        **engine_settings,
     )
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in out_lens]
     # Warm-up on prompts shaped like the workload's (compiles every kernel specialization it
@@ -241,8 +241,12 @@ def main() -> None:
                 prompts = [system + q for q in random_prompts(rng, [50] * 512, 100000)]
                 path = model_dir(cfg, root, name)
                 res = {
-                    "on": run_tokenmill(cfg, path, prompts, [100] * 512, prefix_caching=True),
-                    "off": run_tokenmill(cfg, path, prompts, [100] * 512, prefix_caching=False),
+                    "on": run_tokenmill(
+                        cfg, path, prompts, [100] * 512, enable_prefix_caching=True
+                    ),
+                    "off": run_tokenmill(
+                        cfg, path, prompts, [100] * 512, enable_prefix_caching=False
+                    ),
                 }
                 res["speedup"] = round(res["on"]["tok_per_s"] / res["off"]["tok_per_s"], 2)
             results[name] = res

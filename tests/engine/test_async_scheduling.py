@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine.core.test_scheduler import apply_sampled
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core import KVCacheManager
@@ -150,9 +151,9 @@ def test_scheduler_runs_ahead_by_one_token_and_stops_at_max_tokens() -> None:
     assert req.num_pending_tokens == 2
     # Output 2 will be the last (max_tokens=2): nothing more is scheduled for it.
     assert sched.schedule().is_empty
-    assert sched.update_from_output(first, {"a": [11]}) == []
+    assert apply_sampled(sched, first, {"a": [11]}) == []
     assert req.num_pending_tokens == 1 and req.output_token_ids == [11]
-    assert sched.update_from_output(second, {"a": [12]}) == [req]
+    assert apply_sampled(sched, second, {"a": [12]}) == [req]
     assert req.status.value == "length" and req.output_token_ids == [11, 12]
     assert kv.num_free_blocks == 64
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.prompts import chat_prompts
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0)
 SYSTEM = (
@@ -136,3 +136,18 @@ def test_text_decoded_at_finish_matches_the_tokenizer_and_stop_strings(
     assert stopped.finish_reason == "stop" and stopped.stop_reason == cut
     assert outs[0].text.startswith(stopped.text) and cut not in stopped.text
     assert [o.text for o in rest] == [tok.decode(o.token_ids) for o in rest]
+
+
+def test_unknown_engine_setting_is_named_with_the_valid_ones() -> None:
+    with pytest.raises(TypeError) as info:  # before any model is loaded
+        LLM("smollm2-135m-instruct", max_num_seq=4)
+    message = str(info.value)
+    assert "unknown engine setting(s) max_num_seq (did you mean max_num_seqs?)" in message
+    assert ", ".join(EngineConfig.setting_names()) in message
+    with pytest.raises(TypeError, match="prefix_caching"):  # the job.yaml alias is job.yaml's
+        LLM("smollm2-135m-instruct", prefix_caching=False)
+
+
+def test_out_of_range_engine_setting_is_named() -> None:
+    with pytest.raises(ValueError, match=r"^block_size: expected a power of two .*got 24$"):
+        LLM("smollm2-135m-instruct", block_size=24)

@@ -70,6 +70,21 @@ def test_changed_fingerprint_refuses_to_resume_unless_fresh(
     assert len(ok) == 6 and all(r["completion_tokens"] <= 5 for r in ok)
 
 
+def test_job_under_the_old_prefix_caching_key_resumes_under_the_new_one(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A job.yaml from before the rename still runs, and its output resumes after the key is
+    renamed: the fingerprint does not depend on the spelling."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    out = tmp_path / "out"
+    old_spec = job_dict(tiny_model, src, out, engine={"prefix_caching": False})
+    old = run_job(old_spec, show_progress=False)
+    assert old.status == "complete" and old.prefix_cache_hit_rate == 0.0
+    new = job_dict(tiny_model, src, out, engine={"enable_prefix_caching": False})
+    again = run_job(new, show_progress=False)
+    assert again.status == "complete" and again.rows_this_run == 0 and again.rows_ok == 6
+
+
 def test_parquet_in_and_out(tiny_model: Path, tmp_path: Path) -> None:
     rows = chat_rows(7)
     src = tmp_path / "in.parquet"

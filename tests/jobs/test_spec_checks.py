@@ -64,14 +64,16 @@ WRONG_TYPES = [
     ("sampling", "ignore_eos", "yes", "expected true or false, got the string 'yes'"),
     ("output", "rows_per_shard", True, "expected an integer, got true"),
     ("output", "rows_per_shard", "5", "expected an integer, got the string '5'"),
-    ("engine", "max_num_seqs", True, "expected an integer, got true"),
-    ("engine", "max_num_batched_tokens", 8192.0, "expected an integer, got 8192.0"),
-    ("engine", "block_size", "16", "expected an integer, got the string '16'"),
-    ("engine", "max_model_len", True, "expected an integer >= 2 or auto, got true"),
+    ("engine", "max_num_seqs", True, "expected a positive integer, got true"),
+    ("engine", "max_num_batched_tokens", 8192.0, "expected a positive integer, got 8192.0"),
+    ("engine", "block_size", "16", "expected a power of two (1, 2, 4, 8, 16, ...), got the s"),
+    ("engine", "max_model_len", True, "expected an integer >= 2"),
+    ("engine", "max_model_len", True, "got true"),
     ("engine", "max_model_len", "512", "got the string '512'"),
-    ("engine", "prefix_caching", 0, "expected true or false, got 0"),
+    ("engine", "enable_prefix_caching", 0, "expected true or false, got 0"),
     ("engine", "cuda_graphs", "no", "expected true or false, got the string 'no'"),
-    ("engine", "async_scheduling", 1, "expected true or false, got 1"),
+    ("engine", "async_scheduling", 1, "expected true or false, or unset (on with CUDA"),
+    ("engine", "async_scheduling", 1, "only), got 1"),
     ("engine", "kv_cache_memory", True, "got true"),
     ("engine", "kv_cache_memory", "0.5", "got the string '0.5'"),
     ("engine", "kv_cache_memory", 1.5, "a number in (0, 1]"),
@@ -103,14 +105,14 @@ def test_yaml_spellings_still_load(tmp_path: Path) -> None:
         BASE_YAML
         + "input: {path: in.jsonl, passthrough_columns: [topic, lang]}\n"
         + "sampling: {temperature: 1, top_p: 1, stop: [a, b], ignore_eos: yes, seed: null}\n"
-        + "engine: {prefix_caching: no, cuda_graphs: false, async_scheduling: true,\n"
+        + "engine: {enable_prefix_caching: no, cuda_graphs: false, async_scheduling: true,\n"
         + "         kv_cache_memory: 0.5, max_model_len: 512, device: 'cuda:1'}\n",
     )
     spec = JobSpec.load(path)
     assert spec.input.passthrough_columns == ("topic", "lang")
     assert spec.sampling.temperature == 1.0 and isinstance(spec.sampling.temperature, float)
     assert spec.sampling.stop == ("a", "b") and spec.sampling.ignore_eos is True
-    assert spec.engine.prefix_caching is False and spec.engine.async_scheduling is True
+    assert spec.engine.enable_prefix_caching is False and spec.engine.async_scheduling is True
     assert spec.engine.kv_cache_memory == 0.5 and spec.engine.max_model_len == 512
     assert JobSpec.from_dict(spec.to_dict()) == spec  # what the Ray replicas rebuild
     assert JobSpec.from_dict(_raw(sampling={"stop": "</s>"})).sampling.stop == ("</s>",)
@@ -153,7 +155,7 @@ def test_known_devices_are_accepted(device: str) -> None:
 def test_unknown_devices_are_refused(device: str) -> None:
     message = _error(_raw(engine={"device": device}))
     line = message.splitlines()[1]
-    assert line.startswith("  engine.device: must be one of auto, cpu, cuda, cuda:<n>"), message
+    assert line.startswith("  engine.device: expected one of auto, cpu, cuda, cuda:<n>"), message
     assert repr(device) in line
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
@@ -87,8 +88,8 @@ class DecodeGraphRunner:
             seq_lens=s.seq_lens[:bs],
             block_tables=s.block_tables[:bs],
             slot_mapping=s.slot_mapping[:bs],
-            query_lens_host=(1,) * bs,
-            seq_lens_host=(self.max_model_len,) * bs,  # sizes split-K for the longest
+            query_lens_host=np.ones(bs, dtype=np.int64),
+            seq_lens_host=np.full(bs, self.max_model_len),  # sizes split-K for the longest
             block_size=self.block_size,
         )
         return self.backend.build(common)

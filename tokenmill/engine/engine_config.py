@@ -1,84 +1,197 @@
-"""EngineConfig: how one engine replica runs, validated when built."""
+"""EngineConfig: how one engine replica runs; the one place engine settings are declared.
+
+Each field carries its default and its rule (``metadata["rule"]``, a :class:`Rule`);
+``__post_init__`` checks every field against its rule. ``LLM(model, **settings)`` takes these
+fields as keywords (``EngineConfig.from_settings``) and the job spec's ``engine`` section is
+built from them (``tokenmill/jobs/engine_section.py``), so a setting, its default and what it
+accepts are written here and nowhere else.
+
+Importing this module does not import torch: the job spec validates against it on machines
+and in commands that never run a model.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass
-
-import torch
+import re
+import reprlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.model_config import ModelConfig
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EngineConfig", "EngineSettingError", "Rule"]
+
+_DTYPES = {  # accepted name -> torch dtype name
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
+_DEVICE = re.compile(r"auto|cpu|cuda|cuda:(0|[1-9][0-9]{0,2})")  # torch keeps n in an int8
 DEFAULT_CPU_KV_BYTES = 2 << 30
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+def _shown(value: Any) -> str:
+    """A bounded repr: a bad value may be a 10 MB string or a 5,000-digit integer."""
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"an integer of {value.bit_length()} bits"
+
+
+class EngineSettingError(ValueError):
+    """A setting's value breaks its rule: ``key``, the ``value`` given and what was
+    ``expected`` (the job spec shows the value as YAML spells it)."""
+
+    def __init__(self, key: str, value: Any, expected: str) -> None:
+        super().__init__(key, value, expected)
+        self.key, self.value, self.expected = key, value, expected
+
+    def __str__(self) -> str:
+        return f"{self.key}: expected {self.expected}, got {_shown(self.value)}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a setting accepts. ``expected`` completes "expected ..., got <value>"."""
+
+    expected: str
+    accepts: Callable[[Any], bool]
+
+    def check(self, key: str, value: Any) -> Any:
+        """``value`` if the rule accepts it; raises EngineSettingError naming ``key``."""
+        if not self.accepts(value):
+            raise EngineSettingError(key, value, self.expected)
+        return value
+
+
+def _rule(expected: str, accepts: Callable[[Any], bool]) -> Mapping[str, Rule]:
+    return MappingProxyType({"rule": Rule(expected, accepts)})
+
+
+def _one_of(*choices: str) -> Mapping[str, Rule]:
+    return _rule(f"one of {', '.join(choices)}", lambda v: isinstance(v, str) and v in choices)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is no batch size
+
+
+def _is_device(value: Any) -> bool:
+    if not isinstance(value, str) or _DEVICE.fullmatch(value) is None:
+        return False
+    return not value.startswith("cuda:") or int(value[5:]) <= 127
+
+
+def _is_kv_memory(value: Any) -> bool:
+    if value is None or (_is_int(value) and value > 0):
+        return True
+    return isinstance(value, float) and 0 < value <= 1  # nan and inf fail both
+
+
+MODEL = _rule(
+    "a model alias, HF directory or .gguf file (a non-empty string)",
+    lambda v: isinstance(v, str) and v.strip() != "" and "\0" not in v,
+)
+DTYPE = _rule(
+    f"auto or one of {', '.join(sorted(_DTYPES))}",
+    lambda v: isinstance(v, str) and (v == "auto" or v in _DTYPES),
+)
+DEVICE = _rule("one of auto, cpu, cuda, cuda:<n> (n a GPU index: 0, 1, ...)", _is_device)
+POSITIVE_INT = _rule("a positive integer", lambda v: _is_int(v) and v >= 1)
+MODEL_LEN = _rule(
+    "an integer >= 2, or unset for the model's own context length",
+    lambda v: v is None or (_is_int(v) and v >= 2),
+)
+POWER_OF_TWO = _rule(
+    "a power of two (1, 2, 4, 8, 16, ...)", lambda v: _is_int(v) and v >= 1 and v & (v - 1) == 0
+)
+KV_MEMORY = _rule(
+    "bytes (a positive integer) or a fraction of the device's memory (a number in (0, 1])",
+    _is_kv_memory,
+)
+BOOL = _rule("true or false", lambda v: isinstance(v, bool))
+BOOL_OR_UNSET = _rule(
+    "true or false, or unset (on with CUDA only)", lambda v: v is None or isinstance(v, bool)
+)
+INT = _rule("an integer", _is_int)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. Raises ValueError naming the key when a value is out of range.
+    """Engine settings. Raises EngineSettingError (a ValueError) naming the key when a value
+    breaks its rule.
 
     ``kv_cache_memory``: bytes (int) or a fraction of the device's memory (float in (0, 1]);
     None means 2 GiB on CPU and 90% of the GPU's memory (less weights and activations).
     ``max_num_batched_tokens`` is the per-step token budget; prompts longer than it are
-    prefilled in chunks. ``cuda_graphs`` captures decode steps (CUDA with the Triton backend).
+    prefilled in chunks. ``max_model_len`` None: the model's own context length.
+    ``enable_prefix_caching`` reuses the KV blocks of prompt prefixes seen before.
+    ``cuda_graphs`` captures decode steps (CUDA with the Triton backend).
     ``load_format="random"`` builds the model from ``config.json`` alone with random weights
     and no tokenizer (prompts must be token ids): for throughput benchmarks of real shapes.
     ``profile_steps`` records per-step CPU and GPU time (``LLMEngine.step_profile()``).
     ``async_scheduling`` schedules step n+1 while the device runs step n (None: on CUDA only,
     where it hides the host's work; on CPU the host is the device, so nothing overlaps).
+    ``seed`` seeds the sampling of requests without a seed of their own (and random weights).
     """
 
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | float | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    cuda_graphs: bool = True
-    load_format: str = "auto"  # "random": config.json only, N(0, 0.02) weights (benchmarks)
-    profile_steps: bool = False
-    async_scheduling: bool | None = None
-    seed: int = 0
+    model: str = field(metadata=MODEL)
+    dtype: str = field(default="auto", metadata=DTYPE)
+    device: str = field(default="auto", metadata=DEVICE)
+    max_num_seqs: int = field(default=256, metadata=POSITIVE_INT)
+    max_num_batched_tokens: int = field(default=8192, metadata=POSITIVE_INT)
+    max_model_len: int | None = field(default=None, metadata=MODEL_LEN)
+    block_size: int = field(default=16, metadata=POWER_OF_TWO)
+    kv_cache_memory: int | float | None = field(default=None, metadata=KV_MEMORY)
+    enable_prefix_caching: bool = field(default=True, metadata=BOOL)
+    attention_backend: str = field(default="auto", metadata=_one_of("auto", "torch", "triton"))
+    cuda_graphs: bool = field(default=True, metadata=BOOL)
+    load_format: str = field(default="auto", metadata=_one_of("auto", "random"))
+    profile_steps: bool = field(default=False, metadata=BOOL)
+    async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
+    seed: int = field(default=0, metadata=INT)
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+        for f in fields(self):
+            f.metadata["rule"].check(f.name, getattr(self, f.name))
+
+    @classmethod
+    def setting_names(cls) -> tuple[str, ...]:
+        """The keyword settings ``from_settings`` (and ``LLM``) take: every field but model."""
+        return tuple(f.name for f in fields(cls) if f.name != "model")
+
+    @classmethod
+    def from_settings(cls, model: str, **settings: Any) -> EngineConfig:
+        """``EngineConfig(model, **settings)``, with an unknown key named and the valid ones
+        listed. Raises TypeError for an unknown key, EngineSettingError for a bad value."""
+        names = cls.setting_names()
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise TypeError(
+                f"unknown engine setting(s) {', '.join(unknown)}{hint}; the settings are "
+                f"{', '.join(names)} (see tokenmill.EngineConfig)"
             )
-        if self.load_format not in ("auto", "random"):
-            raise ValueError(f"load_format must be auto or random, got {self.load_format!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        mem = self.kv_cache_memory
-        if mem is not None:
-            if isinstance(mem, bool) or not isinstance(mem, (int, float)):
-                raise ValueError(f"kv_cache_memory must be bytes or a fraction, got {mem!r}")
-            if isinstance(mem, float) and not 0 < mem <= 1:
-                raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {mem}")
-            if isinstance(mem, int) and mem <= 0:
-                raise ValueError(f"kv_cache_memory in bytes must be positive, got {mem}")
+        return cls(model=model, **settings)
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -92,12 +205,14 @@ class EngineConfig:
         return self.async_scheduling
 
     def resolve_dtype(self, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device.type == "cpu":
             return torch.float32
-        stored = _DTYPES.get(model_config.torch_dtype.replace("torch.", ""), torch.bfloat16)
-        return torch.bfloat16 if stored == torch.float32 else stored
+        stored = _DTYPES.get(model_config.torch_dtype.replace("torch.", ""), "bfloat16")
+        return torch.bfloat16 if stored == "float32" else getattr(torch, stored)
 
     def kv_cache_budget(self, device: torch.device, reserve_bytes: int = 0) -> int:
         """Bytes for the KV cache on ``device``, after ``reserve_bytes`` for activations."""
@@ -105,6 +220,8 @@ class EngineConfig:
         if isinstance(mem, int):
             return mem
         if device.type == "cuda":
+            import torch
+
             free, total = torch.cuda.mem_get_info(device)
             fraction = DEFAULT_GPU_MEMORY_FRACTION if mem is None else mem
             return int(fraction * total) - (total - free) - reserve_bytes

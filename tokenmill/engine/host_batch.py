@@ -3,13 +3,21 @@
     input_ids, positions, slot_mapping:  [T]        (T = tokens scheduled this step)
     query_lens, seq_lens:                [B]
     block_tables:                        [B, max_blocks]   padded with 0
-    logits_rows:                         [S]        last token of each request that samples
-    rows are the scheduled requests with the one-token ones (decodes) moved first
+    logits_rows:                         [S]        last token of each row that samples
+    sample_rows, sample_slots:           [S]        that row's index in the SchedulerOutput,
+                                                    and its batch slot
     pending_rows, pending_src:           [P]        async scheduling: input_ids[pending_rows[i]]
                                                     is the previous step's sampled token
                                                     number pending_src[i] (0 until filled in)
+    pending_sampling_rows:               [P]        index in the S sampling rows of each
 
-slot of position p in row b = block_tables[b, p // block_size] * block_size + p % block_size
+Rows are the scheduled rows with the one-token ones (decodes) moved first. Built with numpy
+over all rows at once: token ids come from the batch slots' token table.
+
+    row b, its q tokens at positions starts[b] .. starts[b] + q - 1:
+        input_ids  = token_ids[slot_b, position]        (known on the host)
+                     or 0, filled on the device          (the pending last token)
+        slot of position p = block_tables[b, p // block_size] * block_size + p % block_size
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenmill.engine.core.scheduler_output import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -30,10 +38,11 @@ class HostBatch:
     seq_lens: np.ndarray
     block_tables: np.ndarray
     logits_rows: np.ndarray
-    sampling: tuple[ScheduledRequest, ...]
+    sample_rows: np.ndarray
+    sample_slots: np.ndarray
     pending_rows: np.ndarray
     pending_src: np.ndarray
-    pending_sampling_rows: tuple[int, ...]  # index in ``sampling`` of each pending row
+    pending_sampling_rows: np.ndarray
 
     @property
     def num_reqs(self) -> int:
@@ -47,79 +56,74 @@ class HostBatch:
     def decode_only(self) -> bool:
         return self.num_tokens == self.num_reqs
 
-    @property
-    def sampled_positions(self) -> dict[str, int]:
-        """Request id -> its row in this step's sampled tokens (what the next step's
-        ``prev_rows`` is)."""
-        return {s.request_id: i for i, s in enumerate(self.sampling)}
-
     @classmethod
     def build(
-        cls, sched: SchedulerOutput, block_size: int, prev_rows: dict[str, int] | None = None
+        cls, sched: SchedulerOutput, block_size: int, prev_row_of_slot: np.ndarray | None = None
     ) -> HostBatch:
-        """Flatten ``sched``. ``prev_rows`` (the previous step's ``sampled_positions``) is
-        where each pending input token will come from; raises RuntimeError when a request has
-        a pending token the previous step did not sample."""
-        # One-token rows first (stable): attention backends run them with the decode kernel.
-        rows = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        n = len(rows)
-        query_lens = np.fromiter((s.num_new_tokens for s in rows), dtype=np.int32, count=n)
-        seq_lens = np.fromiter((s.end for s in rows), dtype=np.int32, count=n)
-        total = int(query_lens.sum())
-        input_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        width = max((len(s.block_ids) for s in rows), default=1)
-        block_tables = np.zeros((n, max(width, 1)), dtype=np.int32)
-        logits_rows: list[int] = []
-        sampling: list[ScheduledRequest] = []
-        pending_rows: list[int] = []
-        pending_src: list[int] = []
-        pending_sampling: list[int] = []
-        offset = 0
-        for i, s in enumerate(rows):
-            end = offset + s.num_new_tokens
-            known = s.request.num_tokens
-            if s.end > known:  # the last input is the token the previous step sampled
-                src = (prev_rows or {}).get(s.request_id)
-                if src is None or s.end != known + 1:
-                    raise RuntimeError(
-                        f"request {s.request_id}: its pending input token was not sampled by "
-                        "the previous step"
-                    )
-                pending_rows.append(end - 1)
-                pending_src.append(src)
-                pending_sampling.append(len(sampling))  # such a row always samples
-                input_ids[end - 1] = 0
-            if s.num_new_tokens == 1:
-                if s.start < known:
-                    input_ids[offset] = s.request.all_token_ids[s.start]
-                positions[offset] = s.start
-            else:
-                stop = min(s.end, known)
-                input_ids[offset : offset + stop - s.start] = s.request.all_token_ids[
-                    s.start : stop
-                ]
-                positions[offset:end] = np.arange(s.start, s.end)
-            block_tables[i, : len(s.block_ids)] = s.block_ids
-            if s.sample:
-                logits_rows.append(end - 1)
-                sampling.append(s)
-            offset = end
-        row_of_token = np.repeat(np.arange(n), query_lens)
-        slots = (
+        """Flatten ``sched``. ``prev_row_of_slot`` ([C], -1 where none) is each slot's row in
+        the previous step's sampled tokens, where a pending input token comes from; raises
+        RuntimeError when a row has a pending token the previous step did not sample."""
+        table = sched.table
+        order = np.argsort(sched.num_new != 1, kind="stable")  # decode rows first
+        slots = sched.slots[order]
+        starts = sched.starts[order]
+        query_lens = sched.num_new[order]
+        n = len(order)
+        seq_lens = starts + query_lens
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        total = int(qsl[-1])
+        if total == n:  # decode-only: one token per row
+            row_of_token = np.arange(n)
+            positions = starts.copy()
+        else:
+            row_of_token = np.repeat(np.arange(n), query_lens)
+            positions = starts[row_of_token] + np.arange(total) - qsl[row_of_token]
+        known = table.num_tokens[slots].astype(np.int64)
+        pend = np.flatnonzero(seq_lens > known)  # the last input is a pending token
+        input_ids = np.zeros(total, dtype=np.int64)
+        if len(pend):
+            is_known = positions < known[row_of_token]
+            input_ids[is_known] = table.token_ids[
+                slots[row_of_token[is_known]], positions[is_known]
+            ]
+        else:
+            input_ids[:] = table.token_ids[slots[row_of_token], positions]
+        width = max(int(table.num_blocks[slots].max(initial=1)), 1)
+        block_tables = table.block_table[slots, :width]
+        block_tables[np.arange(width) >= table.num_blocks[slots][:, None]] = 0
+        slot_mapping = (
             block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size
             + positions % block_size
         )
+        sample = sched.sample[order]
+        sampling_index = np.cumsum(sample) - 1  # row -> its index among the sampling rows
+        pending_src = np.empty(0, dtype=np.int64)
+        if len(pend):
+            src = (
+                np.full(len(pend), -1)
+                if prev_row_of_slot is None
+                else prev_row_of_slot[slots[pend]]
+            )
+            bad = (src < 0) | (seq_lens[pend] != known[pend] + 1)
+            if bad.any():
+                req = sched.requests[order[pend[np.argmax(bad)]]]
+                raise RuntimeError(
+                    f"request {req.request_id}: its pending input token was not sampled by "
+                    "the previous step"
+                )
+            pending_src = src.astype(np.int64)
         return cls(
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=slots,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
+            slot_mapping=slot_mapping,
+            query_lens=query_lens.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
             block_tables=block_tables,
-            logits_rows=np.asarray(logits_rows, dtype=np.int64),
-            sampling=tuple(sampling),
-            pending_rows=np.asarray(pending_rows, dtype=np.int64),
-            pending_src=np.asarray(pending_src, dtype=np.int64),
-            pending_sampling_rows=tuple(pending_sampling),
+            logits_rows=qsl[1:][sample] - 1,
+            sample_rows=order[sample],
+            sample_slots=slots[sample],
+            pending_rows=qsl[pend + 1] - 1,
+            pending_src=pending_src,
+            pending_sampling_rows=sampling_index[pend],
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.engine.device_copy import download
@@ -22,7 +23,7 @@ from tokenmill.engine.sampler import LogprobsTensors, SamplerOutput
 
 @dataclass
 class LaunchedStep:
-    request_ids: tuple[str, ...]  # the rows that sample, in order
+    rows: np.ndarray  # [S] the SchedulerOutput rows that sample, in logits-row order
     tokens: torch.Tensor | None  # [S] int64 on the host (filled once ``ready`` completes)
     logprobs: LogprobsTensors | None  # host copies, same condition
     ready: torch.cuda.Event | None  # None on CPU: already complete
@@ -30,10 +31,10 @@ class LaunchedStep:
 
     @classmethod
     def empty(cls) -> LaunchedStep:
-        return cls((), None, None, None)
+        return cls(np.empty(0, dtype=np.int64), None, None, None)
 
     @classmethod
-    def start(cls, request_ids: tuple[str, ...], out: SamplerOutput) -> LaunchedStep:
+    def start(cls, rows: np.ndarray, out: SamplerOutput) -> LaunchedStep:
         """Begin copying ``out`` to the host behind the work already enqueued."""
         lp = out.logprobs
         host_lp = None
@@ -50,19 +51,19 @@ class LaunchedStep:
         if out.sampled_token_ids.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return cls(request_ids, tokens, host_lp, ready)
+        return cls(rows, tokens, host_lp, ready)
 
     def output(self) -> ModelOutput:
         """Wait for the copies and return the step's tokens (and logprobs) as host values."""
         if self.tokens is None:
-            return ModelOutput((), [], None)
+            return ModelOutput(self.rows, np.empty(0, dtype=np.int64), None)
         if self.ready is not None:
             t0 = time.perf_counter()
             self.ready.synchronize()
             self.wait_ms = (time.perf_counter() - t0) * 1e3
             self.ready = None
         return ModelOutput(
-            self.request_ids,
-            self.tokens.tolist(),
+            self.rows,
+            self.tokens.numpy(),
             SamplerOutput(sampled_token_ids=self.tokens, logprobs=self.logprobs),
         )

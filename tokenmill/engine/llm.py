@@ -22,46 +22,20 @@ Message = dict[str, Any]
 class LLM:
     """An engine replica with a batch-at-a-time API.
 
-    >>> llm = LLM("smollm2-135m-instruct")
+    >>> llm = LLM("smollm2-135m-instruct", max_num_seqs=64, enable_prefix_caching=False)
     >>> llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m-instruct",
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | float | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        cuda_graphs: bool = True,
-        load_format: str = "auto",
-        profile_steps: bool = False,
-        async_scheduling: bool | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            device=device,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend,
-            cuda_graphs=cuda_graphs,
-            load_format=load_format,
-            profile_steps=profile_steps,
-            async_scheduling=async_scheduling,
-            seed=seed,
-        )
+    def __init__(self, model: str = "smollm2-135m-instruct", **engine_settings: Any) -> None:
+        """Load ``model`` (an alias, an HF directory or a .gguf file) into one engine.
+
+        ``engine_settings`` are the fields of :class:`~tokenmill.EngineConfig` (dtype, device,
+        max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory,
+        enable_prefix_caching, ...), which declares each one, its default and what it
+        accepts. Raises TypeError for an unknown setting (naming it and listing the valid
+        ones) and EngineSettingError, a ValueError, for a value out of range.
+        """
+        self.config = EngineConfig.from_settings(str(model), **engine_settings)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._batches = 0

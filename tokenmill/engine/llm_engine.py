@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
@@ -47,6 +48,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer | None  # only for requests with stop strings
     logprobs: list[TokenLogprob] | None
+    num_detokenized: int = 0  # output tokens given to ``detokenizer`` so far
 
 
 class LLMEngine:
@@ -128,7 +130,7 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
-        self._num_watched = 0  # tracked requests with an IncrementalDetokenizer
+        self._watched: dict[str, _Tracked] = {}  # the tracked ones with a detokenizer
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
@@ -181,12 +183,13 @@ class LLMEngine:
         self._arrivals += 1
         self.scheduler.add_request(req)
         watch = self.tokenizer is not None and bool(params.stop)
-        self._tracked[request_id] = _Tracked(
+        tracked = self._tracked[request_id] = _Tracked(
             req,
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params) if watch else None,
             [] if params.logprobs is not None else None,
         )
-        self._num_watched += watch
+        if watch:
+            self._watched[request_id] = tracked
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -195,9 +198,8 @@ class LLMEngine:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
-            tracked = self._tracked.pop(rid, None)
-            if tracked is not None and tracked.detokenizer is not None:
-                self._num_watched -= 1
+            self._tracked.pop(rid, None)
+            self._watched.pop(rid, None)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -233,58 +235,53 @@ class LLMEngine:
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
-        sampled = out.as_dict()
-        lp = out.sampler_output.logprobs if out.sampler_output is not None else None
-        live = self._live(sched, sampled) if lp is not None or self._num_watched else []
-        if lp is not None:
-            self._record_logprobs(out, {r.request_id for r in live})
-        # Requests whose text decides their end: (request, detokenizer, outputs so far).
-        watched = []
-        for req in live if self._num_watched else ():
-            detokenizer = self._tracked[req.request_id].detokenizer
-            if detokenizer is not None:
-                watched.append((req, detokenizer, req.num_output_tokens))
-        finished = self.scheduler.update_from_output(sched, sampled)
-        stopped_by_string: list[str] = []
-        for req, detokenizer, before in watched:
-            match = detokenizer.append(req.output_token_ids[before:])
-            if match is not None:
-                req.stop_reason = match
-                if req.finished:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    stopped_by_string.append(req.request_id)
-        if stopped_by_string:
-            self.scheduler.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
-            finished.extend(self._tracked[rid].request for rid in stopped_by_string)
+        update = self.scheduler.update_from_output(sched, out.rows, out.sampled_token_ids)
+        finished = update.finished
+        if out.sampler_output is not None and out.sampler_output.logprobs is not None:
+            self._record_logprobs(sched, out, update.applied)
+        if self._watched:
+            finished += self._check_stop_strings()
         results = self._finish(finished)
         return results, (time.perf_counter() - t0) * 1e3
 
-    def _live(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """The requests this step still serves: ones finished or aborted since it was launched
-        (async scheduling) drop their token; a reused request id is a different Request."""
-        return [
-            item.request
-            for item in sched.scheduled
-            if not item.request.finished
-            and item.request_id in sampled
-            and self._tracked[item.request_id].request is item.request
-        ]
+    def _check_stop_strings(self) -> list[Request]:
+        """Give the watched requests' new tokens to their detokenizers; finish the ones whose
+        text now holds a stop string and return them (ones already finished are relabelled)."""
+        stopped: list[str] = []
+        for rid, tracked in self._watched.items():
+            req, detokenizer = tracked.request, tracked.detokenizer
+            if detokenizer is None or req.num_output_tokens == tracked.num_detokenized:
+                continue
+            new = req.output_token_ids[tracked.num_detokenized :]
+            tracked.num_detokenized += len(new)
+            match = detokenizer.append(new)
+            if match is None:
+                continue
+            req.stop_reason = match
+            if req.finished:
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                stopped.append(rid)
+        if not stopped:
+            return []
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return [self._tracked[rid].request for rid in stopped]
 
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py."""
         return self.runner.profiler.summary()
 
-    def _record_logprobs(self, out: ModelOutput, request_ids: set[str]) -> None:
+    def _record_logprobs(
+        self, sched: SchedulerOutput, out: ModelOutput, applied: np.ndarray
+    ) -> None:
+        """Append each applied row's logprobs to its request, if it asked for them."""
         lp = out.sampler_output.logprobs if out.sampler_output is not None else None
         if lp is None:
             return
         rows = lp.to_lists()
-        for i, rid in enumerate(out.request_ids):
-            if rid not in request_ids:
-                continue
-            tracked = self._tracked[rid]
-            if tracked.logprobs is None:
+        for i in np.flatnonzero(applied).tolist():
+            tracked = self._tracked.get(sched.requests[out.rows[i]].request_id)
+            if tracked is None or tracked.logprobs is None:
                 continue
             n = tracked.request.sampling_params.logprobs or 0
             token_id, logprob, rank, top_ids, top_lps = rows[i]
@@ -303,7 +300,7 @@ class LLMEngine:
         for t in tracked:
             req, detok = t.request, t.detokenizer
             if detok is not None:
-                self._num_watched -= 1
+                self._watched.pop(req.request_id, None)
                 if detok.stop_string is None and detok.flush() is not None:
                     req.stop_reason = detok.stop_string
                     req.status = RequestStatus.FINISHED_STOPPED

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenmill.engine.sampler import SamplerOutput
 
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Sampled tokens of the requests that sampled this step, in batch order."""
+    """Sampled tokens of the rows that sampled this step, in logits-row order.
 
-    request_ids: tuple[str, ...]
-    sampled_token_ids: list[int]
+    ``rows[i]`` is the index in the step's ``SchedulerOutput`` of the row that sampled
+    ``sampled_token_ids[i]``.
+    """
+
+    rows: np.ndarray  # [S] int64
+    sampled_token_ids: np.ndarray  # [S] int64
     sampler_output: SamplerOutput | None  # host tensors (logprobs when asked for)
-
-    def as_dict(self) -> dict[str, list[int]]:
-        return {
-            rid: [tok] for rid, tok in zip(self.request_ids, self.sampled_token_ids, strict=True)
-        }

@@ -40,7 +40,7 @@ class _Sampled:
     """The last launch's sampled tokens, kept on the device for the next launch's inputs."""
 
     tokens: torch.Tensor  # [S] int64
-    rows: dict[str, int]  # request id -> index in ``tokens``
+    row_of_slot: np.ndarray  # [C] batch slot -> index in ``tokens``; -1: did not sample
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -118,11 +118,11 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Enqueue one step (forward, sampling, the copy of its tokens to the host)."""
-        if not sched.scheduled:
+        if sched.is_empty:
             return LaunchedStep.empty()
         t0 = time.perf_counter()
         last = self._last
-        batch = HostBatch.build(sched, self.block_size, None if last is None else last.rows)
+        batch = HostBatch.build(sched, self.block_size, None if last is None else last.row_of_slot)
         pending = None  # [P] the pending input tokens, on the device
         if len(batch.pending_rows) and last is not None:  # (build raised if last is None)
             pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
@@ -139,17 +139,22 @@ class ModelRunner:
                 input_ids.index_copy_(0, rows, pending)
             attn_meta = self.backend.build(common)
             hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
-            if not batch.sampling:
+            if not len(batch.sample_rows):
                 self._last = None
                 self.profiler.end()
                 return LaunchedStep.empty()
             rows = upload(torch.from_numpy(batch.logits_rows), self.device)
             logits = self.model.compute_logits(hidden[rows])  # [S, V]
-        reqs = [s.request for s in batch.sampling]
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
+        table = sched.table
+        slots = batch.sample_slots
+        requests = sched.requests[batch.sample_rows]
+        meta = SamplingMetadata.from_rows(
+            table.sampling.gather(slots),
+            table.num_tokens[slots].astype(np.int64) - table.num_prompt[slots],
+            lambda: (
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+            ),
             vocab_size=logits.shape[-1],
             device=self.device,
             generator=self.generator,
@@ -157,8 +162,10 @@ class ModelRunner:
             pending_token_ids=pending,
         )
         out = self.sampler(logits, meta)
-        self._last = _Sampled(out.sampled_token_ids, batch.sampled_positions)
-        step = LaunchedStep.start(tuple(r.request_id for r in reqs), out)
+        row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
+        row_of_slot[slots] = np.arange(len(slots))
+        self._last = _Sampled(out.sampled_token_ids, row_of_slot)
+        step = LaunchedStep.start(batch.sample_rows, out)
         self.profiler.end()
         return step
 
@@ -175,8 +182,8 @@ class ModelRunner:
             seq_lens=dev(batch.seq_lens),
             block_tables=dev(batch.block_tables),
             slot_mapping=dev(batch.slot_mapping),
-            query_lens_host=tuple(batch.query_lens.tolist()),
-            seq_lens_host=tuple(batch.seq_lens.tolist()),
+            query_lens_host=batch.query_lens,
+            seq_lens_host=batch.seq_lens,
             block_size=self.block_size,
         )
         return common, dev(batch.input_ids), dev(batch.positions)

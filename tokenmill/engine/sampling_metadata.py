@@ -15,7 +15,7 @@ tokens there; they count as output (position, penalties) without a host read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.device_copy import upload
+from tokenmill.engine.sampling_columns import SamplingColumns, SamplingRows
 from tokenmill.engine.sampling_params import SamplingParams
 
 __all__ = ["SamplingMetadata", "row_seed"]
@@ -81,76 +82,116 @@ class SamplingMetadata:
         """Build the metadata for one step; row ``i`` is ``params[i]`` and its histories.
 
         ``output_token_ids[i]`` is everything the row generated so far: its length is the row's
-        output position, which seeds a seeded row's draw. ``generator`` (on ``device``) serves
-        the unseeded rows. ``pending_rows`` have one more output token, not in
-        ``output_token_ids`` but in ``pending_token_ids`` ([P] int64 on ``device``, one per
-        pending row). Raises ValueError when the three lists differ in length, when
-        ``vocab_size < 1`` or when a token id lies outside ``[0, vocab_size)``.
+        output position, which seeds a seeded row's draw. Raises ValueError when the three
+        lists differ in length; see ``from_rows`` for the rest.
         """
-        device = torch.device(device)
         num_rows = len(params)
         if len(prompt_token_ids) != num_rows or len(output_token_ids) != num_rows:
             raise ValueError(
                 f"SamplingMetadata.build: got {num_rows} params, {len(prompt_token_ids)} prompts "
                 f"and {len(output_token_ids)} outputs; pass one of each per logits row"
             )
+        return cls.from_rows(
+            SamplingColumns.of(params).gather(slice(None)),
+            np.fromiter(map(len, output_token_ids), dtype=np.int64, count=num_rows),
+            lambda: (prompt_token_ids, output_token_ids),
+            vocab_size,
+            device,
+            generator,
+            pending_rows,
+            pending_token_ids,
+        )
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: SamplingRows,
+        num_outputs: np.ndarray,
+        histories: Callable[[], tuple[Sequence[list[int]], Sequence[list[int]]]],
+        vocab_size: int,
+        device: torch.device,
+        generator: torch.Generator | None = None,
+        pending_rows: Sequence[int] | np.ndarray = (),
+        pending_token_ids: torch.Tensor | None = None,
+    ) -> SamplingMetadata:
+        """Build the metadata from gathered settings, with numpy over all rows.
+
+        ``num_outputs`` [S] is each row's number of generated tokens (known on the host);
+        ``histories()`` gives (prompt token ids, output token ids) per row and is called only
+        when some row has a penalty. ``generator`` (on ``device``) serves the unseeded rows.
+        ``pending_rows`` have one more output token, not in the histories but in
+        ``pending_token_ids`` ([P] int64 on ``device``, one per pending row). Raises
+        ValueError when ``vocab_size < 1`` or a history holds an id outside the vocabulary.
+        """
+        device = torch.device(device)
+        num_rows = len(rows)
         if vocab_size < 1:
             raise ValueError(f"SamplingMetadata.build: vocab_size must be >= 1, got {vocab_size}")
-
-        greedy = [p.greedy for p in params]
-        temperature = [1.0 if p.greedy else float(p.temperature) for p in params]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [float(p.top_p) for p in params]
-        min_p = [float(p.min_p) for p in params]
-        presence = [float(p.presence_penalty) for p in params]
-        frequency = [float(p.frequency_penalty) for p in params]
-        repetition = [float(p.repetition_penalty) for p in params]
-        # Filters only matter on rows that sample.
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        no_repetition_penalty = all(r == 1.0 for r in repetition)
-        no_penalties = no_repetition_penalty and all(
-            p == 0.0 and f == 0.0 for p, f in zip(presence, frequency, strict=True)
+        greedy = rows.greedy
+        random = ~greedy
+        top_k = np.where((rows.top_k > 0) & (rows.top_k < vocab_size), rows.top_k, vocab_size)
+        # One upload for the float columns: [6, S] float32, rows viewed on the device.
+        floats = np.stack(
+            [
+                np.where(greedy, np.float32(1.0), rows.temperature),
+                rows.top_p,
+                rows.min_p,
+                rows.presence_penalty,
+                rows.frequency_penalty,
+                rows.repetition_penalty,
+            ]
+        ).astype(np.float32)
+        on_device = upload(torch.from_numpy(floats), device)
+        no_repetition_penalty = bool((rows.repetition_penalty == 1.0).all())
+        no_penalties = (
+            no_repetition_penalty
+            and not rows.presence_penalty.any()
+            and not rows.frequency_penalty.any()
         )
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        asked = rows.logprobs[rows.logprobs >= 0]
 
         output_token_counts = None
         prompt_mask = None
         if not no_penalties:
-            output_token_counts = _token_counts(output_token_ids, vocab_size, device)
-            if pending_rows:
+            prompts, outputs = histories()
+            output_token_counts = _token_counts(outputs, vocab_size, device)
+            if len(pending_rows):
                 _count_pending(output_token_counts, pending_rows, pending_token_ids)
-        if not no_repetition_penalty:
-            prompt_mask = _token_counts(prompt_token_ids, vocab_size, device) > 0
+            if not no_repetition_penalty:
+                prompt_mask = _token_counts(prompts, vocab_size, device) > 0
 
-        pending = set(pending_rows)
+        positions = num_outputs.astype(np.int64)
+        positions[np.asarray(pending_rows, dtype=np.int64)] += 1
+        seeded = np.flatnonzero(random & rows.has_seed)
         row_seeds = tuple(
-            (i, row_seed(params[i].seed, len(output_token_ids[i]) + (i in pending)))
-            for i in random_rows
-            if params[i].seed is not None
+            (i, row_seed(seed, position))
+            for i, seed, position in zip(
+                seeded.tolist(), rows.seed[seeded].tolist(), positions[seeded].tolist(), strict=True
+            )
         )
         return cls(
             num_rows=num_rows,
             vocab_size=vocab_size,
-            temperature=_to_device(temperature, torch.float32, device),
-            greedy=_to_device(greedy, torch.bool, device),
-            top_k=_to_device(top_k, torch.int64, device),
-            top_p=_to_device(top_p, torch.float32, device),
-            min_p=_to_device(min_p, torch.float32, device),
-            presence_penalty=_to_device(presence, torch.float32, device),
-            frequency_penalty=_to_device(frequency, torch.float32, device),
-            repetition_penalty=_to_device(repetition, torch.float32, device),
-            all_greedy=all(greedy),
-            all_random=not any(greedy),
-            no_top_k=all(top_k[i] == vocab_size for i in random_rows),
-            no_top_p=all(top_p[i] >= 1.0 for i in random_rows),
-            no_min_p=all(min_p[i] <= 0.0 for i in random_rows),
+            temperature=on_device[0],
+            greedy=upload(torch.from_numpy(greedy), device),
+            top_k=upload(torch.from_numpy(top_k.astype(np.int64)), device),
+            top_p=on_device[1],
+            min_p=on_device[2],
+            presence_penalty=on_device[3],
+            frequency_penalty=on_device[4],
+            repetition_penalty=on_device[5],
+            all_greedy=bool(greedy.all()),
+            all_random=not greedy.any(),
+            no_top_k=bool((top_k[random] == vocab_size).all()),
+            no_top_p=bool((rows.top_p[random] >= 1.0).all()),
+            no_min_p=bool((rows.min_p[random] <= 0.0).all()),
             no_penalties=no_penalties,
             no_repetition_penalty=no_repetition_penalty,
-            max_num_logprobs=max(asked) if asked else None,
+            max_num_logprobs=int(asked.max()) if asked.size else None,
             output_token_counts=output_token_counts,
             prompt_mask=prompt_mask,
             row_seeds=row_seeds,
-            has_unseeded_random=len(row_seeds) < len(random_rows),
+            has_unseeded_random=len(row_seeds) < int(random.sum()),
             generator=generator,
         )
 
@@ -166,15 +207,8 @@ def row_seed(seed: int, position: int) -> int:
     return (x ^ (x >> 31)) >> 1
 
 
-def _to_device(
-    values: list[float] | list[int] | list[bool], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Copy a host list to ``device`` without blocking the host (pinned staging on CUDA)."""
-    return upload(torch.tensor(values, dtype=dtype), device)
-
-
 def _count_pending(
-    counts: torch.Tensor, rows: Sequence[int], token_ids: torch.Tensor | None
+    counts: torch.Tensor, rows: Sequence[int] | np.ndarray, token_ids: torch.Tensor | None
 ) -> None:
     """Add one count per pending row for its device-resident token (no host read)."""
     if token_ids is None or token_ids.shape != (len(rows),):
@@ -183,14 +217,14 @@ def _count_pending(
             f"shape [{len(rows)}]"
         )
     vocab_size = counts.shape[1]
-    rows_t = _to_device(list(rows), torch.int64, counts.device)
+    rows_t = upload(torch.from_numpy(np.asarray(rows, dtype=np.int64)), counts.device)
     flat = counts.view(-1)
     ones = torch.ones_like(token_ids, dtype=flat.dtype)
     flat.index_add_(0, rows_t * vocab_size + token_ids, ones)
 
 
 def _token_counts(
-    token_ids: list[list[int]], vocab_size: int, device: torch.device
+    token_ids: Sequence[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
     """Count each row's token ids: returns [B, V] float32 with counts[i, t] = #t in row i.
 

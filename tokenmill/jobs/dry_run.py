@@ -64,7 +64,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     tokenizer = source.load_tokenizer()
     config = source.load_config()
     max_len = config.max_position_embeddings
-    if spec.engine.max_model_len != "auto":
+    if spec.engine.max_model_len is not None:
         max_len = min(max_len, spec.engine.max_model_len)
     report = DryRunReport(job=spec.name)
     defaults: dict[str, Any] = spec.sampling.model_dump()

@@ -24,20 +24,9 @@ from tokenmill.jobs.spec import JobSpec
 
 
 def engine_config(spec: JobSpec) -> EngineConfig:
-    e = spec.engine
-    return EngineConfig(
-        model=spec.model.source,
-        dtype=spec.model.dtype,
-        device=e.device,
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        max_model_len=None if e.max_model_len == "auto" else e.max_model_len,
-        block_size=e.block_size,
-        kv_cache_memory=e.kv_cache_memory,
-        enable_prefix_caching=e.prefix_caching,
-        cuda_graphs=e.cuda_graphs,
-        async_scheduling=e.async_scheduling,
-    )
+    """The EngineConfig of ``spec``: model.source and model.dtype, then the engine section
+    (EngineConfig's defaults for the fields a job does not set)."""
+    return EngineConfig(model=spec.model.source, dtype=spec.model.dtype, **spec.engine.model_dump())
 
 
 class RowProcessor:

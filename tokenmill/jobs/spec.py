@@ -8,12 +8,12 @@ Scalars are strict: YAML already turns ``8``, ``0.5`` and ``true`` into numbers 
 so ``rows_per_shard: true`` or ``max_tokens: "5"`` is a mistake to report, not to coerce.
 Lists stay lists (tuple fields accept them); their items are strict too. The raw value is
 measured before validation (``yaml_limits``), so YAML alias bombs are refused at once, and
-every error message shows values through a bounded repr.
+every error message shows values through a bounded repr. The ``engine`` section is made from
+EngineConfig's fields and checked by its rules (``engine_section``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -24,7 +24,6 @@ from pydantic import (
     AfterValidator,
     AllowInfNan,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -36,6 +35,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from tokenmill.engine.engine_config import EngineSettingError
+from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
     dotted_key,
@@ -54,8 +55,6 @@ RESERVED_OUTPUT_COLUMNS = {
 }
 
 
-DEVICES = ("auto", "cpu", "cuda", "cuda:<n>")
-_DEVICE = re.compile(r"auto|cpu|cuda|cuda:(0|[1-9][0-9]{0,2})")  # torch keeps n in an int8
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 MAX_ERROR_LINES = 20
 
@@ -72,15 +71,6 @@ def _not_blank(value: str) -> str:
     return value
 
 
-def _device(value: str) -> str:
-    if _DEVICE.fullmatch(value) is None or (value.startswith("cuda:") and int(value[5:]) > 127):
-        raise ValueError(
-            f"must be one of {', '.join(DEVICES)} (n a GPU index: 0, 1, ...), "
-            f"got {show_value(value)}"
-        )
-    return value
-
-
 def _job_name(value: str) -> str:
     if _NAME.fullmatch(value) is None:
         raise ValueError(
@@ -90,34 +80,10 @@ def _job_name(value: str) -> str:
     return value
 
 
-def _max_model_len(value: Any) -> Any:
-    if isinstance(value, str) and value == "auto":
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
-        return value
-    raise ValueError(f"expected an integer >= 2 or auto, got {_shown_with_type(value)}")
-
-
-def _kv_cache_memory(value: Any) -> Any:
-    if value is None:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, float) and math.isfinite(value) and 0 < value <= 1:
-        return value
-    raise ValueError(
-        "expected bytes (a positive integer) or a fraction of the device's memory "
-        f"(a number in (0, 1]), got {_shown_with_type(value)}"
-    )
-
-
 # Scalars: strict, so YAML's numbers and booleans pass and quoted or mistyped ones do not.
 Number = Annotated[float, Strict(), AllowInfNan(False)]  # ints pass (and become floats)
 NonBlank = Annotated[StrictStr, AfterValidator(_not_blank)]
-Device = Annotated[StrictStr, AfterValidator(_device)]
 JobName = Annotated[StrictStr, AfterValidator(_job_name)]
-MaxModelLen = Annotated[int | Literal["auto"], BeforeValidator(_max_model_len)]
-KvCacheMemory = Annotated[int | float | None, BeforeValidator(_kv_cache_memory)]
 
 
 class _Section(BaseModel):
@@ -179,18 +145,6 @@ class OutputSection(_Section):
     storage_options: dict[StrictStr, Any] = Field(default_factory=dict)
 
 
-class EngineSection(_Section):
-    device: Device = "auto"
-    max_num_seqs: StrictInt = Field(256, ge=1)
-    max_num_batched_tokens: StrictInt = Field(8192, ge=16)
-    max_model_len: MaxModelLen = "auto"
-    block_size: StrictInt = Field(16, ge=1)
-    prefix_caching: StrictBool = True
-    cuda_graphs: StrictBool = True
-    async_scheduling: StrictBool | None = None  # None: on with CUDA
-    kv_cache_memory: KvCacheMemory = None  # bytes (int) or a fraction of device memory
-
-
 class ExecutionSection(_Section):
     executor: Literal["local", "ray"] = "local"
     replicas: StrictInt = Field(1, ge=1)
@@ -232,7 +186,7 @@ class JobSpec(_Section):
         if oversize is not None:
             raise JobSpecError(f"{where}: invalid job spec:\n  {oversize.key}: {oversize.reason}")
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(raw, context={"where": where})
         except ValidationError as exc:
             raise JobSpecError(_format_errors(exc, where)) from None
 
@@ -318,7 +272,10 @@ def _describe(err: ErrorDetails) -> str:
     if kind == "missing":
         return "required key is missing"
     if kind == "value_error":  # our validators' messages say what they got
-        return str(err.get("ctx", {}).get("error", err["msg"]))
+        error = err.get("ctx", {}).get("error", err["msg"])
+        if isinstance(error, EngineSettingError):  # the value as YAML spells it
+            return f"expected {error.expected}, got {_shown_with_type(error.value)}"
+        return str(error)
     got = _shown_with_type(err.get("input"))
     if kind in _EXPECTED:
         return f"{_EXPECTED[kind]}, got {got}"

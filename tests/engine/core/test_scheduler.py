@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from tokenmill.engine.core import KVCacheManager
@@ -32,6 +33,15 @@ def make_scheduler(
     return Scheduler(SchedulerConfig(max_seqs, budget, max_model_len), kv)
 
 
+def apply_sampled(
+    sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list[int]]
+) -> list[Request]:
+    """Feed ``{request id: [token]}`` to ``update_from_output``; return the finished ones."""
+    rows = [i for i, req in enumerate(out.requests) if req.request_id in sampled]
+    tokens = [sampled[out.requests[i].request_id][0] for i in rows]
+    return sched.update_from_output(out, np.asarray(rows), np.asarray(tokens)).finished
+
+
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
     """Drive the scheduler with the fake model; check invariants after every step."""
     outputs = []
@@ -56,7 +66,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[Schedul
                 sampled[req.request_id] = [fake_next_token(req.all_token_ids)]
         for rid in out.preempted_ids:
             shadow[rid] = 0
-        sched.update_from_output(out, sampled)
+        apply_sampled(sched, out, sampled)
         sched.kv.check_integrity()
         outputs.append(out)
     raise AssertionError("did not finish")

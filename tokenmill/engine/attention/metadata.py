@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -26,8 +27,8 @@ class CommonAttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64
     # host copies the scheduler already knows (no device reads needed)
-    query_lens_host: tuple[int, ...]
-    seq_lens_host: tuple[int, ...]
+    query_lens_host: np.ndarray  # [B] int
+    seq_lens_host: np.ndarray  # [B] int
     block_size: int
 
     @property
@@ -36,22 +37,18 @@ class CommonAttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.query_lens_host)
+        return int(self.query_lens_host.sum())
 
     @property
     def max_query_len(self) -> int:
-        return max(self.query_lens_host, default=0)
+        return int(self.query_lens_host.max(initial=0))
 
     @property
     def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)
+        return int(self.seq_lens_host.max(initial=0))
 
     @property
     def num_decodes(self) -> int:
         """How many leading rows have a single query token."""
-        n = 0
-        for q_len in self.query_lens_host:
-            if q_len != 1:
-                break
-            n += 1
-        return n
+        multi = np.flatnonzero(self.query_lens_host != 1)
+        return int(multi[0]) if len(multi) else self.num_reqs

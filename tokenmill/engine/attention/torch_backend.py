@@ -67,15 +67,17 @@ class TorchAttentionBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         device = common.slot_mapping.device
         bs = common.block_size
-        decode_rows = [i for i, q in enumerate(common.query_lens_host) if q == 1]
+        query_lens = common.query_lens_host.tolist()
+        seq_lens = common.seq_lens_host.tolist()
+        decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
         starts = [0]
-        for q in common.query_lens_host:
+        for q in query_lens:
             starts.append(starts[-1] + q)
 
         decode_idx = decode_bt = decode_mask = None
         if decode_rows:
             rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            width = -(-max(common.seq_lens_host[i] for i in decode_rows) // bs)
+            width = -(-max(seq_lens[i] for i in decode_rows) // bs)
             if decode_rows == list(range(len(decode_rows))):
                 decode_idx = slice(0, len(decode_rows))  # decode rows lead: a view, no gather
             else:
@@ -89,10 +91,10 @@ class TorchAttentionBackend(AttentionBackend):
 
         prefills = []
         fresh: list[int] = []
-        for i, q_len in enumerate(common.query_lens_host):
+        for i, q_len in enumerate(query_lens):
             if q_len == 1:
                 continue
-            seq_len = common.seq_lens_host[i]
+            seq_len = seq_lens[i]
             if seq_len == q_len:
                 fresh.append(i)
                 continue
@@ -113,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_block_tables=decode_bt,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
-            fresh_groups=_fresh_groups(fresh, starts, common.query_lens_host, device),
+            fresh_groups=_fresh_groups(fresh, starts, query_lens, device),
         )
 
     def forward(
@@ -172,7 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _fresh_groups(
-    rows: list[int], starts: list[int], query_lens: tuple[int, ...], device: torch.device
+    rows: list[int], starts: list[int], query_lens: list[int], device: torch.device
 ) -> tuple[FreshPrefillGroup, ...]:
     """Batch fresh prefills by similar length (sorted), each group under _MAX_GROUP_TOKENS
     padded tokens, so one SDPA call serves many requests."""

@@ -62,10 +62,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         nd = common.num_decodes
-        longest = max(common.seq_lens_host[:nd], default=0)
+        longest = int(common.seq_lens_host[:nd].max(initial=0))
         splits = max(1, -(-longest // self.split_keys))
-        prefill_max = max(common.query_lens_host[nd:], default=0)
-        fresh = common.seq_lens_host[nd:] == common.query_lens_host[nd:]
+        prefill_max = int(common.query_lens_host[nd:].max(initial=0))
+        fresh = bool((common.seq_lens_host[nd:] == common.query_lens_host[nd:]).all())
         return TritonAttentionMetadata(common, nd, splits, prefill_max, fresh)
 
     def forward(

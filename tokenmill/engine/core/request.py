@@ -17,9 +17,12 @@ request can run ahead of what the host knows:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.core.batch_slots import BatchSlots
 
 
 class RequestStatus(enum.Enum):
@@ -39,45 +42,134 @@ class RequestStatus(enum.Enum):
         )
 
 
-@dataclass(eq=False)  # identity: queues find and remove a request by ``is``, not by value
 class Request:
-    """Mutable per-request state owned by the scheduler. Pure Python: no torch."""
+    """Per-request state owned by the scheduler. Pure Python: no torch.
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
-    arrival_index: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (stats)
-    num_preemptions: int = 0
-    # Tokens sampled by steps whose results the host has not read yet (async scheduling).
-    num_pending_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    stop_reason: int | str | None = None
+    While the request holds a batch slot (``BatchSlots``) its tokens and step counters live in
+    the slot's arrays, where a step updates all rows at once; the properties here read and
+    write through to them. ``detach`` copies them back when the slot is given up. Identity
+    semantics: queues find and remove a request by ``is``, not by value.
+    """
 
-    def __post_init__(self) -> None:
-        if not self.all_token_ids:
-            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_ids",
+        "arrival_index",
+        "num_prompt_tokens",
+        "num_cached_prompt_tokens",
+        "num_preemptions",
+        "status",
+        "stop_reason",
+        "_tokens",
+        "_num_computed",
+        "_num_pending",
+        "_table",
+        "slot",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_index = arrival_index
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache (stats)
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self._tokens = list(prompt_token_ids)  # prompt + output, while detached
+        self._num_computed = 0
+        # Tokens sampled by steps whose results the host has not read yet (async scheduling).
+        self._num_pending = 0
+        self._table: BatchSlots | None = None
+        self.slot = -1  # its batch slot while attached
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, slot={self.slot})"
+        )
+
+    # ---- batch slot -----------------------------------------------------------------------
+    def attach(self, table: BatchSlots, slot: int) -> None:
+        """Called by ``BatchSlots.add`` once it has copied this request's state in."""
+        self._table, self.slot = table, slot
+
+    def detach(self) -> None:
+        """Copy the slot's state back (``BatchSlots.remove`` calls this)."""
+        t, s = self._table, self.slot
+        if t is None:
+            return
+        self._tokens = t.token_ids[s, : t.num_tokens[s]].tolist()
+        self._num_computed = int(t.num_computed[s])
+        self._num_pending = int(t.num_pending[s])
+        self._table, self.slot = None, -1
+
+    # ---- tokens and counters ----------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output tokens (a copy while attached: append with append_output_token)."""
+        t = self._table
+        if t is None:
+            return self._tokens
+        return t.token_ids[self.slot, : t.num_tokens[self.slot]].tolist()
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        t = self._table
+        return len(self._tokens) if t is None else int(t.num_tokens[self.slot])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        t = self._table
+        return self._num_computed if t is None else int(t.num_computed[self.slot])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self._table is None:
+            self._num_computed = value
+        else:
+            self._table.num_computed[self.slot] = value
+
+    @property
+    def num_pending_tokens(self) -> int:
+        t = self._table
+        return self._num_pending if t is None else int(t.num_pending[self.slot])
+
+    @num_pending_tokens.setter
+    def num_pending_tokens(self, value: int) -> None:
+        if self._table is None:
+            self._num_pending = value
+        else:
+            self._table.num_pending[self.slot] = value
 
     @property
     def finished(self) -> bool:
         return self.status.finished
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        t = self._table
+        if t is None:
+            self._tokens.append(token_id)
+            return
+        n = t.num_tokens[self.slot]
+        t.token_ids[self.slot, n] = token_id
+        t.num_tokens[self.slot] = n + 1

@@ -15,7 +15,13 @@ which the next step already schedules as its input. A request whose pending toke
 by length (``max_tokens``, ``max_model_len``) is not scheduled again; one that turns out to
 stop on EOS or a stop string has computed one token too many, which is dropped.
 
-Pure Python: no torch, so it is tested on CPU with tiny block sizes.
+The running requests hold batch slots (batch_slots.py): a plain decode step is scheduled
+and updated with numpy over all slots at once; Python touches only the rows that change (a
+new KV block, a newly full block for the prefix cache, a finished or admitted request). Under
+KV pressure, or when the running rows need more than the token budget, a per-request loop
+decides preemptions and chunks.
+
+Numpy, no torch: it is tested on CPU with tiny block sizes.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tokenmill.engine.core import KVCacheManager
+import numpy as np
+
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.request import Request, RequestStatus
-from tokenmill.engine.core.scheduler_output import (
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerStats,
-)
+from tokenmill.engine.core.scheduler_output import SchedulerOutput, SchedulerStats, StepUpdate
 
 
 @dataclass(frozen=True)
@@ -49,16 +54,23 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Owns the request queues and the KV cache manager; see the module docstring."""
+    """Owns the request queues, the batch slots and the KV cache manager; see the module
+    docstring."""
 
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
+        self.slots = BatchSlots(config.max_num_seqs, config.max_model_len, kv_manager.block_size)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self._order = np.empty(0, dtype=np.int64)  # running slots, oldest admission first
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------------------
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, oldest first (a new list)."""
+        return self.slots.requests[self._order].tolist()
+
     def add_request(self, request: Request) -> None:
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
@@ -69,115 +81,191 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting) or bool(len(self._order))
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self._order)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests from outside (stop strings, aborts) and free their blocks."""
         ids = set(request_ids)
-        for req in [r for r in self.running if r.request_id in ids]:
-            self.running.remove(req)
-            self._finish(req, status)
+        running = [r for r in self.running if r.request_id in ids]
+        self._drop_running([r.slot for r in running])
+        for req in running:
+            self._retire(req, status)
         for req in [r for r in self.waiting if r.request_id in ids]:
             self.waiting.remove(req)
-            self._finish(req, status)
+            self._retire(req, status)
 
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        slots, num_new, preempted = self._schedule_running(budget)
+        starts, sample = self._advance(slots, num_new)
+        parts = [(slots, starts, num_new, sample)]
+        if not preempted:
+            parts += self._admit(budget - int(num_new.sum()))
+        slots, starts, num_new, sample = (np.concatenate(col) for col in zip(*parts, strict=True))
+        out = SchedulerOutput(
+            table=self.slots,
+            slots=slots,
+            starts=starts,
+            num_new=num_new,
+            sample=sample,
+            requests=self.slots.requests[slots],
+            preempted_ids=tuple(preempted),
+        )
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += out.num_tokens
+        return out
 
-        # Running requests first, oldest first; preempt from the newest end on KV pressure.
+    def _schedule_running(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """Slots of the running requests this step serves and their token counts, oldest
+        first, with their KV slots allocated; plus the ids preempted to make room.
+
+        Vectorized when every running request fits the budget and the free blocks; the
+        per-request loop (``_schedule_running_loop``) otherwise.
+        """
+        s, order = self.slots, self._order
+        computed = s.num_computed[order].astype(np.int64)
+        known = s.num_tokens[order].astype(np.int64) + s.num_pending[order]
+        num_new = np.maximum(known - computed, 0)
+        if self.config.async_scheduling:
+            num_new[self._ends_when_pending_lands(order)] = 0
+        bs = self.kv.block_size
+        need = -(-(computed + num_new) // bs) - s.num_blocks[order]
+        grow = np.flatnonzero((need > 0) & (num_new > 0))
+        if num_new.sum() > budget or need[grow].sum() > self.kv.num_free_blocks:
+            return self._schedule_running_loop(budget)
+        for i in grow.tolist():  # the rows that start a new block: 1 in block_size decodes
+            slot = int(order[i])
+            if not self.kv.allocate_slots(s.requests[slot], int(num_new[i])):
+                raise RuntimeError(f"KV allocation failed for slot {slot} despite free blocks")
+            self._sync_blocks(slot)
+        keep = num_new > 0
+        return order[keep], num_new[keep], []
+
+    def _schedule_running_loop(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """The running rows one by one: clip to the budget, preempt the newest on KV pressure."""
+        s = self.slots
+        order = self._order.tolist()
+        slots: list[int] = []
+        counts: list[int] = []
+        preempted: list[str] = []
         idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            num_new = min(self._num_known(req) - req.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_when_pending_lands(req):
+        while idx < len(order) and budget > 0:
+            slot = order[idx]
+            req = s.requests[slot]
+            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_when_pending_lands(np.array([slot]))[0]:
                 idx += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running.pop()
+                victim = s.requests[order.pop()]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled.append(self._scheduled(req, num_new))
+                self._sync_blocks(slot)
+                slots.append(slot)
+                counts.append(num_new)
                 budget -= num_new
                 idx += 1
                 continue
             break  # `req` itself was preempted: nothing after it can be scheduled either
+        self._order = np.asarray(order, dtype=np.int64)
+        return np.asarray(slots, dtype=np.int64), np.asarray(counts, dtype=np.int64), preempted
 
-        # Then admit waiting requests in FCFS order.
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                if req.num_pending_tokens:
-                    break  # preempted with a token in flight: wait until it lands
-                hit_blocks, hit_tokens = self._prefix_hit(req)
-                num_new = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
-                if not self.kv.allocate_slots(req, num_new, hit_blocks):
-                    break
-                self.waiting.popleft()
-                if hit_tokens:
-                    req.num_computed_tokens += hit_tokens
-                    if req.num_computed_tokens <= req.num_prompt_tokens:
-                        req.num_cached_prompt_tokens = max(
-                            req.num_cached_prompt_tokens, req.num_computed_tokens
-                        )
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
-
-        out = SchedulerOutput(scheduled=tuple(scheduled), preempted_ids=tuple(preempted))
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += out.num_tokens
-        return out
-
-    @staticmethod
-    def _num_known(req: Request) -> int:
-        """Tokens the next step may compute: the known ones and the pending ones."""
-        return req.num_tokens + req.num_pending_tokens
-
-    def _ends_when_pending_lands(self, req: Request) -> bool:
-        if not req.num_pending_tokens:
-            return False
-        outputs = req.num_output_tokens + req.num_pending_tokens
-        return (
-            outputs >= req.sampling_params.max_tokens
-            or self._num_known(req) >= self.config.max_model_len
+    def _ends_when_pending_lands(self, slots: np.ndarray) -> np.ndarray:
+        """[R] bool: the row's pending token will end it by length, so it is not scheduled."""
+        s = self.slots
+        if not self.config.async_scheduling:
+            return np.zeros(len(slots), dtype=np.bool_)
+        known = s.num_tokens[slots].astype(np.int64) + s.num_pending[slots]
+        outputs = known - s.num_prompt[slots]
+        return (s.num_pending[slots] > 0) & (
+            (outputs >= s.max_tokens[slots]) | (known >= self.config.max_model_len)
         )
+
+    def _admit(self, budget: int) -> list[tuple[np.ndarray, ...]]:
+        """Admit waiting requests in FCFS order while budget, slots and blocks allow; each
+        is advanced (and its full blocks cached) before the next looks up the prefix cache."""
+        s = self.slots
+        parts: list[tuple[np.ndarray, ...]] = []
+        admitted: list[int] = []
+        while (
+            self.waiting
+            and budget > 0
+            and len(self._order) + len(admitted) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            if req.num_pending_tokens:
+                break  # preempted with a token in flight: wait until it lands
+            hit_blocks, hit_tokens = self._prefix_hit(req)
+            num_new = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
+            if not self.kv.allocate_slots(req, num_new, hit_blocks):
+                break
+            self.waiting.popleft()
+            slot = s.add(req)
+            self._sync_blocks(slot)
+            if hit_tokens:
+                req.num_computed_tokens += hit_tokens
+                if req.num_computed_tokens <= req.num_prompt_tokens:
+                    req.num_cached_prompt_tokens = max(
+                        req.num_cached_prompt_tokens, req.num_computed_tokens
+                    )
+            req.status = RequestStatus.RUNNING
+            row = np.array([slot], dtype=np.int64)
+            count = np.array([num_new], dtype=np.int64)
+            start, sample = self._advance(row, count)
+            parts.append((row, start, count, sample))
+            admitted.append(slot)
+            budget -= num_new
+        if admitted:
+            self._order = np.concatenate([self._order, np.asarray(admitted, dtype=np.int64)])
+        return parts
+
+    def _advance(self, slots: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Move the rows' computed tokens on by ``num_new``; return (starts, sample) [R].
+
+        Caches newly full blocks at schedule time: each layer stores the step's K/V before
+        any attention reads, so requests admitted later in this same step may already share
+        them. Only blocks of known tokens: a pending token's id is not on the host yet.
+        """
+        s = self.slots
+        starts = s.num_computed[slots].astype(np.int64)
+        computed = starts + num_new
+        s.num_computed[slots] = computed
+        known = s.num_tokens[slots].astype(np.int64)
+        if self.kv.enable_prefix_caching:
+            cacheable = np.minimum(computed, known)
+            full = cacheable // self.kv.block_size
+            for i in np.flatnonzero(full > s.num_cached_full[slots]).tolist():
+                slot = int(slots[i])
+                self.kv.cache_blocks(s.requests[slot], int(cacheable[i]))
+                s.num_cached_full[slot] = full[i]
+        sample = computed == known + s.num_pending[slots]
+        if self.config.async_scheduling:
+            s.num_pending[slots[sample]] += 1
+        return starts, sample
 
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
         if req.num_computed_tokens:
             return [], 0
         return self.kv.get_computed_blocks(req)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        req.num_computed_tokens += num_new
-        # Cache at schedule time: each layer stores the step's K/V before any attention
-        # reads, so requests admitted later in this same step may already share these blocks.
-        # Only blocks of known tokens: a pending token's id is not on the host yet.
-        self.kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens))
-        sample = req.num_computed_tokens == self._num_known(req)
-        if sample and self.config.async_scheduling:
-            req.num_pending_tokens += 1
-        return ScheduledRequest(
-            request=req,
-            start=start,
-            num_new_tokens=num_new,
-            block_ids=tuple(self.kv.block_ids(req.request_id)),
-            sample=sample,
-        )
+    def _sync_blocks(self, slot: int) -> None:
+        """Copy the blocks the KV manager added to the slot's request into its table row."""
+        held = int(self.slots.num_blocks[slot])
+        new = self.kv.block_ids(self.slots.requests[slot].request_id, held)
+        if new:
+            self.slots.set_blocks(slot, new, held)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self.slots.remove(req.slot)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -186,51 +274,92 @@ class Scheduler:
 
     # ---- after the model ran ------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[int]]
-    ) -> list[Request]:
+        self, output: SchedulerOutput, rows: np.ndarray, token_ids: np.ndarray
+    ) -> StepUpdate:
         """Append sampled tokens, apply stop rules, free finished requests.
 
-        ``sampled`` maps request id to the tokens accepted this step (one without
-        speculation). Returns the requests that finished this step.
-
-        With async scheduling a request may have been preempted since this step ran (it was
-        computed on intact blocks, so its token stands) or finished (its token is dropped).
+        ``rows`` [S] are indices into ``output``'s rows, ``token_ids`` [S] the token each
+        sampled (one per row without speculation). With async scheduling a request may have
+        been preempted since this step ran (it was computed on intact blocks, so its token
+        stands) or finished (its token is dropped).
         """
+        s = self.slots
+        rows = np.asarray(rows, dtype=np.int64)
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        sampled = np.flatnonzero(output.sample)
+        # Still in the slot it ran in: the common case, done on arrays.
+        attached = np.zeros(output.num_rows, dtype=np.bool_)
+        attached[sampled] = s.requests[output.slots[sampled]] == output.requests[sampled]
+        if self.config.async_scheduling:
+            s.num_pending[output.slots[sampled[attached[sampled]]]] -= 1
+            for i in sampled[~attached[sampled]].tolist():
+                output.requests[i].num_pending_tokens -= 1
         finished: list[Request] = []
-        for item in output.scheduled:
-            req = item.request
-            if item.sample and self.config.async_scheduling:
-                req.num_pending_tokens -= 1
-            if req.finished:
-                continue
-            status_before = req.status
-            for token in sampled.get(req.request_id, ()):
-                req.append_output_token(token)
-                status = self._stop_status(req, token)
-                if status is not None:
-                    req.status = status
-                    break
-            if req.finished:
-                preempted = status_before is RequestStatus.PREEMPTED
-                (self.waiting if preempted else self.running).remove(req)
-                self._finish(req, req.status)
-                finished.append(req)
+        applied = attached[rows]
+        for k in np.flatnonzero(~applied).tolist():  # preempted since (or finished: dropped)
+            req = output.requests[rows[k]]
+            if not req.finished:
+                applied[k] = True
+                if self._append_detached(req, int(token_ids[k])):
+                    finished.append(req)
+        hot = np.flatnonzero(attached[rows])
+        finished += self._append_attached(output.slots[rows[hot]], token_ids[hot])
+        return StepUpdate(finished, applied)
+
+    def _append_attached(self, slots: np.ndarray, tokens: np.ndarray) -> list[Request]:
+        """Append one token to each slot's request and check every stop rule at once."""
+        s = self.slots
+        n = s.num_tokens[slots].astype(np.int64)
+        s.token_ids[slots, n] = tokens
+        n += 1
+        s.num_tokens[slots] = n
+        outputs = n - s.num_prompt[slots]
+        allowed = outputs >= s.min_tokens[slots]
+        column = tokens[:, None]
+        eos = allowed & ~s.ignore_eos[slots] & (s.eos_ids[slots] == column).any(axis=1)
+        stop = allowed & ~eos & (s.stop_ids[slots] == column).any(axis=1)
+        length = (outputs >= s.max_tokens[slots]) | (n >= self.config.max_model_len)
+        done = np.flatnonzero(eos | stop | length)
+        if not len(done):
+            return []
+        finished = [s.requests[slot] for slot in slots[done].tolist()]
+        self._drop_running(slots[done])
+        for i, req in zip(done.tolist(), finished, strict=True):
+            if stop[i]:
+                req.stop_reason = int(tokens[i])
+            status = RequestStatus.FINISHED_STOPPED if eos[i] or stop[i] else None
+            self._retire(req, status or RequestStatus.FINISHED_LENGTH)
         return finished
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def _append_detached(self, req: Request, token: int) -> bool:
+        """Append to a request without a slot (preempted, waiting); True when it finished."""
+        req.append_output_token(token)
         params = req.sampling_params
+        status = None
         if req.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
                 req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and (
+            req.num_output_tokens >= params.max_tokens
+            or req.num_tokens >= self.config.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self.waiting.remove(req)
+        self._retire(req, status)
+        return True
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _drop_running(self, slots: np.ndarray | list[int]) -> None:
+        if len(slots):
+            self._order = self._order[~np.isin(self._order, slots)]
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        """Finish ``req``: its status, its KV blocks freed, its slot (if any) given back."""
         req.status = status
         self.kv.free(req)
+        if req.slot >= 0:
+            self.slots.remove(req.slot)

@@ -1,22 +1,34 @@
-"""Typed messages between the scheduler and the model runner."""
+"""Typed messages between the scheduler and the model runner.
+
+A step is a set of batch slots (see batch_slots.py) with a range of tokens each:
+
+    row i:  slot slots[i],  tokens [starts[i], starts[i] + num_new[i])  of that slot's request
+            token_ids[slot, :num_tokens] known on the host; positions past it are pending
+            (sampled by the previous step, still on the device)
+    sample[i]: the step reaches the end of the request's known and pending tokens, so the
+            logits of its last token pick the next one (a partial prefill chunk does not)
+
+The arrays describe rows in scheduling order: running requests first (oldest first), then
+the ones admitted this step. The runner reads ``table`` (token ids, block tables) when it
+launches the step, before the next ``schedule`` changes it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.core.request import Request
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step.
+    """One row of a step, as objects (tests and cold paths; the hot path reads the arrays).
 
-        all_token_ids:  [ .... computed .... | new tokens this step | rest ]
-                                            ^start                ^start + num_new_tokens
-
-    ``sample`` is True when the step reaches the end of the request's known tokens, so the
-    logits of its last scheduled token pick the next token (a partial prefill chunk does not
-    sample). ``block_ids`` is the request's block table after this step's allocation.
+    all_token_ids:  [ .... computed .... | new tokens this step | rest ]
+                                        ^start                ^start + num_new_tokens
     """
 
     request: Request
@@ -36,18 +48,37 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What one engine step computes: requests in batch order."""
+    """What one engine step computes; see the module docstring. Arrays are [B]."""
 
-    scheduled: tuple[ScheduledRequest, ...]
+    table: BatchSlots
+    slots: np.ndarray  # int64
+    starts: np.ndarray  # int64
+    num_new: np.ndarray  # int64
+    sample: np.ndarray  # bool
+    requests: np.ndarray  # object: the Request of each row
     preempted_ids: tuple[str, ...] = ()
 
     @property
+    def num_rows(self) -> int:
+        return len(self.slots)
+
+    @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return int(self.num_new.sum())
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not len(self.slots)
+
+    @property
+    def scheduled(self) -> tuple[ScheduledRequest, ...]:
+        """The rows as objects, block ids as the table holds them now."""
+        return tuple(
+            ScheduledRequest(req, int(start), int(n), self.table.block_ids(int(slot)), bool(s))
+            for req, slot, start, n, s in zip(
+                self.requests, self.slots, self.starts, self.num_new, self.sample, strict=True
+            )
+        )
 
 
 @dataclass
@@ -57,3 +88,11 @@ class SchedulerStats:
     num_steps: int = 0
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What ``Scheduler.update_from_output`` did with a step's sampled tokens."""
+
+    finished: list[Request]  # requests that finished with this step, in no particular order
+    applied: np.ndarray  # [S] bool: the token went to its request (False: it had finished)

@@ -1,0 +1,124 @@
+"""BatchSlots: the running requests' per-step state in preallocated arrays, one row per slot.
+
+A request takes a slot when it is admitted and gives it back when it finishes or is
+preempted. While it holds one, the arrays are where its state lives (``Request`` reads and
+writes through to them), so a step works on all rows at once with numpy:
+
+    slot ─► token_ids[slot, :num_tokens]      prompt + output tokens known on the host
+            num_tokens, num_prompt, num_computed, num_pending              [C] int32
+            max_tokens, min_tokens, ignore_eos, eos_ids[slot], stop_ids[slot]
+            block_table[slot, :num_blocks]    its KV block ids (a copy of the KV manager's)
+            sampling.columns[...][slot]       temperature, top_k, ... (SamplingColumns)
+            requests[slot]                    the Request itself (object array)
+
+    C = capacity (max_num_seqs); token_ids is [C, max_model_len], allocated lazily by the OS
+    (np.zeros), so only rows and positions in use take memory.
+
+Rows of free slots hold stale values; only slots listed by the scheduler are read.
+Numpy only: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tokenmill.engine.sampling_columns import SamplingColumns
+
+if TYPE_CHECKING:
+    from tokenmill.engine.core.request import Request
+
+__all__ = ["BatchSlots"]
+
+
+class BatchSlots:
+    """``capacity`` slots for requests of up to ``max_model_len`` tokens."""
+
+    def __init__(self, capacity: int, max_model_len: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.token_ids = np.zeros((capacity, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(capacity, dtype=np.int32)
+        self.num_prompt = np.zeros(capacity, dtype=np.int32)
+        self.num_computed = np.zeros(capacity, dtype=np.int32)
+        self.num_pending = np.zeros(capacity, dtype=np.int32)
+        self.max_tokens = np.zeros(capacity, dtype=np.int64)
+        self.min_tokens = np.zeros(capacity, dtype=np.int64)
+        self.ignore_eos = np.zeros(capacity, dtype=np.bool_)
+        self.eos_ids = np.full((capacity, 1), -1, dtype=np.int64)  # padded with -1
+        self.stop_ids = np.full((capacity, 1), -1, dtype=np.int64)
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = np.zeros((capacity, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(capacity, dtype=np.int32)
+        # Full blocks of known tokens when the KV manager last cached the slot's blocks: a
+        # step calls cache_blocks only for the rows that filled another block since.
+        self.num_cached_full = np.zeros(capacity, dtype=np.int32)
+        self.sampling = SamplingColumns(capacity)
+        self.requests = np.full(capacity, None, dtype=object)
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def add(self, request: Request) -> int:
+        """Give ``request`` a free slot, copy its state in, and attach it (its fields now read
+        and write the slot). Raises RuntimeError when no slot is free."""
+        if not self._free:
+            raise RuntimeError(f"all {self.capacity} batch slots are taken")
+        slot = self._free.pop()
+        tokens = request.all_token_ids
+        n = len(tokens)
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: {n} tokens exceed max_model_len "
+                f"{self.max_model_len}"
+            )
+        params = request.sampling_params
+        self.token_ids[slot, :n] = tokens
+        self.num_tokens[slot] = n
+        self.num_prompt[slot] = request.num_prompt_tokens
+        self.num_computed[slot] = request.num_computed_tokens
+        self.num_pending[slot] = request.num_pending_tokens
+        self.max_tokens[slot] = params.max_tokens
+        self.min_tokens[slot] = params.min_tokens
+        self.ignore_eos[slot] = params.ignore_eos
+        self.eos_ids = _set_padded(self.eos_ids, slot, request.eos_token_ids)
+        self.stop_ids = _set_padded(self.stop_ids, slot, params.stop_token_ids)
+        self.num_blocks[slot] = 0
+        self.num_cached_full[slot] = 0
+        self.sampling.set_row(slot, params)
+        self.requests[slot] = request
+        request.attach(self, slot)
+        return slot
+
+    def remove(self, slot: int) -> None:
+        """Detach the slot's request (its state copied back to it) and free the slot."""
+        request = self.requests[slot]
+        if request is None:
+            raise RuntimeError(f"batch slot {slot} is not taken")
+        request.detach()
+        self.requests[slot] = None
+        self._free.append(slot)
+
+    def set_blocks(self, slot: int, block_ids: list[int], start: int = 0) -> None:
+        """Write the slot's block table from index ``start`` on (its new blocks)."""
+        end = start + len(block_ids)
+        self.block_table[slot, start:end] = block_ids
+        self.num_blocks[slot] = end
+
+    def block_ids(self, slot: int) -> tuple[int, ...]:
+        return tuple(self.block_table[slot, : self.num_blocks[slot]].tolist())
+
+
+def _set_padded(table: np.ndarray, row: int, values: tuple[int, ...]) -> np.ndarray:
+    """Write ``values`` into ``table[row]`` padded with -1, widening the table if needed."""
+    if len(values) > table.shape[1]:
+        wider = np.full((table.shape[0], len(values)), -1, dtype=table.dtype)
+        wider[:, : table.shape[1]] = table
+        table = wider
+    table[row] = -1
+    table[row, : len(values)] = values
+    return table

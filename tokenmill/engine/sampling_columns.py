@@ -1,0 +1,97 @@
+"""SamplingColumns: requests' sampling settings as preallocated numpy columns, one row each.
+
+A row is written once, when its request takes a batch slot; a step gathers the rows it samples
+with one fancy index per column instead of reading ``SamplingParams`` objects one by one:
+
+    set_row(slot, params)                       at admission (once per request)
+    gather(slots) ─► SamplingRows               every step: [S] arrays, vectorized
+
+Numpy only (no torch): the scheduler's slot table owns one, and ``SamplingMetadata`` turns
+the gathered rows into device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+__all__ = ["SamplingColumns", "SamplingRows"]
+
+NO_LOGPROBS = -1
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """The sampling settings of the rows of one step, [S] each, in logits-row order.
+
+    ``top_k`` holds the raw request value (<= 0 means off); ``SamplingMetadata`` clamps it to
+    the vocabulary. ``seed`` is the request's seed modulo 2**64 (all ``row_seed`` depends on)
+    where ``has_seed``; ``logprobs`` is ``NO_LOGPROBS`` where unset.
+    """
+
+    greedy: np.ndarray  # bool
+    temperature: np.ndarray  # float32 (the request's; unused on greedy rows)
+    top_k: np.ndarray  # int64
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+    presence_penalty: np.ndarray  # float32
+    frequency_penalty: np.ndarray  # float32
+    repetition_penalty: np.ndarray  # float32
+    has_seed: np.ndarray  # bool
+    seed: np.ndarray  # uint64
+    logprobs: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return len(self.greedy)
+
+
+_DTYPES = {
+    "greedy": np.bool_,
+    "temperature": np.float32,
+    "top_k": np.int64,
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
+    "has_seed": np.bool_,
+    "seed": np.uint64,
+    "logprobs": np.int32,
+}
+
+
+class SamplingColumns:
+    """``capacity`` rows of sampling settings; see the module docstring."""
+
+    def __init__(self, capacity: int) -> None:
+        self.columns = {name: np.zeros(capacity, dtype=dt) for name, dt in _DTYPES.items()}
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> SamplingColumns:
+        """Columns holding ``params`` in rows 0..len(params)-1 (tests and one-off batches)."""
+        cols = cls(len(params))
+        for i, p in enumerate(params):
+            cols.set_row(i, p)
+        return cols
+
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        c = self.columns
+        c["greedy"][row] = params.greedy
+        c["temperature"][row] = params.temperature
+        c["top_k"][row] = params.top_k
+        c["top_p"][row] = params.top_p
+        c["min_p"][row] = params.min_p
+        c["presence_penalty"][row] = params.presence_penalty
+        c["frequency_penalty"][row] = params.frequency_penalty
+        c["repetition_penalty"][row] = params.repetition_penalty
+        c["has_seed"][row] = params.seed is not None
+        c["seed"][row] = 0 if params.seed is None else params.seed & _MASK64
+        c["logprobs"][row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
+
+    def gather(self, rows: np.ndarray | slice) -> SamplingRows:
+        """The settings of ``rows`` ([S] int indices, or a slice), as new arrays."""
+        return SamplingRows(**{name: col[rows] for name, col in self.columns.items()})
