@@ -3,20 +3,25 @@
     input_ids, positions, slot_mapping:  [T]        (T = tokens scheduled this step)
     query_lens, seq_lens:                [B]
     block_tables:                        [B, max_blocks]   padded with 0
-    logits_rows:                         [S]        last token of each row that samples
-    sample_rows, sample_slots:           [S]        that row's index in the SchedulerOutput,
-                                                    and its batch slot
+    logits_rows:                         [N]        tokens whose logits are sampled: the last
+                                                    of each row that samples, and its drafts'
+                                                    positions before it (1 + k per row)
+    sample_rows, sample_slots,           [S]        per row that samples: its index in the
+    sample_counts                                   SchedulerOutput, its batch slot, and how
+                                                    many logits rows it has (1 + drafts)
     pending_rows, pending_src:           [P]        async scheduling: input_ids[pending_rows[i]]
                                                     is the previous step's sampled token
                                                     number pending_src[i] (0 until filled in)
-    pending_sampling_rows:               [P]        index in the S sampling rows of each
+    pending_sampling_rows:               [P]        index in the N logits rows of each
 
 Rows are the scheduled rows with the one-token ones (decodes) moved first. Built with numpy
 over all rows at once: token ids come from the batch slots' token table.
 
     row b, its q tokens at positions starts[b] .. starts[b] + q - 1:
-        input_ids  = token_ids[slot_b, position]        (known on the host)
+        input_ids  = token_ids[slot_b, position]        (known on the host, or a draft)
                      or 0, filled on the device          (the pending last token)
+
+    a row with k drafts:  inputs  t d1 .. dk  ─►  logits rows at all 1 + k of them
         slot of position p = block_tables[b, p // block_size] * block_size + p % block_size
 """
 
@@ -40,6 +45,7 @@ class HostBatch:
     logits_rows: np.ndarray
     sample_rows: np.ndarray
     sample_slots: np.ndarray
+    sample_counts: np.ndarray
     pending_rows: np.ndarray
     pending_src: np.ndarray
     pending_sampling_rows: np.ndarray
@@ -80,6 +86,8 @@ class HostBatch:
             row_of_token = np.repeat(np.arange(n), query_lens)
             positions = starts[row_of_token] + np.arange(total) - qsl[row_of_token]
         known = table.num_tokens[slots].astype(np.int64)
+        drafts = table.num_drafts[slots].astype(np.int64)
+        known += drafts  # drafts sit in the token table after the known tokens
         pend = np.flatnonzero(seq_lens > known)  # the last input is a pending token
         input_ids = np.zeros(total, dtype=np.int64)
         if len(pend):
@@ -97,7 +105,14 @@ class HostBatch:
             + positions % block_size
         )
         sample = sched.sample[order]
-        sampling_index = np.cumsum(sample) - 1  # row -> its index among the sampling rows
+        num_logits = np.where(sample, 1 + drafts, 0)  # [B]
+        first_logit = np.cumsum(num_logits) - num_logits  # [B] its first logits row
+        total_logits = int(num_logits.sum())
+        logits_rows = (
+            np.repeat(qsl[1:] - num_logits, num_logits)
+            + np.arange(total_logits)
+            - np.repeat(first_logit, num_logits)
+        )
         pending_src = np.empty(0, dtype=np.int64)
         if len(pend):
             src = (
@@ -120,10 +135,11 @@ class HostBatch:
             query_lens=query_lens.astype(np.int32),
             seq_lens=seq_lens.astype(np.int32),
             block_tables=block_tables,
-            logits_rows=qsl[1:][sample] - 1,
+            logits_rows=logits_rows,
             sample_rows=order[sample],
             sample_slots=slots[sample],
+            sample_counts=num_logits[sample],
             pending_rows=qsl[pend + 1] - 1,
             pending_src=pending_src,
-            pending_sampling_rows=sampling_index[pend],
+            pending_sampling_rows=first_logit[pend],
         )

@@ -24,6 +24,7 @@ from tokenmill.engine.sampler import LogprobsTensors, SamplerOutput
 @dataclass
 class LaunchedStep:
     rows: np.ndarray  # [S] the SchedulerOutput rows that sample, in logits-row order
+    counts: np.ndarray  # [S] tokens each of them sampled (1 + its drafts)
     tokens: torch.Tensor | None  # [S] int64 on the host (filled once ``ready`` completes)
     logprobs: LogprobsTensors | None  # host copies, same condition
     ready: torch.cuda.Event | None  # None on CPU: already complete
@@ -31,10 +32,10 @@ class LaunchedStep:
 
     @classmethod
     def empty(cls) -> LaunchedStep:
-        return cls(np.empty(0, dtype=np.int64), None, None, None)
+        return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), None, None, None)
 
     @classmethod
-    def start(cls, rows: np.ndarray, out: SamplerOutput) -> LaunchedStep:
+    def start(cls, rows: np.ndarray, counts: np.ndarray, out: SamplerOutput) -> LaunchedStep:
         """Begin copying ``out`` to the host behind the work already enqueued."""
         lp = out.logprobs
         host_lp = None
@@ -51,12 +52,12 @@ class LaunchedStep:
         if out.sampled_token_ids.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return cls(rows, tokens, host_lp, ready)
+        return cls(rows, counts, tokens, host_lp, ready)
 
     def output(self) -> ModelOutput:
         """Wait for the copies and return the step's tokens (and logprobs) as host values."""
         if self.tokens is None:
-            return ModelOutput(self.rows, np.empty(0, dtype=np.int64), None)
+            return ModelOutput(self.rows, self.counts, np.empty(0, dtype=np.int64), None)
         if self.ready is not None:
             t0 = time.perf_counter()
             self.ready.synchronize()
@@ -64,6 +65,7 @@ class LaunchedStep:
             self.ready = None
         return ModelOutput(
             self.rows,
+            self.counts,
             self.tokens.numpy(),
             SamplerOutput(sampled_token_ids=self.tokens, logprobs=self.logprobs),
         )

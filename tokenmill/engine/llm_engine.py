@@ -26,6 +26,7 @@ import torch
 
 from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
 from tokenmill.engine.core import KVCacheManager
+from tokenmill.engine.core.drafts import DraftProposer
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
@@ -54,7 +55,9 @@ class _Tracked:
 class LLMEngine:
     """One engine replica: the model, its KV cache, the scheduler and the tokenizer."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
+        """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
+        (multi-token steps, see core/drafts.py); it turns async scheduling off."""
         self.config = config
         if config.load_format == "random":
             source = None
@@ -121,9 +124,10 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 self.max_model_len,
-                async_scheduling=config.resolve_async_scheduling(self.device),
+                async_scheduling=proposer is None and config.resolve_async_scheduling(self.device),
             ),
             kv,
+            proposer,
         )
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -235,7 +239,9 @@ class LLMEngine:
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
-        update = self.scheduler.update_from_output(sched, out.rows, out.sampled_token_ids)
+        update = self.scheduler.update_from_output(
+            sched, out.rows, out.sampled_token_ids, out.counts
+        )
         finished = update.finished
         if out.sampler_output is not None and out.sampler_output.logprobs is not None:
             self._record_logprobs(sched, out, update.applied)
@@ -279,12 +285,13 @@ class LLMEngine:
         if lp is None:
             return
         rows = lp.to_lists()
+        first = np.cumsum(out.counts) - out.counts  # rows asking for logprobs take no drafts
         for i in np.flatnonzero(applied).tolist():
             tracked = self._tracked.get(sched.requests[out.rows[i]].request_id)
             if tracked is None or tracked.logprobs is None:
                 continue
             n = tracked.request.sampling_params.logprobs or 0
-            token_id, logprob, rank, top_ids, top_lps = rows[i]
+            token_id, logprob, rank, top_ids, top_lps = rows[first[i]]
             tracked.logprobs.append(
                 TokenLogprob(
                     token_id, logprob, rank, dict(zip(top_ids[:n], top_lps[:n], strict=True))

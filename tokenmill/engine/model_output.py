@@ -13,10 +13,11 @@ from tokenmill.engine.sampler import SamplerOutput
 class ModelOutput:
     """Sampled tokens of the rows that sampled this step, in logits-row order.
 
-    ``rows[i]`` is the index in the step's ``SchedulerOutput`` of the row that sampled
-    ``sampled_token_ids[i]``.
+    ``rows[i]`` is the index in the step's ``SchedulerOutput`` of a row that sampled
+    ``counts[i]`` tokens (1 + its drafts), the next ``counts[i]`` of ``sampled_token_ids``.
     """
 
     rows: np.ndarray  # [S] int64
-    sampled_token_ids: np.ndarray  # [S] int64
+    counts: np.ndarray  # [S] int64
+    sampled_token_ids: np.ndarray  # [N] int64, N = counts.sum()
     sampler_output: SamplerOutput | None  # host tensors (logprobs when asked for)

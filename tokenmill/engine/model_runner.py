@@ -147,10 +147,13 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [S, V]
         table = sched.table
         slots = batch.sample_slots
-        requests = sched.requests[batch.sample_rows]
+        counts = batch.sample_counts  # 1 + drafts per row that samples
+        rows = np.repeat(slots, counts)  # [N] the slot of each logits row
+        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        requests = np.repeat(sched.requests[batch.sample_rows], counts)
         meta = SamplingMetadata.from_rows(
-            table.sampling.gather(slots),
-            table.num_tokens[slots].astype(np.int64) - table.num_prompt[slots],
+            table.sampling.gather(rows),
+            table.num_tokens[rows].astype(np.int64) - table.num_prompt[rows] + within,
             lambda: (
                 [r.prompt_token_ids for r in requests],
                 [r.output_token_ids for r in requests],
@@ -163,9 +166,9 @@ class ModelRunner:
         )
         out = self.sampler(logits, meta)
         row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
-        row_of_slot[slots] = np.arange(len(slots))
+        row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample
         self._last = _Sampled(out.sampled_token_ids, row_of_slot)
-        step = LaunchedStep.start(batch.sample_rows, out)
+        step = LaunchedStep.start(batch.sample_rows, counts, out)
         self.profiler.end()
         return step
 

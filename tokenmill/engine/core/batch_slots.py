@@ -5,7 +5,8 @@ preempted. While it holds one, the arrays are where its state lives (``Request``
 writes through to them), so a step works on all rows at once with numpy:
 
     slot ─► token_ids[slot, :num_tokens]      prompt + output tokens known on the host
-            num_tokens, num_prompt, num_computed, num_pending              [C] int32
+            token_ids[slot, num_tokens : num_tokens + num_drafts]   this step's draft tokens
+            num_tokens, num_prompt, num_computed, num_pending, num_drafts  [C] int32
             max_tokens, min_tokens, ignore_eos, eos_ids[slot], stop_ids[slot]
             block_table[slot, :num_blocks]    its KV block ids (a copy of the KV manager's)
             sampling.columns[...][slot]       temperature, top_k, ... (SamplingColumns)
@@ -44,6 +45,8 @@ class BatchSlots:
         self.num_prompt = np.zeros(capacity, dtype=np.int32)
         self.num_computed = np.zeros(capacity, dtype=np.int32)
         self.num_pending = np.zeros(capacity, dtype=np.int32)
+        # Draft tokens scheduled after the known ones (speculative steps); 0 between steps.
+        self.num_drafts = np.zeros(capacity, dtype=np.int32)
         self.max_tokens = np.zeros(capacity, dtype=np.int64)
         self.min_tokens = np.zeros(capacity, dtype=np.int64)
         self.ignore_eos = np.zeros(capacity, dtype=np.bool_)
@@ -82,6 +85,7 @@ class BatchSlots:
         self.num_prompt[slot] = request.num_prompt_tokens
         self.num_computed[slot] = request.num_computed_tokens
         self.num_pending[slot] = request.num_pending_tokens
+        self.num_drafts[slot] = 0
         self.max_tokens[slot] = params.max_tokens
         self.min_tokens[slot] = params.min_tokens
         self.ignore_eos[slot] = params.ignore_eos

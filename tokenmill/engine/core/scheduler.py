@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.drafts import DraftProposer, accepted_counts, draft_lengths
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler_output import SchedulerOutput, SchedulerStats, StepUpdate
@@ -57,9 +58,20 @@ class Scheduler:
     """Owns the request queues, the batch slots and the KV cache manager; see the module
     docstring."""
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        proposer: DraftProposer | None = None,
+    ) -> None:
+        if proposer is not None and config.async_scheduling:
+            raise ValueError(
+                "draft tokens need async_scheduling off: a row's next input must be known on "
+                "the host when its drafts are proposed"
+            )
         self.config = config
         self.kv = kv_manager
+        self.proposer = proposer
         self.slots = BatchSlots(config.max_num_seqs, config.max_model_len, kv_manager.block_size)
         self.waiting: deque[Request] = deque()
         self._order = np.empty(0, dtype=np.int64)  # running slots, oldest admission first
@@ -133,10 +145,13 @@ class Scheduler:
         num_new = np.maximum(known - computed, 0)
         if self.config.async_scheduling:
             num_new[self._ends_when_pending_lands(order)] = 0
+        if self.proposer is not None:
+            num_new += self._add_drafts(order, num_new, budget)
         bs = self.kv.block_size
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]
         grow = np.flatnonzero((need > 0) & (num_new > 0))
         if num_new.sum() > budget or need[grow].sum() > self.kv.num_free_blocks:
+            s.num_drafts[order] = 0
             return self._schedule_running_loop(budget)
         for i in grow.tolist():  # the rows that start a new block: 1 in block_size decodes
             slot = int(order[i])
@@ -145,6 +160,41 @@ class Scheduler:
             self._sync_blocks(slot)
         keep = num_new > 0
         return order[keep], num_new[keep], []
+
+    def _add_drafts(self, order: np.ndarray, num_new: np.ndarray, budget: int) -> np.ndarray:
+        """Ask the proposer for drafts for the plain decode rows; write them after each row's
+        known tokens and return [R] how many each row got (0: none). Rows that ask for
+        penalties or logprobs take none (their per-token state would have to follow the
+        drafts), nor do drafts go past max_tokens, max_model_len or the step's budget."""
+        s = self.slots
+        cols = s.sampling.columns
+        eligible = (
+            (num_new == 1)
+            & (s.num_pending[order] == 0)
+            & (cols["presence_penalty"][order] == 0)
+            & (cols["frequency_penalty"][order] == 0)
+            & (cols["repetition_penalty"][order] == 1)
+            & (cols["logprobs"][order] < 0)
+        )
+        counts = np.zeros(len(order), dtype=np.int64)
+        rows = order[eligible]
+        if not len(rows):
+            return counts
+        drafts = np.asarray(self.proposer.propose(s, rows), dtype=np.int64)
+        drafts = drafts[:, : self.proposer.max_drafts]
+        n = s.num_tokens[rows].astype(np.int64)
+        room = np.minimum(
+            s.max_tokens[rows] - (n - s.num_prompt[rows]), self.config.max_model_len - n
+        )
+        k = np.clip(np.minimum(draft_lengths(drafts), room - 1), 0, None)
+        if int(num_new.sum() + k.sum()) > budget:
+            return counts
+        r, j = np.nonzero(np.arange(drafts.shape[1]) < k[:, None])
+        s.token_ids[rows[r], n[r] + j] = drafts[r, j]
+        s.num_drafts[rows] = k
+        counts[eligible] = k
+        self.stats.num_draft_tokens += int(k.sum())
+        return counts
 
     def _schedule_running_loop(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The running rows one by one: clip to the budget, preempt the newest on KV pressure."""
@@ -246,7 +296,7 @@ class Scheduler:
                 slot = int(slots[i])
                 self.kv.cache_blocks(s.requests[slot], int(cacheable[i]))
                 s.num_cached_full[slot] = full[i]
-        sample = computed == known + s.num_pending[slots]
+        sample = computed == known + s.num_pending[slots] + s.num_drafts[slots]
         if self.config.async_scheduling:
             s.num_pending[slots[sample]] += 1
         return starts, sample
@@ -274,18 +324,26 @@ class Scheduler:
 
     # ---- after the model ran ------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, rows: np.ndarray, token_ids: np.ndarray
+        self,
+        output: SchedulerOutput,
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        counts: np.ndarray | None = None,
     ) -> StepUpdate:
-        """Append sampled tokens, apply stop rules, free finished requests.
+        """Append sampled tokens, verify drafts, apply stop rules, free finished requests.
 
-        ``rows`` [S] are indices into ``output``'s rows, ``token_ids`` [S] the token each
-        sampled (one per row without speculation). With async scheduling a request may have
-        been preempted since this step ran (it was computed on intact blocks, so its token
-        stands) or finished (its token is dropped).
+        ``rows`` [S] are indices into ``output``'s rows; row ``rows[i]`` sampled ``counts[i]``
+        tokens (default 1 each), laid out one row after another in ``token_ids``. A row with
+        drafts sampled 1 + k: it keeps the tokens up to the first draft its samples reject
+        (see drafts.py). With async scheduling a request may have been preempted since this
+        step ran (it was computed on intact blocks, so its token stands) or finished (its
+        token is dropped).
         """
         s = self.slots
         rows = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(token_ids, dtype=np.int64)
+        counts = np.ones(len(rows), dtype=np.int64) if counts is None else np.asarray(counts)
+        first = np.cumsum(counts) - counts  # [S] each row's first token in ``token_ids``
         sampled = np.flatnonzero(output.sample)
         # Still in the slot it ran in: the common case, done on arrays.
         attached = np.zeros(output.num_rows, dtype=np.bool_)
@@ -299,35 +357,77 @@ class Scheduler:
         for k in np.flatnonzero(~applied).tolist():  # preempted since (or finished: dropped)
             req = output.requests[rows[k]]
             if not req.finished:
+                if counts[k] != 1:
+                    raise RuntimeError(f"request {req.request_id} lost its slot mid-draft")
                 applied[k] = True
-                if self._append_detached(req, int(token_ids[k])):
+                if self._append_detached(req, int(token_ids[first[k]])):
                     finished.append(req)
         hot = np.flatnonzero(attached[rows])
-        finished += self._append_attached(output.slots[rows[hot]], token_ids[hot])
+        slots, tokens, keep = self._verify(
+            output.slots[rows[hot]], token_ids, first[hot], counts[hot]
+        )
+        finished += self._append_attached(slots, tokens, keep)
         return StepUpdate(finished, applied)
 
-    def _append_attached(self, slots: np.ndarray, tokens: np.ndarray) -> list[Request]:
-        """Append one token to each slot's request and check every stop rule at once."""
+    def _verify(
+        self, slots: np.ndarray, token_ids: np.ndarray, first: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The rows' sampled tokens as [R, M] and how many each keeps: all of a row without
+        drafts, and for a row with k drafts the accepted ones plus the sample after them.
+        Rolls the computed count of drafted rows back to their KV that stands."""
+        width = int(counts.max(initial=1))
+        j = np.arange(width)
+        index = np.minimum(first[:, None] + j, len(token_ids) - 1) if len(token_ids) else j
+        tokens = token_ids[index] if len(token_ids) else np.zeros((0, width), dtype=np.int64)
+        if width == 1:
+            return slots, tokens, counts
         s = self.slots
         n = s.num_tokens[slots].astype(np.int64)
-        s.token_ids[slots, n] = tokens
-        n += 1
-        s.num_tokens[slots] = n
-        outputs = n - s.num_prompt[slots]
-        allowed = outputs >= s.min_tokens[slots]
-        column = tokens[:, None]
-        eos = allowed & ~s.ignore_eos[slots] & (s.eos_ids[slots] == column).any(axis=1)
-        stop = allowed & ~eos & (s.stop_ids[slots] == column).any(axis=1)
-        length = (outputs >= s.max_tokens[slots]) | (n >= self.config.max_model_len)
-        done = np.flatnonzero(eos | stop | length)
+        drafts = s.token_ids[slots[:, None], n[:, None] + j[: width - 1]]
+        accepted = accepted_counts(tokens, drafts, counts - 1)
+        drafted = counts > 1
+        s.num_computed[slots[drafted]] = n[drafted] + accepted[drafted]
+        s.num_drafts[slots] = 0
+        self.stats.num_accepted_tokens += int(accepted.sum())
+        return slots, tokens, accepted + 1
+
+    def _append_attached(
+        self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray
+    ) -> list[Request]:
+        """Append ``tokens[r, :counts[r]]`` to each slot's request, checking every stop rule
+        at every token at once; a row that stops keeps the tokens up to its stop."""
+        s = self.slots
+        if not len(slots):
+            return []
+        n0 = s.num_tokens[slots].astype(np.int64)[:, None]
+        valid = np.arange(tokens.shape[1]) < counts[:, None]  # [R, M]
+        r, j = np.nonzero(valid)
+        s.token_ids[slots[r], n0[r, 0] + j] = tokens[r, j]
+        n = n0 + 1 + np.arange(tokens.shape[1])  # [R, M] num_tokens after each token
+        outputs = n - s.num_prompt[slots][:, None]
+        allowed = outputs >= s.min_tokens[slots][:, None]
+        cube = tokens[:, :, None]
+        eos = (
+            allowed
+            & ~s.ignore_eos[slots][:, None]
+            & (s.eos_ids[slots][:, None, :] == cube).any(axis=2)
+        )
+        stop = allowed & ~eos & (s.stop_ids[slots][:, None, :] == cube).any(axis=2)
+        length = (outputs >= s.max_tokens[slots][:, None]) | (n >= self.config.max_model_len)
+        ends = (eos | stop | length) & valid
+        ended = ends.any(axis=1)
+        at = np.argmax(ends, axis=1)  # [R] the first token that ends the row
+        s.num_tokens[slots] = n0[:, 0] + np.where(ended, at + 1, counts)
+        done = np.flatnonzero(ended)
         if not len(done):
             return []
         finished = [s.requests[slot] for slot in slots[done].tolist()]
         self._drop_running(slots[done])
         for i, req in zip(done.tolist(), finished, strict=True):
-            if stop[i]:
-                req.stop_reason = int(tokens[i])
-            status = RequestStatus.FINISHED_STOPPED if eos[i] or stop[i] else None
+            k = at[i]
+            if stop[i, k]:
+                req.stop_reason = int(tokens[i, k])
+            status = RequestStatus.FINISHED_STOPPED if eos[i, k] or stop[i, k] else None
             self._retire(req, status or RequestStatus.FINISHED_LENGTH)
         return finished
 

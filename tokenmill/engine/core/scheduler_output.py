@@ -88,6 +88,8 @@ class SchedulerStats:
     num_steps: int = 0
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # drafts scheduled (multi-token steps)
+    num_accepted_tokens: int = 0  # drafts the target's samples accepted
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,147 @@
+"""Multi-token steps: decode rows carry draft tokens, the step computes 1 + k tokens for them,
+and the sampled tokens accept the drafts that agree. Proven with test-only proposers: one
+that proposes the true continuation (everything accepted: fewer steps, same output) and one
+that proposes wrong tokens (nothing accepted: the same steps and output as without drafts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import SamplingParams
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.drafts import accepted_counts, draft_lengths
+from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+
+MAX_TOKENS = 24
+K = 3
+
+
+class ContinuationProposer:
+    """Proposes the next ``max_drafts`` tokens of a known output (the true ones, or with
+    ``wrong`` each one replaced by a neighbouring id, so never accepted)."""
+
+    def __init__(self, outputs: dict[str, list[int]], max_drafts: int, wrong: bool = False):
+        self.outputs = outputs
+        self.max_drafts = max_drafts
+        self.wrong = wrong
+        self.calls = 0
+
+    def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        drafts = np.full((len(rows), self.max_drafts), -1, dtype=np.int64)
+        for i, slot in enumerate(rows.tolist()):
+            want = self.outputs[slots.requests[slot].request_id]
+            done = int(slots.num_tokens[slot] - slots.num_prompt[slot])
+            nxt = want[done : done + self.max_drafts]
+            if self.wrong:
+                nxt = [t - 1 if t else 1 for t in nxt]
+            drafts[i, : len(nxt)] = nxt
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("multi") / "m")
+
+
+def _prompts() -> list[list[int]]:
+    return [[(13 * i + 7 * t) % 250 + 5 for t in range(5 + 3 * i)] for i in range(6)]
+
+
+def _run(
+    model_path: Path,
+    params: list[SamplingParams],
+    proposer=None,
+    block_size: int = 4,
+    device: str = "cpu",
+) -> tuple[dict[str, RequestOutput], int, LLMEngine]:
+    config = EngineConfig(
+        model=str(model_path),
+        device=device,
+        dtype="float32",
+        block_size=block_size,
+        kv_cache_memory=1 << 26,
+    )
+    engine = LLMEngine(config, proposer)
+    for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    done: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        done.update((o.request_id, o) for o in engine.step())
+    assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+    return done, steps, engine
+
+
+def _summary(outs: dict[str, RequestOutput]) -> dict[str, tuple]:
+    return {rid: (o.token_ids, o.finish_reason, o.stop_reason) for rid, o in outs.items()}
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_true_drafts_are_all_accepted_in_fewer_steps(model_path: Path, block_size: int) -> None:
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
+    want, base_steps, _ = _run(model_path, params, block_size=block_size)
+    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
+    got, steps, engine = _run(model_path, params, oracle, block_size=block_size)
+    assert _summary(got) == _summary(want)
+    # The prefill samples token 1; each later step accepts K drafts plus the bonus token.
+    assert base_steps == MAX_TOKENS
+    assert steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1))
+    stats = engine.scheduler.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_wrong_drafts_are_all_rejected_and_change_nothing(model_path: Path) -> None:
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
+    want, base_steps, _ = _run(model_path, params)
+    wrong = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K, wrong=True)
+    got, steps, engine = _run(model_path, params, wrong)
+    assert _summary(got) == _summary(want)
+    assert steps == base_steps
+    assert engine.scheduler.stats.num_accepted_tokens == 0
+    assert engine.scheduler.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_and_stops_match_without_drafts(model_path: Path) -> None:
+    """Seeded rows draw each token from (seed, output position): with the true continuation
+    as drafts they give the same tokens. Stop ids and EOS met mid-draft end the row there."""
+    probe, _, _ = _run(model_path, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)] * 6)
+    params = []
+    for i in range(6):
+        tokens = probe[f"r{i}"].token_ids
+        kwargs = {"seed": 100 + i, "temperature": 0.8, "top_p": 0.9, "top_k": 40}
+        if i % 3 == 1:
+            kwargs = {"temperature": 0, "stop_token_ids": (tokens[7],)}
+        params.append(SamplingParams(max_tokens=MAX_TOKENS, **kwargs))
+    want, base_steps, _ = _run(model_path, params)
+    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
+    got, steps, _ = _run(model_path, params, oracle)
+    assert _summary(got) == _summary(want)
+    assert steps < base_steps
+    assert any(o.finish_reason == "stop" for o in got.values())
+
+
+def test_acceptance_takes_the_leading_matches() -> None:
+    drafts = np.array([[5, 6, 7], [5, 6, 7], [5, -1, -1], [-1, -1, -1]])
+    lengths = draft_lengths(drafts)
+    assert lengths.tolist() == [3, 3, 1, 0]
+    sampled = np.array([[5, 6, 7, 8], [5, 9, 7, 8], [5, 6, 0, 0], [4, 0, 0, 0]])
+    assert accepted_counts(sampled, drafts, lengths).tolist() == [3, 1, 1, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_true_drafts_match_with_triton_kernels(model_path: Path) -> None:
+    """On CUDA (Triton attention; drafted steps run eagerly, plain ones in CUDA graphs)."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
+    want, _, _ = _run(model_path, params, device="cuda", block_size=16)
+    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
+    got, steps, engine = _run(model_path, params, oracle, device="cuda", block_size=16)
+    assert _summary(got) == _summary(want)
+    assert steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1))
