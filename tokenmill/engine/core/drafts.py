@@ -14,7 +14,8 @@ are a single token each (n-gram, suffix, tests): the row's tokens have the targe
 distribution, greedy or not. Rejected positions' KV is simply recomputed later (the row's
 computed count rolls back to its new known tokens minus one).
 
-Numpy, no torch.
+Numpy, no torch: the scheduler calls add_drafts when it schedules a step and verify_drafts
+when the step's tokens come back.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from tokenmill.engine.core.batch_slots import BatchSlots
 
-__all__ = ["DraftProposer", "accepted_counts", "draft_lengths"]
+__all__ = ["DraftProposer", "accepted_counts", "add_drafts", "draft_lengths", "verify_drafts"]
 
 
 class DraftProposer(Protocol):
@@ -56,3 +57,59 @@ def accepted_counts(sampled: np.ndarray, drafts: np.ndarray, lengths: np.ndarray
     k = drafts.shape[1]
     match = (sampled[:, :k] == drafts) & (np.arange(k) < lengths[:, None])
     return np.cumprod(match, axis=1).sum(axis=1)
+
+
+def add_drafts(
+    table: BatchSlots,
+    order: np.ndarray,
+    num_new: np.ndarray,
+    proposer: DraftProposer,
+    budget: int,
+    max_model_len: int,
+) -> np.ndarray:
+    """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
+    computing ``num_new`` tokens); write them after each row's known tokens and return [R]
+    how many each row got. Rows that ask for penalties or logprobs take none (their
+    per-token state would have to follow the drafts), nor do drafts go past max_tokens,
+    max_model_len or the step's token ``budget``."""
+    t = table
+    cols = t.sampling.columns
+    eligible = (
+        (num_new == 1)
+        & (t.num_pending[order] == 0)
+        & (cols["presence_penalty"][order] == 0)
+        & (cols["frequency_penalty"][order] == 0)
+        & (cols["repetition_penalty"][order] == 1)
+        & (cols["logprobs"][order] < 0)
+    )
+    counts = np.zeros(len(order), dtype=np.int64)
+    rows = order[eligible]
+    if not len(rows):
+        return counts
+    drafts = np.asarray(proposer.propose(t, rows), dtype=np.int64)[:, : proposer.max_drafts]
+    n = t.num_tokens[rows].astype(np.int64)
+    room = np.minimum(t.max_tokens[rows] - (n - t.num_prompt[rows]), max_model_len - n)
+    k = np.clip(np.minimum(draft_lengths(drafts), room - 1), 0, None)
+    if int(num_new.sum() + k.sum()) > budget:
+        return counts
+    r, j = np.nonzero(np.arange(drafts.shape[1]) < k[:, None])
+    t.token_ids[rows[r], n[r] + j] = drafts[r, j]
+    t.num_drafts[rows] = k
+    counts[eligible] = k
+    return counts
+
+
+def verify_drafts(
+    table: BatchSlots, slots: np.ndarray, sampled: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check the slots' drafts (in the token table after their known tokens) against what
+    they sampled ([R, K + 1]; row r sampled ``counts[r]`` = 1 + its drafts). Returns (tokens
+    each row keeps: its accepted drafts + 1, accepted drafts) [R]; rolls each drafted row's
+    computed count back to the KV that stands and clears the slots' drafts."""
+    n = table.num_tokens[slots].astype(np.int64)
+    drafts = table.token_ids[slots[:, None], n[:, None] + np.arange(sampled.shape[1] - 1)]
+    accepted = accepted_counts(sampled, drafts, counts - 1)
+    drafted = counts > 1
+    table.num_computed[slots[drafted]] = n[drafted] + accepted[drafted]
+    table.num_drafts[slots] = 0
+    return accepted + 1, accepted

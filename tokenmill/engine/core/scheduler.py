@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
-from tokenmill.engine.core.drafts import DraftProposer, accepted_counts, draft_lengths
+from tokenmill.engine.core.drafts import DraftProposer, add_drafts, verify_drafts
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler_output import SchedulerOutput, SchedulerStats, StepUpdate
+from tokenmill.engine.core.token_append import RowEnds, append_tokens, tokens_by_row
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,9 @@ class Scheduler:
         if self.config.async_scheduling:
             num_new[self._ends_when_pending_lands(order)] = 0
         if self.proposer is not None:
-            num_new += self._add_drafts(order, num_new, budget)
+            drafts = add_drafts(s, order, num_new, self.proposer, budget, self.config.max_model_len)
+            num_new += drafts
+            self.stats.num_draft_tokens += int(drafts.sum())
         bs = self.kv.block_size
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]
         grow = np.flatnonzero((need > 0) & (num_new > 0))
@@ -160,41 +163,6 @@ class Scheduler:
             self._sync_blocks(slot)
         keep = num_new > 0
         return order[keep], num_new[keep], []
-
-    def _add_drafts(self, order: np.ndarray, num_new: np.ndarray, budget: int) -> np.ndarray:
-        """Ask the proposer for drafts for the plain decode rows; write them after each row's
-        known tokens and return [R] how many each row got (0: none). Rows that ask for
-        penalties or logprobs take none (their per-token state would have to follow the
-        drafts), nor do drafts go past max_tokens, max_model_len or the step's budget."""
-        s = self.slots
-        cols = s.sampling.columns
-        eligible = (
-            (num_new == 1)
-            & (s.num_pending[order] == 0)
-            & (cols["presence_penalty"][order] == 0)
-            & (cols["frequency_penalty"][order] == 0)
-            & (cols["repetition_penalty"][order] == 1)
-            & (cols["logprobs"][order] < 0)
-        )
-        counts = np.zeros(len(order), dtype=np.int64)
-        rows = order[eligible]
-        if not len(rows):
-            return counts
-        drafts = np.asarray(self.proposer.propose(s, rows), dtype=np.int64)
-        drafts = drafts[:, : self.proposer.max_drafts]
-        n = s.num_tokens[rows].astype(np.int64)
-        room = np.minimum(
-            s.max_tokens[rows] - (n - s.num_prompt[rows]), self.config.max_model_len - n
-        )
-        k = np.clip(np.minimum(draft_lengths(drafts), room - 1), 0, None)
-        if int(num_new.sum() + k.sum()) > budget:
-            return counts
-        r, j = np.nonzero(np.arange(drafts.shape[1]) < k[:, None])
-        s.token_ids[rows[r], n[r] + j] = drafts[r, j]
-        s.num_drafts[rows] = k
-        counts[eligible] = k
-        self.stats.num_draft_tokens += int(k.sum())
-        return counts
 
     def _schedule_running_loop(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """The running rows one by one: clip to the budget, preempt the newest on KV pressure."""
@@ -363,72 +331,29 @@ class Scheduler:
                 if self._append_detached(req, int(token_ids[first[k]])):
                     finished.append(req)
         hot = np.flatnonzero(attached[rows])
-        slots, tokens, keep = self._verify(
-            output.slots[rows[hot]], token_ids, first[hot], counts[hot]
-        )
-        finished += self._append_attached(slots, tokens, keep)
+        slots = output.slots[rows[hot]]
+        tokens = tokens_by_row(token_ids, first[hot], counts[hot])  # [R, M]
+        keep = counts[hot]
+        if tokens.shape[1] > 1:
+            keep, accepted = verify_drafts(s, slots, tokens, keep)
+            self.stats.num_accepted_tokens += int(accepted.sum())
+        ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
+        finished += self._finish_ended(slots, ends)
         return StepUpdate(finished, applied)
 
-    def _verify(
-        self, slots: np.ndarray, token_ids: np.ndarray, first: np.ndarray, counts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The rows' sampled tokens as [R, M] and how many each keeps: all of a row without
-        drafts, and for a row with k drafts the accepted ones plus the sample after them.
-        Rolls the computed count of drafted rows back to their KV that stands."""
-        width = int(counts.max(initial=1))
-        j = np.arange(width)
-        index = np.minimum(first[:, None] + j, len(token_ids) - 1) if len(token_ids) else j
-        tokens = token_ids[index] if len(token_ids) else np.zeros((0, width), dtype=np.int64)
-        if width == 1:
-            return slots, tokens, counts
-        s = self.slots
-        n = s.num_tokens[slots].astype(np.int64)
-        drafts = s.token_ids[slots[:, None], n[:, None] + j[: width - 1]]
-        accepted = accepted_counts(tokens, drafts, counts - 1)
-        drafted = counts > 1
-        s.num_computed[slots[drafted]] = n[drafted] + accepted[drafted]
-        s.num_drafts[slots] = 0
-        self.stats.num_accepted_tokens += int(accepted.sum())
-        return slots, tokens, accepted + 1
-
-    def _append_attached(
-        self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray
-    ) -> list[Request]:
-        """Append ``tokens[r, :counts[r]]`` to each slot's request, checking every stop rule
-        at every token at once; a row that stops keeps the tokens up to its stop."""
-        s = self.slots
-        if not len(slots):
+    def _finish_ended(self, slots: np.ndarray, ends: RowEnds) -> list[Request]:
+        if not len(ends.rows):
             return []
-        n0 = s.num_tokens[slots].astype(np.int64)[:, None]
-        valid = np.arange(tokens.shape[1]) < counts[:, None]  # [R, M]
-        r, j = np.nonzero(valid)
-        s.token_ids[slots[r], n0[r, 0] + j] = tokens[r, j]
-        n = n0 + 1 + np.arange(tokens.shape[1])  # [R, M] num_tokens after each token
-        outputs = n - s.num_prompt[slots][:, None]
-        allowed = outputs >= s.min_tokens[slots][:, None]
-        cube = tokens[:, :, None]
-        eos = (
-            allowed
-            & ~s.ignore_eos[slots][:, None]
-            & (s.eos_ids[slots][:, None, :] == cube).any(axis=2)
-        )
-        stop = allowed & ~eos & (s.stop_ids[slots][:, None, :] == cube).any(axis=2)
-        length = (outputs >= s.max_tokens[slots][:, None]) | (n >= self.config.max_model_len)
-        ends = (eos | stop | length) & valid
-        ended = ends.any(axis=1)
-        at = np.argmax(ends, axis=1)  # [R] the first token that ends the row
-        s.num_tokens[slots] = n0[:, 0] + np.where(ended, at + 1, counts)
-        done = np.flatnonzero(ended)
-        if not len(done):
-            return []
-        finished = [s.requests[slot] for slot in slots[done].tolist()]
-        self._drop_running(slots[done])
-        for i, req in zip(done.tolist(), finished, strict=True):
-            k = at[i]
-            if stop[i, k]:
-                req.stop_reason = int(tokens[i, k])
-            status = RequestStatus.FINISHED_STOPPED if eos[i, k] or stop[i, k] else None
-            self._retire(req, status or RequestStatus.FINISHED_LENGTH)
+        ended = slots[ends.rows]
+        finished = [self.slots.requests[slot] for slot in ended.tolist()]
+        self._drop_running(ended)
+        for req, stopped, token in zip(
+            finished, ends.stopped.tolist(), ends.stop_token.tolist(), strict=True
+        ):
+            if token >= 0:
+                req.stop_reason = token
+            status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_LENGTH
+            self._retire(req, status)
         return finished
 
     def _append_detached(self, req: Request, token: int) -> bool:
