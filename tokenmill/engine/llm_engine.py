@@ -2,16 +2,18 @@
 
 add_request ─► Scheduler.schedule ─► ModelRunner.launch ─► Scheduler.update_from_output
                                         ─► stop strings (incremental text, only where asked)
-                                        ─► finished: text decoded once, batched
+                                        ─► finished: OutputBuilder (text decoded once)
 
 Text is off the hot path: a request's output is decoded once, when it finishes, together
-with the other requests finishing that step. Only requests with stop strings decode as they
-go (``IncrementalDetokenizer``), since their text decides when they stop.
+with the other requests finishing that step, on the output builder's worker thread with
+async scheduling (output_builder.py). Only requests with stop strings decode as they go
+(``IncrementalDetokenizer``), since their text decides when they stop.
 
 With async scheduling (the default on CUDA) each ``step`` call overlaps host and device:
 
-    call n:   schedule n ─► launch n ─► process n-1 (wait for its tokens, update, detokenize)
+    call n:   schedule n ─► launch n ─► process n-1 (wait for its tokens, update)
     GPU:                  [ .. step n-1 .. ][ .. step n .. ]
+    worker:                                   [ decode the requests n-1 finished ]
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
+from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,7 +82,11 @@ class LLMEngine:
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)
-        backend = get_attention_backend(backend_name, mc.num_key_value_heads)
+        # One rank of one today; the layers, the KV cache and the runner take their rank's
+        # share of the heads from it.
+        parallel = ParallelConfig()
+        num_kv_heads = parallel.per_rank(mc.num_key_value_heads, "num_key_value_heads")
+        backend = get_attention_backend(backend_name, num_kv_heads)
         model = build_model(
             mc,
             backend,
@@ -88,9 +96,10 @@ class LLMEngine:
             None if source is None else source.iter_weights(),
             source=model_path,
             seed=config.seed,
+            parallel=parallel,
         )
 
-        block_bytes = kv_bytes_per_block(mc, config.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(mc, config.block_size, self.dtype, parallel)
         budget = config.kv_cache_budget(self.device, self._activation_reserve())
         num_blocks = budget // block_bytes
         if num_blocks < 2:
@@ -108,6 +117,7 @@ class LLMEngine:
             num_blocks,
             config.block_size,
             seed=config.seed,
+            parallel=parallel,
         )
         backend.set_max_model_len(self.max_model_len)
         self.runner.profiler.enabled = config.profile_steps
@@ -138,6 +148,7 @@ class LLMEngine:
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
+        self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
             Path(model_path).name,
@@ -196,21 +207,29 @@ class LLMEngine:
             self._watched[request_id] = tracked
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished() or self._in_flight is not None or self._outputs.pending
+        )
+
+    def close(self) -> None:
+        """Stop the output worker (outputs not collected yet are dropped)."""
+        self._outputs.close()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._outputs.drop(request_ids)
         for rid in request_ids:
             self._tracked.pop(rid, None)
             self._watched.pop(rid, None)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that finished.
+        """Run one scheduled step; return the outputs of requests that finished.
 
-        With async scheduling the step launched here is processed by the next call: its
-        results come one call later, and ``has_unfinished`` stays True until they have."""
+        With async scheduling the step launched here is processed by the next call, and the
+        outputs of its finished requests are built on a worker thread: they come one or more
+        calls later, and ``has_unfinished`` stays True until they have."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         host_ms = (time.perf_counter() - t0) * 1e3
@@ -220,22 +239,19 @@ class LLMEngine:
                     "the scheduler could not schedule any request: the KV "
                     "cache is too small for the waiting prompt"
                 )
-            return []
+            return self._outputs.collect(wait=True)
         launched = None if sched.is_empty else (sched, self.runner.launch(sched))
         if self.scheduler.config.async_scheduling:
             launched, self._in_flight = self._in_flight, launched
-        results: list[RequestOutput] = []
         if launched is not None:
-            results, processing_ms = self._process(*launched)
-            host_ms += processing_ms
+            host_ms += self._process(*launched)
         self.runner.profiler.add_host_ms(host_ms)
-        return results
+        done = not self.scheduler.has_unfinished() and self._in_flight is None
+        return self._outputs.collect(wait=done)
 
-    def _process(
-        self, sched: SchedulerOutput, launched: LaunchedStep
-    ) -> tuple[list[RequestOutput], float]:
-        """Apply a step's sampled tokens; return the finished requests and the host ms spent
-        (not counting the wait for the device)."""
+    def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
+        """Apply a step's sampled tokens and hand its finished requests on; return the host
+        ms spent (not counting the wait for the device)."""
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
@@ -247,8 +263,8 @@ class LLMEngine:
             self._record_logprobs(sched, out, update.applied)
         if self._watched:
             finished += self._check_stop_strings()
-        results = self._finish(finished)
-        return results, (time.perf_counter() - t0) * 1e3
+        self._finish(finished)
+        return (time.perf_counter() - t0) * 1e3
 
     def _check_stop_strings(self) -> list[Request]:
         """Give the watched requests' new tokens to their detokenizers; finish the ones whose
@@ -298,45 +314,11 @@ class LLMEngine:
                 )
             )
 
-    def _finish(self, finished: list[Request]) -> list[RequestOutput]:
-        """The outputs of ``finished`` requests; their text decoded here, in one batch per
-        ``skip_special_tokens`` setting (requests with stop strings already have theirs)."""
-        tracked = [self._tracked.pop(req.request_id) for req in finished]
-        texts = self._decode_finished([t for t in tracked if t.detokenizer is None])
-        results = []
-        for t in tracked:
-            req, detok = t.request, t.detokenizer
-            if detok is not None:
-                self._watched.pop(req.request_id, None)
-                if detok.stop_string is None and detok.flush() is not None:
-                    req.stop_reason = detok.stop_string
-                    req.status = RequestStatus.FINISHED_STOPPED
-            results.append(
-                RequestOutput(
-                    request_id=req.request_id,
-                    prompt_token_ids=req.prompt_token_ids,
-                    text=detok.output_text if detok is not None else texts.get(req.request_id, ""),
-                    token_ids=list(req.output_token_ids),
-                    finish_reason=req.status.value,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_prompt_tokens,
-                    logprobs=t.logprobs,
-                )
-            )
-        return results
-
-    def _decode_finished(self, tracked: list[_Tracked]) -> dict[str, str]:
-        """{request id: text} of finished requests, decoded in batches."""
-        if self.tokenizer is None or not tracked:
-            return {}
-        texts: dict[str, str] = {}
-        for skip in (True, False):
-            group = [
-                t.request for t in tracked if t.request.sampling_params.skip_special_tokens is skip
-            ]
-            if group:
-                decoded = self.tokenizer.batch_decode(
-                    [r.output_token_ids for r in group], skip_special_tokens=skip
-                )
-                texts.update(zip((r.request_id for r in group), decoded, strict=True))
-        return texts
+    def _finish(self, finished: list[Request]) -> None:
+        """Hand ``finished`` requests to the output builder (their text is decoded there)."""
+        items = []
+        for req in finished:
+            tracked = self._tracked.pop(req.request_id)
+            self._watched.pop(req.request_id, None)
+            items.append(Finished(req, tracked.detokenizer, tracked.logprobs))
+        self._outputs.submit(items)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models.linear import LinearBase
 from tokenmill.engine.models.registry import model_class
 from tokenmill.engine.models.rope import RotaryEmbedding
+from tokenmill.engine.parallel import ParallelConfig
 
 
 def build_model(
@@ -21,15 +24,19 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]] | None,
     source: str = "",
     seed: int = 0,
+    *,
+    parallel: ParallelConfig | None = None,
 ) -> torch.nn.Module:
     """The model with ``weights`` loaded, or random weights (std 0.02) when ``weights`` is None.
 
-    Parameters are created on the meta device and materialised once on ``device``.
-    Raises ValueError (from ``load_weights``) naming the tensor on a mismatch.
+    Parameters are created in ``dtype`` on the meta device (a layer's quantization method may
+    pick another dtype for its own) and materialised once on ``device``. ``parallel`` is this
+    rank's place in the tensor-parallel group, rank 0 of 1 by default. Raises ValueError (from
+    ``load_weights``) naming the tensor on a mismatch.
     """
-    with torch.device("meta"):
-        model = model_class(config)(config, backend, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = model_class(config)(config, backend, max_positions, parallel=parallel)
+    model = _to_empty(model, device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build(device)
@@ -37,7 +44,31 @@ def build_model(
         init_random_weights(model, seed)
     else:
         model.load_weights(weights, source=source)
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
     return model.eval()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters built inside are ``dtype`` (the layers read ``torch.get_default_dtype()``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model.to_empty(device=device)``, keeping the attributes its parameters carry (weight
+    loaders, sharded dims): moving off the meta device makes new Parameter objects."""
+    attrs = {name: dict(param.__dict__) for name, param in model.named_parameters()}
+    model = model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        param.__dict__.update(attrs[name])
+    return model
 
 
 @torch.no_grad()

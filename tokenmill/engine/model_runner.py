@@ -28,6 +28,7 @@ from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_output import ModelOutput
+from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
@@ -43,20 +44,26 @@ class _Sampled:
     row_of_slot: np.ndarray  # [C] batch slot -> index in ``tokens``; -1: did not sample
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return (
-        2
-        * config.num_hidden_layers
-        * block_size
-        * config.num_key_value_heads
-        * config.head_dim
-        * elem
+def kv_bytes_per_block(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    parallel: ParallelConfig | None = None,
+) -> int:
+    """Bytes of one KV block on this rank (its share of the KV heads), all layers."""
+    heads = (parallel or ParallelConfig()).per_rank(
+        config.num_key_value_heads, "num_key_value_heads"
     )
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * heads * config.head_dim * elem
 
 
 class ModelRunner:
-    """Owns the model's weights, the paged KV cache tensors, and the sampler."""
+    """Owns the model's weights, the paged KV cache tensors, and the sampler.
+
+    ``parallel`` is this rank's place in the tensor-parallel group: the KV cache holds the
+    rank's KV heads (the model was built with the same config). One rank of one today.
+    """
 
     def __init__(
         self,
@@ -68,7 +75,9 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         seed: int = 0,
+        parallel: ParallelConfig | None = None,
     ) -> None:
+        self.parallel = parallel or ParallelConfig()
         self.model = model
         self.config = config
         self.backend = backend
@@ -84,7 +93,7 @@ class ModelRunner:
                 2,
                 num_blocks,
                 block_size,
-                config.num_key_value_heads,
+                self.parallel.per_rank(config.num_key_value_heads, "num_key_value_heads"),
                 config.head_dim,
             ),
             dtype=dtype,

@@ -42,12 +42,13 @@ from tokenmill.engine.core.token_append import RowEnds, append_tokens, tokens_by
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step. Raises ValueError naming the key when out of range."""
+    """Limits of one step, resolved by the engine from its EngineConfig (which owns the
+    settings and their defaults). Raises ValueError naming the key when out of range."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 8192
-    async_scheduling: bool = False
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int  # the engine's resolved context, not the setting (may be None there)
+    async_scheduling: bool = False  # resolved for the device
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -40,33 +40,10 @@ class RMSNorm(torch.nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up, the halves as stacked by MergedLinear."""
+    """[T, 2I] -> [T, I]: silu(gate) * up, the halves as stacked by gate_up_proj."""
     if fused:
         from tokenmill.kernels.silu_and_mul import silu_and_mul as silu_and_mul_kernel
 
         return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-class MergedLinear(torch.nn.Linear):
-    """One matmul for several HF projections that share an input (q/k/v, gate/up).
-
-    The weight is the row-wise concatenation of the parts; ``load_part`` copies one HF tensor
-    into its rows so checkpoints load without a merged copy.
-    """
-
-    def __init__(self, in_features: int, part_sizes: tuple[int, ...], bias: bool) -> None:
-        super().__init__(in_features, sum(part_sizes), bias=bias)
-        self.part_sizes = part_sizes
-
-    def load_part(self, index: int, name: str, tensor: torch.Tensor, is_bias: bool) -> None:
-        start = sum(self.part_sizes[:index])
-        size = self.part_sizes[index]
-        target = (self.bias if is_bias else self.weight)[start : start + size]
-        if tensor.shape != target.shape:
-            raise ValueError(
-                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(tensor)

@@ -3,6 +3,9 @@
 One decoder covers them: GQA, RoPE, RMSNorm, SiLU-gated MLP; Qwen2 adds q/k/v biases,
 Qwen3 RMSNorm on q and k per head. Parameter names follow HF so checkpoints map 1:1, except
 that q/k/v and gate/up are merged into one matmul each (``qkv_proj``, ``gate_up_proj``).
+The projections are tensor-parallel layers (linear.py): each rank holds its heads' rows of
+qkv_proj and gate_up_proj and the matching columns of o_proj and down_proj; the parameters'
+weight loaders cut a rank's shard out of the checkpoint tensors.
 
 The model runs on a flat batch of tokens ([T], any mix of prefill chunks and decode tokens);
 attention goes through the backend with the paged KV cache of each layer.
@@ -17,22 +20,34 @@ import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.model_config import ModelConfig
-from tokenmill.engine.models.layers import MergedLinear, RMSNorm, silu_and_mul
+from tokenmill.engine.models.layers import RMSNorm, silu_and_mul
+from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from tokenmill.engine.models.rope import RopeStep, RotaryEmbedding, apply_rope
+from tokenmill.engine.models.weight_loader import weight_loader_of
+from tokenmill.engine.parallel import ParallelConfig
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused: bool,
+        parallel: ParallelConfig,
+    ):
         super().__init__()
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.attention_bias
+        # This rank's heads; q/k/v rows are split by whole heads.
+        self.n_heads = parallel.per_rank(config.num_attention_heads, "num_attention_heads")
+        self.n_kv = parallel.per_rank(config.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = d = config.head_dim
+        self.q_size = self.n_heads * d
+        self.kv_size = self.n_kv * d
+        q_out = config.num_attention_heads * d  # rows of the checkpoint's q_proj
+        kv_out = config.num_key_value_heads * d  # rows of k_proj and v_proj
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, (q_out, kv_out, kv_out), config.attention_bias, parallel=parallel
         )
-        self.o_proj = torch.nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(q_out, config.hidden_size, parallel=parallel)
         eps = config.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, eps, fused) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps, fused) if config.qk_norm else None
@@ -56,22 +71,30 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, fused: bool) -> None:
+    def __init__(self, config: ModelConfig, fused: bool, parallel: ParallelConfig) -> None:
         super().__init__()
         self.fused = fused
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, (inter, inter), bias=False)
-        self.down_proj = torch.nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, (inter, inter), parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        fused: bool,
+        parallel: ParallelConfig,
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, fused)
-        self.mlp = LlamaMLP(config, fused)
+        self.self_attn = LlamaAttention(config, backend, fused, parallel)
+        self.mlp = LlamaMLP(config, fused, parallel)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
@@ -97,26 +120,28 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 class LlamaModel(torch.nn.Module):
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, fused: bool
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        fused: bool,
+        parallel: ParallelConfig,
     ):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, backend, fused) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, backend, fused, parallel)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.fused = fused
         self.rope = RotaryEmbedding(config, max_positions)
 
 
-# HF parameter name suffix -> (merged module attribute, part index)
-_MERGED_PARTS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# merged module -> the HF projections it stacks, in part (shard id) order
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# HF projection -> (merged module, shard id)
+_PART_OF = {part: (merged, i) for merged, parts in _MERGED.items() for i, part in enumerate(parts)}
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -124,12 +149,23 @@ class LlamaForCausalLM(torch.nn.Module):
 
     With the Triton attention backend the norms, RoPE and SiLU-and-mul run as fused Triton
     kernels too; with the torch backend everything is plain torch (the reference path).
+    ``parallel`` is this rank's place in the tensor-parallel group (rank 0 of 1 by default);
+    the embeddings and the LM head are held whole by every rank.
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        parallel: ParallelConfig | None = None,
+    ):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, max_positions, fused=backend.fused_layers)
+        self.parallel = parallel or ParallelConfig()
+        self.model = LlamaModel(
+            config, backend, max_positions, fused=backend.fused_layers, parallel=self.parallel
+        )
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -154,51 +190,53 @@ class LlamaForCausalLM(torch.nn.Module):
         return torch.nn.functional.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
-        """Copy HF-named tensors into the parameters; every parameter must be filled once.
+        """Hand each HF-named tensor to its parameter's ``weight_loader``; q/k/v and gate/up
+        go to the merged parameter with their part index as the shard id. Every tensor the
+        model needs must come.
 
-        Raises ValueError naming the tensor (and ``source``) on an unknown name, a shape
-        mismatch, or parameters the checkpoint never provided.
+        Raises ValueError naming the tensor (and ``source``) on an unknown name or a shape
+        mismatch, or listing the tensors the checkpoint never provided.
         """
         params = dict(self.named_parameters())
-        filled: set[str] = set()
+        loaded: set[str] = set()
         where = f" in {source}" if source else ""
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes still store the head
             if "rotary_emb.inv_freq" in name:
                 continue
-            module_path, _, leaf = name.rpartition(".")
-            parent, _, proj = module_path.rpartition(".")
-            if proj in _MERGED_PARTS:
-                merged, index = _MERGED_PARTS[proj]
-                target = f"{parent}.{merged}.{leaf}"
-                if target not in params:
-                    raise ValueError(f"unexpected weight {name}{where}")
-                module = self.get_submodule(f"{parent}.{merged}")
-                module.load_part(index, name, tensor, is_bias=leaf == "bias")
-                filled.add(f"{target}#{index}")
-                continue
-            if name not in params:
+            param_name, shard_id = _param_name(name)
+            param = params.get(param_name)
+            if param is None:
                 raise ValueError(f"unexpected weight {name}{where}")
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"weight {name}{where} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            filled.add(name)
-        missing = [n for n in params if not self._is_filled(n, filled)]
+            try:
+                weight_loader_of(param)(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"weight {name}{where} {e}") from None
+            loaded.add(name)
+        missing = [n for p in params for n in _checkpoint_names(p) if n not in loaded]
         if missing:
             raise ValueError(
                 f"checkpoint{where} lacks weights: {', '.join(missing[:8])}"
                 + (" ..." if len(missing) > 8 else "")
             )
 
-    def _is_filled(self, name: str, filled: set[str]) -> bool:
-        module_path = name.rpartition(".")[0]
-        module = self.get_submodule(module_path)
-        if isinstance(module, MergedLinear):
-            return all(f"{name}#{i}" in filled for i in range(len(module.part_sizes)))
-        return name in filled
+
+def _param_name(name: str) -> tuple[str, int | None]:
+    """HF tensor name -> (parameter name, shard id): ``...self_attn.k_proj.weight`` ->
+    (``...self_attn.qkv_proj.weight``, 1); names of unmerged tensors map to themselves."""
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, proj = module_path.rpartition(".")
+    if proj in _PART_OF:
+        merged, shard_id = _PART_OF[proj]
+        return f"{parent}.{merged}.{leaf}", shard_id
+    return name, None
+
+
+def _checkpoint_names(param_name: str) -> list[str]:
+    """The HF tensor names that fill parameter ``param_name`` (one per merged part)."""
+    module_path, _, leaf = param_name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module in _MERGED:
+        return [f"{parent}.{part}.{leaf}" for part in _MERGED[module]]
+    return [param_name]

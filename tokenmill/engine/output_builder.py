@@ -1,0 +1,120 @@
+"""OutputBuilder: finished requests become RequestOutputs, their text decoded off the step loop.
+
+    step n:    the scheduler finishes requests ─► submit(finished) ──► worker thread:
+                                                                        batch decode, outputs
+    step n+1:  collect() ◄── the outputs built so far, in submission order
+
+With async scheduling (on CUDA) the worker decodes while the main thread schedules and
+launches the next steps: the tokenizer's Rust decoding releases the GIL. Without a device to
+overlap (CPU) it builds inline, where a thread would only add switching. The worker has its
+own copy of the tokenizer, so it never shares one with code that encodes on another thread.
+Text is decoded once per request, in one batch per ``skip_special_tokens`` setting; requests
+with stop strings already have theirs (their IncrementalDetokenizer).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.outputs import RequestOutput, TokenLogprob
+
+__all__ = ["Finished", "OutputBuilder"]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished request and what the engine gathered for it while it ran."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None  # only for requests with stop strings
+    logprobs: list[TokenLogprob] | None
+
+
+class OutputBuilder:
+    """Builds RequestOutputs inline or on one worker thread (``background``)."""
+
+    def __init__(self, tokenizer: Any, background: bool) -> None:
+        self._pool = None
+        if background:
+            tokenizer = copy.deepcopy(tokenizer)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-outputs")
+        self.tokenizer = tokenizer
+        self._queued: deque[Future[list[RequestOutput]]] = deque()
+        self._ready: list[RequestOutput] = []
+        self._dropped: set[str] = set()
+
+    @property
+    def pending(self) -> bool:
+        """Whether outputs were submitted and not collected yet."""
+        return bool(self._queued or self._ready)
+
+    def submit(self, finished: list[Finished]) -> None:
+        if not finished:
+            return
+        if self._pool is None:
+            self._ready += self.build(finished)
+        else:
+            self._queued.append(self._pool.submit(self.build, finished))
+
+    def collect(self, wait: bool = False) -> list[RequestOutput]:
+        """The outputs built so far (all of them when ``wait``); re-raises a worker's error."""
+        outputs, self._ready = self._ready, []
+        while self._queued and (wait or self._queued[0].done()):
+            outputs += self._queued.popleft().result()
+        if self._dropped and outputs:
+            outputs = [o for o in outputs if o.request_id not in self._dropped]
+        if not self.pending:
+            self._dropped.clear()
+        return outputs
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        """Never return outputs of these ids that are still being built (aborted requests)."""
+        if self.pending:
+            self._dropped.update(request_ids)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def build(self, finished: list[Finished]) -> list[RequestOutput]:
+        texts = self._decode([f.request for f in finished if f.detokenizer is None])
+        outputs = []
+        for f in finished:
+            req, detok = f.request, f.detokenizer
+            if detok is not None and detok.stop_string is None and detok.flush() is not None:
+                req.stop_reason = detok.stop_string
+                req.status = RequestStatus.FINISHED_STOPPED
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt_token_ids,
+                    text=detok.output_text if detok is not None else texts.get(req.request_id, ""),
+                    token_ids=req.output_token_ids,
+                    finish_reason=req.status.value,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_prompt_tokens,
+                    logprobs=f.logprobs,
+                )
+            )
+        return outputs
+
+    def _decode(self, requests: list[Request]) -> dict[str, str]:
+        """{request id: text}, decoded in one batch per ``skip_special_tokens`` setting."""
+        if self.tokenizer is None or not requests:
+            return {}
+        texts: dict[str, str] = {}
+        for skip in (True, False):
+            group = [r for r in requests if r.sampling_params.skip_special_tokens is skip]
+            if group:
+                decoded = self.tokenizer.batch_decode(
+                    [r.output_token_ids for r in group], skip_special_tokens=skip
+                )
+                texts.update(zip((r.request_id for r in group), decoded, strict=True))
+        return texts
