@@ -263,3 +263,32 @@ def test_prefix_shared_within_one_step() -> None:
         ("b", 16, 1),
     ]
     assert out.scheduled[0].block_ids[:4] == out.scheduled[1].block_ids[:4]
+
+
+def test_admission_waits_for_a_batch_of_free_slots() -> None:
+    """With admit_batch 3, running requests hold back admissions until 3 slots are free (or
+    every waiting request fits); the outputs are those of admitting at once."""
+    kv = KVCacheManager(256, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(4, 64, 10_000, admit_batch=3), kv)
+    reqs = [
+        Request(f"r{i}", [i + 1, i + 2, i + 3], SamplingParams(max_tokens=2 + i, temperature=0))
+        for i in range(7)
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    admitted_per_step = []
+    while sched.has_unfinished():
+        before = {r.request_id for r in sched.running}
+        out = sched.schedule()
+        new = [r.request_id for r in out.requests if r.request_id not in before]
+        admitted_per_step.append(len(new))
+        apply_sampled(
+            sched,
+            out,
+            {r.request_id: [fake_next_token(r.all_token_ids)] for r in out.requests},
+        )
+    assert admitted_per_step[0] == 4  # nothing runs yet: fill every slot
+    later = [n for n in admitted_per_step[1:] if n]
+    assert later == [3]  # r0..r2 finish one by one; r4..r6 enter together
+    assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert kv.num_free_blocks == 256
