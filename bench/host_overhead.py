@@ -70,12 +70,9 @@ def run_hf(
     model_dir: Path, prompts: list[list[int]], batch: int, max_tokens: int, device: str
 ) -> tuple[float, int, list[list[int]]]:
     """HF generate over static batches of ``batch`` prompts (left-padded), greedy."""
-    from transformers import AutoModelForCausalLM
+    from bench.hf_peer import left_padded, load_hf_model
 
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    where = {"gguf_file": model_dir.name} if model_dir.is_file() else {}
-    folder = model_dir.parent if model_dir.is_file() else model_dir
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **where).to(device).eval()
+    model = load_hf_model(model_dir, device)
     pad = 0
     outs: list[list[int]] = []
     tokens = 0
@@ -84,13 +81,8 @@ def run_hf(
         model.generate(warm, max_new_tokens=2, do_sample=False, pad_token_id=pad)
         start = time.perf_counter()
         for at in range(0, len(prompts), batch):
-            chunk = prompts[at : at + batch]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
+            ids, mask = left_padded(prompts[at : at + batch], pad)
+            width = ids.shape[1]
             out = model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),

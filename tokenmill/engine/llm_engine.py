@@ -135,6 +135,8 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 self.max_model_len,
                 async_scheduling=proposer is None and config.resolve_async_scheduling(self.device),
+                # Few, large prefilling steps between graph-replayed decode steps.
+                admit_batch=max(1, config.max_num_seqs // 8) if self.runner.graphs else 1,
             ),
             kv,
             proposer,

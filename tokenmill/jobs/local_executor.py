@@ -1,25 +1,25 @@
-"""The local executor: one engine in this process, fed as a stream.
+"""The local executor: one engine in this process, kept busy from a RowSource.
 
-Rows are added while fewer than ``2 * max_num_seqs`` are in flight, so the scheduler always
-has a queue to batch from, and results are yielded as requests finish (any order).
+    source.take ─► add_request (up to 2 * max_num_seqs in flight) ─► step ─► ResultRows
+
+The engine's batch never drains while there is input: before every step the executor tops
+the engine up to ``2 * max_num_seqs`` requests from what the source has ready, without
+waiting (it waits only when the engine has nothing to do), so the scheduler always has a
+queue to batch from and the queued-but-not-running requests stay bounded. Results are
+yielded as requests finish (any order).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.rows import InputRow, ResultRow
-from tokenmill.jobs.requests import (
-    error_result,
-    prompt_ids_for,
-    result_from_output,
-    row_error_reason,
-    sampling_params_for,
-)
+from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
+from tokenmill.jobs.requests import error_result, result_from_output, row_error_reason
+from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
 from tokenmill.jobs.spec import JobSpec
 
 
@@ -30,48 +30,68 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 
 class RowProcessor:
-    """One engine and the row <-> request mapping; used by the local and the Ray executor."""
+    """One engine and the row <-> request mapping; used by the local and the Ray executor.
+
+    ``prepare`` turns rows into requests with a tokenizer of its own (it runs on the
+    runner's reader thread while the engine decodes with the engine's)."""
 
     def __init__(self, spec: JobSpec) -> None:
         self.engine = LLMEngine(engine_config(spec))
         self.tokenizer = self.engine.tokenizer
-        self.model_name = spec.model.source
-        self.sampling_defaults: dict[str, Any] = spec.sampling.model_dump()
         self.max_in_flight = 2 * spec.engine.max_num_seqs
+        self.prepare = RowPreparer(
+            own_tokenizer(self.tokenizer), spec.sampling.model_dump(), spec.model.source
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in results (the spec's own spelling of model.source)."""
+        return self.prepare.model
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self.prepare.model = name
 
     def process(
-        self, rows: Iterable[InputRow], cancel: threading.Event | None = None
+        self, rows: RowSource | Iterable[InputRow], cancel: threading.Event | None = None
     ) -> Iterator[ResultRow]:
-        """Run good rows through the engine; yields one ResultRow per row. On ``cancel``,
-        in-flight requests are dropped (their rows yield nothing) and the stream ends."""
+        """Run the rows through the engine; yields one ResultRow per row. ``rows`` is a
+        RowSource, or good InputRows (prepared here). On ``cancel``, in-flight requests are
+        dropped (their rows yield nothing) and the stream ends. Re-raises the source's error."""
         cancel = cancel or threading.Event()
+        source = rows if isinstance(rows, RowSource) else RowList(rows, self.prepare)
         in_flight: dict[str, InputRow] = {}
-        source = iter(rows)
-        exhausted = False
-        while True:
-            while not exhausted and len(in_flight) < self.max_in_flight and not cancel.is_set():
-                row = next(source, None)
-                if row is None:
-                    exhausted = True
-                    break
-                try:
-                    ids = prompt_ids_for(row, self.tokenizer)
-                    params = sampling_params_for(row, self.sampling_defaults)
-                    rid = str(row.row_index)
-                    self.engine.add_request(rid, ids, params)
-                    in_flight[rid] = row
-                except Exception as exc:  # templating, tokenizing, parameters: the row's error
-                    yield error_result(row, row_error_reason(exc), self.model_name)
-            if cancel.is_set():
-                self.engine.abort_requests(list(in_flight))
-                return
-            if not self.engine.has_unfinished():
-                if exhausted:
+        while not cancel.is_set():
+            busy = self.engine.has_unfinished()
+            room = self.max_in_flight - len(in_flight)
+            if room > 0 and not source.exhausted:
+                for item in source.take(room, wait=not busy):
+                    failed = self._add(item, in_flight)
+                    if failed is not None:
+                        yield failed
+                busy = self.engine.has_unfinished()
+            if not busy:
+                if source.exhausted:
                     return
                 continue
             for out in self.engine.step():
                 row = in_flight.pop(out.request_id)
                 yield result_from_output(row, out, self.tokenizer, self.model_name)
+        self.engine.abort_requests(list(in_flight))
+
+    def _add(self, item: FeedItem, in_flight: dict[str, InputRow]) -> ResultRow | None:
+        """Queue ``item`` in the engine; the row's error result when it cannot run."""
+        if isinstance(item, InputRow):  # from a source that does not prepare its rows
+            item = self.prepare([item])[0]
+        if isinstance(item, ResultRow):  # it failed while being prepared
+            return item
+        rid = str(item.row.row_index)
+        try:  # too long for the context, ids outside the vocabulary: the row's error
+            self.engine.add_request(rid, item.prompt_ids, item.params)
+        except Exception as exc:
+            return error_result(item.row, row_error_reason(exc), self.model_name)
+        in_flight[rid] = item.row
+        return None
 
     @property
     def prefix_stats(self) -> tuple[int, int]:
@@ -80,5 +100,7 @@ class RowProcessor:
         return stats.queried_tokens, stats.hit_tokens
 
     def close(self) -> None:
-        """Release the engine's memory (the KV cache) promptly."""
+        """Stop the engine's output worker and release its memory (the KV cache) promptly."""
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None  # type: ignore[assignment]

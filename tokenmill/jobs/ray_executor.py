@@ -1,13 +1,14 @@
 """The Ray executor: a Ray Data pipeline over an actor pool of engine replicas.
 
     driver (runner thread)                    Ray cluster
-    feed.rows() ─► chunks ─► input queue ─► Read(_QueueFeed) ─► map_batches(_Replica) x replicas
+    feed rows ─► chunks ─► input queue ─► Read(_QueueFeed) ─► map_batches(_Replica) x replicas
         ▲                      (actor)        one block = one chunk   RowProcessor per actor
         └── yield ◄── result queue ◄── drain thread ◄── ds.iter_batches() ◄──┘
 
 The runner's feed stays on the driver: it owns the global row order, duplicate-id detection
-across files, skipping committed shards and the shard tracker, and it must be advanced on
-the runner's own thread (the tracker is not thread-safe). So ``process`` pulls rows itself,
+across files, skipping committed shards and the shard tracker; its reader thread reads ahead,
+but it must be advanced on the runner's own thread (the tracker is not thread-safe). The
+replicas template and tokenize their rows themselves. So ``process`` pulls rows itself,
 packs them into chunks (``4 * max_num_seqs`` rows, fewer for small jobs so that every replica
 gets work) and puts them on a Ray queue; one streaming read task turns each chunk into one
 Ray Data block, and ``map_batches`` sends each block to one replica of a fixed actor pool

@@ -18,7 +18,8 @@ class JobReport:
     rows_resumed: int = 0  # already done by an earlier run, skipped
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    wall_seconds: float = 0.0
+    wall_seconds: float = 0.0  # the whole run, model load included
+    model_load_seconds: float = 0.0  # of which loading the model (local executor: its engine)
     prefix_cache_hit_rate: float = 0.0
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
@@ -42,7 +43,7 @@ class JobReport:
             f"({self.rows_this_run} this run, {self.rows_resumed} resumed from earlier runs)",
             f"  tokens      {self.prompt_tokens} in, {self.completion_tokens} out (this run)",
             f"  throughput  {self.output_tokens_per_s:.1f} output tokens/s "
-            f"over {self.wall_seconds:.1f} s",
+            f"over {self.wall_seconds:.1f} s (model load {self.model_load_seconds:.1f} s)",
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
             f"  output      {self.output}",
         ]

@@ -1,8 +1,16 @@
 """The job runner: spec in, committed shards and a report out, resumable at any moment.
 
 checks (output location, input, spec) ─► lock ─► ownership ─► manifest (fingerprint, shard
-files verified) ─► reader ─► skip committed shards ─► executor ─► shard tracker ─► commit
-data + error files ─► manifest ─► report.json
+files verified) ─► then three threads, joined by bounded queues (pipeline_bounds.py):
+
+    reader thread:  read ─► skip committed shards ─► template + tokenize (RowFeed)
+    engine thread:  executor (the engine, kept full) ─► shard tracker ─► complete shards
+    writer thread:  encode ─► commit data + error files ─► manifest (ShardWriter)
+
+─► report.json. The engine thread is the caller's: it alone touches the tracker and the
+progress bar, and it re-raises a worker's error as that worker raised it, so exit codes and
+messages are those of a serial run. A stop (``cancel``, SIGTERM) ends the engine loop, then
+the complete shards are committed; a second signal (JobInterrupted) leaves at once.
 """
 
 from __future__ import annotations
@@ -11,27 +19,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
-from tokenmill.io.readers import input_fingerprint, iter_input_rows
-from tokenmill.io.rows import InputRow
+from tokenmill.io.readers import input_fingerprint
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, claim_output
+from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import check_up_front, input_config
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
-from tokenmill.jobs.requests import error_result
 from tokenmill.jobs.row_count import count_input_rows
-from tokenmill.jobs.shard_commit import commit_shard, discard_progress
+from tokenmill.jobs.row_feed import RowFeed
+from tokenmill.jobs.shard_commit import discard_progress
 from tokenmill.jobs.shard_tracker import ShardTracker
+from tokenmill.jobs.shard_writer import ShardWriter
 from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
+from tokenmill.jobs.stop_signals import JobInterrupted
 
-__all__ = ["fingerprint_of", "input_config", "open_output", "run_job", "settings_of"]
+__all__ = [
+    "fingerprint_of",
+    "input_config",
+    "open_output",
+    "pipeline_bounds",
+    "run_job",
+    "settings_of",
+]
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -136,23 +152,42 @@ def _run_locked(
         return report
 
     total = count_input_rows(input_config(spec))
+    loading = time.monotonic()
     executor = None if cancel.is_set() else _make_executor(spec, total)  # loads the model
+    report.model_load_seconds = round(time.monotonic() - loading, 3)
     progress = Progress(total, manifest.rows_done, enabled=show_progress)
-    feed = _Feed(spec, manifest, progress)
-    fmt = spec.output.format
+    tracker = ShardTracker(spec.output.rows_per_shard)
+    bounds = pipeline_bounds(spec)
+    writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards)
+    feed = RowFeed(
+        input_config(spec),
+        frozenset(manifest.shards),
+        tracker,
+        progress,
+        spec.model.source,
+        getattr(executor, "prepare", None),  # local: rows are tokenized on the reader thread
+        bounds,
+    )
     try:
         if executor is not None and not cancel.is_set():
-            for result in executor.process(feed.rows(), cancel):
-                feed.tracker.add_result(result)
+            for result in executor.process(feed, cancel):
+                tracker.add_result(result)
                 report.prompt_tokens += result.prompt_tokens
                 report.completion_tokens += result.completion_tokens
                 progress.update(1, result.completion_tokens)
-                _commit_ready(store, manifest, feed, report, fmt)
-            _commit_ready(store, manifest, feed, report, fmt)
+                _hand_over_complete(tracker, writer)
+        _hand_over_complete(tracker, writer)
+        writer.finish()
+    except BaseException as exc:
+        _stop_writer(writer, exc)
+        raise
     finally:
+        feed.close(timeout=0.5 if writer.abandoned else 5.0)
         progress.close()
         report.wall_seconds = round(time.monotonic() - start, 3)
         report.throughput_over_time = progress.samples
+        report.shards_committed = writer.shards_committed
+        report.rows_this_run = writer.rows_committed
         if executor is not None:
             queried, hits = executor.prefix_stats
             report.prefix_cache_hit_rate = round(hits / queried, 4) if queried else 0.0
@@ -161,9 +196,9 @@ def _run_locked(
     if cancel.is_set():
         report.status = "cancelled"
     else:
-        if feed.tracker.num_pending_rows:
+        if tracker.num_pending_rows:
             raise RuntimeError(
-                f"{feed.tracker.num_pending_rows} rows got no result; "
+                f"{tracker.num_pending_rows} rows got no result; "
                 "the job is incomplete (rerun to resume)"
             )
         manifest.complete = True
@@ -174,6 +209,11 @@ def _run_locked(
     _fill_totals(report, manifest)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     return report
+
+
+def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
+    """How far the reader and the writer threads may get ahead (rows, shards)."""
+    return PipelineBounds.for_engine(spec.engine.max_num_seqs)
 
 
 def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:
@@ -188,42 +228,26 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
     manifest.save(store)
 
 
-class _Feed:
-    """Streams the input, skipping committed shards; bad rows become results at once."""
-
-    def __init__(self, spec: JobSpec, manifest: Manifest, progress: Progress) -> None:
-        self.cfg = input_config(spec)
-        self.manifest = manifest
-        self.model = spec.model.source
-        self.progress = progress
-        self.tracker = ShardTracker(spec.output.rows_per_shard)
-        self.rows_read = 0
-        self.rows_resumed = 0
-
-    def rows(self) -> Iterator[InputRow]:
-        for row in iter_input_rows(self.cfg):
-            self.rows_read += 1
-            if self.tracker.shard_of(row.row_index) in self.manifest.shards:
-                self.rows_resumed += 1
-                continue
-            self.tracker.row_seen(row.row_index)
-            if row.error is not None:
-                self.tracker.add_result(error_result(row, row.error, self.model))
-                self.progress.update(1, 0)
-                continue
-            yield row
-        self.tracker.input_done()
+def _stop_writer(writer: ShardWriter, exc: BaseException) -> None:
+    """The run is failing with ``exc``: commit the complete shards handed over (as a serial
+    run would have), unless it is a second stop signal, which leaves at once (as safe as
+    SIGKILL). A second signal while waiting for the writer leaves at once too."""
+    if isinstance(exc, (JobInterrupted, KeyboardInterrupt)) or exc is writer.error:
+        writer.abandon()
+        return
+    try:
+        writer.finish_quietly()
+    except BaseException:
+        writer.abandon()
+        raise
 
 
-def _commit_ready(
-    store: OutputStore, manifest: Manifest, feed: _Feed, report: JobReport, fmt: str
-) -> None:
-    """Commit every complete shard: data file, error file, then the manifest naming them."""
-    for shard, results in feed.tracker.pop_complete():
-        manifest.shards[shard] = commit_shard(store, shard, results, fmt, manifest.rows_per_shard)
-        manifest.save(store)
-        report.shards_committed += 1
-        report.rows_this_run += len(results)
+def _hand_over_complete(tracker: ShardTracker, writer: ShardWriter) -> None:
+    """Give every complete shard to the writer (data file, error file, then the manifest).
+    Raises the writer's error as soon as it failed, not only at the next complete shard."""
+    writer.check()
+    for shard, results in tracker.pop_complete():
+        writer.submit(shard, results)
 
 
 def _fill_totals(report: JobReport, manifest: Manifest) -> None:

@@ -1,0 +1,231 @@
+"""The job path beside the engine, end to end on the tiny model: a reader thread and a writer
+thread give byte-identical shards to a run with the threads effectively serialized (queues
+of one); their errors end the run with the exit codes and messages of a serial run, without
+hanging; the engine's batch stays full across shard boundaries, with a bounded queue."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import run_job
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.io.readers import InputConfig, iter_input_rows
+from tokenmill.jobs import row_feed, runner, shard_writer
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.pipeline_bounds import PipelineBounds
+from tokenmill.jobs.shard_commit import commit_shard
+from tokenmill.jobs.spec import JobSpec
+
+RESUME = "committed shards are kept; rerun the same command to resume"
+BAD_LINES = [
+    "{not json",
+    json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "x" * 2000}]}),
+    json.dumps({"id": "r0003", "messages": [{"role": "user", "content": "duplicate"}]}),
+]
+
+
+def _input(folder: Path, rows: int = 30) -> Path:
+    lines = [json.dumps(r) for r in chat_rows(rows)]
+    for at, bad in zip((2, 13, 21), BAD_LINES, strict=True):
+        lines.insert(at, bad)
+    return write_jsonl(folder / "in.jsonl", lines)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for folder in ("shards", "errors")
+        for p in sorted((out / folder).iterdir())
+    }
+
+
+def _serialized(monkeypatch: pytest.MonkeyPatch) -> None:
+    serial = PipelineBounds(batch_rows=1, read_ahead_rows=1, queued_shards=1)
+    monkeypatch.setattr(runner, "pipeline_bounds", lambda spec: serial)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "stop"), [("parquet", []), ("jsonl", ["e"])], ids=["parquet", "jsonl-stop-strings"]
+)
+def test_shards_are_byte_identical_to_a_serialized_run(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, stop: list[str]
+) -> None:
+    src = _input(tmp_path)
+    output = {"format": fmt, "rows_per_shard": 4}
+    engine = {"max_num_seqs": 3}
+    sampling = {"max_tokens": 6, "stop": stop}
+    outs = {}
+    for mode in ("threads", "serial"):
+        if mode == "serial":
+            _serialized(monkeypatch)
+        out = tmp_path / mode
+        spec = job_dict(tiny_model, src, out, output=output, engine=engine, sampling=sampling)
+        report = run_job(spec, show_progress=False)
+        assert report.status == "complete" and (report.rows_ok, report.rows_failed) == (30, 3)
+        outs[mode] = out
+    assert _files(outs["threads"]) == _files(outs["serial"])
+    manifests = [json.loads((outs[m] / "test.manifest.json").read_text()) for m in outs]
+    assert manifests[0]["shards"] == manifests[1]["shards"]
+
+
+def _job_file(tmp_path: Path, spec: dict[str, Any]) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _cli(job: Path) -> int:
+    """run-job in a thread: a hang fails the test instead of blocking it."""
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(cli_main([str(job), "--quiet"])))
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "run-job hung after a worker's error"
+    return codes[0]
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (
+            OSError("connection reset by peer"),
+            75,
+            "storage error: OSError: connection reset by peer",
+        ),
+        (ValueError("line 23 vanished"), 1, "the job failed (ValueError: line 23 vanished)"),
+    ],
+    ids=["storage", "bug"],
+)
+def test_a_reader_error_ends_the_run_as_a_serial_run_would(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: Exception,
+    code: int,
+    message: str,
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, engine={"max_num_seqs": 2})
+
+    def failing(cfg: InputConfig) -> Iterator[Any]:
+        for row in iter_input_rows(cfg):
+            if row.row_index == 22:
+                raise error
+            yield row
+
+    monkeypatch.setattr(row_feed, "iter_input_rows", failing)
+    monkeypatch.setattr(runner, "pipeline_bounds", lambda s: PipelineBounds(4, 8, 1))
+    assert _cli(_job_file(tmp_path, spec)) == code
+    assert capsys.readouterr().err.strip().endswith(f"run-job: {message}; {RESUME}")
+    committed = json.loads((out / "test.manifest.json").read_text())["shards"]
+    assert set(committed) <= {"0", "1", "2", "3", "4"}  # rows before 22 only
+
+    monkeypatch.undo()
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 40
+    assert report.rows_resumed == 4 * len(committed)
+    assert sorted(r["id"] for r in read_jsonl_dir(out / "shards")) == [
+        r["id"] for r in chat_rows(40)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        (OSError(28, "No space left on device"), 75, "storage error: OSError: [Errno 28]"),
+        (RuntimeError("encoder bug"), 1, "the job failed (RuntimeError: encoder bug)"),
+    ],
+    ids=["storage", "bug"],
+)
+def test_a_writer_error_ends_the_run_as_a_serial_run_would(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: Exception,
+    code: int,
+    message: str,
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(24))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, engine={"max_num_seqs": 2})
+    calls = []
+
+    def failing(*args: Any) -> Any:
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise error
+        return commit_shard(*args)
+
+    monkeypatch.setattr(shard_writer, "commit_shard", failing)
+    assert _cli(_job_file(tmp_path, spec)) == code
+    err = capsys.readouterr().err
+    assert f"run-job: {message}" in err and err.strip().endswith(RESUME)
+    assert len(calls) == 3  # nothing was committed after the failure
+    committed = json.loads((out / "test.manifest.json").read_text())["shards"]
+    assert len(committed) == 2
+
+    monkeypatch.undo()
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 24 and report.rows_resumed == 8
+
+
+def test_the_engine_batch_stays_full_across_shard_boundaries(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the last row is added, every step runs a full batch (max_num_seqs) and the
+    engine never holds more than 2 * max_num_seqs requests."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(60))
+    seqs = 3
+    spec = job_dict(
+        tiny_model,
+        src,
+        tmp_path / "out",
+        engine={"max_num_seqs": seqs},
+        sampling={"max_tokens": 5},
+        output={"rows_per_shard": 2},
+    )
+    unfinished = 0
+    added = 0
+    before_step: list[tuple[int, int]] = []  # (rows added so far, requests in the engine)
+    add, step = LLMEngine.add_request, LLMEngine.step
+
+    def counting_add(self: LLMEngine, *args: Any) -> None:
+        nonlocal unfinished, added
+        add(self, *args)
+        unfinished += 1
+        added += 1
+
+    def counting_step(self: LLMEngine) -> Any:
+        nonlocal unfinished
+        before_step.append((added, unfinished))
+        outs = step(self)
+        unfinished -= len(outs)
+        return outs
+
+    monkeypatch.setattr(LLMEngine, "add_request", counting_add)
+    monkeypatch.setattr(LLMEngine, "step", counting_step)
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 60
+    assert max(n for _, n in before_step) <= 2 * seqs
+    while_input_left = [n for a, n in before_step if a < 60]
+    assert len(while_input_left) > 10 and min(while_input_left) >= seqs
+
+
+def test_bounds_follow_the_engine_and_refuse_nonsense() -> None:
+    spec = JobSpec.from_dict(job_dict(Path("m"), "in.jsonl", "out", engine={"max_num_seqs": 512}))
+    bounds = runner.pipeline_bounds(spec)
+    assert (bounds.batch_rows, bounds.read_ahead_rows, bounds.queued_shards) == (64, 1024, 2)
+    assert PipelineBounds.for_engine(1).read_ahead_rows == 256
+    with pytest.raises(ValueError, match="PipelineBounds.queued_shards"):
+        PipelineBounds(queued_shards=0)

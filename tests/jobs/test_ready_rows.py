@@ -1,0 +1,129 @@
+"""RowPreparer: batches of rows give the same token ids, parameters and errors as the
+per-row path (prompt_ids_for, sampling_params_for) that the engine loop used before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill.engine.loader import resolve_model_source
+from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.ready_rows import ReadyRow, RowPreparer, own_tokenizer
+from tokenmill.jobs.requests import (
+    error_result,
+    prompt_ids_for,
+    row_error_reason,
+    sampling_params_for,
+)
+
+DEFAULTS = {"max_tokens": 8, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    return resolve_model_source(str(tiny_model)).load_tokenizer()
+
+
+def _row(i: int, **fields: Any) -> InputRow:
+    return InputRow(i, f"r{i}", f"in.jsonl:{i + 1}", **fields)
+
+
+def _rows() -> list[InputRow]:
+    chat = [{"role": "user", "content": "what is 2 + 2?"}]
+    return [
+        _row(0, messages=chat),
+        _row(1, prompt="Once upon a time"),
+        _row(2, messages=[{"role": "system", "content": "Be terse."}, *chat]),
+        _row(3, messages=[{"role": "user", "content": "x" * 300}], sampling={"max_tokens": 3}),
+        _row(4, prompt="plain, with per-row sampling", sampling={"temperature": 0.7, "seed": 1}),
+        _row(5, messages=chat, sampling={"top_p": 1.5}),  # out of range: a row error
+        _row(6, messages=chat, sampling={"best_of": 2}),  # unsupported: a row error
+        _row(7),  # neither prompt nor messages
+        _row(8, messages=[{"role": "user", "content": "ünïcödé ✓ 🚀"}], custom_id="c8"),
+    ]
+
+
+def _per_row(row: InputRow, tokenizer: Any) -> ReadyRow | ResultRow:
+    """What the engine loop did for one row before rows were prepared in batches."""
+    try:
+        ids = prompt_ids_for(row, tokenizer)
+        params = sampling_params_for(row, DEFAULTS)
+    except Exception as exc:
+        return error_result(row, row_error_reason(exc), "m")
+    return ReadyRow(row, ids, params)
+
+
+def _same(got: ReadyRow | ResultRow, want: ReadyRow | ResultRow) -> None:
+    assert type(got) is type(want)
+    if isinstance(want, ResultRow):
+        assert got == want
+        return
+    assert isinstance(got, ReadyRow)
+    assert (got.prompt_ids, got.params) == (want.prompt_ids, want.params)
+    assert got.row == want.row
+
+
+def test_a_batch_matches_the_per_row_path(tokenizer: Any) -> None:
+    rows = _rows()
+    got = RowPreparer(tokenizer, DEFAULTS, "m")(rows)
+    assert len(got) == len(rows)
+    for row, item in zip(rows, got, strict=True):
+        _same(item, _per_row(row, tokenizer))
+    assert sum(isinstance(g, ResultRow) for g in got) == 3
+    shared = [g.params for g, r in zip(got, rows, strict=True) if isinstance(g, ReadyRow)]
+    assert shared[0] is shared[1]  # rows without their own sampling share the defaults'
+
+
+def test_template_and_tokenizer_failures_are_the_rows_errors(tokenizer: Any) -> None:
+    """A template that rejects one conversation, and a batch encode that fails, fall back to
+    the per-row path: the failing row gets its usual error, the others their ids."""
+    tokenizer = own_tokenizer(tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    )
+    rows = [
+        _row(0, messages=[{"role": "user", "content": "hi"}]),
+        _row(1, messages=[{"role": "tool", "content": "x"}]),
+    ]
+    got = RowPreparer(tokenizer, DEFAULTS, "m")(rows)
+    for row, item in zip(rows, got, strict=True):
+        _same(item, _per_row(row, tokenizer))
+    assert isinstance(got[0], ReadyRow)
+    assert isinstance(got[1], ResultRow) and "no tools" in (got[1].error or "")
+
+    class Flaky:
+        """Encodes one text at a time, but refuses a batch."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+            self.chat_template = inner.chat_template
+
+        def __call__(self, texts: list[str], **kwargs: Any) -> Any:
+            raise RuntimeError("batch encode failed")
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    flaky = Flaky(tokenizer)
+    rows = [_row(0, messages=[{"role": "user", "content": "hi"}]), _row(1, prompt="p")]
+    for row, item in zip(rows, RowPreparer(flaky, DEFAULTS, "m")(rows), strict=True):
+        _same(item, _per_row(row, tokenizer))
+
+
+def test_without_a_chat_template_chat_rows_fail_and_prompts_run(tokenizer: Any) -> None:
+    bare = own_tokenizer(tokenizer)
+    bare.chat_template = None
+    rows = [_row(0, messages=[{"role": "user", "content": "hi"}]), _row(1, prompt="p")]
+    got = RowPreparer(bare, DEFAULTS, "m")(rows)
+    assert isinstance(got[0], ResultRow) and "no chat template" in (got[0].error or "")
+    assert isinstance(got[1], ReadyRow) and got[1].prompt_ids == prompt_ids_for(rows[1], bare)
+
+
+def test_the_reader_gets_a_tokenizer_of_its_own(tokenizer: Any) -> None:
+    copy = own_tokenizer(tokenizer)
+    assert copy is not tokenizer and copy.backend_tokenizer is not tokenizer.backend_tokenizer
+    assert copy.chat_template == tokenizer.chat_template
+    assert copy.encode("same ids") == tokenizer.encode("same ids")

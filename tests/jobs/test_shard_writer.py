@@ -1,0 +1,134 @@
+"""ShardWriter: shards committed on a writer thread, in order, recorded in the manifest; its
+errors re-raised on the engine thread; a full queue holds the engine back (bounded); an
+abandoned writer never makes the engine thread wait."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenmill.io.rows import ResultRow
+from tokenmill.io.storage import OutputStore
+from tokenmill.jobs import shard_writer
+from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.shard_commit import commit_shard
+from tokenmill.jobs.shard_writer import ShardWriter
+
+ROWS = 3
+
+
+def _results(shard: int) -> list[ResultRow]:
+    return [
+        ResultRow(i, f"r{i}", text=f"text {i}", finish_reason="stop", completion_tokens=2)
+        for i in range(shard * ROWS, (shard + 1) * ROWS)
+    ]
+
+
+def _writer(tmp_path: Path, max_queued: int = 2) -> tuple[ShardWriter, OutputStore, Manifest]:
+    store = OutputStore(str(tmp_path / "out"), owner="t")
+    manifest = Manifest("t", "fp", ROWS)
+    return ShardWriter(store, manifest, "jsonl", max_queued), store, manifest
+
+
+def _saved_shards(store: OutputStore) -> list[int]:
+    raw = json.loads(store.read_bytes(Manifest.file_name("t")) or b"{}")
+    return sorted(int(k) for k in raw.get("shards", {}))
+
+
+def test_shards_are_committed_in_order_and_recorded(tmp_path: Path) -> None:
+    writer, store, manifest = _writer(tmp_path)
+    for shard in (0, 2, 1):
+        writer.submit(shard, _results(shard))
+    writer.finish()
+    assert (writer.shards_committed, writer.rows_committed) == (3, 3 * ROWS)
+    assert sorted(manifest.shards) == _saved_shards(store) == [0, 1, 2]
+    for shard, record in manifest.shards.items():
+        data = (tmp_path / "out" / record.data).read_bytes()
+        assert data and record.data_bytes == len(data) and record.first_row == shard * ROWS
+
+
+class _Gate:
+    """commit_shard that waits for ``open`` (and counts calls), or raises ``error`` at call
+    ``fail_at``."""
+
+    def __init__(self, error: BaseException | None = None, fail_at: int = -1) -> None:
+        self.open = threading.Event()
+        self.started = 0
+        self.error, self.fail_at = error, fail_at
+
+    def __call__(self, *args: Any) -> Any:
+        self.started += 1
+        if self.started - 1 == self.fail_at:
+            assert self.error is not None
+            raise self.error
+        self.open.wait(30)
+        return commit_shard(*args)
+
+
+def test_a_full_queue_blocks_the_engine_thread_within_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _Gate()
+    monkeypatch.setattr(shard_writer, "commit_shard", gate)
+    writer, _, _ = _writer(tmp_path, max_queued=2)
+    submitted = []
+
+    def engine() -> None:
+        for shard in range(10):
+            writer.submit(shard, _results(shard))
+            submitted.append(shard)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while len(submitted) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert gate.started == 1 and len(submitted) == 3  # one being written, two queued
+    gate.open.set()
+    thread.join(10)
+    writer.finish()
+    assert len(submitted) == 10 and writer.shards_committed == 10
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), RuntimeError("bug")])
+def test_a_writer_error_is_raised_on_the_engine_thread_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    gate = _Gate(error, fail_at=1)
+    gate.open.set()
+    monkeypatch.setattr(shard_writer, "commit_shard", gate)
+    writer, store, manifest = _writer(tmp_path, max_queued=1)
+    with pytest.raises(type(error)) as raised:
+        for shard in range(100):  # submit notices the failure: it does not hang
+            writer.submit(shard, _results(shard))
+    assert raised.value is error
+    with pytest.raises(type(error)):
+        writer.finish()
+    assert sorted(manifest.shards) == _saved_shards(store) == [0]  # the one before it
+
+
+def test_abandon_leaves_a_hung_write_behind_and_records_nothing_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = _Gate()
+    monkeypatch.setattr(shard_writer, "commit_shard", gate)
+    writer, store, manifest = _writer(tmp_path, max_queued=2)
+    writer.submit(0, _results(0))
+    writer.submit(1, _results(1))
+    deadline = time.monotonic() + 10
+    while gate.started == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    writer.abandon()
+    assert time.monotonic() - start < 1 and writer.abandoned
+    gate.open.set()  # the hung write completes later
+    writer._thread.join(10)
+    assert not writer._thread.is_alive()
+    assert manifest.shards == {} and _saved_shards(store) == []  # a rerun recomputes it
+    assert gate.started == 1  # the queued shard was dropped

@@ -1,0 +1,44 @@
+"""How far each stage of a local run may get ahead of the next: the bounds on host memory.
+
+    reader thread ─► ready rows (read_ahead_rows) ─► engine (2 * max_num_seqs in flight)
+       ─► shard tracker (results of open shards) ─► writer thread (queued_shards shards)
+
+Every queue is bounded in rows, so a run holds about ``read_ahead_rows + 2 * batch_rows +
+2 * max_num_seqs`` rows before the engine and a few shards after it, whatever the input's
+size. The defaults follow ``engine.max_num_seqs``: enough rows ready to refill the batch
+many steps over, few enough to stay small next to the engine's own memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+__all__ = ["PipelineBounds"]
+
+_BATCH_ROWS = 64  # rows templated and tokenized in one call: enough to amortise the call
+_MIN_READ_AHEAD = 256
+
+
+@dataclass(frozen=True)
+class PipelineBounds:
+    batch_rows: int = _BATCH_ROWS  # rows read and prepared (template, tokens) together
+    read_ahead_rows: int = 2 * _MIN_READ_AHEAD  # ready rows waiting for the engine
+    queued_shards: int = 2  # complete shards waiting for the writer thread
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"PipelineBounds.{f.name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int) -> PipelineBounds:
+        """The bounds of a run whose engine batches up to ``max_num_seqs`` requests."""
+        read_ahead = max(2 * max_num_seqs, _MIN_READ_AHEAD)
+        return cls(batch_rows=min(_BATCH_ROWS, read_ahead), read_ahead_rows=read_ahead)
+
+    @property
+    def read_ahead_batches(self) -> int:
+        """The read-ahead queue's length, in batches."""
+        return math.ceil(self.read_ahead_rows / self.batch_rows)

@@ -1,0 +1,128 @@
+"""Rows made ready for the engine in batches: chat template, token ids, sampling parameters.
+
+    rows ─► per row: render the chat template (or take the prompt) ─► one batch encode per
+            kind (chat text: no special tokens added; plain prompts: the model's BOS rules)
+         ─► ReadyRow(row, prompt_ids, params) | ResultRow(error), in the rows' order
+
+This is ``prompt_ids_for`` + ``sampling_params_for`` over many rows at once, with the same
+ids and the same error messages: a row whose template rendering or encoding fails is run
+through ``prompt_ids_for`` alone, whose error is the row's. The batch encode runs in the
+tokenizer's Rust code without the GIL, so a reader thread preparing rows leaves the engine
+thread free to run (templating is Python, and holds it).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.requests import (
+    error_result,
+    prompt_ids_for,
+    row_error_reason,
+    sampling_params_for,
+)
+
+__all__ = ["ReadyRow", "RowPreparer", "own_tokenizer"]
+
+log = logging.getLogger("tokenmill.jobs")
+
+
+@dataclass(frozen=True)
+class ReadyRow:
+    """A good row as the engine takes it: the row (for what its result carries over: id,
+    source, passthrough), its prompt's token ids and its sampling parameters."""
+
+    row: InputRow
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def own_tokenizer(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` for a worker thread, so that it never shares the engine's Rust
+    tokenizer (whose settings a call may change); ``tokenizer`` itself if it cannot be copied."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # a tokenizer class that does not copy: share it
+        log.debug("tokenizer not copied (%s: %s); the reader shares it", type(exc).__name__, exc)
+        return tokenizer
+
+
+class RowPreparer:
+    """Callable: a list of good InputRows in, a list of ReadyRow | ResultRow out (same order)."""
+
+    def __init__(self, tokenizer: Any, sampling_defaults: dict[str, Any], model: str) -> None:
+        self.tokenizer = tokenizer
+        self.sampling_defaults = sampling_defaults
+        self.model = model
+        self._default_params: SamplingParams | None = None
+
+    def __call__(self, rows: list[InputRow]) -> list[ReadyRow | ResultRow]:
+        encoded: list[list[int] | ResultRow] = [[] for _ in rows]
+        texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}  # special tokens?
+        for i, row in enumerate(rows):
+            text = self._text(row)
+            if text is None:  # the per-row path decides: ids, or the row's error
+                encoded[i] = self._one(row)
+            else:
+                texts[row.messages is None].append((i, text))
+        for special, group in texts.items():
+            for i, ids in self._encode(rows, group, special):
+                encoded[i] = ids
+        out: list[ReadyRow | ResultRow] = []
+        for row, ids in zip(rows, encoded, strict=True):
+            if isinstance(ids, ResultRow):  # the prompt's error comes first, as per row
+                out.append(ids)
+                continue
+            try:
+                params = self._params(row)
+            except Exception as exc:
+                out.append(error_result(row, row_error_reason(exc), self.model))
+                continue
+            out.append(ReadyRow(row, ids, params))
+        return out
+
+    def _params(self, row: InputRow) -> SamplingParams:
+        """``sampling_params_for(row, defaults)``; built once for all the rows that override
+        nothing (SamplingParams is frozen: they share it). Raises as it does."""
+        if row.sampling:
+            return sampling_params_for(row, self.sampling_defaults)
+        if self._default_params is None:
+            self._default_params = sampling_params_for(row, self.sampling_defaults)
+        return self._default_params
+
+    def _text(self, row: InputRow) -> str | None:
+        """The text to encode, or None when only the per-row path can tell (no template, a
+        template error, neither prompt nor messages)."""
+        if row.messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                return None
+            try:
+                return self.tokenizer.apply_chat_template(
+                    list(row.messages), tokenize=False, add_generation_prompt=True
+                )
+            except Exception:
+                return None
+        return row.prompt
+
+    def _one(self, row: InputRow) -> list[int] | ResultRow:
+        try:
+            return prompt_ids_for(row, self.tokenizer)
+        except Exception as exc:  # templating, tokenizing: the row's error
+            return error_result(row, row_error_reason(exc), self.model)
+
+    def _encode(
+        self, rows: list[InputRow], group: list[tuple[int, str]], special: bool
+    ) -> list[tuple[int, list[int] | ResultRow]]:
+        """(index, token ids or error) for each (index, text) of ``group``, in one call."""
+        if not group:
+            return []
+        try:
+            encoded = self.tokenizer([t for _, t in group], add_special_tokens=special)
+            return [(i, list(e)) for (i, _), e in zip(group, encoded["input_ids"], strict=True)]
+        except Exception:  # some row's text: find which, through the per-row path
+            return [(i, self._one(rows[i])) for i, _ in group]
