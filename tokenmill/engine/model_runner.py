@@ -157,16 +157,12 @@ class ModelRunner:
         table = sched.table
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
-        rows = np.repeat(slots, counts)  # [N] the slot of each logits row
-        within = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-        requests = np.repeat(sched.requests[batch.sample_rows], counts)
+        row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
+        within = np.arange(len(row_slots)) - np.repeat(np.cumsum(counts) - counts, counts)
         meta = SamplingMetadata.from_rows(
-            table.sampling.gather(rows),
-            table.num_tokens[rows].astype(np.int64) - table.num_prompt[rows] + within,
-            lambda: (
-                [r.prompt_token_ids for r in requests],
-                [r.output_token_ids for r in requests],
-            ),
+            table.sampling.gather(row_slots),
+            table.num_tokens[row_slots].astype(np.int64) - table.num_prompt[row_slots] + within,
+            lambda: self._histories(sched, batch),
             vocab_size=logits.shape[-1],
             device=self.device,
             generator=self.generator,
@@ -180,6 +176,14 @@ class ModelRunner:
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         self.profiler.end()
         return step
+
+    @staticmethod
+    def _histories(
+        sched: SchedulerOutput, batch: HostBatch
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompt, output token ids) per logits row: read only when a row has a penalty."""
+        requests = np.repeat(sched.requests[batch.sample_rows], batch.sample_counts)
+        return [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
 
     def _upload(
         self, batch: HostBatch
