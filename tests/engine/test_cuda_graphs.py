@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.cuda_graphs import graph_buckets
+from tokenmill.engine.cuda_graphs import _padded_rows, graph_buckets
 
 
 def test_graph_buckets_cover_every_batch_size() -> None:
@@ -17,6 +18,13 @@ def test_graph_buckets_cover_every_batch_size() -> None:
     assert buckets[:4] == [1, 2, 4, 8] and buckets[-1] == 100
     assert all(any(b >= n for b in buckets) for n in range(1, 101))
     assert graph_buckets(1) == [1]
+
+
+def test_drafted_rows_are_left_padded_to_the_graph_query_length() -> None:
+    # Rows of 3, 1 and 2 tokens in a graph of 3 tokens a row: each row's tokens end its rows.
+    dest = _padded_rows(np.array([3, 1, 2], dtype=np.int32), 3)
+    assert dest.tolist() == [0, 1, 2, 5, 7, 8]
+    assert _padded_rows(np.ones(4, dtype=np.int32), 1) is None
 
 
 @pytest.mark.gpu

@@ -60,6 +60,7 @@ def _run(
     proposer=None,
     block_size: int = 4,
     device: str = "cpu",
+    backend: str = "auto",
 ) -> tuple[dict[str, RequestOutput], int, LLMEngine]:
     config = EngineConfig(
         model=str(model_path),
@@ -67,6 +68,8 @@ def _run(
         dtype="float32",
         block_size=block_size,
         kv_cache_memory=1 << 26,
+        attention_backend=backend,
+        profile_steps=True,
     )
     engine = LLMEngine(config, proposer)
     for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
@@ -136,12 +139,32 @@ def test_acceptance_takes_the_leading_matches() -> None:
     assert accepted_counts(sampled, drafts, lengths).tolist() == [3, 1, 1, 0]
 
 
+def test_triton_decode_kernel_takes_drafts(model_path: Path) -> None:
+    """The Triton backend (in the interpreter here) runs drafted decode rows through its
+    decode kernel, several query tokens a row, with the torch backend's tokens."""
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 6
+    want, _, _ = _run(model_path, params, block_size=16, backend="torch")
+    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
+    got, steps, _ = _run(model_path, params, oracle, block_size=16, backend="triton")
+    assert _summary(got) == _summary(want)
+    assert steps == 1 + -(-(10 - 1) // (K + 1))
+    wrong = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K, wrong=True)
+    got, _, _ = _run(model_path, params, wrong, block_size=16, backend="triton")
+    assert _summary(got) == _summary(want)
+
+
 @pytest.mark.gpu
-def test_gpu_true_drafts_match_with_triton_kernels(model_path: Path) -> None:
-    """On CUDA (Triton attention; drafted steps run eagerly, plain ones in CUDA graphs)."""
+@pytest.mark.parametrize("wrong", [False, True])
+def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, wrong: bool) -> None:
+    """On CUDA (Triton attention, CUDA graphs): decode steps with drafts replay the graphs
+    captured for 1 + K tokens a row (rows with fewer drafts left-padded), with the tokens
+    of a run without drafts."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
     want, _, _ = _run(model_path, params, device="cuda", block_size=16)
-    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
+    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K, wrong=wrong)
     got, steps, engine = _run(model_path, params, oracle, device="cuda", block_size=16)
     assert _summary(got) == _summary(want)
-    assert steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1))
+    if not wrong:
+        assert steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1))
+    decode = engine.step_profile()["decode"]
+    assert decode["graph_steps"] == decode["steps"] > 0

@@ -244,3 +244,78 @@ def test_fixed_split_boundaries_make_results_batch_invariant() -> None:
         q[2:3], kv[0], kv[1], bt[2:3], seq[2:3], scale, 3, block_n=16, split_keys=32
     )
     assert torch.equal(alone[0], outs[0][2])
+
+
+# --- a few query tokens per request (draft tokens) -----------------------------------------
+
+
+def _multi_query(q_lens: list[int], hq: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """Query rows for requests with ``q_lens`` tokens each: q [T, Hq, d] and query_start_loc."""
+    gen = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE, dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, qsl.to(DEVICE)
+
+
+# (q_lens, seq_lens, hq, hkv, block_size, block_n, num_splits, split_keys, dtype)
+MULTI_CASES = [
+    ([3, 1, 5, 2], [3, 17, 40, 129], 9, 3, 16, 16, 1, None, torch.float32),  # SmolLM2 heads
+    ([4, 4, 4], [70, 5, 33], 8, 2, 16, 32, 3, None, torch.bfloat16),
+    ([2, 5, 1], [129, 64, 1], 8, 1, 32, 16, 5, 32, torch.float16),  # fixed split boundaries
+    # Left-padded rows as a captured graph lays them out: 4 tokens a request, a request
+    # shorter than that (its first tokens see no key), and an empty padding request.
+    ([4, 4, 4], [2, 50, 0], 4, 4, 16, 16, 3, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens", "hq", "hkv", "block_size", "block_n", "num_splits", "split_keys",
+     "dtype"),
+    MULTI_CASES,
+)  # fmt: skip
+def test_multi_query_matches_reference(
+    q_lens, seq_lens, hq, hkv, block_size, block_n, num_splits, split_keys, dtype
+) -> None:
+    d = 64
+    _, kv, bt, seq = _make_case(seq_lens, hq, hkv, d, block_size, dtype)
+    q, qsl = _multi_query(q_lens, hq, d, dtype)
+    scale = d**-0.5
+    out = paged_decode_attention(
+        q, kv[0], kv[1], bt, seq, scale, num_splits, block_n=block_n, split_keys=split_keys,
+        query_start_loc=qsl, max_query_len=max(q_lens),
+    )  # fmt: skip
+    ref = paged_decode_attention_ref(q, kv[0], kv[1], bt, seq, scale, query_start_loc=qsl)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_a_draft_token_attends_like_a_one_token_request() -> None:
+    """Token i of a request's q tokens gives what a one-token request of length
+    seq_len - q + 1 + i gives: on the GPU bit for bit (fixed split boundaries; the dots
+    reduce in the same order whatever the tile's row count), so a row's tokens do not depend
+    on how many drafts rode with it. The interpreter's numpy dots may round differently."""
+    hq, hkv, d, q_lens, seq_lens = 6, 2, 64, [3, 1], [45, 20]
+    _, kv, bt, seq = _make_case(seq_lens, hq, hkv, d, 16, torch.float32)
+    q, qsl = _multi_query(q_lens, hq, d, torch.float32)
+    kw = dict(block_n=16, split_keys=32)
+    multi = paged_decode_attention(
+        q, kv[0], kv[1], bt, seq, 0.125, 2, query_start_loc=qsl, max_query_len=4, **kw
+    )
+    for i, length in enumerate([43, 44, 45]):
+        one = paged_decode_attention(
+            q[i : i + 1], kv[0], kv[1], bt[:1], torch.tensor([length], dtype=torch.int32,
+            device=DEVICE), 0.125, 2, **kw,
+        )  # fmt: skip
+        if DEVICE == "cuda":
+            assert torch.equal(one[0], multi[i])
+        else:
+            torch.testing.assert_close(one[0], multi[i], rtol=1e-6, atol=1e-6)
+
+
+def test_multi_query_rejects_a_missing_query_start_loc() -> None:
+    q, kv, bt, seq = _make_case([5, 9], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_decode_attention(q, kv[0], kv[1], bt, seq, 0.1, 2, max_query_len=2)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)  # [B + 1] is [3]
+        paged_decode_attention(q, kv[0], kv[1], bt, seq, 0.1, 2, query_start_loc=qsl)

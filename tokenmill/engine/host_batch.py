@@ -14,8 +14,9 @@
                                                     number pending_src[i] (0 until filled in)
     pending_sampling_rows:               [P]        index in the N logits rows of each
 
-Rows are the scheduled rows with the one-token ones (decodes) moved first. Built with numpy
-over all rows at once: token ids come from the batch slots' token table.
+Rows are the scheduled rows with the decode rows moved first (``num_decodes`` of them: a
+request's last token, plus its drafts if it has some). Built with numpy over all rows at
+once: token ids come from the batch slots' token table.
 
     row b, its q tokens at positions starts[b] .. starts[b] + q - 1:
         input_ids  = token_ids[slot_b, position]        (known on the host, or a draft)
@@ -49,6 +50,7 @@ class HostBatch:
     pending_rows: np.ndarray
     pending_src: np.ndarray
     pending_sampling_rows: np.ndarray
+    num_decodes: int
 
     @property
     def num_reqs(self) -> int:
@@ -60,7 +62,12 @@ class HostBatch:
 
     @property
     def decode_only(self) -> bool:
-        return self.num_tokens == self.num_reqs
+        """Every row is a decode row (one token, or one and its drafts)."""
+        return self.num_decodes == self.num_reqs
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_lens.max(initial=0))
 
     @classmethod
     def build(
@@ -70,7 +77,9 @@ class HostBatch:
         the previous step's sampled tokens, where a pending input token comes from; raises
         RuntimeError when a row has a pending token the previous step did not sample."""
         table = sched.table
-        order = np.argsort(sched.num_new != 1, kind="stable")  # decode rows first
+        # A decode row computes its last token and its drafts: 1 + k new tokens.
+        decode = sched.num_new == 1 + table.num_drafts[sched.slots]
+        order = np.argsort(~decode, kind="stable")  # decode rows first
         slots = sched.slots[order]
         starts = sched.starts[order]
         query_lens = sched.num_new[order]
@@ -142,4 +151,5 @@ class HostBatch:
             pending_rows=qsl[pend + 1] - 1,
             pending_src=pending_src,
             pending_sampling_rows=first_logit[pend],
+            num_decodes=int(decode.sum()),
         )

@@ -122,7 +122,11 @@ class LLMEngine:
         backend.set_max_model_len(self.max_model_len)
         self.runner.profiler.enabled = config.profile_steps
         if config.cuda_graphs:
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len)
+            self.runner.enable_cuda_graphs(
+                config.max_num_seqs,
+                self.max_model_len,
+                max_drafts=0 if proposer is None else proposer.max_drafts,
+            )
         kv = KVCacheManager(
             num_blocks,
             config.block_size,

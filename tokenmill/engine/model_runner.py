@@ -107,11 +107,17 @@ class ModelRunner:
         self.profiler = StepProfiler(device)
         self._last: _Sampled | None = None
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode-step graphs (CUDA + Triton backend only; a no-op elsewhere)."""
+    def enable_cuda_graphs(
+        self, max_num_seqs: int, max_model_len: int, max_drafts: int = 0
+    ) -> None:
+        """Capture decode-step graphs (CUDA and a backend with ``cuda_graphs`` only; a no-op
+        elsewhere): for one token a request, and for 1 + ``max_drafts`` when a proposer gives
+        drafts (as far as the backend's decode path takes them; longer rows run eagerly)."""
         if self.device.type != "cuda" or not self.backend.cuda_graphs:
             return
         from tokenmill.engine.cuda_graphs import DecodeGraphRunner
+
+        query_lens = (1, min(1 + max_drafts, self.backend.max_decode_query_len))
 
         self.graphs = DecodeGraphRunner(
             self.model,
@@ -121,6 +127,7 @@ class ModelRunner:
             max_model_len,
             self.block_size,
             self.device,
+            query_lens,
         )
         self.graphs.capture()
 
@@ -137,9 +144,7 @@ class ModelRunner:
             pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
         if self.graphs is not None and self.graphs.can_run(batch):
             self.profiler.begin(t0, batch, graph=True)
-            logits = self.graphs.run(batch, pending)  # [B, V]
-            if len(batch.logits_rows) != batch.num_reqs:
-                logits = logits[upload(torch.from_numpy(batch.logits_rows), self.device)]
+            logits = self.model.compute_logits(self.graphs.run(batch, pending))  # [N, V]
         else:
             self.profiler.begin(t0, batch, graph=False)
             common, input_ids, positions = self._upload(batch)
@@ -201,5 +206,6 @@ class ModelRunner:
             query_lens_host=batch.query_lens,
             seq_lens_host=batch.seq_lens,
             block_size=self.block_size,
+            num_decodes=batch.num_decodes,
         )
         return common, dev(batch.input_ids), dev(batch.positions)

@@ -26,6 +26,7 @@ class StepRecord:
     num_reqs: int
     num_tokens: int
     graph: bool
+    decode: bool  # every row a decode row (one token, or one and its drafts)
     context_tokens: int = 0  # sum of the batch's sequence lengths (KV the step reads)
     cpu_ms: float = 0.0
     wait_ms: float = 0.0
@@ -53,6 +54,7 @@ class StepProfiler:
                 batch.num_reqs,
                 batch.num_tokens,
                 graph,
+                batch.decode_only,
                 context_tokens=int(batch.seq_lens.sum()),
                 events=events,
             )
@@ -85,8 +87,8 @@ class StepProfiler:
                 rec.gpu_ms = rec.events[0].elapsed_time(rec.events[1])
         out: dict = {}
         for name, keep in (
-            ("decode", lambda r: r.num_tokens == r.num_reqs),
-            ("prefill_or_mixed", lambda r: r.num_tokens != r.num_reqs),
+            ("decode", lambda r: r.decode),
+            ("prefill_or_mixed", lambda r: not r.decode),
         ):
             rows = [r for r in self.records if keep(r)]
             if not rows:
@@ -96,6 +98,7 @@ class StepProfiler:
                 "steps": len(rows),
                 "graph_steps": sum(r.graph for r in rows),
                 "mean_batch": round(sum(r.num_reqs for r in rows) / len(rows), 1),
+                "mean_tokens": round(sum(r.num_tokens for r in rows) / len(rows), 1),
                 "cpu_ms": round(sum(r.cpu_ms for r in rows) / len(rows), 3),
                 "wait_ms": round(sum(r.wait_ms for r in rows) / len(rows), 3),
                 "gpu_ms": round(sum(gpu) / len(gpu), 3) if gpu else None,

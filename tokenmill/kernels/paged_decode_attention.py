@@ -1,25 +1,37 @@
 """Paged decode attention: flash-decoding (split-K) over a paged KV cache, and its reference.
 
-Each request has one query token (decode). Its keys/values live in fixed-size cache blocks
-named by its row of ``block_tables``. Shapes:
+A decode request has one query token, or a few: its last token and k draft tokens after it
+(multi-token steps, speculative decoding). Its keys/values live in fixed-size cache blocks
+named by its row of ``block_tables``. Shapes (T query tokens of B requests; T = B when every
+request has one):
 
-    q             [B, Hq, d]                 one query token per request (any strides)
+    q             [T, Hq, d]                 query tokens, request by request (any strides)
+    query_start_loc [B + 1] int32            request b's tokens are rows qsl[b] .. qsl[b+1]-1
+                                             (None: one token a request, row b)
     k/v_cache     [num_blocks, BS, Hkv, d]   e.g. kv_cache[0] / kv_cache[1] of the engine's
                                              [2, num_blocks, BS, Hkv, d] (strides are used)
     block_tables  [B, max_blocks] int32      cache block of each BS-token slice of a request
-    seq_lens      [B] int32                  keys per request, the query token's own included
-    out           [B, Hq, d]
-    workspace     partial_out [B, Hq, S, d] fp32, lse [B, Hq, S] fp32   (S = num_splits)
+    seq_lens      [B] int32                  keys per request, its query tokens' own included
+    out           [T, Hq, d]
+    workspace     partial_out [T, Hq, S, d] fp32, lse [T, Hq, S] fp32   (S = num_splits)
+
+Query token i of a request with q tokens sees keys j < seq_len - q + 1 + i (causal: the last
+one sees every key, the first all but the q - 1 after it):
+
+    keys:        0 1 2 3 4 5 6          seq_len = 7, q = 3 (the last known token, 2 drafts)
+    query 0 (p4) x x x x x . .
+    query 2 (p6) x x x x x x x
 
 Algorithm (two kernels, grid sized from B, Hkv, S only, so the launch is CUDA-graph safe):
 
 1. ``_split_kernel``, grid (B, Hkv, S). Program (b, h, s) takes request b, KV head h and the
    s-th contiguous slice of the request's keys, for all G = Hq // Hkv query heads of that KV
-   head at once: every K/V tile is read from HBM once per GQA group, not once per query head.
+   head and all q query tokens of the request at once (a tile of q * G query rows): every
+   K/V tile is read from HBM once per request and GQA group, not once per head or token.
    Keys are walked in tiles of BLOCK_N rows; an online softmax in fp32 keeps the running max
    m, sum l and output acc; the program stores acc / l and lse = m + log(l). A split with no
    keys stores lse = -inf and a zero output.
-2. ``_merge_kernel``, grid (B, Hq): out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),
+2. ``_merge_kernel``, grid (T, Hq): out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),
    M = max_s lse_s; -inf splits weigh 0, and an empty request (seq_len 0, a padded graph row)
    gets zeros rather than NaN. With S == 1 the split kernel writes ``out`` itself.
 
@@ -37,11 +49,12 @@ A tile may span several cache blocks (BS < BLOCK_N: every row looks up its own b
 sit inside one (BS % BLOCK_N == 0: one block id per tile). Rows of a tile are d contiguous
 elements, Hkv * d apart within a block: BLOCK_N coalesced rows per load.
 
-Scores use ``tl.dot`` on a [G_PAD, d] query tile (G_PAD = max(16, next_pow2(G)), padded rows
-are zero and never stored) against the [BLOCK_N, d] key tile, and [G_PAD, BLOCK_N] @
-[BLOCK_N, d] for the values. Padding G = 1..8 to 16 wastes tensor-core work, but decode is
+Scores use ``tl.dot`` on a [R_PAD, d] query tile (R = Q_MAX * G query rows, R_PAD =
+max(16, next_pow2(R)); rows past a request's tokens are zero and never stored) against the [BLOCK_N, d] key tile, and [G_PAD, BLOCK_N] @
+[BLOCK_N, d] for the values. Padding R = 1..8 to 16 wastes tensor-core work, but decode is
 bandwidth bound (~16 FLOP per KV byte against a bf16 ridge of ~190), and the alternative,
 a broadcast-multiply-sum over a [G, BLOCK_N, d] register tile, spills registers for G > 1.
+The same padding makes a few draft tokens nearly free: G = 3 with 1 + 4 tokens is 15 rows.
 """
 
 from __future__ import annotations
@@ -72,7 +85,7 @@ MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) o
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _split_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, lse_ptr,
     # sizes
     qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
     max_blocks,  # block_tables.shape[1]
@@ -89,7 +102,8 @@ def _split_kernel(
     stride_lb, stride_lh, stride_ls,
     # meta-parameters
     GROUP: tl.constexpr,  # query heads per KV head
-    GROUP_PAD: tl.constexpr,  # max(16, next_pow2(GROUP)): tl.dot needs M >= 16
+    QUERY_MAX: tl.constexpr,  # most query tokens of one request (1: qsl_ptr is unused)
+    ROWS_PAD: tl.constexpr,  # max(16, next_pow2(QUERY_MAX * GROUP)): tl.dot needs M >= 16
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # keys per tile
@@ -109,25 +123,43 @@ def _split_kernel(
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, n_tiles)
 
-    offs_g = tl.arange(0, GROUP_PAD)  # query head within the GQA group
+    # Query rows of the tile: token i of the request, head g of the GQA group.
+    offs_r = tl.arange(0, ROWS_PAD)
+    offs_i = offs_r // GROUP
+    offs_g = offs_r % GROUP
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_g = offs_g < GROUP
+    if QUERY_MAX == 1:
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+    mask_r = (offs_r < QUERY_MAX * GROUP) & (offs_i < q_len)
     q_heads = kv_head * GROUP + offs_g
+    q_rows = q_start + offs_i  # [ROWS_PAD] row of q / out / the workspace
+    # Token i sees keys < seq_len - q_len + 1 + i (the last token sees them all).
+    key_limit = seq_len - q_len + 1 + offs_i  # [ROWS_PAD]
 
-    q_ptrs = q_ptr + b * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
+    q_ptrs = (
+        q_ptr
+        + q_rows[:, None].to(tl.int64) * stride_qb
+        + q_heads[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=mask_r[:, None], other=0.0)  # [ROWS_PAD, HEAD_DIM]
 
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
+    acc = tl.zeros([ROWS_PAD, HEAD_DIM], dtype=tl.float32)
 
-    # Every tile in [tile_start, tile_end) holds at least one key < seq_len, so each row's
-    # running max is finite after the first tile and exp2(m_i - m_new) never sees -inf - -inf.
+    # Every tile in [tile_start, tile_end) holds at least one key < seq_len, but an early
+    # query token may see none of a split's keys: its running max stays -inf, and the
+    # exponents subtract a 0 instead (exp2(-inf) = 0), never -inf - -inf.
     for t in range(tile_start, tile_end):
         offs_tok = t * BLOCK_N + offs_n  # token positions of this tile's rows
         mask_n = offs_tok < seq_len
@@ -156,10 +188,11 @@ def _split_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
-        s = tl.where(mask_n[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(offs_tok[None, :] < key_limit[:, None], s, float("-inf"))  # [ROWS_PAD, N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -172,18 +205,20 @@ def _split_kernel(
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty split: zeros, not 0/0
     o_ptrs = (
         o_ptr
-        + b * stride_ob
+        + q_rows[:, None].to(tl.int64) * stride_ob
         + q_heads[:, None] * stride_oh
         + split * stride_os
         + offs_d[None, :] * stride_od
     )
-    tl.store(o_ptrs, out, mask=mask_g[:, None])
+    tl.store(o_ptrs, out, mask=mask_r[:, None])
     if STORE_LSE:
         # m_i is in log2 units (scores were scaled by log2(e)); lse is in natural-log units.
         lse = m_i * _LN2 + tl.log(tl.where(has_keys, l_i, 1.0))
         lse = tl.where(has_keys, lse, float("-inf"))
         tl.store(
-            lse_ptr + b * stride_lb + q_heads * stride_lh + split * stride_ls, lse, mask=mask_g
+            lse_ptr + q_rows * stride_lb + q_heads * stride_lh + split * stride_ls,
+            lse,
+            mask=mask_r,
         )
 
 
@@ -291,14 +326,19 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     split_keys: int | None = None,
+    query_start_loc: Tensor | None = None,
+    max_query_len: int = 1,
 ) -> Tensor:
-    """Attention of one query token per request over its paged K/V (flash-decoding).
+    """Attention of a few query tokens per request over its paged K/V (flash-decoding).
 
-    Takes q [B, Hq, d] (any strides), k_cache / v_cache [num_blocks, block_size, Hkv, d]
+    Takes q [T, Hq, d] (any strides), k_cache / v_cache [num_blocks, block_size, Hkv, d]
     (any strides, e.g. views of a [2, ...] cache), block_tables [B, max_blocks] int32,
-    seq_lens [B] int32 (keys per request incl. the query's own; 0 gives zeros), the softmax
-    scale and num_splits (fixed per call site: it sizes the grid). Writes and returns ``out``
-    [B, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
+    seq_lens [B] int32 (keys per request incl. its query tokens' own; 0 gives zeros), the
+    softmax scale and num_splits (fixed per call site: it sizes the grid). One query token a
+    request (T = B) unless ``query_start_loc`` [B + 1] int32 says where each request's tokens
+    start, at most ``max_query_len`` of them (a compile-time size: fixed per call site);
+    token i of q tokens sees keys < seq_len - q + 1 + i. Writes and returns ``out``
+    [T, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
     DecodeWorkspace); allocated per call when None and num_splits > 1. ``block_n`` (keys per
     tile), ``num_warps`` and ``num_stages`` are tuning knobs. ``split_keys`` fixes the split
     boundaries at multiples of that many keys (rounded up to whole tiles): a request's result
@@ -307,11 +347,19 @@ def paged_decode_attention(
     No host syncs: capturable in a CUDA graph when out and workspace are preallocated. Raises
     ValueError on bad shapes or dtypes.
     """
-    batch = q.shape[0] if q.dim() == 3 else -1
+    rows = q.shape[0] if q.dim() == 3 else -1
+    per_request = {"seq_lens": (seq_lens, (seq_lens.shape[0],))}
+    if query_start_loc is None:
+        _check(max_query_len == 1, "max_query_len > 1 needs query_start_loc")
+        batch = rows
+        per_request["seq_lens"] = (seq_lens, (batch,))
+    else:
+        _check(max_query_len >= 1, f"max_query_len={max_query_len} must be >= 1")
+        batch = seq_lens.shape[0]
+        per_request["query_start_loc"] = (query_start_loc, (batch + 1,))
     shapes = check_paged_inputs(
-        "paged_decode_attention", q, k_cache, v_cache, block_tables, batch,
-        {"seq_lens": (seq_lens, (batch,))},
-    )  # fmt: skip
+        "paged_decode_attention", q, k_cache, v_cache, block_tables, batch, per_request
+    )
     num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
     head_dim, block_size = shapes.head_dim, shapes.block_size
     _check(num_splits >= 1, f"num_splits={num_splits} must be >= 1")
@@ -323,7 +371,7 @@ def paged_decode_attention(
     )
 
     if out is None:
-        out = torch.empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+        out = torch.empty(rows, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     _check(
         out.shape == q.shape and out.dtype == q.dtype,
         f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}",
@@ -334,22 +382,22 @@ def paged_decode_attention(
         lse, lse_strides = out, (0, 0, 0)  # never written: STORE_LSE is off
     else:
         if workspace is None:
-            workspace = DecodeWorkspace.allocate(batch, num_q_heads, num_splits, head_dim, q.device)
+            workspace = DecodeWorkspace.allocate(rows, num_q_heads, num_splits, head_dim, q.device)
         part, lse = workspace.partial_out, workspace.lse
         _check(
             part.dim() == 4
-            and part.shape[0] >= batch
+            and part.shape[0] >= rows
             and tuple(part.shape[1:]) == (num_q_heads, num_splits, head_dim)
             and part.dtype == torch.float32,
-            f"workspace.partial_out must be [>={batch}, {num_q_heads}, {num_splits}, {head_dim}] "
+            f"workspace.partial_out must be [>={rows}, {num_q_heads}, {num_splits}, {head_dim}] "
             f"fp32, got {tuple(part.shape)} {part.dtype}",
         )
         _check(
             lse.dim() == 3
-            and lse.shape[0] >= batch
+            and lse.shape[0] >= rows
             and tuple(lse.shape[1:]) == (num_q_heads, num_splits)
             and lse.dtype == torch.float32,
-            f"workspace.lse must be [>={batch}, {num_q_heads}, {num_splits}] fp32, got "
+            f"workspace.lse must be [>={rows}, {num_q_heads}, {num_splits}] fp32, got "
             f"{tuple(lse.shape)} {lse.dtype}",
         )
         part_strides, lse_strides = part.stride(), lse.stride()
@@ -359,16 +407,18 @@ def paged_decode_attention(
     # interpreter, whose tl.dot multiplies bf16 operands as their raw uint16 bits (triton 3.9):
     # there, every dtype goes through fp32 dots.
     dot_fp32 = q.dtype == torch.float32 or q.device.type == "cpu"
-    if batch == 0:
+    if batch == 0 or rows == 0:
         return out
+    qsl = seq_lens if query_start_loc is None else query_start_loc  # unread when QUERY_MAX = 1
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, qsl, part, lse,
         scale * _LOG2E, block_tables.shape[1], num_splits,
         0 if split_keys is None else -(-split_keys // block_n),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, *lse_strides,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        QUERY_MAX=max_query_len,
+        ROWS_PAD=max(16, triton.next_power_of_2(max_query_len * group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
@@ -378,7 +428,7 @@ def paged_decode_attention(
         num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(batch, num_q_heads)](
+        _merge_kernel[(rows, num_q_heads)](
             part, lse, out,
             num_splits,
             *part.stride(), *lse.stride(), *out.stride(),
@@ -396,23 +446,34 @@ def paged_decode_attention_ref(
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    query_start_loc: Tensor | None = None,
 ) -> Tensor:
-    """Plain-torch reference, one request at a time, in fp32; returns [B, Hq, d] in q's dtype.
+    """Plain-torch reference, one request at a time, in fp32; returns [T, Hq, d] in q's dtype.
+    ``query_start_loc`` as for paged_decode_attention (None: one token a request). A query
+    token that sees no key gets zeros.
 
     Syncs the host (reads seq_lens): for tests and benchmarks, not for the hot path.
     """
-    batch, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(batch, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    starts = (
+        list(range(len(seq_lens) + 1)) if query_start_loc is None else query_start_loc.tolist()
+    )
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
-        if seq_len == 0:
+        first, q_len = starts[b], starts[b + 1] - starts[b]
+        if seq_len == 0 or q_len == 0:
             continue
         blocks = block_tables[b, : math.ceil(seq_len / block_size)].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [L, Hkv, d]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         k = k.repeat_interleave(group, dim=1)  # [L, Hq, d]: query head i reads KV head i // G
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[b].float(), k) * scale  # [Hq, L]
-        out[b] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v)
+        for i in range(q_len):
+            limit = seq_len - q_len + 1 + i  # keys this token sees
+            if limit <= 0:
+                continue
+            scores = torch.einsum("hd,lhd->hl", q[first + i].float(), k[:limit]) * scale
+            out[first + i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[:limit])
     return out.to(q.dtype)

@@ -26,11 +26,14 @@ class AttentionBackend(ABC):
 
     ``fused_layers``   the model's norm, RoPE and SiLU run as fused Triton kernels beside it
     ``cuda_graphs``    decode steps may be captured and replayed as CUDA graphs
+    ``max_decode_query_len``  the most query tokens (1 + drafts) of a decode row that a
+                       captured decode step may hold
     """
 
     name: ClassVar[str]
     fused_layers: ClassVar[bool] = False
     cuda_graphs: ClassVar[bool] = False
+    max_decode_query_len: ClassVar[int] = 1
 
     def set_max_model_len(self, max_model_len: int) -> None:  # noqa: B027 (optional hook)
         """Told once, after the engine sized its KV cache; a no-op unless a backend needs it."""

@@ -7,8 +7,11 @@ A step is a flat batch of ``num_tokens`` query tokens from ``B`` requests:
     block_tables[b]:  the request's KV block ids, padded with 0 to the batch's widest row
     slot_mapping[t]:  block_tables[b][pos // block_size] * block_size + pos % block_size
 
-The runner puts one-token rows (decodes) first, so a backend can send the leading
-``num_decodes`` rows to a decode kernel and the rest to a prefill kernel.
+The runner puts decode rows first: a request's last token, and its draft tokens when it has
+some (a multi-token step: 1 + k query tokens, all of its keys but those computed already). A
+backend can send the leading ``num_decodes`` rows to a decode kernel and the rest (prefill
+chunks) to a prefill kernel. A captured CUDA graph may left-pad every decode row to the same
+query length; a padding token has slot -1 (nothing stored) and its output is not read.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class CommonAttentionMetadata:
     query_lens_host: np.ndarray  # [B] int
     seq_lens_host: np.ndarray  # [B] int
     block_size: int
+    num_decodes: int  # leading decode rows (see above)
 
     @property
     def num_reqs(self) -> int:
@@ -48,7 +52,6 @@ class CommonAttentionMetadata:
         return int(self.seq_lens_host.max(initial=0))
 
     @property
-    def num_decodes(self) -> int:
-        """How many leading rows have a single query token."""
-        multi = np.flatnonzero(self.query_lens_host != 1)
-        return int(multi[0]) if len(multi) else self.num_reqs
+    def max_decode_query_len(self) -> int:
+        """Most query tokens of a decode row: 1 + the most draft tokens (0 without decodes)."""
+        return int(self.query_lens_host[: self.num_decodes].max(initial=0))

@@ -1,16 +1,17 @@
 """Paged attention with the Triton kernels (the GPU path).
 
 Per layer: the step's K/V go into the paged cache (``store_kv``), then
-  * the one-token rows (decodes; the runner puts them first): split-K flash-decoding over
-    each request's blocks, all query heads of a KV head's GQA group together;
+  * the decode rows (the runner puts them first): split-K flash-decoding over each request's
+    blocks, all query heads of a KV head's GQA group and all of the row's query tokens (its
+    last token and its drafts, up to MAX_DECODE_QUERY) together;
   * the rows with a prefill chunk: the varlen prefill kernel.
 
-    q rows:  [ d d d d d | p p p p p p p p | p p p ]     num_decodes = 5
+    q rows:  [ d d d3 d d | p p p p p p p p | p p p ]     num_decodes = 5 (one has 2 drafts)
                decode kernel   prefill kernel (first_req = 5)
 
 A mixed step thus reads each decode row's keys with the decode kernel, as a pure decode step
 does (the prefill kernel would give each of them a whole tile of query rows), and a decode
-row's result does not depend on which kind of step it ran in.
+row's result does not depend on which kind of step it ran in, eager or a CUDA graph.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     common: CommonAttentionMetadata
-    num_decodes: int  # leading one-token rows
+    num_decodes: int  # leading decode rows
+    decode_query_len: int  # most query tokens of a decode row (1 + drafts)
+    decode_tokens: int  # query tokens of the decode rows
     num_splits: int  # decode splits, covering the longest decode row
     prefill_max_query_len: int
     prefills_fresh: bool  # no prefill row has keys from earlier steps (a new prompt each)
@@ -36,10 +39,16 @@ class TritonAttentionMetadata:
         return self.num_decodes == self.common.num_reqs
 
 
+# More query tokens than this in a decode row go to the prefill kernel: the decode kernel's
+# tile has query_len * GQA-group rows, and past ~64 of them its registers spill.
+MAX_DECODE_QUERY = 8
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     fused_layers = True
     cuda_graphs = True
+    max_decode_query_len = MAX_DECODE_QUERY
 
     def __init__(self, num_kv_heads: int) -> None:
         # Imported here so the CPU path never needs Triton.
@@ -62,11 +71,17 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         nd = common.num_decodes
+        query_len = common.max_decode_query_len
+        if query_len > MAX_DECODE_QUERY:
+            nd, query_len = 0, 0  # every row through the prefill kernel
         longest = int(common.seq_lens_host[:nd].max(initial=0))
         splits = max(1, -(-longest // self.split_keys))
         prefill_max = int(common.query_lens_host[nd:].max(initial=0))
         fresh = bool((common.seq_lens_host[nd:] == common.query_lens_host[nd:]).all())
-        return TritonAttentionMetadata(common, nd, splits, prefill_max, fresh)
+        decode_tokens = int(common.query_lens_host[:nd].sum())
+        return TritonAttentionMetadata(
+            common, nd, query_len, decode_tokens, splits, prefill_max, fresh
+        )
 
     def forward(
         self,
@@ -83,8 +98,10 @@ class TritonAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]
         if nd:
+            multi = meta.decode_query_len > 1
+            rows = meta.decode_tokens
             self._decode(
-                q[:nd],
+                q[:rows],
                 k_cache,
                 v_cache,
                 c.block_tables[:nd],
@@ -92,7 +109,9 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 meta.num_splits,
                 split_keys=self.split_keys,
-                out=out[:nd],
+                out=out[:rows],
+                query_start_loc=c.query_start_loc[: nd + 1] if multi else None,
+                max_query_len=meta.decode_query_len,
             )
         if meta.decode_only:
             return out
