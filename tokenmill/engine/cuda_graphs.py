@@ -110,11 +110,11 @@ class DecodeGraphRunner:
             block_tables=s.block_tables[:bs],
             slot_mapping=s.slot_mapping[: bs * q],
             query_lens_host=np.full(bs, q, dtype=np.int64),
-            seq_lens_host=np.full(bs, self.max_model_len),  # sizes split-K for the longest
+            seq_lens_host=np.zeros(bs, dtype=np.int64),  # any length up to max_model_len
             block_size=self.block_size,
             num_decodes=bs,
         )
-        return self.backend.build(common)
+        return self.backend.capture_metadata(common, self.max_model_len)
 
     def _forward(self, bs: int, q: int, meta) -> torch.Tensor:
         s = self.static

@@ -99,7 +99,7 @@ class LLMEngine:
             parallel=parallel,
         )
 
-        block_bytes = kv_bytes_per_block(mc, config.block_size, self.dtype, parallel)
+        block_bytes = kv_bytes_per_block(mc, backend, config.block_size, self.dtype, parallel)
         budget = config.kv_cache_budget(self.device, self._activation_reserve())
         num_blocks = budget // block_bytes
         if num_blocks < 2:

@@ -14,6 +14,7 @@ can schedule step n+1 while the GPU runs step n. Input tokens the host does not 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
 
-__all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block"]
+__all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block", "kv_cache_shape"]
 
 
 @dataclass(frozen=True)
@@ -44,18 +45,31 @@ class _Sampled:
     row_of_slot: np.ndarray  # [C] batch slot -> index in ``tokens``; -1: did not sample
 
 
+def kv_cache_shape(
+    config: ModelConfig,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    parallel: ParallelConfig | None = None,
+) -> tuple[int, ...]:
+    """[layers, *the backend's layer layout] for this rank's share of the KV heads."""
+    heads = (parallel or ParallelConfig()).per_rank(
+        config.num_key_value_heads, "num_key_value_heads"
+    )
+    layer = backend.kv_cache_shape(num_blocks, block_size, heads, config.head_dim)
+    return (config.num_hidden_layers, *layer)
+
+
 def kv_bytes_per_block(
     config: ModelConfig,
+    backend: AttentionBackend,
     block_size: int,
     dtype: torch.dtype,
     parallel: ParallelConfig | None = None,
 ) -> int:
     """Bytes of one KV block on this rank (its share of the KV heads), all layers."""
-    heads = (parallel or ParallelConfig()).per_rank(
-        config.num_key_value_heads, "num_key_value_heads"
-    )
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * heads * config.head_dim * elem
+    return math.prod(kv_cache_shape(config, backend, 1, block_size, parallel)) * elem
 
 
 class ModelRunner:
@@ -85,17 +99,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # kv: [layers, 2, num_blocks, block_size, Hkv, d]. Zeroed: masked-out slots are still
-        # multiplied by a zero weight, and garbage NaNs would leak through.
+        # kv: [layers, *the backend's layout], e.g. [layers, 2, num_blocks, block_size, Hkv,
+        # d]. Zeroed: masked-out slots are still multiplied by a zero weight, and garbage NaNs
+        # would leak through.
         self.kv_cache = torch.zeros(
-            (
-                config.num_hidden_layers,
-                2,
-                num_blocks,
-                block_size,
-                self.parallel.per_rank(config.num_key_value_heads, "num_key_value_heads"),
-                config.head_dim,
-            ),
+            kv_cache_shape(config, backend, num_blocks, block_size, self.parallel),
             dtype=dtype,
             device=device,
         )

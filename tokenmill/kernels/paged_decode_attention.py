@@ -50,10 +50,11 @@ sit inside one (BS % BLOCK_N == 0: one block id per tile). Rows of a tile are d 
 elements, Hkv * d apart within a block: BLOCK_N coalesced rows per load.
 
 Scores use ``tl.dot`` on a [R_PAD, d] query tile (R = Q_MAX * G query rows, R_PAD =
-max(16, next_pow2(R)); rows past a request's tokens are zero and never stored) against the [BLOCK_N, d] key tile, and [G_PAD, BLOCK_N] @
-[BLOCK_N, d] for the values. Padding R = 1..8 to 16 wastes tensor-core work, but decode is
-bandwidth bound (~16 FLOP per KV byte against a bf16 ridge of ~190), and the alternative,
-a broadcast-multiply-sum over a [G, BLOCK_N, d] register tile, spills registers for G > 1.
+max(16, next_pow2(R)); rows past a request's tokens are zero and never stored) against the
+[BLOCK_N, d] key tile, and [R_PAD, BLOCK_N] @ [BLOCK_N, d] for the values. Padding R = 1..8
+to 16 wastes tensor-core work, but decode is bandwidth bound (~16 FLOP per KV byte against a
+bf16 ridge of ~190), and the alternative, a broadcast-multiply-sum over a [G, BLOCK_N, d]
+register tile, spills registers for G > 1.
 The same padding makes a few draft tokens nearly free: G = 3 with 1 + 4 tokens is 15 rows.
 """
 
@@ -457,9 +458,7 @@ def paged_decode_attention_ref(
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    starts = (
-        list(range(len(seq_lens) + 1)) if query_start_loc is None else query_start_loc.tolist()
-    )
+    starts = list(range(len(seq_lens) + 1)) if query_start_loc is None else query_start_loc.tolist()
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         first, q_len = starts[b], starts[b + 1] - starts[b]

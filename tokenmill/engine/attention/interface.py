@@ -2,9 +2,13 @@
 
 A backend turns the step's CommonAttentionMetadata into whatever it needs (``build``, once
 per step) and then, per layer, stores the new K/V into the paged cache and attends
-(``forward``). The KV cache of one layer is one tensor:
+(``forward``). The KV cache of one layer is one tensor whose layout the backend owns
+(``kv_cache_shape``); the default, which both backends here use:
 
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   (K at [0], V at [1])
+
+A backend with ``cuda_graphs`` also says what a captured decode step bakes in
+(``capture_metadata``).
 
 Implementations: ``torch_backend`` (the reference, any device) and ``triton_backend``
 (paged FlashAttention kernels, CUDA); ``backend.py`` holds the registry.
@@ -13,8 +17,10 @@ Implementations: ``torch_backend`` (the reference, any device) and ``triton_back
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
@@ -37,6 +43,20 @@ class AttentionBackend(ABC):
 
     def set_max_model_len(self, max_model_len: int) -> None:  # noqa: B027 (optional hook)
         """Told once, after the engine sized its KV cache; a no-op unless a backend needs it."""
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache, the ``kv_cache`` that ``forward`` gets; the runner
+        allocates it zeroed, in the model's dtype, and sizes num_blocks from its bytes."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def capture_metadata(self, common: CommonAttentionMetadata, max_model_len: int) -> Any:
+        """Per-step metadata for a decode step captured in a CUDA graph. ``common`` holds the
+        static buffers the graph reads; between replays their lengths change, up to
+        ``max_model_len``, so whatever the result fixes on the host (grid sizes, split
+        counts) must serve any of them. Default: ``build`` with every sequence that long."""
+        return self.build(replace(common, seq_lens_host=np.full(common.num_reqs, max_model_len)))
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> Any:
