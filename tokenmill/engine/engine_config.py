@@ -26,7 +26,7 @@ from tokenmill.engine.model_config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "EngineSettingError", "Rule"]
+__all__ = ["EngineConfig", "EngineSettingError", "Rule", "SpeculativeConfig"]
 
 _DTYPES = {  # accepted name -> torch dtype name
     "float32": "float32",
@@ -66,20 +66,26 @@ class EngineSettingError(ValueError):
 
 @dataclass(frozen=True)
 class Rule:
-    """What a setting accepts. ``expected`` completes "expected ..., got <value>"."""
+    """What a setting accepts. ``expected`` completes "expected ..., got <value>";
+    ``convert`` turns an accepted value into the setting's own type (a mapping into a
+    settings group), when it has one."""
 
     expected: str
     accepts: Callable[[Any], bool]
+    convert: Callable[[Any], Any] | None = None
 
     def check(self, key: str, value: Any) -> Any:
-        """``value`` if the rule accepts it; raises EngineSettingError naming ``key``."""
+        """``value`` (converted) if the rule accepts it; raises EngineSettingError naming
+        ``key``."""
         if not self.accepts(value):
             raise EngineSettingError(key, value, self.expected)
-        return value
+        return value if self.convert is None else self.convert(value)
 
 
-def _rule(expected: str, accepts: Callable[[Any], bool]) -> Mapping[str, Rule]:
-    return MappingProxyType({"rule": Rule(expected, accepts)})
+def _rule(
+    expected: str, accepts: Callable[[Any], bool], convert: Callable[[Any], Any] | None = None
+) -> Mapping[str, Rule]:
+    return MappingProxyType({"rule": Rule(expected, accepts, convert)})
 
 
 def _one_of(*choices: str) -> Mapping[str, Rule]:
@@ -129,6 +135,77 @@ BOOL_OR_UNSET = _rule(
 )
 INT = _rule("an integer", _is_int)
 
+SPECULATIVE_METHODS = ("off", "ngram")
+# A decode row of 1 + k tokens runs in the decode kernel and its CUDA graphs up to 8 tokens.
+MAX_SPECULATIVE_TOKENS = 7
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft tokens for decode steps (speculative decoding; greedy output is unchanged and
+    sampled output keeps its distribution, see engine/core/drafts.py).
+
+    ``method``: off, or ngram (prompt lookup: what followed the last earlier occurrence of
+    the row's latest ``ngram_min``..``ngram_max`` tokens, spec_decode/ngram.py).
+    ``max_tokens``: the most draft tokens a row takes per step (k).
+    Raises EngineSettingError naming ``speculative.<key>``.
+    """
+
+    method: str = "off"
+    max_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        checks = (
+            (
+                "method",
+                self.method in SPECULATIVE_METHODS,
+                f"one of {', '.join(SPECULATIVE_METHODS)}",
+            ),
+            (
+                "max_tokens",
+                _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_SPECULATIVE_TOKENS,
+                f"an integer from 1 to {MAX_SPECULATIVE_TOKENS}",
+            ),
+            ("ngram_min", _is_int(self.ngram_min) and self.ngram_min >= 1, "an integer >= 1"),
+            (
+                "ngram_max",
+                _is_int(self.ngram_max) and self.ngram_min <= self.ngram_max <= 16,
+                f"an integer from ngram_min ({self.ngram_min}) to 16",
+            ),
+        )
+        for key, ok, expected in checks:
+            if not ok:
+                raise EngineSettingError(f"speculative.{key}", getattr(self, key), expected)
+
+    @classmethod
+    def from_mapping(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
+        """From job.yaml's ``speculative:`` mapping; an unknown key is named."""
+        known = {f.name for f in fields(cls)}
+        for key in value:
+            if key not in known:
+                raise EngineSettingError(
+                    f"speculative.{key}",
+                    value[key],
+                    f"no such key (the keys: {', '.join(sorted(known))})",
+                )
+        return cls(**value)
+
+
+def _is_speculative(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        SpeculativeConfig.from_mapping(value)  # raises, naming the key inside
+        return True
+    return isinstance(value, SpeculativeConfig)
+
+
+SPECULATIVE = _rule(
+    "a mapping (method, max_tokens, ngram_min, ngram_max)",
+    _is_speculative,
+    lambda v: SpeculativeConfig.from_mapping(v) if isinstance(v, Mapping) else v,
+)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -147,6 +224,8 @@ class EngineConfig:
     ``async_scheduling`` schedules step n+1 while the device runs step n (None: on CUDA only,
     where it hides the host's work; on CPU the host is the device, so nothing overlaps).
     ``seed`` seeds the sampling of requests without a seed of their own (and random weights).
+    ``speculative`` drafts tokens for decode steps (SpeculativeConfig, or its fields as a
+    mapping); off by default.
     """
 
     model: str = field(metadata=MODEL)
@@ -164,10 +243,14 @@ class EngineConfig:
     profile_steps: bool = field(default=False, metadata=BOOL)
     async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
     seed: int = field(default=0, metadata=INT)
+    speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            f.metadata["rule"].check(f.name, getattr(self, f.name))
+            given = getattr(self, f.name)
+            value = f.metadata["rule"].check(f.name, given)
+            if value is not given:  # e.g. job.yaml's speculative mapping, as SpeculativeConfig
+                object.__setattr__(self, f.name, value)
 
     @classmethod
     def setting_names(cls) -> tuple[str, ...]:

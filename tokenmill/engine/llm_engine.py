@@ -44,6 +44,7 @@ from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.spec_decode import build_proposer
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
-        (multi-token steps, see core/drafts.py); it turns async scheduling off."""
+        (multi-token steps, see core/drafts.py); None: the one ``config.speculative`` names,
+        if any. A proposer turns async scheduling off."""
         self.config = config
+        if proposer is None:
+            proposer = build_proposer(config.speculative)
         if config.load_format == "random":
             source = None
             self.model_config = load_hf_config(Path(config.model))  # config.json alone
@@ -296,8 +300,12 @@ class LLMEngine:
         return [self._tracked[rid].request for rid in stopped]
 
     def step_profile(self) -> dict:
-        """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py."""
-        return self.runner.profiler.summary()
+        """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py.
+        With a proposer, also ``speculative``: its draft and acceptance counts."""
+        profile = self.runner.profiler.summary()
+        if self.scheduler.proposer is not None:
+            profile["speculative"] = self.scheduler.stats.speculative()
+        return profile
 
     def _record_logprobs(
         self, sched: SchedulerOutput, out: ModelOutput, applied: np.ndarray

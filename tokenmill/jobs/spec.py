@@ -286,11 +286,21 @@ def _describe(err: ErrorDetails) -> str:
     return f"{what}, got {got}"
 
 
+def _error_key(err: ErrorDetails) -> str:
+    """The dotted key of an error; a settings group's error names its key inside the group
+    (engine.speculative.max_tokens, not engine.speculative)."""
+    key = dotted_key(err["loc"])
+    error = err.get("ctx", {}).get("error")
+    if isinstance(error, EngineSettingError) and error.key.startswith(f"{err['loc'][-1]}."):
+        key += error.key[len(str(err["loc"][-1])) :]
+    return key
+
+
 def _format_errors(exc: ValidationError, where: str) -> str:
     """``<where>: invalid job spec:`` then one ``  <key>: <what>`` line per error (bounded)."""
     errors = exc.errors(include_url=False)
     lines = [f"{where}: invalid job spec:"]
-    lines += [f"  {dotted_key(e['loc'])}: {_describe(e)}" for e in errors[:MAX_ERROR_LINES]]
+    lines += [f"  {_error_key(e)}: {_describe(e)}" for e in errors[:MAX_ERROR_LINES]]
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"  ... and {len(errors) - MAX_ERROR_LINES} more")
     return "\n".join(lines)

@@ -160,6 +160,7 @@ class Scheduler:
             drafts = add_drafts(s, order, num_new, self.proposer, budget, self.config.max_model_len)
             num_new += drafts
             self.stats.num_draft_tokens += int(drafts.sum())
+            self.stats.num_drafted_rows += int(np.count_nonzero(drafts))
         bs = self.kv.block_size
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]
         grow = np.flatnonzero((need > 0) & (num_new > 0))

@@ -90,6 +90,23 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # drafts scheduled (multi-token steps)
     num_accepted_tokens: int = 0  # drafts the target's samples accepted
+    num_drafted_rows: int = 0  # (step, row) pairs that carried at least one draft
+
+    def speculative(self) -> dict[str, float]:
+        """Draft counts, the share accepted, and accepted drafts per drafted row and step
+        (each accepted draft is a decode step that row did not need)."""
+        drafts, accepted, rows = (
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            self.num_drafted_rows,
+        )
+        return {
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
+            "drafted_rows": rows,
+            "mean_accepted_per_drafted_row": round(accepted / rows, 3) if rows else 0.0,
+        }
 
 
 @dataclass(frozen=True)

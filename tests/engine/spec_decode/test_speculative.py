@@ -1,0 +1,99 @@
+"""Speculative decoding through the public surface: ``LLM(..., speculative=...)`` and
+job.yaml's ``engine.speculative``. Greedy output is token-identical with it on and off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.engine_config import EngineConfig, EngineSettingError, SpeculativeConfig
+from tokenmill.jobs.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("spec") / "m")
+
+
+def _copy_prompts(count: int) -> list[list[int]]:
+    """Prompts that repeat a random passage (what extraction and rewriting rows look like),
+    so the n-gram lookup finds something to draft; lengths vary."""
+    g = torch.Generator().manual_seed(7)
+    prompts = []
+    for i in range(count):
+        passage = torch.randint(5, 280, (4 + i % 13,), generator=g).tolist()
+        filler = torch.randint(5, 280, (i % 5,), generator=g).tolist()
+        prompts.append(passage + filler + passage + passage[: 1 + i % 3])
+    return prompts
+
+
+def test_ngram_greedy_output_equals_off_on_120_prompts(model_path: Path) -> None:
+    prompts = _copy_prompts(120)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    runs = {}
+    for method in ("off", "ngram"):
+        llm = LLM(
+            str(model_path),
+            device="cpu",
+            dtype="float32",
+            block_size=4,
+            max_num_seqs=32,
+            kv_cache_memory=1 << 26,
+            profile_steps=True,
+            speculative={"method": method, "max_tokens": 4},
+        )
+        runs[method] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine)
+    assert runs["ngram"][0] == runs["off"][0]
+    stats = runs["ngram"][1].step_profile()["speculative"]
+    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+    assert "speculative" not in runs["off"][1].step_profile()
+    # Accepted drafts are decode steps saved.
+    steps = {m: engine.scheduler.stats.num_steps for m, (_, engine) in runs.items()}
+    assert steps["ngram"] < steps["off"], (steps, stats)
+
+
+@pytest.mark.parametrize(
+    ("given", "key", "expected"),
+    [
+        ({"method": "medusa"}, "speculative.method", "one of off, ngram"),
+        ({"method": "ngram", "max_tokens": 8}, "speculative.max_tokens", "from 1 to 7"),
+        ({"max_tokens": True}, "speculative.max_tokens", "from 1 to 7"),
+        ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max", "from ngram_min (3)"),
+        ({"k": 3}, "speculative.k", "no such key"),
+        ("ngram", "speculative", "a mapping"),
+    ],
+)
+def test_bad_settings_name_the_key(given, key: str, expected: str) -> None:
+    with pytest.raises(EngineSettingError) as info:
+        EngineConfig(model="m", speculative=given)
+    assert info.value.key == key and expected in str(info.value)
+
+
+def test_mapping_and_object_give_the_same_config() -> None:
+    a = EngineConfig(model="m", speculative={"method": "ngram", "max_tokens": 2})
+    b = EngineConfig(model="m", speculative=SpeculativeConfig(method="ngram", max_tokens=2))
+    assert a == b and isinstance(a.speculative, SpeculativeConfig)
+
+
+def test_job_yaml_bad_speculative_value_exits_2_naming_the_key(tmp_path: Path, capsys) -> None:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "smollm2-135m-instruct"},
+                "input": {"path": str(data)},
+                "output": {"path": str(tmp_path / "out")},
+                "engine": {"speculative": {"method": "ngram", "max_tokens": 0}},
+            }
+        )
+    )
+    assert cli_main([str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "  engine.speculative.max_tokens: expected an integer from 1 to 7, got 0" in err, err

@@ -1,0 +1,20 @@
+"""Speculative decoding: proposers of draft tokens (the engine verifies them in its normal
+batched step, see engine/core/drafts.py), picked by the engine's SpeculativeConfig."""
+
+from __future__ import annotations
+
+from tokenmill.engine.core.drafts import DraftProposer
+from tokenmill.engine.engine_config import SpeculativeConfig
+
+__all__ = ["build_proposer"]
+
+
+def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
+    """The proposer ``config`` names; None when speculation is off."""
+    if config.method == "off":
+        return None
+    if config.method == "ngram":
+        from tokenmill.engine.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)
+    raise ValueError(f"speculative.method {config.method!r} has no proposer")
