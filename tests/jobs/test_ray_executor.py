@@ -146,10 +146,10 @@ def test_executor_streams_through_every_replica_and_cancels(
             assert result.ok and result.completion_tokens > 0, result
             assert result.passthrough == {"i": result.row_index}
             seen.append(result.row_index)
-            if len(executor.prefix_stats_by_replica) == 2 and len(seen) >= 40:
+            if len(executor.counters_by_replica) == 2 and len(seen) >= 40:
                 cancel.set()
         pulled_at_cancel = pulled
-        stats = executor.prefix_stats
+        stats = executor.counters
         start = time.monotonic()
     finally:
         watchdog.cancel()
@@ -159,7 +159,8 @@ def test_executor_streams_through_every_replica_and_cancels(
     assert pulled_at_first_result is not None and pulled_at_first_result <= 24
     assert len(seen) == len(set(seen)) >= 40
     assert pulled_at_cancel <= len(seen) + 24  # it stopped pulling when cancelled
-    assert stats[0] > 0 and stats[1] > 0  # PREFIX spans whole KV blocks: cache hits
+    # PREFIX spans whole KV blocks: cache hits
+    assert stats.prefix_queried_tokens > 0 and stats.prefix_hit_tokens > 0
 
 
 def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> None:

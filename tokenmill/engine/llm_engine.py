@@ -45,6 +45,7 @@ from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode import build_proposer
+from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,16 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
-        (multi-token steps, see core/drafts.py); None: the one ``config.speculative`` names,
-        if any. A proposer turns async scheduling off."""
+        on every step (multi-token steps, see core/drafts.py); None: the one
+        ``config.speculative`` names, if any, drafting on every step (a method by name) or
+        where the goodput policy expects it to pay (``auto``). A drafted step runs
+        synchronously; plain steps keep async scheduling."""
         self.config = config
+        self.policy: SpeculationPolicy | None = None
         if proposer is None:
             proposer = build_proposer(config.speculative)
+            if config.speculative.method == "auto":
+                self.policy = SpeculationPolicy()
         if config.load_format == "random":
             source = None
             self.model_config = load_hf_config(Path(config.model))  # config.json alone
@@ -142,7 +148,7 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 self.max_model_len,
-                async_scheduling=proposer is None and config.resolve_async_scheduling(self.device),
+                async_scheduling=config.resolve_async_scheduling(self.device),
                 # Few, large prefilling steps between graph-replayed decode steps.
                 admit_batch=max(1, config.max_num_seqs // 8) if self.runner.graphs else 1,
             ),
@@ -240,8 +246,15 @@ class LLMEngine:
         With async scheduling the step launched here is processed by the next call, and the
         outputs of its finished requests are built on a worker thread: they come one or more
         calls later, and ``has_unfinished`` stays True until they have."""
+        draft = self._wants_drafts()
+        if draft and self._in_flight is not None:
+            # A drafted row's inputs must all be known: finish the step in flight first (its
+            # host time is that step's; the drafted step's own time starts after it).
+            self.runner.profiler.add_host_ms(self._process(*self._in_flight))
+            self._in_flight = None
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        before = (self.scheduler.stats.num_drafted_rows, self.scheduler.stats.num_accepted_tokens)
+        sched = self.scheduler.schedule(draft=draft)
         host_ms = (time.perf_counter() - t0) * 1e3
         if sched.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished():
@@ -251,13 +264,34 @@ class LLMEngine:
                 )
             return self._outputs.collect(wait=True)
         launched = None if sched.is_empty else (sched, self.runner.launch(sched))
-        if self.scheduler.config.async_scheduling:
+        if self.scheduler.config.async_scheduling and not draft:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             host_ms += self._process(*launched)
         self.runner.profiler.add_host_ms(host_ms)
+        if self.policy is not None and not sched.is_empty:
+            stats = self.scheduler.stats
+            self.policy.record(
+                StepSample(
+                    batch=sched.num_rows,
+                    drafted=draft,
+                    wall_ms=(time.perf_counter() - t0) * 1e3,
+                    drafted_rows=stats.num_drafted_rows - before[0],
+                    accepted=stats.num_accepted_tokens - before[1],
+                )
+            )
         done = not self.scheduler.has_unfinished() and self._in_flight is None
         return self._outputs.collect(wait=done)
+
+    def _wants_drafts(self) -> bool:
+        """Whether this step gives decode rows drafts: always with a proposer and no policy,
+        else as the policy says for the running batch."""
+        if self.scheduler.proposer is None:
+            return False
+        running = self.scheduler.num_running
+        if self.policy is None or running == 0:
+            return running > 0
+        return self.policy.wants_drafts(running)
 
     def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host
@@ -305,6 +339,8 @@ class LLMEngine:
         profile = self.runner.profiler.summary()
         if self.scheduler.proposer is not None:
             profile["speculative"] = self.scheduler.stats.speculative()
+            if self.policy is not None:
+                profile["speculative"]["policy"] = self.policy.estimates()
         return profile
 
     def _record_logprobs(

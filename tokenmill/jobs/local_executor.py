@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
 from tokenmill.jobs.requests import error_result, result_from_output, row_error_reason
 from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
@@ -94,10 +95,9 @@ class RowProcessor:
         return None
 
     @property
-    def prefix_stats(self) -> tuple[int, int]:
-        """(queried prompt tokens, prefix-cache hit tokens) so far."""
-        stats = self.engine.scheduler.kv.prefix_cache_stats
-        return stats.queried_tokens, stats.hit_tokens
+    def counters(self) -> EngineCounters:
+        """The engine's counts so far (prefix cache, speculative drafts)."""
+        return EngineCounters.of(self.engine)
 
     def close(self) -> None:
         """Stop the engine's output worker and release its memory (the KV cache) promptly."""

@@ -53,6 +53,7 @@ from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.spec import JobSpec
 
 __all__ = ["RayExecutor", "replica_resources"]
@@ -68,10 +69,10 @@ _END = object()  # the drain thread's "the dataset is exhausted"
 
 @dataclass(frozen=True)
 class _ResultChunk:
-    """What a replica returns for one chunk: its results and its running prefix-cache stats."""
+    """What a replica returns for one chunk: its results and its engine's running counts."""
 
     replica: str
-    prefix_stats: tuple[int, int]
+    counters: EngineCounters
     results: list[ResultRow]
 
 
@@ -123,7 +124,7 @@ class RayExecutor:
                     name,
                     total.get(name, 0),
                 )
-        self._stats: dict[str, tuple[int, int]] = {}
+        self._stats: dict[str, EngineCounters] = {}
         self._pipelines: list[_Pipeline] = []
 
     def process(
@@ -162,7 +163,7 @@ class RayExecutor:
                 if item is _END:
                     log.warning("the Ray pipeline ended with %d rows unanswered", len(in_flight))
                     return
-                self._stats[item.replica] = item.prefix_stats
+                self._stats[item.replica] = item.counters
                 for result in item.results:
                     if result.row_index not in in_flight:
                         continue  # answered already (a retried task)
@@ -174,14 +175,13 @@ class RayExecutor:
             pipe.stop()
 
     @property
-    def prefix_stats(self) -> tuple[int, int]:
-        """(queried prompt tokens, prefix-cache hit tokens), summed over replicas."""
-        stats = self._stats.values()
-        return sum(q for q, _ in stats), sum(h for _, h in stats)
+    def counters(self) -> EngineCounters:
+        """The engines' counts (prefix cache, speculative drafts), summed over replicas."""
+        return sum(self._stats.values(), EngineCounters())
 
     @property
-    def prefix_stats_by_replica(self) -> dict[str, tuple[int, int]]:
-        """Ray actor id -> (queried, hit) tokens, for each replica that answered so far."""
+    def counters_by_replica(self) -> dict[str, EngineCounters]:
+        """Ray actor id -> its engine's counts, for each replica that answered so far."""
         return dict(self._stats)
 
     def close(self) -> None:
@@ -331,6 +331,6 @@ class _Replica:
         out = []
         for payload in batch.column(PAYLOAD).to_pylist():
             results = list(self.processor.process(pickle.loads(payload)))
-            chunk = _ResultChunk(self.replica, self.processor.prefix_stats, results)
+            chunk = _ResultChunk(self.replica, self.processor.counters, results)
             out.append(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL))
         return pa.table({PAYLOAD: pa.array(out, type=pa.large_binary())})

@@ -21,6 +21,7 @@ class JobReport:
     wall_seconds: float = 0.0  # the whole run, model load included
     model_load_seconds: float = 0.0  # of which loading the model (local executor: its engine)
     prefix_cache_hit_rate: float = 0.0
+    speculative: dict | None = None  # draft counts when engine.speculative is on (this run)
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
     executor: str = "local"
@@ -45,8 +46,15 @@ class JobReport:
             f"  throughput  {self.output_tokens_per_s:.1f} output tokens/s "
             f"over {self.wall_seconds:.1f} s (model load {self.model_load_seconds:.1f} s)",
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
-            f"  output      {self.output}",
         ]
+        if self.speculative:
+            s = self.speculative
+            lines.append(
+                f"  speculative {s['method']}: {s['accepted_tokens']} of {s['draft_tokens']} "
+                f"drafts accepted ({s['acceptance_rate']:.1%}), "
+                f"{s['mean_accepted_per_drafted_row']} a drafted row and step"
+            )
+        lines.append(f"  output      {self.output}")
         if self.shards_recomputed:
             lines.append(
                 f"  recomputed  {self.shards_recomputed} committed shards whose files were gone"

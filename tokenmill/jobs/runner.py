@@ -189,8 +189,11 @@ def _run_locked(
         report.shards_committed = writer.shards_committed
         report.rows_this_run = writer.rows_committed
         if executor is not None:
-            queried, hits = executor.prefix_stats
-            report.prefix_cache_hit_rate = round(hits / queried, 4) if queried else 0.0
+            counters = executor.counters
+            report.prefix_cache_hit_rate = counters.prefix_cache_hit_rate
+            method = spec.engine.speculative.method
+            if method != "off":
+                report.speculative = counters.speculative(method)
             executor.close()
 
     if cancel.is_set():

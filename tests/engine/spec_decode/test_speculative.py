@@ -60,7 +60,7 @@ def test_ngram_greedy_output_equals_off_on_120_prompts(model_path: Path) -> None
 @pytest.mark.parametrize(
     ("given", "key", "expected"),
     [
-        ({"method": "medusa"}, "speculative.method", "one of off, ngram"),
+        ({"method": "medusa"}, "speculative.method", "one of off, ngram, auto"),
         ({"method": "ngram", "max_tokens": 8}, "speculative.max_tokens", "from 1 to 7"),
         ({"max_tokens": True}, "speculative.max_tokens", "from 1 to 7"),
         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max", "from ngram_min (3)"),
@@ -97,3 +97,56 @@ def test_job_yaml_bad_speculative_value_exits_2_naming_the_key(tmp_path: Path, c
     assert cli_main([str(job)]) == 2
     err = capsys.readouterr().err
     assert "  engine.speculative.max_tokens: expected an integer from 1 to 7, got 0" in err, err
+
+
+class _Alternate:
+    """A scripted policy: draft on every other step (and remember what it was told)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.samples = []
+
+    def wants_drafts(self, batch: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+    def record(self, sample) -> None:
+        self.samples.append(sample)
+
+    def estimates(self) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_drafted_steps_between_plain_steps_keep_the_output(
+    model_path: Path, async_scheduling: bool
+) -> None:
+    """Drafted steps run synchronously between plain ones, which keep async scheduling (the
+    step in flight is finished first): the tokens are those of a run without drafts."""
+    prompts = _copy_prompts(24)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=8,
+                    kv_cache_memory=1 << 26, async_scheduling=async_scheduling)  # fmt: skip
+    want = [o.token_ids for o in LLM(str(model_path), **settings).generate(prompts, params)]
+    llm = LLM(str(model_path), speculative={"method": "auto", "max_tokens": 3}, **settings)
+    policy = _Alternate()
+    llm.engine.policy = policy
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    drafted = [s for s in policy.samples if s.drafted]
+    assert drafted and len(drafted) < len(policy.samples)
+    assert sum(s.accepted for s in drafted) == llm.engine.scheduler.stats.num_accepted_tokens > 0
+
+
+def test_auto_greedy_output_equals_off(model_path: Path) -> None:
+    prompts = _copy_prompts(40)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = {}
+    for method in ("off", "auto"):
+        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
+                  max_num_seqs=16, kv_cache_memory=1 << 26, profile_steps=True,
+                  speculative={"method": method})  # fmt: skip
+        outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["auto"] == outs["off"]
+    policy = llm.engine.step_profile()["speculative"]["policy"]
+    assert policy and all(b["plain_ms"] or b["draft_ms"] for b in policy.values()), policy

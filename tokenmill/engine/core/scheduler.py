@@ -75,11 +75,6 @@ class Scheduler:
         kv_manager: KVCacheManager,
         proposer: DraftProposer | None = None,
     ) -> None:
-        if proposer is not None and config.async_scheduling:
-            raise ValueError(
-                "draft tokens need async_scheduling off: a row's next input must be known on "
-                "the host when its drafts are proposed"
-            )
         self.config = config
         self.kv = kv_manager
         self.proposer = proposer
@@ -122,9 +117,15 @@ class Scheduler:
             self._retire(req, status)
 
     # ---- one step ---------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    @property
+    def num_running(self) -> int:
+        return len(self._order)
+
+    def schedule(self, draft: bool = True) -> SchedulerOutput:
+        """The next step. ``draft``: decode rows whose inputs are all known on the host take
+        the proposer's drafts (rows with a pending token never do)."""
         budget = self.config.max_num_batched_tokens
-        slots, num_new, preempted = self._schedule_running(budget)
+        slots, num_new, preempted = self._schedule_running(budget, draft)
         starts, sample = self._advance(slots, num_new)
         parts = [(slots, starts, num_new, sample)]
         if not preempted:
@@ -143,7 +144,9 @@ class Scheduler:
         self.stats.num_scheduled_tokens += out.num_tokens
         return out
 
-    def _schedule_running(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    def _schedule_running(
+        self, budget: int, draft: bool = True
+    ) -> tuple[np.ndarray, np.ndarray, list[str]]:
         """Slots of the running requests this step serves and their token counts, oldest
         first, with their KV slots allocated; plus the ids preempted to make room.
 
@@ -156,11 +159,9 @@ class Scheduler:
         num_new = np.maximum(known - computed, 0)
         if self.config.async_scheduling:
             num_new[self._ends_when_pending_lands(order)] = 0
-        if self.proposer is not None:
+        if self.proposer is not None and draft:
             drafts = add_drafts(s, order, num_new, self.proposer, budget, self.config.max_model_len)
             num_new += drafts
-            self.stats.num_draft_tokens += int(drafts.sum())
-            self.stats.num_drafted_rows += int(np.count_nonzero(drafts))
         bs = self.kv.block_size
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]
         grow = np.flatnonzero((need > 0) & (num_new > 0))
@@ -172,6 +173,9 @@ class Scheduler:
             if not self.kv.allocate_slots(s.requests[slot], int(num_new[i])):
                 raise RuntimeError(f"KV allocation failed for slot {slot} despite free blocks")
             self._sync_blocks(slot)
+        if self.proposer is not None and draft:
+            self.stats.num_draft_tokens += int(drafts.sum())
+            self.stats.num_drafted_rows += int(np.count_nonzero(drafts))
         keep = num_new > 0
         return order[keep], num_new[keep], []
 

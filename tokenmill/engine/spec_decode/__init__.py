@@ -13,7 +13,7 @@ def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
     """The proposer ``config`` names; None when speculation is off."""
     if config.method == "off":
         return None
-    if config.method == "ngram":
+    if config.method in ("ngram", "auto"):
         from tokenmill.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)

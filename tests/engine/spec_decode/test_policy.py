@@ -1,0 +1,54 @@
+"""SpeculationPolicy: drafts where measured goodput says it pays, probes the other mode."""
+
+from __future__ import annotations
+
+from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
+
+
+def _feed(policy: SpeculationPolicy, batch: int, steps: int, plain_ms: float, draft_ms: float,
+          share: float, accepted: float) -> list[bool]:  # fmt: skip
+    """Run ``steps`` decisions, each followed by the step it chose, with these costs."""
+    chosen = []
+    for _ in range(steps):
+        draft = policy.wants_drafts(batch)
+        chosen.append(draft)
+        rows = round(share * batch)
+        policy.record(
+            StepSample(batch, draft, draft_ms if draft else plain_ms, rows, round(rows * accepted))
+            if draft
+            else StepSample(batch, False, plain_ms)
+        )
+    return chosen
+
+
+def test_drafts_when_it_pays_and_probes_plain_now_and_then() -> None:
+    policy = SpeculationPolicy(probe_every=50)
+    # Drafting: 1 + 0.8 * 2 = 2.6 tokens a row in 1.5x the time: it pays.
+    chosen = _feed(policy, 8, 500, plain_ms=10.0, draft_ms=15.0, share=0.8, accepted=2.0)
+    assert chosen[0] is True  # drafting is measured first
+    assert sum(not c for c in chosen) <= 500 // 50 + 2  # plain only to measure it (probes)
+    assert policy.estimates()[8]["draft_ms"] == 15.0
+
+
+def test_stays_plain_where_drafts_do_not_pay_but_probes_them() -> None:
+    policy = SpeculationPolicy(probe_every=50)
+    # 1 + 0.1 * 0.5 = 1.05 tokens a row for 2x the time: plain wins.
+    chosen = _feed(policy, 256, 500, plain_ms=10.0, draft_ms=20.0, share=0.1, accepted=0.5)
+    drafted = sum(chosen)
+    assert 1 <= drafted <= 500 // 50 + 2, drafted
+    # Cost of the probes against always plain: at most 1 step in 50 at 2x.
+    assert drafted * 20.0 + (500 - drafted) * 10.0 <= 500 * 10.0 * 1.03
+
+
+def test_the_margin_keeps_a_tie_plain() -> None:
+    policy = SpeculationPolicy(probe_every=1000, margin=0.03)
+    chosen = _feed(policy, 4, 100, plain_ms=10.0, draft_ms=10.2, share=1.0, accepted=0.02)
+    assert chosen[0] and not any(chosen[2:])  # 1.02 tokens in 1.02x the time: not worth it
+
+
+def test_batch_buckets_learn_apart() -> None:
+    policy = SpeculationPolicy(probe_every=1000)
+    _feed(policy, 2, 50, plain_ms=5.0, draft_ms=6.0, share=1.0, accepted=2.0)  # pays
+    _feed(policy, 300, 50, plain_ms=10.0, draft_ms=25.0, share=0.5, accepted=0.5)  # does not
+    assert policy.wants_drafts(2) and not policy.wants_drafts(300)
+    assert sorted(policy.estimates()) == [2, 512]

@@ -1,0 +1,103 @@
+"""When to draft: a goodput rule that turns speculation off where it does not pay.
+
+A drafted step gives each row 1 + its accepted drafts, but it costs more than a plain step:
+more tokens through the model, the proposer's host time, and, under async scheduling, the
+overlap of the host's work with the device's (a drafted row's next input is known only once
+its drafts are verified, so a drafted step runs synchronously). Per step the policy compares,
+for the batch's size bucket (powers of two):
+
+    plain:    B tokens                 in t_plain  (mean wall ms of recent plain steps)
+    drafted:  B * (1 + f * m) tokens   in t_draft  (mean wall ms of recent drafted steps)
+
+where f is the share of rows the proposer found drafts for and m the mean accepted drafts
+per drafted row (recent drafted steps). It drafts when (1 + f * m) / t_draft beats
+1 / t_plain by ``margin``. Unmeasured buckets are probed, and the mode not chosen is probed
+again every ``probe_every`` steps of a bucket, so the estimates follow the data and the
+batch: a probe costs at most one step in ``probe_every``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SpeculationPolicy", "StepSample"]
+
+_EMA = 0.2  # weight of the newest sample in the running means
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """What one step did, for the policy: its batch, whether it drafted, its wall time, and
+    (drafted steps) how many rows got drafts and how many drafts were accepted."""
+
+    batch: int
+    drafted: bool
+    wall_ms: float
+    drafted_rows: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class _Bucket:
+    plain_ms: float | None = None
+    draft_ms: float | None = None
+    share: float | None = None  # f: rows with drafts / rows, in drafted steps
+    accepted: float | None = None  # m: accepted drafts per drafted row
+    steps: int = 0
+    last_plain: int = -(10**9)
+    last_draft: int = -(10**9)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EMA) * old + _EMA * new
+
+
+@dataclass
+class SpeculationPolicy:
+    """Decides per step whether to draft; ``record`` feeds it each step's outcome."""
+
+    margin: float = 0.03
+    probe_every: int = 100
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket_of(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+
+    def wants_drafts(self, batch: int) -> bool:
+        b = self._buckets.setdefault(self.bucket_of(batch), _Bucket())
+        if b.draft_ms is None or b.share is None or b.accepted is None:
+            return True  # measure drafting first: plain steps are measured anyway
+        if b.plain_ms is None:
+            return False
+        gain = (1 + b.share * b.accepted) / b.draft_ms - (1 + self.margin) / b.plain_ms
+        drafting = gain > 0
+        since = b.steps - (b.last_plain if drafting else b.last_draft)
+        return (not drafting) if since >= self.probe_every else drafting
+
+    def record(self, sample: StepSample) -> None:
+        b = self._buckets.setdefault(self.bucket_of(sample.batch), _Bucket())
+        b.steps += 1
+        if not sample.drafted:
+            b.plain_ms = _mean(b.plain_ms, sample.wall_ms)
+            b.last_plain = b.steps
+            return
+        b.draft_ms = _mean(b.draft_ms, sample.wall_ms)
+        b.share = _mean(b.share, sample.drafted_rows / max(sample.batch, 1))
+        if sample.drafted_rows:
+            b.accepted = _mean(b.accepted, sample.accepted / sample.drafted_rows)
+        elif b.accepted is None:
+            b.accepted = 0.0
+        b.last_draft = b.steps
+
+    def estimates(self) -> dict[int, dict[str, float | None]]:
+        """Per batch bucket: mean plain and drafted step ms, f and m (for the step profile)."""
+        return {
+            size: {
+                "plain_ms": b.plain_ms,
+                "draft_ms": b.draft_ms,
+                "drafted_share": b.share,
+                "accepted_per_drafted_row": b.accepted,
+            }
+            for size, b in sorted(self._buckets.items())
+        }

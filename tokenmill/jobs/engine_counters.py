@@ -1,0 +1,60 @@
+"""EngineCounters: what a job reports from its engines' running counts, summed over replicas.
+
+Each replica's engine counts from its start; an executor keeps the latest counts of each
+replica (a Ray replica sends them with every chunk it returns) and adds them up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.engine.llm_engine import LLMEngine
+
+__all__ = ["EngineCounters"]
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which found cached
+    draft_tokens: int = 0  # speculative drafts scheduled
+    accepted_tokens: int = 0  # drafts accepted: decode steps saved
+    drafted_rows: int = 0  # (step, row) pairs that carried drafts
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineCounters:
+        prefix = engine.scheduler.kv.prefix_cache_stats
+        steps = engine.scheduler.stats
+        return cls(
+            prefix.queried_tokens,
+            prefix.hit_tokens,
+            steps.num_draft_tokens,
+            steps.num_accepted_tokens,
+            steps.num_drafted_rows,
+        )
+
+    def __add__(self, other: EngineCounters) -> EngineCounters:
+        return EngineCounters(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(self))
+        )
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_queried_tokens
+        return round(self.prefix_hit_tokens / q, 4) if q else 0.0
+
+    def speculative(self, method: str) -> dict[str, float | int | str]:
+        """The report's ``speculative`` entry for a job run with ``method``."""
+        drafts, accepted, rows = self.draft_tokens, self.accepted_tokens, self.drafted_rows
+        return {
+            "method": method,
+            "draft_tokens": drafts,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
+            "mean_accepted_per_drafted_row": round(accepted / rows, 3) if rows else 0.0,
+        }
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
