@@ -269,7 +269,7 @@ class LLMEngine:
         if launched is not None:
             host_ms += self._process(*launched)
         self.runner.profiler.add_host_ms(host_ms)
-        if self.policy is not None and not sched.is_empty:
+        if self.policy is not None and sched.decode_only:  # prefills would skew the times
             stats = self.scheduler.stats
             self.policy.record(
                 StepSample(

@@ -135,7 +135,8 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
     assert got == want
     drafted = [s for s in policy.samples if s.drafted]
     assert drafted and len(drafted) < len(policy.samples)
-    assert sum(s.accepted for s in drafted) == llm.engine.scheduler.stats.num_accepted_tokens > 0
+    # The policy hears of decode-only steps (steps that admit prompts would skew its times).
+    assert 0 < sum(s.accepted for s in drafted) <= llm.engine.scheduler.stats.num_accepted_tokens
 
 
 def test_auto_greedy_output_equals_off(model_path: Path) -> None:

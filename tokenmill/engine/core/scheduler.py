@@ -139,6 +139,8 @@ class Scheduler:
             sample=sample,
             requests=self.slots.requests[slots],
             preempted_ids=tuple(preempted),
+            decode_only=bool(len(slots))
+            and bool((num_new == 1 + self.slots.num_drafts[slots]).all()),
         )
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.num_tokens

@@ -57,6 +57,7 @@ class SchedulerOutput:
     sample: np.ndarray  # bool
     requests: np.ndarray  # object: the Request of each row
     preempted_ids: tuple[str, ...] = ()
+    decode_only: bool = False  # every row computes its last token (and its drafts, if any)
 
     @property
     def num_rows(self) -> int:

@@ -4,7 +4,7 @@ A drafted step gives each row 1 + its accepted drafts, but it costs more than a 
 more tokens through the model, the proposer's host time, and, under async scheduling, the
 overlap of the host's work with the device's (a drafted row's next input is known only once
 its drafts are verified, so a drafted step runs synchronously). Per step the policy compares,
-for the batch's size bucket (powers of two):
+for the batch's size bucket (powers of two), from decode-only steps:
 
     plain:    B tokens                 in t_plain  (mean wall ms of recent plain steps)
     drafted:  B * (1 + f * m) tokens   in t_draft  (mean wall ms of recent drafted steps)
