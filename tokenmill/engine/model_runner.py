@@ -194,9 +194,19 @@ class ModelRunner:
     def _histories(
         sched: SchedulerOutput, batch: HostBatch
     ) -> tuple[list[list[int]], list[list[int]]]:
-        """(prompt, output token ids) per logits row: read only when a row has a penalty."""
-        requests = np.repeat(sched.requests[batch.sample_rows], batch.sample_counts)
-        return [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests]
+        """(prompt, output token ids) per logits row: read only when a row has a penalty.
+        A drafted row's logits row j follows its first j drafts: they are its output there."""
+        counts = batch.sample_counts
+        requests = np.repeat(sched.requests[batch.sample_rows], counts)
+        prompts = [r.prompt_token_ids for r in requests]
+        outputs = [r.output_token_ids for r in requests]
+        table = sched.table
+        slots = np.repeat(batch.sample_slots, counts)
+        within = np.arange(len(slots)) - np.repeat(np.cumsum(counts) - counts, counts)
+        for i in np.flatnonzero(within).tolist():
+            n = int(table.num_tokens[slots[i]])
+            outputs[i] = outputs[i] + table.token_ids[slots[i], n : n + within[i]].tolist()
+        return prompts, outputs
 
     def _upload(
         self, batch: HostBatch

@@ -151,3 +151,19 @@ def test_auto_greedy_output_equals_off(model_path: Path) -> None:
     assert outs["auto"] == outs["off"]
     policy = llm.engine.step_profile()["speculative"]["policy"]
     assert policy and all(b["plain_ms"] or b["draft_ms"] for b in policy.values()), policy
+
+
+def test_penalties_follow_the_drafts(model_path: Path) -> None:
+    """Presence, frequency and repetition penalties at a draft position count the drafts
+    before it as output: greedy output with penalties is the same with drafts."""
+    prompts = _copy_prompts(30)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, presence_penalty=0.2,
+                            frequency_penalty=0.1, repetition_penalty=1.05)  # fmt: skip
+    outs = {}
+    for method in ("off", "ngram"):
+        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
+                  max_num_seqs=8, kv_cache_memory=1 << 26,
+                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["ngram"] == outs["off"]
+    assert llm.engine.scheduler.stats.num_accepted_tokens > 0

@@ -69,19 +69,13 @@ def add_drafts(
 ) -> np.ndarray:
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
-    how many each row got. Rows that ask for penalties or logprobs take none (their
-    per-token state would have to follow the drafts), nor do drafts go past max_tokens,
-    max_model_len or the step's token ``budget``."""
+    how many each row got. Rows that ask for logprobs take none (a step records one
+    logprob entry per row), nor do drafts go past max_tokens, max_model_len or the step's
+    token ``budget``. Penalties follow the drafts: the sampler sees each draft position's
+    output as the row's output plus the drafts before it (ModelRunner._histories)."""
     t = table
     cols = t.sampling.columns
-    eligible = (
-        (num_new == 1)
-        & (t.num_pending[order] == 0)
-        & (cols["presence_penalty"][order] == 0)
-        & (cols["frequency_penalty"][order] == 0)
-        & (cols["repetition_penalty"][order] == 1)
-        & (cols["logprobs"][order] < 0)
-    )
+    eligible = (num_new == 1) & (t.num_pending[order] == 0) & (cols["logprobs"][order] < 0)
     counts = np.zeros(len(order), dtype=np.int64)
     rows = order[eligible]
     if not len(rows):
