@@ -31,6 +31,7 @@ Numpy, no torch: it is tested on CPU with tiny block sizes.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -162,7 +163,10 @@ class Scheduler:
         if self.config.async_scheduling:
             num_new[self._ends_when_pending_lands(order)] = 0
         if self.proposer is not None and draft:
+            t0 = time.perf_counter()
             drafts = add_drafts(s, order, num_new, self.proposer, budget, self.config.max_model_len)
+            self.stats.propose_seconds += time.perf_counter() - t0
+            self.stats.num_propose_calls += 1
             num_new += drafts
         bs = self.kv.block_size
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]

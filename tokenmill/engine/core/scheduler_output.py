@@ -92,6 +92,8 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # drafts scheduled (multi-token steps)
     num_accepted_tokens: int = 0  # drafts the target's samples accepted
     num_drafted_rows: int = 0  # (step, row) pairs that carried at least one draft
+    num_propose_calls: int = 0  # steps that asked the proposer
+    propose_seconds: float = 0.0  # host time in the proposer (and writing its drafts)
 
     def speculative(self) -> dict[str, float]:
         """Draft counts, the share accepted, and accepted drafts per drafted row and step
@@ -107,6 +109,11 @@ class SchedulerStats:
             "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
             "drafted_rows": rows,
             "mean_accepted_per_drafted_row": round(accepted / rows, 3) if rows else 0.0,
+            "propose_ms_per_step": (
+                round(1e3 * self.propose_seconds / self.num_propose_calls, 4)
+                if self.num_propose_calls
+                else 0.0
+            ),
         }
 
 

@@ -44,7 +44,10 @@ class NgramProposer:
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
         self.max_drafts = max_drafts
+        self.min_n, self.max_n = min_n, max_n
         self.sizes = tuple(range(max_n, min_n - 1, -1))  # longest first
+        self._sizes = np.array(self.sizes, dtype=np.int64)
+        self._salt = self._sizes.astype(np.uint64)  # the size, mixed in by the finalizer
         self.bits = table_bits
         self._last: np.ndarray | None = None  # [C, 2^bits] int32, allocated on first use
         self._owner = np.empty(0, dtype=object)  # [C] the request a slot's index belongs to
@@ -62,54 +65,75 @@ class NgramProposer:
             self._last[fresh] = -1
             self._owner[fresh] = slots.requests[fresh]
             self._indexed[fresh] = 0
+        tokens = slots.token_ids
         n = slots.num_tokens[rows].astype(np.int64)
-        self._index(slots.token_ids, rows, self._indexed[rows], n - 1)
-        self._indexed[rows] = np.maximum(n - 1, 0)
-        start = self._lookup(slots.token_ids, rows, n)  # [R] first draft's position, -1: none
-        pos = start[:, None] + np.arange(self.max_drafts)  # [R, k]
-        ok = (start[:, None] >= 0) & (pos < n[:, None])
-        drafts = slots.token_ids[rows[:, None], np.where(ok, pos, 0)]
+        # Positions to index (known, not the last: [indexed, n - 1)), then each row's last
+        # position (its suffix, to look up): one gather and one hash pass for both.
+        lo, hi = self._indexed[rows], np.maximum(n - 1, 0)
+        count = np.maximum(hi - lo, 0)
+        which = np.repeat(np.arange(len(rows)), count)
+        new = lo[which] + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
+        slot = np.concatenate([rows[which], rows])
+        pos = np.concatenate([new, np.maximum(n - 1, 0)])
+        back = np.arange(self.max_n - 1, -1, -1)  # window columns: oldest .. newest token
+        flat = tokens.reshape(-1)  # 1-d takes: cheaper than 2-d fancy indexing
+        width = tokens.shape[1]
+        grams = flat.take(slot[:, None] * width + np.maximum(pos[:, None] - back, 0))
+        hashes = self._hashes(grams)  # [P + R, S]
+        whole = pos[:, None] >= self._sizes - 1  # the m-gram lies inside the row
+        p = len(new)
+        fill = whole[:p]
+        keys = (slot[:p, None] * self._last.shape[1] + hashes[:p])[fill]
+        # Positions ascend within a row, so where a key repeats the latest is written last
+        # (numpy assigns a 1-d index array in order).
+        self._last.reshape(-1)[keys] = np.broadcast_to(new[:, None], fill.shape)[fill]
+        self._indexed[rows] = hi
+        start = self._lookup(tokens, rows, n, grams[p:], hashes[p:], whole[p:])
+        cols = start[:, None] + np.arange(self.max_drafts)  # [R, k]
+        ok = (start[:, None] >= 0) & (cols < n[:, None])
+        drafts = flat.take(rows[:, None] * width + np.where(ok, cols, 0))
         return np.where(ok, drafts, -1).astype(np.int64)
 
-    def _hash(self, grams: np.ndarray) -> np.ndarray:
-        """[P] index entry of each m-gram in ``grams`` [P, m] (m folded in: sizes differ)."""
-        h = np.full(len(grams), _SEED ^ np.uint64(grams.shape[1]), dtype=np.uint64)
-        for j in range(grams.shape[1]):  # m <= max_n rounds, each over all P grams
-            h = (h ^ grams[:, j].astype(np.uint64)) * _MULT
-        # FNV leaves a small last token in the low bits; a finalizer spreads it to the top.
-        h ^= h >> np.uint64(33)
-        h *= _FINAL
-        h ^= h >> np.uint64(33)
+    def _hashes(self, grams: np.ndarray) -> np.ndarray:
+        """[P, S] index entries of the m-grams ending at each window's last token, one per
+        size m (longest first): the newest token mixed first, one round a token, so the
+        shorter grams' hashes fall out on the way to the longest; one finalizer for all."""
+        g = grams.astype(np.uint64)
+        h = np.full(len(grams), _SEED, dtype=np.uint64)
+        raw = np.empty((len(grams), len(self.sizes)), dtype=np.uint64)
+        for j in range(1, self.max_n + 1):
+            h = (h ^ g[:, -j]) * _MULT
+            if j >= self.min_n:
+                raw[:, self.max_n - j] = h
+        return self._final(raw ^ self._salt)
+
+    def _final(self, h: np.ndarray) -> np.ndarray:
+        # FNV leaves a small token in the low bits; a finalizer spreads it to the top.
+        h = h ^ (h >> np.uint64(33))
+        h = h * _FINAL
+        h = h ^ (h >> np.uint64(33))
         return (h >> np.uint64(64 - self.bits)).astype(np.int64)
 
-    def _index(self, tokens: np.ndarray, rows: np.ndarray, lo: np.ndarray, hi: np.ndarray):
-        """Index the m-grams ending at positions lo[r] <= p < hi[r] of each row."""
-        count = np.maximum(hi - lo, 0)
-        total = int(count.sum())
-        if not total:
-            return
-        which = np.repeat(np.arange(len(rows)), count)  # [P] row of each new position
-        p = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-        slot = rows[which]
-        for m in self.sizes:
-            ok = p >= m - 1
-            s, e = slot[ok], p[ok]
-            grams = tokens[s[:, None], e[:, None] - np.arange(m - 1, -1, -1)]  # [P, m]
-            np.maximum.at(self._last, (s, self._hash(grams)), e.astype(np.int32))
-
-    def _lookup(self, tokens: np.ndarray, rows: np.ndarray, n: np.ndarray) -> np.ndarray:
+    def _lookup(
+        self,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        n: np.ndarray,
+        suffix: np.ndarray,
+        hashes: np.ndarray,
+        whole: np.ndarray,
+    ) -> np.ndarray:
         """[R] the position after the latest earlier occurrence of each row's longest
-        matching suffix; -1 where none matches."""
-        start = np.full(len(rows), -1, dtype=np.int64)
-        for m in self.sizes:
-            todo = np.flatnonzero((start < 0) & (n > m))
-            if not len(todo):
-                continue
-            s, end = rows[todo], n[todo] - 1
-            suffix = tokens[s[:, None], end[:, None] - np.arange(m - 1, -1, -1)]  # [T, m]
-            hit = self._last[s, self._hash(suffix)].astype(np.int64)  # [T]
-            at = np.maximum(hit, m - 1)
-            found = tokens[s[:, None], at[:, None] - np.arange(m - 1, -1, -1)]
-            same = (hit >= m - 1) & (found == suffix).all(axis=1)
-            start[todo[same]] = hit[same] + 1
-        return start
+        matching suffix; -1 where none matches. ``suffix`` [R, max_n] is each row's last
+        tokens, ``hashes`` [R, S] their m-grams' entries, ``whole`` [R, S] which fit."""
+        hit = self._last[rows[:, None], hashes].astype(np.int64)  # [R, S] where it ended
+        back = np.arange(self.max_n - 1, -1, -1)
+        at = rows[:, None, None] * tokens.shape[1] + np.maximum(hit[:, :, None] - back, 0)
+        found = tokens.reshape(-1).take(at)  # [R, S, max_n]
+        # Size m compares the last m columns of the two windows.
+        compared = back[None, :] < self._sizes[:, None]  # [S, max_n]
+        same = ((found == suffix[:, None, :]) | ~compared).all(axis=2)
+        same &= whole & (hit >= self._sizes - 1) & (n[:, None] > self._sizes)
+        first = same.argmax(axis=1)  # the longest size that matches
+        matched = same[np.arange(len(rows)), first]
+        return np.where(matched, hit[np.arange(len(rows)), first] + 1, -1)
