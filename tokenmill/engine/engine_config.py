@@ -135,7 +135,7 @@ BOOL_OR_UNSET = _rule(
 )
 INT = _rule("an integer", _is_int)
 
-SPECULATIVE_METHODS = ("off", "ngram", "auto")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
 # A decode row of 1 + k tokens runs in the decode kernel and its CUDA graphs up to 8 tokens.
 MAX_SPECULATIVE_TOKENS = 7
 
@@ -147,7 +147,9 @@ class SpeculativeConfig:
 
     ``method``: off; ngram (prompt lookup: what followed the last earlier occurrence of
     the row's latest ``ngram_min``..``ngram_max`` tokens, spec_decode/ngram.py) on every
-    step; auto: ngram where a goodput policy measures that it pays (spec_decode/policy.py).
+    step; suffix (the same, or what followed a longer match in the outputs of requests
+    finished before, spec_decode/suffix.py) on every step; auto: suffix where a goodput
+    policy measures that it pays (spec_decode/policy.py).
     ``max_tokens``: the most draft tokens a row takes per step (k).
     Raises EngineSettingError naming ``speculative.<key>``.
     """

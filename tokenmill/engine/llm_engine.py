@@ -44,7 +44,7 @@ from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.spec_decode import build_proposer
+from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class LLMEngine:
             proposer = build_proposer(config.speculative)
             if config.speculative.method == "auto":
                 self.policy = SpeculationPolicy()
+        self._learner = proposer if isinstance(proposer, LearnsFromOutputs) else None
         if config.load_format == "random":
             source = None
             self.model_config = load_hf_config(Path(config.model))  # config.json alone
@@ -366,6 +367,8 @@ class LLMEngine:
 
     def _finish(self, finished: list[Request]) -> None:
         """Hand ``finished`` requests to the output builder (their text is decoded there)."""
+        if self._learner is not None and finished:
+            self._learner.observe([req.output_token_ids for req in finished])
         items = []
         for req in finished:
             tracked = self._tracked.pop(req.request_id)

@@ -60,7 +60,7 @@ def test_ngram_greedy_output_equals_off_on_120_prompts(model_path: Path) -> None
 @pytest.mark.parametrize(
     ("given", "key", "expected"),
     [
-        ({"method": "medusa"}, "speculative.method", "one of off, ngram, auto"),
+        ({"method": "medusa"}, "speculative.method", "one of off, ngram, suffix, auto"),
         ({"method": "ngram", "max_tokens": 8}, "speculative.max_tokens", "from 1 to 7"),
         ({"max_tokens": True}, "speculative.max_tokens", "from 1 to 7"),
         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max", "from ngram_min (3)"),
@@ -167,3 +167,21 @@ def test_penalties_follow_the_drafts(model_path: Path) -> None:
         outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["ngram"] == outs["off"]
     assert llm.engine.scheduler.stats.num_accepted_tokens > 0
+
+
+def test_suffix_greedy_output_equals_off_and_drafts_from_earlier_rows(model_path: Path) -> None:
+    """Rows finish one batch after another (max_num_seqs 4), so later rows find earlier
+    rows' outputs in the corpus; the output is the same as without drafts."""
+    prompts = [p[:6] for p in _copy_prompts(40)] * 2  # each prompt twice: a second row
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # copies its twin
+    outs = {}
+    for method in ("off", "suffix"):
+        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
+                  max_num_seqs=4, kv_cache_memory=1 << 26,
+                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["suffix"] == outs["off"]
+    stats = llm.engine.scheduler.stats
+    # The second copy of each prompt drafts its twin's output from the corpus once its own
+    # first 3 tokens match there: most of its 12.
+    assert stats.num_accepted_tokens >= 40 * 5, stats

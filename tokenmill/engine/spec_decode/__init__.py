@@ -3,18 +3,31 @@ batched step, see engine/core/drafts.py), picked by the engine's SpeculativeConf
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from tokenmill.engine.core.drafts import DraftProposer
 from tokenmill.engine.engine_config import SpeculativeConfig
 
-__all__ = ["build_proposer"]
+__all__ = ["LearnsFromOutputs", "build_proposer"]
+
+
+@runtime_checkable
+class LearnsFromOutputs(Protocol):
+    """A proposer that drafts from finished outputs: the engine hands them over."""
+
+    def observe(self, outputs: list[list[int]]) -> None: ...
 
 
 def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
     """The proposer ``config`` names; None when speculation is off."""
     if config.method == "off":
         return None
-    if config.method in ("ngram", "auto"):
+    if config.method == "ngram":
         from tokenmill.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)
+    if config.method in ("suffix", "auto"):
+        from tokenmill.engine.spec_decode.suffix import SuffixProposer
+
+        return SuffixProposer(config.max_tokens, config.ngram_min, config.ngram_max)
     raise ValueError(f"speculative.method {config.method!r} has no proposer")

@@ -23,12 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.spec_decode.gram_hash import GramHasher
 
 __all__ = ["NgramProposer"]
-
-_MULT = np.uint64(0x100000001B3)  # FNV-1a's 64-bit prime: mixes one token per round
-_SEED = np.uint64(0xCBF29CE484222325)
-_FINAL = np.uint64(0xFF51AFD7ED558CCD)  # MurmurHash3's 64-bit finalizer constant
 
 
 class NgramProposer:
@@ -39,24 +36,26 @@ class NgramProposer:
     def __init__(
         self, max_drafts: int, min_n: int = 2, max_n: int = 4, table_bits: int = 13
     ) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be >= 1, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.min_n, self.max_n = min_n, max_n
-        self.sizes = tuple(range(max_n, min_n - 1, -1))  # longest first
-        self._sizes = np.array(self.sizes, dtype=np.int64)
-        self._salt = self._sizes.astype(np.uint64)  # the size, mixed in by the finalizer
-        self.bits = table_bits
+        self.hasher = GramHasher(min_n, max_n, table_bits)
         self._last: np.ndarray | None = None  # [C, 2^bits] int32, allocated on first use
         self._owner = np.empty(0, dtype=object)  # [C] the request a slot's index belongs to
         self._indexed = np.zeros(0, dtype=np.int64)  # [C] m-grams ending before this are in
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
         """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
+        start, _ = self.match(slots, rows)
+        return self.drafts_from(slots.token_ids, np.asarray(rows, dtype=np.int64), start,
+                                slots.num_tokens[rows].astype(np.int64))  # fmt: skip
+
+    def match(self, slots: BatchSlots, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Index the rows' new tokens, then look their suffixes up: ([R] the position after
+        each row's match, -1 where none; [R] the matched gram's length, 0 where none)."""
         if self._last is None or len(self._owner) != slots.capacity:
-            self._last = np.full((slots.capacity, 1 << self.bits), -1, dtype=np.int32)
+            entries = 1 << self.hasher.bits
+            self._last = np.full((slots.capacity, entries), -1, dtype=np.int32)
             self._owner = np.full(slots.capacity, None, dtype=object)
             self._indexed = np.zeros(slots.capacity, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.int64)
@@ -75,12 +74,12 @@ class NgramProposer:
         new = lo[which] + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
         slot = np.concatenate([rows[which], rows])
         pos = np.concatenate([new, np.maximum(n - 1, 0)])
-        back = np.arange(self.max_n - 1, -1, -1)  # window columns: oldest .. newest token
-        flat = tokens.reshape(-1)  # 1-d takes: cheaper than 2-d fancy indexing
+        h = self.hasher
         width = tokens.shape[1]
-        grams = flat.take(slot[:, None] * width + np.maximum(pos[:, None] - back, 0))
-        hashes = self._hashes(grams)  # [P + R, S]
-        whole = pos[:, None] >= self._sizes - 1  # the m-gram lies inside the row
+        flat = tokens.reshape(-1)  # 1-d takes: cheaper than 2-d fancy indexing
+        grams = flat.take(slot[:, None] * width + np.maximum(pos[:, None] - h.back, 0))
+        hashes = h(grams)  # [P + R, S]
+        whole = pos[:, None] >= h.sizes - 1  # the m-gram lies inside the row
         p = len(new)
         fill = whole[:p]
         keys = (slot[:p, None] * self._last.shape[1] + hashes[:p])[fill]
@@ -88,52 +87,20 @@ class NgramProposer:
         # (numpy assigns a 1-d index array in order).
         self._last.reshape(-1)[keys] = np.broadcast_to(new[:, None], fill.shape)[fill]
         self._indexed[rows] = hi
-        start = self._lookup(tokens, rows, n, grams[p:], hashes[p:], whole[p:])
+        hit = self._last[rows[:, None], hashes[p:]].astype(np.int64)  # [R, S] where it ended
+        found = flat.take(rows[:, None, None] * width + np.maximum(hit[:, :, None] - h.back, 0))
+        same = h.same(found, grams[p:]) & whole[p:] & (hit >= h.sizes - 1)
+        same &= n[:, None] > h.sizes
+        first = same.argmax(axis=1)  # the longest size that matches
+        r = np.arange(len(rows))
+        matched = same[r, first]
+        return np.where(matched, hit[r, first] + 1, -1), np.where(matched, h.sizes[first], 0)
+
+    def drafts_from(
+        self, tokens: np.ndarray, rows: np.ndarray, start: np.ndarray, n: np.ndarray
+    ) -> np.ndarray:
+        """[R, max_drafts]: tokens start[r] .. of each row, up to its n[r] known ones."""
         cols = start[:, None] + np.arange(self.max_drafts)  # [R, k]
         ok = (start[:, None] >= 0) & (cols < n[:, None])
-        drafts = flat.take(rows[:, None] * width + np.where(ok, cols, 0))
+        drafts = tokens.reshape(-1).take(rows[:, None] * tokens.shape[1] + np.where(ok, cols, 0))
         return np.where(ok, drafts, -1).astype(np.int64)
-
-    def _hashes(self, grams: np.ndarray) -> np.ndarray:
-        """[P, S] index entries of the m-grams ending at each window's last token, one per
-        size m (longest first): the newest token mixed first, one round a token, so the
-        shorter grams' hashes fall out on the way to the longest; one finalizer for all."""
-        g = grams.astype(np.uint64)
-        h = np.full(len(grams), _SEED, dtype=np.uint64)
-        raw = np.empty((len(grams), len(self.sizes)), dtype=np.uint64)
-        for j in range(1, self.max_n + 1):
-            h = (h ^ g[:, -j]) * _MULT
-            if j >= self.min_n:
-                raw[:, self.max_n - j] = h
-        return self._final(raw ^ self._salt)
-
-    def _final(self, h: np.ndarray) -> np.ndarray:
-        # FNV leaves a small token in the low bits; a finalizer spreads it to the top.
-        h = h ^ (h >> np.uint64(33))
-        h = h * _FINAL
-        h = h ^ (h >> np.uint64(33))
-        return (h >> np.uint64(64 - self.bits)).astype(np.int64)
-
-    def _lookup(
-        self,
-        tokens: np.ndarray,
-        rows: np.ndarray,
-        n: np.ndarray,
-        suffix: np.ndarray,
-        hashes: np.ndarray,
-        whole: np.ndarray,
-    ) -> np.ndarray:
-        """[R] the position after the latest earlier occurrence of each row's longest
-        matching suffix; -1 where none matches. ``suffix`` [R, max_n] is each row's last
-        tokens, ``hashes`` [R, S] their m-grams' entries, ``whole`` [R, S] which fit."""
-        hit = self._last[rows[:, None], hashes].astype(np.int64)  # [R, S] where it ended
-        back = np.arange(self.max_n - 1, -1, -1)
-        at = rows[:, None, None] * tokens.shape[1] + np.maximum(hit[:, :, None] - back, 0)
-        found = tokens.reshape(-1).take(at)  # [R, S, max_n]
-        # Size m compares the last m columns of the two windows.
-        compared = back[None, :] < self._sizes[:, None]  # [S, max_n]
-        same = ((found == suffix[:, None, :]) | ~compared).all(axis=2)
-        same &= whole & (hit >= self._sizes - 1) & (n[:, None] > self._sizes)
-        first = same.argmax(axis=1)  # the longest size that matches
-        matched = same[np.arange(len(rows)), first]
-        return np.where(matched, hit[np.arange(len(rows)), first] + 1, -1)

@@ -1,0 +1,76 @@
+"""OutputCorpus (earlier outputs, bounded, indexed by m-grams) against a brute-force search,
+and SuffixProposer choosing between a row's own tokens and the corpus."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.spec_decode.output_corpus import OutputCorpus
+from tokenmill.engine.spec_decode.suffix import SuffixProposer
+
+
+def _brute_force(outputs, capacity, suffix, k, min_n, max_n):
+    store = [t for o in outputs if o for t in [*o, -1]]
+    written = len(store)
+    oldest = written - capacity  # absolute position of the oldest live token (may be < 0)
+    for m in range(max_n, min_n - 1, -1):
+        gram = suffix[-m:]
+        if -1 in gram:
+            continue
+        for end in range(written - 1, -1, -1):  # latest first
+            if end <= oldest + max_n or end - m + 1 < 0:
+                continue
+            if store[end - m + 1 : end + 1] == gram:
+                drafts = []
+                for t in store[end + 1 : end + 1 + k]:
+                    if t == -1:
+                        break
+                    drafts.append(t)
+                return drafts + [-1] * (k - len(drafts)), m
+    return [-1] * k, 0
+
+
+@pytest.mark.parametrize(("vocab", "capacity"), [(4, 10_000), (6, 60)])
+def test_lookup_matches_brute_force(vocab: int, capacity: int) -> None:
+    """Outputs added in batches; every lookup equals the search over the live tokens (the
+    small capacity overwrites the oldest many times)."""
+    rng = np.random.default_rng(vocab)
+    corpus = OutputCorpus(capacity, min_n=2, max_n=5, table_bits=20)
+    outputs: list[list[int]] = []
+    for _ in range(40):
+        batch = [rng.integers(0, vocab, rng.integers(0, 12)).tolist() for _ in range(3)]
+        corpus.add(batch)
+        outputs += batch
+        queries = [rng.integers(0, vocab, 5).tolist() for _ in range(6)]
+        queries[0][:2] = [-1, -1]  # a short row: separators on the left
+        drafts, lengths = corpus.lookup(np.array(queries), 4)
+        for q, d, n in zip(queries, drafts.tolist(), lengths.tolist(), strict=True):
+            assert (d, n) == _brute_force(outputs, capacity, q, 4, 2, 5), q
+
+
+def test_drafts_stop_at_the_end_of_an_output() -> None:
+    corpus = OutputCorpus(1000, min_n=3, max_n=4)
+    corpus.add([[7, 8, 9, 10, 11], [1, 2, 3]])
+    drafts, length = corpus.lookup(np.array([[0, 7, 8, 9]]), 5)
+    assert drafts.tolist() == [[10, 11, -1, -1, -1]] and length.tolist() == [3]
+    drafts, _ = corpus.lookup(np.array([[5, 1, 2, 3]]), 3)  # the last output: nothing after
+    assert drafts.tolist() == [[-1, -1, -1]]
+
+
+def test_suffix_proposer_takes_the_longer_match() -> None:
+    slots = BatchSlots(4, 64, 16)
+    rows = [
+        [50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 51],  # own: (51) is too short; corpus: no
+        [1, 2, 60, 61, 62, 63, 64],  # corpus: 5 tokens of (60 .. 64) -> 65 66 67
+        [9, 8, 9, 8, 9],  # own: (8 9) and (9 8 9) -> 8 9
+    ]
+    for slot, tokens in enumerate(rows):
+        slots.token_ids[slot, : len(tokens)] = tokens
+        slots.num_tokens[slot] = len(tokens)
+        slots.requests[slot] = object()
+    proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
+    proposer.observe([[60, 61, 62, 63, 64, 65, 66, 67]])
+    got = proposer.propose(slots, np.arange(3)).tolist()
+    assert got == [[-1, -1, -1], [65, 66, 67], [8, 9, -1]]

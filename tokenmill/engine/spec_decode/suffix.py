@@ -1,0 +1,55 @@
+"""SuffixProposer: drafts from the row's own tokens or from earlier rows' outputs.
+
+Two sources, the longer matching suffix wins:
+  * the row itself (prompt and output so far): NgramProposer's per-slot index, grams of
+    ``min_n`` .. ``max_n`` tokens;
+  * every output finished before in this engine (a job's earlier rows): OutputCorpus, grams
+    of ``corpus_min_n`` .. ``corpus_max_n`` tokens, so only a long shared context drafts
+    from another row (a short one would often guess wrong).
+
+The engine calls ``observe`` with the outputs of requests as they finish.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.spec_decode.ngram import NgramProposer
+from tokenmill.engine.spec_decode.output_corpus import OutputCorpus
+
+__all__ = ["SuffixProposer"]
+
+
+class SuffixProposer:
+    def __init__(
+        self,
+        max_drafts: int,
+        min_n: int = 2,
+        max_n: int = 4,
+        corpus_min_n: int = 3,
+        corpus_max_n: int = 8,
+        corpus_tokens: int = 1 << 20,
+    ) -> None:
+        self.max_drafts = max_drafts
+        self.own = NgramProposer(max_drafts, min_n, max_n)
+        self.corpus = OutputCorpus(corpus_tokens, corpus_min_n, corpus_max_n)
+
+    def observe(self, outputs: list[list[int]]) -> None:
+        """Outputs of requests that just finished: later rows may draft from them."""
+        self.corpus.add(outputs)
+
+    def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
+        """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        tokens, n = slots.token_ids, slots.num_tokens[rows].astype(np.int64)
+        start, own_len = self.own.match(slots, rows)
+        drafts = self.own.drafts_from(tokens, rows, start, n)
+        if self.corpus.written == 0:
+            return drafts
+        back = self.corpus.hasher.back
+        pos = n[:, None] - 1 - back  # [R, corpus max_n] the rows' last tokens, oldest first
+        suffix = tokens.reshape(-1).take(rows[:, None] * tokens.shape[1] + np.maximum(pos, 0))
+        suffix = np.where(pos >= 0, suffix, -1)  # a short row: the separator before it
+        shared, shared_len = self.corpus.lookup(suffix, self.max_drafts)
+        return np.where((shared_len > own_len)[:, None], shared, drafts)
