@@ -32,29 +32,43 @@ def _copy_prompts(count: int) -> list[list[int]]:
     return prompts
 
 
-def test_ngram_greedy_output_equals_off_on_120_prompts(model_path: Path) -> None:
+@pytest.fixture(scope="module")
+def off_run(model_path: Path) -> tuple[list[list[int]], dict]:
+    return _run_120(model_path, "off")
+
+
+def _run_120(model_path: Path, method: str) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of 120 copy prompts and the engine's step profile."""
     prompts = _copy_prompts(120)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    runs = {}
-    for method in ("off", "ngram"):
-        llm = LLM(
-            str(model_path),
-            device="cpu",
-            dtype="float32",
-            block_size=4,
-            max_num_seqs=32,
-            kv_cache_memory=1 << 26,
-            profile_steps=True,
-            speculative={"method": method, "max_tokens": 4},
-        )
-        runs[method] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine)
-    assert runs["ngram"][0] == runs["off"][0]
-    stats = runs["ngram"][1].step_profile()["speculative"]
-    assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
-    assert "speculative" not in runs["off"][1].step_profile()
-    # Accepted drafts are decode steps saved.
-    steps = {m: engine.scheduler.stats.num_steps for m, (_, engine) in runs.items()}
-    assert steps["ngram"] < steps["off"], (steps, stats)
+    llm = LLM(
+        str(model_path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_num_seqs=32,
+        kv_cache_memory=1 << 26,
+        profile_steps=True,
+        speculative={"method": method, "max_tokens": 4},
+    )
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    profile = llm.engine.step_profile()
+    profile["steps"] = llm.engine.scheduler.stats.num_steps
+    return outs, profile
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, method) -> None:
+    want, off = off_run
+    got, profile = _run_120(model_path, method)
+    assert got == want
+    stats = profile["speculative"]
+    assert "speculative" not in off
+    if method == "auto":  # it drafts where it measures a gain: here, maybe nowhere
+        assert stats["policy"], stats  # what it measured, per batch bucket
+    else:  # drafting on every step: accepted drafts are decode steps saved
+        assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
+        assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
 
 
 @pytest.mark.parametrize(
@@ -137,20 +151,6 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
     assert drafted and len(drafted) < len(policy.samples)
     # The policy hears of decode-only steps (steps that admit prompts would skew its times).
     assert 0 < sum(s.accepted for s in drafted) <= llm.engine.scheduler.stats.num_accepted_tokens
-
-
-def test_auto_greedy_output_equals_off(model_path: Path) -> None:
-    prompts = _copy_prompts(40)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outs = {}
-    for method in ("off", "auto"):
-        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
-                  max_num_seqs=16, kv_cache_memory=1 << 26, profile_steps=True,
-                  speculative={"method": method})  # fmt: skip
-        outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
-    assert outs["auto"] == outs["off"]
-    policy = llm.engine.step_profile()["speculative"]["policy"]
-    assert policy and all(b["plain_ms"] or b["draft_ms"] for b in policy.values()), policy
 
 
 def test_penalties_follow_the_drafts(model_path: Path) -> None:

@@ -11,9 +11,10 @@ for the batch's size bucket (powers of two), from decode-only steps:
 
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
 per drafted row (recent drafted steps). It drafts when (1 + f * m) / t_draft beats
-1 / t_plain by ``margin``. Unmeasured buckets are probed, and the mode not chosen is probed
-again every ``probe_every`` steps of a bucket, so the estimates follow the data and the
-batch: a probe costs at most one step in ``probe_every``.
+1 / t_plain by ``margin``. A bucket drafts for its first ``warmup`` decode steps (a row's
+first tokens rarely match anything yet), and the mode not chosen is probed again every
+``probe_every`` steps, so the estimates follow the data and the batch: a probe costs at most
+one step in ``probe_every``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _Bucket:
     draft_ms: float | None = None
     share: float | None = None  # f: rows with drafts / rows, in drafted steps
     accepted: float | None = None  # m: accepted drafts per drafted row
+    drafted_steps: int = 0
     steps: int = 0
     last_plain: int = -(10**9)
     last_draft: int = -(10**9)
@@ -57,7 +59,8 @@ class SpeculationPolicy:
     """Decides per step whether to draft; ``record`` feeds it each step's outcome."""
 
     margin: float = 0.03
-    probe_every: int = 100
+    probe_every: int = 50
+    warmup: int = 4
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     @staticmethod
@@ -66,7 +69,7 @@ class SpeculationPolicy:
 
     def wants_drafts(self, batch: int) -> bool:
         b = self._buckets.setdefault(self.bucket_of(batch), _Bucket())
-        if b.draft_ms is None or b.share is None or b.accepted is None:
+        if b.drafted_steps < self.warmup:
             return True  # measure drafting first: plain steps are measured anyway
         if b.plain_ms is None:
             return False
@@ -82,6 +85,7 @@ class SpeculationPolicy:
             b.plain_ms = _mean(b.plain_ms, sample.wall_ms)
             b.last_plain = b.steps
             return
+        b.drafted_steps += 1
         b.draft_ms = _mean(b.draft_ms, sample.wall_ms)
         b.share = _mean(b.share, sample.drafted_rows / max(sample.batch, 1))
         if sample.drafted_rows:
