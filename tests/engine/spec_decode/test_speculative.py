@@ -185,3 +185,19 @@ def test_suffix_greedy_output_equals_off_and_drafts_from_earlier_rows(model_path
     # The second copy of each prompt drafts its twin's output from the corpus once its own
     # first 3 tokens match there: most of its 12.
     assert stats.num_accepted_tokens >= 40 * 5, stats
+
+
+def test_seeded_sampling_is_the_same_with_drafts(model_path: Path) -> None:
+    """A seeded row draws each token from its own (seed, output position) stream, so with
+    temperature, top-k and top-p its tokens do not depend on drafts; runs repeat exactly."""
+    prompts = _copy_prompts(30)
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, top_p=0.9, seed=i,
+                             ignore_eos=True) for i in range(30)]  # fmt: skip
+    outs = []
+    for method in ("off", "suffix", "suffix"):
+        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
+                  max_num_seqs=8, kv_cache_memory=1 << 26,
+                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[1] == outs[0] and outs[2] == outs[1]
+    assert llm.engine.scheduler.stats.num_draft_tokens > 0
