@@ -228,7 +228,8 @@ class EngineConfig:
     where it hides the host's work; on CPU the host is the device, so nothing overlaps).
     ``seed`` seeds the sampling of requests without a seed of their own (and random weights).
     ``speculative`` drafts tokens for decode steps (SpeculativeConfig, or its fields as a
-    mapping); off by default.
+    mapping); off by default. ``quantization``: the linear layers' weights, none (the model's
+    dtype) or fp8 (e4m3 weights and activations, quantized at load; models/fp8.py).
     """
 
     model: str = field(metadata=MODEL)
@@ -247,6 +248,7 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
     seed: int = field(default=0, metadata=INT)
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
+    quantization: str = field(default="none", metadata=_one_of("none", "fp8"))
 
     def __post_init__(self) -> None:
         for f in fields(self):

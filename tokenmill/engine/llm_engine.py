@@ -108,6 +108,7 @@ class LLMEngine:
             source=model_path,
             seed=config.seed,
             parallel=parallel,
+            quantization=config.quantization,
         )
 
         block_bytes = kv_bytes_per_block(mc, backend, config.block_size, self.dtype, parallel)

@@ -10,6 +10,7 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.linear import LinearBase
+from tokenmill.engine.models.quant_methods import quantized_layers
 from tokenmill.engine.models.registry import model_class
 from tokenmill.engine.models.rope import RotaryEmbedding
 from tokenmill.engine.parallel import ParallelConfig
@@ -26,15 +27,17 @@ def build_model(
     seed: int = 0,
     *,
     parallel: ParallelConfig | None = None,
+    quantization: str = "none",
 ) -> torch.nn.Module:
     """The model with ``weights`` loaded, or random weights (std 0.02) when ``weights`` is None.
 
     Parameters are created in ``dtype`` on the meta device (a layer's quantization method may
     pick another dtype for its own) and materialised once on ``device``. ``parallel`` is this
-    rank's place in the tensor-parallel group, rank 0 of 1 by default. Raises ValueError (from
-    ``load_weights``) naming the tensor on a mismatch.
+    rank's place in the tensor-parallel group, rank 0 of 1 by default. ``quantization`` names
+    the linear layers' method (quant_methods.py). Raises ValueError (from ``load_weights``)
+    naming the tensor on a mismatch.
     """
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), _default_dtype(dtype), quantized_layers(quantization):
         model = model_class(config)(config, backend, max_positions, parallel=parallel)
     model = _to_empty(model, device)
     for module in model.modules():

@@ -30,12 +30,13 @@ from tokenmill.engine.engine_config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-# EngineConfig fields that job.yaml sets elsewhere or not at all: model and dtype are in the
-# model section (model.source, model.dtype); attention_backend, load_format and seed change
-# results but are not in the job fingerprint (fingerprint.py), so a resumed job could mix
-# results made under two of them; a job has no reader for profile_steps.
+# EngineConfig fields that job.yaml sets elsewhere or not at all: model, dtype and
+# quantization are in the model section (model.source, model.dtype, model.quantization);
+# attention_backend, load_format and seed change results but are not in the job fingerprint
+# (fingerprint.py), so a resumed job could mix results made under two of them; a job has no
+# reader for profile_steps.
 NOT_IN_SECTION = frozenset(
-    {"model", "dtype", "attention_backend", "load_format", "profile_steps", "seed"}
+    {"model", "dtype", "quantization", "attention_backend", "load_format", "profile_steps", "seed"}
 )
 RENAMED = {"prefix_caching": "enable_prefix_caching"}  # old job.yaml key -> the key now
 

@@ -25,9 +25,14 @@ from tokenmill.jobs.spec import JobSpec
 
 
 def engine_config(spec: JobSpec) -> EngineConfig:
-    """The EngineConfig of ``spec``: model.source and model.dtype, then the engine section
-    (EngineConfig's defaults for the fields a job does not set)."""
-    return EngineConfig(model=spec.model.source, dtype=spec.model.dtype, **spec.engine.model_dump())
+    """The EngineConfig of ``spec``: model.source, model.dtype and model.quantization, then
+    the engine section (EngineConfig's defaults for the fields a job does not set)."""
+    return EngineConfig(
+        model=spec.model.source,
+        dtype=spec.model.dtype,
+        quantization=spec.model.quantization,
+        **spec.engine.model_dump(),
+    )
 
 
 class RowProcessor:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.models.quantization import QuantMethod, UnquantizedMethod
+from tokenmill.engine.models.quant_methods import new_quant_method
+from tokenmill.engine.models.quantization import QuantMethod
 from tokenmill.engine.models.weight_loader import (
     WeightLoader,
     check_shape,
@@ -129,7 +130,7 @@ class LinearBase(torch.nn.Module):
         self.in_features = in_features
         self.output_sizes = tuple(output_sizes)
         self.out_features = sum(self.output_sizes)
-        self.quant_method: QuantMethod = quant_method or UnquantizedMethod()
+        self.quant_method: QuantMethod = quant_method or new_quant_method()
         self.params_dtype = params_dtype or torch.get_default_dtype()
 
     def _create_params(

@@ -1,0 +1,82 @@
+"""FP8 W8A8 linear layers: e4m3 weights with a scale per output channel, activations
+quantized per token on the fly, one scaled matmul.
+
+    load:    W [out, in] in the model's dtype (the checkpoint's, or GGUF dequantized)
+    after:   s_w[o] = max|W[o, :]| / 448             W_q = e4m3(W / s_w)      [out, in]
+    forward: s_x[t] = max|x[t, :]| / 448             x_q = e4m3(x / s_x)      [T, in]
+             y = (x_q @ W_q^T) * s_x[:, None] * s_w[None, :]   (+ bias)       [T, out]
+
+448 is e4m3's largest finite value, so nothing saturates. The product runs in
+``torch._scaled_mm`` (fp8 tensor cores on Hopper and newer GPUs; a plain path on CPU) with
+fp32 accumulation; ``fp8_linear_reference`` writes the same arithmetic out in fp32 for tests.
+Weights take half the bytes of bf16, and decode, bound by reading them, gets faster. The LM
+head and the embeddings stay in the model's dtype (they are not linear layers here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.engine.models.quantization import UnquantizedMethod
+from tokenmill.engine.models.weight_loader import WeightLoader
+
+__all__ = ["FP8_MAX", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448.0
+_MIN_SCALE = 1e-12  # an all-zero row: any scale gives zeros, but not a division by 0
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values [R, C], fp32 scales [R, 1]) with x ~ values * scales, one scale a row."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
+    return (x.float() / scale).to(FP8), scale
+
+
+class Fp8Method(UnquantizedMethod):
+    """Loads a float weight like the unquantized method, then quantizes it (see above)."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        in_features: int,
+        out_features_per_part: Sequence[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        super().create_weights(
+            layer, in_features, out_features_per_part, params_dtype, weight_loader
+        )
+        layer.out_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        q, scale = quantize_rows(layer.weight.data)
+        # [in, out] column-major, as _scaled_mm takes its second operand
+        layer.weight = torch.nn.Parameter(q.t(), requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(scale.t().contiguous(), requires_grad=False)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        x_q, x_scale = quantize_rows(x)
+        y = torch._scaled_mm(
+            x_q,
+            layer.weight,
+            scale_a=x_scale,
+            scale_b=layer.weight_scale,
+            out_dtype=layer.out_dtype,
+        )  # [T, out]
+        return y if bias is None else y + bias
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The FP8 layer's arithmetic in fp32 from a float ``weight`` [out, in]: both operands
+    quantized per row as above, dequantized, multiplied (for tests; not fast)."""
+    x_q, sx = quantize_rows(x)
+    w_q, sw = quantize_rows(weight)
+    y = (x_q.float() * sx) @ (w_q.float() * sw).t()
+    return y if bias is None else y + bias.float()

@@ -1,0 +1,40 @@
+"""Which quantization method new linear layers get: the methods by name, and the scope a model
+is built in (``build_model`` enters ``quantized_layers(name)``; a layer given no method of its
+own takes one from the scope, the unquantized one outside any)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from tokenmill.engine.models.fp8 import Fp8Method
+from tokenmill.engine.models.quantization import QuantMethod, UnquantizedMethod
+
+__all__ = ["QUANT_METHODS", "new_quant_method", "quantized_layers"]
+
+QUANT_METHODS: dict[str, Callable[[], QuantMethod]] = {
+    "none": UnquantizedMethod,
+    "fp8": Fp8Method,
+}
+_SCOPE: ContextVar[Callable[[], QuantMethod]] = ContextVar(
+    "quant_method", default=UnquantizedMethod
+)
+
+
+@contextmanager
+def quantized_layers(name: str) -> Iterator[None]:
+    """Linear layers built inside use the method ``name``; ValueError lists the known ones."""
+    factory = QUANT_METHODS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown quantization {name!r}; known: {', '.join(QUANT_METHODS)}")
+    token = _SCOPE.set(factory)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def new_quant_method() -> QuantMethod:
+    """A method object for a new layer, from the current scope."""
+    return _SCOPE.get()()
