@@ -108,7 +108,8 @@ class LLMEngine:
             source=model_path,
             seed=config.seed,
             parallel=parallel,
-            quantization=config.quantization,
+            # An FP8 checkpoint runs as it is, whatever was asked for.
+            quantization="fp8_checkpoint" if mc.quantization == "fp8" else config.quantization,
         )
 
         block_bytes = kv_bytes_per_block(mc, backend, config.block_size, self.dtype, parallel)

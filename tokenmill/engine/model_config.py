@@ -47,6 +47,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    quantization: str = "none"  # how the checkpoint stores its weights (checkpoint_quant.py)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tokenmill.engine.loader.checkpoint_quant import SUPPORTED, checkpoint_quantization
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
@@ -46,13 +48,9 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"{config_path} is not valid JSON ({e}); fix or re-download it") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{config_path} must hold a JSON object, got {type(cfg).__name__}")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ValueError(
-            f"config key 'quantization_config' in {config_path} says the weights are "
-            f"{method}-quantized; only float safetensors checkpoints or GGUF files are supported"
-        )
-    return ModelConfig.from_hf_dict(cfg, source=str(config_path))
+    quantization = checkpoint_quantization(cfg, config_path)
+    config = ModelConfig.from_hf_dict(cfg, source=str(config_path))
+    return replace(config, quantization=quantization)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -90,11 +88,14 @@ def iter_safetensors_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of every weight file, one at a time.
 
-    Tensors keep their stored float dtype and HF layout. Raises ValueError naming the file for a
-    corrupt or truncated file, a non-float (quantized) tensor, or a shape the config disagrees
-    with.
+    Tensors keep their stored float dtype and HF layout; an FP8 checkpoint's e4m3 weights and
+    their ``weight_scale`` come as they are, its ``input_scale`` not at all (activations are
+    scaled per token). Raises ValueError naming the file for a corrupt or truncated file, a
+    non-float (quantized) tensor, an e4m3 tensor outside an FP8 checkpoint, or a shape the
+    config disagrees with.
     """
     shapes = expected_shapes(config)
+    fp8 = config.quantization == "fp8"
     for file in safetensors_files(model_dir):
         try:
             handle = safe_open(str(file), framework="pt")
@@ -105,16 +106,18 @@ def iter_safetensors_weights(
             ) from e
         with handle as f:
             for name in f.keys():
-                if name.endswith(_SKIPPED_SUFFIXES):
+                if name.endswith(_SKIPPED_SUFFIXES) or (fp8 and name.endswith(".input_scale")):
                     continue
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise ValueError(f"cannot read tensor {name} from {file} ({e})") from e
-                if not tensor.is_floating_point():
+                if not tensor.is_floating_point() or (
+                    tensor.dtype == torch.float8_e4m3fn and not fp8
+                ):
                     raise ValueError(
-                        f"tensor {name} in {file} has dtype {tensor.dtype}; only float "
-                        "checkpoints are supported (quantized safetensors are not)"
+                        f"tensor {name} in {file} has dtype {tensor.dtype}, and config.json "
+                        f"declares no quantization that stores it; supported are {SUPPORTED}"
                     )
                 check_shape(name, tuple(tensor.shape), shapes, str(file))
                 yield name, tensor

@@ -11,16 +11,21 @@ quantized per token on the fly, one scaled matmul.
 fp32 accumulation; ``fp8_linear_reference`` writes the same arithmetic out in fp32 for tests.
 Weights take half the bytes of bf16, and decode, bound by reading them, gets faster. The LM
 head and the embeddings stay in the model's dtype (they are not linear layers here).
+
+A pre-quantized FP8 checkpoint (``checkpoint=True``) brings W_q itself, as e4m3 ``weight``
+tensors with a ``weight_scale`` per output channel ([out, 1] or [out]) or per tensor (one
+value, the same for every row of that part: q, k and v each have their own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.models.quantization import UnquantizedMethod
-from tokenmill.engine.models.weight_loader import WeightLoader
+from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
 
 __all__ = ["FP8_MAX", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
 
@@ -35,8 +40,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).to(FP8), scale
 
 
+@dataclass(frozen=True)
+class _ScaleLoader:
+    """Loads a checkpoint's ``weight_scale`` into the layer's [out, 1] scales: a per-channel
+    scale as it is, a per-tensor one repeated over its part's ``full_rows`` (the checkpoint's
+    rows of each part), both through the layer's own (sharding) loader."""
+
+    inner: WeightLoader
+    full_rows: tuple[int, ...]
+
+    def __call__(
+        self, param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        loaded = loaded.float().reshape(-1, 1)
+        if loaded.shape[0] == 1:
+            loaded = loaded.expand(self.full_rows[shard_id or 0], 1)
+        self.inner(param, loaded, shard_id)
+
+
 class Fp8Method(UnquantizedMethod):
-    """Loads a float weight like the unquantized method, then quantizes it (see above)."""
+    """Loads a float weight like the unquantized method, then quantizes it (see above); or,
+    with ``checkpoint``, loads a pre-quantized e4m3 weight and its scales."""
+
+    def __init__(self, checkpoint: bool = False) -> None:
+        self.checkpoint = checkpoint
 
     def create_weights(
         self,
@@ -46,13 +73,30 @@ class Fp8Method(UnquantizedMethod):
         params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
-        super().create_weights(
-            layer, in_features, out_features_per_part, params_dtype, weight_loader
-        )
         layer.out_dtype = params_dtype
+        if not self.checkpoint:
+            super().create_weights(
+                layer, in_features, out_features_per_part, params_dtype, weight_loader
+            )
+            return
+        out = sum(out_features_per_part)
+        weight = torch.nn.Parameter(torch.empty(out, in_features, dtype=FP8), requires_grad=False)
+        set_weight_attrs(weight, weight_loader=weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+        # Column-parallel loaders keep this rank's rows of each part; a row-parallel layer
+        # holds every output row.
+        rows = getattr(weight_loader, "rows_per_part", None)
+        tp = getattr(weight_loader, "tp_size", 1)
+        full = tuple(r * tp for r in rows) if rows else tuple(out_features_per_part)
+        scale = torch.nn.Parameter(torch.empty(out, 1, dtype=torch.float32), requires_grad=False)
+        set_weight_attrs(scale, weight_loader=_ScaleLoader(weight_loader, full), output_dim=0)
+        layer.register_parameter("weight_scale", scale)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        q, scale = quantize_rows(layer.weight.data)
+        if self.checkpoint:
+            q, scale = layer.weight.data, layer.weight_scale.data
+        else:
+            q, scale = quantize_rows(layer.weight.data)
         # [in, out] column-major, as _scaled_mm takes its second operand
         layer.weight = torch.nn.Parameter(q.t(), requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale.t().contiguous(), requires_grad=False)

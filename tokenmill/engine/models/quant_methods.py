@@ -15,7 +15,8 @@ __all__ = ["QUANT_METHODS", "new_quant_method", "quantized_layers"]
 
 QUANT_METHODS: dict[str, Callable[[], QuantMethod]] = {
     "none": UnquantizedMethod,
-    "fp8": Fp8Method,
+    "fp8": Fp8Method,  # a float checkpoint, quantized at load
+    "fp8_checkpoint": lambda: Fp8Method(checkpoint=True),  # an FP8 checkpoint as it is
 }
 _SCOPE: ContextVar[Callable[[], QuantMethod]] = ContextVar(
     "quant_method", default=UnquantizedMethod

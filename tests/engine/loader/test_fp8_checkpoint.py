@@ -1,0 +1,101 @@
+"""Pre-quantized FP8 safetensors checkpoints load as they are (e4m3 weights, per-channel or
+per-tensor weight_scale), and quantized formats the engine does not run are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.loader.safetensors_loader import load_hf_config
+from tokenmill.engine.models.fp8 import FP8_MAX, quantize_rows
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("fp8ckpt") / "float")
+
+
+def _fp8_checkpoint(src: Path, dst: Path, per_tensor: bool, **quant_config) -> Path:
+    """``src``'s linear weights as e4m3 with their scales, the rest as it was."""
+    shutil.copytree(src, dst)
+    out = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not name.endswith("_proj.weight"):
+            out[name] = t
+            continue
+        if per_tensor:
+            scale = t.abs().max().float() / FP8_MAX
+            q = (t.float() / scale).to(torch.float8_e4m3fn)
+            out[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+        else:
+            q, scale = quantize_rows(t)  # [out, in], [out, 1]
+        out[name] = q
+        out[name.replace(".weight", ".weight_scale")] = scale
+    save_file(out, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    scheme = "static" if per_tensor else "dynamic"
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": scheme,
+        **quant_config,
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _generate(path: Path, **settings) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 280, (8 + i % 7,), generator=g).tolist() for i in range(60)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=1 << 26, **settings)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_per_channel_checkpoint_equals_quantizing_at_load(float_model: Path, tmp_path) -> None:
+    ckpt = _fp8_checkpoint(float_model, tmp_path / "fp8", per_tensor=False)
+    assert load_hf_config(ckpt).quantization == "fp8"
+    # The same e4m3 weights and scales either way: the same tokens, bit for bit.
+    assert _generate(ckpt) == _generate(float_model, quantization="fp8")
+
+
+def test_per_tensor_checkpoint_with_static_input_scales_runs(float_model: Path, tmp_path) -> None:
+    ckpt = _fp8_checkpoint(float_model, tmp_path / "fp8", per_tensor=True)
+    got, want = _generate(ckpt), _generate(float_model)
+    # One scale a tensor is coarser than one a row: most first tokens still agree.
+    assert sum(a[0] == b[0] for a, b in zip(got, want, strict=True)) >= 40
+
+
+@pytest.mark.parametrize(
+    ("quant_config", "found"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, "gptq-quantized"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+        ({"quant_method": "bitsandbytes"}, "bitsandbytes-quantized"),
+    ],
+)
+def test_unsupported_quantizations_are_refused(float_model: Path, tmp_path, quant_config, found):
+    path = shutil.copytree(float_model, tmp_path / "q")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = quant_config
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as info:
+        load_hf_config(path)
+    message = str(info.value)
+    assert str(path / "config.json") in message and found in message
+    assert "FP8 safetensors" in message and "GGUF" in message  # what is supported
+
+
+def test_e4m3_tensors_without_an_fp8_config_are_refused(float_model: Path, tmp_path) -> None:
+    ckpt = _fp8_checkpoint(float_model, tmp_path / "fp8", per_tensor=False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"float8_e4m3fn.*declares no quantization"):
+        LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=1 << 26)
