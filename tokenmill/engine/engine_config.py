@@ -229,7 +229,8 @@ class EngineConfig:
     ``seed`` seeds the sampling of requests without a seed of their own (and random weights).
     ``speculative`` drafts tokens for decode steps (SpeculativeConfig, or its fields as a
     mapping); off by default. ``quantization``: the linear layers' weights, none (the model's
-    dtype) or fp8 (e4m3 weights and activations, quantized at load; models/fp8.py).
+    dtype), fp8 (e4m3 weights and activations, quantized at load; models/fp8.py) or int4
+    (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py).
     """
 
     model: str = field(metadata=MODEL)
@@ -248,7 +249,7 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
     seed: int = field(default=0, metadata=INT)
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
-    quantization: str = field(default="none", metadata=_one_of("none", "fp8"))
+    quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4"))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -104,7 +104,7 @@ class LLMEngine:
             max_len,
             self.device,
             self.dtype,
-            None if source is None else source.iter_weights(),
+            None if source is None else source.iter_weights(config.quantization == "int4"),
             source=model_path,
             seed=config.seed,
             parallel=parallel,

@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from tokenmill.engine.loader.gguf_blocks import NATIVE_Q4_TYPES, q4_rows
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
@@ -84,13 +85,16 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, path: Path, config: ModelConfig, arch: str
+    reader: gguf.GGUFReader, path: Path, config: ModelConfig, arch: str, native_q4: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for each tensor of the GGUF file at ``path``.
 
     ``arch`` is the file's ``general.architecture``; for "llama" the q/k rows are un-permuted.
-    Raises ValueError naming the file and tensor for a tensor with no HF counterpart, a
-    quantization type that cannot be dequantized, or a shape the config disagrees with.
+    With ``native_q4`` a linear layer's weight ``x.weight`` comes as its 4-bit blocks instead,
+    ``x.qweight``, ``x.scales`` and ``x.mins`` (gguf_blocks.py); a linear weight of another
+    type is then refused. Raises ValueError naming the file and tensor for a tensor with no
+    HF counterpart, a quantization type that cannot be dequantized, or a shape the config
+    disagrees with.
     """
     shapes = expected_shapes(config)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -103,6 +107,12 @@ def iter_gguf_weights(
                 f"tensor {tensor.name} in {path} has no counterpart in the "
                 f"{config.architecture} model; this GGUF variant is not supported"
             )
+        part = tensor.name.split(".")[-2]
+        if native_q4 and name.endswith("_proj.weight"):
+            yield from _q4_tensors(
+                tensor, name, path, shapes, heads.get(part) if arch == "llama" else None
+            )
+            continue
         try:
             w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except (NotImplementedError, ValueError) as e:
@@ -110,10 +120,36 @@ def iter_gguf_weights(
                 f"cannot dequantize tensor {tensor.name} ({tensor.tensor_type.name}) in {path}: {e}"
             ) from e
         check_shape(name, tuple(w.shape), shapes, f"{path} (GGUF tensor {tensor.name})")
-        part = tensor.name.split(".")[-2]
         if arch == "llama" and part in heads:
             w = unpermute_rope_rows(w, heads[part])
         # F32 tensors come back as read-only views of the memory map: copy them.
         if type(w) is not np.ndarray or w.dtype != np.float32 or not w.flags.writeable:
             w = np.array(w, dtype=np.float32, order="C", subok=False)
         yield name, torch.from_numpy(w)
+
+
+def _q4_tensors(
+    tensor: gguf.ReaderTensor,
+    name: str,
+    path: Path,
+    shapes: dict[str, tuple[int, ...]],
+    rope_heads: int | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``name``'s 4-bit blocks as (qweight, scales, mins), q/k rows un-permuted like the
+    dequantized weight's."""
+    type_name = tensor.tensor_type.name
+    if type_name not in NATIVE_Q4_TYPES:
+        raise ValueError(
+            f"GGUF tensor {tensor.name} in {path} is {type_name}; int4 runs "
+            f"{' and '.join(NATIVE_Q4_TYPES)} blocks as they are (quantization none "
+            "dequantizes every type)"
+        )
+    rows = int(tensor.shape[-1])  # GGUF lists dims fastest first: [in, out]
+    parts = q4_rows(tensor.data, type_name, rows)
+    where = f"{path} (GGUF tensor {tensor.name})"
+    check_shape(name, (rows, parts[0].shape[1] * 2), shapes, where)
+    base = name.removesuffix(".weight")
+    for leaf, array in zip(("qweight", "scales", "mins"), parts, strict=True):
+        if rope_heads is not None:
+            array = np.ascontiguousarray(unpermute_rope_rows(array, rope_heads))
+        yield f"{base}.{leaf}", torch.from_numpy(array)

@@ -58,21 +58,28 @@ class ModelSource:
         cfg = gguf_hf_config(open_gguf(self.path), self.path)
         return ModelConfig.from_hf_dict(cfg, source=str(self.path))
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, native_q4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one tensor at a time, in HF names and layouts.
 
-        HF directories keep the stored float dtype; GGUF tensors are dequantized to float32.
-        ``lm_head.weight`` may be absent when the embeddings are tied. Raises ValueError naming
-        the file for corrupt files and tensors that disagree with the config.
+        HF directories keep the stored float dtype; GGUF tensors are dequantized to float32,
+        or with ``native_q4`` the linear layers' Q4_0 / Q4_1 weights come as their 4-bit
+        blocks (gguf_loader.py). ``lm_head.weight`` may be absent when the embeddings are
+        tied. Raises ValueError naming the file for corrupt files and tensors that disagree
+        with the config, and for ``native_q4`` on anything but a GGUF file.
         """
         config = self.load_config()
         if self.kind == "hf":
+            if native_q4:
+                raise ValueError(
+                    f"quantization int4 runs the Q4_0 / Q4_1 blocks of a GGUF file; {self.path} "
+                    "is an HF directory (its float weights run with quantization none or fp8)"
+                )
             return iter_safetensors_weights(self.path, config)
         from tokenmill.engine.loader.gguf_loader import iter_gguf_weights  # needs gguf
 
         reader = open_gguf(self.path)
         arch = str(metadata_value(reader, "general.architecture"))
-        return iter_gguf_weights(reader, self.path, config, arch)
+        return iter_gguf_weights(reader, self.path, config, arch, native_q4)
 
     def chat_template(self) -> str | None:
         """The chat template the model ships, read without building its tokenizer (a job's

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from tokenmill.engine.models.fp8 import Fp8Method
+from tokenmill.engine.models.int4 import Int4Method
 from tokenmill.engine.models.quantization import QuantMethod, UnquantizedMethod
 
 __all__ = ["QUANT_METHODS", "new_quant_method", "quantized_layers"]
@@ -17,6 +18,7 @@ QUANT_METHODS: dict[str, Callable[[], QuantMethod]] = {
     "none": UnquantizedMethod,
     "fp8": Fp8Method,  # a float checkpoint, quantized at load
     "fp8_checkpoint": lambda: Fp8Method(checkpoint=True),  # an FP8 checkpoint as it is
+    "int4": Int4Method,  # a GGUF file's Q4_0 / Q4_1 blocks as they are (groups of 32)
 }
 _SCOPE: ContextVar[Callable[[], QuantMethod]] = ContextVar(
     "quant_method", default=UnquantizedMethod

@@ -1,0 +1,68 @@
+"""INT4 weight-only linear layers (W4A16): 4-bit codes with a scale and a min per group of
+inputs, dequantized in registers by the W4A16 kernel (kernels/w4a16_gemm.py has the layout).
+
+    parameters   qweight [out, in / 2] uint8, scales and mins [out, in / group] fp16
+    forward      CUDA: the Triton W4A16 GEMM; CPU (the reference path): dequantize to the
+                 activations' dtype and multiply
+
+The checkpoint brings them (GGUF Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py); the
+layer's own loader shards them like a weight (rows for column-parallel layers, inputs, and
+so groups, for row-parallel ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
+
+__all__ = ["Int4Method"]
+
+
+class Int4Method:
+    def __init__(self, group: int = 32) -> None:
+        if group < 32 or group % 32:
+            raise ValueError(f"Int4Method: the group size must be a multiple of 32, got {group}")
+        self.group = group
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        in_features: int,
+        out_features_per_part: Sequence[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        if in_features % self.group:
+            raise ValueError(
+                f"{in_features} inputs are not whole groups of {self.group} (int4 weights)"
+            )
+        out = sum(out_features_per_part)
+        shapes = {
+            "qweight": ((out, in_features // 2), torch.uint8),
+            "scales": ((out, in_features // self.group), torch.float16),
+            "mins": ((out, in_features // self.group), torch.float16),
+        }
+        for name, (shape, dtype) in shapes.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            set_weight_attrs(param, weight_loader=weight_loader, output_dim=0, input_dim=1)
+            layer.register_parameter(name, param)
+        layer.out_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass  # the checkpoint's layout is the kernel's
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        # Imported here: building a model never needs Triton.
+        from tokenmill.kernels.w4a16_gemm import dequantize_q4, w4a16_linear
+
+        if x.is_cuda:
+            y = w4a16_linear(x, layer.qweight, layer.scales, layer.mins)
+        else:
+            w = dequantize_q4(layer.qweight, layer.scales, layer.mins).to(x.dtype)
+            y = torch.nn.functional.linear(x, w)
+        return y if bias is None else y + bias

@@ -1,0 +1,150 @@
+"""W4A16 GEMM: 16-bit activations times 4-bit group-quantized weights, dequantized in
+registers, and its reference.
+
+Weights ("q4 rows", the layout GGUF's Q4_0 / Q4_1 blocks already use): N output rows of K
+inputs, 4-bit codes q in 0..15, and per group of GROUP consecutive inputs a scale and a min:
+
+    w[n, k] = scales[n, k // GROUP] * q[n, k] + mins[n, k // GROUP]
+
+    qweight [N, K / 2] uint8   inputs in chunks of 32: byte 16c + i of a row holds input
+                               32c + i in its low nibble and input 32c + i + 16 in its high
+    scales  [N, K / GROUP]     float16 (or any float)
+    mins    [N, K / GROUP]     float16 (GGUF Q4_0 and zero-point formats: -scale * zero)
+
+    chunk c of a row:  bytes [ b0 b1 ... b15 ]  ->  inputs [ lo(b0) .. lo(b15) | hi(b0) .. hi(b15) ]
+                                                          32c ....... 32c+15    32c+16 .... 32c+31
+
+K must be a multiple of 32 and GROUP a multiple of 32. A weight takes 4 bits plus 32 bits of
+scale and min per GROUP inputs: 5 bits at GROUP 32 (GGUF), 4.25 at 128 (GPTQ, AWQ).
+
+Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in chunks of 32,
+loads [BLOCK_N, 16] bytes, splits the nibbles, dequantizes them with their group's scale and
+min into x's dtype and accumulates two [BLOCK_M, 16] @ [16, BLOCK_N] dots in fp32. Reading
+4-bit weights is what decode (small M) is bound by; at large M a dequantize + 16-bit GEMM is
+faster (the caller picks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["dequantize_q4", "pack_q4", "w4a16_linear", "w4a16_linear_ref"]
+
+CHUNK = 32  # inputs per packed chunk: 16 bytes, two nibbles each
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_qn, stride_sn, stride_mn, stride_ym, stride_yn,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, 16)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    q_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for c in range(0, K // 32):
+        k0 = c * 32
+        x_lo = tl.load(x_rows + (k0 + offs_h)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        x_hi = tl.load(
+            x_rows + (k0 + 16 + offs_h)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
+        )
+        b = tl.load(q_rows + (c * 16 + offs_h)[None, :], mask=mask_n[:, None], other=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + offs_n * stride_mn + g, mask=mask_n, other=0.0).to(tl.float32)
+        w_lo = (b & 0xF).to(tl.float32) * s[:, None] + mn[:, None]  # [BLOCK_N, 16]
+        w_hi = (b >> 4).to(tl.float32) * s[:, None] + mn[:, None]
+        if DOT_FP32:
+            acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+            acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+        else:
+            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    def fail(msg: str) -> None:
+        raise ValueError(f"w4a16_linear: {msg}")
+
+    if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        fail(f"x must be [M, K] and qweight uint8 [N, K/2], got {tuple(x.shape)}, "
+             f"{qweight.dtype} {tuple(qweight.shape)}")  # fmt: skip
+    k, n = x.shape[1], qweight.shape[0]
+    if k % CHUNK or qweight.shape[1] * 2 != k:
+        fail(f"K={k} must be a multiple of {CHUNK} and qweight's width K/2 ({qweight.shape[1]})")
+    groups = scales.shape[1] if scales.dim() == 2 else 0
+    if scales.shape != mins.shape or scales.shape[0] != n or not groups or k % groups:
+        fail(f"scales and mins must be [N={n}, K/GROUP], got {tuple(scales.shape)} and "
+             f"{tuple(mins.shape)}")  # fmt: skip
+    group = k // groups
+    if group % CHUNK:
+        fail(f"the group size K / groups = {group} must be a multiple of {CHUNK}")
+    return n, k, group
+
+
+def w4a16_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    *,
+    block_m: int = 16,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """``x`` [M, K] @ dequantized(qweight, scales, mins)^T -> [M, N] in x's dtype (see the
+    module docstring for the layout). Raises ValueError on bad shapes."""
+    n, k, group = _check(x, qweight, scales, mins)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    s, mn = scales.contiguous(), mins.contiguous()
+    qw = qweight.contiguous()
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](
+        x, qw, s, mn, y, m, n, k,
+        x.stride(0), x.stride(1), qw.stride(0), s.stride(0), mn.stride(0),
+        y.stride(0), y.stride(1),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+    )  # fmt: skip
+    return y
+
+
+def dequantize_q4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The float32 weights [N, K] that the packed ones stand for."""
+    n, half = qweight.shape
+    chunks = qweight.reshape(n, half // 16, 16)
+    q = torch.cat([chunks & 0xF, chunks >> 4], dim=2)  # [N, K / 32, 32] codes, input order
+    groups = scales.shape[1]
+    q = q.reshape(n, groups, -1).float()  # [N, groups, GROUP]
+    w = q * scales.float()[:, :, None] + mins.float()[:, :, None]
+    return w.reshape(n, half * 2)
+
+
+def pack_q4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (values 0..15) -> qweight [N, K/2] uint8 in the q4-rows layout."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // CHUNK, CHUNK).to(torch.uint8)
+    return (c[:, :, :16] | (c[:, :, 16:] << 4)).reshape(n, k // 2)
+
+
+def w4a16_linear_ref(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """Plain torch: dequantize to float32, multiply, round to x's dtype."""
+    _check(x, qweight, scales, mins)
+    return (x.float() @ dequantize_q4(qweight, scales, mins).t()).to(x.dtype)
