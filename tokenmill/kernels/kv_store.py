@@ -15,15 +15,33 @@ Shapes:
     slot_mapping:  [T] int64
 
 Kernel: one program per token copies its [Hkv, d] tile of K and of V.
+
+An FP8 cache (float8_e4m3fn; ``engine.kv_cache_dtype: fp8``) holds each value rounded to
+e4m3, clamped to its largest finite magnitude, 448, first: half the bytes of a 16-bit cache,
+twice the tokens in the same memory. The attention kernels turn it back into the model's
+dtype as they read it. (The scale is 1: keys and values of the models here stay far below
+448; ``to_kv_cache`` is the one rounding both backends use.)
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["store_kv", "store_kv_ref"]
+__all__ = ["FP8_KV", "store_kv", "store_kv_ref", "to_kv_cache"]
+
+FP8_KV = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8_KV).max  # 448
+
+
+def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` holds it: itself, or for FP8 clamped and rounded."""
+    if dtype != FP8_KV:
+        return x
+    return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV)
 
 
 @triton.jit
@@ -56,6 +74,7 @@ def _store_kv_kernel(
     # meta-parameters
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TO_FP8: tl.constexpr,  # the cache is float8_e4m3fn: clamp to +-448, round
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -74,6 +93,9 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     kc = k_cache_ptr + block * stride_kcb + offset * stride_kco + h * stride_kch + d * stride_kcd
     vc = v_cache_ptr + block * stride_vcb + offset * stride_vco + h * stride_vch + d * stride_vcd
+    if TO_FP8:
+        k = tl.clamp(k.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+        v = tl.clamp(v.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
     tl.store(kc, k, mask=mask)
     tl.store(vc, v, mask=mask)
 
@@ -103,10 +125,13 @@ def _check(
             f"slot_mapping must be int64 [T={k.shape[0]}]; got {slot_mapping.dtype} "
             f"{tuple(slot_mapping.shape)}"
         )
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+    if not (k.dtype == v.dtype and k_cache.dtype == v_cache.dtype) or k_cache.dtype not in (
+        k.dtype,
+        FP8_KV,
+    ):
         raise ValueError(
             f"dtypes differ: k {k.dtype}, v {v.dtype}, k_cache {k_cache.dtype}, "
-            f"v_cache {v_cache.dtype}; cast k/v to the cache dtype first"
+            f"v_cache {v_cache.dtype}; the caches hold k/v's dtype or float8_e4m3fn"
         )
     devices = {t.device for t in (k, v, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
@@ -131,6 +156,10 @@ def store_kv(
     t, n_kv, d = k.shape
     if t == 0:
         return
+    if k_cache.dtype == FP8_KV and os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter's fp32 -> e4m3 conversion drops the carry of a mantissa that rounds
+        # up to the next power of two (31.5 -> 16, not 32); there torch rounds beforehand.
+        k, v = to_kv_cache(k, FP8_KV), to_kv_cache(v, FP8_KV)
     _store_kv_kernel[(t,)](
         k,
         v,
@@ -146,6 +175,7 @@ def store_kv(
         *v_cache.stride(),
         BLOCK_H=triton.next_power_of_2(n_kv),
         BLOCK_D=triton.next_power_of_2(d),
+        TO_FP8=k.dtype != FP8_KV and k_cache.dtype == FP8_KV,
         num_warps=4,
     )
 
@@ -164,5 +194,5 @@ def store_kv_ref(
     bs = k_cache.shape[1]
     # Advanced indexing by (block, offset) writes through any strides, where the backend's
     # view(-1, Hkv, d) needs a contiguous cache half.
-    k_cache[slots // bs, slots % bs] = k[keep]
-    v_cache[slots // bs, slots % bs] = v[keep]
+    k_cache[slots // bs, slots % bs] = to_kv_cache(k[keep], k_cache.dtype)
+    v_cache[slots // bs, slots % bs] = to_kv_cache(v[keep], v_cache.dtype)

@@ -183,6 +183,8 @@ def _split_kernel(
             mask=mask_n[:, None],
             other=0.0,
         )  # [BLOCK_N, HEAD_DIM]
+        k = k.to(q.dtype)  # an FP8 cache's keys and values become the model's dtype
+        v = v.to(q.dtype)
 
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")

@@ -62,10 +62,12 @@ def check_paged_inputs(
         fail(f"head dim {d}: supported are powers of two from 16 to 256")
     if hq % hkv:
         fail(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
-    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    cache_ok = k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
+    if q.dtype not in DTYPES or not cache_ok:
         fail(
             f"dtypes: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}; "
-            "expected all the same, one of float16/bfloat16/float32"
+            "expected q one of float16/bfloat16/float32 and both caches q's dtype or "
+            "float8_e4m3fn (an FP8 KV cache)"
         )
     table_ok = block_tables.dim() == 2 and block_tables.shape[0] == num_requests
     if block_tables.dtype != torch.int32 or not table_ok:

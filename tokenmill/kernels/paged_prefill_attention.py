@@ -106,6 +106,7 @@ def _attend_keys(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    KV_DTYPE: tl.constexpr,  # the model's dtype: an FP8 cache's keys and values become it
     FROM_NEW: tl.constexpr = False,  # k_base/v_base: row 0 of k_new/v_new; stride_ks/vs: rows
 ):
     offs_n = tl.arange(0, BLOCK_N)
@@ -136,6 +137,7 @@ def _attend_keys(
             k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        k = k.to(KV_DTYPE)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
@@ -155,6 +157,7 @@ def _attend_keys(
             v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        v = v.to(KV_DTYPE)
         p = p.to(v.dtype)
         if DOT_IN_FP32:  # p keeps its rounding to v's dtype, as on the GPU
             p = p.to(tl.float32)
@@ -265,12 +268,14 @@ def _paged_prefill_attention_kernel(
             acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, 0, split_full, qk_scale,
             stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
+            out_ptr.dtype.element_ty,
         )  # fmt: skip
     if READ_NEW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_full, n_full,
             qk_scale, 0, stride_knt, 0, stride_vnt,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, False, DOT_PRECISION, DOT_IN_FP32,
+            out_ptr.dtype.element_ty,
             True,
         )  # fmt: skip
     if HAS_CONTEXT:
@@ -278,12 +283,14 @@ def _paged_prefill_attention_kernel(
             acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, split_diag,
             qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
+            out_ptr.dtype.element_ty,
         )  # fmt: skip
     if READ_NEW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_diag, n_stop,
             qk_scale, 0, stride_knt, 0, stride_vnt,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
+            out_ptr.dtype.element_ty,
             True,
         )  # fmt: skip
 
