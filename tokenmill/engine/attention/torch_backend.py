@@ -1,10 +1,11 @@
 """Paged attention in plain torch: the reference backend and the CPU path.
 
-Decode rows (one query token) run together in ``torch_decode``: their blocks gathered, keys past
-each row's length masked, in batched matmuls (CPU, fp32) or one SDPA call. Fresh prefills (the
-whole sequence is this step's tokens) are padded into groups of similar length and run as one
-causal SDPA call a group. Prefill rows that continue a cached prefix or an earlier chunk run one
-SDPA call each with a causal mask offset by the cached part:
+Rows of one query token, and rows of a few (a request's last token and its drafts, or a short
+chunk), run batched in ``torch_decode``: their blocks gathered, each query's invisible keys
+masked, in batched matmuls (CPU, fp32) or one SDPA call. Fresh prefills (the whole sequence is
+this step's tokens) are padded into groups of similar length and run as one causal SDPA call a
+group. Longer chunks that continue a cached prefix or an earlier chunk run one SDPA call each
+with a causal mask offset by the cached part:
 
     keys:     0 1 2 3 4 5 6        (seq_len = 7, 3 cached + 4 new)
     query 3:  x x x x . . .        query i sees keys j <= seq_len - q_len + i
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 
 from tokenmill.engine.attention.interface import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.attention.scratch import ScratchBuffers
 from tokenmill.engine.attention.torch_decode import (
+    MAX_DECODE_QUERY_LEN,
     DecodeRows,
     build_decode_rows,
     decode_attention,
@@ -68,13 +71,16 @@ _MAX_GROUP_TOKENS = 1 << 14
 @dataclass(frozen=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor  # [T]
-    decodes: DecodeRows | None  # the one-token rows, attended together
-    prefills: tuple[PrefillRow, ...]  # rows continuing a cached or earlier-computed prefix
+    decodes: tuple[DecodeRows, ...]  # one-token rows; rows of a few tokens (drafts)
+    prefills: tuple[PrefillRow, ...]  # longer chunks continuing a cached prefix
     fresh_groups: tuple[FreshPrefillGroup, ...] = ()
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self.scratch = ScratchBuffers()
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         device = common.slot_mapping.device
@@ -83,12 +89,12 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = common.seq_lens_host
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)  # [B + 1] token offsets
         np.cumsum(query_lens, out=starts[1:])
-        decode_rows = np.flatnonzero(query_lens == 1)
-        multi = np.flatnonzero(query_lens != 1)
-        is_fresh = seq_lens[multi] == query_lens[multi]
+        fresh = (seq_lens == query_lens) & (query_lens > 1)
+        few = ~fresh & (query_lens > 1) & (query_lens <= MAX_DECODE_QUERY_LEN)
+        batches = [np.flatnonzero(query_lens == 1), np.flatnonzero(few)]
 
         prefills = []
-        for i in multi[~is_fresh].tolist():
+        for i in np.flatnonzero(~fresh & (query_lens > MAX_DECODE_QUERY_LEN)).tolist():
             q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
@@ -103,9 +109,9 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return TorchAttentionMetadata(
             slot_mapping=common.slot_mapping,
-            decodes=build_decode_rows(common, decode_rows, starts) if len(decode_rows) else None,
+            decodes=tuple(build_decode_rows(common, rows, starts) for rows in batches if len(rows)),
             prefills=tuple(prefills),
-            fresh_groups=_fresh_groups(multi[is_fresh], starts, query_lens, device),
+            fresh_groups=_fresh_groups(np.flatnonzero(fresh), starts, query_lens, device),
         )
 
     def forward(
@@ -123,9 +129,8 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
 
-        if meta.decodes is not None:
-            rows = meta.decodes.token_idx
-            out[rows] = decode_attention(q[rows], k_cache, v_cache, meta.decodes, scale)
+        for rows in meta.decodes:
+            decode_attention(q, k_cache, v_cache, rows, scale, out, self.scratch)
 
         for group in meta.fresh_groups:
             g, length = group.shape
