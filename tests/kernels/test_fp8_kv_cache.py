@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.kernels.test_paged_prefill_attention import CPU_REQUESTS, make_batch
-from tokenmill.kernels.kv_store import FP8_KV, store_kv, store_kv_ref, to_kv_cache
+from tokenmill.kernels.fp8_kv import FP8_KV, to_kv_cache
+from tokenmill.kernels.kv_store import store_kv, store_kv_ref
 from tokenmill.kernels.paged_decode_attention import (
     paged_decode_attention,
     paged_decode_attention_ref,

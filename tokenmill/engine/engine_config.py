@@ -231,6 +231,8 @@ class EngineConfig:
     mapping); off by default. ``quantization``: the linear layers' weights, none (the model's
     dtype), fp8 (e4m3 weights and activations, quantized at load; models/fp8.py) or int4
     (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py).
+    ``kv_cache_dtype``: auto (the model's dtype) or fp8 (e4m3, twice the tokens in the same
+    memory; kernels/fp8_kv.py).
     """
 
     model: str = field(metadata=MODEL)
@@ -250,6 +252,7 @@ class EngineConfig:
     seed: int = field(default=0, metadata=INT)
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
     quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4"))
+    kv_cache_dtype: str = field(default="auto", metadata=_one_of("auto", "fp8"))
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -112,7 +112,9 @@ class LLMEngine:
             quantization="fp8_checkpoint" if mc.quantization == "fp8" else config.quantization,
         )
 
-        block_bytes = kv_bytes_per_block(mc, backend, config.block_size, self.dtype, parallel)
+        # An FP8 KV cache holds e4m3 values (kernels/fp8_kv.py): twice the blocks.
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        block_bytes = kv_bytes_per_block(mc, backend, config.block_size, kv_dtype, parallel)
         budget = config.kv_cache_budget(self.device, self._activation_reserve())
         num_blocks = budget // block_bytes
         if num_blocks < 2:
@@ -131,6 +133,7 @@ class LLMEngine:
             config.block_size,
             seed=config.seed,
             parallel=parallel,
+            kv_dtype=kv_dtype,
         )
         backend.set_max_model_len(self.max_model_len)
         self.runner.profiler.enabled = config.profile_steps

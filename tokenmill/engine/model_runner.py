@@ -90,6 +90,7 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         parallel: ParallelConfig | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.parallel = parallel or ParallelConfig()
         self.model = model
@@ -104,7 +105,7 @@ class ModelRunner:
         # would leak through.
         self.kv_cache = torch.zeros(
             kv_cache_shape(config, backend, num_blocks, block_size, self.parallel),
-            dtype=dtype,
+            dtype=kv_dtype or dtype,
             device=device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))

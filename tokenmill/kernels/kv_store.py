@@ -16,11 +16,8 @@ Shapes:
 
 Kernel: one program per token copies its [Hkv, d] tile of K and of V.
 
-An FP8 cache (float8_e4m3fn; ``engine.kv_cache_dtype: fp8``) holds each value rounded to
-e4m3, clamped to its largest finite magnitude, 448, first: half the bytes of a 16-bit cache,
-twice the tokens in the same memory. The attention kernels turn it back into the model's
-dtype as they read it. (The scale is 1: keys and values of the models here stay far below
-448; ``to_kv_cache`` is the one rounding both backends use.)
+An FP8 cache (float8_e4m3fn) holds each value clamped to +-448 and rounded to e4m3, the
+rounding of fp8_kv.py; the attention kernels turn it back into the model's dtype as they read.
 """
 
 from __future__ import annotations
@@ -31,17 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_KV", "store_kv", "store_kv_ref", "to_kv_cache"]
+from tokenmill.kernels.fp8_kv import FP8_KV, to_kv_cache
 
-FP8_KV = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8_KV).max  # 448
-
-
-def to_kv_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` as a cache of ``dtype`` holds it: itself, or for FP8 clamped and rounded."""
-    if dtype != FP8_KV:
-        return x
-    return x.float().clamp(-_FP8_MAX, _FP8_MAX).to(FP8_KV)
+__all__ = ["store_kv", "store_kv_ref"]
 
 
 @triton.jit

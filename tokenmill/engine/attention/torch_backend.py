@@ -29,6 +29,7 @@ from tokenmill.engine.attention.torch_decode import (
     build_decode_rows,
     decode_attention,
 )
+from tokenmill.kernels.fp8_kv import to_kv_cache
 
 __all__ = ["TorchAttentionBackend", "TorchAttentionMetadata"]
 
@@ -125,8 +126,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, d]
         n_q, n_kv, d = q.shape[1], k.shape[1], k.shape[2]
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+        _store(k_cache, meta.slot_mapping, k)
+        _store(v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
 
         for rows in meta.decodes:
@@ -153,6 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
             qr = q[row.token_start : row.token_end].transpose(0, 1)  # [Hq, q_len, d]
             kr = k_cache.index_select(0, row.block_ids).view(-1, n_kv, d)[: row.seq_len]
             vr = v_cache.index_select(0, row.block_ids).view(-1, n_kv, d)[: row.seq_len]
+            kr, vr = kr.to(q.dtype), vr.to(q.dtype)  # an FP8 cache: back to the model's dtype
             o = F.scaled_dot_product_attention(
                 qr.unsqueeze(0),
                 kr.transpose(0, 1).unsqueeze(0),
@@ -201,3 +203,13 @@ def _fresh_group(
         out_index=torch.from_numpy(index[keep]).to(device),
         keep=torch.from_numpy(keep.reshape(-1)).to(device),
     )
+
+
+def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x`` [T, Hkv, d] into the flat slots of ``cache`` [NB, BS, Hkv, d], rounded as
+    the cache holds it (an FP8 cache: through a byte view, as CPU index_copy_ has no fp8)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    x = to_kv_cache(x, cache.dtype)
+    if cache.dtype == torch.float8_e4m3fn:
+        flat, x = flat.view(torch.uint8), x.view(torch.uint8)
+    flat.index_copy_(0, slots, x)

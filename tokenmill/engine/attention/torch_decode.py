@@ -132,8 +132,8 @@ def decode_attention(
     bd, qm = rows.key_mask.shape[:2]
     qr = q[rows.token_idx].view(bd, qm, n_q, d)
     if q.device.type != "cpu" or q.dtype != torch.float32:
-        keys = k_cache.index_select(0, rows.block_ids).view(bd, -1, n_kv, d)
-        vals = v_cache.index_select(0, rows.block_ids).view(bd, -1, n_kv, d)
+        keys = k_cache.index_select(0, rows.block_ids).view(bd, -1, n_kv, d).to(q.dtype)
+        vals = v_cache.index_select(0, rows.block_ids).view(bd, -1, n_kv, d).to(q.dtype)
         # keys, vals: [Bd, W * bs, Hkv, d]
         o = F.scaled_dot_product_attention(
             qr.transpose(1, 2),  # [Bd, Hq, Qm, d]
@@ -147,8 +147,8 @@ def decode_attention(
         return
 
     blocks = (len(rows.block_ids), bs, n_kv, d)
-    keys = torch.index_select(k_cache, 0, rows.block_ids, out=scratch.get("k", blocks, q))
-    vals = torch.index_select(v_cache, 0, rows.block_ids, out=scratch.get("v", blocks, q))
+    keys = _gather(k_cache, rows.block_ids, scratch.get("k", blocks, q))
+    vals = _gather(v_cache, rows.block_ids, scratch.get("v", blocks, q))
     length = rows.num_keys
     keys = keys.view(bd, -1, n_kv, d)[:, :length]  # [Bd, L, Hkv, d], strided
     vals = vals.view(bd, -1, n_kv, d)[:, :length]
@@ -167,6 +167,14 @@ def decode_attention(
     for h in range(n_kv):
         torch.bmm(probs[h], vals[:, :, h], out=oh[h])
     _write(out, oh.view(n_kv, bd, qm, group, d).permute(1, 2, 0, 3, 4), rows)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """The blocks ``block_ids`` of ``cache`` in ``into`` (the model's dtype; an FP8 cache is
+    converted on the way)."""
+    if cache.dtype == into.dtype:
+        return torch.index_select(cache, 0, block_ids, out=into)
+    return into.copy_(cache.index_select(0, block_ids))
 
 
 def _write(out: torch.Tensor, o: torch.Tensor, rows: DecodeRows) -> None:
