@@ -72,7 +72,9 @@ class LLMEngine:
         if proposer is None:
             proposer = build_proposer(config.speculative)
             if config.speculative.method == "auto":
-                self.policy = SpeculationPolicy()
+                # Synchronous steps lose no overlap by drafting: probe drafting more often.
+                sync = not config.resolve_async_scheduling(config.resolve_device())
+                self.policy = SpeculationPolicy(probe_drafts_every=10 if sync else 50)
         self._learner = proposer if isinstance(proposer, LearnsFromOutputs) else None
         if config.load_format == "random":
             source = None

@@ -41,15 +41,28 @@ def test_stays_plain_where_drafts_do_not_pay_but_probes_them() -> None:
 
 
 def test_the_margin_keeps_a_tie_plain() -> None:
-    policy = SpeculationPolicy(probe_every=1000, margin=0.03)
+    policy = SpeculationPolicy(probe_every=1000, probe_drafts_every=1000, margin=0.03)
     chosen = _feed(policy, 4, 100, plain_ms=10.0, draft_ms=10.2, share=1.0, accepted=0.02)
     # 1.02 tokens in 1.02x the time: not worth it, once warmed up
     assert all(chosen[: policy.warmup]) and not any(chosen[policy.warmup + 1 :])
 
 
 def test_batch_buckets_learn_apart() -> None:
-    policy = SpeculationPolicy(probe_every=1000)
+    policy = SpeculationPolicy(probe_every=1000, probe_drafts_every=1000)
     _feed(policy, 2, 50, plain_ms=5.0, draft_ms=6.0, share=1.0, accepted=2.0)  # pays
     _feed(policy, 300, 50, plain_ms=10.0, draft_ms=25.0, share=0.5, accepted=0.5)  # does not
     assert policy.wants_drafts(2) and not policy.wants_drafts(300)
     assert sorted(policy.estimates()) == [2, 512]
+
+
+def test_drafting_is_probed_on_its_own_cadence() -> None:
+    """Synchronous engines probe drafting after every 10 plain steps while plain wins: one
+    probe that sees drafts pay brings drafting back at once."""
+    policy = SpeculationPolicy(probe_every=50, probe_drafts_every=10)
+    chosen = _feed(policy, 1, 100, plain_ms=10.0, draft_ms=20.0, share=0.2, accepted=1.0)
+    probes = [i for i, c in enumerate(chosen) if c][policy.warmup :]
+    assert probes and all(b - a == 11 for a, b in zip(probes, probes[1:], strict=False)), probes
+    # Now the drafts pay (share 1, 3 accepted a row): within a few probes (the running means
+    # move a fifth of the way a sample) it drafts every step.
+    chosen = _feed(policy, 1, 60, plain_ms=10.0, draft_ms=12.0, share=1.0, accepted=3.0)
+    assert all(chosen[-20:]), chosen

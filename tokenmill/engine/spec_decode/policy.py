@@ -12,9 +12,11 @@ for the batch's size bucket (powers of two), from decode-only steps:
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
 per drafted row (recent drafted steps). It drafts when (1 + f * m) / t_draft beats
 1 / t_plain by ``margin``. A bucket drafts for its first ``warmup`` decode steps (a row's
-first tokens rarely match anything yet), and the mode not chosen is probed again every
-``probe_every`` steps, so the estimates follow the data and the batch: a probe costs at most
-one step in ``probe_every``.
+first tokens rarely match anything yet), and the mode not chosen is probed again, plain every
+``probe_every`` steps and drafting every ``probe_drafts_every``, so the estimates follow the
+data and the batch: a probe costs at most one step in that many. Without async scheduling a
+drafted step costs little more than a plain one when few drafts come (no overlap is lost), so
+the engine then probes drafting more often: which rows have drafts changes step to step.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class SpeculationPolicy:
 
     margin: float = 0.03
     probe_every: int = 50
+    probe_drafts_every: int = 50
     warmup: int = 4
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
@@ -75,8 +78,9 @@ class SpeculationPolicy:
             return False
         gain = (1 + b.share * b.accepted) / b.draft_ms - (1 + self.margin) / b.plain_ms
         drafting = gain > 0
-        since = b.steps - (b.last_plain if drafting else b.last_draft)
-        return (not drafting) if since >= self.probe_every else drafting
+        if drafting:
+            return b.steps - b.last_plain < self.probe_every
+        return b.steps - b.last_draft >= self.probe_drafts_every
 
     def record(self, sample: StepSample) -> None:
         b = self._buckets.setdefault(self.bucket_of(sample.batch), _Bucket())
