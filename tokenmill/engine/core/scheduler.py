@@ -43,7 +43,7 @@ from tokenmill.engine.core.drafts import DraftProposer, add_drafts, verify_draft
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler_output import SchedulerOutput, SchedulerStats, StepUpdate
-from tokenmill.engine.core.token_append import RowEnds, append_tokens, tokens_by_row
+from tokenmill.engine.core.token_append import RowEnds, append_tokens, stop_rules, tokens_by_row
 
 
 @dataclass(frozen=True)
@@ -381,20 +381,31 @@ class Scheduler:
         return finished
 
     def _append_detached(self, req: Request, token: int) -> bool:
-        """Append to a request without a slot (preempted, waiting); True when it finished."""
+        """Append to a request without a slot (preempted, waiting); True when it finished.
+        The stop rules are the slots' own (``stop_rules``), on a row of one."""
         req.append_output_token(token)
         params = req.sampling_params
+
+        def ids(values) -> np.ndarray:
+            return np.array([list(values) or [-1]], dtype=np.int64)
+
+        rules = stop_rules(
+            np.array([[token]]),
+            np.array([[req.num_tokens]]),
+            np.array([req.num_prompt_tokens]),
+            np.array([params.min_tokens]),
+            np.array([params.max_tokens]),
+            np.array([params.ignore_eos]),
+            ids(req.eos_token_ids),
+            ids(params.stop_token_ids),
+            self.config.max_model_len,
+        )
         status = None
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif token in params.stop_token_ids:
+        if rules.eos[0, 0] or rules.stop[0, 0]:
+            status = RequestStatus.FINISHED_STOPPED
+            if rules.stop[0, 0]:
                 req.stop_reason = token
-                status = RequestStatus.FINISHED_STOPPED
-        if status is None and (
-            req.num_output_tokens >= params.max_tokens
-            or req.num_tokens >= self.config.max_model_len
-        ):
+        elif rules.length[0, 0]:
             status = RequestStatus.FINISHED_LENGTH
         if status is None:
             return False

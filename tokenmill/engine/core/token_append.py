@@ -16,7 +16,7 @@ import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
 
-__all__ = ["RowEnds", "append_tokens", "tokens_by_row"]
+__all__ = ["RowEnds", "StopRules", "append_tokens", "stop_rules", "tokens_by_row"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,37 @@ class RowEnds:
     rows: np.ndarray  # [F]
     stopped: np.ndarray  # [F] bool: EOS or a stop token id (else a length limit)
     stop_token: np.ndarray  # [F] the stop token id that ended it, -1 for EOS or length
+
+
+@dataclass(frozen=True)
+class StopRules:
+    """Per row and token [R, M]: which rule each token meets (EOS and stop ids take
+    precedence over length: a token may meet both)."""
+
+    eos: np.ndarray  # EOS, not ignored, once min_tokens outputs exist
+    stop: np.ndarray  # a stop token id, once min_tokens outputs exist (and not EOS)
+    length: np.ndarray  # max_tokens outputs, or max_model_len tokens, reached
+
+
+def stop_rules(
+    tokens: np.ndarray,  # [R, M] appended tokens
+    num_tokens: np.ndarray,  # [R, M] the row's token count after each of them
+    num_prompt: np.ndarray,  # [R]
+    min_tokens: np.ndarray,  # [R]
+    max_tokens: np.ndarray,  # [R]
+    ignore_eos: np.ndarray,  # [R] bool
+    eos_ids: np.ndarray,  # [R, E] padded with -1
+    stop_ids: np.ndarray,  # [R, S] padded with -1
+    max_model_len: int,
+) -> StopRules:
+    """The stop rules, for rows in slots and for a request without one alike."""
+    outputs = num_tokens - num_prompt[:, None]
+    allowed = outputs >= min_tokens[:, None]
+    cube = tokens[:, :, None]
+    eos = allowed & ~ignore_eos[:, None] & (eos_ids[:, None, :] == cube).any(axis=2)
+    stop = allowed & ~eos & (stop_ids[:, None, :] == cube).any(axis=2)
+    length = (outputs >= max_tokens[:, None]) | (num_tokens >= max_model_len)
+    return StopRules(eos, stop, length)
 
 
 def tokens_by_row(token_ids: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -54,13 +85,12 @@ def append_tokens(
     r, j = np.nonzero(valid)
     t.token_ids[slots[r], n0[r, 0] + j] = tokens[r, j]
     n = n0 + 1 + np.arange(tokens.shape[1])  # [R, M] the row's num_tokens after each token
-    outputs = n - t.num_prompt[slots][:, None]
-    allowed = outputs >= t.min_tokens[slots][:, None]
-    cube = tokens[:, :, None]
-    eos = allowed & ~t.ignore_eos[slots][:, None] & (t.eos_ids[slots][:, None, :] == cube).any(2)
-    stop = allowed & ~eos & (t.stop_ids[slots][:, None, :] == cube).any(axis=2)
-    length = (outputs >= t.max_tokens[slots][:, None]) | (n >= max_model_len)
-    ends = (eos | stop | length) & valid
+    rules = stop_rules(
+        tokens, n, t.num_prompt[slots], t.min_tokens[slots], t.max_tokens[slots],
+        t.ignore_eos[slots], t.eos_ids[slots], t.stop_ids[slots], max_model_len,
+    )  # fmt: skip
+    eos, stop = rules.eos, rules.stop
+    ends = (eos | stop | rules.length) & valid
     ended = ends.any(axis=1)
     at = np.argmax(ends, axis=1)  # [R] the first token that ends the row
     t.num_tokens[slots] = n0[:, 0] + np.where(ended, at + 1, counts)
