@@ -206,7 +206,13 @@ def main() -> None:
     parser.add_argument("--hf-out", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256, help="llama8b's batch cap")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF peer runs")
+    parser.add_argument(
+        "--quantization", default="none", choices=("none", "fp8"),
+        help="llama8b and qwen3: linear layers in fp8 (the roofline still counts bf16 bytes)",
+    )  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()
+    quant = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     results: dict = {}
     rng = np.random.default_rng(0)
@@ -222,8 +228,10 @@ def main() -> None:
                     prompts,
                     [1000] * n,
                     max_num_seqs=args.max_num_seqs,
+                    **quant,
                 )
                 res["max_num_seqs"] = args.max_num_seqs
+                res.update(quant)
                 if not args.no_hf:
                     res["hf"] = run_hf(cfg, args.hf_batch, 1000, args.hf_out)
             elif name == "qwen3":
@@ -232,7 +240,8 @@ def main() -> None:
                 ins = r.integers(100, 1025, 256).tolist()
                 outs = r.integers(100, 1025, 256).tolist()
                 prompts = random_prompts(rng, ins, cfg["vocab_size"])
-                res = run_tokenmill(cfg, model_dir(cfg, root, name), prompts, outs)
+                res = run_tokenmill(cfg, model_dir(cfg, root, name), prompts, outs, **quant)
+                res.update(quant)
                 if not args.no_hf:
                     res["hf"] = run_hf(cfg, args.hf_batch, 562, args.hf_out)
             else:
