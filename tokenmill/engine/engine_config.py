@@ -196,16 +196,10 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def _is_speculative(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        SpeculativeConfig.from_mapping(value)  # raises, naming the key inside
-        return True
-    return isinstance(value, SpeculativeConfig)
-
-
 SPECULATIVE = _rule(
     "a mapping (method, max_tokens, ngram_min, ngram_max)",
-    _is_speculative,
+    lambda v: isinstance(v, (Mapping, SpeculativeConfig)),
+    # a mapping's keys and values are checked here, an error naming the key inside
     lambda v: SpeculativeConfig.from_mapping(v) if isinstance(v, Mapping) else v,
 )
 

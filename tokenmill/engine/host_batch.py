@@ -77,8 +77,7 @@ class HostBatch:
         the previous step's sampled tokens, where a pending input token comes from; raises
         RuntimeError when a row has a pending token the previous step did not sample."""
         table = sched.table
-        # A decode row computes its last token and its drafts: 1 + k new tokens.
-        decode = sched.num_new == 1 + table.num_drafts[sched.slots]
+        decode = sched.decode
         order = np.argsort(~decode, kind="stable")  # decode rows first
         slots = sched.slots[order]
         starts = sched.starts[order]

@@ -69,12 +69,9 @@ class LLMEngine:
         synchronously; plain steps keep async scheduling."""
         self.config = config
         self.policy: SpeculationPolicy | None = None
+        auto = proposer is None and config.speculative.method == "auto"
         if proposer is None:
             proposer = build_proposer(config.speculative)
-            if config.speculative.method == "auto":
-                # Synchronous steps lose no overlap by drafting: probe drafting more often.
-                sync = not config.resolve_async_scheduling(config.resolve_device())
-                self.policy = SpeculationPolicy(probe_drafts_every=10 if sync else 50)
         self._learner = proposer if isinstance(proposer, LearnsFromOutputs) else None
         if config.load_format == "random":
             source = None
@@ -87,6 +84,10 @@ class LLMEngine:
             self.tokenizer = source.load_tokenizer()
             model_path = str(source.path)
         self.device = config.resolve_device()
+        async_scheduling = config.resolve_async_scheduling(self.device)
+        if auto:
+            # Synchronous steps lose no overlap by drafting: probe drafting more often.
+            self.policy = SpeculationPolicy(probe_drafts_every=50 if async_scheduling else 10)
         self.dtype = config.resolve_dtype(self.model_config, self.device)
         mc = self.model_config
         max_len = min(
@@ -156,7 +157,7 @@ class LLMEngine:
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
                 self.max_model_len,
-                async_scheduling=config.resolve_async_scheduling(self.device),
+                async_scheduling=async_scheduling,
                 # Few, large prefilling steps between graph-replayed decode steps.
                 admit_batch=max(1, config.max_num_seqs // 8) if self.runner.graphs else 1,
             ),

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
+from tokenmill.engine.core.scheduler_output import draft_summary
+
 if TYPE_CHECKING:
     from tokenmill.engine.llm_engine import LLMEngine
 
@@ -47,14 +49,8 @@ class EngineCounters:
 
     def speculative(self, method: str) -> dict[str, float | int | str]:
         """The report's ``speculative`` entry for a job run with ``method``."""
-        drafts, accepted, rows = self.draft_tokens, self.accepted_tokens, self.drafted_rows
-        return {
-            "method": method,
-            "draft_tokens": drafts,
-            "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
-            "mean_accepted_per_drafted_row": round(accepted / rows, 3) if rows else 0.0,
-        }
+        counts = draft_summary(self.draft_tokens, self.accepted_tokens, self.drafted_rows)
+        return {"method": method, **counts}
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)

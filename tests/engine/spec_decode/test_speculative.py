@@ -32,6 +32,14 @@ def _copy_prompts(count: int) -> list[list[int]]:
     return prompts
 
 
+def _llm(model_path: Path, method: str, **settings) -> LLM:
+    """The tiny model on CPU in fp32, block size 4, up to 4 drafts a row with ``method``."""
+    settings.setdefault("max_num_seqs", 8)
+    return LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
+               kv_cache_memory=1 << 26, speculative={"method": method, "max_tokens": 4},
+               **settings)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def off_run(model_path: Path) -> tuple[list[list[int]], dict]:
     return _run_120(model_path, "off")
@@ -41,16 +49,7 @@ def _run_120(model_path: Path, method: str) -> tuple[list[list[int]], dict]:
     """Greedy outputs of 120 copy prompts and the engine's step profile."""
     prompts = _copy_prompts(120)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    llm = LLM(
-        str(model_path),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        max_num_seqs=32,
-        kv_cache_memory=1 << 26,
-        profile_steps=True,
-        speculative={"method": method, "max_tokens": 4},
-    )
+    llm = _llm(model_path, method, max_num_seqs=32, profile_steps=True)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     profile = llm.engine.step_profile()
     profile["steps"] = llm.engine.scheduler.stats.num_steps
@@ -161,9 +160,7 @@ def test_penalties_follow_the_drafts(model_path: Path) -> None:
                             frequency_penalty=0.1, repetition_penalty=1.05)  # fmt: skip
     outs = {}
     for method in ("off", "ngram"):
-        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
-                  max_num_seqs=8, kv_cache_memory=1 << 26,
-                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        llm = _llm(model_path, method)
         outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["ngram"] == outs["off"]
     assert llm.engine.scheduler.stats.num_accepted_tokens > 0
@@ -176,9 +173,7 @@ def test_suffix_greedy_output_equals_off_and_drafts_from_earlier_rows(model_path
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # copies its twin
     outs = {}
     for method in ("off", "suffix"):
-        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
-                  max_num_seqs=4, kv_cache_memory=1 << 26,
-                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        llm = _llm(model_path, method, max_num_seqs=4)
         outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["suffix"] == outs["off"]
     stats = llm.engine.scheduler.stats
@@ -195,9 +190,7 @@ def test_seeded_sampling_is_the_same_with_drafts(model_path: Path) -> None:
                              ignore_eos=True) for i in range(30)]  # fmt: skip
     outs = []
     for method in ("off", "suffix", "suffix"):
-        llm = LLM(str(model_path), device="cpu", dtype="float32", block_size=4,
-                  max_num_seqs=8, kv_cache_memory=1 << 26,
-                  speculative={"method": method, "max_tokens": 4})  # fmt: skip
+        llm = _llm(model_path, method)
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[1] == outs[0] and outs[2] == outs[1]
     assert llm.engine.scheduler.stats.num_draft_tokens > 0

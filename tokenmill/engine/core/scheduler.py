@@ -139,9 +139,8 @@ class Scheduler:
             num_new=num_new,
             sample=sample,
             requests=self.slots.requests[slots],
+            decode=num_new == 1 + self.slots.num_drafts[slots],
             preempted_ids=tuple(preempted),
-            decode_only=bool(len(slots))
-            and bool((num_new == 1 + self.slots.num_drafts[slots]).all()),
         )
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += out.num_tokens

@@ -56,12 +56,19 @@ class SchedulerOutput:
     num_new: np.ndarray  # int64
     sample: np.ndarray  # bool
     requests: np.ndarray  # object: the Request of each row
+    # bool: the row computes its last token (and its drafts, if any), not a prompt chunk;
+    # fixed here, since a row's draft count is cleared once its tokens are applied
+    decode: np.ndarray
     preempted_ids: tuple[str, ...] = ()
-    decode_only: bool = False  # every row computes its last token (and its drafts, if any)
 
     @property
     def num_rows(self) -> int:
         return len(self.slots)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row is a decode row (and there is one)."""
+        return bool(len(self.decode)) and bool(self.decode.all())
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +89,19 @@ class SchedulerOutput:
         )
 
 
+def draft_summary(drafts: int, accepted: int, drafted_rows: int) -> dict[str, float]:
+    """Draft counts, the share accepted, and accepted drafts per drafted row and step (each
+    accepted draft is a decode step that row did not need)."""
+    return {
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+        "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
+        "mean_accepted_per_drafted_row": (
+            round(accepted / drafted_rows, 3) if drafted_rows else 0.0
+        ),
+    }
+
+
 @dataclass
 class SchedulerStats:
     """Step counters (prefix-cache hit counts live in the KV cache manager's stats)."""
@@ -96,19 +116,10 @@ class SchedulerStats:
     propose_seconds: float = 0.0  # host time in the proposer (and writing its drafts)
 
     def speculative(self) -> dict[str, float]:
-        """Draft counts, the share accepted, and accepted drafts per drafted row and step
-        (each accepted draft is a decode step that row did not need)."""
-        drafts, accepted, rows = (
-            self.num_draft_tokens,
-            self.num_accepted_tokens,
-            self.num_drafted_rows,
-        )
+        """``draft_summary`` of these counts, the drafted rows, and the proposer's ms a step."""
         return {
-            "draft_tokens": drafts,
-            "accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / drafts, 4) if drafts else 0.0,
-            "drafted_rows": rows,
-            "mean_accepted_per_drafted_row": round(accepted / rows, 3) if rows else 0.0,
+            **draft_summary(self.num_draft_tokens, self.num_accepted_tokens, self.num_drafted_rows),
+            "drafted_rows": self.num_drafted_rows,
             "propose_ms_per_step": (
                 round(1e3 * self.propose_seconds / self.num_propose_calls, 4)
                 if self.num_propose_calls

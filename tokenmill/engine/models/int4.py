@@ -12,7 +12,8 @@ so groups, for row-parallel ones).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,12 +58,19 @@ class Int4Method:
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        # Imported here: building a model never needs Triton.
-        from tokenmill.kernels.w4a16_gemm import dequantize_q4, w4a16_linear
-
+        gemm, dequantize = _kernels()
         if x.is_cuda:
-            y = w4a16_linear(x, layer.qweight, layer.scales, layer.mins)
+            y = gemm(x, layer.qweight, layer.scales, layer.mins)
         else:
-            w = dequantize_q4(layer.qweight, layer.scales, layer.mins).to(x.dtype)
+            w = dequantize(layer.qweight, layer.scales, layer.mins).to(x.dtype)
             y = torch.nn.functional.linear(x, w)
         return y if bias is None else y + bias
+
+
+@functools.cache
+def _kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """(the W4A16 GEMM, its dequantizing reference), imported on the first forward, not per
+    layer call: building a model never needs Triton."""
+    from tokenmill.kernels.w4a16_gemm import dequantize_q4, w4a16_linear
+
+    return w4a16_linear, dequantize_q4

@@ -56,7 +56,7 @@ class OutputCorpus:
         h = self.hasher
         windows = self._tokens(real[:, None] - h.back)  # [P, max_n]
         entries = h(windows)  # [P, S]
-        valid = (windows != _SEPARATOR)[:, ::-1].cumprod(axis=1)[:, h.sizes - 1].astype(bool)
+        valid = self._whole(windows)
         self._end[entries[valid]] = np.broadcast_to(real[:, None], entries.shape)[valid]
 
     def lookup(self, suffix: np.ndarray, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,8 +68,7 @@ class OutputCorpus:
         end = self._end[entries]  # [R, S] absolute positions, -1: empty
         live = (end >= 0) & (end > self.written - self.capacity + h.max_n)
         found = self._tokens(end[:, :, None] - h.back)  # [R, S, max_n]
-        whole = (suffix != _SEPARATOR)[:, ::-1].cumprod(axis=1)[:, h.sizes - 1].astype(bool)
-        same = h.same(found, suffix) & live & whole
+        same = h.same(found, suffix) & live & self._whole(suffix)
         first = same.argmax(axis=1)  # the longest size that matches
         r = np.arange(len(suffix))
         matched = same[r, first]
@@ -77,6 +76,12 @@ class OutputCorpus:
         drafts = np.where(matched[:, None] & (cols < self.written), self._tokens(cols), -1)
         drafts = np.where(np.cumprod(drafts != _SEPARATOR, axis=1).astype(bool), drafts, -1)
         return drafts, np.where(matched, h.sizes[first], 0)
+
+    def _whole(self, windows: np.ndarray) -> np.ndarray:
+        """[P, S] whether each size's gram, the last m tokens of a window [P, max_n], holds
+        no separator (lies within one output)."""
+        newest_first = (windows != _SEPARATOR)[:, ::-1]
+        return newest_first.cumprod(axis=1)[:, self.hasher.sizes - 1].astype(bool)
 
     def _tokens(self, positions: np.ndarray) -> np.ndarray:
         """Tokens at absolute positions (any shape); the separator before 0 or once
