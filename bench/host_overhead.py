@@ -19,9 +19,12 @@ negligible, so its step time is almost all host work; prompts are random token i
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -54,16 +57,32 @@ def prompts_for(model: str, llm: LLM, count: int, prompt_len: int) -> list[list[
 
 
 def run_tokenmill(
-    llm: LLM, prompts: list[list[int]], max_tokens: int
+    llm: LLM, prompts: list[list[int]], max_tokens: int, profile_host: bool = False
 ) -> tuple[float, int, dict, list[list[int]]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     llm.engine.runner.profiler.records.clear()
+    host = cProfile.Profile() if profile_host else None
     start = time.perf_counter()
+    if host is not None:
+        host.enable()
     outs = llm.generate(prompts, params)
+    if host is not None:
+        host.disable()
     elapsed = time.perf_counter() - start
+    if host is not None:
+        print_host_profile(host, len(prompts))
     tokens = sum(o.num_completion_tokens for o in outs)
     return elapsed, tokens, llm.engine.step_profile(), [o.token_ids for o in outs]
+
+
+def print_host_profile(host: cProfile.Profile, requests: int) -> None:
+    """The engine's own functions by cumulative time (the main thread's host work; the
+    output worker thread is not in it), to stderr."""
+    out = io.StringIO()
+    stats = pstats.Stats(host, stream=out)
+    stats.sort_stats("cumulative").print_stats("tokenmill", 40)
+    print(f"host profile over {requests} requests:\n{out.getvalue()}", file=sys.stderr)
 
 
 def run_hf(
@@ -116,6 +135,12 @@ def main() -> None:
         "--peer-batch", type=int, default=0, help="one HF run at this batch (default: each)"
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="run tokenmill under cProfile and print its functions by cumulative time "
+        "(slows the host: its tok/s is not comparable to a run without)",
+    )
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     count = args.requests or max(batches)
@@ -135,7 +160,9 @@ def main() -> None:
                 kv_cache_memory=args.kv_cache_memory,
             )
             prompts = prompts or prompts_for(args.model, llm, count, args.prompt_len)
-            seconds, tokens, profile, tm_ids = run_tokenmill(llm, prompts, args.max_tokens)
+            seconds, tokens, profile, tm_ids = run_tokenmill(
+                llm, prompts, args.max_tokens, args.profile_host
+            )
             row = {
                 "max_num_seqs": batch,
                 "tok_per_s": round(tokens / seconds, 1),

@@ -27,19 +27,26 @@ from bench.spec_workloads import WORKLOADS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
 
-def run(model: str, device: str, batch: int, method: str, k: int, convs, max_tokens: int):
+def run(
+    model: str, device: str, batch: int, method: str, k: int, convs, max_tokens: int,
+    profile: bool = False,
+):  # fmt: skip
     llm = LLM(
         model,
         device=device,
         max_num_seqs=batch,
         speculative={"method": method, "max_tokens": k},
+        profile_steps=profile,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    llm.engine.runner.profiler.records.clear()
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - start
     stats = llm.engine.scheduler.stats.speculative()
+    if profile:
+        stats = {**stats, "step_profile": llm.engine.step_profile()}
     llm.engine.close()
     del llm
     gc.collect()
@@ -59,19 +66,28 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4, help="k, speculative.max_tokens")
     parser.add_argument("--rounds", type=int, default=2, help="prompts = rounds x batch")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="step profile per run (graph and eager steps, host and GPU ms; adds events)",
+    )
     args = parser.parse_args()
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             convs = WORKLOADS[workload](max(2, args.rounds * batch))
-            base, want, _, _, _ = run(
-                args.model, args.device, batch, "off", args.draft_tokens, convs, args.max_tokens
-            )
+            base, want, off_stats, _, _ = run(
+                args.model, args.device, batch, "off", args.draft_tokens, convs,
+                args.max_tokens, args.profile,
+            )  # fmt: skip
             line = {"workload": workload, "batch": batch, "method": "off"}
-            print(json.dumps({**line, "tok_per_s": round(base, 1)}), flush=True)
+            line["tok_per_s"] = round(base, 1)
+            if args.profile:
+                line["step_profile"] = off_stats["step_profile"]
+            print(json.dumps(line), flush=True)
             for method in args.methods.split(","):
                 rate, got, stats, tokens, seconds = run(
                     args.model, args.device, batch, method, args.draft_tokens, convs,
-                    args.max_tokens,
+                    args.max_tokens, args.profile,
                 )  # fmt: skip
                 line = {
                     "workload": workload,
@@ -86,6 +102,8 @@ def main() -> None:
                     "output_tokens": tokens,
                     "seconds": round(seconds, 2),
                 }
+                if args.profile:
+                    line["step_profile"] = stats["step_profile"]
                 print(json.dumps(line), flush=True)
 
 
