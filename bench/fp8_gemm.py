@@ -6,6 +6,11 @@ layer's forward (``Fp8Method.apply``: per-token activation quantization included
 Prints ms, TFLOP/s and the FP8 / bf16 speed-up per row, and the FP8 output's error relative
 to the bf16 one. Goal: >= 1.7x at M >= 2048.
 
+The FP8 forward's two parts are also timed alone, to show where its time goes:
+``quant_ms`` the activation quantization it runs (the Triton kernel, kernels/fp8_quant.py),
+``torch_quant_ms`` the torch reference it replaced (``quantize_rows``), and ``mm_ms``
+``torch._scaled_mm`` on activations quantized beforehand.
+
     PYTHONPATH=. python bench/fp8_gemm.py
 """
 
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from tokenmill.engine.models.fp8 import Fp8Method  # noqa: E402
 from tokenmill.engine.models.linear import RowParallelLinear  # noqa: E402
+from tokenmill.kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref  # noqa: E402
 
 SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
     "qkv": (4096, 6144),
@@ -40,6 +46,12 @@ def fp8_layer(weight: torch.Tensor) -> RowParallelLinear:
     return layer
 
 
+def scaled_mm(layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 forward's matmul alone, on activations quantized beforehand: [T, out]."""
+    return torch._scaled_mm(x_q, layer.weight, scale_a=x_scale, scale_b=layer.weight_scale,
+                            out_dtype=layer.out_dtype)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,256,2048,4096,8192")
@@ -53,6 +65,10 @@ def main() -> None:
             with torch.inference_mode():
                 bf16_ms = time_ms(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
                 fp8_ms = time_ms(lambda x=x, f=layer: f(x))
+                quant_ms = time_ms(lambda x=x: quantize_rows_fp8(x))
+                torch_quant_ms = time_ms(lambda x=x: quantize_rows_fp8_ref(x))
+                x_q, x_scale = quantize_rows_fp8(x)
+                mm_ms = time_ms(lambda q=x_q, s=x_scale, f=layer: scaled_mm(f, q, s))
                 ref = torch.nn.functional.linear(x, weight).float()
                 err = ((layer(x).float() - ref).norm() / ref.norm()).item()
             flop = 2 * m * in_f * out_f
@@ -62,6 +78,8 @@ def main() -> None:
                 "bf16_tflops": round(flop / bf16_ms / 1e9, 1),
                 "fp8_tflops": round(flop / fp8_ms / 1e9, 1),
                 "speedup": round(bf16_ms / fp8_ms, 2), "rel_error": round(err, 4),
+                "quant_ms": round(quant_ms, 4), "torch_quant_ms": round(torch_quant_ms, 4),
+                "mm_ms": round(mm_ms, 4),
             }), flush=True)  # fmt: skip
 
 

@@ -12,6 +12,9 @@ fp32 accumulation; ``fp8_linear_reference`` writes the same arithmetic out in fp
 Weights take half the bytes of bf16, and decode, bound by reading them, gets faster. The LM
 head and the embeddings stay in the model's dtype (they are not linear layers here).
 
+On CUDA one Triton kernel quantizes the activations (kernels/fp8_quant.py), equal bit for bit
+to ``quantize_rows``, which stays the CPU path and the reference.
+
 A pre-quantized FP8 checkpoint (``checkpoint=True``) brings W_q itself, as e4m3 ``weight``
 tensors with a ``weight_scale`` per output channel ([out, 1] or [out]) or per tensor (one
 value, the same for every row of that part: q, k and v each have their own).
@@ -19,25 +22,17 @@ value, the same for every row of that part: q, k and v each have their own).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.engine.models.quantization import UnquantizedMethod
 from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
+from tokenmill.kernels.fp8_rows import FP8, FP8_MAX, quantize_rows
 
 __all__ = ["FP8_MAX", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448.0
-_MIN_SCALE = 1e-12  # an all-zero row: any scale gives zeros, but not a division by 0
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [R, C], fp32 scales [R, 1]) with x ~ values * scales, one scale a row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(_MIN_SCALE)
-    return (x.float() / scale).to(FP8), scale
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,8 @@ class Fp8Method(UnquantizedMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        x_q, x_scale = quantize_rows(x)
+        quantize = _cuda_quantize_rows() if x.is_cuda else quantize_rows
+        x_q, x_scale = quantize(x)  # [T, in] e4m3, [T, 1] fp32
         y = torch._scaled_mm(
             x_q,
             layer.weight,
@@ -113,6 +109,15 @@ class Fp8Method(UnquantizedMethod):
             out_dtype=layer.out_dtype,
         )  # [T, out]
         return y if bias is None else y + bias
+
+
+@functools.cache
+def _cuda_quantize_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The Triton row quantizer, imported on the first CUDA forward, not per layer call:
+    building a model, or running it on CPU, never needs Triton."""
+    from tokenmill.kernels.fp8_quant import quantize_rows_fp8
+
+    return quantize_rows_fp8
 
 
 def fp8_linear_reference(
