@@ -57,6 +57,19 @@ When the caller knows that no request has keys from earlier steps (``fresh``: a 
 prompts), the kernel is compiled without the block-table paths and reads only k_new/v_new.
 
 Uninitialised cache slots past ``seq_len`` (possibly NaN) are never loaded unmasked.
+
+**Tree masks** (``tree_mask``, one int64 per query token): a request's step tokens need not
+be one chain. Speculative steps verify several candidate continuations at once (token trees,
+Lookahead's window and n-gram branches); their tokens sit in the cache one after another
+from ``ctx``, and bit ``j`` of query ``i``'s mask says whether it sees the step's key
+``ctx + j`` (every key before ``ctx`` stays visible, and never one after its own position):
+
+    step tokens:  0=last  1=a  2=b  3=x  4=y       branches: last-a-b, last-x-y
+    masks:        0b00001 0b00011 0b00111 0b01001 0b11001
+
+A mask of -1 (all bits) is plain causal attention, for the step's other rows. A request
+with a tree has at most 64 step tokens (one bit each); RoPE positions are the caller's (a
+branch token's depth, not its place in the step).
 """
 
 from __future__ import annotations
@@ -76,6 +89,7 @@ __all__ = [
     "default_prefill_config",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "tree_visible",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -108,6 +122,9 @@ def _attend_keys(
     DOT_IN_FP32: tl.constexpr,
     KV_DTYPE: tl.constexpr,  # the model's dtype: an FP8 cache's keys and values become it
     FROM_NEW: tl.constexpr = False,  # k_base/v_base: row 0 of k_new/v_new; stride_ks/vs: rows
+    ctx_len=0,  # TREE only: the step's first key position
+    tree_m=None,  # TREE only: [BLOCK_M] int64, each row's mask over the step's keys
+    TREE: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -143,6 +160,8 @@ def _attend_keys(
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if MASKED:
             causal = key_pos[None, :] <= q_pos[:, None]
+            if TREE:
+                causal = causal & _tree_visible(tree_m, key_pos - ctx_len)
             qk = tl.where(causal, qk * qk_scale, float("-inf"))
             m_ij = tl.maximum(m_i, tl.max(qk, 1))
             qk = qk - m_ij[:, None]
@@ -167,6 +186,17 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _tree_visible(tree_m, rel):
+    """[BLOCK_M, BLOCK_N]: whether each row sees the key ``rel`` tokens past the step's first
+    (context keys, rel < 0, always; a mask's bits reach 64 step tokens, and a -1 mask every
+    one, so a long prefill row stays causal)."""
+    shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+    bit = (tree_m[:, None] >> shift[None, :]) & 1
+    far = (rel >= 64)[None, :] & (tree_m == -1)[:, None]
+    return (rel < 0)[None, :] | (bit != 0) | far
+
+
 @triton.jit(do_not_specialize=["first_req", "tiles_per_req", "stride_bt"])
 def _paged_prefill_attention_kernel(
     # pointers
@@ -179,6 +209,7 @@ def _paged_prefill_attention_kernel(
     seq_lens_ptr,  # [B] int32
     k_new_ptr,  # [T, Hkv, d] this step's keys (READ_NEW only)
     v_new_ptr,
+    tree_mask_ptr,  # [T] int64 (TREE only)
     # sizes
     qk_scale,  # softmax scale * log2(e)
     first_req,  # requests before it are someone else's (a mixed step's decode rows)
@@ -211,6 +242,7 @@ def _paged_prefill_attention_kernel(
     DOT_IN_FP32: tl.constexpr,  # interpreter + bf16 only: see paged_prefill_attention
     READ_NEW: tl.constexpr,  # key tiles past the context come from k_new/v_new
     HAS_CONTEXT: tl.constexpr,  # False: no request has cached keys (READ_NEW reads them all)
+    TREE: tl.constexpr = False,  # per-token masks over the step's keys (see the top)
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     pid = tl.program_id(0)
@@ -239,6 +271,9 @@ def _paged_prefill_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     if DOT_IN_FP32:
         q = q.to(tl.float32)
+    tree_m = None
+    if TREE:
+        tree_m = tl.load(tree_mask_ptr + q_start + tok, mask=row_ok, other=-1)  # [BLOCK_M]
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -249,6 +284,8 @@ def _paged_prefill_attention_kernel(
     v_base = v_cache_ptr + kv_head * stride_vh
     bt_row = block_tables_ptr + req * stride_bt
     n_full = (ctx_len + tok0 + 1) // BLOCK_N * BLOCK_N  # keys <= the first row's position
+    if TREE:  # a tree row may not see every step key before it: those tiles get the mask
+        n_full = tl.minimum(n_full, ctx_len // BLOCK_N * BLOCK_N)
     n_stop = tl.minimum(seq_len, ctx_len + tok0 + TOKENS_PER_TILE)  # past the last row's position
     if READ_NEW:
         # key position p of this request is row q_start + p - ctx_len of k_new / v_new
@@ -283,15 +320,14 @@ def _paged_prefill_attention_kernel(
             acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, seq_len, n_full, split_diag,
             qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
-            out_ptr.dtype.element_ty,
+            out_ptr.dtype.element_ty, False, ctx_len, tree_m, TREE,
         )  # fmt: skip
     if READ_NEW:
         acc, l_i, m_i = _attend_keys(
             acc, l_i, m_i, q, q_pos, kn_base, vn_base, bt_row, seq_len, split_diag, n_stop,
             qk_scale, 0, stride_knt, 0, stride_vnt,
             HEAD_DIM, BLOCK_N, BLOCK_SIZE, TILE_IN_BLOCK, True, DOT_PRECISION, DOT_IN_FP32,
-            out_ptr.dtype.element_ty,
-            True,
+            out_ptr.dtype.element_ty, True, ctx_len, tree_m, TREE,
         )  # fmt: skip
 
     l_i = tl.where(row_ok, l_i, 1.0)  # padding rows: avoid 0 / 0; they are not stored
@@ -342,6 +378,7 @@ def paged_prefill_attention(
     k_new: torch.Tensor | None = None,  # [T, Hkv, d]: this step's keys, as stored in the cache
     v_new: torch.Tensor | None = None,  # [T, Hkv, d]
     fresh: bool = False,
+    tree_mask: torch.Tensor | None = None,  # [T] int64, see the top; -1: causal
 ) -> torch.Tensor:
     """Causal attention of each request's query tokens over its paged K/V context.
 
@@ -358,6 +395,9 @@ def paged_prefill_attention(
     ``fresh=True`` promises that no request has keys from earlier steps (every ``seq_len``
     equals its query count, as the caller knows from its host-side lengths); with
     ``read_new_keys`` the kernel is then compiled without its block-table paths.
+    ``tree_mask`` (one int64 per query token, -1 for causal rows) narrows what each query
+    sees among its request's step keys (see the top); a request whose rows use it has at
+    most 64 query tokens, which the caller guarantees (checking would sync).
     Raises ValueError on mismatched shapes, dtypes, strides or devices. No host-device
     synchronisation.
     """
@@ -383,6 +423,13 @@ def paged_prefill_attention(
                 )
             if x.stride(-1) != 1:
                 raise ValueError(f"{name}: the head dim must be contiguous, got {x.stride()}")
+    if tree_mask is not None and (
+        tree_mask.shape != (t,) or tree_mask.dtype != torch.int64 or tree_mask.device != q.device
+    ):
+        raise ValueError(
+            f"tree_mask: expected int64 {(t,)} on {q.device}, got "
+            f"{tree_mask.dtype} {tuple(tree_mask.shape)} on {tree_mask.device}"
+        )
     kn = k_new if read_new else k_cache
     vn = v_new if read_new else v_cache
     group = hq // hkv
@@ -396,6 +443,7 @@ def paged_prefill_attention(
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     _paged_prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, kn, vn,
+        query_start_loc if tree_mask is None else tree_mask,
         scale * _LOG2E, first_req, tiles_per_req,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -415,6 +463,7 @@ def paged_prefill_attention(
         DOT_IN_FP32=interpreting and q.dtype == torch.bfloat16,
         READ_NEW=read_new,
         HAS_CONTEXT=not (fresh and read_new),
+        TREE=tree_mask is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -431,10 +480,12 @@ def paged_prefill_attention_ref(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, d]
+    tree_mask: torch.Tensor | None = None,  # [T] int64
 ) -> torch.Tensor:
     """Plain-torch reference of ``paged_prefill_attention``: per request, gather K/V through
-    the block table, explicit causal softmax in fp32. Syncs with the device (``.tolist()``);
-    ``max_query_len`` is accepted for signature parity only. Writes into ``out`` if given."""
+    the block table, explicit causal softmax in fp32, narrowed by ``tree_mask``'s bits.
+    Syncs with the device (``.tolist()``); ``max_query_len`` is accepted for signature
+    parity only. Writes into ``out`` if given."""
     t, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -456,7 +507,20 @@ def paged_prefill_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, S]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, S]
+        if tree_mask is not None:
+            hidden = hidden | ~tree_visible(tree_mask[q_start:q_end], seq_len - q_len, seq_len)
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
+
+
+def tree_visible(masks: torch.Tensor, ctx: int, seq_len: int) -> torch.Tensor:
+    """[q_len, seq_len] bool: which keys each of a request's queries may see by its tree mask
+    (``masks`` [q_len] int64): every key before ``ctx``, and step key ``ctx + j`` where bit j
+    is set (a -1 mask: all of them). Causality is applied apart."""
+    rel = torch.arange(seq_len, device=masks.device) - ctx  # [S]
+    bits = (masks[:, None] >> rel.clamp(0, 63)[None, :]) & 1
+    far = (rel >= 64)[None, :] & (masks == -1)[:, None]
+    return (rel < 0)[None, :] | (bits != 0) | far
