@@ -10,7 +10,8 @@ from typing import Any
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.prompts import encode_chat, encode_prompt
+from tokenmill.engine.prompts import encode_chat, encode_prompt, render_chat
+from tokenmill.engine.sample_groups import sample_groups
 from tokenmill.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ class LLM:
     """An engine replica with a batch-at-a-time API.
 
     >>> llm = LLM("smollm2-135m-instruct", max_num_seqs=64, enable_prefix_caching=False)
-    >>> llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=8))
+    >>> outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=8, n=2))
+    >>> outs[0].outputs[1].text  # vLLM's shape; outs[0].text is outputs[0].text
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **engine_settings: Any) -> None:
@@ -47,8 +49,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete text prompts (tokenized with the model's BOS rules) or token-id lists.
 
-        Returns one RequestOutput per prompt, in input order; a prompt that cannot run (too
-        long, empty) gets ``error`` set instead of failing the batch.
+        Returns one RequestOutput per prompt, in input order, holding ``SamplingParams.n``
+        completions in ``outputs``; a prompt that cannot run (too long, empty) gets
+        ``error`` set instead of failing the batch. Raises ValueError when the number of
+        SamplingParams is neither one nor one per prompt.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -57,7 +61,8 @@ class LLM:
         token_lists = [
             p if not isinstance(p, str) else encode_prompt(self.tokenizer, p) for p in prompts
         ]
-        return self._run(token_lists, sampling_params)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_lists, texts, sampling_params)
 
     def chat(
         self,
@@ -65,42 +70,74 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {"role", "content"} messages) with the model's chat
-        template. A single conversation may be passed without the outer list."""
+        template. A single conversation may be passed without the outer list.
+
+        ``chat_template`` (a Jinja string) replaces the model's template for this call;
+        ``chat_template_kwargs`` are extra template variables, e.g. ``{"enable_thinking":
+        False}`` for Qwen3. Each result's ``prompt`` is the rendered text. Raises ValueError
+        when a conversation cannot be rendered (see ``render_chat``): nothing runs then.
+        """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        return self._run(
-            [self.encode_chat(c, add_generation_prompt) for c in conversations], sampling_params
-        )
+        texts = [
+            render_chat(
+                self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs
+            )
+            for c in conversations
+        ]
+        token_lists = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        return self._run(token_lists, texts, sampling_params)
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of ``messages`` rendered with the model's chat template."""
-        return encode_chat(self.tokenizer, messages, add_generation_prompt)
+        """Token ids of ``messages`` rendered with the model's chat template (or
+        ``chat_template``, with ``chat_template_kwargs``), as ``chat`` renders them."""
+        return encode_chat(
+            self.tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs
+        )
 
     def _run(
         self,
         token_lists: list[list[int]],
+        texts: list[str | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(token_lists))
-        batch = self._batches
+        """Run every prompt's completions (``sample_groups.py``: one engine request each,
+        added together so they share the prompt's cached KV blocks); one result per prompt."""
+        groups = sample_groups(str(self._batches), _per_prompt(sampling_params, len(token_lists)))
         self._batches += 1
-        results: dict[str, RequestOutput] = {}
-        ids = [f"{batch}-{i}" for i in range(len(token_lists))]
-        for rid, tokens, p in zip(ids, token_lists, params, strict=True):
+        failed: dict[str, RequestOutput] = {}
+        for group, tokens, text in zip(groups, token_lists, texts, strict=True):
+            added: list[str] = []
             try:
-                self.engine.add_request(rid, tokens, p)
+                for rid, params in group.requests():
+                    self.engine.add_request(rid, tokens, params)
+                    added.append(rid)
             except ValueError as exc:
-                results[rid] = RequestOutput(rid, list(tokens), "", [], "error", error=str(exc))
+                self.engine.abort_requests(added)  # none in practice: one prompt, one verdict
+                failed[group.request_id] = RequestOutput(
+                    group.request_id, list(tokens), "", [], "error", error=str(exc), prompt=text
+                )
+        samples: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                results[out.request_id] = out
+                samples[out.request_id] = out
         elapsed = time.perf_counter() - start
-        n_out = sum(r.num_completion_tokens for r in results.values())
+        results = [
+            failed[g.request_id] if g.request_id in failed else g.gather(samples, text)
+            for g, text in zip(groups, texts, strict=True)
+        ]
+        n_out = sum(len(c.token_ids) for r in results for c in r.outputs)
         log.info(
             "generated %d tokens for %d prompts in %.2fs (%.1f tok/s)",
             n_out,
@@ -108,7 +145,7 @@ class LLM:
             elapsed,
             n_out / max(elapsed, 1e-9),
         )
-        return [results[rid] for rid in ids]
+        return results
 
 
 def _per_prompt(

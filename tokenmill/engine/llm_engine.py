@@ -199,7 +199,13 @@ class LLMEngine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
         """Queue a request. Raises ValueError (the request is not queued) when the prompt is
-        empty, holds ids outside the vocabulary, or leaves no room in the context."""
+        empty, holds ids outside the vocabulary, or leaves no room in the context, and when
+        ``params`` asks for more than one completion (LLM expands n / best_of into requests)."""
+        if params.num_samples != 1:
+            raise ValueError(
+                f"an engine request makes one completion: SamplingParams n={params.n}, "
+                f"best_of={params.best_of} must be 1 here; LLM.generate / LLM.chat expand them"
+            )
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:

@@ -1,8 +1,20 @@
-"""What the engine hands back for each request."""
+"""What the engine hands back for each request.
+
+A RequestOutput is one prompt's result. Its completions are in ``outputs`` (vLLM's shape:
+``o.outputs[i].text``); the flat fields (``o.text``, ``o.token_ids``, ...) are the first
+completion's, so code written against either shape reads the same values:
+
+    RequestOutput(request_id, prompt, prompt_token_ids, num_cached_tokens, error)
+      ├─ text, token_ids, finish_reason, stop_reason, logprobs  ══ outputs[0]'s
+      └─ outputs: [CompletionOutput(index=0, ...), CompletionOutput(index=1, ...), ...]
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+__all__ = ["CompletionOutput", "RequestOutput", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
@@ -16,10 +28,39 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a prompt (one of ``SamplingParams.n``).
+
+    ``cumulative_logprob`` is the sum of the sampled tokens' logprobs under the model's raw
+    distribution (before temperature and penalties, as ``logprobs``); None when the engine
+    did not compute them (no ``logprobs`` asked for and no ``best_of`` to rank by).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """Always True: the engine returns finished requests only."""
+        return True
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """A finished request. ``error`` is set (and ``finish_reason == "error"``) when the
     request could not run, e.g. a prompt longer than the model's context; the other
-    requests of the batch are unaffected."""
+    requests of the batch are unaffected.
+
+    Built from the flat fields (one completion; ``outputs`` is then derived from them) or by
+    ``from_completions``. ``prompt`` is the prompt's text where there was one (a text prompt,
+    or a conversation rendered by the chat template); None for token-id prompts. Raises
+    ValueError when ``outputs`` is given and its first completion disagrees with the flat
+    fields, or its indexes are not 0, 1, 2, ...
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +71,74 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            only = CompletionOutput(
+                index=0,
+                text=self.text,
+                token_ids=self.token_ids,
+                cumulative_logprob=cumulative_logprob(self.logprobs),
+                logprobs=self.logprobs,
+                finish_reason=self.finish_reason,
+                stop_reason=self.stop_reason,
+            )
+            object.__setattr__(self, "outputs", [only])
+            return
+        first = self.outputs[0]
+        flat = (self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)
+        if flat != (first.text, first.token_ids, first.finish_reason, first.stop_reason,
+                    first.logprobs):  # fmt: skip
+            raise ValueError(
+                f"RequestOutput {self.request_id!r}: the flat fields must be outputs[0]'s; "
+                "build it with RequestOutput.from_completions"
+            )
+        indexes = [c.index for c in self.outputs]
+        if indexes != list(range(len(self.outputs))):
+            raise ValueError(
+                f"RequestOutput {self.request_id!r}: completion indexes must be 0, 1, 2, ...; "
+                f"got {indexes}"
+            )
+
+    @classmethod
+    def from_completions(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        completions: Sequence[CompletionOutput],
+        *,
+        prompt: str | None = None,
+        num_cached_tokens: int = 0,
+    ) -> RequestOutput:
+        """A RequestOutput holding ``completions`` (at least one; indexes 0, 1, 2, ...), its
+        flat fields taken from the first. Raises ValueError when ``completions`` is empty."""
+        if not completions:
+            raise ValueError(f"RequestOutput {request_id!r}: needs at least one completion")
+        first = completions[0]
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            stop_reason=first.stop_reason,
+            num_cached_tokens=num_cached_tokens,
+            logprobs=first.logprobs,
+            outputs=list(completions),
+            prompt=prompt,
+        )
+
+    @property
+    def finished(self) -> bool:
+        """Always True: the engine returns finished requests only."""
+        return True
+
+    @property
+    def prompt_logprobs(self) -> None:
+        """Always None: prompt logprobs are not computed (SamplingParams refuses them)."""
+        return None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -37,8 +146,16 @@ class RequestOutput:
 
     @property
     def num_completion_tokens(self) -> int:
+        """Tokens of the first completion (``outputs[0]``), as the other flat fields."""
         return len(self.token_ids)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def cumulative_logprob(logprobs: Sequence[TokenLogprob] | None) -> float | None:
+    """The sum of the sampled tokens' logprobs; None when they were not computed."""
+    if logprobs is None:
+        return None
+    return float(sum(lp.logprob for lp in logprobs))

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+__all__ = ["encode_chat", "encode_prompt", "render_chat"]
+
+# apply_chat_template's own arguments: they steer the call rather than reach the template,
+# so chat_template_kwargs may not set them (tools and documents are template variables).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -11,20 +21,75 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def encode_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of ``messages`` rendered with the model's chat template.
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The text of ``messages`` rendered with the model's chat template.
 
-    Raises ValueError when the model has no chat template or the template rejects the
-    conversation (e.g. roles out of order).
+    ``chat_template`` (a Jinja string) replaces the model's template; ``chat_template_kwargs``
+    are extra variables the template reads (e.g. ``{"enable_thinking": False}`` for Qwen3).
+    The template runs in transformers' sandboxed Jinja environment; nothing else is executed.
+    Raises ValueError when there is no template, an argument is malformed (naming it), or the
+    template rejects the conversation (e.g. roles out of order).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model has no chat template; send plain prompts instead")
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
+        raise ValueError(
+            f"chat_template must be a non-empty Jinja template string or None, "
+            f"got {chat_template!r}"
+        )
+    extra = _template_variables(chat_template_kwargs)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the model has no chat template; send plain prompts instead or pass chat_template"
+        )
+    if chat_template is not None:
+        extra["chat_template"] = chat_template
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as exc:  # jinja raises its own types for template errors
         raise ValueError(f"the chat template rejected the conversation: {exc}") from None
+    return text
+
+
+def encode_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template (``render_chat``,
+    which says what the arguments do and what it raises). The template writes the special
+    tokens, so none are added."""
+    text = render_chat(
+        tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as a dict, checked: string keys, none of apply_chat_template's
+    own arguments."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise ValueError(
+            f"chat_template_kwargs must be a dict of template variables or None, "
+            f"got {type(chat_template_kwargs).__name__}"
+        )
+    bad = [k for k in chat_template_kwargs if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ValueError(f"chat_template_kwargs keys must be identifiers, got {bad!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: pass chat_template and "
+            "add_generation_prompt as arguments of their own; the others are fixed"
+        )
+    return dict(chat_template_kwargs)

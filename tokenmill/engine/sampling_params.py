@@ -13,6 +13,11 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes the request's samples reproducible whatever else shares its batch.
     ``logprobs`` asks for the sampled token's logprob plus that many top alternatives.
+    ``n`` completions are returned per prompt; with ``best_of``, that many are generated and
+    the ``n`` with the highest cumulative logprob are returned, best first. With a ``seed``,
+    completion ``i`` draws from a seed derived from (seed, i); completion 0 from ``seed``
+    itself, so ``n=1`` gives what it gives without ``n``. ``prompt_logprobs`` is not
+    supported yet (the engine computes logits only where it samples) and must stay None.
     Raises ValueError naming the field when a value is out of range.
     """
 
@@ -32,6 +37,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -86,14 +94,37 @@ class SamplingParams:
             self.logprobs,
             "None or an integer in [0, 20]",
         )
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(
+            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            "best_of",
+            self.best_of,
+            f"None or an integer >= n (n={self.n})",
+        )
+        _check(
+            self.prompt_logprobs is None,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "None (prompt logprobs are not supported yet: the engine computes logits only at "
+            "the positions it samples)",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_samples(self) -> int:
+        """Completions generated per prompt: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -10,7 +10,9 @@ from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
 
-_PARAM_NAMES = {f.name for f in fields(SamplingParams)}
+# A job row makes one completion: several (n, best_of) and prompt logprobs are the Python
+# API's (LLM expands them); a row asking for them gets "unsupported sampling field(s)".
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} - {"n", "best_of", "prompt_logprobs"}
 
 
 def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingParams:

@@ -1,0 +1,229 @@
+"""The vLLM-shaped API: ``outputs[i]``, ``n``, ``best_of``, chat-template overrides, on the
+real SmolLM2 model (CPU, fp32). Generations are a few tokens long to keep the suite quick."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenmill.engine.sample_groups import sample_seed
+
+SYSTEM = (
+    "You are a careful assistant for a school. Answer in plain words, keep answers short, "
+    "and never invent facts you are not sure about."
+)
+CONV = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a river."}]
+SEEDED = dict(max_tokens=8, temperature=1.0, seed=7)
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2_llm) -> list[int]:
+    return smollm2_llm.encode_chat(CONV)
+
+
+# ---- result shape -----------------------------------------------------------------------
+def test_flat_fields_are_the_first_completion(smollm2_llm) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    plain, with_lp = smollm2_llm.generate(
+        ["The capital of France is", "The capital of France is"],
+        [greedy, dataclasses.replace(greedy, logprobs=2)],
+    )
+    for o in (plain, with_lp):
+        assert o.finished and o.ok and o.prompt == "The capital of France is"
+        assert len(o.outputs) == 1
+        c = o.outputs[0]
+        assert c.index == 0 and c.finished()
+        assert (c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) == (
+            o.text,
+            o.token_ids,
+            o.finish_reason,
+            o.stop_reason,
+            o.logprobs,
+        )
+        assert o.num_completion_tokens == len(c.token_ids) and o.prompt_logprobs is None
+    assert plain.outputs[0].text == with_lp.outputs[0].text
+    assert plain.outputs[0].cumulative_logprob is None and plain.logprobs is None
+    lps = with_lp.outputs[0].logprobs
+    assert lps is not None and len(lps) == len(with_lp.token_ids)
+    assert with_lp.outputs[0].cumulative_logprob == pytest.approx(sum(lp.logprob for lp in lps))
+    assert plain.request_id != with_lp.request_id
+    token_prompt = smollm2_llm.generate([plain.prompt_token_ids], greedy)[0]
+    assert token_prompt.prompt is None and token_prompt.token_ids == plain.token_ids
+
+
+def test_request_output_keeps_flat_and_nested_in_step() -> None:
+    lps = [TokenLogprob(5, -0.5, 1), TokenLogprob(6, -1.5, 2)]
+    flat = RequestOutput("r", [1, 2], "ab", [5, 6], "length", logprobs=lps, num_cached_tokens=3)
+    assert flat.outputs == [CompletionOutput(0, "ab", [5, 6], -2.0, lps, "length")]
+    assert flat.num_cached_tokens == 3 and flat.prompt is None
+    second = CompletionOutput(1, "c", [7], None, None, "stop", 2)
+    both = RequestOutput.from_completions("r", [1, 2], [flat.outputs[0], second], prompt="x")
+    assert (both.text, both.token_ids, both.logprobs) == ("ab", [5, 6], lps)
+    with pytest.raises(ValueError, match="outputs\\[0\\]"):
+        RequestOutput("r", [1], "other", [5, 6], "length", outputs=list(both.outputs))
+    with pytest.raises(ValueError, match="indexes"):
+        RequestOutput.from_completions("r", [1], [second])
+
+
+# ---- n ----------------------------------------------------------------------------------
+def test_n_samples_are_distinct_reproducible_and_share_the_prompt(smollm2_llm, prompt) -> None:
+    kv = smollm2_llm.engine.scheduler.kv
+    hits_before = kv.prefix_cache_stats.hit_tokens
+    seeded, unseeded = smollm2_llm.generate(
+        [prompt, prompt],
+        [SamplingParams(n=3, **SEEDED), SamplingParams(n=3, max_tokens=8, temperature=1.0)],
+    )
+    # The prompt's full blocks are computed once and reused by the other five samples.
+    full_blocks = len(prompt) // smollm2_llm.config.block_size * smollm2_llm.config.block_size
+    assert kv.prefix_cache_stats.hit_tokens - hits_before >= 5 * full_blocks
+    for o in (seeded, unseeded):
+        assert [c.index for c in o.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in o.outputs}) == 3
+        assert o.text == o.outputs[0].text and o.token_ids == o.outputs[0].token_ids
+    again = smollm2_llm.generate([prompt], SamplingParams(n=3, **SEEDED))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in seeded.outputs]
+    assert [c.text for c in again.outputs] == [c.text for c in seeded.outputs]
+    single = smollm2_llm.generate([prompt], SamplingParams(**SEEDED))[0]
+    assert single.token_ids == seeded.outputs[0].token_ids  # n=1 samples as before
+
+
+def test_greedy_n_gives_identical_completions(smollm2_llm, prompt) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    two, one = smollm2_llm.generate([prompt, prompt], [dataclasses.replace(greedy, n=2), greedy])
+    assert len(two.outputs) == 2
+    assert two.outputs[0].token_ids == two.outputs[1].token_ids == one.token_ids
+    assert two.outputs[0].text == two.outputs[1].text == one.text
+
+
+def test_a_prompt_that_cannot_run_is_one_error_whatever_n(smollm2_llm, prompt) -> None:
+    bad, good = smollm2_llm.generate([[], prompt], SamplingParams(n=2, max_tokens=2))
+    assert bad.error is not None and "empty" in bad.error and bad.finish_reason == "error"
+    assert [c.finish_reason for c in bad.outputs] == ["error"]
+    assert good.ok and len(good.outputs) == 2
+
+
+def test_sample_seeds() -> None:
+    assert sample_seed(7, 0) == 7 and sample_seed(-3, 0) == -3
+    seeds = [sample_seed(7, i) for i in range(1, 50)]
+    assert len(set(seeds)) == 49 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [sample_seed(7, i) for i in range(1, 50)]
+    assert sample_seed(8, 1) != sample_seed(7, 1)
+
+
+# ---- best_of ----------------------------------------------------------------------------
+def test_best_of_returns_the_n_highest_cumulative_logprobs(smollm2_llm, prompt) -> None:
+    best, best_lp, every = smollm2_llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(n=2, best_of=4, **SEEDED),
+            SamplingParams(n=2, best_of=4, logprobs=1, **SEEDED),
+            SamplingParams(n=4, logprobs=0, **SEEDED),  # the same four samples, all returned
+        ],
+    )
+    candidates = sorted(
+        every.outputs, key=lambda c: c.cumulative_logprob, reverse=True
+    )  # distinct samples: no ties to order
+    assert len({c.cumulative_logprob for c in candidates}) == 4
+    for o in (best, best_lp):
+        assert [c.index for c in o.outputs] == [0, 1]
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in candidates[:2]]
+        scores = [c.cumulative_logprob for c in o.outputs]
+        assert scores == pytest.approx([c.cumulative_logprob for c in candidates[:2]])
+        assert scores[0] >= scores[1]
+        assert o.text == o.outputs[0].text
+    # Logprobs were computed to rank, but only the request that asked for them sees them.
+    assert all(c.logprobs is None for c in best.outputs) and best.logprobs is None
+    for c in best_lp.outputs:
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        assert all(len(lp.top) == 1 for lp in c.logprobs)
+
+
+# ---- chat templates ---------------------------------------------------------------------
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+VARIABLE_TEMPLATE = (
+    "{{ greeting }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"
+)
+
+
+def test_chat_template_override_changes_the_prompt(smollm2_llm) -> None:
+    conv = CONV[1:]
+    tok = smollm2_llm.tokenizer
+    expected = "[user] Name a river.\n[assistant]"
+    o = smollm2_llm.chat(conv, SamplingParams(max_tokens=1), chat_template=PLAIN_TEMPLATE)[0]
+    assert o.prompt == expected
+    assert o.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+    assert o.prompt_token_ids != smollm2_llm.encode_chat(conv)
+    assert smollm2_llm.encode_chat(conv, chat_template=PLAIN_TEMPLATE) == o.prompt_token_ids
+    no_prompt = smollm2_llm.encode_chat(conv, False, chat_template=PLAIN_TEMPLATE)
+    assert no_prompt == tok.encode("[user] Name a river.\n", add_special_tokens=False)
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_llm) -> None:
+    conv = CONV[1:]
+    tok = smollm2_llm.tokenizer
+    o = smollm2_llm.chat(
+        conv,
+        SamplingParams(max_tokens=1),
+        chat_template=VARIABLE_TEMPLATE,
+        chat_template_kwargs={"greeting": "hello there", "enable_thinking": False},
+    )[0]
+    assert o.prompt == "hello there|Name a river./no_think"
+    assert o.prompt_token_ids == tok.encode(o.prompt, add_special_tokens=False)
+    thinking = smollm2_llm.encode_chat(
+        conv, chat_template=VARIABLE_TEMPLATE, chat_template_kwargs={"enable_thinking": True}
+    )
+    assert thinking == tok.encode("|Name a river.", add_special_tokens=False)
+    # The model's own template ignores variables it does not read.
+    default = smollm2_llm.encode_chat(conv, chat_template_kwargs={"enable_thinking": False})
+    assert default == smollm2_llm.encode_chat(conv)
+
+
+# ---- refusals ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"n": 0}, "SamplingParams.n must be an integer >= 1"),
+        ({"n": 2.0}, "SamplingParams.n "),
+        ({"n": True}, "SamplingParams.n "),
+        ({"n": 2, "best_of": 1}, "SamplingParams.best_of must be None or an integer >= n"),
+        ({"best_of": "3"}, "SamplingParams.best_of "),
+        ({"best_of": 0}, "SamplingParams.best_of "),
+        ({"prompt_logprobs": 1}, "SamplingParams.prompt_logprobs must be None .*not supported"),
+    ],
+)
+def test_invalid_sampling_params_are_refused(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_explicit_defaults_are_accepted() -> None:
+    p = SamplingParams(n=1, best_of=1, prompt_logprobs=None)
+    assert p.num_samples == 1 and SamplingParams(n=2, best_of=5).num_samples == 5
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"chat_template": ""}, "chat_template must be a non-empty Jinja template"),
+        ({"chat_template": 3}, "chat_template must be"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be a dict"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs may not set tokenize"),
+        ({"chat_template_kwargs": {1: True}}, "chat_template_kwargs keys must be identifiers"),
+    ],
+)
+def test_invalid_chat_arguments_are_refused(smollm2_llm, kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        smollm2_llm.chat(CONV, SamplingParams(max_tokens=1), **kwargs)
+
+
+def test_the_engine_refuses_several_completions_per_request(smollm2_llm, prompt) -> None:
+    with pytest.raises(ValueError, match="n=2, best_of=None must be 1"):
+        smollm2_llm.engine.add_request("direct", prompt, SamplingParams(n=2))
+    assert not smollm2_llm.engine.has_unfinished()
