@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from tokenmill.engine.core.draft_tree import MAX_TREE_DRAFTS
 from tokenmill.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ BOOL_OR_UNSET = _rule(
 )
 INT = _rule("an integer", _is_int)
 
-SPECULATIVE_METHODS = ("off", "ngram", "suffix", "auto")
+SPECULATIVE_METHODS = ("off", "ngram", "suffix", "lookahead", "auto")
 # A decode row of 1 + k tokens runs in the decode kernel and its CUDA graphs up to 8 tokens.
 MAX_SPECULATIVE_TOKENS = 7
 
@@ -148,9 +149,13 @@ class SpeculativeConfig:
     ``method``: off; ngram (prompt lookup: what followed the last earlier occurrence of
     the row's latest ``ngram_min``..``ngram_max`` tokens, spec_decode/ngram.py) on every
     step; suffix (the same, or what followed a longer match in the outputs of requests
-    finished before, spec_decode/suffix.py) on every step; auto: suffix where a goodput
-    policy measures that it pays (spec_decode/policy.py).
-    ``max_tokens``: the most draft tokens a row takes per step (k).
+    finished before, spec_decode/suffix.py) on every step; lookahead (Jacobi iteration over
+    a window of ``lookahead_window`` guessed columns and up to ``lookahead_candidates``
+    n-grams of ``max_tokens`` + 1 tokens from its trajectories, verified as one tree a row,
+    spec_decode/lookahead.py) on every step; auto: suffix where a goodput policy measures
+    that it pays (spec_decode/policy.py).
+    ``max_tokens``: the most draft tokens a row takes per step (k); for lookahead, the
+    length of a candidate (a row then computes (window + candidates) x k drafts a step).
     Raises EngineSettingError naming ``speculative.<key>``.
     """
 
@@ -158,6 +163,8 @@ class SpeculativeConfig:
     max_tokens: int = 3
     ngram_min: int = 2
     ngram_max: int = 4
+    lookahead_window: int = 5
+    lookahead_candidates: int = 5
 
     def __post_init__(self) -> None:
         checks = (
@@ -176,6 +183,20 @@ class SpeculativeConfig:
                 "ngram_max",
                 _is_int(self.ngram_max) and self.ngram_min <= self.ngram_max <= 16,
                 f"an integer from ngram_min ({self.ngram_min}) to 16",
+            ),
+            (
+                "lookahead_window",
+                _is_int(self.lookahead_window) and 1 <= self.lookahead_window <= 32,
+                "an integer from 1 to 32",
+            ),
+            (
+                "lookahead_candidates",
+                _is_int(self.lookahead_candidates)
+                and 0 <= self.lookahead_candidates
+                and (self.lookahead_window + self.lookahead_candidates) * self.max_tokens
+                <= MAX_TREE_DRAFTS,
+                f"an integer >= 0 with (lookahead_window + lookahead_candidates) x max_tokens "
+                f"<= {MAX_TREE_DRAFTS} (a step's tree of drafts)",
             ),
         )
         for key, ok, expected in checks:
@@ -197,7 +218,7 @@ class SpeculativeConfig:
 
 
 SPECULATIVE = _rule(
-    "a mapping (method, max_tokens, ngram_min, ngram_max)",
+    "a mapping (method, max_tokens, ngram_min, ngram_max, lookahead_window, lookahead_candidates)",
     lambda v: isinstance(v, (Mapping, SpeculativeConfig)),
     # a mapping's keys and values are checked here, an error naming the key inside
     lambda v: SpeculativeConfig.from_mapping(v) if isinstance(v, Mapping) else v,

@@ -13,6 +13,11 @@
                                                     is the previous step's sampled token
                                                     number pending_src[i] (0 until filled in)
     pending_sampling_rows:               [P]        index in the N logits rows of each
+    logits_depth:                        [N]        how far past the row's last known token
+                                                    each logits row is (0, then its drafts')
+    tree_mask:                           [T] | None rows with a tree of drafts: which of the
+                                                    row's step tokens each sees (int64 bits,
+                                                    -1 for every other token; None: no tree)
 
 Rows are the scheduled rows with the decode rows moved first (``num_decodes`` of them: a
 request's last token, plus its drafts if it has some). Built with numpy over all rows at
@@ -24,6 +29,10 @@ once: token ids come from the batch slots' token table.
 
     a row with k drafts:  inputs  t d1 .. dk  ─►  logits rows at all 1 + k of them
         slot of position p = block_tables[b, p // block_size] * block_size + p % block_size
+
+    a row with a tree of drafts (core/draft_tree.py): its tokens take token-table places and
+    KV slots one after another as above, but a draft's RoPE position is t's plus its depth,
+    and ``tree_mask`` limits what it sees to its ancestors
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenmill.engine.core.draft_tree import tree_layout
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 
 
@@ -51,6 +61,8 @@ class HostBatch:
     pending_src: np.ndarray
     pending_sampling_rows: np.ndarray
     num_decodes: int
+    logits_depth: np.ndarray
+    tree_mask: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -116,11 +128,23 @@ class HostBatch:
         num_logits = np.where(sample, 1 + drafts, 0)  # [B]
         first_logit = np.cumsum(num_logits) - num_logits  # [B] its first logits row
         total_logits = int(num_logits.sum())
-        logits_rows = (
-            np.repeat(qsl[1:] - num_logits, num_logits)
-            + np.arange(total_logits)
-            - np.repeat(first_logit, num_logits)
-        )
+        logits_depth = np.arange(total_logits) - np.repeat(first_logit, num_logits)
+        logits_rows = np.repeat(qsl[1:] - num_logits, num_logits) + logits_depth
+        tree_mask = None
+        trees = np.flatnonzero(table.draft_tree[slots] & (drafts > 0))
+        if len(trees):  # their step tokens are exactly t and its drafts, all sampled
+            k = int(drafts[trees].max())
+            depth, masks = tree_layout(
+                table.draft_parent[slots[trees], :k].astype(np.int64), drafts[trees]
+            )
+            live = np.arange(k + 1) <= drafts[trees][:, None]  # [R, k + 1]
+            tokens = (qsl[trees][:, None] + np.arange(k + 1))[live]
+            positions = positions.copy()
+            positions[tokens] = (starts[trees][:, None] + depth)[live]
+            tree_mask = np.full(total, -1, dtype=np.int64)
+            tree_mask[tokens] = masks[live]
+            rows = (first_logit[trees][:, None] + np.arange(k + 1))[live]
+            logits_depth[rows] = depth[live]
         pending_src = np.empty(0, dtype=np.int64)
         if len(pend):
             src = (
@@ -151,4 +175,6 @@ class HostBatch:
             pending_src=pending_src,
             pending_sampling_rows=first_logit[pend],
             num_decodes=int(decode.sum()),
+            logits_depth=logits_depth,
+            tree_mask=tree_mask,
         )

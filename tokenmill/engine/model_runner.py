@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.core.draft_tree import branch_drafts
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.device_copy import upload
 from tokenmill.engine.host_batch import HostBatch
@@ -172,10 +173,11 @@ class ModelRunner:
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
-        within = np.arange(len(row_slots)) - np.repeat(np.cumsum(counts) - counts, counts)
         meta = SamplingMetadata.from_rows(
             table.sampling.gather(row_slots),
-            table.num_tokens[row_slots].astype(np.int64) - table.num_prompt[row_slots] + within,
+            table.num_tokens[row_slots].astype(np.int64)
+            - table.num_prompt[row_slots]
+            + batch.logits_depth,
             lambda: self._histories(sched, batch),
             vocab_size=logits.shape[-1],
             device=self.device,
@@ -196,7 +198,8 @@ class ModelRunner:
         sched: SchedulerOutput, batch: HostBatch
     ) -> tuple[list[list[int]], list[list[int]]]:
         """(prompt, output token ids) per logits row: read only when a row has a penalty.
-        A drafted row's logits row j follows its first j drafts: they are its output there."""
+        A drafted row's logits row j follows the drafts before it on its branch (a chain's
+        first j drafts; a tree node's ancestors): they are its output there."""
         counts = batch.sample_counts
         requests = np.repeat(sched.requests[batch.sample_rows], counts)
         prompts = [r.prompt_token_ids for r in requests]
@@ -205,8 +208,12 @@ class ModelRunner:
         slots = np.repeat(batch.sample_slots, counts)
         within = np.arange(len(slots)) - np.repeat(np.cumsum(counts) - counts, counts)
         for i in np.flatnonzero(within).tolist():
-            n = int(table.num_tokens[slots[i]])
-            outputs[i] = outputs[i] + table.token_ids[slots[i], n : n + within[i]].tolist()
+            slot, n = slots[i], int(table.num_tokens[slots[i]])
+            if table.draft_tree[slot]:
+                branch = branch_drafts(table.draft_parent[slot], int(within[i]))
+            else:
+                branch = list(range(within[i]))
+            outputs[i] = outputs[i] + table.token_ids[slot, [n + j for j in branch]].tolist()
         return prompts, outputs
 
     def _upload(
@@ -226,5 +233,7 @@ class ModelRunner:
             seq_lens_host=batch.seq_lens,
             block_size=self.block_size,
             num_decodes=batch.num_decodes,
+            tree_mask=None if batch.tree_mask is None else dev(batch.tree_mask),
+            tree_mask_host=batch.tree_mask,
         )
         return common, dev(batch.input_ids), dev(batch.positions)

@@ -83,6 +83,7 @@ import triton.language as tl
 
 from tokenmill.kernels.paged_inputs import check_paged_inputs
 from tokenmill.kernels.paged_prefill_config import PrefillAttentionConfig, default_prefill_config
+from tokenmill.kernels.tree_mask import tree_visible
 
 __all__ = [
     "PrefillAttentionConfig",
@@ -514,13 +515,3 @@ def paged_prefill_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
-
-
-def tree_visible(masks: torch.Tensor, ctx: int, seq_len: int) -> torch.Tensor:
-    """[q_len, seq_len] bool: which keys each of a request's queries may see by its tree mask
-    (``masks`` [q_len] int64): every key before ``ctx``, and step key ``ctx + j`` where bit j
-    is set (a -1 mask: all of them). Causality is applied apart."""
-    rel = torch.arange(seq_len, device=masks.device) - ctx  # [S]
-    bits = (masks[:, None] >> rel.clamp(0, 63)[None, :]) & 1
-    far = (rel >= 64)[None, :] & (masks == -1)[:, None]
-    return (rel < 0)[None, :] | (bits != 0) | far

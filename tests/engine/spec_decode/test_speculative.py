@@ -56,7 +56,7 @@ def _run_120(model_path: Path, method: str) -> tuple[list[list[int]], dict]:
     return outs, profile
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "lookahead", "auto"])
 def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, method) -> None:
     want, off = off_run
     got, profile = _run_120(model_path, method)
@@ -73,7 +73,12 @@ def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, meth
 @pytest.mark.parametrize(
     ("given", "key", "expected"),
     [
-        ({"method": "medusa"}, "speculative.method", "one of off, ngram, suffix, auto"),
+        ({"method": "medusa"}, "speculative.method", "one of off, ngram, suffix, lookahead, auto"),
+        (
+            {"method": "lookahead", "max_tokens": 7, "lookahead_window": 5},
+            "speculative.lookahead_candidates",
+            "x max_tokens <= 63",
+        ),
         ({"method": "ngram", "max_tokens": 8}, "speculative.max_tokens", "from 1 to 7"),
         ({"max_tokens": True}, "speculative.max_tokens", "from 1 to 7"),
         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max", "from ngram_min (3)"),

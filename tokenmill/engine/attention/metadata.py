@@ -12,6 +12,10 @@ some (a multi-token step: 1 + k query tokens, all of its keys but those computed
 backend can send the leading ``num_decodes`` rows to a decode kernel and the rest (prefill
 chunks) to a prefill kernel. A captured CUDA graph may left-pad every decode row to the same
 query length; a padding token has slot -1 (nothing stored) and its output is not read.
+
+A row with a tree of drafts (engine/core/draft_tree.py) is not a decode row: its tokens
+see only their own branch, as ``tree_mask`` says per token (bit j: the row's step token j;
+-1: plain causal, every other token), so a backend sends it where that mask is applied.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class CommonAttentionMetadata:
     seq_lens_host: np.ndarray  # [B] int
     block_size: int
     num_decodes: int  # leading decode rows (see above)
+    tree_mask: torch.Tensor | None = None  # [num_tokens] int64, when a row has a tree
+    tree_mask_host: np.ndarray | None = None
 
     @property
     def num_reqs(self) -> int:

@@ -10,6 +10,9 @@ with a causal mask offset by the cached part:
     keys:     0 1 2 3 4 5 6        (seq_len = 7, 3 cached + 4 new)
     query 3:  x x x x . . .        query i sees keys j <= seq_len - q_len + i
     query 6:  x x x x x x x
+
+A row with a tree of drafts runs that way too, its mask narrowed to each token's branch
+(``tree_mask``, kernels/tree_mask.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tokenmill.engine.attention.torch_decode import (
     decode_attention,
 )
 from tokenmill.kernels.fp8_kv import to_kv_cache
+from tokenmill.kernels.tree_mask import tree_visible
 
 __all__ = ["TorchAttentionBackend", "TorchAttentionMetadata"]
 
@@ -90,15 +94,20 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = common.seq_lens_host
         starts = np.zeros(len(query_lens) + 1, dtype=np.int64)  # [B + 1] token offsets
         np.cumsum(query_lens, out=starts[1:])
-        fresh = (seq_lens == query_lens) & (query_lens > 1)
-        few = ~fresh & (query_lens > 1) & (query_lens <= MAX_DECODE_QUERY_LEN)
+        tree = _tree_rows(common.tree_mask_host, starts)  # [B] rows with a tree of drafts
+        fresh = (seq_lens == query_lens) & (query_lens > 1) & ~tree
+        few = ~fresh & ~tree & (query_lens > 1) & (query_lens <= MAX_DECODE_QUERY_LEN)
         batches = [np.flatnonzero(query_lens == 1), np.flatnonzero(few)]
 
         prefills = []
-        for i in np.flatnonzero(~fresh & (query_lens > MAX_DECODE_QUERY_LEN)).tolist():
+        long = ~fresh & (query_lens > MAX_DECODE_QUERY_LEN)
+        for i in np.flatnonzero(long | tree).tolist():
             q_len, seq_len, start = int(query_lens[i]), int(seq_lens[i]), int(starts[i])
             q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            if tree[i]:
+                masks = common.tree_mask[start : start + q_len]
+                mask = mask & tree_visible(masks, seq_len - q_len, seq_len)
             prefills.append(
                 PrefillRow(
                     token_start=start,
@@ -165,6 +174,14 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[row.token_start : row.token_end] = o[0].transpose(0, 1)
         return out
+
+
+def _tree_rows(tree_mask: np.ndarray | None, starts: np.ndarray) -> np.ndarray:
+    """[B] whether each row has a token with a tree mask (not -1)."""
+    if tree_mask is None:
+        return np.zeros(len(starts) - 1, dtype=np.bool_)
+    seen = np.concatenate([[0], np.cumsum(tree_mask != -1)])
+    return seen[starts[1:]] > seen[starts[:-1]]
 
 
 def _fresh_groups(

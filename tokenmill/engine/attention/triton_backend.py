@@ -129,5 +129,6 @@ class TritonAttentionBackend(AttentionBackend):
             k_new=k,
             v_new=v,
             fresh=meta.prefills_fresh,
+            tree_mask=c.tree_mask,  # rows with a tree of drafts (None: every row causal)
         )
         return out

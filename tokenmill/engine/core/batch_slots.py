@@ -7,6 +7,7 @@ writes through to them), so a step works on all rows at once with numpy:
     slot ─► token_ids[slot, :num_tokens]      prompt + output tokens known on the host
             token_ids[slot, num_tokens : num_tokens + num_drafts]   this step's draft tokens
             num_tokens, num_prompt, num_computed, num_pending, num_drafts  [C] int32
+            draft_tree[slot], draft_parent[slot, :num_drafts]   a tree's shape (draft_tree.py)
             max_tokens, min_tokens, ignore_eos, eos_ids[slot], stop_ids[slot]
             block_table[slot, :num_blocks]    its KV block ids (a copy of the KV manager's)
             sampling.columns[...][slot]       temperature, top_k, ... (SamplingColumns)
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tokenmill.engine.core.draft_tree import MAX_TREE_DRAFTS
 from tokenmill.engine.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
@@ -47,6 +49,9 @@ class BatchSlots:
         self.num_pending = np.zeros(capacity, dtype=np.int32)
         # Draft tokens scheduled after the known ones (speculative steps); 0 between steps.
         self.num_drafts = np.zeros(capacity, dtype=np.int32)
+        # A tree of drafts (not one chain): each draft's parent step token (draft_tree.py).
+        self.draft_tree = np.zeros(capacity, dtype=np.bool_)
+        self.draft_parent = np.zeros((capacity, MAX_TREE_DRAFTS), dtype=np.int8)
         self.max_tokens = np.zeros(capacity, dtype=np.int64)
         self.min_tokens = np.zeros(capacity, dtype=np.int64)
         self.ignore_eos = np.zeros(capacity, dtype=np.bool_)
@@ -86,6 +91,7 @@ class BatchSlots:
         self.num_computed[slot] = request.num_computed_tokens
         self.num_pending[slot] = request.num_pending_tokens
         self.num_drafts[slot] = 0
+        self.draft_tree[slot] = False
         self.max_tokens[slot] = params.max_tokens
         self.min_tokens[slot] = params.min_tokens
         self.ignore_eos[slot] = params.ignore_eos

@@ -14,20 +14,33 @@ are a single token each (n-gram, suffix, tests): the row's tokens have the targe
 distribution, greedy or not. Rejected positions' KV is simply recomputed later (the row's
 computed count rolls back to its new known tokens minus one).
 
+A proposer may also give a tree of drafts (several candidates sharing their beginnings,
+draft_tree.py): the row computes all of them in one step and keeps the path its samples
+follow.
+
 Numpy, no torch: the scheduler calls add_drafts when it schedules a step and verify_drafts
 when the step's tokens come back.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+from tokenmill.engine.core.draft_tree import DraftTree, walk_tree
 
 if TYPE_CHECKING:
     from tokenmill.engine.core.batch_slots import BatchSlots
 
-__all__ = ["DraftProposer", "accepted_counts", "add_drafts", "draft_lengths", "verify_drafts"]
+__all__ = [
+    "DraftProposer",
+    "ObservesSamples",
+    "accepted_counts",
+    "add_drafts",
+    "draft_lengths",
+    "verify_drafts",
+]
 
 
 class DraftProposer(Protocol):
@@ -41,7 +54,17 @@ class DraftProposer(Protocol):
 
     max_drafts: int
 
-    def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray: ...
+    def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray | DraftTree: ...
+
+
+@runtime_checkable
+class ObservesSamples(Protocol):
+    """A proposer that learns from what its drafted rows sampled at every step token (the
+    window of Lookahead): called with the step's raw samples [R, M] before verification."""
+
+    def observe_samples(
+        self, slots: BatchSlots, rows: np.ndarray, sampled: np.ndarray, counts: np.ndarray
+    ) -> None: ...
 
 
 def draft_lengths(drafts: np.ndarray) -> np.ndarray:
@@ -80,7 +103,10 @@ def add_drafts(
     rows = order[eligible]
     if not len(rows):
         return counts
-    drafts = np.asarray(proposer.propose(t, rows), dtype=np.int64)[:, : proposer.max_drafts]
+    proposal = proposer.propose(t, rows)
+    tree = isinstance(proposal, DraftTree)
+    drafts = np.asarray(proposal.tokens if tree else proposal, dtype=np.int64)
+    drafts = drafts[:, : proposer.max_drafts]
     n = t.num_tokens[rows].astype(np.int64)
     room = np.minimum(t.max_tokens[rows] - (n - t.num_prompt[rows]), max_model_len - n)
     k = np.clip(np.minimum(draft_lengths(drafts), room - 1), 0, None)
@@ -89,21 +115,40 @@ def add_drafts(
     r, j = np.nonzero(np.arange(drafts.shape[1]) < k[:, None])
     t.token_ids[rows[r], n[r] + j] = drafts[r, j]
     t.num_drafts[rows] = k
+    if tree:  # a tree cut after k drafts is still one (parents come first)
+        parents = np.asarray(proposal.parents, dtype=np.int64)[:, : drafts.shape[1]]
+        t.draft_parent[rows[r], j] = parents[r, j]
+        step = np.arange(parents.shape[1])
+        chain = (parents == step) | (step >= k[:, None])  # each draft under the one before
+        t.draft_tree[rows] = (k > 0) & ~chain.all(axis=1)
     counts[eligible] = k
     return counts
 
 
 def verify_drafts(
     table: BatchSlots, slots: np.ndarray, sampled: np.ndarray, counts: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check the slots' drafts (in the token table after their known tokens) against what
     they sampled ([R, K + 1]; row r sampled ``counts[r]`` = 1 + its drafts). Returns (tokens
-    each row keeps: its accepted drafts + 1, accepted drafts) [R]; rolls each drafted row's
-    computed count back to the KV that stands and clears the slots' drafts."""
+    each row keeps: its accepted drafts + 1, accepted drafts) [R] and the kept tokens
+    [R, K + 1] (for a chain, ``sampled`` itself; for a tree, the samples along its path);
+    rolls each drafted row's computed count back to the KV that stands and clears the
+    slots' drafts."""
     n = table.num_tokens[slots].astype(np.int64)
-    drafts = table.token_ids[slots[:, None], n[:, None] + np.arange(sampled.shape[1] - 1)]
+    k = sampled.shape[1] - 1
+    drafts = table.token_ids[slots[:, None], n[:, None] + np.arange(k)]
     accepted = accepted_counts(sampled, drafts, counts - 1)
+    stands = accepted.copy()  # kept tokens whose KV is in place
+    tree = np.flatnonzero(table.draft_tree[slots] & (counts > 1))
+    if len(tree):
+        sampled = sampled.copy()
+        parents = table.draft_parent[slots[tree], :k].astype(np.int64)
+        path, accepted[tree] = walk_tree(sampled[tree], drafts[tree], parents, counts[tree] - 1)
+        in_place = np.cumprod(path[:, 1:] == np.arange(1, k + 1), axis=1).sum(axis=1)
+        stands[tree] = np.minimum(in_place, accepted[tree])
+        sampled[tree] = np.take_along_axis(sampled[tree], np.maximum(path, 0), axis=1)
+        table.draft_tree[slots[tree]] = False
     drafted = counts > 1
-    table.num_computed[slots[drafted]] = n[drafted] + accepted[drafted]
+    table.num_computed[slots[drafted]] = n[drafted] + stands[drafted]
     table.num_drafts[slots] = 0
-    return accepted + 1, accepted
+    return accepted + 1, accepted, sampled

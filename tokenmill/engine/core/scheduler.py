@@ -39,7 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
-from tokenmill.engine.core.drafts import DraftProposer, add_drafts, verify_drafts
+from tokenmill.engine.core.drafts import (
+    DraftProposer,
+    ObservesSamples,
+    add_drafts,
+    verify_drafts,
+)
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler_output import SchedulerOutput, SchedulerStats, StepUpdate
@@ -139,7 +144,8 @@ class Scheduler:
             num_new=num_new,
             sample=sample,
             requests=self.slots.requests[slots],
-            decode=num_new == 1 + self.slots.num_drafts[slots],
+            # a tree's tokens are not one chain: its row attends like a prefill chunk
+            decode=(num_new == 1 + self.slots.num_drafts[slots]) & ~self.slots.draft_tree[slots],
             preempted_ids=tuple(preempted),
         )
         self.stats.num_steps += 1
@@ -172,6 +178,7 @@ class Scheduler:
         grow = np.flatnonzero((need > 0) & (num_new > 0))
         if num_new.sum() > budget or need[grow].sum() > self.kv.num_free_blocks:
             s.num_drafts[order] = 0
+            s.draft_tree[order] = False
             return self._schedule_running_loop(budget)
         for i in grow.tolist():  # the rows that start a new block: 1 in block_size decodes
             slot = int(order[i])
@@ -358,7 +365,9 @@ class Scheduler:
         tokens = tokens_by_row(token_ids, first[hot], counts[hot])  # [R, M]
         keep = counts[hot]
         if tokens.shape[1] > 1:
-            keep, accepted = verify_drafts(s, slots, tokens, keep)
+            if isinstance(self.proposer, ObservesSamples):
+                self.proposer.observe_samples(s, slots, tokens, keep)
+            keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
             self.stats.num_accepted_tokens += int(accepted.sum())
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
         finished += self._finish_ended(slots, ends)

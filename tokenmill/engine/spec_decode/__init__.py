@@ -26,6 +26,12 @@ def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
         from tokenmill.engine.spec_decode.ngram import NgramProposer
 
         return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)
+    if config.method == "lookahead":
+        from tokenmill.engine.spec_decode.lookahead import LookaheadProposer
+
+        return LookaheadProposer(
+            config.max_tokens + 1, config.lookahead_window, config.lookahead_candidates, seed=0
+        )
     if config.method in ("suffix", "auto"):
         from tokenmill.engine.spec_decode.suffix import SuffixProposer
 

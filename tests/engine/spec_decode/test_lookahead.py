@@ -1,0 +1,116 @@
+"""LookaheadProposer: the tree it builds (window diagonals, candidate chains) and the Jacobi
+iteration filling its pool, checked against a target whose next token depends only on the
+token before it, where the right continuation is known."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.draft_tree import branch_drafts, walk_tree
+from tokenmill.engine.spec_decode.lookahead import LookaheadProposer
+
+
+class _Req:
+    request_id = "r"
+
+
+def _slots(prompt: list[int]) -> BatchSlots:
+    slots = BatchSlots(capacity=2, max_model_len=4096, block_size=16)
+    slots.token_ids[0, : len(prompt)] = prompt
+    slots.num_tokens[0] = slots.num_prompt[0] = len(prompt)
+    slots.requests[0] = _Req()
+    return slots
+
+
+def test_window_tokens_see_their_diagonal() -> None:
+    proposer = LookaheadProposer(ngram=4, window=5, candidates=2)
+    slots = _slots([9, 8, 7, 6])
+    tree = proposer.propose(slots, np.array([0]))
+    base = proposer._rows[0].base
+    assert base == 1  # no candidates yet: the window starts right after t
+    parents = tree.parents[0]
+    w = 5
+    # (level 2, column 3) hangs under (1, 3), (0, 3), then level 0's earlier columns, then t
+    node = base + 2 * w + 3
+    above = branch_drafts(parents, node)  # draft indices = step index - 1
+    want = [base + j - 1 for j in range(3)] + [base + 3 - 1, base + w + 3 - 1, node - 1]
+    assert above == want
+    assert (tree.tokens[0, : 3 * w] >= 0).all() and (tree.tokens[0, 3 * w :] == -1).all()
+
+
+def _simulate(steps: int, successor: np.ndarray, prompt: list[int]) -> list[int]:
+    """Decode with a target whose sample after token x is successor[x] (greedy and exact):
+    returns the tokens kept per step."""
+    proposer = LookaheadProposer(ngram=4, window=6, candidates=4, seed=1)
+    slots = _slots(prompt)
+    rows = np.array([0])
+    kept = []
+    for _ in range(steps):
+        tree = proposer.propose(slots, rows)
+        k = int((tree.tokens[0] >= 0).sum())
+        n = int(slots.num_tokens[0])
+        node_tokens = np.concatenate([[slots.token_ids[0, n - 1]], tree.tokens[0, :k]])
+        sampled = successor[node_tokens][None, :]  # [1, 1 + k]
+        proposer.observe_samples(slots, rows, sampled, np.array([1 + k]))
+        path, accepted = walk_tree(sampled, tree.tokens[:, :k], tree.parents[:, :k],
+                                   np.array([k]))  # fmt: skip
+        new = sampled[0, path[0, : accepted[0] + 1]]
+        # the kept tokens are the target's own continuation
+        want = [successor[slots.token_ids[0, n - 1]]]
+        for _ in range(len(new) - 1):
+            want.append(successor[want[-1]])
+        assert new.tolist() == want
+        slots.token_ids[0, n : n + len(new)] = new
+        slots.num_tokens[0] = n + len(new)
+        kept.append(len(new))
+    return kept
+
+
+def test_tree_steps_keep_only_the_targets_tokens() -> None:
+    """A target cycling through 40 tokens not in the prompt: every step keeps exactly the
+    target's continuation (checked in _simulate), and once the output repeats, the lookup of
+    its own earlier occurrence is accepted whole (L drafts + the bonus a step)."""
+    rng = np.random.default_rng(0)
+    cycle = rng.permutation(np.arange(100, 140))
+    successor = np.arange(300)
+    successor[cycle] = np.roll(cycle, -1)
+    successor[:100] = cycle[0]  # the prompt's tokens lead into the cycle
+    kept = _simulate(60, successor, [1, 2, 3, 4, 5])
+    assert kept[0] == 1  # the first step has no gram yet
+    assert np.mean(kept[-15:]) == 4, kept
+
+
+def test_window_samples_become_grams_and_the_next_iterate() -> None:
+    """After a step, column j's levels and the sample at its top form an n-gram in the pool
+    (keyed by its bottom token), and the window moves down one level with the samples on
+    top; the next step offers that gram as a candidate when the row's last token is its key."""
+    proposer = LookaheadProposer(ngram=3, window=2, candidates=3, seed=0)
+    slots = _slots([40, 41, 42, 43])
+    rows = np.array([0])
+    tree = proposer.propose(slots, rows)
+    row = proposer._rows[0]
+    window = row.window.copy()  # [2, 2]
+    k = int((tree.tokens[0] >= 0).sum())
+    assert k == 4 and row.base == 1
+    sampled = np.array([[70, 71, 72, 73, 74]])  # t, (0,0), (0,1), (1,0), (1,1)
+    proposer.observe_samples(slots, rows, sampled, np.array([5]))
+    for j in range(2):
+        gram = [int(window[0, j]), int(window[1, j]), 73 + j]
+        conts = [c.tolist() for c in row.pool[gram[0]].values()]
+        assert gram[1:] in conts
+    assert row.window.tolist() == [window[1].tolist(), [73, 74]]
+    # a row whose last token is a gram's key gets it as its first candidate
+    slots.token_ids[0, 4] = int(window[0, 1])
+    slots.num_tokens[0] = 5
+    tree = proposer.propose(slots, rows)
+    assert tree.tokens[0, :2].tolist() == [int(window[1, 1]), 74]
+
+
+def test_prompt_lookup_is_a_candidate() -> None:
+    """A row repeating its prompt drafts the continuation of the earlier occurrence."""
+    proposer = LookaheadProposer(ngram=4, window=2, candidates=2)
+    slots = _slots([5, 6, 7, 8, 9, 10, 5, 6])
+    tree = proposer.propose(slots, np.array([0]))
+    assert tree.tokens[0, :3].tolist() == [7, 8, 9]
+    assert tree.parents[0, :3].tolist() == [0, 1, 2]
