@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
 from tokenmill.io.openai_batch_output import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.writers import (
@@ -116,27 +118,31 @@ def test_empty_shards_are_valid_files(tmp_path, fmt: str) -> None:
     assert store.read_bytes(error_name) == b""
 
 
-def test_parquet_shards_concatenate(tmp_path) -> None:
-    """Fixed columns keep one type across shards: empty, all-error and passthrough-less
-    shards read back together with full ones."""
+def test_parquet_shards_of_one_schema_read_as_one_dataset(tmp_path) -> None:
+    """With the job's schema, empty, all-error, passthrough-less and all-null shards have
+    exactly the schema of full ones, so a directory of them is one dataset."""
+    schema = OutputSchema.of([pa.field("lang", pa.string()), pa.field("n", pa.int64())])
     shards = [
-        encode_results(_rows(), "parquet"),
-        encode_results([], "parquet"),
-        encode_results([ResultRow(9, "r9", error="bad")], "parquet"),
-        encode_results([ResultRow(5, "r5", "x", "stop", 1, 1)], "parquet"),
-        encode_results([ResultRow(6, "r6", "y", "stop", 1, 1, passthrough={"n": None})], "parquet"),
+        _rows(),
+        [],
+        [ResultRow(9, "r9", error="bad")],
+        [ResultRow(5, "r5", "x", "stop", 1, 1)],
+        [ResultRow(6, "r6", "y", "stop", 1, 1, passthrough={"n": None})],
     ]
-    for i, data in enumerate(shards):
-        (tmp_path / f"part-{i}.parquet").write_bytes(data)
-    tables = [pq.read_table(tmp_path / f"part-{i}.parquet") for i in range(len(shards))]
-    for t in tables:
-        for name in FIXED_COLUMNS:
-            assert t.schema.field(name).type == (
-                pa.int64() if name.endswith("_tokens") else pa.string()
-            )
-    merged = pa.concat_tables(tables, promote_options="default")
-    assert merged.column("id").to_pylist() == ["r0", "r1", "r5", "r6"]
-    assert merged.column("n").to_pylist() == [1, 2, None, None]
+    for i, rows in enumerate(shards):
+        (tmp_path / f"part-{i}.parquet").write_bytes(encode_results(rows, "parquet", schema=schema))
+    for i in range(len(shards)):
+        assert pq.read_schema(tmp_path / f"part-{i}.parquet").equals(schema.schema)
+    table = ds.dataset(tmp_path).to_table()
+    assert sorted(table.column("id").to_pylist()) == ["r0", "r1", "r5", "r6"]
+    assert table.schema.field("n").type == pa.int64()
+
+
+def test_a_value_that_does_not_fit_the_schema_names_its_row_and_column() -> None:
+    schema = OutputSchema.of([pa.field("n", pa.int64())])
+    row = ResultRow(0, "r0", "t", "stop", 1, 1, passthrough={"n": 2.5})
+    with pytest.raises(ValueError, match=r"row 'r0': passthrough column 'n' holds 2.5.*int64"):
+        encode_results([row], "parquet", schema=schema)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -164,8 +170,8 @@ def test_passthrough_with_mixed_types(tmp_path, fmt: str) -> None:
         assert got[0]["meta"] == {"k": [1, 2]} and got[0]["raw"] == "AP8="
         assert "only_b" not in got[0] and got[1]["only_b"] == 2.5
     else:
-        # no common Arrow type for 1 and "one": the column is kept as strings
-        assert [r["x"] for r in got] == ["1", "one", None]
+        # no common Arrow type for 1 and "one": the column is JSON text
+        assert [r["x"] for r in got] == ["1", '"one"', None]
         assert got[0]["meta"] == {"k": [1, 2]} and got[0]["raw"] == b"\x00\xff"
         assert [r["only_b"] for r in got] == [None, 2.5, None]
     assert list(got[0])[:5] == list(FIXED_COLUMNS)

@@ -7,12 +7,12 @@
 
 The contract checked: the job completes; each good row's id is in the shards once and in no
 error file; each malformed line is in the error files once, its message starting with its
-``<file>:<line>: `` location once; output files are UTF-8 and parse. Every malformed line is
-built to be invalid for one clear reason; blank lines are not rows. A row claims its id even
-when it is bad, so a later row with that id is a duplicate.
+``<file>:<line>: `` location once; output files are UTF-8 and parse; Parquet shards read
+back as one dataset (pyarrow.dataset, duckdb, no options). Every malformed line is built to
+be invalid for one clear reason; blank lines are not rows. A row claims its id even when it
+is bad, so a later row with that id is a duplicate.
 
-The tests at the end pin, one each, the bugs this fuzz found (all fixed but the Parquet
-dataset schema, which issue 15 owns and which stays a strict xfail until then).
+The tests at the end pin, one each, the bugs this fuzz found.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import duckdb
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
@@ -71,6 +73,9 @@ def _check_job(
     assert shard_files and len(shard_files) == len(list((out / "shards").iterdir()))
     if fmt == "parquet":
         rows = [r for f in shard_files for r in pq.read_table(f).to_pylist()]
+        assert ds.dataset(out / "shards").count_rows() == len(rows)
+        query = f"SELECT count(*) FROM '{out}/shards/*.parquet'"
+        assert duckdb.connect().sql(query).fetchall() == [(len(rows),)]
     else:
         rows = [r for f in shard_files for r in _read_jsonl_strict(f)]
     ok_ids = Counter(r["custom_id"] if batch else r["id"] for r in rows)
@@ -197,11 +202,6 @@ def test_dry_run_counts_rows_the_writer_refuses(tiny_model: Path, tmp_path: Path
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 15: a passthrough column gets each shard's own inferred Arrow type, so "
-    "shards with null and int values do not read back as one dataset",
-)
 def test_parquet_shards_read_back_as_one_dataset(tiny_model: Path, tmp_path: Path) -> None:
     lines = [json.dumps(_good_line("r0")), json.dumps(_good_line("r1", topic=5))]
     out = _run_lines(tiny_model, tmp_path, lines, "parquet")

@@ -117,8 +117,8 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out, engine={"max_num_seqs": 2})
 
-    def failing(cfg: InputConfig) -> Iterator[Any]:
-        for row in iter_input_rows(cfg):
+    def failing(cfg: InputConfig, schema: Any = None) -> Iterator[Any]:
+        for row in iter_input_rows(cfg, schema):
             if row.row_index == 22:
                 raise error
             yield row

@@ -127,6 +127,7 @@ def test_cleanup_and_fresh_delete_only_the_jobs_own_files(tiny_model: Path, tmp_
         out / "mine.csv",
     ]
     for path in foreign:
+        path.parent.mkdir(exist_ok=True)  # errors/: a job without bad rows writes none
         path.write_text("keep me")
     leftover = out / "shards" / f".part-00009.jsonl.tmp-{_token('test')}-0123456789abcdef"
     leftover.write_text("a killed writer's temp file")
@@ -433,6 +434,6 @@ def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     for shard in manifest["shards"].values():  # as written before sizes were recorded
         del shard["data_bytes"], shard["error_bytes"]
     manifest_path.write_text(json.dumps(manifest))
-    os.remove(out / "errors" / "part-00000.jsonl")
+    os.remove(out / "shards" / "part-00000.jsonl")
     report = run_job(spec, show_progress=False)
     assert report.shards_recomputed == 1 and report.rows_ok == 8

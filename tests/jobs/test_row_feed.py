@@ -30,7 +30,7 @@ class _Input:
         self.read = 0
         self.prepared = 0
 
-    def rows(self, cfg: InputConfig) -> Iterator[InputRow]:
+    def rows(self, cfg: InputConfig, schema: object = None) -> Iterator[InputRow]:
         for i in range(self.n):
             if i == self.fail_at:
                 raise OSError(f"connection reset reading row {i}")

@@ -5,15 +5,16 @@
              ─► encode_errors(failed rows) ── raises: the same rows with every text field made
                                                writable (lone surrogates escaped)
 
-A row whose fields cannot be written in the output format (a value Arrow cannot hold, text
-that is not valid Unicode) is thus a row error naming the reason, never a job crash that
-would repeat on every rerun.
+A row whose fields cannot be written in the output format (a value Arrow cannot hold or that
+does not fit the job's Parquet schema, text that is not valid Unicode) is thus a row error
+naming the reason, never a job crash that would repeat on every rerun.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.writers import encode_errors, encode_results
 
@@ -28,16 +29,20 @@ class EncodedShard:
     error_rows: list[ResultRow]
 
 
-def encode_shard(results: list[ResultRow], fmt: str) -> EncodedShard:
-    """The data and error files of one shard. Raises only for an unknown ``fmt``."""
+def encode_shard(
+    results: list[ResultRow], fmt: str, schema: OutputSchema | None = None
+) -> EncodedShard:
+    """The data and error files of one shard; ``schema`` is the job's Parquet schema (see
+    ``encode_results``). ``errors`` is empty when no row failed. Raises only for an unknown
+    ``fmt``."""
     ok = [r for r in results if r.ok]
     bad = [r for r in results if not r.ok]
     try:
-        data = encode_results(ok, fmt)
+        data = encode_results(ok, fmt, schema=schema)
     except Exception:  # of any row: find which ones (Arrow's errors are of several kinds)
-        ok, unwritable = _split_writable(ok, fmt)
+        ok, unwritable = _split_writable(ok, fmt, schema)
         bad += unwritable
-        data = encode_results(ok, fmt)
+        data = encode_results(ok, fmt, schema=schema)
     try:
         errors = encode_errors(bad, fmt)
     except Exception:
@@ -46,11 +51,13 @@ def encode_shard(results: list[ResultRow], fmt: str) -> EncodedShard:
     return EncodedShard(data, errors, ok, sorted(bad, key=lambda r: r.row_index))
 
 
-def _split_writable(rows: list[ResultRow], fmt: str) -> tuple[list[ResultRow], list[ResultRow]]:
+def _split_writable(
+    rows: list[ResultRow], fmt: str, schema: OutputSchema | None
+) -> tuple[list[ResultRow], list[ResultRow]]:
     ok, bad = [], []
     for row in rows:
         try:
-            encode_results([row], fmt)
+            encode_results([row], fmt, schema=schema)
             ok.append(row)
         except Exception as exc:
             reason = f"the result cannot be written as {fmt}: {type(exc).__name__}: {exc}"

@@ -1,19 +1,20 @@
 """Shard serialization: result rows to bytes, so that one shard file is one atomic write.
 
     shard k ──► shards/part-<k:05d>.parquet | .jsonl   the good rows (encode_results)
-           └──► errors/part-<k:05d>.jsonl              the failed rows (encode_errors)
+           └──► errors/part-<k:05d>.jsonl              the failed rows (encode_errors), written
+                                                       only when the shard has any
 
 Data rows (parquet, jsonl) have the columns ``id, text, finish_reason, prompt_tokens,
-completion_tokens`` and then the passthrough columns, each under its own name. The fixed
-columns have a fixed Parquet type (string, int64), so empty shards and shards with different
-passthrough values read back as one dataset. Error files are JSONL in every format. Rows are
-written in ``row_index`` order, whatever order they finished in: the same results give the
-same bytes, so a recomputed shard is identical to the one a crash interrupted.
+completion_tokens`` and then the passthrough columns, each under its own name. Parquet files
+are written with the job's one ``OutputSchema`` (fixed columns and passthrough types alike),
+so every shard of a job, empty ones included, reads back as one dataset. Error files are JSONL
+in every format. Rows are written in ``row_index`` order, whatever order they finished in:
+the same results give the same bytes, so a recomputed shard is identical to the one a crash
+interrupted.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.io.openai_batch_output import error_line, result_line
+from tokenmill.io.output_schema import FIXED_COLUMNS, FIXED_SCHEMA, OutputSchema, json_default
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
 
@@ -35,17 +37,6 @@ __all__ = [
 ]
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
-
-FIXED_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("text", pa.string()),
-        ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int64()),
-        ("completion_tokens", pa.int64()),
-    ]
-)
-FIXED_COLUMNS = tuple(FIXED_SCHEMA.names)
 
 
 def _check_format(fmt: str) -> None:
@@ -76,15 +67,22 @@ def shard_index(name: str) -> int:
     return int(stem[5:])
 
 
-def encode_results(rows: list[ResultRow], fmt: str, created: int = 0) -> bytes:
+def encode_results(
+    rows: list[ResultRow], fmt: str, created: int = 0, schema: OutputSchema | None = None
+) -> bytes:
     """The data file of a shard holding the good rows of ``rows`` (failed rows are skipped:
     pass the same list to ``encode_errors``). ``created`` is the OpenAI ``created`` field
-    (openai-batch only). Raises ValueError for an unknown format, a passthrough column that
-    clashes with a fixed column, or an openai-batch row without a supported endpoint."""
+    (openai-batch only). ``schema`` is the job's Parquet schema (parquet only; None: inferred
+    from these rows alone, which another shard's rows may not share). Raises ValueError for an
+    unknown format, a passthrough column that clashes with a fixed column or is not in
+    ``schema``, a passthrough value that does not fit its column's type (naming the row and
+    column), or an openai-batch row without a supported endpoint."""
     _check_format(fmt)
     good = _in_order(r for r in rows if r.ok)
     if fmt == "parquet":
-        return _parquet_bytes(good)
+        if schema is None:
+            schema = OutputSchema.inferred([r.passthrough for r in good])
+        return _parquet_bytes(good, schema)
     if fmt == "jsonl":
         return _jsonl_bytes(_plain_record(r) for r in good)
     return _jsonl_bytes(result_line(r, created) for r in good)
@@ -144,60 +142,28 @@ def _plain_record(row: ResultRow) -> dict[str, Any]:
     return record
 
 
-def _parquet_bytes(rows: list[ResultRow]) -> bytes:
-    records = [_plain_record(r) for r in rows]
-    columns: dict[str, pa.Array] = {
-        f.name: pa.array([rec[f.name] for rec in records], type=f.type) for f in FIXED_SCHEMA
-    }
-    extra: list[str] = []
-    for row in rows:  # columns in first-seen order; dict keys dedupe
-        extra.extend(k for k in row.passthrough if k not in extra)
-    for key in extra:
-        columns[key] = _passthrough_array(key, [r.passthrough.get(key) for r in rows])
-    table = pa.table(columns) if records else FIXED_SCHEMA.empty_table()
+def _parquet_bytes(rows: list[ResultRow], schema: OutputSchema) -> bytes:
+    records = [_plain_record(r) for r in rows]  # raises for a clash with a fixed column
+    known = set(schema.schema.names)
+    for row in rows:
+        extra = sorted(set(row.passthrough) - known)
+        if extra:
+            raise ValueError(
+                f"row {row.row_id!r}: passthrough column {extra[0]!r} is not in the job's "
+                f"output schema (columns: {', '.join(schema.schema.names)})"
+            )
+    row_ids = [r.row_id for r in rows]
+    columns = [pa.array([rec[f.name] for rec in records], type=f.type) for f in FIXED_SCHEMA]
+    for f in schema.passthrough:
+        values = [r.passthrough.get(f.name) for r in rows]
+        columns.append(schema.column(f.name, values, row_ids))
+    table = pa.Table.from_arrays(columns, schema=schema.schema)
     sink = pa.BufferOutputStream()
-    try:
-        pq.write_table(table, sink)
-    except pa.ArrowException:  # a type Parquet cannot store (an empty struct: ``{}``)
-        for key in extra:
-            columns[key] = _json_strings([r.passthrough.get(key) for r in rows])
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.table(columns), sink)
+    pq.write_table(table, sink)
     return sink.getvalue().to_pybytes()
 
 
-def _passthrough_array(key: str, values: list[Any]) -> pa.Array:
-    """Arrow's own inference first; a column whose values share no Arrow type (``1`` and
-    ``"a"``) is stored as strings, with non-strings JSON-encoded, rather than failing the shard."""
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
-        return _json_strings(values)
-
-
-def _json_strings(values: list[Any]) -> pa.Array:
-    """Strings as they are, other values JSON-encoded, nulls kept."""
-    return pa.array(
-        [
-            v if v is None or isinstance(v, str) else json.dumps(v, default=_json_default)
-            for v in values
-        ],
-        type=pa.string(),
-    )
-
-
 # -- JSONL ---------------------------------------------------------------------------------
-
-
-def _json_default(value: Any) -> Any:
-    """Values JSON lacks, as Parquet inputs hand them over: bytes, dates, decimals."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return base64.b64encode(bytes(value)).decode("ascii")
-    if hasattr(value, "isoformat"):
-        return value.isoformat()
-    if hasattr(value, "tolist"):  # numpy scalars and arrays
-        return value.tolist()
-    return str(value)
 
 
 # Characters JSON leaves raw inside strings but Python's str.splitlines (and other line
@@ -207,7 +173,7 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 def _jsonl_bytes(records: Any) -> bytes:
     lines = [
-        json.dumps(rec, ensure_ascii=False, default=_json_default).translate(_LINE_BREAKS) + "\n"
+        json.dumps(rec, ensure_ascii=False, default=json_default).translate(_LINE_BREAKS) + "\n"
         for rec in records
     ]
     return "".join(lines).encode("utf-8")

@@ -10,7 +10,7 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.preflight import check_up_front, input_config
+from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.requests import prompt_ids_for, row_error_reason, sampling_params_for
 from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
@@ -60,6 +60,13 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     for what a run would refuse up front (output location, input, model)."""
     check_up_front(spec)
     fingerprint = fingerprint_of(spec)  # also checks model.source
+    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    manifest = Manifest.load(store, spec.name)
+    resumable = manifest is not None and manifest.fingerprint == fingerprint
+    # The schema a run writes with: the one the job fixed, else the one a first run would fix.
+    schema = manifest.output_schema if resumable and manifest is not None else None
+    if schema is None:
+        schema = output_schema(spec)
     source = resolve_model_source(spec.model.source)
     tokenizer = source.load_tokenizer()
     config = source.load_config()
@@ -71,7 +78,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     block = spec.engine.block_size
     seen_blocks: set[int] = set()
 
-    for row in iter_input_rows(input_config(spec)):
+    for row in iter_input_rows(input_config(spec), schema):
         report.rows += 1
         reason = row.error
         if reason is None:
@@ -96,9 +103,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
             elif len(seen_blocks) < MAX_TRACKED_BLOCKS:
                 seen_blocks.add(parent)
 
-    store = OutputStore(spec.output.path, dict(spec.output.storage_options))
-    manifest = Manifest.load(store, spec.name)
     if manifest is not None:
-        report.resumable = manifest.fingerprint == fingerprint
-        report.rows_already_done = manifest.rows_done if report.resumable else 0
+        report.resumable = resumable
+        report.rows_already_done = manifest.rows_done if resumable else 0
     return report

@@ -3,17 +3,23 @@
     <output>/<job>.manifest.json
     {"version": 1, "job": "quickstart", "fingerprint": "…", "settings": {…},
      "rows_per_shard": 1000,
+     "output_schema": {"origin": "…", "passthrough": {"topic": "string"}, "arrow": "…"},
      "shards": {"0": {"first_row": 0, "end_row": 1000, "ok": 998, "errors": 2,
                       "data": "shards/part-00000.parquet", "error_file": "errors/part-00000.jsonl",
                       "data_bytes": …, "error_bytes": …,
-                      "prompt_tokens": …, "completion_tokens": …}, …},
+                      "prompt_tokens": …, "completion_tokens": …},
+                "1": {…, "errors": 0, "error_file": null, "error_bytes": null, …}, …},
      "complete": false, "total_rows": null}
 
 A shard's files are committed first, then the manifest is rewritten (one atomic write) to name
 them. A crash between the two leaves files the manifest does not list; the rerun recomputes
 that shard and overwrites the same names, so each row ends up in the output exactly once.
-A resume checks that every committed shard's files still exist with the sizes recorded here
-(``drop_missing_shards``); a shard whose files went missing is computed again.
+A shard without bad rows has no error file (``error_file`` null); an error file the manifest
+does not name is a leftover of such a crash, and a run removes it before recomputing its
+shard. A resume checks that every committed shard's files still exist with the sizes recorded
+here (``drop_missing_shards``); a shard whose files went missing is computed again.
+``output_schema`` (Parquet output) is the schema the job's first run fixed for every shard;
+manifests written before it existed have none.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings, changed_settings
 
@@ -38,7 +45,7 @@ class ShardRecord:
     ok: int
     errors: int
     data: str
-    error_file: str
+    error_file: str | None  # None: the shard has no bad rows, so no error file
     prompt_tokens: int = 0
     completion_tokens: int = 0
     data_bytes: int | None = None  # None in manifests written before sizes were recorded
@@ -46,7 +53,10 @@ class ShardRecord:
 
     def files(self) -> dict[str, int | None]:
         """{file name: recorded size or None}"""
-        return {self.data: self.data_bytes, self.error_file: self.error_bytes}
+        files = {self.data: self.data_bytes}
+        if self.error_file is not None:
+            files[self.error_file] = self.error_bytes
+        return files
 
 
 @dataclass
@@ -58,6 +68,7 @@ class Manifest:
     complete: bool = False
     total_rows: int | None = None
     settings: JobSettings | None = None  # what the fingerprint hashes, to name changes
+    output_schema: OutputSchema | None = None  # Parquet output: fixed before the first shard
 
     @staticmethod
     def file_name(job: str) -> str:
@@ -70,6 +81,7 @@ class Manifest:
             return None
         try:
             raw = json.loads(data)
+            schema = raw.get("output_schema")
             return cls(
                 job=raw["job"],
                 fingerprint=raw["fingerprint"],
@@ -78,6 +90,7 @@ class Manifest:
                 complete=bool(raw.get("complete", False)),
                 total_rows=raw.get("total_rows"),
                 settings=raw.get("settings"),
+                output_schema=None if schema is None else OutputSchema.from_record(schema),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RuntimeError(
@@ -126,6 +139,7 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "settings": self.settings,
             "rows_per_shard": self.rows_per_shard,
+            "output_schema": None if self.output_schema is None else self.output_schema.to_record(),
             "shards": {str(k): asdict(v) for k, v in sorted(self.shards.items())},
             "complete": self.complete,
             "total_rows": self.total_rows,

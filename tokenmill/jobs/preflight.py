@@ -11,7 +11,8 @@ with every row in the error file.
 
 from __future__ import annotations
 
-from tokenmill.io.readers import InputConfig, detect_format, list_input_files
+from tokenmill.io.output_schema import OutputSchema
+from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.jobs.output_location import check_output_location
 from tokenmill.jobs.spec import JobSpec, JobSpecError
@@ -88,3 +89,19 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
         f"input.{key}: {column!r} is not a column of {url} (it has: {have or 'no columns'}); "
         "set input.prompt_column, or input.messages_column for chat rows"
     )
+
+
+def output_schema(spec: JobSpec) -> OutputSchema | None:
+    """The Parquet schema every shard of ``spec`` is written with (None for JSONL and OpenAI
+    Batch output): passthrough types from the input (``passthrough_schema``), decided before
+    the first shard. Raises JobSpecError naming input.passthrough_columns when Parquet input
+    files hold a passthrough column in types that do not combine."""
+    if spec.output.format != "parquet":
+        return None
+    try:
+        return passthrough_schema(input_config(spec))
+    except (FileNotFoundError, ValueError) as exc:
+        message = str(exc)
+        if not message.startswith("input."):
+            message = f"input.path: {message}"
+        raise JobSpecError(message) from None

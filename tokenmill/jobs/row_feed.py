@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -49,8 +50,10 @@ class RowFeed:
     """The rows of ``cfg`` not in ``committed`` shards; a RowSource, and iterable (blocking).
 
     ``prepare`` (run on the reader thread) turns good rows into ReadyRows; without it, good
-    rows are handed over as they are. ``rows_read`` and ``rows_resumed`` count the rows
-    taken so far. Call ``close`` when done (it stops the reader).
+    rows are handed over as they are. With ``schema`` (the job's Parquet output schema), a
+    row whose passthrough values do not fit it is a bad row. ``rows_read`` and
+    ``rows_resumed`` count the rows taken so far. Call ``close`` when done (it stops the
+    reader).
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class RowFeed:
         model: str,
         prepare: Prepare | None,
         bounds: PipelineBounds,
+        schema: OutputSchema | None = None,
     ) -> None:
         self._tracker = tracker
         self._progress = progress
@@ -71,7 +75,7 @@ class RowFeed:
         self._input_done = False
         self.rows_read = 0
         self.rows_resumed = 0
-        batches = _read(cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows)
+        batches = _read(cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema)
         self._ahead: ReadAhead[_FeedBatch] = ReadAhead(
             batches, bounds.read_ahead_batches, name="tokenmill-reader"
         )
@@ -119,12 +123,13 @@ def _read(
     rows_per_shard: int,
     prepare: Prepare | None,
     batch_rows: int,
+    schema: OutputSchema | None,
 ) -> Iterator[_FeedBatch]:
     """The reader thread's work: the input in batches, committed shards skipped, good rows
     prepared. The last batch carries the counts of the rows after the last item."""
     rows: list[InputRow] = []
     read = resumed = 0
-    for row in iter_input_rows(cfg):
+    for row in iter_input_rows(cfg, schema):
         read += 1
         if row.row_index // rows_per_shard in committed:
             resumed += 1

@@ -1,7 +1,9 @@
 """The job runner: spec in, committed shards and a report out, resumable at any moment.
 
 checks (output location, input, spec) ─► lock ─► ownership ─► manifest (fingerprint, shard
-files verified) ─► then three threads, joined by bounded queues (pipeline_bounds.py):
+files verified, stray error files removed) ─► the output schema (Parquet: fixed before the
+first shard, kept in the manifest) ─► then three threads, joined by bounded queues
+(pipeline_bounds.py):
 
     reader thread:  read ─► skip committed shards ─► template + tokenize (RowFeed)
     engine thread:  executor (the engine, kept full) ─► shard tracker ─► complete shards
@@ -22,19 +24,21 @@ import time
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import input_fingerprint
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
+from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, claim_output
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
-from tokenmill.jobs.preflight import check_up_front, input_config
+from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import RowFeed
-from tokenmill.jobs.shard_commit import discard_progress
+from tokenmill.jobs.shard_commit import discard_progress, remove_stray_error_files
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
 from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
@@ -144,6 +148,7 @@ def _run_locked(
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
     _verify_committed(store, manifest, report)
+    schema = _fix_output_schema(spec, store, manifest)
 
     if manifest.complete:
         _fill_totals(report, manifest)
@@ -158,7 +163,7 @@ def _run_locked(
     progress = Progress(total, manifest.rows_done, enabled=show_progress)
     tracker = ShardTracker(spec.output.rows_per_shard)
     bounds = pipeline_bounds(spec)
-    writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards)
+    writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
     feed = RowFeed(
         input_config(spec),
         frozenset(manifest.shards),
@@ -167,6 +172,7 @@ def _run_locked(
         spec.model.source,
         getattr(executor, "prepare", None),  # local: rows are tokenized on the reader thread
         bounds,
+        schema,
     )
     try:
         if executor is not None and not cancel.is_set():
@@ -220,15 +226,48 @@ def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
 
 
 def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:
-    """Forget committed shards whose files are gone or changed size, so they are recomputed."""
+    """Forget committed shards whose files are gone or changed size, so they are recomputed;
+    then remove the error files no committed shard names (``remove_stray_error_files``)."""
     sizes = store.sizes("shards/") | store.sizes("errors/")
     dropped = manifest.drop_missing_shards(sizes)
-    if not dropped:
-        return
     for index, problems in dropped.items():
         log.warning("shard %d is recomputed: %s", index, "; ".join(problems))
-    report.shards_recomputed = len(dropped)
+    if dropped:
+        report.shards_recomputed = len(dropped)
+        manifest.save(store)
+    removed = remove_stray_error_files(store, manifest, sizes)
+    if removed:
+        log.info("removed %d error files no committed shard names", removed)
+
+
+def _fix_output_schema(
+    spec: JobSpec, store: OutputStore, manifest: Manifest
+) -> OutputSchema | None:
+    """The job's Parquet schema: the one its manifest records, or, on a first run, the one
+    decided now from the input and recorded before any shard. None for other formats.
+
+    A manifest of an earlier version has committed shards but no schema: those shards are
+    brought to the schema where no value changes (``conform_legacy_shards``); the others are
+    kept, with a warning saying how to read them or start over."""
+    if spec.output.format != "parquet":
+        return None
+    if manifest.output_schema is not None:
+        return manifest.output_schema
+    schema = manifest.output_schema = output_schema(spec)
+    if manifest.shards:
+        log.info("bringing %d earlier shards to the job's one schema", len(manifest.shards))
+        kept = conform_legacy_shards(store, manifest, schema)
+        if kept:
+            columns = ", ".join(f"{k}: {v}" for k, v in schema.describe().items())
+            log.warning(
+                "%d shards committed by an earlier tokenmill keep passthrough column types of "
+                "their own (their values do not fit the job's schema, %s, unchanged); read the "
+                "shards with duckdb's union_by_name, or rerun with --fresh for one schema",
+                kept,
+                columns or "no passthrough columns",
+            )
     manifest.save(store)
+    return schema
 
 
 def _stop_writer(writer: ShardWriter, exc: BaseException) -> None:

@@ -1,12 +1,19 @@
-"""Committing one shard, and discarding a job's own progress (``--fresh``).
+"""Committing one shard, tidying the error files, and discarding a job's own progress.
 
-A shard is committed as: data file, error file (each all-or-nothing), then the caller's
-manifest names them with their sizes, which a resume checks. ``discard_progress`` removes
-only files this job wrote: names of its own shard pattern, its report and its manifest.
+A shard is committed as: data file, then its error file when it has bad rows (each
+all-or-nothing), then the caller's manifest names them with their sizes, which a resume
+checks. ``remove_stray_error_files`` removes the error files the manifest does not name (a
+crash's leftovers, and the empty ones earlier versions wrote). ``discard_progress``
+(``--fresh``) removes only files this job wrote: names of its own shard pattern, its report
+and its manifest.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
+
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.shard_encoding import encode_shard
 from tokenmill.io.storage import OutputStore
@@ -16,14 +23,25 @@ from tokenmill.jobs.ownership import REPORT_NAME
 
 
 def commit_shard(
-    store: OutputStore, shard: int, results: list[ResultRow], fmt: str, rows_per_shard: int
+    store: OutputStore,
+    shard: int,
+    results: list[ResultRow],
+    fmt: str,
+    rows_per_shard: int,
+    schema: OutputSchema | None = None,
 ) -> ShardRecord:
-    """Write shard ``shard``'s data and error files; return the manifest's record of them.
-    A row that cannot be written in ``fmt`` goes to the error file (``encode_shard``)."""
+    """Write shard ``shard``'s data file, and its error file when a row failed; return the
+    manifest's record of them. ``schema`` is the job's Parquet schema. A row that cannot be
+    written in ``fmt`` (or does not fit ``schema``) goes to the error file (``encode_shard``).
+
+    No error file is written for a shard without bad rows; one left at its name by a crashed
+    run must be gone first (``remove_stray_error_files``, at the start of a run)."""
     data_name, error_name = shard_names(shard, fmt)
-    encoded = encode_shard(results, fmt)
+    encoded = encode_shard(results, fmt, schema)
     store.write_atomic(data_name, encoded.data)
-    store.write_atomic(error_name, encoded.errors)
+    error_file = error_name if encoded.error_rows else None
+    if error_file is not None:
+        store.write_atomic(error_file, encoded.errors)
     first = shard * rows_per_shard
     return ShardRecord(
         first_row=first,
@@ -31,12 +49,39 @@ def commit_shard(
         ok=len(encoded.ok_rows),
         errors=len(encoded.error_rows),
         data=data_name,
-        error_file=error_name,
+        error_file=error_file,
         prompt_tokens=sum(r.prompt_tokens for r in encoded.ok_rows),
         completion_tokens=sum(r.completion_tokens for r in encoded.ok_rows),
         data_bytes=len(encoded.data),
-        error_bytes=len(encoded.errors),
+        error_bytes=len(encoded.errors) if error_file is not None else None,
     )
+
+
+def remove_stray_error_files(store: OutputStore, manifest: Manifest, names: Iterable[str]) -> int:
+    """Delete the error files among ``names`` (the output's files) that ``manifest`` does not
+    name; return how many. Call under the job's lock, before any shard is committed.
+
+    Such a file was left by a run killed between a shard's files and its manifest entry: the
+    shard is recomputed, maybe without bad rows and so without an error file, and the old one
+    must not stay beside it. Empty error files of shards committed by earlier versions are
+    first unlisted (the manifest saved without them), then deleted the same way. Only names
+    of the job's own error-file pattern are touched.
+    """
+    emptied = {
+        index: replace(record, error_file=None, error_bytes=None)
+        for index, record in manifest.shards.items()
+        if record.error_file is not None and record.errors == 0 and not record.error_bytes
+    }
+    if emptied:
+        manifest.shards.update(emptied)
+        manifest.save(store)  # before the deletes: the manifest never names a missing file
+    named = {r.error_file for r in manifest.shards.values() if r.error_file is not None}
+    stray = sorted(
+        n for n in names if n.startswith("errors/") and _is_shard_file(n) and n not in named
+    )
+    for name in stray:
+        store.delete(name)
+    return len(stray)
 
 
 def discard_progress(store: OutputStore, manifest: Manifest) -> None:

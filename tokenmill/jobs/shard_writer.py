@@ -1,7 +1,7 @@
 """ShardWriter: complete shards are encoded, written and recorded on a writer thread.
 
     engine thread                          writer thread
-    submit(shard, results) ─► queue ─►     commit_shard (data file, error file)
+    submit(shard, results) ─► queue ─►     commit_shard (data file, error file if any)
       (blocks while ``max_queued``            ─► manifest.shards[k] = record ─► manifest.save
        shards wait: backpressure)
     check() / finish() ◄── the writer's exception, re-raised as it was raised
@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.manifest import Manifest
@@ -35,12 +36,21 @@ _END = None  # queued by ``finish``: nothing more will come
 
 class ShardWriter:
     """Commits shards of ``fmt`` to ``store`` and records them in ``manifest`` (saved after
-    each). ``shards_committed`` and ``rows_committed`` count what this writer committed."""
+    each); Parquet shards are written with ``schema``, the job's output schema.
+    ``shards_committed`` and ``rows_committed`` count what this writer committed."""
 
-    def __init__(self, store: OutputStore, manifest: Manifest, fmt: str, max_queued: int) -> None:
+    def __init__(
+        self,
+        store: OutputStore,
+        manifest: Manifest,
+        fmt: str,
+        max_queued: int,
+        schema: OutputSchema | None = None,
+    ) -> None:
         self.store = store
         self.manifest = manifest
         self.fmt = fmt
+        self.schema = schema
         self.shards_committed = 0
         self.rows_committed = 0
         self._queue: queue.Queue[tuple[int, list[ResultRow]] | None] = queue.Queue(max_queued)
@@ -120,7 +130,12 @@ class ShardWriter:
                     return
                 shard, results = item
                 record = commit_shard(
-                    self.store, shard, results, self.fmt, self.manifest.rows_per_shard
+                    self.store,
+                    shard,
+                    results,
+                    self.fmt,
+                    self.manifest.rows_per_shard,
+                    self.schema,
                 )
                 if self._abandoned.is_set():
                     return

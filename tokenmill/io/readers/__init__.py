@@ -10,6 +10,7 @@ from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import FORMATS, InputConfig
 from tokenmill.io.readers.input_fingerprint import input_fingerprint
 from tokenmill.io.readers.input_rows import iter_input_rows
+from tokenmill.io.readers.passthrough_types import passthrough_schema
 
 __all__ = [
     "FORMATS",
@@ -18,4 +19,5 @@ __all__ = [
     "input_fingerprint",
     "iter_input_rows",
     "list_input_files",
+    "passthrough_schema",
 ]

@@ -1,6 +1,7 @@
 """iter_input_rows: every row of every input file, in order, as InputRows; bad rows included.
 
     files (sorted) ─► JsonlRecords | ParquetRecords ─► Record ─► parse ─► duplicate check
+                           ─► writable? ─► passthrough values fit the job's schema? (if given)
                                                                           ─► InputRow(row_index)
 
 ``row_index`` counts every row of the whole input, bad ones included (blank JSONL lines are not
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers.file_listing import display_names, list_input_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
@@ -27,16 +29,18 @@ from tokenmill.io.readers.text_check import unwritable_field
 from tokenmill.io.rows import InputRow
 
 Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
+Check = Callable[[InputRow], str | None]  # why a parsed row cannot be written, or None
 
 
-def iter_input_rows(cfg: InputConfig) -> Iterator[InputRow]:
+def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Iterator[InputRow]:
     """Stream the input of ``cfg`` as InputRows, ``row_index`` 0, 1, 2, ... across all files.
 
     Bad rows (not JSON, not an object, missing id or prompt, invalid messages or parameters,
-    repeated id) come out as ``InputRow(error=...)`` and never stop the stream; their message
-    starts with "file:line". Ids must be unique over the whole input: the first row with an id
-    keeps it, later ones are bad. Memory stays bounded by one line or one Parquet batch, plus
-    the set of ids seen so far (about 100 bytes per row).
+    repeated id, and with ``schema`` (the job's Parquet output schema) a passthrough value
+    that does not fit its column's type) come out as ``InputRow(error=...)`` and never stop
+    the stream. Ids must be unique over the whole input: the first row with an id keeps it,
+    later ones are bad. Memory stays bounded by one line or one Parquet batch, plus the set
+    of ids seen so far (about 100 bytes per row).
     Raises FileNotFoundError / ValueError naming the path for a missing or unreadable input.
     """
     files = list_input_files(cfg)
@@ -48,7 +52,12 @@ def iter_input_rows(cfg: InputConfig) -> Iterator[InputRow]:
     for url, name in zip(files, display_names(files), strict=True):
         with _open_source(url, fmt, cfg) as source:
             maker = _RowMaker(
-                url, name, _parser(fmt, cfg, source), fmt == "openai-batch", cfg.passthrough_columns
+                url,
+                name,
+                _parser(fmt, cfg, source),
+                fmt == "openai-batch",
+                cfg.passthrough_columns,
+                _passthrough_check(schema, source),
             )
             for record in source:
                 yield maker.row(record, row_index, seen)
@@ -60,6 +69,24 @@ def _open_source(url: str, fmt: str, cfg: InputConfig) -> JsonlRecords | Parquet
         wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.passthrough_columns]
         return ParquetRecords(url, cfg.storage_options, [c for c in wanted if c is not None])
     return JsonlRecords(url, cfg.storage_options)
+
+
+def _passthrough_check(schema: OutputSchema | None, source: RecordSource) -> Check | None:
+    """Whether a row's passthrough values fit ``schema``; columns a Parquet file holds in
+    the schema's own type need no look (their values came out of that type)."""
+    if schema is None or not schema.passthrough:
+        return None
+    same: frozenset[str] = frozenset()
+    if isinstance(source, ParquetRecords):
+        types = source.column_types()
+        same = frozenset(f.name for f in schema.passthrough if types.get(f.name) == f.type)
+        if len(same) == len(schema.passthrough):
+            return None
+
+    def check(row: InputRow) -> str | None:
+        return schema.row_problem(row.passthrough, same)
+
+    return check
 
 
 def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
@@ -91,6 +118,7 @@ class _RowMaker:
     parse: Parse
     batch: bool  # OpenAI Batch input: error rows carry custom_id and endpoint
     passthrough_columns: tuple[str, ...]
+    check: Check | None = None
 
     def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
@@ -125,6 +153,9 @@ class _RowMaker:
         if unwritable is not None:
             own_id = None if unwritable.startswith(("id ", "custom_id ")) else row.row_id
             return refuse(f"{unwritable}; fix the row", own_id)
+        misfit = self.check(row) if self.check is not None else None
+        if misfit is not None:
+            return refuse(misfit, row.row_id)
         seen.add(row.row_id)
         return row
 

@@ -30,6 +30,7 @@ class ParquetRecords:
         self._file: IO[bytes] | None = None
         self._parquet: pq.ParquetFile | None = None
         self._columns: tuple[str, ...] = ()
+        self._types: dict[str, pa.DataType] = {}
 
     def __enter__(self) -> ParquetRecords:
         fs, path = resolve(self.url, self._storage_options)
@@ -39,7 +40,9 @@ class ParquetRecords:
         except (pa.ArrowException, OSError) as e:
             self._file.close()
             raise ValueError(f"{self.url} is not a readable Parquet file: {e}") from e
-        self._columns = tuple(self._parquet.schema_arrow.names)
+        schema = self._parquet.schema_arrow
+        self._columns = tuple(schema.names)
+        self._types = {f.name: f.type for f in schema}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -50,6 +53,10 @@ class ParquetRecords:
 
     def has_column(self, name: str) -> bool:
         return name in self._columns
+
+    def column_types(self) -> dict[str, pa.DataType]:
+        """{column: its Arrow type} from the file's schema."""
+        return dict(self._types)
 
     def columns_hint(self) -> str:
         return ", ".join(self._columns)

@@ -1,0 +1,84 @@
+"""Passthrough types decided from the input, and rows whose values do not fit them."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.io.readers.reader_files import write_jsonl, write_parquet
+from tokenmill.io.readers import InputConfig, iter_input_rows, passthrough_schema, passthrough_types
+
+
+def _cfg(path, *columns: str) -> InputConfig:
+    return InputConfig(path=str(path), passthrough_columns=columns)
+
+
+def test_jsonl_types_come_from_a_sample_not_the_first_rows(tmp_path) -> None:
+    rows = [{"id": f"r{i}", "prompt": "p", "score": None if i < 5 else i / 2} for i in range(9)]
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    schema = passthrough_schema(_cfg(f, "score", "absent"))
+    assert schema.describe() == {"score": "double", "absent": "json text"}
+    assert schema.origin == "inferred from all 9 input rows"
+
+
+def test_bad_rows_are_left_out_of_the_sample(tmp_path) -> None:
+    f = write_jsonl(
+        tmp_path / "in.jsonl",
+        ["{broken", {"id": "a", "n": "x"}, {"id": "b", "prompt": "p", "n": 1}],
+    )
+    assert passthrough_schema(_cfg(f, "n")).describe() == {"n": "int64"}
+
+
+def test_a_later_value_that_does_not_fit_is_its_rows_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(passthrough_types, "SAMPLE_ROWS", 3)
+    values = [1, 2, None, 4, "five", 6.5, 7]
+    rows = [{"id": f"r{i}", "prompt": "p", "n": v} for i, v in enumerate(values)]
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = _cfg(f, "n")
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"n": "int64"}
+    assert schema.origin == "inferred from the first 3 input rows"
+    got = list(iter_input_rows(cfg, schema))
+    assert [r.row_id for r in got if r.error is None] == ["r0", "r1", "r2", "r3", "r6"]
+    bad = {r.row_id: r for r in got if r.error is not None}
+    assert set(bad) == {"r4", "r5"}
+    assert bad["r4"].source == f"{f}:5"
+    assert bad["r4"].error.startswith("passthrough column 'n' holds 'five', which does not fit")
+    assert "int64 (inferred from the first 3 input rows)" in bad["r5"].error
+    assert "6.5" in bad["r5"].error
+    assert bad["r4"].passthrough == {"n": "five"}  # echoed to the error file as it was
+    # without a schema (JSONL output) every value goes through as it is
+    assert all(r.error is None for r in iter_input_rows(cfg))
+
+
+def test_parquet_types_come_from_every_files_schema(tmp_path) -> None:
+    write_parquet(tmp_path / "a.parquet", {"prompt": ["p"], "x": pa.array([None], pa.null())})
+    write_parquet(
+        tmp_path / "b.parquet", {"prompt": ["p"], "x": [1.5], "y": pa.array([1], pa.int32())}
+    )
+    write_parquet(tmp_path / "c.parquet", {"prompt": ["p"], "y": pa.array([2], pa.int64())})
+    table = pa.table({"prompt": ["p"], "cat": pa.array(["u"]).dictionary_encode()})
+    pq.write_table(table, tmp_path / "d.parquet")
+    cfg = InputConfig(
+        path=str(tmp_path), id_column=None, passthrough_columns=("x", "y", "cat", "z")
+    )
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"x": "double", "y": "int64", "cat": "string", "z": "json text"}
+    assert schema.origin == "the input's Parquet type"
+    rows = list(iter_input_rows(cfg, schema))
+    assert [r.error for r in rows] == [None] * 4
+    assert [r.passthrough["y"] for r in rows] == [None, 1, 2, None]
+
+
+def test_parquet_files_whose_types_do_not_combine_are_refused(tmp_path) -> None:
+    a = write_parquet(tmp_path / "a.parquet", {"prompt": ["p"], "x": [1]})
+    b = write_parquet(tmp_path / "b.parquet", {"prompt": ["p"], "x": ["one"]})
+    with pytest.raises(ValueError, match="input.passthrough_columns: column 'x'") as caught:
+        passthrough_schema(_cfg(tmp_path, "x"))
+    assert str(a) in str(caught.value) and str(b) in str(caught.value)
+
+
+def test_no_passthrough_columns_reads_nothing(tmp_path) -> None:
+    schema = passthrough_schema(_cfg(tmp_path / "missing.jsonl"))
+    assert schema.passthrough == []

@@ -1,0 +1,110 @@
+"""OutputSchema: inferred passthrough types, values that fit or not, the manifest record."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from tokenmill.io.output_schema import (
+    FIXED_COLUMNS,
+    OutputSchema,
+    inferred_field,
+    json_text_field,
+)
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([1, None, 2], pa.int64()),
+        ([None, 1, 2.5], pa.float64()),
+        (["a", None], pa.string()),
+        ([True, False], pa.bool_()),
+        ([["a"], ["b", "c"]], pa.list_(pa.string())),
+        ([{"a": 1}, {"b": "x"}], pa.struct([("a", pa.int64()), ("b", pa.string())])),
+    ],
+)
+def test_inferred_types(values: list[Any], expected: pa.DataType) -> None:
+    assert inferred_field("c", values) == pa.field("c", expected)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [None, None],  # nothing to infer from
+        [1, "one"],  # no common type
+        [[], []],  # list<null>: a later ["a"] could not be stored
+        [{}],  # an empty struct: Parquet cannot store it
+        [{"a": None}],  # struct<a: null>
+        [10**30],  # beyond int64
+    ],
+)
+def test_columns_without_a_usable_type_are_json_text(values: list[Any]) -> None:
+    assert inferred_field("c", values) == json_text_field("c")
+    assert OutputSchema.of([inferred_field("c", values)]).is_json_text("c")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fits", "misfits"),
+    [
+        (pa.int64(), [3, -(2**63), None], [2.5, True, "3", 2**63, [3]]),
+        (pa.float64(), [2.5, 3, float("nan"), 2**53], ["x", True, 2**60 + 1, 10**400]),
+        (pa.string(), ["a", ""], [1, b"a", ["a"]]),
+        (pa.bool_(), [True], [1, "true"]),
+        (pa.list_(pa.string()), [["a"], []], [[1], "a"]),
+        (pa.struct([("a", pa.int64())]), [{"a": 1}, {}], [{"a": 1, "b": 2}, {"a": 1.5}]),
+        (pa.int32(), [5], [2**40, 1.5]),
+        (pa.binary(), [b"\x00"], ["text"]),
+    ],
+)
+def test_values_that_fit_a_column_and_those_that_do_not(
+    dtype: pa.DataType, fits: list[Any], misfits: list[Any]
+) -> None:
+    schema = OutputSchema.of([pa.field("c", dtype)], "inferred from all 3 input rows")
+    for value in fits:
+        assert schema.row_problem({"c": value}) is None, value
+        schema.column("c", [value], ["r"])
+    for value in misfits:
+        problem = schema.row_problem({"c": value})
+        assert problem is not None, value
+        assert problem.startswith(f"passthrough column 'c' holds {value!r}"[:40])
+        assert str(dtype) in problem and "inferred from all 3 input rows" in problem
+        with pytest.raises(ValueError, match="row 'r7': passthrough column 'c'"):
+            schema.column("c", [None, value], ["r6", "r7"])
+
+
+def test_json_text_holds_every_value_as_json() -> None:
+    schema = OutputSchema.of([json_text_field("c")])
+    values = [None, "a", 5, {"k": [1, None]}, b"\xff"]
+    assert all(schema.row_problem({"c": v}) is None for v in values)
+    cells = schema.column("c", values, ["r"] * 5).to_pylist()
+    assert cells == [None, '"a"', "5", '{"k": [1, null]}', '"/w=="']
+
+
+def test_skipped_columns_are_not_looked_at() -> None:
+    schema = OutputSchema.of([pa.field("c", pa.int64())])
+    assert schema.row_problem({"c": "x"}, skip=frozenset({"c"})) is None
+
+
+def test_a_passthrough_column_may_not_clash_or_repeat() -> None:
+    with pytest.raises(ValueError, match="'text' clashes"):
+        OutputSchema.of([pa.field("text", pa.string())])
+    with pytest.raises(ValueError, match="'c' is named twice"):
+        OutputSchema.of([pa.field("c", pa.string()), pa.field("c", pa.int64())])
+
+
+def test_the_manifest_record_round_trips() -> None:
+    schema = OutputSchema.of(
+        [pa.field("n", pa.float64()), json_text_field("meta")], "inferred from all 9 input rows"
+    )
+    record = json.loads(json.dumps(schema.to_record()))
+    assert record["passthrough"] == {"n": "double", "meta": "json text"}
+    back = OutputSchema.from_record(record)
+    assert back == schema and back.schema.names[: len(FIXED_COLUMNS)] == list(FIXED_COLUMNS)
+    assert back.is_json_text("meta") and not back.is_json_text("n")
+    for bad in (None, {}, {"arrow": "not base64 of a schema"}, {"arrow": 5}):
+        with pytest.raises(ValueError, match="output_schema"):
+            OutputSchema.from_record(bad)

@@ -1,0 +1,342 @@
+"""One Parquet schema per job, fixed before its first shard.
+
+    id      text    finish_reason  prompt_tokens  completion_tokens  <passthrough columns>
+    string  string  string         int64          int64              one type each, per job
+
+Every shard of a job is written with exactly this schema (an empty shard too), so the shards
+read back as one dataset with pyarrow, duckdb or Spark and no options. The passthrough types
+come from the input (``readers/passthrough_types.py``): a Parquet input's own schema, or, for
+JSONL and OpenAI Batch input, Arrow's inference over a sample of rows. A column whose sample
+gives no usable type (only nulls, values of no common type, an empty object or list) is
+**JSON text**: a string column holding each value's JSON encoding, strings included, so that
+``json.loads`` reads any cell back.
+
+A value that does not fit its column (2.5 or "a" in an int64 column, an object with a key
+the struct lacks) is its row's error (``row_problem``, ``column``), naming the column; the
+column's type never changes. The schema travels in the manifest (``to_record`` /
+``from_record``), so a resumed job writes the schema its first run fixed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = [
+    "FIXED_COLUMNS",
+    "FIXED_SCHEMA",
+    "OutputSchema",
+    "inferred_field",
+    "json_default",
+    "json_text_field",
+    "storable_type",
+]
+
+FIXED_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("text", pa.string()),
+        ("finish_reason", pa.string()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+    ]
+)
+FIXED_COLUMNS = tuple(FIXED_SCHEMA.names)
+
+# Field metadata marking a JSON-text column: it is in the written files too, so a reader can
+# tell which string columns to json.loads.
+_ENCODING = b"tokenmill.encoding"
+_JSON = b"json"
+_REPR_LIMIT = 60
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# What Arrow raises (besides its own errors) for a Python value it cannot convert.
+_CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
+
+
+def json_text_field(name: str) -> pa.Field:
+    """A JSON-text column: strings holding each value's JSON encoding."""
+    return pa.field(name, pa.string(), metadata={_ENCODING: _JSON})
+
+
+def json_default(value: Any) -> Any:
+    """Values JSON lacks, as Parquet inputs hand them over: bytes, dates, decimals."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return value.tolist()
+    return str(value)
+
+
+def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
+    """The column ``name`` for ``values`` (a sample): Arrow's inferred type, or JSON text when
+    the sample has no usable one (no non-null value, no common type, a null or empty nested
+    type that later values could not fill, a type Parquet cannot store)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return json_text_field(name)
+    try:
+        inferred = pa.array(present).type
+    except _CONVERSION_ERRORS:
+        return json_text_field(name)
+    if _has_unknown_part(inferred) or not storable_type(inferred):
+        return json_text_field(name)
+    return pa.field(name, inferred)
+
+
+def storable_type(dtype: pa.DataType) -> bool:
+    """Whether Parquet can store a column of ``dtype`` (an empty struct it cannot)."""
+    try:
+        pq.write_table(pa.table({"c": pa.array([], type=dtype)}), pa.BufferOutputStream())
+    except (pa.ArrowException, TypeError, ValueError):
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class OutputSchema:
+    """The Parquet schema of a job's data files: ``FIXED_SCHEMA``, then its passthrough
+    columns. ``origin`` says where the passthrough types came from, for messages."""
+
+    schema: pa.Schema
+    origin: str = ""
+    # (passthrough column, whether a value fits it), built once: rows are checked one by one
+    _checks: tuple[tuple[pa.Field, Callable[[Any], bool]], ...] = field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        passthrough = list(self.schema)[len(FIXED_COLUMNS) :]
+        object.__setattr__(self, "_checks", tuple((f, _fit_check(f)) for f in passthrough))
+
+    @classmethod
+    def of(cls, passthrough: Sequence[pa.Field], origin: str = "") -> OutputSchema:
+        """Raises ValueError naming a passthrough column that repeats or clashes with a fixed
+        column."""
+        seen: set[str] = set()
+        for f in passthrough:
+            if f.name in FIXED_COLUMNS:
+                raise ValueError(
+                    f"passthrough column {f.name!r} clashes with the output column of the same "
+                    "name; drop it from input.passthrough_columns or rename it"
+                )
+            if f.name in seen:
+                raise ValueError(f"passthrough column {f.name!r} is named twice")
+            seen.add(f.name)
+        return cls(pa.schema([*FIXED_SCHEMA, *passthrough]), origin)
+
+    @classmethod
+    def inferred(cls, passthrough: Sequence[dict[str, Any]], origin: str = "") -> OutputSchema:
+        """The schema inferred from rows' passthrough dicts (columns in first-seen order)."""
+        names: dict[str, None] = {}
+        for values in passthrough:
+            names.update(dict.fromkeys(values))
+        fields = [inferred_field(n, (p.get(n) for p in passthrough)) for n in names]
+        return cls.of(fields, origin)
+
+    @property
+    def passthrough(self) -> list[pa.Field]:
+        return [f for f, _ in self._checks]
+
+    def is_json_text(self, name: str) -> bool:
+        return _is_json_text(self.schema.field(name))
+
+    def row_problem(
+        self, passthrough: dict[str, Any], skip: frozenset[str] = frozenset()
+    ) -> str | None:
+        """Why a row's passthrough values do not fit the schema (the first column that does
+        not), or None. Columns in ``skip`` are known to fit (their input has the same type)."""
+        for f, fits in self._checks:
+            if f.name in skip:
+                continue
+            value = passthrough.get(f.name)
+            if not fits(value):
+                return self._misfit(f, value)
+        return None
+
+    def column(self, name: str, values: list[Any], row_ids: list[str]) -> pa.Array:
+        """Column ``name`` of a shard, one value per row. Raises ValueError naming the row and
+        the column when a value does not fit the column's type."""
+        f, fits = next((f, fits) for f, fits in self._checks if f.name == name)
+        if _is_json_text(f):
+            return pa.array([_json_text(v) for v in values], type=pa.string())
+        try:
+            array = pa.array(values, type=f.type)
+        except _CONVERSION_ERRORS:
+            array = None  # find the row to blame, one value at a time
+        back = array.to_pylist() if array is not None else None
+        for i, value in enumerate(values):
+            if (not _same(value, back[i])) if back is not None else not fits(value):
+                raise ValueError(f"row {row_ids[i]!r}: {self._misfit(f, value)}")
+        if array is None:
+            raise ValueError(f"passthrough column {name!r} cannot be written as {f.type}")
+        return array
+
+    def describe(self) -> dict[str, str]:
+        """{passthrough column: its type, or "json text"}"""
+        return {f.name: "json text" if _is_json_text(f) else str(f.type) for f in self.passthrough}
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-able record of the schema (the manifest's ``output_schema``)."""
+        return {
+            "origin": self.origin,
+            "passthrough": self.describe(),
+            "arrow": base64.b64encode(self.schema.serialize().to_pybytes()).decode("ascii"),
+        }
+
+    @classmethod
+    def from_record(cls, raw: Any) -> OutputSchema:
+        """The schema ``to_record`` wrote. Raises ValueError when ``raw`` is not one."""
+        try:
+            schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(raw["arrow"])))
+            origin = str(raw.get("origin", ""))
+        except (TypeError, KeyError, ValueError, AttributeError, pa.ArrowException) as exc:
+            raise ValueError(f"output_schema is not a recorded schema ({exc})") from None
+        if list(schema)[: len(FIXED_COLUMNS)] != list(FIXED_SCHEMA):
+            raise ValueError(f"output_schema does not start with the columns {FIXED_COLUMNS}")
+        return cls(schema, origin)
+
+    def _misfit(self, f: pa.Field, value: Any) -> str:
+        origin = f" ({self.origin})" if self.origin else ""
+        return (
+            f"passthrough column {f.name!r} holds {_short(value)}, which does not fit the "
+            f"column's type {f.type}{origin}; one schema holds for the whole job: fix the "
+            f"value, or leave {f.name!r} out of input.passthrough_columns"
+        )
+
+
+# -- values against types ------------------------------------------------------------------
+
+
+def _is_json_text(f: pa.Field) -> bool:
+    return (f.metadata or {}).get(_ENCODING) == _JSON
+
+
+def _json_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return json.dumps(value, ensure_ascii=False, default=json_default)
+
+
+def _has_unknown_part(dtype: pa.DataType) -> bool:
+    """Whether ``dtype`` is or holds the null type or an empty struct: types a sample of
+    nulls and empty values gives, which later values could not fill."""
+    if pa.types.is_null(dtype):
+        return True
+    if pa.types.is_struct(dtype):
+        return dtype.num_fields == 0 or any(_has_unknown_part(f.type) for f in dtype)
+    if pa.types.is_map(dtype):
+        return _has_unknown_part(dtype.key_type) or _has_unknown_part(dtype.item_type)
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return _has_unknown_part(dtype.value_type)
+    if pa.types.is_fixed_size_list(dtype):
+        return _has_unknown_part(dtype.value_type)
+    return False
+
+
+def _fit_check(f: pa.Field) -> Callable[[Any], bool]:
+    """Whether a value is stored in column ``f`` as it is: converted without error and read
+    back equal (Arrow itself would store 2.5 in an int64 column as 2). None fits anywhere."""
+    if _is_json_text(f):
+        return lambda value: True
+    quick = _python_check(f.type)
+    if quick is not None:
+        return lambda value: value is None or quick(value)
+    dtype = f.type
+
+    def through_arrow(value: Any) -> bool:
+        if value is None:
+            return True
+        try:
+            back = pa.array([value], type=dtype).to_pylist()[0]
+        except _CONVERSION_ERRORS:
+            return False
+        return _same(value, back)
+
+    return through_arrow
+
+
+def _python_check(dtype: pa.DataType) -> Callable[[Any], bool] | None:
+    """The fit check in plain Python for the types JSON values are inferred as (strings,
+    booleans, int64, double, and lists and structs of them: most rows, so no Arrow call per
+    row); None for any other type, which goes through Arrow."""
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+        return lambda v: isinstance(v, str)
+    if pa.types.is_boolean(dtype):
+        return lambda v: isinstance(v, bool)
+    if pa.types.is_int64(dtype):
+        return lambda v: _is_int(v) and _INT64_MIN <= v <= _INT64_MAX
+    if pa.types.is_float64(dtype):
+        return lambda v: isinstance(v, float) or (_is_int(v) and _exact_double(v))
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        item = _python_check(dtype.value_type)
+        if item is None:
+            return None
+        return lambda v: isinstance(v, (list, tuple)) and all(x is None or item(x) for x in v)
+    if pa.types.is_struct(dtype):
+        fields = {f.name: _python_check(f.type) for f in dtype}
+        if any(check is None for check in fields.values()):
+            return None
+        # a key the struct lacks does not fit: Arrow would drop it
+        return lambda v: (
+            isinstance(v, dict)
+            and all(k in fields and (x is None or fields[k](x)) for k, x in v.items())
+        )
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _exact_double(value: int) -> bool:
+    try:
+        return int(float(value)) == value
+    except OverflowError:
+        return False
+
+
+def _same(value: Any, back: Any) -> bool:
+    """Whether ``back`` (read from Arrow) is ``value``: numbers by value (3 and 3.0 alike,
+    NaN as NaN), booleans only as booleans, a struct's missing keys as nulls, maps as pairs."""
+    if value is None or back is None:
+        return value is back
+    if isinstance(value, bool) or isinstance(back, bool):
+        return type(value) is type(back) and value == back
+    if isinstance(value, (int, float)) and isinstance(back, (int, float)):
+        if isinstance(value, float) and isinstance(back, float) and math.isnan(value):
+            return math.isnan(back)
+        return value == back
+    if isinstance(value, dict):
+        if isinstance(back, list):  # a map column reads back as (key, value) pairs
+            back = dict(back) if len(back) == len(value) else None
+        if not isinstance(back, dict):
+            return False
+        return all(k in back and _same(v, back[k]) for k, v in value.items()) and all(
+            v is None for k, v in back.items() if k not in value
+        )
+    if isinstance(value, (list, tuple)):
+        return (
+            isinstance(back, (list, tuple))
+            and len(back) == len(value)
+            and all(_same(v, b) for v, b in zip(value, back, strict=True))
+        )
+    if isinstance(value, str) or isinstance(back, str):
+        return type(value) is type(back) and value == back
+    try:
+        return bool(value == back)
+    except Exception:  # a value whose == raises (numpy arrays compare elementwise)
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _REPR_LIMIT else text[: _REPR_LIMIT - 3] + "..."

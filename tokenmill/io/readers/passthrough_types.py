@@ -1,0 +1,122 @@
+"""The types of a job's passthrough columns, decided once from its input, before any shard.
+
+    Parquet input  ─► every file's schema (footers only) ─► one type per column: the files'
+                      types unified as Arrow promotes them (null -> double, int32 -> int64);
+                      dictionary columns as their values, extension types as their storage
+    JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
+                      ``SAMPLE_ROWS`` ─► Arrow's inference (``inferred_field``: JSON text
+                      where the sample has no usable type)
+
+The types are then fixed for the job (``OutputSchema``): a later value that does not fit is
+its row's error (``iter_input_rows(cfg, schema)``), never a change of the column's type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from tokenmill.io.output_schema import (
+    OutputSchema,
+    inferred_field,
+    json_text_field,
+    storable_type,
+)
+from tokenmill.io.readers.file_listing import list_input_files
+from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.input_rows import iter_input_rows
+from tokenmill.io.readers.parquet_records import ParquetRecords
+
+__all__ = ["SAMPLE_ROWS", "passthrough_schema"]
+
+# Rows whose values decide a JSONL input's passthrough types: large enough that a column that
+# is sparse at the start still shows its type, small enough to read in a second or two.
+SAMPLE_ROWS = 10_000
+
+
+def passthrough_schema(cfg: InputConfig) -> OutputSchema:
+    """The output schema of a job reading ``cfg``: the fixed columns, then each of
+    ``cfg.passthrough_columns`` with its type.
+
+    Raises ValueError naming the column and two files when Parquet input files hold a
+    passthrough column in types that do not combine (int64 and string), and what
+    ``iter_input_rows`` raises for an input that cannot be read.
+    """
+    if not cfg.passthrough_columns:
+        return OutputSchema.of([])
+    files = list_input_files(cfg)
+    fmt = detect_format(files, cfg.format, cfg.storage_options)
+    if fmt == "parquet":
+        return OutputSchema.of(_parquet_fields(files, cfg), "the input's Parquet type")
+    return _sampled(cfg)
+
+
+def _sampled(cfg: InputConfig) -> OutputSchema:
+    columns = cfg.passthrough_columns
+    values: dict[str, list[Any]] = {name: [] for name in columns}
+    read = 0
+    rows = iter_input_rows(cfg)
+    try:
+        for row in rows:
+            if read == SAMPLE_ROWS:
+                break
+            read += 1
+            if row.error is None:
+                for name in columns:
+                    values[name].append(row.passthrough.get(name))
+    finally:
+        rows.close()
+    which = f"the first {read}" if read == SAMPLE_ROWS else f"all {read}"
+    fields = [inferred_field(name, values[name]) for name in columns]
+    return OutputSchema.of(fields, f"inferred from {which} input rows")
+
+
+def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
+    found: dict[str, tuple[pa.DataType, str]] = {}  # column -> (its type, a file giving it)
+    for url in files:
+        with ParquetRecords(url, cfg.storage_options, []) as records:
+            types = records.column_types()
+        for name in cfg.passthrough_columns:
+            if name not in types:
+                continue
+            dtype = _plain(types[name])
+            if name not in found:
+                found[name] = (dtype, url)
+                continue
+            have, where = found[name]
+            if dtype != have:
+                found[name] = (_unified(name, have, where, dtype, url), where)
+    fields = []
+    for name in cfg.passthrough_columns:
+        if name in found and storable_type(found[name][0]):
+            fields.append(pa.field(name, found[name][0]))
+        else:  # in no input file: every value is null
+            fields.append(json_text_field(name))
+    return fields
+
+
+def _plain(dtype: pa.DataType) -> pa.DataType:
+    """The type a column's values are written back as: a dictionary's values, an extension
+    type's storage."""
+    if pa.types.is_dictionary(dtype):
+        return _plain(dtype.value_type)
+    if isinstance(dtype, pa.ExtensionType):
+        return _plain(dtype.storage_type)
+    return dtype
+
+
+def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: str) -> pa.DataType:
+    try:
+        merged = pa.unify_schemas(
+            [pa.schema([(name, have)]), pa.schema([(name, dtype)])], promote_options="permissive"
+        )
+    except (pa.ArrowException, TypeError) as exc:
+        raise ValueError(
+            f"input.passthrough_columns: column {name!r} is {have} in {where} but {dtype} in "
+            f"{url}, and the two do not combine into one type ({exc}); a job's output has one "
+            "type per column: give the column one type in every input file, or leave it out "
+            "of input.passthrough_columns"
+        ) from None
+    return merged.field(name).type
