@@ -36,6 +36,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.loader.checkpoint_quant import layer_quantization
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
@@ -101,18 +102,19 @@ class LLMEngine:
         parallel = ParallelConfig()
         num_kv_heads = parallel.per_rank(mc.num_key_value_heads, "num_key_value_heads")
         backend = get_attention_backend(backend_name, num_kv_heads)
+        # A quantized checkpoint (FP8, GPTQ, AWQ) runs as it is, whatever was asked for.
+        quantization = layer_quantization(mc.quantization, config.quantization)
         model = build_model(
             mc,
             backend,
             max_len,
             self.device,
             self.dtype,
-            None if source is None else source.iter_weights(config.quantization == "int4"),
+            None if source is None else source.iter_weights(quantization == "int4"),
             source=model_path,
             seed=config.seed,
             parallel=parallel,
-            # An FP8 checkpoint runs as it is, whatever was asked for.
-            quantization="fp8_checkpoint" if mc.quantization == "fp8" else config.quantization,
+            quantization=quantization,
         )
 
         # An FP8 KV cache holds e4m3 values (kernels/fp8_kv.py): twice the blocks.

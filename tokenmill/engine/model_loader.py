@@ -76,7 +76,8 @@ def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Deterministic N(0, 0.02) weights, ones for norms, zeros for biases (benchmarks)."""
+    """Deterministic N(0, 0.02) weights, ones for norms, zeros for biases, random bytes for
+    packed integer weights (INT4 codes): for benchmarks."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -86,4 +87,7 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
         else:
             if param.device not in gens:
                 gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0, 0.02, generator=gens[param.device])
+            if param.is_floating_point():
+                param.normal_(0, 0.02, generator=gens[param.device])
+            else:
+                param.random_(0, 256, generator=gens[param.device])

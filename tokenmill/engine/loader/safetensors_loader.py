@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tokenmill.engine.loader.checkpoint_quant import SUPPORTED, checkpoint_quantization
+from tokenmill.engine.loader.awq_gptq import repack_int4_layers
+from tokenmill.engine.loader.checkpoint_quant import (
+    SUPPORTED,
+    Int4Checkpoint,
+    checkpoint_quantization,
+)
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
@@ -32,6 +37,8 @@ SINGLE_FILE = "model.safetensors"
 
 # Buffers some older checkpoints saved alongside the weights; the engine computes them itself.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Integer tensors of a GPTQ / AWQ layer: its packed codes and zeros, and GPTQ's input groups.
+_PACKED_INT_SUFFIXES = (".qweight", ".qzeros", ".g_idx")
 
 
 def load_hf_config(model_dir: Path) -> ModelConfig:
@@ -90,11 +97,29 @@ def iter_safetensors_weights(
 
     Tensors keep their stored float dtype and HF layout; an FP8 checkpoint's e4m3 weights and
     their ``weight_scale`` come as they are, its ``input_scale`` not at all (activations are
-    scaled per token). Raises ValueError naming the file for a corrupt or truncated file, a
-    non-float (quantized) tensor, an e4m3 tensor outside an FP8 checkpoint, or a shape the
+    scaled per token). A GPTQ / AWQ checkpoint's linear layers come repacked for the W4A16
+    layer, as ``<layer>.qweight``, ``.scales`` and ``.mins`` (awq_gptq.py). Raises ValueError
+    naming the file for a corrupt or truncated file, a non-float (quantized) tensor the
+    config declares no format for, an e4m3 tensor outside an FP8 checkpoint, or a shape the
     config disagrees with.
     """
     shapes = expected_shapes(config)
+    int4 = Int4Checkpoint.from_name(config.quantization)
+    tensors = _read_tensors(model_dir, config, shapes, packed_ints=int4 is not None)
+    if int4 is not None:
+        yield from repack_int4_layers(tensors, int4, shapes)
+    else:
+        yield from ((name, tensor) for name, tensor, _ in tensors)
+
+
+def _read_tensors(
+    model_dir: Path,
+    config: ModelConfig,
+    shapes: dict[str, tuple[int, ...]],
+    packed_ints: bool,
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """``(hf_name, tensor, file)`` of every tensor, checked as ``iter_safetensors_weights``
+    says; with ``packed_ints`` the int32 words of GPTQ / AWQ layers pass too."""
     fp8 = config.quantization == "fp8"
     for file in safetensors_files(model_dir):
         try:
@@ -112,7 +137,8 @@ def iter_safetensors_weights(
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise ValueError(f"cannot read tensor {name} from {file} ({e})") from e
-                if not tensor.is_floating_point() or (
+                packed = packed_ints and name.endswith(_PACKED_INT_SUFFIXES)
+                if not (tensor.is_floating_point() or packed) or (
                     tensor.dtype == torch.float8_e4m3fn and not fp8
                 ):
                     raise ValueError(
@@ -120,4 +146,4 @@ def iter_safetensors_weights(
                         f"declares no quantization that stores it; supported are {SUPPORTED}"
                     )
                 check_shape(name, tuple(tensor.shape), shapes, str(file))
-                yield name, tensor
+                yield name, tensor, file

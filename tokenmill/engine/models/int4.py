@@ -5,9 +5,10 @@ inputs, dequantized in registers by the W4A16 kernel (kernels/w4a16_gemm.py has 
     forward      CUDA: the Triton W4A16 GEMM; CPU (the reference path): dequantize to the
                  activations' dtype and multiply
 
-The checkpoint brings them (GGUF Q4_0 / Q4_1 blocks as they are, loader/gguf_blocks.py); the
-layer's own loader shards them like a weight (rows for column-parallel layers, inputs, and
-so groups, for row-parallel ones).
+The checkpoint brings them: GGUF Q4_0 / Q4_1 blocks as they are (groups of 32,
+loader/gguf_blocks.py), or GPTQ / AWQ layers repacked at load (their group size,
+loader/awq_gptq.py). The layer's own loader shards them like a weight (rows for
+column-parallel layers, inputs, and so groups, for row-parallel ones).
 """
 
 from __future__ import annotations
