@@ -6,11 +6,13 @@ continuation on one branch among wrong ones; output must equal decoding without 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from tests.engine.test_multi_token_steps import _run, _summary
+from tests.engine.test_multi_token_steps import _prompts, _run, _summary
 from tests.tiny_models import save_tiny_model
 from tokenmill import SamplingParams
 from tokenmill.engine.core.batch_slots import BatchSlots
@@ -21,6 +23,10 @@ from tokenmill.engine.core.draft_tree import (
     tree_layout,
     walk_tree,
 )
+from tokenmill.engine.cuda_graphs import _padded_masks, _padded_rows
+from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.kernels.paged_prefill_attention import paged_prefill_attention_ref
 
 MAX_TOKENS = 24
 L = 3  # the true branch's length
@@ -43,6 +49,8 @@ def build_tree(branches: list[tuple[int, list[int]]], width: int) -> tuple[list,
 class TreeProposer:
     """Per row: a wrong chain, the true continuation (L tokens), and a branch that shares the
     true first token then goes wrong; ``true_first`` puts the true branch first."""
+
+    makes_trees = True  # CUDA graphs for its tree steps
 
     def __init__(self, outputs: dict[str, list[int]], true_first: bool = False) -> None:
         self.outputs = outputs
@@ -149,3 +157,56 @@ def test_bad_trees_are_refused() -> None:
         DraftTree(np.array([[5, 6]]), np.array([[0, 2]]))  # draft 2 under itself
     with pytest.raises(ValueError, match="rows, drafts"):
         DraftTree(np.array([[5, 6]]), np.array([0, 1]))
+
+
+def test_left_padded_masks_attend_as_the_unpadded_step() -> None:
+    """Tree graphs left-pad each row to T tokens inside its own context: with the shifted
+    masks, every real token attends exactly as in the unpadded step (reference kernel)."""
+    from tests.kernels.test_paged_prefill_attention import make_batch
+    from tests.kernels.test_tree_attention import masks_for, random_tree
+
+    g = torch.Generator().manual_seed(5)
+    t = 9
+    requests = [(6, 30), (1, 12), (9, 40), (3, 20)]  # (step tokens, seq_len)
+    trees = {0: random_tree(6, g), 2: random_tree(9, g), 3: random_tree(3, g)}
+    args = make_batch(requests, 4, 2, 32, 16, torch.float32, device="cpu")
+    masks = masks_for(requests, trees).cpu()
+    want = paged_prefill_attention_ref(*args, tree_mask=masks)
+
+    lens = np.array([q for q, _ in requests])
+    batch = SimpleNamespace(query_lens=lens, tree_mask=masks.numpy())
+    dest = _padded_rows(lens, t)
+    padded_masks = torch.from_numpy(_padded_masks(batch, t, dest))
+    q = args[0]
+    padded_q = torch.zeros(len(requests) * t, *q.shape[1:])
+    padded_q[torch.from_numpy(dest)] = q
+    qsl = torch.arange(0, len(requests) * t + 1, t, dtype=torch.int32)
+    got = paged_prefill_attention_ref(
+        padded_q, args[1], args[2], args[3], qsl, args[5], t, args[7], tree_mask=padded_masks
+    )
+    torch.testing.assert_close(got[torch.from_numpy(dest)], want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_tree_steps_replay_cuda_graphs(model_path: Path) -> None:
+    """On CUDA: decode steps whose rows carry trees replay the tree graphs (rows left-padded
+    to 1 + max_drafts tokens) with the tokens of eager tree steps and of plain decoding."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
+    want, _, _ = _run(model_path, params, device="cuda", block_size=16)
+    runs = {}
+    for graphs in (True, False):
+        proposer = TreeProposer({r: o.token_ids for r, o in want.items()})
+        config = EngineConfig(model=str(model_path), device="cuda", dtype="float32",
+                              block_size=16, kv_cache_memory=1 << 26, profile_steps=True,
+                              cuda_graphs=graphs)  # fmt: skip
+        engine = LLMEngine(config, proposer)
+        for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
+            engine.add_request(f"r{i}", prompt, p)
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step())
+        runs[graphs] = (done, engine.step_profile())
+    assert _summary(runs[True][0]) == _summary(runs[False][0]) == _summary(want)
+    assert runs[True][1]["decode"]["graph_steps"] > 0
+    assert runs[False][1]["decode"]["graph_steps"] == 0

@@ -15,6 +15,20 @@ padding is inert:
 A padding token before a request's tokens attends to a prefix of the request's keys (the
 decode kernel's causal rule), so it reads nothing it should not; its output is dropped.
 
+Steps whose rows carry trees of drafts (engine/core/draft_tree.py, Lookahead) get graphs
+of their own, captured for the proposer's tree size T: every row goes through the prefill
+kernel with its tree mask, left-padded to T tokens as above. A padding token's key index is
+one of the row's real context keys (its own KV is not stored), so each real token's mask
+gains the padding's bits (they are context to it) and keeps its own, shifted past them:
+
+    row of m = 3 step tokens, T = 5:   [ p p t a b ]   masks  -1 -1 0b00111 0b01111 0b10111
+                                                       (t, a, b's own 0b001, 0b011, 0b101)
+
+A row needs T keys of context for that (its sequence holds >= T tokens); a step with a
+shorter row, or a prefill chunk, runs eagerly. Rows without a tree in such a step (a row
+asking for logprobs) run through the prefill kernel too, so their bits may differ from a
+decode-kernel step's.
+
 The graph ends at the final hidden states: the LM head runs eagerly on just the rows that
 sample, so no graph holds a [bucket x Q, vocab] logits buffer. All graphs share one memory
 pool and one set of static buffers, sized for the largest bucket and query length. Graphs
@@ -52,6 +66,7 @@ class StaticDecodeInputs:
     seq_lens: torch.Tensor  # [N] int32
     block_tables: torch.Tensor  # [N, max_blocks] int32
     query_start_loc: dict[int, torch.Tensor]  # q -> [N + 1] int32: 0, q, 2q, ..
+    tree_mask: torch.Tensor  # [N * Q] int64 (tree graphs only)
 
     @classmethod
     def allocate(
@@ -68,6 +83,7 @@ class StaticDecodeInputs:
                 q: torch.arange(0, n * q + 1, q, dtype=torch.int32, device=device)
                 for q in query_lens
             },
+            tree_mask=torch.full((tokens,), -1, dtype=torch.int64, device=device),
         )
 
 
@@ -75,7 +91,8 @@ class DecodeGraphRunner:
     """Captures the model body for each (bucket, query length); replays it for decode steps.
 
     ``query_lens`` are the query lengths to capture: 1, and 1 + the most drafts a proposer
-    gives when there is one (rows with fewer drafts are left-padded up to it).
+    gives when there is one (rows with fewer drafts are left-padded up to it). ``tree_size``
+    (0: none): the step tokens a row's tree of drafts may have, captured as tree graphs.
     """
 
     def __init__(
@@ -88,6 +105,7 @@ class DecodeGraphRunner:
         block_size: int,
         device: torch.device,
         query_lens: tuple[int, ...] = (1,),
+        tree_size: int = 0,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -97,12 +115,15 @@ class DecodeGraphRunner:
         self.buckets = graph_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
         self.query_lens = sorted(set(query_lens))
+        self.tree_size = tree_size
         max_blocks = -(-max_model_len // block_size)
-        self.static = StaticDecodeInputs.allocate(self.max_bs, self.query_lens, max_blocks, device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        lens = sorted(set(self.query_lens + ([tree_size] if tree_size else [])))
+        self.static = StaticDecodeInputs.allocate(self.max_bs, lens, max_blocks, device)
+        # (bucket, query length, tree) -> the graph and its hidden-state output
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _meta(self, bs: int, q: int):
+    def _meta(self, bs: int, q: int, tree: bool):
         s = self.static
         common = CommonAttentionMetadata(
             query_start_loc=s.query_start_loc[q][: bs + 1],
@@ -112,7 +133,9 @@ class DecodeGraphRunner:
             query_lens_host=np.full(bs, q, dtype=np.int64),
             seq_lens_host=np.zeros(bs, dtype=np.int64),  # any length up to max_model_len
             block_size=self.block_size,
-            num_decodes=bs,
+            num_decodes=0 if tree else bs,  # tree rows: the prefill kernel, masked
+            tree_mask=s.tree_mask[: bs * q] if tree else None,
+            tree_mask_host=np.full(bs * q, -1, dtype=np.int64) if tree else None,
         )
         return self.backend.capture_metadata(common, self.max_model_len)
 
@@ -128,33 +151,51 @@ class DecodeGraphRunner:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for q in reversed(self.query_lens):
+            kinds = [(q, False) for q in self.query_lens]
+            if self.tree_size:
+                kinds.append((self.tree_size, True))
+            for q, tree in sorted(kinds, reverse=True):
                 for bs in reversed(self.buckets):
-                    meta = self._meta(bs, q)
+                    meta = self._meta(bs, q, tree)
                     self._forward(bs, q, meta)  # compiles the kernels outside the capture
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                         out = self._forward(bs, q, meta)
-                    self.graphs[(bs, q)] = (graph, out)
+                    self.graphs[(bs, q, tree)] = (graph, out)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
     def can_run(self, batch: HostBatch) -> bool:
-        return (
-            batch.decode_only
-            and 0 < batch.num_reqs <= self.max_bs
-            and batch.max_query_len <= self.query_lens[-1]
-            and bool(self.graphs)
-        )
+        return self._kind(batch) is not None
+
+    def _kind(self, batch: HostBatch) -> tuple[int, bool] | None:
+        """(query length, tree) of the graphs that can run ``batch``; None: run it eagerly."""
+        if not (0 < batch.num_reqs <= self.max_bs and self.graphs):
+            return None
+        if batch.num_trees == 0 and batch.decode_only:
+            q = next((x for x in self.query_lens if x >= batch.max_query_len), None)
+            return None if q is None else (q, False)
+        t = self.tree_size
+        if (
+            t
+            and batch.num_decodes + batch.num_trees == batch.num_reqs
+            and batch.max_query_len <= t
+            and int(batch.seq_lens.min()) >= t  # room to left-pad into the context
+        ):
+            return t, True
+        return None
 
     def run(self, batch: HostBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [N, H] at ``batch.logits_rows`` of a decode-only batch.
+        """Hidden states [N, H] at ``batch.logits_rows`` of a batch ``can_run`` accepts.
 
         ``pending`` ([P], on the device) are the input tokens at ``batch.pending_rows``
         that the host does not know yet."""
+        kind = self._kind(batch)
+        if kind is None:
+            raise RuntimeError("no captured graph runs this batch (check can_run first)")
+        q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
-        q = next(x for x in self.query_lens if x >= batch.max_query_len)
         dest = _padded_rows(batch.query_lens, q)  # [T] each token's row in the padded layout
         input_ids, positions, slots = batch.input_ids, batch.positions, batch.slot_mapping
         if dest is not None:
@@ -165,27 +206,50 @@ class DecodeGraphRunner:
         s = self.static
         width = batch.block_tables.shape[1]
         n = b * q
-        for dst, src in (
+        copies = [
             (s.input_ids[:n], input_ids),
             (s.positions[:n], positions),
             (s.slot_mapping[:n], slots),
             (s.seq_lens[:b], batch.seq_lens),
             (s.block_tables[:b, :width], batch.block_tables),
-        ):
+        ]
+        if tree:
+            copies.append((s.tree_mask[:n], _padded_masks(batch, q, dest)))
+        for dst, src in copies:
             upload_into(dst, torch.from_numpy(src))
         device = s.input_ids.device
         if pending is not None:
             rows = batch.pending_rows if dest is None else dest[batch.pending_rows]
             s.input_ids.index_copy_(0, upload(torch.from_numpy(rows), device), pending)
-        if bs > b:  # padding requests: no KV write, no keys
+        if bs > b:  # padding requests: no KV write
             s.slot_mapping[n : bs * q].fill_(-1)
-            s.seq_lens[b:bs].zero_()
-        graph, hidden = self.graphs[(bs, q)]
+            # decode kernel: no keys (zeros); prefill kernel (trees): q keys of any block,
+            # finite, so the dropped rows stay free of NaN
+            s.seq_lens[b:bs].fill_(q if tree else 0)
+            if tree:
+                s.tree_mask[n : bs * q].fill_(-1)
+        graph, hidden = self.graphs[(bs, q, tree)]
         graph.replay()
         rows = batch.logits_rows if dest is None else dest[batch.logits_rows]
         if dest is None and len(rows) == b:
             return hidden[:b]  # every row samples its one token: a view, no gather
         return hidden[upload(torch.from_numpy(rows), device)]
+
+
+def _padded_masks(batch: HostBatch, q: int, dest: np.ndarray | None) -> np.ndarray:
+    """[B * q] the step's tree masks in the left-padded layout: each real token's own bits
+    shifted past its row's padding, whose bits it gains (see the top); -1 (causal) stays."""
+    lens = batch.query_lens.astype(np.int64)
+    masks = batch.tree_mask
+    if masks is None:
+        masks = np.full(int(lens.sum()), -1, dtype=np.int64)
+    pad = np.repeat(q - lens, lens).astype(np.uint64)  # [T] its row's padding
+    own = masks.view(np.uint64)
+    shifted = ((own << pad) | ((np.uint64(1) << pad) - np.uint64(1))).view(np.int64)
+    padded = np.where(masks == -1, masks, shifted)
+    if dest is None:
+        return padded
+    return _scatter(padded, dest, len(lens) * q, -1)
 
 
 def _padded_rows(query_lens: np.ndarray, q: int) -> np.ndarray | None:

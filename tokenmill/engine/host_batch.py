@@ -63,6 +63,7 @@ class HostBatch:
     num_decodes: int
     logits_depth: np.ndarray
     tree_mask: np.ndarray | None = None
+    num_trees: int = 0  # rows with a tree of drafts (not decode rows)
 
     @property
     def num_reqs(self) -> int:
@@ -76,6 +77,11 @@ class HostBatch:
     def decode_only(self) -> bool:
         """Every row is a decode row (one token, or one and its drafts)."""
         return self.num_decodes == self.num_reqs
+
+    @property
+    def decode_step(self) -> bool:
+        """Every row decodes: one token, or with drafts (a chain, or a tree)."""
+        return self.num_decodes + self.num_trees == self.num_reqs
 
     @property
     def max_query_len(self) -> int:
@@ -177,4 +183,5 @@ class HostBatch:
             num_decodes=int(decode.sum()),
             logits_depth=logits_depth,
             tree_mask=tree_mask,
+            num_trees=len(trees),
         )

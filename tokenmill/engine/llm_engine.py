@@ -147,6 +147,7 @@ class LLMEngine:
                 config.max_num_seqs,
                 self.max_model_len,
                 max_drafts=0 if proposer is None else proposer.max_drafts,
+                trees=getattr(proposer, "makes_trees", False),
             )
         kv = KVCacheManager(
             num_blocks,

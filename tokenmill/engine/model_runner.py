@@ -118,16 +118,17 @@ class ModelRunner:
         self._last: _Sampled | None = None
 
     def enable_cuda_graphs(
-        self, max_num_seqs: int, max_model_len: int, max_drafts: int = 0
+        self, max_num_seqs: int, max_model_len: int, max_drafts: int = 0, trees: bool = False
     ) -> None:
         """Capture decode-step graphs (CUDA and a backend with ``cuda_graphs`` only; a no-op
         elsewhere): for one token a request, and for 1 + ``max_drafts`` when a proposer gives
-        drafts (as far as the backend's decode path takes them; longer rows run eagerly)."""
+        drafts (as far as the backend's decode path takes them; longer rows run eagerly);
+        with ``trees``, for steps whose rows carry trees of up to ``max_drafts`` drafts."""
         if self.device.type != "cuda" or not self.backend.cuda_graphs:
             return
         from tokenmill.engine.cuda_graphs import DecodeGraphRunner
 
-        query_lens = (1, min(1 + max_drafts, self.backend.max_decode_query_len))
+        query_lens = (1,) if trees else (1, min(1 + max_drafts, self.backend.max_decode_query_len))
 
         self.graphs = DecodeGraphRunner(
             self.model,
@@ -138,6 +139,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             query_lens,
+            tree_size=1 + max_drafts if trees and max_drafts else 0,
         )
         self.graphs.capture()
 

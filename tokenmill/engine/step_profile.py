@@ -26,7 +26,7 @@ class StepRecord:
     num_reqs: int
     num_tokens: int
     graph: bool
-    decode: bool  # every row a decode row (one token, or one and its drafts)
+    decode: bool  # every row decodes (one token, or with drafts: a chain or a tree)
     context_tokens: int = 0  # sum of the batch's sequence lengths (KV the step reads)
     cpu_ms: float = 0.0
     wait_ms: float = 0.0
@@ -54,7 +54,7 @@ class StepProfiler:
                 batch.num_reqs,
                 batch.num_tokens,
                 graph,
-                batch.decode_only,
+                batch.decode_step,
                 context_tokens=int(batch.seq_lens.sum()),
                 events=events,
             )

@@ -55,6 +55,8 @@ class _Row:
 
 
 class LookaheadProposer:
+    makes_trees = True  # the engine captures CUDA graphs for its tree steps
+
     def __init__(self, ngram: int = 4, window: int = 5, candidates: int = 5, seed: int = 0):
         levels = ngram - 1
         if levels < 1 or window < 1 or candidates < 0:
