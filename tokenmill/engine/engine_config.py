@@ -245,7 +245,8 @@ class EngineConfig:
     ``speculative`` drafts tokens for decode steps (SpeculativeConfig, or its fields as a
     mapping); off by default. ``quantization``: the linear layers' weights, none (the model's
     dtype), fp8 (e4m3 weights and activations, quantized at load; models/fp8.py) or int4
-    (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py).
+    (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py). A quantized
+    checkpoint (FP8, GPTQ, AWQ safetensors) runs as it is, whatever this says.
     ``kv_cache_dtype``: auto (the model's dtype) or fp8 (e4m3, twice the tokens in the same
     memory; kernels/fp8_kv.py).
     """

@@ -126,8 +126,11 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             out=out,
             first_req=nd,
-            k_new=k,
-            v_new=v,
+            # A tree step's keys all come through the cache: in a CUDA graph its rows are
+            # left-padded into their context, and a padding token's key is the context's
+            # (in the cache), not the padding's own (in k).
+            k_new=k if c.tree_mask is None else None,
+            v_new=v if c.tree_mask is None else None,
             fresh=meta.prefills_fresh,
             tree_mask=c.tree_mask,  # rows with a tree of drafts (None: every row causal)
         )
