@@ -97,7 +97,7 @@ def test_window_samples_become_grams_and_the_next_iterate() -> None:
     proposer.observe_samples(slots, rows, sampled, np.array([5]))
     for j in range(2):
         gram = [int(window[0, j]), int(window[1, j]), 73 + j]
-        conts = [c.tolist() for c in row.pool[gram[0]].values()]
+        conts = [c.tolist() for c in proposer._pool[gram[0]].values()]
         assert gram[1:] in conts
     assert row.window.tolist() == [window[1].tolist(), [73, 74]]
     # a row whose last token is a gram's key gets it as its first candidate
@@ -114,3 +114,15 @@ def test_prompt_lookup_is_a_candidate() -> None:
     tree = proposer.propose(slots, np.array([0]))
     assert tree.tokens[0, :3].tolist() == [7, 8, 9]
     assert tree.parents[0, :3].tolist() == [0, 1, 2]
+
+
+def test_finished_outputs_feed_the_pool_for_other_rows() -> None:
+    """A job's rows share the pool: a finished row's n-grams are candidates for another row
+    whose last token starts one; the pool keeps at most pool_keys keys."""
+    proposer = LookaheadProposer(ngram=3, window=1, candidates=2, pool_keys=4)
+    proposer.observe([[50, 51, 52, 53, 54, 55]])  # grams 50-51-52, 51-52-53, .. 53-54-55
+    slots = _slots([7, 8, 9, 52])
+    tree = proposer.propose(slots, np.array([0]))
+    assert tree.tokens[0, :2].tolist() == [53, 54]  # the gram after 52, first
+    proposer.observe([[60, 61, 62]])  # a fifth key: the least recently fed (50) goes
+    assert 50 not in proposer._pool and 60 in proposer._pool and len(proposer._pool) == 4

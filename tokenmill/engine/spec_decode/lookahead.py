@@ -2,7 +2,7 @@
 filled from the window's trajectories, and the pool's candidates verified, all in the row's
 normal step as one tree of drafts (engine/core/draft_tree.py). No draft model, no training.
 
-Per row, L = ``ngram`` - 1 levels of W guesses (the window) and a pool of L-token
+Per row, L = ``ngram`` - 1 levels of W guesses (the window); one pool of L-token
 continuations keyed by the token before them. A step computes, under the row's last token t:
 
     candidates   up to G chains of L tokens: what followed the row's latest earlier match
@@ -11,8 +11,9 @@ continuations keyed by the token before them. A step computes, under the row's l
     window       level 0: a chain of W guesses under t; level l > 0: W guesses, each under
                  the level below it in the same window column
 
-    step index:  1 .. g*L: candidates;  base + l*W + j: window level l, column j
-                 (base = g*L + 1); its ancestors: (l-1, j) .. (0, j), (0, j-1) .. (0, 0), t
+    step index:  1 .. base - 1: the candidates' chains (up to L tokens each);
+                 base + l*W + j: window level l, column j; its ancestors:
+                 (l-1, j) .. (0, j), (0, j-1) .. (0, 0), t
 
 so window token (l, j) sees the context, t, level 0 up to column j and its own column's
 lower levels: a diagonal trajectory. The token sampled there continues that trajectory:
@@ -21,18 +22,23 @@ lower levels: a diagonal trajectory. The token sampled there continues that traj
 
 Each step adds W such grams to the pool (key: the first token; the newest G continuations
 of a key kept), then the window moves one level down and its top level becomes the top
-level's samples (the next Jacobi iterate). Candidates and window are verified alike: the
-row keeps the path its samples follow through the tree, so output is exactly the target's.
-A new row's window starts from random tokens of its prompt.
+level's samples (the next Jacobi iterate). The pool is the engine's, shared by all rows (a
+job's rows often say the same things), bounded to ``pool_keys`` keys (the least recently
+fed go first), and the outputs of finished rows feed it too (``observe``).
 
-Per-row numpy work, for the small batches where a step has room for W*L + G*L extra
-tokens; the speculation policy keeps it off where it does not pay.
+Candidates and window are verified alike: the row keeps the path its samples follow
+through the tree, so output is exactly the target's. A new row's window starts from random
+tokens of its prompt.
+
+Per-row numpy work, meant for small batches, where a step has room for W*L + G*L extra
+tokens a row at about a plain step's cost (a GPU's memory-bound decode); it drafts on every
+step it is chosen for.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,19 +51,24 @@ __all__ = ["LookaheadProposer"]
 
 @dataclass
 class _Row:
-    """One request's window [L, W], pool (first token -> continuations [L], newest last)
-    and where its window sat in the last step's tree (0: it had none)."""
+    """One request's window [L, W] and where it sat in the last step's tree (0: none)."""
 
     request: object
     window: np.ndarray
-    pool: dict[int, OrderedDict] = field(default_factory=dict)
     base: int = 0
 
 
 class LookaheadProposer:
     makes_trees = True  # the engine captures CUDA graphs for its tree steps
 
-    def __init__(self, ngram: int = 4, window: int = 5, candidates: int = 5, seed: int = 0):
+    def __init__(
+        self,
+        ngram: int = 4,
+        window: int = 5,
+        candidates: int = 5,
+        seed: int = 0,
+        pool_keys: int = 1 << 16,
+    ) -> None:
         levels = ngram - 1
         if levels < 1 or window < 1 or candidates < 0:
             raise ValueError(
@@ -76,6 +87,9 @@ class LookaheadProposer:
         self._rng = np.random.default_rng(seed)
         self._rows: dict[int, _Row] = {}  # by slot
         self._lookup = NgramProposer(levels) if candidates else None
+        # first token -> its continuations [L] (newest last); keys in order of last feeding
+        self._pool: OrderedDict[int, OrderedDict[bytes, np.ndarray]] = OrderedDict()
+        self.pool_keys = pool_keys
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> DraftTree:
         """A tree per row in ``rows`` (slots): the pool's candidates for its last token,
@@ -89,7 +103,7 @@ class LookaheadProposer:
             row = self._row(slots, slot)
             n = int(slots.num_tokens[slot])
             last = int(slots.token_ids[slot, n - 1])
-            conts = list(row.pool.get(last, {}).values())[::-1]
+            conts = list(self._pool.get(last, {}).values())[::-1]
             if looked_up is not None and looked_up[i, 0] >= 0:  # what followed a match
                 conts.insert(0, looked_up[i][looked_up[i] >= 0])
             at = 0  # the next free draft index
@@ -126,12 +140,28 @@ class LookaheadProposer:
             new = np.asarray(sampled[i, top : top + w], dtype=np.int64)
             grams = np.vstack([row.window, new[None, :]])  # [L + 1, W]: a gram per column
             for j in range(w):
-                self._remember(row, int(grams[0, j]), grams[1:, j])
+                self._remember(int(grams[0, j]), grams[1:, j])
             row.window = np.vstack([row.window[1:], new[None, :]])
             row.base = 0
 
-    def _remember(self, row: _Row, first: int, cont: np.ndarray) -> None:
-        conts = row.pool.setdefault(first, OrderedDict())
+    def observe(self, outputs: list[list[int]]) -> None:
+        """Outputs of requests that just finished: each n-gram of them joins the pool."""
+        lv = self.levels
+        for out in outputs:
+            tokens = np.asarray(out, dtype=np.int64)
+            if len(tokens) <= lv:
+                continue
+            grams = np.lib.stride_tricks.sliding_window_view(tokens, lv + 1)
+            for gram in grams:
+                self._remember(int(gram[0]), gram[1:])
+
+    def _remember(self, first: int, cont: np.ndarray) -> None:
+        conts = self._pool.pop(first, None)
+        if conts is None:
+            conts = OrderedDict()
+            if len(self._pool) >= self.pool_keys:
+                self._pool.popitem(last=False)  # the key fed least recently
+        self._pool[first] = conts
         key = cont.tobytes()
         conts.pop(key, None)
         conts[key] = cont.copy()  # newest last
