@@ -1,0 +1,87 @@
+"""tokenmill as a Ray Data stage, on a real local Ray cluster: the generated columns equal
+LLM.chat's on the same rows, bad rows get an error without failing their batch, and
+preprocess / postprocess run around the engine replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+
+ray = pytest.importorskip("ray")
+
+from tokenmill.integrations.ray_data import (  # noqa: E402
+    OUTPUT_COLUMNS,
+    ProcessorConfig,
+    build_processor,
+)
+
+ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4}
+SAMPLING = {"max_tokens": 6, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("raydata") / "m")
+
+
+def _question(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"question number {i}: what is {i} + {i}?"}]
+
+
+def test_outputs_equal_llm_chat_and_bad_rows_get_errors(model: Path) -> None:
+    rows = [{"id": i, "messages": _question(i)} for i in range(10)]
+    rows[3] = {"id": 3, "messages": [{"role": "user", "content": "x" * 3000}]}  # too long
+    rows[7] = {"id": 7, "messages": _question(7), "sampling_params": {"temperature": -1.0}}
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING, concurrency=2,
+                             batch_size=4)  # fmt: skip
+    out = build_processor(config)(ray.data.from_items(rows)).take_all()
+    got = {r["id"]: r for r in out}
+    assert sorted(got) == list(range(10))
+    assert all(set(OUTPUT_COLUMNS) <= set(r) for r in out)
+
+    llm = LLM(str(model), **ENGINE)
+    good = [i for i in range(10) if i not in (3, 7)]
+    want = llm.chat([_question(i) for i in good], SamplingParams(**SAMPLING))
+    for i, w in zip(good, want, strict=True):
+        r = got[i]
+        assert (r["generated_text"], list(r["generated_token_ids"])) == (w.text, w.token_ids)
+        assert r["error"] is None and r["finish_reason"] == w.finish_reason
+        assert r["num_generated_tokens"] == len(w.token_ids) > 0
+    assert got[3]["finish_reason"] == "error" and "context" in got[3]["error"]
+    assert got[7]["finish_reason"] == "error" and "temperature" in got[7]["error"]
+
+
+def test_preprocess_and_postprocess_wrap_the_engine(model: Path) -> None:
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING, batch_size=8)
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {"n": row["n"], "prompt": f"count to {row['n']}:"},
+        postprocess=lambda row: {"n": row["n"], "answer": row["generated_text"].strip()},
+    )
+    out = processor(ray.data.from_items([{"n": n} for n in range(5)])).take_all()
+    assert sorted(r["n"] for r in out) == list(range(5))
+    assert all(set(r) == {"n", "answer"} for r in out)
+
+
+def test_bad_settings_are_refused_when_building() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        ProcessorConfig(concurrency=0)
+    with pytest.raises(TypeError, match="max_num_seq"):
+        ProcessorConfig(engine={"max_num_seq": 4})
+    with pytest.raises(ValueError, match="temperature"):
+        ProcessorConfig(sampling={"temperature": -1.0})

@@ -1,0 +1,1 @@
+"""tokenmill inside other systems' pipelines: Ray Data (``ray_data``)."""

@@ -1,0 +1,178 @@
+"""tokenmill as a stage of a Ray Data pipeline: ``build_processor`` turns a model and its
+settings into a function from a ``ray.data.Dataset`` of prompts to one with the generated
+text, run by a pool of engine replicas (Ray actors), each a tokenmill ``LLM``:
+
+    ds (rows)  --preprocess-->  rows with "messages" or "prompt" (+ "sampling_params")
+               --map_batches(EngineReplica, concurrency=N)-->  + generated columns
+               --postprocess-->  what the user keeps
+
+A row the engine cannot run (an over-long prompt, a conversation the chat template
+rejects, a bad sampling value) gets ``error`` set and empty outputs; the rest of its batch
+runs (one bad row never fails a batch). Every input column is kept.
+
+Columns added: ``generated_text``, ``generated_token_ids``, ``num_input_tokens``,
+``num_generated_tokens``, ``finish_reason`` (stop, length or error), ``error`` (None or what
+went wrong).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OUTPUT_COLUMNS", "EngineReplica", "ProcessorConfig", "build_processor"]
+
+OUTPUT_COLUMNS = (
+    "generated_text",
+    "generated_token_ids",
+    "num_input_tokens",
+    "num_generated_tokens",
+    "finish_reason",
+    "error",
+)
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """What the processor runs.
+
+    ``model``: an alias, an HF directory or a .gguf file (as ``LLM``'s). ``engine``: the
+    engine's settings (``EngineConfig``'s fields: device, dtype, max_num_seqs, ...).
+    ``sampling``: default ``SamplingParams`` fields, under a row's own ``sampling_params``.
+    ``concurrency``: engine replicas; ``batch_size``: rows a replica gets per call (a
+    multiple of max_num_seqs keeps its engine full); ``num_gpus``: per replica (None: 1 when
+    the engine's device is cuda, else 0).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    engine: Mapping[str, Any] = field(default_factory=dict)
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    concurrency: int = 1
+    batch_size: int = 256
+    num_gpus: float | None = None
+    num_cpus: float = 1
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {value!r}")
+        from tokenmill.engine.engine_config import EngineConfig
+        from tokenmill.engine.sampling_params import SamplingParams
+
+        EngineConfig.from_settings(self.model, **self.engine)  # refuse bad settings here,
+        SamplingParams(**self.sampling)  # not in every replica
+
+    def gpus_per_replica(self) -> float:
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 1.0 if str(self.engine.get("device", "")).startswith("cuda") else 0.0
+
+
+class EngineReplica:
+    """One engine, fed a batch of rows per call (Ray Data's callable-class contract)."""
+
+    def __init__(self, config: ProcessorConfig) -> None:
+        from tokenmill.engine.llm import LLM
+
+        self.config = config
+        self.llm = LLM(config.model, **config.engine)
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
+        columns = {name: list(values) for name, values in batch.items()}
+        size = len(next(iter(columns.values()), []))
+        rows = [{name: values[i] for name, values in columns.items()} for i in range(size)]
+        results = self.run(rows)
+        for name in OUTPUT_COLUMNS:
+            columns[name] = [r[name] for r in results]
+        return columns
+
+    def run(self, rows: list[Row]) -> list[Row]:
+        """The generated columns for each row, in order."""
+        from tokenmill.engine.sampling_params import SamplingParams
+
+        results: list[Row | None] = [None] * len(rows)
+        prompts, params, where = [], [], []
+        for i, row in enumerate(rows):
+            try:
+                tokens = self._prompt_tokens(row)
+                sampling = {**self.config.sampling, **_mapping(row.get("sampling_params"))}
+                params.append(SamplingParams(**sampling))
+            except (ValueError, TypeError) as exc:
+                results[i] = _failed(f"row {i} of the batch: {exc}")
+                continue
+            prompts.append(tokens)
+            where.append(i)
+        outs = self.llm.generate(prompts, params) if prompts else []
+        for i, out in zip(where, outs, strict=True):
+            results[i] = {
+                "generated_text": out.text,
+                "generated_token_ids": list(out.token_ids),
+                "num_input_tokens": len(out.prompt_token_ids),
+                "num_generated_tokens": len(out.token_ids),
+                "finish_reason": out.finish_reason,
+                "error": out.error,
+            }
+        return results  # type: ignore[return-value]
+
+    def _prompt_tokens(self, row: Row) -> list[int]:
+        from tokenmill.engine.prompts import encode_prompt
+
+        if row.get("messages") is not None:
+            return self.llm.encode_chat([dict(m) for m in row["messages"]])
+        if row.get("prompt") is not None:
+            return encode_prompt(self.llm.tokenizer, str(row["prompt"]))
+        if row.get("prompt_token_ids") is not None:
+            return [int(t) for t in row["prompt_token_ids"]]
+        raise ValueError(
+            "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
+            f"function can build one); it has {sorted(row)}"
+        )
+
+
+def build_processor(
+    config: ProcessorConfig,
+    preprocess: Callable[[Row], Row] | None = None,
+    postprocess: Callable[[Row], Row] | None = None,
+) -> Callable[[Any], Any]:
+    """A function ``ds -> ds`` running ``config``'s model over a Ray Dataset's rows (see
+    the top). Refuses bad engine or sampling settings at once (ValueError, TypeError)."""
+
+    def process(ds: Any) -> Any:
+        if preprocess is not None:
+            ds = ds.map(preprocess)
+        ds = ds.map_batches(
+            EngineReplica,
+            fn_constructor_kwargs={"config": config},
+            batch_size=config.batch_size,
+            concurrency=config.concurrency,
+            num_gpus=config.gpus_per_replica(),
+            num_cpus=config.num_cpus,
+        )
+        if postprocess is not None:
+            ds = ds.map(postprocess)
+        return ds
+
+    return process
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"sampling_params must be a mapping, got {type(value).__name__}")
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def _failed(message: str) -> Row:
+    return {
+        "generated_text": "",
+        "generated_token_ids": [],
+        "num_input_tokens": 0,
+        "num_generated_tokens": 0,
+        "finish_reason": "error",
+        "error": message,
+    }
