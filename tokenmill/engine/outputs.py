@@ -11,20 +11,50 @@ completion's, so code written against either shape reads the same values:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["CompletionOutput", "RequestOutput", "TokenLogprob"]
+__all__ = ["CompletionOutput", "Logprob", "RequestOutput", "TokenLogprob"]
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """The chosen token's logprob and the top alternatives (token id -> logprob)."""
+class Logprob:
+    """One candidate token at a position, as vLLM's results give it."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None  # not filled in here (decode the id if needed)
+
+
+@dataclass(frozen=True)
+class TokenLogprob(Mapping[int, Logprob]):
+    """The chosen token's logprob and the top alternatives (token id -> logprob).
+
+    It is also vLLM's per-position mapping, token id -> ``Logprob`` over the chosen token and
+    the alternatives, so ``lp[token_id].logprob`` and ``lp.items()`` read as they do there.
+    """
 
     token_id: int
     logprob: float
     rank: int
     top: dict[int, float] = field(default_factory=dict)
+
+    @functools.cached_property
+    def _entries(self) -> dict[int, Logprob]:
+        ranked = sorted(self.top.items(), key=lambda kv: -kv[1])
+        entries = {t: Logprob(v, rank) for rank, (t, v) in enumerate(ranked, start=1)}
+        entries[self.token_id] = Logprob(self.logprob, self.rank)
+        return entries
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        return self._entries[token_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True)
