@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from tokenmill.io.openai_batch_output import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from tokenmill.io.openai_batch_output import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    error_line,
+    result_line,
+)
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
@@ -232,6 +238,21 @@ def test_openai_batch_logprobs() -> None:
         "token_logprobs": [-0.1, -0.5],
         "top_logprobs": [{"Hi": -0.1}, {"!": -0.5}],
     }
+
+
+def test_openai_batch_ids_are_one_per_line_and_stable() -> None:
+    """Rows sharing an id (and a fallback id equal to another row's custom_id) still get
+    ids of their own, from their place in the input; the same row always gets the same."""
+    row = _batch_rows(CHAT_ENDPOINT)[0]
+    same_id = ResultRow(5, row.row_id, "Yo", "stop", 1, 1, custom_id=row.custom_id,
+                        endpoint=CHAT_ENDPOINT, model="tiny")  # fmt: skip
+    lines = [result_line(r) for r in (row, same_id)]
+    errors = [error_line(replace(r, error="bad")) for r in (row, same_id)]
+    assert len({x["id"] for x in lines}) == len({x["id"] for x in errors}) == 2
+    request_ids = {x["response"]["request_id"] for x in lines}
+    body_ids = {x["response"]["body"]["id"] for x in lines}
+    assert len(request_ids) == len(body_ids) == 2
+    assert [result_line(r) for r in (row, same_id)] == lines  # deterministic
 
 
 def test_openai_batch_needs_an_endpoint() -> None:

@@ -71,3 +71,49 @@ def test_openai_batch_in_and_out(tiny_model: Path, tmp_path: Path) -> None:
     assert "temperature" in errors["bad-temp"]["error"]["message"]
     assert "top_p" in errors["bad-topp"]["error"]["message"]
     assert json.loads((out / "report.json").read_text())["rows_failed"] == 5
+
+
+def test_duplicate_custom_ids_get_unique_stable_line_ids(tiny_model: Path, tmp_path: Path) -> None:
+    """Every output and error line has its own id (OpenAI's rule), also for a repeated
+    custom_id and for a custom_id spelled like another line's file:line fallback id; a rerun
+    with --fresh writes the same bytes."""
+    chat = "/v1/chat/completions"
+
+    def line(cid: str) -> dict:
+        body = {"messages": [{"role": "user", "content": f"hi {cid}"}], "max_tokens": 4}
+        return _line(cid, chat, body)
+
+    # line 4 repeats "a": a row error whose id falls back to "batch.jsonl:4", line 2's id
+    cids = ["a", "batch.jsonl:4", "b", "a", "c", "b"]
+    src = write_jsonl(tmp_path / "batch.jsonl", [line(c) for c in cids])
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, output={"format": "openai-batch"})
+    spec["input"] = {"path": str(src), "format": "auto"}
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (4, 2)
+
+    lines = read_jsonl_dir(out / "shards") + read_jsonl_dir(out / "errors")
+    ids = [x["id"] for x in lines]
+    assert len(ids) == 6 and len(set(ids)) == 6
+    ok = [x for x in lines if x["error"] is None]
+    assert sorted(x["custom_id"] for x in ok) == ["a", "b", "batch.jsonl:4", "c"]
+    assert len({x["response"]["request_id"] for x in ok}) == 4
+    assert len({x["response"]["body"]["id"] for x in ok}) == 4
+    errors = [x for x in lines if x["error"] is not None]
+    assert all("duplicate id" in x["error"]["message"] for x in errors)
+    _validate_with_openai_types(ok)
+
+    files = {p: p.read_bytes() for p in sorted(out.glob("*/*.jsonl"))}
+    again = run_job(spec, fresh=True, show_progress=False)
+    assert again.rows_this_run == 6
+    assert {p: p.read_bytes() for p in sorted(out.glob("*/*.jsonl"))} == files
+
+
+def _validate_with_openai_types(lines: list[dict]) -> None:
+    """Parse each body with the ``openai`` package's own types, where it is installed."""
+    try:
+        from openai.types.chat import ChatCompletion
+    except ImportError:
+        return
+    for x in lines:
+        ChatCompletion.model_validate(x["response"]["body"])

@@ -77,6 +77,10 @@ def test_ray_gives_the_same_rows_as_local(
     assert len(got["ok"]) == 12 and len(got["errors"]) == 3
     assert got == local_outputs
     assert report.prefix_cache_hit_rate > 0  # the chat template's shared prefix, per replica
+    # tokens counted from the replicas' counters; their model loads are load, not generation
+    assert report.throughput_over_time[-1][1] == report.completion_tokens > 0
+    assert report.generation_seconds > 0 and report.model_load_seconds > 0
+    assert report.generation_seconds + report.model_load_seconds <= report.wall_seconds + 0.01
 
 
 class _CancelAfterFirstShard(threading.Event):

@@ -245,6 +245,13 @@ class LLMEngine:
             self.scheduler.has_unfinished() or self._in_flight is not None or self._outputs.pending
         )
 
+    @property
+    def num_unfinished_output_tokens(self) -> int:
+        """Output tokens generated so far by the requests that have not finished (waiting,
+        running or preempted). Read-only; O(requests in flight): for progress reports, not
+        for every step."""
+        return sum(t.request.num_output_tokens for t in self._tracked.values())
+
     def close(self) -> None:
         """Stop the output worker (outputs not collected yet are dropped)."""
         self._outputs.close()

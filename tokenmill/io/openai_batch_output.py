@@ -11,9 +11,12 @@ and a failed row, in the separate error file,
     {"id": "batch_req_<hex>", "custom_id": "...", "response": null,
      "error": {"code": "invalid_request", "message": "..."}}
 
-Every id is a hash of the row id and ``created`` is passed in (default 0), so a rerun of a
-greedy job writes byte-identical lines: that is what makes a recomputed shard indistinguishable
-from the one a crash interrupted.
+Every id is a hash of the row's place in the input (its row index: the same in every run and
+resume of the job, and never another row's) and its id, so each line of a job has its own
+``id`` (as OpenAI's do), also when two input lines share a custom_id (the second is a row
+error, under its file:line). ``created`` is passed in (default 0), so a rerun of a greedy job
+writes byte-identical lines: that is what makes a recomputed shard indistinguishable from the
+one a crash interrupted.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 
 
 def _stable_hex(kind: str, row: ResultRow, n: int) -> str:
-    return hashlib.sha256(f"{kind}\0{row.row_id}".encode()).hexdigest()[:n]
+    key = f"{kind}\0{row.row_index}\0{row.row_id}"
+    return hashlib.sha256(key.encode()).hexdigest()[:n]
 
 
 def _custom_id(row: ResultRow) -> str:

@@ -1,7 +1,8 @@
 """EngineCounters: what a job reports from its engines' running counts, summed over replicas.
 
 Each replica's engine counts from its start; an executor keeps the latest counts of each
-replica (a Ray replica sends them with every chunk it returns) and adds them up.
+replica (a Ray replica sends them with every chunk it returns) and adds them up. Every count
+only grows, so the sum over replicas is the job's count whatever the replicas' timing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ class EngineCounters:
     draft_tokens: int = 0  # speculative drafts scheduled
     accepted_tokens: int = 0  # drafts accepted: decode steps saved
     drafted_rows: int = 0  # (step, row) pairs that carried drafts
+    # Output tokens generated so far, rows still generating included (what a live rate counts)
+    output_tokens: int = 0
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> EngineCounters:
+    def of(cls, engine: LLMEngine, output_tokens: int = 0) -> EngineCounters:
+        """The counts of ``engine``; ``output_tokens`` is the caller's (the engine counts
+        only its unfinished requests' tokens: see RowProcessor.output_tokens)."""
         prefix = engine.scheduler.kv.prefix_cache_stats
         steps = engine.scheduler.stats
         return cls(
@@ -35,6 +40,7 @@ class EngineCounters:
             steps.num_draft_tokens,
             steps.num_accepted_tokens,
             steps.num_drafted_rows,
+            output_tokens,
         )
 
     def __add__(self, other: EngineCounters) -> EngineCounters:

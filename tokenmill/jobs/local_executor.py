@@ -6,18 +6,20 @@ The engine's batch never drains while there is input: before every step the exec
 the engine up to ``2 * max_num_seqs`` requests from what the source has ready, without
 waiting (it waits only when the engine has nothing to do), so the scheduler always has a
 queue to batch from and the queued-but-not-running requests stay bounded. Results are
-yielded as requests finish (any order).
+yielded as requests finish (any order); ``on_step`` is called after every step, so the
+runner's progress can show tokens before any row finishes (``live``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
+from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
 from tokenmill.jobs.requests import error_result, result_from_output, row_error_reason
 from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
@@ -48,6 +50,9 @@ class RowProcessor:
         self.prepare = RowPreparer(
             own_tokenizer(self.tokenizer), spec.sampling.model_dump(), spec.model.source
         )
+        self._in_flight: dict[str, InputRow] = {}
+        self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far
+        self._output_tokens = 0  # the highest count ``output_tokens`` gave
 
     @property
     def model_name(self) -> str:
@@ -59,14 +64,18 @@ class RowProcessor:
         self.prepare.model = name
 
     def process(
-        self, rows: RowSource | Iterable[InputRow], cancel: threading.Event | None = None
+        self,
+        rows: RowSource | Iterable[InputRow],
+        cancel: threading.Event | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> Iterator[ResultRow]:
         """Run the rows through the engine; yields one ResultRow per row. ``rows`` is a
         RowSource, or good InputRows (prepared here). On ``cancel``, in-flight requests are
-        dropped (their rows yield nothing) and the stream ends. Re-raises the source's error."""
+        dropped (their rows yield nothing) and the stream ends. ``on_step`` is called after
+        every engine step. Re-raises the source's error."""
         cancel = cancel or threading.Event()
         source = rows if isinstance(rows, RowSource) else RowList(rows, self.prepare)
-        in_flight: dict[str, InputRow] = {}
+        in_flight = self._in_flight
         while not cancel.is_set():
             busy = self.engine.has_unfinished()
             room = self.max_in_flight - len(in_flight)
@@ -80,10 +89,16 @@ class RowProcessor:
                 if source.exhausted:
                     return
                 continue
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if on_step is not None:
+                on_step()
+            for out in outputs:
                 row = in_flight.pop(out.request_id)
-                yield result_from_output(row, out, self.tokenizer, self.model_name)
+                result = result_from_output(row, out, self.tokenizer, self.model_name)
+                self._returned_tokens += result.completion_tokens
+                yield result
         self.engine.abort_requests(list(in_flight))
+        in_flight.clear()
 
     def _add(self, item: FeedItem, in_flight: dict[str, InputRow]) -> ResultRow | None:
         """Queue ``item`` in the engine; the row's error result when it cannot run."""
@@ -100,9 +115,22 @@ class RowProcessor:
         return None
 
     @property
+    def output_tokens(self) -> int:
+        """Output tokens generated so far: the finished rows' and those of the requests still
+        generating. Never decreases (a finished request's tokens leave the engine's count a
+        step before its result is yielded; an aborted one's are gone)."""
+        live = self._returned_tokens + self.engine.num_unfinished_output_tokens
+        self._output_tokens = max(self._output_tokens, live)
+        return self._output_tokens
+
+    def live(self) -> LiveCounts:
+        """Tokens so far and rows in flight, for the progress line (the engine's thread)."""
+        return LiveCounts(self.output_tokens, len(self._in_flight))
+
+    @property
     def counters(self) -> EngineCounters:
-        """The engine's counts so far (prefix cache, speculative drafts)."""
-        return EngineCounters.of(self.engine)
+        """The engine's counts so far (prefix cache, speculative drafts, output tokens)."""
+        return EngineCounters.of(self.engine, self.output_tokens)
 
     def close(self) -> None:
         """Stop the engine's output worker and release its memory (the KV cache) promptly."""

@@ -1,62 +1,215 @@
-"""Progress: a bar on a terminal, plain periodic log lines otherwise."""
+"""Progress: a bar on a terminal, plain periodic log lines otherwise, and the report's samples.
+
+    executor ── after every engine step ──► tick() ───────┐
+    runner   ── each finished row ────────► update() ─────┴─► every sample_s: live() ─► rate
+                                                              windows, report samples, the bar;
+                                                              every interval_s: a log line
+
+What it counts is what the engine generates, not only what finished rows hold: ``live()``
+gives the output tokens generated so far (rows still generating included) and the rows in
+flight, so there is a rate and a line before the first row finishes. The clock starts when
+the model has loaded (the runner builds Progress then); model loading that happens later
+(Ray replicas load when their first rows arrive; ``LiveCounts.load_seconds``) is taken out
+of the rate's window. Rates are over a recent window (rate_window.py):
+
+    output tok/s  tokens generated over the last 30 s
+    ETA           rows remaining / rows done per s over the last 120 s; "ETA unknown" until
+                  some row has finished in that window (and without an input row count)
+
+A log line reads (with the row count known):
+
+    120 of 2,000 rows done (6%), 256 in flight, 41,280 output tokens so far, 1,650 output
+    tok/s, ETA 3 min 05 s
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenmill.jobs.rate_window import RateWindow
+
+__all__ = ["LiveCounts", "Progress", "format_duration"]
 
 log = logging.getLogger("tokenmill.jobs")
 
+TOKENS_WINDOW_S = 30.0
+ROWS_WINDOW_S = 120.0  # longer: rows finish in waves when many start together
+MAX_REPORT_SAMPLES = 1000  # past this the report keeps every other sample, twice as far apart
+
+
+@dataclass(frozen=True)
+class LiveCounts:
+    """What an executor reports while it runs (RowProcessor.live, RayExecutor.live)."""
+
+    output_tokens: int = 0  # generated this run so far, rows still generating included
+    rows_in_flight: int = 0  # handed to the engine(s), no result yet
+    load_seconds: float = 0.0  # model loading after the progress clock started (Ray replicas)
+
 
 class Progress:
+    """Counts rows and tokens of one run and shows them. ``total``: the input's rows (None if
+    not counted); ``already_done``: rows committed by earlier runs. A line is logged every
+    ``interval_s`` seconds (without a terminal); ``live`` is called at most every ``sample_s``
+    seconds (default: 1 s, or ``interval_s`` if shorter), on the caller's thread; rates need
+    a sample's span of history. ``clock`` is injectable for tests."""
+
     def __init__(
-        self, total: int | None, already_done: int, enabled: bool = True, interval_s: float = 10.0
+        self,
+        total: int | None,
+        already_done: int,
+        enabled: bool = True,
+        interval_s: float = 10.0,
+        live: Callable[[], LiveCounts] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sample_s: float | None = None,
     ) -> None:
+        if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
+            raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
+        sample_s = min(1.0, interval_s) if sample_s is None else sample_s
         self.total = total
         self.done = already_done
         self.done_this_run = 0
-        self.tokens = 0
-        self.samples: list[tuple[float, int]] = []  # (seconds, output tokens) for the report
-        self.start = time.monotonic()
-        self._last_log = self.start
+        self.tokens = 0  # output tokens generated this run (the live count when it is larger)
+        self.finished_tokens = 0  # of which in finished rows
+        self.in_flight = 0
+        self.load_seconds = 0.0
+        # (seconds since the clock started, output tokens) for the report
+        self.samples: list[tuple[float, int]] = []
+        self.enabled = enabled
         self.interval_s = interval_s
+        self._live = live
+        self._clock = clock
+        self._sample_s = sample_s
+        self._report_every = sample_s
+        self.start = clock()
+        self._last_sample = self._last_log = self.start
+        self._token_rate = RateWindow(TOKENS_WINDOW_S, min_span_s=sample_s)
+        self._row_rate = RateWindow(ROWS_WINDOW_S, min_span_s=sample_s)
+        self._token_rate.add(self.start, 0)
+        self._row_rate.add(self.start, 0)
         self._bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=already_done, unit="row", dynamic_ncols=True)
-        self.enabled = enabled
 
     def update(self, rows: int, tokens: int) -> None:
+        """``rows`` finished (or failed) with ``tokens`` output tokens between them."""
         self.done += rows
         self.done_this_run += rows
-        self.tokens += tokens
-        elapsed = time.monotonic() - self.start
-        if not self.samples or elapsed - self.samples[-1][0] >= 1.0:
-            self.samples.append((round(elapsed, 2), self.tokens))
-        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        self.finished_tokens += tokens
+        self.tokens = max(self.tokens, self.finished_tokens)
         if self._bar is not None:
             self._bar.update(rows)
-            self._bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
-        elif self.enabled and time.monotonic() - self._last_log >= self.interval_s:
-            self._last_log = time.monotonic()
-            log.info(
-                "%s rows done%s, %.0f output tok/s%s",
-                self.done,
-                f" of {self.total}" if self.total else "",
-                rate,
-                self._eta(elapsed),
-            )
+        self.tick()
 
-    def _eta(self, elapsed: float) -> str:
-        if not self.total or self.done_this_run <= 0:
-            return ""
-        rows_per_s = self.done_this_run / elapsed if elapsed > 0 else 0
-        if rows_per_s <= 0:
-            return ""
-        return f", ETA {max(self.total - self.done, 0) / rows_per_s:.0f} s"
+    def tick(self) -> None:
+        """Take a sample and show progress when they are due; cheap otherwise (the local
+        executor calls it after every engine step)."""
+        now = self._clock()
+        if now - self._last_sample < self._sample_s:
+            return
+        self._last_sample = now
+        self._sample(now)
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._bar_text(), refresh=True)
+        elif self.enabled and now - self._last_log >= self.interval_s:
+            self._last_log = now
+            log.info("%s", self.line())
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Output tokens per second over the recent window; None without a basis yet (less
+        than a sample's span, or no token counted at all: a Ray replica not yet heard from)."""
+        return self._token_rate.rate() if self.tokens else None
+
+    @property
+    def eta_seconds(self) -> float | None:
+        """Seconds until every input row is done at the recent rows/s; None without a basis
+        (no row count, or no row finished in the window)."""
+        if self.total is None:
+            return None
+        remaining = max(self.total - self.done, 0)
+        if remaining == 0:
+            return 0.0
+        rows_per_s = self._row_rate.rate()
+        if not rows_per_s or self._row_rate.increase() <= 0:
+            return None
+        return remaining / rows_per_s
+
+    def line(self) -> str:
+        """The progress line, as logged."""
+        if self.total:
+            rows = f"{self.done:,} of {self.total:,} rows done ({self.done / self.total:.0%})"
+        else:
+            rows = f"{self.done:,} rows done"
+        rate = self.tokens_per_s
+        eta = self.eta_seconds
+        return ", ".join(
+            [
+                rows,
+                f"{self.in_flight:,} in flight",
+                f"{self.tokens:,} output tokens so far",
+                "output tok/s not measured yet" if rate is None else f"{rate:,.0f} output tok/s",
+                "ETA unknown" if eta is None else f"ETA {format_duration(eta)}",
+            ]
+        )
+
+    def finish(self) -> None:
+        """Take a last sample (the run's stream of results has ended), for the report."""
+        now = self._clock()
+        self._last_sample = now
+        self._sample(now, last=True)
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._bar_text(), refresh=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+    def _sample(self, now: float, last: bool = False) -> None:
+        if self._live is not None:
+            counts = self._live()
+            self.tokens = max(self.tokens, counts.output_tokens)
+            self.in_flight = counts.rows_in_flight
+            if counts.load_seconds > self.load_seconds:
+                self.load_seconds = counts.load_seconds
+                # what a replica spent loading is not generation time
+                loaded = min(self.start + counts.load_seconds, now)
+                self._token_rate.start_at(loaded)
+                self._row_rate.start_at(loaded)
+        self._token_rate.add(now, self.tokens)
+        self._row_rate.add(now, self.done_this_run)
+        self._report_sample(now, last)
+
+    def _report_sample(self, now: float, last: bool) -> None:
+        elapsed = round(now - self.start, 2)
+        if self.samples and self.samples[-1][0] == elapsed:
+            self.samples[-1] = (elapsed, self.tokens)
+            return
+        if self.samples and elapsed - self.samples[-1][0] < self._report_every and not last:
+            return
+        self.samples.append((elapsed, self.tokens))
+        if len(self.samples) >= MAX_REPORT_SAMPLES:  # bounded for runs of days
+            self.samples = self.samples[::2]
+            self._report_every *= 2
+
+    def _bar_text(self) -> str:
+        rate = self.tokens_per_s
+        return f"{self.in_flight} in flight, " + (
+            "tok/s: measuring" if rate is None else f"{rate:,.0f} tok/s"
+        )
+
+
+def format_duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"

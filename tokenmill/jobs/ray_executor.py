@@ -19,6 +19,11 @@ on the actor, one in transit), so memory stays bounded however large the input. 
 on the driver, through the runner's exactly-once writer; a result arriving twice (a retried
 Ray task) is dropped.
 
+Progress: each result chunk carries its replica's running counts (EngineCounters, output
+tokens included) and how long the replica took to load its model, so the driver's live counts
+(``live``) are the replicas' counts summed, as of their last chunks, and the rows it has sent
+and not had back; the slowest replica's load time is model load, not generation, time.
+
 Ray Data emits a read task's output in blocks of ``DataContext.target_max_block_size``
 (128 MiB): small blocks are held back and merged until that size or the end of the task,
 which would stall a streaming read until its input ends. So each chunk travels as a
@@ -41,6 +46,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +60,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
+from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.spec import JobSpec
 
 __all__ = ["RayExecutor", "replica_resources"]
@@ -69,11 +76,13 @@ _END = object()  # the drain thread's "the dataset is exhausted"
 
 @dataclass(frozen=True)
 class _ResultChunk:
-    """What a replica returns for one chunk: its results and its engine's running counts."""
+    """What a replica returns for one chunk: its results, its engine's running counts and the
+    seconds it took to load its model."""
 
     replica: str
     counters: EngineCounters
     results: list[ResultRow]
+    load_seconds: float = 0.0
 
 
 def replica_resources(spec: JobSpec, cluster_gpus: float) -> dict[str, float]:
@@ -125,13 +134,19 @@ class RayExecutor:
                     total.get(name, 0),
                 )
         self._stats: dict[str, EngineCounters] = {}
+        self._load_seconds: dict[str, float] = {}  # replica -> its model load time
+        self._rows_in_flight = 0
         self._pipelines: list[_Pipeline] = []
 
     def process(
-        self, rows: Iterable[InputRow], cancel: threading.Event | None = None
+        self,
+        rows: Iterable[InputRow],
+        cancel: threading.Event | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> Iterator[ResultRow]:
         """Run good rows through the replicas; yields one ResultRow per row, in any order.
-        On ``cancel`` it stops pulling rows and returns; in-flight rows yield nothing."""
+        On ``cancel`` it stops pulling rows and returns; in-flight rows yield nothing.
+        ``on_step`` is called at every poll for results (at least every 0.1 s)."""
         cancel = cancel or threading.Event()
         pipe = _Pipeline(self._build_dataset)
         self._pipelines.append(pipe)
@@ -157,27 +172,55 @@ class RayExecutor:
                     pipe.end_input()
                     if not in_flight:
                         return
+                self._rows_in_flight = len(in_flight)
                 item = pipe.next_results(_POLL_S)
+                if item is not None and item is not _END:
+                    self._note_chunk(item)
+                if on_step is not None:
+                    on_step()
                 if item is None:
                     continue
                 if item is _END:
                     log.warning("the Ray pipeline ended with %d rows unanswered", len(in_flight))
                     return
-                self._stats[item.replica] = item.counters
                 for result in item.results:
                     if result.row_index not in in_flight:
                         continue  # answered already (a retried task)
                     in_flight.discard(result.row_index)
+                    self._rows_in_flight = len(in_flight)
                     yield result
                     if cancel.is_set():
                         return
         finally:
+            self._rows_in_flight = 0
             pipe.stop()
+
+    def _note_chunk(self, item: _ResultChunk) -> None:
+        """Keep a result chunk's counts; say when a replica has loaded its model."""
+        self._stats[item.replica] = item.counters
+        if item.replica not in self._load_seconds:
+            self._load_seconds[item.replica] = item.load_seconds
+            log.info(
+                "Ray replica %d of %d loaded the model in %.1f s",
+                len(self._load_seconds),
+                self.replicas,
+                item.load_seconds,
+            )
 
     @property
     def counters(self) -> EngineCounters:
         """The engines' counts (prefix cache, speculative drafts), summed over replicas."""
         return sum(self._stats.values(), EngineCounters())
+
+    @property
+    def load_seconds(self) -> float:
+        """The slowest replica's model load so far (they load in parallel, inside ``process``)."""
+        return max(self._load_seconds.values(), default=0.0)
+
+    def live(self) -> LiveCounts:
+        """The replicas' output tokens as of their last chunks, the rows sent and not answered,
+        and the model load time inside ``process`` so far (for the progress line)."""
+        return LiveCounts(self.counters.output_tokens, self._rows_in_flight, self.load_seconds)
 
     @property
     def counters_by_replica(self) -> dict[str, EngineCounters]:
@@ -323,7 +366,9 @@ class _Replica:
         # imported here: the read task's worker imports this module too, and needs no torch
         from tokenmill.jobs.local_executor import RowProcessor
 
+        start = time.monotonic()
         self.processor = RowProcessor(JobSpec.from_dict(spec_dict))
+        self.load_seconds = time.monotonic() - start
         self.processor.model_name = model_name  # the spec's own spelling, as local names it
         self.replica = ray.get_runtime_context().get_actor_id()
 
@@ -331,6 +376,6 @@ class _Replica:
         out = []
         for payload in batch.column(PAYLOAD).to_pylist():
             results = list(self.processor.process(pickle.loads(payload)))
-            chunk = _ResultChunk(self.replica, self.processor.counters, results)
+            chunk = _ResultChunk(self.replica, self.processor.counters, results, self.load_seconds)
             out.append(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL))
         return pa.table({PAYLOAD: pa.array(out, type=pa.large_binary())})

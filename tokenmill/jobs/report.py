@@ -18,19 +18,38 @@ class JobReport:
     rows_resumed: int = 0  # already done by an earlier run, skipped
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    wall_seconds: float = 0.0  # the whole run, model load included
-    model_load_seconds: float = 0.0  # of which loading the model (local executor: its engine)
+    wall_seconds: float = 0.0  # the whole run: checks, model load, generation, last commits
+    # loading the model: the local engine's construction; Ray: starting Ray plus the slowest
+    # replica's own load (replicas load in parallel when their first rows arrive)
+    model_load_seconds: float = 0.0
+    generation_seconds: float = 0.0  # model loaded to last result: what throughput is over
     prefix_cache_hit_rate: float = 0.0
     speculative: dict | None = None  # draft counts when engine.speculative is on (this run)
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
     executor: str = "local"
     error: str | None = None
+    # (seconds since the model loaded, output tokens generated so far), about one a second
     throughput_over_time: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_seconds if self.wall_seconds else 0.0
+        """Output tokens over generation time (model loading excluded); 0 when none."""
+        seconds = self.generation_seconds
+        return self.completion_tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Complete, and every row had been committed by earlier runs."""
+        return self.status == "complete" and self.rows_this_run == 0
+
+    def nothing_to_do_line(self) -> str:
+        """What a run that found every row committed says."""
+        if not self.rows_total:
+            return f"nothing to do: the input has no rows (output: {self.output})"
+        return (
+            f"nothing to do: all {self.rows_total} rows already committed (output: {self.output})"
+        )
 
     def to_json(self) -> str:
         raw = asdict(self)
@@ -38,13 +57,20 @@ class JobReport:
         return json.dumps(raw, indent=1)
 
     def summary(self) -> str:
+        if self.nothing_to_do:
+            lines = [f"job {self.job}: {self.status}; {self.nothing_to_do_line()}"]
+            if self.rows_total:
+                lines.append(
+                    f"  rows        {self.rows_ok} ok, {self.rows_failed} failed "
+                    "(all committed by earlier runs)"
+                )
+            return "\n".join(lines)
         lines = [
             f"job {self.job}: {self.status}",
             f"  rows        {self.rows_ok} ok, {self.rows_failed} failed "
             f"({self.rows_this_run} this run, {self.rows_resumed} resumed from earlier runs)",
             f"  tokens      {self.prompt_tokens} in, {self.completion_tokens} out (this run)",
-            f"  throughput  {self.output_tokens_per_s:.1f} output tokens/s "
-            f"over {self.wall_seconds:.1f} s (model load {self.model_load_seconds:.1f} s)",
+            f"  throughput  {self._throughput()}",
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
         ]
         if self.speculative:
@@ -62,3 +88,12 @@ class JobReport:
         if self.error:
             lines.append(f"  error       {self.error}")
         return "\n".join(lines)
+
+    def _throughput(self) -> str:
+        times = f"model load {self.model_load_seconds:.1f} s, whole run {self.wall_seconds:.1f} s"
+        if not self.completion_tokens or self.generation_seconds <= 0:
+            return f"no output tokens generated this run ({times})"
+        return (
+            f"{self.output_tokens_per_s:.1f} output tokens/s over {self.generation_seconds:.1f} s "
+            f"of generation ({times})"
+        )

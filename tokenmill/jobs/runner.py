@@ -13,6 +13,11 @@ first shard, kept in the manifest) ─► then three threads, joined by bounded 
 progress bar, and it re-raises a worker's error as that worker raised it, so exit codes and
 messages are those of a serial run. A stop (``cancel``, SIGTERM) ends the engine loop, then
 the complete shards are committed; a second signal (JobInterrupted) leaves at once.
+
+Times: ``model_load_seconds`` is building the executor (the local engine), plus the slowest
+Ray replica's own load; ``generation_seconds``, what throughput is over, runs from the model
+loaded to the executor's last result. A job found complete loads nothing, says so ("nothing
+to do") and leaves its report.json as the run that completed it wrote it.
 """
 
 from __future__ import annotations
@@ -87,9 +92,11 @@ def run_job(
     fresh: bool = False,
     cancel: threading.Event | None = None,
     show_progress: bool = True,
+    progress_interval_s: float = 10.0,
 ) -> JobReport:
     """Run (or resume) the job to completion. ``spec`` may be a JobSpec, a path to a job.yaml
-    or a dict of sections.
+    or a dict of sections. Progress is logged every ``progress_interval_s`` seconds (a bar
+    instead on a terminal) when ``show_progress``.
 
     Raises JobSpecError (OutputPathError, OutputOwnedError) when the spec cannot work: the
     output is the root, the input or inside it, or belongs to another job; the input cannot
@@ -106,7 +113,8 @@ def run_job(
         _reachable(store, lambda: check_claimable(store, spec.name))  # not ours: exit 2
         raise
     try:
-        return _run_locked(spec, store, fresh, cancel or threading.Event(), show_progress)
+        shown = progress_interval_s if show_progress else None
+        return _run_locked(spec, store, fresh, cancel or threading.Event(), shown)
     finally:
         lock.release()
 
@@ -126,7 +134,11 @@ def _reachable(store: OutputStore, check: Any) -> Any:
 
 
 def _run_locked(
-    spec: JobSpec, store: OutputStore, fresh: bool, cancel: threading.Event, show_progress: bool
+    spec: JobSpec,
+    store: OutputStore,
+    fresh: bool,
+    cancel: threading.Event,
+    progress_interval_s: float | None,
 ) -> JobReport:
     start = time.monotonic()
     report = JobReport(job=spec.name, output=store.url, executor=spec.execution.executor)
@@ -153,14 +165,19 @@ def _run_locked(
     if manifest.complete:
         _fill_totals(report, manifest)
         report.status = "complete"
-        log.info("job %s is already complete; nothing to do", spec.name)
+        report.wall_seconds = round(time.monotonic() - start, 3)
+        log.info("job %s: %s", spec.name, report.nothing_to_do_line())
         return report
 
     total = count_input_rows(input_config(spec))
-    loading = time.monotonic()
-    executor = None if cancel.is_set() else _make_executor(spec, total)  # loads the model
-    report.model_load_seconds = round(time.monotonic() - loading, 3)
-    progress = Progress(total, manifest.rows_done, enabled=show_progress)
+    executor = None if cancel.is_set() else _load_executor(spec, total, report)
+    progress = Progress(
+        total,
+        manifest.rows_done,
+        enabled=progress_interval_s is not None,
+        interval_s=progress_interval_s or 10.0,
+        live=None if executor is None else executor.live,
+    )
     tracker = ShardTracker(spec.output.rows_per_shard)
     bounds = pipeline_bounds(spec)
     writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
@@ -174,26 +191,36 @@ def _run_locked(
         bounds,
         schema,
     )
+    generating = time.monotonic()
+    generated: float | None = None  # when the executor's stream ended
     try:
         if executor is not None and not cancel.is_set():
-            for result in executor.process(feed, cancel):
+            for result in executor.process(feed, cancel, progress.tick):
                 tracker.add_result(result)
                 report.prompt_tokens += result.prompt_tokens
                 report.completion_tokens += result.completion_tokens
                 progress.update(1, result.completion_tokens)
                 _hand_over_complete(tracker, writer)
+            progress.finish()
+        generated = time.monotonic()
         _hand_over_complete(tracker, writer)
         writer.finish()
     except BaseException as exc:
+        generated = generated or time.monotonic()
         _stop_writer(writer, exc)
         raise
     finally:
+        generated = generated or time.monotonic()
         feed.close(timeout=0.5 if writer.abandoned else 5.0)
         progress.close()
         report.wall_seconds = round(time.monotonic() - start, 3)
         report.throughput_over_time = progress.samples
         report.shards_committed = writer.shards_committed
         report.rows_this_run = writer.rows_committed
+        # Ray replicas load their models inside the generation loop: that is load time
+        late_load = min(getattr(executor, "load_seconds", 0.0), generated - generating)
+        report.model_load_seconds = round(report.model_load_seconds + late_load, 3)
+        report.generation_seconds = round(generated - generating - late_load, 3)
         if executor is not None:
             counters = executor.counters
             report.prefix_cache_hit_rate = counters.prefix_cache_hit_rate
@@ -296,6 +323,30 @@ def _fill_totals(report: JobReport, manifest: Manifest) -> None:
     report.rows_ok = sum(s.ok for s in manifest.shards.values())
     report.rows_failed = sum(s.errors for s in manifest.shards.values())
     report.rows_total = manifest.total_rows or manifest.rows_done
+
+
+def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) -> Any:
+    """The executor, its model loaded (local) or its Ray cluster joined (Ray replicas load
+    theirs when their first rows arrive); says so before and after. Sets
+    ``report.model_load_seconds``."""
+    model = spec.model.source
+    if spec.execution.executor == "ray":
+        log.info(
+            "starting Ray for %d replicas of model %s (each loads it when its first rows "
+            "arrive) ...",
+            spec.execution.replicas,
+            model,
+        )
+    else:
+        log.info("loading model %s ...", model)
+    loading = time.monotonic()
+    executor = _make_executor(spec, expected_rows)
+    report.model_load_seconds = round(time.monotonic() - loading, 3)
+    if spec.execution.executor == "ray":
+        log.info("Ray ready in %.1f s", report.model_load_seconds)
+    else:
+        log.info("model loaded in %.1f s", report.model_load_seconds)
+    return executor
 
 
 def _make_executor(spec: JobSpec, expected_rows: int | None) -> Any:

@@ -1,0 +1,253 @@
+"""Progress and the report's times, driven by a fake clock and injected live counts."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from tokenmill.jobs.progress import MAX_REPORT_SAMPLES, LiveCounts, Progress, format_duration
+from tokenmill.jobs.rate_window import RateWindow
+from tokenmill.jobs.report import JobReport
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEngine:
+    """What an executor's ``live`` reports, set by the test."""
+
+    def __init__(self) -> None:
+        self.counts = LiveCounts()
+
+    def __call__(self) -> LiveCounts:
+        return self.counts
+
+
+def _progress(
+    total: int | None = 100, done: int = 0, interval_s: float = 10.0
+) -> tuple[Progress, FakeClock, FakeEngine]:
+    clock, engine = FakeClock(), FakeEngine()
+    progress = Progress(total, done, interval_s=interval_s, live=engine, clock=clock)
+    return progress, clock, engine
+
+
+def _run(
+    progress: Progress,
+    clock: FakeClock,
+    engine: FakeEngine,
+    seconds: int,
+    tok_per_s: int,
+    rows_per_s: float = 0.0,
+    in_flight: int = 8,
+) -> None:
+    """``seconds`` of generation at a steady rate, ticking every second as the executor does
+    after its steps (rows finish as whole numbers once their share adds up)."""
+    owed = 0.0
+    for _ in range(seconds):
+        clock.now += 1.0
+        tokens = engine.counts.output_tokens + tok_per_s
+        engine.counts = LiveCounts(tokens, in_flight, engine.counts.load_seconds)
+        owed += rows_per_s
+        if owed >= 1:
+            progress.update(int(owed), 0)  # the rows' tokens are already in the live count
+            owed -= int(owed)
+        else:
+            progress.tick()
+
+
+def test_rate_window_keeps_the_last_window_and_its_baseline() -> None:
+    w = RateWindow(window_s=10, min_span_s=1)
+    assert w.rate() is None
+    w.add(0, 0)
+    w.add(0.5, 50)
+    assert w.rate() is None  # less than a second of history
+    for t in range(1, 31):
+        w.add(t, 100 * t if t <= 20 else 2000 + 10 * (t - 20))
+    assert w.rate() == pytest.approx(10.0)  # the last 10 s only: the fast start is gone
+    assert w.increase() == pytest.approx(100)
+    with pytest.raises(ValueError, match="time order"):
+        w.add(29, 0)
+
+
+def test_rate_window_start_at_drops_the_time_before() -> None:
+    w = RateWindow(window_s=60)
+    w.add(0, 0)
+    w.add(10, 0)  # loading: nothing generated
+    w.add(25, 500)  # the first results, generated since t=20
+    w.start_at(20)
+    assert w.rate() == pytest.approx(100.0)  # 500 tokens over 5 s, not 25 s
+
+
+def test_a_line_and_a_rate_before_any_row_finishes(caplog: pytest.LogCaptureFixture) -> None:
+    progress, clock, engine = _progress(total=50, interval_s=10)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    _run(progress, clock, engine, seconds=9, tok_per_s=120, in_flight=16)
+    assert not caplog.records  # every 10 s
+    _run(progress, clock, engine, seconds=1, tok_per_s=120, in_flight=16)
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "0 of 50 rows done (0%), 16 in flight, 1,200 output tokens so far, "
+        "120 output tok/s, ETA unknown"
+    )
+
+
+def test_the_rate_counts_generated_tokens_not_finished_rows() -> None:
+    """The issue's demo: rows finish late, and all at once; the rate must not wait for them."""
+    progress, clock, engine = _progress(total=40)
+    _run(progress, clock, engine, seconds=20, tok_per_s=11)
+    assert progress.tokens_per_s == pytest.approx(11.0)
+    assert progress.eta_seconds is None  # no row finished: no basis
+    clock.now += 1
+    engine.counts = LiveCounts(engine.counts.output_tokens + 11, 0)
+    progress.update(20, 20 * 8)  # 20 rows finish together, holding fewer tokens than generated
+    assert progress.tokens == 21 * 11  # the live count, never the smaller finished one
+    assert progress.tokens_per_s == pytest.approx(11.0)
+
+
+def test_the_rate_is_smoothed_over_a_recent_window() -> None:
+    progress, clock, engine = _progress(total=None)
+    _run(progress, clock, engine, seconds=5, tok_per_s=0)  # a long first prefill
+    _run(progress, clock, engine, seconds=60, tok_per_s=1000)
+    assert progress.tokens_per_s == pytest.approx(1000.0)  # the slow start has left the window
+    _run(progress, clock, engine, seconds=30, tok_per_s=400)
+    assert progress.tokens_per_s == pytest.approx(400.0)
+    assert progress.eta_seconds is None  # no row count: no ETA
+
+
+def test_eta_from_rows_remaining_and_the_recent_rows_per_second() -> None:
+    progress, clock, engine = _progress(total=1000, done=400)  # 400 committed by earlier runs
+    _run(progress, clock, engine, seconds=200, tok_per_s=100, rows_per_s=0.5)
+    _run(progress, clock, engine, seconds=120, tok_per_s=100, rows_per_s=2)
+    assert progress.done == 400 + 100 + 240
+    # 260 rows left at the last 120 s's 2 rows/s (not the run's average)
+    assert progress.eta_seconds == pytest.approx(130.0)
+    assert "ETA 2 min 10 s" in progress.line()
+
+
+def test_a_live_count_that_dips_never_lowers_the_tokens() -> None:
+    progress, clock, engine = _progress()
+    _run(progress, clock, engine, seconds=3, tok_per_s=100)
+    clock.now += 1
+    engine.counts = LiveCounts(250, 8)  # a finished row left the engine before its result came
+    progress.tick()
+    assert progress.tokens == 300
+
+
+def test_model_loading_after_the_clock_started_is_not_generation_time() -> None:
+    """A Ray replica loads its model when its first rows arrive: 20 s of nothing, then its
+    first chunk with 500 tokens generated in 5 s."""
+    progress, clock, engine = _progress(total=100)
+    _run(progress, clock, engine, seconds=24, tok_per_s=0, in_flight=32)
+    assert progress.tokens_per_s is None  # nothing heard yet: no rate, rather than 0
+    assert "32 in flight, 0 output tokens so far, output tok/s not measured yet" in progress.line()
+    clock.now += 1
+    engine.counts = LiveCounts(500, 24, load_seconds=20.0)
+    progress.update(8, 500)
+    assert progress.load_seconds == 20.0
+    assert progress.tokens_per_s == pytest.approx(100.0)
+    assert progress.eta_seconds == pytest.approx(92 / (8 / 5))
+
+
+def test_no_live_counts_falls_back_to_finished_rows(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    progress = Progress(4, 0, interval_s=2, clock=clock)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    for _ in range(4):
+        clock.now += 1
+        progress.update(1, 10)
+    assert progress.tokens == 40 and progress.tokens_per_s == pytest.approx(10.0)
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == [
+        "2 of 4 rows done (50%)",
+        "4 of 4 rows done (100%)",
+    ]
+    assert progress.eta_seconds == 0.0
+
+
+def test_disabled_progress_logs_nothing_but_keeps_samples(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock, engine = FakeClock(), FakeEngine()
+    progress = Progress(10, 0, enabled=False, live=engine, clock=clock)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    _run(progress, clock, engine, seconds=30, tok_per_s=5)
+    assert not caplog.records
+    assert progress.samples[0] == (1.0, 5) and progress.samples[-1] == (30.0, 150)
+
+
+def test_report_samples_stay_bounded() -> None:
+    progress, clock, engine = _progress(total=None, interval_s=1e9)
+    _run(progress, clock, engine, seconds=3 * MAX_REPORT_SAMPLES, tok_per_s=1)
+    assert len(progress.samples) < MAX_REPORT_SAMPLES
+    times = [t for t, _ in progress.samples]
+    assert times == sorted(times) and times[-1] >= 2 * MAX_REPORT_SAMPLES
+
+
+def test_bad_intervals_are_refused() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        Progress(1, 0, interval_s=0)
+
+
+def test_format_duration() -> None:
+    assert [format_duration(s) for s in (0, 42.4, 185, 3600 * 2 + 7 * 60 + 30)] == [
+        "0 s",
+        "42 s",
+        "3 min 05 s",
+        "2 h 07 min",
+    ]
+
+
+def test_summary_throughput_is_over_generation_time() -> None:
+    report = JobReport(
+        job="j",
+        output="out/",
+        status="complete",
+        rows_total=10,
+        rows_ok=10,
+        rows_this_run=10,
+        completion_tokens=1000,
+        wall_seconds=65.0,
+        model_load_seconds=50.0,
+        generation_seconds=10.0,
+    )
+    assert report.output_tokens_per_s == 100.0
+    assert (
+        "throughput  100.0 output tokens/s over 10.0 s of generation "
+        "(model load 50.0 s, whole run 65.0 s)"
+    ) in report.summary()
+    raw = json.loads(report.to_json())
+    assert raw["output_tokens_per_s"] == 100.0 and raw["generation_seconds"] == 10.0
+
+
+def test_summary_without_tokens_shows_no_rate() -> None:
+    report = JobReport(job="j", output="out/", status="cancelled", wall_seconds=3.0)
+    summary = report.summary()
+    assert "no output tokens generated this run" in summary
+    assert "tokens/s" not in summary and "over 0.0 s" not in summary
+
+
+def test_summary_of_a_job_with_nothing_to_do() -> None:
+    report = JobReport(job="j", output="out/", status="complete", rows_total=5, rows_ok=4)
+    report.rows_failed = 1
+    summary = report.summary()
+    assert summary.splitlines()[0] == (
+        "job j: complete; nothing to do: all 5 rows already committed (output: out/)"
+    )
+    assert "tok" not in summary and "0.0 s" not in summary
+    empty = JobReport(job="j", output="out/", status="complete")
+    assert "the input has no rows" in empty.summary()
+
+
+def test_finish_takes_a_last_sample_for_the_report() -> None:
+    progress, clock, engine = _progress()
+    _run(progress, clock, engine, seconds=3, tok_per_s=10)
+    clock.now += 0.25
+    progress.update(2, 45)
+    progress.finish()
+    assert progress.samples[-2:] == [(3.0, 30), (3.25, 45)]

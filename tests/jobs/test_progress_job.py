@@ -1,0 +1,95 @@
+"""What a user sees of a run on the tiny model: loading lines, live progress, the summary, and a
+rerun of a finished job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tokenmill import run_job
+from tokenmill.io.rows import InputRow
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.local_executor import RowProcessor
+from tokenmill.jobs.spec import JobSpec
+
+# Long rows (each generates all its max_tokens), so a row takes many engine steps.
+LONG = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+PROGRESS = re.compile(
+    r"^(\d+) of (\d+) rows done \(\d+%\), (\d+) in flight, ([\d,]+) output tokens so far, "
+    r"(?:([\d,]+) output tok/s|output tok/s not measured yet), (ETA .+)$"
+)
+
+
+def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path) -> None:
+    spec = JobSpec.from_dict(job_dict(tiny_model, tmp_path, tmp_path, sampling=LONG))
+    processor = RowProcessor(spec)
+    rows = [InputRow(i, f"r{i}", f"gen:{i}", prompt=f"count to {i}") for i in range(6)]
+    seen = []
+    try:
+        results = []
+        for result in processor.process(rows, on_step=lambda: seen.append(processor.live())):
+            if not results:
+                before_first = list(seen)
+            results.append(result)
+        counters = processor.counters
+    finally:
+        processor.close()
+    # before any row finished: rows in flight and their tokens, growing step by step
+    assert before_first[-1].rows_in_flight == 6 and before_first[-1].output_tokens >= 6 * 250
+    tokens = [c.output_tokens for c in seen]
+    assert tokens == sorted(tokens) and tokens[0] > 0
+    assert counters.output_tokens == sum(r.completion_tokens for r in results) == 6 * 300
+
+
+def test_log_shows_loading_and_a_live_rate_then_a_rerun_has_nothing_to_do(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, sampling=LONG)
+    caplog.set_level(logging.INFO)
+    report = run_job(spec, progress_interval_s=0.05)
+    assert report.status == "complete" and report.rows_ok == 12
+
+    messages = [r.getMessage() for r in caplog.records]
+    loading = messages.index(f"loading model {tiny_model} ...")
+    loaded = next(i for i, m in enumerate(messages) if re.match(r"model loaded in \d+\.\d s$", m))
+    lines = [PROGRESS.match(m) for m in messages[loaded:]]
+    lines = [m for m in lines if m is not None]
+    assert loading < loaded and lines
+    # a line before the first row finished (engine.max_num_seqs 8 of 12 rows at a time)
+    first = lines[0]
+    assert first[1] == "0" and first[2] == "12" and int(first[3]) > 0
+    assert int(first[4].replace(",", "")) > 0 and first[6] == "ETA unknown"
+    # a rate above zero before the end (the rate needs one sample's span)
+    assert any(m[5] is not None and int(m[5].replace(",", "")) > 0 for m in lines)
+    assert any(m[6] != "ETA unknown" for m in lines)
+
+    raw = json.loads((out / "report.json").read_text())
+    assert raw["completion_tokens"] == 12 * 300
+    assert 0 < raw["generation_seconds"] < raw["wall_seconds"]
+    assert raw["model_load_seconds"] > 0
+    assert raw["output_tokens_per_s"] == pytest.approx(
+        raw["completion_tokens"] / raw["generation_seconds"], rel=1e-3
+    )
+    assert raw["throughput_over_time"][-1][1] == 12 * 300
+    assert "of generation (model load" in report.summary()
+
+    # a rerun: nothing to load, a clear line, no rate over no time; report.json kept
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    caplog.clear()
+    capsys.readouterr()
+    assert cli_main([str(job)]) == 0
+    printed = capsys.readouterr().out
+    expected = f"nothing to do: all 12 rows already committed (output: {out})"
+    assert expected in printed and expected in caplog.text
+    assert "tokens/s" not in printed and "over 0.0 s" not in printed
+    assert "loading model" not in caplog.text
+    assert json.loads((out / "report.json").read_text()) == raw
