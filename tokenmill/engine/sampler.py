@@ -1,15 +1,18 @@
 """Sampler: one token per logits row, following each row's SamplingParams.
 
-    logits [B, V] ─┬─► log_softmax ─► LogprobsTensors          (raw model logits, as OpenAI)
-                   └─► penalties ─┬─► argmax ─────────────────┐ greedy rows
-                                  └─► / temperature           │
-                                      ─► top-k ─► top-p       │
-                                      ─► softmax ─► min-p     │
-                                      ─► argmax(p / q) ───────┴─► sampled_token_ids [B]
+    logits [B, V] ─┬─► log_softmax ─► LogprobsTensors      (raw model logits, as OpenAI)
+                   └─► penalties ─► grammar mask              (rows with structured_output)
+                         ─┬─► argmax ─────────────────┐ greedy rows
+                          └─► / temperature           │
+                              ─► top-k ─► top-p       │
+                              ─► softmax ─► min-p     │
+                              ─► argmax(p / q) ───────┴─► sampled_token_ids [B]
 
 Sampling uses the exponential race: with q ~ Exp(1) i.i.d., argmax(p / q) is a draw from p.
 The noise q of a seeded row comes from its own generator, seeded from (seed, output position),
 so its token depends on nothing else in the batch. Unseeded rows share ``meta.generator``.
+The grammar mask (structured output) sets to -inf every token a row's grammar forbids, so
+no filter after it can bring one back.
 Nothing here reads a tensor value on the host: no host-device sync.
 """
 
@@ -21,7 +24,13 @@ import torch
 
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 
-__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "apply_penalties"]
+__all__ = [
+    "LogprobsTensors",
+    "Sampler",
+    "SamplerOutput",
+    "apply_penalties",
+    "apply_token_bitmask",
+]
 
 # Exp(1) draws of exactly 0 would turn 0 / q into NaN, which argmax picks.
 _MIN_NOISE = 1e-30
@@ -86,6 +95,10 @@ class Sampler:
 
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
+        if meta.allowed_token_rows is not None and meta.allowed_token_bitmask is not None:
+            logits = apply_token_bitmask(
+                logits, meta.allowed_token_rows, meta.allowed_token_bitmask
+            )
 
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
@@ -118,6 +131,27 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     presence = meta.presence_penalty.unsqueeze(1)  # [B, 1]
     frequency = meta.frequency_penalty.unsqueeze(1)  # [B, 1]
     return logits - presence * (counts > 0).float() - frequency * counts
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> torch.Tensor:
+    """Return a copy of ``logits`` [B, V] with -inf at every token row ``rows[g]`` may not take.
+
+    ``bitmask`` [G, W] int32 holds one bit per token, token t at bit t % 32 of word t // 32;
+    tokens past 32 * W are forbidden. Unpacked on the device: no host-device sync.
+
+        word w of row g:  bit 0 ─► token 32w,  bit 1 ─► token 32w + 1, ... bit 31 ─► 32w + 31
+    """
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()  # [G, W, 32]
+    allowed = allowed.view(bitmask.shape[0], -1)  # [G, 32 * W]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    allowed = allowed[:, :vocab_size]  # [G, V]
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [G, V]
+    return logits.index_copy(0, rows, masked)
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -44,6 +44,7 @@ class SamplingRows:
     has_seed: np.ndarray  # bool
     seed: np.ndarray  # uint64
     logprobs: np.ndarray  # int32
+    structured: np.ndarray  # bool: the request has a grammar (structured_output)
 
     def __len__(self) -> int:
         return len(self.greedy)
@@ -61,6 +62,7 @@ _DTYPES = {
     "has_seed": np.bool_,
     "seed": np.uint64,
     "logprobs": np.int32,
+    "structured": np.bool_,
 }
 
 
@@ -91,6 +93,7 @@ class SamplingColumns:
         c["has_seed"][row] = params.seed is not None
         c["seed"][row] = 0 if params.seed is None else params.seed & _MASK64
         c["logprobs"][row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
+        c["structured"][row] = params.structured_output is not None
 
     def gather(self, rows: np.ndarray | slice) -> SamplingRows:
         """The settings of ``rows`` ([S] int indices, or a slice), as new arrays."""

@@ -7,6 +7,7 @@ read by the ``Sampler`` without a single host-device sync. Row ``i`` describes l
     prompt_token_ids[i] ──► prompt_mask[i, :]            (only when a row has repetition_penalty)
     output_token_ids[i] ──► output_token_counts[i, :]    (only when a row has any penalty)
     (seed, len(output_token_ids[i])) ──► row_seeds       (seeded, non-greedy rows)
+    grammar of row i ──► allowed_token_bitmask[g, :]     (only the rows with structured_output)
 
 With async scheduling a row's last output token may still be on the device only (sampled by
 the previous step): ``pending_rows`` names those rows and ``pending_token_ids`` holds their
@@ -26,9 +27,12 @@ from tokenmill.engine.device_copy import upload
 from tokenmill.engine.sampling_columns import SamplingColumns, SamplingRows
 from tokenmill.engine.sampling_params import SamplingParams
 
-__all__ = ["SamplingMetadata", "row_seed"]
+__all__ = ["SamplingMetadata", "TokenBitmask", "row_seed"]
 
 _MASK64 = (1 << 64) - 1
+
+# (logits rows with a grammar [G]) -> their allowed-token bitmask [G, ceil(V / 32)] int32
+TokenBitmask = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,11 @@ class SamplingMetadata:
     # Whether some non-greedy row has no seed and draws from ``generator``.
     has_unseeded_random: bool
     generator: torch.Generator | None  # shared by unseeded rows; None: torch's default RNG
+    # Rows with a grammar and the tokens it allows there: bit t of allowed_token_bitmask[g]
+    # (int32 words, little-endian bits) is token t for logits row allowed_token_rows[g].
+    # None when no row has one.
+    allowed_token_rows: torch.Tensor | None = None  # [G] int64
+    allowed_token_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
 
     @classmethod
     def build(
@@ -78,6 +87,7 @@ class SamplingMetadata:
         generator: torch.Generator | None = None,
         pending_rows: Sequence[int] = (),
         pending_token_ids: torch.Tensor | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplingMetadata:
         """Build the metadata for one step; row ``i`` is ``params[i]`` and its histories.
 
@@ -100,6 +110,7 @@ class SamplingMetadata:
             generator,
             pending_rows,
             pending_token_ids,
+            token_bitmask,
         )
 
     @classmethod
@@ -113,6 +124,7 @@ class SamplingMetadata:
         generator: torch.Generator | None = None,
         pending_rows: Sequence[int] | np.ndarray = (),
         pending_token_ids: torch.Tensor | None = None,
+        token_bitmask: TokenBitmask | None = None,
     ) -> SamplingMetadata:
         """Build the metadata from gathered settings, with numpy over all rows.
 
@@ -120,8 +132,11 @@ class SamplingMetadata:
         ``histories()`` gives (prompt token ids, output token ids) per row and is called only
         when some row has a penalty. ``generator`` (on ``device``) serves the unseeded rows.
         ``pending_rows`` have one more output token, not in the histories but in
-        ``pending_token_ids`` ([P] int64 on ``device``, one per pending row). Raises
-        ValueError when ``vocab_size < 1`` or a history holds an id outside the vocabulary.
+        ``pending_token_ids`` ([P] int64 on ``device``, one per pending row).
+        ``token_bitmask(rows)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32 of the
+        rows with a grammar (``rows.structured``; [G] indices), called only when there are
+        some. Raises ValueError when ``vocab_size < 1``, a history holds an id outside the
+        vocabulary, or rows have a grammar but no ``token_bitmask`` gives their masks.
         """
         device = torch.device(device)
         num_rows = len(rows)
@@ -160,6 +175,23 @@ class SamplingMetadata:
             if not no_repetition_penalty:
                 prompt_mask = _token_counts(prompts, vocab_size, device) > 0
 
+        allowed_rows = allowed_bitmask = None
+        constrained = np.flatnonzero(rows.structured)
+        if len(constrained):
+            if token_bitmask is None:
+                raise ValueError(
+                    f"SamplingMetadata.build: {len(constrained)} rows have structured_output "
+                    "but no token_bitmask gives their allowed tokens"
+                )
+            bitmask = np.ascontiguousarray(token_bitmask(constrained), dtype=np.int32)
+            if bitmask.shape != (len(constrained), -(-vocab_size // 32)):
+                raise ValueError(
+                    f"SamplingMetadata.build: token_bitmask gave shape {bitmask.shape} for "
+                    f"{len(constrained)} rows of {vocab_size} tokens"
+                )
+            allowed_rows = upload(torch.from_numpy(constrained.astype(np.int64)), device)
+            allowed_bitmask = upload(torch.from_numpy(bitmask), device)
+
         positions = num_outputs.astype(np.int64)
         positions[np.asarray(pending_rows, dtype=np.int64)] += 1
         seeded = np.flatnonzero(random & rows.has_seed)
@@ -193,6 +225,8 @@ class SamplingMetadata:
             row_seeds=row_seeds,
             has_unseeded_random=len(row_seeds) < int(random.sum()),
             generator=generator,
+            allowed_token_rows=allowed_rows,
+            allowed_token_bitmask=allowed_bitmask,
         )
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.structured_output import check_structured_output
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,11 @@ class SamplingParams:
     completion ``i`` draws from a seed derived from (seed, i); completion 0 from ``seed``
     itself, so ``n=1`` gives what it gives without ``n``. ``prompt_logprobs`` is not
     supported yet (the engine computes logits only where it samples) and must stay None.
+    ``structured_output`` constrains the completion to JSON: a JSON schema (a dict or a JSON
+    string) it must validate against, or ``"json_object"`` for any JSON object; it is kept
+    as compact JSON text (``"json_object"`` as is). The row stops ("stop") as soon as the
+    JSON is complete; one that reaches ``max_tokens`` first ends with "length" and an
+    incomplete JSON, as OpenAI's do. Needs the llguidance package (see structured_output.py).
     Raises ValueError naming the field when a value is out of range.
     """
 
@@ -40,6 +48,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     prompt_logprobs: int | None = None
+    structured_output: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -107,6 +116,11 @@ class SamplingParams:
             self.prompt_logprobs,
             "None (prompt logprobs are not supported yet: the engine computes logits only at "
             "the positions it samples)",
+        )
+        # Last: the other fields' errors come first, and without llguidance installed only
+        # a request that asks for structured output fails (ImportError).
+        object.__setattr__(
+            self, "structured_output", check_structured_output(self.structured_output)
         )
 
     @property

@@ -26,16 +26,19 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     Strict,
     StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
     field_validator,
+    model_serializer,
 )
 from pydantic_core import ErrorDetails
 
 from tokenmill.engine.engine_config import EngineSettingError
+from tokenmill.engine.structured_output import check_structured_output
 from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
@@ -61,6 +64,35 @@ MAX_ERROR_LINES = 20
 
 class JobSpecError(ValueError):
     """The spec is invalid; the message names the file and the key."""
+
+
+def _structured_output_setting(value: Any) -> str | None:
+    """``sampling.structured_output`` as SamplingParams takes it: ``json_object``, or a
+    mapping ``{json_schema: <a JSON Schema mapping, or its JSON text>}``; also the canonical
+    text itself (what ``to_dict`` writes back). Raises ValueError saying what is expected."""
+    if value is None:
+        return None
+    name = "structured_output"
+    if isinstance(value, dict):
+        if set(value) != {"json_schema"}:
+            raise ValueError(
+                "expected json_object or a mapping {json_schema: <JSON Schema>}, got a mapping "
+                f"with keys {show_value(sorted(map(str, value)))}"
+            )
+        value, name = value["json_schema"], "json_schema"
+        if not isinstance(value, (dict, str)):
+            raise ValueError(
+                f"json_schema must be a JSON Schema (a mapping), got {show_value(value)}"
+            )
+    elif not isinstance(value, str):
+        raise ValueError(
+            f"expected json_object or a mapping {{json_schema: <JSON Schema>}}, got "
+            f"{show_value(value)}"
+        )
+    try:
+        return check_structured_output(value, name)
+    except ImportError as exc:  # pydantic reports ValueErrors only
+        raise ValueError(str(exc)) from None
 
 
 def _not_blank(value: str) -> str:
@@ -131,11 +163,28 @@ class SamplingSection(_Section):
     seed: StrictInt | None = 0
     stop: tuple[StrictStr, ...] = ()
     ignore_eos: StrictBool = False
+    # JSON output for every row: {json_schema: <schema>} or json_object; held as
+    # SamplingParams.structured_output holds it (compact JSON text, or "json_object").
+    structured_output: StrictStr | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("structured_output", mode="before")
+    @classmethod
+    def _structured_output(cls, value: Any) -> Any:
+        return _structured_output_setting(value)
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Unset, the key is left out: the fingerprints of jobs started before it existed
+        # stay the same, so they resume.
+        data = handler(self)
+        if data.get("structured_output") is None:
+            data.pop("structured_output", None)
+        return data
 
 
 class OutputSection(_Section):

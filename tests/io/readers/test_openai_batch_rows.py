@@ -80,7 +80,7 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("top_logprobs", 2, "needs body.logprobs: true"),
         ("n", 2, "body.n=2 is not supported"),
         ("tools", [{"type": "function"}], "body.tools="),
-        ("response_format", {"type": "json_object"}, "body.response_format="),
+        ("response_format", {"type": "xml"}, "body.response_format must be"),
         ("logit_bias", {"50256": -100}, "body.logit_bias="),
         ("stream", True, "body.stream must be false"),
         ("temprature", 1, "body.temprature is not supported"),

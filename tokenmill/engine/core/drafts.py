@@ -93,12 +93,19 @@ def add_drafts(
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
     how many each row got. Rows that ask for logprobs take none (a step records one
-    logprob entry per row), nor do drafts go past max_tokens, max_model_len or the step's
-    token ``budget``. Penalties follow the drafts: the sampler sees each draft position's
-    output as the row's output plus the drafts before it (ModelRunner._histories)."""
+    logprob entry per row), nor do rows with a grammar (structured output: the mask at a
+    position needs the tokens before it consumed), nor do drafts go past max_tokens,
+    max_model_len or the step's token ``budget``. Penalties follow the drafts: the sampler
+    sees each draft position's output as the row's output plus the drafts before it
+    (ModelRunner._histories)."""
     t = table
     cols = t.sampling.columns
-    eligible = (num_new == 1) & (t.num_pending[order] == 0) & (cols["logprobs"][order] < 0)
+    eligible = (
+        (num_new == 1)
+        & (t.num_pending[order] == 0)
+        & (cols["logprobs"][order] < 0)
+        & ~cols["structured"][order]
+    )
     counts = np.zeros(len(order), dtype=np.int64)
     rows = order[eligible]
     if not len(rows):

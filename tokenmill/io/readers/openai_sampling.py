@@ -4,6 +4,11 @@ Every field is checked here, so a bad value becomes a bad row naming the field i
 failing later inside the engine. Fields that would change results but that tokenmill does not
 implement are refused rather than silently ignored; unknown fields are refused too (a typo like
 ``temprature`` must not pass unnoticed).
+
+``response_format`` maps to ``structured_output``: ``{"type": "json_schema", "json_schema":
+{"name", "schema", "strict", "description"}}`` to the schema (enforced whatever ``strict``
+says), ``{"type": "json_object"}`` to ``"json_object"``, ``{"type": "text"}`` to nothing. The
+schema itself is checked when the row's SamplingParams are built (an error of that row).
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ _COMMON = frozenset(
      "frequency_penalty", "logprobs"}
 )  # fmt: skip
 _SUPPORTED = {
-    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
-    COMPLETIONS: _COMMON | {"prompt"},
+    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
+    COMPLETIONS: _COMMON | {"prompt", "response_format"},
 }
 # Accepted and ignored: they do not change the completion (the job's model always answers).
 _IGNORED = frozenset({"model", "user", "metadata", "store", "stream"})
 # Refused unless they hold their no-op value (given here).
 _UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "tools": [], "logit_bias": {}}
 _LOGPROBS = "an integer in [0, 20]"
+_JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
 def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[str, Any]:
@@ -64,6 +71,10 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
     logprobs = _logprobs(fields, endpoint, row_id)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    if "response_format" in fields:
+        structured = _response_format(fields["response_format"], row_id)
+        if structured is not None:
+            sampling["structured_output"] = structured
     return sampling
 
 
@@ -82,19 +93,59 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
                     f"body.{name}={short_repr(value)} is not supported by tokenmill; remove it",
                     row_id,
                 )
-        elif name == "response_format":
-            if value != {"type": "text"}:
-                raise RowError(
-                    f"body.response_format={short_repr(value)} is not supported by tokenmill "
-                    "(only plain text output); remove it",
-                    row_id,
-                )
         else:
             raise RowError(
                 f"body.{name} is not supported by tokenmill for {endpoint}; remove it "
                 f"(supported: {', '.join(sorted(_SUPPORTED[endpoint] | _IGNORED))})",
                 row_id,
             )
+
+
+def _response_format(value: Any, row_id: str) -> str | dict[str, Any] | None:
+    """``structured_output`` for a response_format: None (text), "json_object" or a schema."""
+    kinds = ("text", "json_object", "json_schema")
+    kind = value.get("type") if isinstance(value, dict) else None
+    _expect(
+        kind in kinds,
+        "response_format",
+        value,
+        'an object whose "type" is "text", "json_object" or "json_schema"',
+        row_id,
+    )
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise RowError(
+            f"body.response_format of type {kind!r} takes no {', '.join(extra)}; remove it",
+            row_id,
+        )
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object"
+    spec = value.get("json_schema")
+    _expect(
+        isinstance(spec, dict) and isinstance(spec.get("schema"), dict),
+        "response_format.json_schema",
+        spec,
+        'an object with "schema" (a JSON Schema object), "name", "strict", "description"',
+        row_id,
+    )
+    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    if extra:
+        raise RowError(
+            f"body.response_format.json_schema takes no {', '.join(extra)}; remove it "
+            f"(it takes {', '.join(sorted(_JSON_SCHEMA_KEYS))})",
+            row_id,
+        )
+    for key, ok, expected in (
+        ("name", isinstance(spec.get("name"), str), "a string"),
+        ("description", isinstance(spec.get("description"), str), "a string"),
+        ("strict", isinstance(spec.get("strict"), bool), "true or false"),
+    ):
+        if spec.get(key) is not None:
+            _expect(ok, f"response_format.json_schema.{key}", spec[key], expected, row_id)
+    return spec["schema"]
 
 
 def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
