@@ -17,8 +17,9 @@ went wrong).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["OUTPUT_COLUMNS", "EngineReplica", "ProcessorConfig", "build_processor"]
@@ -160,11 +161,31 @@ def build_processor(
 
 
 def _mapping(value: Any) -> dict[str, Any]:
+    """A row's ``sampling_params`` as Python values. Ray Data hands a struct column over
+    with every field in every row (None where a row has none: dropped here), numpy scalars
+    and arrays, and integers as floats where the column has nulls (6.0: an int again)."""
     if value is None:
         return {}
     if not isinstance(value, Mapping):
         raise ValueError(f"sampling_params must be a mapping, got {type(value).__name__}")
-    return {k: v for k, v in value.items() if v is not None}
+    out = {}
+    for key, v in value.items():
+        if v is None:
+            continue
+        if hasattr(v, "tolist"):  # numpy scalars and arrays
+            v = v.tolist()
+        if isinstance(v, float) and v.is_integer() and key in _int_fields():
+            v = int(v)
+        out[key] = v
+    return out
+
+
+@functools.cache
+def _int_fields() -> frozenset[str]:
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    types = {f.name: str(f.type) for f in fields(SamplingParams)}
+    return frozenset(name for name, t in types.items() if "int" in t and "float" not in t)
 
 
 def _failed(message: str) -> Row:
