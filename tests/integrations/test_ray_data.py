@@ -76,7 +76,8 @@ def test_outputs_equal_llm_chat_and_bad_rows_get_errors(model: Path) -> None:
     want = llm.chat([_question(i) for i in good], SamplingParams(**SAMPLING))
     for i, w in zip(good, want, strict=True):
         r = got[i]
-        assert (r["generated_text"], list(r["generated_token_ids"])) == (w.text, w.token_ids), r["error"]
+        got_tokens = (r["generated_text"], list(r["generated_token_ids"]))
+        assert got_tokens == (w.text, w.token_ids), r["error"]
         assert r["error"] is None and r["finish_reason"] == w.finish_reason
         assert r["num_generated_tokens"] == len(w.token_ids) > 0
     assert got[3]["finish_reason"] == "error" and "context" in got[3]["error"]
