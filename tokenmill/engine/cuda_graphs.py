@@ -165,10 +165,7 @@ class DecodeGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def can_run(self, batch: HostBatch) -> bool:
-        return self._kind(batch) is not None
-
-    def _kind(self, batch: HostBatch) -> tuple[int, bool] | None:
+    def kind(self, batch: HostBatch) -> tuple[int, bool] | None:
         """(query length, tree) of the graphs that can run ``batch``; None: run it eagerly."""
         if not (0 < batch.num_reqs <= self.max_bs and self.graphs):
             return None
@@ -185,14 +182,14 @@ class DecodeGraphRunner:
             return t, True
         return None
 
-    def run(self, batch: HostBatch, pending: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [N, H] at ``batch.logits_rows`` of a batch ``can_run`` accepts.
+    def run(
+        self, batch: HostBatch, kind: tuple[int, bool], pending: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states [N, H] at ``batch.logits_rows`` of ``batch``, replayed in the graphs
+        of ``kind`` (what ``kind(batch)`` said; not None).
 
         ``pending`` ([P], on the device) are the input tokens at ``batch.pending_rows``
         that the host does not know yet."""
-        kind = self._kind(batch)
-        if kind is None:
-            raise RuntimeError("no captured graph runs this batch (check can_run first)")
         q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)

@@ -165,9 +165,11 @@ class ModelRunner:
         pending = None  # [P] the pending input tokens, on the device
         if len(batch.pending_rows) and last is not None:  # (build raised if last is None)
             pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
-        if self.graphs is not None and self.graphs.can_run(batch):
+        kind = None if self.graphs is None else self.graphs.kind(batch)
+        if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
-            logits = self.model.compute_logits(self.graphs.run(batch, pending))  # [N, V]
+            hidden = self.graphs.run(batch, kind, pending)
+            logits = self.model.compute_logits(hidden)  # [N, V]
         else:
             self.profiler.begin(t0, batch, graph=False)
             common, input_ids, positions = self._upload(batch)
