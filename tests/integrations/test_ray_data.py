@@ -4,7 +4,6 @@ preprocess / postprocess run around the engine replicas."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 from tokenmill.integrations.ray_data import (  # noqa: E402
     OUTPUT_COLUMNS,
@@ -22,16 +22,6 @@ from tokenmill.integrations.ray_data import (  # noqa: E402
 
 ENGINE = {"device": "cpu", "dtype": "float32", "max_num_seqs": 4}
 SAMPLING = {"max_tokens": 6, "temperature": 0.0}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

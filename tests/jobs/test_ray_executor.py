@@ -19,6 +19,7 @@ from tokenmill.io.rows import InputRow
 from tokenmill.jobs.spec import JobSpec
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.usefixtures("ray_session")
 
 from tokenmill.jobs.ray_executor import RayExecutor, replica_resources  # noqa: E402
 
@@ -31,16 +32,6 @@ BAD_LINES = [
 SMALL = {"engine": {"max_num_seqs": 2}, "sampling": {"max_tokens": 6}}
 PREFIX = "You are a careful counting assistant. " * 3
 RAY = {"executor": "ray", "replicas": 2, "ray_address": None}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_session() -> Iterator[None]:
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
