@@ -82,6 +82,7 @@ def print_host_profile(host: cProfile.Profile, requests: int) -> None:
     out = io.StringIO()
     stats = pstats.Stats(host, stream=out)
     stats.sort_stats("cumulative").print_stats("tokenmill", 40)
+    stats.sort_stats("tottime").print_stats(30)  # every module: torch, Triton, numpy too
     print(f"host profile over {requests} requests:\n{out.getvalue()}", file=sys.stderr)
 
 

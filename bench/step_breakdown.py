@@ -12,8 +12,11 @@ kernels next to the step's roofline (weights + KV bytes / 4.25 TB/s), and writes
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.throughput import HBM_BPS, LLAMA_8B, QWEN3_06B, model_dir, param_bytes  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
-SHAPES = {"llama8b": LLAMA_8B, "qwen3": QWEN3_06B}
+# The embedded SmolLM2-135M's shape: a small model, where a step's host work shows most.
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+SHAPES = {"llama8b": LLAMA_8B, "qwen3": QWEN3_06B, "smollm2": SMOLLM2_135M}
 
 
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
@@ -70,7 +90,28 @@ def profiled_steps(llm: LLM, steps: int, want_mixed: bool):
     return prof, records[start:]
 
 
-def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) -> dict:
+def python_profile(llm: LLM, steps: int, want_mixed: bool, top: int = 25) -> str:
+    """``steps`` more steps under cProfile: the Python functions (tokenmill, torch, Triton's
+    launcher) by their own time, which torch.profiler's operator table does not show."""
+    engine = llm.engine
+    records = engine.runner.profiler.records
+    start = len(records)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    kinds = [r.num_tokens != r.num_reqs for r in records[start:]]
+    assert all(k == want_mixed for k in kinds), f"expected mixed={want_mixed}, got {kinds}"
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def breakdown(
+    name: str, batch: int, prompt_len: int, steps: int, root: Path, mixed_len: int
+) -> dict:
     cfg = SHAPES[name]
     llm = LLM(
         str(model_dir(cfg, root, name)),
@@ -95,6 +136,7 @@ def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) ->
     for _ in range(3):  # warm decode steps
         engine.step()
     prof, recs = profiled_steps(llm, steps, want_mixed=False)
+    decode_python = python_profile(llm, steps, want_mixed=False)
     d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
     ctx = sum(r.context_tokens for r in recs) / len(recs)
@@ -105,14 +147,16 @@ def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) ->
         "roofline_ms": round(roof_ms, 3),
         "step_gpu_ms": engine.step_profile()["decode"]["gpu_ms"],
         "kernels": kernel_table(prof, steps, 14),
+        "python": decode_python,
     }
     engine.runner.profiler.records.clear()
     # Long new prompts, chunked by the step budget, keep every profiled step mixed.
-    long_len = min(7000, cfg["max_position_embeddings"] - 200)
-    for i in range(steps + 2):
+    long_len = min(mixed_len, cfg["max_position_embeddings"] - 200)
+    for i in range(2 * steps + 2):
         engine.add_request(f"p{i}", rng.integers(1000, vocab - 1000, long_len).tolist(), params)
     engine.step()  # the first mixed step (admission)
     prof, recs = profiled_steps(llm, steps, want_mixed=True)
+    mixed_python = python_profile(llm, steps, want_mixed=True)
     mixed = {
         "mean_tokens": round(sum(r.num_tokens for r in recs) / len(recs), 1),
         "step_gpu_ms": engine.step_profile()["prefill_or_mixed"]["gpu_ms"],
@@ -120,10 +164,9 @@ def breakdown(name: str, batch: int, prompt_len: int, steps: int, root: Path) ->
             sum(r.num_tokens for r in recs) / len(recs) * param_bytes(cfg) / 795e12 * 1e3, 3
         ),
         "kernels": kernel_table(prof, steps, 14),
-        "host": host_table(prof, steps, 12),
-        "host_ms_per_step": round(
-            sum(r.cpu_ms for r in engine.runner.profiler.records) / max(1, len(recs)), 3
-        ),
+        "host": host_table(prof, steps, 25),
+        "host_ms_per_step": round(sum(r.cpu_ms for r in recs) / len(recs), 3),
+        "python": mixed_python,
     }
     del llm, engine
     torch.cuda.empty_cache()
@@ -136,22 +179,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--mixed-prompt-len", type=int, default=7000, help="new prompts of the mixed steps"
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            res = breakdown(name, args.batch, args.prompt_len, args.steps, Path(tmp))
+            res = breakdown(
+                name, args.batch, args.prompt_len, args.steps, Path(tmp), args.mixed_prompt_len
+            )
             results[name] = res
             for kind in ("decode", "mixed"):
                 r = res[kind]
-                head = {k: v for k, v in r.items() if k not in ("kernels", "host")}
+                head = {k: v for k, v in r.items() if k not in ("kernels", "host", "python")}
                 print(f"\n{name} {kind}: {json.dumps(head)}")
                 for k in r["kernels"]:
                     print(f"  {k['ms_per_step']:9.3f} ms {k['share']:6.1%} x{k['calls']:<5} "
                           f"{k['kernel']}")  # fmt: skip
                 for h in r.get("host", []):
                     print(f"  host {h['self_cpu_ms_per_step']:9.3f} ms  {h['op']}")
+                print(r["python"])
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "step_breakdown.json").write_text(json.dumps(results, indent=1))
 

@@ -152,6 +152,7 @@ class LLMEngine:
                 self.max_model_len,
                 max_drafts=0 if proposer is None else proposer.max_drafts,
                 trees=getattr(proposer, "makes_trees", False),
+                max_num_batched_tokens=config.max_num_batched_tokens,
             )
         kv = KVCacheManager(
             num_blocks,

@@ -116,19 +116,34 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.graphs = None  # a DecodeGraphRunner once enable_cuda_graphs() captured them
+        self.pieces = None  # a PiecewiseGraphRunner (the other steps), likewise
         self.profiler = StepProfiler(device)
         self._last: _Sampled | None = None
 
     def enable_cuda_graphs(
-        self, max_num_seqs: int, max_model_len: int, max_drafts: int = 0, trees: bool = False
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_drafts: int = 0,
+        trees: bool = False,
+        max_num_batched_tokens: int = 0,
     ) -> None:
         """Capture decode-step graphs (CUDA and a backend with ``cuda_graphs`` only; a no-op
         elsewhere): for one token a request, and for 1 + ``max_drafts`` when a proposer gives
         drafts (as far as the backend's decode path takes them; longer rows run eagerly);
-        with ``trees``, for steps whose rows carry trees of up to ``max_drafts`` drafts."""
+        with ``trees``, for steps whose rows carry trees of up to ``max_drafts`` drafts. With
+        ``max_num_batched_tokens``, also the piecewise graphs that run every other step of up
+        to that many tokens around eager attention (piecewise_graphs.py)."""
         if self.device.type != "cuda" or not self.backend.cuda_graphs:
             return
         from tokenmill.engine.cuda_graphs import DecodeGraphRunner
+        from tokenmill.engine.piecewise_graphs import PiecewiseGraphRunner
+
+        if max_num_batched_tokens:
+            self.pieces = PiecewiseGraphRunner(
+                self.model, self.backend, self.kv_caches, max_num_batched_tokens, self.device
+            )
+            self.pieces.capture()
 
         query_lens = (1,) if trees else (1, min(1 + max_drafts, self.backend.max_decode_query_len))
 
@@ -171,13 +186,17 @@ class ModelRunner:
             hidden = self.graphs.run(batch, kind, pending)
             logits = self.model.compute_logits(hidden)  # [N, V]
         else:
-            self.profiler.begin(t0, batch, graph=False)
+            piecewise = self.pieces is not None and self.pieces.fits(batch.num_tokens)
+            self.profiler.begin(t0, batch, graph=piecewise)
             common, input_ids, positions = self._upload(batch)
             if pending is not None:
                 rows = upload(torch.from_numpy(batch.pending_rows), self.device)
                 input_ids.index_copy_(0, rows, pending)
             attn_meta = self.backend.build(common)
-            hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
+            if piecewise:
+                hidden = self.pieces.run(input_ids, positions, attn_meta)  # [T, H]
+            else:
+                hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
             if not len(batch.sample_rows):
                 self._last = None
                 self.profiler.end()

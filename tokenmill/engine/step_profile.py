@@ -25,7 +25,7 @@ from tokenmill.engine.host_batch import HostBatch
 class StepRecord:
     num_reqs: int
     num_tokens: int
-    graph: bool
+    graph: bool  # replayed in CUDA graphs: a decode graph, or the pieces around attention
     decode: bool  # every row decodes (one token, or with drafts: a chain or a tree)
     context_tokens: int = 0  # sum of the batch's sequence lengths (KV the step reads)
     cpu_ms: float = 0.0

@@ -20,5 +20,8 @@ MIN_SCALE = 1e-12
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values [R, C], fp32 scales [R, 1]) with x ~ values * scales, one scale a row."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(MIN_SCALE)
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    # Divided by a tensor, not the number: CUDA divides a tensor by a Python number as a
+    # multiplication by its reciprocal, 1 ulp off a true division (the kernel's) at times.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
     return (x.float() / scale).to(FP8), scale

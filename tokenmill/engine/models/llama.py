@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from tokenmill.engine.attention.backend import AttentionBackend
+from tokenmill.engine.attention.graph_split import attend
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.layers import RMSNorm, silu_and_mul
 from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -66,7 +67,7 @@ class LlamaAttention(torch.nn.Module):
         else:
             qk = apply_rope(qkv[:, : hq + hkv], rope.cos, rope.sin)  # q and k in one pass
             q, k = qk[:, :hq], qk[:, hq:]
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
+        o = attend(self.backend, q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
         return self.o_proj(o.reshape(t, self.q_size))
 
 
