@@ -1,17 +1,33 @@
 """FP8 W8A8 linear layers against bf16 on the Llama-3-8B layer shapes (issue 14's GEMM goal).
 
-For each shape (qkv, o, gate_up, down) and token count M: the bf16 ``F.linear`` and the FP8
-layer's forward (``Fp8Method.apply``: per-token activation quantization included, then
-``torch._scaled_mm`` with per-channel weight scales), each timed with a cold L2 (gpu_timing).
-Prints ms, TFLOP/s and the FP8 / bf16 speed-up per row, and the FP8 output's error relative
-to the bf16 one. Goal: >= 1.7x at M >= 2048.
+Two lines per shape (qkv, o, gate_up, down) and token count M, each call timed with a cold
+L2 (gpu_timing). Goal: >= 1.7x at M >= 2048, activation quantization included.
 
-The FP8 forward's two parts are also timed alone, to show where its time goes:
-``quant_ms`` the activation quantization it runs (the Triton kernel, kernels/fp8_quant.py),
-``torch_quant_ms`` the torch reference it replaced (``quantize_rows``), and ``mm_ms``
-``torch._scaled_mm`` on activations quantized beforehand.
+``"line": "layer"`` -- the layer alone: the bf16 ``F.linear`` against the FP8 layer's forward
+on a bf16 input (``Fp8Method.apply``: the activation quantization kernel, then
+``torch._scaled_mm`` with per-channel weight scales). Its parts are also timed alone:
+``quant_ms`` the quantization kernel (kernels/fp8_quant.py), ``torch_quant_ms`` its torch
+reference (``quantize_rows``), ``mm_ms`` ``torch._scaled_mm`` on activations quantized
+beforehand. ``rel_error``: the FP8 output's error relative to the bf16 one.
 
-    PYTHONPATH=. python bench/fp8_gemm.py
+``"line": "fused_producer"`` -- the layer with the kernel that produces its input, as the
+model runs them (fp8_activation.py):
+
+    qkv, gate_up  bf16: rms_norm (+ residual add) then F.linear
+                  FP8:  rms_norm_fp8 (the norm written as e4m3 rows + scales) then _scaled_mm
+    down          bf16: silu_and_mul then F.linear
+                  FP8:  silu_and_mul_fp8 then _scaled_mm
+    o             attention produces its input: the FP8 layer quantizes it (as "layer")
+
+``speedup`` compares the pairs; ``gemm_speedup`` = bf16 linear / (FP8 pair - bf16
+producer): the FP8 GEMM charged with what quantizing its input adds to the producer, the
+goal's "activation quantization included". ``unfused_fp8_ms``: the bf16 producer, then the
+FP8 layer quantizing for itself (the path before the fused producers). For down,
+``producer_fp8_loop_ms`` times silu_and_mul_fp8's two-loop path (its ``block``) against the
+default one-tile path (``producer_fp8_ms``): which is faster at I = 14336 decides the
+default (``_FP8_MAX_ONE_TILE`` in kernels/silu_and_mul.py).
+
+    python3 bench/fp8_gemm.py [--tokens 16,256,2048,4096,8192]
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +47,8 @@ from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
 from tokenmill.engine.models.fp8 import Fp8Method  # noqa: E402
 from tokenmill.engine.models.linear import RowParallelLinear  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref  # noqa: E402
+from tokenmill.kernels.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
+from tokenmill.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 
 SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
     "qkv": (4096, 6144),
@@ -36,6 +56,22 @@ SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
     "gate_up": (4096, 28672),
     "down": (14336, 4096),
 }
+PRODUCERS = {"qkv": "rms_norm+residual", "o": "attention (not fused)",
+             "gate_up": "rms_norm+residual", "down": "silu_and_mul"}  # fmt: skip
+EPS = 1e-5
+LOOP_BLOCKS = (2048, 4096)  # silu_and_mul_fp8's two-loop path, against its one tile
+
+
+@dataclass(frozen=True)
+class Producer:
+    """One layer with the kernel producing its input, as callables over fixed inputs."""
+
+    bf16_pair: Callable[[], torch.Tensor]  # bf16 producer, then F.linear
+    fp8_pair: Callable[[], torch.Tensor]  # FP8 producer (writes e4m3 rows), then _scaled_mm
+    unfused_fp8: Callable[[], torch.Tensor]  # bf16 producer, then the FP8 layer quantizing
+    bf16_producer: Callable[[], object] | None  # None: attention (not timed here)
+    fp8_producer: Callable[..., object] | None  # silu_and_mul_fp8 also takes ``block``
+    reset: Callable[[], object] = lambda: None  # the inputs as they were (the residual)
 
 
 def fp8_layer(weight: torch.Tensor) -> RowParallelLinear:
@@ -52,6 +88,90 @@ def scaled_mm(layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.Tensor
                             out_dtype=layer.out_dtype)  # fmt: skip
 
 
+def producer(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear) -> Producer:
+    """``name``'s layer (bf16 ``weight`` and its FP8 ``layer``) with its producer, M tokens."""
+    in_f = weight.shape[1]
+    linear = torch.nn.functional.linear
+    if name == "down":
+        gate_up = torch.randn(m, 2 * in_f, device="cuda", dtype=torch.bfloat16) * 3
+        return Producer(
+            bf16_pair=lambda: linear(silu_and_mul(gate_up), weight),
+            fp8_pair=lambda: scaled_mm(layer, *silu_and_mul_fp8(gate_up)),
+            unfused_fp8=lambda: layer(silu_and_mul(gate_up)),
+            bf16_producer=lambda: silu_and_mul(gate_up),
+            fp8_producer=lambda block=None: silu_and_mul_fp8(gate_up, block=block),
+        )
+    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+    if name == "o":
+        return Producer(lambda: linear(x, weight), lambda: layer(x), lambda: layer(x), None, None)
+    # The norm adds x into the residual in place, call after call: growing, harmlessly.
+    residual = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+    start = residual.clone()
+    norm_w = 1 + 0.1 * torch.randn(in_f, device="cuda", dtype=torch.bfloat16)
+    return Producer(
+        bf16_pair=lambda: linear(rms_norm(x, norm_w, EPS, residual)[0], weight),
+        fp8_pair=lambda: scaled_mm(layer, *rms_norm_fp8(x, norm_w, EPS, residual)[:2]),
+        unfused_fp8=lambda: layer(rms_norm(x, norm_w, EPS, residual)[0]),
+        bf16_producer=lambda: rms_norm(x, norm_w, EPS, residual),
+        fp8_producer=lambda: rms_norm_fp8(x, norm_w, EPS, residual),
+        reset=lambda: residual.copy_(start),
+    )
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear) -> dict:
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = time_ms(lambda: torch.nn.functional.linear(x, weight))
+    fp8_ms = time_ms(lambda: layer(x))
+    x_q, x_scale = quantize_rows_fp8(x)
+    flop = 2 * m * in_f * out_f
+    return {
+        "line": "layer", "shape": name, "in": in_f, "out": out_f, "M": m,
+        "bf16_ms": round(bf16_ms, 4), "fp8_ms": round(fp8_ms, 4),
+        "bf16_tflops": round(flop / bf16_ms / 1e9, 1),
+        "fp8_tflops": round(flop / fp8_ms / 1e9, 1),
+        "speedup": round(bf16_ms / fp8_ms, 2),
+        "rel_error": round(rel_error(layer(x), torch.nn.functional.linear(x, weight)), 4),
+        "quant_ms": round(time_ms(lambda: quantize_rows_fp8(x)), 4),
+        "torch_quant_ms": round(time_ms(lambda: quantize_rows_fp8_ref(x)), 4),
+        "mm_ms": round(time_ms(lambda: scaled_mm(layer, x_q, x_scale)), 4),
+    }  # fmt: skip
+
+
+def producer_line(
+    name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear, linear_ms: float
+) -> dict:
+    """The "fused_producer" line (see the module docstring); ``linear_ms``: bf16 F.linear."""
+    p = producer(name, m, weight, layer)
+    p.reset()
+    fp8_out = p.fp8_pair()
+    p.reset()
+    err = rel_error(fp8_out, p.bf16_pair())
+    bf16_ms, fp8_ms = time_ms(p.bf16_pair), time_ms(p.fp8_pair)
+    producer_ms = time_ms(p.bf16_producer) if p.bf16_producer else 0.0
+    gemm_ms = fp8_ms - producer_ms  # the FP8 GEMM and what quantizing adds to the producer
+    line = {
+        "line": "fused_producer", "shape": name, "M": m, "producer": PRODUCERS[name],
+        "bf16_ms": round(bf16_ms, 4), "fp8_ms": round(fp8_ms, 4),
+        "speedup": round(bf16_ms / fp8_ms, 2),
+        "gemm_speedup": round(linear_ms / gemm_ms, 2) if gemm_ms > 0 else None,
+        "unfused_fp8_ms": round(time_ms(p.unfused_fp8), 4),
+        "producer_bf16_ms": round(producer_ms, 4), "rel_error": round(err, 4),
+    }  # fmt: skip
+    if p.fp8_producer is not None:
+        line["producer_fp8_ms"] = round(time_ms(p.fp8_producer), 4)
+    if name == "down":
+        line["producer_fp8_loop_ms"] = {
+            b: round(time_ms(lambda b=b: p.fp8_producer(block=b)), 4) for b in LOOP_BLOCKS
+        }
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,256,2048,4096,8192")
@@ -61,26 +181,11 @@ def main() -> None:
         weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
         layer = fp8_layer(weight.clone())
         for m in (int(t) for t in args.tokens.split(",")):
-            x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
             with torch.inference_mode():
-                bf16_ms = time_ms(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
-                fp8_ms = time_ms(lambda x=x, f=layer: f(x))
-                quant_ms = time_ms(lambda x=x: quantize_rows_fp8(x))
-                torch_quant_ms = time_ms(lambda x=x: quantize_rows_fp8_ref(x))
-                x_q, x_scale = quantize_rows_fp8(x)
-                mm_ms = time_ms(lambda q=x_q, s=x_scale, f=layer: scaled_mm(f, q, s))
-                ref = torch.nn.functional.linear(x, weight).float()
-                err = ((layer(x).float() - ref).norm() / ref.norm()).item()
-            flop = 2 * m * in_f * out_f
-            print(json.dumps({
-                "shape": name, "in": in_f, "out": out_f, "M": m,
-                "bf16_ms": round(bf16_ms, 4), "fp8_ms": round(fp8_ms, 4),
-                "bf16_tflops": round(flop / bf16_ms / 1e9, 1),
-                "fp8_tflops": round(flop / fp8_ms / 1e9, 1),
-                "speedup": round(bf16_ms / fp8_ms, 2), "rel_error": round(err, 4),
-                "quant_ms": round(quant_ms, 4), "torch_quant_ms": round(torch_quant_ms, 4),
-                "mm_ms": round(mm_ms, 4),
-            }), flush=True)  # fmt: skip
+                line = layer_line(name, m, weight, layer)
+                print(json.dumps(line), flush=True)
+                fused = producer_line(name, m, weight, layer, line["bf16_ms"])
+                print(json.dumps(fused), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""rms_norm (Triton) against rms_norm_ref, with and without the fused residual add."""
+"""rms_norm (Triton) against rms_norm_ref, with and without the fused residual add; and
+rms_norm_fp8, the same norm written as FP8 rows, against quantize_rows of it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from tokenmill.engine.models.layers import RMSNorm
-from tokenmill.kernels.rms_norm import rms_norm, rms_norm_ref
+from tokenmill.kernels.fp8_rows import MIN_SCALE, quantize_rows
+from tokenmill.kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
@@ -139,3 +141,97 @@ def test_per_head_norm_engine_size(dtype) -> None:
     y, _ = rms_norm(qkv[:, :16], weight, EPS)
     y_ref, _ = rms_norm_ref(qkv[:, :16], weight, EPS)
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
+
+
+# rms_norm_fp8: the norm quantized per row to e4m3 in the same pass. Exact, no tolerance:
+# its y is rms_norm's y (the same code and launch), and q / scale are quantize_rows of that
+# rounded y (IEEE divisions, round to nearest even), in the interpreter too.
+
+
+def _assert_fp8_rows_of(q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
+    q_ref, scale_ref = quantize_rows(y)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (y.shape[0], 1)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())  # -0 == +0; every other bit pattern equal
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(("t", "h", "pad"), [(5, 576, 0), (17, 256, 0), (2, 1000, 24)])
+def test_rms_norm_fp8_is_quantize_rows_of_the_norm(t, h, pad, with_residual, dtype) -> None:
+    x, residual, weight = _inputs(t, h, dtype, pad)
+    if not with_residual:
+        x[0] = 0  # an all-zero row: the 1e-12 scale floor
+    res_in = residual if with_residual else None
+    res_plain, res_ref = (residual.clone() if with_residual else None for _ in range(2))
+    y = torch.empty(t, h, dtype=dtype, device=DEVICE)
+    q, scale, s = rms_norm_fp8(x, weight, EPS, res_in, out=y)
+    y_plain, s_plain = rms_norm(x, weight, EPS, res_plain)
+    assert torch.equal(y, y_plain)  # (17, 256): 16 rows a program, the second one ragged
+    _assert_fp8_rows_of(q, scale, y)
+    if with_residual:
+        assert s is residual and torch.equal(s, s_plain)  # the sum, written in place
+    else:
+        assert s is None and scale[0].item() == pytest.approx(MIN_SCALE)
+    # The torch path's y may be an ulp off (see TOL), so a value one e4m3 step (1/8) away.
+    q_ref, scale_ref, _ = rms_norm_fp8_ref(x, weight, EPS, res_ref)
+    torch.testing.assert_close(
+        q.float() * scale, q_ref.float() * scale_ref, rtol=0.13, atol=scale.max().item() / 512
+    )
+
+
+def test_rms_norm_fp8_without_out_and_without_tokens() -> None:
+    x, residual, weight = _inputs(3, 64, torch.bfloat16)
+    q, scale, s = rms_norm_fp8(x, weight, EPS)
+    y, _ = rms_norm(x, weight, EPS)
+    assert s is None
+    _assert_fp8_rows_of(q, scale, y)
+    q, scale, s = rms_norm_fp8(x[:0], weight, EPS, residual[:0])
+    assert q.shape == (0, 64) and scale.shape == (0, 1) and s.shape == (0, 64)
+
+
+def test_rms_norm_fp8_rejects_what_it_cannot_quantize() -> None:
+    x, residual, weight = _inputs(2, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x must be \[T, H\]"):
+        rms_norm_fp8(x.view(2, 4, 16), weight[:16], EPS)  # per-head norms feed no FP8 layer
+    with pytest.raises(ValueError, match="out must not be residual"):
+        rms_norm_fp8(x, weight, EPS, residual, out=residual)
+    with pytest.raises(ValueError, match="weight dtype"):
+        rms_norm_fp8(x, weight.float(), EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("t", [1, 333, 2048, 4096])
+def test_rms_norm_fp8_llama8b_width_gpu(t, with_residual, dtype) -> None:
+    """Llama-3-8B's hidden 4096: exactly quantize_rows_fp8_ref of rms_norm's own y."""
+    x, residual, weight = _inputs(t, 4096, dtype)
+    res_plain = residual.clone() if with_residual else None
+    y = torch.empty(t, 4096, dtype=dtype, device=DEVICE)
+    q, scale, s = rms_norm_fp8(x, weight, EPS, residual if with_residual else None, out=y)
+    y_plain, s_plain = rms_norm(x, weight, EPS, res_plain)
+    assert torch.equal(y, y_plain)
+    _assert_fp8_rows_of(q, scale, y)
+    assert (s is None) == (s_plain is None) and (s is None or torch.equal(s, s_plain))
+    q_alone, scale_alone, _ = rms_norm_fp8(x, weight, EPS)  # no out: y is never written
+    if not with_residual:
+        assert torch.equal(q_alone.float(), q.float()) and torch.equal(scale_alone, scale)
+
+
+@pytest.mark.gpu
+def test_rms_norm_fp8_captures_in_a_cuda_graph_gpu() -> None:
+    x, residual, weight = _inputs(64, 4096, torch.bfloat16)
+    rms_norm_fp8(x, weight, EPS, residual.clone())  # compile outside the capture
+    start = residual.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scale, _ = rms_norm_fp8(x, weight, EPS, residual)
+    residual.copy_(start)
+    x.copy_(_inputs(64, 4096, torch.bfloat16)[1])  # new values in the captured buffers
+    graph.replay()
+    torch.cuda.synchronize()
+    y_ref, s_ref = rms_norm(x, weight, EPS, start)
+    assert torch.equal(residual, s_ref)
+    _assert_fp8_rows_of(q, scale, y_ref)

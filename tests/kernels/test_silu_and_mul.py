@@ -1,4 +1,5 @@
-"""silu_and_mul (Triton) against silu_and_mul_ref over shapes, dtypes and strided rows."""
+"""silu_and_mul (Triton) against silu_and_mul_ref over shapes, dtypes and strided rows; and
+silu_and_mul_fp8, the same product written as FP8 rows, against quantize_rows of it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ import pytest
 import torch
 
 from tokenmill.engine.models.layers import silu_and_mul as engine_silu_and_mul
-from tokenmill.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from tokenmill.kernels.fp8_rows import MIN_SCALE, quantize_rows
+from tokenmill.kernels.silu_and_mul import (
+    silu_and_mul,
+    silu_and_mul_fp8,
+    silu_and_mul_fp8_ref,
+    silu_and_mul_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -55,3 +62,83 @@ def test_silu_and_mul_out_and_engine() -> None:
 def test_silu_and_mul_engine_size(inter, dtype) -> None:
     x = _x(4096, inter, dtype)
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL[dtype])
+
+
+# silu_and_mul_fp8: exact, no tolerance. Its y is silu_and_mul's y (the same element-wise
+# formula), and q / scale are quantize_rows of that rounded y, in the interpreter too.
+
+
+def _assert_fp8_rows_of(q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
+    q_ref, scale_ref = quantize_rows(y)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (y.shape[0], 1)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.float(), q_ref.float())  # -0 == +0; every other bit pattern equal
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize(
+    ("t", "inter", "pad", "block"),
+    [
+        (3, 1536, 0, None),  # one tile a row
+        (2, 100, 0, None),  # I not a power of two: a masked tile
+        (17, 192, 40, None),  # strided rows, 16 a program, the second program ragged
+        (5, 200, 0, 64),  # the two loops over I, the last chunk masked
+        (17, 64, 0, 16),  # the loops with several rows a program
+    ],
+)
+def test_silu_and_mul_fp8_is_quantize_rows_of_the_product(t, inter, pad, block, dtype) -> None:
+    x = _x(t, inter, dtype, pad)
+    x[0] = 0  # an all-zero row: the 1e-12 scale floor
+    y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
+    q, scale = silu_and_mul_fp8(x, out=y, block=block)
+    assert torch.equal(y, silu_and_mul(x))
+    _assert_fp8_rows_of(q, scale, y)
+    assert scale[0].item() == pytest.approx(MIN_SCALE)
+    q_alone, scale_alone = silu_and_mul_fp8(x, block=block)  # y never written
+    assert torch.equal(q_alone.float(), q.float()) and torch.equal(scale_alone, scale)
+    # The torch path's y may be an ulp off (see TOL), so a value one e4m3 step (1/8) away.
+    q_ref, scale_ref = silu_and_mul_fp8_ref(x)
+    torch.testing.assert_close(
+        q.float() * scale, q_ref.float() * scale_ref, rtol=0.13, atol=scale.max().item() / 512
+    )
+
+
+def test_silu_and_mul_fp8_no_tokens_and_bad_inputs() -> None:
+    q, scale = silu_and_mul_fp8(torch.empty(0, 64, device=DEVICE))
+    assert q.shape == (0, 32) and scale.shape == (0, 1)
+    with pytest.raises(ValueError, match="I == 0"):
+        silu_and_mul_fp8(torch.empty(2, 0, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        silu_and_mul_fp8(torch.zeros(2, 64, device=DEVICE), block=24)
+    with pytest.raises(ValueError, match="out must be"):
+        silu_and_mul_fp8(torch.zeros(2, 64, device=DEVICE), out=torch.empty(2, 31))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("inter", "block"), [(14336, None), (14336, 2048), (1536, None)])
+@pytest.mark.parametrize("t", [1, 333, 2048])
+def test_silu_and_mul_fp8_llama8b_width_gpu(t, inter, block, dtype) -> None:
+    """Llama-3-8B's 14336 (one tile, and the loops) and SmolLM2's 1536: exactly the torch
+    path's FP8 rows, as the kernel's y is torch's bit for bit on the GPU."""
+    x = _x(t, inter, dtype)
+    y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
+    q, scale = silu_and_mul_fp8(x, out=y, block=block)
+    assert torch.equal(y, silu_and_mul(x))
+    _assert_fp8_rows_of(q, scale, y)
+    q_ref, scale_ref = silu_and_mul_fp8_ref(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
+
+
+@pytest.mark.gpu
+def test_silu_and_mul_fp8_captures_in_a_cuda_graph_gpu() -> None:
+    x = _x(64, 14336, torch.bfloat16)
+    silu_and_mul_fp8(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q, scale = silu_and_mul_fp8(x)
+    x.copy_(_x(64, 14336, torch.bfloat16).flip(0))  # new rows in the captured buffer
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_fp8_rows_of(q, scale, silu_and_mul(x))

@@ -7,7 +7,8 @@ the FP8 layer runs on CPU; this kernel replaces its ~8 kernels and fp32 intermed
     q      [T, K]  e4m3fn    q[t, k]  = e4m3(clamp(x[t, k] / scale[t], -448, 448))
 
 Both divisions are IEEE (``tl.div_rn``) and the cast rounds to nearest even, like torch, so
-q and scale equal the reference's bit for bit (up to the sign of a zero).
+q and scale equal the reference's bit for bit (up to the sign of a zero); the tile arithmetic
+is fp8_tiles.py's, shared with the kernels that write FP8 rows of their own output.
 
 Kernel: grid (cdiv(T, ROWS),); each program quantizes ROWS whole rows.
 
@@ -26,13 +27,12 @@ the wrapper only allocates and launches (CUDA-graph capturable).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.fp8_rows import FP8_MAX, MIN_SCALE, quantize_rows
+from tokenmill.kernels.fp8_rows import quantize_rows
+from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
 
 __all__ = ["quantize_rows_fp8", "quantize_rows_fp8_ref"]
 
@@ -42,32 +42,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_ONE_TILE = 16384  # widest row held whole in registers (Llama-3-8B's down_proj: 14336)
 _LOOP_BLOCK_K = 4096
 _ELEMENTS_PER_PROGRAM = 4096
-
-
-@triton.jit
-def _round_to_e4m3_grid(v):
-    """fp32 ``v`` (|v| <= 448) rounded to nearest even on e4m3's grid, still fp32, so the
-    cast that follows is exact. Only for the interpreter: its fp32 -> e4m3 cast rounds ties
-    away from zero and drops a carry into the exponent (31.5 -> 16, not 32)."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF  # biased
-    # e4m3 keeps 3 mantissa bits down to 2^-6 (biased fp32 exponent 121), then steps of 2^-9
-    step = ((tl.maximum(exponent, 121) - 3) << 23).to(tl.float32, bitcast=True)
-    # |v| + 1.5 * 2^23 steps lies in a binade whose ulp is one step: the add rounds |v| to
-    # whole steps, nearest even, and the subtraction is exact.
-    magic = step * 12582912.0
-    r = (tl.abs(v) + magic) - magic
-    sign = (bits >> 31) << 31
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_e4m3(x, scale, FP8_MAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
-    """fp32 x [ROWS, BLOCK_K] / scale [ROWS, 1] as e4m3."""
-    v = tl.clamp(tl.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-    if ROUND_IN_FP32:
-        v = _round_to_e4m3_grid(v)
-    return v.to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -84,12 +58,10 @@ def _quantize_rows_kernel(
     stride_xk,
     stride_qt,
     # meta-parameters
-    FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_TILE: tl.constexpr,  # BLOCK_K >= K: the rows stay in registers between the passes
-    ROUND_IN_FP32: tl.constexpr,  # the interpreter: see _round_to_e4m3_grid
+    ROUND_IN_FP32: tl.constexpr,  # the interpreter: see fp8_tiles.py
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
     row_mask = rows < num_rows
@@ -101,9 +73,9 @@ def _quantize_rows_kernel(
         mask = row_mask[:, None] & (offs < cols)
         x = tl.load(x_rows + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=1)  # [ROWS]; masked columns add 0
-        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+        scale = row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
-        q = _to_e4m3(x, scale[:, None], FP8_MAX, ROUND_IN_FP32)
+        q = to_e4m3(x, scale[:, None], ROUND_IN_FP32)
         tl.store(q_rows + offs, q, mask=mask)
     else:
         amax = tl.zeros([ROWS], dtype=tl.float32)
@@ -111,12 +83,12 @@ def _quantize_rows_kernel(
             mask = row_mask[:, None] & (k0 + offs < cols)
             x = tl.load(x_rows + (k0 + offs) * stride_xk, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+        scale = row_scale(amax)
         tl.store(scale_ptr + rows, scale, mask=row_mask)
         for k0 in range(0, cols, BLOCK_K):
             mask = row_mask[:, None] & (k0 + offs < cols)
             x = tl.load(x_rows + (k0 + offs) * stride_xk, mask=mask, other=0.0)
-            q = _to_e4m3(x.to(tl.float32), scale[:, None], FP8_MAX, ROUND_IN_FP32)
+            q = to_e4m3(x.to(tl.float32), scale[:, None], ROUND_IN_FP32)
             tl.store(q_rows + k0 + offs, q, mask=mask)
 
 
@@ -167,12 +139,10 @@ def quantize_rows_fp8(
         x.stride(0),
         x.stride(1),
         q.stride(0),
-        FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE,
         ROWS=rows,
         BLOCK_K=block,
         ONE_TILE=one_tile,
-        ROUND_IN_FP32=os.environ.get("TRITON_INTERPRET") == "1",
+        ROUND_IN_FP32=round_in_fp32(),
         num_warps=num_warps,
     )
     return q, scale

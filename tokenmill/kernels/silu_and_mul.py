@@ -12,6 +12,23 @@ Shapes:
 
 Kernel: a 2-D grid (token, column block); each program reads BLOCK gate and BLOCK up values
 of one token and writes BLOCK outputs.
+
+``silu_and_mul_fp8`` quantizes y per row to e4m3 for an FP8 linear layer (the MLP's
+down_proj) in the same pass; its reference is ``quantize_rows`` of y:
+
+    q      [T, I]  e4m3fn    q[t, i]  = e4m3(clamp(y[t, i] / scale[t], -448, 448))
+    scale  [T, 1]  fp32      scale[t] = max(max_i |y[t, i]| / 448, 1e-12)
+
+y is rounded to x's dtype first and widened back to fp32 (exactly), which is what
+``quantize_rows(y)`` reads; with fp8_tiles.py's IEEE divisions and round-to-nearest-even
+cast, q and scale equal ``quantize_rows(y)`` bit for bit, and y is the plain kernel's y (an
+element-wise formula: no order of operations changes with the tiling). A scale needs the
+whole row's amax, so a program owns whole rows:
+
+    I <= 16384  one tile [ROWS, BLOCK], BLOCK = next_power_of_2(I) (16384 for Llama-3-8B's
+                14336): y stays in registers from the amax to the store (one pass)
+    I >  16384  (or an explicit ``block``) two loops over I in chunks of BLOCK: y and its
+                amax, then y again (re-read, mostly from L2, and recomputed) and its store
 """
 
 from __future__ import annotations
@@ -24,9 +41,29 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref"]
+from tokenmill.kernels.fp8_rows import FP8, quantize_rows
+from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
+
+__all__ = ["silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_ref", "silu_and_mul_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP8_MAX_ONE_TILE = 16384  # widest row y stays whole in registers for (Llama-3-8B: 14336)
+_FP8_LOOP_BLOCK = 4096
+_ELEMENTS_PER_PROGRAM = 4096
+
+
+@triton.jit
+def _silu_times(g, u, DTYPE: tl.constexpr, CUDA_EXP: tl.constexpr):
+    """silu(g) * u for fp32 g and u, rounded to DTYPE where torch rounds (see above)."""
+    # CUDA's expf and an IEEE division, as torch's silu: tl.exp and `/` are approximations
+    # whose last bits differ from them (0.03% of fp16 outputs off).
+    if CUDA_EXP:
+        e = libdevice.exp(-g)
+    else:
+        e = tl.exp(-g)  # the interpreter has no libdevice (numpy's exp)
+    s = tl.math.div_rn(g, 1.0 + e)
+    s = s.to(DTYPE).to(tl.float32)
+    return (s * u).to(DTYPE)
 
 
 @triton.jit
@@ -49,16 +86,71 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * stride_xt
     g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # CUDA's expf and an IEEE division, as torch's silu: tl.exp and `/` are approximations
-    # whose last bits differ from them (0.03% of fp16 outputs off).
-    if CUDA_EXP:
-        e = libdevice.exp(-g)
+    y = _silu_times(g, u, out_ptr.dtype.element_ty, CUDA_EXP)
+    tl.store(out_ptr + t * stride_ot + cols, y, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_and_mul_fp8_kernel(
+    # pointers
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    y_ptr,  # WRITE_Y: [T, I] in x's dtype
+    # sizes
+    num_rows,  # T
+    inter,  # I
+    # strides (rows; the last dims are contiguous)
+    stride_xt,
+    stride_qt,
+    stride_yt,
+    # meta-parameters
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # BLOCK >= I: y stays in registers between amax and store
+    WRITE_Y: tl.constexpr,
+    CUDA_EXP: tl.constexpr,  # False in the interpreter
+    ROUND_IN_FP32: tl.constexpr,  # the interpreter's e4m3 cast: see fp8_tiles.py
+):
+    dtype = x_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    row_mask = rows < num_rows
+    gate_rows = x_ptr + rows[:, None] * stride_xt  # [ROWS, 1]; up is I further
+    q_rows = q_ptr + rows[:, None] * stride_qt
+    y_rows = y_ptr + rows[:, None] * stride_yt
+    offs = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+
+    if ONE_TILE:
+        mask = row_mask[:, None] & (offs < inter)
+        g = tl.load(gate_rows + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gate_rows + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _silu_times(g, u, dtype, CUDA_EXP)  # masked columns: silu(0) * 0 = 0
+        if WRITE_Y:
+            tl.store(y_rows + offs, y, mask=mask)
+        yf = y.to(tl.float32)  # the rounded y, exactly: what quantize_rows(y) reads
+        scale = row_scale(tl.max(tl.abs(yf), axis=1))  # [ROWS]
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+        tl.store(q_rows + offs, to_e4m3(yf, scale[:, None], ROUND_IN_FP32), mask=mask)
     else:
-        e = tl.exp(-g)
-    s = tl.math.div_rn(g, 1.0 + e)
-    s = s.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = s * u
-    tl.store(out_ptr + t * stride_ot + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for i0 in range(0, inter, BLOCK):
+            mask = row_mask[:, None] & (i0 + offs < inter)
+            g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
+            y = _silu_times(g, u, dtype, CUDA_EXP)
+            if WRITE_Y:
+                tl.store(y_rows + i0 + offs, y, mask=mask)
+            amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), axis=1))
+        scale = row_scale(amax)
+        tl.store(scale_ptr + rows, scale, mask=row_mask)
+        for i0 in range(0, inter, BLOCK):
+            # y again, recomputed: the same formula gives the same bits
+            mask = row_mask[:, None] & (i0 + offs < inter)
+            g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
+            yf = _silu_times(g, u, dtype, CUDA_EXP).to(tl.float32)
+            q = to_e4m3(yf, scale[:, None], ROUND_IN_FP32)
+            tl.store(q_rows + i0 + offs, q, mask=mask)
 
 
 def _launch_config(inter: int) -> tuple[int, int]:
@@ -71,25 +163,33 @@ def _launch_config(inter: int) -> tuple[int, int]:
     return block, max(1, block // 256)
 
 
-def silu_and_mul(
-    x: torch.Tensor,  # [T, 2I]
-    out: torch.Tensor | None = None,  # [T, I]
-) -> torch.Tensor:
-    """silu(x[:, :I]) * x[:, I:] as a [T, I] tensor in x's dtype.
+def _fp8_launch_config(inter: int, block: int | None) -> tuple[int, int, bool, int]:
+    """(BLOCK, ROWS, ONE_TILE, num_warps) of the FP8 kernel for rows of I outputs."""
+    if block is None:
+        whole = triton.next_power_of_2(inter)
+        block = whole if whole <= _FP8_MAX_ONE_TILE else _FP8_LOOP_BLOCK
+    rows = max(1, min(16, _ELEMENTS_PER_PROGRAM // block))
+    # 16 outputs (32 inputs) a thread: 8 warps for a 4096-wide tile, 16 (the most) past it
+    num_warps = max(1, min(16, rows * block // 512))
+    return block, rows, block >= inter, num_warps
 
-    Writes only the result: ``out`` if given, else a new tensor; x is read. Raises
-    ValueError on shape, dtype, device or stride mismatches.
-    """
+
+def _check_x(x: torch.Tensor) -> tuple[int, int]:
+    """(T, I) of x [T, 2I] after checks; ValueError names the mismatch."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x must be [T, 2I] (even last dim); got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise ValueError(f"x dtype {x.dtype} unsupported; expected one of {_DTYPES}")
     if x.stride(1) != 1:
         raise ValueError(f"x must be contiguous in its last dim; strides {x.stride()}")
-    t, inter = x.shape[0], x.shape[1] // 2
+    return x.shape[0], x.shape[1] // 2
+
+
+def _checked_out(out: torch.Tensor | None, x: torch.Tensor, t: int, inter: int) -> torch.Tensor:
+    """The caller's ``out`` [T, I] after checks, or a new tensor in x's dtype."""
     if out is None:
-        out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    elif (
+        return torch.empty((t, inter), dtype=x.dtype, device=x.device)
+    if (
         tuple(out.shape) != (t, inter)
         or out.dtype != x.dtype
         or out.device != x.device
@@ -100,6 +200,20 @@ def silu_and_mul(
             f"its last dim; got {out.dtype} {tuple(out.shape)} strides {out.stride()} "
             f"on {out.device}"
         )
+    return out
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [T, 2I]
+    out: torch.Tensor | None = None,  # [T, I]
+) -> torch.Tensor:
+    """silu(x[:, :I]) * x[:, I:] as a [T, I] tensor in x's dtype.
+
+    Writes only the result: ``out`` if given, else a new tensor; x is read. Raises
+    ValueError on shape, dtype, device or stride mismatches.
+    """
+    t, inter = _check_x(x)
+    out = _checked_out(out, x, t, inter)
     if t == 0 or inter == 0:
         return out
     block, num_warps = _launch_config(inter)
@@ -116,7 +230,62 @@ def silu_and_mul(
     return out
 
 
+def silu_and_mul_fp8(
+    x: torch.Tensor,  # [T, 2I]
+    *,
+    out: torch.Tensor | None = None,  # [T, I] in x's dtype
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`silu_and_mul`'s y quantized per row to e4m3 for an FP8 linear layer, in one
+    pass over x.
+
+    Returns new tensors (q [T, I] float8_e4m3fn contiguous, scale [T, 1] float32), equal to
+    ``quantize_rows(y)``. y itself is written only into ``out``, when given (tests,
+    benchmarks); x is read. ``block`` (a power of two) forces the two-loop path when it is
+    below I (tests, benchmarks). Raises ValueError on shape, dtype, device or stride
+    mismatches, for I == 0 (no amax to scale by) and for a ``block`` not a power of two.
+    """
+    t, inter = _check_x(x)
+    if inter == 0:
+        raise ValueError("silu_and_mul_fp8: rows of x are empty (I == 0): no amax to scale by")
+    if block is not None and (block < 1 or block & (block - 1)):
+        raise ValueError(f"silu_and_mul_fp8: block must be a power of two, got {block}")
+    if out is not None:
+        out = _checked_out(out, x, t, inter)
+    q = torch.empty(t, inter, dtype=FP8, device=x.device)
+    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, scale
+    block, rows, one_tile, num_warps = _fp8_launch_config(inter, block)
+    y = out if out is not None else q  # never touched when WRITE_Y is False
+    _silu_and_mul_fp8_kernel[(triton.cdiv(t, rows),)](
+        x,
+        q,
+        scale,
+        y,
+        t,
+        inter,
+        x.stride(0),
+        q.stride(0),
+        y.stride(0),
+        ROWS=rows,
+        BLOCK=block,
+        ONE_TILE=one_tile,
+        WRITE_Y=out is not None,
+        CUDA_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+        ROUND_IN_FP32=round_in_fp32(),
+        num_warps=num_warps,
+    )
+    return q, scale
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """The engine's torch path: silu(gate) * up in x's dtype; x: [T, 2I] -> [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path of :func:`silu_and_mul_fp8`: ``quantize_rows`` of
+    :func:`silu_and_mul_ref`'s y, (q [T, I] e4m3, scale [T, 1] fp32)."""
+    return quantize_rows(silu_and_mul_ref(x))

@@ -13,7 +13,10 @@ Weights take half the bytes of bf16, and decode, bound by reading them, gets fas
 head and the embeddings stay in the model's dtype (they are not linear layers here).
 
 On CUDA one Triton kernel quantizes the activations (kernels/fp8_quant.py), equal bit for bit
-to ``quantize_rows``, which stays the CPU path and the reference.
+to ``quantize_rows``, which stays the CPU path and the reference. Where the kernel before the
+layer can write its output as FP8 itself (RMSNorm before qkv and gate_up, SiLU-and-mul before
+down), ``apply`` takes that ``QuantizedActivation`` instead and quantizes nothing
+(fp8_activation.py).
 
 A pre-quantized FP8 checkpoint (``checkpoint=True``) brings W_q itself, as e4m3 ``weight``
 tensors with a ``weight_scale`` per output channel ([out, 1] or [out]) or per tensor (one
@@ -22,12 +25,12 @@ value, the same for every row of that part: q, k and v each have their own).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.models.fp8_activation import QuantizedActivation, quantize_activation
 from tokenmill.engine.models.quantization import UnquantizedMethod
 from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
 from tokenmill.kernels.fp8_rows import FP8, FP8_MAX, quantize_rows
@@ -56,6 +59,8 @@ class _ScaleLoader:
 class Fp8Method(UnquantizedMethod):
     """Loads a float weight like the unquantized method, then quantizes it (see above); or,
     with ``checkpoint``, loads a pre-quantized e4m3 weight and its scales."""
+
+    takes_fp8_input = True  # apply takes a QuantizedActivation: its producer may quantize
 
     def __init__(self, checkpoint: bool = False) -> None:
         self.checkpoint = checkpoint
@@ -97,27 +102,21 @@ class Fp8Method(UnquantizedMethod):
         layer.weight_scale = torch.nn.Parameter(scale.t().contiguous(), requires_grad=False)
 
     def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor | QuantizedActivation,  # [T, in]
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        quantize = _cuda_quantize_rows() if x.is_cuda else quantize_rows
-        x_q, x_scale = quantize(x)  # [T, in] e4m3, [T, 1] fp32
+        if not isinstance(x, QuantizedActivation):
+            x = quantize_activation(x)  # [T, in] e4m3, [T, 1] fp32
         y = torch._scaled_mm(
-            x_q,
+            x.values,
             layer.weight,
-            scale_a=x_scale,
+            scale_a=x.scales,
             scale_b=layer.weight_scale,
             out_dtype=layer.out_dtype,
         )  # [T, out]
         return y if bias is None else y + bias
-
-
-@functools.cache
-def _cuda_quantize_rows() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The Triton row quantizer, imported on the first CUDA forward, not per layer call:
-    building a model, or running it on CPU, never needs Triton."""
-    from tokenmill.kernels.fp8_quant import quantize_rows_fp8
-
-    return quantize_rows_fp8
 
 
 def fp8_linear_reference(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.models.fp8_activation import QuantizedActivation
 from tokenmill.engine.models.quant_methods import new_quant_method
 from tokenmill.engine.models.quantization import QuantMethod
 from tokenmill.engine.models.weight_loader import (
@@ -133,6 +134,13 @@ class LinearBase(torch.nn.Module):
         self.quant_method: QuantMethod = quant_method or new_quant_method()
         self.params_dtype = params_dtype or torch.get_default_dtype()
 
+    @property
+    def takes_fp8_input(self) -> bool:
+        """Whether ``forward`` also takes x already quantized per row (a
+        ``QuantizedActivation``: the FP8 method), so the kernel producing x may write it so
+        (fp8_activation.py). False for methods that do not say (quantization.py)."""
+        return getattr(self.quant_method, "takes_fp8_input", False)
+
     def _create_params(
         self, in_per_rank: int, out_per_rank: tuple[int, ...], bias: bool, loader: WeightLoader
     ) -> None:
@@ -179,7 +187,7 @@ class MergedColumnParallelLinear(LinearBase):
         loader = ColumnWeightLoader(rows, self.tp_rank, self.tp_size)
         self._create_params(in_features, rows, bias, loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -231,7 +239,7 @@ class RowParallelLinear(LinearBase):
         loader = RowWeightLoader(self.tp_rank, self.tp_size)
         self._create_params(cols, (out_features,), bias, loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size > 1:
             torch.distributed.all_reduce(y)

@@ -9,6 +9,10 @@ weight loaders cut a rank's shard out of the checkpoint tensors.
 
 The model runs on a flat batch of tokens ([T], any mix of prefill chunks and decode tokens);
 attention goes through the backend with the paged KV cache of each layer.
+
+With FP8 linear layers the two norms and SiLU-and-mul hand the next layer its input already
+quantized: each is built with ``fp8_out=<that layer>.takes_fp8_input`` (fp8_activation.py),
+and qkv_proj, gate_up_proj and down_proj then get a ``QuantizedActivation``, not a tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.graph_split import attend
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models.fp8_activation import QuantizedActivation
 from tokenmill.engine.models.layers import RMSNorm, silu_and_mul
 from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from tokenmill.engine.models.rope import RopeStep, RotaryEmbedding, apply_rope
@@ -55,10 +60,17 @@ class LlamaAttention(torch.nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
 
-    def forward(self, rope: RopeStep, x: torch.Tensor, kv_cache: torch.Tensor, meta: Any):
-        t = x.shape[0]
+    def forward(
+        self,
+        rope: RopeStep,
+        x: torch.Tensor | QuantizedActivation,
+        kv_cache: torch.Tensor,
+        meta: Any,
+    ):
         hq, hkv = self.n_heads, self.n_kv
-        qkv = self.qkv_proj(x).view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, d]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) d]
+        t = qkv.shape[0]
+        qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, d]
         v = qkv[:, hq + hkv :]  # [T, Hkv, d]
         if self.q_norm is not None:
             q, k = rope.rotate(self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv]))
@@ -80,9 +92,11 @@ class LlamaMLP(torch.nn.Module):
             config.hidden_size, (inter, inter), parallel=parallel
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, parallel=parallel)
+        # SiLU-and-mul writes its output as down_proj takes it (FP8 rows for an FP8 layer).
+        self.act_fp8_out = self.down_proj.takes_fp8_input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused, self.act_fp8_out))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -96,9 +110,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, fused, parallel)
         self.mlp = LlamaMLP(config, fused, parallel)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        # Each norm writes its output as its consumer takes it (FP8 rows for an FP8 layer).
+        qkv_fp8 = self.self_attn.qkv_proj.takes_fp8_input
+        mlp_fp8 = self.mlp.gate_up_proj.takes_fp8_input
+        self.input_layernorm = RMSNorm(hidden, eps, fused, fp8_out=qkv_fp8)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, fused, fp8_out=mlp_fp8)
 
     def forward(
         self,

@@ -9,6 +9,11 @@ Each linear layer (linear.py) holds one method object, picked when the model is 
     method.process_weights_after_loading(layer)      repack / transpose once, after loading
     method.apply(layer, x, bias)                      the layer's forward: [T, in] -> [T, out]
 
+A method whose ``apply`` also takes its input already quantized (the FP8 method: a
+``QuantizedActivation``, fp8_activation.py) says so with ``takes_fp8_input = True``; the
+layer before it then writes its output quantized. A method without the attribute takes
+float tensors only.
+
 ``UnquantizedMethod`` (a float weight, ``F.linear``) is the only method today. The FP8 and INT4
 methods of issue 14 are the next ones; with them ``QuantMethod`` becomes an ABC with a small
 registry keyed by the checkpoint's quantization config.
