@@ -175,10 +175,10 @@ def test_gpu_async_matches_sync_and_launches_never_sync(model_path, monkeypatch)
     runner = llm.engine.runner
     launch = runner.launch
 
-    def checked_launch(sched):
+    def checked_launch(sched, *args, **kwargs):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(sched)
+            return launch(sched, *args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

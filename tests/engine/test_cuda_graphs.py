@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engine.graph_runs import eager_and_graph_runs
 from tests.tiny_models import save_tiny_model
-from tokenmill import LLM, SamplingParams
+from tokenmill import SamplingParams
 from tokenmill.engine.cuda_graphs import _padded_rows, graph_buckets
 
 
@@ -36,21 +37,6 @@ def test_graph_decode_matches_eager(tmp_path: Path, dtype: str) -> None:
     prompts = [torch.randint(5, 280, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64)]
     lengths = [30, 12, 30, 5, 30]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    outs = {}
-    for graphs in (False, True):
-        llm = LLM(
-            str(path),
-            device="cuda",
-            dtype=dtype,
-            cuda_graphs=graphs,
-            max_num_seqs=16,
-            attention_backend="triton",
-            profile_steps=True,
-        )
-        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
-        profile = llm.engine.step_profile()
-        if graphs:
-            assert profile["decode"]["graph_steps"] == profile["decode"]["steps"] > 0
-        del llm  # its KV cache holds most of the GPU: free it before the next engine sizes its own
-        torch.cuda.empty_cache()
-    assert outs[True] == outs[False]
+    eager, graphs, profile = eager_and_graph_runs(path, prompts, params, dtype, 16)
+    assert profile["decode"]["graph_steps"] == profile["decode"]["steps"] > 0
+    assert graphs == eager

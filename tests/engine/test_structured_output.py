@@ -143,17 +143,18 @@ def _allowed(mask_row: np.ndarray) -> set[int]:
 
 
 def test_grammar_follows_the_output_and_never_feeds_a_token_twice(grammars) -> None:
-    req = _request("a")
+    req, plain = _request("a"), Request("p", [5, 6], SamplingParams(), (EOS_ID,))
     grammars.add(req)
     tokenizer = grammars._tokenizer
     text = '{"label":"dog","count":3}'
-    for i, token in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    for i, token in enumerate(tokens):
         assert token in _allowed(grammars.bitmask([req])[0])
-        req.append_output_token(token)
-        done = grammars.advance(table=None)  # a detached request: its own token list
-        assert done == ([] if i < len(text) - 1 else ["a"])
-        # As after a preemption: the tokens stay, and none is fed a second time.
-        assert grammars.advance(table=None) == []
+        grammars.feed([plain, req], [7, token])  # a plain row beside it is skipped
+        assert grammars.take_ended() == ([] if i < len(tokens) - 1 else ["a"])
+        # A step's tokens fed a second time: no mask asked for this one.
+        with pytest.raises(RuntimeError, match="no grammar mask asked for"):
+            grammars.feed([req], [token])
     assert _allowed(grammars.bitmask([req])[0]) == {EOS_ID}  # complete: only EOS may follow
     grammars.drop(["a"])
     assert len(grammars) == 0
@@ -162,10 +163,11 @@ def test_grammar_follows_the_output_and_never_feeds_a_token_twice(grammars) -> N
 def test_a_rejected_token_ends_the_request_and_a_stale_grammar_is_refused(grammars, caplog):
     req = _request("b", "json_object")
     grammars.add(req)
-    req.append_output_token(grammars._tokenizer.convert_tokens_to_ids("x"))  # not "{"
+    grammars.bitmask([req])
     with pytest.raises(RuntimeError, match="behind its output"):
-        grammars.bitmask([req])  # a token the grammar has not seen
-    assert grammars.advance(table=None) == ["b"]
+        grammars.bitmask([req])  # the last mask's token has not been fed
+    grammars.feed([req], [grammars._tokenizer.convert_tokens_to_ids("x")])  # not "{"
+    assert grammars.take_ended() == ["b"]
     assert "rejected a sampled token" in caplog.text
     grammars.drop(["b"])
 

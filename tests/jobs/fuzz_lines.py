@@ -458,8 +458,9 @@ class Fuzzer:
         body, chat = row["body"], row["url"] == CHAT
         choices: list[tuple[str, Any]] = [
             ("temprature", 0.5), ("functions", []), (self.lone(), 1), ("", 0), ("echo", False),
-            ("prompt" if chat else "messages", "x"), ("n", 2), ("n", True), ("n", 0),
-            ("best_of", 3), ("tools", [{"type": "function"}]), ("logit_bias", {"5": 1}),
+            ("prompt" if chat else "messages", "x"), ("n", 129), ("n", True), ("n", 0),
+            ("n", 2.5), ("best_of", 3), ("tools", [{"type": "function"}]),
+            ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [5]),
             ("response_format", {"type": "xml"}), ("stream", True), ("stream", 0),
             ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "4"),
             ("max_tokens", True), ("max_tokens", Raw("1e999")),

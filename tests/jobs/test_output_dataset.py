@@ -4,7 +4,7 @@
     out/errors/part-*.jsonl     only for shards with bad rows
     out/<job>.manifest.json     records the schema; resumes keep it
 
-pyarrow.dataset and duckdb read ``out/shards`` with no options, whatever the passthrough
+pyarrow.dataset, duckdb and polars read ``out/shards`` with no options, whatever the passthrough
 values of each shard (null in one, float in the next), and a value that does not fit the
 job's type is its row's error, not a crash or a changed type.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -31,11 +32,14 @@ from tokenmill.jobs.spec import JobSpec, JobSpecError
 
 
 def _read_as_one_dataset(out: Path) -> list[dict[str, Any]]:
-    """The shards read by pyarrow.dataset and by duckdb, no options; both must agree."""
+    """The shards read by pyarrow.dataset, duckdb and polars, no options; all must agree
+    (polars takes the first file's schema and refuses a shard whose types differ)."""
     by_arrow = sorted(ds.dataset(out / "shards").to_table().to_pylist(), key=lambda r: r["id"])
     result = duckdb.connect().sql(f"SELECT * FROM '{out}/shards/*.parquet' ORDER BY id")
     by_duckdb = [dict(zip(result.columns, row, strict=True)) for row in result.fetchall()]
     assert by_arrow == by_duckdb
+    by_polars = pl.read_parquet(out / "shards").sort("id").to_dicts()
+    assert by_polars == by_arrow
     return by_arrow
 
 

@@ -1,6 +1,7 @@
 """The Ray executor on CPU with 2 replicas: the same rows as the local executor, a job that
-was cancelled resumes under Ray, the input streams (bounded) and cancel stops it.
-One Ray session serves the whole file: Ray and each actor pool start slowly."""
+was cancelled resumes under Ray, the input streams (bounded, each replica's engine kept full
+across chunks) and cancel stops it. Replica failures: test_ray_failures.py.
+One Ray session serves the whole file: Ray and each replica start slowly."""
 
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ from tokenmill.jobs.spec import JobSpec
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-from tokenmill.jobs.ray_executor import RayExecutor, replica_resources  # noqa: E402
+from tokenmill.jobs.ray_executor import (  # noqa: E402
+    CHUNKS_PER_REPLICA,
+    RayExecutor,
+    replica_resources,
+)
 
 BAD_LINES = [
     "{not json",
     json.dumps({"id": "r0001", "messages": [{"role": "user", "content": "duplicate"}]}),
     json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "x" * 2000}]}),
 ]
-# max_num_seqs 2 -> chunks of 8 rows: the 12 good rows make two chunks, work for both replicas
+# max_num_seqs 2 -> chunks of 2 rows: the 12 good rows make six, work for both replicas
 SMALL = {"engine": {"max_num_seqs": 2}, "sampling": {"max_tokens": 6}}
 PREFIX = "You are a careful counting assistant. " * 3
 RAY = {"executor": "ray", "replicas": 2, "ray_address": None}
@@ -114,12 +119,12 @@ def test_executor_streams_through_every_replica_and_cancels(
             tmp_path / "unused.jsonl",
             tmp_path / "out",
             execution=RAY,
-            engine={"max_num_seqs": 1},
-            sampling={"max_tokens": 2},
+            engine={"max_num_seqs": 2},
+            sampling={"max_tokens": 16, "ignore_eos": True},
         )
     )
     executor = RayExecutor(spec)
-    assert (executor.chunk_rows, executor.max_in_flight) == (4, 24)
+    assert (executor.chunk_rows, executor.max_in_flight) == (2, 16)
     pulled = 0
 
     def rows(n: int) -> Iterator[InputRow]:
@@ -144,18 +149,23 @@ def test_executor_streams_through_every_replica_and_cancels(
             if len(executor.counters_by_replica) == 2 and len(seen) >= 40:
                 cancel.set()
         pulled_at_cancel = pulled
-        stats = executor.counters
+        stats, batches = executor.counters, executor.step_batches
         start = time.monotonic()
     finally:
         watchdog.cancel()
         executor.close()
     assert time.monotonic() - start < 30
     # results flow back while the input is read, never more than the in-flight cap ahead
-    assert pulled_at_first_result is not None and pulled_at_first_result <= 24
+    assert pulled_at_first_result is not None and pulled_at_first_result <= 16
     assert len(seen) == len(set(seen)) >= 40
-    assert pulled_at_cancel <= len(seen) + 24  # it stopped pulling when cancelled
+    assert pulled_at_cancel <= len(seen) + 16  # it stopped pulling when cancelled
     # PREFIX spans whole KV blocks: cache hits
     assert stats.prefix_queried_tokens > 0 and stats.prefix_hit_tokens > 0
+    # a steady feed: each engine ran a full batch (2 rows) at every step, with rows queued
+    # behind it (it holds up to 4) at all but a few: the next chunks reach a replica before
+    # its engine runs out, not after each chunk has drained (then it would never hold 4)
+    assert batches.steps_below(2) == 0, batches
+    assert batches.steps_below(3) <= batches.steps // 10, batches
 
 
 def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> None:
@@ -173,8 +183,8 @@ def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> 
 
     ray_spec = spec(replicas=4)
     executor = RayExecutor(ray_spec)  # starts nothing until process()
-    assert (executor.chunk_rows, executor.max_in_flight) == (32, 3 * 4 * 32)
+    assert (executor.chunk_rows, executor.max_in_flight) == (8, CHUNKS_PER_REPLICA * 4 * 8)
     executor.close()
     small = RayExecutor(ray_spec, expected_rows=20)  # 2 chunks of 3 rows per replica
-    assert (small.chunk_rows, small.max_in_flight) == (3, 3 * 4 * 3)
+    assert (small.chunk_rows, small.max_in_flight) == (3, CHUNKS_PER_REPLICA * 4 * 3)
     small.close()

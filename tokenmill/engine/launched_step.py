@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.engine.device_copy import download
 from tokenmill.engine.model_output import ModelOutput
+from tokenmill.engine.prompt_logprobs import PromptLogprobsTensors
 from tokenmill.engine.sampler import LogprobsTensors, SamplerOutput
 
 
@@ -29,6 +30,9 @@ class LaunchedStep:
     logprobs: LogprobsTensors | None  # host copies, same condition
     ready: torch.cuda.Event | None  # None on CPU: already complete
     wait_ms: float = 0.0  # how long ``output`` blocked on the device
+    # Requests' prompt logprobs scored by this step (prompt_logprobs.py), with their own
+    # event: a step that prefills a chunk may sample nothing.
+    prompt_logprobs: PromptLogprobsTensors | None = None
 
     @classmethod
     def empty(cls) -> LaunchedStep:

@@ -15,14 +15,17 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
     GPU:                  [ .. step n-1 .. ][ .. step n .. ]
     worker:                                   [ decode the requests n-1 finished ]
 
-Steps with drafts, and every step while a request with structured output (a grammar) is in
-the engine, run synchronously: launch n, then process n at once (structured_output.py).
+Steps with drafts run synchronously: launch n, then process n at once. Steps with
+structured output (rows with a grammar) keep overlapping: launch n+1 enqueues the forward
+pass, then waits for step n's tokens, feeds them to the grammars and fills step n+1's masks
+while the forward pass runs, then enqueues sampling (structured_output.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +50,11 @@ from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.prompt_logprobs import PromptLogprobs
+from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias_vocab
 from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
-from tokenmill.engine.structured_output import StructuredOutputs
+from tokenmill.engine.structured_output import GrammarStats, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +183,14 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._watched: dict[str, _Tracked] = {}  # the tracked ones with a detokenizer
         # Grammars of the requests with structured_output (llguidance loads on the first).
-        self._grammars = StructuredOutputs(self.tokenizer, mc.vocab_size, self.eos_token_ids)
+        self._grammars = StructuredOutputs(
+            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device
+        )
+        self._fed: LaunchedStep | None = None  # the last step whose tokens the grammars have
+        self._launch_wait_ms = 0.0  # of the current launch, blocked on the step in flight
+        self._num_sync_steps = 0  # steps launched and processed in one call
+        # Requests with prompt_logprobs: their prompt positions' logits (prompt_logprobs.py).
+        self._prompt_logprobs = PromptLogprobs(config.block_size)
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
         self._arrivals = 0
@@ -210,8 +221,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (the request is not queued) when the prompt is
         empty, holds ids outside the vocabulary, or leaves no room in the context, and when
-        ``params`` asks for more than one completion (LLM expands n / best_of into requests)
-        or its ``structured_output`` does not compile for this model's tokenizer."""
+        ``params`` asks for more than one completion (LLM expands n / best_of into requests),
+        biases ids outside the vocabulary (``logit_bias``) or its ``structured_output`` does
+        not compile for this model's tokenizer."""
         if params.num_samples != 1:
             raise ValueError(
                 f"an engine request makes one completion: SamplingParams n={params.n}, "
@@ -225,6 +237,7 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        check_logit_bias_vocab(params, vocab)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the model's context "
@@ -239,6 +252,8 @@ class LLMEngine:
         )
         if params.structured_output is not None:
             self._grammars.add(req)  # first: a grammar that fails leaves nothing queued
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs.add(req)
         self._arrivals += 1
         self.scheduler.add_request(req)
         watch = self.tokenizer is not None and bool(params.stop)
@@ -274,6 +289,7 @@ class LLMEngine:
             self._tracked.pop(rid, None)
             self._watched.pop(rid, None)
         self._grammars.drop(request_ids)
+        self._prompt_logprobs.drop(request_ids)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -283,9 +299,10 @@ class LLMEngine:
         outputs of its finished requests are built on a worker thread: they come one or more
         calls later, and ``has_unfinished`` stays True until they have."""
         draft = self._wants_drafts()
-        # A drafted row's inputs, and a constrained row's mask (structured_output.py), need
-        # every earlier token on the host: such steps run synchronously.
-        sync = draft or len(self._grammars) > 0
+        # A drafted row's inputs need every earlier token on the host: such steps run
+        # synchronously. (A constrained row's mask needs them too, but only once the forward
+        # pass is enqueued: ``_token_bitmask`` waits for them there.)
+        sync = draft
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
             # step's own time starts after it).
@@ -304,12 +321,19 @@ class LLMEngine:
             return self._outputs.collect(wait=True)
         launched = None
         if not sched.is_empty:
+            # Only while a request has prompt positions left to score.
+            plan = self._prompt_logprobs.plan if self._prompt_logprobs.pending else None
+            self._launch_wait_ms = 0.0
             if len(self._grammars):  # rows with a grammar mask their logits
-                launched = (sched, self.runner.launch(sched, self._grammars.bitmask))
+                launched = (sched, self.runner.launch(sched, self._token_bitmask, plan))
             else:
-                launched = (sched, self.runner.launch(sched))
+                launched = (sched, self.runner.launch(sched, prompt_logits=plan))
+            # The launch's host time counts none of its wait for the step in flight.
+            host_ms -= self._launch_wait_ms
         if self.scheduler.config.async_scheduling and not sync:
             launched, self._in_flight = self._in_flight, launched
+        elif launched is not None:
+            self._num_sync_steps += 1
         if launched is not None:
             host_ms += self._process(*launched)
         self.runner.profiler.add_host_ms(host_ms)
@@ -337,12 +361,39 @@ class LLMEngine:
             return running > 0
         return self.policy.wants_drafts(running)
 
+    def _token_bitmask(self, requests: Sequence[Request]) -> np.ndarray:
+        """The grammar masks of a step's constrained rows (``ModelRunner.launch`` calls it
+        once the step's forward pass is enqueued). With a step in flight (async
+        scheduling), its tokens are waited for and fed to the grammars first: the masks
+        follow them."""
+        if self._in_flight is not None:
+            launched = self._in_flight[1]
+            t0 = time.perf_counter()
+            launched.output()  # the wait, timed by the step itself
+            self._launch_wait_ms += (time.perf_counter() - t0) * 1e3
+            self._feed_grammars(*self._in_flight)
+        return self._grammars.bitmask(requests)
+
+    def _feed_grammars(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Give a step's sampled tokens to the grammars of its constrained rows, once per
+        step and before the scheduler applies them (structured_output.py says why then)."""
+        if launched is self._fed or not len(self._grammars):
+            return
+        self._fed = launched
+        out = launched.output()
+        if len(out.rows):
+            first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
+            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
+
     def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host
         ms spent (not counting the wait for the device)."""
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
+        if launched.prompt_logprobs is not None:  # before a request it ends is handed on
+            self._prompt_logprobs.record(launched.prompt_logprobs)
+        self._feed_grammars(sched, launched)
         update = self.scheduler.update_from_output(
             sched, out.rows, out.sampled_token_ids, out.counts
         )
@@ -352,7 +403,7 @@ class LLMEngine:
         if self._watched:
             finished += self._check_stop_strings()
         if len(self._grammars):
-            finished += self._advance_grammars()
+            finished += self._end_grammars()
         self._finish(finished)
         return (time.perf_counter() - t0) * 1e3
 
@@ -379,19 +430,33 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return [self._tracked[rid].request for rid in stopped]
 
-    def _advance_grammars(self) -> list[Request]:
-        """Feed the constrained requests' new tokens to their grammars; finish the ones whose
-        output is complete ("stop") and return them."""
-        done = self._grammars.advance(self.scheduler.slots)
-        if not done:
-            return []
-        self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
-        return [self._tracked[rid].request for rid in done]
+    def _end_grammars(self) -> list[Request]:
+        """Finish the requests whose grammar the fed tokens completed (or that rejected
+        one), "stop", and return them; those the step already ended (EOS) stay as they are."""
+        ended = [self._tracked[rid].request for rid in self._grammars.take_ended()]
+        done = [req for req in ended if not req.finished]
+        if done:
+            self.scheduler.finish_requests(
+                [req.request_id for req in done], RequestStatus.FINISHED_STOPPED
+            )
+        return done
+
+    def reset_step_profile(self) -> None:
+        """Start ``step_profile`` afresh (a benchmark calls it after its warm-up)."""
+        self.runner.profiler.records.clear()
+        self._num_sync_steps = 0
+        self._grammars.stats = GrammarStats()
 
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py.
-        With a proposer, also ``speculative``: its draft and acceptance counts."""
+        Also ``synchronous_steps`` (counted whether profiled or not), with
+        structured output ``structured_output`` (grammar mask and feed ms per step), and with
+        a proposer ``speculative``: its draft and acceptance counts."""
         profile = self.runner.profiler.summary()
+        # Steps that did not overlap the next one's scheduling (all without async scheduling).
+        profile["synchronous_steps"] = self._num_sync_steps
+        if self._grammars.stats.masks:
+            profile["structured_output"] = self._grammars.stats.summary()
         if self.scheduler.proposer is not None:
             profile["speculative"] = self.scheduler.stats.speculative()
             if self.policy is not None:
@@ -428,5 +493,8 @@ class LLMEngine:
             tracked = self._tracked.pop(req.request_id)
             self._watched.pop(req.request_id, None)
             self._grammars.drop((req.request_id,))
-            items.append(Finished(req, tracked.detokenizer, tracked.logprobs))
+            prompt_lps = None
+            if req.sampling_params.prompt_logprobs is not None:
+                prompt_lps = self._prompt_logprobs.pop(req.request_id)
+            items.append(Finished(req, tracked.detokenizer, tracked.logprobs, prompt_lps))
         self._outputs.submit(items)

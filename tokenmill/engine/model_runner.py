@@ -33,6 +33,7 @@ from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.parallel import ParallelConfig
+from tokenmill.engine.prompt_logprobs import PromptLogitsPlan, compute_prompt_logprobs
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
@@ -165,12 +166,16 @@ class ModelRunner:
         self,
         sched: SchedulerOutput,
         token_bitmask: Callable[[Sequence[Request]], np.ndarray] | None = None,
+        prompt_logits: Callable[[SchedulerOutput, HostBatch], PromptLogitsPlan | None]
+        | None = None,
     ) -> LaunchedStep:
         """Enqueue one step (forward, sampling, the copy of its tokens to the host).
 
         ``token_bitmask(requests)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32
         of requests with a grammar (structured output); it is called only when a row that
-        samples has one, after the forward pass is enqueued.
+        samples has one, after the forward pass is enqueued. ``prompt_logits(sched, batch)``
+        names the prompt positions to score for prompt logprobs (prompt_logprobs.py); a step
+        with some runs eagerly and carries their scores in ``LaunchedStep.prompt_logprobs``.
         """
         if sched.is_empty:
             return LaunchedStep.empty()
@@ -180,7 +185,9 @@ class ModelRunner:
         pending = None  # [P] the pending input tokens, on the device
         if len(batch.pending_rows) and last is not None:  # (build raised if last is None)
             pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
-        kind = None if self.graphs is None else self.graphs.kind(batch)
+        plan = None if prompt_logits is None else prompt_logits(sched, batch)
+        scored = None  # plan's prompt logprobs
+        kind = None if self.graphs is None or plan is not None else self.graphs.kind(batch)
         if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
             hidden = self.graphs.run(batch, kind, pending)
@@ -197,10 +204,14 @@ class ModelRunner:
                 hidden = self.pieces.run(input_ids, positions, attn_meta)  # [T, H]
             else:
                 hidden = self.model(input_ids, positions, self.kv_caches, attn_meta)  # [T, H]
+            if plan is not None:
+                scored = compute_prompt_logprobs(self.model, hidden, plan, self.config.vocab_size)
             if not len(batch.sample_rows):
                 self._last = None
                 self.profiler.end()
-                return LaunchedStep.empty()
+                empty = LaunchedStep.empty()
+                empty.prompt_logprobs = scored
+                return empty
             rows = upload(torch.from_numpy(batch.logits_rows), self.device)
             logits = self.model.compute_logits(hidden[rows])  # [S, V]
         table = sched.table
@@ -226,6 +237,7 @@ class ModelRunner:
         row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample
         self._last = _Sampled(out.sampled_token_ids, row_of_slot)
         step = LaunchedStep.start(batch.sample_rows, counts, out)
+        step.prompt_logprobs = scored
         self.profiler.end()
         return step
 

@@ -35,6 +35,7 @@ class Finished:
     request: Request
     detokenizer: IncrementalDetokenizer | None  # only for requests with stop strings
     logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs
 
 
 class OutputBuilder:
@@ -101,6 +102,7 @@ class OutputBuilder:
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_prompt_tokens,
                     logprobs=f.logprobs,
+                    prompt_logprobs=f.prompt_logprobs,
                 )
             )
         return outputs

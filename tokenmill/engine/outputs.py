@@ -4,7 +4,8 @@ A RequestOutput is one prompt's result. Its completions are in ``outputs`` (vLLM
 ``o.outputs[i].text``); the flat fields (``o.text``, ``o.token_ids``, ...) are the first
 completion's, so code written against either shape reads the same values:
 
-    RequestOutput(request_id, prompt, prompt_token_ids, num_cached_tokens, error)
+    RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, num_cached_tokens,
+                  error)
       ├─ text, token_ids, finish_reason, stop_reason, logprobs  ══ outputs[0]'s
       └─ outputs: [CompletionOutput(index=0, ...), CompletionOutput(index=1, ...), ...]
 """
@@ -87,7 +88,10 @@ class RequestOutput:
 
     Built from the flat fields (one completion; ``outputs`` is then derived from them) or by
     ``from_completions``. ``prompt`` is the prompt's text where there was one (a text prompt,
-    or a conversation rendered by the chat template); None for token-id prompts. Raises
+    or a conversation rendered by the chat template); None for token-id prompts.
+    ``prompt_logprobs`` (when SamplingParams asked for them) is vLLM's: None for the first
+    prompt token, then per token a TokenLogprob, the mapping token id -> Logprob of that
+    token and the top alternatives at its position. Raises
     ValueError when ``outputs`` is given and its first completion disagrees with the flat
     fields, or its indexes are not 0, 1, 2, ...
     """
@@ -103,6 +107,7 @@ class RequestOutput:
     error: str | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.outputs:
@@ -141,6 +146,7 @@ class RequestOutput:
         *,
         prompt: str | None = None,
         num_cached_tokens: int = 0,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
         """A RequestOutput holding ``completions`` (at least one; indexes 0, 1, 2, ...), its
         flat fields taken from the first. Raises ValueError when ``completions`` is empty."""
@@ -158,17 +164,13 @@ class RequestOutput:
             logprobs=first.logprobs,
             outputs=list(completions),
             prompt=prompt,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
     def finished(self) -> bool:
         """Always True: the engine returns finished requests only."""
         return True
-
-    @property
-    def prompt_logprobs(self) -> None:
-        """Always None: prompt logprobs are not computed (SamplingParams refuses them)."""
-        return None
 
     @property
     def num_prompt_tokens(self) -> int:

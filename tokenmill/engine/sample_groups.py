@@ -11,7 +11,8 @@ gathers their outputs back into one RequestOutput:
       ├─ "7-0.1" n=1, seed=sample_seed(s, 1)   ├─► rank by cumulative logprob ─► outputs[0..1]
       └─ "7-0.2" n=1, seed=sample_seed(s, 2)  ─┘
 
-Completion 0 keeps the request's id and seed, so ``n=1`` is exactly one plain request.
+Completion 0 keeps the request's id and seed, so ``n=1`` is exactly one plain request; it
+alone computes ``prompt_logprobs`` (the prompt is the same for all), which the result takes.
 Ranking (``best_of > n``) needs the sampled tokens' logprobs: the requests ask for them
 (``logprobs=0``) when the user did not, and the returned completions then carry the
 cumulative logprob but no ``logprobs`` list, as if none had been computed.
@@ -84,6 +85,7 @@ class SampleGroup:
             completions,
             prompt=prompt,
             num_cached_tokens=outs[order[0]].num_cached_tokens,
+            prompt_logprobs=outs[0].prompt_logprobs,
         )
 
 
@@ -131,6 +133,7 @@ def _one(params: SamplingParams, index: int) -> SamplingParams:
         best_of=None,
         seed=None if params.seed is None else sample_seed(params.seed, index),
         logprobs=0 if ranked and params.logprobs is None else params.logprobs,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
     )
 
 

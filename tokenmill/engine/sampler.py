@@ -1,7 +1,8 @@
 """Sampler: one token per logits row, following each row's SamplingParams.
 
     logits [B, V] ─┬─► log_softmax ─► LogprobsTensors      (raw model logits, as OpenAI)
-                   └─► penalties ─► grammar mask              (rows with structured_output)
+                   └─► penalties ─► logit bias ─► grammar mask   (rows with logit_bias /
+                                                                  structured_output)
                          ─┬─► argmax ─────────────────┐ greedy rows
                           └─► / temperature           │
                               ─► top-k ─► top-p       │
@@ -11,8 +12,9 @@
 Sampling uses the exponential race: with q ~ Exp(1) i.i.d., argmax(p / q) is a draw from p.
 The noise q of a seeded row comes from its own generator, seeded from (seed, output position),
 so its token depends on nothing else in the batch. Unseeded rows share ``meta.generator``.
-The grammar mask (structured output) sets to -inf every token a row's grammar forbids, so
-no filter after it can bring one back.
+The logit bias is one sparse add of every row's (token, bias) pairs into the flattened
+logits, so greedy rows see it too. The grammar mask (structured output) sets to -inf every
+token a row's grammar forbids, so no filter after it (nor a +100 bias) can bring one back.
 Nothing here reads a tensor value on the host: no host-device sync.
 """
 
@@ -28,6 +30,7 @@ __all__ = [
     "LogprobsTensors",
     "Sampler",
     "SamplerOutput",
+    "apply_logit_bias",
     "apply_penalties",
     "apply_token_bitmask",
 ]
@@ -95,6 +98,8 @@ class Sampler:
 
         if not meta.no_penalties:
             logits = apply_penalties(logits, meta)
+        if meta.logit_bias_index is not None and meta.logit_bias_values is not None:
+            logits = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
         if meta.allowed_token_rows is not None and meta.allowed_token_bitmask is not None:
             logits = apply_token_bitmask(
                 logits, meta.allowed_token_rows, meta.allowed_token_bitmask
@@ -133,25 +138,42 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return logits - presence * (counts > 0).float() - frequency * counts
 
 
+def apply_logit_bias(
+    logits: torch.Tensor, flat_index: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """Return a copy of ``logits`` [B, V] with ``bias[k]`` added at flat position
+    ``flat_index[k]`` (= row * V + token; [K] each): every row's logit_bias in one op."""
+    num_rows, vocab_size = logits.shape
+    flat = logits.reshape(-1).index_add(0, flat_index, bias.to(logits.dtype))  # [B * V]
+    return flat.view(num_rows, vocab_size)
+
+
 def apply_token_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
     """Return a copy of ``logits`` [B, V] with -inf at every token row ``rows[g]`` may not take.
 
     ``bitmask`` [G, W] int32 holds one bit per token, token t at bit t % 32 of word t // 32;
-    tokens past 32 * W are forbidden. Unpacked on the device: no host-device sync.
+    tokens past 32 * W are forbidden. ``rows`` [G] are distinct. Unpacked on the device a
+    byte at a time (the int32 words are little-endian), scattered into a [B, V] mask, and
+    applied in one pass over the logits: no host-device sync.
 
-        word w of row g:  bit 0 ─► token 32w,  bit 1 ─► token 32w + 1, ... bit 31 ─► 32w + 31
+        word w of row g:  byte k, bit j ─► token 32w + 8k + j
     """
-    vocab_size = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)  # [32]
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()  # [G, W, 32]
-    allowed = allowed.view(bitmask.shape[0], -1)  # [G, 32 * W]
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    allowed = allowed[:, :vocab_size]  # [G, V]
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))  # [G, V]
-    return logits.index_copy(0, rows, masked)
+    num_rows, vocab_size = logits.shape
+    num_masked = bitmask.shape[0]
+    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)  # [8]
+    bytes_ = bitmask.contiguous().view(torch.uint8)  # [G, 4W]
+    forbidden = ((bytes_.unsqueeze(-1) >> shifts) & 1) == 0  # [G, 4W, 8]
+    forbidden = forbidden.view(num_masked, -1)  # [G, 32W]
+    if forbidden.shape[1] < vocab_size:
+        forbidden = torch.nn.functional.pad(
+            forbidden, (0, vocab_size - forbidden.shape[1]), value=True
+        )
+    forbidden = forbidden[:, :vocab_size]  # [G, V]
+    full = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=logits.device)
+    full.index_copy_(0, rows, forbidden)  # [B, V]: rows without a grammar forbid nothing
+    return logits.masked_fill(full, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -45,6 +45,8 @@ class SamplingRows:
     seed: np.ndarray  # uint64
     logprobs: np.ndarray  # int32
     structured: np.ndarray  # bool: the request has a grammar (structured_output)
+    # object: None, or the request's logit_bias as (token ids [K] int64, biases [K] float32)
+    logit_bias: np.ndarray
 
     def __len__(self) -> int:
         return len(self.greedy)
@@ -63,6 +65,7 @@ _DTYPES = {
     "seed": np.uint64,
     "logprobs": np.int32,
     "structured": np.bool_,
+    "logit_bias": np.object_,
 }
 
 
@@ -71,6 +74,7 @@ class SamplingColumns:
 
     def __init__(self, capacity: int) -> None:
         self.columns = {name: np.zeros(capacity, dtype=dt) for name, dt in _DTYPES.items()}
+        self.columns["logit_bias"][:] = None  # object zeros are 0s
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> SamplingColumns:
@@ -94,7 +98,17 @@ class SamplingColumns:
         c["seed"][row] = 0 if params.seed is None else params.seed & _MASK64
         c["logprobs"][row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         c["structured"][row] = params.structured_output is not None
+        c["logit_bias"][row] = _bias_arrays(params.logit_bias)
 
     def gather(self, rows: np.ndarray | slice) -> SamplingRows:
         """The settings of ``rows`` ([S] int indices, or a slice), as new arrays."""
         return SamplingRows(**{name: col[rows] for name, col in self.columns.items()})
+
+
+def _bias_arrays(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids [K] int64, biases [K] float32) of a logit_bias, made once per request so a
+    step only concatenates the rows' arrays."""
+    if not bias:
+        return None
+    ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+    return ids, np.fromiter(bias.values(), dtype=np.float32, count=len(bias))

@@ -8,6 +8,7 @@ read by the ``Sampler`` without a single host-device sync. Row ``i`` describes l
     output_token_ids[i] ──► output_token_counts[i, :]    (only when a row has any penalty)
     (seed, len(output_token_ids[i])) ──► row_seeds       (seeded, non-greedy rows)
     grammar of row i ──► allowed_token_bitmask[g, :]     (only the rows with structured_output)
+    logit_bias of row i ──► logit_bias_index/values[k]   (flat i * V + token; rows with a bias)
 
 With async scheduling a row's last output token may still be on the device only (sampled by
 the previous step): ``pending_rows`` names those rows and ``pending_token_ids`` holds their
@@ -75,6 +76,10 @@ class SamplingMetadata:
     # None when no row has one.
     allowed_token_rows: torch.Tensor | None = None  # [G] int64
     allowed_token_bitmask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
+    # Every biased (row, token) of the batch as a flat index row * V + token, and its bias:
+    # one sparse add over the [B * V] logits applies them all. None when no row has one.
+    logit_bias_index: torch.Tensor | None = None  # [K] int64
+    logit_bias_values: torch.Tensor | None = None  # [K] float32
 
     @classmethod
     def build(
@@ -192,6 +197,8 @@ class SamplingMetadata:
             allowed_rows = upload(torch.from_numpy(constrained.astype(np.int64)), device)
             allowed_bitmask = upload(torch.from_numpy(bitmask), device)
 
+        bias_index, bias_values = _logit_bias(rows.logit_bias, vocab_size, device)
+
         positions = num_outputs.astype(np.int64)
         positions[np.asarray(pending_rows, dtype=np.int64)] += 1
         seeded = np.flatnonzero(random & rows.has_seed)
@@ -227,6 +234,8 @@ class SamplingMetadata:
             generator=generator,
             allowed_token_rows=allowed_rows,
             allowed_token_bitmask=allowed_bitmask,
+            logit_bias_index=bias_index,
+            logit_bias_values=bias_values,
         )
 
 
@@ -239,6 +248,36 @@ def row_seed(seed: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) >> 1
+
+
+def _logit_bias(
+    biases: np.ndarray, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(flat index [K] int64, bias [K] float32) on ``device`` for every biased (row, token):
+
+        row 0: {7: +5}, row 2: {1: -100, 9: +1}   ──►   index [0V+7, 2V+1, 2V+9]
+                                                        bias  [5,    -100, 1   ]
+
+    (None, None) when no row has a bias. Raises ValueError for an id outside the vocabulary
+    (the engine refuses such a request when it is added; this guards direct callers).
+    """
+    rows = np.flatnonzero(biases != None)  # noqa: E711 (elementwise on an object array)
+    if not len(rows):
+        return None, None
+    pairs = biases[rows].tolist()  # [(ids, values)] per biased row
+    ids = np.concatenate([i for i, _ in pairs])  # [K]
+    values = np.concatenate([v for _, v in pairs])  # [K]
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(
+            f"SamplingMetadata.build: logit_bias holds a token id outside [0, {vocab_size}) "
+            f"(largest {int(ids.max())})"
+        )
+    lengths = np.fromiter((len(i) for i, _ in pairs), dtype=np.int64, count=len(pairs))
+    flat = np.repeat(rows.astype(np.int64) * vocab_size, lengths) + ids  # [K]
+    return (
+        upload(torch.from_numpy(flat), device),
+        upload(torch.from_numpy(values.astype(np.float32)), device),
+    )
 
 
 def _count_pending(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.structured_output import check_structured_output
+from tokenmill.engine.structured_output import StructuredOutputsParams, check_structured_output
 
 
 @dataclass(frozen=True)
@@ -19,13 +20,23 @@ class SamplingParams:
     ``n`` completions are returned per prompt; with ``best_of``, that many are generated and
     the ``n`` with the highest cumulative logprob are returned, best first. With a ``seed``,
     completion ``i`` draws from a seed derived from (seed, i); completion 0 from ``seed``
-    itself, so ``n=1`` gives what it gives without ``n``. ``prompt_logprobs`` is not
-    supported yet (the engine computes logits only where it samples) and must stay None.
-    ``structured_output`` constrains the completion to JSON: a JSON schema (a dict or a JSON
-    string) it must validate against, or ``"json_object"`` for any JSON object; it is kept
-    as compact JSON text (``"json_object"`` as is). The row stops ("stop") as soon as the
-    JSON is complete; one that reaches ``max_tokens`` first ends with "length" and an
-    incomplete JSON, as OpenAI's do. Needs the llguidance package (see structured_output.py).
+    itself, so ``n=1`` gives what it gives without ``n``. ``prompt_logprobs`` (0-20) asks
+    for each prompt token's logprob and that many top alternatives at its position
+    (``RequestOutput.prompt_logprobs``; see prompt_logprobs.py); such a request takes no
+    prefix-cache hits, since cached positions have no logits.
+    ``structured_output`` constrains the completion: a JSON schema (a dict or a JSON string)
+    it must validate against, ``"json_object"`` for any JSON object, ``"regex:<pattern>"``
+    for a completion the pattern matches in full, ``"choice:<JSON list>"`` for exactly one
+    of the listed strings, or a ``StructuredOutputsParams(json= | regex= | choice= |
+    json_object=)`` as vLLM's. It is kept as canonical text (compact JSON for a schema; see
+    structured_output_params.py). The row stops ("stop") as soon as the output is complete;
+    one that reaches ``max_tokens`` first ends with "length" and an incomplete output, as
+    OpenAI's do. Needs the llguidance package (see structured_output.py).
+    ``logit_bias`` maps token ids to a bias in [-100, 100] added to their logits at every
+    step, before temperature, top-k and top-p (OpenAI's and vLLM's ``logit_bias``): +100
+    all but forces a token, -100 all but bans it. Keys may be ints or, as OpenAI's JSON
+    spells them, strings of digits; they are kept as ints. Ids past the model's vocabulary
+    are refused when the request is added to an engine.
     Raises ValueError naming the field when a value is out of range.
     """
 
@@ -48,7 +59,8 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     prompt_logprobs: int | None = None
-    structured_output: str | dict[str, Any] | None = None
+    structured_output: str | dict[str, Any] | StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -111,12 +123,13 @@ class SamplingParams:
             f"None or an integer >= n (n={self.n})",
         )
         _check(
-            self.prompt_logprobs is None,
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
             "prompt_logprobs",
             self.prompt_logprobs,
-            "None (prompt logprobs are not supported yet: the engine computes logits only at "
-            "the positions it samples)",
+            "None or an integer in [0, 20]",
         )
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         # Last: the other fields' errors come first, and without llguidance installed only
         # a request that asks for structured output fails (ImportError).
         object.__setattr__(
@@ -131,6 +144,68 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Completions generated per prompt: ``best_of`` when set, else ``n``."""
         return self.n if self.best_of is None else self.best_of
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds
+
+
+def check_logit_bias(
+    value: object, name: str = "SamplingParams.logit_bias"
+) -> dict[int, float] | None:
+    """``value`` as a ``{token id: bias}`` dict (None or empty: None), ids as ints.
+
+    Takes a mapping whose keys are ints >= 0 or strings of digits (OpenAI's JSON), and whose
+    values are numbers in [-100, 100]. Raises ValueError naming the key (after ``name``:, when
+    given) otherwise.
+    """
+    if value is None:
+        return None
+    where = f"{name}: " if name else ""
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{where}expected a mapping of token id to bias, got {type(value).__name__}"
+        )
+    low, high = LOGIT_BIAS_RANGE
+    bias: dict[int, float] = {}
+    for key, item in value.items():
+        token = _token_id(key)
+        if token is None:
+            raise ValueError(
+                f"{where}key {_short(key)} is not a token id (an integer >= 0, or its digits "
+                "as a string)"
+            )
+        if not (_is_number(item) and low <= item <= high):
+            raise ValueError(
+                f"{where}the bias of token {_short(key)} must be a number in [-100, 100], "
+                f"got {_short(item)}"
+            )
+        if token in bias:
+            raise ValueError(f"{where}token id {token} is given twice")
+        bias[token] = float(item)
+    return bias or None
+
+
+def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError when ``params.logit_bias`` names ids outside ``[0, vocab_size)``
+    (the sampler's sparse add needs every id to be a column of the logits)."""
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise ValueError(
+            f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
+
+
+def _token_id(key: object) -> int | None:
+    if _is_int(key):
+        return key if key >= 0 else None  # type: ignore[return-value, operator]
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+        return int(key)
+    return None
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _is_number(value: object) -> bool:

@@ -1,35 +1,52 @@
-"""Structured output: a per-request grammar (a JSON schema) that masks the tokens it forbids.
+"""Structured output: a per-request grammar that masks the tokens it forbids.
 
-The grammar engine is llguidance (``pip install llguidance``): it compiles a JSON schema
-against the model's tokenizer into a token-level matcher that fills a next-token bitmask
-and consumes sampled tokens. It is imported only when a request has a schema, so the engine
-runs without it otherwise.
+A constraint is a JSON schema, any JSON object, a regex the whole output must match, or a
+list of strings the output must be one of (structured_output_params.py: the kinds, their
+canonical text and checks). The grammar engine is llguidance (``pip install llguidance``): it
+compiles a constraint against the model's tokenizer into a token-level matcher that fills a
+next-token bitmask and consumes sampled tokens. It is imported only when a request has a
+constraint, so the engine runs without it otherwise.
 
-    SamplingParams(structured_output=schema | "json_object")
-        ─► check_structured_output: canonical JSON text, grammar compiled once (cached)
+    SamplingParams(structured_output=schema | "json_object" | "regex:..." | "choice:[...]"
+                   | StructuredOutputsParams(...))
+        ─► check_structured_output: canonical text, grammar validated once (cached)
     LLMEngine.add_request ─► StructuredOutputs.add: a matcher for the request
     ModelRunner.launch ─► SamplingMetadata: the rows with a grammar ─► bitmask(requests)
-        [G, ceil(V / 32)] int32 on the host, one upload ─► Sampler: -inf where a bit is 0
+        [G, ceil(V / 32)] int32, every row in one llguidance call (its threads) into a
+        reused host buffer (pinned on CUDA), one upload ─► Sampler: -inf where a bit is 0
         (after penalties, before temperature / top-k / top-p / greedy argmax)
-    LLMEngine._process ─► advance: each matcher consumes its request's new tokens; a matcher
-        that has stopped (the JSON is complete) ends its request, finish_reason "stop"
+    a step's sampled tokens ─► feed: each constrained row's matcher consumes its token (one
+        llguidance call); a matcher that has stopped (the JSON, the regex match or the choice
+        is complete and nothing but EOS may follow) or failed ─► ended ─► the engine ends
+        its request, finish_reason "stop"
     finished / aborted ─► drop
-
-The mask is filled while the device runs the step's forward pass (``launch`` enqueues the
-model first, then builds the sampling metadata).
 
 How it meets the rest of the engine:
 
-- **Async scheduling.** Step n+1 is normally scheduled before step n's tokens reach the host,
-  but a constrained row's mask for step n+1 depends on its token from step n. The engine runs
-  synchronously (finish the step in flight, then schedule; process each step at once) while
-  any request with a grammar is in it, exactly as it does for a drafted step; with none, it
-  goes back to overlapping. ``bitmask`` raises if a row's tokens are not all consumed.
-- **Preemption.** Preemption recomputes: the request keeps its output tokens and re-runs
-  prompt + output. A grammar counts the tokens it has consumed and only ever feeds the ones
-  past that count, so a recomputed request never advances its matcher twice.
+- **Async scheduling.** Step n+1 is scheduled, and its forward pass enqueued, before step n's
+  tokens reach the host; only the mask of a constrained row in step n+1 needs its token from
+  step n. So the engine's ``bitmask`` callback, called by ``launch`` after the forward pass is
+  enqueued, first waits for step n's tokens and feeds them, then fills step n+1's masks
+  while the device runs the forward pass; sampling is enqueued behind it:
+
+      host:  schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► fill masks
+             n+1 ─► enqueue sampling n+1 ─► apply tokens n (scheduler) ─► schedule n+2 ...
+      GPU:   .. sampling n ][ forward n+1 .................... ][ sampling n+1 ] ...
+
+  The host's work between two waits is the same as without grammars plus feed and fill, so
+  steps keep overlapping. A step's tokens are fed exactly once, before the scheduler applies
+  them (early, as above, or when the step is processed): a request's grammar is dropped the
+  moment it finishes, so the rows whose request still has one are exactly the rows whose
+  token the scheduler will apply. A row whose request ends with step n's token (EOS, a stop
+  string, its grammar complete) was already scheduled in step n+1, as any row is with async
+  scheduling; its mask there allows EOS only and its token is dropped.
+- **Preemption.** Preemption recomputes: the request keeps its output tokens (they were all
+  fed) and re-runs prompt + output; only its next sampled token is new to the grammar.
 - **Speculative decoding.** Rows with a grammar take no drafts (``core/drafts.py``), like
   rows that ask for logprobs: every step samples one token for them.
+- **The invariant.** Each mask handed out is answered by exactly one fed token before the
+  row's next mask: ``bitmask`` raises if a row's previous token was not fed, ``feed`` if no
+  mask asked for the token.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off): no free whitespace
 between tokens, so a small model cannot wander off into endless blank lines. A schema may
@@ -38,123 +55,111 @@ override it through llguidance's ``x-guidance`` key.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+
+from tokenmill.engine.structured_output_params import (
+    JSON_OBJECT,
+    StructuredOutputsParams,
+    check_structured_output,
+    describe,
+    grammar_error,
+    grammar_text,
+    load_llguidance,
+)
 
 if TYPE_CHECKING:
-    from tokenmill.engine.core.batch_slots import BatchSlots
     from tokenmill.engine.core.request import Request
 
 __all__ = [
     "JSON_OBJECT",
+    "GrammarStats",
     "StructuredOutputs",
+    "StructuredOutputsParams",
     "check_structured_output",
     "load_llguidance",
 ]
 
 log = logging.getLogger(__name__)
 
-JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object)
-_ANY_OBJECT_SCHEMA = '{"type":"object"}'
-_COMPILE_DEFAULTS = {"whitespace_flexible": False}
 _PARAM = "SamplingParams.structured_output"
-
-
-def load_llguidance() -> Any:
-    """The llguidance module. Raises ImportError saying how to install it."""
-    try:
-        import llguidance
-        import llguidance.numpy  # noqa: F401  (the bitmask helpers)
-    except ImportError as exc:
-        raise ImportError(
-            "structured output (SamplingParams.structured_output, sampling.structured_output "
-            "in job.yaml, response_format in OpenAI Batch bodies) needs the llguidance "
-            "package: pip install llguidance"
-        ) from exc
-    return llguidance
-
-
-def check_structured_output(value: Any, name: str = _PARAM) -> str | None:
-    """Validate a ``structured_output`` value; return its canonical form.
-
-    Takes None, ``"json_object"`` (any JSON object), or a JSON schema as a dict or a JSON
-    string. Returns None, ``"json_object"``, or the schema as compact JSON text (property
-    order kept: it is the order the fields are generated in). Raises ValueError naming the
-    parameter (``name``) when the value is not a JSON-schema object or llguidance cannot
-    compile it, and ImportError when llguidance is not installed.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return _check_text(value, name)
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"{name} must be a JSON schema (a dict or a JSON string) or {JSON_OBJECT!r}, "
-            f"got {type(value).__name__}"
-        )
-    try:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: the schema is not JSON-serializable ({exc})") from None
-    return _check_text(text, name)
-
-
-@functools.lru_cache(maxsize=512)
-def _check_text(text: str, name: str) -> str:
-    """Canonical text of a JSON-string value, its grammar compiled and validated (cached:
-    a batch job's rows usually share one schema)."""
-    if text == JSON_OBJECT:
-        canonical = text
-    else:
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{name} must be {JSON_OBJECT!r} or a JSON schema; this string is neither "
-                f"(not JSON: {exc.msg} at position {exc.pos})"
-            ) from None
-        if not isinstance(schema, dict):
-            raise ValueError(
-                f'{name} must be a JSON schema object ({{"type": ...}}), got JSON '
-                f"{type(schema).__name__}"
-            )
-        try:
-            canonical = json.dumps(
-                schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-            )
-        except ValueError as exc:  # NaN or Infinity, which JSON itself does not have
-            raise ValueError(f"{name}: the schema is not valid JSON ({exc})") from None
-    llg = load_llguidance()
-    try:
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(_grammar(canonical))
-    except ValueError as exc:
-        is_error, messages = True, [str(exc)]
-    if is_error:
-        raise ValueError(f"{name}: llguidance cannot use this JSON schema: {messages[0]}")
-    return canonical
-
-
-@functools.lru_cache(maxsize=512)
-def _grammar(canonical: str) -> str:
-    """llguidance's grammar text for a canonical ``structured_output`` value."""
-    llg = load_llguidance()
-    schema = _ANY_OBJECT_SCHEMA if canonical == JSON_OBJECT else canonical
-    return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPILE_DEFAULTS)
 
 
 @dataclass
 class _Grammar:
-    """One request's matcher and how many of its output tokens the matcher has consumed."""
+    """One request's matcher; how many masks it has handed out and tokens it has consumed
+    (equal between steps: each mask's token is fed before the next mask)."""
 
-    request: Request
     matcher: Any  # llguidance.LLMatcher
+    num_masked: int = 0
     num_fed: int = 0
+
+
+@dataclass
+class GrammarStats:
+    """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
+    sampled tokens, each one llguidance call over all constrained rows of a step."""
+
+    masks: int = 0  # bitmask calls (steps with a constrained row that samples)
+    mask_rows: int = 0
+    mask_ms: float = 0.0
+    feeds: int = 0  # feed calls that fed a row
+    fed_rows: int = 0
+    feed_ms: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        """Mean rows and ms per mask fill and per feed."""
+        return {
+            "mask_calls": self.masks,
+            "rows_per_mask": round(self.mask_rows / max(self.masks, 1), 1),
+            "mask_ms": round(self.mask_ms / max(self.masks, 1), 3),
+            "feed_calls": self.feeds,
+            "rows_per_feed": round(self.fed_rows / max(self.feeds, 1), 1),
+            "feed_ms": round(self.feed_ms / max(self.feeds, 1), 3),
+        }
+
+
+class _MaskBuffers:
+    """Two [rows, words] int32 host buffers used in turn, pinned on CUDA: llguidance writes
+    a step's masks straight into one, and the upload copies from there (a pinned source
+    needs no staging copy), with no allocation per step.
+
+    The buffer filled for step m is read by a copy enqueued after it is handed out; it is
+    written again for step m + 2, after waiting on an event recorded when step m + 1's masks
+    were filled, which is behind that copy. By then the host has waited for step m + 1's
+    tokens (sampled behind the event), so the wait costs nothing.
+    """
+
+    def __init__(self, words: int, device: torch.device) -> None:
+        self.words = words
+        self.pinned = device.type == "cuda"
+        self._tensors: list[torch.Tensor | None] = [None, None]  # owners of the memory
+        self._arrays: list[np.ndarray | None] = [None, None]
+        self._turn = 0
+        self._fence: Any = None  # torch.cuda.Event recorded at the previous fill
+
+    def next(self, rows: int) -> np.ndarray:
+        """A C-contiguous [rows, words] int32 view to fill now (contents undefined)."""
+        if self._fence is not None:
+            self._fence.synchronize()
+        if self.pinned:
+            self._fence = torch.cuda.Event()
+            self._fence.record()
+        turn, self._turn = self._turn, 1 - self._turn
+        array = self._arrays[turn]
+        if array is None or array.shape[0] < rows:
+            # Room for the batch at hand, rounded up: buffers are rarely replaced.
+            size = max(64, 1 << (rows - 1).bit_length())
+            tensor = torch.empty((size, self.words), dtype=torch.int32, pin_memory=self.pinned)
+            self._tensors[turn], self._arrays[turn] = tensor, tensor.numpy()
+            array = self._arrays[turn]
+        return array[:rows]
 
 
 class StructuredOutputs:
@@ -162,10 +167,17 @@ class StructuredOutputs:
 
     llguidance's tokenizer is built from the model's (fast HF) tokenizer on the first
     request with a grammar (about half a second); ``vocab_size`` is the model's logits width.
-    Its length (``len``) is the number of requests with a grammar.
+    ``device`` is where the masks go (pinned host buffers on CUDA). Its length (``len``) is
+    the number of requests with a grammar.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        device: torch.device | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -174,6 +186,9 @@ class StructuredOutputs:
         self._executor: Any = None
         self._fresh: dict[str, Any] = {}  # canonical value -> a matcher in its start state
         self._grammars: dict[str, _Grammar] = {}
+        self._ended: list[str] = []  # fed to a stop or an error, not yet taken
+        self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"))
+        self.stats = GrammarStats()
 
     def __len__(self) -> int:
         return len(self._grammars)
@@ -193,95 +208,114 @@ class StructuredOutputs:
             if len(self._fresh) >= 64:  # a job rarely has more schemas; keep the newest
                 self._fresh.pop(next(iter(self._fresh)))
             self._fresh[spec] = fresh
-        self._grammars[request.request_id] = _Grammar(request, fresh.deep_copy())
+        self._grammars[request.request_id] = _Grammar(fresh.deep_copy())
 
     def drop(self, request_ids: Iterable[str]) -> None:
-        """Forget the grammars of finished or aborted requests (unknown ids are ignored)."""
+        """Forget the grammars of finished or aborted requests (unknown ids are ignored).
+        The engine drops a request's grammar as soon as the request finishes."""
         for rid in request_ids:
             self._grammars.pop(rid, None)
 
     def bitmask(self, requests: Sequence[Request]) -> np.ndarray:
         """[G, ceil(vocab_size / 32)] int32: bit t of row i (little-endian within each int32)
-        is set when token t may follow ``requests[i]``'s output so far.
+        is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
+        mask handed out, which the row's next fed token answers.
 
-        Raises RuntimeError when a request has no grammar or output tokens its matcher has
-        not consumed (a step scheduled before the previous one's tokens were applied).
+        The array is a reused buffer: valid until the second call after this one.
+        Raises RuntimeError when a request has no grammar or its last mask's token has not
+        been fed (a step launched before the previous one's tokens were fed).
         """
-        words = -(-self.vocab_size // 32)
-        mask = np.empty((len(requests), words), dtype=np.int32)
-        pairs = []
-        for i, req in enumerate(requests):
+        t0 = time.perf_counter()
+        masked: list[_Grammar] = []
+        for req in requests:
             grammar = self._grammars.get(req.request_id)
             if grammar is None:
                 raise RuntimeError(f"request {req.request_id} has no grammar")
-            # With async scheduling this step's own token counts as pending; one more is
-            # a token from an earlier step the host has not applied yet.
-            if req.num_pending_tokens > 1 or grammar.num_fed != req.num_output_tokens:
+            if grammar.num_fed != grammar.num_masked:
                 raise RuntimeError(
                     f"request {req.request_id}: its grammar is behind its output; a step with "
-                    "a constrained row must be scheduled after the previous step's tokens land"
+                    "a constrained row must be launched after the previous step's tokens "
+                    "were fed (StructuredOutputs.feed)"
                 )
-            pairs.append((grammar.matcher, i))
+            masked.append(grammar)
+        pairs = [(grammar.matcher, i) for i, grammar in enumerate(masked)]
+        mask = self._buffers.next(len(pairs))
         self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+        for grammar in masked:
+            grammar.num_masked += 1
+        stats = self.stats
+        stats.masks += 1
+        stats.mask_rows += len(pairs)
+        stats.mask_ms += (time.perf_counter() - t0) * 1e3
         return mask
 
-    def advance(self, table: BatchSlots | None) -> list[str]:
-        """Feed each unfinished request's new output tokens to its matcher.
+    def feed(self, requests: Sequence[Request], tokens: Sequence[int]) -> None:
+        """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
+        that grammar's last mask); the others (plain rows, finished requests) are skipped.
+        Requests whose grammar now stops or rejects its token (logged) go to ``take_ended``.
 
-        Returns the ids of the requests whose matcher has now stopped (the output is
-        complete: nothing but EOS may follow), or that failed (a token it rejected; logged):
-        the caller finishes them. ``table`` is the scheduler's batch slots, where an
-        attached request's tokens live (None: no request holds a slot).
+        Call it once per step, before the scheduler applies the step's tokens. Raises
+        RuntimeError for a token no mask asked for (fed twice, or a drafted row).
         """
-        single: list[tuple[Any, int]] = []  # (matcher, token): a step's usual one token
+        t0 = time.perf_counter()
+        grammars = self._grammars
         fed: list[tuple[str, _Grammar]] = []
-        for rid, grammar in self._grammars.items():
-            req = grammar.request
-            if req.finished:
-                continue  # dropped when the engine hands it on
-            n = req.num_tokens
-            start = req.num_prompt_tokens + grammar.num_fed
-            if n <= start:
+        pairs: list[tuple[Any, int]] = []
+        for req, token in zip(requests, tokens, strict=True):
+            grammar = grammars.get(req.request_id)
+            if grammar is None:
                 continue
-            if req.slot >= 0 and table is not None:
-                new = table.token_ids[req.slot, start:n].tolist()
-            else:
-                new = req.all_token_ids[start:n]
-            grammar.num_fed += len(new)
-            fed.append((rid, grammar))
-            if len(new) == 1:
-                single.append((grammar.matcher, new[0]))
-            else:  # a request that caught up on several tokens
-                grammar.matcher.consume_tokens(new)
-        if single:  # on llguidance's threads, in parallel
-            self._executor.consume_token_par(single)
-        done: list[str] = []
-        for rid, grammar in fed:
-            # A rejected token leaves the matcher in its error state (and stopped).
-            if grammar.matcher.is_error():
+            if grammar.num_fed >= grammar.num_masked:
+                raise RuntimeError(
+                    f"request {req.request_id}: a sampled token no grammar mask asked for "
+                    "(a step's tokens fed twice, or drafts on a constrained row)"
+                )
+            grammar.num_fed += 1
+            fed.append((req.request_id, grammar))
+            pairs.append((grammar.matcher, int(token)))
+        if not pairs:
+            return
+        accepted = self._executor.consume_token_par(pairs)  # on llguidance's threads
+        for (rid, grammar), ok in zip(fed, accepted, strict=True):
+            if not ok:  # a rejected token leaves the matcher in its error state
                 log.warning(
                     "request %s: its grammar rejected a sampled token (%s); ending it",
                     rid,
                     grammar.matcher.get_error()[:500],
                 )
-                done.append(rid)
+                self._ended.append(rid)
             elif grammar.matcher.is_stopped():
-                done.append(rid)
-        return done
+                self._ended.append(rid)
+        stats = self.stats
+        stats.feeds += 1
+        stats.fed_rows += len(pairs)
+        stats.feed_ms += (time.perf_counter() - t0) * 1e3
+
+    def take_ended(self) -> list[str]:
+        """The ids of requests whose grammar has stopped (the output is complete: nothing
+        but EOS may follow) or failed since the last call, among those not dropped since:
+        the caller finishes them."""
+        if not self._ended:
+            return []
+        ended = [rid for rid in self._ended if rid in self._grammars]
+        self._ended = []
+        return ended
 
     def _compile(self, spec: str) -> Any:
         """A fresh matcher for ``spec`` on this model's tokenizer (ValueError if it fails)."""
         if self._ll_tokenizer is None:
             self._load_tokenizer()
         llg = self._llg
-        grammar = _grammar(spec)
+        grammar = grammar_text(spec)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
             grammar, self._ll_tokenizer
         )
         matcher = None if is_error else llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher is None or matcher.is_error():
             error = messages[0] if is_error else matcher.get_error()
-            raise ValueError(f"{_PARAM}: llguidance cannot use this JSON schema: {error[:500]}")
+            raise ValueError(
+                f"{_PARAM}: llguidance cannot use this {describe(spec)}: {grammar_error(error)}"
+            )
         return matcher
 
     def _load_tokenizer(self) -> None:

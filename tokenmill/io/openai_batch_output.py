@@ -6,7 +6,8 @@ A good row becomes
      "response": {"status_code": 200, "request_id": "req_<hex>",
                   "body": <a chat.completion or text_completion object>}}
 
-and a failed row, in the separate error file,
+A row that asked for ``n`` completions has n choices (index 0..n-1) in its one line, and
+its ``usage.completion_tokens`` counts them all. A failed row, in the separate error file:
 
     {"id": "batch_req_<hex>", "custom_id": "...", "response": null,
      "error": {"code": "invalid_request", "message": "..."}}
@@ -24,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from tokenmill.io.rows import ResultRow
+from tokenmill.io.rows import Choice, ResultRow
 
 __all__ = ["CHAT_ENDPOINT", "COMPLETIONS_ENDPOINT", "error_line", "result_line"]
 
@@ -74,7 +75,15 @@ def error_line(row: ResultRow) -> dict[str, Any]:
     }
 
 
+def _choices(row: ResultRow) -> tuple[Choice, ...]:
+    """The row's completions: all of them for a row that asked for n > 1, else its one."""
+    if row.choices:
+        return row.choices
+    return (Choice(row.text, row.finish_reason, row.completion_tokens, row.logprobs),)
+
+
 def _usage(row: ResultRow) -> dict[str, int]:
+    # completion_tokens counts every choice's tokens (ResultRow), as OpenAI bills them.
     return {
         "prompt_tokens": row.prompt_tokens,
         "completion_tokens": row.completion_tokens,
@@ -83,9 +92,6 @@ def _usage(row: ResultRow) -> dict[str, int]:
 
 
 def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
-    logprobs = None
-    if row.logprobs is not None:
-        logprobs = {"content": [dict(entry) for entry in row.logprobs]}
     return {
         "id": f"chatcmpl-{_stable_hex('chatcmpl', row, 29)}",
         "object": "chat.completion",
@@ -93,28 +99,24 @@ def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
         "model": row.model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": row.text},
-                "logprobs": logprobs,
-                "finish_reason": row.finish_reason,
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": _chat_logprobs(choice),
+                "finish_reason": choice.finish_reason,
             }
+            for index, choice in enumerate(_choices(row))
         ],
         "usage": _usage(row),
     }
 
 
+def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    return {"content": [dict(entry) for entry in choice.logprobs]}
+
+
 def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
-    logprobs = None
-    if row.logprobs is not None:
-        # The legacy completions shape: parallel lists, top alternatives as {token: logprob}.
-        logprobs = {
-            "tokens": [e["token"] for e in row.logprobs],
-            "token_logprobs": [e["logprob"] for e in row.logprobs],
-            "top_logprobs": [
-                {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()}
-                for e in row.logprobs
-            ],
-        }
     return {
         "id": f"cmpl-{_stable_hex('cmpl', row, 29)}",
         "object": "text_completion",
@@ -122,11 +124,25 @@ def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
         "model": row.model,
         "choices": [
             {
-                "index": 0,
-                "text": row.text,
-                "logprobs": logprobs,
-                "finish_reason": row.finish_reason,
+                "index": index,
+                "text": choice.text,
+                "logprobs": _completion_logprobs(choice),
+                "finish_reason": choice.finish_reason,
             }
+            for index, choice in enumerate(_choices(row))
         ],
         "usage": _usage(row),
+    }
+
+
+def _completion_logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    # The legacy completions shape: parallel lists, top alternatives as {token: logprob}.
+    return {
+        "tokens": [e["token"] for e in choice.logprobs],
+        "token_logprobs": [e["logprob"] for e in choice.logprobs],
+        "top_logprobs": [
+            {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()} for e in choice.logprobs
+        ],
     }

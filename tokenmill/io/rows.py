@@ -33,8 +33,23 @@ class InputRow:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """One completion of a row that asked for several (OpenAI's ``n``)."""
+
+    text: str
+    finish_reason: str
+    completion_tokens: int
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI-shaped entries when asked for
+
+
+@dataclass(frozen=True)
 class ResultRow:
-    """The outcome of one input row: a completion, or an error message."""
+    """The outcome of one input row: a completion, or an error message.
+
+    A row that asked for several completions (``n > 1``) holds them all in ``choices``;
+    ``text``, ``finish_reason`` and ``logprobs`` are then the first one's, and
+    ``completion_tokens`` counts every choice's tokens (what OpenAI's ``usage`` bills).
+    """
 
     row_index: int
     row_id: str
@@ -49,6 +64,7 @@ class ResultRow:
     model: str = ""
     error: str | None = None  # starts with the row's "file:line" location
     source: str = ""  # the input row's "file:line"
+    choices: tuple[Choice, ...] = ()  # every completion when the row asked for n > 1
 
     @property
     def ok(self) -> bool:

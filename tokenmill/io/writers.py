@@ -125,6 +125,11 @@ def _in_order(rows: Any) -> list[ResultRow]:
 
 
 def _plain_record(row: ResultRow) -> dict[str, Any]:
+    if len(row.choices) > 1:  # the executor refuses such rows first; never drop choices
+        raise ValueError(
+            f"row {row.row_id!r} has {len(row.choices)} completions (n > 1); plain output "
+            "holds one text per row: use output.format: openai-batch"
+        )
     record: dict[str, Any] = {
         "id": row.row_id,
         "text": row.text,

@@ -1,4 +1,4 @@
-"""run-job: run a job.yaml to completion, resumably. Cron- and Airflow-friendly exit codes:
+"""run-job: run a job to completion, resumably. Cron- and Airflow-friendly exit codes:
 
 0   the job is complete (row errors are counted in the report, not fatal)
 1   the job failed; rerun the same command to resume
@@ -7,6 +7,14 @@
     rerunning will not help until it is fixed
 75  temporary: another run holds the output, the run was stopped by SIGTERM/SIGINT, or the
     storage failed mid-run; committed shards are kept: rerun the same command to resume
+
+The job is a job.yaml, or, for one input and one output, flags alone:
+
+    run-job job.yaml [--set key.path=value ...]
+    run-job --model M --input in.jsonl --output out/ [--set key.path=value ...]
+
+The flags build the JobSpec a job.yaml with ``model.source``, ``input.path`` and
+``output.path`` would (``--set`` works on either), so both are validated by the same code.
 """
 
 from __future__ import annotations
@@ -30,31 +38,17 @@ _RESUME = "committed shards are kept; rerun the same command to resume"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="run-job",
-        description="Run a tokenmill batch inference job (resumes where it stopped).",
-        epilog="exit codes: 0 complete, 1 failed, 2 invalid spec, 75 temporary (locked, "
-        "stopped by a signal, storage failure): rerun to resume",
-    )
-    parser.add_argument("job", help="path to the job.yaml")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a spec key (repeatable)",
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="validate and tokenize every row; load no weights, write nothing",
-    )
-    parser.add_argument(
-        "--fresh", action="store_true", help="discard earlier progress in the output and start over"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    """Run the job ``argv`` describes; returns the exit code. A usage error (no job.yaml and
+    a missing ``--model``/``--input``/``--output``) exits with 2 through argparse."""
+    parser = _parser()
     args = parser.parse_args(argv)
+    if args.job is None:
+        missing = [flag for flag, key in _FLAGS.items() if not _given(args, flag, key)]
+        if missing:
+            parser.error(
+                f"give a job.yaml, or {', '.join(_FLAGS)} without one (missing: "
+                f"{', '.join(missing)})"
+            )
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
@@ -82,8 +76,91 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"the job failed ({type(exc).__name__}: {exc}); {_RESUME}", EXIT_FAILED)
 
 
+# The flags that stand for a job.yaml's required keys (and set them over a job.yaml's).
+_FLAGS = {"--model": "model.source", "--input": "input.path", "--output": "output.path"}
+
+_EXAMPLES = """\
+examples:
+  run-job job.yaml
+  run-job job.yaml --set sampling.max_tokens=64 --set engine.max_num_seqs=128
+  run-job --model smollm2-135m-instruct --input prompts.jsonl --output out/
+  run-job --model M --input batch.jsonl --output out/ --set output.format=openai-batch
+
+--set takes any job.yaml key by its dotted path; the value is read as YAML (64, 0.5,
+true, [a, b]). Without a job.yaml the job is named "job" (--set name=... to change it).
+
+exit codes: 0 complete, 1 failed, 2 invalid spec or usage, 75 temporary (locked, stopped
+by a signal, storage failure): rerun to resume
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="run-job",
+        usage="%(prog)s (JOB.yaml | --model M --input PATH --output PATH) [--set KEY.PATH=VALUE]"
+        " [--dry-run] [--fresh] [--quiet]",
+        description="Run a tokenmill batch inference job (resumes where it stopped).",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "job",
+        nargs="?",
+        metavar="JOB.yaml",
+        help="path to the job.yaml (leave it out to give the job by flags)",
+    )
+    parser.add_argument(
+        "--model", metavar="M", help="model.source: an alias, an HF directory or a .gguf file"
+    )
+    parser.add_argument(
+        "--input",
+        metavar="PATH",
+        help="input.path: a file, folder, glob or fsspec URL (format detected as usual)",
+    )
+    parser.add_argument(
+        "--output", metavar="PATH", help="output.path: the folder the job writes into"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="set a spec key by its dotted path, e.g. sampling.max_tokens=64 (repeatable)",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and tokenize every row; load no weights, write nothing",
+    )
+    parser.add_argument(
+        "--fresh", action="store_true", help="discard earlier progress in the output and start over"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def _given(args: argparse.Namespace, flag: str, key: str) -> bool:
+    """Whether ``flag``'s key has a value: the flag itself, or a ``--set`` of its key."""
+    if getattr(args, flag.lstrip("-")) is not None:
+        return True
+    return any(item.partition("=")[0].strip() == key for item in args.overrides)
+
+
+def _spec(args: argparse.Namespace) -> JobSpec:
+    """The JobSpec of the command line: the job.yaml (if any), the flags, then ``--set``."""
+    settings = {
+        key: getattr(args, flag.lstrip("-"))
+        for flag, key in _FLAGS.items()
+        if getattr(args, flag.lstrip("-")) is not None
+    }
+    if args.job is None:
+        return JobSpec.from_settings(settings, args.overrides)
+    return JobSpec.load(args.job, args.overrides, settings)
+
+
 def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals) -> int:
-    spec = JobSpec.load(args.job, args.overrides)
+    spec = _spec(args)
     if args.dry_run:
         from tokenmill.jobs.dry_run import dry_run
 

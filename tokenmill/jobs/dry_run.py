@@ -1,22 +1,44 @@
-"""--dry-run: validate the spec, read and tokenize every row, load no weights, write nothing."""
+"""--dry-run: validate the spec, read and tokenize every row, load no weights, write nothing;
+then say how much work the job is and about how long it will take.
+
+    every row ─► the checks a run makes (bad rows, with examples)
+    good rows ─► PromptStats: prompt tokens, shared-prefix share, duplicates, output tokens
+    output tokens / the measured rate of the nearest throughput-table entry ─► estimated time
+
+Rows are streamed, never held: memory is bounded by the sets PromptStats caps (shared-prefix
+blocks, distinct rows) whatever the input's size. The time is an estimate: output tokens
+counted as if every row ran to max_tokens (an upper bound unless ignore_eos), over a rate a
+benchmark measured on its own workload (throughput_table.py, which says how the job differs).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill.engine.core import hash_block_tokens
 from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
-from tokenmill.jobs.requests import prompt_ids_for, row_error_reason, sampling_params_for
+from tokenmill.jobs.progress import format_duration
+from tokenmill.jobs.prompt_stats import PromptStats
+from tokenmill.jobs.requests import (
+    check_output_holds,
+    prompt_ids_for,
+    row_error_reason,
+    sampling_params_for,
+)
 from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
+from tokenmill.jobs.throughput_table import Estimate, estimate_time, model_params
 
 MAX_EXAMPLES = 20
-MAX_TRACKED_BLOCKS = 2_000_000  # bounds the memory of the shared-prefix estimate
+MAX_TRACKED_BLOCKS = 2_000_000  # bounds the memory of the shared-prefix estimate (~140 MB)
+MAX_TRACKED_ROWS = 1_000_000  # duplicates are exact up to this many distinct rows (~70 MB)
 
 
 @dataclass
@@ -26,7 +48,15 @@ class DryRunReport:
     bad_rows: int = 0
     bad_examples: list[tuple[str, str]] = field(default_factory=list)
     prompt_tokens: int = 0
+    longest_prompt: int = 0
     shared_prefix_tokens: int = 0
+    shared_prefix_capped: bool = False  # past MAX_TRACKED_BLOCKS: the share is a lower bound
+    block_size: int = 16
+    duplicate_rows: int = 0  # same prompt tokens and sampling settings as an earlier row
+    duplicate_error: int = 0  # one standard error; 0: an exact count
+    output_tokens: int = 0  # at most (every row to max_tokens); exact when all ignore_eos
+    output_tokens_exact: bool = False
+    estimate: Estimate | None = None
     rows_already_done: int = 0
     resumable: bool | None = None  # None: no earlier progress; False: fingerprint differs
 
@@ -35,12 +65,22 @@ class DryRunReport:
         return self.shared_prefix_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary(self) -> str:
+        good = self.rows - self.bad_rows
+        mean = f"mean {self.prompt_tokens / good:,.0f}, " if good else ""
         lines = [
             f"dry run of job {self.job}",
             f"  rows            {self.rows} ({self.bad_rows} bad)",
-            f"  prompt tokens   {self.prompt_tokens}",
+            f"  prompt tokens   {self.prompt_tokens} ({mean}longest {self.longest_prompt})",
             f"  shared prefixes {self.shared_prefix_share:.1%} of prompt tokens "
-            "(full KV blocks another row already has)",
+            f"(full KV blocks of {self.block_size} tokens an earlier row already has"
+            + (
+                "; at least: too many blocks to track them all)"
+                if self.shared_prefix_capped
+                else ")"
+            ),
+            f"  duplicates      {self._duplicates()}",
+            f"  output tokens   {self._output_tokens()}",
+            *self._estimate_lines(),
             f"  already done    {self.rows_already_done} rows"
             + (
                 " (earlier progress has another fingerprint: use --fresh)"
@@ -53,6 +93,42 @@ class DryRunReport:
         if self.bad_rows > len(self.bad_examples):
             lines.append(f"  ... and {self.bad_rows - len(self.bad_examples)} more bad rows")
         return "\n".join(lines)
+
+    def _duplicates(self) -> str:
+        n = self.duplicate_rows
+        if self.duplicate_error:
+            count = f"about {n:,} (± {self.duplicate_error:,}, a HyperLogLog estimate)"
+        else:
+            count = f"{n:,}"
+        return f"{count} rows repeat an earlier row's prompt and sampling settings"
+
+    def _output_tokens(self) -> str:
+        if self.output_tokens_exact:
+            return f"{self.output_tokens:,} (every row runs to max_tokens: ignore_eos)"
+        return f"at most {self.output_tokens:,} (each row's max_tokens; rows that end sooner, less)"
+
+    def _estimate_lines(self) -> list[str]:
+        est = self.estimate
+        if est is None:
+            return []
+        e = est.entry
+        at_most = "" if self.output_tokens_exact else "at most "
+        what = "GPU time" if e.device == "gpu" else "CPU time"
+        pad = " " * 18
+        lines = [
+            f"  estimate        {at_most}{format_duration(est.seconds)} of {what}, an estimate: "
+            f"{est.output_tokens:,} output tokens / {e.output_tokens_per_s:,} output tok/s",
+            f"{pad}the rate of entry {e.name} (throughput_table.json), measured for "
+            f'BENCHMARKS.md, section "{e.source}"',
+            f"{pad}measured with: {e.model}, {e.hardware}, {e.dtype}; {e.workload}",
+        ]
+        if est.replicas > 1:
+            lines.append(
+                f"{pad}{est.replicas} replicas: about "
+                f"{format_duration(est.wall_seconds)} of wall time"
+            )
+        lines += [f"{pad}note: {note}" for note in est.notes]
+        return lines
 
 
 def dry_run(spec: JobSpec) -> DryRunReport:
@@ -73,17 +149,18 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     max_len = config.max_position_embeddings
     if spec.engine.max_model_len is not None:
         max_len = min(max_len, spec.engine.max_model_len)
-    report = DryRunReport(job=spec.name)
+    report = DryRunReport(job=spec.name, block_size=spec.engine.block_size)
     defaults: dict[str, Any] = spec.sampling.model_dump()
-    block = spec.engine.block_size
-    seen_blocks: set[int] = set()
+    stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
     for row in iter_input_rows(input_config(spec), schema):
         report.rows += 1
         reason = row.error
         if reason is None:
             try:
-                sampling_params_for(row, defaults)
+                params = sampling_params_for(row, defaults)
+                check_output_holds(params, spec.output.format)
+                check_logit_bias_vocab(params, config.vocab_size)
                 ids = prompt_ids_for(row, tokenizer)
                 if len(ids) >= max_len:
                     reason = f"{len(ids)} prompt tokens exceed the context ({max_len})"
@@ -94,16 +171,48 @@ def dry_run(spec: JobSpec) -> DryRunReport:
             if len(report.bad_examples) < MAX_EXAMPLES:
                 report.bad_examples.append((row.row_id, f"{row.source}: {reason}"))
             continue
-        report.prompt_tokens += len(ids)
-        parent = None
-        for start in range(0, len(ids) - block + 1, block):
-            parent = hash_block_tokens(parent, tuple(ids[start : start + block]), ())
-            if parent in seen_blocks:
-                report.shared_prefix_tokens += block
-            elif len(seen_blocks) < MAX_TRACKED_BLOCKS:
-                seen_blocks.add(parent)
+        stats.add(ids, params, max_len)
+
+    _fill_stats(report, stats)
+    report.estimate = _estimate(spec, stats.max_output_tokens, config)
 
     if manifest is not None:
         report.resumable = resumable
         report.rows_already_done = manifest.rows_done if resumable else 0
     return report
+
+
+def _fill_stats(report: DryRunReport, stats: PromptStats) -> None:
+    report.prompt_tokens = stats.prompt_tokens
+    report.longest_prompt = stats.longest_prompt
+    report.shared_prefix_tokens = stats.shared_prefix_tokens
+    report.shared_prefix_capped = stats.prefix_capped
+    report.duplicate_rows, report.duplicate_error = stats.duplicates
+    report.output_tokens = stats.max_output_tokens
+    report.output_tokens_exact = stats.all_ignore_eos and stats.rows > 0
+
+
+def _estimate(spec: JobSpec, output_tokens: int, config: ModelConfig) -> Estimate:
+    """The time estimate for the device the job would run on: engine.device, a GPU when one
+    is visible here (auto), and for Ray replicas a GPU (they run on the cluster's nodes)."""
+    import torch
+
+    gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    device = spec.engine.device
+    if device == "auto":
+        device = "gpu" if gpu_name or spec.execution.executor == "ray" else "cpu"
+    else:
+        device = "cpu" if device == "cpu" else "gpu"
+    # the dtype the engine would choose there (auto: fp32 on CPU, the checkpoint's on GPUs)
+    target = torch.device("cpu" if device == "cpu" else "cuda")
+    dtype = str(engine_config(spec).resolve_dtype(config, target)).removeprefix("torch.")
+    replicas = spec.execution.replicas if spec.execution.executor == "ray" else 1
+    return estimate_time(
+        output_tokens,
+        model_params(config),
+        device,
+        gpu_name,
+        dtype,
+        spec.model.quantization,
+        replicas,
+    )

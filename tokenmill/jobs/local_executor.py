@@ -3,7 +3,8 @@
     source.take ─► add_request (up to 2 * max_num_seqs in flight) ─► step ─► ResultRows
 
 The engine's batch never drains while there is input: before every step the executor tops
-the engine up to ``2 * max_num_seqs`` requests from what the source has ready, without
+the engine up to ``2 * max_num_seqs`` requests (a row asking for n completions is n of them:
+rows_in_flight.py) from what the source has ready, without
 waiting (it waits only when the engine has nothing to do), so the scheduler always has a
 queue to batch from and the queued-but-not-running requests stay bounded. Results are
 yielded as requests finish (any order); ``on_step`` is called after every step, so the
@@ -17,12 +18,19 @@ from collections.abc import Callable, Iterable, Iterator
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
-from tokenmill.jobs.requests import error_result, result_from_output, row_error_reason
+from tokenmill.jobs.requests import (
+    check_output_holds,
+    error_result,
+    result_from_output,
+    row_error_reason,
+)
 from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
+from tokenmill.jobs.rows_in_flight import RowsInFlight
 from tokenmill.jobs.spec import JobSpec
 
 
@@ -50,7 +58,8 @@ class RowProcessor:
         self.prepare = RowPreparer(
             own_tokenizer(self.tokenizer), spec.sampling.model_dump(), spec.model.source
         )
-        self._in_flight: dict[str, InputRow] = {}
+        self.output_format = spec.output.format
+        self._in_flight = RowsInFlight()
         self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far
         self._output_tokens = 0  # the highest count ``output_tokens`` gave
 
@@ -78,7 +87,7 @@ class RowProcessor:
         in_flight = self._in_flight
         while not cancel.is_set():
             busy = self.engine.has_unfinished()
-            room = self.max_in_flight - len(in_flight)
+            room = self.max_in_flight - in_flight.num_requests
             if room > 0 and not source.exhausted:
                 for item in source.take(room, wait=not busy):
                     failed = self._add(item, in_flight)
@@ -93,25 +102,33 @@ class RowProcessor:
             if on_step is not None:
                 on_step()
             for out in outputs:
-                row = in_flight.pop(out.request_id)
-                result = result_from_output(row, out, self.tokenizer, self.model_name)
-                self._returned_tokens += result.completion_tokens
-                yield result
-        self.engine.abort_requests(list(in_flight))
+                # Counted per request: a row of n requests yields once its last one is done.
+                self._returned_tokens += out.num_completion_tokens
+                done = in_flight.finish(out)
+                if done is not None:
+                    row, whole = done
+                    yield result_from_output(row, whole, self.tokenizer, self.model_name)
+        self.engine.abort_requests(in_flight.request_ids())
         in_flight.clear()
 
-    def _add(self, item: FeedItem, in_flight: dict[str, InputRow]) -> ResultRow | None:
-        """Queue ``item`` in the engine; the row's error result when it cannot run."""
+    def _add(self, item: FeedItem, in_flight: RowsInFlight) -> ResultRow | None:
+        """Queue ``item``'s requests in the engine (one per completion it asks for); the
+        row's error result when it cannot run."""
         if isinstance(item, InputRow):  # from a source that does not prepare its rows
             item = self.prepare([item])[0]
         if isinstance(item, ResultRow):  # it failed while being prepared
             return item
-        rid = str(item.row.row_index)
+        group = SampleGroup.of(str(item.row.row_index), item.params)
+        added: list[str] = []
         try:  # too long for the context, ids outside the vocabulary: the row's error
-            self.engine.add_request(rid, item.prompt_ids, item.params)
+            check_output_holds(item.params, self.output_format)
+            for rid, params in group.requests():
+                self.engine.add_request(rid, item.prompt_ids, params)
+                added.append(rid)
         except Exception as exc:
+            self.engine.abort_requests(added)  # none in practice: one prompt, one verdict
             return error_result(item.row, row_error_reason(exc), self.model_name)
-        in_flight[rid] = item.row
+        in_flight.add(item.row, group)
         return None
 
     @property

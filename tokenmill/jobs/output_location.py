@@ -26,6 +26,7 @@ _GLOB_CHARS = "*?["
 # Names of every kind a job writes below its prefix, to test a glob input against.
 _WRITTEN_EXAMPLES = (
     "report.json",
+    "report.html",
     "job.manifest.json",
     "_tokenmill_owner.json",
     "shards/part-00000.jsonl",

@@ -24,6 +24,7 @@ from tokenmill.jobs.spec import JobSpecError
 
 OWNER_FILE = "_tokenmill_owner.json"
 REPORT_NAME = "report.json"
+REPORT_HTML_NAME = "report.html"  # the same report as a page with plots (report_html.py)
 _MANIFEST_SUFFIX = Manifest.file_name("")
 _JOB_FOLDERS = ("shards/", "errors/")
 _SHOWN = 5  # foreign file names quoted in a refusal
@@ -60,7 +61,8 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
     """The owner record of ``store`` after checking that ``job`` may write there (reads only).
 
     Raises OutputOwnedError when another job owns it, or when an unclaimed prefix already
-    holds files at names this job would write (shards/, errors/, report.json, manifests).
+    holds files at names this job would write (shards/, errors/, report.json, report.html,
+    manifests).
     """
     owner = read_owner(store)
     if owner is not None:
@@ -73,7 +75,9 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
     if others:
         raise OutputOwnedError(_owned_by(store, others[0], "", job))
     if not manifests:  # not an output of an earlier run of this job: must be free of our names
-        taken = [n for n in names if n.startswith(_JOB_FOLDERS) or n == REPORT_NAME]
+        taken = [
+            n for n in names if n.startswith(_JOB_FOLDERS) or n in (REPORT_NAME, REPORT_HTML_NAME)
+        ]
         if taken:
             shown = ", ".join(taken[:_SHOWN]) + (" ..." if len(taken) > _SHOWN else "")
             raise OutputOwnedError(

@@ -28,6 +28,7 @@ def input_config(spec: JobSpec) -> InputConfig:
         messages_column=i.messages_column,
         passthrough_columns=tuple(i.passthrough_columns),
         storage_options=dict(i.storage_options),
+        structured_output_column=i.structured_output_column,
     )
 
 
@@ -67,6 +68,11 @@ def check_input(spec: JobSpec) -> str:
             f"url, body), but input {cfg.path!r} is {fmt}; set output.format to jsonl or "
             "parquet"
         )
+    if cfg.structured_output_column is not None and fmt == "openai-batch":
+        raise JobSpecError(
+            "input.structured_output_column: OpenAI Batch input gives each row's constraint in "
+            "its body's response_format; remove input.structured_output_column"
+        )
     if fmt == "parquet":
         _check_parquet_columns(files[0], cfg)
     return fmt
@@ -78,13 +84,21 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
         if cfg.messages_column is not None
         else ("prompt_column", cfg.prompt_column)
     )
+    constraint = cfg.structured_output_column
     try:
         with ParquetRecords(url, cfg.storage_options, []) as records:
-            if column is None or records.has_column(column):
-                return
             have = records.columns_hint()
+            has_prompt = column is None or records.has_column(column)
+            has_constraint = constraint is None or records.has_column(constraint)
     except ValueError as exc:
         raise JobSpecError(f"input.path: {exc}") from None
+    if not has_constraint:  # a misspelt name would leave every row unconstrained, silently
+        raise JobSpecError(
+            f"input.structured_output_column: {constraint!r} is not a column of {url} "
+            f"(it has: {have or 'no columns'})"
+        )
+    if has_prompt:
+        return
     raise JobSpecError(
         f"input.{key}: {column!r} is not a column of {url} (it has: {have or 'no columns'}); "
         "set input.prompt_column, or input.messages_column for chat rows"

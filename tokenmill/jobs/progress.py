@@ -20,6 +20,14 @@ A log line reads (with the row count known):
 
     120 of 2,000 rows done (6%), 256 in flight, 41,280 output tokens so far, 1,650 output
     tok/s, ETA 3 min 05 s
+
+When the stream (stderr) is a terminal, a bar (progress_bar.py) shows the same numbers
+instead of the lines, redrawn at every sample:
+
+     6%|██▋          | 120 of 2,000 rows, 1,650 output tok/s, ETA 3 min 05 s, 256 in flight
+
+Each sample also goes to the run's history (``history``, run_history.py: what report.html
+plots), with the engines' counters when ``counters`` gives them.
 """
 
 from __future__ import annotations
@@ -27,10 +35,17 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
 
+from tokenmill.jobs.bounded_series import BoundedSeries
 from tokenmill.jobs.rate_window import RateWindow
+from tokenmill.jobs.run_history import RunHistory
+
+if TYPE_CHECKING:
+    from tokenmill.jobs.engine_counters import EngineCounters
+    from tokenmill.jobs.progress_bar import ProgressBar
 
 __all__ = ["LiveCounts", "Progress", "format_duration"]
 
@@ -53,9 +68,11 @@ class LiveCounts:
 class Progress:
     """Counts rows and tokens of one run and shows them. ``total``: the input's rows (None if
     not counted); ``already_done``: rows committed by earlier runs. A line is logged every
-    ``interval_s`` seconds (without a terminal); ``live`` is called at most every ``sample_s``
-    seconds (default: 1 s, or ``interval_s`` if shorter), on the caller's thread; rates need
-    a sample's span of history. ``clock`` is injectable for tests."""
+    ``interval_s`` seconds, or a bar is redrawn at every sample when ``stream`` (default:
+    stderr) is a terminal; ``live`` is called at most every ``sample_s`` seconds (default:
+    1 s, or ``interval_s`` if shorter), on the caller's thread; rates need a sample's span of
+    history. ``history`` (a RunHistory) records every sample for report.html, with each
+    replica's engine counters from ``counters`` if given. ``clock`` is injectable for tests."""
 
     def __init__(
         self,
@@ -66,6 +83,8 @@ class Progress:
         live: Callable[[], LiveCounts] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sample_s: float | None = None,
+        stream: TextIO | None = None,
+        counters: Callable[[], Mapping[str, EngineCounters]] | None = None,
     ) -> None:
         if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
@@ -78,24 +97,32 @@ class Progress:
         self.in_flight = 0
         self.load_seconds = 0.0
         # (seconds since the clock started, output tokens) for the report
-        self.samples: list[tuple[float, int]] = []
+        self._samples: BoundedSeries[int] = BoundedSeries(sample_s, MAX_REPORT_SAMPLES)
+        # the same spacing and bound as ``samples``, so both keep the same moments
+        self.history = RunHistory(counters, sample_s, MAX_REPORT_SAMPLES)
         self.enabled = enabled
         self.interval_s = interval_s
         self._live = live
         self._clock = clock
         self._sample_s = sample_s
-        self._report_every = sample_s
         self.start = clock()
         self._last_sample = self._last_log = self.start
         self._token_rate = RateWindow(TOKENS_WINDOW_S, min_span_s=sample_s)
         self._row_rate = RateWindow(ROWS_WINDOW_S, min_span_s=sample_s)
         self._token_rate.add(self.start, 0)
         self._row_rate.add(self.start, 0)
-        self._bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
+        self._bar: ProgressBar | None = None
+        stream = sys.stderr if stream is None else stream
+        if enabled and stream.isatty():
+            from tokenmill.jobs.progress_bar import ProgressBar
 
-            self._bar = tqdm(total=total, initial=already_done, unit="row", dynamic_ncols=True)
+            self._bar = ProgressBar(stream, total, already_done)
+
+    @property
+    def samples(self) -> list[tuple[float, int]]:
+        """(seconds since the clock started, output tokens so far): the report's throughput
+        over time, about one a second, fewer than MAX_REPORT_SAMPLES however long the run."""
+        return self._samples.points
 
     def update(self, rows: int, tokens: int) -> None:
         """``rows`` finished (or failed) with ``tokens`` output tokens between them."""
@@ -103,8 +130,6 @@ class Progress:
         self.done_this_run += rows
         self.finished_tokens += tokens
         self.tokens = max(self.tokens, self.finished_tokens)
-        if self._bar is not None:
-            self._bar.update(rows)
         self.tick()
 
     def tick(self) -> None:
@@ -116,7 +141,7 @@ class Progress:
         self._last_sample = now
         self._sample(now)
         if self._bar is not None:
-            self._bar.set_postfix_str(self._bar_text(), refresh=True)
+            self._bar.show(self.done, self.bar_text())
         elif self.enabled and now - self._last_log >= self.interval_s:
             self._last_log = now
             log.info("%s", self.line())
@@ -144,20 +169,40 @@ class Progress:
     def line(self) -> str:
         """The progress line, as logged."""
         if self.total:
-            rows = f"{self.done:,} of {self.total:,} rows done ({self.done / self.total:.0%})"
+            rows = f"{self._rows()} done ({self.done / self.total:.0%})"
         else:
-            rows = f"{self.done:,} rows done"
-        rate = self.tokens_per_s
-        eta = self.eta_seconds
+            rows = f"{self._rows()} done"
         return ", ".join(
             [
                 rows,
                 f"{self.in_flight:,} in flight",
                 f"{self.tokens:,} output tokens so far",
-                "output tok/s not measured yet" if rate is None else f"{rate:,.0f} output tok/s",
-                "ETA unknown" if eta is None else f"ETA {format_duration(eta)}",
+                self._rate("output tok/s not measured yet"),
+                self._eta(),
             ]
         )
+
+    def bar_text(self) -> str:
+        """The text beside the bar on a terminal: the line's numbers, shorter."""
+        return ", ".join(
+            [
+                self._rows(),
+                self._rate("output tok/s: measuring"),
+                self._eta(),
+                f"{self.in_flight:,} in flight",
+            ]
+        )
+
+    def _rows(self) -> str:
+        return f"{self.done:,} of {self.total:,} rows" if self.total else f"{self.done:,} rows"
+
+    def _rate(self, unmeasured: str) -> str:
+        rate = self.tokens_per_s
+        return unmeasured if rate is None else f"{rate:,.0f} output tok/s"
+
+    def _eta(self) -> str:
+        eta = self.eta_seconds
+        return "ETA unknown" if eta is None else f"ETA {format_duration(eta)}"
 
     def finish(self) -> None:
         """Take a last sample (the run's stream of results has ended), for the report."""
@@ -165,7 +210,7 @@ class Progress:
         self._last_sample = now
         self._sample(now, last=True)
         if self._bar is not None:
-            self._bar.set_postfix_str(self._bar_text(), refresh=True)
+            self._bar.show(self.done, self.bar_text())
 
     def close(self) -> None:
         if self._bar is not None:
@@ -184,25 +229,8 @@ class Progress:
                 self._row_rate.start_at(loaded)
         self._token_rate.add(now, self.tokens)
         self._row_rate.add(now, self.done_this_run)
-        self._report_sample(now, last)
-
-    def _report_sample(self, now: float, last: bool) -> None:
-        elapsed = round(now - self.start, 2)
-        if self.samples and self.samples[-1][0] == elapsed:
-            self.samples[-1] = (elapsed, self.tokens)
-            return
-        if self.samples and elapsed - self.samples[-1][0] < self._report_every and not last:
-            return
-        self.samples.append((elapsed, self.tokens))
-        if len(self.samples) >= MAX_REPORT_SAMPLES:  # bounded for runs of days
-            self.samples = self.samples[::2]
-            self._report_every *= 2
-
-    def _bar_text(self) -> str:
-        rate = self.tokens_per_s
-        return f"{self.in_flight} in flight, " + (
-            "tok/s: measuring" if rate is None else f"{rate:,.0f} tok/s"
-        )
+        self._samples.add(now - self.start, self.tokens, last)
+        self.history.sample(now - self.start, self.tokens, self.done_this_run, last)
 
 
 def format_duration(seconds: float) -> str:

@@ -1,35 +1,42 @@
-"""The Ray executor: a Ray Data pipeline over an actor pool of engine replicas.
+"""The Ray executor: the driver feeds chunks of rows to engine replicas (plain Ray actors).
 
-    driver (runner thread)                    Ray cluster
-    feed rows ─► chunks ─► input queue ─► Read(_QueueFeed) ─► map_batches(_Replica) x replicas
-        ▲                      (actor)        one block = one chunk   RowProcessor per actor
-        └── yield ◄── result queue ◄── drain thread ◄── ds.iter_batches() ◄──┘
+    driver (runner thread)                                   Ray cluster
+    rows ─► route (a replica per row) ─► chunks ─► run() x <= 4 per replica ─► EngineReplica
+      ▲                                                                   engine never drains
+      └── yield ◄── results per chunk ◄── ray.wait (ReplicaPool.poll) ◄──┘
+                    lost chunks ─► suspects, each run alone, bisected ─► a poison row's error
 
 The runner's feed stays on the driver: it owns the global row order, duplicate-id detection
-across files, skipping committed shards and the shard tracker; its reader thread reads ahead,
-but it must be advanced on the runner's own thread (the tracker is not thread-safe). The
-replicas template and tokenize their rows themselves. So ``process`` pulls rows itself,
-packs them into chunks (``4 * max_num_seqs`` rows, fewer for small jobs so that every replica
-gets work) and puts them on a Ray queue; one streaming read task turns each chunk into one
-Ray Data block, and ``map_batches`` sends each block to one replica of a fixed actor pool
-(each asking for ``tensor_parallel * pipeline_parallel`` GPUs when the engine runs on CUDA,
-else one CPU). A background thread iterates the dataset and hands result chunks back;
-``process`` yields them. At most 3 chunks per replica are in flight (one running, one queued
-on the actor, one in transit), so memory stays bounded however large the input. Commits stay
-on the driver, through the runner's exactly-once writer; a result arriving twice (a retried
-Ray task) is dropped.
+across files, skipping committed shards and the shard tracker; ``process`` pulls the rows
+(without waiting while replicas are busy), gives each row a replica (``_route``: the one
+place that decides; ``planner.routing: prefix``, the default, by the row's leading prompt
+text through a PrefixRouter, so that rows sharing a system prompt or document share one
+replica's prefix cache, with each replica's rows in flight within 25% of the mean;
+``balance``, the replica with the fewest whole chunks queued and running, so that
+consecutive rows fill a chunk before the next replica gets any), and sends each replica
+chunks of
+``max_num_seqs`` rows, at most 4 in flight per replica. A replica feeds its engine from all
+the chunks it holds (ray_replica.py), so its batch stays full across chunk boundaries, and
+memory stays bounded however large the input: the driver holds at most
+``4 * replicas * max_num_seqs`` rows that have no result yet.
 
-Progress: each result chunk carries its replica's running counts (EngineCounters, output
-tokens included) and how long the replica took to load its model, so the driver's live counts
-(``live``) are the replicas' counts summed, as of their last chunks, and the rows it has sent
-and not had back; the slowest replica's load time is model load, not generation, time.
+Failures (ray_replica_pool.py, ray_chunks.py): a replica whose process dies, or whose engine
+raises, loses only the chunks it held; a new replica takes its place (the model reloads) and
+the lost chunks run again, each alone on a replica, so that a chunk that fails again is
+known to be the culprit and is bisected down to the row that does it; that row is written
+to the error file with what happened, and the job goes on. A result arriving for a row
+already answered is dropped, so every row is answered once. Commits stay on the driver,
+through the runner's exactly-once writer.
 
-Ray Data emits a read task's output in blocks of ``DataContext.target_max_block_size``
-(128 MiB): small blocks are held back and merged until that size or the end of the task,
-which would stall a streaming read until its input ends. So each chunk travels as a
-single-row block (its rows pickled: every passthrough value the reader produced round-trips
-exactly), and this dataset's own context sets a one-byte target: every block is then emitted
-as soon as it is read, and a one-row block is never sliced.
+Why plain actors and not Ray Data's map_batches: Ray Data retries an actor's lost blocks
+by itself, forever (a poison row hangs the job) and fails the whole dataset when a batch
+raises; it does not say which block ran where, so nothing could isolate a row. And a
+map_batches call runs one block at a time, so the engine drained at every block's end.
+
+Progress: each chunk's result carries its replica's running counts (EngineCounters, output
+tokens included) and its per-step batch histogram (StepBatches); the driver's live counts are
+the replicas' sums as of their last chunks. A replica's start (process, imports, model) is
+load time, not generation time: ``load_seconds`` is the slowest replica's first start.
 
 ``ray_address: null`` starts a local Ray (or reuses the one already initialised in this
 process; ``RAY_ADDRESS`` in the environment is honoured as Ray always does); an address joins
@@ -43,46 +50,39 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
-import pyarrow as pa
 import ray
-from ray.data import ActorPoolStrategy, Datasource, ReadTask
-from ray.data.block import BlockMetadata
-from ray.util.queue import Empty, Queue
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
+from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery
+from tokenmill.jobs.ray_replica_pool import (
+    ChunkDone,
+    PoolEvent,
+    ReplicaLost,
+    ReplicaPool,
+    ReplicaSlot,
+    ReplicaUp,
+)
+from tokenmill.jobs.ready_rows import ReadyRow
+from tokenmill.jobs.row_source import FeedItem, RowSource
 from tokenmill.jobs.spec import JobSpec
+from tokenmill.jobs.step_batches import StepBatches
+from tokenmill.scheduling import PrefixRouter, row_prefix_key
 
-__all__ = ["RayExecutor", "replica_resources"]
+__all__ = ["CHUNKS_PER_REPLICA", "RayExecutor", "replica_resources"]
 
 log = logging.getLogger("tokenmill.jobs")
 
-PAYLOAD = "payload"  # the one column of every block: a pickled chunk of rows or of results
-_TASKS_PER_ACTOR = 2  # one running, one whose input is already on the actor's node
-_POLL_S = 0.1  # how often a wait for results re-checks ``cancel``
-_JOIN_S = 30.0  # how long close() waits for a cancelled pipeline's last chunks
-_END = object()  # the drain thread's "the dataset is exhausted"
-
-
-@dataclass(frozen=True)
-class _ResultChunk:
-    """What a replica returns for one chunk: its results, its engine's running counts and the
-    seconds it took to load its model."""
-
-    replica: str
-    counters: EngineCounters
-    results: list[ResultRow]
-    load_seconds: float = 0.0
+# Chunks in flight per replica: its engine holds about two (2 * max_num_seqs rows), the
+# others wait on the actor, so a finished chunk's successor arrives before the engine runs dry.
+CHUNKS_PER_REPLICA = 4
+_POLL_S = 0.1  # how often a wait for results re-checks ``cancel`` and calls ``on_step``
 
 
 def replica_resources(spec: JobSpec, cluster_gpus: float) -> dict[str, float]:
@@ -96,21 +96,20 @@ def replica_resources(spec: JobSpec, cluster_gpus: float) -> dict[str, float]:
 
 
 class RayExecutor:
-    """``execution.replicas`` engine replicas as a Ray Data actor pool; the interface of
-    RowProcessor. ``expected_rows`` (the input's row count, if known) only sizes the chunks.
+    """``execution.replicas`` engine replicas as Ray actors; the interface of RowProcessor.
+    ``expected_rows`` (the input's row count, if known) only sizes the chunks.
 
-    ``process`` re-raises what the pipeline raises (e.g. ActorDiedError naming the model
-    path when a replica cannot load it). ``close`` stops the pipelines, and shuts Ray down
-    when this executor started it.
+    ``process`` raises ReplicaStartError when a replica cannot load the model. ``close``
+    kills the replicas, and shuts Ray down when this executor started it.
     """
 
     def __init__(self, spec: JobSpec, expected_rows: int | None = None) -> None:
         self.spec = spec
         self.replicas = spec.execution.replicas
-        self.chunk_rows = 4 * spec.engine.max_num_seqs
+        self.chunk_rows = spec.engine.max_num_seqs
         if expected_rows:  # at least 2 chunks per replica, or some replicas would idle
             self.chunk_rows = min(self.chunk_rows, math.ceil(expected_rows / (2 * self.replicas)))
-        self.max_in_flight = (_TASKS_PER_ACTOR + 1) * self.replicas * self.chunk_rows
+        self.max_in_flight = CHUNKS_PER_REPLICA * self.replicas * self.chunk_rows
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
             ray.init(address=spec.execution.ray_address, include_dashboard=False)
@@ -133,14 +132,34 @@ class RayExecutor:
                     name,
                     total.get(name, 0),
                 )
-        self._stats: dict[str, EngineCounters] = {}
-        self._load_seconds: dict[str, float] = {}  # replica -> its model load time
+        self._recovery = ChunkRecovery(spec.model.source)
+        self._pool: ReplicaPool | None = None
+        self._started = 0.0
+        self._stats: dict[str, EngineCounters] = {}  # replica process -> its last counts
+        self._batches: dict[str, StepBatches] = {}
+        self._load_seconds: dict[int, float] = {}  # replica -> seconds to its first start
         self._rows_in_flight = 0
-        self._pipelines: list[_Pipeline] = []
+        self._by_prefix = spec.planner.settings().by_prefix and self.replicas > 1
+        self._router: PrefixRouter | None = None  # one per process() call, for prefix
+        self._replica_of: dict[int, int] = {}  # row index -> the replica it was routed to
+
+    def start(self) -> ReplicaPool:
+        """Start the replicas (once; ``process`` does it): they load their models while the
+        driver goes on."""
+        if self._pool is None:
+            source = self.spec.model.source
+            spec_dict = self.spec.to_dict()
+            if os.path.exists(source):  # a relative path means the driver's directory
+                spec_dict["model"]["source"] = os.path.abspath(source)
+            self._started = time.monotonic()
+            self._pool = ReplicaPool(
+                spec_dict, source, self.replicas, self._resources, CHUNKS_PER_REPLICA
+            )
+        return self._pool
 
     def process(
         self,
-        rows: Iterable[InputRow],
+        rows: RowSource | Iterable[InputRow],
         cancel: threading.Event | None = None,
         on_step: Callable[[], None] | None = None,
     ) -> Iterator[ResultRow]:
@@ -148,63 +167,128 @@ class RayExecutor:
         On ``cancel`` it stops pulling rows and returns; in-flight rows yield nothing.
         ``on_step`` is called at every poll for results (at least every 0.1 s)."""
         cancel = cancel or threading.Event()
-        pipe = _Pipeline(self._build_dataset)
-        self._pipelines.append(pipe)
-        source = iter(rows)
-        in_flight: set[int] = set()  # row indices sent and not answered yet
-        chunk: list[InputRow] = []
-        exhausted = False
+        run = _Run(self.start(), rows if isinstance(rows, RowSource) else _RowIter(rows))
+        self._router = PrefixRouter(self.replicas) if self._by_prefix else None
+        self._replica_of = {}
         try:
             while not cancel.is_set():
-                while not exhausted and len(in_flight) + len(chunk) < self.max_in_flight:
-                    row = next(source, None)
-                    if row is None:
-                        exhausted = True
-                        break
-                    chunk.append(row)
-                    if len(chunk) == self.chunk_rows:
-                        pipe.send(chunk, in_flight)
-                        chunk = []
-                if chunk:  # at the cap or at the end: a partial chunk must not wait
-                    pipe.send(chunk, in_flight)
-                    chunk = []
-                if exhausted:
-                    pipe.end_input()
-                    if not in_flight:
-                        return
-                self._rows_in_flight = len(in_flight)
-                item = pipe.next_results(_POLL_S)
-                if item is not None and item is not _END:
-                    self._note_chunk(item)
+                results = run.pull(self.max_in_flight, self._route)
+                self._send(run)
+                if run.finished:
+                    yield from results
+                    return
+                for event in run.pool.poll(_POLL_S):
+                    results += self._handle(event, run)
+                self._rows_in_flight = len(run.in_flight)
                 if on_step is not None:
                     on_step()
-                if item is None:
-                    continue
-                if item is _END:
-                    log.warning("the Ray pipeline ended with %d rows unanswered", len(in_flight))
-                    return
-                for result in item.results:
-                    if result.row_index not in in_flight:
-                        continue  # answered already (a retried task)
-                    in_flight.discard(result.row_index)
-                    self._rows_in_flight = len(in_flight)
+                for result in results:
+                    replica = self._replica_of.pop(result.row_index, None)
+                    if replica is not None and self._router is not None:
+                        self._router.release(replica)
                     yield result
                     if cancel.is_set():
                         return
         finally:
             self._rows_in_flight = 0
-            pipe.stop()
 
-    def _note_chunk(self, item: _ResultChunk) -> None:
-        """Keep a result chunk's counts; say when a replica has loaded its model."""
-        self._stats[item.replica] = item.counters
-        if item.replica not in self._load_seconds:
-            self._load_seconds[item.replica] = item.load_seconds
+    def _route(self, row: InputRow, run: _Run) -> ReplicaSlot:
+        """The replica that runs ``row``: the one place rows are assigned to replicas, among
+        those that are up (all of them while none is). ``planner.routing: prefix``: rows
+        whose prompts (or conversations) start alike go to one replica, whose prefix cache
+        then serves their shared blocks; the router keeps each replica's rows in flight
+        (routed, no result yet) within its bound of the mean. ``balance``: the replica with
+        the fewest whole chunks' worth of rows running and pending (the lowest index on a
+        tie), so consecutive rows fill one chunk before the next replica gets any."""
+        up = [s for s in run.pool.slots if s.up] or run.pool.slots
+        if self._router is None:
+            return min(
+                up,
+                key=lambda s: (
+                    (s.rows_running + len(run.pending[s.index])) // self.chunk_rows,
+                    s.index,
+                ),
+            )
+        previous = self._replica_of.get(row.row_index)
+        if previous is not None:  # rerouted from a lost replica: it no longer waits there
+            self._router.release(previous)
+        replica = self._router.assign(row_prefix_key(row), available=[s.index for s in up])
+        self._replica_of[row.row_index] = replica
+        return run.pool.slots[replica]
+
+    def _send(self, run: _Run) -> None:
+        """Send chunks to the replicas that are up and have room. While suspects wait, one
+        replica (the least busy) takes no new chunks, so that it soon runs one alone; any
+        idle replica takes one."""
+        up = [s for s in run.pool.slots if s.up and not s.isolated]
+        quarantine = None
+        if run.suspects and up:
+            quarantine = min(up, key=lambda s: (len(s.running), s.index))
+        for slot in up:
+            if run.suspects and not slot.running:
+                run.pool.submit(slot, run.suspects.popleft(), alone=True)
+                continue
+            if slot is quarantine:
+                continue
+            pending = run.pending[slot.index]
+            while pending and len(slot.running) < CHUNKS_PER_REPLICA:
+                # a partial chunk goes at once: the source has nothing more ready now
+                rows, pending[:] = pending[: self.chunk_rows], pending[self.chunk_rows :]
+                run.pool.submit(slot, self._recovery.chunk(rows))
+
+    def _handle(self, event: PoolEvent, run: _Run) -> list[ResultRow]:
+        """Apply one pool event; the results it brings."""
+        if isinstance(event, ReplicaUp):
+            self._note_up(event)
+            return []
+        if isinstance(event, ChunkDone):
+            key = event.slot.key
+            self._stats[key] = event.result.counters
+            self._batches[key] = event.result.batches
+            return run.answered(event.result.results)
+        return self._lost(event, run)
+
+    def _lost(self, event: ReplicaLost, run: _Run) -> list[ResultRow]:
+        """A replica failed: its chunks run again as suspects, a poison row gets its error,
+        and the rows waiting for it go to the replicas still up."""
+        rows = sum(len(c) for c in event.chunks)
+        log.warning(
+            "Ray replica %d failed with %d rows in flight (%s); a new replica takes its "
+            "place, and its rows run again",
+            event.slot.index,
+            rows,
+            event.reason,
+        )
+        poisoned = []
+        for chunk in event.chunks:
+            outcome = self._recovery.lost(chunk, event.alone, event.reason)
+            if isinstance(outcome, ResultRow):
+                log.error("row %s skipped: %s", outcome.row_id, outcome.error)
+                poisoned.append(outcome)
+            else:
+                run.suspects.extend(outcome)
+        waiting, run.pending[event.slot.index] = run.pending[event.slot.index], []
+        for row in waiting:
+            run.pending[self._route(row, run).index].append(row)
+        return run.answered(poisoned)
+
+    def _note_up(self, event: ReplicaUp) -> None:
+        slot, info = event.slot, event.info
+        if slot.restarts:
             log.info(
-                "Ray replica %d of %d loaded the model in %.1f s",
+                "Ray replica %d restarted (pid %d, model loaded in %.1f s)",
+                slot.index,
+                info.pid,
+                info.load_seconds,
+            )
+        elif slot.index not in self._load_seconds:
+            self._load_seconds[slot.index] = time.monotonic() - self._started
+            log.info(
+                "Ray replica %d of %d up in %.1f s (model loaded in %.1f s)",
                 len(self._load_seconds),
                 self.replicas,
-                item.load_seconds,
+                self._load_seconds[slot.index],
+                info.load_seconds,
             )
 
     @property
@@ -213,169 +297,92 @@ class RayExecutor:
         return sum(self._stats.values(), EngineCounters())
 
     @property
+    def step_batches(self) -> StepBatches:
+        """Rows each replica's engine held at each step, summed over replicas."""
+        return sum(self._batches.values(), StepBatches())
+
+    @property
     def load_seconds(self) -> float:
-        """The slowest replica's model load so far (they load in parallel, inside ``process``)."""
+        """The slowest replica's start so far (process, imports and model; they start in
+        parallel, inside ``process``)."""
         return max(self._load_seconds.values(), default=0.0)
 
     def live(self) -> LiveCounts:
         """The replicas' output tokens as of their last chunks, the rows sent and not answered,
-        and the model load time inside ``process`` so far (for the progress line)."""
+        and the replicas' start time inside ``process`` so far (for the progress line)."""
         return LiveCounts(self.counters.output_tokens, self._rows_in_flight, self.load_seconds)
 
     @property
     def counters_by_replica(self) -> dict[str, EngineCounters]:
-        """Ray actor id -> its engine's counts, for each replica that answered so far."""
+        """Replica process (``replica-0``, ``replica-0.restart-1``, ...) -> its counts."""
         return dict(self._stats)
 
     def close(self) -> None:
-        """Stop every pipeline (Ray Data removes its actors); shut Ray down if we started it.
-        A cancelled pipeline finishes the chunks its replicas are running (up to 30 s here;
-        past that they finish in the background unless Ray is shut down)."""
-        for pipe in self._pipelines:
-            pipe.stop()
-            pipe.join(_JOIN_S)
-        self._pipelines.clear()
+        """Kill the replicas (their in-flight rows are dropped); shut Ray down if we started
+        it."""
+        if self._pool is not None and ray.is_initialized():
+            self._pool.close()
+        self._pool = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
-    def _build_dataset(self, input_queue: Queue) -> ray.data.Dataset:
-        source = self.spec.model.source
-        spec_dict = self.spec.to_dict()
-        if os.path.exists(source):  # a relative path means the driver's directory
-            spec_dict["model"]["source"] = os.path.abspath(source)
-        ds = ray.data.read_datasource(
-            _QueueFeed(input_queue), override_num_blocks=1, num_cpus=0
-        ).map_batches(
-            _Replica,
-            fn_constructor_args=(spec_dict, source),
-            batch_size=None,  # one block (one chunk) per call
-            batch_format="pyarrow",
-            compute=ActorPoolStrategy(
-                size=self.replicas, max_tasks_in_flight_per_actor=_TASKS_PER_ACTOR
-            ),
-            **self._resources,
-        )
-        ds.context.target_max_block_size = 1  # emit each block at once (module docstring)
-        ds.context.enable_progress_bars = False  # the runner shows its own
-        return ds
+
+class _RowIter:
+    """Good InputRows from an iterable, as a RowSource (``take`` blocks on the iterator)."""
+
+    def __init__(self, rows: Iterable[InputRow]) -> None:
+        self._rows = iter(rows)
+        self.exhausted = False
+
+    def take(self, max_rows: int, wait: bool) -> list[FeedItem]:
+        taken: list[FeedItem] = []
+        while len(taken) < max_rows:
+            row = next(self._rows, None)
+            if row is None:
+                self.exhausted = True
+                break
+            taken.append(row)
+        return taken
 
 
-class _Pipeline:
-    """One execution of the dataset: its input queue actor and the thread draining it."""
+class _Run:
+    """One ``process`` call's rows on their way: waiting per replica, suspects, and every
+    row taken from the source with no result yet (``in_flight``, which bounds the pull)."""
 
-    def __init__(self, build: Callable[[Queue], ray.data.Dataset]) -> None:
-        here = ray.get_runtime_context().get_node_id()
-        self.input = Queue(
-            actor_options={
-                "num_cpus": 0,
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=True),
-            }
-        )
-        self.output: queue.Queue[Any] = queue.Queue()
-        self._ended = False
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(
-            target=self._drain,
-            args=(build(self.input),),
-            name="tokenmill-ray-results",
-            daemon=True,
-        )
-        self._thread.start()
+    def __init__(self, pool: ReplicaPool, source: RowSource) -> None:
+        self.pool = pool
+        self.source = source
+        self.pending: list[list[InputRow]] = [[] for _ in pool.slots]
+        self.suspects: deque[Chunk] = deque()
+        self.in_flight: set[int] = set()
 
-    def send(self, chunk: list[InputRow], in_flight: set[int]) -> None:
-        in_flight.update(r.row_index for r in chunk)
-        self.input.put(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL))
+    @property
+    def finished(self) -> bool:
+        return self.source.exhausted and not self.in_flight
 
-    def end_input(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self.input.put(None)
+    def pull(
+        self, max_in_flight: int, route: Callable[[InputRow, _Run], ReplicaSlot]
+    ) -> list[ResultRow]:
+        """Take rows up to ``max_in_flight`` and give each its replica; waits (briefly) only
+        when no row is in flight. Returns the source's own error results, if any."""
+        results: list[ResultRow] = []
+        wait = not self.in_flight
+        while not self.source.exhausted and len(self.in_flight) < max_in_flight:
+            items = self.source.take(max_in_flight - len(self.in_flight), wait)
+            if not items:
+                break
+            wait = False
+            for item in items:
+                if isinstance(item, ResultRow):
+                    results.append(item)
+                    continue
+                row = item.row if isinstance(item, ReadyRow) else item  # replicas prepare
+                self.in_flight.add(row.row_index)
+                self.pending[route(row, self).index].append(row)
+        return results
 
-    def next_results(self, timeout: float) -> Any:
-        """A _ResultChunk, _END, or None when nothing came within ``timeout`` seconds.
-        Re-raises an error of the pipeline."""
-        try:
-            item = self.output.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def stop(self) -> None:
-        """Drop the chunks no replica took yet and end the input; the drain thread quits at
-        its next result (or at the end, whichever comes first)."""
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
-        if self._ended:
-            return
-        try:
-            try:
-                self.input.get_nowait_batch(self.input.qsize())
-            except Empty:  # the read task took some meanwhile: they are in flight
-                pass
-            self.end_input()
-        except Exception as exc:  # the queue actor is gone, and the read task with it
-            log.debug("stopping the Ray pipeline: %s", exc)
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            log.warning("the Ray pipeline is still finishing in-flight chunks after %g s", timeout)
-        if ray.is_initialized():
-            ray.kill(self.input.actor)
-
-    def _drain(self, ds: ray.data.Dataset) -> None:
-        try:
-            for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-                for payload in batch.column(PAYLOAD).to_pylist():
-                    self.output.put(pickle.loads(payload))
-                if self._stopping.is_set():
-                    break  # closing the iterator shuts the execution and its actors down
-            self.output.put(_END)
-        except BaseException as exc:  # handed to process(), which re-raises it
-            self.output.put(exc)
-
-
-class _QueueFeed(Datasource):
-    """A Ray Data source with one streaming read task: each pickled chunk taken off the input
-    queue becomes a one-row block, until ``None`` ends the stream."""
-
-    def __init__(self, input_queue: Queue) -> None:
-        super().__init__()
-        self._queue = input_queue
-
-    def estimate_inmemory_data_size(self) -> int | None:
-        return None
-
-    def get_read_tasks(self, parallelism: int, *args: Any, **kwargs: Any) -> list[ReadTask]:
-        q = self._queue
-
-        def read() -> Iterator[pa.Table]:
-            while (payload := q.get()) is not None:
-                yield pa.table({PAYLOAD: pa.array([payload], type=pa.large_binary())})
-
-        return [ReadTask(read, BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None))]
-
-
-class _Replica:
-    """One engine replica, built once per Ray Data actor; each call runs one chunk."""
-
-    def __init__(self, spec_dict: dict[str, Any], model_name: str) -> None:
-        # imported here: the read task's worker imports this module too, and needs no torch
-        from tokenmill.jobs.local_executor import RowProcessor
-
-        start = time.monotonic()
-        self.processor = RowProcessor(JobSpec.from_dict(spec_dict))
-        self.load_seconds = time.monotonic() - start
-        self.processor.model_name = model_name  # the spec's own spelling, as local names it
-        self.replica = ray.get_runtime_context().get_actor_id()
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        out = []
-        for payload in batch.column(PAYLOAD).to_pylist():
-            results = list(self.processor.process(pickle.loads(payload)))
-            chunk = _ResultChunk(self.replica, self.processor.counters, results, self.load_seconds)
-            out.append(pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL))
-        return pa.table({PAYLOAD: pa.array(out, type=pa.large_binary())})
+    def answered(self, results: list[ResultRow]) -> list[ResultRow]:
+        """``results`` less those of rows answered already (each row is answered once)."""
+        fresh = [r for r in results if r.row_index in self.in_flight]
+        self.in_flight.difference_update(r.row_index for r in fresh)
+        return fresh

@@ -1,4 +1,5 @@
-"""The job report: what a run did, as JSON (report.json) and as a summary for people."""
+"""The job report: what a run did, as JSON (report.json) and as a summary for people
+(report.html, with plots, is report_html.py's)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,13 @@ class JobReport:
     rows_failed: int = 0  # in the error files (this run and earlier runs)
     rows_this_run: int = 0
     rows_resumed: int = 0  # already done by an earlier run, skipped
+    # tokens the engine processed this run (rows given a duplicate's result not counted)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # rows this run given a copy of an identical row's result (planner.dedup), in rows_ok or
+    # rows_failed too, and the prompt + completion tokens the engine was spared by it
+    rows_deduplicated: int = 0
+    deduplicated_tokens: int = 0
     wall_seconds: float = 0.0  # the whole run: checks, model load, generation, last commits
     # loading the model: the local engine's construction; Ray: starting Ray plus the slowest
     # replica's own load (replicas load in parallel when their first rows arrive)
@@ -28,9 +34,16 @@ class JobReport:
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
     executor: str = "local"
+    model: str = ""  # model.source, as the spec gives it
+    device: str = ""  # where the engine ran: "cpu", "cuda:0 (NVIDIA H200)", "ray: 4 replicas"
     error: str | None = None
     # (seconds since the model loaded, output tokens generated so far), about one a second
     throughput_over_time: list[tuple[float, int]] = field(default_factory=list)
+    # the rows the engine completed this run (as prompt_tokens: duplicates' copies not
+    # counted): LengthHistogram.to_dict, bins of prompt and output tokens (report.html plots
+    # them); None when no row ran
+    prompt_lengths: dict | None = None
+    output_lengths: dict | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -73,6 +86,11 @@ class JobReport:
             f"  throughput  {self._throughput()}",
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
         ]
+        if self.rows_deduplicated:
+            lines.append(
+                f"  dedup       {self.rows_deduplicated} rows copied from identical rows "
+                f"({self.deduplicated_tokens} tokens not computed)"
+            )
         if self.speculative:
             s = self.speculative
             lines.append(

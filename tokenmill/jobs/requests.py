@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.io.rows import Choice, InputRow, ResultRow
 
-# A job row makes one completion: several (n, best_of) and prompt logprobs are the Python
-# API's (LLM expands them); a row asking for them gets "unsupported sampling field(s)".
-_PARAM_NAMES = {f.name for f in fields(SamplingParams)} - {"n", "best_of", "prompt_logprobs"}
+# A job row makes one completion, or n (OpenAI's ``n``: the executor expands them through
+# sample_groups.py); best_of and prompt logprobs are the Python API's; a row asking for them
+# gets "unsupported sampling field(s)".
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)} - {"best_of", "prompt_logprobs"}
 
 
 def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingParams:
@@ -29,6 +30,16 @@ def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingPara
         return SamplingParams(**merged)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def check_output_holds(params: SamplingParams, output_format: str) -> None:
+    """Raise ValueError when the output format cannot hold the completions ``params`` asks
+    for: several (``n > 1``) need OpenAI Batch output lines, which have a list of choices."""
+    if params.n > 1 and output_format != "openai-batch":
+        raise ValueError(
+            f"n={params.n} asks for {params.n} completions, but output.format {output_format} "
+            "holds one text per row; use output.format: openai-batch, or ask for n=1"
+        )
 
 
 def prompt_ids_for(row: InputRow, tokenizer: Any) -> list[int]:
@@ -64,26 +75,44 @@ def error_result(row: InputRow, message: str, model: str = "") -> ResultRow:
 
 
 def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model: str) -> ResultRow:
-    """The ResultRow of a finished request; an engine-side error becomes a row error."""
+    """The ResultRow of a finished request (of all its completions, for a row that asked for
+    several); an engine-side error becomes a row error."""
     if out.error is not None:
         return error_result(row, out.error, model)
-    logprobs = None
-    if out.logprobs is not None:
-        logprobs = [
-            {
-                "token": tokenizer.decode([lp.token_id]),
-                "logprob": lp.logprob,
-                "top_logprobs": [
-                    {"token": tokenizer.decode([t]), "logprob": v} for t, v in lp.top.items()
-                ],
-            }
-            for lp in out.logprobs
-        ]
+    choices = tuple(
+        Choice(
+            text=c.text,
+            finish_reason="stop" if c.finish_reason == "stop" else "length",
+            completion_tokens=len(c.token_ids),
+            logprobs=_openai_logprobs(c.logprobs, tokenizer),
+        )
+        for c in out.outputs
+    )
+    first = choices[0]
     return ResultRow(
         **_identity(row, model),
-        text=out.text,
-        finish_reason="stop" if out.finish_reason == "stop" else "length",
+        text=first.text,
+        finish_reason=first.finish_reason,
         prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=out.num_completion_tokens,
-        logprobs=logprobs,
+        completion_tokens=sum(c.completion_tokens for c in choices),
+        logprobs=first.logprobs,
+        choices=choices if len(choices) > 1 else (),
     )
+
+
+def _openai_logprobs(
+    logprobs: list[TokenLogprob] | None, tokenizer: Any
+) -> list[dict[str, Any]] | None:
+    """A completion's logprobs as OpenAI's chat ``logprobs.content`` entries, decoded."""
+    if logprobs is None:
+        return None
+    return [
+        {
+            "token": tokenizer.decode([lp.token_id]),
+            "logprob": lp.logprob,
+            "top_logprobs": [
+                {"token": tokenizer.decode([t]), "logprob": v} for t, v in lp.top.items()
+            ],
+        }
+        for lp in logprobs
+    ]

@@ -11,18 +11,32 @@ thread is the work (parsing, templating, tokenizing). The shard tracker and the 
 bar are touched only by the engine thread, in input order, so shard completion is decided
 exactly as in a serial run. An error of the reader (the input cannot be read) is re-raised
 by ``take`` once the rows before it are taken.
+
+With a FeedPlan (job.yaml's ``planner`` section: tokenmill/scheduling/) the ready rows wait
+in a window before ``take`` hands them out:
+
+    rows seen by the tracker, in input order
+      ─► dedup: a row identical to one queued, running or recently finished is held (its
+         copy is written when that one's result comes: ``finished``) or copied at once
+      ─► ReorderWindow (``window`` rows): longest predicted work first, each row at most
+         ``window`` rows later than input order ─► take(n)
+
+Exactly once is unchanged: a row's shard is fixed by its row index whatever the order it
+runs in, the tracker has seen every row before it runs, and a shard is complete only when
+each row it saw has a result (a held row's copy included); rows held or queued when a run
+stops have none, so their shards are recomputed on resume.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
+from tokenmill.jobs.planned_rows import Facts, FeedPlan, PlannedRows, RowFacts
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.read_ahead import ReadAhead
 from tokenmill.jobs.ready_rows import ReadyRow
@@ -30,9 +44,10 @@ from tokenmill.jobs.requests import error_result
 from tokenmill.jobs.row_source import FeedItem, Prepare
 from tokenmill.jobs.shard_tracker import ShardTracker
 
-__all__ = ["RowFeed"]
+__all__ = ["FeedPlan", "RowFeed"]
 
 _WAIT_S = 0.1  # how long a waiting ``take`` blocks before its caller re-checks ``cancel``
+_NO_FACTS: Facts = (0.0, None)  # without a plan: no work to sort by, no dedup key
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class _FeedBatch:
     items: list[FeedItem]  # in input order; bad InputRows included
     rows_read: int  # input rows this batch accounts for, skipped ones included
     rows_resumed: int  # of which in shards committed by an earlier run
+    facts: list[Facts] | None = None  # each good item's (work, dedup key), with a plan
 
 
 def _row_index(item: FeedItem) -> int:
@@ -51,9 +67,12 @@ class RowFeed:
 
     ``prepare`` (run on the reader thread) turns good rows into ReadyRows; without it, good
     rows are handed over as they are. With ``schema`` (the job's Parquet output schema), a
-    row whose passthrough values do not fit it is a bad row. ``rows_read`` and
-    ``rows_resumed`` count the rows taken so far. Call ``close`` when done (it stops the
-    reader).
+    row whose passthrough values do not fit it is a bad row. Without ``plan``, rows are
+    handed over in input order and none is deduplicated. ``rows_read`` and ``rows_resumed``
+    count the rows taken so far, ``rows_deduplicated`` the rows given a copy of an
+    identical row's result and ``deduplicated_tokens`` their prompt and completion tokens
+    (the engine's work saved). Call ``finished`` with each result the executor gives, and
+    ``close`` when done (it stops the reader).
     """
 
     def __init__(
@@ -66,16 +85,20 @@ class RowFeed:
         prepare: Prepare | None,
         bounds: PipelineBounds,
         schema: OutputSchema | None = None,
+        plan: FeedPlan | None = None,
     ) -> None:
         self._tracker = tracker
         self._progress = progress
         self._model = model
         self._batch_rows = bounds.batch_rows
-        self._ready: deque[FeedItem] = deque()
+        self._ready = PlannedRows(plan)
         self._input_done = False
         self.rows_read = 0
         self.rows_resumed = 0
-        batches = _read(cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema)
+        facts = RowFacts(plan) if plan is not None else None
+        batches = _read(
+            cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema, facts
+        )
         self._ahead: ReadAhead[_FeedBatch] = ReadAhead(
             batches, bounds.read_ahead_batches, name="tokenmill-reader"
         )
@@ -85,9 +108,11 @@ class RowFeed:
         return self._input_done and not self._ready
 
     def take(self, max_rows: int, wait: bool) -> list[FeedItem]:
-        """Up to ``max_rows`` good rows (ReadyRow | ResultRow | InputRow) in input order; see
-        RowSource. Marks each row seen by the tracker; bad rows go to it as results here."""
-        while len(self._ready) < max_rows and not self._input_done:
+        """Up to ``max_rows`` good rows (ReadyRow | ResultRow | InputRow) in input order, or
+        in the plan's order; see RowSource. Marks each row seen by the tracker; bad rows go
+        to it as results here, and so do copies for duplicates of finished rows."""
+        gather = max(max_rows, self._ready.gather)
+        while len(self._ready) < gather and not self._input_done:
             batch = self._ahead.get(_WAIT_S if wait and not self._ready else 0.0)
             if batch is None:
                 if self._ahead.exhausted:
@@ -95,7 +120,21 @@ class RowFeed:
                     self._tracker.input_done()
                 break
             self._accept(batch)
-        return [self._ready.popleft() for _ in range(min(max_rows, len(self._ready)))]
+        return self._ready.take(max_rows)
+
+    def finished(self, result: ResultRow) -> None:
+        """The executor's ``result`` for a row: the rows held as its duplicates get their
+        copies of it (to the tracker, as results)."""
+        for copy in self._ready.finished(result):
+            self._add_copy(copy)
+
+    @property
+    def rows_deduplicated(self) -> int:
+        return self._ready.rows_deduplicated
+
+    @property
+    def deduplicated_tokens(self) -> int:
+        return self._ready.deduplicated_tokens
 
     def __iter__(self) -> Iterator[FeedItem]:
         while not self.exhausted:
@@ -108,13 +147,20 @@ class RowFeed:
     def _accept(self, batch: _FeedBatch) -> None:
         self.rows_read += batch.rows_read
         self.rows_resumed += batch.rows_resumed
-        for item in batch.items:
+        for i, item in enumerate(batch.items):
             self._tracker.row_seen(_row_index(item))
             if isinstance(item, InputRow) and item.error is not None:
                 self._tracker.add_result(error_result(item, item.error, self._model))
                 self._progress.update(1, 0)
-            else:
-                self._ready.append(item)
+                continue
+            copy = self._ready.add(item, batch.facts[i] if batch.facts else _NO_FACTS)
+            if copy is not None:
+                self._add_copy(copy)
+
+    def _add_copy(self, copy: ResultRow) -> None:
+        """A row's copy of its duplicate's result, as its result."""
+        self._tracker.add_result(copy)
+        self._progress.update(1, 0)  # no engine tokens: the rates count the engine's work
 
 
 def _read(
@@ -124,9 +170,11 @@ def _read(
     prepare: Prepare | None,
     batch_rows: int,
     schema: OutputSchema | None,
+    facts_of: Callable[[FeedItem], Facts] | None,
 ) -> Iterator[_FeedBatch]:
     """The reader thread's work: the input in batches, committed shards skipped, good rows
-    prepared. The last batch carries the counts of the rows after the last item."""
+    prepared and, with ``facts_of``, planned. The last batch carries the counts of the rows
+    after the last item."""
     rows: list[InputRow] = []
     read = resumed = 0
     for row in iter_input_rows(cfg, schema):
@@ -136,9 +184,28 @@ def _read(
             continue
         rows.append(row)
         if len(rows) == batch_rows:
-            yield _FeedBatch(_prepared(rows, prepare), read, resumed)
+            yield _batch(rows, prepare, facts_of, read, resumed)
             rows, read, resumed = [], 0, 0
-    yield _FeedBatch(_prepared(rows, prepare), read, resumed)
+    yield _batch(rows, prepare, facts_of, read, resumed)
+
+
+def _batch(
+    rows: list[InputRow],
+    prepare: Prepare | None,
+    facts_of: Callable[[FeedItem], Facts] | None,
+    read: int,
+    resumed: int,
+) -> _FeedBatch:
+    """``rows`` prepared and, with ``facts_of``, planned (bad rows get no facts)."""
+    items = _prepared(rows, prepare)
+    facts = None
+    if facts_of is not None:
+        facts = [_NO_FACTS if _bad(item) else facts_of(item) for item in items]
+    return _FeedBatch(items, read, resumed, facts)
+
+
+def _bad(item: FeedItem) -> bool:
+    return isinstance(item, InputRow) and item.error is not None
 
 
 def _prepared(rows: list[InputRow], prepare: Prepare | None) -> list[FeedItem]:

@@ -6,13 +6,15 @@ first shard, kept in the manifest) ─► then three threads, joined by bounded 
 (pipeline_bounds.py):
 
     reader thread:  read ─► skip committed shards ─► template + tokenize (RowFeed)
+                    ─► planner: dedup, length order in a window (RowFeed, FeedPlan)
     engine thread:  executor (the engine, kept full) ─► shard tracker ─► complete shards
     writer thread:  encode ─► commit data + error files ─► manifest (ShardWriter)
 
-─► report.json. The engine thread is the caller's: it alone touches the tracker and the
-progress bar, and it re-raises a worker's error as that worker raised it, so exit codes and
-messages are those of a serial run. A stop (``cancel``, SIGTERM) ends the engine loop, then
-the complete shards are committed; a second signal (JobInterrupted) leaves at once.
+─► report.json and report.html (plots of the run's history: run_history.py). The engine
+thread is the caller's: it alone touches the tracker and the progress bar, and it re-raises
+a worker's error as that worker raised it, so exit codes and messages are those of a serial
+run. A stop (``cancel``, SIGTERM) ends the engine loop, then the complete shards are
+committed; a second signal (JobInterrupted) leaves at once.
 
 Times: ``model_load_seconds`` is building the executor (the local engine), plus the slowest
 Ray replica's own load; ``generation_seconds``, what throughput is over, runs from the model
@@ -41,8 +43,10 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
+from tokenmill.jobs.report_html import write_report_html
 from tokenmill.jobs.row_count import count_input_rows
-from tokenmill.jobs.row_feed import RowFeed
+from tokenmill.jobs.row_feed import FeedPlan, RowFeed
+from tokenmill.jobs.run_history import device_of, replica_counters
 from tokenmill.jobs.shard_commit import discard_progress, remove_stray_error_files
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
@@ -50,6 +54,7 @@ from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
 from tokenmill.jobs.stop_signals import JobInterrupted
 
 __all__ = [
+    "feed_plan",
     "fingerprint_of",
     "input_config",
     "open_output",
@@ -177,7 +182,9 @@ def _run_locked(
         enabled=progress_interval_s is not None,
         interval_s=progress_interval_s or 10.0,
         live=None if executor is None else executor.live,
+        counters=None if executor is None else replica_counters(executor),
     )
+    history = progress.history  # what report.html plots
     tracker = ShardTracker(spec.output.rows_per_shard)
     bounds = pipeline_bounds(spec)
     writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
@@ -190,6 +197,7 @@ def _run_locked(
         getattr(executor, "prepare", None),  # local: rows are tokenized on the reader thread
         bounds,
         schema,
+        feed_plan(spec),
     )
     generating = time.monotonic()
     generated: float | None = None  # when the executor's stream ended
@@ -197,8 +205,10 @@ def _run_locked(
         if executor is not None and not cancel.is_set():
             for result in executor.process(feed, cancel, progress.tick):
                 tracker.add_result(result)
+                feed.finished(result)  # copies for the rows held as its duplicates
                 report.prompt_tokens += result.prompt_tokens
                 report.completion_tokens += result.completion_tokens
+                history.add_result(result)
                 progress.update(1, result.completion_tokens)
                 _hand_over_complete(tracker, writer)
             progress.finish()
@@ -221,7 +231,12 @@ def _run_locked(
         late_load = min(getattr(executor, "load_seconds", 0.0), generated - generating)
         report.model_load_seconds = round(report.model_load_seconds + late_load, 3)
         report.generation_seconds = round(generated - generating - late_load, 3)
+        report.model = spec.model.source
+        if history.prompt_lengths.count:
+            report.prompt_lengths = history.prompt_lengths.to_dict()
+            report.output_lengths = history.output_lengths.to_dict()
         if executor is not None:
+            report.device = device_of(executor)
             counters = executor.counters
             report.prefix_cache_hit_rate = counters.prefix_cache_hit_rate
             method = spec.engine.speculative.method
@@ -242,14 +257,26 @@ def _run_locked(
         manifest.save(store)
         report.status = "complete"
     report.rows_resumed = feed.rows_resumed
+    report.rows_deduplicated = feed.rows_deduplicated
+    report.deduplicated_tokens = feed.deduplicated_tokens
     _fill_totals(report, manifest)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
+    write_report_html(store, report, history)
     return report
 
 
 def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
     """How far the reader and the writer threads may get ahead (rows, shards)."""
     return PipelineBounds.for_engine(spec.engine.max_num_seqs)
+
+
+def feed_plan(spec: JobSpec) -> FeedPlan:
+    """How the feed orders and deduplicates the job's rows (the planner section)."""
+    return FeedPlan(
+        spec.planner.settings(),
+        spec.sampling.model_dump(),
+        spec.engine.max_num_batched_tokens,
+    )
 
 
 def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:

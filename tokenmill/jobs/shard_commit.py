@@ -19,7 +19,7 @@ from tokenmill.io.shard_encoding import encode_shard
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.writers import shard_index, shard_names
 from tokenmill.jobs.manifest import Manifest, ShardRecord
-from tokenmill.jobs.ownership import REPORT_NAME
+from tokenmill.jobs.ownership import REPORT_HTML_NAME, REPORT_NAME
 
 
 def commit_shard(
@@ -85,11 +85,12 @@ def remove_stray_error_files(store: OutputStore, manifest: Manifest, names: Iter
 
 
 def discard_progress(store: OutputStore, manifest: Manifest) -> None:
-    """--fresh: remove the job's shards (committed or not), report and manifest; nothing else."""
+    """--fresh: remove the job's shards (committed or not), reports and manifest; nothing else."""
     for name in store.list("shards/") + store.list("errors/"):
         if _is_shard_file(name):
             store.delete(name)
     store.delete(REPORT_NAME)
+    store.delete(REPORT_HTML_NAME)
     store.delete(Manifest.file_name(manifest.job))
 
 

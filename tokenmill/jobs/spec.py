@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -38,7 +39,8 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from tokenmill.engine.engine_config import EngineSettingError
-from tokenmill.engine.structured_output import check_structured_output
+from tokenmill.engine.sampling_params import check_logit_bias
+from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
@@ -46,6 +48,7 @@ from tokenmill.jobs.yaml_limits import (
     find_oversize,
     show_value,
 )
+from tokenmill.scheduling.planner_settings import MAX_WINDOW, PlannerSettings
 
 # Output columns a passthrough column may not shadow.
 RESERVED_OUTPUT_COLUMNS = {
@@ -68,29 +71,11 @@ class JobSpecError(ValueError):
 
 def _structured_output_setting(value: Any) -> str | None:
     """``sampling.structured_output`` as SamplingParams takes it: ``json_object``, or a
-    mapping ``{json_schema: <a JSON Schema mapping, or its JSON text>}``; also the canonical
-    text itself (what ``to_dict`` writes back). Raises ValueError saying what is expected."""
-    if value is None:
-        return None
-    name = "structured_output"
-    if isinstance(value, dict):
-        if set(value) != {"json_schema"}:
-            raise ValueError(
-                "expected json_object or a mapping {json_schema: <JSON Schema>}, got a mapping "
-                f"with keys {show_value(sorted(map(str, value)))}"
-            )
-        value, name = value["json_schema"], "json_schema"
-        if not isinstance(value, (dict, str)):
-            raise ValueError(
-                f"json_schema must be a JSON Schema (a mapping), got {show_value(value)}"
-            )
-    elif not isinstance(value, str):
-        raise ValueError(
-            f"expected json_object or a mapping {{json_schema: <JSON Schema>}}, got "
-            f"{show_value(value)}"
-        )
+    one-key mapping ``{json_schema: <a JSON Schema mapping, or its JSON text>}``,
+    ``{regex: <pattern>}`` or ``{choice: [<string>, ...]}``; also the canonical text itself
+    (what ``to_dict`` writes back). Raises ValueError saying what is expected."""
     try:
-        return check_structured_output(value, name)
+        return structured_output_setting(value)
     except ImportError as exc:  # pydantic reports ValueErrors only
         raise ValueError(str(exc)) from None
 
@@ -138,6 +123,8 @@ class InputSection(_Section):
     messages_column: StrictStr | None = None
     passthrough_columns: tuple[StrictStr, ...] = ()
     storage_options: dict[StrictStr, Any] = Field(default_factory=dict)
+    # Plain rows: the column holding each row's own output constraint (see plain_rows.py).
+    structured_output_column: StrictStr | None = None
 
     @field_validator("passthrough_columns")
     @classmethod
@@ -163,9 +150,12 @@ class SamplingSection(_Section):
     seed: StrictInt | None = 0
     stop: tuple[StrictStr, ...] = ()
     ignore_eos: StrictBool = False
-    # JSON output for every row: {json_schema: <schema>} or json_object; held as
-    # SamplingParams.structured_output holds it (compact JSON text, or "json_object").
+    # A constraint for every row: {json_schema: <schema>}, json_object, {regex: <pattern>}
+    # or {choice: [...]}; held as SamplingParams.structured_output holds it (canonical
+    # text: compact JSON, "json_object", "regex:<pattern>", 'choice:["a","b"]').
     structured_output: StrictStr | None = None
+    # Token id -> bias in [-100, 100] for every row (OpenAI's logit_bias): {1234: -100}.
+    logit_bias: dict[int, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -177,13 +167,19 @@ class SamplingSection(_Section):
     def _structured_output(cls, value: Any) -> Any:
         return _structured_output_setting(value)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        return check_logit_bias(value, "")
+
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # Unset, the key is left out: the fingerprints of jobs started before it existed
         # stay the same, so they resume.
         data = handler(self)
-        if data.get("structured_output") is None:
-            data.pop("structured_output", None)
+        for key in ("structured_output", "logit_bias"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -200,6 +196,22 @@ class ExecutionSection(_Section):
     ray_address: StrictStr | None = None
 
 
+_PLANNER = PlannerSettings()
+
+
+class PlannerSection(_Section):
+    """The dataset planner (tokenmill/scheduling/): PlannerSettings' keys and defaults. It
+    changes no row's result, so it is not in the job fingerprint."""
+
+    order: Literal["length", "input"] = _PLANNER.order
+    window: StrictInt = Field(_PLANNER.window, ge=1, le=MAX_WINDOW)
+    dedup: StrictBool = _PLANNER.dedup
+    routing: Literal["prefix", "balance"] = _PLANNER.routing
+
+    def settings(self) -> PlannerSettings:
+        return PlannerSettings(self.order, self.window, self.dedup, self.routing)
+
+
 class JobSpec(_Section):
     name: JobName = "job"
     model: ModelSection
@@ -208,11 +220,19 @@ class JobSpec(_Section):
     output: OutputSection
     engine: EngineSection = EngineSection()
     execution: ExecutionSection = ExecutionSection()
+    planner: PlannerSection = PlannerSection()
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> JobSpec:
-        """Read a job.yaml, apply ``key.path=value`` overrides, validate.
+    def load(
+        cls,
+        path: str | os.PathLike,
+        overrides: list[str] | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ) -> JobSpec:
+        """Read a job.yaml, set ``settings``, apply ``key.path=value`` overrides, validate.
 
+        ``settings`` map dotted keys to values taken as given, not parsed as YAML (run-job's
+        ``--model``, ``--input``, ``--output``: a path is a string whatever it looks like).
         Relative ``input.path``/``output.path`` resolve against the current directory (as a
         cron job or a shell would see them). Raises JobSpecError naming the file and key.
         """
@@ -220,9 +240,34 @@ class JobSpec(_Section):
         raw = _read_yaml(path)
         if not isinstance(raw, dict):
             raise JobSpecError(f"{path}: expected a mapping of sections (name, model, input, ...)")
+        return cls._with_changes(raw, settings, overrides, str(path))
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Mapping[str, Any],
+        overrides: list[str] | None = None,
+        where: str = "command line",
+    ) -> JobSpec:
+        """The JobSpec a job.yaml holding just ``settings`` (dotted key -> value, e.g.
+        ``{"model.source": ..., "input.path": ..., "output.path": ...}``) would give, with
+        ``key.path=value`` overrides applied; validated exactly as ``load`` validates a file.
+        Raises JobSpecError starting with ``where`` and naming the key."""
+        return cls._with_changes({}, settings, overrides, where)
+
+    @classmethod
+    def _with_changes(
+        cls,
+        raw: dict[str, Any],
+        settings: Mapping[str, Any] | None,
+        overrides: list[str] | None,
+        where: str,
+    ) -> JobSpec:
+        for key, value in (settings or {}).items():
+            set_key(raw, key, value, where)
         for item in overrides or []:
-            apply_override(raw, item, str(path))
-        return cls.from_dict(raw, str(path))
+            apply_override(raw, item, where)
+        return cls.from_dict(raw, where)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "<dict>") -> JobSpec:
@@ -277,16 +322,22 @@ def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise JobSpecError(f"{where}: --set {show_value(item)}: expected key.path=value")
+    set_key(raw, key, _parse_override_value(value), where)
+
+
+def set_key(raw: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """Set the dotted ``key`` (``a.b.c``) in ``raw`` to ``value``, making sections on the way.
+    Raises JobSpecError when a part of the path holds a value rather than a section."""
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise JobSpecError(
-                f"{where}: --set {dotted_key(parts)}: {dotted_key([part])} is not a section"
+                f"{where}: {dotted_key(parts)}: {dotted_key([part])} holds a value, not a section"
             )
         node = child
-    node[parts[-1]] = _parse_override_value(value)
+    node[parts[-1]] = value
 
 
 # What a strict scalar field expected, by pydantic error type.

@@ -51,6 +51,20 @@ def test_completions_line(tmp_path):
     assert row.sampling == {"max_tokens": 8, "logprobs": 2, "stop": ["a", "b"]}
 
 
+def test_n_and_logit_bias(tmp_path):
+    """n > 1 and a logit_bias reach SamplingParams (token ids as ints); n=1 and an empty
+    bias ask for nothing."""
+    lines = [
+        batch_line("a", chat_body(n=3, logit_bias={"50256": -100, "7": 2.5})),
+        batch_line("b", {"prompt": "p", "n": 2, "logit_bias": {"1": 100}}, COMPLETIONS),
+        batch_line("c", chat_body(n=1, logit_bias={})),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert rows[0].sampling == {"n": 3, "logit_bias": {50256: -100.0, 7: 2.5}}
+    assert rows[1].sampling == {"n": 2, "logit_bias": {1: 100.0}}
+    assert rows[2].sampling == {}
+
+
 def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
     lines = [batch_line("a", chat_body(logprobs=True)), batch_line("b", chat_body(logprobs=False))]
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
@@ -78,10 +92,14 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("logprobs", 3, "body.logprobs must be true or false"),
         ("top_logprobs", 21, "body.top_logprobs must be an integer in [0, 20], got 21"),
         ("top_logprobs", 2, "needs body.logprobs: true"),
-        ("n", 2, "body.n=2 is not supported"),
+        ("n", 0, "body.n must be in [1, 128], got 0"),
+        ("n", 129, "body.n must be in [1, 128], got 129"),
+        ("n", True, "body.n"),
         ("tools", [{"type": "function"}], "body.tools="),
         ("response_format", {"type": "xml"}, "body.response_format must be"),
-        ("logit_bias", {"50256": -100}, "body.logit_bias="),
+        ("logit_bias", {"50256": -101}, "body.logit_bias: the bias of token '50256' must be"),
+        ("logit_bias", {"a1": 1}, "body.logit_bias: key 'a1' is not a token id"),
+        ("logit_bias", [1, 2], "body.logit_bias: expected a mapping of token id to bias"),
         ("stream", True, "body.stream must be false"),
         ("temprature", 1, "body.temprature is not supported"),
         ("prompt", "x", "body.prompt is not supported"),

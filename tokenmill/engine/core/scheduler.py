@@ -300,7 +300,8 @@ class Scheduler:
         return starts, sample
 
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
-        if req.num_computed_tokens:
+        # Prompt logprobs need every prompt position's logits: cached ones have none.
+        if req.num_computed_tokens or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         return self.kv.get_computed_blocks(req)
 

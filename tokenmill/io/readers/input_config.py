@@ -15,7 +15,9 @@ class InputConfig:
     ``path`` is a file, a directory (every supported file inside, recursively), a glob, or an
     fsspec URL (``s3://bucket/prefix/*.jsonl``). ``id_column`` None, or a column the data does
     not have, gives ids ``"<file name>:<line or row>"``. When ``messages_column`` is set rows
-    are chat conversations and ``prompt_column`` is not read. ``storage_options`` go to fsspec
+    are chat conversations and ``prompt_column`` is not read. ``structured_output_column``
+    names a column of plain rows holding each row's own output constraint (null: the job's
+    ``sampling.structured_output``); see plain_rows.py. ``storage_options`` go to fsspec
     (``endpoint_url``, credentials, ...) and never into the input fingerprint.
     Raises ValueError naming the key when a value is invalid.
     """
@@ -27,6 +29,7 @@ class InputConfig:
     messages_column: str | None = None
     passthrough_columns: tuple[str, ...] = ()
     storage_options: dict[str, Any] = field(default_factory=dict)
+    structured_output_column: str | None = None
 
     def __post_init__(self) -> None:
         # Lists from YAML are accepted and frozen into a tuple.
@@ -42,7 +45,7 @@ class InputConfig:
             raise ValueError(
                 f"input.format must be one of {', '.join(FORMATS)}, got {self.format!r}"
             )
-        for key in ("id_column", "prompt_column", "messages_column"):
+        for key in ("id_column", "prompt_column", "messages_column", "structured_output_column"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"input.{key} must be a column name or null, got {value!r}")

@@ -28,6 +28,8 @@ def input_fingerprint(cfg: InputConfig) -> str:
     how: dict[str, Any] = {"v": _VERSION, "format": fmt, "passthrough": cfg.passthrough_columns}
     if fmt != "openai-batch":
         how |= {"id": cfg.id_column, "prompt": cfg.prompt_column, "messages": cfg.messages_column}
+        if cfg.structured_output_column is not None:  # absent when unset: old jobs resume
+            how["structured_output"] = cfg.structured_output_column
     digest = hashlib.sha256(json.dumps(how, sort_keys=True).encode())
     for url in files:
         digest.update(json.dumps(_file_entry(url, cfg.storage_options)).encode())

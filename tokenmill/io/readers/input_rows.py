@@ -67,6 +67,7 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
 def _open_source(url: str, fmt: str, cfg: InputConfig) -> JsonlRecords | ParquetRecords:
     if fmt == "parquet":
         wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.passthrough_columns]
+        wanted.append(cfg.structured_output_column)
         return ParquetRecords(url, cfg.storage_options, [c for c in wanted if c is not None])
     return JsonlRecords(url, cfg.storage_options)
 

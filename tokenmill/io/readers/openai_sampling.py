@@ -9,6 +9,11 @@ implement are refused rather than silently ignored; unknown fields are refused t
 {"name", "schema", "strict", "description"}}`` to the schema (enforced whatever ``strict``
 says), ``{"type": "json_object"}`` to ``"json_object"``, ``{"type": "text"}`` to nothing. The
 schema itself is checked when the row's SamplingParams are built (an error of that row).
+
+``n`` (1-128) asks for that many choices in the row's one output line (SamplingParams.n;
+each a request of its own in the engine, sharing the prompt's cached KV). ``logit_bias``
+maps token ids (as strings, OpenAI's JSON) to a bias in [-100, 100] (SamplingParams.
+logit_bias, checked by the same rule).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tokenmill.engine.sampling_params import check_logit_bias
 from tokenmill.io.readers.row_error import RowError, short_repr
 
 CHAT = "/v1/chat/completions"
@@ -23,8 +29,9 @@ COMPLETIONS = "/v1/completions"
 
 _COMMON = frozenset(
     {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-     "frequency_penalty", "logprobs"}
+     "frequency_penalty", "logprobs", "n", "logit_bias"}
 )  # fmt: skip
+MAX_N = 128  # OpenAI's bound on n
 _SUPPORTED = {
     CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
     # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
@@ -33,7 +40,7 @@ _SUPPORTED = {
 # Accepted and ignored: they do not change the completion (the job's model always answers).
 _IGNORED = frozenset({"model", "user", "metadata", "store", "stream"})
 # Refused unless they hold their no-op value (given here).
-_UNSUPPORTED_UNLESS = {"n": 1, "best_of": 1, "tools": [], "logit_bias": {}}
+_UNSUPPORTED_UNLESS = {"best_of": 1, "tools": []}
 _LOGPROBS = "an integer in [0, 20]"
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
@@ -68,6 +75,20 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
         stop = _stop(fields["stop"], row_id)
         if stop:
             sampling["stop"] = stop
+    if "n" in fields:
+        value = fields["n"]
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 1.0: JSON writers may give any count as a float
+        _expect(_is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
+        if value > 1:
+            sampling["n"] = value
+    if "logit_bias" in fields:
+        try:
+            bias = check_logit_bias(fields["logit_bias"], "body.logit_bias")
+        except ValueError as exc:
+            raise RowError(str(exc), row_id) from None
+        if bias is not None:
+            sampling["logit_bias"] = bias
     logprobs = _logprobs(fields, endpoint, row_id)
     if logprobs is not None:
         sampling["logprobs"] = logprobs

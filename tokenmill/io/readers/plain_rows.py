@@ -1,4 +1,11 @@
-"""Turning a plain JSONL/Parquet row (id + prompt or messages columns) into an InputRow."""
+"""Turning a plain JSONL/Parquet row (id + prompt or messages columns) into an InputRow.
+
+A row may carry its own output constraint in ``input.structured_output_column``: null (the
+job's ``sampling.structured_output``), ``"json_object"``, a one-key object
+``{"json_schema": {...}}``, ``{"regex": "..."}`` or ``{"choice": ["a", "b"]}``, or that object
+as JSON text (the form for Parquet, whose struct columns would pad every row's schema with
+the other rows' keys). A bad one is that row's error, naming the column.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.messages import check_messages
 from tokenmill.io.readers.row_error import RowError, type_name
@@ -27,6 +35,7 @@ class PlainColumns:
     messages_column: str | None
     passthrough_columns: tuple[str, ...]
     columns_hint: str = ""  # the file's columns, for "no such column" messages
+    structured_output_column: str | None = None
 
     @classmethod
     def for_file(cls, cfg: InputConfig, has_column: Any, columns_hint: str) -> PlainColumns:
@@ -38,6 +47,7 @@ class PlainColumns:
             messages_column=cfg.messages_column,
             passthrough_columns=cfg.passthrough_columns,
             columns_hint=columns_hint,
+            structured_output_column=cfg.structured_output_column,
         )
 
 
@@ -49,16 +59,38 @@ def parse_plain_row(
         raise RowError(f"expected a JSON object per line, got {type_name(value)}")
     row_id = _row_id(value, columns, fallback_id)
     passthrough = {name: value.get(name) for name in columns.passthrough_columns}
+    sampling = _row_sampling(value, columns, row_id)
     if columns.messages_column is not None:
         messages = check_messages(
             value.get(columns.messages_column), f"column {columns.messages_column!r}", row_id
         )
-        return InputRow(row_index, row_id, source, messages=messages, passthrough=passthrough)
+        return InputRow(
+            row_index, row_id, source, messages=messages, sampling=sampling, passthrough=passthrough
+        )
     assert columns.prompt_column is not None  # InputConfig.check_plain_columns guarantees it
     prompt = value.get(columns.prompt_column)
     if not isinstance(prompt, str) or not prompt:
         raise RowError(_missing_prompt(value, columns), row_id)
-    return InputRow(row_index, row_id, source, prompt=prompt, passthrough=passthrough)
+    return InputRow(
+        row_index, row_id, source, prompt=prompt, sampling=sampling, passthrough=passthrough
+    )
+
+
+def _row_sampling(value: dict[str, Any], columns: PlainColumns, row_id: str) -> dict[str, Any]:
+    """The row's SamplingParams overrides: its own ``structured_output``, if it has one."""
+    name = columns.structured_output_column
+    if name is None:
+        return {}
+    cell = value.get(name)
+    if isinstance(cell, dict):  # a Parquet struct column: every field, null where unset
+        cell = {k: v for k, v in cell.items() if v is not None} or None
+    if cell is None or cell == "" or (isinstance(cell, float) and math.isnan(cell)):
+        return {}
+    try:
+        canonical = structured_output_setting(cell)
+    except (ValueError, ImportError) as exc:
+        raise RowError(f"column {name!r}: {exc}", row_id) from None
+    return {"structured_output": canonical}
 
 
 def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> str:

@@ -1,0 +1,240 @@
+"""Structured output against no constraint, same prompts, same command (issue 15).
+
+Goal: on the GPU, the embedded model (smollm2-135m-instruct), 4,096 extraction prompts,
+``max_num_seqs`` 512: the run where every row carries a JSON schema
+(``SamplingParams(structured_output=...)``) at >= 0.9x the unconstrained run's output tok/s,
+and 100% of the constrained rows valid against the schema.
+
+Three legs, greedy, each on a fresh engine (so none finds another's prompts in the prefix
+cache) after a short warm-up on it:
+
+  plain          the extraction prompts, no constraint, natural EOS (the goal's baseline)
+  structured     the same prompts, each row constrained by ORDER_SCHEMA (llguidance); a row
+                 ends when its JSON is complete
+  plain_matched  no constraint, each row made as long as its structured output (max_tokens
+                 = that length, EOS ignored): the same tokens to generate as the structured
+                 leg, so this ratio is the grammars' cost alone. The goal's ratio also
+                 carries the difference in output lengths (shorter rows: more of the time
+                 in prefill, smaller batches in the tail).
+
+The prompts (bench/spec_workloads.py ``extraction``: pull an order's fields out of a short
+generated report as JSON) are tokenized once, before either leg, so the timed part is the
+engine's: adding the requests (a grammar per constrained row), the steps, the outputs.
+
+Per leg one JSON line: rows, output tokens, seconds, tok/s, finish reasons and the step
+profile (``profile_steps``: host / wait / GPU ms per decode and per other step, how many
+steps ran synchronously, and for the structured leg the grammar host work per step); then
+one line with both ratios, the share of constrained rows whose text parses and validates
+(``jsonschema`` when importable, else ``check_order`` below, which knows this schema's
+shape), and whether the goal holds. ``--json`` also writes them all to a file.
+
+    PYTHONPATH=. python bench/structured_output.py --device cpu --requests 16 --max-tokens 32
+    PYTHONPATH=. python bench/structured_output.py --device cuda    # the goal: 4,096 x 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.spec_workloads import extraction  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.engine.loader import resolve_model_source  # noqa: E402
+from tokenmill.engine.outputs import RequestOutput  # noqa: E402
+from tokenmill.engine.prompts import encode_chat  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+GOAL_RATIO = 0.9  # structured tok/s at least this share of the plain run's
+GOAL_VALID = 1.0  # every constrained row parses and validates
+WARM_UP = 8  # prompts each engine runs before it is timed
+
+# The fields the extraction prompts ask for, in their order. Bounds on every string and
+# number keep each row's longest possible JSON well under the default --max-tokens, so a
+# row that ends by length would be a bug, not a wordy model.
+ORDER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 0, "maximum": 999999},
+        "customer": {"type": "string", "maxLength": 32},
+        "city": {"type": "string", "maxLength": 32},
+        "item": {"type": "string", "maxLength": 32},
+        "quantity": {"type": "integer", "minimum": 0, "maximum": 999999},
+        "unit_price": {"type": "number", "minimum": 0, "maximum": 999999},
+        "email": {"type": "string", "maxLength": 48},
+    },
+    "required": ["order_id", "customer", "city", "item", "quantity", "unit_price", "email"],
+    "additionalProperties": False,
+}
+
+
+def check_order(value: Any, schema: dict[str, Any] = ORDER_SCHEMA) -> str | None:
+    """Why ``value`` fails ``schema`` (None: it validates), for schemas of this shape only:
+    an object of required, typed properties with bounds and no others. Used when the
+    ``jsonschema`` package is not importable (the GPU box has no pip)."""
+    if not isinstance(value, dict):
+        return f"not an object: {type(value).__name__}"
+    props = schema["properties"]
+    if set(value) - set(props) and schema.get("additionalProperties") is False:
+        return f"unexpected keys {sorted(set(value) - set(props))}"
+    missing = [k for k in schema.get("required", ()) if k not in value]
+    if missing:
+        return f"missing keys {missing}"
+    for key, item in value.items():
+        rule = props[key]
+        kind = rule["type"]
+        if kind == "string":
+            if not isinstance(item, str):
+                return f"{key}: not a string"
+            if len(item) > rule.get("maxLength", len(item)):
+                return f"{key}: longer than {rule['maxLength']}"
+            continue
+        numeric = (int,) if kind == "integer" else (int, float)
+        if isinstance(item, bool) or not isinstance(item, numeric):
+            return f"{key}: not {'an integer' if kind == 'integer' else 'a number'}"
+        if not rule.get("minimum", item) <= item <= rule.get("maximum", item):
+            return f"{key}: {item} out of [{rule.get('minimum')}, {rule.get('maximum')}]"
+    return None
+
+
+def validator() -> tuple[str, Any]:
+    """(name, fn(text) -> error or None): jsonschema when importable, else check_order."""
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+
+    def error(text: str) -> str | None:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return f"not JSON: {exc.msg} at {exc.pos}"
+        if jsonschema is None:
+            return check_order(value)
+        try:
+            jsonschema.validate(value, ORDER_SCHEMA)
+        except jsonschema.ValidationError as exc:
+            return exc.message
+        return None
+
+    return ("jsonschema" if jsonschema is not None else "check_order (no jsonschema)"), error
+
+
+def free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def tokenize(model: str, count: int) -> list[list[int]]:
+    """The extraction prompts as chat-templated token ids (the model's own tokenizer)."""
+    tokenizer = resolve_model_source(model).load_tokenizer()
+    return [encode_chat(tokenizer, conv) for conv in extraction(count)]
+
+
+def run_leg(
+    name: str,
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    warm_up: list[list[int]],
+) -> tuple[dict[str, Any], list[RequestOutput]]:
+    """(result line, outputs) of one leg on its own engine, after ``warm_up`` (other prompts:
+    none of the timed ones is in the prefix cache); ``params``: one per prompt."""
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, profile_steps=True)
+    engine = llm.engine
+    # Kernels, and the grammar's tokenizer.
+    llm.generate(warm_up, [params[i % len(params)] for i in range(len(warm_up))])
+    engine.reset_step_profile()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    profile = engine.step_profile()
+    tokens = sum(o.num_completion_tokens for o in outs)
+    line = {
+        "leg": name,
+        "rows": len(outs),
+        "output_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds, 1),
+        "finish_reasons": dict(collections.Counter(o.finish_reason for o in outs)),
+        "profile": profile,
+    }
+    engine.close()
+    del llm, engine
+    free_device()
+    return line, outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL, help="a model alias or path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--requests", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    prompts = tokenize(args.model, args.requests + WARM_UP)
+    prompts, warm_up = prompts[: args.requests], prompts[args.requests :]
+    n = len(prompts)
+    plain = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    structured = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, structured_output=ORDER_SCHEMA
+    )
+    lines: dict[str, dict[str, Any]] = {}
+    outs: dict[str, list[RequestOutput]] = {}
+    for name, params in (("plain", [plain] * n), ("structured", [structured] * n)):
+        lines[name], outs[name] = run_leg(name, args, prompts, params, warm_up)
+        print(json.dumps(lines[name]), flush=True)
+    matched = [
+        SamplingParams(max_tokens=max(1, len(o.token_ids)), temperature=0.0, ignore_eos=True)
+        for o in outs["structured"]
+    ]
+    lines["plain_matched"], _ = run_leg("plain_matched", args, prompts, matched, warm_up)
+    print(json.dumps(lines["plain_matched"]), flush=True)
+
+    how, error = validator()
+    texts = {name: [o.text for o in leg] for name, leg in outs.items()}
+    errors = [error(t) for t in texts["structured"]]
+    bad = [(i, e) for i, e in enumerate(errors) if e is not None]
+    tok_per_s = {name: line["tok_per_s"] for name, line in lines.items()}
+    ratio = tok_per_s["structured"] / tok_per_s["plain"]
+    valid = 1 - len(bad) / len(errors)
+    summary = {
+        "model": args.model,
+        "device": args.device,
+        "requests": args.requests,
+        "max_num_seqs": args.max_num_seqs,
+        "max_tokens": args.max_tokens,
+        "ratio": round(ratio, 3),
+        "ratio_matched": round(tok_per_s["structured"] / tok_per_s["plain_matched"], 3),
+        "valid_share": round(valid, 4),
+        "validated_with": how,
+        # The model unconstrained, for contrast: how often it writes valid JSON by itself.
+        "plain_rows_valid": sum(error(t) is None for t in texts["plain"]),
+        "first_invalid": [
+            {"row": i, "error": e, "text": texts["structured"][i][:200]} for i, e in bad[:3]
+        ],
+        "goal": {"ratio": GOAL_RATIO, "valid_share": GOAL_VALID},
+        "goal_met": ratio >= GOAL_RATIO and valid >= GOAL_VALID,
+    }
+    print(json.dumps(summary), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"legs": lines, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

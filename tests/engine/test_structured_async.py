@@ -1,0 +1,212 @@
+"""Structured output keeps async scheduling: a step with constrained rows is launched while
+the previous one is in flight (its tokens are waited for and fed to the grammars inside the
+launch, after the forward pass is enqueued), and every output is the synchronous loop's;
+the grammars' batched masks and reused mask buffers give the masks one row at a time gives."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.test_structured_output import TINY_SCHEMA, validate
+from tests.tiny_models import EOS_ID, save_tiny_model, save_tiny_tokenizer
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampler import apply_token_bitmask
+from tokenmill.engine.structured_output import StructuredOutputs
+
+BLOCK = 4
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = "[a-c]{2,6}-[0-9]{1,3}"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("structured_async") / "m")
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(29 * i + 7 * t) % 250 + 5 for t in range(4 + i % 11)] for i in range(n)]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Constrained rows of every kind, greedy and seeded, between plain ones with
+    penalties, logprobs and stop strings; some end early (a choice, a short max_tokens)."""
+    kinds: list[Any] = [
+        TINY_SCHEMA,
+        None,
+        "choice:" + json.dumps(CHOICES),
+        "regex:" + REGEX,
+        None,
+        "json_object",
+    ]
+    out = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        out.append(
+            SamplingParams(
+                max_tokens=7 if i % 7 == 3 else 30,  # a constrained row cut by length
+                temperature=0 if i % 2 else 0.9,
+                seed=i,
+                structured_output=kind,
+                presence_penalty=0.5 if kind is None else 0.0,
+                logprobs=2 if i % 5 == 1 else None,
+                stop=['"count"'] if i == 6 else (),  # a stop string inside the JSON
+            )
+        )
+    return out
+
+
+def _summary(outs: list[RequestOutput]) -> list[tuple]:
+    return [
+        (
+            o.token_ids,
+            o.finish_reason,
+            o.stop_reason,
+            None if o.logprobs is None else [(x.token_id, x.rank) for x in o.logprobs],
+        )
+        for o in outs
+    ]
+
+
+def _llm(path: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
+    settings = dict(device="cpu", dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 24)
+    return LLM(str(path), async_scheduling=async_scheduling, **{**settings, **kwargs})
+
+
+def _count_overlapped_grammar_launches(engine: LLMEngine) -> list[int]:
+    """Wrap the engine's runner.launch: count the launches with a constrained row that
+    started while another step was in flight (the overlap this file is about)."""
+    counts = [0]
+    launch = engine.runner.launch
+
+    def counting(sched, token_bitmask=None, prompt_logits=None):
+        constrained = any(r.sampling_params.structured_output for r in sched.requests)
+        if constrained and engine._in_flight is not None:
+            counts[0] += 1
+        return launch(sched, token_bitmask, prompt_logits)
+
+    engine.runner.launch = counting
+    return counts
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 5], ids=["one-batch", "rows-come-and-go"])
+def test_async_overlaps_constrained_steps_and_matches_the_synchronous_loop(
+    tiny_path, max_num_seqs: int
+) -> None:
+    prompts, params = _prompts(12), _params(12)
+    sync = _llm(tiny_path, False, max_num_seqs=max_num_seqs)
+    want = sync.generate(prompts, params)
+    llm = _llm(tiny_path, True, max_num_seqs=max_num_seqs)
+    overlapped = _count_overlapped_grammar_launches(llm.engine)
+    got = llm.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    engine = llm.engine
+    assert engine.step_profile()["synchronous_steps"] == 0  # never fell back to sync
+    assert overlapped[0] > 5
+    assert sync.engine.step_profile()["synchronous_steps"] > 0
+    finished = {o.finish_reason for o, p in zip(got, params, strict=True) if p.structured_output}
+    assert finished == {"stop", "length"}  # both ways of ending mid-overlap are covered
+    for out, p in zip(got, params, strict=True):
+        if p.structured_output is None:
+            continue
+        if out.finish_reason != "stop" or out.stop_reason is not None:
+            continue  # cut by length, or by the stop string
+        if p.structured_output.startswith("choice:"):
+            assert out.text in CHOICES
+        elif p.structured_output.startswith("regex:"):
+            assert re.fullmatch(REGEX, out.text), out.text
+        elif p.structured_output.startswith('{"type":"object","properties"'):
+            validate(out.text, TINY_SCHEMA)
+    assert len(engine._grammars) == 0 and not engine.has_unfinished()
+    stats = engine.step_profile()["structured_output"]
+    assert stats["mask_calls"] > 0 and stats["feed_calls"] > 0
+
+
+def test_an_abort_while_its_step_is_in_flight_leaves_the_others_untouched(tiny_path) -> None:
+    prompts, params = _prompts(4), _params(4)
+    want = _summary(_llm(tiny_path, False).generate(prompts, params))
+    engine = _llm(tiny_path, True).engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    outs: dict[str, RequestOutput] = {}
+    for _ in range(4):
+        outs.update((o.request_id, o) for o in engine.step())
+    assert engine._in_flight is not None  # r0's row is in the step in flight
+    assert "r0" in {r.request_id for r in engine._in_flight[0].requests}
+    engine.abort_requests(["r0"])
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert "r0" not in outs
+    assert [_summary([outs[f"r{i}"]])[0] for i in range(1, 4)] == want[1:]
+    assert len(engine._grammars) == 0
+
+
+# ---- the grammars' masks, without a model ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grammars(tmp_path_factory) -> StructuredOutputs:
+    tokenizer = save_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    return StructuredOutputs(tokenizer, vocab_size=288, eos_token_ids=[EOS_ID])
+
+
+def test_one_batched_fill_gives_each_row_its_own_mask_and_buffers_do_not_alias(grammars):
+    """Rows at different points of different grammars, filled in one call, get what one-row
+    fills give; a mask handed out survives the next fill (its upload may still be pending)."""
+    tokenizer = grammars._tokenizer
+    specs = [TINY_SCHEMA, "json_object", 'choice:["yes","no"]', "regex:[0-9]+x"]
+    texts = ['{"label":"c', "{", "y", "12"]
+
+    def advanced(prefix: str) -> list[Request]:
+        requests = []
+        for i, (spec, text) in enumerate(zip(specs, texts, strict=True)):
+            req = Request(f"{prefix}{i}", [5], SamplingParams(structured_output=spec), (EOS_ID,))
+            grammars.add(req)
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                grammars.bitmask([req])
+                grammars.feed([req], [token])
+            requests.append(req)
+        return requests
+
+    alone = np.concatenate([grammars.bitmask([req]).copy() for req in advanced("a")])
+    batch = advanced("b")
+    together = grammars.bitmask(batch)
+    assert np.array_equal(together, alone)
+    assert len({tuple(row) for row in alone.tolist()}) == len(specs)  # four different masks
+    kept = together.copy()
+    grammars.feed(batch, [int(np.flatnonzero(_bits(row))[0]) for row in kept])
+    following = grammars.bitmask(batch[:2])
+    assert not np.shares_memory(together, following)
+    assert np.array_equal(together, kept)  # the next fill wrote elsewhere
+    grammars.drop([f"{p}{i}" for p in "ab" for i in range(len(specs))])
+    assert len(grammars) == 0
+
+
+def _bits(row: np.ndarray) -> np.ndarray:
+    return np.unpackbits(row.view(np.uint8), bitorder="little")
+
+
+@pytest.mark.parametrize("words", [2, 4], ids=["mask-shorter-than-vocab", "mask-longer"])
+def test_apply_token_bitmask_in_any_row_order(words: int) -> None:
+    vocab, gen = 100, torch.Generator().manual_seed(3)
+    logits = torch.randn(5, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([4, 0, 2])  # not sorted
+    out = apply_token_bitmask(logits, rows, bitmask)
+    want = logits.clone()
+    for g, row in enumerate(rows.tolist()):
+        bits = _bits(bitmask[g].numpy())
+        for t in range(vocab):
+            if t >= len(bits) or not bits[t]:
+                want[row, t] = float("-inf")
+    assert torch.equal(out, want)
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows without a grammar untouched

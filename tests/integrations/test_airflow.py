@@ -1,0 +1,323 @@
+"""TokenmillJobOperator on a real Airflow 3 (a sqlite metadata DB, DAGs parsed from a DAG file,
+run by ``dag.test()``, which applies Airflow's own retry rules), running a real run-job on the
+tiny random model: the report path goes to XCom and the rows match an uninterrupted run; a
+rerun of the DAG adds nothing; a task killed mid-run (SIGTERM: Airflow's handler calls
+on_kill) resumes on its retry with every row exactly once; another run holding the output is
+retried, a spec that cannot work is not."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.tiny_models import save_tiny_model
+from tokenmill.jobs.lock import JobLockedError
+from tokenmill.jobs.runner import open_output
+from tokenmill.jobs.spec import JobSpec
+
+if importlib.util.find_spec("airflow") is None:
+    pytest.skip("apache-airflow is not installed: pip install -e '.[dev]'", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "configs/examples/airflow/tokenmill_dag.py"
+ROWS = 24  # 6 shards of 4: room to stop the job between its first and last commit
+# A batch is a shard; every row gets exactly max_tokens tokens.
+SETTINGS: dict[str, Any] = {"sampling": {"ignore_eos": True}, "engine": {"max_num_seqs": 4}}
+TASK = "generate"
+
+# Starts run-job as the operator does (argv: the child program, the job file), then waits.
+ORPHAN_PARENT = """\
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid()), sys.argv[2], "--quiet"])
+time.sleep(600)
+"""
+
+# One DAG per case in cases.json, as a scheduler would parse them from a DAGs folder.
+DAG_FILE = """\
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from airflow.sdk import DAG
+
+from tokenmill.integrations.airflow import TokenmillJobOperator
+
+for case in json.loads((Path(__file__).parent / "cases.json").read_text()):
+    with DAG(case["dag_id"], schedule=None, start_date=datetime(2024, 1, 1), catchup=False):
+        TokenmillJobOperator(
+            task_id="generate",
+            job=case["job"],
+            overrides=case["overrides"],
+            retries=case["retries"],
+            retry_delay=timedelta(0),
+        )
+"""
+
+
+class Airflow:
+    """A metadata DB and a DAGs folder; ``run`` runs one DAG with ``dag.test()``."""
+
+    def __init__(self, dags: Path) -> None:
+        from airflow.dag_processing.dagbag import DagBag
+
+        bag = DagBag(str(dags))
+        assert not bag.import_errors, bag.import_errors
+        self.bag = bag
+
+    def run(self, dag_id: str) -> tuple[str, Any, int, Any]:
+        """(dag run state, task state, the task's tries, its XCom return value)."""
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+
+        run = self.bag.get_dag(dag_id).test()
+        ti = run.get_task_instance(TASK)
+        with create_session() as session:
+            query = XComModel.get_many(
+                run_id=run.run_id, dag_ids=dag_id, task_ids=TASK, key="return_value"
+            )
+            row = session.scalars(query).first()
+            value = None if row is None else XComModel.deserialize_value(row)
+        return run.state, ti.state, ti.try_number, value
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(
+        "llama", tmp_path_factory.mktemp("tiny") / "llama", max_position_embeddings=1024
+    )
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("airflow-jobs")
+    write_jsonl(folder / "in.jsonl", chat_rows(ROWS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cases(model: Path, work: Path) -> dict[str, dict[str, Any]]:
+    """The DAGs' jobs: a job.yaml path with --set overrides, and dicts."""
+    src = work / "in.jsonl"
+    spec = job_dict(model, src, work / "complete", **SETTINGS)
+    spec["sampling"]["max_tokens"] = 5  # set to 8 by the task's override
+    job_file = work / "complete.yaml"
+    job_file.write_text(yaml.safe_dump(spec))
+    bad_key = job_dict(model, src, work / "bad_key", **SETTINGS)
+    bad_key["sampling"]["max_tokenz"] = 3
+    return {
+        "complete": {"job": str(job_file), "overrides": ["sampling.max_tokens=8"], "retries": 0},
+        "killed": {"job": job_dict(model, src, work / "killed", **SETTINGS), "retries": 1},
+        "locked": {"job": job_dict(model, src, work / "locked", **SETTINGS), "retries": 1},
+        "no_model": {"job": job_dict(work / "no-such-model", src, work / "nm"), "retries": 2},
+        "bad_key": {"job": bad_key, "retries": 2},
+    }
+
+
+@pytest.fixture(scope="module")
+def airflow(
+    tmp_path_factory: pytest.TempPathFactory, cases: dict[str, dict[str, Any]]
+) -> Iterator[Airflow]:
+    """Airflow with its home, sqlite DB and DAGs folder in a temp dir, set up once (the DB
+    takes seconds). Airflow reads its config when first imported, so it is imported here, after
+    the environment is set; what importing it changes in this process (root logger, warning
+    filters) and the SIGTERM handler its task runner installs are put back afterwards."""
+    home = tmp_path_factory.mktemp("airflow-home")
+    dags = home / "dags"
+    dags.mkdir()
+    (dags / "cases.json").write_text(
+        json.dumps([{"dag_id": k, "overrides": [], **v} for k, v in cases.items()])
+    )
+    (dags / "tokenmill_test_dags.py").write_text(DAG_FILE)
+    root = logging.getLogger()
+    saved = (root.level, root.handlers[:], warnings.filters[:], signal.getsignal(signal.SIGTERM))
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        }.items():
+            env.setenv(key, value)
+        from airflow.utils import db
+
+        import tokenmill.integrations.airflow  # noqa: F401  (airflow.sdk before its DB code)
+
+        db.initdb()
+        yield Airflow(dags)
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    warnings.filters[:] = saved[2]
+    signal.signal(signal.SIGTERM, saved[3])
+
+
+def _rows(out: Path) -> dict[str, str]:
+    """{id: text} of the output; fails on an id written twice."""
+    rows = read_jsonl_dir(out / "shards")
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "a row was written twice"
+    return {r["id"]: r["text"] for r in rows}
+
+
+def _committed(out: Path) -> int:
+    try:
+        return len(json.loads((out / "test.manifest.json").read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return 0
+
+
+def _when(ready: Callable[[], bool], then: Callable[[], None], timeout: float = 120) -> list[bool]:
+    """Start a thread that runs ``then`` once ``ready()``; the list says whether it did."""
+    done: list[bool] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready():
+                then()
+                done.append(True)
+                return
+            time.sleep(0.005)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return done
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(airflow: Airflow, work: Path) -> dict[str, str]:
+    """The "complete" DAG, run once: {id: text} of its output, the others' reference."""
+    out = work / "complete"
+    assert airflow.run("complete") == ("success", "success", 1, str(out / "report.json"))
+    return _rows(out)
+
+
+def test_dag_run_returns_the_report_path_and_a_rerun_adds_nothing(
+    airflow: Airflow, uninterrupted: dict[str, str], work: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    out = work / "complete"
+    assert sorted(uninterrupted) == [f"r{i:04d}" for i in range(ROWS)]
+    first = json.loads((out / "report.json").read_text())
+    assert first["status"] == "complete" and first["rows_this_run"] == first["rows_ok"] == ROWS
+    assert first["completion_tokens"] == ROWS * 8  # the override's max_tokens, not the file's
+
+    # A second DAG run: the job is complete; nothing is generated or written again.
+    shards = {p.name: p.stat().st_mtime_ns for p in (out / "shards").iterdir()}
+    capfd.readouterr()
+    assert airflow.run("complete") == ("success", "success", 1, str(out / "report.json"))
+    task_log = capfd.readouterr().out  # dag.test() prints the task's log
+    said = [line for line in task_log.splitlines() if "TokenmillJobOperator" in line]
+    summary = f"job test: complete; nothing to do: all {ROWS} rows already committed"
+    assert any(summary in line for line in said), task_log  # run-job's own line
+    assert _rows(out) == uninterrupted
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "shards").iterdir()} == shards
+    assert json.loads((out / "report.json").read_text()) == first
+
+
+def test_a_task_killed_mid_run_resumes_on_its_retry(
+    airflow: Airflow, uninterrupted: dict[str, str], work: Path
+) -> None:
+    """SIGTERM to the task process once the first shard is committed: Airflow's handler
+    calls on_kill, run-job stops at a commit boundary (exit 75), the task is up for retry,
+    and the retry resumes from the committed shards."""
+    out = work / "killed"
+    main = threading.main_thread().ident  # where dag.test() runs the task, and its handler
+    assert main is not None
+    killed = _when(lambda: _committed(out) > 0, lambda: signal.pthread_kill(main, signal.SIGTERM))
+    assert airflow.run("killed") == ("success", "success", 2, str(out / "report.json"))
+    assert killed, "the job finished before it could be killed"
+    report = json.loads((out / "report.json").read_text())
+    assert 0 < report["rows_resumed"] < ROWS, report  # the retry resumed a partial job
+    assert report["rows_this_run"] + report["rows_resumed"] == ROWS
+    assert _rows(out) == uninterrupted  # every row exactly once, as in an uninterrupted run
+    assert not read_jsonl_dir(out / "errors")
+
+
+def test_an_output_held_by_another_run_is_retried(
+    airflow: Airflow, cases: dict[str, dict[str, Any]], work: Path
+) -> None:
+    """run-job exits 75 while another run holds the lock: both tries fail, as retryable."""
+    with open_output(JobSpec.from_dict(cases["locked"]["job"]))[1]:
+        assert airflow.run("locked") == ("failed", "failed", 2, None)
+    assert not (work / "locked" / "shards").exists()
+
+
+@pytest.mark.parametrize("case", ["no_model", "bad_key"])
+def test_a_spec_that_cannot_work_is_not_retried(airflow: Airflow, case: str) -> None:
+    """Exit 2 from run-job (a missing model) or a spec refused before it starts (an unknown
+    key): one try, though the task has two retries."""
+    assert airflow.run(case) == ("failed", "failed", 1, None)
+
+
+def test_run_job_does_not_outlive_a_killed_task_process(
+    airflow: Airflow, work: Path, cases: dict[str, dict[str, Any]]
+) -> None:
+    """When Airflow's last resort SIGKILLs the task process, the kernel sends run-job SIGTERM
+    (PR_SET_PDEATHSIG): it stops at a commit boundary and frees the job's lock, rather than
+    running on unsupervised while every retry finds the lock held."""
+    from tokenmill.integrations.airflow import _CHILD_PROGRAM
+
+    out = work / "orphan"
+    spec = copy.deepcopy(cases["killed"]["job"])
+    spec["output"]["path"] = str(out)
+    job = work / "orphan.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    # A stand-in for the task process: it starts run-job as the operator does, then waits.
+    task = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_PARENT, _CHILD_PROGRAM, str(job)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _committed(out) == 0 and time.monotonic() < deadline and task.poll() is None:
+            time.sleep(0.005)
+        assert _committed(out) > 0, "run-job committed nothing"
+    finally:
+        task.kill()
+        task.wait()
+    lock = open_output(JobSpec.from_dict(spec))[1]
+    deadline = time.monotonic() + 60
+    while True:  # free once run-job has exited
+        try:
+            lock.acquire()
+            break
+        except JobLockedError:
+            assert time.monotonic() < deadline, "run-job outlived its task process"
+            time.sleep(0.05)
+    lock.release()
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "cancelled" and report["rows_ok"] < ROWS, report
+
+
+def test_the_example_dag_parses(airflow: Airflow) -> None:
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(str(EXAMPLE))
+    assert not bag.import_errors, bag.import_errors
+    dag = bag.get_dag("tokenmill_quickstart")
+    assert dag is not None and set(dag.task_ids) == {"generate", "summarize"}
+    assert dag.get_task("generate").overrides[1].endswith("/output/airflow/{{ ds }}/")
+
+
+def test_the_operator_refuses_what_it_cannot_run(airflow: Airflow) -> None:
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    with pytest.raises(TypeError, match="job must be a path to a job.yaml or a dict"):
+        TokenmillJobOperator(task_id="t", job=3)
+    with pytest.raises(TypeError, match="overrides must be a list of 'key.path=value'"):
+        TokenmillJobOperator(task_id="t", job="job.yaml", overrides="sampling.max_tokens=3")

@@ -1,0 +1,44 @@
+"""Poison prompts for the Ray failure tests: a ``worker_process_setup_hook`` that makes the
+engine in every Ray worker process fail on marked prompts, as an engine bug would.
+
+Ray runs ``install`` in each worker process it starts for the job (``ray.init(runtime_env=
+{"worker_process_setup_hook": "tests.jobs.ray_poison.install"})``), so the replicas' own
+engines change; the driver's do not. From then on, an engine step taken while a request
+whose prompt holds ``RAISE`` is in the engine raises RuntimeError (the replica's engine
+fails mid-batch), and one holding ``KILL`` SIGKILLs its own process (a native crash). The
+recovery that follows is the executor's own; nothing here touches it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+RAISE = "POISON-RAISE"
+KILL = "POISON-KILL"
+
+
+def install() -> None:
+    """Wrap LLMEngine.add_request (note marked prompts) and LLMEngine.step (fail on them)."""
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    add_request, step = LLMEngine.add_request, LLMEngine.step
+
+    def marked_add_request(self: Any, request_id: str, prompt_ids: list[int], params: Any) -> None:
+        add_request(self, request_id, prompt_ids, params)
+        text = self.tokenizer.decode(prompt_ids)
+        for mark in (KILL, RAISE):
+            if mark in text:
+                self.__dict__.setdefault("_poison_marks", set()).add(mark)
+
+    def marked_step(self: Any) -> Any:
+        marks = self.__dict__.get("_poison_marks", set())
+        if KILL in marks:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RAISE in marks:
+            raise RuntimeError(f"the test engine cannot run a prompt holding {RAISE}")
+        return step(self)
+
+    LLMEngine.add_request = marked_add_request
+    LLMEngine.step = marked_step

@@ -1,0 +1,172 @@
+"""The dry run's "how long and how much": shared prefixes, duplicates, output tokens and the
+time estimate from the measured throughput table, on data with known duplicates and shared
+prefixes; the table's figures against BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.jobs.distinct_counter import DistinctCounter
+from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.prompt_stats import PromptStats
+from tokenmill.jobs.spec import JobSpec
+from tokenmill.jobs.throughput_table import estimate_time, load_table, model_params
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+def test_distinct_counter_is_exact_then_estimates_within_its_stated_error() -> None:
+    rng = random.Random(0)
+    keys = [rng.getrandbits(64) for _ in range(50_000)]
+    exact = DistinctCounter(max_exact=100_000)
+    repeats = [exact.add(k) for k in keys + keys[:1000]]
+    assert exact.exact and exact.distinct() == 50_000 and exact.relative_error == 0
+    assert sum(repeats) == 1000  # the second time round each key is recognised
+
+    sketch = DistinctCounter(max_exact=1000)  # the set fills up: the sketch takes over
+    for k in keys + keys[:20_000]:
+        sketch.add(k)
+    assert not sketch.exact and sketch.relative_error == pytest.approx(1.04 / 128)
+    # within 4 standard errors (0.81% each at 2^14 registers)
+    assert abs(sketch.distinct() - 50_000) < 4 * sketch.relative_error * 50_000
+    with pytest.raises(ValueError, match="precision"):
+        DistinctCounter(precision=30)
+
+
+def test_prompt_stats_on_known_prefixes_and_duplicates() -> None:
+    stats = PromptStats(block_size=4)
+    a = list(range(1, 10))  # 9 tokens: 2 full blocks, 1 token left over
+    stats.add(a, GREEDY, max_len=100)  # first: nothing shared
+    stats.add(a[:4] + [50, 51, 52, 53], GREEDY, max_len=100)  # shares a's first block
+    stats.add(a, GREEDY, max_len=100)  # a duplicate: both full blocks shared
+    stats.add(a, SamplingParams(max_tokens=10, temperature=0.0, seed=7), max_len=100)
+    stats.add([50, 51, 52, 53] + a[4:8], GREEDY, max_len=14)  # same 2nd block, other parent
+    assert stats.prompt_tokens == 9 + 8 + 9 + 9 + 8
+    assert stats.shared_prefix_tokens == 0 + 4 + 8 + 8 + 0  # blocks chain: no mid-prompt match
+    assert stats.shared_prefix_share == pytest.approx(20 / 43)
+    assert stats.duplicates == (1, 0)  # other sampling settings: not a duplicate
+    # max_tokens, or the context left (14 - 8 = 6) when smaller
+    assert stats.max_output_tokens == 4 * 10 + 6 and not stats.all_ignore_eos
+    assert stats.longest_prompt == 9 and not stats.prefix_capped
+
+
+def test_prompt_stats_memory_is_capped() -> None:
+    stats = PromptStats(block_size=2, max_blocks=3, max_distinct=100)
+    for i in range(2000):
+        stats.add([i, i, i + 1, i + 1], GREEDY, max_len=100)
+    for i in range(500):  # repeats: the first 100 rows are in the exact set, the rest are not
+        stats.add([i, i, i + 1, i + 1], GREEDY, max_len=100)
+    # 3 block keys kept (row 0's two, row 1's first); later blocks are not remembered, so only
+    # the repeats of rows 0 (2 blocks) and 1 (1 block) count as shared: a lower bound
+    assert stats.prefix_capped and stats.shared_prefix_tokens == 2 * 2 + 2
+    duplicates, error = stats.duplicates  # past 100 distinct rows: the sketch's estimate
+    assert 0 < error <= 0.01 * 2000  # one standard error: 0.81% of the distinct rows
+    assert abs(duplicates - 500) <= 4 * error
+
+
+def _config(**shape: int | bool) -> ModelConfig:
+    base = dict(
+        architecture="LlamaForCausalLM",
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=4096,
+    )
+    return ModelConfig(**base, **shape)  # type: ignore[arg-type]
+
+
+def test_model_params_match_the_table_entries() -> None:
+    smollm2 = _config(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    llama8b = _config(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    )
+    params = {e.name: e.params for e in load_table()}
+    assert model_params(smollm2) == params["smollm2-135m-h200-run-job"] == 134_479_872
+    assert model_params(llama8b) == params["llama-3-8b-h200"]
+
+
+def test_every_table_entry_is_a_figure_of_its_benchmarks_section() -> None:
+    text = BENCHMARKS.read_text()
+    headings = [(m.start(), m.group(2)) for m in re.finditer(r"^(#+) (.+)$", text, re.M)]
+    table = load_table()
+    assert {e.device for e in table} == {"gpu", "cpu"}
+    for entry in table:
+        starts = [i for i, (_, title) in enumerate(headings) if title == entry.source]
+        assert starts, f"{entry.name}: no section {entry.source!r} in BENCHMARKS.md"
+        begin = headings[starts[0]][0]
+        end = headings[starts[0] + 1][0] if starts[0] + 1 < len(headings) else len(text)
+        section = text[begin:end]
+        assert entry.figure in section, f"{entry.name}: {entry.figure} not in {entry.source!r}"
+        written = float(entry.figure.replace(",", "").replace("k", ""))
+        scale = 1000 if entry.figure.endswith("k") else 1
+        assert entry.output_tokens_per_s == pytest.approx(written * scale)
+
+
+def test_the_estimate_takes_the_nearest_measured_entry_and_says_how_it_differs() -> None:
+    est = estimate_time(9_212_000, 8_030_000_000, "gpu", "NVIDIA H200", "bfloat16", "none")
+    assert est.entry.name == "llama-3-8b-h200" and est.seconds == pytest.approx(1000)
+    assert est.notes == ()
+    fp8 = estimate_time(1000, 8_030_000_000, "gpu", "NVIDIA H200", "bfloat16", "fp8", replicas=4)
+    assert fp8.entry.name == "llama-3-8b-h200-fp8" and fp8.wall_seconds == fp8.seconds / 4
+    other = estimate_time(1000, 70_000_000_000, "gpu", "NVIDIA A100-SXM4-80GB", "bfloat16", "none")
+    assert other.entry.name == "llama-3-8b-h200"
+    assert any("weights" in n for n in other.notes) and any("A100" in n for n in other.notes)
+    small = estimate_time(1000, 140_000_000, "gpu", None, "bfloat16", "none")
+    assert small.entry.name == "smollm2-135m-h200-run-job"
+    assert any("no GPU visible" in n for n in small.notes)
+    cpu = estimate_time(1000, 134_479_872, "cpu", None, "float32", "none")
+    assert cpu.entry.name == "smollm2-135m-cpu-fp32" and cpu.notes == ()
+
+
+def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    rows = chat_rows(6)
+    for r in rows:  # one long system prompt: every row's first blocks are shared
+        r["messages"].insert(0, {"role": "system", "content": "Answer in one word. " * 8})
+    again = [dict(rows[0], id="dup-a"), dict(rows[3], id="dup-b"), dict(rows[0], id="dup-c")]
+    lines = [json.dumps(r) for r in rows + again] + ['{"id": "broken", "messages": 5}']
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out"
+    spec = JobSpec.from_dict(job_dict(tiny_model, src, out, sampling={"max_tokens": 8}))
+    report = dry_run(spec)
+
+    assert (report.rows, report.bad_rows) == (10, 1)
+    assert (report.duplicate_rows, report.duplicate_error) == (3, 0)
+    # the duplicates share all their full blocks, the others the system prompt's
+    assert report.shared_prefix_share > 0.6 and not report.shared_prefix_capped
+    assert report.output_tokens == 9 * 8 and not report.output_tokens_exact
+    est = report.estimate
+    assert est is not None and est.entry.name == "tiny-llama-cpu"  # engine.device: cpu
+    assert est.seconds == pytest.approx(72 / 85_000)
+    summary = report.summary()
+    assert "duplicates      3 rows repeat an earlier row's prompt and sampling settings" in summary
+    assert "output tokens   at most 72" in summary
+    assert "of CPU time, an estimate: 72 output tokens / 85,000 output tok/s" in summary
+    assert "tiny-llama-cpu (throughput_table.json)" in summary
+    assert 'section "Session 7: CPU, after the torch backend\'s batched decode path"' in summary
+    assert not out.exists()  # a dry run writes nothing

@@ -1,0 +1,149 @@
+"""The progress bar on a terminal: Progress driven by a fake clock and fake live counts, drawn
+on a fake terminal (a StringIO that says it is a TTY); what it draws is read back."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tokenmill.jobs.progress import LiveCounts, Progress, format_duration
+
+
+class FakeTerminal(io.StringIO):
+    """A stream that reports being a terminal, keeping what is written to it."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def frames(self) -> list[str]:
+        """Each redraw of the bar (tqdm starts each with a carriage return)."""
+        return [f.rstrip("\n") for f in self.getvalue().split("\r") if f.strip()]
+
+
+@pytest.fixture
+def term() -> Iterator[FakeTerminal]:
+    """A fake terminal; the bars drawn on it are closed after the test (tqdm stacks the bars
+    still open one above the other, with cursor moves, as it would on a real terminal)."""
+    stream = FakeTerminal()
+    yield stream
+    for progress in Driver.made:
+        progress.close()
+    Driver.made.clear()
+
+
+class Driver:
+    """A fake clock and an engine generating at a steady rate, ticked once a second."""
+
+    made: list[Progress] = []
+
+    def __init__(self, total: int | None, done: int, stream: io.StringIO) -> None:
+        self.now = 100.0
+        self.counts = LiveCounts()
+        self.progress = Progress(
+            total, done, live=lambda: self.counts, clock=lambda: self.now, stream=stream
+        )
+        Driver.made.append(self.progress)
+
+    def run(self, seconds: int, tok_per_s: int, rows_per_s: int = 0, in_flight: int = 8) -> None:
+        for _ in range(seconds):
+            self.now += 1.0
+            self.counts = LiveCounts(self.counts.output_tokens + tok_per_s, in_flight)
+            if rows_per_s:
+                self.progress.update(rows_per_s, 0)
+            else:
+                self.progress.tick()
+
+
+def test_the_bar_shows_rows_rate_and_eta_from_the_progress_model(
+    term: FakeTerminal, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    drive = Driver(total=2000, done=120, stream=term)  # 120 rows committed by an earlier run
+    drive.run(seconds=60, tok_per_s=1650, rows_per_s=2, in_flight=256)
+    progress = drive.progress
+    last = term.frames()[-1]
+    # the model's numbers, as the model formats them: 120 rows this run, 1,760 left at 2/s
+    assert progress.done == 240 and progress.tokens_per_s == pytest.approx(1650)
+    assert progress.eta_seconds == pytest.approx(880)
+    assert last.startswith(" 12%|")
+    assert last.endswith(
+        f"| 240 of 2,000 rows, 1,650 output tok/s, ETA {format_duration(880)}, 256 in flight"
+    )
+    assert "ETA 14 min 40 s" in last
+    # tqdm's own rows/s and remaining time (finished rows only) are not shown
+    assert "row/s" not in term.getvalue() and "<" not in last
+    assert not caplog.records  # the bar replaces the log lines
+    progress.close()
+    assert term.getvalue().endswith("\n")  # the bar's last state stays on screen
+
+
+def test_before_any_rate_the_bar_says_so(term: FakeTerminal) -> None:
+    drive = Driver(total=50, done=0, stream=term)
+    drive.progress.tick()  # no time has passed: no sample yet
+    drive.now += 1.0
+    drive.progress.tick()  # a sample of no tokens: no rate (nothing heard yet)
+    assert term.frames()[-1].endswith(
+        "| 0 of 50 rows, output tok/s: measuring, ETA unknown, 0 in flight"
+    )
+
+
+def test_without_a_row_count_the_bar_is_text_only(term: FakeTerminal) -> None:
+    drive = Driver(total=None, done=0, stream=term)
+    drive.run(seconds=10, tok_per_s=300, rows_per_s=1, in_flight=4)
+    drive.progress.finish()
+    assert term.frames()[-1] == "10 rows, 300 output tok/s, ETA unknown, 4 in flight"
+
+
+def test_no_terminal_keeps_the_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    stream = io.StringIO()  # not a terminal: a log file, a pipe, Airflow's log capture
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    drive = Driver(total=100, done=0, stream=stream)
+    drive.run(seconds=10, tok_per_s=50, rows_per_s=1)
+    drive.progress.close()
+    assert stream.getvalue() == ""
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "10 of 100 rows done (10%), 8 in flight, 500 output tokens so far, 50 output tok/s, "
+        "ETA 1 min 30 s"
+    )
+
+
+def test_a_disabled_progress_draws_nothing_even_on_a_terminal(term: FakeTerminal) -> None:
+    now = [0.0]
+    progress = Progress(10, 0, enabled=False, clock=lambda: now[0], stream=term)
+    for _ in range(5):
+        now[0] += 1
+        progress.update(1, 3)
+    progress.close()
+    assert term.getvalue() == ""
+
+
+def test_a_log_record_during_the_run_is_printed_above_the_bar(
+    term: FakeTerminal, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run-job logs to stderr (logging.basicConfig): a warning while the bar is up must not
+    land in the middle of the bar's line."""
+    monkeypatch.setattr(sys, "stderr", term)
+    console = logging.StreamHandler(term)
+    root = logging.getLogger()
+    root.addHandler(console)
+    try:
+        drive = Driver(total=10, done=0, stream=sys.stderr)
+        drive.run(seconds=2, tok_per_s=40, rows_per_s=1)
+        logging.getLogger("tokenmill.jobs").warning("Ray replica 2 of 2 loaded the model in 3.0 s")
+        drive.run(seconds=2, tok_per_s=40, rows_per_s=1)
+        assert console not in root.handlers  # printed through tqdm while the bar is up
+        drive.progress.close()
+        assert console in root.handlers  # and put back when it closes
+    finally:
+        root.removeHandler(console)
+    # the bar's line blanked, the record on a line of its own, then the bar drawn again below
+    drawn = term.getvalue()
+    assert re.search(r"\r +\rRay replica 2 of 2 loaded the model in 3\.0 s\n\r 20%\|", drawn)
+    assert drawn.count("loaded the model") == 1
+    assert term.frames()[-1].endswith("| 4 of 10 rows, 40 output tok/s, ETA 6 s, 8 in flight")

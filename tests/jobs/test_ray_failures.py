@@ -1,0 +1,137 @@
+"""Ray replicas that fail mid-job, on CPU with 2 replicas: a replica SIGKILLed at a random
+moment costs nothing (exit 0, every row once, the same output as an uninterrupted run), and
+rows that make their replica's engine raise or its process die are isolated into the error
+file while every other row is written.
+
+This module starts its own Ray (not the shared ``ray_session``): its workers run
+``tests/jobs/ray_poison.py``'s setup hook, which makes the engine fail on marked prompts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.jobs import ray_poison
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.ray_poison import KILL, RAISE
+from tokenmill import run_job
+from tokenmill.jobs.cli import main as cli_main
+
+ray = pytest.importorskip("ray")
+
+SMALL = {"engine": {"max_num_seqs": 2}, "sampling": {"max_tokens": 16}}
+RAY = {"executor": "ray", "replicas": 2, "ray_address": None}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_with_poison_hook() -> Iterator[None]:
+    if ray.is_initialized():
+        ray.shutdown()
+    # Ray's workers cannot import the tests: the hook travels by value
+    ray.cloudpickle.register_pickle_by_value(ray_poison)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"worker_process_setup_hook": ray_poison.install},
+    )
+    yield
+    ray.shutdown()
+
+
+def _run_cli(spec: dict[str, Any], folder: Path) -> int:
+    job = folder / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    return cli_main([str(job), "--quiet"])
+
+
+def _rows_by_id(out: Path, kind: str) -> dict[str, dict[str, Any]]:
+    rows = read_jsonl_dir(out / kind)
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows), f"a row was written twice in {kind}"
+    return by_id
+
+
+def _shards_done(manifest: Path) -> int:
+    try:
+        return len(json.loads(manifest.read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
+        return 0
+
+
+class _Killer(threading.Thread):
+    """Once the job has committed its first shard, waits a random 0-0.1 s, then SIGKILLs a
+    random replica of the job's (its pid from the replica itself)."""
+
+    def __init__(self, manifest: Path, rng: random.Random) -> None:
+        super().__init__(daemon=True)
+        self.manifest, self.rng = manifest, rng
+        self.killed_pid: int | None = None
+        self.shards_at_kill = -1
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 120
+        while _shards_done(self.manifest) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(self.rng.uniform(0.0, 0.1))
+        names = [n for n in ray.util.list_named_actors() if n.startswith("tokenmill-kill-")]
+        replica = ray.get_actor(self.rng.choice(sorted(names)))
+        pid = ray.get(replica.ready.remote(), timeout=60).pid
+        self.shards_at_kill = _shards_done(self.manifest)
+        os.kill(pid, signal.SIGKILL)
+        self.killed_pid = pid
+
+
+def test_a_replica_killed_mid_job_costs_no_row(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(48))
+    local = job_dict(tiny_model, src, tmp_path / "local", **SMALL)
+    assert run_job(local, show_progress=False).status == "complete"
+
+    out = tmp_path / "ray"
+    seed = random.randrange(1 << 30)
+    killer = _Killer(out / "kill.manifest.json", random.Random(seed))
+    killer.start()
+    spec = job_dict(tiny_model, src, out, name="kill", execution=RAY, **SMALL)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+        assert _run_cli(spec, tmp_path) == 0, f"seed {seed}"
+    killer.join(5)
+
+    assert killer.killed_pid is not None and 0 < killer.shards_at_kill < 12, f"seed {seed}"
+    assert any("Ray replica" in r.message and "failed" in r.message for r in caplog.records)
+    assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards"), f"seed {seed}"
+    assert read_jsonl_dir(out / "errors") == []
+
+
+def test_poison_rows_are_isolated_and_every_other_row_is_written(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    rows = chat_rows(20)
+    rows[5]["messages"][0]["content"] += f" {RAISE}"
+    rows[14]["messages"][0]["content"] += f" {KILL}"
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    # the driver's engine is not poisoned: the local run answers every row
+    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
+    expected = _rows_by_id(tmp_path / "local", "shards")
+
+    out = tmp_path / "ray"
+    assert _run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
+
+    errors = _rows_by_id(out, "errors")
+    assert sorted(errors) == ["r0005", "r0014"]
+    for row_id, what in (("r0005", "engine raised RuntimeError"), ("r0014", "process (pid")):
+        message = errors[row_id]["error"]
+        assert "failed every engine replica that ran it" in message and what in message, message
+    assert _rows_by_id(out, "shards") == {k: v for k, v in expected.items() if k not in errors}

@@ -1,0 +1,276 @@
+"""report.html: the run's history in bounded memory, the page's plots and numbers, a real job's
+page read back with html.parser (well-formed, self-contained, the same numbers as report.json),
+and the page on object storage (fsspec's memory filesystem: the object-store code path)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import xml.etree.ElementTree as ET
+from collections import Counter
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tokenmill import run_job
+from tokenmill.io.rows import ResultRow
+from tokenmill.io.storage import OutputStore
+from tokenmill.jobs import report_html
+from tokenmill.jobs.engine_counters import EngineCounters
+from tokenmill.jobs.length_histogram import LengthHistogram
+from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.ownership import OutputOwnedError, check_claimable
+from tokenmill.jobs.report import JobReport
+from tokenmill.jobs.report_html import render_report_html, write_report_html
+from tokenmill.jobs.run_history import RunHistory
+from tokenmill.jobs.shard_commit import discard_progress
+
+_VOID = {"meta", "br", "img", "input", "link", "hr", "area", "base", "col", "source", "wbr"}
+_REFERENCES = ("src", "href", "xlink:href", "srcset", "action", "poster", "data")
+
+
+class PageCheck(HTMLParser):
+    """Reads a page: unbalanced tags, references, ids and the summary's data-key values."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.stack: list[str] = []
+        self.problems: list[str] = []
+        self.tags: Counter[str] = Counter()
+        self.references: list[tuple[str, str, str]] = []
+        self.ids: list[str] = []
+        self.values: dict[str, Any] = {}
+        self.feed(page)
+        self.close()
+        if self.stack:
+            self.problems.append(f"never closed: {self.stack}")
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._element(tag, attrs)
+        if tag not in _VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._element(tag, attrs)
+
+    def handle_endtag(self, tag: str) -> None:
+        if not self.stack or self.stack[-1] != tag:
+            self.problems.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+    def _element(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags[tag] += 1
+        found = dict(attrs)
+        self.references += [(tag, k, found[k] or "") for k in _REFERENCES if k in found]
+        if found.get("id"):
+            self.ids.append(found["id"] or "")
+        if "data-key" in found:
+            self.values[found["data-key"] or ""] = json.loads(found["data-value"] or "null")
+
+
+def _check_self_contained(page: str) -> PageCheck:
+    """Well-formed, nothing fetched from elsewhere, every inline SVG valid XML; returns the
+    parse."""
+    check = PageCheck(page)
+    assert not check.problems, check.problems
+    assert page.startswith("<!DOCTYPE html>")
+    assert not {"script", "link", "iframe", "object", "embed"} & set(check.tags)
+    outside = [r for r in check.references if not r[2].startswith(("#", "data:"))]
+    assert not outside, outside  # only fragments within the page (SVG markers, clip paths)
+    assert all(u.startswith("#") for u in re.findall(r"url\(\s*['\"]?([^)'\"]*)", page))
+    assert "@import" not in page
+    duplicated = [i for i, n in Counter(check.ids).items() if n > 1]
+    assert not duplicated, duplicated  # several SVGs in one page must not share ids
+    for svg in re.findall(r"<svg\b.*?</svg>", page, flags=re.S):
+        ET.fromstring(svg)  # raises on malformed SVG
+    return check
+
+
+def test_length_histogram_stays_exact_as_its_bins_widen() -> None:
+    hist = LengthHistogram(num_bins=8)
+    lengths = [0, 3, 3, 7, 8, 15, 16, 40, 41, 63, 5]
+    for n in lengths:
+        hist.add(n)
+    assert hist.bin_width == 8 and len(hist.counts) == 8  # 63 needed 8 bins of 8
+    for lo, hi, count in hist.bins():
+        assert count == sum(lo <= n < hi for n in lengths)
+    raw = hist.to_dict()
+    assert raw["rows"] == len(lengths) and raw["tokens"] == sum(lengths)
+    assert (raw["min"], raw["max"], raw["start"], raw["counts"]) == (
+        0,
+        63,
+        0,
+        [5, 2, 1, 0, 0, 2, 0, 1],
+    )
+    with pytest.raises(ValueError, match="length"):
+        hist.add(-1)
+
+
+def test_run_history_is_bounded_and_follows_replicas_as_they_appear() -> None:
+    counts: dict[str, EngineCounters] = {}
+    history = RunHistory(lambda: counts, sample_s=1.0, max_points=100)
+    for t in range(1, 1001):
+        counts["a"] = EngineCounters(
+            prefix_queried_tokens=10 * t, prefix_hit_tokens=5 * t, output_tokens=7 * t
+        )
+        if t >= 300:  # a replica that loaded late
+            counts["b"] = EngineCounters(output_tokens=3 * (t - 299))
+        history.sample(float(t), 10 * t, t // 10)
+    history.sample(1000.5, 10_005, 100, last=True)
+    points = history.points
+    assert len(points) < 100 and points[-1][0] == 1000.5
+    assert history.replicas == ["a", "b"]
+    t_early, early = next((t, p) for t, p in points if t < 300)
+    assert early.replica_tokens == (7 * int(t_early),)  # "b" not heard from yet
+    _, last = points[-1]
+    assert last.replica_tokens == (7000, 3 * 701)
+    assert last.counters.prefix_hit_tokens == 5000 and last.counters.output_tokens == 7000 + 2103
+    for row in (
+        ResultRow(0, "r0", prompt_tokens=12, completion_tokens=4),
+        ResultRow(1, "r1", error="in.jsonl:2: bad"),
+    ):
+        history.add_result(row)
+    assert history.prompt_lengths.count == 1 and history.output_lengths.total == 4
+
+
+def _synthetic_run() -> tuple[JobReport, RunHistory]:
+    """A 2-replica run with speculative decoding, 60 s of samples."""
+    counts: dict[str, EngineCounters] = {}
+    history = RunHistory(lambda: counts)
+    for t in range(0, 61):
+        counts["actor-1"] = EngineCounters(100 * t, 60 * t, 40 * t, 16 * t, 10 * t, 500 * t)
+        if t >= 5:
+            counts["actor-2"] = EngineCounters(100 * t, 70 * t, 40 * t, 20 * t, 10 * t, 450 * t)
+        history.sample(float(t), 950 * t, 2 * t, last=t == 60)
+    for i in range(120):
+        history.add_result(ResultRow(i, f"r{i}", prompt_tokens=100 + i, completion_tokens=i % 50))
+    report = JobReport(
+        job="demo",
+        output="s3://bucket/out",
+        status="complete",
+        rows_total=120,
+        rows_ok=120,
+        rows_this_run=120,
+        prompt_tokens=history.prompt_lengths.total,
+        completion_tokens=history.output_lengths.total,
+        wall_seconds=75.0,
+        model_load_seconds=12.5,
+        generation_seconds=60.0,
+        prefix_cache_hit_rate=0.65,
+        executor="ray",
+        model="smollm2-135m-instruct",
+        device="ray: 2 replicas",
+        speculative=(sum(counts.values(), EngineCounters())).speculative("suffix"),
+        throughput_over_time=[(float(t), 950 * t) for t in range(61)],
+        prompt_lengths=history.prompt_lengths.to_dict(),
+        output_lengths=history.output_lengths.to_dict(),
+    )
+    return report, history
+
+
+def test_a_page_with_every_plot() -> None:
+    report, history = _synthetic_run()
+    page = render_report_html(report, history)
+    check = _check_self_contained(page)
+    # throughput, 2 length histograms, prefix cache, replicas, speculative acceptance
+    assert check.tags["svg"] == 6
+    assert check.values == {
+        k: v for k, v in json.loads(report.to_json()).items() if k in check.values
+    }
+    assert check.values["speculative"]["acceptance_rate"] == report.speculative["acceptance_rate"]
+    assert {"model", "device", "rows_ok", "output_tokens_per_s", "wall_seconds"} <= set(
+        check.values
+    )
+    assert "actor-1" in page and "actor-2" in page and "replica 2" in page
+    assert "Speculative decoding (suffix): 45.0% of drafts accepted" in page
+
+
+def test_a_page_without_samples_says_why() -> None:
+    report = JobReport(job="j", output="out", status="cancelled", wall_seconds=1.0)
+    page = render_report_html(report, None)
+    check = _check_self_contained(page)
+    assert check.tags["svg"] == 0
+    assert "no output tokens generated this run" in page and "off for this job" in page
+
+
+def test_the_page_goes_to_object_storage_through_the_output_store() -> None:
+    store = OutputStore("memory://tokenmill-report-test/out", owner="demo")
+    assert not store.is_local
+    report, history = _synthetic_run()
+    write_report_html(store, report, history)
+    page = store.read_bytes("report.html").decode()
+    assert _check_self_contained(page).tags["svg"] == 6
+    store.delete("report.html")
+
+
+def test_a_page_that_cannot_be_drawn_is_a_warning_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(report: JobReport, history: RunHistory | None) -> str:
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(report_html, "render_report_html", broken)
+    store = OutputStore(str(tmp_path), owner="j")
+    write_report_html(store, JobReport(job="j", output=str(tmp_path)), None)
+    assert not (tmp_path / "report.html").exists()
+    assert "report.html not written (ImportError" in caplog.text and "matplotlib" in caplog.text
+
+
+def test_report_html_belongs_to_the_job(tmp_path: Path) -> None:
+    """A folder holding someone else's report.html is not claimed; --fresh removes the job's."""
+    (tmp_path / "report.html").write_text("<p>not ours</p>")
+    store = OutputStore(str(tmp_path), owner="j")
+    with pytest.raises(OutputOwnedError, match="report.html"):
+        check_claimable(store, "j")
+    discard_progress(store, Manifest("j", "fp", 4))
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_a_job_writes_report_html_beside_report_json(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    sampling = {"max_tokens": 48, "ignore_eos": True}
+    caplog.set_level(logging.WARNING, "tokenmill.jobs")  # no progress line every 0.02 s
+    # samples every 0.02 s, so that even a fast machine's run has a series to plot
+    report = run_job(job_dict(tiny_model, src, out, sampling=sampling), progress_interval_s=0.02)
+    assert report.status == "complete"
+    raw = json.loads((out / "report.json").read_text())
+    page = (out / "report.html").read_text()
+    check = _check_self_contained(page)
+    # every summary number is report.json's; the JSON's own keys are all there
+    assert check.values == {k: raw[k] for k in check.values}
+    expected = {
+        "status",
+        "model",
+        "device",
+        "rows_total",
+        "rows_ok",
+        "rows_failed",
+        "prompt_tokens",
+        "completion_tokens",
+        "output_tokens_per_s",
+        "generation_seconds",
+        "model_load_seconds",
+        "wall_seconds",
+        "prefix_cache_hit_rate",
+    }
+    assert expected <= set(check.values)
+    assert raw["model"] == str(tiny_model) and raw["device"] == "cpu"
+    assert raw["rows_ok"] == 12 and raw["completion_tokens"] == 12 * 48
+    # the histograms count this run's rows and tokens, and the page shows them
+    prompt, output = raw["prompt_lengths"], raw["output_lengths"]
+    assert sum(prompt["counts"]) == prompt["rows"] == 12 == output["rows"]
+    assert prompt["tokens"] == raw["prompt_tokens"] and output["tokens"] == 12 * 48
+    assert output["min"] == output["max"] == 48
+    assert f"prompt: 12 rows, mean {prompt['mean']:,} tokens" in page
+    # throughput, two histograms, prefix-cache hit rate, the one local replica
+    assert check.tags["svg"] == 5, re.findall(r'class="empty">([^<]*)', page)
+    assert f"Prefix-cache hit rate: {raw['prefix_cache_hit_rate']:.1%}" in page
+    assert "replica 1" in page and "off for this job" in page

@@ -1,0 +1,88 @@
+"""Chunks of rows sent to Ray replicas, and what becomes of a chunk whose replica failed.
+
+A replica fails as a whole (its process dies, or its engine raises in the middle of a batch):
+every chunk it was running is lost, and nothing says which row did it. So a lost chunk is
+a *suspect* and runs again **alone** on a replica (nothing else in flight there); a failure
+while alone is then the chunk's own, and the chunk is bisected until the row is found:
+
+    [a b c d] with 2 others ─ replica dies ─► suspect [a b c d], alone ─ dies ─► split
+        [a b] alone ─► ok                         [c d] alone ─ dies ─► split
+                                      [c] alone ─► ok      [d] alone ─ dies ─► ... poison
+
+A one-row chunk is written as the row's error (the "poison row") once its lineage (the chunk
+it came from and that chunk's own ancestors) has failed ``POISON_FAILURES`` times, at least
+once with the row alone; before that it runs again. Three failures, not one, so that a
+replica killed by chance (preempted, OOM-killed for another reason) while it ran an innocent
+row alone does not cost that row its result: a row is only skipped after it failed every
+time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay bounded: each
+failure splits or retires a chunk, and finding the row in a chunk of n rows takes about
+log2(n) + 2 replica failures (3 at least).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.requests import error_result
+
+__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery"]
+
+POISON_FAILURES = 3  # failures of a row's lineage, the last one alone, before it is skipped
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows that travel to one replica together and come back together. ``failures``: how
+    often this chunk or the chunks it was split from were lost with a failed replica."""
+
+    id: int
+    rows: tuple[InputRow, ...]
+    failures: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class ChunkRecovery:
+    """Numbers chunks, and decides what happens to the chunks of a failed replica: run
+    again as suspects (whole, or split in halves), or, for a poison row, its error result.
+    ``model`` names the model in error results (the spec's model.source)."""
+
+    def __init__(self, model: str, poison_failures: int = POISON_FAILURES) -> None:
+        if poison_failures < 1:
+            raise ValueError(f"poison_failures must be >= 1, got {poison_failures}")
+        self.model = model
+        self.poison_failures = poison_failures
+        self._ids = itertools.count()
+
+    def chunk(self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0) -> Chunk:
+        """A new chunk of ``rows`` (at least one), with the next id."""
+        if not rows:
+            raise ValueError("a chunk needs at least one row")
+        return Chunk(next(self._ids), tuple(rows), failures)
+
+    def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | ResultRow:
+        """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
+        it was the only chunk there. Returns the suspects to run next (each alone), or the
+        error result of a poison row."""
+        failures = chunk.failures + 1
+        if not alone:  # any of the replica's chunks may have done it: run this one alone
+            return [self.chunk(chunk.rows, failures)]
+        if len(chunk) > 1:
+            half = len(chunk) // 2
+            return [
+                self.chunk(chunk.rows[:half], failures),
+                self.chunk(chunk.rows[half:], failures),
+            ]
+        if failures < self.poison_failures:
+            return [self.chunk(chunk.rows, failures)]
+        row = chunk.rows[0]
+        return error_result(
+            row,
+            f"this row failed every engine replica that ran it ({failures} replica failures, "
+            f"the last with the row running alone): {reason}. It was skipped so that the job "
+            "could finish; run it alone (e.g. with executor: local) to reproduce the failure",
+            self.model,
+        )

@@ -1,0 +1,255 @@
+"""report.html: the job report as one self-contained page, beside report.json.
+
+    summary table (report.json's numbers) ─ throughput over time ─ prompt and output lengths
+    ─ prefix-cache hit rate ─ per-replica progress ─ speculative acceptance
+
+One file with nothing to fetch (no scripts, stylesheets, fonts or images from elsewhere; the
+plots are inline SVG: report_plots.py), so it opens from an object store, a mail attachment
+or an air-gapped machine alike. Every number in the summary table is the value report.json
+holds, rendered from the same JSON, and carries it raw in ``data-key``/``data-value``
+attributes so that a script can read the page as well as a person. The time series come from
+the run's history (run_history.py); a report without one (a run that generated nothing)
+shows the table and says why each plot is missing.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.ownership import REPORT_HTML_NAME
+from tokenmill.jobs.report import JobReport
+from tokenmill.jobs.run_history import RunHistory
+
+__all__ = ["render_report_html", "write_report_html"]
+
+log = logging.getLogger("tokenmill.jobs")
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em auto;max-width:960px;
+color:#222;padding:0 1em}
+h1{font-size:1.5em}h2{font-size:1.15em;margin-top:2em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;font-size:.92em}th,td{padding:.25em .8em;text-align:left}
+th{font-weight:600;color:#555}tr:nth-child(even){background:#f6f6f6}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
+figure{margin:.5em 0}figcaption{font-size:.9em;color:#444}
+.row{display:flex;flex-wrap:wrap;gap:1em}.row figure{flex:1 1 360px;min-width:0}
+.empty{color:#777;font-style:italic}svg{max-width:100%;height:auto}
+"""
+
+# (report.json key, label, how to show its value)
+_SUMMARY: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("status", "status", str),
+    ("model", "model", str),
+    ("device", "device", str),
+    ("executor", "executor", str),
+    ("rows_total", "rows in the input", lambda v: f"{v:,}"),
+    ("rows_ok", "rows ok", lambda v: f"{v:,}"),
+    ("rows_failed", "rows failed (in the error files)", lambda v: f"{v:,}"),
+    ("rows_this_run", "rows committed this run", lambda v: f"{v:,}"),
+    ("rows_resumed", "rows resumed from earlier runs", lambda v: f"{v:,}"),
+    ("prompt_tokens", "prompt tokens (this run)", lambda v: f"{v:,}"),
+    ("completion_tokens", "output tokens (this run)", lambda v: f"{v:,}"),
+    ("rows_deduplicated", "rows copied from identical rows (this run)", lambda v: f"{v:,}"),
+    ("output_tokens_per_s", "output tokens/s (over generation)", lambda v: f"{v:,.1f}"),
+    ("generation_seconds", "generation time", lambda v: f"{v:,.1f} s"),
+    ("model_load_seconds", "model load time", lambda v: f"{v:,.1f} s"),
+    ("wall_seconds", "whole run", lambda v: f"{v:,.1f} s"),
+    ("prefix_cache_hit_rate", "prefix-cache hit rate", lambda v: f"{v:.1%}"),
+    ("shards_committed", "shards committed this run", lambda v: f"{v:,}"),
+    ("shards_recomputed", "shards recomputed (files gone)", lambda v: f"{v:,}"),
+    ("output", "output", str),
+    ("error", "error", str),
+]
+
+
+def write_report_html(store: OutputStore, report: JobReport, history: RunHistory | None) -> None:
+    """Write report.html under ``store`` (atomically, as report.json). A page that cannot be
+    drawn (matplotlib missing or failing) is a warning, not a failed job: the rows are
+    committed and report.json has every number. A failing store raises, as for report.json."""
+    try:
+        page = render_report_html(report, history)
+    except Exception as exc:
+        hint = " (pip install matplotlib)" if isinstance(exc, ImportError) else ""
+        log.warning(
+            "report.html not written (%s: %s)%s; report.json has the numbers",
+            type(exc).__name__,
+            exc,
+            hint,
+        )
+        return
+    store.write_atomic(REPORT_HTML_NAME, page.encode())
+
+
+def render_report_html(report: JobReport, history: RunHistory | None = None) -> str:
+    """The page for ``report`` with the plots of ``history``. Raises ImportError without
+    matplotlib (imported here, not with the module: only a finished run draws plots)."""
+    from tokenmill.jobs import report_plots as plots
+
+    raw = json.loads(report.to_json())
+    title = f"tokenmill job {report.job}: {report.status}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        _summary_table(raw),
+        _throughput(plots, report),
+        _lengths(plots, report),
+        _prefix_cache(plots, report, history),
+        _replicas(plots, report, history),
+        _speculative(plots, report, history),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _summary_table(raw: dict[str, Any]) -> str:
+    rows = []
+    for key, label, show in _SUMMARY:
+        value = raw.get(key)
+        if value is None or value == "":
+            continue
+        cls = ' class="num"' if isinstance(value, (int, float)) else ""
+        rows.append(
+            f'<tr><th>{_e(label)}</th><td{cls} data-key="{key}" '
+            f'data-value="{_e(json.dumps(value))}">{_e(show(value))}</td></tr>'
+        )
+    spec = raw.get("speculative")
+    if spec:
+        text = (
+            f"{spec['method']}: {spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafts "
+            f"accepted ({spec['acceptance_rate']:.1%})"
+        )
+        rows.append(
+            f'<tr><th>speculative decoding</th><td data-key="speculative" '
+            f'data-value="{_e(json.dumps(spec))}">{_e(text)}</td></tr>'
+        )
+    return '<h2>Summary</h2><table class="summary">' + "".join(rows) + "</table>"
+
+
+def _throughput(plots: ModuleType, report: JobReport) -> str:
+    svg = plots.throughput_plot(report.throughput_over_time, report.output_tokens_per_s)
+    return _section(
+        "Throughput over time",
+        svg,
+        "output tokens generated per second between samples (rows still generating included)",
+        _too_short(report) if report.completion_tokens else "no output tokens generated this run",
+    )
+
+
+def _lengths(plots: ModuleType, report: JobReport) -> str:
+    figures = []
+    for what, hist in (("prompt", report.prompt_lengths), ("output", report.output_lengths)):
+        if not hist or not hist["rows"]:
+            continue
+        w, start = hist["bin_width"], hist["start"]
+        bins = [(start + i * w, start + (i + 1) * w, c) for i, c in enumerate(hist["counts"])]
+        svg = plots.length_histogram_plot(bins, what)
+        caption = (
+            f"{what}: {hist['rows']:,} rows, mean {hist['mean']:,} tokens, "
+            f"min {hist['min']:,}, max {hist['max']:,} (bins of {w})"
+        )
+        figures.append(f"<figure>{svg}<figcaption>{_e(caption)}</figcaption></figure>")
+    body = (
+        f'<div class="row">{"".join(figures)}</div>'
+        if figures
+        else '<p class="empty">no row finished with a completion this run</p>'
+    )
+    return "<h2>Prompt and output lengths</h2>" + body
+
+
+def _prefix_cache(plots: ModuleType, report: JobReport, history: RunHistory | None) -> str:
+    svg, empty = None, _too_short(report)
+    if history is not None and history.points:
+        t = [s for s, _ in history.points]
+        q = [p.counters.prefix_queried_tokens for _, p in history.points]
+        h = [p.counters.prefix_hit_tokens for _, p in history.points]
+        svg = plots.hit_rate_plot(t, q, h, "prompt tokens found cached (%)")
+        if not q[-1]:
+            empty = "no prompt token was looked up (engine.enable_prefix_caching is off?)"
+    return _section(
+        f"Prefix-cache hit rate: {report.prefix_cache_hit_rate:.1%}",
+        svg,
+        "share of the prompt tokens looked up that the prefix cache already held",
+        empty,
+    )
+
+
+def _replicas(plots: ModuleType, report: JobReport, history: RunHistory | None) -> str:
+    if history is None or not history.replicas or not history.points:
+        return _section("Per-replica progress", None, "", "no replica reported this run")
+    names = _replica_labels(history.replicas)
+    t = [s for s, _ in history.points]
+    # a point taken before a replica was first heard from has no entry for it yet: 0
+    series = {
+        name: [p.replica_tokens[i] if i < len(p.replica_tokens) else 0 for _, p in history.points]
+        for i, name in enumerate(names)
+    }
+    svg = plots.replica_progress_plot(t, series)
+    caption = "output tokens each replica generated"
+    rows = []
+    for replica, label in zip(history.replicas, names, strict=True):
+        c = history.last_counters[replica]
+        rows.append(
+            f"<tr><th>{_e(label)}</th><td>{_e(replica)}</td>"
+            f'<td class="num">{c.output_tokens:,}</td>'
+            f'<td class="num">{c.prefix_cache_hit_rate:.1%}</td>'
+            f'<td class="num">{c.accepted_tokens:,} of {c.draft_tokens:,}</td></tr>'
+        )
+    table = (
+        "<table><tr><th>replica</th><th>id</th><th>output tokens</th>"
+        "<th>prefix-cache hit rate</th><th>drafts accepted</th></tr>" + "".join(rows) + "</table>"
+    )
+    return _section("Per-replica progress", svg, caption, _too_short(report)) + table
+
+
+def _speculative(plots: ModuleType, report: JobReport, history: RunHistory | None) -> str:
+    spec = report.speculative
+    if not spec:
+        return (
+            '<h2>Speculative decoding</h2><p class="empty">off for this job '
+            "(engine.speculative.method)</p>"
+        )
+    svg = None
+    if history is not None and history.points:
+        t = [s for s, _ in history.points]
+        d = [p.counters.draft_tokens for _, p in history.points]
+        a = [p.counters.accepted_tokens for _, p in history.points]
+        svg = plots.hit_rate_plot(t, d, a, "drafts accepted (%)")
+    title = (
+        f"Speculative decoding ({spec['method']}): {spec['acceptance_rate']:.1%} of drafts "
+        f"accepted, {spec['mean_accepted_per_drafted_row']} a drafted row and step"
+    )
+    empty = _too_short(report) if spec["draft_tokens"] else "no drafts were made this run"
+    return _section(title, svg, "share of the draft tokens the model accepted", empty)
+
+
+def _too_short(report: JobReport) -> str:
+    """Why a plot over time is missing from a run that did generate."""
+    return (
+        f"no plot: {report.generation_seconds:.1f} s of generation gave fewer than two samples "
+        "(about one a second); the run's totals are in the summary"
+    )
+
+
+def _section(title: str, svg: str | None, caption: str, empty: str) -> str:
+    if svg is None:
+        return f'<h2>{_e(title)}</h2><p class="empty">{_e(empty)}</p>'
+    note = f"<figcaption>{_e(caption)}</figcaption>" if caption else ""
+    return f"<h2>{_e(title)}</h2><figure>{svg}{note}</figure>"
+
+
+def _replica_labels(replicas: list[str]) -> list[str]:
+    """Short names for the plot's legend: Ray actor ids are 32 hex digits."""
+    return [f"replica {i + 1}" for i in range(len(replicas))]
+
+
+def _e(text: str) -> str:
+    return html.escape(text, quote=True)

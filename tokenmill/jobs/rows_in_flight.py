@@ -1,0 +1,75 @@
+"""RowsInFlight: the rows an executor has in its engine, each as one or more engine requests.
+
+An engine request makes one completion. A row asking for ``n`` completions (OpenAI's ``n``)
+becomes n requests through ``sample_groups.py``, as ``LLM.generate`` expands them, added
+together so the later ones reuse the prompt's cached KV blocks; its result waits for all n:
+
+    row 7, n=3 ─► "7", "7.1", "7.2" ─► engine ─► outputs, any order ─┐
+                                                                      ├─► gather ─► row 7's
+                  finish("7.2"), finish("7"): None ... finish("7.1") ─┘    RequestOutput
+
+A plain row is one request under its own id, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sample_groups import SampleGroup
+from tokenmill.io.rows import InputRow
+
+__all__ = ["RowsInFlight"]
+
+
+@dataclass
+class _Row:
+    row: InputRow
+    group: SampleGroup
+    samples: dict[str, RequestOutput] = field(default_factory=dict)
+
+
+class RowsInFlight:
+    """Rows by engine request id; see the module docstring. Not thread-safe: the engine's
+    thread owns it."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, _Row] = {}
+        self._rows = 0
+
+    def add(self, row: InputRow, group: SampleGroup) -> None:
+        """Track ``row`` once all of ``group``'s requests are in the engine."""
+        entry = _Row(row, group)
+        for rid, _ in group.requests():
+            self._by_request[rid] = entry
+        self._rows += 1
+
+    def finish(self, out: RequestOutput) -> tuple[InputRow, RequestOutput] | None:
+        """Record a finished request; the row and its whole output once its last request
+        finished, else None. When one of a row's requests failed (``out.error``), that
+        output is the row's. Raises KeyError for a request id that is not in flight."""
+        entry = self._by_request.pop(out.request_id)
+        entry.samples[out.request_id] = out
+        if len(entry.samples) < entry.group.num_samples:
+            return None
+        self._rows -= 1
+        failed = next((s for s in entry.samples.values() if s.error is not None), None)
+        if failed is not None:
+            return entry.row, failed
+        return entry.row, entry.group.gather(entry.samples)
+
+    def request_ids(self) -> list[str]:
+        """The engine request ids still in flight (to abort them)."""
+        return list(self._by_request)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._by_request)
+
+    def __len__(self) -> int:
+        """Rows in flight (a row of n requests counts once)."""
+        return self._rows
+
+    def clear(self) -> None:
+        self._by_request.clear()
+        self._rows = 0
