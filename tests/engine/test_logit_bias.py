@@ -8,21 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.devices import DEVICES
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -5,20 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.devices import DEVICES
 from tokenmill.engine.sampler import Sampler, SamplerOutput, apply_penalties
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.sampling_params import SamplingParams
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-        ],
-    ),
-]
 
 
 def _sample(
