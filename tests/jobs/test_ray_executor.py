@@ -16,7 +16,8 @@ import pytest
 
 from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
 from tokenmill import run_job
-from tokenmill.io.rows import InputRow
+from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs import runner
 from tokenmill.jobs.spec import JobSpec
 
 ray = pytest.importorskip("ray")
@@ -79,26 +80,33 @@ def test_ray_gives_the_same_rows_as_local(
     assert report.generation_seconds + report.model_load_seconds <= report.wall_seconds + 0.01
 
 
-class _CancelAfterFirstShard(threading.Event):
-    """Reads as set once the manifest records a shard: a deterministic mid-job cancel."""
+def _cancel_at_first_shard(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when the runner hands its first complete shard to the writer: the
+    run stops after that result, with that shard committed and later rows still to do.
+    Deterministic, unlike watching the manifest, which the writer thread may update only
+    after the engine has finished every row."""
+    cancel = threading.Event()
 
-    def __init__(self, manifest: Path) -> None:
-        super().__init__()
-        self.manifest = manifest
+    class Cancelling(runner.ShardWriter):
+        def submit(self, shard: int, results: list[ResultRow]) -> None:
+            super().submit(shard, results)
+            cancel.set()
 
-    def is_set(self) -> bool:
-        return super().is_set() or (
-            self.manifest.exists() and bool(json.loads(self.manifest.read_text())["shards"])
-        )
+    monkeypatch.setattr(runner, "ShardWriter", Cancelling)
+    return cancel
 
 
 def test_ray_resumes_a_cancelled_job_with_every_row_once(
-    tiny_model: Path, job_input: Path, local_outputs: dict[str, Any]
+    tiny_model: Path,
+    job_input: Path,
+    local_outputs: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     out = job_input.parent / "resume"
     local = job_dict(tiny_model, job_input, out, **SMALL)
-    cancel = _CancelAfterFirstShard(out / "test.manifest.json")
+    cancel = _cancel_at_first_shard(monkeypatch)
     first = run_job(local, cancel=cancel, show_progress=False)
+    monkeypatch.undo()
     assert first.status == "cancelled" and 0 < first.rows_this_run < 15
 
     resumed = run_job(
