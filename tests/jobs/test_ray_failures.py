@@ -113,6 +113,10 @@ def test_a_replica_killed_mid_job_costs_no_row(
     assert any("Ray replica" in r.message and "failed" in r.message for r in caplog.records)
     assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards"), f"seed {seed}"
     assert read_jsonl_dir(out / "errors") == []
+    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    assert failures["replicas"] >= 1 and failures["rows_rerun"] >= 1, failures
+    assert failures["rows_isolated"] == 0
+    assert "Ray replica failures" in (out / "report.html").read_text()
 
 
 def test_poison_rows_are_isolated_and_every_other_row_is_written(
@@ -135,3 +139,6 @@ def test_poison_rows_are_isolated_and_every_other_row_is_written(
         message = errors[row_id]["error"]
         assert "failed every engine replica that ran it" in message and what in message, message
     assert _rows_by_id(out, "shards") == {k: v for k, v in expected.items() if k not in errors}
+    # each poison row: three failures of its lineage, the last alone, before it is skipped
+    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    assert failures["rows_isolated"] == 2 and failures["replicas"] >= 6, failures

@@ -166,6 +166,7 @@ def _synthetic_run() -> tuple[JobReport, RunHistory]:
         model="smollm2-135m-instruct",
         device="ray: 2 replicas",
         speculative=(sum(counts.values(), EngineCounters())).speculative("suffix"),
+        replica_failures={"replicas": 3, "rows_rerun": 40, "rows_isolated": 1},
         throughput_over_time=[(float(t), 950 * t) for t in range(61)],
         prompt_lengths=history.prompt_lengths.to_dict(),
         output_lengths=history.output_lengths.to_dict(),
@@ -188,6 +189,9 @@ def test_a_page_with_every_plot() -> None:
     )
     assert "actor-1" in page and "actor-2" in page and "replica 2" in page
     assert "Speculative decoding (suffix): 45.0% of drafts accepted" in page
+    assert check.values["replica_failures"] == report.replica_failures
+    assert "3 replicas replaced; 40 rows ran again, 1 isolated" in page
+    assert "3 failed and were replaced; 40 rows they held ran again" in report.summary()
 
 
 def test_a_page_without_samples_says_why() -> None:

@@ -61,6 +61,7 @@ from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery
+from tokenmill.jobs.ray_replica_failures import ReplicaFailures
 from tokenmill.jobs.ray_replica_pool import (
     ChunkDone,
     PoolEvent,
@@ -142,6 +143,7 @@ class RayExecutor:
         self._by_prefix = spec.planner.settings().by_prefix and self.replicas > 1
         self._router: PrefixRouter | None = None  # one per process() call, for prefix
         self._replica_of: dict[int, int] = {}  # row index -> the replica it was routed to
+        self.failures = ReplicaFailures()  # this executor's, over all process() calls
 
     def start(self) -> ReplicaPool:
         """Start the replicas (once; ``process`` does it): they load their models while the
@@ -252,6 +254,7 @@ class RayExecutor:
         """A replica failed: its chunks run again as suspects, a poison row gets its error,
         and the rows waiting for it go to the replicas still up."""
         rows = sum(len(c) for c in event.chunks)
+        self.failures.replicas += 1
         log.warning(
             "Ray replica %d failed with %d rows in flight (%s); a new replica takes its "
             "place, and its rows run again",
@@ -265,8 +268,10 @@ class RayExecutor:
             if isinstance(outcome, ResultRow):
                 log.error("row %s skipped: %s", outcome.row_id, outcome.error)
                 poisoned.append(outcome)
+                self.failures.rows_isolated += 1
             else:
                 run.suspects.extend(outcome)
+                self.failures.rows_rerun += sum(len(c) for c in outcome)
         waiting, run.pending[event.slot.index] = run.pending[event.slot.index], []
         for row in waiting:
             run.pending[self._route(row, run).index].append(row)

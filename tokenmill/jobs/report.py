@@ -31,6 +31,9 @@ class JobReport:
     generation_seconds: float = 0.0  # model loaded to last result: what throughput is over
     prefix_cache_hit_rate: float = 0.0
     speculative: dict | None = None  # draft counts when engine.speculative is on (this run)
+    # Ray only: ReplicaFailures as a dict (replicas lost and replaced, rows they held sent
+    # again, poison rows isolated into the error file); None for the local executor
+    replica_failures: dict | None = None
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
     executor: str = "local"
@@ -97,6 +100,12 @@ class JobReport:
                 f"  speculative {s['method']}: {s['accepted_tokens']} of {s['draft_tokens']} "
                 f"drafts accepted ({s['acceptance_rate']:.1%}), "
                 f"{s['mean_accepted_per_drafted_row']} a drafted row and step"
+            )
+        if self.replica_failures and self.replica_failures["replicas"]:
+            f = self.replica_failures
+            lines.append(
+                f"  replicas    {f['replicas']} failed and were replaced; {f['rows_rerun']} "
+                f"rows they held ran again, {f['rows_isolated']} isolated (error file)"
             )
         lines.append(f"  output      {self.output}")
         if self.shards_recomputed:

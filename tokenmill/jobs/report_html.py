@@ -121,6 +121,16 @@ def _summary_table(raw: dict[str, Any]) -> str:
             f'<tr><th>{_e(label)}</th><td{cls} data-key="{key}" '
             f'data-value="{_e(json.dumps(value))}">{_e(show(value))}</td></tr>'
         )
+    failures = raw.get("replica_failures")
+    if failures is not None:
+        text = (
+            f"{failures['replicas']:,} replicas replaced; {failures['rows_rerun']:,} rows ran "
+            f"again, {failures['rows_isolated']:,} isolated into the error file"
+        )
+        rows.append(
+            f'<tr><th>Ray replica failures</th><td data-key="replica_failures" '
+            f'data-value="{_e(json.dumps(failures))}">{_e(text)}</td></tr>'
+        )
     spec = raw.get("speculative")
     if spec:
         text = (

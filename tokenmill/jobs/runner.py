@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
@@ -242,6 +243,9 @@ def _run_locked(
             method = spec.engine.speculative.method
             if method != "off":
                 report.speculative = counters.speculative(method)
+            failures = getattr(executor, "failures", None)  # Ray's replicas only
+            if failures is not None:
+                report.replica_failures = asdict(failures)
             executor.close()
 
     if cancel.is_set():
