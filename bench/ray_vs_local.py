@@ -25,9 +25,10 @@ replica's Ray worker gets one: the local leg is pinned to the same).
         [--max-tokens 32] [--model tiny] [--repeat 1] [--json out.json]
 
 Prints one JSON line per leg (rows/s, tok/s, steps, steps below a full batch) and one with
-the ratios (best leg against best leg, which the goal is judged on, and each local/ray pair's,
-run back to back: on a machine shared with other work the spread between pairs is the noise)
-and whether the goal holds; exit status 1 when it does not.
+the ratios: each local/ray pair's (run back to back, which leg goes first alternating; on a
+machine shared with other work the spread between pairs is the noise), their median, which
+the goal is judged on, and best leg against best leg; and whether the goal holds; exit
+status 1 when it does not.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -166,7 +168,9 @@ def main() -> None:
         legs: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
         try:
             for i in range(args.repeat):
-                for name in ("local", "ray"):
+                # alternate which leg goes first, so a drift in the machine's speed
+                # falls on both alike
+                for name in ("local", "ray") if i % 2 == 0 else ("ray", "local"):
                     out = folder / f"{name}-{i}"
                     spec = job(model, src, out, args, ray_leg=name == "ray")
                     leg = run_leg(name, spec, args.max_num_seqs)
@@ -176,18 +180,20 @@ def main() -> None:
             ray.shutdown()
 
     best = {name: max(runs, key=lambda r: r["tok_per_s"]) for name, runs in legs.items()}
-    rows_ratio = best["ray"]["rows_per_s"] / best["local"]["rows_per_s"]
-    tok_ratio = best["ray"]["tok_per_s"] / best["local"]["tok_per_s"]
     by_pair = sorted(
         ray_leg["tok_per_s"] / local_leg["tok_per_s"]
         for local_leg, ray_leg in zip(legs["local"], legs["ray"], strict=True)
     )
+    # Both legs run the same rows and tokens: rows/s and tok/s ratios are the same number.
+    # The goal is judged on the median pair (each pair back to back), which one lucky or
+    # unlucky leg on a machine shared with other work cannot move; best against best too.
+    median = statistics.median(by_pair)
     summary = {
-        "ratio_rows_per_s": round(rows_ratio, 3),
-        "ratio_tok_per_s": round(tok_ratio, 3),
+        "ratio_tok_per_s_median_pair": round(median, 3),
+        "ratio_tok_per_s_best": round(best["ray"]["tok_per_s"] / best["local"]["tok_per_s"], 3),
         "ratio_tok_per_s_by_pair": [round(x, 3) for x in by_pair],
         "goal": GOAL,
-        "goal_met": min(rows_ratio, tok_ratio) >= GOAL,
+        "goal_met": median >= GOAL,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     print(json.dumps(summary), flush=True)

@@ -39,7 +39,7 @@ def _rows() -> list[InputRow]:
         _row(3, messages=[{"role": "user", "content": "x" * 300}], sampling={"max_tokens": 3}),
         _row(4, prompt="plain, with per-row sampling", sampling={"temperature": 0.7, "seed": 1}),
         _row(5, messages=chat, sampling={"top_p": 1.5}),  # out of range: a row error
-        _row(6, messages=chat, sampling={"best_of": 2}),  # unsupported: a row error
+        _row(6, messages=chat, sampling={"best_of": 0}),  # out of range: a row error
         _row(7),  # neither prompt nor messages
         _row(8, messages=[{"role": "user", "content": "ünïcödé ✓ 🚀"}], custom_id="c8"),
     ]
@@ -127,3 +127,36 @@ def test_the_reader_gets_a_tokenizer_of_its_own(tokenizer: Any) -> None:
     assert copy is not tokenizer and copy.backend_tokenizer is not tokenizer.backend_tokenizer
     assert copy.chat_template == tokenizer.chat_template
     assert copy.encode("same ids") == tokenizer.encode("same ids")
+
+
+def test_warm_up_renders_and_encodes_once_and_never_raises(tokenizer: Any) -> None:
+    """The warm-up pays the template's compile at load; a tokenizer that cannot template or
+    encode leaves the error to the rows."""
+    calls: list[str] = []
+
+    class Counting:
+        def __init__(self, inner: Any, fail: bool) -> None:
+            self.inner, self.fail = inner, fail
+            self.chat_template = inner.chat_template
+
+        def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append("template")
+            if self.fail:
+                raise RuntimeError("template broken")
+            return self.inner.apply_chat_template(*args, **kwargs)
+
+        def __call__(self, texts: list[str], **kwargs: Any) -> Any:
+            calls.append("encode")
+            if self.fail:
+                raise RuntimeError("encode broken")
+            return self.inner(texts, **kwargs)
+
+    RowPreparer(Counting(tokenizer, fail=False), DEFAULTS, "m").warm_up()
+    assert calls == ["template", "encode"]
+    calls.clear()
+    broken = RowPreparer(Counting(tokenizer, fail=True), DEFAULTS, "m")
+    broken.warm_up()
+    assert calls == ["template", "encode"]
+    bare = own_tokenizer(tokenizer)
+    bare.chat_template = None
+    RowPreparer(bare, DEFAULTS, "m").warm_up()  # no template: nothing to warm, no error

@@ -58,6 +58,7 @@ class RowProcessor:
         self.prepare = RowPreparer(
             own_tokenizer(self.tokenizer), spec.sampling.model_dump(), spec.model.source
         )
+        self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format
         self._in_flight = RowsInFlight()
         self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far

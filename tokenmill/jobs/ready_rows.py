@@ -61,6 +61,19 @@ class RowPreparer:
         self.model = model
         self._default_params: SamplingParams | None = None
 
+    def warm_up(self) -> None:
+        """Render and encode one short conversation, so that first-use costs are paid at
+        load, not by the first rows: compiling the chat template, and the first isinstance
+        checks against ABCs in transformers' message handling, which scan every subclass
+        loaded (0.3 s in a Ray worker, 15x a batch of rows). Failures are the rows' to
+        report: ignored here."""
+        row = InputRow(-1, "warm-up", "warm-up", messages=[{"role": "user", "content": "hi"}])
+        try:
+            self._text(row)  # the rows' own path: template errors are swallowed there
+            self.tokenizer(["hi"], add_special_tokens=False)
+        except Exception as exc:  # an odd tokenizer: the rows will say what is wrong
+            log.debug("tokenizer warm-up failed (%s: %s)", type(exc).__name__, exc)
+
     def __call__(self, rows: list[InputRow]) -> list[ReadyRow | ResultRow]:
         encoded: list[list[int] | ResultRow] = [[] for _ in rows]
         texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}  # special tokens?
