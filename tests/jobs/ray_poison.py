@@ -5,7 +5,8 @@ Ray runs ``install`` in each worker process it starts for the job (``ray.init(ru
 {"worker_process_setup_hook": "tests.jobs.ray_poison.install"})``), so the replicas' own
 engines change; the driver's do not. From then on, an engine step taken while a request
 whose prompt holds ``RAISE`` is in the engine raises RuntimeError (the replica's engine
-fails mid-batch), and one holding ``KILL`` SIGKILLs its own process (a native crash). The
+fails mid-batch), one holding ``KILL`` SIGKILLs its own process (a native crash), and one
+holding ``HANG`` never returns (a hung engine: the process lives, and answers calls). The
 recovery that follows is the executor's own; nothing here touches it.
 """
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 RAISE = "POISON-RAISE"
 KILL = "POISON-KILL"
+HANG = "POISON-HANG"
 
 
 def install() -> None:
@@ -28,7 +31,7 @@ def install() -> None:
     def marked_add_request(self: Any, request_id: str, prompt_ids: list[int], params: Any) -> None:
         add_request(self, request_id, prompt_ids, params)
         text = self.tokenizer.decode(prompt_ids)
-        for mark in (KILL, RAISE):
+        for mark in (KILL, RAISE, HANG):
             if mark in text:
                 self.__dict__.setdefault("_poison_marks", set()).add(mark)
 
@@ -36,6 +39,8 @@ def install() -> None:
         marks = self.__dict__.get("_poison_marks", set())
         if KILL in marks:
             os.kill(os.getpid(), signal.SIGKILL)
+        if HANG in marks:
+            threading.Event().wait()  # forever; the GIL is free, as in a hung native call
         if RAISE in marks:
             raise RuntimeError(f"the test engine cannot run a prompt holding {RAISE}")
         return step(self)

@@ -24,7 +24,7 @@ import yaml
 
 from tests.jobs import ray_poison
 from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
-from tests.jobs.ray_poison import KILL, RAISE
+from tests.jobs.ray_poison import HANG, KILL, RAISE
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
 
@@ -142,3 +142,27 @@ def test_poison_rows_are_isolated_and_every_other_row_is_written(
     # each poison row: three failures of its lineage, the last alone, before it is skipped
     failures = json.loads((out / "report.json").read_text())["replica_failures"]
     assert failures["rows_isolated"] == 2 and failures["replicas"] >= 6, failures
+
+
+def test_a_hung_engine_is_replaced_and_its_row_isolated(tiny_model: Path, tmp_path: Path) -> None:
+    """An engine that stops stepping while it holds rows (the process alive, answering) is
+    killed after execution.stall_timeout_s; the row that hangs every replica it runs on is
+    isolated, every other row is written."""
+    rows = chat_rows(10)
+    rows[3]["messages"][0]["content"] += f" {HANG}"
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
+    expected = _rows_by_id(tmp_path / "local", "shards")
+
+    out = tmp_path / "ray"
+    execution = {**RAY, "stall_timeout_s": 2.0}
+    started = time.monotonic()
+    assert _run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 0
+    assert time.monotonic() - started < 120
+
+    errors = _rows_by_id(out, "errors")
+    assert sorted(errors) == ["r0003"]
+    assert "took no step for" in errors["r0003"]["error"], errors["r0003"]["error"]
+    assert _rows_by_id(out, "shards") == {k: v for k, v in expected.items() if k != "r0003"}
+    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    assert failures["rows_isolated"] == 1 and failures["replicas"] >= 3, failures

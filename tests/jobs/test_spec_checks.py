@@ -79,6 +79,8 @@ WRONG_TYPES = [
     ("engine", "kv_cache_memory", 1.5, "a number in (0, 1]"),
     ("execution", "replicas", True, "expected an integer, got true"),
     ("execution", "ray_address", 5, "expected a string, got 5"),
+    ("execution", "stall_timeout_s", "60", "expected a number, got the string '60'"),
+    ("execution", "stall_timeout_s", 0, "must be greater than 0, got 0"),
 ]
 
 

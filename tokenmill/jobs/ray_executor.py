@@ -155,7 +155,12 @@ class RayExecutor:
                 spec_dict["model"]["source"] = os.path.abspath(source)
             self._started = time.monotonic()
             self._pool = ReplicaPool(
-                spec_dict, source, self.replicas, self._resources, CHUNKS_PER_REPLICA
+                spec_dict,
+                source,
+                self.replicas,
+                self._resources,
+                CHUNKS_PER_REPLICA,
+                self.spec.execution.stall_timeout_s,
             )
         return self._pool
 

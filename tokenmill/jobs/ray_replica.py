@@ -121,6 +121,7 @@ class EngineReplica:
         self._waiting: dict[int, _Waiting] = {}  # row index -> its chunk
         self._failure: str | None = None
         self._batches = StepBatches()
+        self._steps = 0  # engine steps taken: what the driver's stall watch reads
         threading.Thread(target=self._serve, name="tokenmill-replica-engine", daemon=True).start()
 
     def ready(self) -> ReplicaInfo:
@@ -128,6 +129,10 @@ class EngineReplica:
         engine has failed."""
         self._check()
         return self._info
+
+    def steps(self) -> int:
+        """Engine steps taken so far (answered on an actor thread while the engine runs)."""
+        return self._steps
 
     def run(self, rows: list[InputRow]) -> ChunkResult:
         """Run one chunk of good rows; returns when every row has its result. Raises
@@ -167,6 +172,7 @@ class EngineReplica:
             waiting.done.set()
 
     def _note_step(self) -> None:
+        self._steps += 1
         # rows registered and no longer in the inbox are in the engine (this step's finished
         # rows included: they are delivered after this call)
         self._batches.add(len(self._waiting) - len(self._inbox))

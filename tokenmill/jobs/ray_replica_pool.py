@@ -22,7 +22,9 @@ Ray's own recovery does not fit here, and is off:
   with ReplicaStartError, while a replica that keeps dying *after* it is up (poison rows)
   is replaced as often as needed.
 
-An engine that raises leaves its process alive but unusable: the pool kills it first.
+An engine that raises leaves its process alive but unusable: the pool kills it first. So
+does a replica that holds rows and has taken no engine step for ``stall_timeout_s``
+(ray_stall_watch.py): a hung engine would otherwise hold its rows forever.
 ``poll`` waits (``ray.wait``) on every chunk in flight and every replica starting, and turns
 what finished into typed events; the executor only ever sees events.
 """
@@ -40,6 +42,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from tokenmill.jobs.ray_chunks import Chunk
 from tokenmill.jobs.ray_replica import ChunkResult, EngineReplica, ReplicaInfo
+from tokenmill.jobs.ray_stall_watch import StallWatch
 
 __all__ = [
     "MAX_FAILED_STARTS",
@@ -55,7 +58,7 @@ __all__ = [
 log = logging.getLogger("tokenmill.jobs")
 
 MAX_FAILED_STARTS = 3  # deaths of a replica in a row before it is up: the job fails
-_EXTRA_CALLS = 2  # actor threads beyond the chunks in flight: ready() while chunks run
+_EXTRA_CALLS = 2  # actor threads beyond the chunks in flight: ready() and steps()
 
 
 class ReplicaStartError(RuntimeError):
@@ -75,6 +78,7 @@ class ReplicaSlot:
     failed_starts: int = 0  # actors in a row that died before they were up
     isolated: bool = False  # running one suspect chunk, alone (ray_chunks.py)
     starting: Any = None  # the ObjectRef of its pending ready() call
+    watch: StallWatch | None = None  # None: never declared stalled
 
     @property
     def key(self) -> str:
@@ -133,6 +137,7 @@ class ReplicaPool:
         replicas: int,
         resources: dict[str, float],
         chunks_per_replica: int,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self._args = (spec_dict, model_name)
         self._name = f"tokenmill-{spec_dict['name']}-{uuid.uuid4().hex[:8]}-replica"
@@ -145,7 +150,10 @@ class ReplicaPool:
         }
         self._model = model_name
         self._dropped: list[Any] = []  # calls of failed replicas, read only to release them
-        self.slots = [ReplicaSlot(i) for i in range(replicas)]
+        self.slots = [
+            ReplicaSlot(i, watch=None if stall_timeout_s is None else StallWatch(stall_timeout_s))
+            for i in range(replicas)
+        ]
         for slot in self.slots:
             self._start(slot)
 
@@ -153,6 +161,8 @@ class ReplicaPool:
         """Send ``chunk`` to ``slot`` (which must be up); ``alone``: as a suspect, with
         nothing else there until it returns."""
         ref = slot.actor.run.remote(list(chunk.rows))
+        if not slot.running and slot.watch is not None:  # busy from now: watched from now
+            self._reset_watch(slot)
         slot.running[ref] = chunk
         slot.isolated = alone
 
@@ -189,7 +199,26 @@ class ReplicaPool:
             if ref == slot.starting:
                 self._start_failed(slot, exc)
             elif ref in slot.running:  # not dropped already with an earlier failure
-                events.append(self._lost(slot, exc))
+                events.append(self._lost(slot, self._reason(slot, exc)))
+        return events + self._stalled()
+
+    def _stalled(self) -> list[PoolEvent]:
+        """Replicas holding rows whose engines stopped stepping: killed, their chunks lost."""
+        now = time.monotonic()
+        events: list[PoolEvent] = []
+        for slot in self.slots:
+            watch = slot.watch
+            if watch is None or not slot.up or not slot.running:
+                continue
+            if watch.stalled(slot.actor, now):
+                pid = slot.info.pid if slot.info else "?"
+                reason = (
+                    f"the replica's engine (pid {pid}) took no step for "
+                    f"{now - watch.moved_at:.0f} s while it held rows (execution."
+                    "stall_timeout_s): a hung engine"
+                )
+                self._kill(slot)
+                events.append(self._lost(slot, reason))
         return events
 
     def close(self) -> None:
@@ -206,6 +235,14 @@ class ReplicaPool:
         slot.actor = self._class.options(name=name, **self._options).remote(*self._args)
         slot.info = None
         slot.starting = slot.actor.ready.remote()
+        if slot.watch is not None:
+            self._reset_watch(slot)
+
+    def _reset_watch(self, slot: ReplicaSlot) -> None:
+        assert slot.watch is not None
+        if slot.watch.asked is not None:  # an answer no longer wanted: released later
+            self._dropped.append(slot.watch.asked)
+        slot.watch.reset(time.monotonic())
 
     def _kill(self, slot: ReplicaSlot) -> None:
         try:
@@ -213,20 +250,24 @@ class ReplicaPool:
         except Exception as exc:  # gone already, with its Ray cluster
             log.debug("killing replica %d: %s", slot.index, exc)
 
-    def _lost(self, slot: ReplicaSlot, exc: BaseException) -> ReplicaLost:
-        """``slot`` failed: every chunk it held is lost; a new actor takes its place."""
+    def _reason(self, slot: ReplicaSlot, exc: BaseException) -> str:
+        """What ``exc`` (a failed call) says happened to ``slot``; kills a replica that may
+        be alive, but not in a state to trust."""
         pid = slot.info.pid if slot.info else "?"
         if isinstance(exc, RayActorError):
-            reason = (
+            return (
                 f"the replica's process (pid {pid}) died: killed, out of memory, or a crash "
                 "in native code"
             )
-        else:
-            if isinstance(exc, RayTaskError):
-                reason = f"the replica's engine raised {exc.cause}"
-            else:  # an object lost with its node, say: the replica's state is unknown too
-                reason = f"Ray lost the replica's work ({type(exc).__name__}: {exc})"
-            self._kill(slot)  # may be alive, but not in a state to trust
+        self._kill(slot)
+        if isinstance(exc, RayTaskError):
+            return f"the replica's engine raised {exc.cause}"
+        # an object lost with its node, say: the replica's state is unknown too
+        return f"Ray lost the replica's work ({type(exc).__name__}: {exc})"
+
+    def _lost(self, slot: ReplicaSlot, reason: str) -> ReplicaLost:
+        """``slot`` failed (and is dead or killed): every chunk it held is lost; a new actor
+        takes its place."""
         chunks = list(slot.running.values())
         self._dropped.extend(slot.running)
         slot.running.clear()

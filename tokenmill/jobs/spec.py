@@ -194,6 +194,9 @@ class ExecutionSection(_Section):
     executor: Literal["local", "ray"] = "local"
     replicas: StrictInt = Field(1, ge=1)
     ray_address: StrictStr | None = None
+    # Ray: a replica that holds rows and takes no engine step for this long is hung: it is
+    # killed and replaced, and its rows run again. null: wait forever
+    stall_timeout_s: Number | None = Field(600.0, gt=0)
 
 
 _PLANNER = PlannerSettings()
