@@ -108,3 +108,23 @@ def test_the_manifest_record_round_trips() -> None:
     for bad in (None, {}, {"arrow": "not base64 of a schema"}, {"arrow": 5}):
         with pytest.raises(ValueError, match="output_schema"):
             OutputSchema.from_record(bad)
+
+
+def test_the_prompt_logprobs_column_sits_before_the_passthrough_columns() -> None:
+    plain = OutputSchema.of([pa.field("n", pa.int64())], "inferred from all 2 input rows")
+    schema = plain.with_prompt_logprobs()
+    assert schema.schema.names == [*FIXED_COLUMNS, "prompt_logprobs", "n"]
+    assert schema.has_prompt_logprobs and not plain.has_prompt_logprobs
+    assert [f.name for f in schema.passthrough] == ["n"]
+    assert schema.describe() == {"n": "int64"} and schema.row_problem({"n": 1}) is None
+    assert schema.with_prompt_logprobs() is schema
+    back = OutputSchema.from_record(json.loads(json.dumps(schema.to_record())))
+    assert back == schema and back.has_prompt_logprobs
+
+
+def test_a_passthrough_column_named_prompt_logprobs_is_not_the_column() -> None:
+    named = OutputSchema.of([pa.field("prompt_logprobs", pa.string())])
+    assert not named.has_prompt_logprobs
+    assert [f.name for f in named.passthrough] == ["prompt_logprobs"]
+    with pytest.raises(ValueError, match="input.passthrough_columns: 'prompt_logprobs' clashes"):
+        named.with_prompt_logprobs()

@@ -17,7 +17,7 @@ from tokenmill.io.openai_batch_output import (
     result_line,
 )
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.rows import ResultRow
+from tokenmill.io.rows import Choice, ResultRow
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.writers import (
     FIXED_COLUMNS,
@@ -59,6 +59,39 @@ def _batch_rows(endpoint: str, logprobs: bool = False) -> list[ResultRow]:
         ),
         ResultRow(1, "req-1", custom_id="req-1", endpoint=endpoint, error="missing 'messages'"),
     ]
+
+
+# Position 0 has no logprob; at position 1 the prompt token (7) is ranked 3rd, and at
+# position 2 it (9) is the most likely, so it is also the first alternative.
+_PROMPT_LOGPROBS = [
+    None,
+    {
+        "token_id": 7,
+        "token": "a",
+        "logprob": -2.5,
+        "rank": 3,
+        "top_logprobs": [
+            {"token_id": 9, "token": "b", "logprob": -0.5},
+            {"token_id": 4, "token": "c", "logprob": -1.0},
+        ],
+    },
+    {
+        "token_id": 9,
+        "token": "b",
+        "logprob": -0.25,
+        "rank": 1,
+        "top_logprobs": [{"token_id": 9, "token": "b", "logprob": -0.25}],
+    },
+]
+_VLLM_PROMPT_LOGPROBS = [
+    None,
+    {
+        "7": {"logprob": -2.5, "rank": 3, "decoded_token": "a"},
+        "9": {"logprob": -0.5, "rank": 1, "decoded_token": "b"},
+        "4": {"logprob": -1.0, "rank": 2, "decoded_token": "c"},
+    },
+    {"9": {"logprob": -0.25, "rank": 1, "decoded_token": "b"}},
+]
 
 
 def test_shard_names() -> None:
@@ -273,3 +306,53 @@ def test_bytes_are_deterministic(fmt: str) -> None:
 def test_read_results_names_a_missing_file(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="part-00000.jsonl"):
         read_results(OutputStore(str(tmp_path)), ["shards/part-00000.jsonl"], "jsonl")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_prompt_logprobs_in_plain_output(tmp_path, fmt: str) -> None:
+    """The entries are written as they are, after the fixed columns; Parquet reads them back
+    equal, in the schema's column."""
+    rows = [
+        ResultRow(0, "r0", "hi", "stop", 3, 1, {"lang": "en"}, prompt_logprobs=_PROMPT_LOGPROBS),
+        ResultRow(1, "r1", "yo", "stop", 1, 1, {"lang": "fr"}, prompt_logprobs=[None]),
+    ]
+    schema = OutputSchema.of([pa.field("lang", pa.string())]).with_prompt_logprobs()
+    data_name, _ = shard_names(0, fmt)
+    store = OutputStore(str(tmp_path))
+    store.write_atomic(data_name, encode_results(rows, fmt, schema=schema))
+    records = read_results(store, [data_name], fmt)
+    assert [list(r) for r in records] == [[*FIXED_COLUMNS, "prompt_logprobs", "lang"]] * 2
+    assert [r["prompt_logprobs"] for r in records] == [_PROMPT_LOGPROBS, [None]]
+    if fmt == "parquet":
+        assert pq.read_schema(tmp_path / data_name).equals(schema.schema, check_metadata=True)
+
+
+def test_parquet_prompt_logprobs_need_the_column() -> None:
+    row = ResultRow(0, "r0", "hi", "stop", 3, 1, prompt_logprobs=_PROMPT_LOGPROBS)
+    with pytest.raises(ValueError, match="row 'r0' has prompt logprobs, but the job's Parquet"):
+        encode_results([row], "parquet", schema=OutputSchema.of([]))
+    # without a job schema, the shard's own has the column
+    table = pq.read_table(pa.BufferReader(encode_results([row], "parquet")))
+    assert table.column("prompt_logprobs").to_pylist() == [_PROMPT_LOGPROBS]
+    # a schema with the column holds rows without prompt logprobs as nulls
+    plain = ResultRow(1, "r1", "yo", "stop", 1, 1)
+    schema = OutputSchema.of([]).with_prompt_logprobs()
+    table = pq.read_table(pa.BufferReader(encode_results([plain], "parquet", schema=schema)))
+    assert table.column("prompt_logprobs").to_pylist() == [None]
+
+
+def test_openai_batch_prompt_logprobs_where_vllm_writes_them() -> None:
+    """On every choice of a text_completion, on the body of a chat.completion; absent for
+    rows that did not ask."""
+    for endpoint in (COMPLETIONS_ENDPOINT, CHAT_ENDPOINT):
+        row = replace(_batch_rows(endpoint)[0], prompt_logprobs=_PROMPT_LOGPROBS)
+        two = replace(row, choices=(Choice("a", "stop", 1), Choice("b", "length", 1)))
+        body = json.loads(encode_results([two], "openai-batch"))["response"]["body"]
+        if endpoint == COMPLETIONS_ENDPOINT:
+            assert "prompt_logprobs" not in body
+            assert [c["prompt_logprobs"] for c in body["choices"]] == [_VLLM_PROMPT_LOGPROBS] * 2
+        else:
+            assert body["prompt_logprobs"] == _VLLM_PROMPT_LOGPROBS
+            assert all("prompt_logprobs" not in c for c in body["choices"])
+        plain = json.loads(encode_results(_batch_rows(endpoint)[:1], "openai-batch"))
+        assert "prompt_logprobs" not in json.dumps(plain)

@@ -459,7 +459,8 @@ class Fuzzer:
         choices: list[tuple[str, Any]] = [
             ("temprature", 0.5), ("functions", []), (self.lone(), 1), ("", 0), ("echo", False),
             ("prompt" if chat else "messages", "x"), ("n", 129), ("n", True), ("n", 0),
-            ("n", 2.5), ("best_of", 3), ("tools", [{"type": "function"}]),
+            ("n", 2.5), ("best_of", 0), ("best_of", 129), ("best_of", True),
+            ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("tools", [{"type": "function"}]),
             ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", [5]),
             ("response_format", {"type": "xml"}), ("stream", True), ("stream", 0),
             ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", "4"),

@@ -321,3 +321,26 @@ def test_job_helpers_and_bench_specs_validate(tmp_path: Path) -> None:
     }
     path = _write(tmp_path, yaml.safe_dump(bench))
     assert JobSpec.load(path).engine.max_num_seqs == 512
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "what"),
+    [
+        ("best_of", 0, "sampling.best_of: must be greater than or equal to 1, got 0"),
+        ("best_of", 129, "sampling.best_of: must be less than or equal to 128, got 129"),
+        ("best_of", "3", "sampling.best_of: expected an integer, got the string '3'"),
+        ("prompt_logprobs", -1, "sampling.prompt_logprobs: must be greater than or equal to 0"),
+        ("prompt_logprobs", 21, "sampling.prompt_logprobs: must be less than or equal to 20"),
+        ("prompt_logprobs", True, "sampling.prompt_logprobs: expected an integer, got true"),
+    ],
+)
+def test_best_of_and_prompt_logprobs_are_checked(key: str, value: Any, what: str) -> None:
+    assert what in _error(_raw(sampling={key: value}))
+
+
+def test_best_of_and_prompt_logprobs_unset_leave_the_sampling_record_as_it_was() -> None:
+    """Unset, they are not in the settings the fingerprint hashes: earlier jobs resume."""
+    unset = JobSpec.from_dict(_raw()).to_dict()["sampling"]
+    assert "best_of" not in unset and "prompt_logprobs" not in unset
+    spec = JobSpec.from_dict(_raw(sampling={"best_of": 3, "prompt_logprobs": 0}))
+    assert (spec.to_dict()["sampling"]["best_of"], spec.sampling.prompt_logprobs) == (3, 0)

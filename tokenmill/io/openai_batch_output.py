@@ -7,7 +7,10 @@ A good row becomes
                   "body": <a chat.completion or text_completion object>}}
 
 A row that asked for ``n`` completions has n choices (index 0..n-1) in its one line, and
-its ``usage.completion_tokens`` counts them all. A failed row, in the separate error file:
+its ``usage.completion_tokens`` counts them all (with ``best_of``, the n returned). A row that
+asked for prompt logprobs has them where vLLM's OpenAI server writes them (a vLLM field, not
+OpenAI's): on each choice of a text_completion, on the chat.completion itself
+(``prompt_logprobs_column.vllm_prompt_logprobs``). A failed row, in the separate error file:
 
     {"id": "batch_req_<hex>", "custom_id": "...", "response": null,
      "error": {"code": "invalid_request", "message": "..."}}
@@ -25,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, vllm_prompt_logprobs
 from tokenmill.io.rows import Choice, ResultRow
 
 __all__ = ["CHAT_ENDPOINT", "COMPLETIONS_ENDPOINT", "error_line", "result_line"]
@@ -92,7 +96,7 @@ def _usage(row: ResultRow) -> dict[str, int]:
 
 
 def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "id": f"chatcmpl-{_stable_hex('chatcmpl', row, 29)}",
         "object": "chat.completion",
         "created": created,
@@ -108,6 +112,9 @@ def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
         ],
         "usage": _usage(row),
     }
+    if row.prompt_logprobs is not None:
+        body[PROMPT_LOGPROBS] = vllm_prompt_logprobs(row.prompt_logprobs)
+    return body
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
@@ -117,20 +124,25 @@ def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
 
 
 def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
+    choices = [
+        {
+            "index": index,
+            "text": choice.text,
+            "logprobs": _completion_logprobs(choice),
+            "finish_reason": choice.finish_reason,
+        }
+        for index, choice in enumerate(_choices(row))
+    ]
+    if row.prompt_logprobs is not None:
+        prompt_logprobs = vllm_prompt_logprobs(row.prompt_logprobs)
+        for choice_body in choices:  # one prompt: every choice repeats it, as vLLM's do
+            choice_body[PROMPT_LOGPROBS] = prompt_logprobs
     return {
         "id": f"cmpl-{_stable_hex('cmpl', row, 29)}",
         "object": "text_completion",
         "created": created,
         "model": row.model,
-        "choices": [
-            {
-                "index": index,
-                "text": choice.text,
-                "logprobs": _completion_logprobs(choice),
-                "finish_reason": choice.finish_reason,
-            }
-            for index, choice in enumerate(_choices(row))
-        ],
+        "choices": choices,
         "usage": _usage(row),
     }
 

@@ -1,7 +1,8 @@
 """One Parquet schema per job, fixed before its first shard.
 
-    id      text    finish_reason  prompt_tokens  completion_tokens  <passthrough columns>
-    string  string  string         int64          int64              one type each, per job
+    id      text    finish_reason  prompt_tokens  completion_tokens  [prompt_logprobs]  <passthr.>
+    string  string  string         int64          int64              list<struct>       one type
+                                                                     when the job asks  each
 
 Every shard of a job is written with exactly this schema (an empty shard too), so the shards
 read back as one dataset with pyarrow, duckdb or Spark and no options. The passthrough types
@@ -14,7 +15,10 @@ gives no usable type (only nulls, values of no common type, an empty object or l
 A value that does not fit its column (2.5 or "a" in an int64 column, an object with a key
 the struct lacks) is its row's error (``row_problem``, ``column``), naming the column; the
 column's type never changes. The schema travels in the manifest (``to_record`` /
-``from_record``), so a resumed job writes the schema its first run fixed.
+``from_record``), so a resumed job writes the schema its first run fixed. The
+``prompt_logprobs`` column (``prompt_logprobs_column.py``) is there when the job's sampling
+section asks for prompt logprobs (``with_prompt_logprobs``); it is told from a passthrough
+column by its field metadata.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tokenmill.io.prompt_logprobs_column import (
+    PROMPT_LOGPROBS,
+    PROMPT_LOGPROBS_FIELD,
+    is_prompt_logprobs_field,
+)
 
 __all__ = [
     "FIXED_COLUMNS",
@@ -103,8 +113,9 @@ def storable_type(dtype: pa.DataType) -> bool:
 
 @dataclass(frozen=True)
 class OutputSchema:
-    """The Parquet schema of a job's data files: ``FIXED_SCHEMA``, then its passthrough
-    columns. ``origin`` says where the passthrough types came from, for messages."""
+    """The Parquet schema of a job's data files: ``FIXED_SCHEMA``, the ``prompt_logprobs``
+    column when the job asks for prompt logprobs, then its passthrough columns. ``origin``
+    says where the passthrough types came from, for messages."""
 
     schema: pa.Schema
     origin: str = ""
@@ -114,7 +125,8 @@ class OutputSchema:
     )
 
     def __post_init__(self) -> None:
-        passthrough = list(self.schema)[len(FIXED_COLUMNS) :]
+        first = len(FIXED_COLUMNS) + (1 if _has_prompt_logprobs(self.schema) else 0)
+        passthrough = list(self.schema)[first:]
         object.__setattr__(self, "_checks", tuple((f, _fit_check(f)) for f in passthrough))
 
     @classmethod
@@ -141,6 +153,25 @@ class OutputSchema:
             names.update(dict.fromkeys(values))
         fields = [inferred_field(n, (p.get(n) for p in passthrough)) for n in names]
         return cls.of(fields, origin)
+
+    def with_prompt_logprobs(self) -> OutputSchema:
+        """This schema with the ``prompt_logprobs`` column (itself when it has it). Raises
+        ValueError when a passthrough column has that name."""
+        if self.has_prompt_logprobs:
+            return self
+        if any(f.name == PROMPT_LOGPROBS for f in self.passthrough):
+            raise ValueError(
+                f"input.passthrough_columns: {PROMPT_LOGPROBS!r} clashes with the output column "
+                "of that name (sampling.prompt_logprobs is set); rename it in the input or "
+                "leave it out"
+            )
+        columns = [*FIXED_SCHEMA, PROMPT_LOGPROBS_FIELD, *self.passthrough]
+        return OutputSchema(pa.schema(columns), self.origin)
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Whether the data files have the ``prompt_logprobs`` column."""
+        return _has_prompt_logprobs(self.schema)
 
     @property
     def passthrough(self) -> list[pa.Field]:
@@ -211,6 +242,12 @@ class OutputSchema:
             f"column's type {f.type}{origin}; one schema holds for the whole job: fix the "
             f"value, or leave {f.name!r} out of input.passthrough_columns"
         )
+
+
+def _has_prompt_logprobs(schema: pa.Schema) -> bool:
+    """Whether the column after the fixed ones is the prompt logprobs column."""
+    first = len(FIXED_COLUMNS)
+    return len(schema) > first and is_prompt_logprobs_field(schema.field(first))
 
 
 # -- values against types ------------------------------------------------------------------

@@ -49,6 +49,8 @@ class ResultRow:
     A row that asked for several completions (``n > 1``) holds them all in ``choices``;
     ``text``, ``finish_reason`` and ``logprobs`` are then the first one's, and
     ``completion_tokens`` counts every choice's tokens (what OpenAI's ``usage`` bills).
+    ``prompt_logprobs`` holds one entry per prompt token when the row asked for them
+    (``prompt_logprobs_column.py`` describes the entries).
     """
 
     row_index: int
@@ -65,6 +67,7 @@ class ResultRow:
     error: str | None = None  # starts with the row's "file:line" location
     source: str = ""  # the input row's "file:line"
     choices: tuple[Choice, ...] = ()  # every completion when the row asked for n > 1
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def ok(self) -> bool:

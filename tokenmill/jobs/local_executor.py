@@ -60,6 +60,8 @@ class RowProcessor:
         )
         self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format
+        # Parquet output has a prompt_logprobs column when the job asks (preflight.output_schema)
+        self.prompt_logprobs_column = spec.sampling.prompt_logprobs is not None
         self._in_flight = RowsInFlight()
         self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far
         self._output_tokens = 0  # the highest count ``output_tokens`` gave
@@ -122,7 +124,7 @@ class RowProcessor:
         group = SampleGroup.of(str(item.row.row_index), item.params)
         added: list[str] = []
         try:  # too long for the context, ids outside the vocabulary: the row's error
-            check_output_holds(item.params, self.output_format)
+            check_output_holds(item.params, self.output_format, self.prompt_logprobs_column)
             for rid, params in group.requests():
                 self.engine.add_request(rid, item.prompt_ids, params)
                 added.append(rid)

@@ -12,6 +12,7 @@ with every row in the error file.
 from __future__ import annotations
 
 from tokenmill.io.output_schema import OutputSchema
+from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.jobs.output_location import check_output_location
@@ -73,6 +74,17 @@ def check_input(spec: JobSpec) -> str:
             "input.structured_output_column: OpenAI Batch input gives each row's constraint in "
             "its body's response_format; remove input.structured_output_column"
         )
+    plain_output = spec.output.format != "openai-batch"  # its lines hold no passthrough
+    if (
+        plain_output
+        and spec.sampling.prompt_logprobs is not None
+        and PROMPT_LOGPROBS in cfg.passthrough_columns
+    ):
+        raise JobSpecError(
+            f"input.passthrough_columns: {PROMPT_LOGPROBS!r} would overwrite the output column "
+            "of that name (sampling.prompt_logprobs is set); rename it in the input or leave "
+            "it out"
+        )
     if fmt == "parquet":
         _check_parquet_columns(files[0], cfg)
     return fmt
@@ -108,12 +120,16 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
 def output_schema(spec: JobSpec) -> OutputSchema | None:
     """The Parquet schema every shard of ``spec`` is written with (None for JSONL and OpenAI
     Batch output): passthrough types from the input (``passthrough_schema``), decided before
-    the first shard. Raises JobSpecError naming input.passthrough_columns when Parquet input
-    files hold a passthrough column in types that do not combine."""
+    the first shard, and the prompt_logprobs column when ``sampling.prompt_logprobs`` is set.
+    Raises JobSpecError naming input.passthrough_columns when Parquet input files hold a
+    passthrough column in types that do not combine, or one named prompt_logprobs then."""
     if spec.output.format != "parquet":
         return None
     try:
-        return passthrough_schema(input_config(spec))
+        schema = passthrough_schema(input_config(spec))
+        if spec.sampling.prompt_logprobs is not None:
+            schema = schema.with_prompt_logprobs()
+        return schema
     except (FileNotFoundError, ValueError) as exc:
         message = str(exc)
         if not message.startswith("input."):

@@ -8,37 +8,56 @@ from typing import Any
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.io.prompt_logprobs_column import PromptLogprobEntries
 from tokenmill.io.rows import Choice, InputRow, ResultRow
 
-# A job row makes one completion, or n (OpenAI's ``n``: the executor expands them through
-# sample_groups.py); best_of and prompt logprobs are the Python API's; a row asking for them
-# gets "unsupported sampling field(s)".
-_PARAM_NAMES = {f.name for f in fields(SamplingParams)} - {"best_of", "prompt_logprobs"}
+# A job row makes one completion, or n (OpenAI's ``n``), of best_of generated (the executor
+# expands them through sample_groups.py), and may ask for its prompt's logprobs.
+_PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
 def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingParams:
     """The job's sampling section overlaid with the row's own fields (OpenAI Batch bodies).
 
-    Raises ValueError naming the field when a value is out of range.
+    Raises ValueError naming the field when a value is out of range, or when the job's
+    ``sampling.best_of`` is less than the row's own ``n``.
     """
     merged = {k: v for k, v in defaults.items() if k in _PARAM_NAMES}
     merged.update(row.sampling)
     unknown = sorted(set(merged) - _PARAM_NAMES)
     if unknown:
         raise ValueError(f"unsupported sampling field(s): {', '.join(unknown)}")
+    best_of, n = merged.get("best_of"), merged.get("n", 1)
+    if "best_of" not in row.sampling and isinstance(best_of, int) and best_of < n:
+        raise ValueError(
+            f"the row asks for n={n} completions, more than the job's sampling.best_of="
+            f"{best_of} generates; raise sampling.best_of to {n} or more, or lower the row's n"
+        )
     try:
         return SamplingParams(**merged)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
 
 
-def check_output_holds(params: SamplingParams, output_format: str) -> None:
-    """Raise ValueError when the output format cannot hold the completions ``params`` asks
-    for: several (``n > 1``) need OpenAI Batch output lines, which have a list of choices."""
+def check_output_holds(
+    params: SamplingParams, output_format: str, prompt_logprobs_column: bool = False
+) -> None:
+    """Raise ValueError when the output format cannot hold what ``params`` asks for: several
+    completions (``n > 1``) need OpenAI Batch output lines, which have a list of choices;
+    prompt logprobs in Parquet output need the job's schema to have their column
+    (``prompt_logprobs_column``: the job's sampling section asks for them)."""
     if params.n > 1 and output_format != "openai-batch":
         raise ValueError(
             f"n={params.n} asks for {params.n} completions, but output.format {output_format} "
             "holds one text per row; use output.format: openai-batch, or ask for n=1"
+        )
+    asks = params.prompt_logprobs is not None
+    if asks and output_format == "parquet" and not prompt_logprobs_column:
+        raise ValueError(
+            f"prompt_logprobs={params.prompt_logprobs} asks for prompt logprobs, but the "
+            "job's Parquet schema, fixed before its first shard, has no prompt_logprobs "
+            "column; set sampling.prompt_logprobs in the job spec (a row's own value still "
+            "applies to it), or use output.format: jsonl"
         )
 
 
@@ -97,6 +116,7 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
         completion_tokens=sum(c.completion_tokens for c in choices),
         logprobs=first.logprobs,
         choices=choices if len(choices) > 1 else (),
+        prompt_logprobs=_prompt_logprobs(out.prompt_logprobs, tokenizer),
     )
 
 
@@ -116,3 +136,30 @@ def _openai_logprobs(
         }
         for lp in logprobs
     ]
+
+
+def _prompt_logprobs(
+    entries: list[TokenLogprob | None] | None, tokenizer: Any
+) -> PromptLogprobEntries | None:
+    """The engine's prompt logprobs as output entries (prompt_logprobs_column.py), decoded:
+    each distinct token id once, in one batch call (a prompt has thousands of positions)."""
+    if entries is None:
+        return None
+    ids = sorted({t for e in entries if e is not None for t in (e.token_id, *e.top)})
+    text = dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]), strict=True))
+    out: PromptLogprobEntries = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        top = sorted(e.top.items(), key=lambda kv: -kv[1])  # most likely first
+        out.append(
+            {
+                "token_id": e.token_id,
+                "token": text[e.token_id],
+                "logprob": e.logprob,
+                "rank": e.rank,
+                "top_logprobs": [{"token_id": t, "token": text[t], "logprob": v} for t, v in top],
+            }
+        )
+    return out

@@ -41,6 +41,7 @@ from pydantic_core import ErrorDetails
 from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.sampling_params import check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
+from tokenmill.io.readers.openai_sampling import MAX_N
 from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
@@ -156,6 +157,12 @@ class SamplingSection(_Section):
     structured_output: StrictStr | None = None
     # Token id -> bias in [-100, 100] for every row (OpenAI's logit_bias): {1234: -100}.
     logit_bias: dict[int, float] | None = None
+    # Completions generated a row, of which the n (1, or an OpenAI Batch body's n) with the
+    # highest cumulative logprob are written (SamplingParams.best_of; >= every row's n).
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
+    # Each prompt token's logprob and this many top alternatives, written in a
+    # prompt_logprobs column (SamplingParams.prompt_logprobs).
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -177,7 +184,7 @@ class SamplingSection(_Section):
         # Unset, the key is left out: the fingerprints of jobs started before it existed
         # stay the same, so they resume.
         data = handler(self)
-        for key in ("structured_output", "logit_bias"):
+        for key in ("structured_output", "logit_bias", "best_of", "prompt_logprobs"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data

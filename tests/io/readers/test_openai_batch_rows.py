@@ -65,6 +65,21 @@ def test_n_and_logit_bias(tmp_path):
     assert rows[2].sampling == {}
 
 
+def test_best_of_and_prompt_logprobs(tmp_path):
+    """best_of (completions; kept when it equals n, as it overrides the job's) and
+    prompt_logprobs (both endpoints) reach SamplingParams; a chat body's best_of: 1 is the
+    no-op OpenAI's default is, and is ignored."""
+    lines = [
+        batch_line("a", {"prompt": "p", "n": 2, "best_of": 5, "prompt_logprobs": 3}, COMPLETIONS),
+        batch_line("b", {"prompt": "p", "best_of": 1.0}, COMPLETIONS),
+        batch_line("c", chat_body(prompt_logprobs=0, best_of=1)),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert rows[0].sampling == {"n": 2, "best_of": 5, "prompt_logprobs": 3}
+    assert rows[1].sampling == {"best_of": 1}
+    assert rows[2].sampling == {"prompt_logprobs": 0}
+
+
 def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
     lines = [batch_line("a", chat_body(logprobs=True)), batch_line("b", chat_body(logprobs=False))]
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
@@ -97,6 +112,10 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("n", True, "body.n"),
         ("tools", [{"type": "function"}], "body.tools="),
         ("response_format", {"type": "xml"}, "body.response_format must be"),
+        ("best_of", 3, "body.best_of=3 is not supported for /v1/chat/completions (only "),
+        ("prompt_logprobs", -1, "body.prompt_logprobs must be an integer in [0, 20], got -1"),
+        ("prompt_logprobs", 21, "body.prompt_logprobs must be an integer in [0, 20], got 21"),
+        ("prompt_logprobs", True, "body.prompt_logprobs"),
         ("logit_bias", {"50256": -101}, "body.logit_bias: the bias of token '50256' must be"),
         ("logit_bias", {"a1": 1}, "body.logit_bias: key 'a1' is not a token id"),
         ("logit_bias", [1, 2], "body.logit_bias: expected a mapping of token id to bias"),
@@ -127,7 +146,11 @@ def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
         ({}, "missing prompt"),
         ({"prompt": "x", "logprobs": 21}, "body.logprobs must be an integer in [0, 20]"),
         ({"prompt": "x", "logprobs": True}, "body.logprobs"),
-        ({"prompt": "x", "best_of": 3}, "body.best_of=3 is not supported"),
+        ({"prompt": "x", "best_of": 0}, "body.best_of must be in [1, 128], got 0"),
+        ({"prompt": "x", "best_of": 129}, "body.best_of must be in [1, 128], got 129"),
+        ({"prompt": "x", "best_of": True}, "body.best_of must be in [1, 128], got True"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "body.best_of=2 is less than body.n=3"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "body.prompt_logprobs must be an integer in"),
         ({"prompt": "x", "max_tokens": 4, "echo": True}, "body.echo is not supported"),
         ({"prompt": "x", "top_logprobs": 2}, "body.top_logprobs is not supported"),
     ],

@@ -11,9 +11,13 @@ says), ``{"type": "json_object"}`` to ``"json_object"``, ``{"type": "text"}`` to
 schema itself is checked when the row's SamplingParams are built (an error of that row).
 
 ``n`` (1-128) asks for that many choices in the row's one output line (SamplingParams.n;
-each a request of its own in the engine, sharing the prompt's cached KV). ``logit_bias``
-maps token ids (as strings, OpenAI's JSON) to a bias in [-100, 100] (SamplingParams.
-logit_bias, checked by the same rule).
+each a request of its own in the engine, sharing the prompt's cached KV). ``best_of``
+(completions only, as in OpenAI's API: n-128) generates that many and keeps the n with the
+highest cumulative logprob (SamplingParams.best_of); a chat body's ``best_of`` is refused
+unless it is the no-op 1. ``logit_bias`` maps token ids (as strings, OpenAI's JSON) to a
+bias in [-100, 100] (SamplingParams.logit_bias, checked by the same rule).
+``prompt_logprobs`` (0-20, vLLM's extension to both endpoints) asks for each prompt token's
+logprob and that many alternatives (SamplingParams.prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -29,18 +33,20 @@ COMPLETIONS = "/v1/completions"
 
 _COMMON = frozenset(
     {"max_tokens", "temperature", "top_p", "stop", "seed", "presence_penalty",
-     "frequency_penalty", "logprobs", "n", "logit_bias"}
+     "frequency_penalty", "logprobs", "n", "logit_bias", "prompt_logprobs"}
 )  # fmt: skip
-MAX_N = 128  # OpenAI's bound on n
+MAX_N = 128  # OpenAI's bound on n; tokenmill's on best_of too
 _SUPPORTED = {
     CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
     # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
-    COMPLETIONS: _COMMON | {"prompt", "response_format"},
+    COMPLETIONS: _COMMON | {"prompt", "response_format", "best_of"},
 }
 # Accepted and ignored: they do not change the completion (the job's model always answers).
 _IGNORED = frozenset({"model", "user", "metadata", "store", "stream"})
 # Refused unless they hold their no-op value (given here).
 _UNSUPPORTED_UNLESS = {"best_of": 1, "tools": []}
+# Fields of another endpoint only, which the refusal names.
+_ENDPOINT_OF = {"best_of": COMPLETIONS}
 _LOGPROBS = "an integer in [0, 20]"
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
@@ -76,12 +82,16 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
         if stop:
             sampling["stop"] = stop
     if "n" in fields:
-        value = fields["n"]
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # 1.0: JSON writers may give any count as a float
+        value = _count(fields["n"])
         _expect(_is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
         if value > 1:
             sampling["n"] = value
+    if "best_of" in fields and endpoint == COMPLETIONS:
+        sampling["best_of"] = _best_of(fields["best_of"], sampling.get("n", 1), row_id)
+    if "prompt_logprobs" in fields:
+        value = fields["prompt_logprobs"]
+        _expect(_is_int(value) and 0 <= value <= 20, "prompt_logprobs", value, _LOGPROBS, row_id)
+        sampling["prompt_logprobs"] = value
     if "logit_bias" in fields:
         try:
             bias = check_logit_bias(fields["logit_bias"], "body.logit_bias")
@@ -110,8 +120,10 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
             continue
         elif name in _UNSUPPORTED_UNLESS:
             if value != _UNSUPPORTED_UNLESS[name] or isinstance(value, bool):
+                only = _ENDPOINT_OF.get(name)
+                where = "by tokenmill" if only is None else f"for {endpoint} (only {only} has it)"
                 raise RowError(
-                    f"body.{name}={short_repr(value)} is not supported by tokenmill; remove it",
+                    f"body.{name}={short_repr(value)} is not supported {where}; remove it",
                     row_id,
                 )
         else:
@@ -169,6 +181,19 @@ def _response_format(value: Any, row_id: str) -> str | dict[str, Any] | None:
     return spec["schema"]
 
 
+def _best_of(value: Any, n: int, row_id: str) -> int:
+    """A completions body's best_of (kept when it equals n: it overrides the job's)."""
+    value = _count(value)
+    _expect(_is_int(value) and 1 <= value <= MAX_N, "best_of", value, f"in [1, {MAX_N}]", row_id)
+    if value < n:
+        raise RowError(
+            f"body.best_of={value} is less than body.n={n}: best_of completions are generated "
+            "and the n best returned, so best_of must be >= n; raise best_of or lower n",
+            row_id,
+        )
+    return value
+
+
 def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
     found = {n: fields[n] for n in ("max_tokens", "max_completion_tokens") if n in fields}
     for name, value in found.items():
@@ -214,6 +239,13 @@ def _logprobs(fields: dict[str, Any], endpoint: str, row_id: str) -> int | None:
 def _expect(ok: bool, name: str, value: Any, expected: str, row_id: str) -> None:
     if not ok:
         raise RowError(f"body.{name} must be {expected}, got {short_repr(value)}", row_id)
+
+
+def _count(value: Any) -> Any:
+    """A whole float as an int (JSON writers may give any count as ``1.0``); else ``value``."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _is_int(value: Any) -> bool:
