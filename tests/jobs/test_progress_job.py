@@ -3,6 +3,7 @@ rerun of a finished job."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -31,9 +32,15 @@ def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path
     processor = RowProcessor(spec)
     rows = [InputRow(i, f"r{i}", f"gen:{i}", prompt=f"count to {i}") for i in range(6)]
     seen = []
+    frozen: list[int] = []  # the engine loop runs with the collector's heap frozen
+
+    def on_step() -> None:
+        seen.append(processor.live())
+        frozen.append(gc.get_freeze_count())
+
     try:
         results = []
-        for result in processor.process(rows, on_step=lambda: seen.append(processor.live())):
+        for result in processor.process(rows, on_step=on_step):
             if not results:
                 before_first = list(seen)
             results.append(result)
@@ -45,6 +52,7 @@ def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path
     tokens = [c.output_tokens for c in seen]
     assert tokens == sorted(tokens) and tokens[0] > 0
     assert counters.output_tokens == sum(r.completion_tokens for r in results) == 6 * 300
+    assert all(frozen) and gc.get_freeze_count() == 0  # and unfrozen once it ended
 
 
 def test_log_shows_loading_and_a_live_rate_then_a_rerun_has_nothing_to_do(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.frozen_heap import frozen_heap
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.prompts import encode_chat, encode_prompt, render_chat
@@ -113,6 +114,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt's completions (``sample_groups.py``: one engine request each,
         added together so they share the prompt's cached KV blocks); one result per prompt."""
+        with frozen_heap():  # no full garbage collection stalls the run
+            return self._run_frozen(token_lists, texts, sampling_params)
+
+    def _run_frozen(
+        self,
+        token_lists: list[list[int]],
+        texts: list[str | None],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[RequestOutput]:
         groups = sample_groups(str(self._batches), _per_prompt(sampling_params, len(token_lists)))
         self._batches += 1
         failed: dict[str, RequestOutput] = {}

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.frozen_heap import frozen_heap
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.io.rows import InputRow, ResultRow
@@ -87,6 +88,12 @@ class RowProcessor:
         every engine step. Re-raises the source's error."""
         cancel = cancel or threading.Event()
         source = rows if isinstance(rows, RowSource) else RowList(rows, self.prepare)
+        with frozen_heap():  # no full garbage collection stalls a step
+            yield from self._run(source, cancel, on_step)
+
+    def _run(
+        self, source: RowSource, cancel: threading.Event, on_step: Callable[[], None] | None
+    ) -> Iterator[ResultRow]:
         in_flight = self._in_flight
         while not cancel.is_set():
             busy = self.engine.has_unfinished()
