@@ -196,6 +196,9 @@ def test_chat_template_kwargs_reach_the_template(smollm2_llm) -> None:
         ({"best_of": "3"}, "SamplingParams.best_of "),
         ({"best_of": 0}, "SamplingParams.best_of "),
         ({"prompt_logprobs": 21}, r"SamplingParams.prompt_logprobs must be None or an integer"),
+        # past float32's range: the sampler's columns would hold inf (and inf / inf = nan)
+        ({"temperature": 1e39}, r"SamplingParams.temperature must be a number >= 0 \(at most"),
+        ({"repetition_penalty": 1e300}, r"SamplingParams.repetition_penalty must be a number"),
     ],
 )
 def test_invalid_sampling_params_are_refused(kwargs, name) -> None:

@@ -81,10 +81,10 @@ class SamplingParams:
             "an integer in [0, max_tokens]",
         )
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_number(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
             "temperature",
             self.temperature,
-            "a number >= 0",
+            "a number >= 0 (at most 3.4e38: the sampler's columns are float32)",
         )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
@@ -98,10 +98,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
         _check(
-            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= _FLOAT32_MAX,
             "repetition_penalty",
             self.repetition_penalty,
-            "a number > 0",
+            "a number > 0 (at most 3.4e38: the sampler's columns are float32)",
         )
         _check(
             self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None"
@@ -206,6 +206,9 @@ def _token_id(key: object) -> int | None:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+_FLOAT32_MAX = 3.4028234663852886e38  # larger values overflow the sampler's float32 columns
 
 
 def _is_number(value: object) -> bool:
