@@ -62,7 +62,8 @@ def test_a_freeze_made_by_someone_else_is_left_to_them() -> None:
         frozen = gc.get_freeze_count()
         with frozen_heap():
             pass
-        assert gc.get_freeze_count() == frozen
+        # not unfrozen (0), not frozen again (a jump); refcounting may free a frozen object
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

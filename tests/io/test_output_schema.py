@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
+from tokenmill.io.logprobs_column import LOGPROBS_FIELD
 from tokenmill.io.output_schema import (
     FIXED_COLUMNS,
     OutputSchema,
@@ -128,3 +129,36 @@ def test_a_passthrough_column_named_prompt_logprobs_is_not_the_column() -> None:
     assert [f.name for f in named.passthrough] == ["prompt_logprobs"]
     with pytest.raises(ValueError, match="input.passthrough_columns: 'prompt_logprobs' clashes"):
         named.with_prompt_logprobs()
+
+
+def test_the_logprobs_column_sits_after_prompt_logprobs_before_the_passthrough() -> None:
+    """Either order of asking gives the one layout; a resumed job reads it back from the
+    manifest record with both columns told from passthrough columns."""
+    plain = OutputSchema.of([pa.field("n", pa.int64())], "inferred from all 2 input rows")
+    alone = plain.with_logprobs()
+    assert alone.schema.names == [*FIXED_COLUMNS, "logprobs", "n"]
+    assert alone.has_logprobs and not alone.has_prompt_logprobs and not plain.has_logprobs
+    assert alone.with_logprobs() is alone
+    both = alone.with_prompt_logprobs()
+    assert both.schema.names == [*FIXED_COLUMNS, "prompt_logprobs", "logprobs", "n"]
+    assert both == plain.with_prompt_logprobs().with_logprobs()
+    assert both.schema.field("logprobs").equals(LOGPROBS_FIELD, check_metadata=True)
+    for schema in (alone, both):
+        assert [f.name for f in schema.passthrough] == ["n"]
+        assert schema.describe() == {"n": "int64"} and schema.row_problem({"n": 1}) is None
+        back = OutputSchema.from_record(json.loads(json.dumps(schema.to_record())))
+        assert back == schema and back.schema.equals(schema.schema, check_metadata=True)
+        assert (back.has_logprobs, back.has_prompt_logprobs) == (
+            schema.has_logprobs,
+            schema.has_prompt_logprobs,
+        )
+
+
+def test_a_passthrough_column_named_logprobs_is_not_the_column() -> None:
+    # the column's own type, without its metadata: still a passthrough column
+    named = OutputSchema.of([pa.field("logprobs", LOGPROBS_FIELD.type)])
+    assert not named.has_logprobs
+    assert [f.name for f in named.passthrough] == ["logprobs"]
+    with pytest.raises(ValueError, match=r"'logprobs' clashes .*\(sampling\.logprobs is set\)"):
+        named.with_logprobs()
+    assert named.with_prompt_logprobs().has_prompt_logprobs  # the other column is no clash

@@ -39,11 +39,27 @@ def _rows() -> list[ResultRow]:
     ]
 
 
+# A completion's logprobs: "Hi" then "!", each its step's most likely token.
+_LOGPROBS = [
+    {
+        "token_id": 5,
+        "token": "Hi",
+        "logprob": -0.1,
+        "rank": 1,
+        "top_logprobs": [{"token_id": 5, "token": "Hi", "logprob": -0.1}],
+    },
+    {
+        "token_id": 6,
+        "token": "!",
+        "logprob": -0.5,
+        "rank": 1,
+        "top_logprobs": [{"token_id": 6, "token": "!", "logprob": -0.5}],
+    },
+]
+
+
 def _batch_rows(endpoint: str, logprobs: bool = False) -> list[ResultRow]:
-    lp = [
-        {"token": "Hi", "logprob": -0.1, "top_logprobs": [{"token": "Hi", "logprob": -0.1}]},
-        {"token": "!", "logprob": -0.5, "top_logprobs": [{"token": "!", "logprob": -0.5}]},
-    ]
+    lp = _LOGPROBS
     return [
         ResultRow(
             0,
@@ -262,7 +278,11 @@ def test_openai_batch_logprobs() -> None:
     chat = json.loads(encode_results(_batch_rows(CHAT_ENDPOINT, logprobs=True), "openai-batch"))
     logprobs = chat["response"]["body"]["choices"][0]["logprobs"]
     assert [e["token"] for e in logprobs["content"]] == ["Hi", "!"]
-    assert logprobs["content"][1]["top_logprobs"] == [{"token": "!", "logprob": -0.5}]
+    assert logprobs["content"][1] == {  # OpenAI's fields only: no token ids or ranks
+        "token": "!",
+        "logprob": -0.5,
+        "top_logprobs": [{"token": "!", "logprob": -0.5}],
+    }
 
     rows = _batch_rows(COMPLETIONS_ENDPOINT, logprobs=True)
     legacy = json.loads(encode_results(rows, "openai-batch"))["response"]["body"]
@@ -356,3 +376,55 @@ def test_openai_batch_prompt_logprobs_where_vllm_writes_them() -> None:
             assert all("prompt_logprobs" not in c for c in body["choices"])
         plain = json.loads(encode_results(_batch_rows(endpoint)[:1], "openai-batch"))
         assert "prompt_logprobs" not in json.dumps(plain)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_logprobs_in_plain_output(tmp_path, fmt: str) -> None:
+    """The entries are written as they are, after prompt_logprobs; Parquet reads them back
+    equal, in the schema's column, and a row that did not ask holds null there."""
+    rows = [
+        ResultRow(0, "r0", "Hi!", "stop", 3, 2, {"lang": "en"}, logprobs=_LOGPROBS),
+        ResultRow(
+            1,
+            "r1",
+            "yo",
+            "stop",
+            1,
+            1,
+            {"lang": "fr"},
+            logprobs=_LOGPROBS[:1],
+            prompt_logprobs=[None],
+        ),
+        ResultRow(2, "r2", "", "length", 1, 0, {"lang": "de"}),
+    ]
+    schema = OutputSchema.of([pa.field("lang", pa.string())]).with_logprobs()
+    schema = schema.with_prompt_logprobs()
+    data_name, _ = shard_names(0, fmt)
+    store = OutputStore(str(tmp_path))
+    store.write_atomic(data_name, encode_results(rows, fmt, schema=schema))
+    records = read_results(store, [data_name], fmt)
+    assert [r.get("logprobs") for r in records] == [_LOGPROBS, _LOGPROBS[:1], None]
+    if fmt == "parquet":
+        names = [*FIXED_COLUMNS, "prompt_logprobs", "logprobs", "lang"]
+        assert [list(r) for r in records] == [names] * 3
+        assert pq.read_schema(tmp_path / data_name).equals(schema.schema, check_metadata=True)
+    else:  # JSONL: the keys of what each row asked for, in the Parquet column order
+        assert list(records[0]) == [*FIXED_COLUMNS, "logprobs", "lang"]
+        assert list(records[1]) == [*FIXED_COLUMNS, "prompt_logprobs", "logprobs", "lang"]
+        assert list(records[2]) == [*FIXED_COLUMNS, "lang"]
+
+
+def test_parquet_logprobs_need_the_column() -> None:
+    row = ResultRow(0, "r0", "Hi!", "stop", 3, 2, logprobs=_LOGPROBS)
+    with pytest.raises(ValueError, match="row 'r0' has logprobs, but the job's Parquet schema "):
+        encode_results([row], "parquet", schema=OutputSchema.of([]).with_prompt_logprobs())
+    # without a job schema, the shard's own has the column
+    table = pq.read_table(pa.BufferReader(encode_results([row], "parquet")))
+    assert table.column_names[-1] == "logprobs"
+    assert table.column("logprobs").to_pylist() == [_LOGPROBS]
+
+
+def test_plain_logprobs_never_replace_a_passthrough_column() -> None:
+    row = ResultRow(0, "r0", "Hi!", "stop", 3, 2, {"logprobs": "mine"}, logprobs=_LOGPROBS)
+    with pytest.raises(ValueError, match="passthrough column 'logprobs' clashes"):
+        encode_results([row], "jsonl")

@@ -344,3 +344,24 @@ def test_best_of_and_prompt_logprobs_unset_leave_the_sampling_record_as_it_was()
     assert "best_of" not in unset and "prompt_logprobs" not in unset
     spec = JobSpec.from_dict(_raw(sampling={"best_of": 3, "prompt_logprobs": 0}))
     assert (spec.to_dict()["sampling"]["best_of"], spec.sampling.prompt_logprobs) == (3, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "what"),
+    [
+        (-1, "sampling.logprobs: must be greater than or equal to 0, got -1"),
+        (21, "sampling.logprobs: must be less than or equal to 20, got 21"),
+        (True, "sampling.logprobs: expected an integer, got true"),
+        ("2", "sampling.logprobs: expected an integer, got the string '2'"),
+    ],
+)
+def test_logprobs_is_checked(value: Any, what: str) -> None:
+    assert what in _error(_raw(sampling={"logprobs": value}))
+
+
+def test_logprobs_unset_leaves_the_sampling_record_as_it_was() -> None:
+    """Unset, it is not in the settings the fingerprint hashes: earlier jobs resume."""
+    assert "logprobs" not in JobSpec.from_dict(_raw()).to_dict()["sampling"]
+    for k in (0, 20):
+        spec = JobSpec.from_dict(_raw(sampling={"logprobs": k}))
+        assert (spec.to_dict()["sampling"]["logprobs"], spec.sampling.logprobs) == (k, k)

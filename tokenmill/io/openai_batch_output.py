@@ -10,7 +10,9 @@ A row that asked for ``n`` completions has n choices (index 0..n-1) in its one l
 its ``usage.completion_tokens`` counts them all (with ``best_of``, the n returned). A row that
 asked for prompt logprobs has them where vLLM's OpenAI server writes them (a vLLM field, not
 OpenAI's): on each choice of a text_completion, on the chat.completion itself
-(``prompt_logprobs_column.vllm_prompt_logprobs``). A failed row, in the separate error file:
+(``prompt_logprobs_column.vllm_prompt_logprobs``). Each choice's own logprobs, when the row
+asked for them, are in OpenAI's shapes (``logprobs_column.py``). A failed row, in the
+separate error file:
 
     {"id": "batch_req_<hex>", "custom_id": "...", "response": null,
      "error": {"code": "invalid_request", "message": "..."}}
@@ -28,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from tokenmill.io.logprobs_column import openai_chat_logprobs, openai_completion_logprobs
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, vllm_prompt_logprobs
 from tokenmill.io.rows import Choice, ResultRow
 
@@ -118,9 +121,7 @@ def _chat_body(row: ResultRow, created: int) -> dict[str, Any]:
 
 
 def _chat_logprobs(choice: Choice) -> dict[str, Any] | None:
-    if choice.logprobs is None:
-        return None
-    return {"content": [dict(entry) for entry in choice.logprobs]}
+    return None if choice.logprobs is None else openai_chat_logprobs(choice.logprobs)
 
 
 def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
@@ -148,13 +149,4 @@ def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
 
 
 def _completion_logprobs(choice: Choice) -> dict[str, Any] | None:
-    if choice.logprobs is None:
-        return None
-    # The legacy completions shape: parallel lists, top alternatives as {token: logprob}.
-    return {
-        "tokens": [e["token"] for e in choice.logprobs],
-        "token_logprobs": [e["logprob"] for e in choice.logprobs],
-        "top_logprobs": [
-            {t["token"]: t["logprob"] for t in e.get("top_logprobs") or ()} for e in choice.logprobs
-        ],
-    }
+    return None if choice.logprobs is None else openai_completion_logprobs(choice.logprobs)

@@ -1,8 +1,10 @@
 """One Parquet schema per job, fixed before its first shard.
 
-    id      text    finish_reason  prompt_tokens  completion_tokens  [prompt_logprobs]  <passthr.>
-    string  string  string         int64          int64              list<struct>       one type
-                                                                     when the job asks  each
+    id      text    finish_reason  prompt_tokens  completion_tokens  [prompt_logprobs]  [logprobs]
+    string  string  string         int64          int64              list<struct>       list<struct>
+                                                                     when the job asks for them
+
+    then <passthrough columns>, one type each per job.
 
 Every shard of a job is written with exactly this schema (an empty shard too), so the shards
 read back as one dataset with pyarrow, duckdb or Spark and no options. The passthrough types
@@ -17,8 +19,9 @@ the struct lacks) is its row's error (``row_problem``, ``column``), naming the c
 column's type never changes. The schema travels in the manifest (``to_record`` /
 ``from_record``), so a resumed job writes the schema its first run fixed. The
 ``prompt_logprobs`` column (``prompt_logprobs_column.py``) is there when the job's sampling
-section asks for prompt logprobs (``with_prompt_logprobs``); it is told from a passthrough
-column by its field metadata.
+section asks for prompt logprobs (``with_prompt_logprobs``), the ``logprobs`` column
+(``logprobs_column.py``) when it asks for the completions' (``with_logprobs``); each is told
+from a passthrough column of its name by its field metadata.
 """
 
 from __future__ import annotations
@@ -33,11 +36,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tokenmill.io.prompt_logprobs_column import (
-    PROMPT_LOGPROBS,
-    PROMPT_LOGPROBS_FIELD,
-    is_prompt_logprobs_field,
-)
+from tokenmill.io.logprobs_column import LOGPROBS, LOGPROBS_FIELD
+from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, PROMPT_LOGPROBS_FIELD
 
 __all__ = [
     "FIXED_COLUMNS",
@@ -68,6 +68,12 @@ _REPR_LIMIT = 60
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # What Arrow raises (besides its own errors) for a Python value it cannot convert.
 _CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
+# The columns between the fixed and the passthrough ones, in this order, each there when
+# the job.yaml key beside it is set.
+_LOGPROB_COLUMNS = (
+    (PROMPT_LOGPROBS_FIELD, "sampling.prompt_logprobs"),
+    (LOGPROBS_FIELD, "sampling.logprobs"),
+)
 
 
 def json_text_field(name: str) -> pa.Field:
@@ -114,8 +120,8 @@ def storable_type(dtype: pa.DataType) -> bool:
 @dataclass(frozen=True)
 class OutputSchema:
     """The Parquet schema of a job's data files: ``FIXED_SCHEMA``, the ``prompt_logprobs``
-    column when the job asks for prompt logprobs, then its passthrough columns. ``origin``
-    says where the passthrough types came from, for messages."""
+    and ``logprobs`` columns when the job asks for them, then its passthrough columns.
+    ``origin`` says where the passthrough types came from, for messages."""
 
     schema: pa.Schema
     origin: str = ""
@@ -125,7 +131,7 @@ class OutputSchema:
     )
 
     def __post_init__(self) -> None:
-        first = len(FIXED_COLUMNS) + (1 if _has_prompt_logprobs(self.schema) else 0)
+        first = len(FIXED_COLUMNS) + len(_logprob_columns(self.schema))
         passthrough = list(self.schema)[first:]
         object.__setattr__(self, "_checks", tuple((f, _fit_check(f)) for f in passthrough))
 
@@ -157,21 +163,35 @@ class OutputSchema:
     def with_prompt_logprobs(self) -> OutputSchema:
         """This schema with the ``prompt_logprobs`` column (itself when it has it). Raises
         ValueError when a passthrough column has that name."""
-        if self.has_prompt_logprobs:
-            return self
-        if any(f.name == PROMPT_LOGPROBS for f in self.passthrough):
-            raise ValueError(
-                f"input.passthrough_columns: {PROMPT_LOGPROBS!r} clashes with the output column "
-                "of that name (sampling.prompt_logprobs is set); rename it in the input or "
-                "leave it out"
-            )
-        columns = [*FIXED_SCHEMA, PROMPT_LOGPROBS_FIELD, *self.passthrough]
-        return OutputSchema(pa.schema(columns), self.origin)
+        return self._with_column(PROMPT_LOGPROBS_FIELD)
+
+    def with_logprobs(self) -> OutputSchema:
+        """This schema with the ``logprobs`` column (itself when it has it). Raises
+        ValueError when a passthrough column has that name."""
+        return self._with_column(LOGPROBS_FIELD)
 
     @property
     def has_prompt_logprobs(self) -> bool:
         """Whether the data files have the ``prompt_logprobs`` column."""
-        return _has_prompt_logprobs(self.schema)
+        return PROMPT_LOGPROBS in _logprob_columns(self.schema)
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether the data files have the ``logprobs`` column."""
+        return LOGPROBS in _logprob_columns(self.schema)
+
+    def _with_column(self, column: pa.Field) -> OutputSchema:
+        present = _logprob_columns(self.schema)
+        if column.name in present:
+            return self
+        if any(f.name == column.name for f in self.passthrough):
+            key = next(k for c, k in _LOGPROB_COLUMNS if c is column)
+            raise ValueError(
+                f"input.passthrough_columns: {column.name!r} clashes with the output column "
+                f"of that name ({key} is set); rename it in the input or leave it out"
+            )
+        wanted = [c for c, _ in _LOGPROB_COLUMNS if c.name in present or c is column]
+        return OutputSchema(pa.schema([*FIXED_SCHEMA, *wanted, *self.passthrough]), self.origin)
 
     @property
     def passthrough(self) -> list[pa.Field]:
@@ -244,10 +264,16 @@ class OutputSchema:
         )
 
 
-def _has_prompt_logprobs(schema: pa.Schema) -> bool:
-    """Whether the column after the fixed ones is the prompt logprobs column."""
-    first = len(FIXED_COLUMNS)
-    return len(schema) > first and is_prompt_logprobs_field(schema.field(first))
+def _logprob_columns(schema: pa.Schema) -> list[str]:
+    """The names of the logprob columns ``schema`` has after its fixed ones (in the order of
+    ``_LOGPROB_COLUMNS``: a column is one by its name, type and metadata)."""
+    names: list[str] = []
+    at = len(FIXED_COLUMNS)
+    for column, _ in _LOGPROB_COLUMNS:
+        if at < len(schema) and schema.field(at).equals(column, check_metadata=True):
+            names.append(column.name)
+            at += 1
+    return names
 
 
 # -- values against types ------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 __all__ = [
+    "LOGPROB_ENTRY",
     "PROMPT_LOGPROBS",
     "PROMPT_LOGPROBS_FIELD",
     "PromptLogprobEntries",
@@ -39,7 +40,9 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 PromptLogprobEntries = list[dict[str, Any] | None]
 
 _TOP = pa.struct([("token_id", pa.int64()), ("token", pa.string()), ("logprob", pa.float64())])
-_ENTRY = pa.struct(
+# One token's entry, in Arrow: the prompt_logprobs column's and the logprobs column's
+# (logprobs_column.py), which hold the same fields.
+LOGPROB_ENTRY = pa.struct(
     [
         ("token_id", pa.int64()),
         ("token", pa.string()),
@@ -53,7 +56,7 @@ _ENTRY = pa.struct(
 # happens to share its name.
 PROMPT_LOGPROBS_FIELD = pa.field(
     PROMPT_LOGPROBS,
-    pa.list_(pa.field("element", _ENTRY)),
+    pa.list_(pa.field("element", LOGPROB_ENTRY)),
     metadata={b"tokenmill.column": b"prompt_logprobs"},
 )
 

@@ -39,7 +39,7 @@ class Choice:
     text: str
     finish_reason: str
     completion_tokens: int
-    logprobs: list[dict[str, Any]] | None = None  # OpenAI-shaped entries when asked for
+    logprobs: list[dict[str, Any]] | None = None  # per token, when asked (logprobs_column.py)
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class ResultRow:
     A row that asked for several completions (``n > 1``) holds them all in ``choices``;
     ``text``, ``finish_reason`` and ``logprobs`` are then the first one's, and
     ``completion_tokens`` counts every choice's tokens (what OpenAI's ``usage`` bills).
-    ``prompt_logprobs`` holds one entry per prompt token when the row asked for them
-    (``prompt_logprobs_column.py`` describes the entries).
+    ``logprobs`` holds one entry per completion token when the row asked for them
+    (``logprobs_column.py``), ``prompt_logprobs`` one per prompt token
+    (``prompt_logprobs_column.py``).
     """
 
     row_index: int
@@ -62,7 +63,7 @@ class ResultRow:
     passthrough: dict[str, Any] = field(default_factory=dict)
     custom_id: str | None = None
     endpoint: str | None = None
-    logprobs: list[dict[str, Any]] | None = None  # OpenAI-shaped entries when asked for
+    logprobs: list[dict[str, Any]] | None = None  # per token, when asked (logprobs_column.py)
     model: str = ""
     error: str | None = None  # starts with the row's "file:line" location
     source: str = ""  # the input row's "file:line"

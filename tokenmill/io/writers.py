@@ -5,9 +5,9 @@
                                                        only when the shard has any
 
 Data rows (parquet, jsonl) have the columns ``id, text, finish_reason, prompt_tokens,
-completion_tokens``, then ``prompt_logprobs`` for rows that asked for them (Parquet: in every
-row when the job's schema has the column; see prompt_logprobs_column.py), then the
-passthrough columns, each under its own name. Parquet files
+completion_tokens``, then ``prompt_logprobs`` and ``logprobs`` for rows that asked for them
+(Parquet: in every row when the job's schema has the column; see prompt_logprobs_column.py
+and logprobs_column.py), then the passthrough columns, each under its own name. Parquet files
 are written with the job's one ``OutputSchema`` (fixed columns and passthrough types alike),
 so every shard of a job, empty ones included, reads back as one dataset. Error files are JSONL
 in every format. Rows are written in ``row_index`` order, whatever order they finished in:
@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.io.logprobs_column import LOGPROBS, LOGPROBS_FIELD
 from tokenmill.io.openai_batch_output import error_line, result_line
 from tokenmill.io.output_schema import FIXED_COLUMNS, FIXED_SCHEMA, OutputSchema, json_default
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, PROMPT_LOGPROBS_FIELD
@@ -79,8 +80,8 @@ def encode_results(
     from these rows alone, which another shard's rows may not share). Raises ValueError for an
     unknown format, a passthrough column that clashes with an output column or is not in
     ``schema``, a passthrough value that does not fit its column's type (naming the row and
-    column), a row with prompt logprobs for a ``schema`` without their column, or an
-    openai-batch row without a supported endpoint."""
+    column), a row with prompt or completion logprobs for a ``schema`` without their column,
+    or an openai-batch row without a supported endpoint."""
     _check_format(fmt)
     good = _in_order(r for r in rows if r.ok)
     if fmt == "parquet":
@@ -88,6 +89,8 @@ def encode_results(
             schema = OutputSchema.inferred([r.passthrough for r in good])
             if any(r.prompt_logprobs is not None for r in good):
                 schema = schema.with_prompt_logprobs()
+            if any(r.logprobs is not None for r in good):
+                schema = schema.with_logprobs()
         return _parquet_bytes(good, schema)
     if fmt == "jsonl":
         return _jsonl_bytes(_plain_record(r) for r in good)
@@ -145,6 +148,8 @@ def _plain_record(row: ResultRow) -> dict[str, Any]:
     }
     if row.prompt_logprobs is not None:
         record[PROMPT_LOGPROBS] = row.prompt_logprobs
+    if row.logprobs is not None:  # the row's one completion's (n > 1 was refused above)
+        record[LOGPROBS] = row.logprobs
     for key, value in row.passthrough.items():
         if key in record:
             raise ValueError(
@@ -167,16 +172,16 @@ def _parquet_bytes(rows: list[ResultRow], schema: OutputSchema) -> bytes:
             )
     row_ids = [r.row_id for r in rows]
     columns = [pa.array([rec[f.name] for rec in records], type=f.type) for f in FIXED_SCHEMA]
-    if schema.has_prompt_logprobs:
-        values = [r.prompt_logprobs for r in rows]
-        columns.append(pa.array(values, type=PROMPT_LOGPROBS_FIELD.type))
-    else:
-        asked = next((r for r in rows if r.prompt_logprobs is not None), None)
-        if asked is not None:  # never drop them: the job's schema was fixed without the column
-            raise ValueError(
-                f"row {asked.row_id!r} has prompt logprobs, but the job's Parquet schema has no "
-                f"{PROMPT_LOGPROBS} column; set sampling.prompt_logprobs in the job spec"
-            )
+    prompt_logprobs = [r.prompt_logprobs for r in rows]
+    columns += _entries_column(
+        PROMPT_LOGPROBS_FIELD,
+        schema.has_prompt_logprobs,
+        prompt_logprobs,
+        row_ids,
+        "prompt logprobs",
+    )
+    logprobs = [r.logprobs for r in rows]
+    columns += _entries_column(LOGPROBS_FIELD, schema.has_logprobs, logprobs, row_ids, "logprobs")
     for f in schema.passthrough:
         values = [r.passthrough.get(f.name) for r in rows]
         columns.append(schema.column(f.name, values, row_ids))
@@ -184,6 +189,23 @@ def _parquet_bytes(rows: list[ResultRow], schema: OutputSchema) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink)
     return sink.getvalue().to_pybytes()
+
+
+def _entries_column(
+    column: pa.Field, in_schema: bool, values: list[Any], row_ids: list[str], what: str
+) -> list[pa.Array]:
+    """``[column]`` of a shard (rows without entries hold null) when the job's schema has it,
+    else ``[]``. Raises ValueError naming the first row with entries when the schema lacks the
+    column: they are never dropped."""
+    if in_schema:
+        return [pa.array(values, type=column.type)]
+    asked = next((i for i, v in enumerate(values) if v is not None), None)
+    if asked is not None:  # the job's schema was fixed without the column
+        raise ValueError(
+            f"row {row_ids[asked]!r} has {what}, but the job's Parquet schema has no "
+            f"{column.name} column; set sampling.{column.name} in the job spec"
+        )
+    return []
 
 
 # -- JSONL ---------------------------------------------------------------------------------

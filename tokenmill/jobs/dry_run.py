@@ -151,6 +151,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
         max_len = min(max_len, spec.engine.max_model_len)
     report = DryRunReport(job=spec.name, block_size=spec.engine.block_size)
     schema_prompt_logprobs = schema is not None and schema.has_prompt_logprobs
+    schema_logprobs = schema is not None and schema.has_logprobs
     defaults: dict[str, Any] = spec.sampling.model_dump()
     stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
@@ -160,7 +161,9 @@ def dry_run(spec: JobSpec) -> DryRunReport:
         if reason is None:
             try:
                 params = sampling_params_for(row, defaults)
-                check_output_holds(params, spec.output.format, schema_prompt_logprobs)
+                check_output_holds(
+                    params, spec.output.format, schema_prompt_logprobs, schema_logprobs
+                )
                 check_logit_bias_vocab(params, config.vocab_size)
                 ids = prompt_ids_for(row, tokenizer)
                 if len(ids) >= max_len:

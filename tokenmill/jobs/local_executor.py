@@ -131,7 +131,12 @@ class RowProcessor:
         group = SampleGroup.of(str(item.row.row_index), item.params)
         added: list[str] = []
         try:  # too long for the context, ids outside the vocabulary: the row's error
-            check_output_holds(item.params, self.output_format, self.prompt_logprobs_column)
+            check_output_holds(
+                item.params,
+                self.output_format,
+                self.prompt_logprobs_column,
+                logprobs_column=self.prepare.sampling_defaults.get("logprobs") is not None,
+            )
             for rid, params in group.requests():
                 self.engine.add_request(rid, item.prompt_ids, params)
                 added.append(rid)

@@ -11,6 +11,7 @@ with every row in the error file.
 
 from __future__ import annotations
 
+from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
@@ -75,16 +76,15 @@ def check_input(spec: JobSpec) -> str:
             "its body's response_format; remove input.structured_output_column"
         )
     plain_output = spec.output.format != "openai-batch"  # its lines hold no passthrough
-    if (
-        plain_output
-        and spec.sampling.prompt_logprobs is not None
-        and PROMPT_LOGPROBS in cfg.passthrough_columns
+    for column, setting in (
+        (PROMPT_LOGPROBS, spec.sampling.prompt_logprobs),
+        (LOGPROBS, spec.sampling.logprobs),
     ):
-        raise JobSpecError(
-            f"input.passthrough_columns: {PROMPT_LOGPROBS!r} would overwrite the output column "
-            "of that name (sampling.prompt_logprobs is set); rename it in the input or leave "
-            "it out"
-        )
+        if plain_output and setting is not None and column in cfg.passthrough_columns:
+            raise JobSpecError(
+                f"input.passthrough_columns: {column!r} would overwrite the output column of "
+                f"that name (sampling.{column} is set); rename it in the input or leave it out"
+            )
     if fmt == "parquet":
         _check_parquet_columns(files[0], cfg)
     return fmt
@@ -120,15 +120,18 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
 def output_schema(spec: JobSpec) -> OutputSchema | None:
     """The Parquet schema every shard of ``spec`` is written with (None for JSONL and OpenAI
     Batch output): passthrough types from the input (``passthrough_schema``), decided before
-    the first shard, and the prompt_logprobs column when ``sampling.prompt_logprobs`` is set.
-    Raises JobSpecError naming input.passthrough_columns when Parquet input files hold a
-    passthrough column in types that do not combine, or one named prompt_logprobs then."""
+    the first shard, and the prompt_logprobs / logprobs column when ``sampling.prompt_logprobs``
+    / ``sampling.logprobs`` is set. Raises JobSpecError naming input.passthrough_columns when
+    Parquet input files hold a passthrough column in types that do not combine, or one named
+    as such a column of the job's."""
     if spec.output.format != "parquet":
         return None
     try:
         schema = passthrough_schema(input_config(spec))
         if spec.sampling.prompt_logprobs is not None:
             schema = schema.with_prompt_logprobs()
+        if spec.sampling.logprobs is not None:
+            schema = schema.with_logprobs()
         return schema
     except (FileNotFoundError, ValueError) as exc:
         message = str(exc)

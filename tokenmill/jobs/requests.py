@@ -8,11 +8,13 @@ from typing import Any
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.io.logprobs_column import LogprobEntries
 from tokenmill.io.prompt_logprobs_column import PromptLogprobEntries
 from tokenmill.io.rows import Choice, InputRow, ResultRow
 
 # A job row makes one completion, or n (OpenAI's ``n``), of best_of generated (the executor
-# expands them through sample_groups.py), and may ask for its prompt's logprobs.
+# expands them through sample_groups.py), and may ask for its completion's and its prompt's
+# logprobs.
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
@@ -40,24 +42,36 @@ def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingPara
 
 
 def check_output_holds(
-    params: SamplingParams, output_format: str, prompt_logprobs_column: bool = False
+    params: SamplingParams,
+    output_format: str,
+    prompt_logprobs_column: bool = False,
+    logprobs_column: bool = False,
 ) -> None:
     """Raise ValueError when the output format cannot hold what ``params`` asks for: several
     completions (``n > 1``) need OpenAI Batch output lines, which have a list of choices;
-    prompt logprobs in Parquet output need the job's schema to have their column
-    (``prompt_logprobs_column``: the job's sampling section asks for them)."""
+    prompt or completion logprobs in Parquet output need the job's schema to have their
+    column (``prompt_logprobs_column``, ``logprobs_column``: the job's sampling section sets
+    ``prompt_logprobs``, ``logprobs``)."""
     if params.n > 1 and output_format != "openai-batch":
         raise ValueError(
             f"n={params.n} asks for {params.n} completions, but output.format {output_format} "
             "holds one text per row; use output.format: openai-batch, or ask for n=1"
         )
-    asks = params.prompt_logprobs is not None
-    if asks and output_format == "parquet" and not prompt_logprobs_column:
+    if output_format != "parquet":
+        return
+    if params.prompt_logprobs is not None and not prompt_logprobs_column:
         raise ValueError(
             f"prompt_logprobs={params.prompt_logprobs} asks for prompt logprobs, but the "
             "job's Parquet schema, fixed before its first shard, has no prompt_logprobs "
             "column; set sampling.prompt_logprobs in the job spec (a row's own value still "
             "applies to it), or use output.format: jsonl"
+        )
+    if params.logprobs is not None and not logprobs_column:
+        raise ValueError(
+            f"logprobs={params.logprobs} asks for the completion's logprobs (an OpenAI Batch "
+            "body's logprobs/top_logprobs), but the job's Parquet schema, fixed before its "
+            "first shard, has no logprobs column; set sampling.logprobs in the job spec (a "
+            "row's own value still applies to it), or use output.format: jsonl"
         )
 
 
@@ -103,7 +117,7 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
             text=c.text,
             finish_reason="stop" if c.finish_reason == "stop" else "length",
             completion_tokens=len(c.token_ids),
-            logprobs=_openai_logprobs(c.logprobs, tokenizer),
+            logprobs=_logprobs(c.logprobs, tokenizer),
         )
         for c in out.outputs
     )
@@ -120,46 +134,39 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
     )
 
 
-def _openai_logprobs(
-    logprobs: list[TokenLogprob] | None, tokenizer: Any
-) -> list[dict[str, Any]] | None:
-    """A completion's logprobs as OpenAI's chat ``logprobs.content`` entries, decoded."""
+def _logprobs(logprobs: list[TokenLogprob] | None, tokenizer: Any) -> LogprobEntries | None:
+    """A completion's logprobs as output entries (logprobs_column.py), decoded."""
     if logprobs is None:
         return None
-    return [
-        {
-            "token": tokenizer.decode([lp.token_id]),
-            "logprob": lp.logprob,
-            "top_logprobs": [
-                {"token": tokenizer.decode([t]), "logprob": v} for t, v in lp.top.items()
-            ],
-        }
-        for lp in logprobs
-    ]
+    text = _decoded(logprobs, tokenizer)
+    return [_entry(lp, text) for lp in logprobs]
 
 
 def _prompt_logprobs(
     entries: list[TokenLogprob | None] | None, tokenizer: Any
 ) -> PromptLogprobEntries | None:
-    """The engine's prompt logprobs as output entries (prompt_logprobs_column.py), decoded:
-    each distinct token id once, in one batch call (a prompt has thousands of positions)."""
+    """The engine's prompt logprobs as output entries (prompt_logprobs_column.py), decoded."""
     if entries is None:
         return None
-    ids = sorted({t for e in entries if e is not None for t in (e.token_id, *e.top)})
-    text = dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]), strict=True))
-    out: PromptLogprobEntries = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        top = sorted(e.top.items(), key=lambda kv: -kv[1])  # most likely first
-        out.append(
-            {
-                "token_id": e.token_id,
-                "token": text[e.token_id],
-                "logprob": e.logprob,
-                "rank": e.rank,
-                "top_logprobs": [{"token_id": t, "token": text[t], "logprob": v} for t, v in top],
-            }
-        )
-    return out
+    text = _decoded([e for e in entries if e is not None], tokenizer)
+    return [None if e is None else _entry(e, text) for e in entries]
+
+
+def _decoded(entries: list[TokenLogprob], tokenizer: Any) -> dict[int, str]:
+    """Token id -> its text alone, for every token and alternative of ``entries``: each
+    distinct id decoded once, in one batch call (a prompt has thousands of positions)."""
+    ids = sorted({t for e in entries for t in (e.token_id, *e.top)})
+    return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]), strict=True))
+
+
+def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:
+    """One position's entry: the token, its logprob and rank, the alternatives most likely
+    first."""
+    top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+    return {
+        "token_id": lp.token_id,
+        "token": text[lp.token_id],
+        "logprob": lp.logprob,
+        "rank": lp.rank,
+        "top_logprobs": [{"token_id": t, "token": text[t], "logprob": v} for t, v in top],
+    }

@@ -163,6 +163,9 @@ class SamplingSection(_Section):
     # Each prompt token's logprob and this many top alternatives, written in a
     # prompt_logprobs column (SamplingParams.prompt_logprobs).
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    # Each output token's logprob and this many top alternatives, written in a logprobs
+    # column (SamplingParams.logprobs; an OpenAI Batch body's own still applies to its row).
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -184,7 +187,7 @@ class SamplingSection(_Section):
         # Unset, the key is left out: the fingerprints of jobs started before it existed
         # stay the same, so they resume.
         data = handler(self)
-        for key in ("structured_output", "logit_bias", "best_of", "prompt_logprobs"):
+        for key in ("structured_output", "logit_bias", "best_of", "prompt_logprobs", "logprobs"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data

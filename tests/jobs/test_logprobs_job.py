@@ -1,0 +1,223 @@
+"""Completion ``logprobs`` through whole jobs: job.yaml's ``sampling.logprobs`` for every row
+in JSONL and Parquet output (a column of the job's one Parquet schema), an OpenAI Batch
+body's own in JSONL output and, for Parquet, only with the job's column; every choice's own
+in OpenAI Batch output. All equal to what ``LLM.generate`` / ``LLM.chat`` give."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import LLM, SamplingParams, run_job
+from tokenmill.engine.outputs import CompletionOutput
+from tokenmill.io.logprobs_column import LOGPROBS_FIELD
+from tokenmill.io.output_schema import OutputSchema
+from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.spec import JobSpec, JobSpecError
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
+# The job's batches differ from the reference call's (other rows, other shapes), which may
+# move a float's last bits; token ids and ranks must match exactly.
+_TOL = 1e-5
+
+
+def _line(cid: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def _batch_job(model: Path, lines: list[dict[str, Any]], tmp_path: Path, fmt: str) -> dict:
+    src = write_jsonl(tmp_path / "batch.jsonl", lines)
+    spec = job_dict(model, src, tmp_path / "out", output={"format": fmt})
+    spec["input"] = {"path": str(src)}
+    return spec
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model: Path) -> LLM:
+    return LLM(str(tiny_model), **_ENGINE)
+
+
+def _check_entries(got: list[Any], want: CompletionOutput, llm: LLM, k: int) -> None:
+    """A job's logprobs entries against the engine's own for that completion, token by
+    token."""
+    assert want.logprobs is not None
+    assert len(got) == len(want.token_ids) == len(want.logprobs) > 0
+    decode = llm.tokenizer.decode
+    for entry, lp, token in zip(got, want.logprobs, want.token_ids, strict=True):
+        assert lp.token_id == token
+        assert (entry["token_id"], entry["rank"]) == (token, lp.rank)
+        assert entry["token"] == decode([token])
+        assert entry["logprob"] == pytest.approx(lp.logprob, abs=_TOL)
+        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
+        assert len(top) == k
+        assert [t["token_id"] for t in entry["top_logprobs"]] == [t for t, _ in top]
+        assert [t["token"] for t in entry["top_logprobs"]] == [decode([t]) for t, _ in top]
+        for alt, (_, value) in zip(entry["top_logprobs"], top, strict=True):
+            assert alt["logprob"] == pytest.approx(value, abs=_TOL)
+
+
+def _read_as_one_dataset(shards: Path) -> list[dict[str, Any]]:
+    """The Parquet shards read by pyarrow.dataset and duckdb, no options; both must agree."""
+    files = sorted(shards.glob("*.parquet"))
+    assert len(files) > 1, "the job should write several shards"
+    schemas = [pq.read_schema(f) for f in files]
+    assert all(s.equals(schemas[0], check_metadata=True) for s in schemas)
+    by_arrow = sorted(ds.dataset(shards).to_table().to_pylist(), key=lambda r: r["id"])
+    result = duckdb.connect().sql(f"SELECT * FROM '{shards}/*.parquet' ORDER BY id")
+    by_duckdb = [dict(zip(result.columns, row, strict=True)) for row in result.fetchall()]
+    assert by_arrow == by_duckdb
+    return by_arrow
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_job_yaml_logprobs_equal_the_python_apis(
+    tiny_model: Path, llm: LLM, tmp_path: Path, fmt: str
+) -> None:
+    rows = chat_rows(6)  # two shards of 4 and 2
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    sampling = {"logprobs": 2}
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, sampling=sampling, output={"format": fmt})
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 6, 0)
+    if fmt == "parquet":
+        written = _read_as_one_dataset(out / "shards")
+        table = ds.dataset(out / "shards").to_table()
+        assert table.schema.field("logprobs").equals(LOGPROBS_FIELD, check_metadata=True)
+        assert table.schema.names[-2:] == ["logprobs", "topic"]
+        manifest = json.loads((out / "test.manifest.json").read_text())
+        assert OutputSchema.from_record(manifest["output_schema"]).has_logprobs  # resumes keep it
+    else:
+        written = read_jsonl_dir(out / "shards")
+        assert all(list(r)[-2:] == ["logprobs", "topic"] for r in written)
+    by_id = {r["id"]: r for r in written}
+    want = llm.chat(
+        [r["messages"] for r in rows], SamplingParams(max_tokens=8, temperature=0, **sampling)
+    )
+    for row, ref in zip(rows, want, strict=True):
+        got = by_id[row["id"]]
+        assert (got["text"], got["completion_tokens"]) == (ref.text, len(ref.token_ids))
+        _check_entries(got["logprobs"], ref.outputs[0], llm, k=2)
+
+
+def test_openai_batch_bodies_logprobs_in_jsonl_output(
+    tiny_model: Path, llm: LLM, tmp_path: Path
+) -> None:
+    """Chat's logprobs: true + top_logprobs, completions' logprobs: k; a row that did not ask
+    has no logprobs key."""
+    messages = [{"role": "user", "content": "name three colours"}]
+    prompt = "Once upon a time"
+    lines = [
+        _line("chat", CHAT, {"messages": messages, "logprobs": True, "top_logprobs": 2}),
+        _line("chat-0", CHAT, {"messages": messages, "max_tokens": 3, "logprobs": True}),
+        _line("comp", COMPLETIONS, {"prompt": prompt, "max_tokens": 5, "logprobs": 2}),
+        _line("plain", CHAT, {"messages": messages, "logprobs": False}),
+    ]
+    spec = _batch_job(tiny_model, lines, tmp_path, "jsonl")
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (4, 0)
+    written = {r["id"]: r for r in read_jsonl_dir(tmp_path / "out" / "shards")}
+
+    ref = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, logprobs=2))[0]
+    assert written["chat"]["text"] == ref.text
+    _check_entries(written["chat"]["logprobs"], ref.outputs[0], llm, k=2)
+    ref = llm.chat(messages, SamplingParams(max_tokens=3, temperature=0, logprobs=0))[0]
+    _check_entries(written["chat-0"]["logprobs"], ref.outputs[0], llm, k=0)
+    ref = llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=2))[0]
+    assert written["comp"]["text"] == ref.text
+    _check_entries(written["comp"]["logprobs"], ref.outputs[0], llm, k=2)
+    assert "logprobs" not in written["plain"]
+
+
+def test_openai_batch_output_has_each_choices_own_logprobs(
+    tiny_model: Path, llm: LLM, tmp_path: Path
+) -> None:
+    """sampling.logprobs reaches OpenAI Batch output too, in OpenAI's shapes: a chat choice's
+    logprobs.content, and each of n sampled text completions its own."""
+    messages = [{"role": "user", "content": "name three colours"}]
+    prompt = "Once upon a time"
+    comp = {"max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 2}
+    lines = [
+        _line("chat", CHAT, {"messages": messages, "max_tokens": 4}),
+        _line("comp", COMPLETIONS, {"prompt": prompt, **comp}),
+    ]
+    spec = _batch_job(tiny_model, lines, tmp_path, "openai-batch")
+    spec["sampling"]["logprobs"] = 1
+    assert run_job(spec, show_progress=False).rows_ok == 2
+    bodies = {
+        x["custom_id"]: x["response"]["body"] for x in read_jsonl_dir(tmp_path / "out" / "shards")
+    }
+    decode = llm.tokenizer.decode
+
+    chat = ChatCompletion.model_validate(bodies["chat"])
+    ref = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0, logprobs=1))[0]
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    content = chat.choices[0].logprobs.content
+    assert ref.logprobs is not None and len(content) == len(ref.logprobs)
+    for entry, lp in zip(content, ref.logprobs, strict=True):
+        assert entry.token == decode([lp.token_id])
+        assert entry.logprob == pytest.approx(lp.logprob, abs=_TOL)
+        assert [t.token for t in entry.top_logprobs] == [decode([t]) for t in lp.top]
+
+    completion = Completion.model_validate(bodies["comp"])
+    ref = llm.generate(prompt, SamplingParams(**comp, logprobs=1))[0]
+    assert len(completion.choices) == len(ref.outputs) == 2
+    for choice, want in zip(completion.choices, ref.outputs, strict=True):
+        assert choice.text == want.text and choice.logprobs is not None and want.logprobs
+        assert choice.logprobs.tokens == [decode([t]) for t in want.token_ids]
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [lp.logprob for lp in want.logprobs], abs=_TOL
+        )
+
+
+def test_a_rows_logprobs_need_the_jobs_parquet_column(
+    tiny_model: Path, llm: LLM, tmp_path: Path
+) -> None:
+    """Parquet's schema is fixed before the first shard: a body asking for logprobs is a row
+    error unless the job's sampling section asks too; then its own k applies."""
+    messages = [{"role": "user", "content": "name three colours"}]
+    prompt, own = "Once upon a time", {"max_tokens": 3, "logprobs": 3}
+    lines = [
+        _line("asks", COMPLETIONS, {"prompt": prompt, **own}),
+        _line("chat-asks", CHAT, {"messages": messages, "logprobs": True, "top_logprobs": 2}),
+        _line("plain", COMPLETIONS, {"prompt": "Once"}),
+    ]
+    spec = _batch_job(tiny_model, lines, tmp_path / "without", "parquet")
+    assert run_job(spec, show_progress=False).rows_failed == 2
+    errors = {e["id"]: e["error"] for e in read_jsonl_dir(tmp_path / "without" / "out" / "errors")}
+    assert sorted(errors) == ["asks", "chat-asks"]
+    for message in errors.values():
+        assert "has no logprobs column; set sampling.logprobs in the job spec" in message
+    assert "logprobs=3 asks for the completion's logprobs" in errors["asks"]
+    assert dry_run(JobSpec.from_dict(spec)).bad_rows == 2
+
+    spec = _batch_job(tiny_model, lines, tmp_path / "with", "parquet")
+    spec["sampling"].update(logprobs=1, prompt_logprobs=0)  # both columns, in their order
+    assert run_job(spec, show_progress=False).rows_ok == 3
+    table = ds.dataset(tmp_path / "with" / "out" / "shards").to_table()
+    assert table.schema.names[-2:] == ["prompt_logprobs", "logprobs"]
+    written = {r["id"]: r for r in table.to_pylist()}
+    ref = llm.generate(prompt, SamplingParams(temperature=0, **own))[0]
+    _check_entries(written["asks"]["logprobs"], ref.outputs[0], llm, k=3)
+    ref = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, logprobs=2))[0]
+    _check_entries(written["chat-asks"]["logprobs"], ref.outputs[0], llm, k=2)
+    ref = llm.generate("Once", SamplingParams(max_tokens=8, temperature=0, logprobs=1))[0]
+    _check_entries(written["plain"]["logprobs"], ref.outputs[0], llm, k=1)
+
+
+def test_a_passthrough_column_named_logprobs_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    clash = job_dict(tiny_model, src, tmp_path / "out", sampling={"logprobs": 0})
+    clash["input"]["passthrough_columns"] = ["logprobs"]
+    with pytest.raises(JobSpecError, match=r"input.passthrough_columns: 'logprobs' would overw"):
+        run_job(clash, show_progress=False)

@@ -1,0 +1,81 @@
+"""Output logprobs as a job writes them: one entry per completion token, in every format.
+
+A row whose sampling asks for ``logprobs=k`` (job.yaml's ``sampling.logprobs``; an OpenAI
+Batch body's ``logprobs: true`` with ``top_logprobs: k`` on /v1/chat/completions, or
+``logprobs: k`` on /v1/completions) carries, per generated token, the token's logprob under
+the model's own distribution (before penalties, logit bias, temperature and structured
+output), its rank among all tokens, and the k most likely tokens at that step (the engine's
+``CompletionOutput.logprobs``, decoded). The entries hold the same fields as
+prompt_logprobs_column.py's, and none is null: every completion token was predicted.
+
+    completion  t0                                            t1   ...
+    entries     {"token_id": 71, "token": " cat",             {...}
+                 "logprob": -0.4, "rank": 1,
+                 "top_logprobs": [{"token_id": 71, "token": " cat", "logprob": -0.4},
+                                  ... k of them, most likely first]}
+
+JSONL and Parquet output hold these entries as they are, in a ``logprobs`` column (Parquet:
+``LOGPROBS_FIELD``, in the job's one schema when its sampling section sets ``logprobs``).
+Their rows hold one completion each (several, ``n > 1``, need OpenAI Batch output), so the
+entries are that completion's. OpenAI Batch output writes each choice's own in OpenAI's
+shapes, which have no token ids or ranks: a chat choice's ``logprobs.content``
+(``openai_chat_logprobs``), a text completion choice's parallel lists
+(``openai_completion_logprobs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from tokenmill.io.prompt_logprobs_column import LOGPROB_ENTRY
+
+__all__ = [
+    "LOGPROBS",
+    "LOGPROBS_FIELD",
+    "LogprobEntries",
+    "openai_chat_logprobs",
+    "openai_completion_logprobs",
+]
+
+LOGPROBS = "logprobs"
+
+# One entry per completion token; see the module docstring.
+LogprobEntries = list[dict[str, Any]]
+
+# Items named "element" (Parquet's name) and marked by metadata, as the prompt_logprobs
+# column is: the files read back in exactly this schema, and a passthrough column named
+# "logprobs" is never taken for this one.
+LOGPROBS_FIELD = pa.field(
+    LOGPROBS,
+    pa.list_(pa.field("element", LOGPROB_ENTRY)),
+    metadata={b"tokenmill.column": b"logprobs"},
+)
+
+
+def openai_chat_logprobs(entries: LogprobEntries) -> dict[str, Any]:
+    """A chat.completion choice's ``logprobs``: ``{"content": [{"token", "logprob",
+    "top_logprobs": [{"token", "logprob"}, ...]}, ...]}``."""
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": e["logprob"],
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def openai_completion_logprobs(entries: LogprobEntries) -> dict[str, Any]:
+    """A text_completion choice's ``logprobs``, the legacy shape: parallel lists, the top
+    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key)."""
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }
