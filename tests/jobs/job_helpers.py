@@ -26,6 +26,26 @@ def chat_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+# The engine of the OpenAI Batch job tests' reference LLM (the job_dict engine, as kwargs)
+TINY_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
+
+
+def batch_line(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI Batch input line."""
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def batch_job(
+    model: Path, lines: list[dict[str, Any]], folder: Path, fmt: str = "openai-batch"
+) -> dict[str, Any]:
+    """A job over ``lines`` (OpenAI Batch input) written to ``folder``/out in ``fmt``."""
+    src = write_jsonl(folder / "batch.jsonl", lines)
+    spec = job_dict(model, src, folder / "out", output={"format": fmt})
+    spec["input"] = {"path": str(src)}
+    return spec
+
+
 def job_dict(
     model: Path, input_path: Path | str, out_path: Path | str, name: str = "test", **sections: Any
 ) -> dict[str, Any]:

@@ -8,32 +8,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    batch_job,
+    batch_line,
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.spec import JobSpec
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
 PROMPT = "Once upon"
 # Sampled, with a seed for which ranking matters: the 2 best of 4 samples are not the first 2.
 BEST = {"n": 2, "best_of": 4, "temperature": 1.0, "seed": 5, "max_tokens": 6}
-
-
-def _line(cid: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
-
-
-def _batch_job(model: Path, lines: list[dict[str, Any]], tmp_path: Path, **sampling: Any) -> dict:
-    src = write_jsonl(tmp_path / "batch.jsonl", lines)
-    spec = job_dict(model, src, tmp_path / "out", output={"format": "openai-batch"})
-    spec["input"] = {"path": str(src)}
-    spec["sampling"].update(sampling)
-    return spec
 
 
 def _outputs(tmp_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -44,22 +38,17 @@ def _outputs(tmp_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return bodies, errors
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model: Path) -> LLM:
-    return LLM(str(tiny_model), **_ENGINE)
-
-
 def test_best_of_in_completions_bodies_keeps_the_n_best(
     tiny_model: Path, llm: LLM, tmp_path: Path
 ) -> None:
     messages = [{"role": "user", "content": "hi"}]
     lines = [
-        _line("best", COMPLETIONS, {"prompt": PROMPT, **BEST}),
-        _line("best-logprobs", COMPLETIONS, {"prompt": PROMPT, **BEST, "logprobs": 1}),
-        _line("fewer-than-n", COMPLETIONS, {"prompt": PROMPT, **BEST, "best_of": 1}),
-        _line("chat", CHAT, {"messages": messages, "best_of": 2}),
+        batch_line("best", COMPLETIONS_URL, {"prompt": PROMPT, **BEST}),
+        batch_line("best-logprobs", COMPLETIONS_URL, {"prompt": PROMPT, **BEST, "logprobs": 1}),
+        batch_line("fewer-than-n", COMPLETIONS_URL, {"prompt": PROMPT, **BEST, "best_of": 1}),
+        batch_line("chat", CHAT_URL, {"messages": messages, "best_of": 2}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path)
+    spec = batch_job(tiny_model, lines, tmp_path)
     report = run_job(spec, show_progress=False)
     assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 2, 2)
     bodies, errors = _outputs(tmp_path)
@@ -107,11 +96,12 @@ def test_job_yaml_best_of_applies_to_every_row(tiny_model: Path, llm: LLM, tmp_p
 
     messages = rows[0]["messages"]
     lines = [
-        _line("chat", CHAT, {"messages": messages}),
-        _line("own-best-of", COMPLETIONS, {"prompt": PROMPT, **BEST}),
-        _line("n-above", CHAT, {"messages": messages, "n": 4}),
+        batch_line("chat", CHAT_URL, {"messages": messages}),
+        batch_line("own-best-of", COMPLETIONS_URL, {"prompt": PROMPT, **BEST}),
+        batch_line("n-above", CHAT_URL, {"messages": messages, "n": 4}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path / "batch", **sampling)
+    spec = batch_job(tiny_model, lines, tmp_path / "batch")
+    spec["sampling"].update(sampling)
     assert run_job(spec, show_progress=False).rows_ok == 2
     bodies, errors = _outputs(tmp_path / "batch")
     chat = ChatCompletion.model_validate(bodies["chat"])

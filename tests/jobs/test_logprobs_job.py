@@ -16,7 +16,17 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    batch_job,
+    batch_line,
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
+from tests.jobs.logprob_entries import TOL, check_entry
 from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.engine.outputs import CompletionOutput
 from tokenmill.io.logprobs_column import LOGPROBS_FIELD
@@ -24,46 +34,14 @@ from tokenmill.io.output_schema import OutputSchema
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
-# The job's batches differ from the reference call's (other rows, other shapes), which may
-# move a float's last bits; token ids and ranks must match exactly.
-_TOL = 1e-5
-
-
-def _line(cid: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
-
-
-def _batch_job(model: Path, lines: list[dict[str, Any]], tmp_path: Path, fmt: str) -> dict:
-    src = write_jsonl(tmp_path / "batch.jsonl", lines)
-    spec = job_dict(model, src, tmp_path / "out", output={"format": fmt})
-    spec["input"] = {"path": str(src)}
-    return spec
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model: Path) -> LLM:
-    return LLM(str(tiny_model), **_ENGINE)
-
 
 def _check_entries(got: list[Any], want: CompletionOutput, llm: LLM, k: int) -> None:
     """A job's logprobs entries against the engine's own for that completion, token by
     token."""
     assert want.logprobs is not None
     assert len(got) == len(want.token_ids) == len(want.logprobs) > 0
-    decode = llm.tokenizer.decode
     for entry, lp, token in zip(got, want.logprobs, want.token_ids, strict=True):
-        assert lp.token_id == token
-        assert (entry["token_id"], entry["rank"]) == (token, lp.rank)
-        assert entry["token"] == decode([token])
-        assert entry["logprob"] == pytest.approx(lp.logprob, abs=_TOL)
-        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        assert len(top) == k
-        assert [t["token_id"] for t in entry["top_logprobs"]] == [t for t, _ in top]
-        assert [t["token"] for t in entry["top_logprobs"]] == [decode([t]) for t, _ in top]
-        for alt, (_, value) in zip(entry["top_logprobs"], top, strict=True):
-            assert alt["logprob"] == pytest.approx(value, abs=_TOL)
+        check_entry(entry, lp, token, llm.tokenizer.decode, k)
 
 
 def _read_as_one_dataset(shards: Path) -> list[dict[str, Any]]:
@@ -118,12 +96,12 @@ def test_openai_batch_bodies_logprobs_in_jsonl_output(
     messages = [{"role": "user", "content": "name three colours"}]
     prompt = "Once upon a time"
     lines = [
-        _line("chat", CHAT, {"messages": messages, "logprobs": True, "top_logprobs": 2}),
-        _line("chat-0", CHAT, {"messages": messages, "max_tokens": 3, "logprobs": True}),
-        _line("comp", COMPLETIONS, {"prompt": prompt, "max_tokens": 5, "logprobs": 2}),
-        _line("plain", CHAT, {"messages": messages, "logprobs": False}),
+        batch_line("chat", CHAT_URL, {"messages": messages, "logprobs": True, "top_logprobs": 2}),
+        batch_line("chat-0", CHAT_URL, {"messages": messages, "max_tokens": 3, "logprobs": True}),
+        batch_line("comp", COMPLETIONS_URL, {"prompt": prompt, "max_tokens": 5, "logprobs": 2}),
+        batch_line("plain", CHAT_URL, {"messages": messages, "logprobs": False}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "jsonl")
+    spec = batch_job(tiny_model, lines, tmp_path, "jsonl")
     report = run_job(spec, show_progress=False)
     assert (report.rows_ok, report.rows_failed) == (4, 0)
     written = {r["id"]: r for r in read_jsonl_dir(tmp_path / "out" / "shards")}
@@ -148,10 +126,10 @@ def test_openai_batch_output_has_each_choices_own_logprobs(
     prompt = "Once upon a time"
     comp = {"max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 2}
     lines = [
-        _line("chat", CHAT, {"messages": messages, "max_tokens": 4}),
-        _line("comp", COMPLETIONS, {"prompt": prompt, **comp}),
+        batch_line("chat", CHAT_URL, {"messages": messages, "max_tokens": 4}),
+        batch_line("comp", COMPLETIONS_URL, {"prompt": prompt, **comp}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "openai-batch")
+    spec = batch_job(tiny_model, lines, tmp_path, "openai-batch")
     spec["sampling"]["logprobs"] = 1
     assert run_job(spec, show_progress=False).rows_ok == 2
     bodies = {
@@ -166,7 +144,7 @@ def test_openai_batch_output_has_each_choices_own_logprobs(
     assert ref.logprobs is not None and len(content) == len(ref.logprobs)
     for entry, lp in zip(content, ref.logprobs, strict=True):
         assert entry.token == decode([lp.token_id])
-        assert entry.logprob == pytest.approx(lp.logprob, abs=_TOL)
+        assert entry.logprob == pytest.approx(lp.logprob, abs=TOL)
         assert [t.token for t in entry.top_logprobs] == [decode([t]) for t in lp.top]
 
     completion = Completion.model_validate(bodies["comp"])
@@ -176,7 +154,7 @@ def test_openai_batch_output_has_each_choices_own_logprobs(
         assert choice.text == want.text and choice.logprobs is not None and want.logprobs
         assert choice.logprobs.tokens == [decode([t]) for t in want.token_ids]
         assert choice.logprobs.token_logprobs == pytest.approx(
-            [lp.logprob for lp in want.logprobs], abs=_TOL
+            [lp.logprob for lp in want.logprobs], abs=TOL
         )
 
 
@@ -188,11 +166,13 @@ def test_a_rows_logprobs_need_the_jobs_parquet_column(
     messages = [{"role": "user", "content": "name three colours"}]
     prompt, own = "Once upon a time", {"max_tokens": 3, "logprobs": 3}
     lines = [
-        _line("asks", COMPLETIONS, {"prompt": prompt, **own}),
-        _line("chat-asks", CHAT, {"messages": messages, "logprobs": True, "top_logprobs": 2}),
-        _line("plain", COMPLETIONS, {"prompt": "Once"}),
+        batch_line("asks", COMPLETIONS_URL, {"prompt": prompt, **own}),
+        batch_line(
+            "chat-asks", CHAT_URL, {"messages": messages, "logprobs": True, "top_logprobs": 2}
+        ),
+        batch_line("plain", COMPLETIONS_URL, {"prompt": "Once"}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path / "without", "parquet")
+    spec = batch_job(tiny_model, lines, tmp_path / "without", "parquet")
     assert run_job(spec, show_progress=False).rows_failed == 2
     errors = {e["id"]: e["error"] for e in read_jsonl_dir(tmp_path / "without" / "out" / "errors")}
     assert sorted(errors) == ["asks", "chat-asks"]
@@ -201,7 +181,7 @@ def test_a_rows_logprobs_need_the_jobs_parquet_column(
     assert "logprobs=3 asks for the completion's logprobs" in errors["asks"]
     assert dry_run(JobSpec.from_dict(spec)).bad_rows == 2
 
-    spec = _batch_job(tiny_model, lines, tmp_path / "with", "parquet")
+    spec = batch_job(tiny_model, lines, tmp_path / "with", "parquet")
     spec["sampling"].update(logprobs=1, prompt_logprobs=0)  # both columns, in their order
     assert run_job(spec, show_progress=False).rows_ok == 3
     table = ds.dataset(tmp_path / "with" / "out" / "shards").to_table()

@@ -5,35 +5,23 @@ applied as the Python API applies it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    batch_job,
+    batch_line,
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.spec import JobSpec
-
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
-
-
-def _line(cid: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
-
-
-def _batch_job(model: Path, lines: list[dict[str, Any]], tmp_path: Path, fmt: str) -> dict:
-    src = write_jsonl(tmp_path / "batch.jsonl", lines)
-    spec = job_dict(model, src, tmp_path / "out", output={"format": fmt})
-    spec["input"] = {"path": str(src)}
-    return spec
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model: Path) -> LLM:
-    return LLM(str(tiny_model), **_ENGINE)
 
 
 def test_n_choices_in_one_line_validate_and_match_the_python_api(
@@ -44,12 +32,12 @@ def test_n_choices_in_one_line_validate_and_match_the_python_api(
     chat_lp = {**chat, "n": 2, "logprobs": True, "top_logprobs": 1}
     comp = {"prompt": "Once upon", "n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 4}
     lines = [
-        _line("chat-n3", CHAT, chat),
-        _line("chat-n2-logprobs", CHAT, chat_lp),
-        _line("comp-n2", COMPLETIONS, comp),
-        _line("chat-n1", CHAT, {"messages": messages, "max_tokens": 4}),
+        batch_line("chat-n3", CHAT_URL, chat),
+        batch_line("chat-n2-logprobs", CHAT_URL, chat_lp),
+        batch_line("comp-n2", COMPLETIONS_URL, comp),
+        batch_line("chat-n1", CHAT_URL, {"messages": messages, "max_tokens": 4}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "openai-batch")
+    spec = batch_job(tiny_model, lines, tmp_path, "openai-batch")
     report = run_job(spec, show_progress=False)
     assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 4, 0)
     out = {x["custom_id"]: x for x in read_jsonl_dir(tmp_path / "out" / "shards")}
@@ -87,17 +75,19 @@ def test_logit_bias_in_batch_bodies(tiny_model: Path, llm: LLM, tmp_path: Path) 
     vocab = llm.engine.model_config.vocab_size
     greedy = llm.chat(messages, SamplingParams(max_tokens=5, temperature=0))[0]
     lines = [
-        _line("forced", CHAT, {"messages": messages, "max_tokens": 5, "logit_bias": {"70": 100}}),
-        _line(
+        batch_line(
+            "forced", CHAT_URL, {"messages": messages, "max_tokens": 5, "logit_bias": {"70": 100}}
+        ),
+        batch_line(
             "banned",
-            CHAT,
+            CHAT_URL,
             {"messages": messages, "max_tokens": 5, "logit_bias": {str(greedy.token_ids[0]): -100}},
         ),
-        _line("too-big", CHAT, {"messages": messages, "logit_bias": {"70": 100.5}}),
-        _line("not-an-id", CHAT, {"messages": messages, "logit_bias": {"x7": 1}}),
-        _line("past-vocab", CHAT, {"messages": messages, "logit_bias": {str(vocab): 1}}),
+        batch_line("too-big", CHAT_URL, {"messages": messages, "logit_bias": {"70": 100.5}}),
+        batch_line("not-an-id", CHAT_URL, {"messages": messages, "logit_bias": {"x7": 1}}),
+        batch_line("past-vocab", CHAT_URL, {"messages": messages, "logit_bias": {str(vocab): 1}}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "openai-batch")
+    spec = batch_job(tiny_model, lines, tmp_path, "openai-batch")
     report = run_job(spec, show_progress=False)
     assert (report.rows_ok, report.rows_failed) == (2, 3)
     out = {
@@ -124,10 +114,10 @@ def test_logit_bias_in_batch_bodies(tiny_model: Path, llm: LLM, tmp_path: Path) 
 def test_n_needs_openai_batch_output(tiny_model: Path, tmp_path: Path) -> None:
     messages = [{"role": "user", "content": "hi"}]
     lines = [
-        _line("one", CHAT, {"messages": messages, "max_tokens": 3}),
-        _line("two", CHAT, {"messages": messages, "max_tokens": 3, "n": 2}),
+        batch_line("one", CHAT_URL, {"messages": messages, "max_tokens": 3}),
+        batch_line("two", CHAT_URL, {"messages": messages, "max_tokens": 3, "n": 2}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "jsonl")
+    spec = batch_job(tiny_model, lines, tmp_path, "jsonl")
     report = run_job(spec, show_progress=False)
     assert (report.rows_ok, report.rows_failed) == (1, 1)
     (error,) = read_jsonl_dir(tmp_path / "out" / "errors")

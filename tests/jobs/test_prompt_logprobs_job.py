@@ -13,34 +13,22 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    batch_job,
+    batch_line,
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
+from tests.jobs.logprob_entries import TOL, check_entry
 from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS_FIELD
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.spec import JobSpec, JobSpecError
-
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-_ENGINE = {"device": "cpu", "max_num_seqs": 8, "kv_cache_memory": 16 << 20}
-# The job's batches differ from the reference call's (other rows, other shapes), which may
-# move a float's last bits; token ids and ranks must match exactly.
-_TOL = 1e-5
-
-
-def _line(cid: str, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
-
-
-def _batch_job(model: Path, lines: list[dict[str, Any]], tmp_path: Path, fmt: str) -> dict:
-    src = write_jsonl(tmp_path / "batch.jsonl", lines)
-    spec = job_dict(model, src, tmp_path / "out", output={"format": fmt})
-    spec["input"] = {"path": str(src)}
-    return spec
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model: Path) -> LLM:
-    return LLM(str(tiny_model), **_ENGINE)
 
 
 def _check_entries(got: list[Any], want: RequestOutput, llm: LLM, k: int) -> None:
@@ -48,19 +36,10 @@ def _check_entries(got: list[Any], want: RequestOutput, llm: LLM, k: int) -> Non
     assert want.prompt_logprobs is not None
     assert len(got) == len(want.prompt_token_ids) == len(want.prompt_logprobs)
     assert got[0] is None and want.prompt_logprobs[0] is None
-    decode = llm.tokenizer.decode
     positions = zip(got[1:], want.prompt_logprobs[1:], want.prompt_token_ids[1:], strict=True)
     for entry, lp, token in positions:
-        assert lp is not None and lp.token_id == token
-        assert (entry["token_id"], entry["rank"]) == (token, lp.rank)
-        assert entry["token"] == decode([token])
-        assert entry["logprob"] == pytest.approx(lp.logprob, abs=_TOL)
-        top = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        assert len(top) == k
-        assert [t["token_id"] for t in entry["top_logprobs"]] == [t for t, _ in top]
-        assert [t["token"] for t in entry["top_logprobs"]] == [decode([t]) for t, _ in top]
-        for alt, (_, value) in zip(entry["top_logprobs"], top, strict=True):
-            assert alt["logprob"] == pytest.approx(value, abs=_TOL)
+        assert lp is not None
+        check_entry(entry, lp, token, llm.tokenizer.decode, k)
 
 
 def _check_vllm_shape(got: list[Any], want: RequestOutput, llm: LLM) -> None:
@@ -76,7 +55,7 @@ def _check_vllm_shape(got: list[Any], want: RequestOutput, llm: LLM) -> None:
             entry = position[str(token_id)]
             assert entry["rank"] == logprob.rank
             assert entry["decoded_token"] == llm.tokenizer.decode([token_id])
-            assert entry["logprob"] == pytest.approx(logprob.logprob, abs=_TOL)
+            assert entry["logprob"] == pytest.approx(logprob.logprob, abs=TOL)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
@@ -114,13 +93,13 @@ def test_openai_batch_prompt_logprobs_where_vllm_writes_them(
     prompt = "Once upon a time"
     comp = {"max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 2, "prompt_logprobs": 1}
     lines = [
-        _line("comp", COMPLETIONS, {"prompt": prompt, **comp}),
-        _line("chat", CHAT, {"messages": messages, "max_tokens": 4, "prompt_logprobs": 0}),
-        _line("plain", CHAT, {"messages": messages, "max_tokens": 4}),
-        _line("negative", CHAT, {"messages": messages, "prompt_logprobs": -1}),
-        _line("too-many", COMPLETIONS, {"prompt": "x", "prompt_logprobs": 21}),
+        batch_line("comp", COMPLETIONS_URL, {"prompt": prompt, **comp}),
+        batch_line("chat", CHAT_URL, {"messages": messages, "max_tokens": 4, "prompt_logprobs": 0}),
+        batch_line("plain", CHAT_URL, {"messages": messages, "max_tokens": 4}),
+        batch_line("negative", CHAT_URL, {"messages": messages, "prompt_logprobs": -1}),
+        batch_line("too-many", COMPLETIONS_URL, {"prompt": "x", "prompt_logprobs": 21}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path, "openai-batch")
+    spec = batch_job(tiny_model, lines, tmp_path, "openai-batch")
     report = run_job(spec, show_progress=False)
     assert (report.rows_ok, report.rows_failed) == (3, 2)
     out = tmp_path / "out"
@@ -152,17 +131,17 @@ def test_a_rows_prompt_logprobs_need_the_jobs_parquet_column(
     is a row error unless the job's sampling section asks too; then its own k applies."""
     prompt, own = "Once upon a time", {"max_tokens": 3, "prompt_logprobs": 3}
     lines = [
-        _line("asks", COMPLETIONS, {"prompt": prompt, **own}),
-        _line("plain", COMPLETIONS, {"prompt": "Once"}),
+        batch_line("asks", COMPLETIONS_URL, {"prompt": prompt, **own}),
+        batch_line("plain", COMPLETIONS_URL, {"prompt": "Once"}),
     ]
-    spec = _batch_job(tiny_model, lines, tmp_path / "without", "parquet")
+    spec = batch_job(tiny_model, lines, tmp_path / "without", "parquet")
     assert run_job(spec, show_progress=False).rows_failed == 1
     (error,) = read_jsonl_dir(tmp_path / "without" / "out" / "errors")
     assert error["id"] == "asks"
     assert "has no prompt_logprobs column; set sampling.prompt_logprobs" in error["error"]
     assert dry_run(JobSpec.from_dict(spec)).bad_rows == 1
 
-    spec = _batch_job(tiny_model, lines, tmp_path / "with", "parquet")
+    spec = batch_job(tiny_model, lines, tmp_path / "with", "parquet")
     spec["sampling"]["prompt_logprobs"] = 1
     assert run_job(spec, show_progress=False).rows_ok == 2
     table = ds.dataset(tmp_path / "with" / "out" / "shards").to_table()
