@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
+from tests.kernels.fp8_row_checks import assert_fp8_rows_of
 from tokenmill.engine.models.layers import RMSNorm
-from tokenmill.kernels.fp8_rows import MIN_SCALE, quantize_rows
+from tokenmill.kernels.fp8_rows import MIN_SCALE
 from tokenmill.kernels.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_ref, rms_norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,14 +149,6 @@ def test_per_head_norm_engine_size(dtype) -> None:
 # rounded y (IEEE divisions, round to nearest even), in the interpreter too.
 
 
-def _assert_fp8_rows_of(q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
-    q_ref, scale_ref = quantize_rows(y)
-    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape and q.is_contiguous()
-    assert scale.dtype == torch.float32 and scale.shape == (y.shape[0], 1)
-    assert torch.equal(scale, scale_ref)
-    assert torch.equal(q.float(), q_ref.float())  # -0 == +0; every other bit pattern equal
-
-
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize(("t", "h", "pad"), [(5, 576, 0), (17, 256, 0), (2, 1000, 24)])
@@ -169,7 +162,7 @@ def test_rms_norm_fp8_is_quantize_rows_of_the_norm(t, h, pad, with_residual, dty
     q, scale, s = rms_norm_fp8(x, weight, EPS, res_in, out=y)
     y_plain, s_plain = rms_norm(x, weight, EPS, res_plain)
     assert torch.equal(y, y_plain)  # (17, 256): 16 rows a program, the second one ragged
-    _assert_fp8_rows_of(q, scale, y)
+    assert_fp8_rows_of(q, scale, y)
     if with_residual:
         assert s is residual and torch.equal(s, s_plain)  # the sum, written in place
     else:
@@ -186,7 +179,7 @@ def test_rms_norm_fp8_without_out_and_without_tokens() -> None:
     q, scale, s = rms_norm_fp8(x, weight, EPS)
     y, _ = rms_norm(x, weight, EPS)
     assert s is None
-    _assert_fp8_rows_of(q, scale, y)
+    assert_fp8_rows_of(q, scale, y)
     q, scale, s = rms_norm_fp8(x[:0], weight, EPS, residual[:0])
     assert q.shape == (0, 64) and scale.shape == (0, 1) and s.shape == (0, 64)
 
@@ -213,7 +206,7 @@ def test_rms_norm_fp8_llama8b_width_gpu(t, with_residual, dtype) -> None:
     q, scale, s = rms_norm_fp8(x, weight, EPS, residual if with_residual else None, out=y)
     y_plain, s_plain = rms_norm(x, weight, EPS, res_plain)
     assert torch.equal(y, y_plain)
-    _assert_fp8_rows_of(q, scale, y)
+    assert_fp8_rows_of(q, scale, y)
     assert (s is None) == (s_plain is None) and (s is None or torch.equal(s, s_plain))
     q_alone, scale_alone, _ = rms_norm_fp8(x, weight, EPS)  # no out: y is never written
     if not with_residual:
@@ -234,4 +227,4 @@ def test_rms_norm_fp8_captures_in_a_cuda_graph_gpu() -> None:
     torch.cuda.synchronize()
     y_ref, s_ref = rms_norm(x, weight, EPS, start)
     assert torch.equal(residual, s_ref)
-    _assert_fp8_rows_of(q, scale, y_ref)
+    assert_fp8_rows_of(q, scale, y_ref)

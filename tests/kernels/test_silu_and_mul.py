@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.fp8_row_checks import assert_fp8_rows_of
 from tokenmill.engine.models.layers import silu_and_mul as engine_silu_and_mul
-from tokenmill.kernels.fp8_rows import MIN_SCALE, quantize_rows
+from tokenmill.kernels.fp8_rows import MIN_SCALE
 from tokenmill.kernels.silu_and_mul import (
     silu_and_mul,
     silu_and_mul_fp8,
@@ -68,14 +69,6 @@ def test_silu_and_mul_engine_size(inter, dtype) -> None:
 # formula), and q / scale are quantize_rows of that rounded y, in the interpreter too.
 
 
-def _assert_fp8_rows_of(q: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> None:
-    q_ref, scale_ref = quantize_rows(y)
-    assert q.dtype == torch.float8_e4m3fn and q.shape == y.shape and q.is_contiguous()
-    assert scale.dtype == torch.float32 and scale.shape == (y.shape[0], 1)
-    assert torch.equal(scale, scale_ref)
-    assert torch.equal(q.float(), q_ref.float())  # -0 == +0; every other bit pattern equal
-
-
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize(
     ("t", "inter", "pad", "block"),
@@ -93,7 +86,7 @@ def test_silu_and_mul_fp8_is_quantize_rows_of_the_product(t, inter, pad, block, 
     y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
     q, scale = silu_and_mul_fp8(x, out=y, block=block)
     assert torch.equal(y, silu_and_mul(x))
-    _assert_fp8_rows_of(q, scale, y)
+    assert_fp8_rows_of(q, scale, y)
     assert scale[0].item() == pytest.approx(MIN_SCALE)
     q_alone, scale_alone = silu_and_mul_fp8(x, block=block)  # y never written
     assert torch.equal(q_alone.float(), q.float()) and torch.equal(scale_alone, scale)
@@ -126,7 +119,7 @@ def test_silu_and_mul_fp8_llama8b_width_gpu(t, inter, block, dtype) -> None:
     y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
     q, scale = silu_and_mul_fp8(x, out=y, block=block)
     assert torch.equal(y, silu_and_mul(x))
-    _assert_fp8_rows_of(q, scale, y)
+    assert_fp8_rows_of(q, scale, y)
     q_ref, scale_ref = silu_and_mul_fp8_ref(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.float(), q_ref.float())
 
@@ -141,4 +134,4 @@ def test_silu_and_mul_fp8_captures_in_a_cuda_graph_gpu() -> None:
     x.copy_(_x(64, 14336, torch.bfloat16).flip(0))  # new rows in the captured buffer
     graph.replay()
     torch.cuda.synchronize()
-    _assert_fp8_rows_of(q, scale, silu_and_mul(x))
+    assert_fp8_rows_of(q, scale, silu_and_mul(x))

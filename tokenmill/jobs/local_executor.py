@@ -61,8 +61,9 @@ class RowProcessor:
         )
         self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format
-        # Parquet output has a prompt_logprobs column when the job asks (preflight.output_schema)
+        # Parquet output has these columns when the job asks (preflight.output_schema)
         self.prompt_logprobs_column = spec.sampling.prompt_logprobs is not None
+        self.logprobs_column = spec.sampling.logprobs is not None
         self._in_flight = RowsInFlight()
         self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far
         self._output_tokens = 0  # the highest count ``output_tokens`` gave
@@ -132,10 +133,7 @@ class RowProcessor:
         added: list[str] = []
         try:  # too long for the context, ids outside the vocabulary: the row's error
             check_output_holds(
-                item.params,
-                self.output_format,
-                self.prompt_logprobs_column,
-                logprobs_column=self.prepare.sampling_defaults.get("logprobs") is not None,
+                item.params, self.output_format, self.prompt_logprobs_column, self.logprobs_column
             )
             for rid, params in group.requests():
                 self.engine.add_request(rid, item.prompt_ids, params)
