@@ -13,6 +13,7 @@ and in commands that never run a model.
 from __future__ import annotations
 
 import difflib
+import gc
 import os
 import re
 import reprlib
@@ -330,6 +331,10 @@ class EngineConfig:
         if device.type == "cuda":
             import torch
 
+            # Memory of engines already gone (a cycle not yet collected, blocks still in
+            # torch's cache) is free for this one: count it so.
+            gc.collect()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             fraction = DEFAULT_GPU_MEMORY_FRACTION if mem is None else mem
             return int(fraction * total) - (total - free) - reserve_bytes

@@ -134,6 +134,7 @@ class LLMEngine:
             raise ValueError(
                 f"kv_cache_memory leaves room for {max(num_blocks, 0)} KV blocks of "
                 f"{block_bytes} bytes; raise kv_cache_memory or lower block_size"
+                + _gpu_use_hint(self.device)
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self.runner = ModelRunner(
@@ -498,3 +499,16 @@ class LLMEngine:
                 prompt_lps = self._prompt_logprobs.pop(req.request_id)
             items.append(Finished(req, tracked.detokenizer, tracked.logprobs, prompt_lps))
         self._outputs.submit(items)
+
+
+def _gpu_use_hint(device: torch.device) -> str:
+    """What holds the GPU when its share leaves no KV cache (another engine still alive in
+    this process, or another process)."""
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    mine = torch.cuda.memory_allocated(device)
+    return (
+        f" (the GPU has {free / 2**30:.1f} of {total / 2**30:.1f} GiB free; this process "
+        f"holds {mine / 2**30:.1f} GiB: close other engines or processes using it)"
+    )

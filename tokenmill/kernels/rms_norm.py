@@ -31,9 +31,11 @@ quantizes y per row for an FP8 linear layer (its reference: ``quantize_rows`` of
 
 q and scale are computed from y *after* its rounding to x's dtype, widened back to fp32
 (exactly), which is what ``quantize_rows(y)`` reads; with fp8_tiles.py's IEEE divisions and
-round-to-nearest-even cast, they equal ``quantize_rows(y)`` bit for bit. y itself is the
-plain kernel's y bit for bit: the same code, the same tile and warps, so the same order of
-the sum of squares.
+round-to-nearest-even cast, they equal ``quantize_rows(y)`` bit for bit in the interpreter.
+Compiled for CUDA, the two variants may sum a row's squares in different orders (the
+compiler also recomputes the row for the quantizing half), so y can be an ulp off the plain
+kernel's and q one e4m3 step off at a value next to a rounding tie (H200: <= 6 of 16M
+values); tests/kernels/fp8_row_checks.py bounds both.
 """
 
 from __future__ import annotations
@@ -245,9 +247,10 @@ def rms_norm_fp8(
     """:func:`rms_norm`'s y quantized per row to e4m3 for an FP8 linear layer, in one pass.
 
     Returns ``(q, scale, residual)``: q [T, H] float8_e4m3fn and scale [T, 1] float32 (new,
-    contiguous), equal to ``quantize_rows(y)``, and ``residual`` as :func:`rms_norm` returns
-    it (now s = x + residual; None without one). y itself is written only into ``out``, when
-    given (tests, benchmarks; it may be x, not residual). Raises ValueError on shape,
+    contiguous), ``quantize_rows(y)`` (up to the compiled sum's order, above), and
+    ``residual`` as :func:`rms_norm` returns it (now s = x + residual; None without one).
+    y itself is written only into ``out``, when given (tests, benchmarks; it may be x, not
+    residual). Raises ValueError on shape,
     dtype, device or stride mismatches, and for a 3-D x (per-head norms feed no FP8 layer).
     """
     if x.dim() != 2:
