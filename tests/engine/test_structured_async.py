@@ -84,17 +84,28 @@ def _llm(path: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
 
 def _count_overlapped_grammar_launches(engine: LLMEngine) -> list[int]:
     """Wrap the engine's runner.launch: count the launches with a constrained row that
-    started while another step was in flight (the overlap this file is about)."""
-    counts = [0]
-    launch = engine.runner.launch
+    started while another step was in flight (the overlap this file is about), and the
+    steps processed inside a launch (while the next step's masks fill)."""
+    counts = [0, 0]
+    launch, process = engine.runner.launch, engine._process
+    inside = [False]
 
     def counting(sched, token_bitmask=None, prompt_logits=None):
         constrained = any(r.sampling_params.structured_output for r in sched.requests)
         if constrained and engine._in_flight is not None:
             counts[0] += 1
-        return launch(sched, token_bitmask, prompt_logits)
+        inside[0] = True
+        try:
+            return launch(sched, token_bitmask, prompt_logits)
+        finally:
+            inside[0] = False
+
+    def counting_process(sched, launched):
+        counts[1] += inside[0]
+        return process(sched, launched)
 
     engine.runner.launch = counting
+    engine._process = counting_process
     return counts
 
 
@@ -112,6 +123,7 @@ def test_async_overlaps_constrained_steps_and_matches_the_synchronous_loop(
     engine = llm.engine
     assert engine.step_profile()["synchronous_steps"] == 0  # never fell back to sync
     assert overlapped[0] > 5
+    assert overlapped[1] > 5  # steps processed while the next one's masks filled
     assert sync.engine.step_profile()["synchronous_steps"] > 0
     finished = {o.finish_reason for o, p in zip(got, params, strict=True) if p.structured_output}
     assert finished == {"stop", "length"}  # both ways of ending mid-overlap are covered
@@ -148,6 +160,28 @@ def test_an_abort_while_its_step_is_in_flight_leaves_the_others_untouched(tiny_p
     assert "r0" not in outs
     assert [_summary([outs[f"r{i}"]])[0] for i in range(1, 4)] == want[1:]
     assert len(engine._grammars) == 0
+
+
+def test_lexer_groups_give_the_outputs_of_one(tiny_path, monkeypatch) -> None:
+    """Each constraint compiled once per executor thread, requests spread over the copies
+    and a step's rows sorted by copy: every output is the one-group run's, and each mask
+    still lands in its own row (rows of mixed groups and kinds in one step)."""
+    prompts, params = _prompts(12), _params(12)
+    want = _summary(_llm(tiny_path, True, max_num_seqs=5).generate(prompts, params))
+    monkeypatch.setattr("tokenmill.engine.structured_output._executor_threads", lambda: 3)
+    llm = _llm(tiny_path, True, max_num_seqs=5)
+    grammars = llm.engine._grammars
+    groups: list[int] = []
+    add = grammars.add
+
+    def recording_add(request: Request) -> None:
+        add(request)
+        groups.append(grammars._grammars[request.request_id].group)
+
+    monkeypatch.setattr(grammars, "add", recording_add)
+    assert _summary(llm.generate(prompts, params)) == want
+    assert grammars._num_groups == 3 and set(groups) == {0, 1, 2}
+    assert all(len(fresh) == 3 for fresh in grammars._fresh.values())
 
 
 # ---- the grammars' masks, without a model ---------------------------------------------------

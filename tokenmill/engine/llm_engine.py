@@ -17,8 +17,9 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
 
 Steps with drafts run synchronously: launch n, then process n at once. Steps with
 structured output (rows with a grammar) keep overlapping: launch n+1 enqueues the forward
-pass, then waits for step n's tokens, feeds them to the grammars and fills step n+1's masks
-while the forward pass runs, then enqueues sampling (structured_output.py).
+pass, then waits for step n's tokens, feeds them to the grammars, starts filling step n+1's
+masks on llguidance's threads and processes step n meanwhile, then enqueues sampling once
+the masks are in, all while the forward pass runs (structured_output.py).
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class LLMEngine:
         self._grammars = StructuredOutputs(
             self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device
         )
+        # The last step processed inside the next one's launch (``_token_bitmask``).
+        self._processed_early: LaunchedStep | None = None
         self._fed: LaunchedStep | None = None  # the last step whose tokens the grammars have
         self._launch_wait_ms = 0.0  # of the current launch, blocked on the step in flight
         self._num_sync_steps = 0  # steps launched and processed in one call
@@ -335,8 +338,8 @@ class LLMEngine:
             launched, self._in_flight = self._in_flight, launched
         elif launched is not None:
             self._num_sync_steps += 1
-        if launched is not None:
-            host_ms += self._process(*launched)
+        if launched is not None and launched[1] is not self._processed_early:
+            host_ms += self._process(*launched)  # (else the launch's host time counted it)
         self.runner.profiler.add_host_ms(host_ms)
         if self.policy is not None and sched.decode_only:  # prefills would skew the times
             stats = self.scheduler.stats
@@ -367,13 +370,19 @@ class LLMEngine:
         once the step's forward pass is enqueued). With a step in flight (async
         scheduling), its tokens are waited for and fed to the grammars first: the masks
         follow them."""
-        if self._in_flight is not None:
-            launched = self._in_flight[1]
-            t0 = time.perf_counter()
-            launched.output()  # the wait, timed by the step itself
-            self._launch_wait_ms += (time.perf_counter() - t0) * 1e3
-            self._feed_grammars(*self._in_flight)
-        return self._grammars.bitmask(requests)
+        if self._in_flight is None:
+            return self._grammars.bitmask(requests)
+        sched, launched = self._in_flight
+        t0 = time.perf_counter()
+        launched.output()  # the wait, timed by the step itself
+        self._launch_wait_ms += (time.perf_counter() - t0) * 1e3
+        self._feed_grammars(sched, launched)
+        finish = self._grammars.start_bitmask(requests)
+        # The step in flight is processed while llguidance fills the masks (its threads run
+        # without the GIL): the sampling metadata has read every row's settings by now.
+        self._process(sched, launched)
+        self._processed_early = launched
+        return finish()
 
     def _feed_grammars(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
         """Give a step's sampled tokens to the grammars of its constrained rows, once per

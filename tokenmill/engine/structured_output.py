@@ -26,20 +26,24 @@ How it meets the rest of the engine:
 - **Async scheduling.** Step n+1 is scheduled, and its forward pass enqueued, before step n's
   tokens reach the host; only the mask of a constrained row in step n+1 needs its token from
   step n. So the engine's ``bitmask`` callback, called by ``launch`` after the forward pass is
-  enqueued, first waits for step n's tokens and feeds them, then fills step n+1's masks
-  while the device runs the forward pass; sampling is enqueued behind it:
+  enqueued, first waits for step n's tokens and feeds them, then starts step n+1's masks on
+  a worker thread (``start_bitmask``; llguidance's threads, without the GIL) and processes
+  step n (the scheduler applies its tokens, finished requests are handed on) meanwhile;
+  sampling is enqueued once the masks are in:
 
-      host:  schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► fill masks
-             n+1 ─► enqueue sampling n+1 ─► apply tokens n (scheduler) ─► schedule n+2 ...
-      GPU:   .. sampling n ][ forward n+1 .................... ][ sampling n+1 ] ...
+      host:    schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► process n
+               ─► enqueue sampling n+1 ─► schedule n+2 ...
+      worker:                                         [ fill masks n+1 ]
+      GPU:     .. sampling n ][ forward n+1 .................... ][ sampling n+1 ] ...
 
-  The host's work between two waits is the same as without grammars plus feed and fill, so
-  steps keep overlapping. A step's tokens are fed exactly once, before the scheduler applies
-  them (early, as above, or when the step is processed): a request's grammar is dropped the
-  moment it finishes, so the rows whose request still has one are exactly the rows whose
-  token the scheduler will apply. A row whose request ends with step n's token (EOS, a stop
-  string, its grammar complete) was already scheduled in step n+1, as any row is with async
-  scheduling; its mask there allows EOS only and its token is dropped.
+  The host's work between two waits is the same as without grammars plus the feed and what
+  of the fill outlasts processing step n, so steps keep overlapping. A step's tokens are
+  fed exactly once, before the scheduler applies them (early, as above, or when the step is
+  processed): a request's grammar is dropped the moment it finishes, so the rows whose
+  request still has one are exactly the rows whose token the scheduler will apply. A row
+  whose request ends with step n's token (EOS, a stop string, its grammar complete) was
+  already scheduled in step n+1, as any row is with async scheduling; its mask there
+  allows EOS only and its token is dropped.
 - **Preemption.** Preemption recomputes: the request keeps its output tokens (they were all
   fed) and re-runs prompt + output; only its next sampled token is new to the grammar.
 - **Speculative decoding.** Rows with a grammar take no drafts (``core/drafts.py``), like
@@ -47,6 +51,13 @@ How it meets the rest of the engine:
 - **The invariant.** Each mask handed out is answered by exactly one fed token before the
   row's next mask: ``bitmask`` raises if a row's previous token was not fed, ``feed`` if no
   mask asked for the token.
+
+**Parallel masks.** llguidance shares one lexer (its cache of lexer states) between a
+matcher and its copies and locks it for a whole mask, so copies of one compiled matcher
+fill their masks one at a time whatever the threads. Each constraint is therefore compiled
+once per executor thread (a "lexer group"); requests take the groups in turn, and a step
+hands llguidance its rows sorted by group, so its threads, which split the rows into
+contiguous runs, mostly work on different lexers.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off): no free whitespace
 between tokens, so a small model cannot wander off into endless blank lines. A schema may
@@ -56,8 +67,10 @@ override it through llguidance's ``x-guidance`` key.
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +110,7 @@ class _Grammar:
     (equal between steps: each mask's token is fed before the next mask)."""
 
     matcher: Any  # llguidance.LLMatcher
+    group: int  # the lexer group: which compiled copy of the constraint it was copied from
     num_masked: int = 0
     num_fed: int = 0
 
@@ -104,11 +118,14 @@ class _Grammar:
 @dataclass
 class GrammarStats:
     """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
-    sampled tokens, each one llguidance call over all constrained rows of a step."""
+    sampled tokens, each one llguidance call over all constrained rows of a step.
+    ``mask_ms`` is the fill's own time (on the worker thread when it overlaps other host
+    work); ``mask_wait_ms`` what the caller still waited for it after that work."""
 
     masks: int = 0  # bitmask calls (steps with a constrained row that samples)
     mask_rows: int = 0
     mask_ms: float = 0.0
+    mask_wait_ms: float = 0.0
     feeds: int = 0  # feed calls that fed a row
     fed_rows: int = 0
     feed_ms: float = 0.0
@@ -119,6 +136,7 @@ class GrammarStats:
             "mask_calls": self.masks,
             "rows_per_mask": round(self.mask_rows / max(self.masks, 1), 1),
             "mask_ms": round(self.mask_ms / max(self.masks, 1), 3),
+            "mask_wait_ms": round(self.mask_wait_ms / max(self.masks, 1), 3),
             "feed_calls": self.feeds,
             "rows_per_feed": round(self.fed_rows / max(self.feeds, 1), 1),
             "feed_ms": round(self.feed_ms / max(self.feeds, 1), 3),
@@ -184,7 +202,11 @@ class StructuredOutputs:
         self._llg: Any = None
         self._ll_tokenizer: Any = None
         self._executor: Any = None
-        self._fresh: dict[str, Any] = {}  # canonical value -> a matcher in its start state
+        self._worker: ThreadPoolExecutor | None = None  # start_bitmask's fills
+        # canonical value -> one matcher in its start state per lexer group
+        self._fresh: dict[str, list[Any]] = {}
+        self._num_groups = 1  # the executor's threads, once llguidance is loaded
+        self._next_group = 0
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"))
@@ -204,11 +226,18 @@ class StructuredOutputs:
             raise ValueError(f"request {request.request_id} has no structured_output")
         fresh = self._fresh.get(spec)
         if fresh is None:
-            fresh = self._compile(spec)
+            first = self._compile(spec)
+            # The other groups' copies compile from scratch (a copy would share the lexer).
+            fresh = [first] + [
+                self._llg.LLMatcher(self._ll_tokenizer, grammar_text(spec), log_level=0)
+                for _ in range(self._num_groups - 1)
+            ]
             if len(self._fresh) >= 64:  # a job rarely has more schemas; keep the newest
                 self._fresh.pop(next(iter(self._fresh)))
             self._fresh[spec] = fresh
-        self._grammars[request.request_id] = _Grammar(fresh.deep_copy())
+        group = self._next_group
+        self._next_group = (group + 1) % self._num_groups
+        self._grammars[request.request_id] = _Grammar(fresh[group].deep_copy(), group)
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
@@ -225,7 +254,15 @@ class StructuredOutputs:
         Raises RuntimeError when a request has no grammar or its last mask's token has not
         been fed (a step launched before the previous one's tokens were fed).
         """
-        t0 = time.perf_counter()
+        return self.start_bitmask(requests, background=False)()
+
+    def start_bitmask(
+        self, requests: Sequence[Request], background: bool = True
+    ) -> Callable[[], np.ndarray]:
+        """:meth:`bitmask` in two halves: the checks now, the fill on a worker thread (with
+        ``background``; llguidance fills without holding the GIL), and a function that
+        waits for it and returns the masks. Between the two the caller may run other host
+        work, and may drop grammars (finished requests): the fill holds its own matchers."""
         masked: list[_Grammar] = []
         for req in requests:
             grammar = self._grammars.get(req.request_id)
@@ -238,16 +275,36 @@ class StructuredOutputs:
                     "were fed (StructuredOutputs.feed)"
                 )
             masked.append(grammar)
-        pairs = [(grammar.matcher, i) for i, grammar in enumerate(masked)]
+        order = sorted(range(len(masked)), key=lambda i: masked[i].group)
+        pairs = [(masked[i].matcher, i) for i in order]  # row i's mask lands in row i
         mask = self._buffers.next(len(pairs))
-        self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
         for grammar in masked:
             grammar.num_masked += 1
-        stats = self.stats
-        stats.masks += 1
-        stats.mask_rows += len(pairs)
-        stats.mask_ms += (time.perf_counter() - t0) * 1e3
-        return mask
+
+        def fill() -> float:
+            t0 = time.perf_counter()
+            self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            return (time.perf_counter() - t0) * 1e3
+
+        if background:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+            future = self._worker.submit(fill)
+            elapsed = future.result
+        else:
+            ms = fill()
+            elapsed = lambda: ms  # noqa: E731
+
+        def finish() -> np.ndarray:
+            t0 = time.perf_counter()
+            stats = self.stats
+            stats.mask_ms += elapsed()
+            stats.mask_wait_ms += (time.perf_counter() - t0) * 1e3
+            stats.masks += 1
+            stats.mask_rows += len(pairs)
+            return mask
+
+        return finish
 
     def feed(self, requests: Sequence[Request], tokens: Sequence[int]) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
@@ -259,8 +316,7 @@ class StructuredOutputs:
         """
         t0 = time.perf_counter()
         grammars = self._grammars
-        fed: list[tuple[str, _Grammar]] = []
-        pairs: list[tuple[Any, int]] = []
+        fed: list[tuple[str, _Grammar, int]] = []
         for req, token in zip(requests, tokens, strict=True):
             grammar = grammars.get(req.request_id)
             if grammar is None:
@@ -271,12 +327,13 @@ class StructuredOutputs:
                     "(a step's tokens fed twice, or drafts on a constrained row)"
                 )
             grammar.num_fed += 1
-            fed.append((req.request_id, grammar))
-            pairs.append((grammar.matcher, int(token)))
-        if not pairs:
+            fed.append((req.request_id, grammar, int(token)))
+        if not fed:
             return
+        fed.sort(key=lambda item: item[1].group)  # a lexer group's rows together (see above)
+        pairs = [(grammar.matcher, token) for _, grammar, token in fed]
         accepted = self._executor.consume_token_par(pairs)  # on llguidance's threads
-        for (rid, grammar), ok in zip(fed, accepted, strict=True):
+        for (rid, grammar, _), ok in zip(fed, accepted, strict=True):
             if not ok:  # a rejected token leaves the matcher in its error state
                 log.warning(
                     "request %s: its grammar rejected a sampled token (%s); ending it",
@@ -335,5 +392,15 @@ class StructuredOutputs:
                 f"{_PARAM}: llguidance cannot read the model's tokenizer "
                 f"({type(exc).__name__}: {exc}); it needs a fast (tokenizer.json) tokenizer"
             ) from None
-        self._executor = llg.LLExecutor()
+        self._num_groups = _executor_threads()
+        self._executor = llg.LLExecutor(num_threads=self._num_groups)
         self._llg = llg
+
+
+def _executor_threads() -> int:
+    """llguidance's threads: 80% of this process's CPUs (its own default), 1 to 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus * 4 // 5))
