@@ -377,12 +377,11 @@ class LLMEngine:
         launched.output()  # the wait, timed by the step itself
         self._launch_wait_ms += (time.perf_counter() - t0) * 1e3
         self._feed_grammars(sched, launched)
-        finish = self._grammars.start_bitmask(requests)
         # The step in flight is processed while llguidance fills the masks (its threads run
         # without the GIL): the sampling metadata has read every row's settings by now.
-        self._process(sched, launched)
+        masks = self._grammars.bitmask(requests, beside=lambda: self._process(sched, launched))
         self._processed_early = launched
-        return finish()
+        return masks
 
     def _feed_grammars(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
         """Give a step's sampled tokens to the grammars of its constrained rows, once per

@@ -26,14 +26,14 @@ How it meets the rest of the engine:
 - **Async scheduling.** Step n+1 is scheduled, and its forward pass enqueued, before step n's
   tokens reach the host; only the mask of a constrained row in step n+1 needs its token from
   step n. So the engine's ``bitmask`` callback, called by ``launch`` after the forward pass is
-  enqueued, first waits for step n's tokens and feeds them, then starts step n+1's masks on
-  a worker thread (``start_bitmask``; llguidance's threads, without the GIL) and processes
-  step n (the scheduler applies its tokens, finished requests are handed on) meanwhile;
-  sampling is enqueued once the masks are in:
+  enqueued, first waits for step n's tokens and feeds them, then fills step n+1's masks
+  (llguidance's threads, without the GIL) while a worker thread processes step n (the
+  scheduler applies its tokens, finished requests are handed on: ``bitmask(beside=...)``);
+  sampling is enqueued once both are done:
 
-      host:    schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► process n
-               ─► enqueue sampling n+1 ─► schedule n+2 ...
-      worker:                                         [ fill masks n+1 ]
+      host:    schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► fill masks
+               n+1 ─► enqueue sampling n+1 ─► schedule n+2 ...
+      worker:                                                 [ process n ]
       GPU:     .. sampling n ][ forward n+1 .................... ][ sampling n+1 ] ...
 
   The host's work between two waits is the same as without grammars plus the feed and what
@@ -119,8 +119,8 @@ class _Grammar:
 class GrammarStats:
     """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
     sampled tokens, each one llguidance call over all constrained rows of a step.
-    ``mask_ms`` is the fill's own time (on the worker thread when it overlaps other host
-    work); ``mask_wait_ms`` what the caller still waited for it after that work."""
+    ``mask_ms`` is the fill's own time; ``mask_wait_ms`` what the engine's other host work
+    run beside it (``bitmask(beside=...)``) outlasted it by."""
 
     masks: int = 0  # bitmask calls (steps with a constrained row that samples)
     mask_rows: int = 0
@@ -202,7 +202,7 @@ class StructuredOutputs:
         self._llg: Any = None
         self._ll_tokenizer: Any = None
         self._executor: Any = None
-        self._worker: ThreadPoolExecutor | None = None  # start_bitmask's fills
+        self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
         # canonical value -> one matcher in its start state per lexer group
         self._fresh: dict[str, list[Any]] = {}
         self._num_groups = 1  # the executor's threads, once llguidance is loaded
@@ -245,24 +245,22 @@ class StructuredOutputs:
         for rid in request_ids:
             self._grammars.pop(rid, None)
 
-    def bitmask(self, requests: Sequence[Request]) -> np.ndarray:
+    def bitmask(
+        self, requests: Sequence[Request], beside: Callable[[], object] | None = None
+    ) -> np.ndarray:
         """[G, ceil(vocab_size / 32)] int32: bit t of row i (little-endian within each int32)
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
         mask handed out, which the row's next fed token answers.
+
+        ``beside()``, when given, runs on a worker thread while llguidance fills the masks
+        on its own threads, without the GIL; this call returns when both are done (and
+        raises what ``beside`` raised). It may drop grammars (finish requests): the fill
+        holds its own matchers.
 
         The array is a reused buffer: valid until the second call after this one.
         Raises RuntimeError when a request has no grammar or its last mask's token has not
         been fed (a step launched before the previous one's tokens were fed).
         """
-        return self.start_bitmask(requests, background=False)()
-
-    def start_bitmask(
-        self, requests: Sequence[Request], background: bool = True
-    ) -> Callable[[], np.ndarray]:
-        """:meth:`bitmask` in two halves: the checks now, the fill on a worker thread (with
-        ``background``; llguidance fills without holding the GIL), and a function that
-        waits for it and returns the masks. Between the two the caller may run other host
-        work, and may drop grammars (finished requests): the fill holds its own matchers."""
         masked: list[_Grammar] = []
         for req in requests:
             grammar = self._grammars.get(req.request_id)
@@ -280,31 +278,26 @@ class StructuredOutputs:
         mask = self._buffers.next(len(pairs))
         for grammar in masked:
             grammar.num_masked += 1
-
-        def fill() -> float:
-            t0 = time.perf_counter()
-            self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
-            return (time.perf_counter() - t0) * 1e3
-
-        if background:
+        # ``beside`` goes to the worker, the fill stays here: the fill lets go of the GIL
+        # within microseconds, so the worker's Python runs at once, alongside.
+        side = None
+        if beside is not None:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-            future = self._worker.submit(fill)
-            elapsed = future.result
-        else:
-            ms = fill()
-            elapsed = lambda: ms  # noqa: E731
-
-        def finish() -> np.ndarray:
-            t0 = time.perf_counter()
-            stats = self.stats
-            stats.mask_ms += elapsed()
-            stats.mask_wait_ms += (time.perf_counter() - t0) * 1e3
-            stats.masks += 1
-            stats.mask_rows += len(pairs)
-            return mask
-
-        return finish
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
+            side = self._worker.submit(beside)
+        t0 = time.perf_counter()
+        try:
+            self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+        finally:
+            t1 = time.perf_counter()
+            if side is not None:
+                side.result()
+        stats = self.stats
+        stats.masks += 1
+        stats.mask_rows += len(pairs)
+        stats.mask_ms += (t1 - t0) * 1e3
+        stats.mask_wait_ms += (time.perf_counter() - t1) * 1e3
+        return mask
 
     def feed(self, requests: Sequence[Request], tokens: Sequence[int]) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
