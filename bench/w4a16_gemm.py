@@ -1,0 +1,102 @@
+"""INT4 weight-only (W4A16) GEMMs against bf16 on the Llama-3-8B layer shapes (issue 14).
+
+Goals: the W4A16 GEMM >= 3x the bf16 GEMM at M <= 16, and never slower than bf16 at
+M = 256 (where a dequantize + bf16 GEMM would do, if it is faster).
+
+Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call timed with a
+cold L2 (gpu_timing):
+
+  bf16_ms        ``F.linear`` with the bf16 weight
+  w4a16_ms       ``w4a16_linear`` with its default tiles (what the engine runs), and
+  w4a16_best     the fastest of its (block_m, block_n) tiles in TILES, with its time
+  dequant_ms     the only dequantize path there is today (``dequantize_q4``: fp32 weights,
+                 then cast) + ``F.linear``: the upper bound of a dequantize-then-GEMM switch
+  speedup        bf16_ms / w4a16_ms, and best_speedup with the best tile
+  weight_gbps    the packed weight's bytes (codes, scales, mins) over w4a16_ms: against the
+                 H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
+  rel_error      the W4A16 output against F.linear on the dequantized weight
+
+The weights are random 4-bit codes with fp16 scales and mins per group of 32 (GGUF Q4_1's
+layout and group).
+
+    python3 bench/w4a16_gemm.py [--tokens 1,16,64,256,1024,4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear  # noqa: E402
+
+SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+}
+GROUP = 32
+TILES = [(bm, bn) for bm in (16, 32, 64) for bn in (32, 64, 128)]
+
+
+def q4_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scales, mins) on the GPU: random codes, scales and mins near Q4_1's."""
+    codes = torch.randint(0, 16, (out_f, in_f), device="cuda")
+    scales = (torch.rand(out_f, in_f // GROUP, device="cuda") * 0.002 + 0.0005).half()
+    mins = (-8 * scales.float()).half()
+    return pack_q4(codes), scales, mins
+
+
+def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -> dict:
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
+    bf16_ms = time_ms(lambda: linear(x, weight))
+    w4_ms = time_ms(lambda: w4a16_linear(x, qweight, scales, mins))
+    tiles = {
+        (bm, bn): time_ms(lambda bm=bm, bn=bn: w4a16_linear(x, qweight, scales, mins,
+                                                          block_m=bm, block_n=bn))
+        for bm, bn in TILES
+    }  # fmt: skip
+    best = min(tiles, key=tiles.get)
+    dequant_ms = time_ms(lambda: linear(x, dequantize_q4(qweight, scales, mins).to(x.dtype)))
+    packed_bytes = qweight.numel() + 2 * scales.numel() * scales.element_size()
+    y, want = w4a16_linear(x, qweight, scales, mins), linear(x, weight)
+    rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
+    return {
+        "shape": name, "in": in_f, "out": out_f, "M": m,
+        "bf16_ms": round(bf16_ms, 4), "w4a16_ms": round(w4_ms, 4),
+        "w4a16_best": {"tile": list(best), "ms": round(tiles[best], 4)},
+        "dequant_ms": round(dequant_ms, 4),
+        "speedup": round(bf16_ms / w4_ms, 2),
+        "best_speedup": round(bf16_ms / tiles[best], 2),
+        "weight_gbps": round(packed_bytes / w4_ms / 1e6, 1),
+        "rel_error": round(rel, 4),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/w4a16_gemm.py times CUDA kernels: run it on a GPU")
+    warm_up_gpu()
+    for name, (in_f, out_f) in SHAPES.items():
+        qweight, scales, mins = q4_weight(out_f, in_f)
+        weight = dequantize_q4(qweight, scales, mins).to(torch.bfloat16)
+        for m in (int(t) for t in args.tokens.split(",")):
+            with torch.inference_mode():
+                line = shape_line(name, m, qweight, scales, mins, weight)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
