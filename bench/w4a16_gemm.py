@@ -9,8 +9,9 @@ cold L2 (gpu_timing):
   bf16_ms        ``F.linear`` with the bf16 weight
   w4a16_ms       ``w4a16_linear`` with its default tiles (what the engine runs), and
   w4a16_best     the fastest of its (block_m, block_n) tiles in TILES, with its time
-  dequant_ms     the only dequantize path there is today (``dequantize_q4``: fp32 weights,
-                 then cast) + ``F.linear``: the upper bound of a dequantize-then-GEMM switch
+  dequant_ms     ``dequantize_q4_rows`` (the Triton kernel, bf16 weights) + ``F.linear``:
+                 the dequantize-then-GEMM path a large-M switch would take, and
+                 dequant_only_ms its first half alone
   speedup        bf16_ms / w4a16_ms, and best_speedup with the best tile
   weight_gbps    the packed weight's bytes (codes, scales, mins) over w4a16_ms: against the
                  H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
@@ -34,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from tokenmill.kernels.q4_dequantize import dequantize_q4_rows  # noqa: E402
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear  # noqa: E402
 
 SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
@@ -66,7 +68,8 @@ def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -
         for bm, bn in TILES
     }  # fmt: skip
     best = min(tiles, key=tiles.get)
-    dequant_ms = time_ms(lambda: linear(x, dequantize_q4(qweight, scales, mins).to(x.dtype)))
+    dequant_ms = time_ms(lambda: linear(x, dequantize_q4_rows(qweight, scales, mins, x.dtype)))
+    dequant_only_ms = time_ms(lambda: dequantize_q4_rows(qweight, scales, mins, x.dtype))
     packed_bytes = qweight.numel() + 2 * scales.numel() * scales.element_size()
     y, want = w4a16_linear(x, qweight, scales, mins), linear(x, weight)
     rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
@@ -74,7 +77,7 @@ def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -
         "shape": name, "in": in_f, "out": out_f, "M": m,
         "bf16_ms": round(bf16_ms, 4), "w4a16_ms": round(w4_ms, 4),
         "w4a16_best": {"tile": list(best), "ms": round(tiles[best], 4)},
-        "dequant_ms": round(dequant_ms, 4),
+        "dequant_ms": round(dequant_ms, 4), "dequant_only_ms": round(dequant_only_ms, 4),
         "speedup": round(bf16_ms / w4_ms, 2),
         "best_speedup": round(bf16_ms / tiles[best], 2),
         "weight_gbps": round(packed_bytes / w4_ms / 1e6, 1),
