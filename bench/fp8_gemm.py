@@ -44,18 +44,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.engine.models.fp8 import Fp8Method  # noqa: E402
 from tokenmill.engine.models.linear import RowParallelLinear  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref  # noqa: E402
 from tokenmill.kernels.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 
-SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
-    "qkv": (4096, 6144),
-    "o": (4096, 4096),
-    "gate_up": (4096, 28672),
-    "down": (14336, 4096),
-}
+SHAPES = LINEAR_SHAPES  # name: (in, out)
 PRODUCERS = {"qkv": "rms_norm+residual", "o": "attention (not fused)",
              "gate_up": "rms_norm+residual", "down": "silu_and_mul"}  # fmt: skip
 EPS = 1e-5

@@ -35,15 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.kernels.q4_dequantize import dequantize_q4_rows  # noqa: E402
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear  # noqa: E402
 
-SHAPES = {  # name: (in, out) of Llama-3-8B's linear layers
-    "qkv": (4096, 6144),
-    "o": (4096, 4096),
-    "gate_up": (4096, 28672),
-    "down": (14336, 4096),
-}
+SHAPES = LINEAR_SHAPES  # name: (in, out)
 GROUP = 32
 TILES = [(bm, bn) for bm in (16, 32, 64) for bn in (32, 64, 128)]
 
