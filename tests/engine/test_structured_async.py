@@ -141,6 +141,10 @@ def test_async_overlaps_constrained_steps_and_matches_the_synchronous_loop(
     assert len(engine._grammars) == 0 and not engine.has_unfinished()
     stats = engine.step_profile()["structured_output"]
     assert stats["mask_calls"] > 0 and stats["feed_calls"] > 0
+    worker = engine._grammars._worker
+    assert worker is not None  # it processed steps beside the fills
+    engine.close()
+    assert engine._grammars._worker is None and worker._shutdown
 
 
 def test_an_abort_while_its_step_is_in_flight_leaves_the_others_untouched(tiny_path) -> None:

@@ -282,8 +282,10 @@ class LLMEngine:
         return sum(t.request.num_output_tokens for t in self._tracked.values())
 
     def close(self) -> None:
-        """Stop the output worker (outputs not collected yet are dropped)."""
+        """Stop the output worker (outputs not collected yet are dropped) and the grammars'
+        worker."""
         self._outputs.close()
+        self._grammars.close()
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""

@@ -239,6 +239,12 @@ class StructuredOutputs:
         self._next_group = (group + 1) % self._num_groups
         self._grammars[request.request_id] = _Grammar(fresh[group].deep_copy(), group)
 
+    def close(self) -> None:
+        """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
         The engine drops a request's grammar as soon as the request finishes."""
