@@ -16,8 +16,10 @@ Faults add up (the first added that matches a request decides); ``clear`` remove
 
 One request at a time per client connection (HTTP/1.1 keep-alive); each forwarded request
 opens its own connection to the target. Bodies are read whole (``Content-Length`` or
-``Transfer-Encoding: chunked``) and forwarded with a ``Content-Length``. ``stats`` counts
-what happened. Nothing leaves 127.0.0.1: the target must be a loopback address.
+``Transfer-Encoding: chunked``) and forwarded with a ``Content-Length``; a body cut short
+(the connection closed inside it, as ``pause`` does) is dropped, never forwarded, as a store
+never keeps a truncated object. ``stats`` counts what happened. Nothing leaves 127.0.0.1:
+the target must be a loopback address.
 
 Tests take the ``faulty_s3`` fixture (moto behind a proxy): import it together with
 ``tests.s3_server.s3_endpoint``, which it builds on.
@@ -294,6 +296,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         proxy = self.proxy
         body = self._read_body()
+        if body is None:  # the client's connection ended inside the body (pause(), say)
+            proxy.count("cut_short")
+            self.close_connection = True
+            return  # as a store does: an incomplete request is never acted on
         proxy.count("requests")
         proxy.count(f"requests_{self.command}")
         fault = proxy._decide(self.command, self.path)
@@ -325,19 +331,28 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(payload)
 
-    def _read_body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";", 1)[0].strip(), 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass  # trailers
-                    return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()  # the CRLF after each chunk
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
+    def _read_body(self) -> bytes | None:
+        """The request's whole body, or None when the connection ended before it did (a
+        short read: forwarding it would store a truncated object, which no store does)."""
+        try:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                chunks = []
+                while True:
+                    size = int(self.rfile.readline().split(b";", 1)[0].strip(), 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return b"".join(chunks)
+                    chunk = self.rfile.read(size)
+                    if len(chunk) < size:
+                        return None
+                    chunks.append(chunk)
+                    self.rfile.readline()  # the CRLF after each chunk
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else b""
+        except (OSError, ValueError):  # reset mid-body, or a chunk size line cut off
+            return None
+        return body if len(body) == length else None
 
     def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}

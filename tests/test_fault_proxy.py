@@ -1,0 +1,31 @@
+"""The fault proxy itself: a request whose body the connection cuts short is never
+forwarded (a store keeps no truncated object; the proxy must not make moto keep one)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import fsspec
+
+from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
+from tests.s3_server import s3_endpoint  # noqa: F401
+
+
+def test_a_body_cut_short_is_dropped_not_forwarded(faulty_s3: FaultyS3) -> None:  # noqa: F811
+    direct = fsspec.filesystem("s3", **faulty_s3.direct)
+    direct.mkdir("cut-short")
+    host, port = faulty_s3.proxy.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        head = (
+            "PUT /cut-short/manifest.json HTTP/1.1\r\n"
+            f"Host: {host}:{port}\r\nContent-Length: 100\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b'{"shards": {"a": 1}')  # 19 of the 100 bytes promised
+    stats = faulty_s3.proxy.stats
+    deadline = time.monotonic() + 5
+    while stats["cut_short"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stats["cut_short"] == 1 and stats["forwarded"] == 0, stats
+    direct.invalidate_cache()
+    assert not direct.exists("cut-short/manifest.json")
