@@ -33,6 +33,7 @@ shape), and whether the goal holds. ``--json`` also writes them all to a file.
     PYTHONPATH=. python bench/structured_output.py --device cpu --requests 16 --max-tokens 32
     PYTHONPATH=. python bench/structured_output.py --device cuda    # the goal: 4,096 x 512
     PYTHONPATH=. python bench/structured_output.py --device cuda --schema bounded
+    PYTHONPATH=. python bench/structured_output.py --device cuda --backend xgrammar
 """
 
 from __future__ import annotations
@@ -169,7 +170,13 @@ def run_leg(
 ) -> tuple[dict[str, Any], list[RequestOutput]]:
     """(result line, outputs) of one leg on its own engine, after ``warm_up`` (other prompts:
     none of the timed ones is in the prefix cache); ``params``: one per prompt."""
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.max_num_seqs, profile_steps=True)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        profile_steps=True,
+        structured_output_backend=args.backend,
+    )
     engine = llm.engine
     # Kernels, and the grammar's tokenizer.
     llm.generate(warm_up, [params[i % len(params)] for i in range(len(warm_up))])
@@ -204,6 +211,10 @@ def main() -> None:
     parser.add_argument(
         "--schema", choices=sorted(SCHEMAS), default="typical", help="bounded: maxLength strings"
     )
+    parser.add_argument(
+        "--backend", choices=("llguidance", "xgrammar"), default="llguidance",
+        help="the engine's structured_output_backend",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     schema = SCHEMAS[args.schema]
@@ -242,6 +253,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs,
         "max_tokens": args.max_tokens,
         "schema": args.schema,
+        "backend": args.backend,
         "ratio": round(ratio, 3),
         "ratio_matched": round(matched, 3),
         "valid_share": round(valid, 4),

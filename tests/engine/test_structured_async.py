@@ -172,7 +172,7 @@ def test_lexer_groups_give_the_outputs_of_one(tiny_path, monkeypatch) -> None:
     still lands in its own row (rows of mixed groups and kinds in one step)."""
     prompts, params = _prompts(12), _params(12)
     want = _summary(_llm(tiny_path, True, max_num_seqs=5).generate(prompts, params))
-    monkeypatch.setattr("tokenmill.engine.structured_output._executor_threads", lambda: 3)
+    monkeypatch.setattr("tokenmill.engine.grammar_llguidance.executor_threads", lambda: 3)
     llm = _llm(tiny_path, True, max_num_seqs=5)
     grammars = llm.engine._grammars
     groups: list[int] = []
@@ -184,8 +184,8 @@ def test_lexer_groups_give_the_outputs_of_one(tiny_path, monkeypatch) -> None:
 
     monkeypatch.setattr(grammars, "add", recording_add)
     assert _summary(llm.generate(prompts, params)) == want
-    assert grammars._num_groups == 3 and set(groups) == {0, 1, 2}
-    assert all(len(fresh) == 3 for fresh in grammars._fresh.values())
+    assert grammars.backend.num_groups == 3 and set(groups) == {0, 1, 2}
+    assert all(len(fresh) == 3 for fresh in grammars.backend.fresh.values())
 
 
 # ---- the grammars' masks, without a model ---------------------------------------------------
@@ -200,7 +200,7 @@ def grammars(tmp_path_factory) -> StructuredOutputs:
 def test_one_batched_fill_gives_each_row_its_own_mask_and_buffers_do_not_alias(grammars):
     """Rows at different points of different grammars, filled in one call, get what one-row
     fills give; a mask handed out survives the next fill (its upload may still be pending)."""
-    tokenizer = grammars._tokenizer
+    tokenizer = grammars.backend._tokenizer
     specs = [TINY_SCHEMA, "json_object", 'choice:["yes","no"]', "regex:[0-9]+x"]
     texts = ['{"label":"c', "{", "y", "12"]
 

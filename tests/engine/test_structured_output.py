@@ -145,7 +145,7 @@ def _allowed(mask_row: np.ndarray) -> set[int]:
 def test_grammar_follows_the_output_and_never_feeds_a_token_twice(grammars) -> None:
     req, plain = _request("a"), Request("p", [5, 6], SamplingParams(), (EOS_ID,))
     grammars.add(req)
-    tokenizer = grammars._tokenizer
+    tokenizer = grammars.backend._tokenizer
     text = '{"label":"dog","count":3}'
     tokens = tokenizer.encode(text, add_special_tokens=False)
     for i, token in enumerate(tokens):
@@ -166,7 +166,7 @@ def test_a_rejected_token_ends_the_request_and_a_stale_grammar_is_refused(gramma
     grammars.bitmask([req])
     with pytest.raises(RuntimeError, match="behind its output"):
         grammars.bitmask([req])  # the last mask's token has not been fed
-    grammars.feed([req], [grammars._tokenizer.convert_tokens_to_ids("x")])  # not "{"
+    grammars.feed([req], [grammars.backend._tokenizer.convert_tokens_to_ids("x")])  # not "{"
     assert grammars.take_ended() == ["b"]
     assert "rejected a sampled token" in caplog.text
     grammars.drop(["b"])

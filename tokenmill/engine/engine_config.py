@@ -249,7 +249,8 @@ class EngineConfig:
     (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py). A quantized
     checkpoint (FP8, GPTQ, AWQ safetensors) runs as it is, whatever this says.
     ``kv_cache_dtype``: auto (the model's dtype) or fp8 (e4m3, twice the tokens in the same
-    memory; kernels/fp8_kv.py).
+    memory; kernels/fp8_kv.py). ``structured_output_backend``: the grammar library of
+    structured output, llguidance or xgrammar (``pip install xgrammar``; structured_output.py).
     """
 
     model: str = field(metadata=MODEL)
@@ -270,6 +271,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
     quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4"))
     kv_cache_dtype: str = field(default="auto", metadata=_one_of("auto", "fp8"))
+    structured_output_backend: str = field(
+        default="llguidance", metadata=_one_of("llguidance", "xgrammar")
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -186,7 +186,11 @@ class LLMEngine:
         self._watched: dict[str, _Tracked] = {}  # the tracked ones with a detokenizer
         # Grammars of the requests with structured_output (llguidance loads on the first).
         self._grammars = StructuredOutputs(
-            self.tokenizer, mc.vocab_size, self.eos_token_ids, self.device
+            self.tokenizer,
+            mc.vocab_size,
+            self.eos_token_ids,
+            self.device,
+            config.structured_output_backend,
         )
         # The last step processed inside the next one's launch (``_token_bitmask``).
         self._processed_early: LaunchedStep | None = None

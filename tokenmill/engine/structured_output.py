@@ -2,21 +2,22 @@
 
 A constraint is a JSON schema, any JSON object, a regex the whole output must match, or a
 list of strings the output must be one of (structured_output_params.py: the kinds, their
-canonical text and checks). The grammar engine is llguidance (``pip install llguidance``): it
-compiles a constraint against the model's tokenizer into a token-level matcher that fills a
-next-token bitmask and consumes sampled tokens. It is imported only when a request has a
-constraint, so the engine runs without it otherwise.
+canonical text and checks). The grammar engine, llguidance by default (``pip install
+llguidance``; or xgrammar, see Backends below), compiles a constraint against the model's
+tokenizer into a token-level matcher that fills a next-token bitmask and consumes sampled
+tokens. It is imported only when a request has a constraint, so the engine runs without it
+otherwise.
 
     SamplingParams(structured_output=schema | "json_object" | "regex:..." | "choice:[...]"
                    | StructuredOutputsParams(...))
         ─► check_structured_output: canonical text, grammar validated once (cached)
     LLMEngine.add_request ─► StructuredOutputs.add: a matcher for the request
     ModelRunner.launch ─► SamplingMetadata: the rows with a grammar ─► bitmask(requests)
-        [G, ceil(V / 32)] int32, every row in one llguidance call (its threads) into a
+        [G, ceil(V / 32)] int32, every row in one backend call (its threads) into a
         reused host buffer (pinned on CUDA), one upload ─► Sampler: -inf where a bit is 0
         (after penalties, before temperature / top-k / top-p / greedy argmax)
     a step's sampled tokens ─► feed: each constrained row's matcher consumes its token (one
-        llguidance call); a matcher that has stopped (the JSON, the regex match or the choice
+        backend call); a matcher that has stopped (the JSON, the regex match or the choice
         is complete and nothing but EOS may follow) or failed ─► ended ─► the engine ends
         its request, finish_reason "stop"
     finished / aborted ─► drop
@@ -52,22 +53,21 @@ How it meets the rest of the engine:
   row's next mask: ``bitmask`` raises if a row's previous token was not fed, ``feed`` if no
   mask asked for the token.
 
-**Parallel masks.** llguidance shares one lexer (its cache of lexer states) between a
-matcher and its copies and locks it for a whole mask, so copies of one compiled matcher
-fill their masks one at a time whatever the threads. Each constraint is therefore compiled
-once per executor thread (a "lexer group"); requests take the groups in turn, and a step
-hands llguidance its rows sorted by group, so its threads, which split the rows into
-contiguous runs, mostly work on different lexers.
+**Backends.** The grammar library is the engine's ``structured_output_backend``:
+llguidance (the default; grammar_llguidance.py, which compiles each constraint once per
+thread so that its threads do not queue on one lexer) or xgrammar (grammar_xgrammar.py).
+Both fill a step's masks and take its tokens in one call each, on their own threads; only
+llguidance lets go of the GIL while it fills.
 
-JSON is generated compactly (llguidance's ``whitespace_flexible`` off): no free whitespace
-between tokens, so a small model cannot wander off into endless blank lines. A schema may
-override it through llguidance's ``x-guidance`` key.
+JSON is generated compactly (llguidance's ``whitespace_flexible`` off; xgrammar without
+free whitespace): no free whitespace between tokens, so a small model cannot wander off
+into endless blank lines. With llguidance a schema may override it through its
+``x-guidance`` key.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -77,13 +77,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
     StructuredOutputsParams,
     check_structured_output,
-    describe,
-    grammar_error,
-    grammar_text,
     load_llguidance,
 )
 
@@ -101,16 +100,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_PARAM = "SamplingParams.structured_output"
-
 
 @dataclass
 class _Grammar:
     """One request's matcher; how many masks it has handed out and tokens it has consumed
     (equal between steps: each mask's token is fed before the next mask)."""
 
-    matcher: Any  # llguidance.LLMatcher
-    group: int  # the lexer group: which compiled copy of the constraint it was copied from
+    matcher: Any  # the backend's matcher
+    group: int  # llguidance's lexer group (which compiled copy it came from); 0 otherwise
     num_masked: int = 0
     num_fed: int = 0
 
@@ -183,10 +180,10 @@ class _MaskBuffers:
 class StructuredOutputs:
     """The engine's grammars, one per running or waiting request that has one.
 
-    llguidance's tokenizer is built from the model's (fast HF) tokenizer on the first
-    request with a grammar (about half a second); ``vocab_size`` is the model's logits width.
-    ``device`` is where the masks go (pinned host buffers on CUDA). Its length (``len``) is
-    the number of requests with a grammar.
+    The ``backend`` (llguidance or xgrammar) builds its tokenizer from the model's (fast HF)
+    tokenizer on the first request with a grammar (about half a second); ``vocab_size`` is
+    the model's logits width. ``device`` is where the masks go (pinned host buffers on
+    CUDA). Its length (``len``) is the number of requests with a grammar.
     """
 
     def __init__(
@@ -195,18 +192,16 @@ class StructuredOutputs:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         device: torch.device | None = None,
+        backend: str = "llguidance",
     ) -> None:
-        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self._eos = list(eos_token_ids)
-        self._llg: Any = None
-        self._ll_tokenizer: Any = None
-        self._executor: Any = None
+        backends = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
+        if backend not in backends:
+            raise ValueError(
+                f"structured_output_backend must be one of {sorted(backends)}, got {backend!r}"
+            )
+        self.backend = backends[backend](tokenizer, vocab_size, eos_token_ids)
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
-        # canonical value -> one matcher in its start state per lexer group
-        self._fresh: dict[str, list[Any]] = {}
-        self._num_groups = 1  # the executor's threads, once llguidance is loaded
-        self._next_group = 0
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"))
@@ -218,26 +213,14 @@ class StructuredOutputs:
     def add(self, request: Request) -> None:
         """Give ``request`` (whose SamplingParams has ``structured_output``) its matcher.
 
-        Raises ValueError when the model has no tokenizer or llguidance rejects the grammar
-        for this tokenizer, ImportError without llguidance; nothing is added then.
+        Raises ValueError when the model has no tokenizer or the backend rejects the grammar
+        for this tokenizer, ImportError without the backend's package; nothing is added then.
         """
         spec = request.sampling_params.structured_output
         if spec is None:
             raise ValueError(f"request {request.request_id} has no structured_output")
-        fresh = self._fresh.get(spec)
-        if fresh is None:
-            first = self._compile(spec)
-            # The other groups' copies compile from scratch (a copy would share the lexer).
-            fresh = [first] + [
-                self._llg.LLMatcher(self._ll_tokenizer, grammar_text(spec), log_level=0)
-                for _ in range(self._num_groups - 1)
-            ]
-            if len(self._fresh) >= 64:  # a job rarely has more schemas; keep the newest
-                self._fresh.pop(next(iter(self._fresh)))
-            self._fresh[spec] = fresh
-        group = self._next_group
-        self._next_group = (group + 1) % self._num_groups
-        self._grammars[request.request_id] = _Grammar(fresh[group].deep_copy(), group)
+        matcher, group = self.backend.matcher(spec)
+        self._grammars[request.request_id] = _Grammar(matcher, group)
 
     def close(self) -> None:
         """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)."""
@@ -258,10 +241,10 @@ class StructuredOutputs:
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
         mask handed out, which the row's next fed token answers.
 
-        ``beside()``, when given, runs on a worker thread while llguidance fills the masks
-        on its own threads, without the GIL; this call returns when both are done (and
-        raises what ``beside`` raised). It may drop grammars (finish requests): the fill
-        holds its own matchers.
+        ``beside()``, when given, runs on a worker thread while the backend fills the masks
+        on its own threads (llguidance without the GIL: alongside); this call returns when
+        both are done (and raises what ``beside`` raised). It may drop grammars (finish
+        requests): the fill holds its own matchers.
 
         The array is a reused buffer: valid until the second call after this one.
         Raises RuntimeError when a request has no grammar or its last mask's token has not
@@ -279,9 +262,8 @@ class StructuredOutputs:
                     "were fed (StructuredOutputs.feed)"
                 )
             masked.append(grammar)
-        order = sorted(range(len(masked)), key=lambda i: masked[i].group)
-        pairs = [(masked[i].matcher, i) for i in order]  # row i's mask lands in row i
-        mask = self._buffers.next(len(pairs))
+        rows = [(grammar.matcher, grammar.group) for grammar in masked]
+        mask = self._buffers.next(len(rows))
         for grammar in masked:
             grammar.num_masked += 1
         # ``beside`` goes to the worker, the fill stays here: the fill lets go of the GIL
@@ -293,14 +275,14 @@ class StructuredOutputs:
             side = self._worker.submit(beside)
         t0 = time.perf_counter()
         try:
-            self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            self.backend.fill(rows, mask)
         finally:
             t1 = time.perf_counter()
             if side is not None:
                 side.result()
         stats = self.stats
         stats.masks += 1
-        stats.mask_rows += len(pairs)
+        stats.mask_rows += len(rows)
         stats.mask_ms += (t1 - t0) * 1e3
         stats.mask_wait_ms += (time.perf_counter() - t1) * 1e3
         return mask
@@ -329,22 +311,24 @@ class StructuredOutputs:
             fed.append((req.request_id, grammar, int(token)))
         if not fed:
             return
-        fed.sort(key=lambda item: item[1].group)  # a lexer group's rows together (see above)
-        pairs = [(grammar.matcher, token) for _, grammar, token in fed]
-        accepted = self._executor.consume_token_par(pairs)  # on llguidance's threads
+        backend = self.backend
+        accepted = backend.consume(
+            [(grammar.matcher, grammar.group) for _, grammar, _ in fed],
+            [token for _, _, token in fed],
+        )
         for (rid, grammar, _), ok in zip(fed, accepted, strict=True):
             if not ok:  # a rejected token leaves the matcher in its error state
                 log.warning(
                     "request %s: its grammar rejected a sampled token (%s); ending it",
                     rid,
-                    grammar.matcher.get_error()[:500],
+                    backend.error(grammar.matcher),
                 )
                 self._ended.append(rid)
-            elif grammar.matcher.is_stopped():
+            elif backend.is_stopped(grammar.matcher):
                 self._ended.append(rid)
         stats = self.stats
         stats.feeds += 1
-        stats.fed_rows += len(pairs)
+        stats.fed_rows += len(fed)
         stats.feed_ms += (time.perf_counter() - t0) * 1e3
 
     def take_ended(self) -> list[str]:
@@ -356,50 +340,3 @@ class StructuredOutputs:
         ended = [rid for rid in self._ended if rid in self._grammars]
         self._ended = []
         return ended
-
-    def _compile(self, spec: str) -> Any:
-        """A fresh matcher for ``spec`` on this model's tokenizer (ValueError if it fails)."""
-        if self._ll_tokenizer is None:
-            self._load_tokenizer()
-        llg = self._llg
-        grammar = grammar_text(spec)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._ll_tokenizer
-        )
-        matcher = None if is_error else llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-        if matcher is None or matcher.is_error():
-            error = messages[0] if is_error else matcher.get_error()
-            raise ValueError(
-                f"{_PARAM}: llguidance cannot use this {describe(spec)}: {grammar_error(error)}"
-            )
-        return matcher
-
-    def _load_tokenizer(self) -> None:
-        if self._tokenizer is None:
-            raise ValueError(
-                f"{_PARAM} needs the model's tokenizer; this engine has none (load_format='random')"
-            )
-        llg = load_llguidance()
-        from llguidance.hf import from_tokenizer
-
-        try:
-            self._ll_tokenizer = from_tokenizer(
-                self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
-            )
-        except (ValueError, TypeError, RuntimeError) as exc:
-            raise ValueError(
-                f"{_PARAM}: llguidance cannot read the model's tokenizer "
-                f"({type(exc).__name__}: {exc}); it needs a fast (tokenizer.json) tokenizer"
-            ) from None
-        self._num_groups = _executor_threads()
-        self._executor = llg.LLExecutor(num_threads=self._num_groups)
-        self._llg = llg
-
-
-def _executor_threads() -> int:
-    """llguidance's threads: 80% of this process's CPUs (its own default), 1 to 32."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(32, cpus * 4 // 5))

@@ -41,6 +41,7 @@ __all__ = [
     "grammar_error",
     "grammar_text",
     "load_llguidance",
+    "require_tokenizer",
     "structured_output_setting",
 ]
 
@@ -69,6 +70,14 @@ def load_llguidance() -> Any:
             "Batch bodies) needs the llguidance package: pip install llguidance"
         ) from exc
     return llguidance
+
+
+def require_tokenizer(tokenizer: Any) -> None:
+    """Raise ValueError when the engine has no tokenizer to build a grammar backend on."""
+    if tokenizer is None:
+        raise ValueError(
+            f"{_PARAM} needs the model's tokenizer; this engine has none (load_format='random')"
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""Structured output on the xgrammar backend (``structured_output_backend="xgrammar"``):
+the same constraints as the llguidance tests, every constrained row valid, async scheduling
+gives the synchronous loop's outputs, and regex and choice rows (one language, so one
+allowed-token set a step) give exactly llguidance's greedy outputs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.engine.test_structured_async import (
+    CHOICES,
+    REGEX,
+    _llm,
+    _params,
+    _prompts,
+    _summary,
+    tiny_path,  # noqa: F401  (the module's tiny model fixture)
+)
+from tests.engine.test_structured_output import TINY_SCHEMA, validate
+from tokenmill import SamplingParams
+
+pytest.importorskip("xgrammar")
+
+
+def _check_valid(outs, params) -> None:
+    for out, p in zip(outs, params, strict=True):
+        spec = p.structured_output
+        if spec is None or out.finish_reason != "stop" or out.stop_reason is not None:
+            continue  # unconstrained, cut by length, or by a stop string
+        if spec.startswith("choice:"):
+            assert out.text in CHOICES, out.text
+        elif spec.startswith("regex:"):
+            assert re.fullmatch(REGEX, out.text), out.text
+        elif spec.startswith('{"type":"object","properties"'):
+            validate(out.text, TINY_SCHEMA)
+
+
+@pytest.mark.parametrize("max_num_seqs", [16, 5], ids=["one-batch", "rows-come-and-go"])
+def test_xgrammar_rows_are_valid_and_async_matches_sync(tiny_path, max_num_seqs) -> None:  # noqa: F811
+    prompts, params = _prompts(12), _params(12)
+    kwargs = dict(max_num_seqs=max_num_seqs, structured_output_backend="xgrammar")
+    want = _llm(tiny_path, False, **kwargs).generate(prompts, params)
+    llm = _llm(tiny_path, True, **kwargs)
+    got = llm.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    _check_valid(got, params)
+    finished = {o.finish_reason for o, p in zip(got, params, strict=True) if p.structured_output}
+    assert "stop" in finished
+    assert llm.engine._grammars.backend.name == "xgrammar"
+    assert len(llm.engine._grammars) == 0 and llm.engine.step_profile()["synchronous_steps"] == 0
+
+
+def test_regex_and_choice_rows_match_llguidance(tiny_path) -> None:  # noqa: F811
+    prompts = _prompts(8)
+    specs = ["choice:" + '["yes","no","maybe so"]', "regex:" + REGEX] * 4
+    params = [SamplingParams(max_tokens=20, temperature=0, structured_output=s) for s in specs]
+    outs = {
+        backend: _llm(tiny_path, True, structured_output_backend=backend).generate(prompts, params)
+        for backend in ("llguidance", "xgrammar")
+    }
+    assert _summary(outs["xgrammar"]) == _summary(outs["llguidance"])
+    assert {o.finish_reason for o in outs["xgrammar"]} <= {"stop", "length"}
+    _check_valid(outs["xgrammar"], params)
+
+
+def test_a_constraint_xgrammar_cannot_compile_is_refused_naming_it(tiny_path) -> None:  # noqa: F811
+    llm = _llm(tiny_path, False, structured_output_backend="xgrammar")
+    case_insensitive = SamplingParams(structured_output="regex:(?i)abc")  # llguidance's syntax
+    with pytest.raises(ValueError, match=r"xgrammar cannot use this regex: Regex parsing error"):
+        llm.engine.add_request("bad", [5, 6], case_insensitive)
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_unknown_backend_is_refused_naming_the_setting(tiny_path) -> None:  # noqa: F811
+    with pytest.raises(ValueError, match="structured_output_backend"):
+        _llm(tiny_path, False, structured_output_backend="outlines")

@@ -1,0 +1,132 @@
+"""The llguidance grammar backend of structured output (structured_output.py has the rest).
+
+llguidance shares one lexer (its cache of lexer states) between a compiled matcher and all
+its copies and locks it for a whole mask, so copies of one compiled matcher fill their
+masks one at a time whatever the threads. Each constraint is therefore compiled once per
+executor thread (a "lexer group"); requests take the groups in turn, and a step hands
+llguidance its rows sorted by group, so its threads, which split the rows into contiguous
+runs, mostly work on different lexers. Masks are filled and tokens consumed on llguidance's
+threads, without the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tokenmill.engine.structured_output_params import (
+    describe,
+    grammar_error,
+    grammar_text,
+    load_llguidance,
+    require_tokenizer,
+)
+
+__all__ = ["LlguidanceGrammars", "executor_threads"]
+
+_PARAM = "SamplingParams.structured_output"
+Row = tuple[Any, int]  # (a request's matcher, its lexer group)
+
+
+class LlguidanceGrammars:
+    """Matchers, masks and token consumption through llguidance (loaded on first use)."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._llg: Any = None
+        self._ll_tokenizer: Any = None
+        self._executor: Any = None
+        # canonical value -> one matcher in its start state per lexer group
+        self.fresh: dict[str, list[Any]] = {}
+        self.num_groups = 1  # the executor's threads, once llguidance is loaded
+        self._next_group = 0
+
+    def matcher(self, spec: str) -> Row:
+        """A matcher in its start state for a new request, and its lexer group. Raises
+        ValueError when llguidance cannot compile ``spec`` for this tokenizer."""
+        fresh = self.fresh.get(spec)
+        if fresh is None:
+            first = self._compile(spec)
+            # The other groups' copies compile from scratch (a copy would share the lexer).
+            fresh = [first] + [
+                self._llg.LLMatcher(self._ll_tokenizer, grammar_text(spec), log_level=0)
+                for _ in range(self.num_groups - 1)
+            ]
+            if len(self.fresh) >= 64:  # a job rarely has more schemas; keep the newest
+                self.fresh.pop(next(iter(self.fresh)))
+            self.fresh[spec] = fresh
+        group = self._next_group
+        self._next_group = (group + 1) % self.num_groups
+        return fresh[group].deep_copy(), group
+
+    def fill(self, rows: Sequence[Row], mask: np.ndarray) -> None:
+        """Row i of ``mask`` [len(rows), words] int32 <- rows[i]'s next-token bitmask."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][1])
+        pairs = [(rows[i][0], i) for i in order]  # row i's mask lands in row i
+        self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
+
+    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
+        """Each row's matcher takes its token; whether each accepted it (input order)."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i][1])
+        taken = self._executor.consume_token_par([(rows[i][0], tokens[i]) for i in order])
+        accepted = [False] * len(rows)
+        for i, ok in zip(order, taken, strict=True):
+            accepted[i] = ok
+        return accepted
+
+    def is_stopped(self, matcher: Any) -> bool:
+        """The output is complete: nothing but EOS may follow."""
+        return matcher.is_stopped()
+
+    def error(self, matcher: Any) -> str:
+        return matcher.get_error()[:500]
+
+    def _compile(self, spec: str) -> Any:
+        if self._ll_tokenizer is None:
+            self._load_tokenizer()
+        llg = self._llg
+        grammar = grammar_text(spec)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            grammar, self._ll_tokenizer
+        )
+        matcher = None if is_error else llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher is None or matcher.is_error():
+            error = messages[0] if is_error else matcher.get_error()
+            raise ValueError(
+                f"{_PARAM}: llguidance cannot use this {describe(spec)}: {grammar_error(error)}"
+            )
+        return matcher
+
+    def _load_tokenizer(self) -> None:
+        require_tokenizer(self._tokenizer)
+        llg = load_llguidance()
+        from llguidance.hf import from_tokenizer
+
+        try:
+            self._ll_tokenizer = from_tokenizer(
+                self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+            )
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ValueError(
+                f"{_PARAM}: llguidance cannot read the model's tokenizer "
+                f"({type(exc).__name__}: {exc}); it needs a fast (tokenizer.json) tokenizer"
+            ) from None
+        self.num_groups = executor_threads()
+        self._executor = llg.LLExecutor(num_threads=self.num_groups)
+        self._llg = llg
+
+
+def executor_threads() -> int:
+    """Grammar threads: 80% of this process's CPUs (llguidance's own default), 1 to 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus * 4 // 5))

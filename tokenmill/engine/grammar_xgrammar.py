@@ -1,0 +1,144 @@
+"""The xgrammar grammar backend of structured output (``structured_output_backend:
+xgrammar``; structured_output.py has the rest).
+
+One compiled grammar per constraint (xgrammar caches what it computes per grammar, not per
+matcher), a ``GrammarMatcher`` per request, masks filled and tokens taken for a whole step
+in one ``BatchGrammarMatcher`` call on its threads. Unlike llguidance it holds the GIL while
+it fills, so the engine's processing beside the fill waits for it.
+
+The constraint kinds map to xgrammar's compilers: a JSON schema (and json_object, as the
+schema ``{"type": "object"}``) compiled compactly (no free whitespace, separators "," and
+":", as the llguidance backend writes JSON); a regex with xgrammar's regex syntax; a choice
+as a grammar of its quoted strings. A request ends ("stop") once its output is complete and
+nothing but a stop token may follow, as with llguidance: checked on the rows whose grammar
+says complete, from a one-row mask.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tokenmill.engine.grammar_llguidance import executor_threads
+from tokenmill.engine.structured_output_params import (
+    CHOICE_PREFIX,
+    JSON_OBJECT,
+    REGEX_PREFIX,
+    describe,
+    require_tokenizer,
+)
+
+__all__ = ["XgrammarGrammars", "load_xgrammar"]
+
+_PARAM = "SamplingParams.structured_output"
+_ANY_OBJECT = '{"type":"object"}'
+Row = tuple[Any, int]  # (a request's matcher, 0: xgrammar has no lexer groups)
+
+
+def load_xgrammar() -> Any:
+    """The xgrammar module. Raises ImportError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ImportError(
+            "structured_output_backend xgrammar needs the xgrammar package: pip install "
+            "xgrammar (or use the default backend, llguidance)"
+        ) from exc
+    return xgrammar
+
+
+class XgrammarGrammars:
+    """Matchers, masks and token consumption through xgrammar (loaded on first use)."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._xgr: Any = None
+        self._compiler: Any = None
+        self._batch: Any = None
+        self._compiled: dict[str, Any] = {}
+        self._one = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)  # is_stopped's mask
+
+    def matcher(self, spec: str) -> Row:
+        """A matcher in its start state for a new request. Raises ValueError when xgrammar
+        cannot compile ``spec`` for this tokenizer."""
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = self._compile(spec)
+            if len(self._compiled) >= 64:  # a job rarely has more schemas; keep the newest
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[spec] = compiled
+        return self._xgr.GrammarMatcher(compiled), 0
+
+    def fill(self, rows: Sequence[Row], mask: np.ndarray) -> None:
+        """Row i of ``mask`` [len(rows), words] int32 <- rows[i]'s next-token bitmask."""
+        self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask)
+
+    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
+        """Each row's matcher takes its token; whether each accepted it (input order)."""
+        matchers = [m for m, _ in rows]
+        return list(self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens)))
+
+    def is_stopped(self, matcher: Any) -> bool:
+        """The output is complete: nothing but a stop token may follow."""
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        matcher.fill_next_token_bitmask(self._one, 0)
+        bits = np.unpackbits(self._one.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return set(np.flatnonzero(bits).tolist()) <= set(self._eos)
+
+    def error(self, matcher: Any) -> str:
+        return "xgrammar does not allow this token here"
+
+    def _compile(self, spec: str) -> Any:
+        if self._compiler is None:
+            self._load()
+        compiler = self._compiler
+        try:
+            if spec.startswith(REGEX_PREFIX):
+                return compiler.compile_regex(spec[len(REGEX_PREFIX) :])
+            if spec.startswith(CHOICE_PREFIX):
+                choices = json.loads(spec[len(CHOICE_PREFIX) :])
+                return compiler.compile_grammar(
+                    "root ::= " + " | ".join(json.dumps(c) for c in choices)
+                )
+            schema = _ANY_OBJECT if spec == JSON_OBJECT else spec
+            return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(
+                f"{_PARAM}: xgrammar cannot use this {describe(spec)}: {_message(exc)}"
+            ) from None
+
+    def _load(self) -> None:
+        require_tokenizer(self._tokenizer)
+        xgr = load_xgrammar()
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos or None
+            )
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise ValueError(
+                f"{_PARAM}: xgrammar cannot read the model's tokenizer "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+        threads = executor_threads()
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._xgr = xgr
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's error without its log prefix ("[hh:mm:ss] file.cc:94: ")."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0])
