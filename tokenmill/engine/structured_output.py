@@ -115,7 +115,7 @@ class _Grammar:
 @dataclass
 class GrammarStats:
     """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
-    sampled tokens, each one llguidance call over all constrained rows of a step.
+    sampled tokens, each one backend call over all constrained rows of a step.
     ``mask_ms`` is the fill's own time; ``mask_wait_ms`` what the engine's other host work
     run beside it (``bitmask(beside=...)``) outlasted it by."""
 
@@ -141,7 +141,7 @@ class GrammarStats:
 
 
 class _MaskBuffers:
-    """Two [rows, words] int32 host buffers used in turn, pinned on CUDA: llguidance writes
+    """Two [rows, words] int32 host buffers used in turn, pinned on CUDA: the backend writes
     a step's masks straight into one, and the upload copies from there (a pinned source
     needs no staging copy), with no allocation per step.
 
