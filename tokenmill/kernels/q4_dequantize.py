@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.w4a16_gemm import CHUNK
+from tokenmill.kernels.w4a16_gemm import CHUNK, check_q4_weight
 
 __all__ = ["dequantize_q4_rows"]
 
@@ -67,20 +67,9 @@ def dequantize_q4_rows(
 ) -> torch.Tensor:
     """The [N, K] weights in ``dtype`` that (qweight, scales, mins) stand for. Raises
     ValueError on a layout w4a16_gemm would refuse or an unsupported dtype."""
-    if qweight.dim() != 2 or qweight.dtype != torch.uint8:
-        raise ValueError(f"dequantize_q4_rows: qweight must be uint8 [N, K/2], got "
-                         f"{qweight.dtype} {tuple(qweight.shape)}")  # fmt: skip
     if dtype not in _DTYPES:
         raise ValueError(f"dequantize_q4_rows: dtype must be one of {_DTYPES}, got {dtype}")
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    groups = scales.shape[1] if scales.dim() == 2 else 0
-    if scales.shape != mins.shape or scales.shape[0] != n or not groups or k % groups:
-        raise ValueError(f"dequantize_q4_rows: scales and mins must be [N={n}, K/GROUP], got "
-                         f"{tuple(scales.shape)} and {tuple(mins.shape)}")  # fmt: skip
-    group = k // groups
-    if k % CHUNK or group % CHUNK:
-        raise ValueError(f"dequantize_q4_rows: K={k} and the group size {group} must be "
-                         f"multiples of {CHUNK}")  # fmt: skip
+    n, k, group = check_q4_weight(qweight, scales, mins, "dequantize_q4_rows")
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     if n == 0:
         return out

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_q4", "pack_q4", "w4a16_linear", "w4a16_linear_ref"]
+__all__ = ["check_q4_weight", "dequantize_q4", "pack_q4", "w4a16_linear", "w4a16_linear_ref"]
 
 CHUNK = 32  # inputs per packed chunk: 16 bytes, two nibbles each
 
@@ -75,14 +75,24 @@ def _w4a16_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
-    def fail(msg: str) -> None:
-        raise ValueError(f"w4a16_linear: {msg}")
+def check_q4_weight(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    caller: str,
+    k: int | None = None,
+) -> tuple[int, int, int]:
+    """(N, K, GROUP) of a q4-rows weight (the module docstring's layout) after checking its
+    three tensors; ``k``, when the caller's activations fix it, must be qweight's. Raises
+    ValueError naming ``caller``."""
 
-    if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.uint8:
-        fail(f"x must be [M, K] and qweight uint8 [N, K/2], got {tuple(x.shape)}, "
-             f"{qweight.dtype} {tuple(qweight.shape)}")  # fmt: skip
-    k, n = x.shape[1], qweight.shape[0]
+    def fail(msg: str) -> None:
+        raise ValueError(f"{caller}: {msg}")
+
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        fail(f"qweight must be uint8 [N, K/2], got {qweight.dtype} {tuple(qweight.shape)}")
+    n = qweight.shape[0]
+    k = qweight.shape[1] * 2 if k is None else k
     if k % CHUNK or qweight.shape[1] * 2 != k:
         fail(f"K={k} must be a multiple of {CHUNK} and qweight's width K/2 ({qweight.shape[1]})")
     groups = scales.shape[1] if scales.dim() == 2 else 0
@@ -93,6 +103,12 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: t
     if group % CHUNK:
         fail(f"the group size K / groups = {group} must be a multiple of {CHUNK}")
     return n, k, group
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor):
+    if x.dim() != 2:
+        raise ValueError(f"w4a16_linear: x must be [M, K], got {tuple(x.shape)}")
+    return check_q4_weight(qweight, scales, mins, "w4a16_linear", x.shape[1])
 
 
 def w4a16_linear(
