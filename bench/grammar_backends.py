@@ -5,12 +5,15 @@ decode step of ~430 rows takes ~2.4 ms on the GPU, and the grammar work of a ste
 every constrained row's mask, then consuming its sampled token) sits between two steps.
 This bench times that work alone, without a model, for each library it can import:
 
-  llguidance  as tokenmill runs it (engine/structured_output.py): one compiled matcher per
-              thread ("lexer group"), the rows as copies of them, sorted by group, filled
-              with ``fill_next_token_bitmask_par`` and fed with ``consume_token_par``
-  xgrammar    one compiled grammar, a ``GrammarMatcher`` per row, filled with
-              ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` and fed with
-              ``batch_accept_token``
+  llguidance  the engine's backend (engine/grammar_llguidance.py): one compiled matcher
+              per thread ("lexer group"), the rows as copies of them, sorted by group,
+              filled with ``fill_next_token_bitmask_par`` and fed with ``consume_token_par``
+  xgrammar    the engine's other backend (engine/grammar_xgrammar.py): one compiled
+              grammar, a ``GrammarMatcher`` per row, filled and fed by
+              ``BatchGrammarMatcher``
+
+Both run exactly as ``structured_output_backend`` runs them in the engine, with the thread
+count set here instead of from the CPU count.
 
 The rows: ``--rows`` order records (bench/structured_output.py's schema fields) written as
 compact JSON and tokenized by the model's tokenizer; every step fills all rows' masks, then
@@ -38,11 +41,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.structured_output import SCHEMAS  # noqa: E402
+from tokenmill.engine.grammar_llguidance import LlguidanceGrammars  # noqa: E402
+from tokenmill.engine.grammar_xgrammar import XgrammarGrammars  # noqa: E402
 from tokenmill.engine.loader import resolve_model_source  # noqa: E402
-from tokenmill.engine.structured_output_params import (  # noqa: E402
-    check_structured_output,
-    grammar_text,
-)
+from tokenmill.engine.structured_output_params import check_structured_output  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 NAMES = ["Bruno Diaz", "Dana Okafor", "Li Wei", "Ana Souza", "Kofi Mensah"]
@@ -88,58 +90,22 @@ def time_steps(
     return mask_s / (steps - 2) * 1e3, token_s / (steps - 2) * 1e3
 
 
-def llguidance_leg(
-    tokenizer: Any, vocab: int, schema: dict, seqs: list[list[int]], threads: int
+def time_backend(
+    backend: LlguidanceGrammars | XgrammarGrammars, spec: str, seqs: list[list[int]]
 ) -> tuple[float, float]:
-    import llguidance
-    import llguidance.numpy
-    from llguidance.hf import from_tokenizer
-
-    ll_tokenizer = from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
-    grammar = grammar_text(check_structured_output(schema))
-    fresh = [llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0) for _ in range(threads)]
-    matchers = [fresh[i % threads].deep_copy() for i in range(len(seqs))]
-    order = sorted(range(len(seqs)), key=lambda i: i % threads)
-    executor = llguidance.LLExecutor(num_threads=threads)
-    mask = np.zeros((len(seqs), -(-vocab // 32)), dtype=np.int32)
-    pairs = [(matchers[i], i) for i in order]
-
-    def fill() -> None:
-        llguidance.numpy.fill_next_token_bitmask_par(executor, pairs, mask)
+    """(mask ms, token ms) per step of ``backend`` doing the engine's calls: a matcher per
+    row, then every step one ``fill`` of all rows' masks and one ``consume``."""
+    rows = [backend.matcher(spec) for _ in seqs]
+    mask = np.zeros((len(seqs), -(-backend.vocab_size // 32)), dtype=np.int32)
 
     def consume(tokens: list[int]) -> None:
-        accepted = executor.consume_token_par([(matchers[i], tokens[i]) for i in order])
-        if not all(accepted):
-            raise RuntimeError("llguidance rejected a token of a valid record")
+        if not all(backend.consume(rows, tokens)):
+            raise RuntimeError(f"{backend.name} rejected a token of a valid record")
 
-    return time_steps(seqs, fill, consume)
-
-
-def xgrammar_leg(
-    tokenizer: Any, vocab: int, schema: dict, seqs: list[list[int]], threads: int
-) -> tuple[float, float]:
-    import xgrammar
-
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)
-    compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
-    compiled = compiler.compile_json_schema(
-        json.dumps(schema), any_whitespace=False, separators=(",", ":")
-    )
-    matchers = [xgrammar.GrammarMatcher(compiled) for _ in seqs]
-    batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
-    mask = xgrammar.allocate_token_bitmask(len(seqs), vocab)
-
-    def fill() -> None:
-        batch.batch_fill_next_token_bitmask(matchers, mask)
-
-    def consume(tokens: list[int]) -> None:
-        if not all(batch.batch_accept_token(matchers, tokens)):
-            raise RuntimeError("xgrammar rejected a token of a valid record")
-
-    return time_steps(seqs, fill, consume)
+    return time_steps(seqs, lambda: backend.fill(rows, mask), consume)
 
 
-LEGS = {"llguidance": llguidance_leg, "xgrammar": xgrammar_leg}
+LEGS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 
 
 def main() -> None:
@@ -154,6 +120,7 @@ def main() -> None:
     seqs = records(args.rows, tokenizer)
     for library, leg in LEGS.items():
         for schema_name, schema in SCHEMAS.items():
+            spec = check_structured_output(schema)
             for threads in (int(t) for t in args.threads.split(",")):
                 line: dict[str, Any] = {
                     "library": library,
@@ -161,8 +128,9 @@ def main() -> None:
                     "threads": threads,
                     "rows": args.rows,
                 }
+                backend = leg(tokenizer, vocab, [tokenizer.eos_token_id], threads)
                 try:
-                    mask_ms, token_ms = leg(tokenizer, vocab, schema, seqs, threads)
+                    mask_ms, token_ms = time_backend(backend, spec, seqs)
                 except ImportError as exc:
                     line["not_installed"] = str(exc)
                     print(json.dumps(line), flush=True)

@@ -36,8 +36,15 @@ class LlguidanceGrammars:
 
     name = "llguidance"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        threads: int | None = None,  # None: executor_threads()
+    ) -> None:
         self._tokenizer = tokenizer
+        self._threads = threads
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._llg: Any = None
@@ -118,7 +125,7 @@ class LlguidanceGrammars:
                 f"{_PARAM}: llguidance cannot read the model's tokenizer "
                 f"({type(exc).__name__}: {exc}); it needs a fast (tokenizer.json) tokenizer"
             ) from None
-        self.num_groups = executor_threads()
+        self.num_groups = self._threads or executor_threads()
         self._executor = llg.LLExecutor(num_threads=self.num_groups)
         self._llg = llg
 

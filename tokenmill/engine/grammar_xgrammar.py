@@ -56,8 +56,15 @@ class XgrammarGrammars:
 
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        threads: int | None = None,  # None: executor_threads()
+    ) -> None:
         self._tokenizer = tokenizer
+        self._threads = threads
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._xgr: Any = None
@@ -130,7 +137,7 @@ class XgrammarGrammars:
                 f"{_PARAM}: xgrammar cannot read the model's tokenizer "
                 f"({type(exc).__name__}: {exc})"
             ) from None
-        threads = executor_threads()
+        threads = self._threads or executor_threads()
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._xgr = xgr
