@@ -67,6 +67,7 @@ class XgrammarGrammars:
         self._threads = threads
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
+        self._stop_ids = frozenset(self._eos)
         self._xgr: Any = None
         self._compiler: Any = None
         self._batch: Any = None
@@ -101,7 +102,7 @@ class XgrammarGrammars:
             return False
         matcher.fill_next_token_bitmask(self._one, 0)
         bits = np.unpackbits(self._one.view(np.uint8), bitorder="little")[: self.vocab_size]
-        return set(np.flatnonzero(bits).tolist()) <= set(self._eos)
+        return set(np.flatnonzero(bits).tolist()) <= self._stop_ids
 
     def error(self, matcher: Any) -> str:
         return "xgrammar does not allow this token here"
