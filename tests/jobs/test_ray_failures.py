@@ -72,7 +72,9 @@ def _shards_done(manifest: Path) -> int:
 
 class _Killer(threading.Thread):
     """Once the job has committed its first shard, waits a random 0-0.1 s, then SIGKILLs a
-    random replica of the job's (its pid from the replica itself)."""
+    random replica of the job's among those whose engines are stepping (so holding rows: a
+    replica killed while idle is found only when it is next sent rows, and when the job ends
+    first, never), its pid from the replica itself."""
 
     def __init__(self, manifest: Path, rng: random.Random) -> None:
         super().__init__(daemon=True)
@@ -85,12 +87,33 @@ class _Killer(threading.Thread):
         while _shards_done(self.manifest) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(self.rng.uniform(0.0, 0.1))
-        names = [n for n in ray.util.list_named_actors() if n.startswith("tokenmill-kill-")]
-        replica = ray.get_actor(self.rng.choice(sorted(names)))
-        pid = ray.get(replica.ready.remote(), timeout=60).pid
-        self.shards_at_kill = _shards_done(self.manifest)
-        os.kill(pid, signal.SIGKILL)
-        self.killed_pid = pid
+        while time.monotonic() < deadline:
+            busy = self._stepping()
+            if busy:
+                replica = self.rng.choice(busy)
+                pid = ray.get(replica.ready.remote(), timeout=60).pid
+                self.shards_at_kill = _shards_done(self.manifest)
+                os.kill(pid, signal.SIGKILL)
+                self.killed_pid = pid
+                return
+
+    def _stepping(self) -> list[Any]:
+        """The job's replicas whose engine step count rose over 50 ms (a replica still
+        loading its model, which cannot answer yet, counts as idle)."""
+        names = sorted(n for n in ray.util.list_named_actors() if n.startswith("tokenmill-kill-"))
+        replicas = [ray.get_actor(n) for n in names]
+        before = [_steps(r) for r in replicas]
+        time.sleep(0.05)
+        after = [_steps(r) for r in replicas]
+        rows = zip(replicas, before, after, strict=True)
+        return [r for r, b, a in rows if b is not None and a is not None and a > b]
+
+
+def _steps(replica: Any) -> int | None:
+    try:
+        return ray.get(replica.steps.remote(), timeout=1)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        return None  # loading its model, or gone
 
 
 def test_a_replica_killed_mid_job_costs_no_row(

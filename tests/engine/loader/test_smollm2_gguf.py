@@ -76,3 +76,10 @@ def test_tokenizer_round_trips_and_has_chat_template(smollm2: ModelSource) -> No
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
     )
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_each_load_gets_its_own_copy_of_the_cached_tokenizer(smollm2: ModelSource) -> None:
+    first, second = smollm2.load_tokenizer(), smollm2.load_tokenizer()
+    assert first is not second and first.get_vocab() == second.get_vocab()
+    first.chat_template = "{{ messages[0]['content'] }}"  # one caller's change stays its own
+    assert second.chat_template == smollm2.chat_template() == smollm2.load_tokenizer().chat_template

@@ -3,11 +3,17 @@
 HF directories: ``AutoTokenizer`` reads tokenizer.json / tokenizer_config.json and the chat
 template (tokenizer_config.json or chat_template.jinja). GGUF files: transformers rebuilds a
 fast tokenizer from the ``tokenizer.ggml.*`` metadata; the chat template comes from
-``tokenizer.chat_template`` and is set here if transformers did not.
+``tokenizer.chat_template`` and is set here if transformers did not. That rebuild takes
+seconds (transformers parses the whole file's metadata again, one field per token), so a
+process keeps the last GGUF tokenizers it built, per (file, mtime, size), and hands each
+caller a copy of its own (0.15 s for SmolLM2's): a second engine, a second job in one
+worker process, or a notebook that builds LLM twice does not pay again.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -41,11 +47,25 @@ def load_hf_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
 
 
 def load_gguf_tokenizer(gguf_path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
-    """Build the tokenizer stored in GGUF file ``gguf_path``.
+    """Build the tokenizer stored in GGUF file ``gguf_path`` (a copy of this process's cached
+    one when the file is unchanged since).
 
     ``chat_template`` (the file's ``tokenizer.chat_template``) is set on the tokenizer when
     transformers left it unset. Raises ValueError naming the file.
     """
+    stat = gguf_path.stat()
+    built = _gguf_tokenizer(str(gguf_path.resolve()), stat.st_mtime_ns, stat.st_size)
+    tokenizer = copy.deepcopy(built)
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> PreTrainedTokenizerBase:
+    """The tokenizer of GGUF file ``path`` as of (mtime, size): a changed file is rebuilt.
+    Callers take copies; this one is never handed out."""
+    gguf_path = Path(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(gguf_path.parent),
@@ -59,8 +79,6 @@ def load_gguf_tokenizer(gguf_path: Path, chat_template: str | None) -> PreTraine
             f"({type(e).__name__}: {e}); transformers supports GGUF tokenizers of the "
             "llama (SentencePiece) and gpt2 (BPE) kinds"
         ) from e
-    if chat_template and not tokenizer.chat_template:
-        tokenizer.chat_template = chat_template
     return _checked(tokenizer, gguf_path)
 
 
