@@ -245,8 +245,9 @@ class EngineConfig:
     ``seed`` seeds the sampling of requests without a seed of their own (and random weights).
     ``speculative`` drafts tokens for decode steps (SpeculativeConfig, or its fields as a
     mapping); off by default. ``quantization``: the linear layers' weights, none (the model's
-    dtype), fp8 (e4m3 weights and activations, quantized at load; models/fp8.py) or int4
-    (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py). A quantized
+    dtype), fp8 (e4m3 weights and activations, quantized at load; models/fp8.py), int4
+    (a GGUF file's Q4_0 / Q4_1 blocks as they are, W4A16; models/int4.py) or int8 (its
+    Q8_0 blocks as they are, W8A16; models/int8.py). A quantized
     checkpoint (FP8, GPTQ, AWQ safetensors) runs as it is, whatever this says.
     ``kv_cache_dtype``: auto (the model's dtype) or fp8 (e4m3, twice the tokens in the same
     memory; kernels/fp8_kv.py). ``structured_output_backend``: the grammar library of
@@ -269,7 +270,7 @@ class EngineConfig:
     async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
     seed: int = field(default=0, metadata=INT)
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
-    quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4"))
+    quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4", "int8"))
     kv_cache_dtype: str = field(default="auto", metadata=_one_of("auto", "fp8"))
     structured_output_backend: str = field(
         default="llguidance", metadata=_one_of("llguidance", "xgrammar")

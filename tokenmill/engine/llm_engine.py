@@ -44,6 +44,7 @@ from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
+from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
@@ -113,13 +114,14 @@ class LLMEngine:
         backend = get_attention_backend(backend_name, num_kv_heads)
         # A quantized checkpoint (FP8, GPTQ, AWQ) runs as it is, whatever was asked for.
         quantization = layer_quantization(mc.quantization, config.quantization)
+        native = quantization if quantization in NATIVE_TYPES else None  # GGUF blocks as they are
         model = build_model(
             mc,
             backend,
             max_len,
             self.device,
             self.dtype,
-            None if source is None else source.iter_weights(quantization == "int4"),
+            None if source is None else source.iter_weights(native),
             source=model_path,
             seed=config.seed,
             parallel=parallel,

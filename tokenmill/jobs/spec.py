@@ -111,7 +111,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     source: NonBlank
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    quantization: Literal["none", "fp8", "int4"] = "none"
+    quantization: Literal["none", "fp8", "int4", "int8"] = "none"
     tensor_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with tensor parallelism
     pipeline_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with pipeline parallelism
 

@@ -1,11 +1,14 @@
 """A minimal stand-in for llama.cpp's convert_hf_to_gguf.py, for tiny test models.
 
 Same metadata keys, same tensor names, same q/k row permutation for "llama", same rope_freqs
-tensor for Llama-3 rope scaling; tensors are stored as F32 so round trips are exact.
+tensor for Llama-3 rope scaling; tensors are stored as F32 so round trips are exact, or the
+linear layers' weights in a block type (``linear_type``: Q4_0, Q4_1, Q8_0), quantized by the
+gguf package as llama.cpp would.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from tests.tiny_models import CHAT_TEMPLATE
 
 # HF module path -> llama.cpp name, the inverse of what the loader maps.
 _GGUF_LAYER_NAMES = {
@@ -60,16 +65,39 @@ def _llama3_rope_freqs(config: Any) -> np.ndarray:
     return (base / scaled.double()).numpy().astype(np.float32)
 
 
+def tokenizer_metadata(hf_dir: Path) -> Callable[[gguf.GGUFWriter], None]:
+    """An ``extra`` for write_tiny_gguf that stores the tiny byte-level BPE tokenizer of
+    ``hf_dir`` (tests/tiny_models.py) as llama.cpp's ``tokenizer.ggml.*`` metadata, so that
+    the file runs in an engine on its own."""
+    saved = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["id"] for t in saved["added_tokens"]}
+
+    def add(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_merges([])
+        writer.add_chat_template(CHAT_TEMPLATE)
+
+    return add
+
+
 def write_tiny_gguf(
     hf_dir: Path,
     out: Path,
     gguf_arch: str | None = None,
     extra: Callable[[gguf.GGUFWriter], None] | None = None,
+    linear_type: str = "F32",
 ) -> Path:
-    """Convert tiny HF directory ``hf_dir`` to an F32 GGUF file ``out`` the way llama.cpp does.
+    """Convert tiny HF directory ``hf_dir`` to a GGUF file ``out`` the way llama.cpp does.
 
     ``gguf_arch`` defaults from the HF model type (mistral -> "llama"); ``extra`` may add
-    metadata or tensors before the file is written. Returns ``out``.
+    metadata or tensors before the file is written; ``linear_type`` is the type of the
+    linear layers' weights (``*_proj.weight``), F32 or a block type. Returns ``out``.
     """
     config = AutoConfig.from_pretrained(hf_dir)
     rope_theta, rope_type = _rope(config)
@@ -108,7 +136,11 @@ def write_tiny_gguf(
             gguf_name = f"blk.{layer}.{part}.{kind}"
         else:
             gguf_name = f"{_GGUF_GLOBAL_NAMES[module]}.{kind}"
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+        if linear_type != "F32" and name.endswith("_proj.weight"):
+            kind = gguf.GGMLQuantizationType[linear_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     if extra is not None:
         extra(writer)
     writer.write_header_to_file()

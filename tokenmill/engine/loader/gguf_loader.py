@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 
-from tokenmill.engine.loader.gguf_blocks import NATIVE_Q4_TYPES, q4_rows
+from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES, block_rows, dequantize_blocks
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
@@ -85,16 +85,16 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, path: Path, config: ModelConfig, arch: str, native_q4: bool = False
+    reader: gguf.GGUFReader, path: Path, config: ModelConfig, arch: str, native: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for each tensor of the GGUF file at ``path``.
 
     ``arch`` is the file's ``general.architecture``; for "llama" the q/k rows are un-permuted.
-    With ``native_q4`` a linear layer's weight ``x.weight`` comes as its 4-bit blocks instead,
-    ``x.qweight``, ``x.scales`` and ``x.mins`` (gguf_blocks.py); a linear weight of another
-    type is then refused. Raises ValueError naming the file and tensor for a tensor with no
-    HF counterpart, a quantization type that cannot be dequantized, or a shape the config
-    disagrees with.
+    With ``native`` ("int4" or "int8") a linear layer's weight ``x.weight`` comes as its
+    blocks instead (gguf_blocks.py): ``x.qweight``, ``x.scales`` and, for int4, ``x.mins``; a
+    linear weight of a type the method does not run is then refused. Raises ValueError naming
+    the file and tensor for a tensor with no HF counterpart, a quantization type that cannot
+    be dequantized, or a shape the config disagrees with.
     """
     shapes = expected_shapes(config)
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
@@ -108,13 +108,13 @@ def iter_gguf_weights(
                 f"{config.architecture} model; this GGUF variant is not supported"
             )
         part = tensor.name.split(".")[-2]
-        if native_q4 and name.endswith("_proj.weight"):
-            yield from _q4_tensors(
-                tensor, name, path, shapes, heads.get(part) if arch == "llama" else None
+        if native and name.endswith("_proj.weight"):
+            yield from _block_tensors(
+                tensor, name, path, shapes, native, heads.get(part) if arch == "llama" else None
             )
             continue
         try:
-            w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            w = _dequantize(tensor)
         except (NotImplementedError, ValueError) as e:
             raise ValueError(
                 f"cannot dequantize tensor {tensor.name} ({tensor.tensor_type.name}) in {path}: {e}"
@@ -128,28 +128,41 @@ def iter_gguf_weights(
         yield name, torch.from_numpy(w)
 
 
-def _q4_tensors(
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """A tensor's float32 values: the block types the kernels run, in gguf_blocks.py's
+    vectorized numpy (equal bit for bit); every other type through the gguf package."""
+    type_name = tensor.tensor_type.name
+    if any(type_name in types for types in NATIVE_TYPES.values()) and len(tensor.shape) == 2:
+        return dequantize_blocks(tensor.data, type_name, int(tensor.shape[-1]))
+    return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+
+
+def _block_tensors(
     tensor: gguf.ReaderTensor,
     name: str,
     path: Path,
     shapes: dict[str, tuple[int, ...]],
+    native: str,
     rope_heads: int | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``name``'s 4-bit blocks as (qweight, scales, mins), q/k rows un-permuted like the
+    """``name``'s blocks as (qweight, scales[, mins]), q/k rows un-permuted like the
     dequantized weight's."""
     type_name = tensor.tensor_type.name
-    if type_name not in NATIVE_Q4_TYPES:
+    types = NATIVE_TYPES[native]
+    if type_name not in types:
+        runs = {m: " and ".join(t) for m, t in NATIVE_TYPES.items()}
         raise ValueError(
-            f"GGUF tensor {tensor.name} in {path} is {type_name}; int4 runs "
-            f"{' and '.join(NATIVE_Q4_TYPES)} blocks as they are (quantization none "
-            "dequantizes every type)"
+            f"GGUF tensor {tensor.name} in {path} is {type_name}; quantization {native} runs "
+            f"{runs[native]} blocks as they are ("
+            + "; ".join(f"{m}: {t}" for m, t in runs.items() if m != native)
+            + "; quantization none dequantizes every type)"
         )
     rows = int(tensor.shape[-1])  # GGUF lists dims fastest first: [in, out]
-    parts = q4_rows(tensor.data, type_name, rows)
-    where = f"{path} (GGUF tensor {tensor.name})"
-    check_shape(name, (rows, parts[0].shape[1] * 2), shapes, where)
+    parts = block_rows(tensor.data, type_name, rows)
+    width = parts[0].shape[1] * (2 if native == "int4" else 1)
+    check_shape(name, (rows, width), shapes, f"{path} (GGUF tensor {tensor.name})")
     base = name.removesuffix(".weight")
-    for leaf, array in zip(("qweight", "scales", "mins"), parts, strict=True):
+    for leaf, array in zip(("qweight", "scales", "mins")[: len(parts)], parts, strict=True):
         if rope_heads is not None:
             array = np.ascontiguousarray(unpermute_rope_rows(array, rope_heads))
         yield f"{base}.{leaf}", torch.from_numpy(array)

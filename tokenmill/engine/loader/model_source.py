@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES
 from tokenmill.engine.loader.gguf_file import GGUF_MAGIC, metadata_value, open_gguf
 from tokenmill.engine.loader.safetensors_loader import (
     iter_safetensors_weights,
@@ -58,28 +59,29 @@ class ModelSource:
         cfg = gguf_hf_config(open_gguf(self.path), self.path)
         return ModelConfig.from_hf_dict(cfg, source=str(self.path))
 
-    def iter_weights(self, native_q4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, native: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one tensor at a time, in HF names and layouts.
 
         HF directories keep the stored float dtype; GGUF tensors are dequantized to float32,
-        or with ``native_q4`` the linear layers' Q4_0 / Q4_1 weights come as their 4-bit
-        blocks (gguf_loader.py). ``lm_head.weight`` may be absent when the embeddings are
-        tied. Raises ValueError naming the file for corrupt files and tensors that disagree
-        with the config, and for ``native_q4`` on anything but a GGUF file.
+        or with ``native`` ("int4": Q4_0 / Q4_1, "int8": Q8_0) the linear layers' weights
+        come as their blocks (gguf_loader.py). ``lm_head.weight`` may be absent when the
+        embeddings are tied. Raises ValueError naming the file for corrupt files and tensors
+        that disagree with the config, and for ``native`` on anything but a GGUF file.
         """
         config = self.load_config()
         if self.kind == "hf":
-            if native_q4:
+            if native:
                 raise ValueError(
-                    f"quantization int4 runs the Q4_0 / Q4_1 blocks of a GGUF file; {self.path} "
-                    "is an HF directory (its float weights run with quantization none or fp8)"
+                    f"quantization {native} runs the {' / '.join(NATIVE_TYPES[native])} blocks "
+                    f"of a GGUF file; {self.path} is an HF directory (its float weights run "
+                    "with quantization none or fp8)"
                 )
             return iter_safetensors_weights(self.path, config)
         from tokenmill.engine.loader.gguf_loader import iter_gguf_weights  # needs gguf
 
         reader = open_gguf(self.path)
         arch = str(metadata_value(reader, "general.architecture"))
-        return iter_gguf_weights(reader, self.path, config, arch, native_q4)
+        return iter_gguf_weights(reader, self.path, config, arch, native)
 
     def chat_template(self) -> str | None:
         """The chat template the model ships, read without building its tokenizer (a job's

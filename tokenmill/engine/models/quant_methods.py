@@ -16,6 +16,7 @@ from contextvars import ContextVar
 
 from tokenmill.engine.models.fp8 import Fp8Method
 from tokenmill.engine.models.int4 import Int4Method
+from tokenmill.engine.models.int8 import Int8Method
 from tokenmill.engine.models.quantization import QuantMethod, UnquantizedMethod
 
 __all__ = ["QUANT_METHODS", "new_quant_method", "quantized_layers"]
@@ -25,6 +26,7 @@ QUANT_METHODS: dict[str, Callable[[], QuantMethod]] = {
     "fp8": Fp8Method,  # a float checkpoint, quantized at load
     "fp8_checkpoint": lambda: Fp8Method(checkpoint=True),  # an FP8 checkpoint as it is
     "int4": Int4Method,  # a GGUF file's Q4_0 / Q4_1 blocks as they are (groups of 32)
+    "int8": Int8Method,  # a GGUF file's Q8_0 blocks as they are (groups of 32)
 }
 _INT4_GROUP = re.compile(r"int4_g(\d+)")  # a GPTQ / AWQ checkpoint's layers, repacked
 _SCOPE: ContextVar[Callable[[], QuantMethod]] = ContextVar(

@@ -14,9 +14,8 @@ A method whose ``apply`` also takes its input already quantized (the FP8 method:
 layer before it then writes its output quantized. A method without the attribute takes
 float tensors only.
 
-``UnquantizedMethod`` (a float weight, ``F.linear``) is the only method today. The FP8 and INT4
-methods of issue 14 are the next ones; with them ``QuantMethod`` becomes an ABC with a small
-registry keyed by the checkpoint's quantization config.
+``UnquantizedMethod`` (a float weight, ``F.linear``) is the method of float layers; fp8.py,
+int4.py and int8.py hold the quantized ones, and quant_methods.py picks a model's by name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""GGUF block tensors run as they are: Q4_0 / Q4_1 as INT4 (W4A16) layers, Q8_0 as INT8
+(W8A16) layers. Tiny Llamas converted to GGUF with their linear weights in each type (and
+their tokenizer) give the greedy tokens of the same file dequantized at load (CPU, fp32: the
+reference path dequantizes to exactly the loader's values); a layer of the wrong type is
+refused naming the tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.loader.tiny_gguf import tokenizer_metadata, write_tiny_gguf
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.loader.gguf_blocks import dequantize_blocks
+from tokenmill.kernels.w4a16_gemm import dequantize_q4
+from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear
+
+METHOD = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("blocks") / "hf")
+
+
+def _gguf(hf_dir: Path, folder: Path, linear_type: str) -> Path:
+    out = folder / f"tiny.{linear_type}.gguf"
+    return write_tiny_gguf(hf_dir, out, extra=tokenizer_metadata(hf_dir), linear_type=linear_type)
+
+
+def _llm(path: Path, quantization: str) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", quantization=quantization,
+               kv_cache_memory=1 << 26)  # fmt: skip
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 260, (4 + i % 7,), generator=g).tolist() for i in range(10)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_run_as_they_are_with_the_dequantized_tokens(
+    hf_dir: Path, tmp_path: Path, linear_type: str
+) -> None:
+    path = _gguf(hf_dir, tmp_path, linear_type)
+    blocks, dequantized = _llm(path, METHOD[linear_type]), _llm(path, "none")
+    layer = blocks.engine.runner.model.model.layers[1].mlp.down_proj
+    assert not hasattr(layer, "weight")
+    if linear_type == "Q8_0":
+        assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == (64, 128)
+        w = dequantize_q8(layer.qweight, layer.scales)
+    else:
+        assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (64, 64)
+        w = dequantize_q4(layer.qweight, layer.scales, layer.mins)
+    assert layer.scales.shape == (64, 128 // 32)
+    want = dequantized.engine.runner.model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(w, want)  # the loader's values, bit for bit
+    assert _greedy(blocks) == _greedy(dequantized)
+
+
+def test_the_w8a16_kernel_runs_a_loaded_layer_in_the_interpreter(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    llm = _llm(_gguf(hf_dir, tmp_path, "Q8_0"), "int8")
+    layer = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    want = x @ dequantize_q8(layer.qweight, layer.scales).t()
+    torch.testing.assert_close(w8a16_linear(x, layer.qweight, layer.scales), want)
+
+
+@pytest.mark.parametrize(("linear_type", "asked"), [("Q4_1", "int8"), ("Q8_0", "int4")])
+def test_a_method_refuses_another_block_type_naming_the_tensor(
+    hf_dir: Path, tmp_path: Path, linear_type: str, asked: str
+) -> None:
+    path = _gguf(hf_dir, tmp_path, linear_type)
+    with pytest.raises(ValueError, match=rf"GGUF tensor blk\.0\.\w+\.weight in .* is {linear_type}"
+                       rf"; quantization {asked} runs"):  # fmt: skip
+        _llm(path, asked)
+
+
+def test_int8_needs_a_gguf_file(hf_dir: Path) -> None:
+    with pytest.raises(ValueError, match="int8 runs the Q8_0 blocks of a GGUF file"):
+        _llm(hf_dir, "int8")
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_dequantizing_blocks_equals_the_gguf_package(linear_type: str) -> None:
+    kind = gguf.GGMLQuantizationType[linear_type]
+    w = np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32)
+    data = gguf.quants.quantize(w, kind)
+    want = gguf.quants.dequantize(data, kind)
+    assert np.array_equal(dequantize_blocks(data, linear_type, 6), want)
+
+
+@pytest.mark.gpu
+def test_gpu_smollm2_q8_0_runs_its_blocks_in_cuda_graphs(tmp_path: Path) -> None:
+    """On the GPU the W8A16 kernel runs a Q8_0 copy of the embedded model (bf16): graphs and
+    eager agree, and most rows match the same file dequantized."""
+    from bench.gguf_requantize import requantize
+    from bench.prompts import chat_prompts
+
+    path = requantize("smollm2-135m-instruct", tmp_path / "smollm2.Q8_0.gguf", "Q8_0")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    convs = chat_prompts(16)
+    outs = {}
+    for quantization, graphs in (("none", True), ("int8", False), ("int8", True)):
+        llm = LLM(str(path), device="cuda", quantization=quantization, cuda_graphs=graphs)
+        outs[(quantization, graphs)] = [o.token_ids for o in llm.chat(convs, params)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[("int8", True)] == outs[("int8", False)]
+    same = sum(a == b for a, b in zip(outs[("int8", True)], outs[("none", True)], strict=True))
+    assert same >= 12, same
