@@ -18,6 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.engine.loader.int4_checkpoints import (
+    edit_config,
+    int32_words,
+    quantize_int4,
+    write_int4_checkpoint,
+)
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.attention.backend import get_attention_backend
@@ -28,124 +34,10 @@ from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, w4a16_linear
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_NIBBLE_OUTPUTS = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing: nibble j <- output
-
 
 @pytest.fixture(scope="module")
 def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("awq_gptq") / "float")
-
-
-# --- the test's own quantizer and packers -------------------------------------------------
-
-
-def _quantize(
-    w: torch.Tensor, group: int, min_zero: int, sym: bool = False
-) -> dict[str, torch.Tensor]:
-    """Asymmetric 4-bit quantization of ``w`` [out, in] per ``group`` inputs, the GPTQ way
-    (the range always holds 0). A few groups are made all-positive and all-negative first so
-    the zeros reach their ends (``min_zero``: 1 for GPTQ v1, which cannot store a zero of 0).
-    ``sym``: GPTQ's symmetric variant instead, every zero 8 and the range +-max|w|.
-
-    Returns codes [out, in], zeros and fp16 scales [out, in / group], and ``w`` as the
-    engine's W4A16 layer holds it: codes * scale + fp16(-zero * scale), in fp32."""
-    w = w.float().clone()
-    w[0, :group] = w[0, :group].abs()
-    w[1, :group] = -w[1, :group].abs()
-    out, k = w.shape
-    wg = w.reshape(out, k // group, group)
-    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-    if sym:
-        lo = -torch.maximum(-lo, hi)
-        hi = -lo
-    scales = ((hi - lo) / 15).half()
-    s = scales.float()
-    zeros = torch.full_like(s, 8) if sym else torch.round(-lo / s).clamp(min_zero, 15)
-    codes = (torch.round(wg / s[..., None]) + zeros[..., None]).clamp(0, 15)
-    mins = (-zeros * s).half().float()
-    fq = codes * s[..., None] + mins[..., None]
-    return {
-        "codes": codes.reshape(out, k).long(),
-        "zeros": zeros.long(),
-        "scales": scales,
-        "fq": fq.reshape(out, k),
-        "exact": ((codes - zeros[..., None]) * s[..., None]).reshape(out, k),
-    }
-
-
-def _int32(words: torch.Tensor) -> torch.Tensor:
-    """Unsigned 32-bit words held in int64 -> the int32 tensors checkpoints store."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _pack_gptq(q: dict[str, torch.Tensor], group: int, v2: bool) -> dict[str, torch.Tensor]:
-    codes = q["codes"].t()  # [in, out]: a word packs 8 consecutive inputs of one output
-    k, n = codes.shape
-    qweight = torch.zeros(k // 8, n, dtype=torch.int64)
-    for j in range(8):
-        qweight |= codes[j::8] << (4 * j)
-    stored = q["zeros"].t() - (0 if v2 else 1)  # [groups, out]
-    qzeros = torch.zeros(k // group, n // 8, dtype=torch.int64)
-    for j in range(8):
-        qzeros |= stored[:, j::8] << (4 * j)
-    return {
-        "qweight": _int32(qweight),
-        "qzeros": _int32(qzeros),
-        "scales": q["scales"].t().contiguous(),
-        "g_idx": torch.tensor([i // group for i in range(k)], dtype=torch.int32),
-    }
-
-
-def _pack_awq(q: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
-    def pack_outputs(values: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out / 8]
-        words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
-        for col in range(words.shape[1]):
-            for j, m in enumerate(AWQ_NIBBLE_OUTPUTS):
-                words[:, col] |= values[:, 8 * col + m] << (4 * j)
-        return _int32(words)
-
-    return {
-        "qweight": pack_outputs(q["codes"].t()),
-        "qzeros": pack_outputs(q["zeros"].t()),
-        "scales": q["scales"].t().contiguous(),
-    }
-
-
-def _write_quantized(
-    src: Path, dst: Path, fmt: str, group: int, sym: bool = False
-) -> tuple[Path, Path, dict[str, torch.Tensor]]:
-    """``src`` as a ``fmt`` ("gptq", "gptq_v2", "awq") checkpoint at ``dst`` (``sym``: GPTQ's
-    symmetric variant), and a float checkpoint of its fake-quantized weights beside it;
-    returns both paths and the fake-quantized weights by HF name."""
-    shutil.copytree(src, dst)
-    float_dst = shutil.copytree(src, dst.with_name(dst.name + "-float"))
-    packed, plain, fq = {}, {}, {}
-    for name, t in load_file(src / "model.safetensors").items():
-        layer = name.removesuffix(".weight")
-        if not layer.endswith(LINEAR):
-            packed[name] = plain[name] = t
-            continue
-        q = _quantize(t, group, min_zero=1 if fmt == "gptq" else 0, sym=sym)
-        parts = _pack_gptq(q, group, v2=fmt == "gptq_v2") if fmt != "awq" else _pack_awq(q, group)
-        packed.update({f"{layer}.{leaf}": v for leaf, v in parts.items()})
-        plain[name] = fq[name] = q["fq"]
-    save_file(packed, dst / "model.safetensors")
-    save_file(plain, float_dst / "model.safetensors")
-    if fmt == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
-              "zero_point": True, "modules_to_not_convert": None}  # fmt: skip
-    else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
-              "sym": sym, "checkpoint_format": fmt}  # fmt: skip
-    _edit_config(dst, quantization_config=qc)
-    return dst, float_dst, fq
-
-
-def _edit_config(path: Path, **changes: object) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config.update(changes)
-    (path / "config.json").write_text(json.dumps(config))
 
 
 def _llm(path: Path) -> LLM:
@@ -198,7 +90,7 @@ def _want_weights(fq: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor
 def test_checkpoint_runs_its_fake_quantized_weights(
     float_model: Path, tmp_path: Path, fmt: str, group: int, sym: bool
 ) -> None:
-    ckpt, float_ckpt, fq = _write_quantized(float_model, tmp_path / fmt, fmt, group, sym)
+    ckpt, float_ckpt, fq = write_int4_checkpoint(float_model, tmp_path / fmt, fmt, group, sym)
     assert load_hf_config(ckpt).quantization == f"{fmt}-g{group}"
     llm = _llm(ckpt)
     model = llm.engine.runner.model
@@ -217,7 +109,9 @@ def test_checkpoint_runs_its_fake_quantized_weights(
 def test_fp16_mins_stay_within_half_an_fp16_step_of_the_zero_point_product() -> None:
     """The layer keeps -zero * scale in fp16 (the q4-rows layout), so its weights differ from
     (q - zero) * scale by at most that product's fp16 rounding."""
-    q = _quantize(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05, 32, 0)
+    q = quantize_int4(
+        torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.05, 32, 0
+    )
     zs = (q["zeros"] * q["scales"].float()).repeat_interleave(32, dim=1)
     bound = zs * 2.0**-11 + 1e-12  # half an ulp of fp16's 11-bit significand
     assert ((q["fq"] - q["exact"]).abs() <= bound).all()
@@ -227,7 +121,7 @@ def test_gptq_v1_reads_a_stored_15_as_zero_16() -> None:
     """AutoGPTQ stores zero - 1 and adds the 1 back without wrapping (a zero of 0 that its
     packer wrapped to 15 reads as 16): the repacked mins follow it."""
     qweight = torch.zeros(4, 8, dtype=torch.int32)  # 32 inputs, 8 outputs, all codes 0
-    qzeros = _int32(torch.tensor([[0xF0000007]]))  # stored zeros: 7, six 0s, 15
+    qzeros = int32_words(torch.tensor([[0xF0000007]]))  # stored zeros: 7, six 0s, 15
     scales = torch.ones(1, 8, dtype=torch.float16)
     _, _, mins = gptq_q4_rows(qweight, qzeros, scales, zero_offset=1)
     assert mins[:, 0].tolist() == [-8.0, -1, -1, -1, -1, -1, -1, -16.0]
@@ -238,7 +132,7 @@ def test_tensor_parallel_ranks_load_their_rows_and_columns(
 ) -> None:
     """Rank r of 2: q, k and v rows [r/2, (r+1)/2) of each part in qkv_proj, input columns
     (and so groups) [r/2, (r+1)/2) in o_proj and down_proj, as for any weight."""
-    ckpt, _, fq = _write_quantized(float_model, tmp_path / "awq", "awq", 32)
+    ckpt, _, fq = write_int4_checkpoint(float_model, tmp_path / "awq", "awq", 32)
     config = load_hf_config(ckpt)
     want = _want_weights(fq, 1)
     a = "model.layers.1.self_attn"
@@ -263,7 +157,7 @@ def test_tensor_parallel_ranks_load_their_rows_and_columns(
 def test_a_layer_split_over_two_shard_files_is_repacked_whole(
     float_model: Path, tmp_path: Path
 ) -> None:
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / "gptq", "gptq", 32)
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
     config = load_hf_config(ckpt)
     want = dict(iter_safetensors_weights(ckpt, config))
     tensors = load_file(ckpt / "model.safetensors")
@@ -285,8 +179,8 @@ def test_a_layer_split_over_two_shard_files_is_repacked_whole(
 def test_desc_act_needs_each_layer_g_idx_in_input_order(float_model: Path, tmp_path: Path) -> None:
     """desc_act true with g_idx in input order (static groups) loads; without a g_idx to show
     the order, it is refused."""
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / "gptq", "gptq", 32)
-    _edit_config(ckpt, quantization_config=_gptq(desc_act=True))
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
+    edit_config(ckpt, quantization_config=_gptq(desc_act=True))
     config = load_hf_config(ckpt)
     assert config.quantization == "gptq-g32-desc_act"
     assert len(list(iter_safetensors_weights(ckpt, config))) > 0
@@ -300,7 +194,7 @@ def test_desc_act_needs_each_layer_g_idx_in_input_order(float_model: Path, tmp_p
 def test_w4a16_kernel_runs_a_repacked_layer_in_the_interpreter(
     float_model: Path, tmp_path: Path
 ) -> None:
-    ckpt, _, fq = _write_quantized(float_model, tmp_path / "gptq", "gptq", 32)
+    ckpt, _, fq = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
     layer = _llm(ckpt).engine.runner.model.model.layers[0].mlp.down_proj
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     y = w4a16_linear(x, layer.qweight, layer.scales, layer.mins)
@@ -339,7 +233,7 @@ def test_unsupported_int4_configs_are_refused_naming_config_json(
     float_model: Path, tmp_path: Path, quant_config: dict, found: str
 ) -> None:
     path = shutil.copytree(float_model, tmp_path / "q")
-    _edit_config(path, quantization_config=quant_config)
+    edit_config(path, quantization_config=quant_config)
     with pytest.raises(ValueError) as info:
         load_hf_config(path)
     message = str(info.value)
@@ -348,13 +242,13 @@ def test_unsupported_int4_configs_are_refused_naming_config_json(
 
 
 def test_act_order_g_idx_is_refused_naming_the_tensor(float_model: Path, tmp_path: Path) -> None:
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / "gptq", "gptq", 32)
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
     tensors = load_file(ckpt / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.g_idx"
     perm = torch.randperm(128, generator=torch.Generator().manual_seed(0))
     tensors[name] = tensors[name][perm].contiguous()
     save_file(tensors, ckpt / "model.safetensors")
-    _edit_config(ckpt, quantization_config=_gptq(desc_act=True))
+    edit_config(ckpt, quantization_config=_gptq(desc_act=True))
     with pytest.raises(ValueError) as info:
         _llm(ckpt)
     message = str(info.value)
@@ -363,7 +257,7 @@ def test_act_order_g_idx_is_refused_naming_the_tensor(float_model: Path, tmp_pat
 
 
 def test_a_layer_missing_its_zeros_is_named(float_model: Path, tmp_path: Path) -> None:
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / "awq", "awq", 32)
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "awq", "awq", 32)
     tensors = load_file(ckpt / "model.safetensors")
     del tensors["model.layers.0.self_attn.k_proj.qzeros"]
     save_file(tensors, ckpt / "model.safetensors")
@@ -374,8 +268,8 @@ def test_a_layer_missing_its_zeros_is_named(float_model: Path, tmp_path: Path) -
 def test_int32_tensors_without_an_int4_config_are_refused(
     float_model: Path, tmp_path: Path
 ) -> None:
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / "gptq", "gptq", 32)
-    _edit_config(ckpt, quantization_config=None)
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
+    edit_config(ckpt, quantization_config=None)
     with pytest.raises(ValueError, match=r"dtype torch\.int32.*declares no quantization"):
         _llm(ckpt)
 
@@ -390,7 +284,7 @@ def test_gpu_kernel_runs_the_repacked_layers(
     dequantized weights in fp32. The kernel rounds each dequantized weight to x's dtype before
     its dot (fp32 accumulation), and the output to x's dtype: tolerances of a few of that
     dtype's steps at outputs of size ~1."""
-    ckpt, _, _ = _write_quantized(float_model, tmp_path / fmt, fmt, 32)
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / fmt, fmt, 32)
     model = _llm(ckpt).engine.runner.model
     tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for i in range(2):
