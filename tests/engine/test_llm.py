@@ -7,7 +7,7 @@ import pytest
 from bench.prompts import chat_prompts
 from tokenmill import LLM, EngineConfig, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=32, temperature=0)
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
 SYSTEM = (
     "You are a careful assistant for a school. Answer in plain words, keep answers short, "
     "and never invent facts you are not sure about."

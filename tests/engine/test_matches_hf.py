@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.prompts import chat_prompts
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy_choices
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 
@@ -19,9 +19,14 @@ def test_smollm2_greedy_matches_hf_transformers(smollm2_llm, hf_smollm2) -> None
     prompt_ids = [smollm2_llm.encode_chat(c) for c in convs]
     assert len({len(p) for p in prompt_ids}) >= 8, "prompts should differ in length"
     outs = smollm2_llm.generate(prompt_ids, SamplingParams(max_tokens=48, temperature=0))
+    eos = model.generation_config.eos_token_id
+    eos = set(eos) if isinstance(eos, list) else {eos}
     for ids, out in zip(prompt_ids, outs, strict=True):
         assert out.ok, out.error
-        assert out.token_ids == hf_greedy(model, ids, 48), out.text
+        # HF generate's greedy continuation: its choice at every position, and its stop
+        assert out.token_ids == hf_greedy_choices(model, ids, out.token_ids), out.text
+        assert len(out.token_ids) == 48 or out.token_ids[-1] in eos, out.text
+        assert not eos & set(out.token_ids[:-1]), out.text
 
 
 LLAMA3_ROPE = {
