@@ -232,7 +232,8 @@ class EngineConfig:
     breaks its rule.
 
     ``kv_cache_memory``: bytes (int) or a fraction of the device's memory (float in (0, 1]);
-    None means 2 GiB on CPU and 90% of the GPU's memory (less weights and activations).
+    None means 2 GiB on CPU (at most twice the blocks that ``max_num_seqs`` requests of
+    ``max_model_len`` tokens hold) and 90% of the GPU's memory (less weights and activations).
     ``max_num_batched_tokens`` is the per-step token budget; prompts longer than it are
     prefilled in chunks. ``max_model_len`` None: the model's own context length.
     ``enable_prefix_caching`` reuses the KV blocks of prompt prefixes seen before.

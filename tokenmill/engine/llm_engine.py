@@ -133,6 +133,11 @@ class LLMEngine:
         block_bytes = kv_bytes_per_block(mc, backend, config.block_size, kv_dtype, parallel)
         budget = config.kv_cache_budget(self.device, self._activation_reserve())
         num_blocks = budget // block_bytes
+        if config.kv_cache_memory is None and self.device.type == "cpu":
+            # The 2 GiB default is zeroed at start: a small model would hold far more blocks
+            # than it could use. Twice what max_num_seqs requests of full length hold is room
+            # for them and for cached prefixes.
+            num_blocks = min(num_blocks, 2 * config.max_num_seqs * -(-max_len // config.block_size))
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory leaves room for {max(num_blocks, 0)} KV blocks of "
