@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 
 from tokenmill.engine.loader.gguf_file import metadata_array_length, metadata_value
+from tokenmill.engine.loader.gguf_reader import GGUFFile
 
 __all__ = ["GGUF_ARCHITECTURES", "gguf_hf_config", "llama3_freq_factors"]
 
@@ -42,7 +43,7 @@ _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _LLAMA3_ORIGINAL_CONTEXT = 8192  # unless {arch}.rope.scaling.original_context_length says
 
 
-def gguf_hf_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
+def gguf_hf_config(reader: GGUFFile, path: Path) -> dict[str, Any]:
     """Translate the metadata of the GGUF file at ``path`` into an HF config dict.
 
     Raises ValueError naming the file and the key for an unsupported architecture or a
@@ -98,7 +99,7 @@ def gguf_hf_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
     }
 
 
-def _vocab_size(reader: gguf.GGUFReader, tensors: dict[str, Any], arch: str, path: Path) -> int:
+def _vocab_size(reader: GGUFFile, tensors: dict[str, Any], arch: str, path: Path) -> int:
     # The embedding's rows are what the weights need; the token list can be shorter (padding).
     embedding = tensors.get("token_embd.weight")
     if embedding is not None:
@@ -113,7 +114,7 @@ def _vocab_size(reader: gguf.GGUFReader, tensors: dict[str, Any], arch: str, pat
     return int(size)
 
 
-def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+def _eos_token_ids(reader: GGUFFile) -> list[int]:
     # Llama-3 instruct models end turns with eot (<|eot_id|>) or eom, not only eos.
     kinds = ("eos", "eot", "eom")
     ids = [metadata_value(reader, f"tokenizer.ggml.{kind}_token_id") for kind in kinds]
@@ -121,7 +122,7 @@ def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
 
 
 def _rope_scaling(
-    reader: gguf.GGUFReader,
+    reader: GGUFFile,
     tensors: dict[str, Any],
     arch: str,
     head_dim: int,

@@ -2,7 +2,8 @@
 
     GGUF file:  magic "GGUF" | version | key/value metadata | tensor infos | aligned tensor data
 
-``gguf.GGUFReader`` memory-maps the file; tensor data is only touched when dequantized.
+gguf_reader.py reads the metadata and the tensor table and memory-maps the file; tensor data
+is only touched when dequantized.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # gguf is imported when a GGUF file is opened, not with the engine
-    import gguf
+    from tokenmill.engine.loader.gguf_reader import GGUFFile
 
 __all__ = ["GGUF_MAGIC", "open_gguf", "metadata_value", "metadata_array_length"]
 
 GGUF_MAGIC = b"GGUF"
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     """Open and validate a GGUF file; a reader per (file, mtime, size) is cached.
 
     Raises FileNotFoundError if ``path`` is missing; ValueError naming the file if it is not a
@@ -34,36 +35,29 @@ def open_gguf(path: Path) -> gguf.GGUFReader:
     return _open_cached(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
 
 
-# Parsing a real model's metadata takes seconds (its token list is one field per token), and
-# config, weights and tokenizer each need it: keep the last readers. The key includes mtime and
-# size so a replaced file is re-read.
+# Config, weights and the chat template each need the metadata: keep the last files read.
+# The key includes mtime and size so a replaced file is re-read.
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFFile:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(
             f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
         )
-    import gguf  # a missing package must not read as a corrupt file below
+    # gguf (its type tables) is needed here; a missing package must not read as a corrupt file
+    from tokenmill.engine.loader.gguf_reader import read_gguf
 
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails with ValueError, IndexError, ... on damaged files
+        return read_gguf(Path(path))
+    except (ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise ValueError(
             f"GGUF file {path} is corrupt or truncated ({type(e).__name__}: {e}); "
             "re-download or re-convert it"
         ) from e
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=reader.data_offset)
-    if end > size:
-        raise ValueError(
-            f"GGUF file {path} is truncated: its tensors need {end} bytes, the file has {size}; "
-            "re-download or re-convert it"
-        )
-    return reader
 
 
-def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
+def metadata_value(reader: GGUFFile, key: str) -> Any:
     """The value of metadata ``key`` (str, int, float, bool or list), or None if absent.
 
     float32 values are returned as the shortest decimal that round-trips (1e-05, not
@@ -73,14 +67,14 @@ def metadata_value(reader: gguf.GGUFReader, key: str) -> Any:
     if field is None:
         return None
     value = field.contents()
-    import gguf
+    from gguf import GGUFValueType
 
-    if field.types == [gguf.GGUFValueType.FLOAT32]:
+    if field.types == [GGUFValueType.FLOAT32]:
         return float(str(np.float32(value)))
     return value
 
 
-def metadata_array_length(reader: gguf.GGUFReader, key: str) -> int | None:
-    """Number of elements of array ``key`` without decoding them, or None if absent."""
+def metadata_array_length(reader: GGUFFile, key: str) -> int | None:
+    """Number of elements of array ``key``, or None if absent."""
     field = reader.get_field(key)
-    return None if field is None else len(field.data)
+    return None if field is None else len(field)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES, block_rows, dequantize_blocks
+from tokenmill.engine.loader.gguf_reader import GGUFFile, GGUFTensor
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
@@ -85,7 +86,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, path: Path, config: ModelConfig, arch: str, native: str | None = None
+    reader: GGUFFile, path: Path, config: ModelConfig, arch: str, native: str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for each tensor of the GGUF file at ``path``.
 
@@ -128,7 +129,7 @@ def iter_gguf_weights(
         yield name, torch.from_numpy(w)
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     """A tensor's float32 values: the block types the kernels run, in gguf_blocks.py's
     vectorized numpy (equal bit for bit); every other type through the gguf package."""
     type_name = tensor.tensor_type.name
@@ -138,7 +139,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 
 
 def _block_tensors(
-    tensor: gguf.ReaderTensor,
+    tensor: GGUFTensor,
     name: str,
     path: Path,
     shapes: dict[str, tuple[int, ...]],

@@ -1,0 +1,90 @@
+"""INT8 weight-only (W8A16, GGUF Q8_0's layout) GEMMs against bf16 on the Llama-3-8B layer
+shapes (issue 14).
+
+Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call timed with a
+cold L2 (gpu_timing):
+
+  bf16_ms        ``F.linear`` with the bf16 weight
+  w8a16_ms       ``w8a16_linear`` with its default tiles (what the engine runs), and
+  w8a16_best     the fastest of its (block_m, block_n, block_k) tiles in TILES, with its time
+  speedup        bf16_ms / w8a16_ms, and best_speedup with the best tile
+  weight_gbps    the weight's bytes (int8 codes and fp16 scales) over w8a16_ms: against the
+                 H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
+  rel_error      the W8A16 output against F.linear on the dequantized weight
+
+At small M reading the weights bounds both GEMMs, so W8A16 can at best take about half of
+bf16's time (8.5 bits a weight against 16).
+
+    python3 bench/w8a16_gemm.py [--tokens 1,16,64,256,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
+from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear  # noqa: E402
+
+GROUP = 32
+TILES = [(bm, bn, bk) for bm in (16, 64) for bn in (32, 64, 128) for bk in (64, 128)]
+
+
+def q8_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) on the GPU: random codes, scales near Q8_0's."""
+    codes = torch.randint(-128, 128, (out_f, in_f), device="cuda", dtype=torch.int8)
+    scales = (torch.rand(out_f, in_f // GROUP, device="cuda") * 1e-4 + 1e-5).half()
+    return codes, scales
+
+
+def shape_line(name: str, m: int, qweight, scales, weight: torch.Tensor) -> dict:
+    in_f, out_f = weight.shape[1], weight.shape[0]
+    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
+    bf16_ms = time_ms(lambda: linear(x, weight))
+    w8_ms = time_ms(lambda: w8a16_linear(x, qweight, scales))
+    tiles = {
+        t: time_ms(lambda t=t: w8a16_linear(x, qweight, scales, block_m=t[0], block_n=t[1],
+                                            block_k=t[2]))
+        for t in TILES
+    }  # fmt: skip
+    best = min(tiles, key=tiles.get)
+    weight_bytes = qweight.numel() + scales.numel() * scales.element_size()
+    y, want = w8a16_linear(x, qweight, scales), linear(x, weight)
+    rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
+    return {
+        "shape": name, "in": in_f, "out": out_f, "M": m,
+        "bf16_ms": round(bf16_ms, 4), "w8a16_ms": round(w8_ms, 4),
+        "w8a16_best": {"tile": list(best), "ms": round(tiles[best], 4)},
+        "speedup": round(bf16_ms / w8_ms, 2),
+        "best_speedup": round(bf16_ms / tiles[best], 2),
+        "weight_gbps": round(weight_bytes / w8_ms / 1e6, 1),
+        "rel_error": round(rel, 4),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,16,64,256,1024")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/w8a16_gemm.py times CUDA kernels: run it on a GPU")
+    warm_up_gpu()
+    for name, (in_f, out_f) in LINEAR_SHAPES.items():
+        qweight, scales = q8_weight(out_f, in_f)
+        weight = dequantize_q8(qweight, scales).to(torch.bfloat16)
+        for m in (int(t) for t in args.tokens.split(",")):
+            with torch.inference_mode():
+                line = shape_line(name, m, qweight, scales, weight)
+            print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

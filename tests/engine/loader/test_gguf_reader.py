@@ -1,0 +1,71 @@
+"""tokenmill's GGUF reader against the gguf package's own: the same metadata values and
+types, the same tensor table and data, on tiny files of every architecture and block type
+and on the embedded SmolLM2; damaged files are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from tests.engine.loader.cases import TINY_CASES
+from tests.engine.loader.tiny_gguf import tokenizer_metadata, write_tiny_gguf
+from tokenmill.engine.loader.gguf_reader import read_gguf
+from tokenmill.engine.loader.model_source import resolve_model_source
+
+TinyPath = Callable[[str], Path]
+
+
+def _assert_same(path: Path) -> None:
+    ours, ref = read_gguf(path), gguf.GGUFReader(path)
+    want = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert sorted(ours.fields) == sorted(want)
+    for key, field in want.items():
+        got = ours.fields[key]
+        assert got.types == field.types, key
+        assert got.contents() == field.contents(), key
+    assert ours.data_offset == ref.data_offset
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(b.shape))
+        assert (a.data_offset, a.n_bytes) == (b.data_offset, b.n_bytes), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize("case", TINY_CASES)
+def test_tiny_files_read_as_the_gguf_package_reads_them(case: str, tiny_gguf: TinyPath) -> None:
+    _assert_same(tiny_gguf(case))
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_block_types_and_tokenizer_arrays(
+    linear_type: str, tiny_hf_dir: TinyPath, tmp_path: Path
+) -> None:
+    hf = tiny_hf_dir("llama")
+    path = write_tiny_gguf(hf, tmp_path / "t.gguf", extra=tokenizer_metadata(hf),
+                           linear_type=linear_type)  # fmt: skip
+    _assert_same(path)
+
+
+def test_the_embedded_model_reads_as_the_gguf_package_reads_it() -> None:
+    _assert_same(resolve_model_source("smollm2-135m-instruct").path)
+
+
+def test_damaged_files_are_refused(tiny_gguf: TinyPath, tmp_path: Path) -> None:
+    data = tiny_gguf("llama").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="ends inside its header"):
+        read_gguf(cut)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:-100])  # the last tensor's bytes are missing
+    with pytest.raises(ValueError, match=r"tensor .* needs bytes"):
+        read_gguf(short)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGML" + data[4:])
+    with pytest.raises(ValueError, match="does not start with GGUF"):
+        read_gguf(other)
