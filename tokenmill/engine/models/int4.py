@@ -13,17 +13,19 @@ column-parallel layers, inputs, and so groups, for row-parallel ones).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
+from tokenmill.engine.models.block_weights import BlockWeightMethod
+from tokenmill.engine.models.weight_loader import WeightLoader
 
 __all__ = ["Int4Method"]
 
 
-class Int4Method:
+class Int4Method(BlockWeightMethod):
+    KERNELS = ("tokenmill.kernels.w4a16_gemm", "w4a16_linear", "dequantize_q4")
+
     def __init__(self, group: int = 32) -> None:
         if group < 32 or group % 32:
             raise ValueError(f"Int4Method: the group size must be a multiple of 32, got {group}")
@@ -47,31 +49,4 @@ class Int4Method:
             "scales": ((out, in_features // self.group), torch.float16),
             "mins": ((out, in_features // self.group), torch.float16),
         }
-        for name, (shape, dtype) in shapes.items():
-            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            set_weight_attrs(param, weight_loader=weight_loader, output_dim=0, input_dim=1)
-            layer.register_parameter(name, param)
-        layer.out_dtype = params_dtype
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        pass  # the checkpoint's layout is the kernel's
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        gemm, dequantize = _kernels()
-        if x.is_cuda:
-            y = gemm(x, layer.qweight, layer.scales, layer.mins)
-        else:
-            w = dequantize(layer.qweight, layer.scales, layer.mins).to(x.dtype)
-            y = torch.nn.functional.linear(x, w)
-        return y if bias is None else y + bias
-
-
-@functools.cache
-def _kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """(the W4A16 GEMM, its dequantizing reference), imported on the first forward, not per
-    layer call: building a model never needs Triton."""
-    from tokenmill.kernels.w4a16_gemm import dequantize_q4, w4a16_linear
-
-    return w4a16_linear, dequantize_q4
+        self._register(layer, shapes, params_dtype, weight_loader)

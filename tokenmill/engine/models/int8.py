@@ -12,19 +12,21 @@ and so groups, for row-parallel ones).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
+from tokenmill.engine.models.block_weights import BlockWeightMethod
+from tokenmill.engine.models.weight_loader import WeightLoader
 
 __all__ = ["Int8Method"]
 
 GROUP = 32  # GGUF Q8_0's block
 
 
-class Int8Method:
+class Int8Method(BlockWeightMethod):
+    KERNELS = ("tokenmill.kernels.w8a16_gemm", "w8a16_linear", "dequantize_q8")
+
     def create_weights(
         self,
         layer: torch.nn.Module,
@@ -40,30 +42,4 @@ class Int8Method:
             "qweight": ((out, in_features), torch.int8),
             "scales": ((out, in_features // GROUP), torch.float16),
         }
-        for name, (shape, dtype) in shapes.items():
-            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            set_weight_attrs(param, weight_loader=weight_loader, output_dim=0, input_dim=1)
-            layer.register_parameter(name, param)
-        layer.out_dtype = params_dtype
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        pass  # the checkpoint's layout is the kernel's
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        gemm, dequantize = _kernels()
-        if x.is_cuda:
-            y = gemm(x, layer.qweight, layer.scales)
-        else:
-            y = torch.nn.functional.linear(x, dequantize(layer.qweight, layer.scales).to(x.dtype))
-        return y if bias is None else y + bias
-
-
-@functools.cache
-def _kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """(the W8A16 GEMM, its dequantizing reference), imported on the first forward, not per
-    layer call: building a model never needs Triton."""
-    from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear
-
-    return w8a16_linear, dequantize_q8
+        self._register(layer, shapes, params_dtype, weight_loader)

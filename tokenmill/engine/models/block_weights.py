@@ -1,0 +1,69 @@
+"""What the weight-only integer methods share (int4.py, int8.py): the layer holds the
+checkpoint's codes and per-group scales (and, for int4, mins) as they are; a kernel multiplies
+by them on CUDA, and the CPU reference path dequantizes them to the activations' dtype and
+multiplies.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
+
+__all__ = ["BlockWeightMethod"]
+
+Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # parameter -> (shape, dtype)
+
+
+class BlockWeightMethod:
+    """A subclass registers its parameters with ``_register`` (in the order its kernels take
+    them) and names its kernels: in ``KERNELS``, the module and, in it, the CUDA GEMM (x and
+    the parameters -> y) and the reference (the parameters -> the fp32 weight), imported on
+    the first forward (building a model never needs Triton)."""
+
+    KERNELS: tuple[str, str, str] = ("", "", "")
+    names: tuple[str, ...] = ()
+
+    def kernels(self) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+        return _kernels(*self.KERNELS)
+
+    def _register(
+        self,
+        layer: torch.nn.Module,
+        shapes: Shapes,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Each parameter loads like a weight: rows are outputs, columns inputs (or groups)."""
+        self.names = tuple(shapes)
+        for name, (shape, dtype) in shapes.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            set_weight_attrs(param, weight_loader=weight_loader, output_dim=0, input_dim=1)
+            layer.register_parameter(name, param)
+        layer.out_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        pass  # the checkpoint's layout is the kernel's
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        gemm, dequantize = self.kernels()
+        params = [getattr(layer, name) for name in self.names]
+        if x.is_cuda:
+            y = gemm(x, *params)
+        else:
+            y = torch.nn.functional.linear(x, dequantize(*params).to(x.dtype))
+        return y if bias is None else y + bias
+
+
+@functools.cache
+def _kernels(
+    module: str, gemm: str, dequantize: str
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    kernels = importlib.import_module(module)
+    return getattr(kernels, gemm), getattr(kernels, dequantize)
