@@ -42,7 +42,7 @@ from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.launched_step import LaunchedStep
-from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.loader import ModelSource, resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
 from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
@@ -211,12 +211,15 @@ class LLMEngine:
         self._arrivals = 0
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s), linear layers %s, %d KV blocks x %d tokens%s, "
+            "max_model_len %d",
             Path(model_path).name,
             self.device,
             self.dtype,
+            _linear_weights(source, quantization, self.dtype),
             num_blocks,
             config.block_size,
+            " (fp8)" if config.kv_cache_dtype == "fp8" else "",
             self.max_model_len,
         )
 
@@ -520,6 +523,21 @@ class LLMEngine:
                 prompt_lps = self._prompt_logprobs.pop(req.request_id)
             items.append(Finished(req, tracked.detokenizer, tracked.logprobs, prompt_lps))
         self._outputs.submit(items)
+
+
+def _linear_weights(source: ModelSource | None, quantization: str, dtype: torch.dtype) -> str:
+    """What the linear layers hold, for the start-up line; a GGUF file's blocks that are
+    dequantized at load say so, and which setting would run them as they are."""
+    types = sorted(source.linear_weight_types()) if source is not None else []
+    blocks = [t for t in types if any(t in native for native in NATIVE_TYPES.values())]
+    if quantization in NATIVE_TYPES:
+        return f"{quantization} (the file's {'/'.join(types)} blocks as they are)"
+    if quantization != "none" or not blocks:
+        return quantization if quantization != "none" else str(dtype).removeprefix("torch.")
+    runs = [m for m, native in NATIVE_TYPES.items() if set(blocks) <= set(native)]
+    hint = f"; quantization {runs[0]} runs them as they are" if runs else ""
+    kept = str(dtype).removeprefix("torch.")
+    return f"{kept} (the file's {'/'.join(types)} weights dequantized at load{hint})"
 
 
 def _gpu_use_hint(device: torch.device) -> str:

@@ -6,6 +6,7 @@ refused naming the tensor."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import gguf
@@ -118,3 +119,16 @@ def test_gpu_smollm2_q8_0_runs_its_blocks_in_cuda_graphs(tmp_path: Path) -> None
     assert outs[("int8", True)] == outs[("int8", False)]
     same = sum(a == b for a, b in zip(outs[("int8", True)], outs[("none", True)], strict=True))
     assert same >= 12, same
+
+
+def test_the_start_up_line_says_what_the_linear_layers_hold(
+    hf_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _gguf(hf_dir, tmp_path, "Q8_0")
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.llm_engine"):
+        _llm(path, "none")
+        _llm(path, "int8")
+    ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    dequantized = "the file's Q8_0 weights dequantized at load; quantization int8 runs them"
+    assert f"linear layers float32 ({dequantized} as they are)" in ready[0]
+    assert "linear layers int8 (the file's Q8_0 blocks as they are)" in ready[1]

@@ -30,7 +30,7 @@ from tokenmill.engine.loader.gguf_reader import GGUFFile, GGUFTensor
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
 
-__all__ = ["hf_tensor_name", "unpermute_rope_rows", "iter_gguf_weights"]
+__all__ = ["hf_tensor_name", "iter_gguf_weights", "linear_weight_types", "unpermute_rope_rows"]
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -66,6 +66,16 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         if part in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[part]}.{kind}"
     return None
+
+
+def linear_weight_types(reader: GGUFFile) -> set[str]:
+    """The tensor types of the file's linear layers' weights (``*_proj.weight`` in HF names),
+    e.g. {"Q4_1"}: what quantization none dequantizes and int4 / int8 run as they are."""
+    return {
+        t.tensor_type.name
+        for t in reader.tensors
+        if (name := hf_tensor_name(t.name)) is not None and name.endswith("_proj.weight")
+    }
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

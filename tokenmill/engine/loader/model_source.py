@@ -83,6 +83,15 @@ class ModelSource:
         arch = str(metadata_value(reader, "general.architecture"))
         return iter_gguf_weights(reader, self.path, config, arch, native)
 
+    def linear_weight_types(self) -> set[str]:
+        """A GGUF file's linear weight tensor types (e.g. {"Q4_1"}); empty for HF directories,
+        whose quantization config.json states."""
+        if self.kind == "hf":
+            return set()
+        from tokenmill.engine.loader.gguf_loader import linear_weight_types  # needs gguf
+
+        return linear_weight_types(open_gguf(self.path))
+
     def chat_template(self) -> str | None:
         """The chat template the model ships, read without building its tokenizer (a job's
         fingerprint needs only this; the engine builds the tokenizer once). HF directories:
