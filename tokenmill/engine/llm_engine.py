@@ -44,7 +44,7 @@ from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import ModelSource, resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
-from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES
+from tokenmill.engine.loader.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
@@ -528,16 +528,18 @@ class LLMEngine:
 def _linear_weights(source: ModelSource | None, quantization: str, dtype: torch.dtype) -> str:
     """What the linear layers hold, for the start-up line; a GGUF file's blocks that are
     dequantized at load say so, and which setting would run them as they are."""
-    types = sorted(source.linear_weight_types()) if source is not None else []
-    blocks = [t for t in types if any(t in native for native in NATIVE_TYPES.values())]
-    if quantization in NATIVE_TYPES:
-        return f"{quantization} (the file's {'/'.join(types)} blocks as they are)"
-    if quantization != "none" or not blocks:
-        return quantization if quantization != "none" else str(dtype).removeprefix("torch.")
-    runs = [m for m, native in NATIVE_TYPES.items() if set(blocks) <= set(native)]
-    hint = f"; quantization {runs[0]} runs them as they are" if runs else ""
     kept = str(dtype).removeprefix("torch.")
-    return f"{kept} (the file's {'/'.join(types)} weights dequantized at load{hint})"
+    if quantization not in ("none", *NATIVE_TYPES) or source is None:
+        return quantization if quantization != "none" else kept
+    types = source.linear_weight_types()
+    listed = "/".join(sorted(types))
+    if quantization != "none":
+        return f"{quantization} (the file's {listed} blocks as they are)"
+    if not types & BLOCK_TYPES:
+        return kept
+    runs = next((m for m, native in NATIVE_TYPES.items() if types <= set(native)), None)
+    hint = f"; quantization {runs} runs them as they are" if runs else ""
+    return f"{kept} (the file's {listed} weights dequantized at load{hint})"
 
 
 def _gpu_use_hint(device: torch.device) -> str:

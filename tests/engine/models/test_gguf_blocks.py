@@ -101,23 +101,28 @@ def test_dequantizing_blocks_equals_the_gguf_package(linear_type: str) -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_smollm2_q8_0_runs_its_blocks_in_cuda_graphs(tmp_path: Path) -> None:
-    """On the GPU the W8A16 kernel runs a Q8_0 copy of the embedded model (bf16): graphs and
-    eager agree, and most rows match the same file dequantized."""
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_gpu_smollm2_runs_its_blocks_in_cuda_graphs(quantization: str, tmp_path: Path) -> None:
+    """On the GPU the W4A16 kernel runs the embedded model's Q4_1 blocks and the W8A16 kernel
+    a Q8_0 copy of it (bf16): graphs and eager agree, and most rows match the same file
+    dequantized."""
     from bench.gguf_requantize import requantize
     from bench.prompts import chat_prompts
 
-    path = requantize("smollm2-135m-instruct", tmp_path / "smollm2.Q8_0.gguf", "Q8_0")
+    path = "smollm2-135m-instruct"
+    if quantization == "int8":
+        path = str(requantize(path, tmp_path / "smollm2.Q8_0.gguf", "Q8_0"))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     convs = chat_prompts(16)
     outs = {}
-    for quantization, graphs in (("none", True), ("int8", False), ("int8", True)):
-        llm = LLM(str(path), device="cuda", quantization=quantization, cuda_graphs=graphs)
-        outs[(quantization, graphs)] = [o.token_ids for o in llm.chat(convs, params)]
+    for method, graphs in (("none", True), (quantization, False), (quantization, True)):
+        llm = LLM(path, device="cuda", quantization=method, cuda_graphs=graphs)
+        outs[(method, graphs)] = [o.token_ids for o in llm.chat(convs, params)]
         del llm
         torch.cuda.empty_cache()
-    assert outs[("int8", True)] == outs[("int8", False)]
-    same = sum(a == b for a, b in zip(outs[("int8", True)], outs[("none", True)], strict=True))
+    assert outs[(quantization, True)] == outs[(quantization, False)]
+    pairs = zip(outs[(quantization, True)], outs[("none", True)], strict=True)
+    same = sum(a == b for a, b in pairs)
     assert same >= 12, same
 
 

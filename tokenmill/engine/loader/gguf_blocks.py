@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NATIVE_TYPES", "block_rows", "dequantize_blocks"]
+__all__ = ["BLOCK_TYPES", "NATIVE_TYPES", "block_rows", "dequantize_blocks"]
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK_TYPES = frozenset(_BLOCK_BYTES)  # the types this file reads
 # quantization method -> the GGUF block types it runs as they are
 NATIVE_TYPES = {"int4": ("Q4_0", "Q4_1"), "int8": ("Q8_0",)}
 

@@ -25,7 +25,12 @@ import gguf
 import numpy as np
 import torch
 
-from tokenmill.engine.loader.gguf_blocks import NATIVE_TYPES, block_rows, dequantize_blocks
+from tokenmill.engine.loader.gguf_blocks import (
+    BLOCK_TYPES,
+    NATIVE_TYPES,
+    block_rows,
+    dequantize_blocks,
+)
 from tokenmill.engine.loader.gguf_reader import GGUFFile, GGUFTensor
 from tokenmill.engine.loader.hf_layout import check_shape, expected_shapes
 from tokenmill.engine.model_config import ModelConfig
@@ -143,7 +148,7 @@ def _dequantize(tensor: GGUFTensor) -> np.ndarray:
     """A tensor's float32 values: the block types the kernels run, in gguf_blocks.py's
     vectorized numpy (equal bit for bit); every other type through the gguf package."""
     type_name = tensor.tensor_type.name
-    if any(type_name in types for types in NATIVE_TYPES.values()) and len(tensor.shape) == 2:
+    if type_name in BLOCK_TYPES and len(tensor.shape) == 2:
         return dequantize_blocks(tensor.data, type_name, int(tensor.shape[-1]))
     return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
 
@@ -159,14 +164,13 @@ def _block_tensors(
     """``name``'s blocks as (qweight, scales[, mins]), q/k rows un-permuted like the
     dequantized weight's."""
     type_name = tensor.tensor_type.name
-    types = NATIVE_TYPES[native]
-    if type_name not in types:
+    if type_name not in NATIVE_TYPES[native]:
         runs = {m: " and ".join(t) for m, t in NATIVE_TYPES.items()}
+        others = "; ".join(f"{m}: {t}" for m, t in runs.items() if m != native)
         raise ValueError(
             f"GGUF tensor {tensor.name} in {path} is {type_name}; quantization {native} runs "
-            f"{runs[native]} blocks as they are ("
-            + "; ".join(f"{m}: {t}" for m, t in runs.items() if m != native)
-            + "; quantization none dequantizes every type)"
+            f"{runs[native]} blocks as they are ({others}; quantization none dequantizes "
+            "every type)"
         )
     rows = int(tensor.shape[-1])  # GGUF lists dims fastest first: [in, out]
     parts = block_rows(tensor.data, type_name, rows)

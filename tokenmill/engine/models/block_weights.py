@@ -20,13 +20,14 @@ Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]  # parameter -> (shape, 
 
 
 class BlockWeightMethod:
-    """A subclass registers its parameters with ``_register`` (in the order its kernels take
-    them) and names its kernels: in ``KERNELS``, the module and, in it, the CUDA GEMM (x and
-    the parameters -> y) and the reference (the parameters -> the fp32 weight), imported on
-    the first forward (building a model never needs Triton)."""
+    """A subclass names its parameters in ``PARAMS`` (in the order its kernels take them),
+    registers their shapes with ``_register``, and names its kernels in ``KERNELS``: the
+    module and, in it, the CUDA GEMM (x and the parameters -> y) and the reference (the
+    parameters -> the fp32 weight), imported on the first forward (building a model never
+    needs Triton)."""
 
+    PARAMS: tuple[str, ...] = ()
     KERNELS: tuple[str, str, str] = ("", "", "")
-    names: tuple[str, ...] = ()
 
     def kernels(self) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
         return _kernels(*self.KERNELS)
@@ -38,9 +39,9 @@ class BlockWeightMethod:
         params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
-        """Each parameter loads like a weight: rows are outputs, columns inputs (or groups)."""
-        self.names = tuple(shapes)
-        for name, (shape, dtype) in shapes.items():
+        """Each of PARAMS loads like a weight: rows are outputs, columns inputs (or groups)."""
+        for name in self.PARAMS:
+            shape, dtype = shapes[name]
             param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             set_weight_attrs(param, weight_loader=weight_loader, output_dim=0, input_dim=1)
             layer.register_parameter(name, param)
@@ -53,7 +54,7 @@ class BlockWeightMethod:
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         gemm, dequantize = self.kernels()
-        params = [getattr(layer, name) for name in self.names]
+        params = [getattr(layer, name) for name in self.PARAMS]
         if x.is_cuda:
             y = gemm(x, *params)
         else:

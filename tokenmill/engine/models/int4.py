@@ -24,6 +24,7 @@ __all__ = ["Int4Method"]
 
 
 class Int4Method(BlockWeightMethod):
+    PARAMS = ("qweight", "scales", "mins")
     KERNELS = ("tokenmill.kernels.w4a16_gemm", "w4a16_linear", "dequantize_q4")
 
     def __init__(self, group: int = 32) -> None:

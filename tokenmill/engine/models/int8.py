@@ -25,6 +25,7 @@ GROUP = 32  # GGUF Q8_0's block
 
 
 class Int8Method(BlockWeightMethod):
+    PARAMS = ("qweight", "scales")
     KERNELS = ("tokenmill.kernels.w8a16_gemm", "w8a16_linear", "dequantize_q8")
 
     def create_weights(
