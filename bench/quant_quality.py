@@ -162,7 +162,7 @@ def main() -> None:
     texts = sections(args.text)[: args.sections or None]
     scratch = tempfile.TemporaryDirectory(prefix="quant_quality-")
     prompts = chat_prompts(args.prompts, seed=3)
-    base_ppl, base_answers = None, None
+    base_ppl, base_answers, token_windows = None, None, None
     for name in names:
         started = time.perf_counter()
         model = args.model
@@ -176,7 +176,8 @@ def main() -> None:
             enable_prefix_caching=False,
             **VARIANTS[name],
         )
-        scores = score(llm, windows(llm, texts, args.window))
+        token_windows = token_windows or windows(llm, texts, args.window)  # one tokenizer
+        scores = score(llm, token_windows)
         got = answers(llm, prompts, args.new_tokens)
         llm.engine.close()
         base_ppl = base_ppl or scores.perplexity
