@@ -13,7 +13,14 @@ Peer, same shape, same run: the torch backend's decode path, gather the blocks w
 ``index_select`` then one masked SDPA call (q viewed as [B, Hkv, G, d] so K/V are not
 repeated per query head); its time includes the gather, as in the engine.
 
-    PYTHONPATH=$PWD python3 bench/kernel_bench_decode.py [--sweep] [--out results.json]
+    PYTHONPATH=$PWD python3 bench/kernel_bench_decode.py [--sweep] [--kv-dtype fp8]
+                            [--batches 256] [--contexts 4096] [--block-sizes 16] [--out F]
+
+``--kv-dtype fp8``: the cache holds e4m3 values (``engine.kv_cache_dtype: fp8``) and bandwidth
+counts their 1-byte elements (issue 14's goal: >= 80% of the ceiling at 4k+ context). The peer
+is then the same kernel on a bf16 cache holding the same values (``bf16_ms``), so
+``bf16_ms / ms`` is what the FP8 cache saves; per byte, FP8 is no slower than bf16 when that
+ratio is >= 2.
 
 ``--sweep`` also times block_n / num_stages / num_splits variants on the 4k and 16k shapes.
 """
@@ -33,6 +40,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from tokenmill.kernels.fp8_kv import FP8_KV, to_kv_cache  # noqa: E402
 from tokenmill.kernels.paged_decode_attention import (  # noqa: E402
     MAX_SPLITS,
     DecodeWorkspace,
@@ -61,7 +69,7 @@ def kv_bytes_read(seq_lens: list[int], num_kv_heads: int, head_dim: int, elem_si
     return sum(seq_lens) * num_kv_heads * head_dim * 2 * elem_size
 
 
-def _inputs(batch: int, ctx: int, block_size: int, seed: int = 0) -> dict:
+def _inputs(batch: int, ctx: int, block_size: int, kv_dtype: torch.dtype, seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks_per_seq = -(-ctx // block_size)
     num_blocks = batch * blocks_per_seq
@@ -69,6 +77,7 @@ def _inputs(batch: int, ctx: int, block_size: int, seed: int = 0) -> dict:
     kv = torch.randn(
         2, num_blocks, block_size, HKV, HEAD_DIM, generator=gen, device="cuda", dtype=DTYPE
     )
+    kv = to_kv_cache(kv, kv_dtype)
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).cuda()
     block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)  # [B, max_blocks]
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")  # [B]
@@ -104,15 +113,18 @@ def _row(shape: str, ms: float, nbytes: int, **extra) -> dict:
     }
 
 
-def _bench_shape(batch: int, ctx: int, block_size: int, num_sms: int, sweep: bool) -> list[dict]:
+def _bench_shape(
+    batch: int, ctx: int, block_size: int, num_sms: int, sweep: bool, kv_dtype: torch.dtype
+) -> list[dict]:
     scale = HEAD_DIM**-0.5
-    elem = torch.tensor([], dtype=DTYPE).element_size()
+    elem = torch.tensor([], dtype=kv_dtype).element_size()
     nbytes = kv_bytes_read([ctx] * batch, HKV, HEAD_DIM, elem)
-    shape = f"B={batch} ctx={ctx} bs={block_size} Hq={HQ} Hkv={HKV} d={HEAD_DIM} bf16"
+    name = "fp8" if kv_dtype == FP8_KV else "bf16"
+    shape = f"B={batch} ctx={ctx} bs={block_size} Hq={HQ} Hkv={HKV} d={HEAD_DIM} {name}"
     if nbytes > MAX_KV_BYTES:
         print(f"skip {shape}: K+V {nbytes / 1e9:.0f} GB > {MAX_KV_BYTES / 1e9:.0f} GB")
         return []
-    x = _inputs(batch, ctx, block_size)
+    x = _inputs(batch, ctx, block_size, kv_dtype)
     q, kv, bt, seq = x["q"], x["kv"], x["block_tables"], x["seq_lens"]
     splits = choose_num_splits(batch, HKV, ctx, num_sms)
     out = torch.empty_like(q)
@@ -140,16 +152,19 @@ def _bench_shape(batch: int, ctx: int, block_size: int, num_sms: int, sweep: boo
 
     row = measure(splits, None, 4, 2)  # the wrapper's defaults
     assert row is not None
-    # The peer on the whole batch (and the kernel's output checked against it), if it fits.
-    try:
-        peer = _gather_sdpa(q, kv, bt, seq, scale).float()
-        row["max_abs_err_vs_peer"] = (out.float() - peer).abs().max().item()
-        row["correct"] = row["correct"] and torch.allclose(out.float(), peer, atol=ATOL, rtol=RTOL)
-        del peer
-        row["peer"] = "gather+sdpa"
-        row["peer_ms"] = time_ms(lambda: _gather_sdpa(q, kv, bt, seq, scale))
-    except Exception as e:  # out of memory, or no SDPA kernel for it: keep the kernel's row
-        row["peer"], row["peer_ms"] = f"gather+sdpa failed: {type(e).__name__}: {e}"[:200], None
+    if kv_dtype == FP8_KV:
+        # The peer: the same kernel, defaults and splits on a bf16 cache of the same values.
+        kv16 = kv.to(DTYPE)
+        ws = DecodeWorkspace.allocate(batch, HQ, splits, HEAD_DIM, q.device)
+        row["peer"] = "same kernel, bf16 cache"
+        row["peer_ms"] = time_ms(
+            lambda: paged_decode_attention(q, kv16[0], kv16[1], bt, seq, scale, splits, out, ws)
+        )
+        row["bf16_over_fp8"] = row["peer_ms"] / row["ms"]
+        del kv16
+    else:
+        row.update(_peer_row(q, kv, bt, seq, scale, out))
+        row["correct"] = row["correct"] and row.pop("peer_ok", True)
     torch.cuda.empty_cache()
     rows = [row]
     print(_fmt(row), flush=True)
@@ -162,6 +177,20 @@ def _bench_shape(batch: int, ctx: int, block_size: int, num_sms: int, sweep: boo
     return rows
 
 
+def _peer_row(q, kv, bt, seq, scale: float, out: torch.Tensor) -> dict:
+    """The gather + SDPA peer on the whole batch (and the kernel's output checked against
+    it), if it fits."""
+    try:
+        peer = _gather_sdpa(q, kv, bt, seq, scale).float()
+        err = (out.float() - peer).abs().max().item()
+        ok = torch.allclose(out.float(), peer, atol=ATOL, rtol=RTOL)
+        del peer
+        ms = time_ms(lambda: _gather_sdpa(q, kv, bt, seq, scale))
+        return {"max_abs_err_vs_peer": err, "peer": "gather+sdpa", "peer_ms": ms, "peer_ok": ok}
+    except Exception as e:  # out of memory, or no SDPA kernel for it: keep the kernel's row
+        return {"peer": f"gather+sdpa failed: {type(e).__name__}: {e}"[:200], "peer_ms": None}
+
+
 def _fmt(r: dict) -> str:
     peer = f"  peer {r['peer_ms']:.3f} ms" if r.get("peer_ms") else ""
     cfg = f"S={r['num_splits']} bn={r['block_n'] or 'def'} w={r['num_warps']} st={r['num_stages']}"
@@ -172,7 +201,13 @@ def _fmt(r: dict) -> str:
     )
 
 
-def benchmark(sweep: bool = False) -> list[dict]:
+def benchmark(
+    sweep: bool = False,
+    kv_dtype: torch.dtype = DTYPE,
+    batches=BATCHES,
+    contexts=CONTEXTS,
+    block_sizes=BLOCK_SIZES,
+) -> list[dict]:
     """One row per shape at the default config (with the peer's time), and with ``sweep`` one
     per tuning variant on the 4k and 16k shapes (marked ``variant``)."""
     if not torch.cuda.is_available():
@@ -180,10 +215,10 @@ def benchmark(sweep: bool = False) -> list[dict]:
     warm_up_gpu()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict] = []
-    for block_size in BLOCK_SIZES:
-        for batch in BATCHES:
-            for ctx in CONTEXTS:
-                rows += _bench_shape(batch, ctx, block_size, num_sms, sweep)
+    for block_size in block_sizes:
+        for batch in batches:
+            for ctx in contexts:
+                rows += _bench_shape(batch, ctx, block_size, num_sms, sweep, kv_dtype)
     return rows
 
 
@@ -191,9 +226,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time tuning variants")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (default $OUT)")
+    parser.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
     args = parser.parse_args()
     print(torch.cuda.get_device_name(0), "torch", torch.__version__)
-    rows = benchmark(sweep=args.sweep)
+
+    def ints(text: str) -> list[int]:
+        return [int(v) for v in text.split(",")]
+
+    rows = benchmark(
+        sweep=args.sweep,
+        kv_dtype=FP8_KV if args.kv_dtype == "fp8" else DTYPE,
+        batches=ints(args.batches),
+        contexts=ints(args.contexts),
+        block_sizes=ints(args.block_sizes),
+    )
     print("\nbest per shape:")
     for shape in dict.fromkeys(r["shape"] for r in rows):
         good = [r for r in rows if r["shape"] == shape and r["correct"]]

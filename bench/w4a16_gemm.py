@@ -7,8 +7,9 @@ Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call ti
 cold L2 (gpu_timing):
 
   bf16_ms        ``F.linear`` with the bf16 weight
-  w4a16_ms       ``w4a16_linear`` with its default tiles (what the engine runs), and
-  w4a16_best     the fastest of its (block_m, block_n) tiles in TILES, with its time
+  w4a16_ms       ``w4a16_linear`` with its default tiles (what the engine runs);
+  sweep          the default tiles and the fastest tiling of bench/int_gemm_sweep.py's
+                 (block_m, block_n, block_k, split_k, num_warps, num_stages), with its time
   dequant_ms     ``dequantize_q4_rows`` (the Triton kernel, bf16 weights) + ``F.linear``:
                  the dequantize-then-GEMM path a large-M switch would take, and
                  dequant_only_ms its first half alone
@@ -26,6 +27,7 @@ layout and group).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -35,13 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.int_gemm_sweep import sweep  # noqa: E402
 from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.kernels.q4_dequantize import dequantize_q4_rows  # noqa: E402
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear  # noqa: E402
 
 SHAPES = LINEAR_SHAPES  # name: (in, out)
 GROUP = 32
-TILES = [(bm, bn) for bm in (16, 32, 64) for bn in (32, 64, 128)]
 
 
 def q4_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,12 +60,8 @@ def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -
     linear = torch.nn.functional.linear
     bf16_ms = time_ms(lambda: linear(x, weight))
     w4_ms = time_ms(lambda: w4a16_linear(x, qweight, scales, mins))
-    tiles = {
-        (bm, bn): time_ms(lambda bm=bm, bn=bn: w4a16_linear(x, qweight, scales, mins,
-                                                          block_m=bm, block_n=bn))
-        for bm, bn in TILES
-    }  # fmt: skip
-    best = min(tiles, key=tiles.get)
+    tiles = sweep(functools.partial(w4a16_linear, x, qweight, scales, mins), m, out_f, in_f,
+                  GROUP)  # fmt: skip
     dequant_ms = time_ms(lambda: linear(x, dequantize_q4_rows(qweight, scales, mins, x.dtype)))
     dequant_only_ms = time_ms(lambda: dequantize_q4_rows(qweight, scales, mins, x.dtype))
     packed_bytes = qweight.numel() + 2 * scales.numel() * scales.element_size()
@@ -72,10 +70,10 @@ def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -
     return {
         "shape": name, "in": in_f, "out": out_f, "M": m,
         "bf16_ms": round(bf16_ms, 4), "w4a16_ms": round(w4_ms, 4),
-        "w4a16_best": {"tile": list(best), "ms": round(tiles[best], 4)},
+        "sweep": tiles,
         "dequant_ms": round(dequant_ms, 4), "dequant_only_ms": round(dequant_only_ms, 4),
         "speedup": round(bf16_ms / w4_ms, 2),
-        "best_speedup": round(bf16_ms / tiles[best], 2),
+        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
         "weight_gbps": round(packed_bytes / w4_ms / 1e6, 1),
         "rel_error": round(rel, 4),
     }  # fmt: skip

@@ -5,8 +5,9 @@ Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call ti
 cold L2 (gpu_timing):
 
   bf16_ms        ``F.linear`` with the bf16 weight
-  w8a16_ms       ``w8a16_linear`` with its default tiles (what the engine runs), and
-  w8a16_best     the fastest of its (block_m, block_n, block_k) tiles in TILES, with its time
+  w8a16_ms       ``w8a16_linear`` with its default tiles (what the engine runs);
+  sweep          the default tiles and the fastest tiling of bench/int_gemm_sweep.py's
+                 (block_m, block_n, block_k, split_k, num_warps, num_stages), with its time
   speedup        bf16_ms / w8a16_ms, and best_speedup with the best tile
   weight_gbps    the weight's bytes (int8 codes and fp16 scales) over w8a16_ms: against the
                  H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
@@ -21,6 +22,7 @@ bf16's time (8.5 bits a weight against 16).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -30,11 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.int_gemm_sweep import sweep  # noqa: E402
 from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear  # noqa: E402
 
 GROUP = 32
-TILES = [(bm, bn, bk) for bm in (16, 64) for bn in (32, 64, 128) for bk in (64, 128)]
 
 
 def q8_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,21 +52,16 @@ def shape_line(name: str, m: int, qweight, scales, weight: torch.Tensor) -> dict
     linear = torch.nn.functional.linear
     bf16_ms = time_ms(lambda: linear(x, weight))
     w8_ms = time_ms(lambda: w8a16_linear(x, qweight, scales))
-    tiles = {
-        t: time_ms(lambda t=t: w8a16_linear(x, qweight, scales, block_m=t[0], block_n=t[1],
-                                            block_k=t[2]))
-        for t in TILES
-    }  # fmt: skip
-    best = min(tiles, key=tiles.get)
+    tiles = sweep(functools.partial(w8a16_linear, x, qweight, scales), m, out_f, in_f, GROUP)
     weight_bytes = qweight.numel() + scales.numel() * scales.element_size()
     y, want = w8a16_linear(x, qweight, scales), linear(x, weight)
     rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
     return {
         "shape": name, "in": in_f, "out": out_f, "M": m,
         "bf16_ms": round(bf16_ms, 4), "w8a16_ms": round(w8_ms, 4),
-        "w8a16_best": {"tile": list(best), "ms": round(tiles[best], 4)},
+        "sweep": tiles,
         "speedup": round(bf16_ms / w8_ms, 2),
-        "best_speedup": round(bf16_ms / tiles[best], 2),
+        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
         "weight_gbps": round(weight_bytes / w8_ms / 1e6, 1),
         "rel_error": round(rel, 4),
     }  # fmt: skip

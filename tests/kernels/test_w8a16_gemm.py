@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles
 from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear, w8a16_linear_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -36,7 +37,7 @@ def test_dequantizes_each_group_with_its_scale() -> None:
     ("m", "n", "k", "group", "dtype"),
     [
         (1, 64, 64, 32, torch.float32),  # one decode row
-        (5, 48, 96, 32, torch.float16),  # N not a multiple of the tile, K not of BLOCK_K
+        (5, 48, 96, 32, torch.float16),  # N not a multiple of the tile, K not of 64
         (17, 64, 128, 64, torch.bfloat16),  # two M tiles, groups of 64
         (3, 32, 256, 128, torch.float32),  # larger groups
     ],
@@ -48,6 +49,26 @@ def test_matches_reference(m: int, n: int, k: int, group: int, dtype: torch.dtyp
     y = w8a16_linear(*args)
     assert y.shape == (m, n) and y.dtype == dtype
     torch.testing.assert_close(y.float(), w8a16_linear_ref(*args).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("tiles", "group"),
+    [
+        (IntGemmTiles(16, 32, 256, split_k=2), 32),  # 8 groups a tile, 2 K runs
+        (IntGemmTiles(16, 32, 128, split_k=4), 32),  # 4 K runs
+        (IntGemmTiles(32, 16, 64, split_k=2), 128),  # a tile inside one group
+        (IntGemmTiles(16, 16, 1024, split_k=8), 64),  # fitted down to K's 512
+    ],
+)
+def test_tilings_match_reference(tiles: IntGemmTiles, group: int) -> None:
+    """Every tiling (split-K, several or part of a group per tile) computes the same
+    product; fp32 inputs, so within fp32 rounding of the reference."""
+    m, n, k = 3, 40, 512
+    qweight, scales = _weights(n, k, group, seed=group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    args = [t.to(DEVICE) for t in (x, qweight, scales)]
+    y = w8a16_linear(*args, tiles=tiles)
+    torch.testing.assert_close(y, w8a16_linear_ref(*args), **TOL[torch.float32])
 
 
 def test_rejects_bad_shapes() -> None:

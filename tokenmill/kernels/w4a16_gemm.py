@@ -17,11 +17,12 @@ inputs, 4-bit codes q in 0..15, and per group of GROUP consecutive inputs a scal
 K must be a multiple of 32 and GROUP a multiple of 32. A weight takes 4 bits plus 32 bits of
 scale and min per GROUP inputs: 5 bits at GROUP 32 (GGUF), 4.25 at 128 (GPTQ, AWQ).
 
-Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in chunks of 32,
-loads [BLOCK_N, 16] bytes, splits the nibbles, dequantizes them with their group's scale and
-min into x's dtype and accumulates two [BLOCK_M, 16] @ [16, BLOCK_N] dots in fp32. Reading
-4-bit weights is what decode (small M) is bound by; at large M a dequantize + 16-bit GEMM is
-faster (the caller picks).
+Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), split_k), tiles from int_weight_tiles.py.
+A program loads BLOCK_K / 2 bytes of each of its BLOCK_N weight rows at a time (BLOCK_K
+inputs), splits the nibbles, scales them by their groups and accumulates two
+[BLOCK_M, BLOCK_K/2] @ [BLOCK_K/2, BLOCK_N] dots in fp32 (the low nibbles against x at
+32c + i, the high ones at 32c + 16 + i). Reading 4-bit weights is what decode (small M)
+should be bound by; on the H200 it is not yet (BENCHMARKS.md, session 13).
 """
 
 from __future__ import annotations
@@ -30,41 +31,70 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
+
 __all__ = ["check_q4_weight", "dequantize_q4", "pack_q4", "w4a16_linear", "w4a16_linear_ref"]
 
 CHUNK = 32  # inputs per packed chunk: 16 bytes, two nibbles each
 
 
 @triton.jit
+def _nibbles(q_rows, k0, mask_n, BLOCK_K: tl.constexpr):
+    """The low and high nibbles of the BLOCK_K / 2 bytes of each row from input k0 on, as
+    fp32 [BLOCK_N, BLOCK_K / 2]: byte j's nibbles are inputs k0 + 32(j // 16) + j % 16 and
+    that + 16."""
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    b = tl.load(q_rows + offs_b[None, :], mask=mask_n[:, None], other=0)  # [BN, BK/2]
+    return (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr,
-    M, N, K,
+    M, N, K, SPLIT_K,  # SPLIT_K: runs of K (divides K / BLOCK_K)
     stride_xm, stride_xk, stride_qn, stride_sn, stride_mn, stride_ym, stride_yn,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides K; a multiple or a divisor of GROUP
+    ATOMIC: tl.constexpr,  # SPLIT_K > 1: y is an fp32 buffer the K runs add into
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, 16)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    x_lo_k = (offs_j // 16) * 32 + offs_j % 16  # input of byte j's low nibble, from k0
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     q_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+    m_rows = m_ptr + offs_n[:, None].to(tl.int64) * stride_mn
+    k_run = K // SPLIT_K
+    k_first = tl.program_id(2) * k_run
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in range(0, K // 32):
-        k0 = c * 32
-        x_lo = tl.load(x_rows + (k0 + offs_h)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+    for k0 in range(k_first, k_first + k_run, BLOCK_K):
+        lo, hi = _nibbles(q_rows, k0, mask_n, BLOCK_K)  # [BN, BK/2] codes
+        if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
+            offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
+            mn = tl.load(m_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
+            s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
+            mn = mn.to(tl.float32)[:, :, None]
+            lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]) * s + mn
+            hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]) * s + mn
+            w_lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 2])
+            w_hi = tl.reshape(hi, [BLOCK_N, BLOCK_K // 2])
+        else:  # the tile sits inside one group
+            g = k0 // GROUP
+            s = tl.load(s_rows + g, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            mn = tl.load(m_rows + g, mask=mask_n[:, None], other=0.0).to(tl.float32)
+            w_lo = lo * s + mn
+            w_hi = hi * s + mn
+        x_lo = tl.load(x_rows + (k0 + x_lo_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         x_hi = tl.load(
-            x_rows + (k0 + 16 + offs_h)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
+            x_rows + (k0 + 16 + x_lo_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
         )
-        b = tl.load(q_rows + (c * 16 + offs_h)[None, :], mask=mask_n[:, None], other=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + offs_n * stride_mn + g, mask=mask_n, other=0.0).to(tl.float32)
-        w_lo = (b & 0xF).to(tl.float32) * s[:, None] + mn[:, None]  # [BLOCK_N, 16]
-        w_hi = (b >> 4).to(tl.float32) * s[:, None] + mn[:, None]
         if DOT_FP32:
             acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
@@ -72,7 +102,11 @@ def _w4a16_kernel(
             acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
             acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
     y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(y, acc, mask=mask_y)
+    else:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 def check_q4_weight(
@@ -117,27 +151,33 @@ def w4a16_linear(
     scales: torch.Tensor,
     mins: torch.Tensor,
     *,
-    block_m: int = 16,
-    block_n: int = 64,
+    tiles: IntGemmTiles | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] @ dequantized(qweight, scales, mins)^T -> [M, N] in x's dtype (see the
-    module docstring for the layout). Raises ValueError on bad shapes."""
+    module docstring for the layout). ``tiles``: the launch's tiling (default
+    ``choose_tiles``), fitted to K and the group. Raises ValueError on bad shapes."""
     n, k, group = _check(x, qweight, scales, mins)
     m = x.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    t = (tiles or choose_tiles(m, n, k, group)).fit(k, group)
     s, mn = scales.contiguous(), mins.contiguous()
     qw = qweight.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if t.split_k > 1:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w4a16_kernel[grid](
-        x, qw, s, mn, y, m, n, k,
+        x, qw, s, mn, y, m, n, k, t.split_k,
         x.stride(0), x.stride(1), qw.stride(0), s.stride(0), mn.stride(0),
         y.stride(0), y.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        ATOMIC=t.split_k > 1,
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    return y
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequantize_q4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,11 @@ scale:
 K must be a multiple of GROUP, and GROUP of 32. A weight takes 8 bits plus 16 bits of scale
 per GROUP inputs: 8.5 bits at GROUP 32 (GGUF Q8_0), about half of bf16's bytes.
 
-Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in steps of
-BLOCK_K, loads [BLOCK_N, BLOCK_K] codes and the scales of their groups, dequantizes them into
-x's dtype and accumulates [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N] in fp32. Like W4A16, it
-pays where reading the weights bounds the GEMM (decode, small M).
+Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), split_k), tiles from int_weight_tiles.py.
+A program loads BLOCK_K codes of each of its BLOCK_N weight rows at a time, scales them by
+their groups and accumulates [BLOCK_M, BLOCK_K] @ [BLOCK_K, BLOCK_N] in fp32. Like W4A16,
+it should pay where reading the weights bounds the GEMM (decode, small M); on the H200 it
+does not yet (BENCHMARKS.md, session 13).
 """
 
 from __future__ import annotations
@@ -25,20 +26,23 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
+
 __all__ = ["check_q8_weight", "dequantize_q8", "w8a16_linear", "w8a16_linear_ref"]
 
 CHUNK = 32  # the group size must be a multiple of this (GGUF's block)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a16_kernel(
     x_ptr, qw_ptr, s_ptr, y_ptr,
-    M, N, K,
+    M, N, K, SPLIT_K,  # SPLIT_K: runs of K (divides K / BLOCK_K)
     stride_xm, stride_xk, stride_qn, stride_sn, stride_ym, stride_yn,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides K; a multiple or a divisor of GROUP
+    ATOMIC: tl.constexpr,  # SPLIT_K > 1: y is an fp32 buffer the K runs add into
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,23 +53,32 @@ def _w8a16_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     q_rows = qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn
+    k_run = K // SPLIT_K
+    k_first = tl.program_id(2) * k_run
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
-        x = tl.load(
-            x_rows + k[None, :] * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0
-        )
-        wmask = mask_n[:, None] & mask_k[None, :]
-        q = tl.load(q_rows + k[None, :], mask=wmask, other=0)
-        s = tl.load(s_rows + (k // GROUP)[None, :], mask=wmask, other=0.0)
-        w = q.to(tl.float32) * s.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+    for k0 in range(k_first, k_first + k_run, BLOCK_K):
+        q = tl.load(q_rows + (k0 + offs_k)[None, :], mask=mask_n[:, None], other=0)
+        q = q.to(tl.float32)  # [BN, BK] codes
+        if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
+            offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            s = tl.load(s_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
+            s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
+            w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s,
+                           [BLOCK_N, BLOCK_K])  # fmt: skip
+        else:  # the tile sits inside one group
+            s = tl.load(s_rows + k0 // GROUP, mask=mask_n[:, None], other=0.0)
+            w = q * s.to(tl.float32)
+        x = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if ATOMIC:
+        tl.atomic_add(y, acc, mask=mask_y)
+    else:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 def check_q8_weight(
@@ -94,28 +107,33 @@ def w8a16_linear(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     *,
-    block_m: int = 16,
-    block_n: int = 64,
-    block_k: int = 64,
+    tiles: IntGemmTiles | None = None,
 ) -> torch.Tensor:
     """``x`` [M, K] @ dequantized(qweight, scales)^T -> [M, N] in x's dtype (see the module
-    docstring for the layout). Raises ValueError on bad shapes."""
+    docstring for the layout). ``tiles``: the launch's tiling (default ``choose_tiles``),
+    fitted to K and the group. Raises ValueError on bad shapes."""
     if x.dim() != 2:
         raise ValueError(f"w8a16_linear: x must be [M, K], got {tuple(x.shape)}")
     n, k, group = check_q8_weight(qweight, scales, "w8a16_linear", x.shape[1])
     m = x.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    t = (tiles or choose_tiles(m, n, k, group)).fit(k, group)
     qw, s = qweight.contiguous(), scales.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if t.split_k > 1:
+        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w8a16_kernel[grid](
-        x, qw, s, y, m, n, k,
+        x, qw, s, y, m, n, k, t.split_k,
         x.stride(0), x.stride(1), qw.stride(0), s.stride(0), y.stride(0), y.stride(1),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        ATOMIC=t.split_k > 1,
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    return y
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def dequantize_q8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

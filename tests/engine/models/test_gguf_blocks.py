@@ -104,8 +104,9 @@ def test_dequantizing_blocks_equals_the_gguf_package(linear_type: str) -> None:
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_gpu_smollm2_runs_its_blocks_in_cuda_graphs(quantization: str, tmp_path: Path) -> None:
     """On the GPU the W4A16 kernel runs the embedded model's Q4_1 blocks and the W8A16 kernel
-    a Q8_0 copy of it (bf16): graphs and eager agree, and most rows match the same file
-    dequantized."""
+    a Q8_0 copy of it: graphs and eager agree, and the rows match the same file dequantized.
+    In fp32, where the kernel's dots are exact fp32 and only the order of the sums differs
+    from cuBLAS's (in bf16 that order alone turned 5 of 16 greedy rows, on an H200)."""
     from bench.gguf_requantize import requantize
     from bench.prompts import chat_prompts
 
@@ -116,14 +117,14 @@ def test_gpu_smollm2_runs_its_blocks_in_cuda_graphs(quantization: str, tmp_path:
     convs = chat_prompts(16)
     outs = {}
     for method, graphs in (("none", True), (quantization, False), (quantization, True)):
-        llm = LLM(path, device="cuda", quantization=method, cuda_graphs=graphs)
+        llm = LLM(path, device="cuda", dtype="float32", quantization=method, cuda_graphs=graphs)
         outs[(method, graphs)] = [o.token_ids for o in llm.chat(convs, params)]
         del llm
         torch.cuda.empty_cache()
     assert outs[(quantization, True)] == outs[(quantization, False)]
     pairs = zip(outs[(quantization, True)], outs[("none", True)], strict=True)
     same = sum(a == b for a, b in pairs)
-    assert same >= 12, same
+    assert same >= 15, same  # one near-tie may still turn
 
 
 def test_the_start_up_line_says_what_the_linear_layers_hold(

@@ -2,8 +2,11 @@
 inputs, dequantized in registers by the W4A16 kernel (kernels/w4a16_gemm.py has the layout).
 
     parameters   qweight [out, in / 2] uint8, scales and mins [out, in / group] fp16
-    forward      CUDA: the Triton W4A16 GEMM; CPU (the reference path): dequantize to the
-                 activations' dtype and multiply
+    forward      CUDA: the Triton W4A16 GEMM below 64 tokens; from 64 on, the Triton
+                 dequantization into the activations' dtype and a 16-bit GEMM, which measured
+                 faster there (H200, Llama-3-8B shapes, BENCHMARKS.md session 13: 1.5-2.2x
+                 on three of the four at M = 64, 3-6x on all four at M = 256); CPU (the
+                 reference path): dequantize to the activations' dtype and multiply
 
 The checkpoint brings them: GGUF Q4_0 / Q4_1 blocks as they are (groups of 32,
 loader/gguf_blocks.py), or GPTQ / AWQ layers repacked at load (their group size,
@@ -26,6 +29,7 @@ __all__ = ["Int4Method"]
 class Int4Method(BlockWeightMethod):
     PARAMS = ("qweight", "scales", "mins")
     KERNELS = ("tokenmill.kernels.w4a16_gemm", "w4a16_linear", "dequantize_q4")
+    LARGE_M = ("tokenmill.kernels.q4_dequantize", "dequantize_q4_rows", 64)
 
     def __init__(self, group: int = 32) -> None:
         if group < 32 or group % 32:

@@ -1,0 +1,51 @@
+"""The tilings the weight-only GEMM benchmarks (w4a16_gemm.py, w8a16_gemm.py) time beside the
+default (``choose_tiles``), and how they report the fastest.
+
+Small M (decode) tries long K runs and column tiles of several widths, each split over K as
+the default would split it; M = 64 a few mid tiles; large M big tiles without split-K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import triton
+from triton.runtime.errors import OutOfResources
+
+from bench.gpu_timing import time_ms
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
+
+__all__ = ["sweep"]
+
+
+def candidates(m: int, n: int, k: int, group: int) -> list[IntGemmTiles]:
+    if m <= 16:
+        out = []
+        for bn in (32, 64, 128):
+            split = max(1, 264 // triton.cdiv(n, bn))
+            out += [IntGemmTiles(16, bn, bk, split, 4, 3) for bk in (128, 256, 512)]
+        return out
+    if m <= 64:
+        return [IntGemmTiles(64, bn, bk, s, 4, 3) for bn in (64, 128) for bk in (64, 128)
+                for s in (1, max(1, 132 // triton.cdiv(n, bn)))]  # fmt: skip
+    return [IntGemmTiles(bm, bn, bk, 1, w, 3) for bm in (64, 128) for bn in (64, 128)
+            for bk in (64, 128) for w in (4, 8)]  # fmt: skip
+
+
+def sweep(gemm: Callable[..., object], m: int, n: int, k: int, group: int) -> dict:
+    """Times ``gemm(tiles=...)`` at the default tiles and at every candidate tiling; returns
+    the default's ms and the fastest tiling with its ms."""
+    default = choose_tiles(m, n, k, group)
+    ms = {}
+    for t in candidates(m, n, k, group):
+        try:
+            ms[t.fit(k, group)] = time_ms(lambda t=t: gemm(tiles=t))
+        except OutOfResources:  # e.g. 8-bit codes at block_n 128, block_k 512: past shared memory
+            continue
+    best = min(ms, key=ms.get)
+    return {
+        "default_tiles": list(vars(default).values()),
+        "default_ms": round(time_ms(lambda: gemm(tiles=default)), 4),
+        "best_tiles": list(vars(best).values()),
+        "best_ms": round(ms[best], 4),
+    }

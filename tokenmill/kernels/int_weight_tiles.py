@@ -1,0 +1,67 @@
+"""How the weight-only integer GEMMs (w4a16_gemm.py, w8a16_gemm.py) cut a call into
+programs.
+
+Tiles. A program computes a [BLOCK_M, BLOCK_N] tile of y over a run of K, BLOCK_K inputs at a
+time; with SPLIT_K > 1 the K axis is cut into SPLIT_K equal runs whose programs add their
+partial tiles into an fp32 buffer (atomics), which is then rounded to the output dtype.
+
+- Small M (decode): reading the packed weights is the whole cost, so each program streams a
+  long run of K (BLOCK_K 256: 128 bytes of a 4-bit row, 256 of an 8-bit one, per load) and
+  split-K makes enough programs to keep every SM loading: an 8B layer with N = 4,096 and
+  BLOCK_N = 64 has only 64 column tiles for 132 SMs.
+- Large M (prefill): tensor-core work dominates and the weights are re-read once per M tile,
+  so tiles are large in M and N and K is not split.
+
+Measured on the H200 (BENCHMARKS.md, session 13): at M <= 16 every tiling of
+bench/int_gemm_sweep.py ran within ~10% of the others, at 250-300 GB/s of packed weights,
+well under bf16's own GEMM: the tiling is not what bounds these kernels there, and these
+defaults are the sweep's typical winners, not a tuned optimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+__all__ = ["IntGemmTiles", "choose_tiles"]
+
+_TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
+
+
+@dataclass(frozen=True)
+class IntGemmTiles:
+    """One launch's tiling: see the module docstring. ``block_k`` must divide K (and be a
+    multiple or a divisor of the weights' group); ``split_k`` must divide K / block_k."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def fit(self, k: int, group: int) -> IntGemmTiles:
+        """These tiles with block_k and split_k cut down until they fit K and the group
+        (every K and group here are multiples of 32, so block_k = 32 always fits)."""
+        block_k = self.block_k
+        while block_k > 32 and (k % block_k or (group % block_k and block_k % group)):
+            block_k //= 2
+        split = max(1, min(self.split_k, k // block_k))
+        while (k // block_k) % split:
+            split -= 1
+        return IntGemmTiles(
+            self.block_m, self.block_n, block_k, split, self.num_warps, self.num_stages
+        )
+
+
+def choose_tiles(m: int, n: int, k: int, group: int) -> IntGemmTiles:
+    """The default tiles for an [m, k] @ [k, n] weight-only GEMM (fitted to k and group)."""
+    if m <= 64:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        tiles = IntGemmTiles(block_m, 64, 256, num_warps=4, num_stages=3)
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, tiles.block_n)
+        split = max(1, _TARGET_PROGRAMS // programs)
+        return IntGemmTiles(block_m, 64, 256, split, 4, 3).fit(k, group)
+    block_m = 64 if m <= 128 else 128
+    return IntGemmTiles(block_m, 128, 64, 1, num_warps=8, num_stages=3).fit(k, group)
