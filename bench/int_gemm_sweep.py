@@ -2,7 +2,8 @@
 default (``choose_tiles``), and how they report the fastest.
 
 Small M (decode) tries long K runs and column tiles of several widths, each split over K as
-the default would split it; M = 64 a few mid tiles; large M big tiles without split-K.
+the default would split it, and for M <= 4 CUDA-core sums instead of tensor-core dots
+(``mma=False``); M = 64 a few mid tiles; large M big tiles without split-K.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ __all__ = ["sweep"]
 def candidates(m: int, n: int, k: int, group: int) -> list[IntGemmTiles]:
     if m <= 16:
         out = []
+        if m <= 4:  # CUDA-core sums: registers grow with block_m * block_n * block_k
+            bm = triton.next_power_of_2(m)
+            for bn in (16, 32, 64):
+                split = max(1, 264 // triton.cdiv(n, bn))
+                out += [IntGemmTiles(bm, bn, bk, split, 4, 3, mma=False) for bk in (64, 128, 256)
+                        if bm * bn * bk <= 16384]  # fmt: skip
         for bn in (32, 64, 128):
             split = max(1, 264 // triton.cdiv(n, bn))
             out += [IntGemmTiles(16, bn, bk, split, 4, 3) for bk in (128, 256, 512)]

@@ -57,12 +57,15 @@ def test_matches_reference(m: int, n: int, k: int, group: int, dtype: torch.dtyp
         (IntGemmTiles(16, 32, 256, split_k=2), 32),  # 8 groups a tile, 2 K runs
         (IntGemmTiles(16, 32, 128, split_k=4), 32),  # 4 K runs
         (IntGemmTiles(32, 16, 64, split_k=2), 128),  # a tile inside one group
+        (IntGemmTiles(1, 16, 128, split_k=2, mma=False), 32),  # CUDA-core sums, a row each
+        (IntGemmTiles(4, 32, 64, mma=False), 128),  # CUDA-core sums, part of a group
         (IntGemmTiles(16, 16, 1024, split_k=8), 64),  # fitted down to K's 512
     ],
 )
 def test_tilings_match_reference(tiles: IntGemmTiles, group: int) -> None:
-    """Every tiling (split-K, several or part of a group per tile) computes the same
-    product; fp32 inputs, so within fp32 rounding of the reference."""
+    """Every tiling (split-K, several or part of a group per tile, tensor-core dots or
+    CUDA-core sums) computes the same product; fp32 inputs, so within fp32 rounding of the
+    reference."""
     m, n, k = 3, 40, 512
     qweight, scales = _weights(n, k, group, seed=group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))

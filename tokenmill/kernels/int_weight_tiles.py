@@ -11,6 +11,10 @@ partial tiles into an fp32 buffer (atomics), which is then rounded to the output
   BLOCK_N = 64 has only 64 column tiles for 132 SMs.
 - Large M (prefill): tensor-core work dominates and the weights are re-read once per M tile,
   so tiles are large in M and N and K is not split.
+- ``mma=False`` (a few rows of x): no tensor-core dot; each program multiplies its
+  dequantized [BLOCK_N, BLOCK_K] tile by x's rows and sums over K in registers, skipping the
+  trip of the dequantized tile through shared memory that a dot takes. Its registers grow as
+  BLOCK_M * BLOCK_N * BLOCK_K, so it suits M of 1 to 4.
 
 Measured on the H200 (BENCHMARKS.md, session 13): at M <= 16 every tiling of
 bench/int_gemm_sweep.py ran within ~10% of the others, at 250-300 GB/s of packed weights,
@@ -20,6 +24,7 @@ defaults are the sweep's typical winners, not a tuned optimum.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import triton
@@ -40,6 +45,7 @@ class IntGemmTiles:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    mma: bool = True
 
     def fit(self, k: int, group: int) -> IntGemmTiles:
         """These tiles with block_k and split_k cut down until they fit K and the group
@@ -50,9 +56,7 @@ class IntGemmTiles:
         split = max(1, min(self.split_k, k // block_k))
         while (k // block_k) % split:
             split -= 1
-        return IntGemmTiles(
-            self.block_m, self.block_n, block_k, split, self.num_warps, self.num_stages
-        )
+        return dataclasses.replace(self, block_k=block_k, split_k=split)
 
 
 def choose_tiles(m: int, n: int, k: int, group: int) -> IntGemmTiles:

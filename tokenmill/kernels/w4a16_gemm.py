@@ -58,6 +58,7 @@ def _w4a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides K; a multiple or a divisor of GROUP
     ATOMIC: tl.constexpr,  # SPLIT_K > 1: y is an fp32 buffer the K runs add into
+    MMA: tl.constexpr,  # tensor-core dots; False: multiply and sum on CUDA cores (tiny M)
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,7 +96,10 @@ def _w4a16_kernel(
         x_hi = tl.load(
             x_rows + (k0 + 16 + x_lo_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
         )
-        if DOT_FP32:
+        if not MMA:  # [BM, 1, BK/2] * [1, BN, BK/2], summed over K: no trip through smem
+            acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :], axis=2)
+            acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :], axis=2)
+        elif DOT_FP32:
             acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
         else:
@@ -173,7 +177,7 @@ def w4a16_linear(
         x.stride(0), x.stride(1), qw.stride(0), s.stride(0), mn.stride(0),
         y.stride(0), y.stride(1),
         GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        ATOMIC=t.split_k > 1,
+        ATOMIC=t.split_k > 1, MMA=t.mma,
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip

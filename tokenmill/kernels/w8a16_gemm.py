@@ -43,6 +43,7 @@ def _w8a16_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides K; a multiple or a divisor of GROUP
     ATOMIC: tl.constexpr,  # SPLIT_K > 1: y is an fp32 buffer the K runs add into
+    MMA: tl.constexpr,  # tensor-core dots; False: multiply and sum on CUDA cores (tiny M)
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
 ):  # fmt: skip
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,7 +70,9 @@ def _w8a16_kernel(
             s = tl.load(s_rows + k0 // GROUP, mask=mask_n[:, None], other=0.0)
             w = q * s.to(tl.float32)
         x = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        if DOT_FP32:
+        if not MMA:  # [BM, 1, BK] * [1, BN, BK], summed over K: no trip through smem
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+        elif DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -129,7 +132,7 @@ def w8a16_linear(
         x, qw, s, y, m, n, k, t.split_k,
         x.stride(0), x.stride(1), qw.stride(0), s.stride(0), y.stride(0), y.stride(1),
         GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        ATOMIC=t.split_k > 1,
+        ATOMIC=t.split_k > 1, MMA=t.mma,
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
