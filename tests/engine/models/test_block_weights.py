@@ -1,6 +1,6 @@
-"""The weight-only integer methods' forward (block_weights.py): on CUDA the W4A16 kernel below
-Int4Method.LARGE_M tokens and dequantize + a 16-bit GEMM from there on, W8A16 at every M;
-each against the dequantized weight's product."""
+"""The weight-only integer methods' forward (block_weights.py): on CUDA the W4A16 / W8A16
+kernel below their LARGE_M tokens and dequantize + a 16-bit GEMM from there on; each against
+the dequantized weight's product."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _int8() -> tuple[Int8Method, dict[str, torch.Tensor], torch.Tensor]:
 @pytest.mark.parametrize("make", [_int4, _int8], ids=["int4", "int8"])
 @pytest.mark.parametrize("m", [1, 16, 63, 64, 300])
 def test_forward_matches_the_dequantized_weight(make, m: int) -> None:
-    """Both sides of Int4Method.LARGE_M (64): same product as F.linear on the bf16 weight."""
+    """Both sides of LARGE_M (64): same product as F.linear on the bf16 weight."""
     method, params, weight = make()
     layer = _layer(method, params)
     x = torch.randn(m, IN, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)

@@ -2,8 +2,11 @@
 inputs, dequantized in registers by the W8A16 kernel (kernels/w8a16_gemm.py has the layout).
 
     parameters   qweight [out, in] int8, scales [out, in / 32] fp16
-    forward      CUDA: the Triton W8A16 GEMM; CPU (the reference path): dequantize to the
-                 activations' dtype and multiply
+    forward      CUDA: the Triton W8A16 GEMM below 64 tokens; from 64 on, the Triton
+                 dequantization into the activations' dtype and a 16-bit GEMM (as int4.py
+                 does; for int8 predicted from its GEMM's 9x bf16 time at M = 256, not yet
+                 measured); CPU (the reference path): dequantize to the activations' dtype
+                 and multiply
 
 The checkpoint brings them: a GGUF file's Q8_0 blocks as they are (loader/gguf_blocks.py).
 The layer's own loader shards them like a weight (rows for column-parallel layers, inputs,
@@ -27,6 +30,7 @@ GROUP = 32  # GGUF Q8_0's block
 class Int8Method(BlockWeightMethod):
     PARAMS = ("qweight", "scales")
     KERNELS = ("tokenmill.kernels.w8a16_gemm", "w8a16_linear", "dequantize_q8")
+    LARGE_M = ("tokenmill.kernels.q8_dequantize", "dequantize_q8_rows", 64)
 
     def create_weights(
         self,
