@@ -19,8 +19,9 @@ ROWS = 6
 
 
 def _model(case: str, tiny_model: Path, folder: Path) -> Path:
-    if case == "gptq":
-        return write_int4_checkpoint(tiny_model, folder / "gptq", "gptq", 32)[0]
+    if case in ("gptq", "gptq-act-order"):
+        act_order = case == "gptq-act-order"
+        return write_int4_checkpoint(tiny_model, folder / case, "gptq", 32, act_order=act_order)[0]
     if case in ("q4_1", "q8_0"):
         out = folder / f"tiny.{case}.gguf"
         extra = tokenizer_metadata(tiny_model)
@@ -33,6 +34,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     "fp8": ({"quantization": "fp8"}, {}, "Fp8Method"),
     "fp8-kv": ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}, "Fp8Method"),
     "gptq": ({}, {}, "Int4Method"),  # a GPTQ checkpoint runs as int4 whatever is asked
+    "gptq-act-order": ({}, {}, "Int4Method"),  # desc_act: each layer reorders its input
     "q4_1": ({"quantization": "int4"}, {}, "Int4Method"),
     "q8_0": ({"quantization": "int8"}, {}, "Int8Method"),
 }

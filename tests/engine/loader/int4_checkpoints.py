@@ -20,6 +20,8 @@ __all__ = [
     "LINEAR",
     "edit_config",
     "int32_words",
+    "pack_gptq",
+    "quantize_act_order",
     "quantize_int4",
     "write_int4_checkpoint",
 ]
@@ -67,7 +69,11 @@ def int32_words(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def pack_gptq(q: dict[str, torch.Tensor], group: int, v2: bool) -> dict[str, torch.Tensor]:
+def pack_gptq(
+    q: dict[str, torch.Tensor], group: int, v2: bool, g_idx: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """GPTQ's tensors of ``q`` (codes in input order); ``g_idx`` [K] the group of each input,
+    k // group unless given (act-order)."""
     codes = q["codes"].t()  # [in, out]: a word packs 8 consecutive inputs of one output
     k, n = codes.shape
     qweight = torch.zeros(k // 8, n, dtype=torch.int64)
@@ -81,8 +87,32 @@ def pack_gptq(q: dict[str, torch.Tensor], group: int, v2: bool) -> dict[str, tor
         "qweight": int32_words(qweight),
         "qzeros": int32_words(qzeros),
         "scales": q["scales"].t().contiguous(),
-        "g_idx": torch.tensor([i // group for i in range(k)], dtype=torch.int32),
+        "g_idx": torch.arange(k, dtype=torch.int32) // group if g_idx is None else g_idx,
     }
+
+
+def quantize_act_order(w: torch.Tensor, perm: torch.Tensor, group: int, min_zero: int) -> dict:
+    """GPTQ's act-order: the inputs quantized in the order ``perm`` (group i holds inputs
+    perm[i * group : (i + 1) * group]); ``quantize_int4``'s dict in input order, plus the
+    ``g_idx`` [K] int32 that says each input's group."""
+    q = quantize_int4(w[:, perm], group, min_zero)
+    inv = torch.argsort(perm)  # input k sits at position inv[k] of the quantized order
+    return {
+        **q,
+        "codes": q["codes"][:, inv],
+        "fq": q["fq"][:, inv],
+        "exact": q["exact"][:, inv],
+        "g_idx": (inv // group).to(torch.int32),
+    }
+
+
+def _input_of(layer: str) -> str:
+    """Layers that read one input (q/k/v, gate/up) share a key: act-order shares its order."""
+    for proj, key in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"),
+                      ("gate_proj", "gate_up"), ("up_proj", "gate_up")):  # fmt: skip
+        if layer.endswith(proj):
+            return layer.removesuffix(proj) + key
+    return layer
 
 
 def pack_awq(q: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
@@ -101,21 +131,33 @@ def pack_awq(q: dict[str, torch.Tensor], group: int) -> dict[str, torch.Tensor]:
 
 
 def write_int4_checkpoint(
-    src: Path, dst: Path, fmt: str, group: int, sym: bool = False
+    src: Path, dst: Path, fmt: str, group: int, sym: bool = False, act_order: bool = False
 ) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     """``src`` as a ``fmt`` ("gptq", "gptq_v2", "awq") checkpoint at ``dst`` (``sym``: GPTQ's
-    symmetric variant), and a float checkpoint of its fake-quantized weights beside it;
-    returns both paths and the fake-quantized weights by HF name."""
+    symmetric variant; ``act_order``: GPTQ desc_act, each input of a layer quantized in a
+    random order shared by the layers that read it), and a float checkpoint of its
+    fake-quantized weights beside it; returns both paths and the fake-quantized weights by HF
+    name."""
     shutil.copytree(src, dst)
     float_dst = shutil.copytree(src, dst.with_name(dst.name + "-float"))
     packed, plain, fq = {}, {}, {}
+    orders: dict[str, torch.Tensor] = {}
     for name, t in load_file(src / "model.safetensors").items():
         layer = name.removesuffix(".weight")
         if not layer.endswith(LINEAR):
             packed[name] = plain[name] = t
             continue
-        q = quantize_int4(t, group, min_zero=1 if fmt == "gptq" else 0, sym=sym)
-        parts = pack_gptq(q, group, v2=fmt == "gptq_v2") if fmt != "awq" else pack_awq(q, group)
+        min_zero = 1 if fmt == "gptq" else 0
+        if act_order:
+            key = _input_of(layer)
+            if key not in orders:
+                gen = torch.Generator().manual_seed(len(orders))
+                orders[key] = torch.randperm(t.shape[1], generator=gen)
+            q = quantize_act_order(t, orders[key], group, min_zero)
+            parts = pack_gptq(q, group, v2=fmt == "gptq_v2", g_idx=q["g_idx"])
+        else:
+            q = quantize_int4(t, group, min_zero=min_zero, sym=sym)
+            parts = pack_gptq(q, group, v2=fmt == "gptq_v2") if fmt != "awq" else pack_awq(q, group)
         packed.update({f"{layer}.{leaf}": v for leaf, v in parts.items()})
         plain[name] = fq[name] = q["fq"]
     save_file(packed, dst / "model.safetensors")
@@ -124,7 +166,7 @@ def write_int4_checkpoint(
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm",
               "zero_point": True, "modules_to_not_convert": None}  # fmt: skip
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
               "sym": sym, "checkpoint_format": fmt}  # fmt: skip
     edit_config(dst, quantization_config=qc)
     return dst, float_dst, fq

@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from tests.engine.loader.int4_checkpoints import (
     edit_config,
     int32_words,
+    pack_gptq,
+    quantize_act_order,
     quantize_int4,
     write_int4_checkpoint,
 )
@@ -241,19 +243,101 @@ def test_unsupported_int4_configs_are_refused_naming_config_json(
     assert "GPTQ int4 safetensors" in message and "AWQ int4 safetensors" in message
 
 
-def test_act_order_g_idx_is_refused_naming_the_tensor(float_model: Path, tmp_path: Path) -> None:
+def test_g_idx_out_of_order_without_desc_act_is_refused_naming_the_tensor(
+    float_model: Path, tmp_path: Path
+) -> None:
     ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
     tensors = load_file(ckpt / "model.safetensors")
     name = "model.layers.1.mlp.down_proj.g_idx"
     perm = torch.randperm(128, generator=torch.Generator().manual_seed(0))
     tensors[name] = tensors[name][perm].contiguous()
     save_file(tensors, ckpt / "model.safetensors")
-    edit_config(ckpt, quantization_config=_gptq(desc_act=True))
     with pytest.raises(ValueError) as info:
         _llm(ckpt)
     message = str(info.value)
     assert f"tensor {name} in {ckpt / 'model.safetensors'}" in message
-    assert "desc_act" in message and "GPTQ int4 safetensors" in message
+    assert "desc_act false" in message and "set desc_act true" in message
+
+
+# --- act-order (desc_act) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+def test_act_order_checkpoint_runs_its_fake_quantized_weights(
+    float_model: Path, tmp_path: Path, fmt: str
+) -> None:
+    """Inputs quantized in a random order per input (shared by q/k/v and by gate/up): each
+    layer holds its rows with the inputs sorted by group and that order, and multiplies x
+    as the checkpoint's weight does; greedy tokens equal the float checkpoint's."""
+    ckpt, float_ckpt, fq = write_int4_checkpoint(
+        float_model, tmp_path / fmt, fmt, 32, act_order=True
+    )
+    assert load_hf_config(ckpt).quantization == f"{fmt}-g32-desc_act"
+    llm = _llm(ckpt)
+    model = llm.engine.runner.model
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(3))
+    for i in range(2):
+        want = _want_weights(fq, i)
+        for key, layer in _linears(model, i).items():
+            assert layer.perm.dtype == torch.int32
+            assert not torch.equal(layer.perm, torch.arange(layer.perm.numel(), dtype=torch.int32))
+            rows = dequantize_q4(layer.qweight, layer.scales, layer.mins)  # inputs in perm order
+            restored = torch.empty_like(rows)
+            restored[:, layer.perm.long()] = rows
+            assert torch.equal(restored, want[key]), (i, key)  # bit for bit, input order
+            xin = x[:, : want[key].shape[1]]
+            y = layer.quant_method.apply(layer, xin, None)
+            torch.testing.assert_close(y, xin @ want[key].t(), rtol=1e-5, atol=1e-5)
+    assert _greedy(llm) == _greedy(_llm(float_ckpt))
+
+
+def test_act_order_parts_of_a_merged_layer_must_share_an_order(
+    float_model: Path, tmp_path: Path
+) -> None:
+    """q, k and v read one input: a k_proj quantized in another order than q_proj cannot be
+    merged with it, and is refused naming the tensor."""
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "g", "gptq", 32, act_order=True)
+    tensors = load_file(ckpt / "model.safetensors")
+    layer = "model.layers.0.self_attn.k_proj"
+    w = load_file(float_model / "model.safetensors")[f"{layer}.weight"]
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(99))
+    q = quantize_act_order(w, perm, 32, min_zero=1)
+    for leaf, t in pack_gptq(q, 32, v2=False, g_idx=q["g_idx"]).items():
+        tensors[f"{layer}.{leaf}"] = t
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=r"[qk]_proj\.perm .*unlike part \d of the same merged"):
+        _llm(ckpt)
+
+
+def test_act_order_g_idx_with_uneven_groups_is_refused(float_model: Path, tmp_path: Path) -> None:
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "g", "gptq", 32, act_order=True)
+    tensors = load_file(ckpt / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.g_idx"
+    tensors[name][:2] = torch.tensor([0, 0], dtype=torch.int32)  # one group gains an input
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(ValueError) as info:
+        _llm(ckpt)
+    message = str(info.value)
+    assert f"tensor {name} in {ckpt / 'model.safetensors'}" in message
+    assert "must hold group_size (32) inputs" in message
+
+
+def test_act_order_layers_are_not_split_by_input_over_ranks(
+    float_model: Path, tmp_path: Path
+) -> None:
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "g", "gptq", 32, act_order=True)
+    config = load_hf_config(ckpt)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        build_model(
+            config,
+            get_attention_backend("torch", config.num_key_value_heads // 2),
+            16,
+            torch.device("cpu"),
+            torch.float32,
+            iter_safetensors_weights(ckpt, config),
+            parallel=ParallelConfig(tp_rank=0, tp_size=2),
+            quantization=layer_quantization(config.quantization, "none"),
+        )
 
 
 def test_a_layer_missing_its_zeros_is_named(float_model: Path, tmp_path: Path) -> None:
@@ -300,13 +384,15 @@ def test_gpu_kernel_runs_the_repacked_layers(
 @pytest.mark.parametrize("requested", ["none", "int4", "fp8"])
 def test_an_int4_checkpoint_runs_as_it_is_whatever_was_asked(requested: str) -> None:
     assert layer_quantization("awq-g64", requested) == "int4_g64"
-    assert layer_quantization("gptq-g128-desc_act", requested) == "int4_g128"
+    assert layer_quantization("gptq-g128-desc_act", requested) == "int4_g128_act"
     assert layer_quantization("none", requested) == requested
 
 
-def test_random_weights_fill_the_int4_layers(float_model: Path) -> None:
-    """``load_format: random`` on a GPTQ / AWQ config.json (benchmarks of real shapes)."""
-    config = replace(load_hf_config(float_model), quantization="gptq-g32")
+@pytest.mark.parametrize("quantization", ["gptq-g32", "gptq-g32-desc_act"])
+def test_random_weights_fill_the_int4_layers(float_model: Path, quantization: str) -> None:
+    """``load_format: random`` on a GPTQ / AWQ config.json (benchmarks of real shapes); an
+    act-order layer's input order is then the identity."""
+    config = replace(load_hf_config(float_model), quantization=quantization)
     model = build_model(
         config,
         get_attention_backend("torch", config.num_key_value_heads),
@@ -318,3 +404,5 @@ def test_random_weights_fill_the_int4_layers(float_model: Path) -> None:
     )
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.float().std() > 10
+    if quantization.endswith("desc_act"):
+        assert torch.equal(qkv.perm, torch.arange(64, dtype=torch.int32))

@@ -35,7 +35,8 @@ __all__ = [
 SUPPORTED = (
     "float safetensors (bf16, fp16, fp32), FP8 safetensors (quant_method fp8, a weight_scale "
     "per tensor or per output channel), GPTQ int4 safetensors (quant_method gptq, bits 4, "
-    "group_size a multiple of 32, checkpoint_format gptq or gptq_v2, g_idx in input order), "
+    "group_size a multiple of 32, checkpoint_format gptq or gptq_v2, desc_act (act-order) "
+    "with tensor_parallel_size 1), "
     "AWQ int4 safetensors (quant_method awq, bits 4, version gemm, zero_point true, "
     "group_size a multiple of 32), and GGUF files"
 )
@@ -48,7 +49,8 @@ _NAME = re.compile(r"(gptq|gptq_v2|awq)-g(\d+)(-desc_act)?")
 class Int4Checkpoint:
     """A GPTQ or AWQ 4-bit checkpoint the engine runs: its packing ``format`` ("gptq",
     "gptq_v2" or "awq"), ``group_size`` (inputs per scale and zero) and, for GPTQ, whether
-    ``desc_act`` was set (then every layer's g_idx must be present, and in input order)."""
+    ``desc_act`` was set (act-order: every layer's g_idx must be present, and its inputs are
+    reordered at load, loader/awq_gptq.py)."""
 
     format: str
     group_size: int
@@ -117,7 +119,7 @@ def layer_quantization(checkpoint: str, requested: str) -> str:
         return "fp8_checkpoint"
     int4 = Int4Checkpoint.from_name(checkpoint)
     if int4 is not None:
-        return f"int4_g{int4.group_size}"
+        return f"int4_g{int4.group_size}" + ("_act" if int4.desc_act else "")
     return requested
 
 

@@ -3,7 +3,8 @@ is built in (``build_model`` enters ``quantized_layers(name)``; a layer given no
 own takes one from the scope, the unquantized one outside any).
 
 Besides ``QUANT_METHODS``' names, ``int4_g<G>`` is the INT4 method with groups of G inputs (a
-GPTQ / AWQ checkpoint's group size, a multiple of 32).
+GPTQ / AWQ checkpoint's group size, a multiple of 32), and ``int4_g<G>_act`` the same for an
+act-order GPTQ checkpoint (each layer holds its inputs' order).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ QUANT_METHODS: dict[str, Callable[[], QuantMethod]] = {
     "int4": Int4Method,  # a GGUF file's Q4_0 / Q4_1 blocks as they are (groups of 32)
     "int8": Int8Method,  # a GGUF file's Q8_0 blocks as they are (groups of 32)
 }
-_INT4_GROUP = re.compile(r"int4_g(\d+)")  # a GPTQ / AWQ checkpoint's layers, repacked
+_INT4_GROUP = re.compile(r"int4_g(\d+)(_act)?")  # a GPTQ / AWQ checkpoint's layers, repacked
 _SCOPE: ContextVar[Callable[[], QuantMethod]] = ContextVar(
     "quant_method", default=UnquantizedMethod
 )
@@ -40,10 +41,10 @@ def quantized_layers(name: str) -> Iterator[None]:
     factory = QUANT_METHODS.get(name)
     if factory is None and (m := _INT4_GROUP.fullmatch(name)):
         Int4Method(int(m[1]))  # raises ValueError for a group size the layer cannot take
-        factory = functools.partial(Int4Method, int(m[1]))
+        factory = functools.partial(Int4Method, int(m[1]), act_order=m[2] is not None)
     if factory is None:
         raise ValueError(
-            f"unknown quantization {name!r}; known: {', '.join(QUANT_METHODS)}, int4_g<G>"
+            f"unknown quantization {name!r}; known: {', '.join(QUANT_METHODS)}, int4_g<G>[_act]"
         )
     token = _SCOPE.set(factory)
     try:
