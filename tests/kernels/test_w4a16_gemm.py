@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kernels.int_weight_tilings import TILINGS
 from tokenmill.kernels.int_weight_tiles import IntGemmTiles
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear, w4a16_linear_ref
 
@@ -58,21 +59,9 @@ def test_matches_reference(m: int, n: int, k: int, group: int, dtype: torch.dtyp
     torch.testing.assert_close(y.float(), ref.float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize(
-    ("tiles", "group"),
-    [
-        (IntGemmTiles(16, 32, 256, split_k=2), 32),  # 8 groups a tile, 2 K runs
-        (IntGemmTiles(16, 32, 256, split_k=4), 32),  # 4 K runs
-        (IntGemmTiles(32, 16, 64, split_k=2), 128),  # a tile inside one group
-        (IntGemmTiles(1, 16, 128, split_k=2, mma=False), 32),  # CUDA-core sums, a row each
-        (IntGemmTiles(4, 32, 64, mma=False), 128),  # CUDA-core sums, part of a group
-        (IntGemmTiles(16, 16, 256), 128),  # 2 groups a tile
-        (IntGemmTiles(16, 16, 1024, split_k=8), 64),  # fitted down to K's 512
-    ],
-)
+@pytest.mark.parametrize(("tiles", "group"), TILINGS)
 def test_tilings_match_reference(tiles: IntGemmTiles, group: int) -> None:
-    """Every tiling (split-K, several or part of a group per tile, tensor-core dots or
-    CUDA-core sums) computes the same product; fp32 inputs, so within fp32 rounding of the
+    """Every tiling computes the same product; fp32 inputs, so within fp32 rounding of the
     reference."""
     m, n, k = 3, 40, 512
     _, qweight, scales, mins = _weights(n, k, group, seed=group)

@@ -60,6 +60,21 @@ def _linears(model: torch.nn.Module, i: int) -> dict[str, torch.nn.Module]:
             "gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}  # fmt: skip
 
 
+def _rank_model(ckpt: Path, rank: int, tp_size: int) -> torch.nn.Module:
+    """Tensor-parallel rank ``rank`` of ``tp_size``'s model of ``ckpt`` (CPU, fp32)."""
+    config = load_hf_config(ckpt)
+    return build_model(
+        config,
+        get_attention_backend("torch", config.num_key_value_heads // tp_size),
+        16,
+        torch.device("cpu"),
+        torch.float32,
+        iter_safetensors_weights(ckpt, config),
+        parallel=ParallelConfig(tp_rank=rank, tp_size=tp_size),
+        quantization=layer_quantization(config.quantization, "none"),
+    )
+
+
 def _layer_weights(model: torch.nn.Module, i: int) -> dict[str, torch.Tensor]:
     """Layer ``i``'s linear layers, dequantized: name -> [out, in] fp32."""
     return {k: dequantize_q4(m.qweight, m.scales, m.mins) for k, m in _linears(model, i).items()}
@@ -135,20 +150,10 @@ def test_tensor_parallel_ranks_load_their_rows_and_columns(
     """Rank r of 2: q, k and v rows [r/2, (r+1)/2) of each part in qkv_proj, input columns
     (and so groups) [r/2, (r+1)/2) in o_proj and down_proj, as for any weight."""
     ckpt, _, fq = write_int4_checkpoint(float_model, tmp_path / "awq", "awq", 32)
-    config = load_hf_config(ckpt)
     want = _want_weights(fq, 1)
     a = "model.layers.1.self_attn"
     for rank in range(2):
-        model = build_model(
-            config,
-            get_attention_backend("torch", config.num_key_value_heads // 2),
-            16,
-            torch.device("cpu"),
-            torch.float32,
-            iter_safetensors_weights(ckpt, config),
-            parallel=ParallelConfig(tp_rank=rank, tp_size=2),
-            quantization=layer_quantization(config.quantization, "none"),
-        )
+        model = _rank_model(ckpt, rank, 2)
         got = _layer_weights(model, 1)
         rows = [fq[f"{a}.{x}_proj.weight"].chunk(2)[rank] for x in "qkv"]
         assert torch.equal(got["qkv_proj"], torch.cat(rows))
@@ -326,18 +331,8 @@ def test_act_order_layers_are_not_split_by_input_over_ranks(
     float_model: Path, tmp_path: Path
 ) -> None:
     ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "g", "gptq", 32, act_order=True)
-    config = load_hf_config(ckpt)
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        build_model(
-            config,
-            get_attention_backend("torch", config.num_key_value_heads // 2),
-            16,
-            torch.device("cpu"),
-            torch.float32,
-            iter_safetensors_weights(ckpt, config),
-            parallel=ParallelConfig(tp_rank=0, tp_size=2),
-            quantization=layer_quantization(config.quantization, "none"),
-        )
+        _rank_model(ckpt, 0, 2)
 
 
 def test_a_layer_missing_its_zeros_is_named(float_model: Path, tmp_path: Path) -> None:
