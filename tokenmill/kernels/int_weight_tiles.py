@@ -2,8 +2,10 @@
 programs.
 
 Tiles. A program computes a [BLOCK_M, BLOCK_N] tile of y over a run of K, BLOCK_K inputs at a
-time; with SPLIT_K > 1 the K axis is cut into SPLIT_K equal runs whose programs add their
-partial tiles into an fp32 buffer (atomics), which is then rounded to the output dtype.
+time; with SPLIT_K > 1 the K axis is cut into SPLIT_K equal runs whose programs each write
+their partial tile to an fp32 buffer [SPLIT_K, M, N], summed over the runs in a fixed order
+and rounded to the output dtype (no atomics: the result is the same bits every run, as CUDA
+graphs against eager steps and reproducible jobs need).
 
 - Small M (decode): reading the packed weights is the whole cost, so each program streams a
   long run of K (BLOCK_K 256: 128 bytes of a 4-bit row, 256 of an 8-bit one, per load) and

@@ -42,7 +42,7 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides K; a multiple or a divisor of GROUP
-    ATOMIC: tl.constexpr,  # SPLIT_K > 1: y is an fp32 buffer the K runs add into
+    PARTIAL: tl.constexpr,  # SPLIT_K > 1: y is fp32 [SPLIT_K, M, N], a K run's sum each
     MMA: tl.constexpr,  # tensor-core dots; False: multiply and sum on CUDA cores (tiny M)
     DOT_FP32: tl.constexpr,  # fp32 inputs, or the interpreter (its bf16 dots are wrong)
 ):  # fmt: skip
@@ -78,8 +78,8 @@ def _w8a16_kernel(
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
     mask_y = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(y, acc, mask=mask_y)
+    if PARTIAL:
+        tl.store(y + tl.program_id(2).to(tl.int64) * M * N, acc, mask=mask_y)
     else:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
 
@@ -123,20 +123,20 @@ def w8a16_linear(
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     t = (tiles or choose_tiles(m, n, k, group)).fit(k, group)
     qw, s = qweight.contiguous(), scales.contiguous()
-    if t.split_k > 1:
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    if t.split_k > 1:  # each K run writes its own partial sum: summed in a fixed order
+        y = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device)
     else:
         y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w8a16_kernel[grid](
         x, qw, s, y, m, n, k, t.split_k,
-        x.stride(0), x.stride(1), qw.stride(0), s.stride(0), y.stride(0), y.stride(1),
+        x.stride(0), x.stride(1), qw.stride(0), s.stride(0), y.stride(-2), y.stride(-1),
         GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        ATOMIC=t.split_k > 1, MMA=t.mma,
+        PARTIAL=t.split_k > 1, MMA=t.mma,
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return y if t.split_k == 1 else y.sum(0).to(x.dtype)
 
 
 def dequantize_q8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
