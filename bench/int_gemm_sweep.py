@@ -31,6 +31,9 @@ def candidates(m: int, n: int, k: int, group: int) -> list[IntGemmTiles]:
         for bn in (32, 64, 128):
             split = max(1, 264 // triton.cdiv(n, bn))
             out += [IntGemmTiles(16, bn, bk, split, 4, 3) for bk in (128, 256, 512)]
+        split = max(1, 264 // triton.cdiv(n, 64))  # warps and pipeline depth at the default
+        depths = ((2, 3), (8, 3), (4, 2), (4, 4))  # (num_warps, num_stages)
+        out += [IntGemmTiles(16, 64, 256, split, w, st) for w, st in depths]
         return out
     if m <= 64:
         return [IntGemmTiles(64, bn, bk, s, 4, 3) for bn in (64, 128) for bk in (64, 128)
