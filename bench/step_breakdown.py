@@ -7,6 +7,10 @@ running decodes). Prints, per step kind, the CUDA milliseconds per step of the b
 kernels next to the step's roofline (weights + KV bytes / 4.25 TB/s), and writes JSON to $OUT.
 
     PYTHONPATH=$PWD python3 bench/step_breakdown.py [--models llama8b,qwen3] [--batch 256]
+        [--quantization fp8] [--kv-cache-dtype fp8]
+
+With FP8 the roofline counts half of bf16's weight bytes (the embeddings and LM head too,
+though they stay bf16: about 1 GB too few on the 8B shape) and 1-byte K/V.
 """
 
 from __future__ import annotations
@@ -110,13 +114,22 @@ def python_profile(llm: LLM, steps: int, want_mixed: bool, top: int = 25) -> str
 
 
 def breakdown(
-    name: str, batch: int, prompt_len: int, steps: int, root: Path, mixed_len: int
+    name: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    root: Path,
+    mixed_len: int,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     cfg = SHAPES[name]
     llm = LLM(
         str(model_dir(cfg, root, name)),
         load_format="random",
         dtype="bfloat16",
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         device="cuda",
         max_num_seqs=batch + 16,
         cuda_graphs=False,
@@ -138,9 +151,11 @@ def breakdown(
     prof, recs = profiled_steps(llm, steps, want_mixed=False)
     decode_python = python_profile(llm, steps, want_mixed=False)
     d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
+    kv_bytes = 1 if kv_cache_dtype == "fp8" else 2
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * kv_bytes
     ctx = sum(r.context_tokens for r in recs) / len(recs)
-    roof_ms = (param_bytes(cfg) + ctx * kv_per_token) / HBM_BPS * 1e3
+    weight_bytes = param_bytes(cfg) // (2 if quantization == "fp8" else 1)  # see the top
+    roof_ms = (weight_bytes + ctx * kv_per_token) / HBM_BPS * 1e3
     decode = {
         "batch": batch,
         "mean_context_tokens": round(ctx / batch, 1),
@@ -182,14 +197,17 @@ def main() -> None:
     parser.add_argument(
         "--mixed-prompt-len", type=int, default=7000, help="new prompts of the mixed steps"
     )
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()
     print(torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             res = breakdown(
-                name, args.batch, args.prompt_len, args.steps, Path(tmp), args.mixed_prompt_len
-            )
+                name, args.batch, args.prompt_len, args.steps, Path(tmp), args.mixed_prompt_len,
+                args.quantization, args.kv_cache_dtype,
+            )  # fmt: skip
             results[name] = res
             for kind in ("decode", "mixed"):
                 r = res[kind]
