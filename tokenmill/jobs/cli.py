@@ -29,6 +29,7 @@ from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
+from tokenmill.jobs.store_loop_noise import quiet_store_loop_errors
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
     )
+    quiet_store_loop_errors()
     cancel = threading.Event()
     with StopOnSignals(cancel) as stop:
         try:
