@@ -57,10 +57,12 @@ CONTEXTS = (1024, 4096, 16384)
 BLOCK_SIZES = (16, 128)
 # bf16 output rounding (2^-8 relative) plus P rounded to bf16 before the P@V dot.
 ATOL = RTOL = 1.6e-2
-# (block_n, num_warps, num_stages, splits factor over choose_num_splits) tried by --sweep.
-SWEEP = [(bn, 4, st, f) for bn in (32, 64, 128) for st in (2, 3, 4) for f in (1, 2)] + [
-    (64, 8, 2, 1),
-    (64, 2, 2, 1),
+# (block_n, num_warps, num_stages, splits factor over choose_num_splits, prefetch_ids) tried
+# by --sweep.
+SWEEP = [(bn, 4, st, f, False) for bn in (32, 64, 128) for st in (2, 3, 4) for f in (1, 2)] + [
+    (64, 8, 2, 1, False),
+    (64, 2, 2, 1, False),
+    *[(bn, 4, st, 1, True) for bn in (64, 128) for st in (2, 3)],
 ]
 
 
@@ -131,15 +133,20 @@ def _bench_shape(
     # Two rows through the fp32 reference: a check for every variant that costs no memory.
     ref2 = paged_decode_attention_ref(q[:2], kv[0], kv[1], bt[:2], seq[:2], scale).float()
 
-    def kernel(num_splits: int, block_n: int | None = None, warps: int = 4, stages: int = 2):
+    def kernel(
+        num_splits: int, block_n: int | None = None, warps: int = 4, stages: int = 2,
+        prefetch: bool = False,
+    ):  # fmt: skip
         ws = DecodeWorkspace.allocate(batch, HQ, num_splits, HEAD_DIM, q.device)
         return lambda: paged_decode_attention(
             q, kv[0], kv[1], bt, seq, scale, num_splits, out, ws,
-            block_n=block_n, num_warps=warps, num_stages=stages,
+            block_n=block_n, num_warps=warps, num_stages=stages, prefetch_ids=prefetch,
         )  # fmt: skip
 
-    def measure(num_splits: int, block_n: int | None, warps: int, stages: int) -> dict | None:
-        fn = kernel(num_splits, block_n, warps, stages)
+    def measure(
+        num_splits: int, block_n: int | None, warps: int, stages: int, prefetch: bool = False
+    ) -> dict | None:
+        fn = kernel(num_splits, block_n, warps, stages, prefetch)
         out.fill_(float("nan"))  # a variant that writes nothing must not pass on stale output
         try:
             fn()
@@ -147,7 +154,10 @@ def _bench_shape(
             print(f"{shape} S={num_splits} bn={block_n} w={warps} st={stages}: {e}")
             return None
         ok = torch.allclose(out[:2].float(), ref2, atol=ATOL, rtol=RTOL)
-        config = dict(num_splits=num_splits, block_n=block_n, num_warps=warps, num_stages=stages)
+        config = dict(
+            num_splits=num_splits, block_n=block_n, num_warps=warps, num_stages=stages,
+            prefetch_ids=prefetch,
+        )  # fmt: skip
         return _row(shape, time_ms(fn), nbytes, correct=ok, **config)
 
     row = measure(splits, None, 4, 2)  # the wrapper's defaults
@@ -169,8 +179,8 @@ def _bench_shape(
     rows = [row]
     print(_fmt(row), flush=True)
     if sweep and ctx >= 4096:
-        for block_n, warps, stages, factor in SWEEP:
-            variant = measure(min(splits * factor, MAX_SPLITS), block_n, warps, stages)
+        for block_n, warps, stages, factor, prefetch in SWEEP:
+            variant = measure(min(splits * factor, MAX_SPLITS), block_n, warps, stages, prefetch)
             if variant is not None:
                 rows.append({**variant, "variant": True})
                 print(_fmt(rows[-1]), flush=True)
@@ -194,6 +204,7 @@ def _peer_row(q, kv, bt, seq, scale: float, out: torch.Tensor) -> dict:
 def _fmt(r: dict) -> str:
     peer = f"  peer {r['peer_ms']:.3f} ms" if r.get("peer_ms") else ""
     cfg = f"S={r['num_splits']} bn={r['block_n'] or 'def'} w={r['num_warps']} st={r['num_stages']}"
+    cfg += " pf" if r.get("prefetch_ids") else ""
     ok = "ok" if r["correct"] else "WRONG"
     return (
         f"{r['shape']:<48} {cfg:<24} {r['ms']:8.3f} ms {r['tbps']:5.2f} TB/s "

@@ -68,10 +68,14 @@ def _make_case(
     return q, kv, block_tables.to(DEVICE), seq
 
 
-def _check(seq_lens, hq, hkv, d, block_size, dtype, num_splits, block_n=None, seed=0) -> None:
+def _check(
+    seq_lens, hq, hkv, d, block_size, dtype, num_splits, block_n=None, seed=0, prefetch=False
+) -> None:
     q, kv, bt, seq = _make_case(seq_lens, hq, hkv, d, block_size, dtype, seed)
     scale = d**-0.5
-    out = paged_decode_attention(q, kv[0], kv[1], bt, seq, scale, num_splits, block_n=block_n)
+    out = paged_decode_attention(
+        q, kv[0], kv[1], bt, seq, scale, num_splits, block_n=block_n, prefetch_ids=prefetch
+    )
     ref = paged_decode_attention_ref(q, kv[0], kv[1], bt, seq, scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
@@ -96,6 +100,14 @@ def test_matches_reference(hq, hkv, d, block_size, block_n, num_splits, dtype) -
     # Ragged: one key, just under a block, exactly a block, many blocks with a partial tail.
     seq_lens = [1, block_size - 1, block_size, 5 * block_size + 3]
     _check(seq_lens, hq, hkv, d, block_size, dtype, num_splits, block_n)
+
+
+@pytest.mark.parametrize(("block_size", "block_n"), [(16, 32), (32, 16), (16, 64)])
+def test_prefetching_block_ids_reads_the_same_keys(block_size: int, block_n: int) -> None:
+    """prefetch_ids (the next tile's block ids loaded one iteration early), with tiles inside
+    a block and across blocks, and splits with no keys (the first prefetch is clamped)."""
+    seq_lens = [1, block_size - 1, block_size, 5 * block_size + 3]
+    _check(seq_lens, 8, 2, 64, block_size, torch.float32, 8, block_n, prefetch=True)
 
 
 def test_default_tile_and_splits_past_the_keys() -> None:

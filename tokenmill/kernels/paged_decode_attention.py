@@ -91,6 +91,22 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
 
 
+@triton.jit
+def _tile_blocks(
+    bt_row, t, seq_len, offs_n, stride_btn, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
+):
+    """The cache block ids (int64) of key tile ``t``'s rows: one scalar when the tile sits
+    inside one cache block, else one per row (rows past seq_len: block 0, masked later)."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        blk = tl.load(bt_row + ((t * BLOCK_N) // BLOCK_SIZE) * stride_btn)
+    else:
+        offs_tok = t * BLOCK_N + offs_n
+        blk = tl.load(
+            bt_row + (offs_tok // BLOCK_SIZE) * stride_btn, mask=offs_tok < seq_len, other=0
+        )
+    return blk.to(tl.int64)  # num_blocks * block stride can pass 2**31 elements
+
+
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
 def _split_kernel(
     # pointers
@@ -119,6 +135,7 @@ def _split_kernel(
     STORE_LSE: tl.constexpr,  # False when S == 1: o_ptr is out
     DOT_FP32: tl.constexpr,  # dots in fp32 (fp32 inputs; bf16 in the interpreter)
     FP16_DOTS: tl.constexpr,  # an FP8 cache with 16-bit q: q, K, V and P go through fp16
+    PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration early
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -172,15 +189,24 @@ def _split_kernel(
     # Every tile in [tile_start, tile_end) holds at least one key < seq_len, but an early
     # query token may see none of a split's keys: its running max stays -inf, and the
     # exponents subtract a 0 instead (exp2(-inf) = 0), never -inf - -inf.
+    if PREFETCH_IDS:  # the first tile's block ids (clamped to a real tile: empty splits)
+        blk_next = _tile_blocks(
+            bt_row, tl.minimum(tile_start, tl.maximum(n_tiles - 1, 0)), seq_len, offs_n,
+            stride_btn, BLOCK_N, BLOCK_SIZE,
+        )  # fmt: skip
     for t in range(tile_start, tile_end):
         offs_tok = t * BLOCK_N + offs_n  # token positions of this tile's rows
         mask_n = offs_tok < seq_len
-        if BLOCK_SIZE % BLOCK_N == 0:
-            # The tile sits inside one cache block: one block id for all rows.
-            blk = tl.load(bt_row + ((t * BLOCK_N) // BLOCK_SIZE) * stride_btn)
+        if PREFETCH_IDS:
+            # This tile's ids came one iteration early; load the next tile's now, so its K/V
+            # loads need not wait on them (the last tile reloads its own).
+            blk = blk_next
+            blk_next = _tile_blocks(
+                bt_row, tl.minimum(t + 1, tile_end - 1), seq_len, offs_n, stride_btn,
+                BLOCK_N, BLOCK_SIZE,
+            )  # fmt: skip
         else:
-            blk = tl.load(bt_row + (offs_tok // BLOCK_SIZE) * stride_btn, mask=mask_n, other=0)
-        blk = blk.to(tl.int64)  # num_blocks * block stride can pass 2**31 elements
+            blk = _tile_blocks(bt_row, t, seq_len, offs_n, stride_btn, BLOCK_N, BLOCK_SIZE)
         slot = offs_tok % BLOCK_SIZE
         k_rows = blk * stride_kb + slot * stride_kt  # [BLOCK_N] (or a scalar block term)
         v_rows = blk * stride_vb + slot * stride_vt
@@ -347,6 +373,7 @@ def paged_decode_attention(
     split_keys: int | None = None,
     query_start_loc: Tensor | None = None,
     max_query_len: int = 1,
+    prefetch_ids: bool = False,
 ) -> Tensor:
     """Attention of a few query tokens per request over its paged K/V (flash-decoding).
 
@@ -359,7 +386,8 @@ def paged_decode_attention(
     token i of q tokens sees keys < seq_len - q + 1 + i. Writes and returns ``out``
     [T, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
     DecodeWorkspace); allocated per call when None and num_splits > 1. ``block_n`` (keys per
-    tile), ``num_warps`` and ``num_stages`` are tuning knobs. ``split_keys`` fixes the split
+    tile), ``num_warps``, ``num_stages`` and ``prefetch_ids`` (load the next key tile's block
+    ids one iteration early) are tuning knobs. ``split_keys`` fixes the split
     boundaries at multiples of that many keys (rounded up to whole tiles): a request's result
     then depends only on its own length, whatever the batch, the grid or a CUDA graph's
     bucket; ``num_splits`` must then cover the longest request (``cdiv(len, split_keys)``).
@@ -444,6 +472,7 @@ def paged_decode_attention(
         STORE_LSE=num_splits > 1,
         DOT_FP32=dot_fp32,
         FP16_DOTS=k_cache.element_size() == 1 and q.element_size() == 2,
+        PREFETCH_IDS=prefetch_ids,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
