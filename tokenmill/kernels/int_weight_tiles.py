@@ -29,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import triton
 
-__all__ = ["IntGemmTiles", "choose_tiles"]
+__all__ = ["IntGemmTiles", "choose_tiles", "fit_block_k"]
 
 _TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
 
@@ -50,24 +51,39 @@ class IntGemmTiles:
     mma: bool = True
 
     def fit(self, k: int, group: int) -> IntGemmTiles:
-        """These tiles with block_k and split_k cut down until they fit K and the group
-        (every K and group here are multiples of 32, so block_k = 32 always fits)."""
-        block_k = self.block_k
-        while block_k > 32 and (k % block_k or (group % block_k and block_k % group)):
-            block_k //= 2
+        """These tiles with block_k and split_k cut down until they fit K and the group."""
+        block_k = fit_block_k(self.block_k, k, group)
         split = max(1, min(self.split_k, k // block_k))
         while (k // block_k) % split:
             split -= 1
         return dataclasses.replace(self, block_k=block_k, split_k=split)
+
+    def output(self, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
+        """The buffer the kernel writes: y [m, n] in x's dtype, or with split-K one fp32
+        partial tile per K run, [split_k, m, n] (summed in a fixed order by ``finish``)."""
+        if self.split_k > 1:
+            return torch.empty(self.split_k, m, n, dtype=torch.float32, device=x.device)
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+
+    def finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``output``'s buffer after the kernel -> y [m, n] in ``dtype``."""
+        return y if self.split_k == 1 else y.sum(0).to(dtype)
+
+
+def fit_block_k(block_k: int, k: int, group: int) -> int:
+    """``block_k`` halved until it divides K and is a multiple or a divisor of the group
+    (every K and group here are multiples of 32, so 32 always fits)."""
+    while block_k > 32 and (k % block_k or (group % block_k and block_k % group)):
+        block_k //= 2
+    return block_k
 
 
 def choose_tiles(m: int, n: int, k: int, group: int) -> IntGemmTiles:
     """The default tiles for an [m, k] @ [k, n] weight-only GEMM (fitted to k and group)."""
     if m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        tiles = IntGemmTiles(block_m, 64, 256, num_warps=4, num_stages=3)
-        programs = triton.cdiv(m, block_m) * triton.cdiv(n, tiles.block_n)
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
         split = max(1, _TARGET_PROGRAMS // programs)
-        return IntGemmTiles(block_m, 64, 256, split, 4, 3).fit(k, group)
+        return IntGemmTiles(block_m, 64, 256, split, num_warps=4, num_stages=3).fit(k, group)
     block_m = 64 if m <= 128 else 128
     return IntGemmTiles(block_m, 128, 64, 1, num_warps=8, num_stages=3).fit(k, group)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.int_weight_tiles import fit_block_k
 from tokenmill.kernels.w8a16_gemm import check_q8_weight
 
 __all__ = ["dequantize_q8_rows"]
@@ -68,8 +69,7 @@ def dequantize_q8_rows(
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
     if n == 0:
         return out
-    while block_k > 32 and (k % block_k or (group % block_k and block_k % group)):
-        block_k //= 2  # K and GROUP are multiples of 32: 32 always fits
+    block_k = fit_block_k(block_k, k, group)
     qw, s = qweight.contiguous(), scales.contiguous()
     grid = (triton.cdiv(n, block_n), k // block_k)
     _dequantize_q8_kernel[grid](

@@ -164,13 +164,10 @@ def w4a16_linear(
     m = x.shape[0]
     if m == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    t = (tiles or choose_tiles(m, n, k, group)).fit(k, group)
+    t = tiles.fit(k, group) if tiles else choose_tiles(m, n, k, group)
     s, mn = scales.contiguous(), mins.contiguous()
     qw = qweight.contiguous()
-    if t.split_k > 1:  # each K run writes its own partial sum: summed in a fixed order
-        y = torch.empty(t.split_k, m, n, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = t.output(m, n, x)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w4a16_kernel[grid](
         x, qw, s, mn, y, m, n, k, t.split_k,
@@ -181,7 +178,7 @@ def w4a16_linear(
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
-    return y if t.split_k == 1 else y.sum(0).to(x.dtype)
+    return t.finish(y, x.dtype)
 
 
 def dequantize_q4(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
