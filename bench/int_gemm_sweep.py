@@ -1,5 +1,5 @@
-"""The tilings the weight-only GEMM benchmarks (w4a16_gemm.py, w8a16_gemm.py) time beside the
-default (``choose_tiles``), and how they report the fastest.
+"""What the weight-only GEMM benchmarks (w4a16_gemm.py, w8a16_gemm.py) share: the tilings they
+time beside the default (``choose_tiles``), and the JSON line each writes per shape and M.
 
 Small M (decode) tries long K runs and column tiles of several widths, each split over K as
 the default would split it, and for M <= 4 CUDA-core sums instead of tensor-core dots
@@ -8,15 +8,16 @@ the default would split it, and for M <= 4 CUDA-core sums instead of tensor-core
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
 from bench.gpu_timing import time_ms
 from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
 
-__all__ = ["sweep"]
+__all__ = ["shape_line", "sweep"]
 
 
 def candidates(m: int, n: int, k: int, group: int) -> list[IntGemmTiles]:
@@ -59,3 +60,39 @@ def sweep(gemm: Callable[..., object], m: int, n: int, k: int, group: int) -> di
         "best_tiles": list(vars(best).values()),
         "best_ms": round(ms[best], 4),
     }
+
+
+def shape_line(
+    name: str,
+    m: int,
+    kernel: str,
+    gemm: Callable[..., torch.Tensor],
+    dequantize_to: Callable[..., torch.Tensor],
+    params: Sequence[torch.Tensor],
+    weight: torch.Tensor,
+    group: int,
+) -> dict:
+    """One shape and M: ``gemm(x, *params)`` (named ``kernel``: "w4a16", "w8a16") against
+    ``F.linear`` on the bf16 ``weight``, its tiling sweep, and ``dequantize_to(*params, dtype)``
+    + ``F.linear`` (the large-M path); see the benchmarks' docstrings for the fields."""
+    out_f, in_f = weight.shape
+    x = torch.randn(m, in_f, device=weight.device, dtype=torch.bfloat16)
+    linear = torch.nn.functional.linear
+    bf16_ms = time_ms(lambda: linear(x, weight))
+    kernel_ms = time_ms(lambda: gemm(x, *params))
+    tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group)
+    dequant_ms = time_ms(lambda: linear(x, dequantize_to(*params, x.dtype)))
+    dequant_only_ms = time_ms(lambda: dequantize_to(*params, x.dtype))
+    packed_bytes = sum(p.numel() * p.element_size() for p in params)
+    y, want = gemm(x, *params), linear(x, weight)
+    rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
+    return {
+        "shape": name, "in": in_f, "out": out_f, "M": m,
+        "bf16_ms": round(bf16_ms, 4), f"{kernel}_ms": round(kernel_ms, 4),
+        "sweep": tiles,
+        "dequant_ms": round(dequant_ms, 4), "dequant_only_ms": round(dequant_only_ms, 4),
+        "speedup": round(bf16_ms / kernel_ms, 2),
+        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
+        "weight_gbps": round(packed_bytes / kernel_ms / 1e6, 1),
+        "rel_error": round(rel, 4),
+    }  # fmt: skip

@@ -27,7 +27,6 @@ layout and group).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -36,8 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
-from bench.int_gemm_sweep import sweep  # noqa: E402
+from bench.gpu_timing import warm_up_gpu  # noqa: E402
+from bench.int_gemm_sweep import shape_line  # noqa: E402
 from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.kernels.q4_dequantize import dequantize_q4_rows  # noqa: E402
 from tokenmill.kernels.w4a16_gemm import dequantize_q4, pack_q4, w4a16_linear  # noqa: E402
@@ -54,31 +53,6 @@ def q4_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return pack_q4(codes), scales, mins
 
 
-def shape_line(name: str, m: int, qweight, scales, mins, weight: torch.Tensor) -> dict:
-    in_f, out_f = weight.shape[1], weight.shape[0]
-    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
-    linear = torch.nn.functional.linear
-    bf16_ms = time_ms(lambda: linear(x, weight))
-    w4_ms = time_ms(lambda: w4a16_linear(x, qweight, scales, mins))
-    tiles = sweep(functools.partial(w4a16_linear, x, qweight, scales, mins), m, out_f, in_f,
-                  GROUP)  # fmt: skip
-    dequant_ms = time_ms(lambda: linear(x, dequantize_q4_rows(qweight, scales, mins, x.dtype)))
-    dequant_only_ms = time_ms(lambda: dequantize_q4_rows(qweight, scales, mins, x.dtype))
-    packed_bytes = qweight.numel() + 2 * scales.numel() * scales.element_size()
-    y, want = w4a16_linear(x, qweight, scales, mins), linear(x, weight)
-    rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
-    return {
-        "shape": name, "in": in_f, "out": out_f, "M": m,
-        "bf16_ms": round(bf16_ms, 4), "w4a16_ms": round(w4_ms, 4),
-        "sweep": tiles,
-        "dequant_ms": round(dequant_ms, 4), "dequant_only_ms": round(dequant_only_ms, 4),
-        "speedup": round(bf16_ms / w4_ms, 2),
-        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
-        "weight_gbps": round(packed_bytes / w4_ms / 1e6, 1),
-        "rel_error": round(rel, 4),
-    }  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024,4096")
@@ -91,7 +65,8 @@ def main() -> None:
         weight = dequantize_q4(qweight, scales, mins).to(torch.bfloat16)
         for m in (int(t) for t in args.tokens.split(",")):
             with torch.inference_mode():
-                line = shape_line(name, m, qweight, scales, mins, weight)
+                line = shape_line(name, m, "w4a16", w4a16_linear, dequantize_q4_rows,
+                                  (qweight, scales, mins), weight, GROUP)  # fmt: skip
             print(json.dumps(line), flush=True)
 
 

@@ -9,7 +9,8 @@ cold L2 (gpu_timing):
   sweep          the default tiles and the fastest tiling of bench/int_gemm_sweep.py's
                  (block_m, block_n, block_k, split_k, num_warps, num_stages), with its time
   dequant_ms     ``dequantize_q8_rows`` (the Triton kernel, bf16 weights) + ``F.linear``:
-                 the path Int8Method takes from 64 tokens on
+                 the path Int8Method takes from 64 tokens on, and dequant_only_ms its first
+                 half alone
   speedup        bf16_ms / w8a16_ms, and best_speedup with the best tile
   weight_gbps    the weight's bytes (int8 codes and fp16 scales) over w8a16_ms: against the
                  H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
@@ -24,7 +25,6 @@ bf16's time (8.5 bits a weight against 16).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
-from bench.int_gemm_sweep import sweep  # noqa: E402
+from bench.gpu_timing import warm_up_gpu  # noqa: E402
+from bench.int_gemm_sweep import shape_line  # noqa: E402
 from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.kernels.q8_dequantize import dequantize_q8_rows  # noqa: E402
 from tokenmill.kernels.w8a16_gemm import dequantize_q8, w8a16_linear  # noqa: E402
@@ -49,29 +49,6 @@ def q8_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-def shape_line(name: str, m: int, qweight, scales, weight: torch.Tensor) -> dict:
-    in_f, out_f = weight.shape[1], weight.shape[0]
-    x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
-    linear = torch.nn.functional.linear
-    bf16_ms = time_ms(lambda: linear(x, weight))
-    w8_ms = time_ms(lambda: w8a16_linear(x, qweight, scales))
-    tiles = sweep(functools.partial(w8a16_linear, x, qweight, scales), m, out_f, in_f, GROUP)
-    dequant_ms = time_ms(lambda: linear(x, dequantize_q8_rows(qweight, scales, x.dtype)))
-    weight_bytes = qweight.numel() + scales.numel() * scales.element_size()
-    y, want = w8a16_linear(x, qweight, scales), linear(x, weight)
-    rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
-    return {
-        "shape": name, "in": in_f, "out": out_f, "M": m,
-        "bf16_ms": round(bf16_ms, 4), "w8a16_ms": round(w8_ms, 4),
-        "sweep": tiles,
-        "dequant_ms": round(dequant_ms, 4),
-        "speedup": round(bf16_ms / w8_ms, 2),
-        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
-        "weight_gbps": round(weight_bytes / w8_ms / 1e6, 1),
-        "rel_error": round(rel, 4),
-    }  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024")
@@ -84,7 +61,8 @@ def main() -> None:
         weight = dequantize_q8(qweight, scales).to(torch.bfloat16)
         for m in (int(t) for t in args.tokens.split(",")):
             with torch.inference_mode():
-                line = shape_line(name, m, qweight, scales, weight)
+                line = shape_line(name, m, "w8a16", w8a16_linear, dequantize_q8_rows,
+                                  (qweight, scales), weight, GROUP)  # fmt: skip
             print(json.dumps(line), flush=True)
 
 
