@@ -1,7 +1,10 @@
 """FP8 W8A8 linear layers against bf16 on the Llama-3-8B layer shapes (issue 14's GEMM goal).
 
 Two lines per shape (qkv, o, gate_up, down) and token count M, each call timed with a cold
-L2 (gpu_timing). Goal: >= 1.7x at M >= 2048, activation quantization included.
+L2, replaying a CUDA graph of it as the engine's decode steps do (gpu_timing: launched from
+Python, a few-microsecond GEMM is timed with its host launch work; ``eager_ms`` on the
+"layer" line is bf16 and FP8 timed that way). Goal: >= 1.7x at M >= 2048, activation
+quantization included.
 
 ``"line": "layer"`` -- the layer alone: the bf16 ``F.linear`` against the FP8 layer's forward
 on a bf16 input (``Fp8Method.apply``: the activation quantization kernel, then
@@ -122,8 +125,8 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear) -> dict:
     in_f, out_f = weight.shape[1], weight.shape[0]
     x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
-    bf16_ms = time_ms(lambda: torch.nn.functional.linear(x, weight))
-    fp8_ms = time_ms(lambda: layer(x))
+    bf16_ms = time_ms(lambda: torch.nn.functional.linear(x, weight), graph=True)
+    fp8_ms = time_ms(lambda: layer(x), graph=True)
     x_q, x_scale = quantize_rows_fp8(x)
     flop = 2 * m * in_f * out_f
     return {
@@ -133,9 +136,13 @@ def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear
         "fp8_tflops": round(flop / fp8_ms / 1e9, 1),
         "speedup": round(bf16_ms / fp8_ms, 2),
         "rel_error": round(rel_error(layer(x), torch.nn.functional.linear(x, weight)), 4),
-        "quant_ms": round(time_ms(lambda: quantize_rows_fp8(x)), 4),
-        "torch_quant_ms": round(time_ms(lambda: quantize_rows_fp8_ref(x)), 4),
-        "mm_ms": round(time_ms(lambda: scaled_mm(layer, x_q, x_scale)), 4),
+        "quant_ms": round(time_ms(lambda: quantize_rows_fp8(x), graph=True), 4),
+        "torch_quant_ms": round(time_ms(lambda: quantize_rows_fp8_ref(x), graph=True), 4),
+        "mm_ms": round(time_ms(lambda: scaled_mm(layer, x_q, x_scale), graph=True), 4),
+        "eager_ms": {
+            "bf16": round(time_ms(lambda: torch.nn.functional.linear(x, weight)), 4),
+            "fp8": round(time_ms(lambda: layer(x)), 4),
+        },
     }  # fmt: skip
 
 
@@ -148,22 +155,23 @@ def producer_line(
     fp8_out = p.fp8_pair()
     p.reset()
     err = rel_error(fp8_out, p.bf16_pair())
-    bf16_ms, fp8_ms = time_ms(p.bf16_pair), time_ms(p.fp8_pair)
-    producer_ms = time_ms(p.bf16_producer) if p.bf16_producer else 0.0
+    bf16_ms, fp8_ms = time_ms(p.bf16_pair, graph=True), time_ms(p.fp8_pair, graph=True)
+    producer_ms = time_ms(p.bf16_producer, graph=True) if p.bf16_producer else 0.0
     gemm_ms = fp8_ms - producer_ms  # the FP8 GEMM and what quantizing adds to the producer
     line = {
         "line": "fused_producer", "shape": name, "M": m, "producer": PRODUCERS[name],
         "bf16_ms": round(bf16_ms, 4), "fp8_ms": round(fp8_ms, 4),
         "speedup": round(bf16_ms / fp8_ms, 2),
         "gemm_speedup": round(linear_ms / gemm_ms, 2) if gemm_ms > 0 else None,
-        "unfused_fp8_ms": round(time_ms(p.unfused_fp8), 4),
+        "unfused_fp8_ms": round(time_ms(p.unfused_fp8, graph=True), 4),
         "producer_bf16_ms": round(producer_ms, 4), "rel_error": round(err, 4),
     }  # fmt: skip
     if p.fp8_producer is not None:
-        line["producer_fp8_ms"] = round(time_ms(p.fp8_producer), 4)
+        line["producer_fp8_ms"] = round(time_ms(p.fp8_producer, graph=True), 4)
     if name == "down":
         line["producer_fp8_loop_ms"] = {
-            b: round(time_ms(lambda b=b: p.fp8_producer(block=b)), 4) for b in LOOP_BLOCKS
+            b: round(time_ms(lambda b=b: p.fp8_producer(block=b), graph=True), 4)
+            for b in LOOP_BLOCKS
         }
     return line
 

@@ -10,6 +10,13 @@
   T=4096 read 76.4% of 4.25 TB/s with the zeroing flush and 85.0% with the read flush, a
   same-size copy 79.0% and 90.4% (session 4, BENCHMARKS.md). At 336 MB both flushes agree
   within 3 points.
+- ``time_ms(fn, graph=True)``: ``fn`` is captured once into a CUDA graph and the replays are
+  timed. A kernel of a few microseconds is otherwise timed with the host's launch work: the
+  GPU finishes the L2 flush, records the start event and then waits for Python to launch the
+  kernel (and, in a split-K GEMM, again between its two kernels). Session 13's W4A16 and
+  W8A16 runs read a fixed ~40 us at M <= 16 whatever the tiling. The engine's decode steps
+  replay CUDA graphs, so the graph time is the one a decode step pays; the small-M GEMM
+  benchmarks report it beside the eager time.
 """
 
 from __future__ import annotations
@@ -47,17 +54,38 @@ def flush_l2() -> None:
     _flush_buffer().sum(dtype=torch.int64)
 
 
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured into a CUDA graph (after eager calls that compile and warm it): the
+    returned callable replays the graph, one launch whatever ``fn`` launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_ms(
     fn: Callable[[], Any],
     warmup_ms: float = 25,
     rep_ms: float = 100,
     before: Callable[[], Any] | None = flush_l2,
+    graph: bool = False,
 ) -> float:
     """Median milliseconds of ``fn()`` over about ``rep_ms`` of calls (after ``warmup_ms``),
     each timed alone with CUDA events after an untimed ``before()`` (by default ``flush_l2``:
-    each call starts on a clean, cold L2; ``bench/l2_flush_effect.py`` swaps it)."""
+    each call starts on a clean, cold L2; ``bench/l2_flush_effect.py`` swaps it). With
+    ``graph``, ``fn`` is captured into a CUDA graph and its replays are timed (see above)."""
     fn()
     torch.cuda.synchronize()
+    if graph:
+        fn = graphed(fn)
+        fn()
+        torch.cuda.synchronize()
     probe = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     probe[0].record()
     for _ in range(5):

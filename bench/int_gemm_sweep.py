@@ -50,13 +50,13 @@ def sweep(gemm: Callable[..., object], m: int, n: int, k: int, group: int) -> di
     ms = {}
     for t in candidates(m, n, k, group):
         try:
-            ms[t.fit(k, group)] = time_ms(lambda t=t: gemm(tiles=t))
+            ms[t.fit(k, group)] = time_ms(lambda t=t: gemm(tiles=t), graph=True)
         except OutOfResources:  # e.g. 8-bit codes at block_n 128, block_k 512: past shared memory
             continue
     best = min(ms, key=ms.get)
     return {
         "default_tiles": list(vars(default).values()),
-        "default_ms": round(time_ms(lambda: gemm(tiles=default)), 4),
+        "default_ms": round(time_ms(lambda: gemm(tiles=default), graph=True), 4),
         "best_tiles": list(vars(best).values()),
         "best_ms": round(ms[best], 4),
     }
@@ -78,11 +78,12 @@ def shape_line(
     out_f, in_f = weight.shape
     x = torch.randn(m, in_f, device=weight.device, dtype=torch.bfloat16)
     linear = torch.nn.functional.linear
-    bf16_ms = time_ms(lambda: linear(x, weight))
-    kernel_ms = time_ms(lambda: gemm(x, *params))
+    bf16_ms = time_ms(lambda: linear(x, weight), graph=True)
+    kernel_ms = time_ms(lambda: gemm(x, *params), graph=True)
     tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group)
-    dequant_ms = time_ms(lambda: linear(x, dequantize_to(*params, x.dtype)))
-    dequant_only_ms = time_ms(lambda: dequantize_to(*params, x.dtype))
+    dequant_ms = time_ms(lambda: linear(x, dequantize_to(*params, x.dtype)), graph=True)
+    dequant_only_ms = time_ms(lambda: dequantize_to(*params, x.dtype), graph=True)
+    eager = {"bf16": time_ms(lambda: linear(x, weight)), kernel: time_ms(lambda: gemm(x, *params))}
     packed_bytes = sum(p.numel() * p.element_size() for p in params)
     y, want = gemm(x, *params), linear(x, weight)
     rel = ((y.float() - want.float()).norm() / want.float().norm()).item()
@@ -95,4 +96,5 @@ def shape_line(
         "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
         "weight_gbps": round(packed_bytes / kernel_ms / 1e6, 1),
         "rel_error": round(rel, 4),
+        "eager_ms": {key: round(ms, 4) for key, ms in eager.items()},
     }  # fmt: skip

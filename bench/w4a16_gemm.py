@@ -4,7 +4,7 @@ Goals: the W4A16 GEMM >= 3x the bf16 GEMM at M <= 16, and never slower than bf16
 M = 256 (where a dequantize + bf16 GEMM would do, if it is faster).
 
 Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call timed with a
-cold L2 (gpu_timing):
+cold L2, replaying a CUDA graph of it as the engine's decode steps do (gpu_timing):
 
   bf16_ms        ``F.linear`` with the bf16 weight
   w4a16_ms       ``w4a16_linear`` with its default tiles (what the engine runs);
@@ -17,6 +17,7 @@ cold L2 (gpu_timing):
   weight_gbps    the packed weight's bytes (codes, scales, mins) over w4a16_ms: against the
                  H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
   rel_error      the W4A16 output against F.linear on the dequantized weight
+  eager_ms       bf16 and W4A16 launched from Python instead (host launch work included)
 
 The weights are random 4-bit codes with fp16 scales and mins per group of 32 (GGUF Q4_1's
 layout and group).

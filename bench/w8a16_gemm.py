@@ -2,7 +2,7 @@
 shapes (issue 14).
 
 Per shape (qkv, o, gate_up, down) and token count M, one JSON line, each call timed with a
-cold L2 (gpu_timing):
+cold L2, replaying a CUDA graph of it as the engine's decode steps do (gpu_timing):
 
   bf16_ms        ``F.linear`` with the bf16 weight
   w8a16_ms       ``w8a16_linear`` with its default tiles (what the engine runs);
@@ -15,6 +15,7 @@ cold L2 (gpu_timing):
   weight_gbps    the weight's bytes (int8 codes and fp16 scales) over w8a16_ms: against the
                  H200's ~4,800 GB/s, how bandwidth-bound the small-M kernel is
   rel_error      the W8A16 output against F.linear on the dequantized weight
+  eager_ms       bf16 and W8A16 launched from Python instead (host launch work included)
 
 At small M reading the weights bounds both GEMMs, so W8A16 can at best take about half of
 bf16's time (8.5 bits a weight against 16).
