@@ -11,12 +11,10 @@
   same-size copy 79.0% and 90.4% (session 4, BENCHMARKS.md). At 336 MB both flushes agree
   within 3 points.
 - ``time_ms(fn, graph=True)``: ``fn`` is captured once into a CUDA graph and the replays are
-  timed. A kernel of a few microseconds is otherwise timed with the host's launch work: the
-  GPU finishes the L2 flush, records the start event and then waits for Python to launch the
-  kernel (and, in a split-K GEMM, again between its two kernels). Session 13's W4A16 and
-  W8A16 runs read a fixed ~40 us at M <= 16 whatever the tiling. The engine's decode steps
-  replay CUDA graphs, so the graph time is the one a decode step pays; the small-M GEMM
-  benchmarks report it beside the eager time.
+  timed, so no host launch work (Python, a split-K GEMM's second kernel) can sit inside the
+  timed span; it is what the engine's decode steps, which replay CUDA graphs, pay. On the
+  H200 (session 14) the small-M GEMMs read within 5% of their eager times this way: the
+  256 MiB flush before each call keeps the GPU busy while Python launches.
 """
 
 from __future__ import annotations

@@ -57,11 +57,13 @@ CONTEXTS = (1024, 4096, 16384)
 BLOCK_SIZES = (16, 128)
 # bf16 output rounding (2^-8 relative) plus P rounded to bf16 before the P@V dot.
 ATOL = RTOL = 1.6e-2
+ENGINE_SPLIT_KEYS = (256, 512, 1024)  # the engine's split boundaries, timed by --sweep
 # (block_n, num_warps, num_stages, splits factor over choose_num_splits, prefetch_ids) tried
 # by --sweep.
 SWEEP = [(bn, 4, st, f, False) for bn in (32, 64, 128) for st in (2, 3, 4) for f in (1, 2)] + [
     (64, 8, 2, 1, False),
-    (64, 2, 2, 1, False),
+    *[(bn, 2, st, f, False) for bn in (32, 64, 128) for st in (2, 3) for f in (1, 2)],
+    (64, 1, 2, 1, False),
     *[(bn, 4, st, 1, True) for bn in (64, 128) for st in (2, 3)],
 ]
 
@@ -134,19 +136,21 @@ def _bench_shape(
     ref2 = paged_decode_attention_ref(q[:2], kv[0], kv[1], bt[:2], seq[:2], scale).float()
 
     def kernel(
-        num_splits: int, block_n: int | None = None, warps: int = 4, stages: int = 2,
-        prefetch: bool = False,
+        num_splits: int, block_n: int | None = None, warps: int | None = None, stages: int = 2,
+        prefetch: bool = False, split_keys: int | None = None,
     ):  # fmt: skip
         ws = DecodeWorkspace.allocate(batch, HQ, num_splits, HEAD_DIM, q.device)
         return lambda: paged_decode_attention(
             q, kv[0], kv[1], bt, seq, scale, num_splits, out, ws,
             block_n=block_n, num_warps=warps, num_stages=stages, prefetch_ids=prefetch,
+            split_keys=split_keys,
         )  # fmt: skip
 
     def measure(
-        num_splits: int, block_n: int | None, warps: int, stages: int, prefetch: bool = False
-    ) -> dict | None:
-        fn = kernel(num_splits, block_n, warps, stages, prefetch)
+        num_splits: int, block_n: int | None, warps: int | None, stages: int,
+        prefetch: bool = False, split_keys: int | None = None,
+    ) -> dict | None:  # fmt: skip
+        fn = kernel(num_splits, block_n, warps, stages, prefetch, split_keys)
         out.fill_(float("nan"))  # a variant that writes nothing must not pass on stale output
         try:
             fn()
@@ -156,11 +160,11 @@ def _bench_shape(
         ok = torch.allclose(out[:2].float(), ref2, atol=ATOL, rtol=RTOL)
         config = dict(
             num_splits=num_splits, block_n=block_n, num_warps=warps, num_stages=stages,
-            prefetch_ids=prefetch,
+            prefetch_ids=prefetch, split_keys=split_keys,
         )  # fmt: skip
         return _row(shape, time_ms(fn), nbytes, correct=ok, **config)
 
-    row = measure(splits, None, 4, 2)  # the wrapper's defaults
+    row = measure(splits, None, None, 2)  # the wrapper's defaults
     assert row is not None
     if kv_dtype == FP8_KV:
         # The peer: the same kernel, defaults and splits on a bf16 cache of the same values.
@@ -179,6 +183,13 @@ def _bench_shape(
     rows = [row]
     print(_fmt(row), flush=True)
     if sweep and ctx >= 4096:
+        # The engine's splits: fixed boundaries every split_keys keys (TritonBackend:
+        # max(256, max_model_len / 8)), batch-invariant results, a merge whenever S > 1.
+        for keys in ENGINE_SPLIT_KEYS:
+            variant = measure(-(-ctx // keys), None, None, 2, split_keys=keys)
+            if variant is not None:
+                rows.append({**variant, "variant": True})
+                print(_fmt(rows[-1]), flush=True)
         for block_n, warps, stages, factor, prefetch in SWEEP:
             variant = measure(min(splits * factor, MAX_SPLITS), block_n, warps, stages, prefetch)
             if variant is not None:
@@ -203,8 +214,9 @@ def _peer_row(q, kv, bt, seq, scale: float, out: torch.Tensor) -> dict:
 
 def _fmt(r: dict) -> str:
     peer = f"  peer {r['peer_ms']:.3f} ms" if r.get("peer_ms") else ""
-    cfg = f"S={r['num_splits']} bn={r['block_n'] or 'def'} w={r['num_warps']} st={r['num_stages']}"
-    cfg += " pf" if r.get("prefetch_ids") else ""
+    cfg = f"S={r['num_splits']} bn={r['block_n'] or 'def'} w={r['num_warps'] or 'def'}"
+    cfg += f" st={r['num_stages']}" + (" pf" if r.get("prefetch_ids") else "")
+    cfg += f" keys={r['split_keys']}" if r.get("split_keys") else ""
     ok = "ok" if r["correct"] else "WRONG"
     return (
         f"{r['shape']:<48} {cfg:<24} {r['ms']:8.3f} ms {r['tbps']:5.2f} TB/s "

@@ -88,6 +88,10 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64
+# An FP8 cache's tiles take half the bytes and a conversion each: on the H200 (B=256, 4k
+# keys, block_n 64) 2 warps read it at 77-87% of the copy ceiling where 4 read 52-62%
+# (session 14, BENCHMARKS.md). A bf16 cache at 4 warps is at the ceiling already.
+FP8_NUM_WARPS = 2
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
 
 
@@ -368,7 +372,7 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     *,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     split_keys: int | None = None,
     query_start_loc: Tensor | None = None,
@@ -387,7 +391,8 @@ def paged_decode_attention(
     [T, Hq, d] (allocated when None, dtype of q). ``workspace`` holds the split partials (see
     DecodeWorkspace); allocated per call when None and num_splits > 1. ``block_n`` (keys per
     tile), ``num_warps``, ``num_stages`` and ``prefetch_ids`` (load the next key tile's block
-    ids one iteration early) are tuning knobs. ``split_keys`` fixes the split
+    ids one iteration early) are tuning knobs; ``num_warps`` defaults to 2 for a 1-byte (FP8)
+    cache and 4 otherwise (``FP8_NUM_WARPS``). ``split_keys`` fixes the split
     boundaries at multiples of that many keys (rounded up to whole tiles): a request's result
     then depends only on its own length, whatever the batch, the grid or a CUDA graph's
     bucket; ``num_splits`` must then cover the longest request (``cdiv(len, split_keys)``).
@@ -412,6 +417,8 @@ def paged_decode_attention(
     _check(num_splits >= 1, f"num_splits={num_splits} must be >= 1")
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
+    if num_warps is None:
+        num_warps = FP8_NUM_WARPS if k_cache.element_size() == 1 else 4
     _check(
         block_n >= 16 and block_n & (block_n - 1) == 0,
         f"block_n={block_n} is not a power of 2 >= 16",
