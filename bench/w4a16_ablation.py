@@ -3,8 +3,12 @@ taken out, on the Llama-3-8B qkv and gate_up shapes (issue 14).
 
 Session 13 measured ``w4a16_linear`` at M <= 16 at 250-380 GB/s of packed weights under
 every tiling, a fifth of what its dequantization kernel (which also writes 4x the bytes)
-streams. Each mode below is one Triton kernel over the same q4-rows weights
-(kernels/w4a16_gemm.py's layout), timed as a CUDA graph replay on a cold L2:
+streams. Session 14 ran this file: loading the codes alone reached only 0.45-1.4 TB/s, and
+the compiled code showed why: one-byte loads, because the compiler could not prove a K run's
+start aligned. The kernels (and the modes here) now say so (``tl.multiple_of``), and load 16
+bytes at a time through the software pipeline. Each mode below is one Triton kernel over the
+same q4-rows weights (kernels/w4a16_gemm.py's layout), timed as a CUDA graph replay on a cold
+L2:
 
   load       load the code bytes and sum them: what the grid and tiles can stream
   codes_dot  split the nibbles and dot them with x, no scales or mins: the unpack and the
@@ -71,12 +75,14 @@ def _ablation_kernel(
     k_first = tl.program_id(2) * k_run
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_first, k_first + k_run, BLOCK_K):
-        b = tl.load(q_rows + (k0 // 2 + offs_j)[None, :], mask=mask_n[:, None], other=0)
+        offs_b = tl.max_contiguous(tl.multiple_of(k0 // 2 + offs_j, BLOCK_K // 2), BLOCK_K // 2)
+        b = tl.load(q_rows + offs_b[None, :], mask=mask_n[:, None], other=0)
         if MODE == 0:
             acc += tl.sum(b.to(tl.int32), axis=1)[None, :].to(tl.float32)
         else:
-            x_lo = tl.load(x_rows + (k0 + x_lo_k)[None, :], mask=mask_m[:, None], other=0.0)
-            x_hi = tl.load(x_rows + (k0 + 16 + x_lo_k)[None, :], mask=mask_m[:, None], other=0.0)
+            offs_x = tl.max_contiguous(tl.multiple_of(k0 + x_lo_k, 16), 16)
+            x_lo = tl.load(x_rows + offs_x[None, :], mask=mask_m[:, None], other=0.0)
+            x_hi = tl.load(x_rows + (offs_x + 16)[None, :], mask=mask_m[:, None], other=0.0)
             lo = (b & 0xF).to(x_lo.dtype)  # codes 0..15: exact in bf16
             hi = (b >> 4).to(x_lo.dtype)
             if MODE == 1:

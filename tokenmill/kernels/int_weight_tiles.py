@@ -18,10 +18,13 @@ graphs against eager steps and reproducible jobs need).
   trip of the dequantized tile through shared memory that a dot takes. Its registers grow as
   BLOCK_M * BLOCK_N * BLOCK_K, so it suits M of 1 to 4.
 
-Measured on the H200 (BENCHMARKS.md, session 13): at M <= 16 every tiling of
-bench/int_gemm_sweep.py ran within ~10% of the others, at 250-300 GB/s of packed weights,
-well under bf16's own GEMM: the tiling is not what bounds these kernels there, and these
-defaults are the sweep's typical winners, not a tuned optimum.
+Measured on the H200 (BENCHMARKS.md, sessions 13-14): at M <= 16 every tiling of
+bench/int_gemm_sweep.py ran within ~10% of the others, at 250-380 GB/s of packed weights,
+well under bf16's own GEMM; more programs (split-K to ~1,000 or ~4,000) or 8 warps did not
+help. The compiled kernels loaded their codes one byte at a time (a K run's start was not
+known to be aligned); they now load 16 bytes at a time through the software pipeline
+(tests/kernels/test_wide_loads.py), not yet timed on the GPU. These defaults are the sweep's
+typical winners, not a tuned optimum.
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ def _nibbles(q_rows, k0, mask_n, BLOCK_K: tl.constexpr):
     fp32 [BLOCK_N, BLOCK_K / 2]: byte j's nibbles are inputs k0 + 32(j // 16) + j % 16 and
     that + 16."""
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    # k0 is a multiple of BLOCK_K (K runs are whole tiles), which the compiler cannot see
+    # through a runtime SPLIT_K: told so, it loads 16 bytes at a time instead of one.
+    offs_b = tl.max_contiguous(tl.multiple_of(offs_b, BLOCK_K // 2), BLOCK_K // 2)
     b = tl.load(q_rows + offs_b[None, :], mask=mask_n[:, None], other=0)  # [BN, BK/2]
     return (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
 
@@ -78,6 +81,7 @@ def _w4a16_kernel(
         lo, hi = _nibbles(q_rows, k0, mask_n, BLOCK_K)  # [BN, BK/2] codes
         if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
             offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            offs_g = tl.max_contiguous(tl.multiple_of(offs_g, BLOCK_K // GROUP), BLOCK_K // GROUP)
             s = tl.load(s_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
             mn = tl.load(m_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
             s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
@@ -92,10 +96,9 @@ def _w4a16_kernel(
             mn = tl.load(m_rows + g, mask=mask_n[:, None], other=0.0).to(tl.float32)
             w_lo = lo * s + mn
             w_hi = hi * s + mn
-        x_lo = tl.load(x_rows + (k0 + x_lo_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        x_hi = tl.load(
-            x_rows + (k0 + 16 + x_lo_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0
-        )
+        offs_x = tl.max_contiguous(tl.multiple_of(k0 + x_lo_k, 16), 16)  # runs of 16 inputs
+        x_lo = tl.load(x_rows + offs_x[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        x_hi = tl.load(x_rows + (offs_x + 16)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         if not MMA:  # [BM, 1, BK/2] * [1, BN, BK/2], summed over K: no trip through smem
             acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :], axis=2)
             acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :], axis=2)

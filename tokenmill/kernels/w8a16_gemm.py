@@ -58,10 +58,14 @@ def _w8a16_kernel(
     k_first = tl.program_id(2) * k_run
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_first, k_first + k_run, BLOCK_K):
-        q = tl.load(q_rows + (k0 + offs_k)[None, :], mask=mask_n[:, None], other=0)
+        # k0 is a multiple of BLOCK_K (K runs are whole tiles), which the compiler cannot see
+        # through a runtime SPLIT_K: told so, it loads 16 bytes at a time instead of one.
+        offs = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
+        q = tl.load(q_rows + offs[None, :], mask=mask_n[:, None], other=0)
         q = q.to(tl.float32)  # [BN, BK] codes
         if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
             offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+            offs_g = tl.max_contiguous(tl.multiple_of(offs_g, BLOCK_K // GROUP), BLOCK_K // GROUP)
             s = tl.load(s_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
             s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
             w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s,
@@ -69,7 +73,7 @@ def _w8a16_kernel(
         else:  # the tile sits inside one group
             s = tl.load(s_rows + k0 // GROUP, mask=mask_n[:, None], other=0.0)
             w = q * s.to(tl.float32)
-        x = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        x = tl.load(x_rows + offs[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         if not MMA:  # [BM, 1, BK] * [1, BN, BK], summed over K: no trip through smem
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
         elif DOT_FP32:
