@@ -71,16 +71,18 @@ def shape_line(
     params: Sequence[torch.Tensor],
     weight: torch.Tensor,
     group: int,
+    with_sweep: bool = True,
 ) -> dict:
     """One shape and M: ``gemm(x, *params)`` (named ``kernel``: "w4a16", "w8a16") against
-    ``F.linear`` on the bf16 ``weight``, its tiling sweep, and ``dequantize_to(*params, dtype)``
-    + ``F.linear`` (the large-M path); see the benchmarks' docstrings for the fields."""
+    ``F.linear`` on the bf16 ``weight``, its tiling sweep (unless not ``with_sweep``: most of
+    the time a line takes), and ``dequantize_to(*params, dtype)`` + ``F.linear`` (the large-M
+    path); see the benchmarks' docstrings for the fields."""
     out_f, in_f = weight.shape
     x = torch.randn(m, in_f, device=weight.device, dtype=torch.bfloat16)
     linear = torch.nn.functional.linear
     bf16_ms = time_ms(lambda: linear(x, weight), graph=True)
     kernel_ms = time_ms(lambda: gemm(x, *params), graph=True)
-    tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group)
+    tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group) if with_sweep else {}
     dequant_ms = time_ms(lambda: linear(x, dequantize_to(*params, x.dtype)), graph=True)
     dequant_only_ms = time_ms(lambda: dequantize_to(*params, x.dtype), graph=True)
     eager = {"bf16": time_ms(lambda: linear(x, weight)), kernel: time_ms(lambda: gemm(x, *params))}
@@ -93,7 +95,7 @@ def shape_line(
         "sweep": tiles,
         "dequant_ms": round(dequant_ms, 4), "dequant_only_ms": round(dequant_only_ms, 4),
         "speedup": round(bf16_ms / kernel_ms, 2),
-        "best_speedup": round(bf16_ms / tiles["best_ms"], 2),
+        "best_speedup": round(bf16_ms / tiles["best_ms"], 2) if tiles else None,
         "weight_gbps": round(packed_bytes / kernel_ms / 1e6, 1),
         "rel_error": round(rel, 4),
         "eager_ms": {key: round(ms, 4) for key, ms in eager.items()},

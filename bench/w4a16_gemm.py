@@ -22,7 +22,7 @@ cold L2, replaying a CUDA graph of it as the engine's decode steps do (gpu_timin
 The weights are random 4-bit codes with fp16 scales and mins per group of 32 (GGUF Q4_1's
 layout and group).
 
-    python3 bench/w4a16_gemm.py [--tokens 1,16,64,256,1024,4096]
+    python3 bench/w4a16_gemm.py [--tokens 1,16,64,256,1024,4096] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def q4_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    parser.add_argument("--no-sweep", action="store_true", help="only the default tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/w4a16_gemm.py times CUDA kernels: run it on a GPU")
@@ -67,7 +68,8 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             with torch.inference_mode():
                 line = shape_line(name, m, "w4a16", w4a16_linear, dequantize_q4_rows,
-                                  (qweight, scales, mins), weight, GROUP)  # fmt: skip
+                                  (qweight, scales, mins), weight, GROUP,
+                                  with_sweep=not args.no_sweep)  # fmt: skip
             print(json.dumps(line), flush=True)
 
 

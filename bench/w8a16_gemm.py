@@ -20,7 +20,7 @@ cold L2, replaying a CUDA graph of it as the engine's decode steps do (gpu_timin
 At small M reading the weights bounds both GEMMs, so W8A16 can at best take about half of
 bf16's time (8.5 bits a weight against 16).
 
-    python3 bench/w8a16_gemm.py [--tokens 1,16,64,256,1024]
+    python3 bench/w8a16_gemm.py [--tokens 1,16,64,256,1024] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def q8_weight(out_f: int, in_f: int) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16,64,256,1024")
+    parser.add_argument("--no-sweep", action="store_true", help="only the default tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/w8a16_gemm.py times CUDA kernels: run it on a GPU")
@@ -63,7 +64,8 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             with torch.inference_mode():
                 line = shape_line(name, m, "w8a16", w8a16_linear, dequantize_q8_rows,
-                                  (qweight, scales), weight, GROUP)  # fmt: skip
+                                  (qweight, scales), weight, GROUP,
+                                  with_sweep=not args.no_sweep)  # fmt: skip
             print(json.dumps(line), flush=True)
 
 
