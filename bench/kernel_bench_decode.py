@@ -22,7 +22,9 @@ is then the same kernel on a bf16 cache holding the same values (``bf16_ms``), s
 ``bf16_ms / ms`` is what the FP8 cache saves; per byte, FP8 is no slower than bf16 when that
 ratio is >= 2.
 
-``--sweep`` also times block_n / num_stages / num_splits variants on the 4k and 16k shapes.
+At 4k keys and more, the engine's fixed split boundaries (every 256, 512 and 1,024 keys, a
+merge whenever there are several splits) are timed too. ``--sweep`` also times block_n /
+num_warps / num_stages / num_splits variants on the 4k and 16k shapes.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ CONTEXTS = (1024, 4096, 16384)
 BLOCK_SIZES = (16, 128)
 # bf16 output rounding (2^-8 relative) plus P rounded to bf16 before the P@V dot.
 ATOL = RTOL = 1.6e-2
-ENGINE_SPLIT_KEYS = (256, 512, 1024)  # the engine's split boundaries, timed by --sweep
+ENGINE_SPLIT_KEYS = (256, 512, 1024)  # the engine's split boundaries, timed at 4k+ keys
 # (block_n, num_warps, num_stages, splits factor over choose_num_splits, prefetch_ids) tried
 # by --sweep.
 SWEEP = [(bn, 4, st, f, False) for bn in (32, 64, 128) for st in (2, 3, 4) for f in (1, 2)] + [
@@ -182,7 +184,7 @@ def _bench_shape(
     torch.cuda.empty_cache()
     rows = [row]
     print(_fmt(row), flush=True)
-    if sweep and ctx >= 4096:
+    if ctx >= 4096:
         # The engine's splits: fixed boundaries every split_keys keys (TritonBackend:
         # max(256, max_model_len / 8)), batch-invariant results, a merge whenever S > 1.
         for keys in ENGINE_SPLIT_KEYS:
@@ -190,6 +192,7 @@ def _bench_shape(
             if variant is not None:
                 rows.append({**variant, "variant": True})
                 print(_fmt(rows[-1]), flush=True)
+    if sweep and ctx >= 4096:
         for block_n, warps, stages, factor, prefetch in SWEEP:
             variant = measure(min(splits * factor, MAX_SPLITS), block_n, warps, stages, prefetch)
             if variant is not None:

@@ -32,9 +32,10 @@ Algorithm (two kernels, grid sized from B, Hkv, S only, so the launch is CUDA-gr
    m, sum l and output acc; the program stores acc / l and lse = m + log(l). A split with no
    keys stores lse = -inf and a zero output.
 2. ``_merge_kernel``, grid (T, Hq): out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),
-   M = max_s lse_s, summed over S padded to MAX_SPLITS (one reduction order for every S);
-   -inf splits weigh 0, and an empty request (seq_len 0, a padded graph row) gets zeros
-   rather than NaN. With S == 1 the split kernel writes ``out`` itself.
+   M = max_s lse_s, summed split after split in order (one order for every S: trailing
+   empty splits add exact zeros); -inf splits weigh 0, and an empty request (seq_len 0, a
+   padded graph row) gets zeros rather than NaN. With S == 1 the split kernel writes
+   ``out`` itself.
 
 Splitting is per request: its n_tiles = cdiv(seq_len, BLOCK_N) key tiles are cut into S runs
 of cdiv(n_tiles, S) tiles, so a short request is not split into a long request's slices and
@@ -278,38 +279,27 @@ def _merge_kernel(
     stride_ob, stride_oh, stride_od,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # MAX_SPLITS for every call that fits it: see below
 ):  # fmt: skip
-    # The sums over splits are tree reductions over SPLITS_PAD entries, whose order depends on
-    # SPLITS_PAD: padding every call to the same MAX_SPLITS makes a request's result the same
-    # bits whatever its split count past its last non-empty split (empty splits and padding
-    # add exact zeros). A request alone with 3 splits (padded to 4) and in a batch with 5
-    # (padded to 8) differed in the last bit on an H200 before.
+    # The splits are summed one after another in split order, so a request's result is the
+    # same bits whatever the call's split count past its last non-empty split: an empty split
+    # (lse -inf, zero output) adds exact zeros. Loads and work follow the splits that exist,
+    # not a padded width (session 13 padded a tree reduction to MAX_SPLITS instead).
     b = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < num_splits
-
-    lse = tl.load(
-        lse_ptr + b * stride_lb + head * stride_lh + offs_s * stride_ls,
-        mask=mask_s,
-        other=float("-inf"),
-    )  # [SPLITS_PAD]
-    lse_max = tl.max(lse, 0)
+    lse_row = lse_ptr + b * stride_lb + head * stride_lh
+    part_row = part_ptr + b * stride_pb + head * stride_ph + offs_d * stride_pd
+    lse_max = float("-inf")
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_ls))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: weights exp(-inf)
-    w = tl.exp(lse - lse_max)
-    denom = tl.sum(w, 0)
-    part = tl.load(
-        part_ptr
-        + b * stride_pb
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :] * stride_pd,
-        mask=mask_s[:, None],
-        other=0.0,
-    )  # [SPLITS_PAD, HEAD_DIM]
-    out = tl.sum(part * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    denom = 0.0
+    for s in range(num_splits):
+        w = tl.exp(tl.load(lse_row + s * stride_ls) - lse_max)
+        acc += w * tl.load(part_row + s * stride_ps)
+        denom += w
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od, out)
 
 
@@ -489,8 +479,7 @@ def paged_decode_attention(
             num_splits,
             *part.stride(), *lse.stride(), *out.stride(),
             HEAD_DIM=head_dim,
-            SPLITS_PAD=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            num_warps=1,  # a program merges one head's [S, d] partials: d / 32 lanes each
         )  # fmt: skip
     return out
 
