@@ -82,7 +82,8 @@ def _check(
 
 
 # (hq, hkv, d, block_size, block_n, num_splits, dtype): GQA 1/3/4/8, d 64/128, block sizes
-# 16/32, tiles inside one block (block_size % block_n == 0) and across blocks, 1/3/8 splits.
+# 16/32 (and 12), tiles inside one block (block_size % block_n == 0), across blocks and
+# across a block boundary that is not a tile's (kernels/tile_block_ids.py), 1/3/8 splits.
 CASES = [
     (4, 4, 64, 16, 16, 1, torch.float32),  # MHA, one split: the kernel writes out directly
     (9, 3, 64, 16, 16, 3, torch.bfloat16),  # SmolLM2 heads
@@ -92,6 +93,7 @@ CASES = [
     (6, 2, 128, 32, 32, 1, torch.float16),  # GQA 3
     (4, 1, 64, 16, 64, 8, torch.float16),  # GQA 4, a 4-block tile, more splits than tiles
     (2, 2, 128, 32, 16, 3, torch.bfloat16),  # MHA, d 128
+    (4, 2, 64, 12, 16, 3, torch.float32),  # block size 12: neither divides the other
 ]
 
 

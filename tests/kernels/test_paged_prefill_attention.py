@@ -127,8 +127,10 @@ def test_matches_ref(dtype: torch.dtype, heads: tuple[int, int, int], block_size
         (16, PrefillAttentionConfig(block_m=32, block_n=16, pack_gqa=False)),
         # the GPU default tile for d 64: a whole request in one tile
         (16, PrefillAttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)),
+        # block size 12 against 16-key tiles: a block id per key
+        (12, PrefillAttentionConfig(block_m=16, block_n=16)),
     ],
-    ids=["gather", "in-block", "unpacked", "gpu-default"],
+    ids=["gather", "in-block", "unpacked", "gpu-default", "block-12"],
 )
 def test_tile_configs(block_size: int, config: PrefillAttentionConfig) -> None:
     assert_matches_ref(make_batch(CPU_REQUESTS, 9, 3, 64, block_size, torch.float16), config)

@@ -78,6 +78,7 @@ import triton.language as tl
 from torch import Tensor
 
 from tokenmill.kernels.paged_inputs import check_paged_inputs
+from tokenmill.kernels.tile_block_ids import tile_block_ids
 
 __all__ = [
     "DecodeWorkspace",
@@ -94,22 +95,6 @@ MAX_SPLITS = 64
 # (session 14, BENCHMARKS.md). A bf16 cache at 4 warps is at the ceiling already.
 FP8_NUM_WARPS = 2
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
-
-
-@triton.jit
-def _tile_blocks(
-    bt_row, t, seq_len, offs_n, stride_btn, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    """The cache block ids (int64) of key tile ``t``'s rows: one scalar when the tile sits
-    inside one cache block, else one per row (rows past seq_len: block 0, masked later)."""
-    if BLOCK_SIZE % BLOCK_N == 0:
-        blk = tl.load(bt_row + ((t * BLOCK_N) // BLOCK_SIZE) * stride_btn)
-    else:
-        offs_tok = t * BLOCK_N + offs_n
-        blk = tl.load(
-            bt_row + (offs_tok // BLOCK_SIZE) * stride_btn, mask=offs_tok < seq_len, other=0
-        )
-    return blk.to(tl.int64)  # num_blocks * block stride can pass 2**31 elements
 
 
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
@@ -195,8 +180,8 @@ def _split_kernel(
     # query token may see none of a split's keys: its running max stays -inf, and the
     # exponents subtract a 0 instead (exp2(-inf) = 0), never -inf - -inf.
     if PREFETCH_IDS:  # the first tile's block ids (clamped to a real tile: empty splits)
-        blk_next = _tile_blocks(
-            bt_row, tl.minimum(tile_start, tl.maximum(n_tiles - 1, 0)), seq_len, offs_n,
+        blk_next = tile_block_ids(
+            bt_row, tl.minimum(tile_start, tl.maximum(n_tiles - 1, 0)) * BLOCK_N, seq_len,
             stride_btn, BLOCK_N, BLOCK_SIZE,
         )  # fmt: skip
     for t in range(tile_start, tile_end):
@@ -206,12 +191,12 @@ def _split_kernel(
             # This tile's ids came one iteration early; load the next tile's now, so its K/V
             # loads need not wait on them (the last tile reloads its own).
             blk = blk_next
-            blk_next = _tile_blocks(
-                bt_row, tl.minimum(t + 1, tile_end - 1), seq_len, offs_n, stride_btn,
+            blk_next = tile_block_ids(
+                bt_row, tl.minimum(t + 1, tile_end - 1) * BLOCK_N, seq_len, stride_btn,
                 BLOCK_N, BLOCK_SIZE,
             )  # fmt: skip
         else:
-            blk = _tile_blocks(bt_row, t, seq_len, offs_n, stride_btn, BLOCK_N, BLOCK_SIZE)
+            blk = tile_block_ids(bt_row, t * BLOCK_N, seq_len, stride_btn, BLOCK_N, BLOCK_SIZE)
         slot = offs_tok % BLOCK_SIZE
         k_rows = blk * stride_kb + slot * stride_kt  # [BLOCK_N] (or a scalar block term)
         v_rows = blk * stride_vb + slot * stride_vt

@@ -83,6 +83,7 @@ import triton.language as tl
 
 from tokenmill.kernels.paged_inputs import check_paged_inputs
 from tokenmill.kernels.paged_prefill_config import PrefillAttentionConfig, default_prefill_config
+from tokenmill.kernels.tile_block_ids import tile_block_ids
 from tokenmill.kernels.tree_mask import tree_visible
 
 __all__ = [
@@ -140,12 +141,8 @@ def _attend_keys(
             slot = start_n % BLOCK_SIZE + offs_n
             k_off = blk * stride_kb + slot * stride_ks  # [BLOCK_N]
             v_off = blk * stride_vb + slot * stride_vs
-        else:
-            if MASKED:  # positions past seq_len may index past the table row
-                blk = tl.load(bt_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
-            else:
-                blk = tl.load(bt_row + key_pos // BLOCK_SIZE)
-            blk = blk.to(tl.int64)
+        else:  # no entry past the request's blocks is read (masked keys: block 0)
+            blk = tile_block_ids(bt_row, start_n, seq_len, 1, BLOCK_N, BLOCK_SIZE)
             slot = key_pos % BLOCK_SIZE
             k_off = blk * stride_kb + slot * stride_ks
             v_off = blk * stride_vb + slot * stride_vs
