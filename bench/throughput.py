@@ -18,6 +18,7 @@ against FLOPs / 795 TFLOP/s, whichever is larger; the sum over steps gives a low
 decode time and so an upper bound on output tokens/s.
 
     PYTHONPATH=$PWD python3 bench/throughput.py [--workloads llama8b,qwen3,prefix]
+        [--quantization fp8|int4|int8] [--kv-cache-dtype fp8]
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="llama8b's batch cap")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF peer runs")
     parser.add_argument(
-        "--quantization", default="none", choices=("none", "fp8"),
-        help="llama8b and qwen3: linear layers in fp8 (the roofline still counts bf16 bytes)",
+        "--quantization", default="none", choices=("none", "fp8", "int4", "int8"),
+        help="llama8b and qwen3: linear layers in fp8, or GGUF-block int4 (Q4_1's layout) or "
+        "int8 (Q8_0's) with random codes (the roofline still counts bf16 bytes)",
     )  # fmt: skip
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = parser.parse_args()

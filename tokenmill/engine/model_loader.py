@@ -77,7 +77,7 @@ def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 @torch.no_grad()
 def init_random_weights(model: torch.nn.Module, seed: int) -> None:
     """Deterministic N(0, 0.02) weights, ones for norms, zeros for biases, random bytes for
-    packed integer weights (INT4 codes): for benchmarks."""
+    integer weights (packed INT4 codes 0..255, INT8 codes -128..127): for benchmarks."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -90,4 +90,5 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             if param.is_floating_point():
                 param.normal_(0, 0.02, generator=gens[param.device])
             else:
-                param.random_(0, 256, generator=gens[param.device])
+                low = -128 if param.dtype == torch.int8 else 0
+                param.random_(low, low + 256, generator=gens[param.device])

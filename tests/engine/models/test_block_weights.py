@@ -55,3 +55,19 @@ def test_forward_matches_the_dequantized_weight(make, m: int) -> None:
     want = torch.nn.functional.linear(x.float(), weight.to(DEVICE)).to(torch.bfloat16)
     assert y.shape == (m, OUT) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want.float(), rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_random_weights_run_in_the_integer_methods(tmp_path, quantization: str) -> None:
+    """``load_format: random`` with GGUF-block layers (benchmarks of real shapes without a
+    file): INT8's signed codes, like INT4's packed bytes, fill their whole range."""
+    from tests.tiny_models import save_tiny_model
+    from tokenmill import LLM, SamplingParams
+
+    model = save_tiny_model("llama", tmp_path / "m", max_position_embeddings=64)
+    llm = LLM(str(model), device="cpu", load_format="random", quantization=quantization)
+    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
+    codes = qkv.qweight.int()
+    assert codes.min() < (-100 if quantization == "int8" else 20) and codes.max() > 100
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
