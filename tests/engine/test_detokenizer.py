@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import random
 from pathlib import Path
@@ -180,3 +181,22 @@ def test_append_after_stop_raises(tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(RuntimeError, match="already stopped"):
         detok.append([ids[0]])
     assert detok.flush() is None
+
+
+def test_batch_decode_gives_transformers_text(tokenizer: PreTrainedTokenizerBase) -> None:
+    """output_builder.batch_decode (the Rust tokenizer's batch, where that is what transformers
+    would return) against ``tokenizer.batch_decode``: texts, special tokens, random ids."""
+    from tokenmill.engine.output_builder import batch_decode
+
+    rng = random.Random(0)
+    specials = [tokenizer.eos_token_id, tokenizer.bos_token_id or 1]
+    rows = [_encode(tokenizer, t) + [rng.choice(specials)] for t in TEXTS]
+    rows += [[rng.randrange(len(tokenizer)) for _ in range(40)] for _ in range(20)] + [[]]
+    for skip in (True, False):
+        assert batch_decode(tokenizer, rows, skip) == tokenizer.batch_decode(
+            rows, skip_special_tokens=skip
+        )
+    cleaning = copy.deepcopy(tokenizer)  # spaces cleaned up: transformers' own path
+    cleaning.clean_up_tokenization_spaces = True
+    want = cleaning.batch_decode(rows, skip_special_tokens=True)
+    assert batch_decode(cleaning, rows, True) == want

@@ -5,7 +5,8 @@
     step n+1:  collect() ◄── the outputs built so far, in submission order
 
 With async scheduling (on CUDA) the worker decodes while the main thread schedules and
-launches the next steps: the tokenizer's Rust decoding releases the GIL. Without a device to
+launches the next steps: the tokenizer's Rust decoding releases the GIL (``batch_decode``
+goes to it directly where that gives transformers' text). Without a device to
 overlap (CPU) it builds inline, where a thread would only add switching. The worker has its
 own copy of the tokenizer, so it never shares one with code that encodes on another thread.
 Text is decoded once per request, in one batch per ``skip_special_tokens`` setting; requests
@@ -115,8 +116,18 @@ class OutputBuilder:
         for skip in (True, False):
             group = [r for r in requests if r.sampling_params.skip_special_tokens is skip]
             if group:
-                decoded = self.tokenizer.batch_decode(
-                    [r.output_token_ids for r in group], skip_special_tokens=skip
-                )
+                decoded = batch_decode(self.tokenizer, [r.output_token_ids for r in group], skip)
                 texts.update(zip((r.request_id for r in group), decoded, strict=True))
         return texts
+
+
+def batch_decode(tokenizer: Any, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+    """``tokenizer.batch_decode(rows, skip_special_tokens=...)``. A fast tokenizer that cleans
+    up no spaces returns its Rust tokenizer's decodes unchanged, so those are asked of it
+    directly: transformers first walks every token id of every row in Python (``to_py_obj``:
+    half the time of 1,024 rows x 128 tokens, 70 against 26 ms on the CPU box, all of it
+    holding the GIL that the engine thread needs)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+    return tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
