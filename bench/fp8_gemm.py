@@ -11,7 +11,9 @@ on a bf16 input (``Fp8Method.apply``: the activation quantization kernel, then
 ``torch._scaled_mm`` with per-channel weight scales). Its parts are also timed alone:
 ``quant_ms`` the quantization kernel (kernels/fp8_quant.py), ``torch_quant_ms`` its torch
 reference (``quantize_rows``), ``mm_ms`` ``torch._scaled_mm`` on activations quantized
-beforehand. ``rel_error``: the FP8 output's error relative to the bf16 one.
+beforehand, ``triton_mm_ms`` the Triton FP8 GEMM (kernels/fp8_gemm.py) on the same ones
+(``triton_vs_mm_error`` its output against _scaled_mm's; ``triton_sweep`` at M <= 512 its
+default and best tilings). ``rel_error``: the FP8 output's error relative to the bf16 one.
 
 ``"line": "fused_producer"`` -- the layer with the kernel that produces its input, as the
 model runs them (fp8_activation.py):
@@ -43,14 +45,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
+from bench.int_gemm_sweep import sweep  # noqa: E402
 from bench.llama8b_shapes import LINEAR_SHAPES  # noqa: E402
 from tokenmill.engine.models.fp8 import Fp8Method  # noqa: E402
 from tokenmill.engine.models.linear import RowParallelLinear  # noqa: E402
+from tokenmill.kernels.fp8_gemm import choose_fp8_tiles, fp8_gemm  # noqa: E402
 from tokenmill.kernels.fp8_quant import quantize_rows_fp8, quantize_rows_fp8_ref  # noqa: E402
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles  # noqa: E402
 from tokenmill.kernels.rms_norm import rms_norm, rms_norm_fp8  # noqa: E402
 from tokenmill.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 
@@ -59,6 +65,7 @@ PRODUCERS = {"qkv": "rms_norm+residual", "o": "attention (not fused)",
              "gate_up": "rms_norm+residual", "down": "silu_and_mul"}  # fmt: skip
 EPS = 1e-5
 LOOP_BLOCKS = (2048, 4096)  # silu_and_mul_fp8's two-loop path, against its one tile
+MAX_SWEEP_M = 512  # decode batches: where the Triton FP8 GEMM's tilings are swept
 
 
 @dataclass(frozen=True)
@@ -139,11 +146,41 @@ def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear
         "quant_ms": round(time_ms(lambda: quantize_rows_fp8(x), graph=True), 4),
         "torch_quant_ms": round(time_ms(lambda: quantize_rows_fp8_ref(x), graph=True), 4),
         "mm_ms": round(time_ms(lambda: scaled_mm(layer, x_q, x_scale), graph=True), 4),
+        **triton_columns(layer, x_q, x_scale),
         "eager_ms": {
             "bf16": round(time_ms(lambda: torch.nn.functional.linear(x, weight)), 4),
             "fp8": round(time_ms(lambda: layer(x)), 4),
         },
     }  # fmt: skip
+
+
+def fp8_tilings(m: int, n: int, k: int) -> list[IntGemmTiles]:
+    """Tilings of the Triton FP8 GEMM tried at decode batches: 64 or 128 columns, K runs of
+    128 or 256, split over K to about 1, 2 or 4 programs per SM, 3 or 4 pipeline stages."""
+    tilings = [
+        IntGemmTiles(64, bn, bk, max(1, per_sm * 132 // (triton.cdiv(m, 64) * n // bn)), 4, st)
+        for bn in (64, 128) for bk in (128, 256) for per_sm in (1, 2, 4) for st in (3, 4)
+    ]  # fmt: skip
+    return list(dict.fromkeys(t.fit(k, k) for t in tilings))  # splits that fit K, once each
+
+
+def triton_columns(layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.Tensor) -> dict:
+    """The Triton FP8 GEMM (kernels/fp8_gemm.py) on the same quantized activations as
+    ``mm_ms``: its default tiles, and at M <= MAX_SWEEP_M the sweep's best tiling."""
+    w_q, w_scale = layer.weight.t(), layer.weight_scale  # [N, K] rows, [1, N]
+    m, (n, k) = x_q.shape[0], w_q.shape
+
+    def gemm(**kw):
+        return fp8_gemm(x_q, x_scale, w_q, w_scale, layer.out_dtype, **kw)
+
+    want = scaled_mm(layer, x_q, x_scale).float()
+    err = ((gemm().float() - want).norm() / want.norm()).item()
+    cols = {"triton_mm_ms": round(time_ms(gemm, graph=True), 4), "triton_vs_mm_error": err}
+    if m <= MAX_SWEEP_M:
+        cols["triton_sweep"] = sweep(
+            gemm, m, n, k, k, fp8_tilings(m, n, k), default=choose_fp8_tiles(m, n, k)
+        )
+    return cols
 
 
 def producer_line(

@@ -1,5 +1,6 @@
 """What the weight-only GEMM benchmarks (w4a16_gemm.py, w8a16_gemm.py) share: the tilings they
-time beside the default (``choose_tiles``), and the JSON line each writes per shape and M.
+time beside the default (``choose_tiles``), and the JSON line each writes per shape and M;
+fp8_gemm.py's Triton FP8 GEMM sweeps its own tilings through ``sweep``.
 
 Small M (decode) tries long K runs and column tiles of several widths, each split over K as
 the default would split it, and for M <= 4 CUDA-core sums instead of tensor-core dots
@@ -43,12 +44,21 @@ def candidates(m: int, n: int, k: int, group: int) -> list[IntGemmTiles]:
             for bk in (64, 128) for w in (4, 8)]  # fmt: skip
 
 
-def sweep(gemm: Callable[..., object], m: int, n: int, k: int, group: int) -> dict:
-    """Times ``gemm(tiles=...)`` at the default tiles and at every candidate tiling; returns
-    the default's ms and the fastest tiling with its ms."""
-    default = choose_tiles(m, n, k, group)
+def sweep(
+    gemm: Callable[..., object],
+    m: int,
+    n: int,
+    k: int,
+    group: int,
+    tilings: Sequence[IntGemmTiles] | None = None,
+    default: IntGemmTiles | None = None,
+) -> dict:
+    """Times ``gemm(tiles=...)`` at the default tiles (``choose_tiles``' unless given) and at
+    every tiling of ``tilings`` (``candidates``' unless given); returns the default's ms and
+    the fastest tiling with its ms."""
+    default = default or choose_tiles(m, n, k, group)
     ms = {}
-    for t in candidates(m, n, k, group):
+    for t in candidates(m, n, k, group) if tilings is None else tilings:
         try:
             ms[t.fit(k, group)] = time_ms(lambda t=t: gemm(tiles=t), graph=True)
         except OutOfResources:  # e.g. 8-bit codes at block_n 128, block_k 512: past shared memory

@@ -1,0 +1,66 @@
+"""fp8_gemm (Triton) against fp8_gemm_ref, and against the FP8 layer's own arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.kernels.fp8_gemm import choose_fp8_tiles, fp8_gemm, fp8_gemm_ref
+from tokenmill.kernels.fp8_rows import quantize_rows
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m: int, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x_q, x_scale = quantize_rows(torch.randn(m, k, generator=g) * 3)  # [M, K], [M, 1]
+    w_q, w_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.02)  # [N, K], [N, 1]
+    dev = [t.to(DEVICE) for t in (x_q, x_scale, w_q, w_scale.t().contiguous())]
+    return dev  # w_scale as the layer keeps it: [1, N]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tiles"),
+    [
+        (5, 96, 256, None),  # the default tiles: rows and columns past the ends masked
+        (3, 64, 512, IntGemmTiles(16, 32, 64, 4)),  # split-K: four K runs summed in order
+        (70, 40, 128, IntGemmTiles(64, 32, 32, 2)),  # two row tiles, a ragged column tile
+    ],
+)
+def test_matches_reference(m: int, n: int, k: int, tiles: IntGemmTiles | None) -> None:
+    x_q, x_scale, w_q, w_scale = _operands(m, n, k)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = fp8_gemm(x_q, x_scale, w_q, w_scale, out_dtype, tiles=tiles)
+        want = fp8_gemm_ref(x_q, x_scale, w_q, w_scale, out_dtype)
+        assert got.shape == (m, n) and got.dtype == out_dtype
+        tol = dict(rtol=1e-5, atol=1e-5) if out_dtype == torch.float32 else {}
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_layer_view_and_scaled_mm_agree() -> None:
+    """The FP8 layer keeps weight [K, N] (a view) and scale [1, N]: its transpose is w_q,
+    and on CPU ``torch._scaled_mm``'s arithmetic is the reference's."""
+    x_q, x_scale, w_q, w_scale = _operands(4, 48, 96)
+    layer_weight = w_q.t()  # [K, N] column-major, as _scaled_mm takes it
+    got = fp8_gemm(x_q, x_scale, layer_weight.t(), w_scale, torch.float32)
+    want = fp8_gemm_ref(x_q, x_scale, w_q, w_scale, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_default_tiles_fill_the_gpu_and_fit_k() -> None:
+    t = choose_fp8_tiles(256, 6144, 4096)  # the 8B qkv at a decode batch: 4 x 48 tiles
+    assert (t.block_m, t.block_n) == (64, 128) and 4096 % (t.block_k * t.split_k) == 0
+    assert 4 * 48 * t.split_k >= 132  # at least a program per SM of an H200
+    assert choose_fp8_tiles(16, 4096, 4096).split_k == 8  # 32 tiles: split K eight ways
+    assert choose_fp8_tiles(4096, 28672, 4096).split_k == 1  # enough tiles: no split
+
+
+def test_refuses_wrong_inputs() -> None:
+    x_q, x_scale, w_q, w_scale = _operands(2, 32, 64)
+    with pytest.raises(ValueError, match="share K"):
+        fp8_gemm(x_q, x_scale, w_q[:, :32], w_scale)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_gemm(x_q.float(), x_scale, w_q, w_scale)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_gemm(x_q, x_scale, w_q, w_scale[:, :5])
