@@ -16,16 +16,20 @@ L2:
   group_dot  the real product with the scales applied after the dots: a batched dot per
              group of raw codes ([G, BM, 16] @ [G, 16, BN]), then each group's sum scaled
              and its mins times the group's sum of x added (no per-weight multiply-add)
+  bits_dot   codes_dot with each code made an fp32 from its bits (0x4B000000 | q is 2^23 + q;
+             subtract 2^23) instead of an int-to-float conversion, which runs at a quarter of
+             an add's rate on the H100/H200: what that conversion costs the kernel
   kernel     w4a16_linear with the same tiles (per-weight scaling, then the dot)
 
-``--modes`` picks the ablations (default load and codes_dot: group_dot ran 1.7-2.5x slower
-than the kernel on the H200 in session 14). Tilings: block_n 32/64, block_k 256/512, 4 or 8
-warps, each split over K to make about 264 programs (the default's target), 1,056 or 4,224.
+``--modes`` picks the ablations (default load, codes_dot and bits_dot; group_dot ran 1.7-2.5x
+slower than the kernel on the H200 in session 14). Tilings: block_n 32/64, block_k 256/512,
+4 or 8 warps, each split over K to make about 264 programs (the default's target), 1,056 or
+4,224.
 Each line: shape, M, tiles (block_m, block_n, block_k, split_k, warps, stages), ms and GB/s
 (packed bytes: codes, scales, mins) per mode, after a line with bf16 ``F.linear``'s ms for
 the shape and M. group_dot's output is checked against ``w4a16_linear_ref``.
 
-    python3 bench/w4a16_ablation.py [--tokens 1,16] [--modes load,codes_dot,group_dot]
+    python3 bench/w4a16_ablation.py [--tokens 1,16] [--modes load,codes_dot,bits_dot,group_dot]
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from tokenmill.kernels.int_weight_tiles import IntGemmTiles  # noqa: E402
 from tokenmill.kernels.w4a16_gemm import pack_q4, w4a16_linear, w4a16_linear_ref  # noqa: E402
 
 GROUP = 32
-MODES = {"load": 0, "codes_dot": 1, "group_dot": 2}
+MODES = {"load": 0, "codes_dot": 1, "group_dot": 2, "bits_dot": 3}
 # (block_n, block_k, num_warps): each with split-K making about 264 programs (the default's
 # target, two per SM), 1,056 or 4,224 (as many as K / block_k allows).
 TILES = [(bn, bk, w) for bn in (32, 64) for bk in (256, 512) for w in (4, 8)]
@@ -83,9 +87,15 @@ def _ablation_kernel(
             offs_x = tl.max_contiguous(tl.multiple_of(k0 + x_lo_k, 16), 16)
             x_lo = tl.load(x_rows + offs_x[None, :], mask=mask_m[:, None], other=0.0)
             x_hi = tl.load(x_rows + (offs_x + 16)[None, :], mask=mask_m[:, None], other=0.0)
-            lo = (b & 0xF).to(x_lo.dtype)  # codes 0..15: exact in bf16
-            hi = (b >> 4).to(x_lo.dtype)
-            if MODE == 1:
+            if MODE == 3:  # fp32 from the bits: 0x4B000000 | q is 2^23 + q, no int-to-float
+                lo = ((b & 0xF).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+                hi = ((b >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+                lo = (lo - 8388608.0).to(x_lo.dtype)
+                hi = (hi - 8388608.0).to(x_lo.dtype)
+            else:
+                lo = (b & 0xF).to(x_lo.dtype)  # codes 0..15: exact in bf16
+                hi = (b >> 4).to(x_lo.dtype)
+            if MODE == 1 or MODE == 3:
                 acc += tl.dot(x_lo, tl.trans(lo))
                 acc += tl.dot(x_hi, tl.trans(hi))
             else:  # per group: [G, BM, 16] @ [G, 16, BN], scaled after
@@ -159,7 +169,7 @@ def shape_lines(name: str, m: int, modes: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,16")
-    parser.add_argument("--modes", default="load,codes_dot", help=f"of {','.join(MODES)}")
+    parser.add_argument("--modes", default="load,codes_dot,bits_dot", help=f"of {','.join(MODES)}")
     args = parser.parse_args()
     warm_up_gpu()
     for name in ("qkv", "gate_up"):
