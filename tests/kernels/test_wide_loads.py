@@ -1,5 +1,6 @@
-"""The weight-only GEMMs load their codes 16 bytes at a time on an H100/H200: their sm_90 PTX
-(compiled without a GPU by tests/kernels/ptx_loads.py) holds no one-byte global load."""
+"""The weight GEMMs (W4A16, W8A16, FP8) load their operands 16 bytes at a time on an
+H100/H200: their sm_90 PTX (compiled without a GPU by tests/kernels/ptx_loads.py) holds no
+one-byte global load."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_int_weight_gemms_load_sixteen_bytes_at_a_time() -> None:
+def test_weight_gemms_load_sixteen_bytes_at_a_time() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, "-m", "tests.kernels.ptx_loads"],
