@@ -118,8 +118,7 @@ def fp8_gemm(
     xs = x_scale.reshape(m).float().contiguous()
     ws = w_scale.reshape(n).float().contiguous()
     t = tiles.fit(k, k) if tiles else choose_fp8_tiles(m, n, k)
-    probe = torch.empty(0, dtype=out_dtype, device=x_q.device)  # output() takes x's dtype
-    y = t.output(m, n, probe)
+    y = t.output(m, n, out_dtype, x_q.device)
     if m == 0:
         return t.finish(y, out_dtype)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)

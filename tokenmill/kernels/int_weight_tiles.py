@@ -61,12 +61,12 @@ class IntGemmTiles:
             split -= 1
         return dataclasses.replace(self, block_k=block_k, split_k=split)
 
-    def output(self, m: int, n: int, x: torch.Tensor) -> torch.Tensor:
-        """The buffer the kernel writes: y [m, n] in x's dtype, or with split-K one fp32
+    def output(self, m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer the kernel writes: y [m, n] in ``dtype``, or with split-K one fp32
         partial tile per K run, [split_k, m, n] (summed in a fixed order by ``finish``)."""
         if self.split_k > 1:
-            return torch.empty(self.split_k, m, n, dtype=torch.float32, device=x.device)
-        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+            return torch.empty(self.split_k, m, n, dtype=torch.float32, device=device)
+        return torch.empty(m, n, dtype=dtype, device=device)
 
     def finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``output``'s buffer after the kernel -> y [m, n] in ``dtype``."""

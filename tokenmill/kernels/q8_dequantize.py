@@ -9,7 +9,8 @@ dequantization. Its reference is ``dequantize_q8`` (w8a16_gemm.py), whose layout
 
 Kernel: grid (cdiv(N, BLOCK_N), cdiv(K, BLOCK_K)); each program loads a [BLOCK_N, BLOCK_K]
 tile of codes (BLOCK_K a multiple or a divisor of GROUP, dividing K), multiplies each group
-by its scale in fp32 and writes the tile in the output dtype (rounded once).
+by its scale in fp32 (``scale_q8_tile``, as the W8A16 GEMM does) and writes the tile in the
+output dtype (rounded once).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.int_weight_tiles import fit_block_k
-from tokenmill.kernels.w8a16_gemm import check_q8_weight
+from tokenmill.kernels.w8a16_gemm import check_q8_weight, scale_q8_tile
 
 __all__ = ["dequantize_q8_rows"]
 
@@ -40,15 +41,8 @@ def _dequantize_q8_kernel(
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None]
     rows = offs_n[:, None].to(tl.int64)
-    q = tl.load(qw_ptr + rows * stride_qn + offs_k[None, :], mask=mask, other=0).to(tl.float32)
-    if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
-        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptr + rows * stride_sn + offs_g[None, :], mask=mask, other=0.0)
-        w = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s.to(tl.float32)[:, :, None]
-        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
-    else:  # the tile sits inside one group
-        s = tl.load(s_ptr + rows * stride_sn + k0 // GROUP, mask=mask, other=0.0)
-        w = q * s.to(tl.float32)
+    q = tl.load(qw_ptr + rows * stride_qn + offs_k[None, :], mask=mask, other=0)
+    w = scale_q8_tile(q, s_ptr + rows * stride_sn, k0, mask, GROUP, BLOCK_N, BLOCK_K)
     out = out_ptr + rows * stride_on + offs_k[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=mask)
 

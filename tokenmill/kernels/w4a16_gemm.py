@@ -170,7 +170,7 @@ def w4a16_linear(
     t = tiles.fit(k, group) if tiles else choose_tiles(m, n, k, group)
     s, mn = scales.contiguous(), mins.contiguous()
     qw = qweight.contiguous()
-    y = t.output(m, n, x)
+    y = t.output(m, n, x.dtype, x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w4a16_kernel[grid](
         x, qw, s, mn, y, m, n, k, t.split_k,

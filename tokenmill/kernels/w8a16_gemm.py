@@ -28,9 +28,30 @@ import triton.language as tl
 
 from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
 
-__all__ = ["check_q8_weight", "dequantize_q8", "w8a16_linear", "w8a16_linear_ref"]
+__all__ = ["check_q8_weight", "dequantize_q8", "scale_q8_tile", "w8a16_linear", "w8a16_linear_ref"]
 
 CHUNK = 32  # the group size must be a multiple of this (GGUF's block)
+
+
+@triton.jit
+def scale_q8_tile(
+    q, s_rows, k0, mask_rows, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """fp32 weights of a [BLOCK_N, BLOCK_K] tile of int8 codes ``q`` from input ``k0`` on:
+    each code times its group's scale (``s_rows``: [BLOCK_N, 1] pointers to each row's
+    scales; rows off ``mask_rows`` read 0). BLOCK_K is a multiple or a divisor of GROUP."""
+    q = q.to(tl.float32)
+    if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        offs_g = tl.max_contiguous(tl.multiple_of(offs_g, BLOCK_K // GROUP), BLOCK_K // GROUP)
+        s = tl.load(s_rows + offs_g[None, :], mask=mask_rows, other=0.0)
+        s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
+        w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s,
+                       [BLOCK_N, BLOCK_K])  # fmt: skip
+    else:  # the tile sits inside one group
+        s = tl.load(s_rows + k0 // GROUP, mask=mask_rows, other=0.0)
+        w = q * s.to(tl.float32)
+    return w
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -62,17 +83,7 @@ def _w8a16_kernel(
         # through a runtime SPLIT_K: told so, it loads 16 bytes at a time instead of one.
         offs = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
         q = tl.load(q_rows + offs[None, :], mask=mask_n[:, None], other=0)
-        q = q.to(tl.float32)  # [BN, BK] codes
-        if BLOCK_K >= GROUP:  # the tile holds BLOCK_K // GROUP whole groups
-            offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            offs_g = tl.max_contiguous(tl.multiple_of(offs_g, BLOCK_K // GROUP), BLOCK_K // GROUP)
-            s = tl.load(s_rows + offs_g[None, :], mask=mask_n[:, None], other=0.0)
-            s = s.to(tl.float32)[:, :, None]  # [BN, groups, 1]
-            w = tl.reshape(tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP, GROUP]) * s,
-                           [BLOCK_N, BLOCK_K])  # fmt: skip
-        else:  # the tile sits inside one group
-            s = tl.load(s_rows + k0 // GROUP, mask=mask_n[:, None], other=0.0)
-            w = q * s.to(tl.float32)
+        w = scale_q8_tile(q, s_rows, k0, mask_n[:, None], GROUP, BLOCK_N, BLOCK_K)
         x = tl.load(x_rows + offs[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         if not MMA:  # [BM, 1, BK] * [1, BN, BK], summed over K: no trip through smem
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
@@ -127,7 +138,7 @@ def w8a16_linear(
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
     t = tiles.fit(k, group) if tiles else choose_tiles(m, n, k, group)
     qw, s = qweight.contiguous(), scales.contiguous()
-    y = t.output(m, n, x)
+    y = t.output(m, n, x.dtype, x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _w8a16_kernel[grid](
         x, qw, s, y, m, n, k, t.split_k,
