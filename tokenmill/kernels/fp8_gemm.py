@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8_rows import FP8
-from tokenmill.kernels.int_weight_tiles import IntGemmTiles
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, store_tile
 
 __all__ = ["choose_fp8_tiles", "fp8_gemm", "fp8_gemm_ref"]
 
@@ -66,12 +66,7 @@ def _fp8_gemm_kernel(
     x_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
     w_scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
-    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    if PARTIAL:
-        tl.store(y + tl.program_id(2).to(tl.int64) * M * N, acc, mask=mask_y)
-    else:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+    store_tile(y_ptr, acc, offs_m, offs_n, M, N, stride_ym, 1, PARTIAL)
 
 
 def choose_fp8_tiles(m: int, n: int, k: int) -> IntGemmTiles:

@@ -1,5 +1,7 @@
 """How the weight-only integer GEMMs (w4a16_gemm.py, w8a16_gemm.py) cut a call into
-programs.
+programs (the FP8 GEMM, fp8_gemm.py, takes the same tiles), and the two steps their kernels
+share: ``tile_dot`` (a dequantized tile into the accumulator) and ``store_tile`` (the
+accumulator into ``IntGemmTiles.output``'s buffer).
 
 Tiles. A program computes a [BLOCK_M, BLOCK_N] tile of y over a run of K, BLOCK_K inputs at a
 time; with SPLIT_K > 1 the K axis is cut into SPLIT_K equal runs whose programs each write
@@ -34,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["IntGemmTiles", "choose_tiles", "fit_block_k"]
+__all__ = ["IntGemmTiles", "choose_tiles", "fit_block_k", "store_tile", "tile_dot"]
 
 _TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
 
@@ -90,3 +93,31 @@ def choose_tiles(m: int, n: int, k: int, group: int) -> IntGemmTiles:
         return IntGemmTiles(block_m, 64, 256, split, num_warps=4, num_stages=3).fit(k, group)
     block_m = 64 if m <= 128 else 128
     return IntGemmTiles(block_m, 128, 64, 1, num_warps=8, num_stages=3).fit(k, group)
+
+
+@triton.jit
+def tile_dot(acc, x, w, MMA: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``acc`` [BLOCK_M, BLOCK_N] fp32 plus x [BLOCK_M, k] @ w [BLOCK_N, k]^T, w dequantized
+    in fp32: a tensor-core dot with w rounded to x's dtype, an exact fp32 one (``DOT_FP32``:
+    fp32 inputs, or the interpreter), or without ``MMA`` a multiply and sum over k on CUDA
+    cores (no trip of w through shared memory)."""
+    if not MMA:  # [BM, 1, k] * [1, BN, k], summed over k
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+    elif DOT_FP32:
+        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    else:
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    return acc
+
+
+@triton.jit
+def store_tile(y_ptr, acc, offs_m, offs_n, M, N, stride_ym, stride_yn, PARTIAL: tl.constexpr):
+    """A program's fp32 tile into ``IntGemmTiles.output``'s buffer: with ``PARTIAL`` (split-K)
+    its K run's slice of [SPLIT_K, M, N] (run ``program_id(2)``), else y rounded to its
+    dtype; rows past M and columns past N are not written."""
+    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if PARTIAL:
+        tl.store(y + tl.program_id(2).to(tl.int64) * M * N, acc, mask=mask)
+    else:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)

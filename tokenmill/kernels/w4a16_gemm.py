@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles, store_tile, tile_dot
 
 __all__ = ["check_q4_weight", "dequantize_q4", "pack_q4", "w4a16_linear", "w4a16_linear_ref"]
 
@@ -99,21 +99,9 @@ def _w4a16_kernel(
         offs_x = tl.max_contiguous(tl.multiple_of(k0 + x_lo_k, 16), 16)  # runs of 16 inputs
         x_lo = tl.load(x_rows + offs_x[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
         x_hi = tl.load(x_rows + (offs_x + 16)[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        if not MMA:  # [BM, 1, BK/2] * [1, BN, BK/2], summed over K: no trip through smem
-            acc += tl.sum(x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :], axis=2)
-            acc += tl.sum(x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :], axis=2)
-        elif DOT_FP32:
-            acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
-            acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
-        else:
-            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
-            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
-    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    if PARTIAL:
-        tl.store(y + tl.program_id(2).to(tl.int64) * M * N, acc, mask=mask_y)
-    else:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+        acc = tile_dot(acc, x_lo, w_lo, MMA, DOT_FP32)
+        acc = tile_dot(acc, x_hi, w_hi, MMA, DOT_FP32)
+    store_tile(y_ptr, acc, offs_m, offs_n, M, N, stride_ym, stride_yn, PARTIAL)
 
 
 def check_q4_weight(

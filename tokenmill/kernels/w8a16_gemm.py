@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles
+from tokenmill.kernels.int_weight_tiles import IntGemmTiles, choose_tiles, store_tile, tile_dot
 
 __all__ = ["check_q8_weight", "dequantize_q8", "scale_q8_tile", "w8a16_linear", "w8a16_linear_ref"]
 
@@ -85,18 +85,8 @@ def _w8a16_kernel(
         q = tl.load(q_rows + offs[None, :], mask=mask_n[:, None], other=0)
         w = scale_q8_tile(q, s_rows, k0, mask_n[:, None], GROUP, BLOCK_N, BLOCK_K)
         x = tl.load(x_rows + offs[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
-        if not MMA:  # [BM, 1, BK] * [1, BN, BK], summed over K: no trip through smem
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
-        elif DOT_FP32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :] * stride_yn
-    mask_y = mask_m[:, None] & mask_n[None, :]
-    if PARTIAL:
-        tl.store(y + tl.program_id(2).to(tl.int64) * M * N, acc, mask=mask_y)
-    else:
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+        acc = tile_dot(acc, x, w, MMA, DOT_FP32)
+    store_tile(y_ptr, acc, offs_m, offs_n, M, N, stride_ym, stride_yn, PARTIAL)
 
 
 def check_q8_weight(
