@@ -184,20 +184,19 @@ def _bench_shape(
     torch.cuda.empty_cache()
     rows = [row]
     print(_fmt(row), flush=True)
+    variants = []
     if ctx >= 4096:
         # The engine's splits: fixed boundaries every split_keys keys (TritonBackend:
         # max(256, max_model_len / 8)), batch-invariant results, a merge whenever S > 1.
-        for keys in ENGINE_SPLIT_KEYS:
-            variant = measure(-(-ctx // keys), None, None, 2, split_keys=keys)
-            if variant is not None:
-                rows.append({**variant, "variant": True})
-                print(_fmt(rows[-1]), flush=True)
+        variants += [(-(-ctx // keys), None, None, 2, False, keys) for keys in ENGINE_SPLIT_KEYS]
     if sweep and ctx >= 4096:
-        for block_n, warps, stages, factor, prefetch in SWEEP:
-            variant = measure(min(splits * factor, MAX_SPLITS), block_n, warps, stages, prefetch)
-            if variant is not None:
-                rows.append({**variant, "variant": True})
-                print(_fmt(rows[-1]), flush=True)
+        variants += [(min(splits * factor, MAX_SPLITS), bn, warps, stages, prefetch, None)
+                     for bn, warps, stages, factor, prefetch in SWEEP]  # fmt: skip
+    for config in variants:
+        variant = measure(*config)
+        if variant is not None:
+            rows.append({**variant, "variant": True})
+            print(_fmt(rows[-1]), flush=True)
     return rows
 
 
