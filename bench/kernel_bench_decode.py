@@ -22,9 +22,9 @@ is then the same kernel on a bf16 cache holding the same values (``bf16_ms``), s
 ``bf16_ms / ms`` is what the FP8 cache saves; per byte, FP8 is no slower than bf16 when that
 ratio is >= 2.
 
-At 4k keys and more, the engine's fixed split boundaries (every 256, 512 and 1,024 keys, a
-merge whenever there are several splits) are timed too. ``--sweep`` also times block_n /
-num_warps / num_stages / num_splits variants on the 4k and 16k shapes.
+Below the context, the fixed split boundaries the engine could use (every 256, 512, 1,024 and
+2,048 keys, a merge whenever there are several splits) are timed too. ``--sweep`` also times
+block_n, num_warps, num_stages and num_splits variants on the 4k and 16k shapes.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ CONTEXTS = (1024, 4096, 16384)
 BLOCK_SIZES = (16, 128)
 # bf16 output rounding (2^-8 relative) plus P rounded to bf16 before the P@V dot.
 ATOL = RTOL = 1.6e-2
-ENGINE_SPLIT_KEYS = (256, 512, 1024)  # the engine's split boundaries, timed at 4k+ keys
+ENGINE_SPLIT_KEYS = (256, 512, 1024, 2048)  # split boundaries the engine could fix (below ctx)
 # (block_n, num_warps, num_stages, splits factor over choose_num_splits, prefetch_ids) tried
 # by --sweep.
 SWEEP = [(bn, 4, st, f, False) for bn in (32, 64, 128) for st in (2, 3, 4) for f in (1, 2)] + [
@@ -185,10 +185,10 @@ def _bench_shape(
     rows = [row]
     print(_fmt(row), flush=True)
     variants = []
-    if ctx >= 4096:
-        # The engine's splits: fixed boundaries every split_keys keys (TritonBackend:
-        # max(256, max_model_len / 8)), batch-invariant results, a merge whenever S > 1.
-        variants += [(-(-ctx // keys), None, None, 2, False, keys) for keys in ENGINE_SPLIT_KEYS]
+    # The engine's splits: fixed boundaries every split_keys keys (TritonBackend), for
+    # batch-invariant results, a merge whenever S > 1.
+    variants += [(-(-ctx // keys), None, None, 2, False, keys) for keys in ENGINE_SPLIT_KEYS
+                 if keys < ctx]  # fmt: skip
     if sweep and ctx >= 4096:
         variants += [(min(splits * factor, MAX_SPLITS), bn, warps, stages, prefetch, None)
                      for bn, warps, stages, factor, prefetch in SWEEP]  # fmt: skip
