@@ -82,17 +82,22 @@ def shape_line(
     weight: torch.Tensor,
     group: int,
     with_sweep: bool = True,
+    code_bits: int = 8,
 ) -> dict:
     """One shape and M: ``gemm(x, *params)`` (named ``kernel``: "w4a16", "w8a16") against
     ``F.linear`` on the bf16 ``weight``, its tiling sweep (unless not ``with_sweep``: most of
     the time a line takes), and ``dequantize_to(*params, dtype)`` + ``F.linear`` (the large-M
-    path); see the benchmarks' docstrings for the fields."""
+    path); see the benchmarks' docstrings for the fields. ``code_bits``: the codes' width,
+    which picks the default tiles the sweep reports beside its best."""
     out_f, in_f = weight.shape
     x = torch.randn(m, in_f, device=weight.device, dtype=torch.bfloat16)
     linear = torch.nn.functional.linear
     bf16_ms = time_ms(lambda: linear(x, weight), graph=True)
     kernel_ms = time_ms(lambda: gemm(x, *params), graph=True)
-    tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group) if with_sweep else {}
+    tiles = {}
+    if with_sweep:
+        default = choose_tiles(m, out_f, in_f, group, code_bits)
+        tiles = sweep(lambda **kw: gemm(x, *params, **kw), m, out_f, in_f, group, default=default)
     dequant_ms = time_ms(lambda: linear(x, dequantize_to(*params, x.dtype)), graph=True)
     dequant_only_ms = time_ms(lambda: dequantize_to(*params, x.dtype), graph=True)
     eager = {"bf16": time_ms(lambda: linear(x, weight)), kernel: time_ms(lambda: gemm(x, *params))}

@@ -69,7 +69,7 @@ def main() -> None:
             with torch.inference_mode():
                 line = shape_line(name, m, "w4a16", w4a16_linear, dequantize_q4_rows,
                                   (qweight, scales, mins), weight, GROUP,
-                                  with_sweep=not args.no_sweep)  # fmt: skip
+                                  with_sweep=not args.no_sweep, code_bits=4)  # fmt: skip
             print(json.dumps(line), flush=True)
 
 

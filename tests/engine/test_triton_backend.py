@@ -123,3 +123,16 @@ def test_smollm2_triton_backend_on_gpu() -> None:
         return sum(_first_diff(a, b) for a, b in zip(outs, ref, strict=True)) / len(ref)
 
     assert faithfulness("triton") >= faithfulness("torch") - 3.0
+
+
+def test_decode_splits_are_sized_for_the_engines_full_batch() -> None:
+    """Few requests a step: short splits keep the SMs busy; a full batch of hundreds: long
+    ones (fewer program starts and merges). Long contexts keep at most 8 splits a request."""
+    from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+
+    backend = TritonAttentionBackend(num_kv_heads=8)
+    keys = {}
+    for max_len, seqs in ((2048, 8), (2048, 64), (2048, 384), (32768, 384)):
+        backend.set_engine_limits(max_len, seqs)
+        keys[max_len, seqs] = backend.split_keys
+    assert keys == {(2048, 8): 256, (2048, 64): 512, (2048, 384): 1024, (32768, 384): 4096}

@@ -57,7 +57,7 @@ def main() -> None:
     w4 = _compile(
         _w4a16_kernel,
         {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*bf16"},
-        {"stride_xk": 1, "GROUP": 32, **_TILE, "BLOCK_K": 256, "MMA": True},
+        {"stride_xk": 1, "GROUP": 32, **_TILE, "BLOCK_K": 512, "MMA": True},
     )  # fmt: skip
     w8 = _compile(
         _w8a16_kernel,

@@ -157,7 +157,7 @@ class LLMEngine:
             parallel=parallel,
             kv_dtype=kv_dtype,
         )
-        backend.set_max_model_len(self.max_model_len)
+        backend.set_engine_limits(self.max_model_len, config.max_num_seqs)
         self.runner.profiler.enabled = config.profile_steps
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(

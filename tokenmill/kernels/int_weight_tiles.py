@@ -84,8 +84,15 @@ def fit_block_k(block_k: int, k: int, group: int) -> int:
     return block_k
 
 
-def choose_tiles(m: int, n: int, k: int, group: int) -> IntGemmTiles:
-    """The default tiles for an [m, k] @ [k, n] weight-only GEMM (fitted to k and group)."""
+def choose_tiles(m: int, n: int, k: int, group: int, code_bits: int = 8) -> IntGemmTiles:
+    """The default tiles for an [m, k] @ [k, n] weight-only GEMM of ``code_bits``-bit codes
+    (fitted to k and group). 4-bit codes at m <= 16 take narrow column tiles and long K runs,
+    split over K only below two programs per SM: on the H200 (session 15, qkv at M = 1 and
+    16) that was the fastest tiling of the sweep, 25% under 64-column tiles split in two
+    (a split also costs the partials' sum)."""
+    if m <= 16 and code_bits == 4:
+        split = max(1, _TARGET_PROGRAMS // triton.cdiv(n, 32))
+        return IntGemmTiles(16, 32, 512, split, num_warps=4, num_stages=3).fit(k, group)
     if m <= 64:
         block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
         programs = triton.cdiv(m, block_m) * triton.cdiv(n, 64)

@@ -155,7 +155,7 @@ def w4a16_linear(
     m = x.shape[0]
     if m == 0:
         return torch.empty(m, n, dtype=x.dtype, device=x.device)
-    t = tiles.fit(k, group) if tiles else choose_tiles(m, n, k, group)
+    t = tiles.fit(k, group) if tiles else choose_tiles(m, n, k, group, code_bits=4)
     s, mn = scales.contiguous(), mins.contiguous()
     qw = qweight.contiguous()
     y = t.output(m, n, x.dtype, x.device)

@@ -41,8 +41,9 @@ class AttentionBackend(ABC):
     cuda_graphs: ClassVar[bool] = False
     max_decode_query_len: ClassVar[int] = 1
 
-    def set_max_model_len(self, max_model_len: int) -> None:  # noqa: B027 (optional hook)
-        """Told once, after the engine sized its KV cache; a no-op unless a backend needs it."""
+    def set_engine_limits(self, max_model_len: int, max_num_seqs: int) -> None:  # noqa: B027
+        """Told once, after the engine sized its KV cache: the longest request and the most
+        requests a step. An optional hook: a no-op unless a backend needs them."""
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
