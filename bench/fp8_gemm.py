@@ -29,8 +29,10 @@ producer): the FP8 GEMM charged with what quantizing its input adds to the produ
 goal's "activation quantization included". ``unfused_fp8_ms``: the bf16 producer, then the
 FP8 layer quantizing for itself (the path before the fused producers). For down,
 ``producer_fp8_loop_ms`` times silu_and_mul_fp8's two-loop path (its ``block``) against the
-default one-tile path (``producer_fp8_ms``): which is faster at I = 14336 decides the
-default (``_FP8_MAX_ONE_TILE`` in kernels/silu_and_mul.py).
+default one-tile path (``producer_fp8_ms``), and ``producer_fp8_split_ms`` the column-split
+path (its ``split_columns``, kernels/silu_and_mul_fp8_split.py): which is fastest at
+I = 14336, and at which M, decides the default (``_FP8_MAX_ONE_TILE`` in
+kernels/silu_and_mul.py).
 
     python3 bench/fp8_gemm.py [--tokens 16,256,2048,4096,8192]
 """
@@ -65,6 +67,7 @@ PRODUCERS = {"qkv": "rms_norm+residual", "o": "attention (not fused)",
              "gate_up": "rms_norm+residual", "down": "silu_and_mul"}  # fmt: skip
 EPS = 1e-5
 LOOP_BLOCKS = (2048, 4096)  # silu_and_mul_fp8's two-loop path, against its one tile
+SPLIT_COLUMNS = (1024, 2048, 4096)  # its column-split path (silu_and_mul_fp8_split.py)
 MAX_SWEEP_M = 512  # decode batches: where the Triton FP8 GEMM's tilings are swept
 
 
@@ -76,7 +79,7 @@ class Producer:
     fp8_pair: Callable[[], torch.Tensor]  # FP8 producer (writes e4m3 rows), then _scaled_mm
     unfused_fp8: Callable[[], torch.Tensor]  # bf16 producer, then the FP8 layer quantizing
     bf16_producer: Callable[[], object] | None  # None: attention (not timed here)
-    fp8_producer: Callable[..., object] | None  # silu_and_mul_fp8 also takes ``block``
+    fp8_producer: Callable[..., object] | None  # silu_and_mul_fp8 also takes its path
     reset: Callable[[], object] = lambda: None  # the inputs as they were (the residual)
 
 
@@ -105,7 +108,7 @@ def producer(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear) 
             fp8_pair=lambda: scaled_mm(layer, *silu_and_mul_fp8(gate_up)),
             unfused_fp8=lambda: layer(silu_and_mul(gate_up)),
             bf16_producer=lambda: silu_and_mul(gate_up),
-            fp8_producer=lambda block=None: silu_and_mul_fp8(gate_up, block=block),
+            fp8_producer=lambda **path: silu_and_mul_fp8(gate_up, **path),
         )
     x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
     if name == "o":
@@ -206,10 +209,12 @@ def producer_line(
     if p.fp8_producer is not None:
         line["producer_fp8_ms"] = round(time_ms(p.fp8_producer, graph=True), 4)
     if name == "down":
-        line["producer_fp8_loop_ms"] = {
-            b: round(time_ms(lambda b=b: p.fp8_producer(block=b), graph=True), 4)
-            for b in LOOP_BLOCKS
-        }
+        paths = {"loop": ("block", LOOP_BLOCKS), "split": ("split_columns", SPLIT_COLUMNS)}
+        for key, (kw, values) in paths.items():
+            line[f"producer_fp8_{key}_ms"] = {
+                v: round(time_ms(lambda a={kw: v}: p.fp8_producer(**a), graph=True), 4)
+                for v in values
+            }
     return line
 
 

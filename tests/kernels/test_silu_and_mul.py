@@ -71,25 +71,30 @@ def test_silu_and_mul_engine_size(inter, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize(
-    ("t", "inter", "pad", "block"),
+    ("t", "inter", "pad", "path"),
     [
-        (3, 1536, 0, None),  # one tile a row
-        (2, 100, 0, None),  # I not a power of two: a masked tile
-        (17, 192, 40, None),  # strided rows, 16 a program, the second program ragged
-        (5, 200, 0, 64),  # the two loops over I, the last chunk masked
-        (17, 64, 0, 16),  # the loops with several rows a program
+        (3, 1536, 0, {}),  # one tile a row
+        (2, 100, 0, {}),  # I not a power of two: a masked tile
+        (17, 192, 40, {}),  # strided rows, 16 a program, the second program ragged
+        (5, 200, 0, {"block": 64}),  # the two loops over I, the last chunk masked
+        (17, 64, 0, {"block": 16}),  # the loops with several rows a program
+        (5, 200, 0, {"split_columns": 64}),  # columns over programs, the last chunk masked
+        (17, 192, 40, {"split_columns": 32}),  # strided rows, six chunks (eight slots)
+        (3, 100, 0, {"split_columns": 4096}),  # a chunk wider than I: one a row
     ],
 )
-def test_silu_and_mul_fp8_is_quantize_rows_of_the_product(t, inter, pad, block, dtype) -> None:
+def test_silu_and_mul_fp8_is_quantize_rows_of_the_product(t, inter, pad, path, dtype) -> None:
     x = _x(t, inter, dtype, pad)
     x[0] = 0  # an all-zero row: the 1e-12 scale floor
     y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
-    q, scale = silu_and_mul_fp8(x, out=y, block=block)
+    q, scale = silu_and_mul_fp8(x, out=y, **path)
     assert torch.equal(y, silu_and_mul(x))
     assert_fp8_rows_of(q, scale, y)
     assert scale[0].item() == pytest.approx(MIN_SCALE)
-    q_alone, scale_alone = silu_and_mul_fp8(x, block=block)  # y never written
+    q_alone, scale_alone = silu_and_mul_fp8(x, **path)  # y never written
     assert torch.equal(q_alone.float(), q.float()) and torch.equal(scale_alone, scale)
+    q_default, scale_default = silu_and_mul_fp8(x)  # every path gives the same bits
+    assert torch.equal(q_default.float(), q.float()) and torch.equal(scale_default, scale)
     # The torch path's y may be an ulp off (see TOL), so a value one e4m3 step (1/8) away.
     q_ref, scale_ref = silu_and_mul_fp8_ref(x)
     torch.testing.assert_close(
@@ -104,20 +109,25 @@ def test_silu_and_mul_fp8_no_tokens_and_bad_inputs() -> None:
         silu_and_mul_fp8(torch.empty(2, 0, device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
         silu_and_mul_fp8(torch.zeros(2, 64, device=DEVICE), block=24)
+    with pytest.raises(ValueError, match="split_columns must be a power of two"):
+        silu_and_mul_fp8(torch.zeros(2, 64, device=DEVICE), split_columns=0)
     with pytest.raises(ValueError, match="out must be"):
         silu_and_mul_fp8(torch.zeros(2, 64, device=DEVICE), out=torch.empty(2, 31))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("inter", "block"), [(14336, None), (14336, 2048), (1536, None)])
+@pytest.mark.parametrize(
+    ("inter", "path"),
+    [(14336, {}), (14336, {"block": 2048}), (14336, {"split_columns": 2048}), (1536, {})],
+)
 @pytest.mark.parametrize("t", [1, 333, 2048])
-def test_silu_and_mul_fp8_llama8b_width_gpu(t, inter, block, dtype) -> None:
-    """Llama-3-8B's 14336 (one tile, and the loops) and SmolLM2's 1536: exactly the torch
-    path's FP8 rows, as the kernel's y is torch's bit for bit on the GPU."""
+def test_silu_and_mul_fp8_llama8b_width_gpu(t, inter, path, dtype) -> None:
+    """Llama-3-8B's 14336 (one tile, the loops, the column split) and SmolLM2's 1536:
+    exactly the torch path's FP8 rows, as the kernel's y is torch's bit for bit on the GPU."""
     x = _x(t, inter, dtype)
     y = torch.empty(t, inter, dtype=dtype, device=DEVICE)
-    q, scale = silu_and_mul_fp8(x, out=y, block=block)
+    q, scale = silu_and_mul_fp8(x, out=y, **path)
     assert torch.equal(y, silu_and_mul(x))
     assert_fp8_rows_of(q, scale, y)
     q_ref, scale_ref = silu_and_mul_fp8_ref(x)

@@ -235,6 +235,7 @@ def silu_and_mul_fp8(
     *,
     out: torch.Tensor | None = None,  # [T, I] in x's dtype
     block: int | None = None,
+    split_columns: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`silu_and_mul`'s y quantized per row to e4m3 for an FP8 linear layer, in one
     pass over x.
@@ -242,19 +243,28 @@ def silu_and_mul_fp8(
     Returns new tensors (q [T, I] float8_e4m3fn contiguous, scale [T, 1] float32), equal to
     ``quantize_rows(y)``. y itself is written only into ``out``, when given (tests,
     benchmarks); x is read. ``block`` (a power of two) forces the two-loop path when it is
-    below I (tests, benchmarks). Raises ValueError on shape, dtype, device or stride
-    mismatches, for I == 0 (no amax to scale by) and for a ``block`` not a power of two.
+    below I (tests, benchmarks); ``split_columns`` (a power of two) runs the column-split
+    path of silu_and_mul_fp8_split.py, that many columns a program (tests, benchmarks: not
+    yet measured against the others). Raises ValueError on shape, dtype, device or stride
+    mismatches, for I == 0 (no amax to scale by) and for a ``block`` or ``split_columns``
+    not a power of two.
     """
     t, inter = _check_x(x)
     if inter == 0:
         raise ValueError("silu_and_mul_fp8: rows of x are empty (I == 0): no amax to scale by")
-    if block is not None and (block < 1 or block & (block - 1)):
-        raise ValueError(f"silu_and_mul_fp8: block must be a power of two, got {block}")
+    for name, value in (("block", block), ("split_columns", split_columns)):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"silu_and_mul_fp8: {name} must be a power of two, got {value}")
     if out is not None:
         out = _checked_out(out, x, t, inter)
     q = torch.empty(t, inter, dtype=FP8, device=x.device)
     scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     if t == 0:
+        return q, scale
+    if split_columns is not None:
+        from tokenmill.kernels.silu_and_mul_fp8_split import silu_and_mul_fp8_split
+
+        silu_and_mul_fp8_split(x, q, scale, out, split_columns)
         return q, scale
     block, rows, one_tile, num_warps = _fp8_launch_config(inter, block)
     y = out if out is not None else q  # never touched when WRITE_Y is False
