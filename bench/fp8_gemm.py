@@ -34,7 +34,7 @@ path (its ``split_columns``, kernels/silu_and_mul_fp8_split.py): which is fastes
 I = 14336, and at which M, decides the default (``_FP8_MAX_ONE_TILE`` in
 kernels/silu_and_mul.py).
 
-    python3 bench/fp8_gemm.py [--tokens 16,256,2048,4096,8192]
+    python3 bench/fp8_gemm.py [--tokens 16,256,2048,4096,8192] [--no-sweep]
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear) -> dict:
+def layer_line(
+    name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear, max_sweep_m: int
+) -> dict:
     in_f, out_f = weight.shape[1], weight.shape[0]
     x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
     bf16_ms = time_ms(lambda: torch.nn.functional.linear(x, weight), graph=True)
@@ -149,7 +151,7 @@ def layer_line(name: str, m: int, weight: torch.Tensor, layer: RowParallelLinear
         "quant_ms": round(time_ms(lambda: quantize_rows_fp8(x), graph=True), 4),
         "torch_quant_ms": round(time_ms(lambda: quantize_rows_fp8_ref(x), graph=True), 4),
         "mm_ms": round(time_ms(lambda: scaled_mm(layer, x_q, x_scale), graph=True), 4),
-        **triton_columns(layer, x_q, x_scale),
+        **triton_columns(layer, x_q, x_scale, max_sweep_m),
         "eager_ms": {
             "bf16": round(time_ms(lambda: torch.nn.functional.linear(x, weight)), 4),
             "fp8": round(time_ms(lambda: layer(x)), 4),
@@ -167,9 +169,11 @@ def fp8_tilings(m: int, n: int, k: int) -> list[IntGemmTiles]:
     return list(dict.fromkeys(t.fit(k, k) for t in tilings))  # splits that fit K, once each
 
 
-def triton_columns(layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.Tensor) -> dict:
+def triton_columns(
+    layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.Tensor, max_sweep_m: int
+) -> dict:
     """The Triton FP8 GEMM (kernels/fp8_gemm.py) on the same quantized activations as
-    ``mm_ms``: its default tiles, and at M <= MAX_SWEEP_M the sweep's best tiling."""
+    ``mm_ms``: its default tiles, and at M <= ``max_sweep_m`` the sweep's best tiling."""
     w_q, w_scale = layer.weight.t(), layer.weight_scale  # [N, K] rows, [1, N]
     m, (n, k) = x_q.shape[0], w_q.shape
 
@@ -179,7 +183,7 @@ def triton_columns(layer: RowParallelLinear, x_q: torch.Tensor, x_scale: torch.T
     want = scaled_mm(layer, x_q, x_scale).float()
     err = ((gemm().float() - want).norm() / want.norm()).item()
     cols = {"triton_mm_ms": round(time_ms(gemm, graph=True), 4), "triton_vs_mm_error": err}
-    if m <= MAX_SWEEP_M:
+    if m <= max_sweep_m:
         cols["triton_sweep"] = sweep(
             gemm, m, n, k, k, fp8_tilings(m, n, k), default=choose_fp8_tiles(m, n, k)
         )
@@ -221,14 +225,16 @@ def producer_line(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,256,2048,4096,8192")
+    parser.add_argument("--no-sweep", action="store_true", help="only the Triton default tiles")
     args = parser.parse_args()
+    max_sweep_m = 0 if args.no_sweep else MAX_SWEEP_M
     warm_up_gpu()
     for name, (in_f, out_f) in SHAPES.items():
         weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
         layer = fp8_layer(weight.clone())
         for m in (int(t) for t in args.tokens.split(",")):
             with torch.inference_mode():
-                line = layer_line(name, m, weight, layer)
+                line = layer_line(name, m, weight, layer, max_sweep_m)
                 print(json.dumps(line), flush=True)
                 fused = producer_line(name, m, weight, layer, line["bf16_ms"])
                 print(json.dumps(fused), flush=True)

@@ -68,7 +68,7 @@ def main() -> None:
         _fp8_gemm_kernel,
         {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
          "y_ptr": "*bf16"},
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "PARTIAL": False, "DOT_FP32": False},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "PARTIAL": False, "DOT_FP32": False},
     )  # fmt: skip
     loads = {"w4a16": global_loads(w4), "w8a16": global_loads(w8), "fp8": global_loads(fp8)}
     print(json.dumps(loads))

@@ -51,12 +51,14 @@ def test_the_layer_view_and_scaled_mm_agree() -> None:
     torch.testing.assert_close(got, want, **FP32_TOL)
 
 
-def test_default_tiles_fill_the_gpu_and_fit_k() -> None:
-    t = choose_fp8_tiles(256, 6144, 4096)  # the 8B qkv at a decode batch: 4 x 48 tiles
-    assert (t.block_m, t.block_n) == (64, 128) and 4096 % (t.block_k * t.split_k) == 0
-    assert 4 * 48 * t.split_k >= 132  # at least a program per SM of an H200
-    assert choose_fp8_tiles(16, 4096, 4096).split_k == 8  # 32 tiles: split K eight ways
-    assert choose_fp8_tiles(4096, 28672, 4096).split_k == 1  # enough tiles: no split
+def test_default_tiles_are_the_h200_sweeps_best_and_fit_k() -> None:
+    """64 x 64 tiles without split-K; K runs of 256 at decode-sized M, 128 beyond; a K that
+    256 does not divide takes the longest run that does."""
+    t = choose_fp8_tiles(16, 6144, 4096)
+    assert (t.block_m, t.block_n, t.block_k, t.split_k) == (64, 64, 256, 1)
+    t = choose_fp8_tiles(256, 6144, 4096)
+    assert (t.block_m, t.block_n, t.block_k, t.split_k) == (64, 64, 128, 1)
+    assert choose_fp8_tiles(16, 64, 96).block_k == 32
 
 
 def test_refuses_wrong_inputs() -> None:

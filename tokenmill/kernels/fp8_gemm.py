@@ -5,13 +5,13 @@ activation row and per weight row, and its reference.
     w_q      [N, K]  e4m3fn   (the FP8 layer's weight)   w_scale [1, N] fp32
     y[m, n] = x_scale[m] * w_scale[n] * sum_k x_q[m, k] * w_q[n, k]      -> [M, N] out_dtype
 
-The layer runs ``torch._scaled_mm`` (cuBLAS). At decode batches (M of a few hundred) that
-read its FP8 weights at 1.4-2.1 TB/s on the H200 (sessions 13-14: qkv and down 1.4, gate_up
-2.1, at M = 256), under half the HBM bandwidth, and was slower than bf16 at M = 16. Reading
-the weights bounds a GEMM there, so this kernel aims at bandwidth: split-K until the grid
-has a couple of programs per SM, and 16-byte pipelined loads (offsets the compiler can see
-aligned, ``tl.multiple_of``). Whether it beats cuBLAS, and at which M, is for
-bench/fp8_gemm.py to say; the engine does not use it yet.
+The layer runs ``torch._scaled_mm`` (cuBLAS). At M = 16 that was slower than bf16 on the
+H200; this kernel, fed by 16-byte pipelined loads (offsets the compiler can see aligned,
+``tl.multiple_of``), beat it there on qkv (session 15: 0.0135 ms against 0.0212). At
+M = 256 cuBLAS is faster (an FP8 GEMM there is compute-bound: gate_up ran at ~1,080
+TFLOP/s), so the engine does not use this kernel yet: where it wins below that is for
+bench/fp8_gemm.py to say, shape by shape. Split-K (``tiles.split_k``) is there for tilings
+that want it; the default has none.
 
 Kernel: grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), split_k), tiles from int_weight_tiles.py
 (their split-K partials and fixed-order sum too). Each program runs one K run, BLOCK_K at a
@@ -29,9 +29,6 @@ from tokenmill.kernels.fp8_rows import FP8
 from tokenmill.kernels.int_weight_tiles import IntGemmTiles, store_tile
 
 __all__ = ["choose_fp8_tiles", "fp8_gemm", "fp8_gemm_ref"]
-
-_TARGET_PROGRAMS = 264  # two per SM of an H200 (132 SMs)
-
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _fp8_gemm_kernel(
@@ -70,11 +67,12 @@ def _fp8_gemm_kernel(
 
 
 def choose_fp8_tiles(m: int, n: int, k: int) -> IntGemmTiles:
-    """Default tiles: 64-row tiles (the smallest Hopper FP8 tensor-core tile), 128 columns,
-    K in runs of 128, split over K until about two programs per SM."""
-    programs = triton.cdiv(m, 64) * triton.cdiv(n, 128)
-    split = max(1, _TARGET_PROGRAMS // programs)
-    return IntGemmTiles(64, 128, 128, split, num_warps=4, num_stages=4).fit(k, k)
+    """Default tiles: 64-row tiles (the smallest Hopper FP8 tensor-core tile), 64 columns,
+    K in runs of 256 up to 64 rows and 128 beyond, no split-K. The H200 sweep of session 15
+    found these fastest for qkv at M = 16 (0.0135 ms against 0.0193 for 128 columns split
+    four ways) and for qkv, o and gate_up at M = 256 (block_k 128)."""
+    block_k = 256 if m <= 64 else 128
+    return IntGemmTiles(64, 64, block_k, 1, num_warps=4, num_stages=4).fit(k, k)
 
 
 def _check(x_q, x_scale, w_q, w_scale) -> tuple[int, int, int]:
