@@ -30,6 +30,7 @@ from tokenmill.kernels.int_weight_tiles import IntGemmTiles, store_tile
 
 __all__ = ["choose_fp8_tiles", "fp8_gemm", "fp8_gemm_ref"]
 
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr,
