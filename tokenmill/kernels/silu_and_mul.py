@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from tokenmill.kernels.fp8_rows import FP8, quantize_rows
 from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
+from tokenmill.kernels.silu_times import silu_times
 
 __all__ = ["silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_ref", "silu_and_mul_ref"]
 
@@ -50,20 +50,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP8_MAX_ONE_TILE = 16384  # widest row y stays whole in registers for (Llama-3-8B: 14336)
 _FP8_LOOP_BLOCK = 4096
 _ELEMENTS_PER_PROGRAM = 4096
-
-
-@triton.jit
-def _silu_times(g, u, DTYPE: tl.constexpr, CUDA_EXP: tl.constexpr):
-    """silu(g) * u for fp32 g and u, rounded to DTYPE where torch rounds (see above)."""
-    # CUDA's expf and an IEEE division, as torch's silu: tl.exp and `/` are approximations
-    # whose last bits differ from them (0.03% of fp16 outputs off).
-    if CUDA_EXP:
-        e = libdevice.exp(-g)
-    else:
-        e = tl.exp(-g)  # the interpreter has no libdevice (numpy's exp)
-    s = tl.math.div_rn(g, 1.0 + e)
-    s = s.to(DTYPE).to(tl.float32)
-    return (s * u).to(DTYPE)
 
 
 @triton.jit
@@ -86,7 +72,7 @@ def _silu_and_mul_kernel(
     row = x_ptr + t * stride_xt
     g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _silu_times(g, u, out_ptr.dtype.element_ty, CUDA_EXP)
+    y = silu_times(g, u, out_ptr.dtype.element_ty, CUDA_EXP)
     tl.store(out_ptr + t * stride_ot + cols, y, mask=mask)
 
 
@@ -124,7 +110,7 @@ def _silu_and_mul_fp8_kernel(
         mask = row_mask[:, None] & (offs < inter)
         g = tl.load(gate_rows + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gate_rows + inter + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _silu_times(g, u, dtype, CUDA_EXP)  # masked columns: silu(0) * 0 = 0
+        y = silu_times(g, u, dtype, CUDA_EXP)  # masked columns: silu(0) * 0 = 0
         if WRITE_Y:
             tl.store(y_rows + offs, y, mask=mask)
         yf = y.to(tl.float32)  # the rounded y, exactly: what quantize_rows(y) reads
@@ -137,7 +123,7 @@ def _silu_and_mul_fp8_kernel(
             mask = row_mask[:, None] & (i0 + offs < inter)
             g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            y = _silu_times(g, u, dtype, CUDA_EXP)
+            y = silu_times(g, u, dtype, CUDA_EXP)
             if WRITE_Y:
                 tl.store(y_rows + i0 + offs, y, mask=mask)
             amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), axis=1))
@@ -148,7 +134,7 @@ def _silu_and_mul_fp8_kernel(
             mask = row_mask[:, None] & (i0 + offs < inter)
             g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            yf = _silu_times(g, u, dtype, CUDA_EXP).to(tl.float32)
+            yf = silu_times(g, u, dtype, CUDA_EXP).to(tl.float32)
             q = to_e4m3(yf, scale[:, None], ROUND_IN_FP32)
             tl.store(q_rows + i0 + offs, q, mask=mask)
 

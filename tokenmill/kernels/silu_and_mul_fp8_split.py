@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
-from tokenmill.kernels.silu_and_mul import _silu_times
+from tokenmill.kernels.silu_times import silu_times
 
 __all__ = ["silu_and_mul_fp8_split"]
 
@@ -48,7 +48,7 @@ def _chunk_amax_kernel(
     gate = x_ptr + row * stride_xt
     g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP)  # masked: silu(0) * 0 = 0
+    y = silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP)  # masked: silu(0) * 0 = 0
     if WRITE_Y:
         tl.store(y_ptr + row * stride_yt + offs, y, mask=mask)
     tl.store(partial_ptr + row * num_chunks + chunk, tl.max(tl.abs(y.to(tl.float32)), axis=0))
@@ -76,7 +76,7 @@ def _chunk_quantize_kernel(
     gate = x_ptr + row * stride_xt
     g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gate + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    yf = _silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP).to(tl.float32)
+    yf = silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP).to(tl.float32)
     tl.store(q_ptr + row * stride_qt + offs, to_e4m3(yf, scale, ROUND_IN_FP32), mask=mask)
 
 
