@@ -33,8 +33,6 @@ whole row's amax, so a program owns whole rows:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -42,7 +40,8 @@ import triton.language as tl
 
 from tokenmill.kernels.fp8_rows import FP8, quantize_rows
 from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
-from tokenmill.kernels.silu_times import silu_times
+from tokenmill.kernels.silu_and_mul_fp8_split import silu_and_mul_fp8_split
+from tokenmill.kernels.silu_times import cuda_exp, silu_times_at
 
 __all__ = ["silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_ref", "silu_and_mul_ref"]
 
@@ -70,9 +69,7 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     row = x_ptr + t * stride_xt
-    g = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    y = silu_times(g, u, out_ptr.dtype.element_ty, CUDA_EXP)
+    y = silu_times_at(row, cols, mask, inter, out_ptr.dtype.element_ty, CUDA_EXP)
     tl.store(out_ptr + t * stride_ot + cols, y, mask=mask)
 
 
@@ -108,9 +105,7 @@ def _silu_and_mul_fp8_kernel(
 
     if ONE_TILE:
         mask = row_mask[:, None] & (offs < inter)
-        g = tl.load(gate_rows + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gate_rows + inter + offs, mask=mask, other=0.0).to(tl.float32)
-        y = silu_times(g, u, dtype, CUDA_EXP)  # masked columns: silu(0) * 0 = 0
+        y = silu_times_at(gate_rows, offs, mask, inter, dtype, CUDA_EXP)
         if WRITE_Y:
             tl.store(y_rows + offs, y, mask=mask)
         yf = y.to(tl.float32)  # the rounded y, exactly: what quantize_rows(y) reads
@@ -121,9 +116,7 @@ def _silu_and_mul_fp8_kernel(
         amax = tl.zeros([ROWS], dtype=tl.float32)
         for i0 in range(0, inter, BLOCK):
             mask = row_mask[:, None] & (i0 + offs < inter)
-            g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            y = silu_times(g, u, dtype, CUDA_EXP)
+            y = silu_times_at(gate_rows + i0, offs, mask, inter, dtype, CUDA_EXP)
             if WRITE_Y:
                 tl.store(y_rows + i0 + offs, y, mask=mask)
             amax = tl.maximum(amax, tl.max(tl.abs(y.to(tl.float32)), axis=1))
@@ -132,9 +125,7 @@ def _silu_and_mul_fp8_kernel(
         for i0 in range(0, inter, BLOCK):
             # y again, recomputed: the same formula gives the same bits
             mask = row_mask[:, None] & (i0 + offs < inter)
-            g = tl.load(gate_rows + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(gate_rows + inter + i0 + offs, mask=mask, other=0.0).to(tl.float32)
-            yf = silu_times(g, u, dtype, CUDA_EXP).to(tl.float32)
+            yf = silu_times_at(gate_rows + i0, offs, mask, inter, dtype, CUDA_EXP).to(tl.float32)
             q = to_e4m3(yf, scale[:, None], ROUND_IN_FP32)
             tl.store(q_rows + i0 + offs, q, mask=mask)
 
@@ -210,7 +201,7 @@ def silu_and_mul(
         x.stride(0),
         out.stride(0),
         BLOCK=block,
-        CUDA_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+        CUDA_EXP=cuda_exp(),
         num_warps=num_warps,
     )
     return out
@@ -248,8 +239,6 @@ def silu_and_mul_fp8(
     if t == 0:
         return q, scale
     if split_columns is not None:
-        from tokenmill.kernels.silu_and_mul_fp8_split import silu_and_mul_fp8_split
-
         silu_and_mul_fp8_split(x, q, scale, out, split_columns)
         return q, scale
     block, rows, one_tile, num_warps = _fp8_launch_config(inter, block)
@@ -268,7 +257,7 @@ def silu_and_mul_fp8(
         BLOCK=block,
         ONE_TILE=one_tile,
         WRITE_Y=out is not None,
-        CUDA_EXP=os.environ.get("TRITON_INTERPRET") != "1",
+        CUDA_EXP=cuda_exp(),
         ROUND_IN_FP32=round_in_fp32(),
         num_warps=num_warps,
     )

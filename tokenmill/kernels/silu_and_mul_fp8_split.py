@@ -21,14 +21,12 @@ bench/fp8_gemm.py's down line to say; the engine does not use it until then.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8_tiles import round_in_fp32, row_scale, to_e4m3
-from tokenmill.kernels.silu_times import silu_times
+from tokenmill.kernels.silu_times import cuda_exp, silu_times_at
 
 __all__ = ["silu_and_mul_fp8_split"]
 
@@ -46,9 +44,7 @@ def _chunk_amax_kernel(
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < inter
     gate = x_ptr + row * stride_xt
-    g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    y = silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP)  # masked: silu(0) * 0 = 0
+    y = silu_times_at(gate, offs, mask, inter, x_ptr.dtype.element_ty, CUDA_EXP)
     if WRITE_Y:
         tl.store(y_ptr + row * stride_yt + offs, y, mask=mask)
     tl.store(partial_ptr + row * num_chunks + chunk, tl.max(tl.abs(y.to(tl.float32)), axis=0))
@@ -74,9 +70,7 @@ def _chunk_quantize_kernel(
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < inter
     gate = x_ptr + row * stride_xt
-    g = tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    yf = silu_times(g, u, x_ptr.dtype.element_ty, CUDA_EXP).to(tl.float32)
+    yf = silu_times_at(gate, offs, mask, inter, x_ptr.dtype.element_ty, CUDA_EXP).to(tl.float32)
     tl.store(q_ptr + row * stride_qt + offs, to_e4m3(yf, scale, ROUND_IN_FP32), mask=mask)
 
 
@@ -93,15 +87,14 @@ def silu_and_mul_fp8_split(
     chunk = min(chunk, triton.next_power_of_2(inter))
     num_chunks = triton.cdiv(inter, chunk)
     partial = torch.empty(t, num_chunks, dtype=torch.float32, device=x.device)
-    cuda_exp = os.environ.get("TRITON_INTERPRET") != "1"
     num_warps = max(1, min(8, chunk // 256))  # 8 outputs (16 inputs) a thread
     y = out if out is not None else q  # never touched when WRITE_Y is False
     _chunk_amax_kernel[(t, num_chunks)](
         x, partial, y, inter, num_chunks, x.stride(0), y.stride(0),
-        CHUNK=chunk, WRITE_Y=out is not None, CUDA_EXP=cuda_exp, num_warps=num_warps,
+        CHUNK=chunk, WRITE_Y=out is not None, CUDA_EXP=cuda_exp(), num_warps=num_warps,
     )  # fmt: skip
     _chunk_quantize_kernel[(t, num_chunks)](
         x, partial, q, scale, inter, num_chunks, x.stride(0), q.stride(0),
-        CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(num_chunks), CUDA_EXP=cuda_exp,
+        CHUNK=chunk, CHUNKS_P2=triton.next_power_of_2(num_chunks), CUDA_EXP=cuda_exp(),
         ROUND_IN_FP32=round_in_fp32(), num_warps=num_warps,
     )  # fmt: skip
