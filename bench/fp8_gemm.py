@@ -28,11 +28,11 @@ model runs them (fp8_activation.py):
 producer): the FP8 GEMM charged with what quantizing its input adds to the producer, the
 goal's "activation quantization included". ``unfused_fp8_ms``: the bf16 producer, then the
 FP8 layer quantizing for itself (the path before the fused producers). For down,
-``producer_fp8_loop_ms`` times silu_and_mul_fp8's two-loop path (its ``block``) against the
-default one-tile path (``producer_fp8_ms``), and ``producer_fp8_split_ms`` the column-split
-path (its ``split_columns``, kernels/silu_and_mul_fp8_split.py): which is fastest at
-I = 14336, and at which M, decides the default (``_FP8_MAX_ONE_TILE`` in
-kernels/silu_and_mul.py).
+``producer_fp8_loop_ms`` times silu_and_mul_fp8 with its ``block``: the two-loop path at 2048
+and 4096, the one tile at 16384, against the default (``producer_fp8_ms``: the column split
+of 1,024 columns at I = 14336), and ``producer_fp8_split_ms`` the column split at other
+widths (``split_columns``, kernels/silu_and_mul_fp8_split.py): which is fastest at I = 14336,
+and at which M, decides the default (the top of kernels/silu_and_mul.py).
 
     python3 bench/fp8_gemm.py [--tokens 16,256,2048,4096,8192] [--no-sweep]
 """
@@ -66,7 +66,7 @@ SHAPES = LINEAR_SHAPES  # name: (in, out)
 PRODUCERS = {"qkv": "rms_norm+residual", "o": "attention (not fused)",
              "gate_up": "rms_norm+residual", "down": "silu_and_mul"}  # fmt: skip
 EPS = 1e-5
-LOOP_BLOCKS = (2048, 4096)  # silu_and_mul_fp8's two-loop path, against its one tile
+LOOP_BLOCKS = (2048, 4096, 16384)  # silu_and_mul_fp8's two loops; 16384: its one tile
 SPLIT_COLUMNS = (1024, 2048, 4096)  # its column-split path (silu_and_mul_fp8_split.py)
 MAX_SWEEP_M = 512  # decode batches: where the Triton FP8 GEMM's tilings are swept
 
@@ -226,10 +226,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,256,2048,4096,8192")
     parser.add_argument("--no-sweep", action="store_true", help="only the Triton default tiles")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, a subset")
     args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"--shapes: unknown {sorted(unknown)}; the shapes are {list(SHAPES)}")
     max_sweep_m = 0 if args.no_sweep else MAX_SWEEP_M
     warm_up_gpu()
-    for name, (in_f, out_f) in SHAPES.items():
+    for name in args.shapes.split(","):
+        in_f, out_f = SHAPES[name]
         weight = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) * 0.02
         layer = fp8_layer(weight.clone())
         for m in (int(t) for t in args.tokens.split(",")):

@@ -81,6 +81,7 @@ def test_silu_and_mul_engine_size(inter, dtype) -> None:
         (5, 200, 0, {"split_columns": 64}),  # columns over programs, the last chunk masked
         (17, 192, 40, {"split_columns": 32}),  # strided rows, six chunks (eight slots)
         (3, 100, 0, {"split_columns": 4096}),  # a chunk wider than I: one a row
+        (2, 5000, 0, {"block": 8192}),  # one tile where the default splits the columns
     ],
 )
 def test_silu_and_mul_fp8_is_quantize_rows_of_the_product(t, inter, pad, path, dtype) -> None:
@@ -119,11 +120,17 @@ def test_silu_and_mul_fp8_no_tokens_and_bad_inputs() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("inter", "path"),
-    [(14336, {}), (14336, {"block": 2048}), (14336, {"split_columns": 2048}), (1536, {})],
+    [
+        (14336, {}),  # the default: the column split, 1,024 columns a program
+        (14336, {"block": 16384}),  # one tile
+        (14336, {"block": 2048}),  # the two loops
+        (14336, {"split_columns": 2048}),
+        (1536, {}),  # one tile
+    ],
 )
 @pytest.mark.parametrize("t", [1, 333, 2048])
 def test_silu_and_mul_fp8_llama8b_width_gpu(t, inter, path, dtype) -> None:
-    """Llama-3-8B's 14336 (one tile, the loops, the column split) and SmolLM2's 1536:
+    """Llama-3-8B's 14336 (the column split, one tile, the loops) and SmolLM2's 1536:
     exactly the torch path's FP8 rows, as the kernel's y is torch's bit for bit on the GPU."""
     x = _x(t, inter, dtype)
     y = torch.empty(t, inter, dtype=dtype, device=DEVICE)

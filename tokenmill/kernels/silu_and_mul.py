@@ -23,12 +23,18 @@ y is rounded to x's dtype first and widened back to fp32 (exactly), which is wha
 ``quantize_rows(y)`` reads; with fp8_tiles.py's IEEE divisions and round-to-nearest-even
 cast, q and scale equal ``quantize_rows(y)`` bit for bit, and y is the plain kernel's y (an
 element-wise formula: no order of operations changes with the tiling). A scale needs the
-whole row's amax, so a program owns whole rows:
+whole row's amax, so a program owns whole rows, or its rows' columns are spread over
+programs of a second kernel file:
 
-    I <= 16384  one tile [ROWS, BLOCK], BLOCK = next_power_of_2(I) (16384 for Llama-3-8B's
-                14336): y stays in registers from the amax to the store (one pass)
-    I >  16384  (or an explicit ``block``) two loops over I in chunks of BLOCK: y and its
-                amax, then y again (re-read, mostly from L2, and recomputed) and its store
+    I <= 4096   one tile [ROWS, BLOCK], BLOCK = next_power_of_2(I): y stays in registers
+                from the amax to the store (one pass)
+    I >  4096   the column split (silu_and_mul_fp8_split.py, 1,024 columns a program): the
+                fastest path at Llama-3-8B's 14,336 at every T measured on the H200
+                (bench/fp8_gemm.py, session 16: T=16 0.0081 ms against the one tile's
+                0.0122, T=256 0.0182 / 0.0214, T=8192 0.348 / 0.526, the two loops 0.342)
+    ``block``   (tests, benchmarks) one tile when block >= I, else two loops over I in
+                chunks of BLOCK: y and its amax, then y again (re-read, mostly from L2,
+                and recomputed) and its store
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ from tokenmill.kernels.silu_times import cuda_exp, silu_times_at
 __all__ = ["silu_and_mul", "silu_and_mul_fp8", "silu_and_mul_fp8_ref", "silu_and_mul_ref"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FP8_MAX_ONE_TILE = 16384  # widest row y stays whole in registers for (Llama-3-8B: 14336)
-_FP8_LOOP_BLOCK = 4096
+_FP8_MAX_ONE_TILE = 4096  # widest row the default path keeps in one program's registers
+_FP8_SPLIT_COLUMNS = 1024  # the column split's chunk for wider rows (see the top)
 _ELEMENTS_PER_PROGRAM = 4096
 
 
@@ -143,8 +149,7 @@ def _launch_config(inter: int) -> tuple[int, int]:
 def _fp8_launch_config(inter: int, block: int | None) -> tuple[int, int, bool, int]:
     """(BLOCK, ROWS, ONE_TILE, num_warps) of the FP8 kernel for rows of I outputs."""
     if block is None:
-        whole = triton.next_power_of_2(inter)
-        block = whole if whole <= _FP8_MAX_ONE_TILE else _FP8_LOOP_BLOCK
+        block = triton.next_power_of_2(inter)
     rows = max(1, min(16, _ELEMENTS_PER_PROGRAM // block))
     # 16 outputs (32 inputs) a thread: 8 warps for a 4096-wide tile, 16 (the most) past it
     num_warps = max(1, min(16, rows * block // 512))
@@ -220,11 +225,11 @@ def silu_and_mul_fp8(
     Returns new tensors (q [T, I] float8_e4m3fn contiguous, scale [T, 1] float32), equal to
     ``quantize_rows(y)``. y itself is written only into ``out``, when given (tests,
     benchmarks); x is read. ``block`` (a power of two) forces the two-loop path when it is
-    below I (tests, benchmarks); ``split_columns`` (a power of two) runs the column-split
-    path of silu_and_mul_fp8_split.py, that many columns a program (tests, benchmarks: not
-    yet measured against the others). Raises ValueError on shape, dtype, device or stride
-    mismatches, for I == 0 (no amax to scale by) and for a ``block`` or ``split_columns``
-    not a power of two.
+    below I, the one-tile path when it is not (tests, benchmarks); ``split_columns`` (a
+    power of two) runs the column-split path of silu_and_mul_fp8_split.py with that many
+    columns a program, which is the default for I > 4096 (see the top). Raises ValueError
+    on shape, dtype, device or stride mismatches, for I == 0 (no amax to scale by) and for
+    a ``block`` or ``split_columns`` not a power of two.
     """
     t, inter = _check_x(x)
     if inter == 0:
@@ -238,6 +243,8 @@ def silu_and_mul_fp8(
     scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     if t == 0:
         return q, scale
+    if split_columns is None and block is None and inter > _FP8_MAX_ONE_TILE:
+        split_columns = _FP8_SPLIT_COLUMNS
     if split_columns is not None:
         silu_and_mul_fp8_split(x, q, scale, out, split_columns)
         return q, scale
