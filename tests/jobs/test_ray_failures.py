@@ -33,6 +33,10 @@ ray = pytest.importorskip("ray")
 SMALL = {"engine": {"max_num_seqs": 2}, "sampling": {"max_tokens": 16}}
 RAY = {"executor": "ray", "replicas": 2, "ray_address": None}
 SHARDS = 12  # the kill test's 48 rows, 4 a shard
+# The kill test's rows are longer: on a loaded 2-core machine (CI, the suite in two workers)
+# 16-token rows could all be answered before the first shard was committed, leaving the
+# killer no stepping replica to kill (seen once, 2026-12-03).
+LONG_ROWS = {**SMALL, "sampling": {"max_tokens": 40}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,14 +125,14 @@ def test_a_replica_killed_mid_job_costs_no_row(
     tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(48))
-    local = job_dict(tiny_model, src, tmp_path / "local", **SMALL)
+    local = job_dict(tiny_model, src, tmp_path / "local", **LONG_ROWS)
     assert run_job(local, show_progress=False).status == "complete"
 
     out = tmp_path / "ray"
     seed = random.randrange(1 << 30)
     killer = _Killer(out / "kill.manifest.json", random.Random(seed))
     killer.start()
-    spec = job_dict(tiny_model, src, out, name="kill", execution=RAY, **SMALL)
+    spec = job_dict(tiny_model, src, out, name="kill", execution=RAY, **LONG_ROWS)
     with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
         assert _run_cli(spec, tmp_path) == 0, f"seed {seed}"
     killer.join(5)
