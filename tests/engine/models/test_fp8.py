@@ -17,12 +17,19 @@ from tokenmill.engine.attention.backend import get_attention_backend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_loader import build_model
-from tokenmill.engine.models.fp8 import FP8_MAX, Fp8Method, fp8_linear_reference, quantize_rows
+from tokenmill.engine.models.fp8 import (
+    FP8_MAX,
+    TRITON_MAX_ROWS,
+    Fp8Method,
+    fp8_linear_reference,
+    quantize_rows,
+)
 from tokenmill.engine.models.fp8_activation import QuantizedActivation
 from tokenmill.engine.models.layers import RMSNorm, silu_and_mul
 from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.spec import JobSpec
+from tokenmill.kernels.fp8_gemm import fp8_gemm
 
 
 def test_rows_quantize_to_their_own_scale() -> None:
@@ -213,15 +220,25 @@ def test_producer_outputs_are_quantize_rows_of_their_float_outputs(fused: bool) 
 
 @pytest.mark.gpu
 def test_gpu_fp8_layers_and_a_model_in_cuda_graphs(tmp_path: Path) -> None:
-    """On the GPU: _scaled_mm's fp8 tensor-core product equals the written-out arithmetic
-    (bf16 output), and a model runs in fp8 through CUDA graphs like it does eagerly."""
+    """On the GPU: the layer's product equals the written-out arithmetic (bf16 output) on
+    both of its paths: up to TRITON_MAX_ROWS rows the Triton kernel's own bits, past it
+    _scaled_mm's; and a model runs in fp8 through CUDA graphs like it does eagerly."""
     layer = RowParallelLinear(256, 128, quant_method=Fp8Method(), params_dtype=torch.bfloat16)
     w = torch.randn(128, 256, dtype=torch.bfloat16, device="cuda")
     layer = layer.cuda()
     layer.weight.data.copy_(w)
     layer.quant_method.process_weights_after_loading(layer)
-    x = torch.randn(40, 256, dtype=torch.bfloat16, device="cuda")
-    torch.testing.assert_close(layer(x).float(), fp8_linear_reference(x, w), rtol=2e-2, atol=0.1)
+    for rows in (1, 40, TRITON_MAX_ROWS, TRITON_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16, device="cuda")
+        got = layer(x)
+        torch.testing.assert_close(got.float(), fp8_linear_reference(x, w), rtol=2e-2, atol=0.1)
+        x_q, x_scale = quantize_rows(x)
+        w_scale = layer.weight_scale
+        if rows <= TRITON_MAX_ROWS:
+            want = fp8_gemm(x_q, x_scale, layer.weight.t(), w_scale, torch.bfloat16)
+        else:
+            want = torch._scaled_mm(x_q, layer.weight, x_scale, w_scale, out_dtype=torch.bfloat16)
+        assert torch.equal(got, want), rows
     path = save_tiny_model("llama", tmp_path / "m")
     prompts = [[5 + i, 9, 17, 33 + i] for i in range(8)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -6,9 +6,11 @@ quantized per token on the fly, one scaled matmul.
     forward: s_x[t] = max|x[t, :]| / 448             x_q = e4m3(x / s_x)      [T, in]
              y = (x_q @ W_q^T) * s_x[:, None] * s_w[None, :]   (+ bias)       [T, out]
 
-448 is e4m3's largest finite value, so nothing saturates. The product runs in
-``torch._scaled_mm`` (fp8 tensor cores on Hopper and newer GPUs; a plain path on CPU) with
-fp32 accumulation; ``fp8_linear_reference`` writes the same arithmetic out in fp32 for tests.
+448 is e4m3's largest finite value, so nothing saturates. The product runs with fp32
+accumulation in ``torch._scaled_mm`` (cuBLAS's fp8 tensor-core kernels; a plain path on CPU),
+or, on CUDA for up to ``TRITON_MAX_ROWS`` rows, in the Triton kernel kernels/fp8_gemm.py:
+whichever the H200 measured faster at that size (see ``TRITON_MAX_ROWS``).
+``fp8_linear_reference`` writes the same arithmetic out in fp32 for tests.
 Weights take half the bytes of bf16, and decode, bound by reading them, gets faster. The LM
 head and the embeddings stay in the model's dtype (they are not linear layers here).
 
@@ -25,7 +27,8 @@ value, the same for every row of that part: q, k and v each have their own).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +38,16 @@ from tokenmill.engine.models.quantization import UnquantizedMethod
 from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
 from tokenmill.kernels.fp8_rows import FP8, FP8_MAX, quantize_rows
 
-__all__ = ["FP8_MAX", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
+__all__ = ["FP8_MAX", "TRITON_MAX_ROWS", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
+
+# Products of up to this many rows run in the Triton kernel, larger ones in cuBLAS. On the
+# H200 (bench/fp8_gemm.py --no-sweep, session 16) Triton was faster on every Llama-3-8B shape
+# at M = 16 and 64 (qkv 0.0138 against 0.0212 ms at 16, down 0.0292 against 0.0401 at 64: a
+# decode-sized product is bound by reading the weight, and cuBLAS's fp8 kernels are not tuned
+# for it) and slower on three of four from M = 256 (compute-bound; up to 2x at M >= 2,048).
+# A row's bits thus depend on whether its step has more than 64 rows, as they already did on
+# cuBLAS's own choice of kernel by M.
+TRITON_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -109,14 +121,27 @@ class Fp8Method(UnquantizedMethod):
     ) -> torch.Tensor:
         if not isinstance(x, QuantizedActivation):
             x = quantize_activation(x)  # [T, in] e4m3, [T, 1] fp32
-        y = torch._scaled_mm(
-            x.values,
-            layer.weight,
-            scale_a=x.scales,
-            scale_b=layer.weight_scale,
-            out_dtype=layer.out_dtype,
-        )  # [T, out]
+        if x.values.is_cuda and x.values.shape[0] <= TRITON_MAX_ROWS:
+            w_q = layer.weight.t()  # [out, in] row-major: the weight is its column-major view
+            y = _triton_fp8_gemm()(x.values, x.scales, w_q, layer.weight_scale, layer.out_dtype)
+        else:
+            y = torch._scaled_mm(
+                x.values,
+                layer.weight,
+                scale_a=x.scales,
+                scale_b=layer.weight_scale,
+                out_dtype=layer.out_dtype,
+            )  # [T, out]
         return y if bias is None else y + bias
+
+
+@functools.cache
+def _triton_fp8_gemm() -> Callable[..., torch.Tensor]:
+    """The Triton FP8 GEMM, imported on the first CUDA forward that takes it: building a
+    model, or running it on CPU, never needs Triton."""
+    from tokenmill.kernels.fp8_gemm import fp8_gemm
+
+    return fp8_gemm
 
 
 def fp8_linear_reference(
