@@ -79,6 +79,8 @@ class _Fault:
     code: str = "SlowDown"
     after_forward: bool = False
     hang_s: float = 30.0
+    armed_by: str | None = None  # inactive until ``arm_puts`` PUTs to a path ending so
+    arm_puts: int = 1  # have been forwarded
 
     def matches(self, method: str, path: str) -> bool:
         if self.methods is not None and method not in self.methods:
@@ -157,11 +159,16 @@ class FaultProxy:
         methods: tuple[str, ...] | None = ("PUT",),
         path_contains: str = "",
         after_forward: bool = False,
+        armed_by: str | None = None,
+        armed_after: int = 1,
     ) -> None:
         """Add a fault: answer ``status`` with S3 error ``code`` to matching requests, the
         next ``count`` of them (None: all), each with probability ``fraction`` (seeded). With
         ``after_forward`` the request reaches the target first, so the write happens but the
-        client sees an error. Faults added earlier are asked first."""
+        client sees an error. With ``armed_by`` the fault waits until ``armed_after`` PUTs to a
+        path ending in it have been forwarded (a job's manifest, written once when the job
+        starts and again at each commit: 2 is "from its first commit on"), counted in the
+        proxy, so no test thread races the job. Faults added earlier are asked first."""
         self._add(
             _Fault(
                 "error",
@@ -172,6 +179,8 @@ class FaultProxy:
                 status=status,
                 code=code,
                 after_forward=after_forward,
+                armed_by=armed_by,
+                arm_puts=armed_after,
             )
         )
 
@@ -213,7 +222,7 @@ class FaultProxy:
         """The first fault that hits this request, if any (counts it against ``count``)."""
         with self._lock:
             for fault in self._faults:
-                if not fault.matches(method, path):
+                if fault.armed_by is not None or not fault.matches(method, path):
                     continue
                 if fault.remaining is not None and fault.remaining <= 0:
                     continue
@@ -223,6 +232,18 @@ class FaultProxy:
                     fault.remaining -= 1
                 return fault
             return None
+
+    def _arm(self, method: str, path: str) -> None:
+        """A request was forwarded: arm the faults waiting for a PUT to this path."""
+        if method != "PUT":
+            return
+        path = path.split("?", 1)[0]
+        with self._lock:
+            for fault in self._faults:
+                if fault.armed_by is not None and path.endswith(fault.armed_by):
+                    fault.arm_puts -= 1
+                    if fault.arm_puts <= 0:
+                        fault.armed_by = None
 
     # -- serving -------------------------------------------------------------------------
 
@@ -314,6 +335,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         status, reason, headers, payload = self._forward(body)
         proxy.count("forwarded")
+        if status < 300:
+            proxy._arm(self.command, self.path)
         if fault is not None:
             proxy.count("failed_after_forward")
             self._send_error(fault)

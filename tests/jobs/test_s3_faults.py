@@ -93,9 +93,12 @@ class _S3Job:
 
     def wait_for_commit(self, proc: subprocess.Popen, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline:
+            ended = proc.poll() is not None  # before the look: a commit just before exit counts
             if self.shards():
                 return
+            if ended:
+                break
             time.sleep(0.02)
         pytest.fail(f"the job ended before its first commit (exit {proc.poll()})")
 
@@ -207,10 +210,15 @@ def test_store_down_for_good_exits_75_then_resumes(
     a rerun completes. (A store refusing connections for good: see the "refuse" case above.)"""
     _, want = reference
     job = s3_job(timeout_s=1.0, retries=1)
+    # Armed in the proxy by the manifest's second write (the first names the job, the second
+    # is the first commit): a test thread that waited for the commit and then added the
+    # fault lost the race on a loaded machine (the job had committed all 8 shards by then).
+    faulty_s3.proxy.fail(
+        500, "InternalError", methods=None, armed_by="test.manifest.json", armed_after=2
+    )
     proc = job.start()
     job.wait_for_commit(proc)
     committed = job.shards()
-    faulty_s3.proxy.fail(500, "InternalError", methods=None)
     _assert_storage_exit(*job.finish(proc))
     assert committed.items() <= job.shards().items(), "a committed shard was lost"
     assert len(job.shards()) < ROWS // 4
