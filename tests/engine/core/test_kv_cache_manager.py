@@ -181,6 +181,27 @@ def test_allocation_failure_changes_nothing() -> None:
     assert _snapshot(mgr) == before
 
 
+def test_append_blocks_gives_running_requests_blocks_as_allocate_slots_would() -> None:
+    """The decode rows that start new blocks get them in one call: the same blocks, in the
+    same order, as one allocate_slots call per row; too few free blocks change nothing."""
+    mgrs = [KVCacheManager(num_blocks=12, block_size=4) for _ in range(2)]
+    for mgr in mgrs:
+        for rid in "abc":
+            req = FakeRequest(rid, list(range(8)))
+            assert mgr.allocate_slots(req, 8)
+            req.num_computed_tokens = 8
+    rows = [FakeRequest("a", list(range(9)), 8), FakeRequest("c", list(range(9)), 8)]
+    for req, count in zip(rows, (1, 2), strict=True):
+        assert mgrs[0].allocate_slots(req, 4 * count - 3)  # 1 and 5 more tokens: 1, 2 blocks
+    assert mgrs[1].append_blocks(rows, [1, 2]) == [6, 7, 8]
+    assert _snapshot(mgrs[1]) == _snapshot(mgrs[0])
+    mgrs[1].check_integrity()
+    before = _snapshot(mgrs[1])
+    with pytest.raises(ValueError, match="asked for 4 blocks, 3 are free"):
+        mgrs[1].append_blocks(rows, [2, 2])
+    assert _snapshot(mgrs[1]) == before
+
+
 def test_free_hit_blocks_are_not_counted_twice() -> None:
     mgr = KVCacheManager(num_blocks=4, block_size=2)
     a = FakeRequest("a", [1, 2, 3, 4, 5])

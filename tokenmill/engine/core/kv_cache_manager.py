@@ -259,6 +259,21 @@ class KVCacheManager:
         state.block_ids.extend(b.block_id for b in self.pool.allocate(num_fresh))
         return True
 
+    def append_blocks(self, requests: Sequence[KVRequest], counts: Sequence[int]) -> list[int]:
+        """Give each of ``requests`` (running: each holds blocks already) ``counts[i]`` fresh
+        blocks at the end of its table, in one pass: the decode rows whose next tokens start
+        a new block, most steps a few of them. Returns the new block ids, request after
+        request. Raises ValueError, changing nothing, when too few blocks are free."""
+        total = sum(counts)
+        if total > self.pool.num_free_blocks:
+            raise ValueError(f"asked for {total} blocks, {self.pool.num_free_blocks} are free")
+        ids = [block.block_id for block in self.pool.allocate(total)]
+        at = 0
+        for request, count in zip(requests, counts, strict=True):
+            self._states[request.request_id].block_ids.extend(ids[at : at + count])
+            at += count
+        return ids
+
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks (tail first, so its tail is evicted first) and forget
         its table and hashes. Freed cached blocks keep their KV for later hits. A request

@@ -180,11 +180,8 @@ class Scheduler:
             s.num_drafts[order] = 0
             s.draft_tree[order] = False
             return self._schedule_running_loop(budget)
-        for i in grow.tolist():  # the rows that start a new block: 1 in block_size decodes
-            slot = int(order[i])
-            if not self.kv.allocate_slots(s.requests[slot], int(num_new[i])):
-                raise RuntimeError(f"KV allocation failed for slot {slot} despite free blocks")
-            self._sync_blocks(slot)
+        if len(grow):  # the rows that start a new block: 1 in block_size decodes
+            self._append_blocks(order[grow], need[grow])
         if self.proposer is not None and draft:
             self.stats.num_draft_tokens += int(drafts.sum())
             self.stats.num_drafted_rows += int(np.count_nonzero(drafts))
@@ -222,6 +219,21 @@ class Scheduler:
             break  # `req` itself was preempted: nothing after it can be scheduled either
         self._order = np.asarray(order, dtype=np.int64)
         return np.asarray(slots, dtype=np.int64), np.asarray(counts, dtype=np.int64), preempted
+
+    def _append_blocks(self, slots: np.ndarray, counts: np.ndarray) -> None:
+        """Give running rows ``counts`` more blocks each, in the KV manager and the block
+        table, in one call each (not one per row: at 512 rows a decode step grows ~32)."""
+        s = self.slots
+        ids = self.kv.append_blocks(s.requests[slots].tolist(), counts.tolist())
+        held = s.num_blocks[slots]
+        if (counts == 1).all():
+            s.block_table[slots, held] = ids
+            s.num_blocks[slots] = held + 1
+            return
+        at = 0
+        for slot, start, count in zip(slots.tolist(), held.tolist(), counts.tolist(), strict=True):
+            s.set_blocks(slot, ids[at : at + count], start)
+            at += count
 
     def _ends_when_pending_lands(self, slots: np.ndarray) -> np.ndarray:
         """[R] bool: the row's pending token will end it by length, so it is not scheduled."""
