@@ -226,14 +226,11 @@ class Scheduler:
         s = self.slots
         ids = self.kv.append_blocks(s.requests[slots].tolist(), counts.tolist())
         held = s.num_blocks[slots]
-        if (counts == 1).all():
-            s.block_table[slots, held] = ids
-            s.num_blocks[slots] = held + 1
-            return
-        at = 0
-        for slot, start, count in zip(slots.tolist(), held.tolist(), counts.tolist(), strict=True):
-            s.set_blocks(slot, ids[at : at + count], start)
-            at += count
+        # new block k of row i goes to column held[i] + k: ids are row after row
+        rows = np.repeat(slots, counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        s.block_table[rows, np.repeat(held, counts) + np.arange(len(ids)) - first] = ids
+        s.num_blocks[slots] = held + counts
 
     def _ends_when_pending_lands(self, slots: np.ndarray) -> np.ndarray:
         """[R] bool: the row's pending token will end it by length, so it is not scheduled."""
