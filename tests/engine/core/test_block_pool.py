@@ -142,3 +142,20 @@ def test_check_integrity_catches_corruption(corrupt) -> None:
     corrupt(pool)
     with pytest.raises(RuntimeError):
         pool.check_integrity()
+
+
+def test_chain_append_hashes_the_blocks_after_the_known_ones() -> None:
+    tokens = list(range(10, 22))  # 6 blocks of 2
+    whole = _chain(tokens)
+    piecewise = BlockHashChain(2, ("model",))
+    piecewise.append(tokens[:2])
+    piecewise.append(tokens[2:8])  # three blocks at once
+    piecewise.extend(tokens, 5)  # reads only tokens[8:10]
+    piecewise.extend(tokens, 3)  # fewer than known: no-op
+    piecewise.append(tokens[10:12])
+    assert piecewise.hashes == whole
+    assert [h.parent for h in whole] == [None] + [h.value for h in whole[:-1]]
+    with pytest.raises(ValueError, match="not whole blocks of 2"):
+        piecewise.append([1, 2, 3])
+    with pytest.raises(ValueError, match="cannot hash 7 blocks"):
+        piecewise.extend(tokens, 7)

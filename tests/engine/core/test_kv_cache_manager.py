@@ -31,6 +31,9 @@ class FakeRequest:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        return self.all_token_ids[start:stop]
+
 
 def _snapshot(mgr: KVCacheManager) -> tuple:
     pool = mgr.pool

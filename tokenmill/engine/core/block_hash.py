@@ -15,7 +15,7 @@ what the key was made of, and the prefix cache compares that on every hit (see b
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["BlockHash", "BlockHashChain", "hash_block_tokens"]
 
@@ -31,11 +31,12 @@ def hash_block_tokens(
     return hash((parent, token_ids, extra_keys))
 
 
-@dataclass(frozen=True)
-class BlockHash:
+class BlockHash(NamedTuple):
     """A full block's key together with what it was computed from.
 
-    Equality compares all four fields (``value`` first, so most mismatches stop there).
+    Equality compares all four fields (``value`` first, so most mismatches stop there). A
+    named tuple: a decode step makes one per newly full block, and it builds in a quarter of
+    a frozen dataclass's time.
     """
 
     value: int  # the key in the prefix cache map
@@ -63,7 +64,8 @@ class BlockHashChain:
         return len(self.hashes)
 
     def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
-        """Hash blocks until ``num_blocks`` are known (fewer is a no-op).
+        """Hash blocks until ``num_blocks`` are known (fewer is a no-op); ``token_ids`` are
+        the request's tokens from position 0.
 
         Raises ValueError when ``token_ids`` does not fill ``num_blocks`` blocks.
         """
@@ -72,10 +74,20 @@ class BlockHashChain:
             raise ValueError(
                 f"cannot hash {num_blocks} blocks of {bs} tokens from {len(token_ids)} tokens"
             )
-        hashes = self.hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1].value if hashes else None
-            block_tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            value = hash_block_tokens(parent, block_tokens, self.extra_keys)
-            hashes.append(BlockHash(value, parent, block_tokens, self.extra_keys))
+        if num_blocks > len(self.hashes):
+            self.append(token_ids[len(self.hashes) * bs : num_blocks * bs])
+
+    def append(self, token_ids: Sequence[int]) -> None:
+        """Hash the whole blocks in ``token_ids``, the tokens right after the hashed blocks
+        (from position ``len(self) * block_size``): a caller that holds the tokens in an
+        array copies out only these. Raises ValueError unless they fill whole blocks."""
+        bs = self.block_size
+        if len(token_ids) % bs:
+            raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {bs}")
+        hashes, extra = self.hashes, self.extra_keys
+        parent = hashes[-1].value if hashes else None
+        for start in range(0, len(token_ids), bs):
+            block_tokens = tuple(token_ids[start : start + bs])
+            value = hash_block_tokens(parent, block_tokens, extra)
+            hashes.append(BlockHash(value, parent, block_tokens, extra))
+            parent = value

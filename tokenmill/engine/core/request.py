@@ -124,6 +124,13 @@ class Request:
             return self._tokens
         return t.token_ids[self.slot, : t.num_tokens[self.slot]].tolist()
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """The tokens at positions [start, stop), copying only those while attached."""
+        t = self._table
+        if t is None:
+            return self._tokens[start:stop]
+        return t.token_ids[self.slot, start : min(stop, int(t.num_tokens[self.slot]))].tolist()
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
