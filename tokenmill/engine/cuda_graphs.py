@@ -37,6 +37,7 @@ need a backend with ``cuda_graphs`` (no host syncs, a grid sized from fixed maxi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,6 @@ import torch
 
 from tokenmill.engine.attention.interface import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
-from tokenmill.engine.device_copy import upload, upload_into
 from tokenmill.engine.host_batch import HostBatch
 
 
@@ -183,13 +183,21 @@ class DecodeGraphRunner:
         return None
 
     def run(
-        self, batch: HostBatch, kind: tuple[int, bool], pending: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Hidden states [N, H] at ``batch.logits_rows`` of ``batch``, replayed in the graphs
-        of ``kind`` (what ``kind(batch)`` said; not None).
+        self,
+        batch: HostBatch,
+        kind: tuple[int, bool],
+        upload_many: Callable[[Sequence[np.ndarray]], list[torch.Tensor]],
+        last_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [N, H] at ``batch.logits_rows``, the pending input tokens [P] or
+        None) of ``batch``, replayed in the graphs of ``kind`` (what ``kind(batch)`` said;
+        not None).
 
-        ``pending`` ([P], on the device) are the input tokens at ``batch.pending_rows``
-        that the host does not know yet."""
+        ``upload_many`` sends the step's host arrays to the device in one copy (the model
+        runner's ``UploadRing.upload``); they are then copied into the static buffers. The
+        input tokens at ``batch.pending_rows``, which the host does not know yet, are
+        ``last_tokens[batch.pending_src]`` (the previous step's sampled tokens, on the
+        device)."""
         q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
@@ -203,21 +211,26 @@ class DecodeGraphRunner:
         s = self.static
         width = batch.block_tables.shape[1]
         n = b * q
-        copies = [
-            (s.input_ids[:n], input_ids),
-            (s.positions[:n], positions),
-            (s.slot_mapping[:n], slots),
-            (s.seq_lens[:b], batch.seq_lens),
-            (s.block_tables[:b, :width], batch.block_tables),
-        ]
+        statics = [s.input_ids[:n], s.positions[:n], s.slot_mapping[:n], s.seq_lens[:b]]
+        statics.append(s.block_tables[:b, :width])
+        arrays = [input_ids, positions, slots, batch.seq_lens, batch.block_tables]
         if tree:
-            copies.append((s.tree_mask[:n], _padded_masks(batch, q, dest)))
-        for dst, src in copies:
-            upload_into(dst, torch.from_numpy(src))
-        device = s.input_ids.device
-        if pending is not None:
-            rows = batch.pending_rows if dest is None else dest[batch.pending_rows]
-            s.input_ids.index_copy_(0, upload(torch.from_numpy(rows), device), pending)
+            statics.append(s.tree_mask[:n])
+            arrays.append(_padded_masks(batch, q, dest))
+        rows = batch.logits_rows if dest is None else dest[batch.logits_rows]
+        gather_rows = not (dest is None and len(rows) == b)  # else hidden[:b], a view
+        extra = [rows] if gather_rows else []
+        if last_tokens is not None:
+            extra += [batch.pending_src]
+            extra += [batch.pending_rows if dest is None else dest[batch.pending_rows]]
+        dev = upload_many(arrays + extra)
+        for dst, src in zip(statics, dev[: len(statics)], strict=True):
+            dst.copy_(src)
+        dev_rows = dev[len(arrays)] if gather_rows else None
+        pending = None
+        if last_tokens is not None:
+            pending = last_tokens[dev[-2]]
+            s.input_ids.index_copy_(0, dev[-1], pending)
         if bs > b:  # padding requests: no KV write
             s.slot_mapping[n : bs * q].fill_(-1)
             # decode kernel: no keys (zeros); prefill kernel (trees): q keys of any block,
@@ -227,10 +240,9 @@ class DecodeGraphRunner:
                 s.tree_mask[n : bs * q].fill_(-1)
         graph, hidden = self.graphs[(bs, q, tree)]
         graph.replay()
-        rows = batch.logits_rows if dest is None else dest[batch.logits_rows]
-        if dest is None and len(rows) == b:
-            return hidden[:b]  # every row samples its one token: a view, no gather
-        return hidden[upload(torch.from_numpy(rows), device)]
+        if dev_rows is None:
+            return hidden[:b], pending  # every row samples its one token: no gather
+        return hidden[dev_rows], pending
 
 
 def _padded_masks(batch: HostBatch, q: int, dest: np.ndarray | None) -> np.ndarray:

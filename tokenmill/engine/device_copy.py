@@ -3,9 +3,9 @@
 A non-blocking copy from pageable memory may make the driver wait for the stream; staging
 through pinned memory lets the host go on scheduling the next step while the GPU works.
 PyTorch's pinned allocator keeps a staging buffer until the copy that reads it has run.
+A step's many small inputs go together instead, through upload_ring.py.
 
     upload(host)        host [..] -> pinned -> device (non_blocking)
-    upload_into(d, h)   the same into an existing device tensor ``d`` (static graph inputs)
     download(t)         device [..] -> new pinned host tensor (non_blocking); read it only
                         after an event recorded behind the copy has completed
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["download", "upload", "upload_into"]
+__all__ = ["download", "upload"]
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -22,13 +22,6 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def upload_into(dst: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a CPU tensor into ``dst`` (same shape) without blocking the host."""
-    if dst.device.type == "cuda":
-        host = host.pin_memory()
-    dst.copy_(host, non_blocking=True)
 
 
 def download(t: torch.Tensor) -> torch.Tensor:

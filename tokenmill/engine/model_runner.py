@@ -27,7 +27,6 @@ from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 from tokenmill.engine.core.draft_tree import branch_drafts
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
-from tokenmill.engine.device_copy import upload
 from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.model_config import ModelConfig
@@ -37,6 +36,7 @@ from tokenmill.engine.prompt_logprobs import PromptLogitsPlan, compute_prompt_lo
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.step_profile import StepProfiler
+from tokenmill.engine.upload_ring import UploadRing
 
 __all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block", "kv_cache_shape"]
 
@@ -119,6 +119,7 @@ class ModelRunner:
         self.graphs = None  # a DecodeGraphRunner once enable_cuda_graphs() captured them
         self.pieces = None  # a PiecewiseGraphRunner (the other steps), likewise
         self.profiler = StepProfiler(device)
+        self.uploads = UploadRing(device, depth=6)  # per step: inputs in one copy, sampling in one
         self._last: _Sampled | None = None
 
     def enable_cuda_graphs(
@@ -182,23 +183,20 @@ class ModelRunner:
         t0 = time.perf_counter()
         last = self._last
         batch = HostBatch.build(sched, self.block_size, None if last is None else last.row_of_slot)
-        pending = None  # [P] the pending input tokens, on the device
-        if len(batch.pending_rows) and last is not None:  # (build raised if last is None)
-            pending = last.tokens[upload(torch.from_numpy(batch.pending_src), self.device)]
+        # The previous launch's sampled tokens that are this step's pending inputs ((build
+        # raised if some are pending and last is None)
+        last_tokens = last.tokens if len(batch.pending_rows) and last is not None else None
         plan = None if prompt_logits is None else prompt_logits(sched, batch)
         scored = None  # plan's prompt logprobs
         kind = None if self.graphs is None or plan is not None else self.graphs.kind(batch)
         if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
-            hidden = self.graphs.run(batch, kind, pending)
+            hidden, pending = self.graphs.run(batch, kind, self.uploads.upload, last_tokens)
             logits = self.model.compute_logits(hidden)  # [N, V]
         else:
             piecewise = self.pieces is not None and self.pieces.fits(batch.num_tokens)
             self.profiler.begin(t0, batch, graph=piecewise)
-            common, input_ids, positions = self._upload(batch)
-            if pending is not None:
-                rows = upload(torch.from_numpy(batch.pending_rows), self.device)
-                input_ids.index_copy_(0, rows, pending)
+            common, input_ids, positions, rows, pending = self._upload(batch, last_tokens)
             attn_meta = self.backend.build(common)
             if piecewise:
                 hidden = self.pieces.run(input_ids, positions, attn_meta)  # [T, H]
@@ -212,7 +210,6 @@ class ModelRunner:
                 empty = LaunchedStep.empty()
                 empty.prompt_logprobs = scored
                 return empty
-            rows = upload(torch.from_numpy(batch.logits_rows), self.device)
             logits = self.model.compute_logits(hidden[rows])  # [S, V]
         table = sched.table
         slots = batch.sample_slots
@@ -231,6 +228,7 @@ class ModelRunner:
             pending_rows=batch.pending_sampling_rows,
             pending_token_ids=pending,
             token_bitmask=masks,
+            upload_many=self.uploads.upload,
         )
         out = self.sampler(logits, meta)
         row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
@@ -280,23 +278,43 @@ class ModelRunner:
         return prompts, outputs
 
     def _upload(
-        self, batch: HostBatch
-    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
-        def dev(array: np.ndarray) -> torch.Tensor:
-            return upload(torch.from_numpy(array), self.device)
-
+        self, batch: HostBatch, last_tokens: torch.Tensor | None
+    ) -> tuple[
+        CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
+    ]:
+        """The step's inputs on the device in one copy: (attention metadata, input ids with
+        the pending tokens filled in, positions, logits rows, the pending tokens [P])."""
         qsl = np.zeros(batch.num_reqs + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
+        arrays = [
+            qsl,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            batch.input_ids,
+            batch.positions,
+            batch.logits_rows,
+        ]
+        if last_tokens is not None:
+            arrays += [batch.pending_src, batch.pending_rows]
+        if batch.tree_mask is not None:
+            arrays.append(batch.tree_mask)
+        dev = self.uploads.upload(arrays)
+        qsl_d, seq_lens, block_tables, slot_mapping, input_ids, positions, rows = dev[:7]
+        pending = None
+        if last_tokens is not None:
+            pending = last_tokens[dev[7]]
+            input_ids.index_copy_(0, dev[8], pending)
         common = CommonAttentionMetadata(
-            query_start_loc=dev(qsl),
-            seq_lens=dev(batch.seq_lens),
-            block_tables=dev(batch.block_tables),
-            slot_mapping=dev(batch.slot_mapping),
+            query_start_loc=qsl_d,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
             query_lens_host=batch.query_lens,
             seq_lens_host=batch.seq_lens,
             block_size=self.block_size,
             num_decodes=batch.num_decodes,
-            tree_mask=None if batch.tree_mask is None else dev(batch.tree_mask),
+            tree_mask=None if batch.tree_mask is None else dev[-1],
             tree_mask_host=batch.tree_mask,
         )
-        return common, dev(batch.input_ids), dev(batch.positions)
+        return common, input_ids, positions, rows, pending

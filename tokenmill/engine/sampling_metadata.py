@@ -130,6 +130,7 @@ class SamplingMetadata:
         pending_rows: Sequence[int] | np.ndarray = (),
         pending_token_ids: torch.Tensor | None = None,
         token_bitmask: TokenBitmask | None = None,
+        upload_many: Callable[[Sequence[np.ndarray]], list[torch.Tensor]] | None = None,
     ) -> SamplingMetadata:
         """Build the metadata from gathered settings, with numpy over all rows.
 
@@ -140,8 +141,10 @@ class SamplingMetadata:
         ``pending_token_ids`` ([P] int64 on ``device``, one per pending row).
         ``token_bitmask(rows)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32 of the
         rows with a grammar (``rows.structured``; [G] indices), called only when there are
-        some. Raises ValueError when ``vocab_size < 1``, a history holds an id outside the
-        vocabulary, or rows have a grammar but no ``token_bitmask`` gives their masks.
+        some. ``upload_many(arrays)`` sends the per-row columns to ``device`` in one copy
+        (the model runner's ``UploadRing.upload``; default: one copy each). Raises
+        ValueError when ``vocab_size < 1``, a history holds an id outside the vocabulary, or
+        rows have a grammar but no ``token_bitmask`` gives their masks.
         """
         device = torch.device(device)
         num_rows = len(rows)
@@ -150,7 +153,7 @@ class SamplingMetadata:
         greedy = rows.greedy
         random = ~greedy
         top_k = np.where((rows.top_k > 0) & (rows.top_k < vocab_size), rows.top_k, vocab_size)
-        # One upload for the float columns: [6, S] float32, rows viewed on the device.
+        # The float columns as one [6, S] float32 array, rows viewed on the device.
         floats = np.stack(
             [
                 np.where(greedy, np.float32(1.0), rows.temperature),
@@ -161,7 +164,9 @@ class SamplingMetadata:
                 rows.repetition_penalty,
             ]
         ).astype(np.float32)
-        on_device = upload(torch.from_numpy(floats), device)
+        if upload_many is None:
+            upload_many = _one_copy_each(device)
+        on_device, greedy_t, top_k_t = upload_many([floats, greedy, top_k.astype(np.int64)])
         no_repetition_penalty = bool((rows.repetition_penalty == 1.0).all())
         no_penalties = (
             no_repetition_penalty
@@ -212,8 +217,8 @@ class SamplingMetadata:
             num_rows=num_rows,
             vocab_size=vocab_size,
             temperature=on_device[0],
-            greedy=upload(torch.from_numpy(greedy), device),
-            top_k=upload(torch.from_numpy(top_k.astype(np.int64)), device),
+            greedy=greedy_t,
+            top_k=top_k_t,
             top_p=on_device[1],
             min_p=on_device[2],
             presence_penalty=on_device[3],
@@ -294,6 +299,10 @@ def _count_pending(
     flat = counts.view(-1)
     ones = torch.ones_like(token_ids, dtype=flat.dtype)
     flat.index_add_(0, rows_t * vocab_size + token_ids, ones)
+
+
+def _one_copy_each(device: torch.device) -> Callable[[Sequence[np.ndarray]], list[torch.Tensor]]:
+    return lambda arrays: [upload(torch.from_numpy(a), device) for a in arrays]
 
 
 def _token_counts(
