@@ -41,6 +41,20 @@ def test_greedy_is_argmax(device: str) -> None:
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_on_half_precision_logits_picks_the_float32_argmax(device: str) -> None:
+    # bf16 logits with many exact ties (few distinct values): plain greedy takes the argmax
+    # of the bf16 logits as they are, which must be float32's, first maximum included.
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randint(0, 6, (64, 300), generator=gen) * 0.125).to(torch.bfloat16)
+    logits = logits.to(device)
+    out = _sample(logits, [SamplingParams(temperature=0)] * 64)
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(-1))
+    # With logprobs the float32 path runs: the same tokens.
+    with_logprobs = _sample(logits, [SamplingParams(temperature=0, logprobs=2)] * 64)
+    assert torch.equal(with_logprobs.sampled_token_ids, out.sampled_token_ids)
+
+
 def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0 if i % 2 else 1.5, top_k=5) for i in range(6)]

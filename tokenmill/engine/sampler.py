@@ -89,6 +89,16 @@ class Sampler:
                 f"Sampler: logits shape {tuple(logits.shape)} does not match the metadata's "
                 f"[{meta.num_rows}, {meta.vocab_size}]; build SamplingMetadata for this batch"
             )
+        if (
+            meta.all_greedy
+            and meta.max_num_logprobs is None
+            and meta.no_penalties
+            and meta.logit_bias_index is None
+            and meta.allowed_token_rows is None
+        ):
+            # The argmax of the logits as they are: converting them to float32 first is
+            # exact, so it would pick the same (first) maximum, after a [B, V] copy.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         logits = logits.float()
 
         # Before any penalty or temperature: logprobs describe the model, not the sampler.
