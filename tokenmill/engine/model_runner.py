@@ -35,6 +35,7 @@ from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogitsPlan, compute_prompt_logprobs
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
+from tokenmill.engine.sampling_reuse import SamplingReuse
 from tokenmill.engine.step_profile import StepProfiler
 from tokenmill.engine.upload_ring import UploadRing
 
@@ -120,6 +121,7 @@ class ModelRunner:
         self.pieces = None  # a PiecewiseGraphRunner (the other steps), likewise
         self.profiler = StepProfiler(device)
         self.uploads = UploadRing(device, depth=6)  # per step: inputs in one copy, sampling in one
+        self._sampling_reuse = SamplingReuse(self.uploads)
         self._last: _Sampled | None = None
 
     def enable_cuda_graphs(
@@ -215,21 +217,24 @@ class ModelRunner:
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
-        masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
-        meta = SamplingMetadata.from_rows(
-            table.sampling.gather(row_slots),
-            table.num_tokens[row_slots].astype(np.int64)
-            - table.num_prompt[row_slots]
-            + batch.logits_depth,
-            lambda: self._histories(sched, batch),
-            vocab_size=logits.shape[-1],
-            device=self.device,
-            generator=self.generator,
-            pending_rows=batch.pending_sampling_rows,
-            pending_token_ids=pending,
-            token_bitmask=masks,
-            upload_many=self.uploads.upload,
-        )
+        meta = self._sampling_reuse.get(table.sampling, row_slots)
+        if meta is None:
+            masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
+            meta = SamplingMetadata.from_rows(
+                table.sampling.gather(row_slots),
+                table.num_tokens[row_slots].astype(np.int64)
+                - table.num_prompt[row_slots]
+                + batch.logits_depth,
+                lambda: self._histories(sched, batch),
+                vocab_size=logits.shape[-1],
+                device=self.device,
+                generator=self.generator,
+                pending_rows=batch.pending_sampling_rows,
+                pending_token_ids=pending,
+                token_bitmask=masks,
+                upload_many=self.uploads.upload,
+            )
+            self._sampling_reuse.keep(table.sampling, row_slots, meta)
         out = self.sampler(logits, meta)
         row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
         row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample

@@ -75,6 +75,7 @@ class SamplingColumns:
     def __init__(self, capacity: int) -> None:
         self.columns = {name: np.zeros(capacity, dtype=dt) for name, dt in _DTYPES.items()}
         self.columns["logit_bias"][:] = None  # object zeros are 0s
+        self.version = 0  # bumped by every set_row: gathered rows are unchanged while it is
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> SamplingColumns:
@@ -85,6 +86,7 @@ class SamplingColumns:
         return cols
 
     def set_row(self, row: int, params: SamplingParams) -> None:
+        self.version += 1
         c = self.columns
         c["greedy"][row] = params.greedy
         c["temperature"][row] = params.temperature

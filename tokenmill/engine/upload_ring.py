@@ -52,9 +52,16 @@ class UploadRing:
         self._slots: list[_Slot | None] = [None] * depth
         self._next = 0
         self._initial_bytes = initial_bytes
+        self.calls = 0  # uploads so far: a call's views are valid until calls - it >= depth
+
+    def views_valid(self, call: int) -> bool:
+        """Whether the views returned by upload call number ``call`` (``calls`` right after
+        it) still hold their data: fewer than ``depth`` calls have been made since."""
+        return self.device.type != "cuda" or self.calls - call < self.depth
 
     def upload(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """The arrays on the device (same shapes and dtypes), sent in one non-blocking copy."""
+        self.calls += 1
         if self.device.type != "cuda":
             return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         offsets, total = _layout(arrays)

@@ -1,0 +1,155 @@
+"""SamplingReuse: a step's sampling metadata is reused only while it would come out the same,
+and an engine that reuses it samples exactly what one that rebuilds it every step does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine import model_runner, sampling_reuse
+from tokenmill.engine.sampling_columns import SamplingColumns
+from tokenmill.engine.sampling_metadata import SamplingMetadata
+from tokenmill.engine.sampling_reuse import SamplingReuse
+from tokenmill.engine.upload_ring import UploadRing
+
+CPU = torch.device("cpu")
+VOCAB = 50
+
+
+def _build(columns: SamplingColumns, rows: np.ndarray, ring: UploadRing) -> SamplingMetadata:
+    return SamplingMetadata.from_rows(
+        columns.gather(rows),
+        np.full(len(rows), 3, dtype=np.int64),
+        lambda: ([[1, 2]] * len(rows), [[4, 5, 6]] * len(rows)),
+        vocab_size=VOCAB,
+        device=CPU,
+        upload_many=ring.upload,
+    )
+
+
+def _columns(*params: SamplingParams) -> SamplingColumns:
+    return SamplingColumns.of(list(params))
+
+
+def test_reused_for_the_same_rows_until_a_slot_changes() -> None:
+    ring = UploadRing(CPU)
+    cols = _columns(
+        SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9, top_k=5)
+    )
+    reuse = SamplingReuse(ring)
+    rows = np.array([1, 0], dtype=np.int64)
+    meta = _build(cols, rows, ring)
+    reuse.keep(cols, rows, meta)
+    again = reuse.get(cols, rows.copy())
+    assert again is not None
+    for name in ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty"):
+        assert torch.equal(getattr(again, name), getattr(meta, name)), name
+    assert reuse.get(cols, rows) is again  # its own columns now: handed out as they are
+    assert reuse.get(cols, np.array([0, 1])) is None  # other order
+    assert reuse.get(cols, np.array([1])) is None  # a row fewer
+    assert reuse.get(_columns(SamplingParams(), SamplingParams()), rows) is None
+    cols.set_row(0, SamplingParams(temperature=0))  # slot 0 given to another request
+    assert reuse.get(cols, rows) is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, seed=7),  # drawn from a seed and its position
+        SamplingParams(temperature=0, presence_penalty=0.5),  # counts grow every step
+        SamplingParams(temperature=0, repetition_penalty=1.2),
+    ],
+)
+def test_metadata_that_depends_on_the_step_is_never_kept(params: SamplingParams) -> None:
+    ring = UploadRing(CPU)
+    cols = _columns(SamplingParams(temperature=0), params)
+    reuse = SamplingReuse(ring)
+    rows = np.array([0, 1], dtype=np.int64)
+    meta = _build(cols, rows, ring)
+    assert not sampling_reuse.reusable(meta)
+    reuse.keep(cols, rows, meta)
+    assert reuse.get(cols, rows) is None
+
+
+def test_columns_whose_ring_views_expired_are_a_miss() -> None:
+    class ExpiringRing(UploadRing):
+        def views_valid(self, call: int) -> bool:
+            return self.calls - call < 2
+
+    ring = ExpiringRing(CPU)
+    cols = _columns(SamplingParams(temperature=0))
+    rows = np.array([0], dtype=np.int64)
+    reuse = SamplingReuse(ring)
+    reuse.keep(cols, rows, _build(cols, rows, ring))
+    ring.upload([np.zeros(1)])  # one call since: still valid
+    assert reuse.get(cols, rows) is not None
+    reuse.keep(cols, rows, _build(cols, rows, ring))
+    ring.upload([np.zeros(1)])
+    ring.upload([np.zeros(1)])  # two since: expired
+    assert reuse.get(cols, rows) is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_reused_columns_outlive_the_ring_slots_they_came_from() -> None:
+    cuda = torch.device("cuda")
+    ring = UploadRing(cuda, depth=3)
+    cols = _columns(*[SamplingParams(temperature=0.1 * i, top_k=i) for i in range(40)])
+    rows = np.arange(40, dtype=np.int64)[::-1].copy()
+    meta = SamplingMetadata.from_rows(
+        cols.gather(rows), np.zeros(40, dtype=np.int64), lambda: ([], []), VOCAB, cuda,
+        upload_many=ring.upload,
+    )  # fmt: skip
+    want = {n: getattr(meta, n).cpu() for n in ("temperature", "top_k", "greedy", "top_p")}
+    reuse = SamplingReuse(ring)
+    reuse.keep(cols, rows, meta)
+    ring.upload([np.zeros(4000, dtype=np.float32)])
+    got = reuse.get(cols, rows)
+    for _ in range(6):  # every slot of the ring written over with other data
+        ring.upload([np.full(4000, 7, dtype=np.int64), np.ones(9, dtype=bool)])
+    torch.cuda.synchronize()
+    assert got is not None and reuse.get(cols, rows) is got
+    for name, value in want.items():
+        assert torch.equal(getattr(got, name).cpu(), value), name
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("reuse") / "m")
+
+
+def test_an_engine_reusing_metadata_samples_what_one_rebuilding_it_does(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = [[(31 * i + 11 * t) % 250 + 5 for t in range(6 + i % 5)] for i in range(10)]
+    params = [
+        SamplingParams(max_tokens=12 + i, temperature=0.9 * (i % 3), seed=i if i % 4 == 1 else None)
+        for i in range(10)
+    ]
+    params[3] = SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.4)
+
+    def run() -> tuple[list[list[int]], int]:
+        builds = 0
+        original = SamplingMetadata.from_rows.__func__
+
+        def counted(cls, *args, **kwargs):
+            nonlocal builds
+            builds += 1
+            return original(cls, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
+            llm = LLM(str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=4)
+            outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], builds
+
+    reused, reused_builds = run()
+    with monkeypatch.context() as m:
+        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
+        rebuilt, rebuilt_builds = run()
+    assert reused == rebuilt
+    assert reused_builds < rebuilt_builds  # the runs between admissions and finishes
