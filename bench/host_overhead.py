@@ -60,7 +60,13 @@ def run_tokenmill(
     llm: LLM, prompts: list[list[int]], max_tokens: int, profile_host: bool = False
 ) -> tuple[float, int, dict, list[list[int]]]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    # Warm-up on a full batch, so every kernel variant the run's shapes need is compiled
+    # before the clock starts (a first run on a fresh machine compiled them inside it); then
+    # the prefix cache is emptied, so the run computes its prompts itself.
+    warm = prompts[: llm.engine.config.max_num_seqs]
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0))
+    if not llm.engine.scheduler.kv.reset_prefix_cache():
+        raise RuntimeError("the warm-up left KV blocks held: cannot empty the prefix cache")
     llm.engine.runner.profiler.records.clear()
     host = cProfile.Profile() if profile_host else None
     start = time.perf_counter()
