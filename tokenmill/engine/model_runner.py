@@ -185,8 +185,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         last = self._last
         batch = HostBatch.build(sched, self.block_size, None if last is None else last.row_of_slot)
-        # The previous launch's sampled tokens that are this step's pending inputs ((build
-        # raised if some are pending and last is None)
+        # The previous launch's sampled tokens, where this step's pending inputs are (build
+        # raised if some are pending and there is no previous launch)
         last_tokens = last.tokens if len(batch.pending_rows) and last is not None else None
         plan = None if prompt_logits is None else prompt_logits(sched, batch)
         scored = None  # plan's prompt logprobs
