@@ -7,9 +7,14 @@ import pytest
 from tokenmill.engine.core import BlockHash, BlockHashChain, BlockPool, KVBlock
 
 
+def _reader(tokens: list[int]):
+    """``BlockHashChain.extend``'s token reader over a list."""
+    return lambda start, stop: tokens[start:stop]
+
+
 def _chain(tokens: list[int], block_size: int = 2) -> list[BlockHash]:
     chain = BlockHashChain(block_size, ("model",))
-    chain.extend(tokens, len(tokens) // block_size)
+    chain.extend(_reader(tokens), len(tokens) // block_size)
     return chain.hashes
 
 
@@ -150,12 +155,12 @@ def test_chain_append_hashes_the_blocks_after_the_known_ones() -> None:
     piecewise = BlockHashChain(2, ("model",))
     piecewise.append(tokens[:2])
     piecewise.append(tokens[2:8])  # three blocks at once
-    piecewise.extend(tokens, 5)  # reads only tokens[8:10]
-    piecewise.extend(tokens, 3)  # fewer than known: no-op
+    piecewise.extend(_reader(tokens), 5)  # reads only tokens[8:10]
+    piecewise.extend(_reader(tokens), 3)  # fewer than known: no-op
     piecewise.append(tokens[10:12])
     assert piecewise.hashes == whole
     assert [h.parent for h in whole] == [None] + [h.value for h in whole[:-1]]
     with pytest.raises(ValueError, match="not whole blocks of 2"):
         piecewise.append([1, 2, 3])
     with pytest.raises(ValueError, match="cannot hash 7 blocks"):
-        piecewise.extend(tokens, 7)
+        piecewise.extend(_reader(tokens), 7)

@@ -271,7 +271,7 @@ def test_extra_keys_separate_models() -> None:
     _run_prefill(one, a)
     h = one.pool.blocks[one.block_ids("a")[0]].block_hash
     chain = block_hash.BlockHashChain(2, ("m2",))
-    chain.extend([1, 2], 1)
+    chain.extend(lambda start, stop: [1, 2][start:stop], 1)
     assert chain.hashes[0] != h
     assert one.pool.lookup(chain.hashes[0], None) is None
 

@@ -14,7 +14,7 @@ what the key was made of, and the prefix cache compares that on every hit (see b
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import NamedTuple
 
 __all__ = ["BlockHash", "BlockHashChain", "hash_block_tokens"]
@@ -50,7 +50,7 @@ class BlockHashChain:
 
     Each block is hashed once: ``extend`` only hashes blocks past those already known, so a
     request's prompt is never rehashed step after step. Token ids are assumed final once a
-    block is hashed (``all_token_ids`` only grows).
+    block is hashed (a request's tokens only grow).
     """
 
     def __init__(self, block_size: int, extra_keys: tuple[Hashable, ...] = ()) -> None:
@@ -63,24 +63,29 @@ class BlockHashChain:
     def __len__(self) -> int:
         return len(self.hashes)
 
-    def extend(self, token_ids: Sequence[int], num_blocks: int) -> None:
-        """Hash blocks until ``num_blocks`` are known (fewer is a no-op); ``token_ids`` are
-        the request's tokens from position 0.
+    def extend(self, read: Callable[[int, int], Sequence[int]], num_blocks: int) -> None:
+        """Hash blocks until ``num_blocks`` are known (fewer is a no-op). ``read(start,
+        stop)`` gives the request's tokens at positions [start, stop) (at most those it has):
+        only the tokens of blocks not hashed yet are read, so a decode step's newly full
+        block costs its own tokens, not a copy of the whole sequence.
 
-        Raises ValueError when ``token_ids`` does not fill ``num_blocks`` blocks.
+        Raises ValueError when the tokens do not fill ``num_blocks`` blocks.
         """
-        bs = self.block_size
-        if num_blocks * bs > len(token_ids):
+        bs, have = self.block_size, len(self.hashes)
+        if num_blocks <= have:
+            return
+        token_ids = read(have * bs, num_blocks * bs)
+        if len(token_ids) < (num_blocks - have) * bs:
             raise ValueError(
-                f"cannot hash {num_blocks} blocks of {bs} tokens from {len(token_ids)} tokens"
+                f"cannot hash {num_blocks} blocks of {bs} tokens from "
+                f"{have * bs + len(token_ids)} tokens"
             )
-        if num_blocks > len(self.hashes):
-            self.append(token_ids[len(self.hashes) * bs : num_blocks * bs])
+        self.append(token_ids)
 
     def append(self, token_ids: Sequence[int]) -> None:
         """Hash the whole blocks in ``token_ids``, the tokens right after the hashed blocks
-        (from position ``len(self) * block_size``): a caller that holds the tokens in an
-        array copies out only these. Raises ValueError unless they fill whole blocks."""
+        (from position ``len(self) * block_size``). Raises ValueError unless they fill whole
+        blocks."""
         bs = self.block_size
         if len(token_ids) % bs:
             raise ValueError(f"{len(token_ids)} tokens are not whole blocks of {bs}")

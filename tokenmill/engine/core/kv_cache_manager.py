@@ -157,7 +157,7 @@ class KVCacheManager:
         hits: list[int] = []
         parent: KVBlock | None = None
         for j in range(max_blocks):
-            self._hash_blocks(state, request, j + 1)  # hashes only what the walk needs
+            state.chain.extend(request.token_ids_between, j + 1)  # only what the walk needs
             block = self.pool.lookup(state.chain.hashes[j], parent)
             if block is None:
                 break
@@ -187,7 +187,7 @@ class KVCacheManager:
                 f"request {request.request_id!r}: num_computed_tokens={num_computed_tokens} is "
                 f"past its {request.num_tokens} tokens or {len(state.block_ids)} blocks"
             )
-        self._hash_blocks(state, request, num_full)
+        state.chain.extend(request.token_ids_between, num_full)
         parent, parent_hash = state.parent, state.parent_hash
         for j in range(state.num_cached_blocks, num_full):
             if parent is not None and parent.block_hash is not parent_hash:
@@ -283,13 +283,6 @@ class KVCacheManager:
         if state is not None:
             self.pool.release(self.pool.blocks[i] for i in reversed(state.block_ids))
 
-    def _hash_blocks(self, state: _RequestState, request: KVRequest, num_blocks: int) -> None:
-        """Hash the request's first ``num_blocks`` blocks, reading only the tokens of those
-        not hashed yet (a decode step's newly full block is one block of a long sequence)."""
-        chain, bs = state.chain, self.block_size
-        if num_blocks > len(chain):
-            chain.append(request.token_ids_between(len(chain) * bs, num_blocks * bs))
-
     def _new_state(self) -> _RequestState:
         return _RequestState(BlockHashChain(self.block_size, self.extra_keys))
 
@@ -306,7 +299,7 @@ class KVCacheManager:
             )
         if len(hits) * self.block_size >= max(1, request.num_tokens):
             raise ValueError(f"request {rid!r}: hits must leave its last token to compute")
-        self._hash_blocks(state, request, len(hits))
+        state.chain.extend(request.token_ids_between, len(hits))
         parent: KVBlock | None = None
         for block, block_hash in zip(hits, state.chain.hashes[: len(hits)], strict=True):
             if self.pool.lookup(block_hash, parent) is not block:
