@@ -36,12 +36,7 @@ __all__ = ["SamplingReuse", "reusable"]
 
 def reusable(meta: SamplingMetadata) -> bool:
     """Whether ``meta`` depends only on its rows' settings (see the module docstring)."""
-    return (
-        meta.no_penalties
-        and not meta.row_seeds
-        and meta.allowed_token_rows is None
-        and meta.output_token_counts is None
-    )
+    return meta.no_penalties and not meta.row_seeds and meta.allowed_token_rows is None
 
 
 class SamplingReuse:
