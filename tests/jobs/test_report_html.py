@@ -278,3 +278,19 @@ def test_a_job_writes_report_html_beside_report_json(
     assert check.tags["svg"] == 5, re.findall(r'class="empty">([^<]*)', page)
     assert f"Prefix-cache hit rate: {raw['prefix_cache_hit_rate']:.1%}" in page
     assert "replica 1" in page and "off for this job" in page
+
+
+def test_plots_are_imported_on_a_daemon_thread_and_a_failure_is_left_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    imported: list[str] = []
+
+    def failing_import(name: str) -> None:
+        imported.append(name)
+        raise ImportError("no matplotlib here")
+
+    monkeypatch.setattr(report_html.importlib, "import_module", failing_import)
+    thread = report_html.import_plots_in_background()
+    assert thread.daemon
+    thread.join(10)
+    assert imported == ["tokenmill.jobs.report_plots"]  # and the thread ended without raising

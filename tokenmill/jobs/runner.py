@@ -44,7 +44,7 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
-from tokenmill.jobs.report_html import write_report_html
+from tokenmill.jobs.report_html import import_plots_in_background, write_report_html
 from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import device_of, replica_counters
@@ -176,6 +176,7 @@ def _run_locked(
         return report
 
     total = count_input_rows(input_config(spec))
+    import_plots_in_background()  # report.html's, hidden by the model load
     executor = None if cancel.is_set() else _load_executor(spec, total, report)
     progress = Progress(
         total,
