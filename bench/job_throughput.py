@@ -18,8 +18,11 @@ max_tokens, EOS ends a row:
             transformers), the same prompt token ids left-padded, static batches of
             --peer-batch; a batch runs until its last row ends.
 
-A warm-up `LLM.chat` on a few prompts runs first (its engine freed), so that no system pays
-for kernel compilation. One JSON line per system (output tokens, seconds, tok/s), then one
+A warm-up `LLM.chat` runs first (its engine freed), so that no system pays for kernel
+compilation: on the first 4 x max_num_seqs prompts at the run's max_tokens, which reach the
+run's shapes (mixed steps with cached prefixes, long decode contexts). A warm-up of 8 short
+prompts left ~2.7 s of Triton compiles inside the first timed leg on a fresh H200 (session
+19). One JSON line per system (output tokens, seconds, tok/s), then one
 with the ratios and whether the goals hold; ``--json`` also writes them all to a file.
 
     PYTHONPATH=. python bench/job_throughput.py --requests 64 --max-tokens 16 --device cpu
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.hf_peer import left_padded, load_hf_model  # noqa: E402
 from bench.prompts import chat_prompts  # noqa: E402
+from tokenmill.engine.engine_config import EngineConfig  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 GOAL_VS_HF = 5.0  # run-job at least this many times HF generate's tok/s
@@ -259,7 +263,8 @@ def main() -> None:
         lines.append(line)
         print(json.dumps(line), flush=True)
 
-    chat_leg(convs[:8], engine, min(args.max_tokens, 8), args.model)  # warm-up
+    warm_rows = 4 * engine.get("max_num_seqs", EngineConfig.max_num_seqs)
+    chat_leg(convs[:warm_rows], engine, args.max_tokens, args.model)  # warm-up
     _free_device()
     chat, chat_texts, prompts, eos = chat_leg(convs, engine, args.max_tokens, args.model)
     _free_device()

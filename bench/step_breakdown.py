@@ -52,6 +52,7 @@ SMOLLM2_135M = {
     "eos_token_id": 2,
 }
 SHAPES = {"llama8b": LLAMA_8B, "qwen3": QWEN3_06B, "smollm2": SMOLLM2_135M}
+BUDGET = 8192  # tokens a step schedules (the engine's default max_num_batched_tokens)
 
 
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
@@ -124,6 +125,11 @@ def breakdown(
     kv_cache_dtype: str = "auto",
 ) -> dict:
     cfg = SHAPES[name]
+    # Long new prompts, chunked by the step budget, keep every profiled step mixed: enough of
+    # them to fill the budget of the admission step and of the 2 * steps profiled ones, with
+    # room for all of them to run beside the decode batch.
+    long_len = min(mixed_len, cfg["max_position_embeddings"] - 200)
+    num_long = -(-(2 * steps + 2) * BUDGET // long_len) + 1
     llm = LLM(
         str(model_dir(cfg, root, name)),
         load_format="random",
@@ -131,7 +137,8 @@ def breakdown(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
         device="cuda",
-        max_num_seqs=batch + 16,
+        max_num_seqs=batch + num_long,
+        max_num_batched_tokens=BUDGET,
         cuda_graphs=False,
         async_scheduling=False,
         profile_steps=True,
@@ -165,9 +172,7 @@ def breakdown(
         "python": decode_python,
     }
     engine.runner.profiler.records.clear()
-    # Long new prompts, chunked by the step budget, keep every profiled step mixed.
-    long_len = min(mixed_len, cfg["max_position_embeddings"] - 200)
-    for i in range(2 * steps + 2):
+    for i in range(num_long):
         engine.add_request(f"p{i}", rng.integers(1000, vocab - 1000, long_len).tolist(), params)
     engine.step()  # the first mixed step (admission)
     prof, recs = profiled_steps(llm, steps, want_mixed=True)
