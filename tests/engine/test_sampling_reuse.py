@@ -3,6 +3,7 @@ and an engine that reuses it samples exactly what one that rebuilds it every ste
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,55 @@ def test_reused_for_the_same_rows_until_a_slot_changes() -> None:
     assert reuse.get(cols, rows) is None
 
 
+def _same(a: SamplingMetadata, b: SamplingMetadata) -> None:
+    """Every field of ``a`` equals ``b``'s (tensors by value)."""
+    for field in dataclasses.fields(SamplingMetadata):
+        x, y = getattr(a, field.name), getattr(b, field.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and torch.equal(x, y), field.name
+        else:
+            assert x == y, field.name
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05),
+        SamplingParams(temperature=0, logprobs=3),
+    ],
+)
+def test_rows_that_sample_alike_get_the_first_rows_of_the_widest_kept(
+    setting: SamplingParams,
+) -> None:
+    ring = UploadRing(CPU)
+    other = SamplingParams(temperature=0.3)
+    cols = _columns(*([setting] * 5), other, SamplingParams(**vars(setting)))  # 6: equal, apart
+    reuse = SamplingReuse(ring)
+    wide = np.array([4, 0, 2, 1], dtype=np.int64)
+    reuse.keep(cols, wide, _build(cols, wide, ring))
+    ring.upload([np.zeros(4000)] * 8)  # the kept columns are its own: the ring may move on
+    for rows in ([3, 1], [6, 0, 3], [1, 2, 3, 4], [6]):  # other slots, other orders, fewer
+        rows = np.array(rows, dtype=np.int64)
+        got = reuse.get(cols, rows)
+        assert got is not None, rows
+        _same(got, _build(cols, rows, UploadRing(CPU)))
+    assert reuse.get(cols, np.arange(5)) is None  # more rows than kept: built
+    assert reuse.get(cols, np.array([0, 5])) is None  # two settings
+    assert reuse.get(_columns(setting, setting), np.array([0, 1])) is None  # other columns
+
+
+def test_rows_with_a_logit_bias_never_share_a_setting() -> None:
+    biased = SamplingParams(temperature=0, logit_bias={3: 2.0})
+    cols = _columns(biased, biased)
+    assert (cols.setting_ids == -1).all()
+    ring = UploadRing(CPU)
+    reuse = SamplingReuse(ring)
+    rows = np.array([0, 1], dtype=np.int64)
+    reuse.keep(cols, rows, _build(cols, rows, ring))
+    assert reuse.get(cols, np.array([1])) is None
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -82,8 +132,9 @@ def test_columns_whose_ring_views_expired_are_a_miss() -> None:
             return self.calls - call < 2
 
     ring = ExpiringRing(CPU)
-    cols = _columns(SamplingParams(temperature=0))
-    rows = np.array([0], dtype=np.int64)
+    # two settings: not kept as rows that sample alike (whose columns are copied at once)
+    cols = _columns(SamplingParams(temperature=0), SamplingParams(temperature=0.5))
+    rows = np.array([0, 1], dtype=np.int64)
     reuse = SamplingReuse(ring)
     reuse.keep(cols, rows, _build(cols, rows, ring))
     ring.upload([np.zeros(1)])  # one call since: still valid
@@ -153,3 +204,35 @@ def test_an_engine_reusing_metadata_samples_what_one_rebuilding_it_does(
         rebuilt, rebuilt_builds = run()
     assert reused == rebuilt
     assert reused_builds < rebuilt_builds  # the runs between admissions and finishes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_finishing_at_different_steps_reuse_the_metadata_of_their_setting(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    """Every row samples alike and one finishes every step or two (max_tokens varies, as
+    EOS would vary it): the same rows rarely repeat, the setting always does."""
+    prompts = [[(17 * i + 5 * t) % 250 + 5 for t in range(4 + i % 3)] for i in range(12)]
+    params = [SamplingParams(max_tokens=6 + 2 * i, temperature=temperature) for i in range(12)]
+
+    def run() -> tuple[list[list[int]], int]:
+        builds = 0
+        original = SamplingMetadata.from_rows.__func__
+
+        def counted(cls, *args, **kwargs):
+            nonlocal builds
+            builds += 1
+            return original(cls, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
+            llm = LLM(str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=8)
+            outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], builds
+
+    reused, reused_builds = run()
+    with monkeypatch.context() as m:
+        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
+        rebuilt, rebuilt_builds = run()
+    assert reused == rebuilt
+    assert reused_builds <= 2 < rebuilt_builds  # built for the widest batch only

@@ -6,6 +6,11 @@ with one fancy index per column instead of reading ``SamplingParams`` objects on
     set_row(slot, params)                       at admission (once per request)
     gather(slots) ─► SamplingRows               every step: [S] arrays, vectorized
 
+Each row also gets a ``setting_ids`` entry: one small int per distinct setting (the same id
+for every request sampling the same way, as a job's rows without overrides all do), so a
+step can tell in two numpy calls that all its rows sample alike (sampling_reuse.py). Rows
+with a logit bias, and settings past the first ``MAX_SETTINGS``, get ``NO_SETTING_ID``.
+
 Numpy only (no torch): the scheduler's slot table owns one, and ``SamplingMetadata`` turns
 the gathered rows into device tensors.
 """
@@ -21,6 +26,8 @@ from tokenmill.engine.sampling_params import SamplingParams
 __all__ = ["SamplingColumns", "SamplingRows"]
 
 NO_LOGPROBS = -1
+NO_SETTING_ID = -1
+MAX_SETTINGS = 1024  # distinct settings given an id; later ones get NO_SETTING_ID
 _MASK64 = (1 << 64) - 1
 
 
@@ -76,6 +83,8 @@ class SamplingColumns:
         self.columns = {name: np.zeros(capacity, dtype=dt) for name, dt in _DTYPES.items()}
         self.columns["logit_bias"][:] = None  # object zeros are 0s
         self.version = 0  # bumped by every set_row: gathered rows are unchanged while it is
+        self.setting_ids = np.full(capacity, NO_SETTING_ID, dtype=np.int64)
+        self._ids: dict[tuple, int] = {}  # the values set_row writes (bias excepted) -> id
 
     @classmethod
     def of(cls, params: list[SamplingParams]) -> SamplingColumns:
@@ -101,6 +110,32 @@ class SamplingColumns:
         c["logprobs"][row] = NO_LOGPROBS if params.logprobs is None else params.logprobs
         c["structured"][row] = params.structured_output is not None
         c["logit_bias"][row] = _bias_arrays(params.logit_bias)
+        self.setting_ids[row] = self._setting_id(params)
+
+    def _setting_id(self, params: SamplingParams) -> int:
+        """The id of the setting ``params`` writes into a row, given on its first sight (see
+        the module docstring)."""
+        if params.logit_bias:
+            return NO_SETTING_ID
+        key = (
+            params.greedy,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+            params.seed,
+            params.logprobs,
+            params.structured_output is not None,
+        )
+        found = self._ids.get(key)
+        if found is None:
+            if len(self._ids) >= MAX_SETTINGS:
+                return NO_SETTING_ID
+            found = self._ids[key] = len(self._ids)
+        return found
 
     def gather(self, rows: np.ndarray | slice) -> SamplingRows:
         """The settings of ``rows`` ([S] int indices, or a slice), as new arrays."""

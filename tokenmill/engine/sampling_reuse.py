@@ -18,6 +18,17 @@ uploads have gone by, which counts as a miss.
     step n+1   rows [3 7 9]   reused: its columns copied out of the ring, kept
     step n+2   rows [3 7 9]   reused as it is
     step n+3   rows [3 9]     built (row 7 finished), kept
+
+When every row of a step samples alike (one ``SamplingColumns.setting_ids`` value, as in a
+job whose rows override nothing), the metadata does not depend on which rows they are, only
+on how many: the widest such metadata built so far is kept per setting (its columns copied
+at once), and a step of that setting with at most as many rows gets its first rows, views,
+whichever slots it samples. With natural EOS some row finishes in nearly every step, so
+the same-rows reuse above rarely holds there, and this one does:
+
+    step n     rows [3 7 9]   all setting 0: built, kept for setting 0 (3 rows)
+    step n+1   rows [3 9]     row 7 finished: the first 2 rows of the kept one
+    step n+2   rows [3 9 4]   row 4 joined, setting 0: the kept one again (3 rows)
 """
 
 from __future__ import annotations
@@ -27,11 +38,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from tokenmill.engine.sampling_columns import SamplingColumns
+from tokenmill.engine.sampling_columns import NO_SETTING_ID, SamplingColumns
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.upload_ring import UploadRing
 
 __all__ = ["SamplingReuse", "reusable"]
+
+_MAX_CUTS = 4096  # (setting, row count) metadata views kept; a batch size needs one each
 
 
 def reusable(meta: SamplingMetadata) -> bool:
@@ -49,10 +62,39 @@ class SamplingReuse:
         self._rows = np.empty(0, dtype=np.int64)
         self._meta: SamplingMetadata | None = None
         self._call = 0  # the ring call the kept columns are views of; -1: they are its own
+        self._alike: dict[int, SamplingMetadata] = {}  # setting id -> widest, own columns
+        self._alike_columns: SamplingColumns | None = None  # whose setting ids those are
+        self._cut: dict[tuple[int, int], SamplingMetadata] = {}  # (setting, rows) -> first rows
 
     def get(self, columns: SamplingColumns, rows: np.ndarray) -> SamplingMetadata | None:
-        """The kept metadata if it was built for these ``rows`` (batch slots in logits-row
-        order) of ``columns`` at their current version; else None (build it, then ``keep``)."""
+        """Kept metadata for these ``rows`` (batch slots in logits-row order) of ``columns``:
+        the one built for the same rows at the columns' current version, or the first rows
+        of one kept for their common setting; else None (build it, then ``keep``)."""
+        meta = self._same_rows(columns, rows)
+        return meta if meta is not None else self._alike_rows(columns, rows)
+
+    def keep(self, columns: SamplingColumns, rows: np.ndarray, meta: SamplingMetadata) -> None:
+        """Offer ``meta``, just built for ``rows`` of ``columns`` with the ring's last upload
+        holding its columns; kept only if ``reusable``."""
+        if not reusable(meta):
+            self._meta = None
+            return
+        self._columns, self._version = columns, columns.version
+        self._rows = rows.copy()
+        self._meta = meta
+        self._call = self._ring.calls
+        setting = _common_setting(columns, rows)
+        if setting == NO_SETTING_ID:
+            return
+        if columns is not self._alike_columns:
+            self._alike, self._alike_columns, self._cut = {}, columns, {}
+        widest = self._alike.get(setting)
+        if widest is None or widest.num_rows < meta.num_rows:
+            self._meta = self._alike[setting] = _own_columns(meta)
+            self._call = -1
+            self._cut = {k: v for k, v in self._cut.items() if k[0] != setting}
+
+    def _same_rows(self, columns: SamplingColumns, rows: np.ndarray) -> SamplingMetadata | None:
         meta = self._meta
         if (
             meta is None
@@ -69,16 +111,48 @@ class SamplingReuse:
             self._call = -1
         return meta
 
-    def keep(self, columns: SamplingColumns, rows: np.ndarray, meta: SamplingMetadata) -> None:
-        """Offer ``meta``, just built for ``rows`` of ``columns`` with the ring's last upload
-        holding its columns; kept only if ``reusable``."""
-        if not reusable(meta):
-            self._meta = None
-            return
-        self._columns, self._version = columns, columns.version
-        self._rows = rows.copy()
-        self._meta = meta
-        self._call = self._ring.calls
+    def _alike_rows(self, columns: SamplingColumns, rows: np.ndarray) -> SamplingMetadata | None:
+        if columns is not self._alike_columns or not self._alike:
+            return None
+        setting = _common_setting(columns, rows)
+        cut = self._cut.get((setting, len(rows)))
+        if cut is not None:
+            return cut
+        widest = self._alike.get(setting)
+        if widest is None or widest.num_rows < len(rows):
+            return None
+        if len(self._cut) >= _MAX_CUTS:
+            self._cut.clear()
+        cut = self._cut[setting, len(rows)] = _first_rows(widest, len(rows))
+        return cut
+
+
+def _common_setting(columns: SamplingColumns, rows: np.ndarray) -> int:
+    """The setting id all ``rows`` share, or NO_SETTING_ID (none shared, or no rows)."""
+    if not len(rows):
+        return NO_SETTING_ID
+    ids = columns.setting_ids[rows]
+    first = int(ids[0])
+    return first if (ids == first).all() else NO_SETTING_ID
+
+
+def _first_rows(meta: SamplingMetadata, n: int) -> SamplingMetadata:
+    """``meta`` (rows that all sample alike, reusable, no logit bias) for its first ``n``
+    rows: its per-row columns cut to views; every other field holds for any number of them."""
+    if n == meta.num_rows:
+        return meta
+    return dataclasses.replace(
+        meta,
+        num_rows=n,
+        temperature=meta.temperature[:n],
+        greedy=meta.greedy[:n],
+        top_k=meta.top_k[:n],
+        top_p=meta.top_p[:n],
+        min_p=meta.min_p[:n],
+        presence_penalty=meta.presence_penalty[:n],
+        frequency_penalty=meta.frequency_penalty[:n],
+        repetition_penalty=meta.repetition_penalty[:n],
+    )
 
 
 def _own_columns(meta: SamplingMetadata) -> SamplingMetadata:
