@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.engine.device_copy import download
+from tokenmill.engine.device_copy import download, record_event
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.prompt_logprobs import PromptLogprobsTensors
 from tokenmill.engine.sampler import LogprobsTensors, SamplerOutput
@@ -54,8 +54,7 @@ class LaunchedStep:
         tokens = download(out.sampled_token_ids)
         ready = None
         if out.sampled_token_ids.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = record_event(out.sampled_token_ids.device)
         return cls(rows, counts, tokens, host_lp, ready)
 
     def output(self) -> ModelOutput:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenmill.engine.device_copy import download, upload
+from tokenmill.engine.device_copy import download, record_event, upload
 from tokenmill.engine.outputs import TokenLogprob
 
 if TYPE_CHECKING:
@@ -124,8 +124,7 @@ def compute_prompt_logprobs(
     host = [download(t) for t in (target_lps, ranks, top_ids, top_lps)]
     ready = None
     if device.type == "cuda":
-        ready = torch.cuda.Event()
-        ready.record()
+        ready = record_event(device)
     return PromptLogprobsTensors(plan, *host, ready=ready)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.engine.device_copy import current_stream
 from tokenmill.engine.host_batch import HostBatch
 
 
@@ -48,7 +49,7 @@ class StepProfiler:
         events = None
         if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
+            events[0].record(current_stream(self.device))
         self.records.append(
             StepRecord(
                 batch.num_reqs,
@@ -66,7 +67,7 @@ class StepProfiler:
         rec = self.records[-1]
         rec.cpu_ms = (time.perf_counter() - self._start) * 1e3
         if rec.events is not None:
-            rec.events[1].record()
+            rec.events[1].record(current_stream(self.device))
 
     def add_host_ms(self, ms: float) -> None:
         """Scheduling and output processing of the last step, timed by the engine."""

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from tokenmill.engine.device_copy import record_event
+
 __all__ = ["ALIGN", "UploadRing"]
 
 ALIGN = 64  # bytes: every view starts at a multiple of this (any dtype's alignment)
@@ -71,8 +73,7 @@ class UploadRing:
                 flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
                 slot.host_np[offset : offset + a.nbytes] = flat
         slot.device[:total].copy_(slot.host[:total], non_blocking=True)
-        slot.copied = torch.cuda.Event()
-        slot.copied.record()
+        slot.copied = record_event(self.device)
         return [
             slot.device[offset : offset + a.nbytes].view(_torch_dtype(a.dtype)).view(a.shape)
             for a, offset in zip(arrays, offsets, strict=True)
