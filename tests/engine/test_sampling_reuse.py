@@ -168,6 +168,43 @@ def test_on_cuda_the_reused_columns_outlive_the_ring_slots_they_came_from() -> N
         assert torch.equal(getattr(got, name).cpu(), value), name
 
 
+Run = tuple[list[list[int]], int]  # each request's tokens, metadata builds
+
+
+def _reused_and_rebuilt(
+    model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    max_num_seqs: int,
+) -> tuple[Run, Run]:
+    """The same generation twice on fresh engines: as the engine runs (metadata reused),
+    then building the metadata every step."""
+
+    def run() -> Run:
+        builds = 0
+        original = SamplingMetadata.from_rows.__func__
+
+        def counted(cls, *args, **kwargs):
+            nonlocal builds
+            builds += 1
+            return original(cls, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
+            llm = LLM(
+                str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=max_num_seqs
+            )
+            outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], builds
+
+    reused = run()
+    with monkeypatch.context() as m:
+        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
+        rebuilt = run()
+    return reused, rebuilt
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("reuse") / "m")
@@ -182,26 +219,9 @@ def test_an_engine_reusing_metadata_samples_what_one_rebuilding_it_does(
         for i in range(10)
     ]
     params[3] = SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.4)
-
-    def run() -> tuple[list[list[int]], int]:
-        builds = 0
-        original = SamplingMetadata.from_rows.__func__
-
-        def counted(cls, *args, **kwargs):
-            nonlocal builds
-            builds += 1
-            return original(cls, *args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
-            llm = LLM(str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=4)
-            outs = llm.generate(prompts, params)
-        return [o.token_ids for o in outs], builds
-
-    reused, reused_builds = run()
-    with monkeypatch.context() as m:
-        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
-        rebuilt, rebuilt_builds = run()
+    (reused, reused_builds), (rebuilt, rebuilt_builds) = _reused_and_rebuilt(
+        model_path, monkeypatch, prompts, params, max_num_seqs=4
+    )
     assert reused == rebuilt
     assert reused_builds < rebuilt_builds  # the runs between admissions and finishes
 
@@ -214,25 +234,8 @@ def test_rows_finishing_at_different_steps_reuse_the_metadata_of_their_setting(
     EOS would vary it): the same rows rarely repeat, the setting always does."""
     prompts = [[(17 * i + 5 * t) % 250 + 5 for t in range(4 + i % 3)] for i in range(12)]
     params = [SamplingParams(max_tokens=6 + 2 * i, temperature=temperature) for i in range(12)]
-
-    def run() -> tuple[list[list[int]], int]:
-        builds = 0
-        original = SamplingMetadata.from_rows.__func__
-
-        def counted(cls, *args, **kwargs):
-            nonlocal builds
-            builds += 1
-            return original(cls, *args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
-            llm = LLM(str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=8)
-            outs = llm.generate(prompts, params)
-        return [o.token_ids for o in outs], builds
-
-    reused, reused_builds = run()
-    with monkeypatch.context() as m:
-        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
-        rebuilt, rebuilt_builds = run()
+    (reused, reused_builds), (rebuilt, rebuilt_builds) = _reused_and_rebuilt(
+        model_path, monkeypatch, prompts, params, max_num_seqs=8
+    )
     assert reused == rebuilt
     assert reused_builds <= 2 < rebuilt_builds  # built for the widest batch only

@@ -9,40 +9,33 @@ steps of a 1,024-row batch whose steps take 10 ms (and, on a GPU, whose device t
 
 ``gc.freeze()`` moves every tracked object into a permanent generation the collector skips;
 objects made afterwards are collected as before. ``frozen_heap`` freezes while an engine
-loop runs and unfreezes when the last one ends, so cyclic garbage among the frozen objects
-(say, an engine dropped mid-run) is only deferred: collected after the run, as usual. It
-does nothing when someone else froze the heap first (their freeze, their unfreeze).
+loop runs and unfreezes when the last one ends (while_running.py), so cyclic garbage among
+the frozen objects (say, an engine dropped mid-run) is only deferred: collected after the
+run, as usual. It does nothing when someone else froze the heap first (their freeze, their
+unfreeze).
 """
 
 from __future__ import annotations
 
 import gc
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from tokenmill.engine.while_running import WhileRunning
 
 __all__ = ["frozen_heap"]
 
-_lock = threading.Lock()
-_runs = 0  # engine loops inside frozen_heap now, in any thread
-_ours = False  # whether the current freeze is frozen_heap's own
+
+def _freeze() -> bool:
+    """Freeze unless someone else has: whether the freeze is ours to undo."""
+    ours = gc.get_freeze_count() == 0
+    if ours:
+        gc.freeze()
+    return ours
 
 
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Freeze the collector's heap for the duration (re-entrant, any thread)."""
-    global _runs, _ours
-    with _lock:
-        if _runs == 0:
-            _ours = gc.get_freeze_count() == 0
-            if _ours:
-                gc.freeze()
-        _runs += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _runs -= 1
-            if _runs == 0 and _ours:
-                gc.unfreeze()
-                _ours = False
+def _unfreeze(ours: bool) -> None:
+    if ours:
+        gc.unfreeze()
+
+
+# Freeze the collector's heap for the duration (re-entrant, any thread).
+frozen_heap = WhileRunning(_freeze, _unfreeze)

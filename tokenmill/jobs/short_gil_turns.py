@@ -13,40 +13,35 @@ the engine's host ms per decode step was 2.79 in `run-job` against 2.47 in `LLM.
 2-core CPU run.
 
 The interval is process-wide: it is set when the first loop starts and put back as it was
-when the last one ends (loops in several threads count together), as ``frozen_heap`` does
-for the garbage collector. An interval someone set shorter already is left as it is.
+when the last one ends (loops in several threads count together: while_running.py), as
+``frozen_heap`` does for the garbage collector. An interval someone set shorter already is
+left as it is.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+
+from tokenmill.engine.while_running import WhileRunning
 
 __all__ = ["TURN_S", "short_gil_turns"]
 
 TURN_S = 0.0005  # seconds a thread waits for the GIL before it asks the holder to drop it
 
-_lock = threading.Lock()
-_runs = 0  # engine loops inside short_gil_turns now, in any thread
-_before: float | None = None  # the interval to put back when the last loop ends
+
+def _shorten() -> float | None:
+    """Set the interval to TURN_S unless it is that short already; the interval before."""
+    before = sys.getswitchinterval()
+    if before <= TURN_S:
+        return None
+    sys.setswitchinterval(TURN_S)
+    return before
 
 
-@contextmanager
-def short_gil_turns() -> Iterator[None]:
-    """Set the GIL switch interval to at most ``TURN_S`` for the duration (re-entrant)."""
-    global _runs, _before
-    with _lock:
-        if _runs == 0 and sys.getswitchinterval() > TURN_S:
-            _before = sys.getswitchinterval()
-            sys.setswitchinterval(TURN_S)
-        _runs += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _runs -= 1
-            if _runs == 0 and _before is not None:
-                sys.setswitchinterval(_before)
-                _before = None
+def _restore(before: float | None) -> None:
+    if before is not None:
+        sys.setswitchinterval(before)
+
+
+# Set the GIL switch interval to at most TURN_S for the duration (re-entrant, any thread).
+short_gil_turns = WhileRunning(_shorten, _restore)
