@@ -245,13 +245,14 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[np.ndarray, ...]]:
         """Admit waiting requests in FCFS order while budget, slots and blocks allow; each
-        is advanced (and its full blocks cached) before the next looks up the prefix cache."""
+        one's full blocks are cached before the next looks up the prefix cache, then all are
+        advanced together."""
         s = self.slots
-        parts: list[tuple[np.ndarray, ...]] = []
         admitted: list[int] = []
+        counts: list[int] = []
         free = self.config.max_num_seqs - len(self._order)
         if len(self._order) and free < min(self.config.admit_batch, len(self.waiting)):
-            return parts
+            return []
         while (
             self.waiting
             and budget > 0
@@ -274,15 +275,17 @@ class Scheduler:
                         req.num_cached_prompt_tokens, req.num_computed_tokens
                     )
             req.status = RequestStatus.RUNNING
-            row = np.array([slot], dtype=np.int64)
-            count = np.array([num_new], dtype=np.int64)
-            start, sample = self._advance(row, count)
-            parts.append((row, start, count, sample))
+            self._cache_full_blocks(slot, int(s.num_computed[slot]) + num_new)
             admitted.append(slot)
+            counts.append(num_new)
             budget -= num_new
-        if admitted:
-            self._order = np.concatenate([self._order, np.asarray(admitted, dtype=np.int64)])
-        return parts
+        if not admitted:
+            return []
+        rows = np.asarray(admitted, dtype=np.int64)
+        num_new_rows = np.asarray(counts, dtype=np.int64)
+        starts, sample = self._advance(rows, num_new_rows)  # their blocks are cached already
+        self._order = np.concatenate([self._order, rows])
+        return [(rows, starts, num_new_rows, sample)]
 
     def _advance(self, slots: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Move the rows' computed tokens on by ``num_new``; return (starts, sample) [R].
@@ -297,16 +300,25 @@ class Scheduler:
         s.num_computed[slots] = computed
         known = s.num_tokens[slots].astype(np.int64)
         if self.kv.enable_prefix_caching:
-            cacheable = np.minimum(computed, known)
-            full = cacheable // self.kv.block_size
+            full = np.minimum(computed, known) // self.kv.block_size
             for i in np.flatnonzero(full > s.num_cached_full[slots]).tolist():
-                slot = int(slots[i])
-                self.kv.cache_blocks(s.requests[slot], int(cacheable[i]))
-                s.num_cached_full[slot] = full[i]
+                self._cache_full_blocks(int(slots[i]), int(computed[i]))
         sample = computed == known + s.num_pending[slots] + s.num_drafts[slots]
         if self.config.async_scheduling:
             s.num_pending[slots[sample]] += 1
         return starts, sample
+
+    def _cache_full_blocks(self, slot: int, computed: int) -> None:
+        """Offer the prefix cache the slot's blocks that ``computed`` tokens fill, of known
+        tokens only (a pending token's id is not on the host yet)."""
+        if not self.kv.enable_prefix_caching:
+            return
+        s = self.slots
+        cacheable = min(computed, int(s.num_tokens[slot]))
+        full = cacheable // self.kv.block_size
+        if full > s.num_cached_full[slot]:
+            self.kv.cache_blocks(s.requests[slot], cacheable)
+            s.num_cached_full[slot] = full
 
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
         # Prompt logprobs need every prompt position's logits: cached ones have none.
