@@ -95,8 +95,12 @@ def _run(
     kv_cache = torch.randn(2, NUM_BLOCKS, block_size, n_kv, head_dim, generator=g).to(dtype)
     backend = backend or TorchAttentionBackend()
     scale = head_dim**-0.5
-    out = backend.forward(q, k, v, kv_cache, backend.build(common), scale)
-    return out, _reference(q, kv_cache, common, scale)
+    given = torch.full_like(q, float("nan"))  # a caller's buffer, every token written
+    out = backend.forward(q, k, v, kv_cache.clone(), backend.build(common), scale, out=given)
+    assert out is given
+    fresh = backend.forward(q, k, v, kv_cache, backend.build(common), scale)
+    torch.testing.assert_close(fresh, given, rtol=0, atol=0)
+    return fresh, _reference(q, kv_cache, common, scale)
 
 
 # fp32 against float64: sums of <= 64 products of unit-variance terms, ~1e-6 relative error.

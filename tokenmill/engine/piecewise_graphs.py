@@ -168,6 +168,6 @@ class PiecewiseGraphRunner:
         q, k, v, o = self.q[:n], self.k[:n], self.v[:n], self.o[:n]
         for graph, (kv_cache, scale) in zip(graphs[:-1], layers, strict=True):
             graph.replay()
-            o.copy_(self.backend.forward(q, k, v, kv_cache, attn_meta, scale))
+            self.backend.forward(q, k, v, kv_cache, attn_meta, scale, out=o)
         graphs[-1].replay()
         return self.hidden[:n]

@@ -72,5 +72,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, d]
         meta: Any,
         scale: float,
+        out: torch.Tensor | None = None,  # [T, Hq, d]
     ) -> torch.Tensor:  # [T, Hq, d]
-        """Store the step's k/v in ``kv_cache`` and attend; returns the attention output."""
+        """Store the step's k/v in ``kv_cache`` and attend; returns the attention output,
+        written into ``out`` when given (the piecewise graphs' static buffer) else into a new
+        tensor."""

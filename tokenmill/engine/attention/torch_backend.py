@@ -132,12 +132,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, d]
         n_q, n_kv, d = q.shape[1], k.shape[1], k.shape[2]
         _store(k_cache, meta.slot_mapping, k)
         _store(v_cache, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
 
         for rows in meta.decodes:
             decode_attention(q, k_cache, v_cache, rows, scale, out, self.scratch)

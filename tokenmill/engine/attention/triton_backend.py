@@ -107,12 +107,14 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: TritonAttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         c = meta.common
         self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
         nd = meta.num_decodes
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]
         if nd:
             multi = meta.decode_query_len > 1
             rows = meta.decode_tokens
