@@ -6,6 +6,7 @@ import pytest
 
 from bench.prompts import chat_prompts
 from tokenmill import LLM, EngineConfig, SamplingParams
+from tokenmill.engine.prompts import encode_texts
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 SYSTEM = (
@@ -151,3 +152,25 @@ def test_unknown_engine_setting_is_named_with_the_valid_ones() -> None:
 def test_out_of_range_engine_setting_is_named() -> None:
     with pytest.raises(ValueError, match=r"^block_size: expected a power of two .*got 24$"):
         LLM("smollm2-135m-instruct", block_size=24)
+
+
+def test_prompts_are_encoded_in_one_batch_as_one_by_one(smollm2_llm) -> None:
+    """chat and generate encode their texts in one tokenizer call: the ids of encoding each
+    text alone (with BOS rules for plain prompts, none for rendered chat); token-id prompts
+    pass through in their places."""
+    tok = smollm2_llm.tokenizer
+    texts = ["", " ", "héllo wörld 🚀", "a\n\nb\tc", "  leading", "<|im_start|>user\nhi<|im_end|>"]
+    for special in (True, False):
+        assert encode_texts(tok, texts, special) == [
+            list(tok.encode(t, add_special_tokens=special)) for t in texts
+        ]
+    convs = [c[-1:] for c in chat_prompts(6, seed=5)]
+    outs = smollm2_llm.chat(convs, SamplingParams(max_tokens=1, temperature=0))
+    assert [list(o.prompt_token_ids) for o in outs] == [smollm2_llm.encode_chat(c) for c in convs]
+    mixed = ["The capital of France is", [1, 2, 3], "Two plus two"]
+    outs = smollm2_llm.generate(mixed, SamplingParams(max_tokens=1, temperature=0))
+    assert [list(o.prompt_token_ids) for o in outs] == [
+        list(tok.encode(mixed[0])),
+        [1, 2, 3],
+        list(tok.encode(mixed[2])),
+    ]

