@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.throughput import HBM_BPS, LLAMA_8B, QWEN3_06B, model_dir, param_bytes  # noqa: E402
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM, EngineConfig, SamplingParams  # noqa: E402
 
 # The embedded SmolLM2-135M's shape: a small model, where a step's host work shows most.
 SMOLLM2_135M = {
@@ -52,7 +52,7 @@ SMOLLM2_135M = {
     "eos_token_id": 2,
 }
 SHAPES = {"llama8b": LLAMA_8B, "qwen3": QWEN3_06B, "smollm2": SMOLLM2_135M}
-BUDGET = 8192  # tokens a step schedules (the engine's default max_num_batched_tokens)
+BUDGET = EngineConfig.max_num_batched_tokens  # tokens a step schedules (the engine default)
 
 
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
