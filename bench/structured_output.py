@@ -35,6 +35,7 @@ shape), and whether the goal holds. ``--json`` also writes them all to a file.
     PYTHONPATH=. python bench/structured_output.py --device cuda    # the goal: 4,096 x 512
     PYTHONPATH=. python bench/structured_output.py --device cuda --schema bounded
     PYTHONPATH=. python bench/structured_output.py --device cuda --backend xgrammar
+    PYTHONPATH=. python bench/structured_output.py --device cuda --processes 8
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def run_leg(
         max_num_seqs=args.max_num_seqs,
         profile_steps=True,
         structured_output_backend=args.backend,
+        structured_output_processes=args.processes,
     )
     engine = llm.engine
     # Kernels, and the grammar's tokenizer.
@@ -214,6 +216,10 @@ def main() -> None:
     parser.add_argument(
         "--backend", choices=("llguidance", "xgrammar"), default="llguidance",
         help="the engine's structured_output_backend",
+    )  # fmt: skip
+    parser.add_argument(
+        "--processes", type=int, default=0,
+        help="the engine's structured_output_processes (0: grammars in the engine's process)",
     )  # fmt: skip
     parser.add_argument(
         "--warm-up", type=int, help="prompts each engine runs before it is timed "
@@ -259,6 +265,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "schema": args.schema,
         "backend": args.backend,
+        "processes": args.processes,
         "ratio": round(ratio, 3),
         "ratio_matched": round(matched, 3),
         "valid_share": round(valid, 4),

@@ -120,6 +120,7 @@ DTYPE = _rule(
 )
 DEVICE = _rule("one of auto, cpu, cuda, cuda:<n> (n a GPU index: 0, 1, ...)", _is_device)
 POSITIVE_INT = _rule("a positive integer", lambda v: _is_int(v) and v >= 1)
+NON_NEGATIVE_INT = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 MODEL_LEN = _rule(
     "an integer >= 2, or unset for the model's own context length",
     lambda v: v is None or (_is_int(v) and v >= 2),
@@ -253,6 +254,8 @@ class EngineConfig:
     ``kv_cache_dtype``: auto (the model's dtype) or fp8 (e4m3, twice the tokens in the same
     memory; kernels/fp8_kv.py). ``structured_output_backend``: the grammar library of
     structured output, llguidance or xgrammar (``pip install xgrammar``; structured_output.py).
+    ``structured_output_processes``: worker processes that hold the grammars and do their
+    per-token work in parallel (grammar_processes.py); 0 keeps them in the engine's process.
     """
 
     model: str = field(metadata=MODEL)
@@ -276,6 +279,7 @@ class EngineConfig:
     structured_output_backend: str = field(
         default="llguidance", metadata=_one_of("llguidance", "xgrammar")
     )
+    structured_output_processes: int = field(default=0, metadata=NON_NEGATIVE_INT)
 
     def __post_init__(self) -> None:
         for f in fields(self):

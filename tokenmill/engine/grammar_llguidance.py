@@ -73,10 +73,12 @@ class LlguidanceGrammars:
         self._next_group = (group + 1) % self.num_groups
         return fresh[group].deep_copy(), group
 
-    def fill(self, rows: Sequence[Row], mask: np.ndarray) -> None:
-        """Row i of ``mask`` [len(rows), words] int32 <- rows[i]'s next-token bitmask."""
+    def fill(self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
+        """Row ``at[i]`` (default i) of ``mask`` [rows, words] int32 <- rows[i]'s next-token
+        bitmask."""
         order = sorted(range(len(rows)), key=lambda i: rows[i][1])
-        pairs = [(rows[i][0], i) for i in order]  # row i's mask lands in row i
+        place = range(len(rows)) if at is None else at
+        pairs = [(rows[i][0], place[i]) for i in order]
         self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
 
     def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
@@ -87,6 +89,9 @@ class LlguidanceGrammars:
         for i, ok in zip(order, taken, strict=True):
             accepted[i] = ok
         return accepted
+
+    def release(self, rows: Sequence[Row]) -> None:
+        """Finished requests' matchers: nothing to do (they go with their last reference)."""
 
     def is_stopped(self, matcher: Any) -> bool:
         """The output is complete: nothing but EOS may follow."""

@@ -85,14 +85,19 @@ class XgrammarGrammars:
             self._compiled[spec] = compiled
         return self._xgr.GrammarMatcher(compiled), 0
 
-    def fill(self, rows: Sequence[Row], mask: np.ndarray) -> None:
-        """Row i of ``mask`` [len(rows), words] int32 <- rows[i]'s next-token bitmask."""
-        self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask)
+    def fill(self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
+        """Row ``at[i]`` (default i) of ``mask`` [rows, words] int32 <- rows[i]'s next-token
+        bitmask."""
+        places = None if at is None else list(at)
+        self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask, places)
 
     def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
         """Each row's matcher takes its token; whether each accepted it (input order)."""
         matchers = [m for m, _ in rows]
         return list(self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens)))
+
+    def release(self, rows: Sequence[Row]) -> None:
+        """Finished requests' matchers: nothing to do (they go with their last reference)."""
 
     def is_stopped(self, matcher: Any) -> bool:
         """The output is complete: nothing but a stop token may follow."""

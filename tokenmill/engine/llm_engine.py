@@ -198,6 +198,7 @@ class LLMEngine:
             self.eos_token_ids,
             self.device,
             config.structured_output_backend,
+            config.structured_output_processes,
         )
         # The last step processed inside the next one's launch (``_token_bitmask``).
         self._processed_early: LaunchedStep | None = None

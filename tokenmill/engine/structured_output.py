@@ -78,6 +78,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+from tokenmill.engine.grammar_processes import GrammarProcesses
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
@@ -193,6 +194,7 @@ class StructuredOutputs:
         eos_token_ids: Sequence[int],
         device: torch.device | None = None,
         backend: str = "llguidance",
+        processes: int = 0,
     ) -> None:
         self.vocab_size = vocab_size
         backends = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
@@ -200,7 +202,12 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_output_backend must be one of {sorted(backends)}, got {backend!r}"
             )
-        self.backend = backends[backend](tokenizer, vocab_size, eos_token_ids)
+        if processes:
+            self.backend = GrammarProcesses(
+                backend, tokenizer, vocab_size, eos_token_ids, processes
+            )
+        else:
+            self.backend = backends[backend](tokenizer, vocab_size, eos_token_ids)
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
@@ -223,16 +230,21 @@ class StructuredOutputs:
         self._grammars[request.request_id] = _Grammar(matcher, group)
 
     def close(self) -> None:
-        """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)."""
+        """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)
+        and the grammar processes, if any."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        if isinstance(self.backend, GrammarProcesses):
+            self.backend.close()
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
         The engine drops a request's grammar as soon as the request finishes."""
-        for rid in request_ids:
-            self._grammars.pop(rid, None)
+        dropped = [self._grammars.pop(rid, None) for rid in request_ids]
+        rows = [(g.matcher, g.group) for g in dropped if g is not None]
+        if rows:
+            self.backend.release(rows)
 
     def bitmask(
         self, requests: Sequence[Request], beside: Callable[[], object] | None = None

@@ -1,0 +1,307 @@
+"""Grammar work spread over worker processes (``structured_output_processes: N``).
+
+A grammar's host work is per row and per token (one mask filled, one sampled token taken),
+and at a few hundred constrained rows a step on a small model it outlasts the GPU's step:
+on the H200, ~430 rows cost 4.5-7 ms a step against a 2.4 ms forward pass. Threads inside
+one process do not spread it: xgrammar holds the GIL while it works, and llguidance's
+threads serialize on the lexer shared by copies of a compiled grammar. Processes share
+nothing, so N of them do a step's work in about 1/N of the time.
+
+Each worker process owns the matchers of the requests given to it (in turn, as they come)
+and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
+one thread. A step costs one round trip per call and worker over a pipe:
+
+    add / drop       sent, not answered (the spec was compiled here first, so it compiles)
+    consume          each worker takes its rows' tokens and answers, per row, accepted or
+                     not, stopped or not, and the error of a rejected token
+    fill             each worker writes its rows' masks into a shared-memory array at the
+                     rows' places in the step's mask; the answer says they are in
+
+The backend interface is the in-process backends' (matcher / fill / consume / is_stopped /
+error / release), so structured_output.py keeps the bookkeeping either way. A worker that
+dies raises RuntimeError naming it at the next call; ``close`` stops them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+__all__ = ["GrammarProcesses"]
+
+Row = tuple[int, int]  # (the request's key, its worker)
+_WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
+
+
+def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
+    """The in-process backend a worker (or the parent, to compile specs once) runs."""
+    from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+    from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+
+    backends = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
+    return backends[name](tokenizer, vocab_size, eos, threads=1)
+
+
+def _serve(conn: Connection, backend: Any) -> None:
+    """A worker's loop over the messages of ``GrammarProcesses``, until "stop"."""
+    matchers: dict[int, tuple[Any, int]] = {}
+    shm: SharedMemory | None = None
+    masks: np.ndarray | None = None
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        if kind == "add":
+            for key, spec in zip(message[1], message[2], strict=True):
+                matchers[key] = backend.matcher(spec)
+        elif kind == "drop":
+            for key in message[1]:
+                matchers.pop(key, None)
+        elif kind == "consume":
+            rows = [matchers[key] for key in message[1]]
+            accepted = backend.consume(rows, message[2])
+            stopped = [
+                ok and backend.is_stopped(m) for (m, _), ok in zip(rows, accepted, strict=True)
+            ]
+            errors = {i: backend.error(rows[i][0]) for i, ok in enumerate(accepted) if not ok}
+            conn.send((accepted, stopped, errors))
+        elif kind == "fill":
+            assert masks is not None
+            backend.fill([matchers[key] for key in message[1]], masks, at=message[2])
+            conn.send(None)
+        elif kind == "shm":
+            if shm is not None:
+                shm.close()
+            shm = _attach(message[1])
+            masks = np.ndarray((message[2], message[3]), dtype=np.int32, buffer=shm.buf)
+        elif kind == "stop":
+            break
+    if shm is not None:
+        shm.close()
+
+
+def _attach(name: str) -> SharedMemory:
+    """The engine's shared memory ``name``, which the engine alone unlinks (untracked here:
+    a tracked attachment is unlinked, with a warning, when this process exits)."""
+    try:
+        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # 3.13+
+    except TypeError:
+        pass
+    from multiprocessing import resource_tracker
+
+    shm = SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+class GrammarProcesses:
+    """A structured-output backend whose matchers live in ``processes`` worker processes.
+
+    ``name`` is the library each worker runs (llguidance or xgrammar). The workers start on
+    the first constrained request (about a second: each loads the library and builds its
+    tokenizer); specs are compiled here once too, so a spec the library rejects raises
+    ValueError at ``matcher``, as in process.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        processes: int,
+    ) -> None:
+        if processes < 1:
+            raise ValueError(f"structured_output_processes must be >= 1, got {processes}")
+        self.name = name
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._num = processes
+        self._words = -(-vocab_size // 32)
+        self._checker = _backend(name, tokenizer, vocab_size, self._eos)
+        self._checked: set[str] = set()
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._shm: SharedMemory | None = None
+        self._masks: np.ndarray | None = None
+        self._next_key = 0
+        self._next_worker = 0
+        self._stopped: dict[int, bool] = {}  # key -> stopped after its last token
+        self._errors: dict[int, str] = {}  # key -> why its last token was rejected
+        self._released: list[Row] = []  # finished requests' matchers, to drop
+        self._lock = threading.Lock()
+
+    # ---- the backend interface -----------------------------------------------------------
+    def matcher(self, spec: str) -> Row:
+        """A new request's matcher (in a worker, in its start state): its key and worker."""
+        if spec not in self._checked:
+            self._checker.matcher(spec)  # raises ValueError for a spec the library rejects
+            self._checked.add(spec)
+        if not self._conns:
+            self._start()
+        key, worker = self._next_key, self._next_worker
+        self._next_key += 1
+        self._next_worker = (worker + 1) % self._num
+        self._send(worker, ("add", [key], [spec]))
+        return key, worker
+
+    def release(self, rows: Sequence[Row]) -> None:
+        """Forget the matchers of finished requests. Any thread may call it (the engine
+        finishes requests beside a fill): the keys are only noted here, and the workers
+        drop them at the next ``consume``, by when no fill can name them."""
+        with self._lock:
+            self._released.extend(rows)
+
+    def fill(self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
+        """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask."""
+        places = list(range(len(rows))) if at is None else list(at)
+        needed = max(places, default=-1) + 1
+        shared = self._shared(needed)
+        groups = self._by_worker(rows)
+        for worker, members in groups.items():
+            keys = [key for key, _ in members]
+            self._send(worker, ("fill", keys, [places[i] for _, i in members]))
+        for worker in groups:
+            self._recv(worker)
+        if at is None:
+            np.copyto(mask[:needed], shared[:needed])
+        else:
+            mask[places] = shared[places]
+
+    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
+        """Each row's matcher takes its token; whether each accepted it (input order)."""
+        self._drop_released()
+        accepted = [False] * len(rows)
+        groups = self._by_worker(rows)
+        for worker, members in groups.items():
+            keys = [key for key, _ in members]
+            self._send(worker, ("consume", keys, [int(tokens[i]) for _, i in members]))
+        for worker, members in groups.items():
+            oks, stopped, errors = self._recv(worker)
+            for j, (key, i) in enumerate(members):
+                accepted[i] = oks[j]
+                self._stopped[key] = stopped[j]
+                if j in errors:
+                    self._errors[key] = errors[j]
+        return accepted
+
+    def is_stopped(self, row_key: int) -> bool:
+        """The output is complete (after the last token consumed): nothing but EOS may
+        follow."""
+        return self._stopped.get(row_key, False)
+
+    def error(self, row_key: int) -> str:
+        return self._errors.get(row_key, "the grammar rejected the token")
+
+    def close(self) -> None:
+        """Stop the workers and free the shared masks."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm, self._masks = None, None
+
+    # ---- internals -----------------------------------------------------------------------
+    def _start(self) -> None:
+        """Start the workers as fresh interpreters (``python -c``), not through
+        multiprocessing: its spawn would run the user's main module again in each, which a
+        script without a ``__main__`` guard does not survive. Each gets one end of a
+        socket pair and its settings over it."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        settings = ("start", self.name, self._tokenizer, self.vocab_size, self._eos)
+        for _ in range(self._num):
+            ours, theirs = socket.socketpair()
+            with theirs:
+                fd = theirs.fileno()
+                self._procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", _WORKER_MAIN, str(fd)],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        pass_fds=(fd,),
+                    )
+                )
+            self._conns.append(Connection(ours.detach()))
+            self._send(len(self._conns) - 1, settings)
+
+    def _shared(self, rows: int) -> np.ndarray:
+        """The shared [capacity, words] mask array, grown (and re-sent) to hold ``rows``."""
+        if self._masks is None or self._masks.shape[0] < rows:
+            capacity = max(64, 1 << (max(rows, 1) - 1).bit_length())
+            if self._shm is not None:
+                self._shm.close()
+                self._shm.unlink()
+            self._shm = SharedMemory(create=True, size=capacity * self._words * 4)
+            self._masks = np.ndarray((capacity, self._words), dtype=np.int32, buffer=self._shm.buf)
+            for worker in range(self._num):
+                self._send(worker, ("shm", self._shm.name, capacity, self._words))
+        return self._masks
+
+    def _drop_released(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for worker, members in self._by_worker(released).items():
+            self._send(worker, ("drop", [key for key, _ in members]))
+            for key, _ in members:
+                self._stopped.pop(key, None)
+                self._errors.pop(key, None)
+
+    @staticmethod
+    def _by_worker(rows: Sequence[Row]) -> dict[int, list[tuple[int, int]]]:
+        """worker -> [(key, index in ``rows``)], in ``rows`` order."""
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for i, (key, worker) in enumerate(rows):
+            groups.setdefault(worker, []).append((key, i))
+        return groups
+
+    def _send(self, worker: int, message: tuple) -> None:
+        try:
+            self._conns[worker].send(message)
+        except (BrokenPipeError, OSError) as exc:
+            raise self._died(worker) from exc
+
+    def _recv(self, worker: int) -> Any:
+        try:
+            return self._conns[worker].recv()
+        except (EOFError, OSError) as exc:
+            raise self._died(worker) from exc
+
+    def _died(self, worker: int) -> RuntimeError:
+        proc = self._procs[worker]
+        return RuntimeError(
+            f"structured output: grammar worker process {worker} (pid {proc.pid}) stopped "
+            f"(exit code {proc.poll()}); the engine cannot go on with its grammars"
+        )
+
+
+def main() -> None:
+    """A worker process: take the settings from the engine's socket, serve until "stop"."""
+    conn = Connection(int(sys.argv[1]))
+    try:
+        _, name, tokenizer, vocab_size, eos = conn.recv()
+        _serve(conn, _backend(name, tokenizer, vocab_size, eos))
+    except EOFError:  # the engine went away
+        pass
