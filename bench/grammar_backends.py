@@ -12,6 +12,10 @@ This bench times that work alone, without a model, for each library it can impor
               grammar, a ``GrammarMatcher`` per row, filled and fed by
               ``BatchGrammarMatcher``
 
+and, with ``--processes``, either library in that many worker processes
+(engine/grammar_processes.py, ``structured_output_processes``), each with its share of the
+rows and one thread.
+
 Both run exactly as ``structured_output_backend`` runs them in the engine, with the thread
 count set here instead of from the CPU count.
 
@@ -22,7 +26,7 @@ gives each row its next token, until the shortest record ends. Per library, sche
 maxLength) and thread count, one JSON line: ms per step for the masks and for the tokens.
 A library that is not installed is reported as such, not skipped silently.
 
-    PYTHONPATH=. python bench/grammar_backends.py [--threads 1,2] [--rows 433]
+    PYTHONPATH=. python bench/grammar_backends.py [--threads 1,2] [--processes 1,2] [--rows 433]
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.structured_output import SCHEMAS  # noqa: E402
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars  # noqa: E402
+from tokenmill.engine.grammar_processes import GrammarProcesses  # noqa: E402
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars  # noqa: E402
 from tokenmill.engine.loader import resolve_model_source  # noqa: E402
 from tokenmill.engine.structured_output_params import check_structured_output  # noqa: E402
@@ -91,7 +96,9 @@ def time_steps(
 
 
 def time_backend(
-    backend: LlguidanceGrammars | XgrammarGrammars, spec: str, seqs: list[list[int]]
+    backend: LlguidanceGrammars | XgrammarGrammars | GrammarProcesses,
+    spec: str,
+    seqs: list[list[int]],
 ) -> tuple[float, float]:
     """(mask ms, token ms) per step of ``backend`` doing the engine's calls: a matcher per
     row, then every step one ``fill`` of all rows' masks and one ``consume``."""
@@ -113,6 +120,10 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL, help="whose tokenizer")
     parser.add_argument("--rows", type=int, default=433, help="constrained rows a step")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument(
+        "--processes", default="", help="comma-separated worker process counts (also timed: "
+        "GrammarProcesses, the engine's structured_output_processes)",
+    )  # fmt: skip
     args = parser.parse_args()
     source = resolve_model_source(args.model)
     tokenizer = source.load_tokenizer()
@@ -121,16 +132,26 @@ def main() -> None:
     for library, leg in LEGS.items():
         for schema_name, schema in SCHEMAS.items():
             spec = check_structured_output(schema)
-            for threads in (int(t) for t in args.threads.split(",")):
+            counts = [("threads", int(t)) for t in args.threads.split(",") if t]
+            counts += [("processes", int(n)) for n in args.processes.split(",") if n]
+            for how, count in counts:
                 line: dict[str, Any] = {
                     "library": library,
                     "schema": schema_name,
-                    "threads": threads,
+                    how: count,
                     "rows": args.rows,
                 }
-                backend = leg(tokenizer, vocab, [tokenizer.eos_token_id], threads)
+                eos = [tokenizer.eos_token_id]
                 try:
-                    mask_ms, token_ms = time_backend(backend, spec, seqs)
+                    if how == "threads":
+                        backend = leg(tokenizer, vocab, eos, count)
+                    else:
+                        backend = GrammarProcesses(library, tokenizer, vocab, eos, count)
+                    try:
+                        mask_ms, token_ms = time_backend(backend, spec, seqs)
+                    finally:
+                        if how == "processes":
+                            backend.close()
                 except ImportError as exc:
                     line["not_installed"] = str(exc)
                     print(json.dumps(line), flush=True)
