@@ -5,6 +5,7 @@ engine with an error naming it; close() ends the workers."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 
@@ -75,3 +76,16 @@ def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F
 def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="structured_output_processes"):
         EngineConfig(model="m", structured_output_processes=-1)
+
+
+def test_workers_of_a_pool_never_closed_stop_when_it_is_collected(tiny_path) -> None:  # noqa: F811
+    from tokenmill.engine.loader import resolve_model_source
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 2)
+    key, _ = pool.matcher("json_object")
+    assert pool.consume([(key, 0)], [tokenizer.encode("{", add_special_tokens=False)[0]]) == [True]
+    procs = list(pool._procs)
+    del pool
+    gc.collect()
+    assert all(p.poll() is not None for p in procs)

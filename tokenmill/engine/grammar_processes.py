@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -102,6 +103,26 @@ def _attach(name: str) -> SharedMemory:
     return shm
 
 
+def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
+    """Ask the workers to stop, wait for them (killing any that hangs), and empty both
+    lists. Also run when an unclosed ``GrammarProcesses`` is collected."""
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()
+    conns.clear()
+    procs.clear()
+
+
 class GrammarProcesses:
     """A structured-output backend whose matchers live in ``processes`` worker processes.
 
@@ -129,8 +150,9 @@ class GrammarProcesses:
         self._words = -(-vocab_size // 32)
         self._checker = _backend(name, tokenizer, vocab_size, self._eos)
         self._checked: set[str] = set()
-        self._conns: list[Connection] = []
-        self._procs: list[Any] = []
+        self._conns: list[Connection] = []  # changed in place only (see the finalizer)
+        self._procs: list[subprocess.Popen] = []
+        weakref.finalize(self, _stop_workers, self._conns, self._procs)
         self._shm: SharedMemory | None = None
         self._masks: np.ndarray | None = None
         self._next_key = 0
@@ -204,24 +226,12 @@ class GrammarProcesses:
 
     def close(self) -> None:
         """Stop the workers and free the shared masks."""
-        for conn in self._conns:
-            try:
-                conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
+        _stop_workers(self._conns, self._procs)
+        self._masks = None  # before its memory goes
         if self._shm is not None:
             self._shm.close()
             self._shm.unlink()
-            self._shm, self._masks = None, None
+            self._shm = None
 
     # ---- internals -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -251,6 +261,7 @@ class GrammarProcesses:
         """The shared [capacity, words] mask array, grown (and re-sent) to hold ``rows``."""
         if self._masks is None or self._masks.shape[0] < rows:
             capacity = max(64, 1 << (max(rows, 1) - 1).bit_length())
+            self._masks = None  # before its memory goes
             if self._shm is not None:
                 self._shm.close()
                 self._shm.unlink()
