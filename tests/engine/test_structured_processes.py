@@ -9,6 +9,7 @@ import gc
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from tests.engine.test_structured_async import (
@@ -39,11 +40,13 @@ def test_worker_processes_give_the_in_process_outputs(tiny_path, backend) -> Non
     pool = grammars.backend
     assert isinstance(pool, GrammarProcesses) and pool.name == backend
     assert len(grammars) == 0 and llm.engine.step_profile()["synchronous_steps"] == 0
+    # The workers wrote the masks into the engine's two mask buffers, no scratch copy.
+    assert set(pool._segments) == {0, 1}
     procs = list(pool._procs)
     assert len(procs) == 2 and all(p.poll() is None for p in procs)
     llm.engine.close()
     assert all(p.poll() is not None for p in procs)
-    assert pool._shm is None
+    assert not pool._segments
 
 
 def test_a_rejected_constraint_is_refused_when_added(tiny_path) -> None:  # noqa: F811
@@ -78,13 +81,25 @@ def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
         EngineConfig(model="m", structured_output_processes=-1)
 
 
-def test_workers_of_a_pool_never_closed_stop_when_it_is_collected(tiny_path) -> None:  # noqa: F811
+def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(
+    tiny_path,  # noqa: F811
+) -> None:
+    from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
     from tokenmill.engine.loader import resolve_model_source
 
     tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
-    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 2)
-    key, _ = pool.matcher("json_object")
-    assert pool.consume([(key, 0)], [tokenizer.encode("{", add_special_tokens=False)[0]]) == [True]
+    eos = [tokenizer.eos_token_id]
+    pool = GrammarProcesses("llguidance", tokenizer, 288, eos, 2)
+    alone = LlguidanceGrammars(tokenizer, 288, eos, threads=1)
+    specs = ["json_object", "regex:[a-c]{2,6}-[0-9]{1,3}", "json_object"]
+    rows = [pool.matcher(spec) for spec in specs]
+    want_rows = [alone.matcher(spec) for spec in specs]
+    first = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "a", "{")]
+    assert pool.consume(rows, first) == alone.consume(want_rows, first) == [True] * 3
+    got, want = np.zeros((5, 9), np.int32), np.zeros((5, 9), np.int32)  # 288 tokens: 9 words
+    pool.fill(rows, got, at=[4, 0, 2])  # a plain array: through the scratch buffer
+    alone.fill(want_rows, want, at=[4, 0, 2])
+    assert (got == want).all() and got[[0, 2, 4]].any() and not got[[1, 3]].any()
     procs = list(pool._procs)
     del pool
     gc.collect()

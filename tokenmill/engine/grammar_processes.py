@@ -14,8 +14,11 @@ one thread. A step costs one round trip per call and worker over a pipe:
     add / drop       sent, not answered (the spec was compiled here first, so it compiles)
     consume          each worker takes its rows' tokens and answers, per row, accepted or
                      not, stopped or not, and the error of a rejected token
-    fill             each worker writes its rows' masks into a shared-memory array at the
-                     rows' places in the step's mask; the answer says they are in
+    fill             each worker writes its rows' masks at their places in the step's mask
+                     buffer, which lives in shared memory (the engine's two mask buffers
+                     come from ``shared_masks``, pinned for CUDA with cudaHostRegister, so
+                     the upload reads what the workers wrote; another array is filled
+                     through a scratch buffer and a copy); the answer says they are in
 
 The backend interface is the in-process backends' (matcher / fill / consume / is_stopped /
 error / release), so structured_output.py keeps the bookkeeping either way. A worker that
@@ -41,6 +44,7 @@ __all__ = ["GrammarProcesses"]
 
 Row = tuple[int, int]  # (the request's key, its worker)
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
+SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
 
 
 def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
@@ -55,8 +59,7 @@ def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> 
 def _serve(conn: Connection, backend: Any) -> None:
     """A worker's loop over the messages of ``GrammarProcesses``, until "stop"."""
     matchers: dict[int, tuple[Any, int]] = {}
-    shm: SharedMemory | None = None
-    masks: np.ndarray | None = None
+    segments: dict[int, tuple[SharedMemory, np.ndarray]] = {}  # slot -> memory, masks
     while True:
         message = conn.recv()
         kind = message[0]
@@ -75,17 +78,18 @@ def _serve(conn: Connection, backend: Any) -> None:
             errors = {i: backend.error(rows[i][0]) for i, ok in enumerate(accepted) if not ok}
             conn.send((accepted, stopped, errors))
         elif kind == "fill":
-            assert masks is not None
-            backend.fill([matchers[key] for key in message[1]], masks, at=message[2])
+            _, slot, keys, places = message
+            backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
             conn.send(None)
         elif kind == "shm":
-            if shm is not None:
-                shm.close()
-            shm = _attach(message[1])
-            masks = np.ndarray((message[2], message[3]), dtype=np.int32, buffer=shm.buf)
+            _, slot, name, rows, words = message
+            if slot in segments:
+                segments.pop(slot)[0].close()
+            shm = _attach(name)
+            segments[slot] = (shm, np.ndarray((rows, words), dtype=np.int32, buffer=shm.buf))
         elif kind == "stop":
             break
-    if shm is not None:
+    for shm, _ in segments.values():
         shm.close()
 
 
@@ -101,6 +105,24 @@ def _attach(name: str) -> SharedMemory:
     shm = SharedMemory(name=name)
     resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
+
+
+def _register(masks: np.ndarray) -> bool:
+    """Pin ``masks``' memory for CUDA copies (cudaHostRegister); False if CUDA refuses,
+    and the upload then stages it as it would any pageable array."""
+    import torch
+
+    try:
+        error = torch.cuda.cudart().cudaHostRegister(masks.ctypes.data, masks.nbytes, 0)
+    except (RuntimeError, AttributeError):
+        return False
+    return int(error) == 0
+
+
+def _unregister(masks: np.ndarray) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(masks.ctypes.data)
 
 
 def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
@@ -153,8 +175,9 @@ class GrammarProcesses:
         self._conns: list[Connection] = []  # changed in place only (see the finalizer)
         self._procs: list[subprocess.Popen] = []
         weakref.finalize(self, _stop_workers, self._conns, self._procs)
-        self._shm: SharedMemory | None = None
-        self._masks: np.ndarray | None = None
+        # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
+        # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
+        self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
         self._next_key = 0
         self._next_worker = 0
         self._stopped: dict[int, bool] = {}  # key -> stopped after its last token
@@ -184,20 +207,32 @@ class GrammarProcesses:
             self._released.extend(rows)
 
     def fill(self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
-        """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask."""
+        """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask. Into one of
+        ``shared_masks``' buffers the workers write directly; into any other array through
+        a scratch buffer and a copy."""
         places = list(range(len(rows))) if at is None else list(at)
-        needed = max(places, default=-1) + 1
-        shared = self._shared(needed)
+        slot = self._slot_of(mask)
+        if slot is None:
+            slot = SCRATCH
+            needed = max(places, default=-1) + 1
+            held = self._segments.get(SCRATCH)
+            if held is None or held[1].shape[0] < needed:
+                self._new_segment(SCRATCH, max(64, 1 << (max(needed, 1) - 1).bit_length()), False)
         groups = self._by_worker(rows)
         for worker, members in groups.items():
             keys = [key for key, _ in members]
-            self._send(worker, ("fill", keys, [places[i] for _, i in members]))
+            self._send(worker, ("fill", slot, keys, [places[i] for _, i in members]))
         for worker in groups:
             self._recv(worker)
-        if at is None:
-            np.copyto(mask[:needed], shared[:needed])
-        else:
-            mask[places] = shared[places]
+        if slot == SCRATCH:
+            mask[places] = self._segments[SCRATCH][1][places]
+
+    def shared_masks(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
+        """A [rows, words] int32 buffer in shared memory for the engine's mask buffer
+        ``slot`` (0 or 1; structured_output.py's ``_MaskBuffers``), replacing the slot's
+        previous one; registered with CUDA as pinned memory when ``pinned``, so the upload
+        reads it without a staging copy."""
+        return self._new_segment(slot, rows, pinned)
 
     def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
         """Each row's matcher takes its token; whether each accepted it (input order)."""
@@ -227,11 +262,8 @@ class GrammarProcesses:
     def close(self) -> None:
         """Stop the workers and free the shared masks."""
         _stop_workers(self._conns, self._procs)
-        self._masks = None  # before its memory goes
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        for slot in list(self._segments):
+            self._free_segment(slot)
 
     # ---- internals -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -257,19 +289,43 @@ class GrammarProcesses:
             self._conns.append(Connection(ours.detach()))
             self._send(len(self._conns) - 1, settings)
 
-    def _shared(self, rows: int) -> np.ndarray:
-        """The shared [capacity, words] mask array, grown (and re-sent) to hold ``rows``."""
-        if self._masks is None or self._masks.shape[0] < rows:
-            capacity = max(64, 1 << (max(rows, 1) - 1).bit_length())
-            self._masks = None  # before its memory goes
-            if self._shm is not None:
-                self._shm.close()
-                self._shm.unlink()
-            self._shm = SharedMemory(create=True, size=capacity * self._words * 4)
-            self._masks = np.ndarray((capacity, self._words), dtype=np.int32, buffer=self._shm.buf)
-            for worker in range(self._num):
-                self._send(worker, ("shm", self._shm.name, capacity, self._words))
-        return self._masks
+    def _new_segment(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
+        """Shared memory for ``rows`` masks in ``slot``, replacing the slot's old one, made
+        known to every worker."""
+        if not self._conns:
+            self._start()
+        self._free_segment(slot)
+        shm = SharedMemory(create=True, size=rows * self._words * 4)
+        masks = np.ndarray((rows, self._words), dtype=np.int32, buffer=shm.buf)
+        registered = pinned and _register(masks)
+        self._segments[slot] = (shm, masks, registered)
+        for worker in range(self._num):
+            self._send(worker, ("shm", slot, shm.name, rows, self._words))
+        return masks
+
+    def _free_segment(self, slot: int) -> None:
+        held = self._segments.pop(slot, None)
+        if held is None:
+            return
+        shm, masks, registered = held
+        if registered:
+            _unregister(masks)
+        del masks  # before its memory goes
+        shm.close()
+        shm.unlink()
+
+    def _slot_of(self, mask: np.ndarray) -> int | None:
+        """The slot whose buffer ``mask`` is the head of (its first rows), if any."""
+        address = mask.__array_interface__["data"][0]
+        for slot, (_, masks, _) in self._segments.items():
+            if (
+                slot != SCRATCH
+                and masks.__array_interface__["data"][0] == address
+                and mask.shape[1:] == masks.shape[1:]
+                and mask.flags.c_contiguous
+            ):
+                return slot
+        return None
 
     def _drop_released(self) -> None:
         with self._lock:

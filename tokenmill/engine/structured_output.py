@@ -150,15 +150,29 @@ class _MaskBuffers:
     written again for step m + 2, after waiting on an event recorded when step m + 1's masks
     were filled, which is behind that copy. By then the host has waited for step m + 1's
     tokens (sampled behind the event), so the wait costs nothing.
+
+    With grammars in worker processes the two buffers are theirs (``allocate``: shared
+    memory the workers write into, pinned on CUDA), so masks need no copy on the way.
     """
 
-    def __init__(self, words: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        words: int,
+        device: torch.device,
+        allocate: Callable[[int, int, bool], np.ndarray] | None = None,
+    ) -> None:
         self.words = words
         self.pinned = device.type == "cuda"
+        self._allocate = allocate or self._pinned_tensor
         self._tensors: list[torch.Tensor | None] = [None, None]  # owners of the memory
         self._arrays: list[np.ndarray | None] = [None, None]
         self._turn = 0
         self._fence: Any = None  # torch.cuda.Event recorded at the previous fill
+
+    def _pinned_tensor(self, turn: int, rows: int, pinned: bool) -> np.ndarray:
+        tensor = torch.empty((rows, self.words), dtype=torch.int32, pin_memory=pinned)
+        self._tensors[turn] = tensor
+        return tensor.numpy()
 
     def next(self, rows: int) -> np.ndarray:
         """A C-contiguous [rows, words] int32 view to fill now (contents undefined)."""
@@ -172,9 +186,7 @@ class _MaskBuffers:
         if array is None or array.shape[0] < rows:
             # Room for the batch at hand, rounded up: buffers are rarely replaced.
             size = max(64, 1 << (rows - 1).bit_length())
-            tensor = torch.empty((size, self.words), dtype=torch.int32, pin_memory=self.pinned)
-            self._tensors[turn], self._arrays[turn] = tensor, tensor.numpy()
-            array = self._arrays[turn]
+            array = self._arrays[turn] = self._allocate(turn, size, self.pinned)
         return array[:rows]
 
 
@@ -211,7 +223,8 @@ class StructuredOutputs:
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
-        self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"))
+        shared = self.backend.shared_masks if processes else None
+        self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
 
     def __len__(self) -> int:
