@@ -57,7 +57,9 @@ How it meets the rest of the engine:
 llguidance (the default; grammar_llguidance.py, which compiles each constraint once per
 thread so that its threads do not queue on one lexer) or xgrammar (grammar_xgrammar.py).
 Both fill a step's masks and take its tokens in one call each, on their own threads; only
-llguidance lets go of the GIL while it fills.
+llguidance lets go of the GIL while it fills. With ``structured_output_processes: N`` either
+library runs in N worker processes instead (grammar_processes.py), each holding its share
+of the requests' matchers and writing masks straight into the mask buffers below.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off; xgrammar without
 free whitespace): no free whitespace between tokens, so a small model cannot wander off
