@@ -136,45 +136,32 @@ def _common_setting(columns: SamplingColumns, rows: np.ndarray) -> int:
     return first if (ids == first).all() else NO_SETTING_ID
 
 
+# SamplingMetadata's per-row columns (one value per logits row); every other field holds
+# for any rows that sample alike.
+_FLOAT_COLUMNS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_PER_ROW_COLUMNS = (*_FLOAT_COLUMNS, "greedy", "top_k")
+
+
 def _first_rows(meta: SamplingMetadata, n: int) -> SamplingMetadata:
     """``meta`` (rows that all sample alike, reusable, no logit bias) for its first ``n``
-    rows: its per-row columns cut to views; every other field holds for any number of them."""
+    rows: its per-row columns cut to views."""
     if n == meta.num_rows:
         return meta
-    return dataclasses.replace(
-        meta,
-        num_rows=n,
-        temperature=meta.temperature[:n],
-        greedy=meta.greedy[:n],
-        top_k=meta.top_k[:n],
-        top_p=meta.top_p[:n],
-        min_p=meta.min_p[:n],
-        presence_penalty=meta.presence_penalty[:n],
-        frequency_penalty=meta.frequency_penalty[:n],
-        repetition_penalty=meta.repetition_penalty[:n],
-    )
+    cut = {name: getattr(meta, name)[:n] for name in _PER_ROW_COLUMNS}
+    return dataclasses.replace(meta, num_rows=n, **cut)
 
 
 def _own_columns(meta: SamplingMetadata) -> SamplingMetadata:
-    """``meta`` with its per-row columns copied into tensors of their own (three copies)."""
-    floats = torch.stack(
-        [
-            meta.temperature,
-            meta.top_p,
-            meta.min_p,
-            meta.presence_penalty,
-            meta.frequency_penalty,
-            meta.repetition_penalty,
-        ]
-    )
-    return dataclasses.replace(
-        meta,
-        temperature=floats[0],
-        top_p=floats[1],
-        min_p=floats[2],
-        presence_penalty=floats[3],
-        frequency_penalty=floats[4],
-        repetition_penalty=floats[5],
-        greedy=meta.greedy.clone(),
-        top_k=meta.top_k.clone(),
-    )
+    """``meta`` with its per-row columns copied into tensors of their own (the float ones
+    stacked into one: three copies)."""
+    floats = torch.stack([getattr(meta, name) for name in _FLOAT_COLUMNS])
+    own = {name: floats[i] for i, name in enumerate(_FLOAT_COLUMNS)}
+    own |= {name: getattr(meta, name).clone() for name in _PER_ROW_COLUMNS if name not in own}
+    return dataclasses.replace(meta, **own)
