@@ -300,9 +300,10 @@ class Scheduler:
         s.num_computed[slots] = computed
         known = s.num_tokens[slots].astype(np.int64)
         if self.kv.enable_prefix_caching:
-            full = np.minimum(computed, known) // self.kv.block_size
+            cacheable = np.minimum(computed, known)
+            full = cacheable // self.kv.block_size
             for i in np.flatnonzero(full > s.num_cached_full[slots]).tolist():
-                self._cache_full_blocks(int(slots[i]), int(computed[i]))
+                self._offer_blocks(int(slots[i]), int(cacheable[i]), int(full[i]))
         sample = computed == known + s.num_pending[slots] + s.num_drafts[slots]
         if self.config.async_scheduling:
             s.num_pending[slots[sample]] += 1
@@ -313,12 +314,16 @@ class Scheduler:
         tokens only (a pending token's id is not on the host yet)."""
         if not self.kv.enable_prefix_caching:
             return
-        s = self.slots
-        cacheable = min(computed, int(s.num_tokens[slot]))
+        cacheable = min(computed, int(self.slots.num_tokens[slot]))
         full = cacheable // self.kv.block_size
-        if full > s.num_cached_full[slot]:
-            self.kv.cache_blocks(s.requests[slot], cacheable)
-            s.num_cached_full[slot] = full
+        if full > self.slots.num_cached_full[slot]:
+            self._offer_blocks(slot, cacheable, full)
+
+    def _offer_blocks(self, slot: int, cacheable: int, full: int) -> None:
+        """Cache the slot's first ``cacheable`` tokens' ``full`` blocks (more than it has
+        cached)."""
+        self.kv.cache_blocks(self.slots.requests[slot], cacheable)
+        self.slots.num_cached_full[slot] = full
 
     def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
         # Prompt logprobs need every prompt position's logits: cached ones have none.
