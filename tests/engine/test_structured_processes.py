@@ -104,3 +104,14 @@ def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(
     del pool
     gc.collect()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_tokenizer_that_cannot_be_pickled_is_refused_naming_the_setting(tiny_path) -> None:  # noqa: F811
+    from tokenmill.engine.loader import resolve_model_source
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    tokenizer.unpicklable = lambda: None  # a lambda does not pickle
+    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 2)
+    with pytest.raises(ValueError, match="structured_output_processes.*cannot be handed"):
+        pool.matcher("json_object")
+    assert not pool._procs

@@ -28,6 +28,7 @@ dies raises RuntimeError naming it at the next call; ``close`` stops them all.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -272,7 +273,7 @@ class GrammarProcesses:
         socket pair and its settings over it."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        settings = ("start", self.name, self._tokenizer, self.vocab_size, self._eos)
+        settings = self._settings()
         for _ in range(self._num):
             ours, theirs = socket.socketpair()
             with theirs:
@@ -286,7 +287,20 @@ class GrammarProcesses:
                     )
                 )
             self._conns.append(Connection(ours.detach()))
-            self._send(len(self._conns) - 1, settings)
+            self._conns[-1].send_bytes(settings)
+
+    def _settings(self) -> bytes:
+        """The workers' start message, pickled once for all of them. Raises ValueError when
+        the tokenizer cannot be pickled (a worker needs its own copy)."""
+        message = ("start", self.name, self._tokenizer, self.vocab_size, self._eos)
+        try:
+            return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                "structured_output_processes: the model's tokenizer cannot be handed to a "
+                f"worker process ({type(exc).__name__}: {exc}); set "
+                "structured_output_processes to 0 to keep the grammars in this process"
+            ) from None
 
     def _new_segment(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
         """Shared memory for ``rows`` masks in ``slot``, replacing the slot's old one, made
