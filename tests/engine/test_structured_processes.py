@@ -115,3 +115,26 @@ def test_a_tokenizer_that_cannot_be_pickled_is_refused_naming_the_setting(tiny_p
     with pytest.raises(ValueError, match="structured_output_processes.*cannot be handed"):
         pool.matcher("json_object")
     assert not pool._procs
+
+
+def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path) -> None:  # noqa: F811
+    from tokenmill.engine.core.request import Request
+    from tokenmill.engine.loader import resolve_model_source
+    from tokenmill.engine.structured_output import StructuredOutputs
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    grammars = StructuredOutputs(tokenizer, 288, [tokenizer.eos_token_id], None, "llguidance", 2)
+    params = SamplingParams(structured_output='choice:["ab", "cd"]')
+    reqs = [Request(f"r{i}", [5, 6], params) for i in range(3)]
+    for req in reqs:
+        grammars.add(req)
+    grammars.bitmask(reqs)
+    a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "x", "c"))
+    grammars.feed(reqs, [a, b, c])  # the second row's token is not allowed
+    assert grammars._fed_pending is not None  # sent, not yet read
+    assert grammars.take_ended() == ["r1"]
+    assert grammars._fed_pending is None
+    grammars.drop(["r1"])
+    masks = grammars.bitmask([reqs[0], reqs[2]])  # reads nothing pending, fills two rows
+    assert masks.shape == (2, 9) and masks.any(axis=1).all()
+    grammars.close()

@@ -13,7 +13,9 @@ one thread. A step costs one round trip per call and worker over a pipe:
 
     add / drop       sent, not answered (the spec was compiled here first, so it compiles)
     consume          each worker takes its rows' tokens and answers, per row, accepted or
-                     not, stopped or not, and the error of a rejected token
+                     not, stopped or not, and the error of a rejected token (the engine
+                     sends the tokens, then the next step's fill, and only then reads the
+                     answers: the workers go from one to the other without waiting)
     fill             each worker writes its rows' masks at their places in the step's mask
                      buffer, which lives in shared memory (the engine's two mask buffers
                      come from ``shared_masks``, pinned for CUDA with cudaHostRegister, so
@@ -211,22 +213,33 @@ class GrammarProcesses:
         """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask. Into one of
         ``shared_masks``' buffers the workers write directly; into any other array through
         a scratch buffer and a copy."""
+        self.finish_fill(self.send_fill(rows, mask, at))
+
+    def send_fill(
+        self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None
+    ) -> tuple[list[int], np.ndarray, list[int] | None]:
+        """``fill``'s first half: the messages go out; ``finish_fill`` waits for them."""
         places = list(range(len(rows))) if at is None else list(at)
         slot = self._slot_of(mask)
         if slot is None:
-            slot = SCRATCH
             needed = max(places, default=-1) + 1
             held = self._segments.get(SCRATCH)
             if held is None or held[1].shape[0] < needed:
                 self._new_segment(SCRATCH, max(64, 1 << (max(needed, 1) - 1).bit_length()), False)
-        groups = self._by_worker(rows)
         at_places = np.asarray(places, dtype=np.int64)
-        for worker, index, keys in groups:
-            self._send(worker, ("fill", slot, keys, at_places[index].tolist()))
-        for worker, _, _ in groups:
+        workers = []
+        for worker, index, keys in self._by_worker(rows):
+            target = SCRATCH if slot is None else slot
+            self._send(worker, ("fill", target, keys, at_places[index].tolist()))
+            workers.append(worker)
+        return workers, mask, None if slot is not None else places
+
+    def finish_fill(self, sent: tuple[list[int], np.ndarray, list[int] | None]) -> None:
+        workers, mask, scratch_places = sent
+        for worker in workers:
             self._recv(worker)
-        if slot == SCRATCH:
-            mask[places] = self._segments[SCRATCH][1][places]
+        if scratch_places is not None:
+            mask[scratch_places] = self._segments[SCRATCH][1][scratch_places]
 
     def shared_masks(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
         """A [rows, words] int32 buffer in shared memory for the engine's mask buffer
@@ -237,12 +250,22 @@ class GrammarProcesses:
 
     def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
         """Each row's matcher takes its token; whether each accepted it (input order)."""
+        return self.finish_consume(self.send_consume(rows, tokens))
+
+    def send_consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> tuple[int, list]:
+        """``consume``'s first half: the tokens go out (after the drops of finished
+        requests); ``finish_consume`` reads the answers. Masks asked for in between are
+        filled after the tokens are taken (each worker reads its messages in order)."""
         self._drop_released()
-        accepted = np.zeros(len(rows), dtype=bool)
         groups = self._by_worker(rows)
         token_ids = np.asarray(tokens, dtype=np.int64)
         for worker, index, keys in groups:
             self._send(worker, ("consume", keys, token_ids[index].tolist()))
+        return len(rows), groups
+
+    def finish_consume(self, sent: tuple[int, list]) -> list[bool]:
+        num_rows, groups = sent
+        accepted = np.zeros(num_rows, dtype=bool)
         for worker, index, keys in groups:
             oks, stopped, errors = self._recv(worker)
             accepted[index] = oks

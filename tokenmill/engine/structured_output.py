@@ -225,6 +225,8 @@ class StructuredOutputs:
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
+        # A feed sent to the worker processes, not yet answered: (fed rows, sent, start)
+        self._fed_pending: tuple[list[tuple[str, _Grammar, int]], Any, float] | None = None
         shared = self.backend.shared_masks if processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
@@ -295,14 +297,24 @@ class StructuredOutputs:
             grammar.num_masked += 1
         # ``beside`` goes to the worker, the fill stays here: the fill lets go of the GIL
         # within microseconds, so the worker's Python runs at once, alongside.
+        # With worker processes the fill is sent first: the workers take the fed tokens
+        # (sent by ``feed``) and go straight on to the masks while the feed's answers are
+        # read here; ``beside`` starts once they are (it finishes the ended requests).
+        t0 = time.perf_counter()
+        sent = None
+        if isinstance(self.backend, GrammarProcesses):
+            sent = self.backend.send_fill(rows, mask)
+            self._finish_feed()
         side = None
         if beside is not None:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
             side = self._worker.submit(beside)
-        t0 = time.perf_counter()
         try:
-            self.backend.fill(rows, mask)
+            if sent is not None:
+                self.backend.finish_fill(sent)
+            else:
+                self.backend.fill(rows, mask)
         finally:
             t1 = time.perf_counter()
             if side is not None:
@@ -322,6 +334,7 @@ class StructuredOutputs:
         Call it once per step, before the scheduler applies the step's tokens. Raises
         RuntimeError for a token no mask asked for (fed twice, or a drafted row).
         """
+        self._finish_feed()
         t0 = time.perf_counter()
         grammars = self._grammars
         fed: list[tuple[str, _Grammar, int]] = []
@@ -338,11 +351,27 @@ class StructuredOutputs:
             fed.append((req.request_id, grammar, int(token)))
         if not fed:
             return
+        rows = [(grammar.matcher, grammar.group) for _, grammar, _ in fed]
+        tokens_fed = [token for _, _, token in fed]
+        if isinstance(self.backend, GrammarProcesses):
+            # Sent now, answered when needed: by the next ``bitmask`` (after it has sent
+            # the masks to fill) or whatever reads the outcome first.
+            self._fed_pending = (fed, self.backend.send_consume(rows, tokens_fed), t0)
+            return
+        self._fed_outcome(fed, self.backend.consume(rows, tokens_fed), t0)
+
+    def _finish_feed(self) -> None:
+        """Read the answers of a feed sent to the worker processes, if one is pending."""
+        if self._fed_pending is not None:
+            fed, sent, t0 = self._fed_pending
+            self._fed_pending = None
+            self._fed_outcome(fed, self.backend.finish_consume(sent), t0)
+
+    def _fed_outcome(
+        self, fed: list[tuple[str, _Grammar, int]], accepted: Sequence[bool], t0: float
+    ) -> None:
+        """Requests whose grammar rejected or completed with its token go to ``take_ended``."""
         backend = self.backend
-        accepted = backend.consume(
-            [(grammar.matcher, grammar.group) for _, grammar, _ in fed],
-            [token for _, _, token in fed],
-        )
         for (rid, grammar, _), ok in zip(fed, accepted, strict=True):
             if not ok:  # a rejected token leaves the matcher in its error state
                 log.warning(
@@ -362,6 +391,7 @@ class StructuredOutputs:
         """The ids of requests whose grammar has stopped (the output is complete: nothing
         but EOS may follow) or failed since the last call, among those not dropped since:
         the caller finishes them."""
+        self._finish_feed()
         if not self._ended:
             return []
         ended = [rid for rid in self._ended if rid in self._grammars]
