@@ -87,15 +87,20 @@ def test_openai_batch_response_format(tiny_model: Path, tmp_path: Path) -> None:
 def test_job_yaml_structured_output_applies_to_every_row(tiny_model: Path, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
     sampling = {"max_tokens": 48, "temperature": 0.7, "structured_output": {"json_schema": SCHEMA}}
-    report = run_job(
-        job_dict(tiny_model, src, tmp_path / "out", sampling=sampling), show_progress=False
-    )
-    assert report.status == "complete" and report.rows_ok == 5
-    rows = read_jsonl_dir(tmp_path / "out" / "shards")
-    assert len(rows) == 5
-    for row in rows:
-        assert row["finish_reason"] == "stop"
-        validate(row["text"], SCHEMA)
+    texts = {}
+    for processes in (0, 2):  # engine.structured_output_processes: the same rows either way
+        out = tmp_path / f"out{processes}"
+        engine = {"structured_output_processes": processes}
+        spec = job_dict(tiny_model, src, out, sampling=sampling, engine=engine)
+        report = run_job(spec, show_progress=False)
+        assert report.status == "complete" and report.rows_ok == 5
+        rows = read_jsonl_dir(out / "shards")
+        assert len(rows) == 5
+        for row in rows:
+            assert row["finish_reason"] == "stop"
+            validate(row["text"], SCHEMA)
+        texts[processes] = sorted(row["text"] for row in rows)
+    assert texts[2] == texts[0]
 
 
 @pytest.mark.parametrize(
