@@ -9,7 +9,7 @@ nothing, so N of them do a step's work in about 1/N of the time.
 
 Each worker process owns the matchers of the requests given to it (in turn, as they come)
 and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
-one thread. A step costs one round trip per call and worker over a pipe:
+one thread. A step costs one round trip per call and worker over a socket pair:
 
     add / drop       sent, not answered (the spec was compiled here first, so it compiles)
     consume          each worker takes its rows' tokens and answers, per row, accepted or
@@ -43,7 +43,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GrammarProcesses"]
+from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+
+__all__ = ["BACKENDS", "GrammarProcesses"]
+
+# structured_output_backend -> the in-process backend (a worker runs one too)
+BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 
 Row = tuple[int, int]  # (the request's key, its worker)
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
@@ -52,11 +58,7 @@ SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memo
 
 def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
     """The in-process backend a worker (or the parent, to compile specs once) runs."""
-    from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
-    from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
-
-    backends = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
-    return backends[name](tokenizer, vocab_size, eos, threads=1)
+    return BACKENDS[name](tokenizer, vocab_size, eos, threads=1)
 
 
 def _serve(conn: Connection, backend: Any) -> None:

@@ -79,9 +79,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
-from tokenmill.engine.grammar_processes import GrammarProcesses
-from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+from tokenmill.engine.device_copy import record_event
+from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
     StructuredOutputsParams,
@@ -164,6 +163,7 @@ class _MaskBuffers:
         allocate: Callable[[int, int, bool], np.ndarray] | None = None,
     ) -> None:
         self.words = words
+        self._device = device
         self.pinned = device.type == "cuda"
         self._allocate = allocate or self._pinned_tensor
         self._tensors: list[torch.Tensor | None] = [None, None]  # owners of the memory
@@ -181,8 +181,7 @@ class _MaskBuffers:
         if self._fence is not None:
             self._fence.synchronize()
         if self.pinned:
-            self._fence = torch.cuda.Event()
-            self._fence.record()
+            self._fence = record_event(self._device)
         turn, self._turn = self._turn, 1 - self._turn
         array = self._arrays[turn]
         if array is None or array.shape[0] < rows:
@@ -211,17 +210,16 @@ class StructuredOutputs:
         processes: int = 0,
     ) -> None:
         self.vocab_size = vocab_size
-        backends = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
-        if backend not in backends:
+        if backend not in BACKENDS:
             raise ValueError(
-                f"structured_output_backend must be one of {sorted(backends)}, got {backend!r}"
+                f"structured_output_backend must be one of {sorted(BACKENDS)}, got {backend!r}"
             )
         if processes:
             self.backend = GrammarProcesses(
                 backend, tokenizer, vocab_size, eos_token_ids, processes
             )
         else:
-            self.backend = backends[backend](tokenizer, vocab_size, eos_token_ids)
+            self.backend = BACKENDS[backend](tokenizer, vocab_size, eos_token_ids)
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
         self._grammars: dict[str, _Grammar] = {}
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
