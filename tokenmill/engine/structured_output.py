@@ -298,16 +298,16 @@ class StructuredOutputs:
         # With worker processes the fill is sent first: the workers take the fed tokens
         # (sent by ``feed``) and go straight on to the masks while the feed's answers are
         # read here; ``beside`` starts once they are (it finishes the ended requests).
-        t0 = time.perf_counter()
         sent = None
         if isinstance(self.backend, GrammarProcesses):
             sent = self.backend.send_fill(rows, mask)
-            self._finish_feed()
+            self._finish_feed()  # its time counts as the feed's, not the fill's
         side = None
         if beside is not None:
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
             side = self._worker.submit(beside)
+        t0 = time.perf_counter()
         try:
             if sent is not None:
                 self.backend.finish_fill(sent)
