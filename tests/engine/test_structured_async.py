@@ -77,6 +77,19 @@ def _summary(outs: list[RequestOutput]) -> list[tuple]:
     ]
 
 
+def _check_valid(outs, params) -> None:
+    for out, p in zip(outs, params, strict=True):
+        spec = p.structured_output
+        if spec is None or out.finish_reason != "stop" or out.stop_reason is not None:
+            continue  # unconstrained, cut by length, or by a stop string
+        if spec.startswith("choice:"):
+            assert out.text in CHOICES, out.text
+        elif spec.startswith("regex:"):
+            assert re.fullmatch(REGEX, out.text), out.text
+        elif spec.startswith('{"type":"object","properties"'):
+            validate(out.text, TINY_SCHEMA)
+
+
 def _llm(path: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
     settings = dict(device="cpu", dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 24)
     return LLM(str(path), async_scheduling=async_scheduling, **{**settings, **kwargs})

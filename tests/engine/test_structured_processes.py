@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from tests.engine.test_structured_async import (
+    _check_valid,
     _llm,
     _params,
     _prompts,
     _summary,
     tiny_path,  # noqa: F401  (the module's tiny model fixture)
 )
-from tests.engine.test_structured_xgrammar import _check_valid
 from tokenmill import SamplingParams
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.grammar_processes import GrammarProcesses

@@ -5,36 +5,20 @@ allowed-token set a step) give exactly llguidance's greedy outputs."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from tests.engine.test_structured_async import (
-    CHOICES,
     REGEX,
+    _check_valid,
     _llm,
     _params,
     _prompts,
     _summary,
     tiny_path,  # noqa: F401  (the module's tiny model fixture)
 )
-from tests.engine.test_structured_output import TINY_SCHEMA, validate
 from tokenmill import SamplingParams
 
 pytest.importorskip("xgrammar")
-
-
-def _check_valid(outs, params) -> None:
-    for out, p in zip(outs, params, strict=True):
-        spec = p.structured_output
-        if spec is None or out.finish_reason != "stop" or out.stop_reason is not None:
-            continue  # unconstrained, cut by length, or by a stop string
-        if spec.startswith("choice:"):
-            assert out.text in CHOICES, out.text
-        elif spec.startswith("regex:"):
-            assert re.fullmatch(REGEX, out.text), out.text
-        elif spec.startswith('{"type":"object","properties"'):
-            validate(out.text, TINY_SCHEMA)
 
 
 @pytest.mark.parametrize("max_num_seqs", [16, 5], ids=["one-batch", "rows-come-and-go"])
