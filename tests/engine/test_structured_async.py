@@ -193,7 +193,7 @@ def test_lexer_groups_give_the_outputs_of_one(tiny_path, monkeypatch) -> None:
 
     def recording_add(request: Request) -> None:
         add(request)
-        groups.append(grammars._grammars[request.request_id].group)
+        groups.append(grammars._rows[grammars._index[request.request_id]][1])  # (matcher, group)
 
     monkeypatch.setattr(grammars, "add", recording_add)
     assert _summary(llm.generate(prompts, params)) == want

@@ -23,6 +23,7 @@ from tests.engine.test_structured_async import (
 from tokenmill import SamplingParams
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.grammar_processes import GrammarProcesses
+from tokenmill.engine.structured_output_params import TAKEN
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
@@ -95,7 +96,8 @@ def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(
     rows = [pool.matcher(spec) for spec in specs]
     want_rows = [alone.matcher(spec) for spec in specs]
     first = [tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "a", "{")]
-    assert pool.consume(rows, first) == alone.consume(want_rows, first) == [True] * 3
+    got_status, want_status = pool.consume(rows, first), alone.consume(want_rows, first)
+    assert got_status.tolist() == want_status.tolist() == [TAKEN] * 3
     got, want = np.zeros((5, 9), np.int32), np.zeros((5, 9), np.int32)  # 288 tokens: 9 words
     pool.fill(rows, got, at=[4, 0, 2])  # a plain array: through the scratch buffer
     alone.fill(want_rows, want, at=[4, 0, 2])

@@ -18,6 +18,9 @@ from typing import Any
 import numpy as np
 
 from tokenmill.engine.structured_output_params import (
+    REJECTED,
+    STOPPED,
+    TAKEN,
     describe,
     grammar_error,
     grammar_text,
@@ -81,24 +84,23 @@ class LlguidanceGrammars:
         pairs = [(rows[i][0], place[i]) for i in order]
         self._llg.numpy.fill_next_token_bitmask_par(self._executor, pairs, mask)
 
-    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
-        """Each row's matcher takes its token; whether each accepted it (input order)."""
+    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
+        """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
+        (structured_output_params) per row, in input order."""
         order = sorted(range(len(rows)), key=lambda i: rows[i][1])
         taken = self._executor.consume_token_par([(rows[i][0], tokens[i]) for i in order])
-        accepted = [False] * len(rows)
+        status = np.full(len(rows), REJECTED, dtype=np.uint8)
         for i, ok in zip(order, taken, strict=True):
-            accepted[i] = ok
-        return accepted
+            if ok:
+                status[i] = STOPPED if rows[i][0].is_stopped() else TAKEN
+        return status
 
     def release(self, rows: Sequence[Row]) -> None:
         """Finished requests' matchers: nothing to do (they go with their last reference)."""
 
-    def is_stopped(self, matcher: Any) -> bool:
-        """The output is complete: nothing but EOS may follow."""
-        return matcher.is_stopped()
-
-    def error(self, matcher: Any) -> str:
-        return matcher.get_error()[:500]
+    def error(self, row: Row) -> str:
+        """Why ``row``'s last token was rejected."""
+        return row[0].get_error()[:500]
 
     def _compile(self, spec: str) -> Any:
         if self._ll_tokenizer is None:

@@ -9,26 +9,31 @@ nothing, so N of them do a step's work in about 1/N of the time.
 
 Each worker process owns the matchers of the requests given to it (in turn, as they come)
 and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
-one thread. A step costs one round trip per call and worker over a socket pair:
+one thread. A step costs one round trip per call and worker over a socket pair. Messages
+are raw int64 arrays (a kind, then the keys and tokens or places), answers raw bytes: a
+step's hundreds of rows are never pickled, and the engine groups them by worker with numpy.
 
     add / drop       sent, not answered (the spec was compiled here first, so it compiles)
-    consume          each worker takes its rows' tokens and answers, per row, accepted or
-                     not, stopped or not, and the error of a rejected token (the engine
-                     sends the tokens, then the next step's fill, and only then reads the
-                     answers: the workers go from one to the other without waiting)
+    consume          each worker takes its rows' tokens and answers one status byte per row
+                     (taken, stopped or rejected: structured_output_params), then the
+                     errors of rejected tokens as JSON, if any (the engine sends the
+                     tokens, then the next step's fill, and only then reads the answers:
+                     the workers go from one to the other without waiting)
     fill             each worker writes its rows' masks at their places in the step's mask
                      buffer, which lives in shared memory (the engine's two mask buffers
                      come from ``shared_masks``, pinned for CUDA with cudaHostRegister, so
                      the upload reads what the workers wrote; another array is filled
                      through a scratch buffer and a copy); the answer says they are in
 
-The backend interface is the in-process backends' (matcher / fill / consume / is_stopped /
-error / release), so structured_output.py keeps the bookkeeping either way. A worker that
+The backend interface is the in-process backends' (matcher / fill / consume / error /
+release), so structured_output.py keeps the bookkeeping either way; a row here is the
+request's key, and its worker is the key modulo the worker count. A worker that
 dies raises RuntimeError naming it at the next call; ``close`` stops them all.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
@@ -45,15 +50,36 @@ import numpy as np
 
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+from tokenmill.engine.structured_output_params import REJECTED
 
 __all__ = ["BACKENDS", "GrammarProcesses"]
 
 # structured_output_backend -> the in-process backend (a worker runs one too)
 BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 
-Row = tuple[int, int]  # (the request's key, its worker)
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
 SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
+# A message's kind, its first int64. Its layout after that (int64s, then text):
+ADD, DROP, CONSUME, FILL, SHM, STOP = range(6)
+#   ADD      key, then the spec (UTF-8)
+#   DROP     keys
+#   CONSUME  keys, then their tokens (as many)
+#   FILL     slot, keys, then their places in the slot's masks (as many)
+#   SHM      slot, rows, words, then the shared memory's name (UTF-8)
+#   STOP     nothing
+
+
+def _message(kind: int, *ints: np.ndarray | Sequence[int], text: str = "") -> bytes:
+    """One message: ``kind``, the int64s of ``ints`` one after another, then ``text``."""
+    parts = [np.asarray([kind], dtype=np.int64)]
+    parts += [np.asarray(part, dtype=np.int64) for part in ints]
+    return np.concatenate(parts).tobytes() + text.encode()
+
+
+def _halves(body: np.ndarray) -> tuple[list[int], list[int]]:
+    """A message's two equally long int64 runs (keys and tokens or places), as lists."""
+    half = len(body) // 2
+    return body[:half].tolist(), body[half:].tolist()
 
 
 def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
@@ -62,37 +88,36 @@ def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> 
 
 
 def _serve(conn: Connection, backend: Any) -> None:
-    """A worker's loop over the messages of ``GrammarProcesses``, until "stop"."""
-    matchers: dict[int, tuple[Any, int]] = {}
+    """A worker's loop over the messages of ``GrammarProcesses``, until STOP."""
+    matchers: dict[int, Any] = {}
     segments: dict[int, tuple[SharedMemory, np.ndarray]] = {}  # slot -> memory, masks
     while True:
-        message = conn.recv()
-        kind = message[0]
-        if kind == "add":
-            for key, spec in zip(message[1], message[2], strict=True):
-                matchers[key] = backend.matcher(spec)
-        elif kind == "drop":
-            for key in message[1]:
+        message = conn.recv_bytes()
+        ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
+        kind = int(ints[0])
+        if kind == CONSUME:
+            keys, tokens = _halves(ints[1:])
+            rows = [matchers[key] for key in keys]
+            status = backend.consume(rows, tokens)
+            rejected = np.flatnonzero(status == REJECTED).tolist()
+            errors = {i: backend.error(rows[i]) for i in rejected}
+            conn.send_bytes(status.tobytes() + (json.dumps(errors).encode() if errors else b""))
+        elif kind == FILL:
+            keys, places = _halves(ints[2:])
+            backend.fill([matchers[key] for key in keys], segments[int(ints[1])][1], at=places)
+            conn.send_bytes(b"")
+        elif kind == ADD:
+            matchers[int(ints[1])] = backend.matcher(message[16:].decode())
+        elif kind == DROP:
+            for key in ints[1:].tolist():
                 matchers.pop(key, None)
-        elif kind == "consume":
-            rows = [matchers[key] for key in message[1]]
-            accepted = backend.consume(rows, message[2])
-            stopped = [
-                ok and backend.is_stopped(m) for (m, _), ok in zip(rows, accepted, strict=True)
-            ]
-            errors = {i: backend.error(rows[i][0]) for i, ok in enumerate(accepted) if not ok}
-            conn.send((accepted, stopped, errors))
-        elif kind == "fill":
-            _, slot, keys, places = message
-            backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
-            conn.send(None)
-        elif kind == "shm":
-            _, slot, name, rows, words = message
+        elif kind == SHM:
+            slot, rows_, words = (int(v) for v in ints[1:4])
             if slot in segments:
                 segments.pop(slot)[0].close()
-            shm = _attach(name)
-            segments[slot] = (shm, np.ndarray((rows, words), dtype=np.int32, buffer=shm.buf))
-        elif kind == "stop":
+            shm = _attach(message[32:].decode())
+            segments[slot] = (shm, np.ndarray((rows_, words), dtype=np.int32, buffer=shm.buf))
+        elif kind == STOP:
             break
     for shm, _ in segments.values():
         shm.close()
@@ -135,7 +160,7 @@ def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> Non
     lists. Also run when an unclosed ``GrammarProcesses`` is collected."""
     for conn in conns:
         try:
-            conn.send(("stop",))
+            conn.send_bytes(_message(STOP))
         except (BrokenPipeError, OSError):
             pass
     for proc in procs:
@@ -183,60 +208,57 @@ class GrammarProcesses:
         # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
         # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
         self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
-        self._next_key = 0
-        self._next_worker = 0
-        self._stopped: dict[int, bool] = {}  # key -> stopped after its last token
+        self._next_key = 0  # a request's key; its worker is key % processes
         self._errors: dict[int, str] = {}  # key -> why its last token was rejected
-        self._released: list[Row] = []  # finished requests' matchers, to drop
+        self._released: list[int] = []  # finished requests' keys, to drop
         self._lock = threading.Lock()
 
     # ---- the backend interface -----------------------------------------------------------
-    def matcher(self, spec: str) -> Row:
-        """A new request's matcher (in a worker, in its start state): its key and worker."""
+    def matcher(self, spec: str) -> int:
+        """A new request's matcher (in a worker, in its start state): its key."""
         if spec not in self._checked:
             self._checker.matcher(spec)  # raises ValueError for a spec the library rejects
             self._checked.add(spec)
         if not self._conns:
             self._start()
-        key, worker = self._next_key, self._next_worker
+        key = self._next_key
         self._next_key += 1
-        self._next_worker = (worker + 1) % self._num
-        self._send(worker, ("add", [key], [spec]))
-        return key, worker
+        self._send(key % self._num, _message(ADD, [key], text=spec))
+        return key
 
-    def release(self, rows: Sequence[Row]) -> None:
+    def release(self, rows: Sequence[int]) -> None:
         """Forget the matchers of finished requests. Any thread may call it (the engine
         finishes requests beside a fill): the keys are only noted here, and the workers
         drop them at the next ``consume``, by when no fill can name them."""
         with self._lock:
             self._released.extend(rows)
 
-    def fill(self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
+    def fill(self, rows: Sequence[int], mask: np.ndarray, at: Sequence[int] | None = None) -> None:
         """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask. Into one of
         ``shared_masks``' buffers the workers write directly; into any other array through
         a scratch buffer and a copy."""
         self.finish_fill(self.send_fill(rows, mask, at))
 
     def send_fill(
-        self, rows: Sequence[Row], mask: np.ndarray, at: Sequence[int] | None = None
-    ) -> tuple[list[int], np.ndarray, list[int] | None]:
+        self, rows: Sequence[int], mask: np.ndarray, at: Sequence[int] | None = None
+    ) -> tuple[list[int], np.ndarray, np.ndarray | None]:
         """``fill``'s first half: the messages go out; ``finish_fill`` waits for them."""
-        places = list(range(len(rows))) if at is None else list(at)
+        keys = np.asarray(rows, dtype=np.int64)
+        places = np.arange(len(keys)) if at is None else np.asarray(at, dtype=np.int64)
         slot = self._slot_of(mask)
         if slot is None:
-            needed = max(places, default=-1) + 1
+            needed = int(places.max(initial=-1)) + 1
             held = self._segments.get(SCRATCH)
             if held is None or held[1].shape[0] < needed:
                 self._new_segment(SCRATCH, max(64, 1 << (max(needed, 1) - 1).bit_length()), False)
-        at_places = np.asarray(places, dtype=np.int64)
+        target = SCRATCH if slot is None else slot
         workers = []
-        for worker, index, keys in self._by_worker(rows):
-            target = SCRATCH if slot is None else slot
-            self._send(worker, ("fill", target, keys, at_places[index].tolist()))
+        for worker, index in self._by_worker(keys):
+            self._send(worker, _message(FILL, [target], keys[index], places[index]))
             workers.append(worker)
         return workers, mask, None if slot is not None else places
 
-    def finish_fill(self, sent: tuple[list[int], np.ndarray, list[int] | None]) -> None:
+    def finish_fill(self, sent: tuple[list[int], np.ndarray, np.ndarray | None]) -> None:
         workers, mask, scratch_places = sent
         for worker in workers:
             self._recv(worker)
@@ -250,39 +272,39 @@ class GrammarProcesses:
         reads it without a staging copy."""
         return self._new_segment(slot, rows, pinned)
 
-    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
-        """Each row's matcher takes its token; whether each accepted it (input order)."""
+    def consume(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+        """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
+        (structured_output_params) per row, in input order."""
         return self.finish_consume(self.send_consume(rows, tokens))
 
-    def send_consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> tuple[int, list]:
+    def send_consume(
+        self, rows: Sequence[int], tokens: Sequence[int]
+    ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
         """``consume``'s first half: the tokens go out (after the drops of finished
         requests); ``finish_consume`` reads the answers. Masks asked for in between are
         filled after the tokens are taken (each worker reads its messages in order)."""
         self._drop_released()
-        groups = self._by_worker(rows)
+        keys = np.asarray(rows, dtype=np.int64)
         token_ids = np.asarray(tokens, dtype=np.int64)
-        for worker, index, keys in groups:
-            self._send(worker, ("consume", keys, token_ids[index].tolist()))
-        return len(rows), groups
+        groups = self._by_worker(keys)
+        for worker, index in groups:
+            self._send(worker, _message(CONSUME, keys[index], token_ids[index]))
+        return keys, groups
 
-    def finish_consume(self, sent: tuple[int, list]) -> list[bool]:
-        num_rows, groups = sent
-        accepted = np.zeros(num_rows, dtype=bool)
-        for worker, index, keys in groups:
-            oks, stopped, errors = self._recv(worker)
-            accepted[index] = oks
-            self._stopped.update(zip(keys, stopped, strict=True))
-            for j, error in errors.items():
-                self._errors[keys[j]] = error
-        return accepted.tolist()
+    def finish_consume(self, sent: tuple[np.ndarray, list[tuple[int, np.ndarray]]]) -> np.ndarray:
+        keys, groups = sent
+        status = np.empty(len(keys), dtype=np.uint8)
+        for worker, index in groups:
+            answer = self._recv(worker)
+            status[index] = np.frombuffer(answer, dtype=np.uint8, count=len(index))
+            if len(answer) > len(index):  # the rejected rows' errors
+                for j, why in json.loads(answer[len(index) :]).items():
+                    self._errors[int(keys[index[int(j)]])] = why
+        return status
 
-    def is_stopped(self, row_key: int) -> bool:
-        """The output is complete (after the last token consumed): nothing but EOS may
-        follow."""
-        return self._stopped.get(row_key, False)
-
-    def error(self, row_key: int) -> str:
-        return self._errors.get(row_key, "the grammar rejected the token")
+    def error(self, row: int) -> str:
+        """Why ``row``'s last token was rejected."""
+        return self._errors.get(row, "the grammar rejected the token")
 
     def close(self) -> None:
         """Stop the workers and free the shared masks."""
@@ -338,7 +360,7 @@ class GrammarProcesses:
         registered = pinned and _register(masks)
         self._segments[slot] = (shm, masks, registered)
         for worker in range(self._num):
-            self._send(worker, ("shm", slot, shm.name, rows, self._words))
+            self._send(worker, _message(SHM, [slot, rows, self._words], text=shm.name))
         return masks
 
     def _free_segment(self, slot: int) -> None:
@@ -368,34 +390,35 @@ class GrammarProcesses:
     def _drop_released(self) -> None:
         with self._lock:
             released, self._released = self._released, []
-        for worker, _, keys in self._by_worker(released):
-            self._send(worker, ("drop", keys))
-            for key in keys:
-                self._stopped.pop(key, None)
-                self._errors.pop(key, None)
+        keys = np.asarray(released, dtype=np.int64)
+        for worker, index in self._by_worker(keys):
+            self._send(worker, _message(DROP, keys[index]))
+        for key in released:
+            self._errors.pop(key, None)
 
-    def _by_worker(self, rows: Sequence[Row]) -> list[tuple[int, np.ndarray, list[int]]]:
-        """(worker, its rows' indices in ``rows``, their keys) for each worker with rows,
-        in ``rows`` order (numpy: a step has hundreds of rows)."""
-        if not rows:
+    def _by_worker(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(worker, the indices in ``keys`` of its rows) for each worker with rows, in
+        ``keys`` order within each (numpy: a step has hundreds of rows)."""
+        if not len(keys):
             return []
-        table = np.asarray(rows, dtype=np.int64)  # [R, 2]: key, worker
-        groups = []
-        for worker in range(self._num):
-            index = np.flatnonzero(table[:, 1] == worker)
-            if len(index):
-                groups.append((worker, index, table[index, 0].tolist()))
-        return groups
+        workers = keys % self._num
+        order = np.argsort(workers, kind="stable")
+        bounds = np.searchsorted(workers[order], np.arange(self._num + 1))
+        return [
+            (worker, order[bounds[worker] : bounds[worker + 1]])
+            for worker in range(self._num)
+            if bounds[worker + 1] > bounds[worker]
+        ]
 
-    def _send(self, worker: int, message: tuple) -> None:
+    def _send(self, worker: int, message: bytes) -> None:
         try:
-            self._conns[worker].send(message)
+            self._conns[worker].send_bytes(message)
         except (BrokenPipeError, OSError) as exc:
             raise self._died(worker) from exc
 
-    def _recv(self, worker: int) -> Any:
+    def _recv(self, worker: int) -> bytes:
         try:
-            return self._conns[worker].recv()
+            return self._conns[worker].recv_bytes()
         except (EOFError, OSError) as exc:
             raise self._died(worker) from exc
 

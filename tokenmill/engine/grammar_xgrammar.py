@@ -28,6 +28,9 @@ from tokenmill.engine.structured_output_params import (
     CHOICE_PREFIX,
     JSON_OBJECT,
     REGEX_PREFIX,
+    REJECTED,
+    STOPPED,
+    TAKEN,
     describe,
     require_tokenizer,
 )
@@ -72,7 +75,7 @@ class XgrammarGrammars:
         self._compiler: Any = None
         self._batch: Any = None
         self._compiled: dict[str, Any] = {}
-        self._one = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)  # is_stopped's mask
+        self._one = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)  # _stopped's mask
 
     def matcher(self, spec: str) -> Row:
         """A matcher in its start state for a new request. Raises ValueError when xgrammar
@@ -91,15 +94,25 @@ class XgrammarGrammars:
         places = None if at is None else list(at)
         self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask, places)
 
-    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> list[bool]:
-        """Each row's matcher takes its token; whether each accepted it (input order)."""
+    def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
+        """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
+        (structured_output_params) per row, in input order."""
         matchers = [m for m, _ in rows]
-        return list(self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens)))
+        taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens))
+        status = np.full(len(rows), REJECTED, dtype=np.uint8)
+        for i, (matcher, ok) in enumerate(zip(matchers, taken, strict=True)):
+            if ok:
+                status[i] = STOPPED if self._stopped(matcher) else TAKEN
+        return status
 
     def release(self, rows: Sequence[Row]) -> None:
         """Finished requests' matchers: nothing to do (they go with their last reference)."""
 
-    def is_stopped(self, matcher: Any) -> bool:
+    def error(self, row: Row) -> str:
+        """Why ``row``'s last token was rejected."""
+        return "xgrammar does not allow this token here"
+
+    def _stopped(self, matcher: Any) -> bool:
         """The output is complete: nothing but a stop token may follow."""
         if matcher.is_terminated():
             return True
@@ -108,9 +121,6 @@ class XgrammarGrammars:
         matcher.fill_next_token_bitmask(self._one, 0)
         bits = np.unpackbits(self._one.view(np.uint8), bitorder="little")[: self.vocab_size]
         return set(np.flatnonzero(bits).tolist()) <= self._stop_ids
-
-    def error(self, matcher: Any) -> str:
-        return "xgrammar does not allow this token here"
 
     def _compile(self, spec: str) -> Any:
         if self._compiler is None:

@@ -59,7 +59,11 @@ thread so that its threads do not queue on one lexer) or xgrammar (grammar_xgram
 Both fill a step's masks and take its tokens in one call each, on their own threads; only
 llguidance lets go of the GIL while it fills. With ``structured_output_processes: N`` either
 library runs in N worker processes instead (grammar_processes.py), each holding its share
-of the requests' matchers and writing masks straight into the mask buffers below.
+of the requests' matchers and writing masks straight into the mask buffers below; the
+engine thread then processes step n itself while the workers fill (no worker thread, so
+no turns taken at the GIL). A step's constrained rows are looked up once, by request id,
+and then handled as arrays of grammar indices: counters, statuses and the rows sent to
+the workers, with Python per row only where a grammar ended.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off; xgrammar without
 free whitespace): no free whitespace between tokens, so a small model cannot wander off
@@ -83,6 +87,7 @@ from tokenmill.engine.device_copy import record_event
 from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
+    REJECTED,
     StructuredOutputsParams,
     check_structured_output,
     load_llguidance,
@@ -104,22 +109,14 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Grammar:
-    """One request's matcher; how many masks it has handed out and tokens it has consumed
-    (equal between steps: each mask's token is fed before the next mask)."""
-
-    matcher: Any  # the backend's matcher
-    group: int  # llguidance's lexer group (which compiled copy it came from); 0 otherwise
-    num_masked: int = 0
-    num_fed: int = 0
-
-
-@dataclass
 class GrammarStats:
     """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
     sampled tokens, each one backend call over all constrained rows of a step.
     ``mask_ms`` is the fill's own time; ``mask_wait_ms`` what the engine's other host work
-    run beside it (``bitmask(beside=...)``) outlasted it by."""
+    run beside it (``bitmask(beside=...)``) outlasted it by. With worker processes the
+    engine thread runs that work itself while the workers fill: ``mask_ms`` is then the
+    time spent sending the fill and, after the work, waiting for it; and ``feed_ms`` the
+    time spent sending the tokens and reading the answers, not the wait in between."""
 
     masks: int = 0  # bitmask calls (steps with a constrained row that samples)
     mask_rows: int = 0
@@ -214,6 +211,7 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_output_backend must be one of {sorted(BACKENDS)}, got {backend!r}"
             )
+        self._processes = processes > 0
         if processes:
             self.backend = GrammarProcesses(
                 backend, tokenizer, vocab_size, eos_token_ids, processes
@@ -221,16 +219,25 @@ class StructuredOutputs:
         else:
             self.backend = BACKENDS[backend](tokenizer, vocab_size, eos_token_ids)
         self._worker: ThreadPoolExecutor | None = None  # runs bitmask's ``beside``
-        self._grammars: dict[str, _Grammar] = {}
+        # A grammar is an index into these: its request id, the backend's row (matcher),
+        # how many masks it has handed out and tokens it has consumed (equal between
+        # steps: each mask's token is fed before the next mask). A step's rows are looked
+        # up once and then handled as index arrays.
+        self._index: dict[str, int] = {}
+        self._free: list[int] = []
+        self._rids: np.ndarray = np.empty(0, dtype=object)
+        self._rows: list[Any] = []
+        self._num_masked = np.zeros(0, dtype=np.int64)
+        self._num_fed = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
-        # A feed sent to the worker processes, not yet answered: (fed rows, sent, start)
-        self._fed_pending: tuple[list[tuple[str, _Grammar, int]], Any, float] | None = None
-        shared = self.backend.shared_masks if processes else None
+        # A feed sent to the worker processes, not yet answered: (request ids, rows, sent)
+        self._fed_pending: tuple[np.ndarray, list[Any], Any] | None = None
+        shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
 
     def __len__(self) -> int:
-        return len(self._grammars)
+        return len(self._index)
 
     def add(self, request: Request) -> None:
         """Give ``request`` (whose SamplingParams has ``structured_output``) its matcher.
@@ -241,8 +248,24 @@ class StructuredOutputs:
         spec = request.sampling_params.structured_output
         if spec is None:
             raise ValueError(f"request {request.request_id} has no structured_output")
-        matcher, group = self.backend.matcher(spec)
-        self._grammars[request.request_id] = _Grammar(matcher, group)
+        row = self.backend.matcher(spec)
+        if not self._free:
+            self._grow()
+        index = self._free.pop()
+        self._index[request.request_id] = index
+        self._rids[index] = request.request_id
+        self._rows[index] = row
+        self._num_masked[index] = self._num_fed[index] = 0
+
+    def _grow(self) -> None:
+        """Twice the room for grammars (at least 64)."""
+        size = len(self._rows)
+        new = max(64, 2 * size)
+        self._rids = np.concatenate([self._rids, np.empty(new - size, dtype=object)])
+        self._rows += [None] * (new - size)
+        self._num_masked = np.concatenate([self._num_masked, np.zeros(new - size, np.int64)])
+        self._num_fed = np.concatenate([self._num_fed, np.zeros(new - size, np.int64)])
+        self._free += range(new - 1, size - 1, -1)  # lowest first
 
     def close(self) -> None:
         """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)
@@ -256,8 +279,13 @@ class StructuredOutputs:
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
         The engine drops a request's grammar as soon as the request finishes."""
-        dropped = [self._grammars.pop(rid, None) for rid in request_ids]
-        rows = [(g.matcher, g.group) for g in dropped if g is not None]
+        rows = []
+        for rid in request_ids:
+            index = self._index.pop(rid, None)
+            if index is not None:
+                rows.append(self._rows[index])
+                self._rows[index] = None
+                self._free.append(index)
         if rows:
             self.backend.release(rows)
 
@@ -277,52 +305,66 @@ class StructuredOutputs:
         Raises RuntimeError when a request has no grammar or its last mask's token has not
         been fed (a step launched before the previous one's tokens were fed).
         """
-        masked: list[_Grammar] = []
-        for req in requests:
-            grammar = self._grammars.get(req.request_id)
-            if grammar is None:
-                raise RuntimeError(f"request {req.request_id} has no grammar")
-            if grammar.num_fed != grammar.num_masked:
-                raise RuntimeError(
-                    f"request {req.request_id}: its grammar is behind its output; a step with "
-                    "a constrained row must be launched after the previous step's tokens "
-                    "were fed (StructuredOutputs.feed)"
-                )
-            masked.append(grammar)
-        rows = [(grammar.matcher, grammar.group) for grammar in masked]
+        index = self._indices(requests, missing="raise")
+        behind = self._num_fed[index] != self._num_masked[index]
+        if behind.any():
+            rid = requests[int(np.argmax(behind))].request_id
+            raise RuntimeError(
+                f"request {rid}: its grammar is behind its output; a step with a constrained "
+                "row must be launched after the previous step's tokens were fed "
+                "(StructuredOutputs.feed)"
+            )
+        self._num_masked[index] += 1
+        rows = [self._rows[i] for i in index.tolist()]
         mask = self._buffers.next(len(rows))
-        for grammar in masked:
-            grammar.num_masked += 1
-        # ``beside`` goes to the worker, the fill stays here: the fill lets go of the GIL
-        # within microseconds, so the worker's Python runs at once, alongside.
-        # With worker processes the fill is sent first: the workers take the fed tokens
-        # (sent by ``feed``) and go straight on to the masks while the feed's answers are
-        # read here; ``beside`` starts once they are (it finishes the ended requests).
-        sent = None
-        if isinstance(self.backend, GrammarProcesses):
-            sent = self.backend.send_fill(rows, mask)
-            self._finish_feed()  # its time counts as the feed's, not the fill's
-        side = None
-        if beside is not None:
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
-            side = self._worker.submit(beside)
         t0 = time.perf_counter()
-        try:
-            if sent is not None:
-                self.backend.finish_fill(sent)
-            else:
-                self.backend.fill(rows, mask)
-        finally:
+        if self._processes:
+            # The workers take the fed tokens (sent by ``feed``) and go straight on to the
+            # masks, while this thread runs ``beside``; the feed's answers are read before
+            # the fill's (each worker answers in order).
+            sent = self.backend.send_fill(rows, mask)
             t1 = time.perf_counter()
-            if side is not None:
-                side.result()
+            if beside is not None:
+                beside()
+            self._finish_feed()
+            t2 = time.perf_counter()
+            self.backend.finish_fill(sent)
+            mask_s = time.perf_counter() - t2 + t1 - t0
+            wait_s = 0.0
+        else:
+            # ``beside`` goes to the worker, the fill stays here: the fill lets go of the
+            # GIL within microseconds, so the worker's Python runs at once, alongside.
+            side = None
+            if beside is not None:
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
+                side = self._worker.submit(beside)
+            t0 = time.perf_counter()
+            try:
+                self.backend.fill(rows, mask)
+            finally:
+                t1 = time.perf_counter()
+                if side is not None:
+                    side.result()
+            mask_s, wait_s = t1 - t0, time.perf_counter() - t1
         stats = self.stats
         stats.masks += 1
         stats.mask_rows += len(rows)
-        stats.mask_ms += (t1 - t0) * 1e3
-        stats.mask_wait_ms += (time.perf_counter() - t1) * 1e3
+        stats.mask_ms += mask_s * 1e3
+        stats.mask_wait_ms += wait_s * 1e3
         return mask
+
+    def _indices(self, requests: Sequence[Request], missing: str) -> np.ndarray:
+        """The grammar index of each request, int64; a request without a grammar raises
+        (``missing="raise"``) or is -1 (``"keep"``)."""
+        get = self._index.get
+        index = np.fromiter(
+            (get(req.request_id, -1) for req in requests), dtype=np.int64, count=len(requests)
+        )
+        if missing == "raise" and len(index) and index.min() < 0:
+            rid = requests[int(np.argmin(index))].request_id
+            raise RuntimeError(f"request {rid} has no grammar")
+        return index
 
     def feed(self, requests: Sequence[Request], tokens: Sequence[int]) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
@@ -334,55 +376,54 @@ class StructuredOutputs:
         """
         self._finish_feed()
         t0 = time.perf_counter()
-        grammars = self._grammars
-        fed: list[tuple[str, _Grammar, int]] = []
-        for req, token in zip(requests, tokens, strict=True):
-            grammar = grammars.get(req.request_id)
-            if grammar is None:
-                continue
-            if grammar.num_fed >= grammar.num_masked:
-                raise RuntimeError(
-                    f"request {req.request_id}: a sampled token no grammar mask asked for "
-                    "(a step's tokens fed twice, or drafts on a constrained row)"
-                )
-            grammar.num_fed += 1
-            fed.append((req.request_id, grammar, int(token)))
-        if not fed:
+        index = self._indices(requests, missing="keep")
+        kept = np.flatnonzero(index >= 0)
+        if not len(kept):
             return
-        rows = [(grammar.matcher, grammar.group) for _, grammar, _ in fed]
-        tokens_fed = [token for _, _, token in fed]
-        if isinstance(self.backend, GrammarProcesses):
+        index = index[kept]
+        unasked = self._num_fed[index] >= self._num_masked[index]
+        if unasked.any():
+            rid = self._rids[index[int(np.argmax(unasked))]]
+            raise RuntimeError(
+                f"request {rid}: a sampled token no grammar mask asked for (a step's tokens "
+                "fed twice, or drafts on a constrained row)"
+            )
+        self._num_fed[index] += 1
+        rows = [self._rows[i] for i in index.tolist()]
+        tokens_fed = np.asarray(tokens, dtype=np.int64)[kept]
+        rids = self._rids[index]  # as they are now: the outcome may come after drops
+        if self._processes:
             # Sent now, answered when needed: by the next ``bitmask`` (after it has sent
             # the masks to fill) or whatever reads the outcome first.
-            self._fed_pending = (fed, self.backend.send_consume(rows, tokens_fed), t0)
+            self._fed_pending = (rids, rows, self.backend.send_consume(rows, tokens_fed))
+            self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
-        self._fed_outcome(fed, self.backend.consume(rows, tokens_fed), t0)
+        self._fed_outcome(rids, rows, self.backend.consume(rows, tokens_fed), t0)
 
     def _finish_feed(self) -> None:
         """Read the answers of a feed sent to the worker processes, if one is pending."""
         if self._fed_pending is not None:
-            fed, sent, t0 = self._fed_pending
+            t0 = time.perf_counter()
+            rids, rows, sent = self._fed_pending
             self._fed_pending = None
-            self._fed_outcome(fed, self.backend.finish_consume(sent), t0)
+            self._fed_outcome(rids, rows, self.backend.finish_consume(sent), t0)
 
     def _fed_outcome(
-        self, fed: list[tuple[str, _Grammar, int]], accepted: Sequence[bool], t0: float
+        self, rids: np.ndarray, rows: list[Any], status: np.ndarray, t0: float
     ) -> None:
-        """Requests whose grammar rejected or completed with its token go to ``take_ended``."""
-        backend = self.backend
-        for (rid, grammar, _), ok in zip(fed, accepted, strict=True):
-            if not ok:  # a rejected token leaves the matcher in its error state
+        """Requests whose grammar rejected or completed with its token go to ``take_ended``;
+        the feed's time since ``t0`` is counted."""
+        for i in np.flatnonzero(status).tolist():
+            if status[i] == REJECTED:  # the matcher is left in its error state
                 log.warning(
                     "request %s: its grammar rejected a sampled token (%s); ending it",
-                    rid,
-                    backend.error(grammar.matcher),
+                    rids[i],
+                    self.backend.error(rows[i]),
                 )
-                self._ended.append(rid)
-            elif backend.is_stopped(grammar.matcher):
-                self._ended.append(rid)
+            self._ended.append(rids[i])
         stats = self.stats
         stats.feeds += 1
-        stats.fed_rows += len(fed)
+        stats.fed_rows += len(rows)
         stats.feed_ms += (time.perf_counter() - t0) * 1e3
 
     def take_ended(self) -> list[str]:
@@ -392,6 +433,6 @@ class StructuredOutputs:
         self._finish_feed()
         if not self._ended:
             return []
-        ended = [rid for rid in self._ended if rid in self._grammars]
+        ended = [rid for rid in self._ended if rid in self._index]
         self._ended = []
         return ended

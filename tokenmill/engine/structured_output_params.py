@@ -35,6 +35,9 @@ __all__ = [
     "CHOICE_PREFIX",
     "JSON_OBJECT",
     "REGEX_PREFIX",
+    "REJECTED",
+    "STOPPED",
+    "TAKEN",
     "StructuredOutputsParams",
     "check_structured_output",
     "describe",
@@ -48,6 +51,10 @@ __all__ = [
 JSON_OBJECT = "json_object"  # any JSON object (OpenAI's response_format json_object)
 REGEX_PREFIX = "regex:"
 CHOICE_PREFIX = "choice:"
+# What a grammar backend's ``consume`` says of each row's token (uint8, one per row):
+TAKEN = 0  # accepted; the output goes on
+STOPPED = 1  # accepted, and the output is complete: nothing but EOS may follow
+REJECTED = 2  # not allowed here: the matcher is in its error state (``error`` says why)
 SETTING_KEYS = ("json_schema", "regex", "choice")  # the one-key mapping form's keys
 _ANY_OBJECT_SCHEMA = '{"type":"object"}'
 _COMPILE_DEFAULTS = {"whitespace_flexible": False}
