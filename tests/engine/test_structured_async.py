@@ -261,3 +261,47 @@ def test_apply_token_bitmask_in_any_row_order(words: int) -> None:
                 want[row, t] = float("-inf")
     assert torch.equal(out, want)
     assert torch.equal(out[[1, 3]], logits[[1, 3]])  # rows without a grammar untouched
+
+
+@pytest.mark.parametrize("plain_rows", [False, True])
+def test_kept_sampling_metadata_takes_each_steps_masks(
+    tiny_path, monkeypatch, plain_rows: bool
+) -> None:
+    """Constrained rows keep their sampling metadata between steps like any (sampling_reuse):
+    only the masks are the step's own. Rows of every kind that sample alike (the widest
+    kept metadata's first rows, as rows end at different steps), and constrained rows
+    between plain ones (the same rows' metadata): what rebuilding it every step gives."""
+    from tokenmill.engine import model_runner
+    from tokenmill.engine.sampling_metadata import SamplingMetadata
+
+    kinds = [TINY_SCHEMA, "choice:" + json.dumps(CHOICES), "regex:" + REGEX, "json_object"]
+    if plain_rows:
+        kinds.insert(1, None)
+    params = [
+        SamplingParams(max_tokens=9 + 3 * i, temperature=0, structured_output=kinds[i % len(kinds)])
+        for i in range(10)
+    ]
+    prompts = _prompts(10)
+
+    def run() -> tuple[list[RequestOutput], int]:
+        builds = 0
+        original = SamplingMetadata.from_rows.__func__
+
+        def counted(cls, *args, **kwargs):
+            nonlocal builds
+            builds += 1
+            return original(cls, *args, **kwargs)
+
+        with monkeypatch.context() as m:
+            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
+            outs = _llm(tiny_path, True, max_num_seqs=4).generate(prompts, params)
+        return outs, builds
+
+    reused, reused_builds = run()
+    with monkeypatch.context() as m:
+        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
+        rebuilt, rebuilt_builds = run()
+    assert _summary(reused) == _summary(rebuilt)
+    assert reused_builds < rebuilt_builds / 2
+    assert {o.finish_reason for o in reused} == {"stop", "length"}
+    _check_valid(reused, params)

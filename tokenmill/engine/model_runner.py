@@ -217,9 +217,12 @@ class ModelRunner:
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
+        masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
         meta = self._sampling_reuse.get(table.sampling, row_slots)
-        if meta is None:
-            masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
+        if meta is not None and meta.allowed_token_rows is not None:  # this step's masks
+            structured = table.sampling.columns["structured"][row_slots]
+            meta = meta.with_token_bitmask(masks, structured)
+        elif meta is None:
             meta = SamplingMetadata.from_rows(
                 table.sampling.gather(row_slots),
                 table.num_tokens[row_slots].astype(np.int64)

@@ -17,6 +17,7 @@ tokens there; they count as output (position, penalties) without a host read.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -188,19 +189,8 @@ class SamplingMetadata:
         allowed_rows = allowed_bitmask = None
         constrained = np.flatnonzero(rows.structured)
         if len(constrained):
-            if token_bitmask is None:
-                raise ValueError(
-                    f"SamplingMetadata.build: {len(constrained)} rows have structured_output "
-                    "but no token_bitmask gives their allowed tokens"
-                )
-            bitmask = np.ascontiguousarray(token_bitmask(constrained), dtype=np.int32)
-            if bitmask.shape != (len(constrained), -(-vocab_size // 32)):
-                raise ValueError(
-                    f"SamplingMetadata.build: token_bitmask gave shape {bitmask.shape} for "
-                    f"{len(constrained)} rows of {vocab_size} tokens"
-                )
+            allowed_bitmask = _allowed_bitmask(token_bitmask, constrained, vocab_size, device)
             allowed_rows = upload(torch.from_numpy(constrained.astype(np.int64)), device)
-            allowed_bitmask = upload(torch.from_numpy(bitmask), device)
 
         bias_index, bias_values = _logit_bias(rows.logit_bias, vocab_size, device)
 
@@ -242,6 +232,41 @@ class SamplingMetadata:
             logit_bias_index=bias_index,
             logit_bias_values=bias_values,
         )
+
+    def with_token_bitmask(
+        self, token_bitmask: TokenBitmask | None, structured: np.ndarray
+    ) -> SamplingMetadata:
+        """This metadata with this step's grammar masks: metadata kept from an earlier step
+        of rows that sample alike (sampling_reuse.py) is right for this one but for them.
+        ``structured`` [S] says which rows have a grammar (the rows' ``structured``
+        column); ``token_bitmask`` is ``from_rows``' (ValueError as there)."""
+        if self.allowed_token_rows is None:
+            return self
+        constrained = np.flatnonzero(structured)
+        device = self.allowed_token_rows.device
+        bitmask = _allowed_bitmask(token_bitmask, constrained, self.vocab_size, device)
+        return dataclasses.replace(self, allowed_token_bitmask=bitmask)
+
+
+def _allowed_bitmask(
+    token_bitmask: TokenBitmask | None,
+    constrained: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The masks of the ``constrained`` rows from ``token_bitmask``, checked, on ``device``."""
+    if token_bitmask is None:
+        raise ValueError(
+            f"SamplingMetadata.build: {len(constrained)} rows have structured_output "
+            "but no token_bitmask gives their allowed tokens"
+        )
+    bitmask = np.ascontiguousarray(token_bitmask(constrained), dtype=np.int32)
+    if bitmask.shape != (len(constrained), -(-vocab_size // 32)):
+        raise ValueError(
+            f"SamplingMetadata.build: token_bitmask gave shape {bitmask.shape} for "
+            f"{len(constrained)} rows of {vocab_size} tokens"
+        )
+    return upload(torch.from_numpy(bitmask), device)
 
 
 def row_seed(seed: int, position: int) -> int:

@@ -7,12 +7,14 @@ same, unless it depends on the step itself:
 
     penalties        the output token counts grow every step
     seeded rows      a row's draw is seeded by its output position
-    grammars         the allowed tokens follow the tokens sampled so far
 
-Metadata with none of those is kept and handed out again. Its per-row columns are views of
-the model runner's ``UploadRing``, valid for a few upload calls only: the first reuse copies
-them into tensors of their own (a step later, while the views still hold), unless too many
-uploads have gone by, which counts as a miss.
+Metadata with neither is kept and handed out again. Rows with a grammar (structured output)
+are kept too: which rows have one is a setting like the others, and only their masks are
+the step's own (the model runner puts this step's in: ``with_token_bitmask``).
+
+Kept metadata's per-row columns are views of the model runner's ``UploadRing``, valid for a
+few upload calls only: the first reuse copies them into tensors of their own (a step later,
+while the views still hold), unless too many uploads have gone by, which counts as a miss.
 
     step n     rows [3 7 9]   built, kept (views of ring call c)
     step n+1   rows [3 7 9]   reused: its columns copied out of the ring, kept
@@ -49,7 +51,7 @@ _MAX_CUTS = 4096  # (setting, row count) metadata views kept; a batch size needs
 
 def reusable(meta: SamplingMetadata) -> bool:
     """Whether ``meta`` depends only on its rows' settings (see the module docstring)."""
-    return meta.no_penalties and not meta.row_seeds and meta.allowed_token_rows is None
+    return meta.no_penalties and not meta.row_seeds
 
 
 class SamplingReuse:
@@ -155,6 +157,8 @@ def _first_rows(meta: SamplingMetadata, n: int) -> SamplingMetadata:
     if n == meta.num_rows:
         return meta
     cut = {name: getattr(meta, name)[:n] for name in _PER_ROW_COLUMNS}
+    if meta.allowed_token_rows is not None:  # rows alike: all have a grammar, 0..n-1
+        cut["allowed_token_rows"] = meta.allowed_token_rows[:n]
     return dataclasses.replace(meta, num_rows=n, **cut)
 
 
