@@ -22,7 +22,11 @@ from tests.engine.test_structured_async import (
 )
 from tokenmill import SamplingParams
 from tokenmill.engine.engine_config import EngineConfig
-from tokenmill.engine.grammar_processes import GrammarProcesses
+from tokenmill.engine.grammar_processes import (
+    GrammarProcesses,
+    TokenizerNotPicklable,
+    auto_processes,
+)
 from tokenmill.engine.structured_output_params import TAKEN
 
 
@@ -80,6 +84,48 @@ def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F
 def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="structured_output_processes"):
         EngineConfig(model="m", structured_output_processes=-1)
+
+
+@pytest.mark.parametrize(("cores", "cuda", "cpu"), [(16, 8, 0), (40, 8, 0), (6, 3, 0), (1, 1, 0)])
+def test_unset_processes_are_a_worker_per_two_cores_on_cuda_and_none_on_cpu(
+    monkeypatch, cores: int, cuda: int, cpu: int
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert (auto_processes("cuda"), auto_processes("cpu")) == (cuda, cpu)
+    assert EngineConfig(model="m").structured_output_processes is None
+
+
+def test_unset_processes_keep_the_grammars_here_when_the_tokenizer_does_not_pickle(
+    tiny_path,  # noqa: F811
+    caplog,
+) -> None:
+    """Processes chosen by default fall back to the engine's process, with a warning; asked
+    for, they refuse (the test above)."""
+    from tokenmill.engine.core.request import Request
+    from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+    from tokenmill.engine.loader import resolve_model_source
+    from tokenmill.engine.structured_output import StructuredOutputs
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    tokenizer.unpicklable = lambda: None
+    eos = [tokenizer.eos_token_id]
+    params = SamplingParams(structured_output='choice:["ab", "cd"]')
+    asked = StructuredOutputs(tokenizer, 288, eos, None, "llguidance", 2)
+    with pytest.raises(TokenizerNotPicklable, match="structured_output_processes"):
+        asked.add(Request("r0", [5, 6], params))
+    grammars = StructuredOutputs(tokenizer, 288, eos, None, "llguidance", 2, fallback=True)
+    reqs = [Request(f"r{i}", [5, 6], params) for i in range(2)]
+    with caplog.at_level("WARNING"):
+        for req in reqs:
+            grammars.add(req)
+    assert isinstance(grammars.backend, LlguidanceGrammars)
+    assert "stay in the engine's process" in caplog.text
+    masks = grammars.bitmask(reqs)
+    assert masks.shape == (2, 9) and masks.any(axis=1).all()
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    grammars.feed(reqs, [a, a])
+    assert grammars.take_ended() == []
+    grammars.close()
 
 
 def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(

@@ -137,6 +137,10 @@ BOOL_OR_UNSET = _rule(
     "true or false, or unset (on with CUDA only)", lambda v: v is None or isinstance(v, bool)
 )
 INT = _rule("an integer", _is_int)
+PROCESSES = _rule(
+    "an integer >= 0, or unset (on CUDA a worker per two CPU cores, at most 8; 0 on CPU)",
+    lambda v: v is None or (_is_int(v) and v >= 0),
+)
 
 SPECULATIVE_METHODS = ("off", "ngram", "suffix", "lookahead", "auto")
 # A decode row of 1 + k tokens runs in the decode kernel and its CUDA graphs up to 8 tokens.
@@ -255,7 +259,8 @@ class EngineConfig:
     memory; kernels/fp8_kv.py). ``structured_output_backend``: the grammar library of
     structured output, llguidance or xgrammar (``pip install xgrammar``; structured_output.py).
     ``structured_output_processes``: worker processes that hold the grammars and do their
-    per-token work in parallel (grammar_processes.py); 0 keeps them in the engine's process.
+    per-token work in parallel (grammar_processes.py); 0 keeps them in the engine's process;
+    None: on CUDA a worker per two CPU cores, at most 8, and 0 on CPU.
     """
 
     model: str = field(metadata=MODEL)
@@ -279,7 +284,7 @@ class EngineConfig:
     structured_output_backend: str = field(
         default="llguidance", metadata=_one_of("llguidance", "xgrammar")
     )
-    structured_output_processes: int = field(default=0, metadata=NON_NEGATIVE_INT)
+    structured_output_processes: int | None = field(default=None, metadata=PROCESSES)
 
     def __post_init__(self) -> None:
         for f in fields(self):

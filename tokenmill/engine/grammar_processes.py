@@ -52,7 +52,7 @@ from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
 from tokenmill.engine.structured_output_params import REJECTED
 
-__all__ = ["BACKENDS", "GrammarProcesses"]
+__all__ = ["BACKENDS", "GrammarProcesses", "TokenizerNotPicklable", "auto_processes"]
 
 # structured_output_backend -> the in-process backend (a worker runs one too)
 BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
@@ -80,6 +80,19 @@ def _halves(body: np.ndarray) -> tuple[list[int], list[int]]:
     """A message's two equally long int64 runs (keys and tokens or places), as lists."""
     half = len(body) // 2
     return body[:half].tolist(), body[half:].tolist()
+
+
+class TokenizerNotPicklable(ValueError):
+    """The model's tokenizer cannot be handed to a worker process (it does not pickle)."""
+
+
+def auto_processes(device_type: str) -> int:
+    """``structured_output_processes`` when unset: on CUDA a worker per two CPU cores, at
+    most 8 (the H200 machine's 16 cores ran 8 fastest: BENCHMARKS.md, session 21); on CPU
+    none, as the model's own work needs the cores there."""
+    if device_type != "cuda":
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
@@ -343,7 +356,7 @@ class GrammarProcesses:
         try:
             return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
-            raise ValueError(
+            raise TokenizerNotPicklable(
                 "structured_output_processes: the model's tokenizer cannot be handed to a "
                 f"worker process ({type(exc).__name__}: {exc}); set "
                 "structured_output_processes to 0 to keep the grammars in this process"

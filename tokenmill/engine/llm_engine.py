@@ -41,6 +41,7 @@ from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.grammar_processes import auto_processes
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import ModelSource, resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
@@ -192,13 +193,15 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._watched: dict[str, _Tracked] = {}  # the tracked ones with a detokenizer
         # Grammars of the requests with structured_output (llguidance loads on the first).
+        processes = config.structured_output_processes
         self._grammars = StructuredOutputs(
             self.tokenizer,
             mc.vocab_size,
             self.eos_token_ids,
             self.device,
             config.structured_output_backend,
-            config.structured_output_processes,
+            auto_processes(self.device.type) if processes is None else processes,
+            fallback=processes is None,
         )
         # The last step processed inside the next one's launch (``_token_bitmask``).
         self._processed_early: LaunchedStep | None = None

@@ -84,7 +84,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.device_copy import record_event
-from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses
+from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses, TokenizerNotPicklable
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
     REJECTED,
@@ -205,6 +205,7 @@ class StructuredOutputs:
         device: torch.device | None = None,
         backend: str = "llguidance",
         processes: int = 0,
+        fallback: bool = False,
     ) -> None:
         self.vocab_size = vocab_size
         if backend not in BACKENDS:
@@ -235,6 +236,10 @@ class StructuredOutputs:
         shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
+        # With ``fallback`` (processes chosen by default, not asked for), a tokenizer the
+        # workers cannot get keeps the grammars in this process instead of raising.
+        self._fallback = fallback
+        self._in_process_args = (backend, tokenizer, vocab_size, eos_token_ids, device)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -248,7 +253,14 @@ class StructuredOutputs:
         spec = request.sampling_params.structured_output
         if spec is None:
             raise ValueError(f"request {request.request_id} has no structured_output")
-        row = self.backend.matcher(spec)
+        try:
+            row = self.backend.matcher(spec)
+        except TokenizerNotPicklable as exc:
+            if not self._fallback:
+                raise
+            log.warning("structured output: %s; the grammars stay in the engine's process", exc)
+            self._keep_in_process()
+            row = self.backend.matcher(spec)
         if not self._free:
             self._grow()
         index = self._free.pop()
@@ -256,6 +268,14 @@ class StructuredOutputs:
         self._rids[index] = request.request_id
         self._rows[index] = row
         self._num_masked[index] = self._num_fed[index] = 0
+
+    def _keep_in_process(self) -> None:
+        """The in-process backend instead of worker processes that never started (the
+        first request failed to start them, so no mask was handed out yet)."""
+        name, tokenizer, vocab_size, eos_token_ids, device = self._in_process_args
+        self.backend = BACKENDS[name](tokenizer, vocab_size, eos_token_ids)
+        self._processes = False
+        self._buffers = _MaskBuffers(self._buffers.words, device or torch.device("cpu"))
 
     def _grow(self) -> None:
         """Twice the room for grammars (at least 64)."""
