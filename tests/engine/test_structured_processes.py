@@ -179,10 +179,17 @@ def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path)
     grammars.bitmask(reqs)
     a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "x", "c"))
     grammars.feed(reqs, [a, b, c])  # the second row's token is not allowed
-    assert grammars._fed_pending is not None  # sent, not yet read
-    assert grammars.take_ended() == ["r1"]
+    pending = grammars._fed_pending
+    assert pending is not None and pending[3] is None  # kept for the next step's message
+    assert grammars.take_ended() == ["r1"]  # sent alone, then read
     assert grammars._fed_pending is None
     grammars.drop(["r1"])
     masks = grammars.bitmask([reqs[0], reqs[2]])  # reads nothing pending, fills two rows
     assert masks.shape == (2, 9) and masks.any(axis=1).all()
+    b = tokenizer.encode("b", add_special_tokens=False)[0]
+    grammars.feed([reqs[0], reqs[2]], [b, b])  # "ab" completes the first choice; "cb" is refused
+    masks = grammars.bitmask([reqs[0], reqs[2]])  # the tokens go out with this fill
+    assert grammars._fed_pending is None  # and were read before it
+    assert masks.shape == (2, 9)
+    assert sorted(grammars.take_ended()) == ["r0", "r2"]
     grammars.close()

@@ -9,21 +9,22 @@ nothing, so N of them do a step's work in about 1/N of the time.
 
 Each worker process owns the matchers of the requests given to it (in turn, as they come)
 and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
-one thread. A step costs one round trip per call and worker over a socket pair. Messages
-are raw int64 arrays (a kind, then the keys and tokens or places), answers raw bytes: a
-step's hundreds of rows are never pickled, and the engine groups them by worker with numpy.
+one thread. A step costs one message to each worker and two answers from it, over a socket
+pair. Messages are raw int64 arrays (a kind, then keys and tokens or places), answers raw
+bytes: a step's hundreds of rows are never pickled, and the engine groups them by worker
+with numpy.
 
     add / drop       sent, not answered (the spec was compiled here first, so it compiles)
-    consume          each worker takes its rows' tokens and answers one status byte per row
-                     (taken, stopped or rejected: structured_output_params), then the
-                     errors of rejected tokens as JSON, if any (the engine sends the
-                     tokens, then the next step's fill, and only then reads the answers:
-                     the workers go from one to the other without waiting)
-    fill             each worker writes its rows' masks at their places in the step's mask
-                     buffer, which lives in shared memory (the engine's two mask buffers
-                     come from ``shared_masks``, pinned for CUDA with cudaHostRegister, so
-                     the upload reads what the workers wrote; another array is filled
-                     through a scratch buffer and a copy); the answer says they are in
+    step             the previous step's tokens and this step's masks in one message
+                     (``send_step``; either part may be empty). The worker takes its rows'
+                     tokens and answers one status byte per row (taken, stopped or
+                     rejected: structured_output_params), then the errors of rejected
+                     tokens as JSON, if any; then, without waiting for another message,
+                     writes its rows' masks at their places in the step's mask buffer and
+                     answers that they are in. The mask buffers live in shared memory (the
+                     engine's two come from ``shared_masks``, pinned for CUDA with
+                     cudaHostRegister, so the upload reads what the workers wrote; another
+                     array is filled through a scratch buffer and a copy)
 
 The backend interface is the in-process backends' (matcher / fill / consume / error /
 release), so structured_output.py keeps the bookkeeping either way; a row here is the
@@ -60,13 +61,27 @@ BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
 SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
 # A message's kind, its first int64. Its layout after that (int64s, then text):
-ADD, DROP, CONSUME, FILL, SHM, STOP = range(6)
+ADD, DROP, STEP, SHM, STOP = range(5)
 #   ADD      key, then the spec (UTF-8)
 #   DROP     keys
-#   CONSUME  keys, then their tokens (as many)
-#   FILL     slot, keys, then their places in the slot's masks (as many)
+#   STEP     slot, n, then n keys and their tokens to consume, then keys and their places
+#            in the slot's masks to fill (as many): the worker answers the tokens first,
+#            then goes straight on to the masks and answers them (either part may be empty)
 #   SHM      slot, rows, words, then the shared memory's name (UTF-8)
 #   STOP     nothing
+
+
+class _Sent:
+    """A step's messages sent to the workers, whose answers are still to read: the
+    consume part's (its keys and each worker's indices into them) and the fill part's
+    (the workers, the mask, and the places when it goes through the scratch buffer)."""
+
+    def __init__(self) -> None:
+        self.keys = np.zeros(0, dtype=np.int64)
+        self.consumed: list[tuple[int, np.ndarray]] = []
+        self.filled: list[int] = []
+        self.mask: np.ndarray | None = None
+        self.scratch_places: np.ndarray | None = None
 
 
 def _message(kind: int, *ints: np.ndarray | Sequence[int], text: str = "") -> bytes:
@@ -108,17 +123,20 @@ def _serve(conn: Connection, backend: Any) -> None:
         message = conn.recv_bytes()
         ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
         kind = int(ints[0])
-        if kind == CONSUME:
-            keys, tokens = _halves(ints[1:])
-            rows = [matchers[key] for key in keys]
-            status = backend.consume(rows, tokens)
-            rejected = np.flatnonzero(status == REJECTED).tolist()
-            errors = {i: backend.error(rows[i]) for i in rejected}
-            conn.send_bytes(status.tobytes() + (json.dumps(errors).encode() if errors else b""))
-        elif kind == FILL:
-            keys, places = _halves(ints[2:])
-            backend.fill([matchers[key] for key in keys], segments[int(ints[1])][1], at=places)
-            conn.send_bytes(b"")
+        if kind == STEP:
+            slot, n = int(ints[1]), int(ints[2])
+            keys, tokens = _halves(ints[3 : 3 + 2 * n])
+            if n:
+                rows = [matchers[key] for key in keys]
+                status = backend.consume(rows, tokens)
+                rejected = np.flatnonzero(status == REJECTED).tolist()
+                errors = {i: backend.error(rows[i]) for i in rejected}
+                answer = status.tobytes() + (json.dumps(errors).encode() if errors else b"")
+                conn.send_bytes(answer)
+            keys, places = _halves(ints[3 + 2 * n :])
+            if keys:
+                backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
+                conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
         elif kind == DROP:
@@ -250,33 +268,7 @@ class GrammarProcesses:
         """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask. Into one of
         ``shared_masks``' buffers the workers write directly; into any other array through
         a scratch buffer and a copy."""
-        self.finish_fill(self.send_fill(rows, mask, at))
-
-    def send_fill(
-        self, rows: Sequence[int], mask: np.ndarray, at: Sequence[int] | None = None
-    ) -> tuple[list[int], np.ndarray, np.ndarray | None]:
-        """``fill``'s first half: the messages go out; ``finish_fill`` waits for them."""
-        keys = np.asarray(rows, dtype=np.int64)
-        places = np.arange(len(keys)) if at is None else np.asarray(at, dtype=np.int64)
-        slot = self._slot_of(mask)
-        if slot is None:
-            needed = int(places.max(initial=-1)) + 1
-            held = self._segments.get(SCRATCH)
-            if held is None or held[1].shape[0] < needed:
-                self._new_segment(SCRATCH, max(64, 1 << (max(needed, 1) - 1).bit_length()), False)
-        target = SCRATCH if slot is None else slot
-        workers = []
-        for worker, index in self._by_worker(keys):
-            self._send(worker, _message(FILL, [target], keys[index], places[index]))
-            workers.append(worker)
-        return workers, mask, None if slot is not None else places
-
-    def finish_fill(self, sent: tuple[list[int], np.ndarray, np.ndarray | None]) -> None:
-        workers, mask, scratch_places = sent
-        for worker in workers:
-            self._recv(worker)
-        if scratch_places is not None:
-            mask[scratch_places] = self._segments[SCRATCH][1][scratch_places]
+        self.finish_fill(self.send_step(fill=(rows, mask, at)))
 
     def shared_masks(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
         """A [rows, words] int32 buffer in shared memory for the engine's mask buffer
@@ -288,32 +280,63 @@ class GrammarProcesses:
     def consume(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
         (structured_output_params) per row, in input order."""
-        return self.finish_consume(self.send_consume(rows, tokens))
+        return self.finish_consume(self.send_step(consume=(rows, tokens)))
 
-    def send_consume(
-        self, rows: Sequence[int], tokens: Sequence[int]
-    ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]]]:
-        """``consume``'s first half: the tokens go out (after the drops of finished
-        requests); ``finish_consume`` reads the answers. Masks asked for in between are
-        filled after the tokens are taken (each worker reads its messages in order)."""
-        self._drop_released()
-        keys = np.asarray(rows, dtype=np.int64)
-        token_ids = np.asarray(tokens, dtype=np.int64)
-        groups = self._by_worker(keys)
-        for worker, index in groups:
-            self._send(worker, _message(CONSUME, keys[index], token_ids[index]))
-        return keys, groups
+    def send_step(
+        self,
+        consume: tuple[Sequence[int], Sequence[int]] | None = None,
+        fill: tuple[Sequence[int], np.ndarray, Sequence[int] | None] | None = None,
+    ) -> _Sent:
+        """Send a step's work, one message per worker: ``consume`` (rows, their tokens),
+        after the drops of finished requests, then ``fill`` (rows, mask, places as in
+        ``fill``); ``finish_consume`` and then ``finish_fill`` read the answers. A worker
+        goes from the tokens to the masks without waiting for another message."""
+        sent = _Sent()
+        parts: dict[int, list[Any]] = {}  # worker -> [consume keys, tokens, fill keys, places]
+        if consume is not None:
+            self._drop_released()
+            sent.keys = np.asarray(consume[0], dtype=np.int64)
+            tokens = np.asarray(consume[1], dtype=np.int64)
+            sent.consumed = self._by_worker(sent.keys)
+            for worker, index in sent.consumed:
+                parts[worker] = [sent.keys[index], tokens[index], (), ()]
+        slot = 0
+        if fill is not None:
+            rows, sent.mask, at = fill
+            keys = np.asarray(rows, dtype=np.int64)
+            places = np.arange(len(keys)) if at is None else np.asarray(at, dtype=np.int64)
+            shared = self._slot_of(sent.mask)
+            if shared is None:
+                self._scratch_room(int(places.max(initial=-1)) + 1)
+                sent.scratch_places = places
+            slot = SCRATCH if shared is None else shared
+            for worker, index in self._by_worker(keys):
+                part = parts.setdefault(worker, [(), (), (), ()])
+                part[2:] = keys[index], places[index]
+                sent.filled.append(worker)
+        for worker, (keys_c, tokens_c, keys_f, places_f) in parts.items():
+            message = _message(STEP, [slot, len(keys_c)], keys_c, tokens_c, keys_f, places_f)
+            self._send(worker, message)
+        return sent
 
-    def finish_consume(self, sent: tuple[np.ndarray, list[tuple[int, np.ndarray]]]) -> np.ndarray:
-        keys, groups = sent
-        status = np.empty(len(keys), dtype=np.uint8)
-        for worker, index in groups:
+    def finish_consume(self, sent: _Sent) -> np.ndarray:
+        """The consume part's answers: [rows] uint8 statuses, as ``consume``."""
+        status = np.empty(len(sent.keys), dtype=np.uint8)
+        for worker, index in sent.consumed:
             answer = self._recv(worker)
             status[index] = np.frombuffer(answer, dtype=np.uint8, count=len(index))
             if len(answer) > len(index):  # the rejected rows' errors
                 for j, why in json.loads(answer[len(index) :]).items():
-                    self._errors[int(keys[index[int(j)]])] = why
+                    self._errors[int(sent.keys[index[int(j)]])] = why
         return status
+
+    def finish_fill(self, sent: _Sent) -> None:
+        """Wait for the fill part's masks (after ``finish_consume`` when it had one)."""
+        for worker in sent.filled:
+            self._recv(worker)
+        if sent.scratch_places is not None and sent.mask is not None:
+            places = sent.scratch_places
+            sent.mask[places] = self._segments[SCRATCH][1][places]
 
     def error(self, row: int) -> str:
         """Why ``row``'s last token was rejected."""
@@ -375,6 +398,12 @@ class GrammarProcesses:
         for worker in range(self._num):
             self._send(worker, _message(SHM, [slot, rows, self._words], text=shm.name))
         return masks
+
+    def _scratch_room(self, rows: int) -> None:
+        """A scratch buffer of at least ``rows`` masks."""
+        held = self._segments.get(SCRATCH)
+        if held is None or held[1].shape[0] < rows:
+            self._new_segment(SCRATCH, max(64, 1 << (max(rows, 1) - 1).bit_length()), False)
 
     def _free_segment(self, slot: int) -> None:
         held = self._segments.pop(slot, None)

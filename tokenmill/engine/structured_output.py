@@ -231,8 +231,9 @@ class StructuredOutputs:
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
-        # A feed sent to the worker processes, not yet answered: (request ids, rows, sent)
-        self._fed_pending: tuple[np.ndarray, list[Any], Any] | None = None
+        # A feed for the worker processes, not yet answered: (request ids, rows, tokens,
+        # the sent step or None while it waits to go out with the next step's fill)
+        self._fed_pending: tuple[np.ndarray, list[Any], np.ndarray, Any] | None = None
         shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
@@ -339,10 +340,16 @@ class StructuredOutputs:
         mask = self._buffers.next(len(rows))
         t0 = time.perf_counter()
         if self._processes:
-            # The workers take the fed tokens (sent by ``feed``) and go straight on to the
-            # masks, while this thread runs ``beside``; the feed's answers are read before
+            # The fed tokens (kept by ``feed``) go out with the masks to fill, one message
+            # per worker: the workers take the tokens, answer, and go straight on to the
+            # masks while this thread runs ``beside``; the feed's answers are read before
             # the fill's (each worker answers in order).
-            sent = self.backend.send_fill(rows, mask)
+            pending = self._fed_pending
+            if pending is not None and pending[3] is None:
+                sent = self.backend.send_step((pending[1], pending[2]), (rows, mask, None))
+                self._fed_pending = (*pending[:3], sent)
+            else:
+                sent = self.backend.send_step(fill=(rows, mask, None))
             t1 = time.perf_counter()
             if beside is not None:
                 beside()
@@ -413,9 +420,9 @@ class StructuredOutputs:
         tokens_fed = np.asarray(tokens, dtype=np.int64)[kept]
         rids = self._rids[index]  # as they are now: the outcome may come after drops
         if self._processes:
-            # Sent now, answered when needed: by the next ``bitmask`` (after it has sent
-            # the masks to fill) or whatever reads the outcome first.
-            self._fed_pending = (rids, rows, self.backend.send_consume(rows, tokens_fed))
+            # Sent with the next ``bitmask``'s fill, or alone by whatever reads the outcome
+            # first.
+            self._fed_pending = (rids, rows, tokens_fed, None)
             self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
         self._fed_outcome(rids, rows, self.backend.consume(rows, tokens_fed), t0)
@@ -424,8 +431,10 @@ class StructuredOutputs:
         """Read the answers of a feed sent to the worker processes, if one is pending."""
         if self._fed_pending is not None:
             t0 = time.perf_counter()
-            rids, rows, sent = self._fed_pending
+            rids, rows, tokens, sent = self._fed_pending
             self._fed_pending = None
+            if sent is None:
+                sent = self.backend.send_step((rows, tokens))
             self._fed_outcome(rids, rows, self.backend.finish_consume(sent), t0)
 
     def _fed_outcome(
