@@ -4,6 +4,7 @@ and an engine that reuses it samples exactly what one that rebuilds it every ste
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import model_runner, sampling_reuse
+from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_columns import SamplingColumns
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.sampling_reuse import SamplingReuse
@@ -168,20 +170,13 @@ def test_on_cuda_the_reused_columns_outlive_the_ring_slots_they_came_from() -> N
         assert torch.equal(getattr(got, name).cpu(), value), name
 
 
-Run = tuple[list[list[int]], int]  # each request's tokens, metadata builds
+def reused_and_rebuilt(
+    monkeypatch: pytest.MonkeyPatch, generate: Callable[[], list[RequestOutput]]
+) -> tuple[tuple[list[RequestOutput], int], tuple[list[RequestOutput], int]]:
+    """``generate()`` (on a fresh engine each call) twice: as the engine runs (metadata
+    reused), then building the metadata every step; each with its metadata build count."""
 
-
-def _reused_and_rebuilt(
-    model_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    prompts: list[list[int]],
-    params: list[SamplingParams],
-    max_num_seqs: int,
-) -> tuple[Run, Run]:
-    """The same generation twice on fresh engines: as the engine runs (metadata reused),
-    then building the metadata every step."""
-
-    def run() -> Run:
+    def run() -> tuple[list[RequestOutput], int]:
         builds = 0
         original = SamplingMetadata.from_rows.__func__
 
@@ -192,17 +187,34 @@ def _reused_and_rebuilt(
 
         with monkeypatch.context() as m:
             m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
-            llm = LLM(
-                str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=max_num_seqs
-            )
-            outs = llm.generate(prompts, params)
-        return [o.token_ids for o in outs], builds
+            outs = generate()
+        return outs, builds
 
     reused = run()
     with monkeypatch.context() as m:
         m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
         rebuilt = run()
     return reused, rebuilt
+
+
+def _reused_and_rebuilt(
+    model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    max_num_seqs: int,
+) -> tuple[tuple[list[list[int]], int], tuple[list[list[int]], int]]:
+    """Each request's tokens and the metadata builds, reused and rebuilt (above)."""
+
+    def generate() -> list[RequestOutput]:
+        llm = LLM(str(model_path), device="cpu", dtype="float32", seed=5, max_num_seqs=max_num_seqs)
+        return llm.generate(prompts, params)
+
+    (reused, reused_builds), (rebuilt, rebuilt_builds) = reused_and_rebuilt(monkeypatch, generate)
+    return ([o.token_ids for o in reused], reused_builds), (
+        [o.token_ids for o in rebuilt],
+        rebuilt_builds,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -271,8 +271,7 @@ def test_kept_sampling_metadata_takes_each_steps_masks(
     only the masks are the step's own. Rows of every kind that sample alike (the widest
     kept metadata's first rows, as rows end at different steps), and constrained rows
     between plain ones (the same rows' metadata): what rebuilding it every step gives."""
-    from tokenmill.engine import model_runner
-    from tokenmill.engine.sampling_metadata import SamplingMetadata
+    from tests.engine.test_sampling_reuse import reused_and_rebuilt
 
     kinds = [TINY_SCHEMA, "choice:" + json.dumps(CHOICES), "regex:" + REGEX, "json_object"]
     if plain_rows:
@@ -283,24 +282,9 @@ def test_kept_sampling_metadata_takes_each_steps_masks(
     ]
     prompts = _prompts(10)
 
-    def run() -> tuple[list[RequestOutput], int]:
-        builds = 0
-        original = SamplingMetadata.from_rows.__func__
-
-        def counted(cls, *args, **kwargs):
-            nonlocal builds
-            builds += 1
-            return original(cls, *args, **kwargs)
-
-        with monkeypatch.context() as m:
-            m.setattr(SamplingMetadata, "from_rows", classmethod(counted))
-            outs = _llm(tiny_path, True, max_num_seqs=4).generate(prompts, params)
-        return outs, builds
-
-    reused, reused_builds = run()
-    with monkeypatch.context() as m:
-        m.setattr(model_runner.SamplingReuse, "get", lambda self, columns, rows: None)
-        rebuilt, rebuilt_builds = run()
+    (reused, reused_builds), (rebuilt, rebuilt_builds) = reused_and_rebuilt(
+        monkeypatch, lambda: _llm(tiny_path, True, max_num_seqs=4).generate(prompts, params)
+    )
     assert _summary(reused) == _summary(rebuilt)
     assert reused_builds < rebuilt_builds / 2
     assert {o.finish_reason for o in reused} == {"stop", "length"}
