@@ -218,8 +218,9 @@ def main() -> None:
         help="the engine's structured_output_backend",
     )  # fmt: skip
     parser.add_argument(
-        "--processes", type=int, default=0,
-        help="the engine's structured_output_processes (0: grammars in the engine's process)",
+        "--processes", type=int, default=None,
+        help="the engine's structured_output_processes (0: grammars in the engine's process; "
+        "default: the engine's, on CUDA a worker per two CPU cores up to 8)",
     )  # fmt: skip
     parser.add_argument(
         "--warm-up", type=int, help="prompts each engine runs before it is timed "
@@ -265,7 +266,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "schema": args.schema,
         "backend": args.backend,
-        "processes": args.processes,
+        "processes": lines["structured"]["profile"]["structured_output"]["processes"],
         "ratio": round(ratio, 3),
         "ratio_matched": round(matched, 3),
         "valid_share": round(valid, 4),

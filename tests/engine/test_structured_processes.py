@@ -44,7 +44,9 @@ def test_worker_processes_give_the_in_process_outputs(tiny_path, backend) -> Non
     grammars = llm.engine._grammars
     pool = grammars.backend
     assert isinstance(pool, GrammarProcesses) and pool.name == backend
-    assert len(grammars) == 0 and llm.engine.step_profile()["synchronous_steps"] == 0
+    profile = llm.engine.step_profile()
+    assert len(grammars) == 0 and profile["synchronous_steps"] == 0
+    assert profile["structured_output"]["processes"] == 2 == grammars.processes
     # The workers wrote the masks into the engine's two mask buffers, no scratch copy.
     assert set(pool._segments) == {0, 1}
     procs = list(pool._procs)

@@ -257,6 +257,10 @@ class GrammarProcesses:
         self._send(key % self._num, _message(ADD, [key], text=spec))
         return key
 
+    @property
+    def num_processes(self) -> int:
+        return self._num
+
     def release(self, rows: Sequence[int]) -> None:
         """Forget the matchers of finished requests. Any thread may call it (the engine
         finishes requests beside a fill): the keys are only noted here, and the workers

@@ -479,13 +479,15 @@ class LLMEngine:
     def step_profile(self) -> dict:
         """Mean per-step CPU and GPU ms (needs ``profile_steps=True``); see step_profile.py.
         Also ``synchronous_steps`` (counted whether profiled or not), with
-        structured output ``structured_output`` (grammar mask and feed ms per step), and with
+        structured output ``structured_output`` (grammar mask and feed ms per step, and the
+        grammar worker processes, 0 when the grammars are in the engine's process), and with
         a proposer ``speculative``: its draft and acceptance counts."""
         profile = self.runner.profiler.summary()
         # Steps that did not overlap the next one's scheduling (all without async scheduling).
         profile["synchronous_steps"] = self._num_sync_steps
         if self._grammars.stats.masks:
             profile["structured_output"] = self._grammars.stats.summary()
+            profile["structured_output"]["processes"] = self._grammars.processes
         if self.scheduler.proposer is not None:
             profile["speculative"] = self.scheduler.stats.speculative()
             if self.policy is not None:

@@ -245,6 +245,11 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def processes(self) -> int:
+        """The worker processes holding the grammars; 0 when they are in this process."""
+        return self.backend.num_processes if self._processes else 0
+
     def add(self, request: Request) -> None:
         """Give ``request`` (whose SamplingParams has ``structured_output``) its matcher.
 
