@@ -195,3 +195,34 @@ def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path)
     assert masks.shape == (2, 9)
     assert sorted(grammars.take_ended()) == ["r0", "r2"]
     grammars.close()
+
+
+def test_work_beside_the_fill_that_raises_leaves_the_workers_answers_read(tiny_path) -> None:  # noqa: F811
+    """With worker processes the step in flight is processed on the engine's thread while
+    they fill; if that raises, their answers are still read, so the next step's are its own."""
+    from tokenmill.engine.core.request import Request
+    from tokenmill.engine.loader import resolve_model_source
+    from tokenmill.engine.structured_output import StructuredOutputs
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    grammars = StructuredOutputs(tokenizer, 288, [tokenizer.eos_token_id], None, "llguidance", 2)
+    params = SamplingParams(structured_output='choice:["ab", "cd"]')
+    reqs = [Request(f"r{i}", [5, 6], params) for i in range(3)]
+    for req in reqs:
+        grammars.add(req)
+    grammars.bitmask(reqs)
+    a, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "c"))
+    grammars.feed(reqs, [a, c, a])
+
+    def fails() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        grammars.bitmask(reqs, beside=fails)
+    assert grammars._fed_pending is None  # the tokens' answers were read
+    b, d = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("b", "d"))
+    grammars.feed(reqs, [b, d, b])  # each row completes its choice
+    masks = grammars.bitmask(reqs)
+    assert masks.shape == (3, 9)
+    assert sorted(grammars.take_ended()) == ["r0", "r1", "r2"]
+    grammars.close()

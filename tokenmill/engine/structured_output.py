@@ -322,10 +322,11 @@ class StructuredOutputs:
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
         mask handed out, which the row's next fed token answers.
 
-        ``beside()``, when given, runs on a worker thread while the backend fills the masks
-        on its own threads (llguidance without the GIL: alongside); this call returns when
-        both are done (and raises what ``beside`` raised). It may drop grammars (finish
-        requests): the fill holds its own matchers.
+        ``beside()``, when given, runs while the masks are filled: on a worker thread while
+        the backend fills them on its own threads (llguidance without the GIL: alongside),
+        or, with worker processes, on this thread while they fill. This call returns when
+        both are done (and raises what ``beside`` raised, after the workers' answers are
+        read). It may drop grammars (finish requests): the fill holds its own matchers.
 
         The array is a reused buffer: valid until the second call after this one.
         Raises RuntimeError when a request has no grammar or its last mask's token has not
@@ -356,11 +357,13 @@ class StructuredOutputs:
             else:
                 sent = self.backend.send_step(fill=(rows, mask, None))
             t1 = time.perf_counter()
-            if beside is not None:
-                beside()
-            self._finish_feed()
-            t2 = time.perf_counter()
-            self.backend.finish_fill(sent)
+            try:
+                if beside is not None:
+                    beside()
+            finally:  # the answers are read whatever happened, or the next would be theirs
+                self._finish_feed()
+                t2 = time.perf_counter()
+                self.backend.finish_fill(sent)
             mask_s = time.perf_counter() - t2 + t1 - t0
             wait_s = 0.0
         else:
