@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -167,18 +169,25 @@ def test_a_tokenizer_that_cannot_be_pickled_is_refused_naming_the_setting(tiny_p
     assert not pool._procs
 
 
-def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path) -> None:  # noqa: F811
+def _three_choice_rows(path: Path) -> tuple[Any, Any, list[Any]]:
+    """(tokenizer, grammars in 2 worker processes, three requests choosing "ab" or "cd",
+    each with its first mask handed out)."""
     from tokenmill.engine.core.request import Request
     from tokenmill.engine.loader import resolve_model_source
     from tokenmill.engine.structured_output import StructuredOutputs
 
-    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    tokenizer = resolve_model_source(str(path)).load_tokenizer()
     grammars = StructuredOutputs(tokenizer, 288, [tokenizer.eos_token_id], None, "llguidance", 2)
     params = SamplingParams(structured_output='choice:["ab", "cd"]')
     reqs = [Request(f"r{i}", [5, 6], params) for i in range(3)]
     for req in reqs:
         grammars.add(req)
     grammars.bitmask(reqs)
+    return tokenizer, grammars, reqs
+
+
+def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path) -> None:  # noqa: F811
+    tokenizer, grammars, reqs = _three_choice_rows(tiny_path)
     a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "x", "c"))
     grammars.feed(reqs, [a, b, c])  # the second row's token is not allowed
     pending = grammars._fed_pending
@@ -200,17 +209,7 @@ def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path)
 def test_work_beside_the_fill_that_raises_leaves_the_workers_answers_read(tiny_path) -> None:  # noqa: F811
     """With worker processes the step in flight is processed on the engine's thread while
     they fill; if that raises, their answers are still read, so the next step's are its own."""
-    from tokenmill.engine.core.request import Request
-    from tokenmill.engine.loader import resolve_model_source
-    from tokenmill.engine.structured_output import StructuredOutputs
-
-    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
-    grammars = StructuredOutputs(tokenizer, 288, [tokenizer.eos_token_id], None, "llguidance", 2)
-    params = SamplingParams(structured_output='choice:["ab", "cd"]')
-    reqs = [Request(f"r{i}", [5, 6], params) for i in range(3)]
-    for req in reqs:
-        grammars.add(req)
-    grammars.bitmask(reqs)
+    tokenizer, grammars, reqs = _three_choice_rows(tiny_path)
     a, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "c"))
     grammars.feed(reqs, [a, c, a])
 
