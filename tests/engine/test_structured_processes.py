@@ -28,6 +28,7 @@ from tokenmill.engine.grammar_processes import (
     GrammarProcesses,
     TokenizerNotPicklable,
     auto_processes,
+    usable_cpus,
 )
 from tokenmill.engine.structured_output_params import TAKEN
 
@@ -94,9 +95,15 @@ def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
 def test_unset_processes_are_a_worker_per_two_cores_on_cuda_and_none_on_cpu(
     monkeypatch, cores: int, cuda: int, cpu: int
 ) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert (auto_processes("cuda"), auto_processes("cpu")) == (cuda, cpu)
     assert EngineConfig(model="m").structured_output_processes is None
+
+
+def test_without_an_affinity_the_machines_cpus_count(monkeypatch) -> None:
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # macOS, Windows
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
+    assert usable_cpus() == 12 and auto_processes("cuda") == 6
 
 
 def test_unset_processes_keep_the_grammars_here_when_the_tokenizer_does_not_pickle(

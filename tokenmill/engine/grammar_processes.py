@@ -102,12 +102,21 @@ class TokenizerNotPicklable(ValueError):
 
 
 def auto_processes(device_type: str) -> int:
-    """``structured_output_processes`` when unset: on CUDA a worker per two CPU cores, at
-    most 8 (the H200 machine's 16 cores ran 8 fastest: BENCHMARKS.md, session 21); on CPU
-    none, as the model's own work needs the cores there."""
+    """``structured_output_processes`` when unset: on CUDA a worker per two CPU cores this
+    process may run on, at most 8 (the H200 machine's 16 cores ran 8 fastest: BENCHMARKS.md,
+    session 21); on CPU none, as the model's own work needs the cores there."""
     if device_type != "cuda":
         return 0
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    return max(1, min(8, usable_cpus() // 2))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container's or a scheduler's
+    CPU set narrows), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 2
 
 
 def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> Any:
