@@ -198,7 +198,7 @@ def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path)
     a, b, c = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "x", "c"))
     grammars.feed(reqs, [a, b, c])  # the second row's token is not allowed
     pending = grammars._fed_pending
-    assert pending is not None and pending[3] is None  # kept for the next step's message
+    assert pending is not None and pending.sent is None  # kept for the next step's message
     assert grammars.take_ended() == ["r1"]  # sent alone, then read
     assert grammars._fed_pending is None
     grammars.drop(["r1"])

@@ -109,6 +109,19 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _PendingFeed:
+    """A step's tokens for the worker processes whose answers are not read yet: the fed
+    rows' request ids (as they were at the feed: the answers may come after drops), their
+    backend rows and tokens, and the sent step (None until it goes out, with the next
+    step's fill or alone)."""
+
+    rids: np.ndarray
+    rows: list[Any]
+    tokens: np.ndarray
+    sent: Any = None
+
+
+@dataclass
 class GrammarStats:
     """Host time spent on grammars (``LLMEngine.step_profile``): filling masks and feeding
     sampled tokens, each one backend call over all constrained rows of a step.
@@ -212,7 +225,6 @@ class StructuredOutputs:
             raise ValueError(
                 f"structured_output_backend must be one of {sorted(BACKENDS)}, got {backend!r}"
             )
-        self._processes = processes > 0
         if processes:
             self.backend = GrammarProcesses(
                 backend, tokenizer, vocab_size, eos_token_ids, processes
@@ -231,9 +243,7 @@ class StructuredOutputs:
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
-        # A feed for the worker processes, not yet answered: (request ids, rows, tokens,
-        # the sent step or None while it waits to go out with the next step's fill)
-        self._fed_pending: tuple[np.ndarray, list[Any], np.ndarray, Any] | None = None
+        self._fed_pending: _PendingFeed | None = None
         shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
@@ -244,6 +254,11 @@ class StructuredOutputs:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def _processes(self) -> bool:
+        """Whether the grammars live in worker processes."""
+        return isinstance(self.backend, GrammarProcesses)
 
     @property
     def processes(self) -> int:
@@ -280,7 +295,6 @@ class StructuredOutputs:
         first request failed to start them, so no mask was handed out yet)."""
         name, tokenizer, vocab_size, eos_token_ids, device = self._in_process_args
         self.backend = BACKENDS[name](tokenizer, vocab_size, eos_token_ids)
-        self._processes = False
         self._buffers = _MaskBuffers(self._buffers.words, device or torch.device("cpu"))
 
     def _grow(self) -> None:
@@ -299,7 +313,7 @@ class StructuredOutputs:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        if isinstance(self.backend, GrammarProcesses):
+        if self._processes:
             self.backend.close()
 
     def drop(self, request_ids: Iterable[str]) -> None:
@@ -344,16 +358,16 @@ class StructuredOutputs:
         self._num_masked[index] += 1
         rows = [self._rows[i] for i in index.tolist()]
         mask = self._buffers.next(len(rows))
-        t0 = time.perf_counter()
         if self._processes:
             # The fed tokens (kept by ``feed``) go out with the masks to fill, one message
             # per worker: the workers take the tokens, answer, and go straight on to the
             # masks while this thread runs ``beside``; the feed's answers are read before
             # the fill's (each worker answers in order).
+            t0 = time.perf_counter()
             pending = self._fed_pending
-            if pending is not None and pending[3] is None:
-                sent = self.backend.send_step((pending[1], pending[2]), (rows, mask, None))
-                self._fed_pending = (*pending[:3], sent)
+            if pending is not None and pending.sent is None:
+                sent = self.backend.send_step((pending.rows, pending.tokens), (rows, mask, None))
+                pending.sent = sent
             else:
                 sent = self.backend.send_step(fill=(rows, mask, None))
             t1 = time.perf_counter()
@@ -430,7 +444,7 @@ class StructuredOutputs:
         if self._processes:
             # Sent with the next ``bitmask``'s fill, or alone by whatever reads the outcome
             # first.
-            self._fed_pending = (rids, rows, tokens_fed, None)
+            self._fed_pending = _PendingFeed(rids, rows, tokens_fed)
             self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
         self._fed_outcome(rids, rows, self.backend.consume(rows, tokens_fed), t0)
@@ -439,11 +453,11 @@ class StructuredOutputs:
         """Read the answers of a feed sent to the worker processes, if one is pending."""
         if self._fed_pending is not None:
             t0 = time.perf_counter()
-            rids, rows, tokens, sent = self._fed_pending
-            self._fed_pending = None
-            if sent is None:
-                sent = self.backend.send_step((rows, tokens))
-            self._fed_outcome(rids, rows, self.backend.finish_consume(sent), t0)
+            pending, self._fed_pending = self._fed_pending, None
+            if pending.sent is None:
+                pending.sent = self.backend.send_step((pending.rows, pending.tokens))
+            status = self.backend.finish_consume(pending.sent)
+            self._fed_outcome(pending.rids, pending.rows, status, t0)
 
     def _fed_outcome(
         self, rids: np.ndarray, rows: list[Any], status: np.ndarray, t0: float
