@@ -19,6 +19,7 @@ from tests.tiny_models import EOS_ID, save_tiny_model, save_tiny_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.model_runner import PreparedStep
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampler import apply_token_bitmask
 from tokenmill.engine.structured_output import StructuredOutputs
@@ -97,19 +98,22 @@ def _llm(path: Path, async_scheduling: bool, **kwargs: Any) -> LLM:
 
 def _count_overlapped_grammar_launches(engine: LLMEngine) -> list[int]:
     """Wrap the engine's runner.launch: count the launches with a constrained row that
-    started while another step was in flight (the overlap this file is about), and the
-    steps processed inside a launch (while the next step's masks fill)."""
-    counts = [0, 0]
+    started while another step was in flight (the overlap this file is about), the steps
+    processed inside a launch (while the next step's masks fill), and the launches of steps
+    scheduled and flattened ahead (inside the launch before)."""
+    counts = [0, 0, 0]
     launch, process = engine.runner.launch, engine._process
     inside = [False]
 
-    def counting(sched, token_bitmask=None, prompt_logits=None):
+    def counting(step, token_bitmask=None, prompt_logits=None):
+        sched = step.sched if isinstance(step, PreparedStep) else step
+        counts[2] += isinstance(step, PreparedStep)
         constrained = any(r.sampling_params.structured_output for r in sched.requests)
         if constrained and engine._in_flight is not None:
             counts[0] += 1
         inside[0] = True
         try:
-            return launch(sched, token_bitmask, prompt_logits)
+            return launch(step, token_bitmask, prompt_logits)
         finally:
             inside[0] = False
 
@@ -137,6 +141,7 @@ def test_async_overlaps_constrained_steps_and_matches_the_synchronous_loop(
     assert engine.step_profile()["synchronous_steps"] == 0  # never fell back to sync
     assert overlapped[0] > 5
     assert overlapped[1] > 5  # steps processed while the next one's masks filled
+    assert overlapped[2] > 5  # steps launched as flattened while the masks before filled
     assert sync.engine.step_profile()["synchronous_steps"] > 0
     finished = {o.finish_reason for o, p in zip(got, params, strict=True) if p.structured_output}
     assert finished == {"stop", "length"}  # both ways of ending mid-overlap are covered
@@ -160,7 +165,7 @@ def test_async_overlaps_constrained_steps_and_matches_the_synchronous_loop(
     assert engine._grammars._worker is None and worker._shutdown
 
 
-def test_an_abort_while_its_step_is_in_flight_leaves_the_others_untouched(tiny_path) -> None:
+def test_an_abort_while_its_steps_are_in_flight_and_ahead_leaves_the_others_be(tiny_path) -> None:
     prompts, params = _prompts(4), _params(4)
     want = _summary(_llm(tiny_path, False).generate(prompts, params))
     engine = _llm(tiny_path, True).engine
@@ -171,6 +176,8 @@ def test_an_abort_while_its_step_is_in_flight_leaves_the_others_untouched(tiny_p
         outs.update((o.request_id, o) for o in engine.step())
     assert engine._in_flight is not None  # r0's row is in the step in flight
     assert "r0" in {r.request_id for r in engine._in_flight[0].requests}
+    assert engine._ahead is not None  # and in the step scheduled ahead: its row there
+    assert "r0" in {r.request_id for r in engine._ahead[0].requests}  # masks allow all
     engine.abort_requests(["r0"])
     while engine.has_unfinished():
         outs.update((o.request_id, o) for o in engine.step())

@@ -17,9 +17,14 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
 
 Steps with drafts run synchronously: launch n, then process n at once. Steps with
 structured output (rows with a grammar) keep overlapping: launch n+1 enqueues the forward
-pass, then waits for step n's tokens, feeds them to the grammars, starts filling step n+1's
-masks on llguidance's threads and processes step n meanwhile, then enqueues sampling once
-the masks are in, all while the forward pass runs (structured_output.py).
+pass, then waits for step n's tokens, feeds them to the grammars, and while the grammars
+fill step n+1's masks it processes step n and schedules and flattens step n+2 ("ahead");
+then it enqueues sampling n+1, and the next call enqueues forward n+2 right behind it. All
+of that host work runs while forward n+1 does (structured_output.py):
+
+    host:  launch n+1: fwd ─► wait tokens n ─► feed ─► process n, schedule + flatten n+2 ─►
+           masks in ─► sample n+1 │ launch n+2: fwd ─► wait tokens n+1 ...
+    GPU:   .. sample n ][ forward n+1 ...................... ][ sample n+1 ][ forward n+2 ..
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from tokenmill.engine.loader.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
-from tokenmill.engine.model_runner import ModelRunner, kv_bytes_per_block
+from tokenmill.engine.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
 from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
@@ -212,6 +217,11 @@ class LLMEngine:
         self._prompt_logprobs = PromptLogprobs(config.block_size)
         # Async scheduling: the step launched by the last ``step`` call, processed by the next.
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # With grammars, the next step, scheduled and flattened while the masks of the one
+        # being launched filled (``_while_masks_fill``): the next ``step`` call launches it.
+        # Requests aborted since it was scheduled have no grammar left to mask their rows.
+        self._ahead: tuple[SchedulerOutput, PreparedStep | None] | None = None
+        self._aborted_ahead: set[str] = set()
         self._arrivals = 0
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
@@ -289,7 +299,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (
-            self.scheduler.has_unfinished() or self._in_flight is not None or self._outputs.pending
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or self._ahead is not None  # launched even when all its requests were aborted
+            or self._outputs.pending
         )
 
     @property
@@ -314,6 +327,8 @@ class LLMEngine:
             self._watched.pop(rid, None)
         self._grammars.drop(request_ids)
         self._prompt_logprobs.drop(request_ids)
+        if self._ahead is not None:
+            self._aborted_ahead.update(request_ids)
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -334,7 +349,11 @@ class LLMEngine:
             self._in_flight = None
         t0 = time.perf_counter()
         before = (self.scheduler.stats.num_drafted_rows, self.scheduler.stats.num_accepted_tokens)
-        sched = self.scheduler.schedule(draft=draft)
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            sched, prepared = self.scheduler.schedule(draft=draft), None
+        else:  # scheduled (and its time counted) in the last launch
+            sched, prepared = ahead
         host_ms = (time.perf_counter() - t0) * 1e3
         if sched.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished():
@@ -348,10 +367,12 @@ class LLMEngine:
             # Only while a request has prompt positions left to score.
             plan = self._prompt_logprobs.plan if self._prompt_logprobs.pending else None
             self._launch_wait_ms = 0.0
+            step = prepared or sched
             if len(self._grammars):  # rows with a grammar mask their logits
-                launched = (sched, self.runner.launch(sched, self._token_bitmask, plan))
+                launched = (sched, self.runner.launch(step, self._token_bitmask, plan))
             else:
-                launched = (sched, self.runner.launch(sched, prompt_logits=plan))
+                launched = (sched, self.runner.launch(step, prompt_logits=plan))
+            self._aborted_ahead.clear()
             # The launch's host time counts none of its wait for the step in flight.
             host_ms -= self._launch_wait_ms
         if self.scheduler.config.async_scheduling and not sync:
@@ -389,7 +410,17 @@ class LLMEngine:
         """The grammar masks of a step's constrained rows (``ModelRunner.launch`` calls it
         once the step's forward pass is enqueued). With a step in flight (async
         scheduling), its tokens are waited for and fed to the grammars first: the masks
-        follow them."""
+        follow them. Rows of requests aborted after their step was scheduled (ahead) allow
+        every token: their grammars are gone and their tokens are dropped."""
+        if not self._aborted_ahead:
+            return self._live_bitmask(requests)
+        keep = np.array([r.request_id not in self._aborted_ahead for r in requests], dtype=bool)
+        masks = np.full((len(requests), self._grammars.words), -1, dtype=np.int32)
+        masks[keep] = self._live_bitmask(np.asarray(requests, dtype=object)[keep])
+        return masks
+
+    def _live_bitmask(self, requests: Sequence[Request]) -> np.ndarray:
+        """``_token_bitmask`` of rows whose requests all have their grammar."""
         if self._in_flight is None:
             return self._grammars.bitmask(requests)
         sched, launched = self._in_flight
@@ -397,11 +428,25 @@ class LLMEngine:
         launched.output()  # the wait, timed by the step itself
         self._launch_wait_ms += (time.perf_counter() - t0) * 1e3
         self._feed_grammars(sched, launched)
-        # The step in flight is processed while llguidance fills the masks (its threads run
-        # without the GIL): the sampling metadata has read every row's settings by now.
-        masks = self._grammars.bitmask(requests, beside=lambda: self._process(sched, launched))
+        # The step in flight is processed, and the next one scheduled, while the grammars
+        # fill the masks: the sampling metadata has read every row's settings by now.
+        masks = self._grammars.bitmask(
+            requests, beside=lambda: self._while_masks_fill(sched, launched)
+        )
         self._processed_early = launched
         return masks
+
+    def _while_masks_fill(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
+        """Host work done while the grammars fill the masks of the step being launched:
+        process the step in flight (``launched``), then schedule the next step and flatten
+        it, so that the next ``step`` call enqueues its forward pass right behind this
+        step's sampling instead of leaving the device idle meanwhile. Not with a proposer:
+        whether a step drafts is decided when it is scheduled, from the state then."""
+        self._process(sched, launched)
+        if self.scheduler.proposer is not None:
+            return
+        ahead = self.scheduler.schedule(draft=False)
+        self._ahead = (ahead, None if ahead.is_empty else self.runner.prepare(ahead))
 
     def _feed_grammars(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
         """Give a step's sampled tokens to the grammars of its constrained rows, once per

@@ -10,6 +10,11 @@ can schedule step n+1 while the GPU runs step n. Input tokens the host does not 
 
     step n:    sampled_n = sampler(...)                      [S_n] on the device
     step n+1:  input_ids[pending_rows] = sampled_n[pending_src]
+
+``prepare`` builds a step's HostBatch ahead of its launch: from the moment a launch knows
+which rows it samples (before its sampling is enqueued), the next step can be flattened
+against them. The engine does so while grammar masks fill (llm_engine.py), so the next
+forward pass is enqueued right behind this step's sampling.
 """
 
 from __future__ import annotations
@@ -48,6 +53,16 @@ class _Sampled:
 
     tokens: torch.Tensor  # [S] int64
     row_of_slot: np.ndarray  # [C] batch slot -> index in ``tokens``; -1: did not sample
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step flattened ahead of its launch (``ModelRunner.prepare``), against the sampled
+    rows ``source`` of the launch before it (None: that launch samples nothing)."""
+
+    sched: SchedulerOutput
+    batch: HostBatch
+    source: np.ndarray | None
 
 
 def kv_cache_shape(
@@ -123,6 +138,9 @@ class ModelRunner:
         self.uploads = UploadRing(device, depth=6)  # per step: inputs in one copy, sampling in one
         self._sampling_reuse = SamplingReuse(self.uploads)
         self._last: _Sampled | None = None
+        # The sampled rows of the latest launch (its ``row_of_slot``), known before its
+        # sampling is enqueued: what the next step's pending inputs are read from.
+        self._source: np.ndarray | None = None
 
     def enable_cuda_graphs(
         self,
@@ -164,10 +182,18 @@ class ModelRunner:
         )
         self.graphs.capture()
 
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """Flatten ``sched`` now, for the launch right after the latest one: callable from
+        the moment that launch knows its sampled rows (its ``token_bitmask`` call), so the
+        host work is done while its forward pass runs. Raises as ``HostBatch.build``."""
+        return PreparedStep(
+            sched, HostBatch.build(sched, self.block_size, self._source), self._source
+        )
+
     @torch.inference_mode()
     def launch(
         self,
-        sched: SchedulerOutput,
+        sched: SchedulerOutput | PreparedStep,
         token_bitmask: Callable[[Sequence[Request]], np.ndarray] | None = None,
         prompt_logits: Callable[[SchedulerOutput, HostBatch], PromptLogitsPlan | None]
         | None = None,
@@ -180,11 +206,22 @@ class ModelRunner:
         names the prompt positions to score for prompt logprobs (prompt_logprobs.py); a step
         with some runs eagerly and carries their scores in ``LaunchedStep.prompt_logprobs``.
         """
+        t0 = time.perf_counter()
+        prepared = sched if isinstance(sched, PreparedStep) else None
+        if prepared is not None:
+            sched = prepared.sched
         if sched.is_empty:
             return LaunchedStep.empty()
-        t0 = time.perf_counter()
         last = self._last
-        batch = HostBatch.build(sched, self.block_size, None if last is None else last.row_of_slot)
+        if last is not None and last.row_of_slot is not self._source:
+            raise RuntimeError(
+                "ModelRunner.launch: the previous launch stopped between knowing its sampled "
+                "rows and sampling them (it raised); this runner cannot launch again"
+            )
+        if prepared is not None and prepared.source is self._source:
+            batch = prepared.batch
+        else:
+            batch = HostBatch.build(sched, self.block_size, self._source)
         # The previous launch's sampled tokens, where this step's pending inputs are (build
         # raised if some are pending and there is no previous launch)
         last_tokens = last.tokens if len(batch.pending_rows) and last is not None else None
@@ -207,7 +244,7 @@ class ModelRunner:
             if plan is not None:
                 scored = compute_prompt_logprobs(self.model, hidden, plan, self.config.vocab_size)
             if not len(batch.sample_rows):
-                self._last = None
+                self._last = self._source = None
                 self.profiler.end()
                 empty = LaunchedStep.empty()
                 empty.prompt_logprobs = scored
@@ -217,6 +254,9 @@ class ModelRunner:
         slots = batch.sample_slots
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
+        row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
+        row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample
+        self._source = row_of_slot  # before the masks: the next step may be prepared then
         masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
         meta = self._sampling_reuse.get(table.sampling, row_slots)
         if meta is not None and meta.allowed_token_rows is not None:  # this step's masks
@@ -239,8 +279,6 @@ class ModelRunner:
             )
             self._sampling_reuse.keep(table.sampling, row_slots, meta)
         out = self.sampler(logits, meta)
-        row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
-        row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample
         self._last = _Sampled(out.sampled_token_ids, row_of_slot)
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         step.prompt_logprobs = scored

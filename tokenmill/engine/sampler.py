@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampling_metadata import SamplingMetadata
+from tokenmill.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
 
 __all__ = [
     "LogprobsTensors",
@@ -99,7 +100,7 @@ class Sampler:
             # The argmax of the logits as they are: converting them to float32 first is
             # exact, so it would pick the same (first) maximum, after a [B, V] copy.
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
-        logits = logits.float()
+        given, logits = logits, logits.float()  # a copy unless they were float32
 
         # Before any penalty or temperature: logprobs describe the model, not the sampler.
         raw_logprobs = None
@@ -112,7 +113,10 @@ class Sampler:
             logits = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
         if meta.allowed_token_rows is not None and meta.allowed_token_bitmask is not None:
             logits = apply_token_bitmask(
-                logits, meta.allowed_token_rows, meta.allowed_token_bitmask
+                logits,
+                meta.allowed_token_rows,
+                meta.allowed_token_bitmask,
+                in_place=logits is not given,  # ours to change: a copy made above
             )
 
         if meta.all_greedy:
@@ -159,31 +163,16 @@ def apply_logit_bias(
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """Return a copy of ``logits`` [B, V] with -inf at every token row ``rows[g]`` may not take.
-
-    ``bitmask`` [G, W] int32 holds one bit per token, token t at bit t % 32 of word t // 32;
-    tokens past 32 * W are forbidden. ``rows`` [G] are distinct. Unpacked on the device a
-    byte at a time (the int32 words are little-endian), scattered into a [B, V] mask, and
-    applied in one pass over the logits: no host-device sync.
-
-        word w of row g:  byte k, bit j ─► token 32w + 8k + j
-    """
-    num_rows, vocab_size = logits.shape
-    num_masked = bitmask.shape[0]
-    shifts = torch.arange(8, device=bitmask.device, dtype=torch.uint8)  # [8]
-    bytes_ = bitmask.contiguous().view(torch.uint8)  # [G, 4W]
-    forbidden = ((bytes_.unsqueeze(-1) >> shifts) & 1) == 0  # [G, 4W, 8]
-    forbidden = forbidden.view(num_masked, -1)  # [G, 32W]
-    if forbidden.shape[1] < vocab_size:
-        forbidden = torch.nn.functional.pad(
-            forbidden, (0, vocab_size - forbidden.shape[1]), value=True
-        )
-    forbidden = forbidden[:, :vocab_size]  # [G, V]
-    full = torch.zeros((num_rows, vocab_size), dtype=torch.bool, device=logits.device)
-    full.index_copy_(0, rows, forbidden)  # [B, V]: rows without a grammar forbid nothing
-    return logits.masked_fill(full, float("-inf"))
+    """``logits`` [B, V] float32 with -inf at every token row ``rows[g]`` may not take: a copy,
+    or the tensor itself changed with ``in_place``. ``bitmask`` [G, W] int32 holds one bit per
+    token, token t at bit t % 32 of word t // 32; tokens past 32 * W are forbidden. ``rows``
+    [G] are distinct. On CUDA the Triton kernel, elsewhere its PyTorch reference (the same
+    bits; kernels/token_bitmask.py); neither syncs with the host."""
+    if logits.is_cuda:
+        return apply_token_bitmask_(logits if in_place else logits.clone(), rows, bitmask)
+    return apply_token_bitmask_ref(logits, rows, bitmask)
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

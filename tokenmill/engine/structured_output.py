@@ -256,6 +256,11 @@ class StructuredOutputs:
         return len(self._index)
 
     @property
+    def words(self) -> int:
+        """int32 words per mask row: ceil(vocab_size / 32)."""
+        return self._buffers.words
+
+    @property
     def _processes(self) -> bool:
         """Whether the grammars live in worker processes."""
         return isinstance(self.backend, GrammarProcesses)
