@@ -1,5 +1,5 @@
-"""short_gil_turns: a job's engine loop runs with 0.5 ms GIL turns, and leaves the interval as
-it found it."""
+"""short_gil_turns: a job's engine loop, and LLM's, runs with 0.5 ms GIL turns, and leaves the
+interval as it found it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
-from tokenmill import run_job
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.jobs.short_gil_turns import TURN_S, short_gil_turns
+from tokenmill.engine.short_gil_turns import TURN_S, short_gil_turns
 
 
 @pytest.fixture
@@ -54,5 +55,23 @@ def test_a_job_steps_with_short_turns(
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
     report = run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False)
     assert report.status == "complete" and report.rows_ok == 6
+    assert seen and all(s == pytest.approx(TURN_S) for s in seen)
+    assert sys.getswitchinterval() == pytest.approx(default_interval)
+
+
+def test_llm_generate_steps_with_short_turns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_interval: float
+) -> None:
+    """LLM runs an output thread beside its engine loop too (async scheduling)."""
+    seen: list[float] = []
+    step = LLMEngine.step
+
+    def recording_step(self: LLMEngine):  # type: ignore[no-untyped-def]
+        seen.append(sys.getswitchinterval())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    llm = LLM(str(save_tiny_model("llama", tmp_path / "llama")), device="cpu")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert seen and all(s == pytest.approx(TURN_S) for s in seen)
     assert sys.getswitchinterval() == pytest.approx(default_interval)

@@ -1,7 +1,7 @@
 """WhileRunning: a process-wide change held while at least one engine loop runs.
 
 Some settings belong to the process, not to one engine: the garbage collector's frozen heap
-(frozen_heap.py), the GIL switch interval (jobs/short_gil_turns.py). Loops may nest (a loop
+(frozen_heap.py), the GIL switch interval (short_gil_turns.py). Loops may nest (a loop
 inside another's callback) or run at once in several threads; the change is made when the
 first starts and undone when the last ends, whatever the order they end in:
 

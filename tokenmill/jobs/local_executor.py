@@ -20,6 +20,7 @@ from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.frozen_heap import frozen_heap
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sample_groups import SampleGroup
+from tokenmill.engine.short_gil_turns import short_gil_turns
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
@@ -32,7 +33,6 @@ from tokenmill.jobs.requests import (
 )
 from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
 from tokenmill.jobs.rows_in_flight import RowsInFlight
-from tokenmill.jobs.short_gil_turns import short_gil_turns
 from tokenmill.jobs.spec import JobSpec
 
 
