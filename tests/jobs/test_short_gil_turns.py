@@ -41,9 +41,8 @@ def test_a_shorter_interval_set_by_someone_else_is_kept(default_interval: float)
     assert sys.getswitchinterval() == theirs
 
 
-def test_a_job_steps_with_short_turns(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_interval: float
-) -> None:
+def _record_step_intervals(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The switch interval at each engine step, from now on."""
     seen: list[float] = []
     step = LLMEngine.step
 
@@ -52,6 +51,13 @@ def test_a_job_steps_with_short_turns(
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", recording_step)
+    return seen
+
+
+def test_a_job_steps_with_short_turns(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_interval: float
+) -> None:
+    seen = _record_step_intervals(monkeypatch)
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
     report = run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False)
     assert report.status == "complete" and report.rows_ok == 6
@@ -63,14 +69,7 @@ def test_llm_generate_steps_with_short_turns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_interval: float
 ) -> None:
     """LLM runs an output thread beside its engine loop too (async scheduling)."""
-    seen: list[float] = []
-    step = LLMEngine.step
-
-    def recording_step(self: LLMEngine):  # type: ignore[no-untyped-def]
-        seen.append(sys.getswitchinterval())
-        return step(self)
-
-    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    seen = _record_step_intervals(monkeypatch)
     llm = LLM(str(save_tiny_model("llama", tmp_path / "llama")), device="cpu")
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
     assert seen and all(s == pytest.approx(TURN_S) for s in seen)
