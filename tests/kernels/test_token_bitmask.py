@@ -57,3 +57,14 @@ def test_refuses_logits_it_cannot_mask_in_place() -> None:
         apply_token_bitmask_(torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE), rows, bitmask)
     with pytest.raises(ValueError, match="one row per"):
         apply_token_bitmask_(torch.zeros(2, 64, device=DEVICE), rows, bitmask.repeat(2, 1))
+
+
+def test_rows_sliced_off_alignment_give_the_same_bits() -> None:
+    """A row index tensor starting 8 bytes into its storage (a slice) is copied to an
+    aligned one before the launch: the same bits."""
+    logits, rows_t, bitmask = _case(6, 256, 8, [5, 1, 3], seed=11)
+    padded = torch.cat([torch.zeros(1, dtype=rows_t.dtype, device=DEVICE), rows_t])[1:]
+    assert padded.data_ptr() % 16 == 8
+    want = apply_token_bitmask_ref(logits, rows_t, bitmask)
+    got = apply_token_bitmask_(logits.clone(), padded, bitmask)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
