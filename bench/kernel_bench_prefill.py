@@ -256,7 +256,7 @@ def make_row(
     err: float,
     ref_err: float,
 ) -> dict:
-    """One timed (shape, config) as the JSON row ``print_rows`` and ``bench/kernels.py`` read."""
+    """One timed (shape, config): the JSON row ``print_rows`` and bench/kernel_bench.py read."""
     return {
         "kernel": "prefill",
         "shape": shape,

@@ -3,7 +3,7 @@ attention (TB/s vs the 4.25 TB/s ceiling, gather+SDPA as peer), and the fused RM
 and SiLU-and-mul kernels (TB/s vs the ceiling, torch as peer). Each module checks its kernel
 against the reference before timing.
 
-    PYTHONPATH=$PWD python3 bench/kernels.py [--sweep] [--only prefill,decode,elementwise]
+    PYTHONPATH=$PWD python3 bench/kernel_bench.py [--sweep] [--only prefill,decode,elementwise]
 
 Writes every row to $OUT/kernels.json when $OUT is set.
 """
