@@ -28,17 +28,18 @@ How it meets the rest of the engine:
   tokens reach the host; only the mask of a constrained row in step n+1 needs its token from
   step n. So the engine's ``bitmask`` callback, called by ``launch`` after the forward pass is
   enqueued, first waits for step n's tokens and feeds them, then fills step n+1's masks
-  (llguidance's threads, without the GIL) while a worker thread processes step n (the
-  scheduler applies its tokens, finished requests are handed on: ``bitmask(beside=...)``);
-  sampling is enqueued once both are done:
+  (worker processes, or llguidance's threads without the GIL) while the engine processes
+  step n (the scheduler applies its tokens, finished requests are handed on) and schedules
+  and flattens step n+2 (``bitmask(beside=...)``; llm_engine.py); sampling is enqueued once
+  both are done, and forward n+2 right behind it:
 
-      host:    schedule n+1 ─► enqueue forward n+1 ─► wait tokens n ─► feed n ─► fill masks
-               n+1 ─► enqueue sampling n+1 ─► schedule n+2 ...
-      worker:                                                 [ process n ]
-      GPU:     .. sampling n ][ forward n+1 .................... ][ sampling n+1 ] ...
+      host:    enqueue forward n+1 ─► wait tokens n ─► feed n ─► fill masks n+1 ─►
+               enqueue sampling n+1 ─► enqueue forward n+2 ─► wait tokens n+1 ...
+      beside:                     [ process n, schedule + flatten n+2 ]
+      GPU:     .. sampling n ][ forward n+1 .................. ][ sampling n+1 ][ forward n+2
 
   The host's work between two waits is the same as without grammars plus the feed and what
-  of the fill outlasts processing step n, so steps keep overlapping. A step's tokens are
+  of the fill outlasts that work, so steps keep overlapping. A step's tokens are
   fed exactly once, before the scheduler applies them (early, as above, or when the step is
   processed): a request's grammar is dropped the moment it finishes, so the rows whose
   request still has one are exactly the rows whose token the scheduler will apply. A row
