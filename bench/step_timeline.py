@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import sys
 import time
@@ -87,10 +88,20 @@ class StepTimeline:
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
+        self.gc_pauses: list[tuple[int, float]] = []  # (generation, ms) of each collection
         self._current: dict[str, Any] = {}
         self._before_launch: Counter[str] = Counter()
+        self._gc_start = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._gc_start) * 1e3
+            self.gc_pauses.append((info["generation"], ms))
 
     def install(self) -> None:
+        gc.callbacks.append(self._on_gc)
         for cls, name, key in PHASES:
             setattr(cls, name, self._timed(getattr(cls, name), key, name == "schedule"))
         ModelRunner.launch = self._launch(ModelRunner.launch)
@@ -157,8 +168,9 @@ class StepTimeline:
         return out
 
 
-def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean of every field per decode step and per mixed step."""
+def summarize(steps: list[dict[str, Any]], gc_pauses: list[tuple[int, float]]) -> dict[str, Any]:
+    """Mean of every field per decode step and per mixed step; the slowest launch; the
+    collector's pauses (count, total and longest ms, full collections)."""
     keys = ("rows", "host_launch", "cpu_launch", *GAPS, *(key for _, _, key in PHASES))
     summary: dict[str, Any] = {}
     for kind, decode in (("decode", True), ("mixed", False)):
@@ -169,6 +181,18 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
             if values:
                 means[key] = round(float(np.mean(values)), 3)
         summary[kind] = means
+    if steps:
+        slowest = max(steps, key=lambda s: s["host_launch"])
+        summary["slowest"] = {
+            k: round(v, 2) if isinstance(v, float) else v for k, v in slowest.items()
+        }
+    pauses = [ms for _, ms in gc_pauses]
+    summary["gc"] = {
+        "collections": len(pauses),
+        "total_ms": round(sum(pauses), 1),
+        "longest_ms": round(max(pauses, default=0.0), 1),
+        "full": sum(1 for generation, _ in gc_pauses if generation == 2),
+    }
     return summary
 
 
@@ -186,6 +210,7 @@ def run_leg(
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     timeline.records.clear()
+    timeline.gc_pauses.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -194,7 +219,7 @@ def run_leg(
     steps = timeline.steps()
     tokens = sum(o.num_completion_tokens for o in outs)
     line = {"leg": name, "tokens": tokens, "seconds": round(seconds, 3)}
-    line.update(tok_per_s=round(tokens / seconds, 1), **summarize(steps))
+    line.update(tok_per_s=round(tokens / seconds, 1), **summarize(steps, timeline.gc_pauses))
     llm.engine.close()
     return line, outs, steps
 
