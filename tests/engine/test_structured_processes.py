@@ -165,6 +165,28 @@ def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(
     assert all(p.poll() is not None for p in procs)
 
 
+def test_released_matchers_are_dropped_with_the_next_consume(tiny_path) -> None:  # noqa: F811
+    """Released keys travel in the next step's message to their worker, also to a worker
+    that has nothing else that step (it answers nothing then, so the answers after stay
+    its own); a fill naming a dropped key finds no matcher there."""
+    from tokenmill.engine.loader import resolve_model_source
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 2)
+    keys = [pool.matcher("json_object") for _ in range(4)]  # workers 0, 1, 0, 1
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    pool.release([keys[1], keys[2]])
+    assert pool.consume([keys[0]], [brace]).tolist() == [TAKEN]  # worker 1: drops only
+    assert not pool._released
+    masks = np.zeros((2, 9), np.int32)
+    pool.fill([keys[0], keys[3]], masks)  # both workers answer their own fill
+    assert masks.all(axis=1).tolist() == [False, False] and masks.any(axis=1).all()
+    assert (masks[0] != masks[1]).any()  # after "{" against the start
+    with pytest.raises(RuntimeError, match="grammar worker process 1"):
+        pool.fill([keys[1]], masks)  # dropped: the worker has no matcher for it
+    pool.close()
+
+
 def test_a_tokenizer_that_cannot_be_pickled_is_refused_naming_the_setting(tiny_path) -> None:  # noqa: F811
     from tokenmill.engine.loader import resolve_model_source
 

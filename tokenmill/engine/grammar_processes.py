@@ -61,12 +61,12 @@ BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
 SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
 # A message's kind, its first int64. Its layout after that (int64s, then text):
-ADD, DROP, STEP, SHM, STOP = range(5)
+ADD, STEP, SHM, STOP = range(4)
 #   ADD      key, then the spec (UTF-8)
-#   DROP     keys
-#   STEP     slot, n, then n keys and their tokens to consume, then keys and their places
-#            in the slot's masks to fill (as many): the worker answers the tokens first,
-#            then goes straight on to the masks and answers them (either part may be empty)
+#   STEP     slot, d, n, then d keys of finished requests to drop, then n keys and their
+#            tokens to consume, then keys and their places in the slot's masks to fill (as
+#            many): the worker drops, answers the tokens, then goes straight on to the masks
+#            and answers them (any part may be empty; an empty one is not answered)
 #   SHM      slot, rows, words, then the shared memory's name (UTF-8)
 #   STOP     nothing
 
@@ -133,8 +133,11 @@ def _serve(conn: Connection, backend: Any) -> None:
         ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
         kind = int(ints[0])
         if kind == STEP:
-            slot, n = int(ints[1]), int(ints[2])
-            keys, tokens = _halves(ints[3 : 3 + 2 * n])
+            slot, d, n = int(ints[1]), int(ints[2]), int(ints[3])
+            body = ints[4:]
+            for key in body[:d].tolist():
+                matchers.pop(key, None)
+            keys, tokens = _halves(body[d : d + 2 * n])
             if n:
                 rows = [matchers[key] for key in keys]
                 status = backend.consume(rows, tokens)
@@ -142,15 +145,12 @@ def _serve(conn: Connection, backend: Any) -> None:
                 errors = {i: backend.error(rows[i]) for i in rejected}
                 answer = status.tobytes() + (json.dumps(errors).encode() if errors else b"")
                 conn.send_bytes(answer)
-            keys, places = _halves(ints[3 + 2 * n :])
+            keys, places = _halves(body[d + 2 * n :])
             if keys:
                 backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
                 conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
-        elif kind == DROP:
-            for key in ints[1:].tolist():
-                matchers.pop(key, None)
         elif kind == SHM:
             slot, rows_, words = (int(v) for v in ints[1:4])
             if slot in segments:
@@ -300,19 +300,23 @@ class GrammarProcesses:
         consume: tuple[Sequence[int], Sequence[int]] | None = None,
         fill: tuple[Sequence[int], np.ndarray, Sequence[int] | None] | None = None,
     ) -> _Sent:
-        """Send a step's work, one message per worker: ``consume`` (rows, their tokens),
-        after the drops of finished requests, then ``fill`` (rows, mask, places as in
-        ``fill``); ``finish_consume`` and then ``finish_fill`` read the answers. A worker
-        goes from the tokens to the masks without waiting for another message."""
+        """Send a step's work, one message per worker: with ``consume`` (rows, their
+        tokens) the drops of the requests released since the last one and then the tokens,
+        then ``fill`` (rows, mask, places as in ``fill``); ``finish_consume`` and then
+        ``finish_fill`` read the answers. A worker goes from the tokens to the masks without
+        waiting for another message."""
         sent = _Sent()
-        parts: dict[int, list[Any]] = {}  # worker -> [consume keys, tokens, fill keys, places]
+        # worker -> [dropped keys, consumed keys, their tokens, filled keys, their places]
+        parts: dict[int, list[Any]] = {}
         if consume is not None:
-            self._drop_released()
+            for worker, dropped in self._take_released():
+                parts[worker] = [dropped, (), (), (), ()]
             sent.keys = np.asarray(consume[0], dtype=np.int64)
             tokens = np.asarray(consume[1], dtype=np.int64)
             sent.consumed = self._by_worker(sent.keys)
             for worker, index in sent.consumed:
-                parts[worker] = [sent.keys[index], tokens[index], (), ()]
+                part = parts.setdefault(worker, [(), (), (), (), ()])
+                part[1:3] = sent.keys[index], tokens[index]
         slot = 0
         if fill is not None:
             rows, sent.mask, at = fill
@@ -324,12 +328,12 @@ class GrammarProcesses:
                 sent.scratch_places = places
             slot = SCRATCH if shared is None else shared
             for worker, index in self._by_worker(keys):
-                part = parts.setdefault(worker, [(), (), (), ()])
-                part[2:] = keys[index], places[index]
+                part = parts.setdefault(worker, [(), (), (), (), ()])
+                part[3:] = keys[index], places[index]
                 sent.filled.append(worker)
-        for worker, (keys_c, tokens_c, keys_f, places_f) in parts.items():
-            message = _message(STEP, [slot, len(keys_c)], keys_c, tokens_c, keys_f, places_f)
-            self._send(worker, message)
+        for worker, (dropped, keys_c, tokens_c, keys_f, places_f) in parts.items():
+            head = [slot, len(dropped), len(keys_c)]
+            self._send(worker, _message(STEP, head, dropped, keys_c, tokens_c, keys_f, places_f))
         return sent
 
     def finish_consume(self, sent: _Sent) -> np.ndarray:
@@ -442,14 +446,15 @@ class GrammarProcesses:
                 return slot
         return None
 
-    def _drop_released(self) -> None:
+    def _take_released(self) -> list[tuple[int, np.ndarray]]:
+        """(worker, its released keys) for the keys released since the last call, which
+        are forgotten here."""
         with self._lock:
             released, self._released = self._released, []
-        keys = np.asarray(released, dtype=np.int64)
-        for worker, index in self._by_worker(keys):
-            self._send(worker, _message(DROP, keys[index]))
         for key in released:
             self._errors.pop(key, None)
+        keys = np.asarray(released, dtype=np.int64)
+        return [(worker, keys[index]) for worker, index in self._by_worker(keys)]
 
     def _by_worker(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(worker, the indices in ``keys`` of its rows) for each worker with rows, in
