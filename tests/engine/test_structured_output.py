@@ -385,3 +385,27 @@ def test_n_completions_each_follow_the_schema_and_aborts_drop_grammars(tiny_path
     assert len(engine._grammars) == 1
     engine.abort_requests(["a"])
     assert len(engine._grammars) == 0 and not engine.has_unfinished()
+
+
+def test_llguidance_gets_one_eos_as_an_int_and_several_as_a_list_or_the_first(caplog) -> None:
+    """Older llguidance releases (1.6.1) take one EOS id only, as an int: a single id goes
+    as one, several as a list, and where the list is refused the first id, with a warning."""
+    from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+
+    calls: list[Any] = []
+
+    def takes_an_int(tokenizer: Any, n_vocab: int, eos_token: Any) -> str:
+        calls.append(eos_token)
+        if not isinstance(eos_token, int):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted")
+        return f"tokenizer eos {eos_token}"
+
+    assert LlguidanceGrammars(None, 64, [7])._with_eos(takes_an_int) == "tokenizer eos 7"
+    assert calls == [7]
+    with caplog.at_level("WARNING"):
+        several = LlguidanceGrammars(None, 64, [7, 9])._with_eos(takes_an_int)
+    assert several == "tokenizer eos 7" and calls[1:] == [[7, 9], 7]
+    assert "takes one EOS id" in caplog.text
+    assert LlguidanceGrammars(None, 64, [7, 9])._with_eos(
+        lambda t, n_vocab, eos_token: eos_token
+    ) == [7, 9]

@@ -11,6 +11,7 @@ threads, without the GIL.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from tokenmill.engine.structured_output_params import (
 __all__ = ["LlguidanceGrammars", "executor_threads"]
 
 _PARAM = "SamplingParams.structured_output"
+log = logging.getLogger(__name__)
 Row = tuple[Any, int]  # (a request's matcher, its lexer group)
 
 
@@ -124,9 +126,7 @@ class LlguidanceGrammars:
         from llguidance.hf import from_tokenizer
 
         try:
-            self._ll_tokenizer = from_tokenizer(
-                self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
-            )
+            self._ll_tokenizer = self._with_eos(from_tokenizer)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise ValueError(
                 f"{_PARAM}: llguidance cannot read the model's tokenizer "
@@ -135,6 +135,25 @@ class LlguidanceGrammars:
         self.num_groups = self._threads or executor_threads()
         self._executor = llg.LLExecutor(num_threads=self.num_groups)
         self._llg = llg
+
+    def _with_eos(self, from_tokenizer: Any) -> Any:
+        """llguidance's tokenizer with the model's EOS ids: one id as an int, several as a
+        list. Older llguidance releases take an int only (1.6.1, what pip installs on a
+        manylinux_2_28 host, is one): with several ids they get the first, which then is
+        the one EOS a finished grammar allows."""
+        eos = self._eos
+        if len(eos) > 1:
+            try:
+                return from_tokenizer(self._tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+            except TypeError:
+                log.warning(
+                    "structured output: this llguidance takes one EOS id; grammars end with "
+                    "%d of the model's %s",
+                    eos[0],
+                    eos,
+                )
+        first = eos[0] if eos else None
+        return from_tokenizer(self._tokenizer, n_vocab=self.vocab_size, eos_token=first)
 
 
 def executor_threads() -> int:
