@@ -14,12 +14,13 @@ pair. Messages are raw int64 arrays (a kind, then keys and tokens or places), an
 bytes: a step's hundreds of rows are never pickled, and the engine groups them by worker
 with numpy.
 
-    add / drop       sent, not answered (the spec was compiled here first, so it compiles)
-    step             the previous step's tokens and this step's masks in one message
-                     (``send_step``; either part may be empty). The worker takes its rows'
-                     tokens and answers one status byte per row (taken, stopped or
-                     rejected: structured_output_params), then the errors of rejected
-                     tokens as JSON, if any; then, without waiting for another message,
+    add              sent, not answered (the spec was compiled here first, so it compiles)
+    step             the matchers of finished requests to drop, the previous step's tokens
+                     and this step's masks in one message (``send_step``; any part may be
+                     empty). The worker drops, takes its rows' tokens and answers one
+                     status byte per row (taken, stopped or rejected:
+                     structured_output_params), then the errors of rejected tokens as
+                     JSON, if any; then, without waiting for another message,
                      writes its rows' masks at their places in the step's mask buffer and
                      answers that they are in. The mask buffers live in shared memory (the
                      engine's two come from ``shared_masks``, pinned for CUDA with

@@ -9,8 +9,8 @@
 ``apply_token_bitmask_`` is the Triton kernel, in place: a 2-D grid (masked row, column
 block); each program reads the BLOCK / 32 words its columns need and stores -inf where a bit
 is 0, reading no logit at all. On the H200 with 512 masked rows of SmolLM2's 49,152 tokens
-the reference's unpack, scatter and fill took ~0.5 ms a step (bench/structured_output.py
-timeline, session 22): the kernel is one pass of masked stores. Both give the same bits.
+the reference's unpack, scatter and fill took ~0.5 ms a step (bench/step_timeline.py,
+session 22): the kernel is one pass of masked stores. Both give the same bits.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def apply_token_bitmask_(
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy when it does not start on 16 bytes: Triton compiles a variant of a
     kernel per pointer alignment it is given (16 bytes or not), and a compile in the middle
-    of a run stalls a step for a third of a second. The engine's rows and masks start
-    aligned; a caller's slice may not. A copy costs one small kernel."""
+    of a run stalls that step. The engine's rows and masks start aligned; a caller's slice
+    may not. A copy costs one small kernel."""
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
