@@ -29,6 +29,7 @@ of that host work runs while forward n+1 does (structured_output.py):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -350,6 +351,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         before = (self.scheduler.stats.num_drafted_rows, self.scheduler.stats.num_accepted_tokens)
         ahead, self._ahead = self._ahead, None
+        aborted, self._aborted_ahead = self._aborted_ahead, set()  # of that step's requests
         if ahead is None:
             sched, prepared = self.scheduler.schedule(draft=draft), None
         else:  # scheduled (and its time counted) in the last launch
@@ -369,10 +371,10 @@ class LLMEngine:
             self._launch_wait_ms = 0.0
             step = prepared or sched
             if len(self._grammars):  # rows with a grammar mask their logits
-                launched = (sched, self.runner.launch(step, self._token_bitmask, plan))
+                masks = functools.partial(self._token_bitmask, aborted=aborted)
+                launched = (sched, self.runner.launch(step, masks, plan))
             else:
                 launched = (sched, self.runner.launch(step, prompt_logits=plan))
-            self._aborted_ahead.clear()
             # The launch's host time counts none of its wait for the step in flight.
             host_ms -= self._launch_wait_ms
         if self.scheduler.config.async_scheduling and not sync:
@@ -406,15 +408,17 @@ class LLMEngine:
             return running > 0
         return self.policy.wants_drafts(running)
 
-    def _token_bitmask(self, requests: Sequence[Request]) -> np.ndarray:
+    def _token_bitmask(
+        self, requests: Sequence[Request], aborted: set[str] | None = None
+    ) -> np.ndarray:
         """The grammar masks of a step's constrained rows (``ModelRunner.launch`` calls it
         once the step's forward pass is enqueued). With a step in flight (async
         scheduling), its tokens are waited for and fed to the grammars first: the masks
-        follow them. Rows of requests aborted after their step was scheduled (ahead) allow
-        every token: their grammars are gone and their tokens are dropped."""
-        if not self._aborted_ahead:
+        follow them. Rows of the ``aborted`` requests (aborted after their step was
+        scheduled ahead) allow every token: their grammars are gone, their tokens dropped."""
+        if not aborted:
             return self._live_bitmask(requests)
-        keep = np.array([r.request_id not in self._aborted_ahead for r in requests], dtype=bool)
+        keep = np.array([r.request_id not in aborted for r in requests], dtype=bool)
         masks = np.full((len(requests), self._grammars.words), -1, dtype=np.int32)
         masks[keep] = self._live_bitmask(np.asarray(requests, dtype=object)[keep])
         return masks
