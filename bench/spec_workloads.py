@@ -9,6 +9,7 @@ much of its input, as batch jobs often do:
     code_edit       rename a function's variable and return the whole function
     records         the same JSON schema row after row (a structured job; rows differ)
     open_chat       questions with nothing to copy (bench/prompts.py), the control
+    random_text     random letters in random words, to continue (nothing to copy or to learn)
 
     from bench.spec_workloads import WORKLOADS
     conversations = WORKLOADS["copy_edit"](64)
@@ -143,7 +144,17 @@ def records(n: int, seed: int = 0) -> list[Conversation]:
 
 
 def open_chat(n: int, seed: int = 0) -> list[Conversation]:
-    return chat_prompts(n)
+    return chat_prompts(n, seed)
+
+
+def random_text(n: int, seed: int = 0) -> list[Conversation]:
+    rng = random.Random(seed + 5)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    out = []
+    for _ in range(n):
+        words = ("".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(40))
+        out.append([{"role": "user", "content": "Continue this text: " + " ".join(words)}])
+    return out
 
 
 WORKLOADS: dict[str, Callable[[int], list[Conversation]]] = {
@@ -153,4 +164,5 @@ WORKLOADS: dict[str, Callable[[int], list[Conversation]]] = {
     "code_edit": code_edit,
     "records": records,
     "open_chat": open_chat,
+    "random_text": random_text,
 }

@@ -3,8 +3,10 @@
 For each workload of bench/spec_workloads.py and each batch size B: ``LLM.chat`` on
 ``--rounds`` x B prompts (greedy, natural EOS, ``max_num_seqs`` B), once with
 ``speculative.method`` off and once per method asked for, each on its own engine after a
-warm-up. Prints one JSON line per (workload, batch, method): output tok/s, its ratio to off,
-the draft acceptance, and whether the tokens equal off's (greedy: they must).
+warm-up on other prompts of the workload. Prints one JSON line per (workload, batch, method):
+output tok/s, its ratio to off, the draft acceptance, and whether the tokens equal off's
+(greedy: they must). With ``--repeat N`` off and the methods run N times, alternating, and
+each line gives the medians and every run's ratio to the off run beside it.
 
     PYTHONPATH=. python bench/speculative.py --device cpu --workloads copy_edit --batches 1,8
     PYTHONPATH=. python bench/speculative.py --device cuda --batches 1,8,64,256
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,10 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.spec_workloads import WORKLOADS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.engine.core.scheduler_output import draft_summary  # noqa: E402
+
+
+def since(before: dict, after: dict) -> dict:
+    """The speculative counts of what ran after ``before`` (both from ``speculative()``)."""
+    count = {k: after[k] - before[k] for k in ("draft_tokens", "accepted_tokens", "drafted_rows")}
+    summary = draft_summary(count["draft_tokens"], count["accepted_tokens"], count["drafted_rows"])
+    return {**summary, "drafted_rows": count["drafted_rows"]}
 
 
 def run(
-    model: str, device: str, batch: int, method: str, k: int, convs, max_tokens: int,
+    model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
     profile: bool = False,
 ):  # fmt: skip
     llm = LLM(
@@ -39,12 +50,18 @@ def run(
         profile_steps=profile,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    llm.chat(convs[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    # Warm-up on a full batch of other prompts of the workload, long enough to draft, so the
+    # kernel variants and graphs the run's shapes need are built before the clock starts (a
+    # 2-prompt warm-up left compiles of 100+ ms inside sub-second runs). Its outputs are
+    # earlier rows to the suffix proposer and its ~16 steps the policy's first, as a job's
+    # first rows would be; the run's counts below are its own.
+    llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))
     llm.engine.runner.profiler.records.clear()
+    before = llm.engine.scheduler.stats.speculative()
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - start
-    stats = llm.engine.scheduler.stats.speculative()
+    stats = since(before, llm.engine.scheduler.stats.speculative())
     if profile:
         stats = {**stats, "step_profile": llm.engine.step_profile()}
     llm.engine.close()
@@ -64,47 +81,68 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--methods", default="ngram")
     parser.add_argument("--draft-tokens", type=int, default=4, help="k, speculative.max_tokens")
-    parser.add_argument("--rounds", type=int, default=2, help="prompts = rounds x batch")
+    parser.add_argument("--rounds", type=int, default=4, help="prompts = rounds x batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
         "--profile",
         action="store_true",
         help="step profile per run (graph and eager steps, host and GPU ms; adds events)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of off and each method, alternating; lines report medians (short runs on "
+        "the GPU move 10-30%% from one to the next)",
+    )
     args = parser.parse_args()
+    methods = args.methods.split(",")
     for workload in args.workloads.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             convs = WORKLOADS[workload](max(2, args.rounds * batch))
-            base, want, off_stats, _, _ = run(
-                args.model, args.device, batch, "off", args.draft_tokens, convs,
-                args.max_tokens, args.profile,
-            )  # fmt: skip
-            line = {"workload": workload, "batch": batch, "method": "off"}
-            line["tok_per_s"] = round(base, 1)
-            if args.profile:
-                line["step_profile"] = off_stats["step_profile"]
-            print(json.dumps(line), flush=True)
-            for method in args.methods.split(","):
-                rate, got, stats, tokens, seconds = run(
-                    args.model, args.device, batch, method, args.draft_tokens, convs,
-                    args.max_tokens, args.profile,
-                )  # fmt: skip
-                line = {
-                    "workload": workload,
-                    "batch": batch,
-                    "method": method,
-                    "k": args.draft_tokens,
-                    "tok_per_s": round(rate, 1),
-                    "vs_off": round(rate / base, 3),
-                    "acceptance_rate": stats["acceptance_rate"],
-                    "mean_accepted_per_drafted_row": stats["mean_accepted_per_drafted_row"],
-                    "same_tokens": got == want,
-                    "output_tokens": tokens,
-                    "seconds": round(seconds, 2),
-                }
-                if args.profile:
-                    line["step_profile"] = stats["step_profile"]
+            warm = WORKLOADS[workload](batch, seed=1000)
+            runs: dict[str, list] = {m: [] for m in ["off", *methods]}
+            for _ in range(args.repeat):
+                for method in runs:
+                    runs[method].append(
+                        run(
+                            args.model,
+                            args.device,
+                            batch,
+                            method,
+                            args.draft_tokens,
+                            convs,
+                            warm,
+                            args.max_tokens,
+                            args.profile,
+                        )  # fmt: skip
+                    )
+            for method, done in runs.items():
+                line = _line(workload, batch, method, args, done, runs["off"])
                 print(json.dumps(line), flush=True)
+
+
+def _line(workload: str, batch: int, method: str, args, done: list, off: list) -> dict:
+    """One JSON line for ``method``'s runs ``done`` against ``off``'s, run for run."""
+    rates = [d[0] for d in done]
+    line = {"workload": workload, "batch": batch, "method": method}
+    line["tok_per_s"] = round(statistics.median(rates), 1)
+    if method != "off":
+        ratios = [d[0] / o[0] for d, o in zip(done, off, strict=True)]
+        stats = done[-1][2]
+        line |= {
+            "k": args.draft_tokens,
+            "vs_off": round(statistics.median(ratios), 3),
+            "vs_off_runs": [round(r, 3) for r in ratios],
+            "acceptance_rate": stats["acceptance_rate"],
+            "mean_accepted_per_drafted_row": stats["mean_accepted_per_drafted_row"],
+            "same_tokens": all(d[1] == off[0][1] for d in done),
+            "output_tokens": done[-1][3],
+            "seconds": round(statistics.median(d[4] for d in done), 2),
+        }
+    if args.profile:
+        line["step_profile"] = done[-1][2]["step_profile"]
+    return line
 
 
 if __name__ == "__main__":
