@@ -38,6 +38,22 @@ def since(before: dict, after: dict) -> dict:
     return {**summary, "drafted_rows": count["drafted_rows"]}
 
 
+def compact_profile(profile: dict) -> dict:
+    """The step profile's figures that explain a run, small enough to read in a log line:
+    per kind of step its count, graph replays, host and device ms; the synchronous steps;
+    the policy's estimates (``auto``)."""
+    out: dict = {"synchronous": profile.get("synchronous_steps")}
+    for kind in ("decode", "prefill_or_mixed"):
+        if kind in profile:
+            p = profile[kind]
+            keys = ("steps", "graph_steps", "mean_batch", "cpu_ms", "gpu_ms")
+            out[kind] = {k: p[k] for k in keys if k in p}
+    policy = profile.get("speculative", {}).get("policy")
+    if policy:
+        out["policy"] = policy
+    return out
+
+
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
     profile: bool = False,
@@ -141,7 +157,7 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
             "seconds": round(statistics.median(d[4] for d in done), 2),
         }
     if args.profile:
-        line["step_profile"] = done[-1][2]["step_profile"]
+        line["steps"] = compact_profile(done[-1][2]["step_profile"])
     return line
 
 
