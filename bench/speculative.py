@@ -121,18 +121,9 @@ def main() -> None:
             for _ in range(args.repeat):
                 for method in runs:
                     runs[method].append(
-                        run(
-                            args.model,
-                            args.device,
-                            batch,
-                            method,
-                            args.draft_tokens,
-                            convs,
-                            warm,
-                            args.max_tokens,
-                            args.profile,
-                        )  # fmt: skip
-                    )
+                        run(args.model, args.device, batch, method, args.draft_tokens, convs,
+                            warm, args.max_tokens, args.profile)
+                    )  # fmt: skip
             for method, done in runs.items():
                 line = _line(workload, batch, method, args, done, runs["off"])
                 print(json.dumps(line), flush=True)
