@@ -45,6 +45,28 @@ class ContinuationProposer:
         return drafts
 
 
+class AheadProposer(ContinuationProposer):
+    """A ContinuationProposer that also predicts ahead of a step in flight (core/drafts.py):
+    the true tokens at the positions asked for, or with ``flaky`` wrong at about one
+    output position in three (a fixed pattern: rows accept different numbers of drafts)."""
+
+    def __init__(self, outputs, max_drafts, wrong=False, flaky=False):
+        super().__init__(outputs, max_drafts, wrong)
+        self.flaky = flaky
+        self.predicted = 0
+
+    def predict(self, slots: BatchSlots, rows: np.ndarray, count: int) -> np.ndarray:
+        self.predicted += len(rows)
+        out = np.full((len(rows), count), -1, dtype=np.int64)
+        for i, slot in enumerate(rows.tolist()):
+            want = self.outputs[slots.requests[slot].request_id]
+            done = int(slots.num_tokens[slot] - slots.num_prompt[slot])
+            for j, t in enumerate(want[done : done + count]):
+                bad = self.wrong or (self.flaky and (done + j) * 7 % 3 == 1)
+                out[i, j] = (t - 1 if t else 1) if bad else t
+        return out
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("multi") / "m")
@@ -61,15 +83,18 @@ def _run(
     block_size: int = 4,
     device: str = "cpu",
     backend: str = "auto",
+    async_scheduling: bool | None = None,
+    kv_cache_memory: int = 1 << 26,
 ) -> tuple[dict[str, RequestOutput], int, LLMEngine]:
     config = EngineConfig(
         model=str(model_path),
         device=device,
         dtype="float32",
         block_size=block_size,
-        kv_cache_memory=1 << 26,
+        kv_cache_memory=kv_cache_memory,
         attention_backend=backend,
         profile_steps=True,
+        async_scheduling=async_scheduling,
     )
     engine = LLMEngine(config, proposer)
     for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
@@ -154,17 +179,78 @@ def test_triton_decode_kernel_takes_drafts(model_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wrong", [False, True])
-def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, wrong: bool) -> None:
+@pytest.mark.parametrize("kind", ["true", "wrong", "ahead", "ahead-flaky"])
+def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> None:
     """On CUDA (Triton attention, CUDA graphs): decode steps with drafts replay the graphs
     captured for 1 + K tokens a row (rows with fewer drafts left-padded), with the tokens
-    of a run without drafts."""
+    of a run without drafts; drafted ahead (async scheduling, the default there), the
+    device moves each row where its last step's acceptance put it before the replay."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
     want, _, _ = _run(model_path, params, device="cuda", block_size=16)
-    oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K, wrong=wrong)
+    truth = {r: o.token_ids for r, o in want.items()}
+    if kind.startswith("ahead"):
+        oracle = AheadProposer(truth, K, flaky=kind == "ahead-flaky")
+    else:
+        oracle = ContinuationProposer(truth, K, wrong=kind == "wrong")
     got, steps, engine = _run(model_path, params, oracle, device="cuda", block_size=16)
     assert _summary(got) == _summary(want)
-    if not wrong:
+    stats = engine.scheduler.stats
+    if kind == "true":
         assert steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1))
+    if kind.startswith("ahead"):
+        assert engine.scheduler.config.drafts_ahead
+        assert engine.step_profile()["synchronous_steps"] == 0
+        assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     decode = engine.step_profile()["decode"]
     assert decode["graph_steps"] == decode["steps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["true", "wrong", "flaky"])
+def test_drafts_ahead_keep_async_scheduling(model_path: Path, kind: str) -> None:
+    """With async scheduling and a proposer that predicts ahead, drafted steps overlap like
+    plain ones: a row drafts while its previous step is in flight, and the device starts
+    it where that step's acceptance put it. Tokens as without drafts, whatever is accepted;
+    true drafts take every step 1 + K tokens."""
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
+    want, _, _ = _run(model_path, params)
+    truth = {r: o.token_ids for r, o in want.items()}
+    oracle = AheadProposer(truth, K, wrong=kind == "wrong", flaky=kind == "flaky")
+    got, _, engine = _run(model_path, params, oracle, async_scheduling=True)
+    assert engine.scheduler.config.drafts_ahead
+    assert _summary(got) == _summary(want)
+    stats = engine.scheduler.stats
+    assert oracle.predicted > 0 and stats.num_draft_tokens > 0
+    assert engine.step_profile()["synchronous_steps"] == 0
+    if kind == "true":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+        # As synchronous drafting, plus a step the rows run while their last one is in
+        # flight (had it rejected drafts, they would go on) and the empty one that drains.
+        assert stats.num_steps == 1 + -(-(MAX_TOKENS - 1) // (K + 1)) + 2
+    elif kind == "wrong":
+        assert stats.num_accepted_tokens == 0
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_drafts_ahead_with_stops_seeds_and_preemption(model_path: Path) -> None:
+    """Drafted ahead under KV pressure (rows preempted and recomputed), with stop token ids
+    met mid-draft and seeded rows (which sample by output position, so never draft ahead):
+    the tokens of a run without drafts."""
+    probe, _, _ = _run(model_path, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)] * 6)
+    params = []
+    for i in range(6):
+        tokens = probe[f"r{i}"].token_ids
+        kwargs = {"temperature": 0, "ignore_eos": True}
+        if i % 3 == 1:
+            kwargs = {"temperature": 0, "stop_token_ids": (tokens[9],)}
+        if i == 4:
+            kwargs = {"seed": 104, "temperature": 0.8, "top_p": 0.9}
+        params.append(SamplingParams(max_tokens=MAX_TOKENS, **kwargs))
+    small = 24 * 1024  # 24 blocks of 4 tokens (1 KiB each); the rows need up to 11 each
+    want, _, _ = _run(model_path, params, kv_cache_memory=small)
+    oracle = AheadProposer({r: o.token_ids for r, o in want.items()}, K, flaky=True)
+    got, _, engine = _run(model_path, params, oracle, async_scheduling=True, kv_cache_memory=small)
+    assert _summary(got) == _summary(want)
+    assert any(o.finish_reason == "stop" for o in got.values())
+    assert engine.scheduler.stats.num_accepted_tokens > 0
+    assert engine.scheduler.stats.num_preemptions > 0

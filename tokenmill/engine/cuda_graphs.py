@@ -46,6 +46,7 @@ import torch
 from tokenmill.engine.attention.interface import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 from tokenmill.engine.host_batch import HostBatch
+from tokenmill.engine.sampled_rows import SampledRows, shift_inputs
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -187,17 +188,18 @@ class DecodeGraphRunner:
         batch: HostBatch,
         kind: tuple[int, bool],
         upload_many: Callable[[Sequence[np.ndarray]], list[torch.Tensor]],
-        last_tokens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        last: SampledRows | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, np.ndarray | None]:
         """(hidden states [N, H] at ``batch.logits_rows``, the pending input tokens [P] or
-        None) of ``batch``, replayed in the graphs of ``kind`` (what ``kind(batch)`` said;
-        not None).
+        None, the input ids as replayed, where each of the step's tokens sits in them (None:
+        in order)) of ``batch``, replayed in the graphs of ``kind`` (what ``kind(batch)``
+        said; not None).
 
         ``upload_many`` sends the step's host arrays to the device in one copy (the model
         runner's ``UploadRing.upload``); they are then copied into the static buffers. The
         input tokens at ``batch.pending_rows``, which the host does not know yet, are
-        ``last_tokens[batch.pending_src]`` (the previous step's sampled tokens, on the
-        device)."""
+        ``last.tokens[batch.pending_src]`` (the previous step's sampled rows, on the
+        device); rows behind a drafted step move where it put them (sampled_rows.py)."""
         q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
@@ -220,7 +222,7 @@ class DecodeGraphRunner:
         rows = batch.logits_rows if dest is None else dest[batch.logits_rows]
         gather_rows = not (dest is None and len(rows) == b)  # else hidden[:b], a view
         extra = [rows] if gather_rows else []
-        if last_tokens is not None:
+        if last is not None:
             extra += [batch.pending_src]
             extra += [batch.pending_rows if dest is None else dest[batch.pending_rows]]
         dev = upload_many(arrays + extra)
@@ -228,9 +230,13 @@ class DecodeGraphRunner:
             dst.copy_(src)
         dev_rows = dev[len(arrays)] if gather_rows else None
         pending = None
-        if last_tokens is not None:
-            pending = last_tokens[dev[-2]]
+        if last is not None:
+            pending = last.tokens[dev[-2]]
             s.input_ids.index_copy_(0, dev[-1], pending)
+        shift_inputs(
+            batch, dest, last, s.input_ids, s.positions, s.slot_mapping, s.seq_lens,
+            s.block_tables, self.block_size, upload_many,
+        )  # fmt: skip
         if bs > b:  # padding requests: no KV write
             s.slot_mapping[n : bs * q].fill_(-1)
             # decode kernel: no keys (zeros); prefill kernel (trees): q keys of any block,
@@ -240,9 +246,9 @@ class DecodeGraphRunner:
                 s.tree_mask[n : bs * q].fill_(-1)
         graph, hidden = self.graphs[(bs, q, tree)]
         graph.replay()
-        if dev_rows is None:
-            return hidden[:b], pending  # every row samples its one token: no gather
-        return hidden[dev_rows], pending
+        if dev_rows is None:  # every row samples its one token: no gather
+            return hidden[:b], pending, s.input_ids, dest
+        return hidden[dev_rows], pending, s.input_ids, dest
 
 
 def _padded_masks(batch: HostBatch, q: int, dest: np.ndarray | None) -> np.ndarray:

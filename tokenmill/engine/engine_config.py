@@ -199,8 +199,11 @@ class SpeculativeConfig:
                 "lookahead_candidates",
                 _is_int(self.lookahead_candidates)
                 and 0 <= self.lookahead_candidates
-                and (self.lookahead_window + self.lookahead_candidates) * self.max_tokens
-                <= MAX_TREE_DRAFTS,
+                and (  # the tree only lookahead drafts
+                    self.method != "lookahead"
+                    or (self.lookahead_window + self.lookahead_candidates) * self.max_tokens
+                    <= MAX_TREE_DRAFTS
+                ),
                 f"an integer >= 0 with (lookahead_window + lookahead_candidates) x max_tokens "
                 f"<= {MAX_TREE_DRAFTS} (a step's tree of drafts)",
             ),

@@ -11,7 +11,13 @@
                                                     many logits rows it has (1 + drafts)
     pending_rows, pending_src:           [P]        async scheduling: input_ids[pending_rows[i]]
                                                     is the previous step's sampled token
-                                                    number pending_src[i] (0 until filled in)
+                                                    of its row pending_src[i] (0 until
+                                                    filled in)
+    pending_reqs, pending_drafts:        [P]        the row of each pending token, and its
+                                                    drafts this step
+    ahead_window:                        [P, W]     drafted ahead (core/drafts.py): the
+                                                    predictions a pending row's drafts are
+                                                    taken from, on the device (None: none)
     pending_sampling_rows:               [P]        index in the N logits rows of each
     logits_depth:                        [N]        how far past the row's last known token
                                                     each logits row is (0, then its drafts')
@@ -28,6 +34,8 @@ once: token ids come from the batch slots' token table.
                      or 0, filled on the device          (the pending last token)
 
     a row with k drafts:  inputs  t d1 .. dk  ─►  logits rows at all 1 + k of them
+    a pending row's tokens (t pending, its drafts drafted ahead) start where all drafts in
+    flight land: the device moves them back by the ones rejected (model_runner.py)
         slot of position p = block_tables[b, p // block_size] * block_size + p % block_size
 
     a row with a tree of drafts (core/draft_tree.py): its tokens take token-table places and
@@ -62,6 +70,9 @@ class HostBatch:
     pending_sampling_rows: np.ndarray
     num_decodes: int
     logits_depth: np.ndarray
+    pending_reqs: np.ndarray
+    pending_drafts: np.ndarray
+    ahead_window: np.ndarray | None = None
     tree_mask: np.ndarray | None = None
     num_trees: int = 0  # rows with a tree of drafts (not decode rows)
 
@@ -111,10 +122,10 @@ class HostBatch:
         else:
             row_of_token = np.repeat(np.arange(n), query_lens)
             positions = starts[row_of_token] + np.arange(total) - qsl[row_of_token]
-        known = table.num_tokens[slots].astype(np.int64)
-        drafts = table.num_drafts[slots].astype(np.int64)
-        known += drafts  # drafts sit in the token table after the known tokens
-        pend = np.flatnonzero(seq_lens > known)  # the last input is a pending token
+        # drafts sit in the token table after the known tokens (this step's, or in flight)
+        known = table.num_tokens[slots].astype(np.int64) + table.num_drafts[slots]
+        drafts = sched.drafts[order]  # this step's
+        pend = np.flatnonzero(seq_lens > known)  # the input is a pending token (+ drafts)
         input_ids = np.zeros(total, dtype=np.int64)
         if len(pend):
             is_known = positions < known[row_of_token]
@@ -158,7 +169,7 @@ class HostBatch:
                 if prev_row_of_slot is None
                 else prev_row_of_slot[slots[pend]]
             )
-            bad = (src < 0) | (seq_lens[pend] != known[pend] + 1)
+            bad = (src < 0) | (seq_lens[pend] != known[pend] + 1 + drafts[pend])
             if bad.any():
                 req = sched.requests[order[pend[np.argmax(bad)]]]
                 raise RuntimeError(
@@ -166,6 +177,9 @@ class HostBatch:
                     "the previous step"
                 )
             pending_src = src.astype(np.int64)
+        ahead_window = None
+        if drafts[pend].any():
+            ahead_window = table.ahead_window[slots[pend]]
         return cls(
             input_ids=input_ids,
             positions=positions,
@@ -177,11 +191,14 @@ class HostBatch:
             sample_rows=order[sample],
             sample_slots=slots[sample],
             sample_counts=num_logits[sample],
-            pending_rows=qsl[pend + 1] - 1,
+            pending_rows=qsl[pend + 1] - 1 - drafts[pend],
             pending_src=pending_src,
             pending_sampling_rows=first_logit[pend],
             num_decodes=int(decode.sum()),
             logits_depth=logits_depth,
+            pending_reqs=pend,
+            pending_drafts=drafts[pend],
+            ahead_window=ahead_window,
             tree_mask=tree_mask,
             num_trees=len(trees),
         )

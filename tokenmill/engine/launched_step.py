@@ -33,6 +33,7 @@ class LaunchedStep:
     # Requests' prompt logprobs scored by this step (prompt_logprobs.py), with their own
     # event: a step that prefills a chunk may sample nothing.
     prompt_logprobs: PromptLogprobsTensors | None = None
+    accepted: int | None = None  # drafts its rows accepted, once the engine processed it
 
     @classmethod
     def empty(cls) -> LaunchedStep:

@@ -15,7 +15,9 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
     GPU:                  [ .. step n-1 .. ][ .. step n .. ]
     worker:                                   [ decode the requests n-1 finished ]
 
-Steps with drafts run synchronously: launch n, then process n at once. Steps with
+Steps with drafts keep overlapping when the proposer can draft ahead of the step in flight
+(n-gram, suffix: core/drafts.py); with other proposers (trees, test ones) they run
+synchronously: launch n, then process n at once. Steps with
 structured output (rows with a grammar) keep overlapping: launch n+1 enqueues the forward
 pass, then waits for step n's tokens, feeds them to the grammars, and while the grammars
 fill step n+1's masks it processes step n and schedules and flattens step n+2 ("ahead");
@@ -29,9 +31,11 @@ of that host work runs while forward n+1 does (structured_output.py):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +45,7 @@ import torch
 
 from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
 from tokenmill.engine.core import KVCacheManager
-from tokenmill.engine.core.drafts import DraftProposer
+from tokenmill.engine.core.drafts import DraftProposer, PredictsAhead
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
@@ -83,8 +87,9 @@ class LLMEngine:
         """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
         on every step (multi-token steps, see core/drafts.py); None: the one
         ``config.speculative`` names, if any, drafting on every step (a method by name) or
-        where the goodput policy expects it to pay (``auto``). A drafted step runs
-        synchronously; plain steps keep async scheduling."""
+        where the goodput policy expects it to pay (``auto``). Drafted steps keep async
+        scheduling where the proposer drafts ahead (``PredictsAhead``) and the attention
+        backend's decode path takes its 1 + k tokens; else they run synchronously."""
         self.config = config
         self.policy: SpeculationPolicy | None = None
         auto = proposer is None and config.speculative.method == "auto"
@@ -188,6 +193,11 @@ class LLMEngine:
                 async_scheduling=async_scheduling,
                 # Few, large prefilling steps between graph-replayed decode steps.
                 admit_batch=max(1, config.max_num_seqs // 8) if self.runner.graphs else 1,
+                drafts_ahead=(
+                    async_scheduling
+                    and isinstance(proposer, PredictsAhead)
+                    and 1 + proposer.max_drafts <= backend.max_decode_query_len
+                ),
             ),
             kv,
             proposer,
@@ -224,6 +234,8 @@ class LLMEngine:
         self._ahead: tuple[SchedulerOutput, PreparedStep | None] | None = None
         self._aborted_ahead: set[str] = set()
         self._arrivals = 0
+        # Steps the policy has timed, until they are processed (what they accepted).
+        self._unscored: deque[tuple[StepSample, LaunchedStep]] = deque()
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
             "engine ready: %s on %s (%s), linear layers %s, %d KV blocks x %d tokens%s, "
@@ -339,17 +351,16 @@ class LLMEngine:
         outputs of its finished requests are built on a worker thread: they come one or more
         calls later, and ``has_unfinished`` stays True until they have."""
         draft = self._wants_drafts()
-        # A drafted row's inputs need every earlier token on the host: such steps run
-        # synchronously. (A constrained row's mask needs them too, but only once the forward
-        # pass is enqueued: ``_token_bitmask`` waits for them there.)
-        sync = draft
+        # Unless drafted ahead, a drafted row's inputs need every earlier token on the host:
+        # such steps run synchronously. (A constrained row's mask needs them too, but only
+        # once the forward pass is enqueued: ``_token_bitmask`` waits for them there.)
+        sync = draft and not self.scheduler.config.drafts_ahead
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
             # step's own time starts after it).
             self.runner.profiler.add_host_ms(self._process(*self._in_flight))
             self._in_flight = None
         t0 = time.perf_counter()
-        before = (self.scheduler.stats.num_drafted_rows, self.scheduler.stats.num_accepted_tokens)
         ahead, self._ahead = self._ahead, None
         aborted, self._aborted_ahead = self._aborted_ahead, set()  # of that step's requests
         if ahead is None:
@@ -377,6 +388,7 @@ class LLMEngine:
                 launched = (sched, self.runner.launch(step, prompt_logits=plan))
             # The launch's host time counts none of its wait for the step in flight.
             host_ms -= self._launch_wait_ms
+        mine = launched
         if self.scheduler.config.async_scheduling and not sync:
             launched, self._in_flight = self._in_flight, launched
         elif launched is not None:
@@ -384,17 +396,19 @@ class LLMEngine:
         if launched is not None and launched[1] is not self._processed_early:
             host_ms += self._process(*launched)  # (else the launch's host time counted it)
         self.runner.profiler.add_host_ms(host_ms)
-        if self.policy is not None and sched.decode_only:  # prefills would skew the times
-            stats = self.scheduler.stats
-            self.policy.record(
-                StepSample(
-                    batch=sched.num_rows,
-                    drafted=draft,
-                    wall_ms=(time.perf_counter() - t0) * 1e3,
-                    drafted_rows=stats.num_drafted_rows - before[0],
-                    accepted=stats.num_accepted_tokens - before[1],
-                )
+        if self.policy is not None and mine is not None and sched.decode_only:
+            # (prefills would skew the times) The drafts it accepted are known once it is
+            # processed: this call (synchronous) or the next.
+            sample = StepSample(
+                batch=sched.num_rows,
+                drafted=draft,
+                wall_ms=(time.perf_counter() - t0) * 1e3,
+                drafted_rows=int(np.count_nonzero(sched.drafts)),
             )
+            self._unscored.append((sample, mine[1]))
+        while self._unscored and self._unscored[0][1].accepted is not None:
+            sample, step = self._unscored.popleft()
+            self.policy.record(dataclasses.replace(sample, accepted=step.accepted))
         done = not self.scheduler.has_unfinished() and self._in_flight is None
         return self._outputs.collect(wait=done)
 
@@ -472,9 +486,11 @@ class LLMEngine:
         if launched.prompt_logprobs is not None:  # before a request it ends is handed on
             self._prompt_logprobs.record(launched.prompt_logprobs)
         self._feed_grammars(sched, launched)
+        accepted = self.scheduler.stats.num_accepted_tokens
         update = self.scheduler.update_from_output(
             sched, out.rows, out.sampled_token_ids, out.counts
         )
+        launched.accepted = self.scheduler.stats.num_accepted_tokens - accepted
         finished = update.finished
         if out.sampler_output is not None and out.sampler_output.logprobs is not None:
             self._record_logprobs(sched, out, update.applied)

@@ -11,6 +11,9 @@ can schedule step n+1 while the GPU runs step n. Input tokens the host does not 
     step n:    sampled_n = sampler(...)                      [S_n] on the device
     step n+1:  input_ids[pending_rows] = sampled_n[pending_src]
 
+After drafts, the row's kept token and its next step's position depend on what it
+accepted, which the device works out right after sampling (sampled_rows.py).
+
 ``prepare`` builds a step's HostBatch ahead of its launch: from the moment a launch knows
 which rows it samples (before its sampling is enqueued), the next step can be flattened
 against them. The engine does so while grammar masks fill (llm_engine.py), so the next
@@ -38,6 +41,7 @@ from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogitsPlan, compute_prompt_logprobs
+from tokenmill.engine.sampled_rows import SampledRows, sampled_rows, shift_inputs
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.sampling_reuse import SamplingReuse
@@ -45,14 +49,6 @@ from tokenmill.engine.step_profile import StepProfiler
 from tokenmill.engine.upload_ring import UploadRing
 
 __all__ = ["ModelOutput", "ModelRunner", "kv_bytes_per_block", "kv_cache_shape"]
-
-
-@dataclass(frozen=True)
-class _Sampled:
-    """The last launch's sampled tokens, kept on the device for the next launch's inputs."""
-
-    tokens: torch.Tensor  # [S] int64
-    row_of_slot: np.ndarray  # [C] batch slot -> index in ``tokens``; -1: did not sample
 
 
 @dataclass(frozen=True)
@@ -137,7 +133,7 @@ class ModelRunner:
         self.profiler = StepProfiler(device)
         self.uploads = UploadRing(device, depth=6)  # per step: inputs in one copy, sampling in one
         self._sampling_reuse = SamplingReuse(self.uploads)
-        self._last: _Sampled | None = None
+        self._last: SampledRows | None = None
         # The sampled rows of the latest launch (its ``row_of_slot``), known before its
         # sampling is enqueued: what the next step's pending inputs are read from.
         self._source: np.ndarray | None = None
@@ -222,20 +218,24 @@ class ModelRunner:
             batch = prepared.batch
         else:
             batch = HostBatch.build(sched, self.block_size, self._source)
-        # The previous launch's sampled tokens, where this step's pending inputs are (build
+        # The previous launch's sampled rows, where this step's pending inputs are (build
         # raised if some are pending and there is no previous launch)
-        last_tokens = last.tokens if len(batch.pending_rows) and last is not None else None
+        if not len(batch.pending_rows):
+            last = None
         plan = None if prompt_logits is None else prompt_logits(sched, batch)
         scored = None  # plan's prompt logprobs
         kind = None if self.graphs is None or plan is not None else self.graphs.kind(batch)
         if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
-            hidden, pending = self.graphs.run(batch, kind, self.uploads.upload, last_tokens)
+            hidden, pending, input_ids, index_of = self.graphs.run(
+                batch, kind, self.uploads.upload, last
+            )
             logits = self.model.compute_logits(hidden)  # [N, V]
         else:
             piecewise = self.pieces is not None and self.pieces.fits(batch.num_tokens)
             self.profiler.begin(t0, batch, graph=piecewise)
-            common, input_ids, positions, rows, pending = self._upload(batch, last_tokens)
+            common, input_ids, positions, rows, pending = self._upload(batch, last)
+            index_of = None
             attn_meta = self.backend.build(common)
             if piecewise:
                 hidden = self.pieces.run(input_ids, positions, attn_meta)  # [T, H]
@@ -255,7 +255,7 @@ class ModelRunner:
         counts = batch.sample_counts  # 1 + drafts per row that samples
         row_slots = np.repeat(slots, counts)  # [N] the slot of each logits row
         row_of_slot = np.full(table.capacity, -1, dtype=np.int64)
-        row_of_slot[slots] = np.cumsum(counts) - 1  # a pending token is a row's last sample
+        row_of_slot[slots] = np.arange(len(slots))  # a pending token is its row's kept one
         self._source = row_of_slot  # before the masks: the next step may be prepared then
         masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
         meta = self._sampling_reuse.get(table.sampling, row_slots)
@@ -279,7 +279,9 @@ class ModelRunner:
             )
             self._sampling_reuse.keep(table.sampling, row_slots, meta)
         out = self.sampler(logits, meta)
-        self._last = _Sampled(out.sampled_token_ids, row_of_slot)
+        self._last = sampled_rows(
+            out.sampled_token_ids, batch, input_ids, index_of, row_of_slot, self.uploads.upload
+        )
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         step.prompt_logprobs = scored
         self.profiler.end()
@@ -324,12 +326,13 @@ class ModelRunner:
         return prompts, outputs
 
     def _upload(
-        self, batch: HostBatch, last_tokens: torch.Tensor | None
+        self, batch: HostBatch, last: SampledRows | None
     ) -> tuple[
         CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
     ]:
         """The step's inputs on the device in one copy: (attention metadata, input ids with
-        the pending tokens filled in, positions, logits rows, the pending tokens [P])."""
+        the pending tokens filled in, positions, logits rows, the pending tokens [P]); rows
+        behind a drafted step moved where it put them (sampled_rows.py)."""
         qsl = np.zeros(batch.num_reqs + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
         arrays = [
@@ -341,16 +344,20 @@ class ModelRunner:
             batch.positions,
             batch.logits_rows,
         ]
-        if last_tokens is not None:
+        if last is not None:
             arrays += [batch.pending_src, batch.pending_rows]
         if batch.tree_mask is not None:
             arrays.append(batch.tree_mask)
         dev = self.uploads.upload(arrays)
         qsl_d, seq_lens, block_tables, slot_mapping, input_ids, positions, rows = dev[:7]
         pending = None
-        if last_tokens is not None:
-            pending = last_tokens[dev[7]]
+        if last is not None:
+            pending = last.tokens[dev[7]]
             input_ids.index_copy_(0, dev[8], pending)
+        shift_inputs(
+            batch, None, last, input_ids, positions, slot_mapping, seq_lens, block_tables,
+            self.block_size, self.uploads.upload,
+        )  # fmt: skip
         common = CommonAttentionMetadata(
             query_start_loc=qsl_d,
             seq_lens=seq_lens,

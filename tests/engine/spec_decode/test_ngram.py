@@ -32,8 +32,8 @@ def _brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]
         suffix = tokens[n - m :]
         for end in range(n - 2, m - 2, -1):  # latest earlier occurrence first
             if tokens[end - m + 1 : end + 1] == suffix:
-                drafts = tokens[end + 1 : end + 1 + k]
-                return drafts + [-1] * (k - len(drafts))
+                cycle = tokens[end + 1 :]  # past the known tokens, the row repeats it
+                return [cycle[j % len(cycle)] for j in range(k)]
     return [-1] * k
 
 
@@ -55,10 +55,10 @@ def test_longest_suffix_wins_then_the_latest_occurrence() -> None:
     assert got == [[9, 5, 2], [8, 1, 2]]  # row 1: the latest (1 2) ended at 4
 
 
-def test_drafts_stop_at_the_known_tokens_and_none_without_a_match() -> None:
+def test_drafts_repeat_the_cycle_past_the_known_tokens_and_none_without_a_match() -> None:
     slots = _slots([[4, 5, 6, 4, 5], [1, 2, 3, 4], [7]])
     got = _propose(NgramProposer(5, min_n=2, max_n=2), slots, [0, 1, 2])
-    assert got == [[6, 4, 5, -1, -1], [-1] * 5, [-1] * 5]
+    assert got == [[6, 4, 5, 6, 4], [-1] * 5, [-1] * 5]
 
 
 def test_new_tokens_are_indexed_and_a_new_request_resets_the_slot() -> None:
@@ -96,3 +96,10 @@ def test_rejects_bad_sizes() -> None:
         NgramProposer(3, min_n=3, max_n=2)
     with pytest.raises(ValueError, match="max_drafts"):
         NgramProposer(0)
+
+
+def test_predicts_as_far_as_asked() -> None:
+    slots = _slots([[1, 2, 3, 4, 5, 6, 7, 1, 2]])
+    proposer = NgramProposer(2, min_n=2, max_n=2)
+    assert proposer.predict(slots, np.array([0]), 9).tolist() == [[3, 4, 5, 6, 7, 1, 2, 3, 4]]
+    assert _propose(proposer, slots, [0]) == [[3, 4]]

@@ -64,7 +64,7 @@ def test_suffix_proposer_takes_the_longer_match() -> None:
     rows = [
         [50, 51, 52, 53, 60, 61, 62, 63, 64, 65, 51],  # own: (51) is too short; corpus: no
         [1, 2, 60, 61, 62, 63, 64],  # corpus: 5 tokens of (60 .. 64) -> 65 66 67
-        [9, 8, 9, 8, 9],  # own: (8 9) and (9 8 9) -> 8 9
+        [9, 8, 9, 8, 9],  # own: (8 9) and (9 8 9) -> 8 9, then the cycle again
     ]
     for slot, tokens in enumerate(rows):
         slots.token_ids[slot, : len(tokens)] = tokens
@@ -73,4 +73,4 @@ def test_suffix_proposer_takes_the_longer_match() -> None:
     proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
     proposer.observe([[60, 61, 62, 63, 64, 65, 66, 67]])
     got = proposer.propose(slots, np.arange(3)).tolist()
-    assert got == [[-1, -1, -1], [65, 66, 67], [8, 9, -1]]
+    assert got == [[-1, -1, -1], [65, 66, 67], [8, 9, 8]]

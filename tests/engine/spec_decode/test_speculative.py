@@ -45,11 +45,11 @@ def off_run(model_path: Path) -> tuple[list[list[int]], dict]:
     return _run_120(model_path, "off")
 
 
-def _run_120(model_path: Path, method: str) -> tuple[list[list[int]], dict]:
+def _run_120(model_path: Path, method: str, **settings) -> tuple[list[list[int]], dict]:
     """Greedy outputs of 120 copy prompts and the engine's step profile."""
     prompts = _copy_prompts(120)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    llm = _llm(model_path, method, max_num_seqs=32, profile_steps=True)
+    llm = _llm(model_path, method, max_num_seqs=32, profile_steps=True, **settings)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     profile = llm.engine.step_profile()
     profile["steps"] = llm.engine.scheduler.stats.num_steps
@@ -68,6 +68,20 @@ def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, meth
     else:  # drafting on every step: accepted drafts are decode steps saved
         assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
         assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_drafted_ahead_greedy_output_equals_off_on_120_prompts(
+    model_path: Path, off_run, method
+) -> None:
+    """With async scheduling (forced on CPU) these proposers draft ahead of the step in
+    flight: no step runs synchronously, and the tokens are those of speculation off."""
+    want, off = off_run
+    got, profile = _run_120(model_path, method, async_scheduling=True)
+    assert got == want
+    stats = profile["speculative"]
+    assert stats["accepted_tokens"] > 0 and profile["synchronous_steps"] == 0, profile
+    assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +104,14 @@ def test_bad_settings_name_the_key(given, key: str, expected: str) -> None:
     with pytest.raises(EngineSettingError) as info:
         EngineConfig(model="m", speculative=given)
     assert info.value.key == key and expected in str(info.value)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "auto"])
+def test_the_most_drafts_need_no_lookahead_settings(method: str) -> None:
+    """Lookahead's tree size limit binds only lookahead: other methods take k = 7 with the
+    lookahead defaults left as they are."""
+    config = EngineConfig(model="m", speculative={"method": method, "max_tokens": 7})
+    assert config.speculative.max_tokens == 7
 
 
 def test_mapping_and_object_give_the_same_config() -> None:

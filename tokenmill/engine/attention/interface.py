@@ -32,8 +32,8 @@ class AttentionBackend(ABC):
 
     ``fused_layers``   the model's norm, RoPE and SiLU run as fused Triton kernels beside it
     ``cuda_graphs``    decode steps may be captured and replayed as CUDA graphs
-    ``max_decode_query_len``  the most query tokens (1 + drafts) of a decode row that a
-                       captured decode step may hold
+    ``max_decode_query_len``  the most query tokens (1 + drafts) of a decode row that its
+                       decode path takes (and a captured decode step may hold)
     """
 
     name: ClassVar[str]

@@ -83,6 +83,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    max_decode_query_len = MAX_DECODE_QUERY_LEN
 
     def __init__(self) -> None:
         self.scratch = ScratchBuffers()

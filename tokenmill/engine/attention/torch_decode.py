@@ -86,10 +86,8 @@ def build_decode_rows(
     num_keys = int(seq_lens.max())
     width = -(-num_keys // bs)
     leading = rows[-1] == n - 1  # ascending and distinct: rows 0..n-1
-    if leading:
-        table = common.block_tables[:n]
-    else:
-        table = common.block_tables[torch.from_numpy(rows).to(device)]
+    picked = None if leading else torch.from_numpy(rows).to(device)
+    table = common.block_tables[:n] if picked is None else common.block_tables[picked]
     out_index = keep = None
     if num_queries == 1 and leading:
         token_idx: torch.Tensor | slice = slice(0, n)
@@ -102,7 +100,9 @@ def build_decode_rows(
             real = np.arange(num_queries) < q_lens[:, None]
             out_index = torch.from_numpy(index[real]).to(device)
             keep = torch.from_numpy(real.reshape(-1)).to(device)
-        visible = torch.from_numpy(seq_lens[:, None] - q_lens[:, None] + 1 + pos).to(device)
+        # the lengths on the device: a row behind a drafted step moved there (sampled_rows.py)
+        lens = common.seq_lens[:n] if picked is None else common.seq_lens[picked]
+        visible = lens.long()[:, None] + torch.from_numpy(1 + pos - q_lens[:, None]).to(device)
     keys = torch.arange(width * bs, device=device)
     key_mask = torch.zeros(n, num_queries, width * bs, device=device)
     key_mask.masked_fill_(keys >= visible[:, :, None], float("-inf"))

@@ -8,6 +8,9 @@ writes through to them), so a step works on all rows at once with numpy:
             token_ids[slot, num_tokens : num_tokens + num_drafts]   this step's draft tokens
             num_tokens, num_prompt, num_computed, num_pending, num_drafts  [C] int32
             draft_tree[slot], draft_parent[slot, :num_drafts]   a tree's shape (draft_tree.py)
+            ahead_window[slot], num_ahead   drafts of a step scheduled while the row's
+                                            previous one is in flight (drafts.py: the device
+                                            picks them once it knows what that one accepted)
             max_tokens, min_tokens, ignore_eos, eos_ids[slot], stop_ids[slot]
             block_table[slot, :num_blocks]    its KV block ids (a copy of the KV manager's)
             sampling.columns[...][slot]       temperature, top_k, ... (SamplingColumns)
@@ -38,7 +41,9 @@ __all__ = ["BatchSlots"]
 class BatchSlots:
     """``capacity`` slots for requests of up to ``max_model_len`` tokens."""
 
-    def __init__(self, capacity: int, max_model_len: int, block_size: int) -> None:
+    def __init__(
+        self, capacity: int, max_model_len: int, block_size: int, ahead_width: int = 0
+    ) -> None:
         self.capacity = capacity
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -52,6 +57,10 @@ class BatchSlots:
         # A tree of drafts (not one chain): each draft's parent step token (draft_tree.py).
         self.draft_tree = np.zeros(capacity, dtype=np.bool_)
         self.draft_parent = np.zeros((capacity, MAX_TREE_DRAFTS), dtype=np.int8)
+        # Drafted ahead of the row's step in flight: the predicted tokens after its known
+        # ones (``ahead_width`` of them) and how many this step drafts (add_drafts).
+        self.ahead_window = np.zeros((capacity, ahead_width), dtype=np.int64)
+        self.num_ahead = np.zeros(capacity, dtype=np.int32)
         self.max_tokens = np.zeros(capacity, dtype=np.int64)
         self.min_tokens = np.zeros(capacity, dtype=np.int64)
         self.ignore_eos = np.zeros(capacity, dtype=np.bool_)
@@ -91,6 +100,7 @@ class BatchSlots:
         self.num_computed[slot] = request.num_computed_tokens
         self.num_pending[slot] = request.num_pending_tokens
         self.num_drafts[slot] = 0
+        self.num_ahead[slot] = 0
         self.draft_tree[slot] = False
         self.max_tokens[slot] = params.max_tokens
         self.min_tokens[slot] = params.min_tokens

@@ -18,6 +18,24 @@ A proposer may also give a tree of drafts (several candidates sharing their begi
 draft_tree.py): the row computes all of them in one step and keeps the path its samples
 follow.
 
+Drafting ahead (async scheduling): a row whose previous step is still in flight does not
+know its last token, nor, if that step drafted, how many drafts it accepts. It still drafts:
+the proposer predicts the tokens after the row's known ones, as far as the step in flight
+and this one reach, and the step takes them at the offset the device finds:
+
+    known  [ ... t ]  in flight: t d1 d2 (k = 2)   predicted p0 p1 p2 p3 ... at n, n + 1, ..
+    window W = p1 p2 p3 ...  (positions n + 1, ..)
+    step n+1, once step n accepted a drafts:   input s_a at position n + a (sampled),
+                                               drafts W[a : a + k'] after it
+
+so accepting all gives the predictions after the bonus token, and a rejection at d_{a+1}
+keeps the ones after it (a substituted token, as in an edit). The predictions come from the
+known tokens only: drafts in flight are often wrong, and a suffix ending in them would
+keep a row copying a passage its output has left. The host starts the step at the position
+of "all accepted"; the device moves it back by what was not (sampled_rows.py), and the host
+learns a with the tokens (``install_ahead``). Rows whose sampling depends on their output
+position (a seed) or history (penalties) never draft ahead.
+
 Numpy, no torch: the scheduler calls add_drafts when it schedules a step and verify_drafts
 when the step's tokens come back.
 """
@@ -36,9 +54,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DraftProposer",
     "ObservesSamples",
+    "PredictsAhead",
     "accepted_counts",
     "add_drafts",
     "draft_lengths",
+    "install_ahead",
     "verify_drafts",
 ]
 
@@ -55,6 +75,18 @@ class DraftProposer(Protocol):
     max_drafts: int
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray | DraftTree: ...
+
+
+@runtime_checkable
+class PredictsAhead(Protocol):
+    """A proposer that can draft ahead of a step in flight (see the top): ``predict`` gives
+    [R, count] int64, the tokens it expects at each row's next ``count`` positions (from
+    ``num_tokens`` on: ``propose``'s drafts, as many as asked); -1 where it has none. It
+    must not change the slots."""
+
+    max_drafts: int
+
+    def predict(self, slots: BatchSlots, rows: np.ndarray, count: int) -> np.ndarray: ...
 
 
 @runtime_checkable
@@ -89,6 +121,7 @@ def add_drafts(
     proposer: DraftProposer,
     budget: int,
     max_model_len: int,
+    ahead: bool = False,
 ) -> np.ndarray:
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
@@ -97,28 +130,80 @@ def add_drafts(
     position needs the tokens before it consumed), nor do drafts go past max_tokens,
     max_model_len or the step's token ``budget``. Penalties follow the drafts: the sampler
     sees each draft position's output as the row's output plus the drafts before it
-    (ModelRunner._histories)."""
+    (ModelRunner._histories).
+
+    With ``ahead`` (a ``PredictsAhead`` proposer), rows with a step in flight draft ahead
+    of it into ``ahead_window`` / ``num_ahead`` (see the top), and rows that sample by
+    position or history (a seed, penalties) take no drafts at all: the step after a drafted
+    one starts where only the device knows."""
     t = table
     cols = t.sampling.columns
-    eligible = (
-        (num_new == 1)
-        & (t.num_pending[order] == 0)
-        & (cols["logprobs"][order] < 0)
-        & ~cols["structured"][order]
-    )
+    eligible = (num_new == 1) & (cols["logprobs"][order] < 0) & ~cols["structured"][order]
+    if ahead:
+        eligible &= ~_samples_by_position(cols, order)
+    else:
+        eligible &= t.num_pending[order] == 0
     counts = np.zeros(len(order), dtype=np.int64)
-    rows = order[eligible]
-    if not len(rows):
+    if not eligible.any():
         return counts
-    proposal = proposer.propose(t, rows)
+    lagging = eligible & (t.num_pending[order] > 0)
+    known = eligible & ~lagging
+    k_known = k_ahead = proposal = window = None
+    if known.any():
+        proposal = proposer.propose(t, order[known])
+        k_known = _draft_counts(t, order[known], proposal, proposer.max_drafts, max_model_len, 0)
+    if lagging.any():
+        assert isinstance(proposer, PredictsAhead)
+        window, k_ahead = _drafts_ahead(t, order[lagging], proposer, max_model_len)
+    total = sum(int(k.sum()) for k in (k_known, k_ahead) if k is not None)
+    if int(num_new.sum()) + total > budget:
+        return counts
+    if k_known is not None:
+        _write_drafts(t, order[known], proposal, k_known)
+        counts[known] = k_known
+    if k_ahead is not None:
+        rows = order[lagging]
+        t.ahead_window[rows] = window
+        t.num_ahead[rows] = k_ahead
+        counts[lagging] = k_ahead
+    return counts
+
+
+def _samples_by_position(cols: dict[str, np.ndarray], order: np.ndarray) -> np.ndarray:
+    """[R] rows whose sampling reads their output position (a seed, when not greedy) or
+    their output history (penalties)."""
+    seeded = cols["has_seed"][order] & ~cols["greedy"][order]
+    penalized = (
+        (cols["presence_penalty"][order] != 0)
+        | (cols["frequency_penalty"][order] != 0)
+        | (cols["repetition_penalty"][order] != 1)
+    )
+    return seeded | penalized
+
+
+def _draft_counts(
+    t: BatchSlots,
+    rows: np.ndarray,
+    proposal: np.ndarray | DraftTree,
+    max_drafts: int,
+    max_model_len: int,
+    extra: int | np.ndarray,
+) -> np.ndarray:
+    """[R] drafts each row takes of ``proposal``: its leading ones, within max_tokens and
+    max_model_len once the row holds ``extra`` more tokens than it knows."""
+    drafts = np.asarray(proposal.tokens if isinstance(proposal, DraftTree) else proposal)
+    n = t.num_tokens[rows].astype(np.int64) + extra
+    room = np.minimum(t.max_tokens[rows] - (n - t.num_prompt[rows]), max_model_len - n)
+    return np.clip(np.minimum(draft_lengths(drafts[:, :max_drafts]), room - 1), 0, None)
+
+
+def _write_drafts(
+    t: BatchSlots, rows: np.ndarray, proposal: np.ndarray | DraftTree, k: np.ndarray
+) -> None:
+    """Write each row's first ``k`` drafts after its known tokens (a tree's shape too)."""
     tree = isinstance(proposal, DraftTree)
     drafts = np.asarray(proposal.tokens if tree else proposal, dtype=np.int64)
-    drafts = drafts[:, : proposer.max_drafts]
     n = t.num_tokens[rows].astype(np.int64)
-    room = np.minimum(t.max_tokens[rows] - (n - t.num_prompt[rows]), max_model_len - n)
-    k = np.clip(np.minimum(draft_lengths(drafts), room - 1), 0, None)
-    if int(num_new.sum() + k.sum()) > budget:
-        return counts
     r, j = np.nonzero(np.arange(drafts.shape[1]) < k[:, None])
     t.token_ids[rows[r], n[r] + j] = drafts[r, j]
     t.num_drafts[rows] = k
@@ -128,8 +213,22 @@ def add_drafts(
         step = np.arange(parents.shape[1])
         chain = (parents == step) | (step >= k[:, None])  # each draft under the one before
         t.draft_tree[rows] = (k > 0) & ~chain.all(axis=1)
-    counts[eligible] = k
-    return counts
+
+
+def _drafts_ahead(
+    t: BatchSlots, rows: np.ndarray, proposer: PredictsAhead, max_model_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(window [R, W], drafts [R]) of rows with a step in flight (see the top): W holds the
+    predicted tokens at positions n + 1 .. of a row knowing n tokens; unknown ones are 0 (a
+    draft the device may pick, verified like any other)."""
+    k_max = proposer.max_drafts
+    width = t.ahead_window.shape[1]
+    in_flight = t.num_drafts[rows].astype(np.int64)
+    predicted = proposer.predict(t, rows, width + 1)  # positions n .. n + W
+    # All accepted, the step's drafts are the predictions after the bonus token.
+    after = np.take_along_axis(predicted, in_flight[:, None] + 1 + np.arange(k_max), axis=1)
+    k = _draft_counts(t, rows, after, k_max, max_model_len, in_flight + 1)
+    return np.maximum(predicted[:, 1:], 0), k
 
 
 def verify_drafts(
@@ -156,6 +255,24 @@ def verify_drafts(
         sampled[tree] = np.take_along_axis(sampled[tree], np.maximum(path, 0), axis=1)
         table.draft_tree[slots[tree]] = False
     drafted = counts > 1
-    table.num_computed[slots[drafted]] = n[drafted] + stands[drafted]
+    # Back by the drafts whose KV does not stand (a step scheduled ahead, if any, counted
+    # on all of them).
+    table.num_computed[slots[drafted]] -= (counts[drafted] - 1 - stands[drafted]).astype(np.int32)
     table.num_drafts[slots] = 0
     return accepted + 1, accepted, sampled
+
+
+def install_ahead(table: BatchSlots, slots: np.ndarray, accepted: np.ndarray) -> None:
+    """After the slots' step in flight is applied (it accepted ``accepted`` drafts [R]):
+    the drafts of the step scheduled ahead of it become the rows' drafts in flight, the
+    ones its device took (from ``ahead_window`` at offset ``accepted``)."""
+    k = table.num_ahead[slots].astype(np.int64)
+    ahead = np.flatnonzero(k)
+    if not len(ahead):
+        return
+    rows, k, a = slots[ahead], k[ahead], accepted[ahead].astype(np.int64)
+    n = table.num_tokens[rows].astype(np.int64)
+    r, j = np.nonzero(np.arange(int(k.max())) < k[:, None])
+    table.token_ids[rows[r], n[r] + j] = table.ahead_window[rows[r], a[r] + j]
+    table.num_drafts[rows] = k
+    table.num_ahead[rows] = 0

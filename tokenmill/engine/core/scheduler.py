@@ -42,7 +42,9 @@ from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.core.drafts import (
     DraftProposer,
     ObservesSamples,
+    PredictsAhead,
     add_drafts,
+    install_ahead,
     verify_drafts,
 )
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
@@ -64,6 +66,9 @@ class SchedulerConfig:
     # steps that prefill are fewer and larger, and the decode-only steps between them replay
     # CUDA graphs. 1: admit whenever a slot is free.
     admit_batch: int = 1
+    # With async scheduling and a proposer that predicts ahead: rows with a step in flight
+    # draft too (drafts.py), so drafted steps need not wait for the one before.
+    drafts_ahead: bool = False
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "admit_batch"):
@@ -84,7 +89,16 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.proposer = proposer
-        self.slots = BatchSlots(config.max_num_seqs, config.max_model_len, kv_manager.block_size)
+        if config.drafts_ahead and not (
+            config.async_scheduling and isinstance(proposer, PredictsAhead)
+        ):
+            raise ValueError(
+                "drafts_ahead needs async_scheduling and a proposer that predicts ahead"
+            )
+        width = 2 * proposer.max_drafts if config.drafts_ahead else 0
+        self.slots = BatchSlots(
+            config.max_num_seqs, config.max_model_len, kv_manager.block_size, width
+        )
         self.waiting: deque[Request] = deque()
         self._order = np.empty(0, dtype=np.int64)  # running slots, oldest admission first
         self.stats = SchedulerStats()
@@ -131,12 +145,14 @@ class Scheduler:
         """The next step. ``draft``: decode rows whose inputs are all known on the host take
         the proposer's drafts (rows with a pending token never do)."""
         budget = self.config.max_num_batched_tokens
-        slots, num_new, preempted = self._schedule_running(budget, draft)
+        slots, num_new, drafts, preempted = self._schedule_running(budget, draft)
         starts, sample = self._advance(slots, num_new)
-        parts = [(slots, starts, num_new, sample)]
+        parts = [(slots, starts, num_new, sample, drafts)]
         if not preempted:
             parts += self._admit(budget - int(num_new.sum()))
-        slots, starts, num_new, sample = (np.concatenate(col) for col in zip(*parts, strict=True))
+        slots, starts, num_new, sample, drafts = (
+            np.concatenate(col) for col in zip(*parts, strict=True)
+        )
         out = SchedulerOutput(
             table=self.slots,
             slots=slots,
@@ -145,7 +161,8 @@ class Scheduler:
             sample=sample,
             requests=self.slots.requests[slots],
             # a tree's tokens are not one chain: its row attends like a prefill chunk
-            decode=(num_new == 1 + self.slots.num_drafts[slots]) & ~self.slots.draft_tree[slots],
+            decode=(num_new == 1 + drafts) & ~self.slots.draft_tree[slots],
+            drafts=drafts,
             preempted_ids=tuple(preempted),
         )
         self.stats.num_steps += 1
@@ -154,22 +171,27 @@ class Scheduler:
 
     def _schedule_running(
         self, budget: int, draft: bool = True
-    ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """Slots of the running requests this step serves and their token counts, oldest
-        first, with their KV slots allocated; plus the ids preempted to make room.
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """Slots of the running requests this step serves, their token counts and drafts,
+        oldest first, with their KV slots allocated; plus the ids preempted to make room.
 
         Vectorized when every running request fits the budget and the free blocks; the
-        per-request loop (``_schedule_running_loop``) otherwise.
+        per-request loop (``_schedule_running_loop``) otherwise. A row's drafts in flight
+        (drafted ahead, drafts.py) count as known: its step starts where they all land.
         """
         s, order = self.slots, self._order
         computed = s.num_computed[order].astype(np.int64)
-        known = s.num_tokens[order].astype(np.int64) + s.num_pending[order]
+        known = s.num_tokens[order].astype(np.int64) + s.num_pending[order] + s.num_drafts[order]
         num_new = np.maximum(known - computed, 0)
         if self.config.async_scheduling:
             num_new[self._ends_when_pending_lands(order)] = 0
+        drafts = np.zeros(len(order), dtype=np.int64)
         if self.proposer is not None and draft:
             t0 = time.perf_counter()
-            drafts = add_drafts(s, order, num_new, self.proposer, budget, self.config.max_model_len)
+            drafts = add_drafts(
+                s, order, num_new, self.proposer, budget, self.config.max_model_len,
+                ahead=self.config.drafts_ahead,
+            )  # fmt: skip
             self.stats.propose_seconds += time.perf_counter() - t0
             self.stats.num_propose_calls += 1
             num_new += drafts
@@ -177,8 +199,10 @@ class Scheduler:
         need = -(-(computed + num_new) // bs) - s.num_blocks[order]
         grow = np.flatnonzero((need > 0) & (num_new > 0))
         if num_new.sum() > budget or need[grow].sum() > self.kv.num_free_blocks:
-            s.num_drafts[order] = 0
+            own = s.num_pending[order] == 0  # this step's drafts (not ones in flight)
+            s.num_drafts[order[own]] = 0
             s.draft_tree[order] = False
+            s.num_ahead[order] = 0
             return self._schedule_running_loop(budget)
         if len(grow):  # the rows that start a new block: 1 in block_size decodes
             self._append_blocks(order[grow], need[grow])
@@ -186,15 +210,21 @@ class Scheduler:
             self.stats.num_draft_tokens += int(drafts.sum())
             self.stats.num_drafted_rows += int(np.count_nonzero(drafts))
         keep = num_new > 0
-        return order[keep], num_new[keep], []
+        return order[keep], num_new[keep], drafts[keep], []
 
-    def _schedule_running_loop(self, budget: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """The running rows one by one: clip to the budget, preempt the newest on KV pressure."""
+    def _schedule_running_loop(
+        self, budget: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """The running rows one by one: clip to the budget, preempt the newest on KV pressure.
+        Rows with drafts in flight sit this step out (their start is the device's until
+        those land) and are never preempted mid-draft."""
         s = self.slots
-        order = self._order.tolist()
+        waits = s.num_drafts[self._order] > 0
+        order = self._order[~waits].tolist()
         slots: list[int] = []
         counts: list[int] = []
         preempted: list[str] = []
+        victims: list[int] = []
         idx = 0
         while idx < len(order) and budget > 0:
             slot = order[idx]
@@ -204,7 +234,8 @@ class Scheduler:
                 idx += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
-                victim = s.requests[order.pop()]
+                victims.append(order.pop())
+                victim = s.requests[victims[-1]]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -217,8 +248,10 @@ class Scheduler:
                 idx += 1
                 continue
             break  # `req` itself was preempted: nothing after it can be scheduled either
-        self._order = np.asarray(order, dtype=np.int64)
-        return np.asarray(slots, dtype=np.int64), np.asarray(counts, dtype=np.int64), preempted
+        self._order = self._order[~np.isin(self._order, victims)]
+        scheduled = np.asarray(slots, dtype=np.int64)
+        counts_arr = np.asarray(counts, dtype=np.int64)
+        return scheduled, counts_arr, np.zeros(len(slots), dtype=np.int64), preempted
 
     def _append_blocks(self, slots: np.ndarray, counts: np.ndarray) -> None:
         """Give running rows ``counts`` more blocks each, in the KV manager and the block
@@ -285,7 +318,7 @@ class Scheduler:
         num_new_rows = np.asarray(counts, dtype=np.int64)
         starts, sample = self._advance(rows, num_new_rows)  # their blocks are cached already
         self._order = np.concatenate([self._order, rows])
-        return [(rows, starts, num_new_rows, sample)]
+        return [(rows, starts, num_new_rows, sample, np.zeros(len(rows), dtype=np.int64))]
 
     def _advance(self, slots: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Move the rows' computed tokens on by ``num_new``; return (starts, sample) [R].
@@ -304,7 +337,7 @@ class Scheduler:
             full = cacheable // self.kv.block_size
             for i in np.flatnonzero(full > s.num_cached_full[slots]).tolist():
                 self._offer_blocks(int(slots[i]), int(cacheable[i]), int(full[i]))
-        sample = computed == known + s.num_pending[slots] + s.num_drafts[slots]
+        sample = computed == known + s.num_pending[slots] + s.num_drafts[slots] + s.num_ahead[slots]
         if self.config.async_scheduling:
             s.num_pending[slots[sample]] += 1
         return starts, sample
@@ -391,12 +424,15 @@ class Scheduler:
         slots = output.slots[rows[hot]]
         tokens = tokens_by_row(token_ids, first[hot], counts[hot])  # [R, M]
         keep = counts[hot]
+        accepted = np.zeros(len(hot), dtype=np.int64)
         if tokens.shape[1] > 1:
             if isinstance(self.proposer, ObservesSamples):
                 self.proposer.observe_samples(s, slots, tokens, keep)
             keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
             self.stats.num_accepted_tokens += int(accepted.sum())
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
+        if self.config.drafts_ahead:
+            install_ahead(s, slots, accepted)
         finished += self._finish_ended(slots, ends)
         return StepUpdate(finished, applied)
 

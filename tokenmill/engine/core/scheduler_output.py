@@ -59,6 +59,9 @@ class SchedulerOutput:
     # bool: the row computes its last token (and its drafts, if any), not a prompt chunk;
     # fixed here, since a row's draft count is cleared once its tokens are applied
     decode: np.ndarray
+    # int64: the row's draft tokens this step (after its last known or pending token); a
+    # row's drafts in flight from the step before are not counted here
+    drafts: np.ndarray
     preempted_ids: tuple[str, ...] = ()
 
     @property

@@ -2,9 +2,10 @@
 
 For a row with tokens t[0..n-1] (prompt and output so far) and the longest m in
 [min_n, max_n] whose last m tokens occurred before, ending at position p < n - 1, the drafts
-are the tokens that followed that occurrence, t[p+1 .. p+k] (cut at n - 1: only known
-tokens). Extraction, rewriting and code edits copy long runs from their input; this drafts
-them for free.
+are the tokens that followed that occurrence, t[p+1 .. p+k]; past the known tokens, the
+row repeats t[p+1 .. n-1] (a cycle as short as the gap between the two occurrences).
+Extraction, rewriting and code edits copy long runs from their input; this drafts them for
+free.
 
     tokens:  the cat sat on the mat . the cat          suffix (m = 2): "the cat"
              ^^^^^^^ p = 1                             drafts: sat on the ...
@@ -46,9 +47,14 @@ class NgramProposer:
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
         """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
+        return self.predict(slots, rows, self.max_drafts)
+
+    def predict(self, slots: BatchSlots, rows: np.ndarray, count: int) -> np.ndarray:
+        """[R, count]: what followed the earlier occurrence of each row's suffix, for as
+        many tokens as asked (-1 past them)."""
         start, _ = self.match(slots, rows)
         return self.drafts_from(slots.token_ids, np.asarray(rows, dtype=np.int64), start,
-                                slots.num_tokens[rows].astype(np.int64))  # fmt: skip
+                                slots.num_tokens[rows].astype(np.int64), count)  # fmt: skip
 
     def match(self, slots: BatchSlots, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Index the rows' new tokens, then look their suffixes up: ([R] the position after
@@ -97,10 +103,19 @@ class NgramProposer:
         return np.where(matched, hit[r, first] + 1, -1), np.where(matched, h.sizes[first], 0)
 
     def drafts_from(
-        self, tokens: np.ndarray, rows: np.ndarray, start: np.ndarray, n: np.ndarray
+        self,
+        tokens: np.ndarray,
+        rows: np.ndarray,
+        start: np.ndarray,
+        n: np.ndarray,
+        count: int | None = None,
     ) -> np.ndarray:
-        """[R, max_drafts]: tokens start[r] .. of each row, up to its n[r] known ones."""
-        cols = start[:, None] + np.arange(self.max_drafts)  # [R, k]
-        ok = (start[:, None] >= 0) & (cols < n[:, None])
+        """[R, count (default max_drafts)]: tokens start[r] .. of each row. Where they run
+        into the row's end (n[r] known tokens) the row is taken to repeat what it has since
+        the match (its suffix matched the tokens before start: the same reasoning, one draft
+        later, would match again), so a short cycle drafts as far as one asks."""
+        period = np.maximum(n - start, 1)[:, None]
+        cols = start[:, None] + np.arange(self.max_drafts if count is None else count) % period
+        ok = start[:, None] >= 0
         drafts = tokens.reshape(-1).take(rows[:, None] * tokens.shape[1] + np.where(ok, cols, 0))
         return np.where(ok, drafts, -1).astype(np.int64)

@@ -41,15 +41,20 @@ class SuffixProposer:
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
         """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
+        return self.predict(slots, rows, self.max_drafts)
+
+    def predict(self, slots: BatchSlots, rows: np.ndarray, count: int) -> np.ndarray:
+        """[R, count]: what followed each row's suffix, from the row itself or from the
+        outputs seen (the longer match wins), for as many tokens as asked (-1 past them)."""
         rows = np.asarray(rows, dtype=np.int64)
         tokens, n = slots.token_ids, slots.num_tokens[rows].astype(np.int64)
         start, own_len = self.own.match(slots, rows)
-        drafts = self.own.drafts_from(tokens, rows, start, n)
+        drafts = self.own.drafts_from(tokens, rows, start, n, count)
         if self.corpus.written == 0:
             return drafts
         back = self.corpus.hasher.back
         pos = n[:, None] - 1 - back  # [R, corpus max_n] the rows' last tokens, oldest first
         suffix = tokens.reshape(-1).take(rows[:, None] * tokens.shape[1] + np.maximum(pos, 0))
         suffix = np.where(pos >= 0, suffix, -1)  # a short row: the separator before it
-        shared, shared_len = self.corpus.lookup(suffix, self.max_drafts)
+        shared, shared_len = self.corpus.lookup(suffix, count)
         return np.where((shared_len > own_len)[:, None], shared, drafts)
