@@ -15,9 +15,10 @@ With async scheduling (the default on CUDA) each ``step`` call overlaps host and
     GPU:                  [ .. step n-1 .. ][ .. step n .. ]
     worker:                                   [ decode the requests n-1 finished ]
 
-Steps with drafts keep overlapping when the proposer can draft ahead of the step in flight
-(n-gram, suffix: core/drafts.py); with other proposers (trees, test ones) they run
-synchronously: launch n, then process n at once. Steps with
+Steps with drafts of a small batch (``draft_ahead_below`` rows) keep overlapping when the
+proposer can draft ahead of the step in flight (n-gram, suffix: core/drafts.py); larger
+ones, and those of other proposers (trees, test ones), run synchronously: launch n, then
+process n at once. Steps with
 structured output (rows with a grammar) keep overlapping: launch n+1 enqueues the forward
 pass, then waits for step n's tokens, feeds them to the grammars, and while the grammars
 fill step n+1's masks it processes step n and schedules and flattens step n+2 ("ahead");
@@ -87,11 +88,18 @@ class LLMEngine:
         """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
         on every step (multi-token steps, see core/drafts.py); None: the one
         ``config.speculative`` names, if any, drafting on every step (a method by name) or
-        where the goodput policy expects it to pay (``auto``). Drafted steps keep async
-        scheduling where the proposer drafts ahead (``PredictsAhead``) and the attention
-        backend's decode path takes its 1 + k tokens; else they run synchronously."""
+        where the goodput policy expects it to pay (``auto``). Drafted steps of fewer than
+        ``draft_ahead_below`` rows keep async scheduling where the proposer drafts ahead
+        (``PredictsAhead``) and the attention backend's decode path takes its 1 + k tokens;
+        else they run synchronously."""
         self.config = config
         self.policy: SpeculationPolicy | None = None
+        # Drafted steps of fewer running rows than this draft ahead (async) where they can;
+        # larger ones run synchronously. On the H200 (SmolLM2, k = 4, BENCHMARKS session
+        # 24) drafting ahead won at 1 row (ngram 1.26x of off vs 1.11x synchronous) and lost
+        # from 8 rows on (auto 1.06x vs 1.36x at 8, ngram 0.81x vs 0.91x at 64): its drafts
+        # are a step older, so fewer are accepted and more compute is wasted.
+        self.draft_ahead_below = 8
         auto = proposer is None and config.speculative.method == "auto"
         if proposer is None:
             proposer = build_proposer(config.speculative)
@@ -354,7 +362,11 @@ class LLMEngine:
         # Unless drafted ahead, a drafted row's inputs need every earlier token on the host:
         # such steps run synchronously. (A constrained row's mask needs them too, but only
         # once the forward pass is enqueued: ``_token_bitmask`` waits for them there.)
-        sync = draft and not self.scheduler.config.drafts_ahead
+        ahead = (
+            self.scheduler.config.drafts_ahead
+            and self.scheduler.num_running < self.draft_ahead_below
+        )
+        sync = draft and not ahead
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
             # step's own time starts after it).
@@ -364,7 +376,7 @@ class LLMEngine:
         ahead, self._ahead = self._ahead, None
         aborted, self._aborted_ahead = self._aborted_ahead, set()  # of that step's requests
         if ahead is None:
-            sched, prepared = self.scheduler.schedule(draft=draft), None
+            sched, prepared = self.scheduler.schedule(draft=draft, ahead=ahead), None
         else:  # scheduled (and its time counted) in the last launch
             sched, prepared = ahead
         host_ms = (time.perf_counter() - t0) * 1e3

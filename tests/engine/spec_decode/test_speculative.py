@@ -45,11 +45,16 @@ def off_run(model_path: Path) -> tuple[list[list[int]], dict]:
     return _run_120(model_path, "off")
 
 
-def _run_120(model_path: Path, method: str, **settings) -> tuple[list[list[int]], dict]:
-    """Greedy outputs of 120 copy prompts and the engine's step profile."""
+def _run_120(
+    model_path: Path, method: str, ahead_below: int | None = None, **settings
+) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of 120 copy prompts and the engine's step profile (``ahead_below``:
+    the engine's ``draft_ahead_below``, if given)."""
     prompts = _copy_prompts(120)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     llm = _llm(model_path, method, max_num_seqs=32, profile_steps=True, **settings)
+    if ahead_below is not None:
+        llm.engine.draft_ahead_below = ahead_below
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     profile = llm.engine.step_profile()
     profile["steps"] = llm.engine.scheduler.stats.num_steps
@@ -70,17 +75,23 @@ def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, meth
         assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize(("method", "ahead_below"), [("ngram", 99), ("suffix", 99), ("ngram", 8)])
 def test_drafted_ahead_greedy_output_equals_off_on_120_prompts(
-    model_path: Path, off_run, method
+    model_path: Path, off_run, method: str, ahead_below: int
 ) -> None:
     """With async scheduling (forced on CPU) these proposers draft ahead of the step in
-    flight: no step runs synchronously, and the tokens are those of speculation off."""
+    flight while fewer than ``draft_ahead_below`` rows run (every step here with 99; with
+    8, the batch's tail, after synchronous drafted steps of up to 32 rows): the tokens are
+    those of speculation off."""
     want, off = off_run
-    got, profile = _run_120(model_path, method, async_scheduling=True)
+    got, profile = _run_120(model_path, method, ahead_below, async_scheduling=True)
     assert got == want
     stats = profile["speculative"]
-    assert stats["accepted_tokens"] > 0 and profile["synchronous_steps"] == 0, profile
+    assert stats["accepted_tokens"] > 0, profile
+    if ahead_below == 99:
+        assert profile["synchronous_steps"] == 0, profile
+    else:  # both kinds
+        assert 0 < profile["synchronous_steps"] < profile["steps"], profile
     assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
 
 

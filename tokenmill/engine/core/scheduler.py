@@ -141,11 +141,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._order)
 
-    def schedule(self, draft: bool = True) -> SchedulerOutput:
+    def schedule(self, draft: bool = True, ahead: bool | None = None) -> SchedulerOutput:
         """The next step. ``draft``: decode rows whose inputs are all known on the host take
-        the proposer's drafts (rows with a pending token never do)."""
+        the proposer's drafts, and with ``ahead`` (default: ``drafts_ahead``; only where
+        that is on) so do rows with a step in flight, drafted ahead of it (drafts.py)."""
         budget = self.config.max_num_batched_tokens
-        slots, num_new, drafts, preempted = self._schedule_running(budget, draft)
+        ahead = self.config.drafts_ahead if ahead is None else ahead and self.config.drafts_ahead
+        slots, num_new, drafts, preempted = self._schedule_running(budget, draft, ahead)
         starts, sample = self._advance(slots, num_new)
         parts = [(slots, starts, num_new, sample, drafts)]
         if not preempted:
@@ -170,7 +172,7 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, budget: int, draft: bool = True
+        self, budget: int, draft: bool = True, ahead: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
         """Slots of the running requests this step serves, their token counts and drafts,
         oldest first, with their KV slots allocated; plus the ids preempted to make room.
@@ -190,7 +192,7 @@ class Scheduler:
             t0 = time.perf_counter()
             drafts = add_drafts(
                 s, order, num_new, self.proposer, budget, self.config.max_model_len,
-                ahead=self.config.drafts_ahead,
+                ahead=ahead,
             )  # fmt: skip
             self.stats.propose_seconds += time.perf_counter() - t0
             self.stats.num_propose_calls += 1
