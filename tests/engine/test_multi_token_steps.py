@@ -234,8 +234,8 @@ def test_drafts_ahead_keep_async_scheduling(model_path: Path, kind: str) -> None
 
 def test_drafts_ahead_with_stops_seeds_and_preemption(model_path: Path) -> None:
     """Drafted ahead under KV pressure (rows preempted and recomputed), with stop token ids
-    met mid-draft and seeded rows (which sample by output position, so never draft ahead):
-    the tokens of a run without drafts."""
+    met mid-draft, a seeded row and one with penalties (which sample by output position and
+    history, so never draft ahead): the tokens of a run without drafts."""
     probe, _, _ = _run(model_path, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0)] * 6)
     params = []
     for i in range(6):
@@ -245,6 +245,8 @@ def test_drafts_ahead_with_stops_seeds_and_preemption(model_path: Path) -> None:
             kwargs = {"temperature": 0, "stop_token_ids": (tokens[9],)}
         if i == 4:
             kwargs = {"seed": 104, "temperature": 0.8, "top_p": 0.9}
+        if i == 5:
+            kwargs = {"temperature": 0, "presence_penalty": 2.0, "frequency_penalty": 2.0}
         params.append(SamplingParams(max_tokens=MAX_TOKENS, **kwargs))
     small = 24 * 1024  # 24 blocks of 4 tokens (1 KiB each); the rows need up to 11 each
     want, _, _ = _run(model_path, params, kv_cache_memory=small)

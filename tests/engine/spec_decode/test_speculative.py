@@ -232,3 +232,30 @@ def test_seeded_sampling_is_the_same_with_drafts(model_path: Path) -> None:
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
     assert outs[1] == outs[0] and outs[2] == outs[1]
     assert llm.engine.scheduler.stats.num_draft_tokens > 0
+
+
+def test_seeded_and_penalized_rows_beside_drafts_ahead(model_path: Path) -> None:
+    """Async scheduling with drafted steps of 8 rows synchronous and smaller ones drafted
+    ahead: rows that sample by output position (a seed) or history (penalties) draft only
+    in the synchronous steps, whose positions the host knows; every row's tokens equal
+    those of speculation off."""
+    prompts = _copy_prompts(24)
+    params = []
+    for i in range(24):
+        kind = i % 3
+        if kind == 0:
+            params.append(SamplingParams(max_tokens=16 + i % 7, temperature=0, ignore_eos=True))
+        elif kind == 1:
+            params.append(SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=i,
+                                         ignore_eos=True))  # fmt: skip
+        else:
+            params.append(SamplingParams(max_tokens=16, temperature=0, presence_penalty=2.0,
+                                         frequency_penalty=2.0, ignore_eos=True))  # fmt: skip
+    outs = []
+    for method in ("off", "ngram"):
+        llm = _llm(model_path, method, async_scheduling=True)
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+    assert outs[1] == outs[0]
+    profile = llm.engine.step_profile()
+    assert profile["speculative"]["accepted_tokens"] > 0
+    assert 0 < profile["synchronous_steps"] < llm.engine.scheduler.stats.num_steps

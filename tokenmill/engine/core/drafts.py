@@ -133,16 +133,16 @@ def add_drafts(
     (ModelRunner._histories).
 
     With ``ahead`` (a ``PredictsAhead`` proposer), rows with a step in flight draft ahead
-    of it into ``ahead_window`` / ``num_ahead`` (see the top). Where the table can hold
-    drafts ahead (steps may draft ahead now and then), rows that sample by position or
-    history (a seed, penalties) take no drafts at all: the step after a drafted one may
-    start where only the device knows."""
+    of it into ``ahead_window`` / ``num_ahead`` (see the top), and rows that sample by
+    position or history (a seed, penalties) take no drafts at all: the step after a drafted
+    one starts where only the device knows. (After a step drafted without ``ahead``, which
+    the engine processes before the next is scheduled, every row's position is known.)"""
     t = table
     cols = t.sampling.columns
     eligible = (num_new == 1) & (cols["logprobs"][order] < 0) & ~cols["structured"][order]
-    if t.ahead_window.shape[1]:  # a step may start where only the device knows
+    if ahead:  # the next step may start where only the device knows
         eligible &= ~_samples_by_position(cols, order)
-    if not ahead:
+    else:
         eligible &= t.num_pending[order] == 0
     counts = np.zeros(len(order), dtype=np.int64)
     if not eligible.any():
