@@ -1,9 +1,10 @@
 """When to draft: a goodput rule that turns speculation off where it does not pay.
 
 A drafted step gives each row 1 + its accepted drafts, but it costs more than a plain step:
-more tokens through the model, the proposer's host time, and, under async scheduling, the
-overlap of the host's work with the device's (a drafted row's next input is known only once
-its drafts are verified, so a drafted step runs synchronously). Per step the policy compares,
+more tokens through the model, the proposer's host time, and, under async scheduling with
+8 rows or more, the overlap of the host's work with the device's (such drafted steps run
+synchronously; smaller ones draft ahead of the step in flight, core/drafts.py, and keep
+it, but their drafts are a step older). Per step the policy compares,
 for the batch's size bucket (powers of two), from decode-only steps:
 
     plain:    B tokens                 in t_plain  (mean wall ms of recent plain steps)
