@@ -56,7 +56,7 @@ def compact_profile(profile: dict) -> dict:
 
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
-    profile: bool = False,
+    profile: bool = False, ahead_below: int | None = None,
 ):  # fmt: skip
     llm = LLM(
         model,
@@ -65,6 +65,8 @@ def run(
         speculative={"method": method, "max_tokens": k},
         profile_steps=profile,
     )
+    if ahead_below is not None:
+        llm.engine.draft_ahead_below = ahead_below
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     # Warm-up on a full batch of other prompts of the workload, long enough to draft, so the
     # kernel variants and graphs the run's shapes need are built before the clock starts (a
@@ -111,6 +113,12 @@ def main() -> None:
         help="runs of off and each method, alternating; lines report medians (short runs on "
         "the GPU move 10-30%% from one to the next)",
     )
+    parser.add_argument(
+        "--ahead-below",
+        type=int,
+        default=None,
+        help="the engine's draft_ahead_below: drafted steps of fewer rows draft ahead (async)",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
     for workload in args.workloads.split(","):
@@ -122,7 +130,7 @@ def main() -> None:
                 for method in runs:
                     runs[method].append(
                         run(args.model, args.device, batch, method, args.draft_tokens, convs,
-                            warm, args.max_tokens, args.profile)
+                            warm, args.max_tokens, args.profile, args.ahead_below)
                     )  # fmt: skip
             for method, done in runs.items():
                 line = _line(workload, batch, method, args, done, runs["off"])

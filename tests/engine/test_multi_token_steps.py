@@ -17,6 +17,7 @@ from tokenmill.engine.core.drafts import accepted_counts, draft_lengths
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.spec_decode.ngram import NgramProposer
 
 MAX_TOKENS = 24
 K = 3
@@ -179,16 +180,19 @@ def test_triton_decode_kernel_takes_drafts(model_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["true", "wrong", "ahead", "ahead-flaky"])
+@pytest.mark.parametrize("kind", ["true", "wrong", "ahead", "ahead-flaky", "ngram"])
 def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> None:
     """On CUDA (Triton attention, CUDA graphs): decode steps with drafts replay the graphs
     captured for 1 + K tokens a row (rows with fewer drafts left-padded), with the tokens
     of a run without drafts; drafted ahead (async scheduling, the default there), the
-    device moves each row where its last step's acceptance put it before the replay."""
+    device moves each row where its last step's acceptance put it before the replay (the
+    test proposers, and the n-gram one on the tiny model's outputs)."""
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)] * 6
     want, _, _ = _run(model_path, params, device="cuda", block_size=16)
     truth = {r: o.token_ids for r, o in want.items()}
-    if kind.startswith("ahead"):
+    if kind == "ngram":
+        oracle = NgramProposer(K)
+    elif kind.startswith("ahead"):
         oracle = AheadProposer(truth, K, flaky=kind == "ahead-flaky")
     else:
         oracle = ContinuationProposer(truth, K, wrong=kind == "wrong")
@@ -201,6 +205,9 @@ def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> No
         assert engine.scheduler.config.drafts_ahead
         assert engine.step_profile()["synchronous_steps"] == 0
         assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    if kind == "ngram":
+        assert engine.scheduler.config.drafts_ahead
+        assert engine.step_profile()["synchronous_steps"] == 0
     decode = engine.step_profile()["decode"]
     assert decode["graph_steps"] == decode["steps"] > 0
 

@@ -30,6 +30,17 @@ def test_on_cpu_the_arrays_come_back_as_tensors_sharing_memory() -> None:
     assert a[0] == 9 and t.dtype == torch.int64
 
 
+def test_groups_come_back_group_by_group_in_one_call() -> None:
+    ring = UploadRing(torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    first, second = _group(rng, 5), []
+    third = [np.arange(3, dtype=np.int64)]
+    views = ring.upload_groups(first, second, third)
+    assert ring.calls == 1 and [len(v) for v in views] == [len(first), 0, 1]
+    for host, dev in zip(first + third, views[0] + views[2], strict=True):
+        assert torch.equal(dev, torch.from_numpy(np.ascontiguousarray(host)))
+
+
 def test_depth_below_two_is_refused() -> None:
     with pytest.raises(ValueError, match="depth >= 2"):
         UploadRing(torch.device("cpu"), depth=1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -183,27 +184,34 @@ class DecodeGraphRunner:
             return t, True
         return None
 
+    def layout(self, batch: HostBatch, kind: tuple[int, bool]) -> np.ndarray | None:
+        """[T] where each of ``batch``'s tokens sits in the graphs of ``kind`` (None: in
+        order): what ``run`` takes as ``dest``."""
+        return _padded_rows(batch.query_lens, kind[0])
+
     def run(
         self,
         batch: HostBatch,
         kind: tuple[int, bool],
-        upload_many: Callable[[Sequence[np.ndarray]], list[torch.Tensor]],
+        upload_groups: Callable[..., list[list[torch.Tensor]]],
         last: SampledRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, np.ndarray | None]:
-        """(hidden states [N, H] at ``batch.logits_rows``, the pending input tokens [P] or
-        None, the input ids as replayed, where each of the step's tokens sits in them (None:
-        in order)) of ``batch``, replayed in the graphs of ``kind`` (what ``kind(batch)``
-        said; not None).
+        dest: np.ndarray | None = None,
+        shift: Sequence[np.ndarray] = (),
+        after: Sequence[np.ndarray] = (),
+    ) -> Replayed:
+        """``batch`` replayed in the graphs of ``kind`` (what ``kind(batch)`` said; not None),
+        its tokens placed as ``dest`` (``layout(batch, kind)``) says.
 
-        ``upload_many`` sends the step's host arrays to the device in one copy (the model
-        runner's ``UploadRing.upload``); they are then copied into the static buffers. The
-        input tokens at ``batch.pending_rows``, which the host does not know yet, are
+        ``upload_groups`` sends the step's host arrays to the device in one copy (the
+        model runner's ``UploadRing.upload_groups``); they are then copied into the static
+        buffers. The input tokens at ``batch.pending_rows``, which the host does not know yet, are
         ``last.tokens[batch.pending_src]`` (the previous step's sampled rows, on the
-        device); rows behind a drafted step move where it put them (sampled_rows.py)."""
+        device); rows behind a drafted step move where it put them (``shift``: the arrays
+        of sampled_rows.shift_arrays). ``after``: more
+        arrays for the step's later work, sent in the same copy (``Replayed.after``)."""
         q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
-        dest = _padded_rows(batch.query_lens, q)  # [T] each token's row in the padded layout
         input_ids, positions, slots = batch.input_ids, batch.positions, batch.slot_mapping
         if dest is not None:
             input_ids, positions, slots = (
@@ -225,7 +233,7 @@ class DecodeGraphRunner:
         if last is not None:
             extra += [batch.pending_src]
             extra += [batch.pending_rows if dest is None else dest[batch.pending_rows]]
-        dev = upload_many(arrays + extra)
+        dev, shift_d, after_d = upload_groups(arrays + extra, shift, after)
         for dst, src in zip(statics, dev[: len(statics)], strict=True):
             dst.copy_(src)
         dev_rows = dev[len(arrays)] if gather_rows else None
@@ -234,8 +242,8 @@ class DecodeGraphRunner:
             pending = last.tokens[dev[-2]]
             s.input_ids.index_copy_(0, dev[-1], pending)
         shift_inputs(
-            batch, dest, last, s.input_ids, s.positions, s.slot_mapping, s.seq_lens,
-            s.block_tables, self.block_size, upload_many,
+            batch, last, shift_d, s.input_ids, s.positions, s.slot_mapping, s.seq_lens,
+            s.block_tables, self.block_size,
         )  # fmt: skip
         if bs > b:  # padding requests: no KV write
             s.slot_mapping[n : bs * q].fill_(-1)
@@ -246,9 +254,19 @@ class DecodeGraphRunner:
                 s.tree_mask[n : bs * q].fill_(-1)
         graph, hidden = self.graphs[(bs, q, tree)]
         graph.replay()
-        if dev_rows is None:  # every row samples its one token: no gather
-            return hidden[:b], pending, s.input_ids, dest
-        return hidden[dev_rows], pending, s.input_ids, dest
+        hidden = hidden[:b] if dev_rows is None else hidden[dev_rows]  # (else no gather)
+        return Replayed(hidden, pending, s.input_ids, after_d)
+
+
+class Replayed(NamedTuple):
+    """What ``DecodeGraphRunner.run`` gives: hidden states [N, H] at the step's logits
+    rows, the pending input tokens [P] (None: none), the input ids as replayed, and the
+    device copies of its ``after`` arrays."""
+
+    hidden: torch.Tensor
+    pending: torch.Tensor | None
+    input_ids: torch.Tensor
+    after: list[torch.Tensor]
 
 
 def _padded_masks(batch: HostBatch, q: int, dest: np.ndarray | None) -> np.ndarray:

@@ -41,7 +41,13 @@ from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogitsPlan, compute_prompt_logprobs
-from tokenmill.engine.sampled_rows import SampledRows, sampled_rows, shift_inputs
+from tokenmill.engine.sampled_rows import (
+    SampledRows,
+    accept_arrays,
+    sampled_rows,
+    shift_arrays,
+    shift_inputs,
+)
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.sampling_reuse import SamplingReuse
@@ -225,17 +231,23 @@ class ModelRunner:
         plan = None if prompt_logits is None else prompt_logits(sched, batch)
         scored = None  # plan's prompt logprobs
         kind = None if self.graphs is None or plan is not None else self.graphs.kind(batch)
+        index_of = None if kind is None else self.graphs.layout(batch, kind)
+        # Sent with the step's inputs: where to move rows behind a drafted step, and what
+        # to check drafts with.
+        shift = shift_arrays(batch, index_of, last)
+        after = accept_arrays(batch, index_of)
         if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
-            hidden, pending, input_ids, index_of = self.graphs.run(
-                batch, kind, self.uploads.upload, last
+            hidden, pending, input_ids, after_d = self.graphs.run(
+                batch, kind, self.uploads.upload_groups, last, index_of, shift, after
             )
             logits = self.model.compute_logits(hidden)  # [N, V]
         else:
             piecewise = self.pieces is not None and self.pieces.fits(batch.num_tokens)
             self.profiler.begin(t0, batch, graph=piecewise)
-            common, input_ids, positions, rows, pending = self._upload(batch, last)
-            index_of = None
+            common, input_ids, positions, rows, pending, after_d = self._upload(
+                batch, last, shift, after
+            )
             attn_meta = self.backend.build(common)
             if piecewise:
                 hidden = self.pieces.run(input_ids, positions, attn_meta)  # [T, H]
@@ -279,9 +291,7 @@ class ModelRunner:
             )
             self._sampling_reuse.keep(table.sampling, row_slots, meta)
         out = self.sampler(logits, meta)
-        self._last = sampled_rows(
-            out.sampled_token_ids, batch, input_ids, index_of, row_of_slot, self.uploads.upload
-        )
+        self._last = sampled_rows(out.sampled_token_ids, batch, input_ids, row_of_slot, after_d)
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         step.prompt_logprobs = scored
         self.profiler.end()
@@ -326,13 +336,23 @@ class ModelRunner:
         return prompts, outputs
 
     def _upload(
-        self, batch: HostBatch, last: SampledRows | None
+        self,
+        batch: HostBatch,
+        last: SampledRows | None,
+        shift: Sequence[np.ndarray],
+        after: Sequence[np.ndarray],
     ) -> tuple[
-        CommonAttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None
+        CommonAttentionMetadata,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor | None,
+        list[torch.Tensor],
     ]:
         """The step's inputs on the device in one copy: (attention metadata, input ids with
-        the pending tokens filled in, positions, logits rows, the pending tokens [P]); rows
-        behind a drafted step moved where it put them (sampled_rows.py)."""
+        the pending tokens filled in, positions, logits rows, the pending tokens [P], the
+        device copies of ``after``); rows behind a drafted step moved where it put them
+        (``shift``: sampled_rows.shift_arrays)."""
         qsl = np.zeros(batch.num_reqs + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
         arrays = [
@@ -348,15 +368,15 @@ class ModelRunner:
             arrays += [batch.pending_src, batch.pending_rows]
         if batch.tree_mask is not None:
             arrays.append(batch.tree_mask)
-        dev = self.uploads.upload(arrays)
+        dev, shift_d, after_d = self.uploads.upload_groups(arrays, shift, after)
         qsl_d, seq_lens, block_tables, slot_mapping, input_ids, positions, rows = dev[:7]
         pending = None
         if last is not None:
             pending = last.tokens[dev[7]]
             input_ids.index_copy_(0, dev[8], pending)
         shift_inputs(
-            batch, None, last, input_ids, positions, slot_mapping, seq_lens, block_tables,
-            self.block_size, self.uploads.upload,
+            batch, last, shift_d, input_ids, positions, slot_mapping, seq_lens, block_tables,
+            self.block_size,
         )  # fmt: skip
         common = CommonAttentionMetadata(
             query_start_loc=qsl_d,
@@ -370,4 +390,4 @@ class ModelRunner:
             tree_mask=None if batch.tree_mask is None else dev[-1],
             tree_mask_host=batch.tree_mask,
         )
-        return common, input_ids, positions, rows, pending
+        return common, input_ids, positions, rows, pending, after_d

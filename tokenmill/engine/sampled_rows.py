@@ -15,14 +15,15 @@ drafts drafted ahead come from the window at offset a (core/drafts.py):
     next step's row:  input s_a   at n + a          drafts W[a], W[a + 1], .. after it
                       KV slot   = block_tables[row, pos // block_size] * block_size + pos % bs
 
-Every index is built on the host with numpy; the device runs a few gathers and scatters.
-``index_of`` maps a step's token index (varlen order) to where its inputs sit (CUDA graphs
+Every index is built on the host with numpy (``shift_arrays``, ``accept_arrays``) and goes
+to the device in the step's one upload with its inputs; the device runs a few gathers and
+scatters. ``index_of`` maps a step's token index (varlen order) to where its inputs sit (CUDA graphs
 left-pad each row, cuda_graphs.py); None: the same place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +31,7 @@ import torch
 
 from tokenmill.engine.host_batch import HostBatch
 
-__all__ = ["SampledRows", "sampled_rows", "shift_inputs"]
-
-Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
+__all__ = ["SampledRows", "accept_arrays", "sampled_rows", "shift_arrays", "shift_inputs"]
 
 
 @dataclass(frozen=True)
@@ -43,24 +42,15 @@ class SampledRows:
     shift: torch.Tensor | None = None  # [S] accepted - drafts (<= 0)
 
 
-def sampled_rows(
-    sampled: torch.Tensor,
-    batch: HostBatch,
-    input_ids: torch.Tensor,
-    index_of: np.ndarray | None,
-    row_of_slot: np.ndarray,
-    upload: Upload,
-) -> SampledRows:
-    """The step's rows' kept tokens (and, after drafts, what they accepted) from its flat
-    samples [N] and its input ids as the forward pass read them; ``row_of_slot`` [C] maps
-    each sampling row's slot to its index in ``batch.sample_slots``."""
+def accept_arrays(batch: HostBatch, index_of: np.ndarray | None) -> list[np.ndarray]:
+    """The host arrays ``sampled_rows`` needs (uploaded with the step's inputs): none when
+    every row samples one token."""
     counts = batch.sample_counts
     if not len(counts) or int(counts.max()) == 1:
-        return SampledRows(sampled, row_of_slot)
+        return []
     last = np.cumsum(counts) - 1
     if batch.tree_mask is not None:  # trees run synchronously: no step starts behind them
-        (index,) = upload([last])
-        return SampledRows(sampled[index], row_of_slot)
+        return [last]
     k = int(counts.max()) - 1
     first = last - counts + 1
     drafts = counts - 1
@@ -68,9 +58,26 @@ def sampled_rows(
     at = first[:, None] + np.minimum(np.arange(k + 1), drafts[:, None])  # [S, K + 1]
     # the draft checked against sample j is the input after it: the row's next logits row
     following = batch.logits_rows[np.where(valid, first[:, None] + 1 + np.arange(k), 0)]
-    if index_of is not None:
-        following = index_of[following]
-    at_d, following_d, valid_d, drafts_d = upload([at, following, valid, drafts])
+    return [at, _mapped(following, index_of), valid, drafts]
+
+
+def sampled_rows(
+    sampled: torch.Tensor,
+    batch: HostBatch,
+    input_ids: torch.Tensor,
+    row_of_slot: np.ndarray,
+    views: Sequence[torch.Tensor],
+) -> SampledRows:
+    """The step's rows' kept tokens (and, after drafts, what they accepted) from its flat
+    samples [N] and its input ids as the forward pass read them; ``row_of_slot`` [C] maps
+    each sampling row's slot to its index in ``batch.sample_slots``; ``views``: the device
+    copies of ``accept_arrays``."""
+    if not views:
+        return SampledRows(sampled, row_of_slot)
+    if batch.tree_mask is not None:
+        return SampledRows(sampled[views[0]], row_of_slot)
+    at_d, following_d, valid_d, drafts_d = views
+    k = valid_d.shape[1]
     samples = sampled[at_d]  # [S, K + 1]
     match = (samples[:, :k] == input_ids[following_d]) & valid_d
     accepted = match.long().cumprod(dim=1).sum(dim=1)
@@ -78,24 +85,16 @@ def sampled_rows(
     return SampledRows(tokens, row_of_slot, accepted, accepted - drafts_d)
 
 
-def shift_inputs(
+def shift_arrays(
     batch: HostBatch,
     index_of: np.ndarray | None,
     last: SampledRows | None,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    block_size: int,
-    upload: Upload,
-) -> None:
-    """Move the pending rows of ``batch`` to where the last launch's acceptance put them
-    and fill in their drafts drafted ahead (see the top), in place; a no-op unless the last
-    launch drafted or this step drafts ahead. The pending tokens are already in place."""
+) -> list[np.ndarray]:
+    """The host arrays ``shift_inputs`` needs (uploaded with the step's inputs): none when
+    there is nothing to move or draft ahead."""
     moved = last is not None and last.shift is not None
     if not len(batch.pending_rows) or not (moved or batch.ahead_window is not None):
-        return
+        return []
     src, reqs = batch.pending_src, batch.pending_reqs
     arrays: list[np.ndarray] = []
     if moved:
@@ -109,8 +108,28 @@ def shift_inputs(
         width = batch.ahead_window.shape[1]
         tok = batch.pending_rows[row] + 1 + j
         arrays += [_mapped(tok, index_of), src[row], row * width + j, batch.ahead_window]
-    dev = upload(arrays)
-    if moved:
+    return arrays
+
+
+def shift_inputs(
+    batch: HostBatch,
+    last: SampledRows | None,
+    views: Sequence[torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Move the pending rows of ``batch`` to where the last launch's acceptance put them
+    and fill in their drafts drafted ahead (see the top), in place; ``views``: the device
+    copies of ``shift_arrays`` (none: nothing to do). The pending tokens are already in
+    place."""
+    if not views:
+        return
+    dev = list(views)
+    if last is not None and last.shift is not None:
         tok_d, tok_src, tok_row, reqs_d, src_d = dev[:5]
         dev = dev[5:]
         positions.index_add_(0, tok_d, last.shift[tok_src])
