@@ -204,11 +204,11 @@ class DecodeGraphRunner:
 
         ``upload_groups`` sends the step's host arrays to the device in one copy (the
         model runner's ``UploadRing.upload_groups``); they are then copied into the static
-        buffers. The input tokens at ``batch.pending_rows``, which the host does not know yet, are
-        ``last.tokens[batch.pending_src]`` (the previous step's sampled rows, on the
-        device); rows behind a drafted step move where it put them (``shift``: the arrays
-        of sampled_rows.shift_arrays). ``after``: more
-        arrays for the step's later work, sent in the same copy (``Replayed.after``)."""
+        buffers. The input tokens at ``batch.pending_rows``, which the host does not know
+        yet, are ``last.tokens[batch.pending_src]`` (the previous step's sampled rows, on
+        the device); rows behind a drafted step move where it put them (``shift``: the
+        arrays of sampled_rows.shift_arrays). ``after``: more arrays for the step's later
+        work, sent in the same copy (``Replayed.after``)."""
         q, tree = kind
         b = batch.num_reqs
         bs = next(x for x in self.buckets if x >= b)
