@@ -195,7 +195,8 @@ class DecodeGraphRunner:
         kind: tuple[int, bool],
         upload_groups: Callable[..., list[list[torch.Tensor]]],
         last: SampledRows | None = None,
-        dest: np.ndarray | None = None,
+        *,
+        dest: np.ndarray | None,
         shift: Sequence[np.ndarray] = (),
         after: Sequence[np.ndarray] = (),
     ) -> Replayed:
@@ -254,7 +255,8 @@ class DecodeGraphRunner:
                 s.tree_mask[n : bs * q].fill_(-1)
         graph, hidden = self.graphs[(bs, q, tree)]
         graph.replay()
-        hidden = hidden[:b] if dev_rows is None else hidden[dev_rows]  # (else no gather)
+        # every row sampling its one token in order: a view, no gather
+        hidden = hidden[:b] if dev_rows is None else hidden[dev_rows]
         return Replayed(hidden, pending, s.input_ids, after_d)
 
 

@@ -239,8 +239,9 @@ class ModelRunner:
         if kind is not None:
             self.profiler.begin(t0, batch, graph=True)
             hidden, pending, input_ids, after_d = self.graphs.run(
-                batch, kind, self.uploads.upload_groups, last, index_of, shift, after
-            )
+                batch, kind, self.uploads.upload_groups, last, dest=index_of, shift=shift,
+                after=after,
+            )  # fmt: skip
             logits = self.model.compute_logits(hidden)  # [N, V]
         else:
             piecewise = self.pieces is not None and self.pieces.fits(batch.num_tokens)

@@ -17,8 +17,8 @@ drafts drafted ahead come from the window at offset a (core/drafts.py):
 
 Every index is built on the host with numpy (``shift_arrays``, ``accept_arrays``) and goes
 to the device in the step's one upload with its inputs; the device runs a few gathers and
-scatters. ``index_of`` maps a step's token index (varlen order) to where its inputs sit (CUDA graphs
-left-pad each row, cuda_graphs.py); None: the same place.
+scatters. ``index_of`` maps a step's token index (varlen order) to where its inputs sit
+(CUDA graphs left-pad each row, cuda_graphs.py); None: the same place.
 """
 
 from __future__ import annotations
