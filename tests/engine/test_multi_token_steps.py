@@ -98,7 +98,7 @@ def _run(
         async_scheduling=async_scheduling,
     )
     engine = LLMEngine(config, proposer)
-    for i, (prompt, p) in enumerate(zip(_prompts(), params, strict=True)):
+    for i, (prompt, p) in enumerate(zip(_prompts()[: len(params)], params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
     done: dict[str, RequestOutput] = {}
     steps = 0
@@ -168,12 +168,12 @@ def test_acceptance_takes_the_leading_matches() -> None:
 def test_triton_decode_kernel_takes_drafts(model_path: Path) -> None:
     """The Triton backend (in the interpreter here) runs drafted decode rows through its
     decode kernel, several query tokens a row, with the torch backend's tokens."""
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 6
+    params = [SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)] * 3
     want, _, _ = _run(model_path, params, block_size=16, backend="torch")
     oracle = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K)
     got, steps, _ = _run(model_path, params, oracle, block_size=16, backend="triton")
     assert _summary(got) == _summary(want)
-    assert steps == 1 + -(-(10 - 1) // (K + 1))
+    assert steps == 1 + -(-(9 - 1) // (K + 1))
     wrong = ContinuationProposer({r: o.token_ids for r, o in want.items()}, K, wrong=True)
     got, _, _ = _run(model_path, params, wrong, block_size=16, backend="triton")
     assert _summary(got) == _summary(want)

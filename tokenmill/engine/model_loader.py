@@ -65,13 +65,28 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model.to_empty(device=device)``, keeping the attributes its parameters carry (weight
-    loaders, sharded dims): moving off the meta device makes new Parameter objects."""
-    attrs = {name: dict(param.__dict__) for name, param in model.named_parameters()}
-    model = model.to_empty(device=device)
-    for name, param in model.named_parameters():
-        param.__dict__.update(attrs[name])
+    """What ``model.to_empty(device=device)`` does, keeping the attributes its parameters
+    carry (weight loaders, sharded dims) on the new Parameter objects.
+
+    Each tensor is allocated from its shape and dtype alone: ``to_empty`` runs
+    ``empty_like`` on every meta tensor, whose Python meta kernels import torch's symbolic
+    shapes machinery on first use (1.5 s of every process that builds a model).
+    """
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            fresh = torch.nn.Parameter(_empty_as(param, device), param.requires_grad)
+            fresh.__dict__.update(param.__dict__)
+            module._parameters[name] = fresh
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = _empty_as(buffer, device)
     return model
+
+
+def _empty_as(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 @torch.no_grad()

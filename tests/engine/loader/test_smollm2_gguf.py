@@ -78,6 +78,24 @@ def test_tokenizer_round_trips_and_has_chat_template(smollm2: ModelSource) -> No
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_tokenizer_is_the_one_auto_tokenizer_builds(
+    smollm2: ModelSource, hf_smollm2: tuple
+) -> None:
+    """The loader builds the file's tokenizer without ``AutoTokenizer`` (11 s faster): the same
+    pieces, special tokens and ids as transformers' own route."""
+    ours, auto = smollm2.load_tokenizer(), hf_smollm2[1]
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == auto.special_tokens_map
+    assert ours.all_special_ids == auto.all_special_ids
+    chat = [{"role": "user", "content": "Réponds: 12 + 30 = ? 🤖\n\tmerci"}]
+    for text in (
+        "The quick brown fox.",
+        "  leading spaces and <|im_start|> inside",
+        ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+    ):
+        assert ours(text)["input_ids"] == auto(text)["input_ids"], text
+
+
 def test_each_load_gets_its_own_copy_of_the_cached_tokenizer(smollm2: ModelSource) -> None:
     first, second = smollm2.load_tokenizer(), smollm2.load_tokenizer()
     assert first is not second and first.get_vocab() == second.get_vocab()

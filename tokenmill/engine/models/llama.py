@@ -146,7 +146,11 @@ class LlamaModel(torch.nn.Module):
         parallel: ParallelConfig,
     ):
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built with its (empty) weight: Embedding's own random init would run on the meta
+        # device through torch._refs, whose first use imports torch._dynamo (3.7 s a process)
+        # for values that loading overwrites anyway.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = torch.nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(config, backend, fused, parallel)
             for _ in range(config.num_hidden_layers)
