@@ -104,6 +104,27 @@ def test_tokenizer_round_trips_with_chat_template(tiny_hf_dir: TinyDir) -> None:
     assert tokenizer.eos_token_id == 2
 
 
+def test_a_named_tokenizer_class_goes_through_auto_tokenizer(
+    tiny_hf_dir: TinyDir, tmp_path: Path
+) -> None:
+    """A generic tokenizer.json loads directly; one whose config names a model-specific class
+    gets that class from AutoTokenizer, with the same ids."""
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_hf_dir("llama"), plain)
+    named = tmp_path / "named"
+    shutil.copytree(plain, named)
+    config = json.loads((named / "tokenizer_config.json").read_text())
+    (named / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"})
+    )
+    generic = resolve_model_source(plain).load_tokenizer()
+    specific = resolve_model_source(named).load_tokenizer()
+    assert type(generic).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert type(specific).__name__.startswith("GPT2Tokenizer")
+    text = "Hello, wörld! 12 + 3"
+    assert specific.encode(text) == generic.encode(text)
+
+
 def test_truncated_safetensors_names_the_file(tiny_hf_dir: TinyDir, tmp_path: Path) -> None:
     path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
     weights = path / "model.safetensors"
