@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.devices import gpu_also
 from tokenmill.kernels.paged_prefill_attention import (
     PrefillAttentionConfig,
     default_prefill_config,
@@ -108,7 +109,7 @@ def assert_matches_ref(args: tuple, config: PrefillAttentionConfig | None = None
 CPU_HEADS = [(2, 2, 64), (4, 2, 64), (8, 2, 128), (9, 3, 64)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, gpu_also(torch.float16), torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", CPU_HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_matches_ref(dtype: torch.dtype, heads: tuple[int, int, int], block_size: int) -> None:
@@ -171,7 +172,7 @@ def _new_rows_then_poison(args: tuple, block_n: int) -> tuple[tuple, torch.Tenso
     return (q, k_bad, v_bad, *args[3:]), k_new, v_new
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, gpu_also(torch.bfloat16)], ids=str)
 @pytest.mark.parametrize(
     ("block_size", "config"),
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.devices import gpu_also
 from tests.kernels.fp8_row_checks import assert_fp8_rows_of
 from tokenmill.engine.models.layers import silu_and_mul as engine_silu_and_mul
 from tokenmill.kernels.fp8_rows import MIN_SCALE
@@ -69,7 +70,7 @@ def test_silu_and_mul_engine_size(inter, dtype) -> None:
 # formula), and q / scale are quantize_rows of that rounded y, in the interpreter too.
 
 
-@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("dtype", [torch.float32, *map(gpu_also, [torch.float16, torch.bfloat16])])
 @pytest.mark.parametrize(
     ("t", "inter", "pad", "path"),
     [

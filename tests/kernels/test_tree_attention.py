@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.devices import gpu_also
 from tests.kernels.test_paged_prefill_attention import DEVICE, TOLERANCES, make_batch
 from tokenmill.kernels.paged_prefill_attention import (
     PrefillAttentionConfig,
@@ -86,7 +87,7 @@ def test_all_ones_masks_are_causal() -> None:
                        paged_prefill_attention_ref(*args))  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, gpu_also(torch.bfloat16)], ids=str)
 @pytest.mark.parametrize(
     ("block_size", "config"),
     [
