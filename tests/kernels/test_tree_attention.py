@@ -66,7 +66,7 @@ def test_reference_equals_attention_over_each_branchs_keys() -> None:
         ctx = seq_len - q_len
         for i in range(q_len):
             keys = list(range(ctx)) + sorted(ctx + j for j in ancestors(trees[b], i))
-            pos = torch.tensor(keys)
+            pos = torch.tensor(keys, device=block_tables.device)
             slots = block_tables[b, pos // 16].long() * 16 + pos % 16
             k = flat_k[slots].repeat_interleave(2, dim=1)  # [K, Hq, d]
             v = flat_v[slots].repeat_interleave(2, dim=1)
@@ -77,12 +77,17 @@ def test_reference_equals_attention_over_each_branchs_keys() -> None:
 
 
 def test_all_ones_masks_are_causal() -> None:
-    """-1 masks (a row longer than 64 tokens included) change nothing, bit for bit."""
+    """-1 masks (a row longer than 64 tokens included) change nothing: bit for bit in the
+    interpreter; on the GPU within fp32 rounding (the kernel compiled with a mask may contract
+    its multiply-adds differently from the one without)."""
     requests = [(70, 90), (5, 5), (1, 12)]
     args = make_batch(requests, 4, 2, 32, 16, torch.float32)
     causal = paged_prefill_attention(*args)
     masked = paged_prefill_attention(*args, tree_mask=masks_for(requests, {}))
-    assert torch.equal(causal, masked)
+    if causal.is_cuda:
+        torch.testing.assert_close(masked, causal, atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(causal, masked)
     assert torch.equal(paged_prefill_attention_ref(*args, tree_mask=masks_for(requests, {})),
                        paged_prefill_attention_ref(*args))  # fmt: skip
 
