@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.structured_output import StructuredOutputsParams, check_structured_output
+from tokenmill.engine.structured_output_params import (
+    StructuredOutputsParams,
+    check_structured_output,
+)
 
 
 @dataclass(frozen=True)
