@@ -50,17 +50,14 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        device = torch.empty(0).device  # the current default device (meta while building)
-        if device.type == "meta":
-            # Only the shapes: build_model computes the tables once the model has a device.
-            # (Arithmetic on meta tensors runs torch._refs, which imports torch._dynamo: 3.7 s.)
-            shape = (max_positions, config.head_dim // 2)
-            self.register_buffer("cos", torch.empty(shape), persistent=False)
-            self.register_buffer("sin", torch.empty(shape), persistent=False)
-            return
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.build(device)
+        shape = (max_positions, config.head_dim // 2)
+        self.register_buffer("cos", torch.empty(shape), persistent=False)
+        self.register_buffer("sin", torch.empty(shape), persistent=False)
+        device = self.cos.device  # the current default device (meta while building)
+        # On meta, only the shapes: build_model computes the tables once the model has a
+        # device (arithmetic on meta tensors runs torch._refs, which imports torch._dynamo).
+        if device.type != "meta":
+            self.build(device)
 
     def build(self, device: torch.device) -> None:
         """(Re)compute the tables on ``device``, e.g. after the model was built on ``meta``."""
