@@ -157,6 +157,38 @@ def test_prefix_cache_hit_skips_computation() -> None:
     assert sched.kv.prefix_cache_stats.hit_tokens == 16
 
 
+def test_output_blocks_are_cached_when_the_request_finishes_not_as_they_fill() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    prompt = list(range(1, 10))  # 9 tokens: 2 full prompt blocks
+    first = Request("a", prompt, SamplingParams(max_tokens=12, temperature=0))
+    sched.add_request(first)
+    for _ in range(8):  # the prefill and 7 decode steps: 16 tokens computed
+        out = sched.schedule()
+        apply_sampled(sched, out, {"a": [fake_next_token(first.all_token_ids)]})
+    assert sched.slots.num_cached_full[first.slot] == 2  # only the prompt's, so far
+    run_to_completion(sched)
+    # 20 tokens, 20 computed but the last: 4 full blocks, the last two of outputs only
+    turn = first.all_token_ids[:16] + [1, 2, 3]  # a next turn repeating prompt + output
+    second = Request("b", turn, SamplingParams(max_tokens=1, temperature=0))
+    sched.add_request(second)
+    assert sched.schedule().scheduled[0].start == 16
+
+
+def test_a_preempted_request_finds_its_output_blocks_cached() -> None:
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    req = Request("a", list(range(1, 6)), SamplingParams(max_tokens=20, temperature=0))
+    sched.add_request(req)
+    for _ in range(12):  # 16 tokens computed: 4 full blocks, 2 of them outputs
+        out = sched.schedule()
+        apply_sampled(sched, out, {"a": [fake_next_token(req.all_token_ids)]})
+    slot = req.slot
+    sched._preempt(req)  # as _schedule_running does when the pool runs out
+    sched._drop_running([slot])
+    out = sched.schedule()
+    assert out.scheduled[0].start == 16  # recomputes only past its cached blocks
+    assert req.num_preemptions == 1
+
+
 def test_fully_cached_prompt_still_computes_last_token() -> None:
     sched = make_scheduler(num_blocks=64, block_size=4)
     prompt = list(range(1, 17))  # exactly 4 blocks

@@ -325,9 +325,14 @@ class Scheduler:
     def _advance(self, slots: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Move the rows' computed tokens on by ``num_new``; return (starts, sample) [R].
 
-        Caches newly full blocks at schedule time: each layer stores the step's K/V before
-        any attention reads, so requests admitted later in this same step may already share
-        them. Only blocks of known tokens: a pending token's id is not on the host yet.
+        Caches newly full prompt blocks at schedule time: each layer stores the step's K/V
+        before any attention reads, so requests admitted later in this same step may already
+        share them. Blocks of output tokens are cached when the request leaves its slot
+        (``_cache_full_blocks`` in ``_retire`` and ``_preempt``): until then only a prompt
+        that repeats this one's output could use them, and offering each row's block as it
+        fills cost a decode step ~26 Python calls at 420 rows (the engine thread's time,
+        which a constrained step waits on). Only blocks of known tokens: a pending token's
+        id is not on the host yet.
         """
         s = self.slots
         starts = s.num_computed[slots].astype(np.int64)
@@ -335,7 +340,7 @@ class Scheduler:
         s.num_computed[slots] = computed
         known = s.num_tokens[slots].astype(np.int64)
         if self.kv.enable_prefix_caching:
-            cacheable = np.minimum(computed, known)
+            cacheable = np.minimum(np.minimum(computed, known), s.num_prompt[slots])
             full = cacheable // self.kv.block_size
             for i in np.flatnonzero(full > s.num_cached_full[slots]).tolist():
                 self._offer_blocks(int(slots[i]), int(cacheable[i]), int(full[i]))
@@ -374,6 +379,8 @@ class Scheduler:
             self.slots.set_blocks(slot, new, held)
 
     def _preempt(self, req: Request) -> None:
+        # its output's blocks cached first: the recompute finds them
+        self._cache_full_blocks(req.slot, int(self.slots.num_computed[req.slot]))
         self.kv.free(req)
         self.slots.remove(req.slot)
         req.num_computed_tokens = 0
@@ -493,6 +500,8 @@ class Scheduler:
     def _retire(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: its status, its KV blocks freed, its slot (if any) given back."""
         req.status = status
+        if req.slot >= 0:
+            self._cache_full_blocks(req.slot, int(self.slots.num_computed[req.slot]))
         self.kv.free(req)
         if req.slot >= 0:
             self.slots.remove(req.slot)
