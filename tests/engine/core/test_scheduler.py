@@ -256,6 +256,21 @@ def test_finish_requests_frees_blocks() -> None:
     assert reqs[0].status is RequestStatus.FINISHED_ABORTED
 
 
+def test_finish_requests_takes_running_and_waiting_ones_in_one_call() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_seqs=2)
+    reqs = make_requests(4, seed=5)
+    for r in reqs:
+        sched.add_request(r)
+    sched.schedule()  # r0, r1 run; r2, r3 wait
+    sched.finish_requests(["r1", "r3", "unknown"], RequestStatus.FINISHED_ABORTED)
+    sched.kv.check_integrity()
+    assert [r.request_id for r in sched.running] == ["r0"]
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+    assert reqs[1].status is reqs[3].status is RequestStatus.FINISHED_ABORTED
+    sched.finish_requests(["r2"], RequestStatus.FINISHED_ABORTED)  # a waiting one alone
+    assert not sched.waiting and reqs[2].status is RequestStatus.FINISHED_ABORTED
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_configs_give_identical_outputs(block_size: int, seed: int) -> None:

@@ -132,6 +132,9 @@ class Scheduler:
         self._drop_running([r.slot for r in running])
         for req in running:
             self._retire(req, status)
+        ids.difference_update(r.request_id for r in running)
+        if not ids:  # the common case (a grammar or stop string ended running rows): the
+            return  # queue, thousands long in a batch job, is not walked
         for req in [r for r in self.waiting if r.request_id in ids]:
             self.waiting.remove(req)
             self._retire(req, status)
