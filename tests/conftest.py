@@ -81,14 +81,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# The test that runs next, while a test's teardown runs (set by pytest_runtest_teardown).
+_next_item: pytest.Item | None = None
+_ray_started = False  # the Ray now running was started by ray_session (not by a test)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    global _next_item
+    _next_item = nextitem
+
+
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    """A local Ray for one test module (``pytestmark = pytest.mark.usefixtures(
-    "ray_session")``): Ray and each actor pool start slowly, so a module shares one."""
+    """A local Ray for the test modules that ask for it (``pytestmark = pytest.mark.
+    usefixtures("ray_session")``): Ray starts slowly (2 s, and 1 s to shut down), so a module
+    shares one, and so does the next module when it asks too, as the XDIST_GROUPS "ray"
+    modules, run one after another, do. It is shut down before a test that does not ask for
+    it: an idle Ray's daemons would take CPU from the modules that follow."""
+    global _ray_started
     ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        _ray_started = True
     yield
-    ray.shutdown()
+    if _ray_started and (_next_item is None or "ray_session" not in _next_item.fixturenames):
+        ray.shutdown()
+        _ray_started = False
