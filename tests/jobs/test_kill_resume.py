@@ -15,6 +15,7 @@ import yaml
 
 from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
 from tokenmill import run_job
+from tokenmill.jobs.cli import main as cli_main
 
 ROWS = 60
 
@@ -68,8 +69,9 @@ def test_sigkill_at_several_points_then_resume(tiny_model: Path, tmp_path: Path)
         kills += proc.returncode == -signal.SIGKILL
     assert kills >= 2, "the job finished before it could be killed"
 
-    final = _start(job)
-    assert final.wait(300) == 0, final.stderr.read().decode()
+    # The final resume in this process: run-job's own entry point, without another start of
+    # Python, torch and the model's imports (3 s); the kills above are what need processes.
+    assert cli_main([str(job), "--quiet"]) == 0
     ok = read_jsonl_dir(out / "shards")
     errors = read_jsonl_dir(out / "errors")
     ref = read_jsonl_dir(ref_out / "shards")
