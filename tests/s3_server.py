@@ -16,7 +16,13 @@ import pytest
 pytest.importorskip("moto.server", reason="needs moto[server] (pip install 'moto[server]')")
 pytest.importorskip("s3fs", reason="needs s3fs")
 
+from moto.moto_server.werkzeug_app import (  # noqa: E402
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
 from moto.server import ThreadedMotoServer  # noqa: E402
+from werkzeug.serving import make_server  # noqa: E402
 
 _FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -27,6 +33,19 @@ _FAKE_CREDENTIALS = {
 }
 
 
+class _MotoServer(ThreadedMotoServer):
+    """moto's ThreadedMotoServer, its serving loop checking for ``stop`` every 20 ms: at
+    werkzeug's default of 0.5 s, each test's ``stop`` waited up to that long."""
+
+    def _server_entry(self) -> None:  # ThreadedMotoServer's, but for the poll interval
+        app = DomainDispatcherApplication(create_backend_app)
+        self._server = make_server(
+            self._ip_address, self._port, app, True, request_handler=MotoRequestHandler
+        )
+        self._server_ready_event.set()
+        self._server.serve_forever(poll_interval=0.02)
+
+
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``(endpoint_url, storage_options)`` of a moto S3 server on 127.0.0.1 (free port)."""
@@ -35,7 +54,7 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str
     # Never fall back to a real credential chain or the instance metadata service.
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = _MotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
