@@ -16,13 +16,17 @@ import pytest
 pytest.importorskip("moto.server", reason="needs moto[server] (pip install 'moto[server]')")
 pytest.importorskip("s3fs", reason="needs s3fs")
 
-from moto.moto_server.werkzeug_app import (  # noqa: E402
-    DomainDispatcherApplication,
-    MotoRequestHandler,
-    create_backend_app,
-)
 from moto.server import ThreadedMotoServer  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
+
+try:  # moto's internals, for the faster stop below; without them, moto's own server
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+except ImportError:
+    DomainDispatcherApplication = None
 
 _FAKE_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -38,11 +42,18 @@ class _MotoServer(ThreadedMotoServer):
     werkzeug's default of 0.5 s, each test's ``stop`` waited up to that long."""
 
     def _server_entry(self) -> None:  # ThreadedMotoServer's, but for the poll interval
+        # A moto whose internals moved runs its own loop (a failure here would leave
+        # ``start`` waiting forever for the ready event).
+        try:
+            if DomainDispatcherApplication is None:
+                raise AttributeError("moto's werkzeug app moved")
+            address, port, ready = self._ip_address, self._port, self._server_ready_event
+        except AttributeError:
+            super()._server_entry()
+            return
         app = DomainDispatcherApplication(create_backend_app)
-        self._server = make_server(
-            self._ip_address, self._port, app, True, request_handler=MotoRequestHandler
-        )
-        self._server_ready_event.set()
+        self._server = make_server(address, port, app, True, request_handler=MotoRequestHandler)
+        ready.set()
         self._server.serve_forever(poll_interval=0.02)
 
 
