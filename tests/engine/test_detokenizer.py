@@ -197,3 +197,46 @@ def test_batch_decode_gives_transformers_text(tokenizer: PreTrainedTokenizerBase
     cleaning.clean_up_tokenization_spaces = True
     want = cleaning.batch_decode(rows, skip_special_tokens=True)
     assert batch_decode(cleaning, rows, True) == want
+
+
+def _wordpiece(clean_up: bool, decode_case: str = "as is") -> PreTrainedTokenizerBase:
+    """A tiny WordPiece tokenizer (transformers cleans up its spaces when asked, as it does
+    not for byte-level BPE in recent releases); ``decode_case="upper"``: its text altered in
+    a way no policy explains."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[PAD]", "a", "b", "c", ".", "?", "!", ",", "'", "s", "t", "hello", "go"]
+    tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=False)
+
+    class Upper(PreTrainedTokenizerFast):
+        def _decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(*args, **kwargs).upper()
+
+    cls = Upper if decode_case == "upper" else PreTrainedTokenizerFast
+    return cls(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+        clean_up_tokenization_spaces=clean_up,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("clean_up", "case", "policy"),
+    [(True, "as is", True), (False, "as is", False), (True, "upper", None)],
+)
+def test_batch_decode_takes_the_clean_up_transformers_applies(
+    clean_up: bool, case: str, policy: bool | None
+) -> None:
+    from tokenmill.engine.output_builder import batch_decode, cleanup_policy
+
+    tokenizer = _wordpiece(clean_up, case)
+    assert cleanup_policy(tokenizer) is policy
+    rng = random.Random(1)
+    rows = [tokenizer.encode("hello . go ? a ! b , c ' s", add_special_tokens=False)]
+    rows += [[rng.randrange(14) for _ in range(12)] for _ in range(30)] + [[]]
+    for skip in (True, False):
+        want = tokenizer.batch_decode(rows, skip_special_tokens=skip)
+        assert batch_decode(tokenizer, rows, skip) == want
+    assert any("." in t and " ." not in t for t in want[:1]) is clean_up  # it did clean up
