@@ -154,11 +154,15 @@ class KVCacheManager:
         if state is None:
             state = self._states[request.request_id] = self._new_state()
         max_blocks = max(0, request.num_tokens - 1) // self.block_size
+        # Every full block's key at once: past the first miss they are not wasted, as the
+        # request, once admitted, caches those blocks under them (one call instead of one
+        # a block: admission is the engine thread's work in a batch job's steady state).
+        state.chain.extend(request.token_ids_between, max_blocks)
         hits: list[int] = []
         parent: KVBlock | None = None
-        for j in range(max_blocks):
-            state.chain.extend(request.token_ids_between, j + 1)  # only what the walk needs
-            block = self.pool.lookup(state.chain.hashes[j], parent)
+        lookup = self.pool.lookup
+        for block_hash in state.chain.hashes[:max_blocks]:
+            block = lookup(block_hash, parent)
             if block is None:
                 break
             hits.append(block.block_id)
