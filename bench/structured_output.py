@@ -36,6 +36,13 @@ shape), and whether the goal holds. ``--json`` also writes them all to a file.
     PYTHONPATH=. python bench/structured_output.py --device cuda --schema bounded
     PYTHONPATH=. python bench/structured_output.py --device cuda --backend xgrammar
     PYTHONPATH=. python bench/structured_output.py --device cuda --processes 8
+    PYTHONPATH=. python bench/structured_output.py --device cuda --schema bounded \
+        --backend xgrammar --repeat 3
+
+With ``--repeat N`` the structured leg and its matched twin run N times, alternating (the
+plain leg once): the goal is judged on the median of the N pairs' ratios, and every
+structured run's rows must validate. One machine's host speed moved the structured leg by
+18% between two runs of the same tree (BENCHMARKS.md, session 27).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import argparse
 import collections
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -226,8 +234,16 @@ def main() -> None:
         "--warm-up", type=int, help="prompts each engine runs before it is timed "
         "(default: max_num_seqs)",
     )  # fmt: skip
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="run the structured and matched legs this many times, alternating (the plain "
+        "leg once), and judge the goal on the median of the pairs' ratios: one machine's "
+        "host speed moves by a fifth from one run to the next",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     warm_rows = args.max_num_seqs if args.warm_up is None else args.warm_up
     schema = SCHEMAS[args.schema]
 
@@ -238,25 +254,30 @@ def main() -> None:
     structured = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, structured_output=schema
     )
-    lines: dict[str, dict[str, Any]] = {}
-    outs: dict[str, list[RequestOutput]] = {}
-    for name, params in (("plain", [plain] * n), ("structured", [structured] * n)):
-        lines[name], outs[name] = run_leg(name, args, prompts, params, warm_up)
-        print(json.dumps(lines[name]), flush=True)
-    matched = [
-        SamplingParams(max_tokens=max(1, len(o.token_ids)), temperature=0.0, ignore_eos=True)
-        for o in outs["structured"]
-    ]
-    lines["plain_matched"], _ = run_leg("plain_matched", args, prompts, matched, warm_up)
-    print(json.dumps(lines["plain_matched"]), flush=True)
+    plain_line, plain_outs = run_leg("plain", args, prompts, [plain] * n, warm_up)
+    print(json.dumps(plain_line), flush=True)
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    runs: list[list[RequestOutput]] = []  # each structured run's outputs
+    for _ in range(args.repeat):
+        line, run = run_leg("structured", args, prompts, [structured] * n, warm_up)
+        print(json.dumps(line), flush=True)
+        matched = [
+            SamplingParams(max_tokens=max(1, len(o.token_ids)), temperature=0.0, ignore_eos=True)
+            for o in run
+        ]
+        twin, _ = run_leg("plain_matched", args, prompts, matched, warm_up)
+        print(json.dumps(twin), flush=True)
+        pairs.append((line, twin))
+        runs.append(run)
 
     how, error = validator(schema)
-    texts = {name: [o.text for o in leg] for name, leg in outs.items()}
-    errors = [error(t) for t in texts["structured"]]
-    bad = [(i, e) for i, e in enumerate(errors) if e is not None]
-    tok_per_s = {name: line["tok_per_s"] for name, line in lines.items()}
-    ratio = tok_per_s["structured"] / tok_per_s["plain"]
-    matched = tok_per_s["structured"] / tok_per_s["plain_matched"]
+    rows = [o for run in runs for o in run]  # every structured run's rows
+    errors = [error(o.text) for o in rows]
+    bad = [(i % n, e, rows[i].text) for i, e in enumerate(errors) if e is not None]
+    structured_tps = [line["tok_per_s"] for line, _ in pairs]
+    ratios_matched = [line["tok_per_s"] / twin["tok_per_s"] for line, twin in pairs]
+    ratio = statistics.median(structured_tps) / plain_line["tok_per_s"]
+    matched = statistics.median(ratios_matched)
     valid = 1 - len(bad) / len(errors)
     summary = {
         "model": args.model,
@@ -266,23 +287,27 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "schema": args.schema,
         "backend": args.backend,
-        "processes": lines["structured"]["profile"]["structured_output"]["processes"],
+        "processes": pairs[0][0]["profile"]["structured_output"]["processes"],
         "ratio": round(ratio, 3),
-        "ratio_matched": round(matched, 3),
+        "ratio_matched": round(matched, 3),  # the median over the pairs
+        "ratios_matched": [round(r, 3) for r in ratios_matched],
         "valid_share": round(valid, 4),
         "validated_with": how,
         # The model unconstrained, for contrast: how often it writes valid JSON by itself.
-        "plain_rows_valid": sum(error(t) is None for t in texts["plain"]),
-        "first_invalid": [
-            {"row": i, "error": e, "text": texts["structured"][i][:200]} for i, e in bad[:3]
-        ],
+        "plain_rows_valid": sum(error(o.text) is None for o in plain_outs),
+        "first_invalid": [{"row": i, "error": e, "text": t[:200]} for i, e, t in bad[:3]],
         "goal": {"ratio": GOAL_RATIO, "valid_share": GOAL_VALID},
         # Judged on the same tokens generated (see the module docstring).
         "goal_met": matched >= GOAL_RATIO and valid >= GOAL_VALID,
     }
     print(json.dumps(summary), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"legs": lines, "summary": summary}, indent=2))
+        legs = {
+            "plain": plain_line,
+            "structured": [line for line, _ in pairs],
+            "plain_matched": [twin for _, twin in pairs],
+        }
+        args.json.write_text(json.dumps({"legs": legs, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":
