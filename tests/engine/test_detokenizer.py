@@ -201,8 +201,9 @@ def test_batch_decode_gives_transformers_text(tokenizer: PreTrainedTokenizerBase
 
 def _wordpiece(clean_up: bool, decode_case: str = "as is") -> PreTrainedTokenizerBase:
     """A tiny WordPiece tokenizer (transformers cleans up its spaces when asked, as it does
-    not for byte-level BPE in recent releases); ``decode_case="upper"``: its text altered in
-    a way no policy explains."""
+    not for byte-level BPE in recent releases); ``decode_case="upper"``: a class whose text
+    no clean-up explains; ``"hello"``: a class that alters only text the policy's probe
+    lacks (as a model's tokenizer class may)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -215,7 +216,11 @@ def _wordpiece(clean_up: bool, decode_case: str = "as is") -> PreTrainedTokenize
         def _decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             return super()._decode(*args, **kwargs).upper()
 
-    cls = Upper if decode_case == "upper" else PreTrainedTokenizerFast
+    class Hello(PreTrainedTokenizerFast):
+        def _decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(*args, **kwargs).replace("hello", "HELLO")
+
+    cls = {"upper": Upper, "hello": Hello}.get(decode_case, PreTrainedTokenizerFast)
     return cls(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
         clean_up_tokenization_spaces=clean_up,
@@ -224,7 +229,7 @@ def _wordpiece(clean_up: bool, decode_case: str = "as is") -> PreTrainedTokenize
 
 @pytest.mark.parametrize(
     ("clean_up", "case", "policy"),
-    [(True, "as is", True), (False, "as is", False), (True, "upper", None)],
+    [(True, "as is", True), (False, "as is", False), (True, "upper", None), (True, "hello", None)],
 )
 def test_batch_decode_takes_the_clean_up_transformers_applies(
     clean_up: bool, case: str, policy: bool | None

@@ -151,12 +151,22 @@ _CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
 
 def cleanup_policy(tokenizer: Any) -> bool | None:
     """What ``tokenizer.decode`` does to its Rust tokenizer's text, seen on a probe: False
-    (returns it as is), True (applies ``clean_up_tokenization``), None (something else, or
-    not a fast tokenizer). Asked of the tokenizer because the answer depends on the
-    transformers release, not only on ``clean_up_tokenization_spaces``: recent ones ignore
-    that setting for BPE tokenizers."""
+    (returns it as is), True (applies ``clean_up_tokenization``), None (something else, not
+    a fast tokenizer, or a class with a decode of its own). Asked of the tokenizer because
+    the answer depends on the transformers release, not only on
+    ``clean_up_tokenization_spaces``: recent ones ignore that setting for BPE tokenizers."""
+    from transformers import PreTrainedTokenizerFast
+
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(tokenizer, "clean_up_tokenization"):
+        return None
+    # A model's tokenizer class that decodes its own way (transformers has a dozen) may
+    # differ only on text the probe lacks: such classes go through transformers.
+    kind = type(tokenizer)
+    if any(
+        getattr(kind, name, None) is not getattr(PreTrainedTokenizerFast, name)
+        for name in ("decode", "_decode", "batch_decode")
+    ):
         return None
     ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
     raw = backend.decode(ids, skip_special_tokens=False)
