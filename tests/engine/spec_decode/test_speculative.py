@@ -259,3 +259,29 @@ def test_seeded_and_penalized_rows_beside_drafts_ahead(model_path: Path) -> None
     profile = llm.engine.step_profile()
     assert profile["speculative"]["accepted_tokens"] > 0
     assert 0 < profile["synchronous_steps"] < llm.engine.scheduler.stats.num_steps
+
+
+@pytest.mark.parametrize(
+    ("method", "async_scheduling"),
+    [("off", False), ("off", True), ("ngram", False), ("ngram", True)],
+    ids=["sync", "async", "drafted", "drafted-ahead"],
+)
+def test_a_next_turn_reuses_the_cached_output_blocks_and_gets_fresh_tokens(
+    model_path: Path, method: str, async_scheduling: bool
+) -> None:
+    """A request's output blocks are cached when it finishes (with steps in flight and
+    drafts rejected along the way, drafted ahead included): a next turn repeating prompt and
+    output hits them, and the tokens it gets are those of an engine computing it afresh."""
+    prompts = _copy_prompts(12)
+    llm = _llm(model_path, method, async_scheduling=async_scheduling)
+    llm.engine.draft_ahead_below = 99  # with async scheduling: draft ahead on every step
+    first = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    turns = [p + o.token_ids + [5, 6, 7] for p, o in zip(prompts, first, strict=True)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    again = llm.generate(turns, params)
+    fresh = _llm(model_path, "off", enable_prefix_caching=False).generate(turns, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+    # past each prompt's own full blocks: the outputs' blocks were hit too
+    assert all(
+        o.num_cached_tokens > len(p) // 4 * 4 for o, p in zip(again, prompts, strict=True)
+    ), [(o.num_cached_tokens, len(p)) for o, p in zip(again, prompts, strict=True)]
