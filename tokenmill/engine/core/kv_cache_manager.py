@@ -193,16 +193,22 @@ class KVCacheManager:
             )
         state.chain.extend(request.token_ids_between, num_full)
         parent, parent_hash = state.parent, state.parent_hash
+        # Once this call has cached one of the request's own blocks, no entry can sit under
+        # it yet (it was uncached, so childless, until a moment ago): the later lookups
+        # would miss, and are skipped (a prompt's blocks are cached at its admission, on
+        # the engine thread).
+        cached_own = False
         for j in range(state.num_cached_blocks, num_full):
             if parent is not None and parent.block_hash is not parent_hash:
                 state.caching_stopped = True
                 break
             block_hash = state.chain.hashes[j]
             own = self.pool.blocks[state.block_ids[j]]
-            existing = self.pool.lookup(block_hash, parent)
+            existing = None if cached_own else self.pool.lookup(block_hash, parent)
             if existing is not None:
                 parent = existing
             elif self.pool.cache(own, block_hash, parent):
+                cached_own = True
                 parent = own
             else:
                 state.caching_stopped = True
