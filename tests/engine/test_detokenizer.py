@@ -245,3 +245,14 @@ def test_batch_decode_takes_the_clean_up_transformers_applies(
         want = tokenizer.batch_decode(rows, skip_special_tokens=skip)
         assert batch_decode(tokenizer, rows, skip) == want
     assert any("." in t and " ." not in t for t in want[:1]) is clean_up  # it did clean up
+
+
+def test_a_tokenizer_the_probe_trips_up_decodes_through_transformers() -> None:
+    from tokenmill.engine.output_builder import cleanup_policy
+
+    def refuse(*args: object, **kwargs: object) -> list[int]:
+        raise ValueError("this tokenizer cannot encode the probe")
+
+    tokenizer = _wordpiece(False)
+    tokenizer.encode = refuse  # type: ignore[method-assign]
+    assert cleanup_policy(tokenizer) is None  # not an error: the engine still builds

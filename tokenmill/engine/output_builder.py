@@ -168,9 +168,12 @@ def cleanup_policy(tokenizer: Any) -> bool | None:
         for name in ("decode", "_decode", "batch_decode")
     ):
         return None
-    ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
-    raw = backend.decode(ids, skip_special_tokens=False)
-    text = tokenizer.decode(ids, skip_special_tokens=False)
+    try:  # an optimisation's probe: a tokenizer it trips up decodes through transformers
+        ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
+        raw = backend.decode(ids, skip_special_tokens=False)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+    except Exception:
+        return None
     if text == raw:
         return False
     return True if text == tokenizer.clean_up_tokenization(raw) else None
