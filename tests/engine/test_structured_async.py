@@ -117,9 +117,9 @@ def _count_overlapped_grammar_launches(engine: LLMEngine) -> list[int]:
         finally:
             inside[0] = False
 
-    def counting_process(sched, launched):
+    def counting_process(sched, launched, late=False):
         counts[1] += inside[0]
-        return process(sched, launched)
+        return process(sched, launched, late)
 
     engine.runner.launch = counting
     engine._process = counting_process

@@ -254,3 +254,28 @@ def test_work_beside_the_fill_that_raises_leaves_the_workers_answers_read(tiny_p
     assert masks.shape == (3, 9)
     assert sorted(grammars.take_ended()) == ["r0", "r1", "r2"]
     grammars.close()
+
+
+def test_grammars_ended_while_masks_fill_end_their_requests_a_step_later(tiny_path) -> None:  # noqa: F811
+    """With worker processes and async scheduling, the workers' answers about the step in
+    flight are read after the next masks are filled, not in the middle of processing it:
+    requests whose grammar that step completed end when the next step is processed, before
+    its tokens (sampled after the end) are applied. The outputs are the synchronous loop's."""
+    prompts, params = _prompts(12), _params(12)
+    kwargs = dict(max_num_seqs=5, structured_output_backend="llguidance")
+    want = _llm(tiny_path, False, **kwargs).generate(prompts, params)
+    llm = _llm(tiny_path, True, structured_output_processes=2, **kwargs)
+    ended_late: list[int] = []
+    end = llm.engine._end_grammars
+
+    def counting(before=None, wait=True):  # type: ignore[no-untyped-def]
+        done = end(before=before, wait=wait)
+        if before is not None:  # ended by an earlier step's tokens
+            ended_late.append(len(done))
+        return done
+
+    llm.engine._end_grammars = counting  # type: ignore[method-assign]
+    got = llm.generate(prompts, params)
+    llm.engine.close()
+    assert _summary(got) == _summary(want)
+    assert sum(ended_late) > 0, ended_late

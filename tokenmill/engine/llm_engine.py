@@ -441,7 +441,12 @@ class LLMEngine:
         once the step's forward pass is enqueued). With a step in flight (async
         scheduling), its tokens are waited for and fed to the grammars first: the masks
         follow them. Rows of the ``aborted`` requests (aborted after their step was
-        scheduled ahead) allow every token: their grammars are gone, their tokens dropped."""
+        scheduled ahead) allow every token: their grammars are gone, their tokens dropped;
+        so do rows whose grammar has ended with a token of an earlier step and whose request
+        is finished when that step is processed (``_process``)."""
+        ending = self._grammars.ending
+        if ending:
+            aborted = ending if not aborted else aborted | ending
         if not aborted:
             return self._live_bitmask(requests)
         keep = np.array([r.request_id not in aborted for r in requests], dtype=bool)
@@ -472,7 +477,7 @@ class LLMEngine:
         it, so that the next ``step`` call enqueues its forward pass right behind this
         step's sampling instead of leaving the device idle meanwhile. Not with a proposer:
         whether a step drafts is decided when it is scheduled, from the state then."""
-        self._process(sched, launched)
+        self._process(sched, launched, late=True)
         if self.scheduler.proposer is not None:
             return
         ahead = self.scheduler.schedule(draft=False)
@@ -485,31 +490,40 @@ class LLMEngine:
             return
         self._fed = launched
         out = launched.output()
-        if len(out.rows):
-            first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
-            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
+        first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
+        self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
 
-    def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
+    def _process(self, sched: SchedulerOutput, launched: LaunchedStep, late: bool = False) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host
-        ms spent (not counting the wait for the device)."""
+        ms spent (not counting the wait for the device).
+
+        Grammars that ended with this step's tokens end their requests after the tokens
+        are applied. ``late`` (while the grammar workers fill the next masks): only where
+        their answers are in already; the others, read once the fill is done, end their
+        requests when the next step is processed, before its tokens are applied, so those
+        tokens (sampled after the end, like the token of a row scheduled after its EOS) are
+        dropped: a row scheduled once more instead of a wait in the middle of the step."""
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
         if launched.prompt_logprobs is not None:  # before a request it ends is handed on
             self._prompt_logprobs.record(launched.prompt_logprobs)
         self._feed_grammars(sched, launched)
+        earlier: list[Request] = []
+        if len(self._grammars):  # grammars that earlier steps' tokens ended, not yet ended
+            earlier = self._end_grammars(before=self._grammars.num_feeds, wait=False)
         accepted = self.scheduler.stats.num_accepted_tokens
         update = self.scheduler.update_from_output(
             sched, out.rows, out.sampled_token_ids, out.counts
         )
         launched.accepted = self.scheduler.stats.num_accepted_tokens - accepted
-        finished = update.finished
+        finished = earlier + update.finished
         if out.sampler_output is not None and out.sampler_output.logprobs is not None:
             self._record_logprobs(sched, out, update.applied)
         if self._watched:
             finished += self._check_stop_strings()
         if len(self._grammars):
-            finished += self._end_grammars()
+            finished += self._end_grammars(wait=not late)
         self._finish(finished)
         return (time.perf_counter() - t0) * 1e3
 
@@ -536,10 +550,12 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return [self._tracked[rid].request for rid in stopped]
 
-    def _end_grammars(self) -> list[Request]:
+    def _end_grammars(self, before: int | None = None, wait: bool = True) -> list[Request]:
         """Finish the requests whose grammar the fed tokens completed (or that rejected
-        one), "stop", and return them; those the step already ended (EOS) stay as they are."""
-        ended = [self._tracked[rid].request for rid in self._grammars.take_ended()]
+        one), "stop", and return them; those the step already ended (EOS) stay as they are.
+        ``before`` and ``wait`` as ``StructuredOutputs.take_ended``'s."""
+        taken = self._grammars.take_ended(before=before, wait=wait)
+        ended = [self._tracked[rid].request for rid in taken]
         done = [req for req in ended if not req.finished]
         if done:
             self.scheduler.finish_requests(
