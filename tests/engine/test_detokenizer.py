@@ -181,9 +181,12 @@ def test_append_after_stop_raises(tokenizer: PreTrainedTokenizerBase) -> None:
 
 
 def test_batch_decode_gives_transformers_text(tokenizer: PreTrainedTokenizerBase) -> None:
-    """output_builder.batch_decode (the Rust tokenizer's batch, where that is what transformers
-    would return) against ``tokenizer.batch_decode``: texts, special tokens, random ids."""
-    from tokenmill.engine.output_builder import batch_decode
+    """output_builder.decode_rows (the Rust tokenizer's batch, with the clean-up transformers
+    applies) against ``tokenizer.batch_decode``: texts, special tokens, random ids."""
+    from tokenmill.engine.output_builder import cleanup_policy, decode_rows
+
+    def batch_decode(tok: PreTrainedTokenizerBase, rows: list[list[int]], skip: bool) -> list[str]:
+        return decode_rows(tok, rows, skip, cleanup_policy(tok))
 
     rng = random.Random(0)
     specials = [tokenizer.eos_token_id, tokenizer.bos_token_id or 1]
@@ -234,7 +237,7 @@ def _wordpiece(clean_up: bool, decode_case: str = "as is") -> PreTrainedTokenize
 def test_batch_decode_takes_the_clean_up_transformers_applies(
     clean_up: bool, case: str, policy: bool | None
 ) -> None:
-    from tokenmill.engine.output_builder import batch_decode, cleanup_policy
+    from tokenmill.engine.output_builder import cleanup_policy, decode_rows
 
     tokenizer = _wordpiece(clean_up, case)
     assert cleanup_policy(tokenizer) is policy
@@ -243,7 +246,7 @@ def test_batch_decode_takes_the_clean_up_transformers_applies(
     rows += [[rng.randrange(14) for _ in range(12)] for _ in range(30)] + [[]]
     for skip in (True, False):
         want = tokenizer.batch_decode(rows, skip_special_tokens=skip)
-        assert batch_decode(tokenizer, rows, skip) == want
+        assert decode_rows(tokenizer, rows, skip, policy) == want
     assert any("." in t and " ." not in t for t in want[:1]) is clean_up  # it did clean up
 
 

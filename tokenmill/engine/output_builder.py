@@ -124,12 +124,6 @@ class OutputBuilder:
         return texts
 
 
-def batch_decode(tokenizer: Any, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
-    """``tokenizer.batch_decode(rows, skip_special_tokens=...)``, the text the same, through
-    ``decode_rows`` (the tokenizer's clean-up policy looked up on each call)."""
-    return decode_rows(tokenizer, rows, skip_special_tokens, cleanup_policy(tokenizer))
-
-
 def decode_rows(
     tokenizer: Any, rows: list[list[int]], skip_special_tokens: bool, cleanup: bool | None
 ) -> list[str]:

@@ -511,11 +511,11 @@ class StructuredOutputs:
             self._finish_feed()
         if not self._ended:
             return []
-        taken = [(rid, n) for rid, n in self._ended if before is None or n < before]
-        if len(taken) < len(self._ended):
-            self._ended = [(rid, n) for rid, n in self._ended if not (before is None or n < before)]
+        if before is None:
+            taken, self._ended = self._ended, []
         else:
-            self._ended = []
+            taken = [(rid, n) for rid, n in self._ended if n < before]
+            self._ended = [(rid, n) for rid, n in self._ended if n >= before]
         return [rid for rid, _ in taken if rid in self._index]
 
     @property

@@ -331,7 +331,7 @@ class Scheduler:
         Caches newly full prompt blocks at schedule time: each layer stores the step's K/V
         before any attention reads, so requests admitted later in this same step may already
         share them. Blocks of output tokens are cached when the request leaves its slot
-        (``_cache_full_blocks`` in ``_retire`` and ``_preempt``): until then only a prompt
+        (finished or preempted: ``_release``): until then only a prompt
         that repeats this one's output could use them, and offering each row's block as it
         fills cost a decode step ~26 Python calls at 420 rows (the engine thread's time,
         which a constrained step waits on). Only blocks of known tokens: a pending token's
@@ -382,10 +382,7 @@ class Scheduler:
             self.slots.set_blocks(slot, new, held)
 
     def _preempt(self, req: Request) -> None:
-        # its output's blocks cached first: the recompute finds them
-        self._cache_full_blocks(req.slot, int(self.slots.num_computed[req.slot]))
-        self.kv.free(req)
-        self.slots.remove(req.slot)
+        self._release(req)  # its output's blocks cached first: the recompute finds them
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -503,8 +500,12 @@ class Scheduler:
     def _retire(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: its status, its KV blocks freed, its slot (if any) given back."""
         req.status = status
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Give back ``req``'s slot, if it holds one, and its KV blocks; its full blocks are
+        offered to the prefix cache first (output blocks are cached only now: ``_advance``)."""
         if req.slot >= 0:
             self._cache_full_blocks(req.slot, int(self.slots.num_computed[req.slot]))
-        self.kv.free(req)
-        if req.slot >= 0:
             self.slots.remove(req.slot)
+        self.kv.free(req)
