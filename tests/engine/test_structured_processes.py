@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +280,67 @@ def test_grammars_ended_while_masks_fill_end_their_requests_a_step_later(tiny_pa
     llm.engine.close()
     assert _summary(got) == _summary(want)
     assert sum(ended_late) > 0, ended_late
+
+
+@pytest.mark.parametrize("masks_in", [True, False], ids=["masks-in-first", "masks-in-last"])
+def test_the_next_step_is_scheduled_ahead_only_while_the_masks_are_not_in(
+    tiny_path,  # noqa: F811
+    monkeypatch,
+    masks_in: bool,
+) -> None:
+    """Once the step in flight is processed beside the fill, the engine schedules the next
+    step there only if the workers have not answered yet; either way the outputs are the
+    in-process grammars'."""
+    prompts, params = _prompts(12), _params(12)
+    kwargs = dict(max_num_seqs=5)
+    want = _llm(tiny_path, True, **kwargs).generate(prompts, params)
+    llm = _llm(tiny_path, True, structured_output_processes=2, **kwargs)
+    grammars = llm.engine._grammars
+    asked: list[bool] = []
+    answered = grammars.backend.answered
+
+    def masks_in_now() -> bool:
+        assert grammars._filling is not None  # only asked beside a fill
+        asked.append(answered(grammars._filling))
+        return masks_in
+
+    monkeypatch.setattr(grammars, "masks_in", masks_in_now)
+    ahead = 0
+    schedule = llm.engine.scheduler.schedule
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        nonlocal ahead
+        ahead += grammars._filling is not None  # a call from beside a fill
+        return schedule(*args, **kw)
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", counting)
+    got = llm.generate(prompts, params)
+    assert _summary(got) == _summary(want)
+    assert len(asked) > 5
+    assert ahead == (0 if masks_in else len(asked))
+    assert llm.engine.step_profile()["synchronous_steps"] == 0
+
+
+def test_answered_says_when_every_worker_has_answered(tiny_path) -> None:  # noqa: F811
+    from tokenmill.engine.loader import resolve_model_source
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 2)
+    rows = [pool.matcher("json_object") for _ in range(4)]
+    masks = pool.shared_masks(0, 4, pinned=False)
+    pool.fill(rows, masks)
+    brace = tokenizer.encode("{", add_special_tokens=False)[0]
+    sent = pool.send_step((rows, [brace] * 4), (rows, masks, None))
+    deadline = time.monotonic() + 30
+    while not pool.answered(sent):  # the workers answer within milliseconds
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert pool.finish_consume(sent).tolist() == [TAKEN] * 4
+    assert pool.answered(sent)  # nothing left to read: answered still
+    pool.finish_fill(sent)
+    sent = pool.send_step(fill=(rows, masks, None))
+    while not pool.answered(sent):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    pool.finish_fill(sent)
+    pool.close()

@@ -358,6 +358,14 @@ class GrammarProcesses:
         sent.status = status
         return status
 
+    def answered(self, sent: _Sent) -> bool:
+        """Whether every worker of ``sent`` has answered what is still to read (so its
+        masks are in), without waiting."""
+        unread = (
+            sent.filled if sent.status is not None else sent.filled + [w for w, _ in sent.consumed]
+        )
+        return all(self._conns[worker].poll() for worker in unread)
+
     def finish_fill(self, sent: _Sent) -> None:
         """Wait for the fill part's masks (reading the consume answers first, if not yet:
         the workers that had tokens answer for both)."""

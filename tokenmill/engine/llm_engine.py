@@ -473,12 +473,15 @@ class LLMEngine:
 
     def _while_masks_fill(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
         """Host work done while the grammars fill the masks of the step being launched:
-        process the step in flight (``launched``), then schedule the next step and flatten
-        it, so that the next ``step`` call enqueues its forward pass right behind this
-        step's sampling instead of leaving the device idle meanwhile. Not with a proposer:
-        whether a step drafts is decided when it is scheduled, from the state then."""
+        process the step in flight (``launched``); then, if the masks are still not in,
+        schedule the next step and flatten it, so that the next ``step`` call enqueues its
+        forward pass right behind this step's sampling instead of leaving the device idle
+        meanwhile. Once the masks are in, the sampling goes to the device first and the
+        next ``step`` call schedules as usual: scheduling ahead then only held the sampling
+        back (the host's work is the same either way). Not with a proposer: whether a step
+        drafts is decided when it is scheduled, from the state then."""
         self._process(sched, launched, late=True)
-        if self.scheduler.proposer is not None:
+        if self.scheduler.proposer is not None or self._grammars.masks_in():
             return
         ahead = self.scheduler.schedule(draft=False)
         self._ahead = (ahead, None if ahead.is_empty else self.runner.prepare(ahead))

@@ -253,6 +253,10 @@ class StructuredOutputs:
         self._ended: list[tuple[str, int]] = []
         self.num_feeds = 0  # feed calls so far: a step's feed is its number
         self._fed_pending: _PendingFeed | None = None
+        # While ``bitmask`` runs ``beside``: the workers' step (processes), or whether this
+        # thread's fill has returned (in process); ``masks_in`` reads them.
+        self._filling: Any = None
+        self._filled = False
         shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
@@ -385,10 +389,12 @@ class StructuredOutputs:
             else:
                 sent = self.backend.send_step(fill=(rows, mask, None))
             t1 = time.perf_counter()
+            self._filling = sent
             try:
                 if beside is not None:
                     beside()
             finally:  # the answers are read whatever happened, or the next would be theirs
+                self._filling = None
                 self._finish_feed()
                 t2 = time.perf_counter()
                 self.backend.finish_fill(sent)
@@ -398,6 +404,7 @@ class StructuredOutputs:
             # ``beside`` goes to the worker, the fill stays here: the fill lets go of the
             # GIL within microseconds, so the worker's Python runs at once, alongside.
             side = None
+            self._filled = False
             if beside is not None:
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
@@ -406,6 +413,7 @@ class StructuredOutputs:
             try:
                 self.backend.fill(rows, mask)
             finally:
+                self._filled = True
                 t1 = time.perf_counter()
                 if side is not None:
                     side.result()
@@ -416,6 +424,13 @@ class StructuredOutputs:
         stats.mask_ms += mask_s * 1e3
         stats.mask_wait_ms += wait_s * 1e3
         return mask
+
+    def masks_in(self) -> bool:
+        """Called from ``bitmask``'s ``beside``: whether the masks are all filled already
+        (the workers have answered, or this process's fill has returned), without waiting."""
+        if self._processes:
+            return self._filling is not None and self.backend.answered(self._filling)
+        return self._filled
 
     def _indices(self, requests: Sequence[Request], missing: str) -> np.ndarray:
         """The grammar index of each request, int64; a request without a grammar raises
