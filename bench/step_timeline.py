@@ -115,9 +115,9 @@ class StepTimeline:
             current._current["e_logits"] = _event()
             return logits
 
-        def sample(logits: torch.Tensor, meta: Any, inner=runner.sampler) -> Any:
+        def sample(logits: torch.Tensor, meta: Any, inner=runner.sampler, **kw: Any) -> Any:
             current._current["e_samp"] = _event()
-            return inner(logits, meta)
+            return inner(logits, meta, **kw)
 
         runner.model.compute_logits = compute_logits
         runner.sampler = sample

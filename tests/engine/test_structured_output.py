@@ -222,6 +222,10 @@ def test_sampler_draws_only_allowed_tokens_in_constrained_rows(temperature: floa
         assert got[i] in tokens
     free = Sampler()(logits, build([plain] * rows)).sampled_token_ids.tolist()
     assert got[::2] == free[::2]  # seeded rows: their draw depends on nothing else
+    given = logits.clone()
+    mutated = Sampler()(given, build(params, token_bitmask), mutable=True)
+    assert mutated.sampled_token_ids.tolist() == got
+    assert torch.isinf(given[1]).sum() == vocab - 2  # masked where they were: no copy made
     with pytest.raises(ValueError, match="no token_bitmask"):
         build(params)
 

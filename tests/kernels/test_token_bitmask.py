@@ -68,3 +68,22 @@ def test_rows_sliced_off_alignment_give_the_same_bits() -> None:
     want = apply_token_bitmask_ref(logits, rows_t, bitmask)
     got = apply_token_bitmask_(logits.clone(), padded, bitmask)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "vocab", "words", "rows"),
+    [
+        (4, 2048, 64, [0, 1, 2, 3]),  # every row, in order: one fill of the whole tensor
+        (5, 1000, 32, [3, 0]),  # rows out of order, some plain, the last word part-used
+        (3, 1100, 30, [1]),  # a mask narrower than the vocabulary: the rest is forbidden
+        (2, 70, 3, [1, 0]),
+    ],
+)
+def test_the_host_path_gives_the_reference_bits_in_place(num_rows, vocab, words, rows) -> None:
+    from tokenmill.kernels.token_bitmask import apply_token_bitmask_host_
+
+    logits, rows_t, bitmask = (t.cpu() for t in _case(num_rows, vocab, words, rows, seed=words))
+    want = apply_token_bitmask_ref(logits, rows_t, bitmask)
+    got = logits.clone()
+    assert apply_token_bitmask_host_(got, rows_t, bitmask) is got
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

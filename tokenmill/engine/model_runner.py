@@ -291,7 +291,7 @@ class ModelRunner:
                 upload_many=self.uploads.upload,
             )
             self._sampling_reuse.keep(table.sampling, row_slots, meta)
-        out = self.sampler(logits, meta)
+        out = self.sampler(logits, meta, mutable=True)  # the step's own, read no more
         self._last = sampled_rows(out.sampled_token_ids, batch, input_ids, row_of_slot, after_d)
         step = LaunchedStep.start(batch.sample_rows, counts, out)
         step.prompt_logprobs = scored

@@ -25,7 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sampling_metadata import SamplingMetadata
-from tokenmill.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
+from tokenmill.kernels.token_bitmask import (
+    apply_token_bitmask_,
+    apply_token_bitmask_host_,
+    apply_token_bitmask_ref,
+)
 
 __all__ = [
     "LogprobsTensors",
@@ -80,8 +84,11 @@ class SamplerOutput:
 class Sampler:
     """Stateless: turns [B, V] logits and a step's SamplingMetadata into SamplerOutput."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of ``logits`` ([B, V], any float dtype; not mutated).
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, mutable: bool = False
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` ([B, V], any float dtype; not mutated
+        unless ``mutable``: the caller's to give away, changed in place instead of copied).
 
         Raises ValueError when the logits shape does not match ``meta``.
         """
@@ -116,7 +123,7 @@ class Sampler:
                 logits,
                 meta.allowed_token_rows,
                 meta.allowed_token_bitmask,
-                in_place=logits is not given,  # ours to change: a copy made above
+                in_place=mutable or logits is not given,  # or a copy made above
             )
 
         if meta.all_greedy:
@@ -172,6 +179,8 @@ def apply_token_bitmask(
     bits; kernels/token_bitmask.py); neither syncs with the host."""
     if logits.is_cuda:
         return apply_token_bitmask_(logits if in_place else logits.clone(), rows, bitmask)
+    if logits.device.type == "cpu":
+        return apply_token_bitmask_host_(logits if in_place else logits.clone(), rows, bitmask)
     return apply_token_bitmask_ref(logits, rows, bitmask)
 
 
