@@ -253,10 +253,9 @@ class StructuredOutputs:
         self._ended: list[tuple[str, int]] = []
         self.num_feeds = 0  # feed calls so far: a step's feed is its number
         self._fed_pending: _PendingFeed | None = None
-        # While ``bitmask`` runs ``beside``: the workers' step (processes), or whether this
-        # thread's fill has returned (in process); ``masks_in`` reads them.
+        # While ``bitmask`` runs ``beside`` with worker processes: the step sent to them
+        # (``masks_in`` asks whether they have answered).
         self._filling: Any = None
-        self._filled = False
         shared = self.backend.shared_masks if self._processes else None
         self._buffers = _MaskBuffers(-(-vocab_size // 32), device or torch.device("cpu"), shared)
         self.stats = GrammarStats()
@@ -404,7 +403,6 @@ class StructuredOutputs:
             # ``beside`` goes to the worker, the fill stays here: the fill lets go of the
             # GIL within microseconds, so the worker's Python runs at once, alongside.
             side = None
-            self._filled = False
             if beside is not None:
                 if self._worker is None:
                     self._worker = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-engine")
@@ -413,7 +411,6 @@ class StructuredOutputs:
             try:
                 self.backend.fill(rows, mask)
             finally:
-                self._filled = True
                 t1 = time.perf_counter()
                 if side is not None:
                     side.result()
@@ -426,11 +423,11 @@ class StructuredOutputs:
         return mask
 
     def masks_in(self) -> bool:
-        """Called from ``bitmask``'s ``beside``: whether the masks are all filled already
-        (the workers have answered, or this process's fill has returned), without waiting."""
-        if self._processes:
-            return self._filling is not None and self.backend.answered(self._filling)
-        return self._filled
+        """Called from ``bitmask``'s ``beside``: whether the worker processes have filled
+        the masks already, without waiting. Always False in process, where the fill and
+        ``beside`` take turns on the GIL: whether the fill has returned by then depends on
+        the interpreter's switches, not on the work left."""
+        return self._filling is not None and self.backend.answered(self._filling)
 
     def _indices(self, requests: Sequence[Request], missing: str) -> np.ndarray:
         """The grammar index of each request, int64; a request without a grammar raises
