@@ -13,8 +13,10 @@ waiting for the grammar masks; ``samp``: sampling (and the masks' upload and app
 ``next_gap``: idle until the next launch. Host ms per launch (``host_launch``, and
 ``cpu_launch``: the engine thread's CPU time in it, so the difference is waiting) and per
 host phase (scheduling, the step processed, the grammar feed and fill, preparing the next
-step, the worker messages) are summed over each launch. Means per decode step and per mixed
-step print as one JSON line a leg; every step's record goes to ``--json``.
+step, the worker messages; each also as ``<phase>_cpu``, the thread's CPU time in it: wall
+well above CPU is a wait, for a worker, the device or the GIL) are summed over each launch.
+Means per decode step and per mixed step print as one JSON line a leg; every step's record
+goes to ``--json``.
 
 The phases are timed by wrapping the engine's methods in this process (a probe, not the
 engine's own profile: ``profile_steps`` is off), so a renamed method fails loudly here.
@@ -125,13 +127,15 @@ class StepTimeline:
     def _timed(self, method: Any, key: str, between: bool) -> Any:
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 ms = (time.perf_counter() - t0) * 1e3
+                cpu_ms = (time.thread_time() - cpu0) * 1e3
                 into = self._before_launch if between else self._current
                 into[key] = into.get(key, 0.0) + ms
+                into[key + "_cpu"] = into.get(key + "_cpu", 0.0) + cpu_ms
 
         return timed
 
@@ -171,7 +175,8 @@ class StepTimeline:
 def summarize(steps: list[dict[str, Any]], gc_pauses: list[tuple[int, float]]) -> dict[str, Any]:
     """Mean of every field per decode step and per mixed step; the slowest launch; the
     collector's pauses (count, total and longest ms, full collections)."""
-    keys = ("rows", "host_launch", "cpu_launch", *GAPS, *(key for _, _, key in PHASES))
+    phases = [key for _, _, key in PHASES]
+    keys = ("rows", "host_launch", "cpu_launch", *GAPS, *phases, *(k + "_cpu" for k in phases))
     summary: dict[str, Any] = {}
     for kind, decode in (("decode", True), ("mixed", False)):
         chosen = [s for s in steps if s["decode"] is decode]
