@@ -437,3 +437,27 @@ def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     os.remove(out / "shards" / "part-00000.jsonl")
     report = run_job(spec, show_progress=False)
     assert report.shards_recomputed == 1 and report.rows_ok == 8
+
+
+def test_resume_refuses_a_changed_kv_cache_dtype_or_grammar_library(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    for key, value, expected in (
+        ("kv_cache_dtype", "fp8", 'engine.kv_cache_dtype: "auto" -> "fp8"'),
+        ("structured_output_backend", "xgrammar", '"llguidance" -> "xgrammar"'),
+    ):
+        changed = job_dict(tiny_model, src, out, engine={key: value})
+        with pytest.raises(FingerprintMismatchError) as info:
+            run_job(changed, show_progress=False)
+        assert expected in str(info.value)
+    # the defaults written out resume the job begun without them (and change nothing)
+    same = job_dict(
+        tiny_model,
+        src,
+        out,
+        engine={"kv_cache_dtype": "auto", "structured_output_backend": "llguidance"},
+    )
+    run_job(same, show_progress=False)

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # quantization are in the model section (model.source, model.dtype, model.quantization);
 # attention_backend, load_format and seed change results but are not in the job fingerprint
 # (fingerprint.py), so a resumed job could mix results made under two of them; a job has no
-# reader for profile_steps.
+# reader for profile_steps. (The section's settings that change results are fingerprinted:
+# fingerprint.RESULT_SETTINGS.)
 NOT_IN_SECTION = frozenset(
     {"model", "dtype", "quantization", "attention_backend", "load_format", "profile_steps", "seed"}
 )

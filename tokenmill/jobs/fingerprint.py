@@ -1,9 +1,12 @@
 """The job fingerprint: a hash of everything that changes results.
 
 Model identity (resolved file or directory, its size), dtype, quantization, the sampling
-section, the chat template, the input (files, sizes, content samples, columns), and the output
-format and shard size (they decide which file holds which row). Engine tuning (batch sizes,
-block size, replicas) is left out: it does not change greedy results.
+section, the chat template, the input (files, sizes, content samples, columns), the output
+format and shard size (they decide which file holds which row), and the engine settings that
+change what a row gets (``RESULT_SETTINGS``: an FP8 KV cache rounds every key and value; the
+two grammar libraries tokenize the same JSON differently). Those count only when set away
+from their defaults, so a job begun before they counted still resumes. Engine tuning (batch
+sizes, block size, speculation, replicas) is left out: it does not change greedy results.
 
 The settings themselves are kept beside the hash in the manifest, so that a refused resume
 can say which of them changed (``changed_settings``).
@@ -13,12 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.jobs.spec import JobSpec
 
 JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
+
+RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend")  # engine.<key>
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
 
 
 def model_identity(path: Path) -> dict[str, Any]:
@@ -44,6 +52,13 @@ def job_settings(
         "input": input_fingerprint,
         "output": {"format": spec.output.format, "rows_per_shard": spec.output.rows_per_shard},
     }
+    engine = {
+        key: getattr(spec.engine, key)
+        for key in RESULT_SETTINGS
+        if getattr(spec.engine, key) != _DEFAULTS[key]
+    }
+    if engine:
+        settings["engine"] = engine
     return json.loads(json.dumps(settings))  # tuples become lists, as they read back
 
 
@@ -61,13 +76,19 @@ def settings_record(settings: JobSettings) -> JobSettings:
 
 def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
     """``["sampling.max_tokens: 8 -> 12", ...]`` for every leaf that differs (sorted)."""
-    old_flat, new_flat = _flatten(old), _flatten(new)
+    old_flat, new_flat = _flatten(_engine_defaults(old)), _flatten(_engine_defaults(new))
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
         if before != after:
             out.append(f"{key}: {_short(before)} -> {_short(after)}")
     return out
+
+
+def _engine_defaults(settings: JobSettings) -> JobSettings:
+    """``settings`` with the result settings at their defaults written out (they are left
+    out of the hash there), so a change reads "auto -> fp8", not "(unset) -> fp8"."""
+    return {**settings, "engine": {**_DEFAULTS, **settings.get("engine", {})}}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
