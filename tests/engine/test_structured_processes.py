@@ -87,6 +87,42 @@ def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F
     llm.engine.close()
 
 
+def test_a_stalled_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F811
+    llm = _llm(tiny_path, True, structured_output_processes=2)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
+    for i, prompt in enumerate(_prompts(4)):
+        llm.engine.add_request(f"r{i}", prompt, params)
+    llm.engine.step()
+    pool = llm.engine._grammars.backend
+    pool.answer_timeout_s = 0.5
+    victim = pool._procs[0]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        message = rf"grammar worker process 0 \(pid {victim.pid}\) has not answered in 0.5 s"
+        with pytest.raises(RuntimeError, match=message):
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    llm.engine.close()
+    assert victim.poll() is not None
+
+
+def test_workers_ignore_signals_to_the_engines_process_group(tiny_path) -> None:  # noqa: F811
+    """A Ctrl-C or a SIGTERM to the job's group is the engine's to handle (it stops at a
+    commit boundary, with its grammars): the workers are not in that group."""
+    llm = _llm(tiny_path, True, structured_output_processes=2)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
+    for i, prompt in enumerate(_prompts(4)):
+        llm.engine.add_request(f"r{i}", prompt, params)
+    llm.engine.step()
+    for proc in llm.engine._grammars.backend._procs:
+        assert os.getpgid(proc.pid) != os.getpgid(0)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    llm.engine.close()
+
+
 def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="structured_output_processes"):
         EngineConfig(model="m", structured_output_processes=-1)

@@ -32,7 +32,11 @@ with numpy.
 The backend interface is the in-process backends' (matcher / fill / consume / error /
 release), so structured_output.py keeps the bookkeeping either way; a row here is the
 request's key, and its worker is the key modulo the worker count. A worker that
-dies raises RuntimeError naming it at the next call; ``close`` stops them all.
+dies, or does not answer a step for ``ANSWER_TIMEOUT_S`` (stalled), raises RuntimeError
+naming it at the next call; ``close`` stops them all. Workers run in a session of their own:
+a Ctrl-C or a SIGTERM to the job's process group reaches the engine, which stops at its next
+commit boundary with the workers still serving it (each exits when the engine's end of its
+socket closes, also when the engine is killed).
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ __all__ = ["BACKENDS", "GrammarProcesses", "TokenizerNotPicklable", "auto_proces
 BACKENDS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
 
 _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
+# A step's answer takes milliseconds; the slowest honest one is a batch of new specs that
+# each compile for seconds (compiled here first, so the engine already waited that long).
+ANSWER_TIMEOUT_S = 120.0
 SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
 # A message's kind, its first int64. Its layout after that (int64s, then text):
 ADD, STEP, SHM, STOP = range(4)
@@ -258,6 +265,7 @@ class GrammarProcesses:
         self._errors: dict[int, str] = {}  # key -> why its last token was rejected
         self._released: list[int] = []  # finished requests' keys, to drop
         self._lock = threading.Lock()
+        self.answer_timeout_s = ANSWER_TIMEOUT_S
 
     # ---- the backend interface -----------------------------------------------------------
     def matcher(self, spec: str) -> int:
@@ -405,6 +413,7 @@ class GrammarProcesses:
                         env=env,
                         stdin=subprocess.DEVNULL,
                         pass_fds=(fd,),
+                        start_new_session=True,  # out of the job's process group's signals
                     )
                 )
             self._conns.append(Connection(ours.detach()))
@@ -498,16 +507,20 @@ class GrammarProcesses:
             raise self._died(worker) from exc
 
     def _recv(self, worker: int) -> bytes:
+        conn = self._conns[worker]
         try:
-            return self._conns[worker].recv_bytes()
+            if not conn.poll(self.answer_timeout_s):
+                raise self._died(worker, f"has not answered in {self.answer_timeout_s:g} s")
+            return conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise self._died(worker) from exc
 
-    def _died(self, worker: int) -> RuntimeError:
+    def _died(self, worker: int, how: str | None = None) -> RuntimeError:
         proc = self._procs[worker]
+        how = how or f"stopped (exit code {proc.poll()})"
         return RuntimeError(
-            f"structured output: grammar worker process {worker} (pid {proc.pid}) stopped "
-            f"(exit code {proc.poll()}); the engine cannot go on with its grammars"
+            f"structured output: grammar worker process {worker} (pid {proc.pid}) {how}; "
+            "the engine cannot go on with its grammars"
         )
 
 
