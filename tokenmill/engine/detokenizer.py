@@ -14,7 +14,11 @@ stay, so the next tokens are decoded together with it. Once the text ends on a w
 character, the offsets move on: prefix <- read, read <- len(ids).
 
 Stop strings are searched only where a new match can be, the new text plus the
-``len(longest stop) - 1`` characters before it.
+``len(longest stop) - 1`` characters before it. Several tokens at once (a drafted step's
+accepted ones) are taken one at a time while there are stop strings to watch, as that many
+one-token steps would: a stop string ends the text at the token that completed it (the
+tokens after it are not taken: ``output_token_ids`` says how many were), and ``min_tokens``
+counts to the token, not to the step.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class IncrementalDetokenizer:
 
     def append(self, token_ids: list[int]) -> str | None:
         """Feed newly generated tokens; return the stop string they completed, else None.
+        A stop string completed before the last of them leaves the rest untaken.
 
         Stop strings are not looked for while fewer than ``params.min_tokens`` tokens have been
         generated. Raises RuntimeError when called after a stop string matched.
@@ -79,8 +84,15 @@ class IncrementalDetokenizer:
                 f"IncrementalDetokenizer.append: the text already stopped at "
                 f"{self._stop_string!r}; finish the request instead of feeding more tokens"
             )
-        self._token_ids.extend(token_ids)
-        return self._decode_new(final=False)
+        if not self._max_stop_len:
+            self._token_ids.extend(token_ids)
+            return self._decode_new(final=False)
+        for token_id in token_ids:
+            self._token_ids.append(token_id)
+            stop = self._decode_new(final=False)
+            if stop is not None:
+                return stop
+        return None
 
     def flush(self) -> str | None:
         """Emit a held-back incomplete tail (as U+FFFD, like ``decode``) once no more tokens come.

@@ -543,6 +543,9 @@ class LLMEngine:
             match = detokenizer.append(new)
             if match is None:
                 continue
+            # a drafted step's tokens after the one that completed the stop string go
+            req.truncate_output(len(detokenizer.output_token_ids))
+            tracked.num_detokenized = req.num_output_tokens
             req.stop_reason = match
             if req.finished:
                 req.status = RequestStatus.FINISHED_STOPPED

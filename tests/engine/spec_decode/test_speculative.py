@@ -285,3 +285,31 @@ def test_a_next_turn_reuses_the_cached_output_blocks_and_gets_fresh_tokens(
     assert all(
         o.num_cached_tokens > len(p) // 4 * 4 for o, p in zip(again, prompts, strict=True)
     ), [(o.num_cached_tokens, len(p)) for o, p in zip(again, prompts, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("method", "async_scheduling"),
+    [("ngram", False), ("suffix", False), ("lookahead", False), ("ngram", True)],
+)
+def test_stop_strings_and_min_tokens_end_where_they_do_without_drafts(
+    model_path: Path, method: str, async_scheduling: bool
+) -> None:
+    """A stop string completed by a drafted step's second or later accepted token ends the
+    output at that token (the tokens after it are not output), and ``min_tokens`` counts to
+    the token: text, tokens and finish reasons equal the run without drafts."""
+    prompts = _copy_prompts(30)
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    texts = [o.text for o in _llm(model_path, "off").generate(prompts, plain)]
+    params = [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                       stop=[text[6:8]] if len(text) >= 8 else [], min_tokens=(0, 5, 9)[i % 3])
+        for i, text in enumerate(texts)
+    ]  # fmt: skip
+    runs = {}
+    for name in ("off", method):
+        llm = _llm(model_path, name, async_scheduling=async_scheduling)
+        outs = llm.generate(prompts, params)
+        runs[name] = [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in outs]
+    assert runs[method] == runs["off"]
+    assert sum(reason == "stop" for _, _, reason, _ in runs["off"]) >= 10
+    assert llm.engine.scheduler.stats.num_accepted_tokens > 0

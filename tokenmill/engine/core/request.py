@@ -172,6 +172,21 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the
+        text before the last tokens a drafted step accepted; the request is finishing). KV
+        computed for the dropped ones is no longer counted."""
+        keep = self.num_prompt_tokens + num_output_tokens
+        if keep >= self.num_tokens:
+            return
+        t = self._table
+        if t is None:
+            del self._tokens[keep:]
+            self._num_computed = min(self._num_computed, keep)
+        else:
+            t.num_tokens[self.slot] = keep
+            t.num_computed[self.slot] = min(int(t.num_computed[self.slot]), keep)
+
     def append_output_token(self, token_id: int) -> None:
         t = self._table
         if t is None:
