@@ -43,7 +43,13 @@ def test_bad_row_between_good_rows(tmp_path, line, row_id, message):
         (["hello"], "column 'messages'[0] must be an object"),
         ([{"role": "robot", "content": "x"}], "[0].role is 'robot'"),
         ([{"role": "user", "content": "x"}, {"role": "user"}], "[1].content must be a string"),
-        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "got a list"),
+        ([{"role": "user", "content": []}], "non-empty list of text parts, got an empty list"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+            "[0].content[0] is not a text part (got type 'image_url'); only text parts",
+        ),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "only text parts"),
+        ([{"role": "user", "content": ["x"]}], "[0].content[0] is not a text part (got a string)"),
     ],
 )
 def test_bad_messages_name_the_problem(tmp_path, messages, message):
@@ -86,3 +92,20 @@ def test_a_bad_row_still_claims_its_id(tmp_path):
     rows = read(f)
     assert summary(rows) == [(0, "x", False), (1, "in.jsonl:2", False)]
     assert "missing prompt" in rows[0].error and "duplicate id" in rows[1].error
+
+
+def test_openai_developer_role_and_text_parts_are_read_as_text(tmp_path):
+    """OpenAI's ``developer`` role is a system message; content parts of type text are
+    joined by newlines (as vLLM joins them); other keys are kept."""
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+         "name": "ann"},
+    ]  # fmt: skip
+    f = write_jsonl(tmp_path / "chat.jsonl", [{"id": "a", "messages": messages}])
+    (row,) = read(f, messages_column="messages")
+    assert row.error is None
+    assert row.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "a\nb", "name": "ann"},
+    ]
