@@ -214,7 +214,8 @@ class SpeculativeConfig:
 
     @classmethod
     def from_mapping(cls, value: Mapping[str, Any]) -> SpeculativeConfig:
-        """From job.yaml's ``speculative:`` mapping; an unknown key is named."""
+        """From job.yaml's ``speculative:`` mapping; an unknown key is named. ``method:
+        false`` is "off": YAML reads an unquoted ``off`` (also in ``--set``) as false."""
         known = {f.name for f in fields(cls)}
         for key in value:
             if key not in known:
@@ -223,6 +224,8 @@ class SpeculativeConfig:
                     value[key],
                     f"no such key (the keys: {', '.join(sorted(known))})",
                 )
+        if value.get("method") is False:
+            value = {**value, "method": "off"}
         return cls(**value)
 
 

@@ -150,6 +150,17 @@ def test_job_yaml_bad_speculative_value_exits_2_naming_the_key(tmp_path: Path, c
     assert "  engine.speculative.max_tokens: expected an integer from 1 to 7, got 0" in err, err
 
 
+def test_an_unquoted_off_in_job_yaml_or_set_is_off() -> None:
+    """YAML reads ``method: off`` (and ``--set engine.speculative.method=off``) as false."""
+    from tokenmill.jobs.spec import JobSpec
+
+    text = "model: {source: m}\ninput: {path: in.jsonl}\noutput: {path: out}\n"
+    spec = JobSpec.from_dict(yaml.safe_load(text + "engine: {speculative: {method: off}}"))
+    assert spec.engine.speculative == SpeculativeConfig(method="off")
+    with pytest.raises(EngineSettingError, match="speculative.method: expected one of"):
+        SpeculativeConfig.from_mapping({"method": True})
+
+
 class _Alternate:
     """A scripted policy: draft on every other step (and remember what it was told)."""
 
