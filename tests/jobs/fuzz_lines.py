@@ -361,11 +361,12 @@ class Fuzzer:
         spoiled = [
             self.text(10), 5, None, {}, [], True, "absent", {"role": "user", "content": "x"},
             [1, "x", None, []], [["user", "x"]],
-            good[:at] + [{"role": r.choice(["User", "developer", "function", "", " user",
+            good[:at] + [{"role": r.choice(["User", "Developer", "function", "", " user",
                                              "user\x00", None, 5, ["user"], self.lone()]),
                           "content": "x"}] + good[at:],
             good[:at] + [{"role": "user", "content": r.choice([None, 5, 1.5, True, [], {},
-                          [{"type": "text", "text": "x"}], float("nan")])}] + good[at:],
+                          [{"type": "image_url"}], [{"type": "text"}], float("nan")])}]
+                         + good[at:],
             good[:at] + [{"content": "x"}] + good[at:],
             good[:at] + [{"role": "user"}] + good[at:],
         ]  # fmt: skip
