@@ -230,3 +230,35 @@ def test_the_engine_refuses_several_completions_per_request(smollm2_llm, prompt)
     with pytest.raises(ValueError, match="n=2, best_of=None must be 1"):
         smollm2_llm.engine.add_request("direct", prompt, SamplingParams(n=2))
     assert not smollm2_llm.engine.has_unfinished()
+
+
+# ---- stop tokens' text ---------------------------------------------------------------------
+@pytest.mark.parametrize("watched", [False, True], ids=["decoded-at-finish", "incremental"])
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_tokens_text_is_output_only_when_asked_for(
+    smollm2_llm, prompt, watched: bool, include: bool
+) -> None:
+    """As vLLM's: the text of the stop token (``stop_token_ids``) or EOS that ended a
+    request is left out unless ``include_stop_str_in_output``; the token stays in
+    ``token_ids``. The same whether the text is decoded at the end or as the request runs
+    (a stop string to watch)."""
+    tokenizer = smollm2_llm.engine.tokenizer
+    ref = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0))[0]
+    stop_id = ref.token_ids[3]
+    cut = ref.token_ids.index(stop_id) + 1
+    extra = dict(stop=["never in this text"]) if watched else {}
+    by_token = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop_id],
+                              include_stop_str_in_output=include, **extra)  # fmt: skip
+    eos = smollm2_llm.engine.model_config.eos_token_ids[0]
+    by_eos = SamplingParams(max_tokens=8, temperature=0, min_tokens=3, logit_bias={eos: 100},
+                            skip_special_tokens=False, include_stop_str_in_output=include,
+                            **extra)  # fmt: skip
+    token_out, eos_out = smollm2_llm.generate([prompt, prompt], [by_token, by_eos])
+    assert token_out.token_ids == ref.token_ids[:cut]
+    assert (token_out.finish_reason, token_out.stop_reason) == ("stop", stop_id)
+    assert token_out.text == tokenizer.decode(ref.token_ids[: cut if include else cut - 1])
+    assert eos_out.token_ids[-1] == eos and len(eos_out.token_ids) == 4
+    assert (eos_out.finish_reason, eos_out.stop_reason) == ("stop", None)
+    shown = eos_out.token_ids if include else eos_out.token_ids[:-1]
+    assert eos_out.text == tokenizer.decode(shown, skip_special_tokens=False)
+    assert eos_out.text.endswith(tokenizer.decode([eos])) is include

@@ -540,6 +540,8 @@ class LLMEngine:
                 continue
             new = req.output_token_ids[tracked.num_detokenized :]
             tracked.num_detokenized += len(new)
+            if req.finished and req.stop_token_hidden:
+                new = new[:-1]  # the stop token's text is not output (nor searched)
             match = detokenizer.append(new)
             if match is None:
                 continue

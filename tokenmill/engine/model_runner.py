@@ -37,6 +37,7 @@ from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.launched_step import LaunchedStep
+from tokenmill.engine.min_tokens import banned_stop_tokens
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.parallel import ParallelConfig
@@ -271,16 +272,24 @@ class ModelRunner:
         row_of_slot[slots] = np.arange(len(slots))  # a pending token is its row's kept one
         self._source = row_of_slot  # before the masks: the next step may be prepared then
         masks = None if token_bitmask is None else self._masks(sched, batch, token_bitmask)
-        meta = self._sampling_reuse.get(table.sampling, row_slots)
+        outputs = (  # [N] each logits row's output position (pending tokens not counted)
+            table.num_tokens[row_slots].astype(np.int64)
+            - table.num_prompt[row_slots]
+            + batch.logits_depth
+        )
+        banned = None
+        if table.min_tokens[row_slots].any():
+            at = outputs.copy()
+            at[batch.pending_sampling_rows] += 1
+            banned = banned_stop_tokens(table, row_slots, at, logits.shape[-1])
+        meta = None if banned is not None else self._sampling_reuse.get(table.sampling, row_slots)
         if meta is not None and meta.allowed_token_rows is not None:  # this step's masks
             structured = table.sampling.columns["structured"][row_slots]
             meta = meta.with_token_bitmask(masks, structured)
         elif meta is None:
             meta = SamplingMetadata.from_rows(
                 table.sampling.gather(row_slots),
-                table.num_tokens[row_slots].astype(np.int64)
-                - table.num_prompt[row_slots]
-                + batch.logits_depth,
+                outputs,
                 lambda: self._histories(sched, batch),
                 vocab_size=logits.shape[-1],
                 device=self.device,
@@ -289,6 +298,7 @@ class ModelRunner:
                 pending_token_ids=pending,
                 token_bitmask=masks,
                 upload_many=self.uploads.upload,
+                banned=banned,
             )
             self._sampling_reuse.keep(table.sampling, row_slots, meta)
         out = self.sampler(logits, meta, mutable=True)  # the step's own, read no more

@@ -11,7 +11,9 @@ Without a device to overlap (CPU) it builds inline, where a thread would only ad
 switching. The worker has its own copy of the tokenizer, so it never shares one with code
 that encodes on another thread.
 Text is decoded once per request, in one batch per ``skip_special_tokens`` setting; requests
-with stop strings already have theirs (their IncrementalDetokenizer).
+with stop strings already have theirs (their IncrementalDetokenizer). The text of an EOS or
+stop token that ended a request is left out unless ``include_stop_str_in_output``, as vLLM
+leaves it out; the token stays in ``token_ids``.
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class OutputBuilder:
         for skip in (True, False):
             group = [r for r in requests if r.sampling_params.skip_special_tokens is skip]
             if group:
-                rows = [r.output_token_ids for r in group]
+                # a stop token's text is not output (Request.stop_token_hidden)
+                rows = [r.output_token_ids[: -1 if r.stop_token_hidden else None] for r in group]
                 decoded = decode_rows(self.tokenizer, rows, skip, self._cleanup)
                 texts.update(zip((r.request_id for r in group), decoded, strict=True))
         return texts

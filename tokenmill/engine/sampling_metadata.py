@@ -9,6 +9,7 @@ read by the ``Sampler`` without a single host-device sync. Row ``i`` describes l
     (seed, len(output_token_ids[i])) ──► row_seeds       (seeded, non-greedy rows)
     grammar of row i ──► allowed_token_bitmask[g, :]     (only the rows with structured_output)
     logit_bias of row i ──► logit_bias_index/values[k]   (flat i * V + token; rows with a bias)
+    stop tokens of a row short of min_tokens ──► more of them, -inf   (min_tokens.py)
 
 With async scheduling a row's last output token may still be on the device only (sampled by
 the previous step): ``pending_rows`` names those rows and ``pending_token_ids`` holds their
@@ -81,6 +82,9 @@ class SamplingMetadata:
     # one sparse add over the [B * V] logits applies them all. None when no row has one.
     logit_bias_index: torch.Tensor | None = None  # [K] int64
     logit_bias_values: torch.Tensor | None = None  # [K] float32
+    # Some row is short of its min_tokens: -inf on its stop tokens among the biases (the
+    # metadata depends on the step's positions, so it is not reused: sampling_reuse.py).
+    bans_stop_tokens: bool = False
 
     @classmethod
     def build(
@@ -132,6 +136,7 @@ class SamplingMetadata:
         pending_token_ids: torch.Tensor | None = None,
         token_bitmask: TokenBitmask | None = None,
         upload_many: Callable[[Sequence[np.ndarray]], list[torch.Tensor]] | None = None,
+        banned: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Build the metadata from gathered settings, with numpy over all rows.
 
@@ -143,7 +148,8 @@ class SamplingMetadata:
         ``token_bitmask(rows)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32 of the
         rows with a grammar (``rows.structured``; [G] indices), called only when there are
         some. ``upload_many(arrays)`` sends the per-row columns to ``device`` in one copy
-        (the model runner's ``UploadRing.upload``; default: one copy each). Raises
+        (the model runner's ``UploadRing.upload``; default: one copy each). ``banned``
+        [K] flat indices (row * V + token) may not be sampled (min_tokens.py). Raises
         ValueError when ``vocab_size < 1``, a history holds an id outside the vocabulary, or
         rows have a grammar but no ``token_bitmask`` gives their masks.
         """
@@ -192,7 +198,7 @@ class SamplingMetadata:
             allowed_bitmask = _allowed_bitmask(token_bitmask, constrained, vocab_size, device)
             allowed_rows = upload(torch.from_numpy(constrained.astype(np.int64)), device)
 
-        bias_index, bias_values = _logit_bias(rows.logit_bias, vocab_size, device)
+        bias_index, bias_values = _logit_bias(rows.logit_bias, vocab_size, device, banned)
 
         positions = num_outputs.astype(np.int64)
         positions[np.asarray(pending_rows, dtype=np.int64)] += 1
@@ -231,6 +237,7 @@ class SamplingMetadata:
             allowed_token_bitmask=allowed_bitmask,
             logit_bias_index=bias_index,
             logit_bias_values=bias_values,
+            bans_stop_tokens=banned is not None and len(banned) > 0,
         )
 
     def with_token_bitmask(
@@ -281,29 +288,37 @@ def row_seed(seed: int, position: int) -> int:
 
 
 def _logit_bias(
-    biases: np.ndarray, vocab_size: int, device: torch.device
+    biases: np.ndarray, vocab_size: int, device: torch.device, banned: np.ndarray | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(flat index [K] int64, bias [K] float32) on ``device`` for every biased (row, token):
+    """(flat index [K] int64, bias [K] float32) on ``device`` for every biased (row, token),
+    then -inf for each ``banned`` flat index:
 
         row 0: {7: +5}, row 2: {1: -100, 9: +1}   ──►   index [0V+7, 2V+1, 2V+9]
                                                         bias  [5,    -100, 1   ]
 
-    (None, None) when no row has a bias. Raises ValueError for an id outside the vocabulary
-    (the engine refuses such a request when it is added; this guards direct callers).
+    (None, None) when no row has a bias and nothing is banned. Raises ValueError for an id
+    outside the vocabulary (the engine refuses such a request when it is added; this guards
+    direct callers).
     """
     rows = np.flatnonzero(biases != None)  # noqa: E711 (elementwise on an object array)
-    if not len(rows):
+    flat = np.empty(0, dtype=np.int64)
+    values = np.empty(0, dtype=np.float32)
+    if len(rows):
+        pairs = biases[rows].tolist()  # [(ids, values)] per biased row
+        ids = np.concatenate([i for i, _ in pairs])  # [K]
+        values = np.concatenate([v for _, v in pairs])  # [K]
+        if ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(
+                f"SamplingMetadata.build: logit_bias holds a token id outside "
+                f"[0, {vocab_size}) (largest {int(ids.max())})"
+            )
+        lengths = np.fromiter((len(i) for i, _ in pairs), dtype=np.int64, count=len(pairs))
+        flat = np.repeat(rows.astype(np.int64) * vocab_size, lengths) + ids  # [K]
+    if banned is not None and len(banned):
+        flat = np.concatenate([flat, banned.astype(np.int64)])
+        values = np.concatenate([values, np.full(len(banned), -np.inf, dtype=np.float32)])
+    if not len(flat):
         return None, None
-    pairs = biases[rows].tolist()  # [(ids, values)] per biased row
-    ids = np.concatenate([i for i, _ in pairs])  # [K]
-    values = np.concatenate([v for _, v in pairs])  # [K]
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(
-            f"SamplingMetadata.build: logit_bias holds a token id outside [0, {vocab_size}) "
-            f"(largest {int(ids.max())})"
-        )
-    lengths = np.fromiter((len(i) for i, _ in pairs), dtype=np.int64, count=len(pairs))
-    flat = np.repeat(rows.astype(np.int64) * vocab_size, lengths) + ids  # [K]
     return (
         upload(torch.from_numpy(flat), device),
         upload(torch.from_numpy(values.astype(np.float32)), device),

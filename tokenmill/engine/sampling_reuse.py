@@ -7,6 +7,7 @@ same, unless it depends on the step itself:
 
     penalties        the output token counts grow every step
     seeded rows      a row's draw is seeded by its output position
+    min_tokens       a row short of it may not sample its stop tokens yet (min_tokens.py)
 
 Metadata with neither is kept and handed out again. Rows with a grammar (structured output)
 are kept too: which rows have one is a setting like the others, and only their masks are
@@ -51,7 +52,7 @@ _MAX_CUTS = 4096  # (setting, row count) metadata views kept; a batch size needs
 
 def reusable(meta: SamplingMetadata) -> bool:
     """Whether ``meta`` depends only on its rows' settings (see the module docstring)."""
-    return meta.no_penalties and not meta.row_seeds
+    return meta.no_penalties and not meta.row_seeds and not meta.bans_stop_tokens
 
 
 class SamplingReuse:

@@ -172,6 +172,23 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def stop_token_hidden(self) -> bool:
+        """Its last token ended it (an EOS or one of ``stop_token_ids``) and that token's
+        text is not part of the output (unless ``include_stop_str_in_output``), as vLLM's;
+        the token itself stays in ``output_token_ids``."""
+        params = self.sampling_params
+        if (
+            self.status is not RequestStatus.FINISHED_STOPPED
+            or params.include_stop_str_in_output
+            or self.num_output_tokens == 0
+        ):
+            return False
+        if isinstance(self.stop_reason, int):  # one of stop_token_ids
+            return True
+        last = self.token_ids_between(self.num_tokens - 1, self.num_tokens)[0]
+        return self.stop_reason is None and not params.ignore_eos and last in self.eos_token_ids
+
     def truncate_output(self, num_output_tokens: int) -> None:
         """Keep only the first ``num_output_tokens`` output tokens (a stop string ended the
         text before the last tokens a drafted step accepted; the request is finishing). KV
