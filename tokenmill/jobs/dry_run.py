@@ -113,10 +113,13 @@ class DryRunReport:
             return []
         e = est.entry
         at_most = "" if self.output_tokens_exact else "at most "
+        duration = f"{at_most}{format_duration(est.seconds)}"
+        if est.seconds < 0.5:  # "0 s" would read as nothing to do
+            duration = "less than 1 s"
         what = "GPU time" if e.device == "gpu" else "CPU time"
         pad = " " * 18
         lines = [
-            f"  estimate        {at_most}{format_duration(est.seconds)} of {what}, an estimate: "
+            f"  estimate        {duration} of {what}, an estimate: "
             f"{est.output_tokens:,} output tokens / {e.output_tokens_per_s:,} output tok/s",
             f"{pad}the rate of entry {e.name} (throughput_table.json), measured for "
             f'BENCHMARKS.md, section "{e.source}"',
