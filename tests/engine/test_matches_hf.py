@@ -68,3 +68,62 @@ def test_tiny_model_greedy_matches_hf_transformers(case: str, tmp_path: Path) ->
                 do_sample=False,
             )
         assert out.token_ids == ref[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("arch", "window_settings", "window"),
+    [
+        ("mistral", {"sliding_window": 24}, 24),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 0}, 24),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 24}, None),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 2}, None),
+    ],
+)
+def test_a_sliding_window_bounds_max_model_len_where_outputs_equal_hf(
+    arch: str, window_settings: dict, window: int | None, tmp_path: Path, caplog
+) -> None:
+    """The engine has no sliding-window attention: a model whose layers slide runs only
+    sequences that fit one window, where full attention is the same (greedy = HF), and a
+    longer prompt is refused naming the window; a window no layer uses changes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(arch, tmp_path / "m", **window_settings)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with caplog.at_level("WARNING", logger="tokenmill.engine.llm_engine"):
+        llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, kv_cache_memory=8 << 20)
+    assert llm.engine.model_config.sliding_window == window
+    limit = window or llm.engine.model_config.max_position_embeddings
+    assert llm.engine.max_model_len == limit
+    assert ("slides over windows of 24 tokens" in caplog.text) is (window is not None)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, hf.config.vocab_size, (14,), generator=g).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, min_tokens=10, temperature=0))
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, 14, dtype=torch.long),
+            max_new_tokens=10, min_new_tokens=10, do_sample=False,
+        )  # fmt: skip
+    assert out[0].token_ids == ref[0, 14:].tolist()
+    if window is not None:
+        with pytest.raises(ValueError, match="slides over windows of 24 tokens"):
+            llm.engine.add_request("long", list(range(3, 33)), SamplingParams(max_tokens=2))
+
+
+def test_an_activation_other_than_silu_is_refused(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'.*SiLU-gated"):
+        LLM(str(path), device="cpu")
+
+
+def test_a_lowered_max_model_len_is_warned_of_and_named_in_the_refusal(
+    tmp_path: Path, caplog
+) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", max_position_embeddings=512)
+    with caplog.at_level("WARNING", logger="tokenmill.engine.llm_engine"):
+        llm = LLM(str(path), device="cpu", block_size=4, max_model_len=100_000,
+                  kv_cache_memory=96 << 10)  # fmt: skip
+    assert "max_model_len 100000 lowered to 512: the model's context" in caplog.text
+    limit = llm.engine.max_model_len
+    assert limit < 512 and f"max_model_len 512 lowered to {limit}: all the KV cache" in caplog.text
+    with pytest.raises(ValueError, match=r"raise kv_cache_memory for longer sequences"):
+        llm.engine.add_request("long", [5] * limit, SamplingParams(max_tokens=2))

@@ -58,6 +58,7 @@ from tokenmill.engine.loader import ModelSource, resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
 from tokenmill.engine.loader.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
+from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
@@ -121,9 +122,16 @@ class LLMEngine:
             self.policy = SpeculationPolicy(probe_drafts_every=50 if async_scheduling else 10)
         self.dtype = config.resolve_dtype(self.model_config, self.device)
         mc = self.model_config
-        max_len = min(
-            config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
-        )
+        max_len, self._max_len_why = _context_limit(mc)
+        if config.max_model_len is not None and config.max_model_len > max_len:
+            log.warning(
+                "max_model_len %d lowered to %d: %s", config.max_model_len, max_len,
+                self._max_len_why,
+            )  # fmt: skip
+        elif config.max_model_len is not None:
+            max_len, self._max_len_why = config.max_model_len, "as set"
+        elif mc.sliding_window is not None and max_len == mc.sliding_window:
+            log.warning("max_model_len %d: %s", max_len, self._max_len_why)
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device)
@@ -165,6 +173,13 @@ class LLMEngine:
                 + _gpu_use_hint(self.device)
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
+        if self.max_model_len < max_len:
+            self._max_len_why = (
+                f"all the KV cache holds ({num_blocks} blocks of {config.block_size} tokens; "
+                "raise kv_cache_memory for longer sequences)"
+            )
+            log.warning("max_model_len %d lowered to %d: %s", max_len, self.max_model_len,
+                        self._max_len_why)  # fmt: skip
         self.runner = ModelRunner(
             model,
             mc,
@@ -293,8 +308,8 @@ class LLMEngine:
         check_logit_bias_vocab(params, vocab)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; the model's context "
-                f"(max_model_len) is {self.max_model_len}, leaving no room to generate"
+                f"prompt has {len(prompt_token_ids)} tokens; the engine's max_model_len is "
+                f"{self.max_model_len} ({self._max_len_why}), leaving no room to generate"
             )
         req = Request(
             request_id,
@@ -630,6 +645,17 @@ class LLMEngine:
                 prompt_lps = self._prompt_logprobs.pop(req.request_id)
             items.append(Finished(req, tracked.detokenizer, tracked.logprobs, prompt_lps))
         self._outputs.submit(items)
+
+
+def _context_limit(mc: ModelConfig) -> tuple[int, str]:
+    """The longest sequence the model runs exactly here, and why: its context, or its
+    sliding attention window (not implemented: within it full attention is the same)."""
+    if mc.sliding_window is not None and mc.sliding_window < mc.max_position_embeddings:
+        return mc.sliding_window, (
+            f"the model's attention slides over windows of {mc.sliding_window} tokens, which "
+            "this engine does not implement; within one window its outputs are exact"
+        )
+    return mc.max_position_embeddings, "the model's context (max_position_embeddings)"
 
 
 def _linear_weights(source: ModelSource | None, quantization: str, dtype: torch.dtype) -> str:

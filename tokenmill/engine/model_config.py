@@ -48,6 +48,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
     quantization: str = "none"  # how the checkpoint stores its weights (checkpoint_quant.py)
+    # Some layers attend only to the last this many tokens (Mistral's sliding_window, Qwen2's
+    # with use_sliding_window); None: every layer attends to all. The engine does not
+    # implement the window: it keeps sequences within it, where full attention is the same.
+    sliding_window: int | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -118,6 +122,12 @@ class ModelConfig:
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         # transformers 5 moved rope settings into `rope_parameters`.
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(
+                f"config key hidden_act is {act!r}{where}; this engine's MLP is SiLU-gated "
+                "(hidden_act silu)"
+            )
         rope_params = cfg.get("rope_parameters")
         if isinstance(rope_params, dict):
             rope_theta = rope_theta or rope_params.get("rope_theta")
@@ -142,5 +152,28 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            sliding_window=_sliding_window(cfg, arch),
             source=source,
         )
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    """The window of the layers that slide, as transformers reads the config: Mistral's
+    ``sliding_window`` applies to every layer; Qwen2's and Qwen3's only with
+    ``use_sliding_window``, to the layers from ``max_window_layers`` on (or those
+    ``layer_types`` calls sliding_attention)."""
+    window = cfg.get("sliding_window")
+    if not window or arch == "LlamaForCausalLM":
+        return None
+    if arch != "MistralForCausalLM":
+        if not cfg.get("use_sliding_window", False):
+            return None
+        types = cfg.get("layer_types")
+        if types is not None:
+            sliding = "sliding_attention" in types
+        else:
+            layers = int(cfg.get("num_hidden_layers") or 0)
+            sliding = int(cfg.get("max_window_layers", layers)) < layers
+        if not sliding:
+            return None
+    return int(window)
