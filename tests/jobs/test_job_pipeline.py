@@ -18,6 +18,7 @@ from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_js
 from tokenmill import run_job
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.readers import InputConfig, iter_input_rows
+from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.jobs import row_feed, runner, shard_writer
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -101,8 +102,18 @@ def _cli(job: Path) -> int:
             "storage error: OSError: connection reset by peer",
         ),
         (ValueError("line 23 vanished"), 1, "the job failed (ValueError: line 23 vanished)"),
+        (
+            CorruptInputError("in.jsonl.gz: gzip decompression failed"),
+            2,
+            "CorruptInputError: in.jsonl.gz: gzip decompression failed",
+        ),
+        (
+            FileNotFoundError(2, "No such file or directory", "in/b.jsonl"),
+            2,
+            "FileNotFoundError: [Errno 2] No such file or directory: 'in/b.jsonl'",
+        ),
     ],
-    ids=["storage", "bug"],
+    ids=["storage", "bug", "corrupt-input", "missing-file"],
 )
 def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     tiny_model: Path,
@@ -126,7 +137,10 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     monkeypatch.setattr(row_feed, "iter_input_rows", failing)
     monkeypatch.setattr(runner, "pipeline_bounds", lambda s: PipelineBounds(4, 8, 1))
     assert _cli(_job_file(tmp_path, spec)) == code
-    assert capsys.readouterr().err.strip().endswith(f"run-job: {message}; {RESUME}")
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"run-job: {message}; {RESUME}")
+    # a file to fix: rerunning as it is does not help (exit 2, and it says so)
+    assert last.endswith("(rerunning as it is does not help)") is (code == 2)
     committed = json.loads((out / "test.manifest.json").read_text())["shards"]
     assert set(committed) <= {"0", "1", "2", "3", "4"}  # rows before 22 only
 

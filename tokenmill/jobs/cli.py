@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 
+from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
@@ -68,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         except FingerprintMismatchError as exc:  # needs a decision: --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:
+            # A file that is not there, or not allowed, or an input cut short does not come
+            # right by waiting.
+            lasting = _lasting(exc)
+            if lasting is not None:
+                return _fail(
+                    f"{type(lasting).__name__}: {lasting}; {_RESUME} once it is fixed "
+                    "(rerunning as it is does not help)",
+                    EXIT_INVALID,
+                )
             # The storage (disk full, object store down after retries; a store client's own
             # exception types, e.g. botocore's while reading the input) is temporary.
             if isinstance(exc, OSError) or _from_a_store_client(exc):
@@ -91,7 +101,8 @@ examples:
 --set takes any job.yaml key by its dotted path; the value is read as YAML (64, 0.5,
 true, [a, b]). Without a job.yaml the job is named "job" (--set name=... to change it).
 
-exit codes: 0 complete, 1 failed, 2 invalid spec or usage, 75 temporary (locked, stopped
+exit codes: 0 complete, 1 failed, 2 invalid spec or usage, or a file, path or permission
+to fix (a missing or corrupt input, an output not allowed), 75 temporary (locked, stopped
 by a signal, storage failure): rerun to resume
 """
 
@@ -184,6 +195,24 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
 _STORE_CLIENTS = frozenset(
     {"botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "gcsfs", "adlfs", "azure"}
 )
+
+
+# Failures that stay until someone fixes a file, a path or a permission.
+_LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectoryError,
+            IsADirectoryError)  # fmt: skip
+
+
+def _lasting(exc: BaseException) -> BaseException | None:
+    """The exception in ``exc``'s chain (itself, then what caused it) that will not go away
+    on a rerun, if any."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            return None
+        if isinstance(seen, _LASTING):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _from_a_store_client(exc: BaseException) -> bool:

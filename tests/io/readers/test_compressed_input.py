@@ -155,6 +155,22 @@ def test_truncated_gzip_is_a_value_error_naming_the_file(tmp_path):
     assert str(f) in str(e.value)
 
 
+def test_a_zstd_file_of_several_frames_is_read_whole_and_a_cut_one_refused(tmp_path):
+    """zstandard's stream reader ended quietly where a file was cut inside a frame: the rows
+    before the cut came out as a whole, shorter input (rows lost, the job "complete")."""
+    rows = [{"id": f"r{i}", "prompt": "x" * (i % 50)} for i in range(3000)]
+    compress = zstandard.ZstdCompressor().compress
+    data = compress(jsonl_bytes(rows[:1000])) + compress(jsonl_bytes(rows[1000:]))
+    whole = tmp_path / "in.jsonl.zst"
+    whole.write_bytes(data)
+    assert [r.row_id for r in read(whole)] == [r["id"] for r in rows]
+    for keep in (0.5, 0.9, 0.999):
+        cut = tmp_path / f"cut{keep}.jsonl.zst"
+        cut.write_bytes(data[: int(len(data) * keep)])
+        with pytest.raises(ValueError, match="zstd decompression failed .* inside a zstd frame"):
+            read(cut)
+
+
 def test_missing_codec_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.delitem(compr, "zstd")
     f = write_compressed(tmp_path / "in.jsonl.zst", ROWS)

@@ -17,9 +17,11 @@ must follow it, ten bytes in all), and it reads a misnamed ``prompts.jsonl`` tha
 gzip instead of failing every row as "not valid UTF-8". A name whose compression the bytes do
 not carry (``x.jsonl.gz`` holding plain text) is a ValueError naming the file.
 
+zstd is decompressed frame by frame here (``_ZstdFrames``), not by fsspec's codec: zstandard's
+stream reader ends quietly at a file cut short inside a frame, so a truncated file read as a
+shorter, valid one and its last rows were lost; here it raises like gzip, bzip2 and xz do.
+
 Limits: a decompressing stream cannot seek, so a reader that must start over reopens the file.
-zstandard's reader does not notice a zstd file cut short inside its last frame: the rows
-already decompressed come out and the rest are missing (gzip, bzip2 and xz raise).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ DECOMPRESS_COMMANDS: dict[str, str] = {
 _MAGIC_BYTES = 10
 _BZIP2_STREAM_MAGICS = (b"1AY&SY", b"\x17rE8P\x90")  # first block / end of an empty stream
 _STREAM_BUFFER = 1 << 18  # decompressed bytes buffered for line iteration
+
+
+class CorruptInputError(ValueError):
+    """An input file's compressed data is truncated or corrupt (named in the message):
+    rerunning does not help until the file is replaced."""
 
 
 def compression_by_suffix(url: str) -> str | None:
@@ -106,7 +113,7 @@ def open_input(url: str, storage_options: dict[str, Any]) -> IO[bytes]:
                 f"{url} is {codec}-compressed but this Python has no {codec} codec; "
                 + ("pip install zstandard" if codec == "zstd" else "decompress it first")
             )
-        stream = compr[codec](raw, mode="r")
+        stream = _ZstdFrames(raw) if codec == "zstd" else compr[codec](raw, mode="r")
         return io.BufferedReader(_Decompressed(url, codec, stream, raw), _STREAM_BUFFER)
     except BaseException:
         raw.close()
@@ -148,7 +155,7 @@ class _Decompressed(io.RawIOBase):
         try:
             n = self._stream.readinto(buffer)
         except Exception as e:
-            raise ValueError(
+            raise CorruptInputError(
                 f"{self._url}: {self._codec} decompression failed after {self._done} bytes "
                 f"({type(e).__name__}: {e}); the file may be truncated or corrupt"
             ) from e
@@ -162,3 +169,51 @@ class _Decompressed(io.RawIOBase):
             finally:
                 self._raw.close()
         super().close()
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame; EOFError when the file
+    ends inside a frame (truncated)."""
+
+    _CHUNK = 1 << 16  # compressed bytes read at a time
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        import zstandard
+
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._raw = raw
+        self._out = b""  # decompressed, from ``_at`` on not yet handed out
+        self._at = 0
+        self._inside = False  # some of the current frame was fed
+        self._ended = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._at == len(self._out) and not self._ended:
+            chunk = self._raw.read(self._CHUNK)
+            if not chunk:
+                if self._inside:
+                    raise EOFError("the file ends inside a zstd frame")
+                self._ended = True
+                break
+            self._out, self._at = self._feed(chunk), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        """Decompress ``data``, starting new frames where one ends."""
+        out = []
+        while data:
+            out.append(self._frame.decompress(data))
+            self._inside = True
+            if not self._frame.eof:
+                break
+            data = self._frame.unused_data
+            self._frame = self._decompressor.decompressobj()
+            self._inside = False
+        return b"".join(out)
