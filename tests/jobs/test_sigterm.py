@@ -173,3 +173,16 @@ def test_second_sigterm_stops_at_once_while_a_write_hangs(
     for key in sorted(direct.glob(f"{bucket}/out/shards/*.jsonl")):
         rows.extend(json.loads(line) for line in direct.cat_file(key).decode().splitlines())
     _assert_same_rows(rows, want)
+
+
+def test_ray_init_leaves_the_jobs_stop_handlers_in_place() -> None:
+    """``ray.init`` installs a SIGTERM handler of its own, under which a SIGTERM ended a Ray
+    job at once with exit 1: the executor puts the job's handlers back after it."""
+    from tokenmill.jobs.stop_signals import StopOnSignals, stop_handlers_kept
+
+    with StopOnSignals(threading.Event()) as stop:
+        with stop_handlers_kept():
+            signal.signal(signal.SIGTERM, lambda *a: None)  # what ray.init does
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        assert signal.getsignal(signal.SIGINT) == stop._handle

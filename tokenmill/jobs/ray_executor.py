@@ -74,6 +74,7 @@ from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.row_source import FeedItem, RowSource
 from tokenmill.jobs.spec import JobSpec
 from tokenmill.jobs.step_batches import StepBatches
+from tokenmill.jobs.stop_signals import stop_handlers_kept
 from tokenmill.scheduling import PrefixRouter, row_prefix_key
 
 __all__ = ["CHUNKS_PER_REPLICA", "RayExecutor", "replica_resources"]
@@ -113,7 +114,8 @@ class RayExecutor:
         self.max_in_flight = CHUNKS_PER_REPLICA * self.replicas * self.chunk_rows
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            ray.init(address=spec.execution.ray_address, include_dashboard=False)
+            with stop_handlers_kept():
+                ray.init(address=spec.execution.ray_address, include_dashboard=False)
         elif spec.execution.ray_address is not None:
             log.info(
                 "Ray is already initialised in this process; using it, not execution."

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -55,3 +57,20 @@ class StopOnSignals:
             "%s received: stopping at the next commit boundary (send it again to stop at once)",
             name,
         )
+
+
+@contextmanager
+def stop_handlers_kept() -> Iterator[None]:
+    """Put SIGTERM's and SIGINT's handlers back after the block: ``ray.init`` installs its
+    own, under which a SIGTERM ended the job at once (exit 1) instead of at a commit
+    boundary."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
