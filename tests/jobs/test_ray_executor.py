@@ -80,6 +80,19 @@ def test_ray_gives_the_same_rows_as_local(
     assert report.generation_seconds + report.model_load_seconds <= report.wall_seconds + 0.01
 
 
+def test_more_replicas_than_the_cluster_has_room_for_still_finish_the_job(
+    tiny_model: Path, job_input: Path, local_outputs: dict[str, Any]
+) -> None:
+    """The test cluster has 4 CPUs: the fifth replica never starts. Rows routed to it
+    before any replica was up waited there forever (the job hung); they go to the replicas
+    that came up."""
+    out = job_input.parent / "ray-too-many"
+    spec = job_dict(tiny_model, job_input, out, execution={**RAY, "replicas": 5}, **SMALL)
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete"
+    assert _outputs(out) == local_outputs
+
+
 def _cancel_at_first_shard(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """An event set when the runner hands its first complete shard to the writer: the
     run stops after that result, with that shard committed and later rows still to do.

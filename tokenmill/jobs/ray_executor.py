@@ -229,6 +229,7 @@ class RayExecutor:
         """Send chunks to the replicas that are up and have room. While suspects wait, one
         replica (the least busy) takes no new chunks, so that it soon runs one alone; any
         idle replica takes one."""
+        self._reroute_from_down(run)
         up = [s for s in run.pool.slots if s.up and not s.isolated]
         quarantine = None
         if run.suspects and up:
@@ -244,6 +245,19 @@ class RayExecutor:
                 # a partial chunk goes at once: the source has nothing more ready now
                 rows, pending[:] = pending[: self.chunk_rows], pending[self.chunk_rows :]
                 run.pool.submit(slot, self._recovery.chunk(rows))
+
+    def _reroute_from_down(self, run: _Run) -> None:
+        """Rows routed while no replica was up wait on every replica; once some are up, the
+        rows waiting on one that is not (it may never start: a cluster with room for fewer
+        replicas than asked; or it is restarting) go to those that are. They waited there
+        forever before, the job hanging with its rows in flight."""
+        if not any(s.up for s in run.pool.slots):
+            return
+        for slot in run.pool.slots:
+            if not slot.up and run.pending[slot.index]:
+                waiting, run.pending[slot.index] = run.pending[slot.index], []
+                for row in waiting:
+                    run.pending[self._route(row, run).index].append(row)
 
     def _handle(self, event: PoolEvent, run: _Run) -> list[ResultRow]:
         """Apply one pool event; the results it brings."""
