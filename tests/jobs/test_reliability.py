@@ -461,3 +461,15 @@ def test_resume_refuses_a_changed_kv_cache_dtype_or_grammar_library(
         engine={"kv_cache_dtype": "auto", "structured_output_backend": "llguidance"},
     )
     run_job(same, show_progress=False)
+
+
+def test_a_changed_input_is_named_in_words(tiny_model: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    write_jsonl(src, chat_rows(4))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(job_dict(tiny_model, src, out), show_progress=False)
+    message = str(info.value)
+    assert "input: the input changed: its files (which, their sizes" in message
+    assert message.count('"') % 2 == 0  # shortened values keep their quotes balanced

@@ -80,9 +80,20 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
-        if before != after:
+        if before == after:
+            continue
+        if key in _HASHED:  # two hex digests say nothing to a reader
+            out.append(f"{key}: {_HASHED[key]} (fingerprint {_short(before)} -> {_short(after)})")
+        else:
             out.append(f"{key}: {_short(before)} -> {_short(after)}")
     return out
+
+
+# Settings kept as a hash, and what a change of it means.
+_HASHED = {
+    "input": "the input changed: its files (which, their sizes, their first or last MiB) or "
+    "how they are read (format, id / prompt / messages / passthrough columns)",
+}
 
 
 def _engine_defaults(settings: JobSettings) -> JobSettings:
@@ -102,4 +113,6 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def _short(value: Any) -> str:
     text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    if len(text) <= 60:
+        return text
+    return text[:57] + "..." + ('"' if text.startswith('"') else "")
