@@ -72,12 +72,18 @@ def test_a_rejected_constraint_is_refused_when_added(tiny_path) -> None:  # noqa
     llm.engine.close()
 
 
-def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F811
-    llm = _llm(tiny_path, True, structured_output_processes=2)
+def _json_rows_on_two_workers(path: Path) -> Any:
+    """An LLM with grammars in 2 worker processes, 4 JSON rows added and one step taken."""
+    llm = _llm(path, True, structured_output_processes=2)
     params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
     for i, prompt in enumerate(_prompts(4)):
         llm.engine.add_request(f"r{i}", prompt, params)
     llm.engine.step()
+    return llm
+
+
+def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F811
+    llm = _json_rows_on_two_workers(tiny_path)
     victim = llm.engine._grammars.backend._procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -88,11 +94,7 @@ def test_a_dead_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F
 
 
 def test_a_stalled_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa: F811
-    llm = _llm(tiny_path, True, structured_output_processes=2)
-    params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
-    for i, prompt in enumerate(_prompts(4)):
-        llm.engine.add_request(f"r{i}", prompt, params)
-    llm.engine.step()
+    llm = _json_rows_on_two_workers(tiny_path)
     pool = llm.engine._grammars.backend
     pool.answer_timeout_s = 0.5
     victim = pool._procs[0]
@@ -111,11 +113,7 @@ def test_a_stalled_worker_stops_the_engine_naming_it(tiny_path) -> None:  # noqa
 def test_workers_ignore_signals_to_the_engines_process_group(tiny_path) -> None:  # noqa: F811
     """A Ctrl-C or a SIGTERM to the job's group is the engine's to handle (it stops at a
     commit boundary, with its grammars): the workers are not in that group."""
-    llm = _llm(tiny_path, True, structured_output_processes=2)
-    params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
-    for i, prompt in enumerate(_prompts(4)):
-        llm.engine.add_request(f"r{i}", prompt, params)
-    llm.engine.step()
+    llm = _json_rows_on_two_workers(tiny_path)
     for proc in llm.engine._grammars.backend._procs:
         assert os.getpgid(proc.pid) != os.getpgid(0)
     while llm.engine.has_unfinished():
