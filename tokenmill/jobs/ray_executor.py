@@ -124,9 +124,11 @@ class RayExecutor:
             )
         total = ray.cluster_resources()
         self._resources = replica_resources(spec, total.get("GPU", 0))
+        self._room_for_all = True  # the cluster can run every replica at once
         for key, amount in self._resources.items():
             name = {"num_gpus": "GPU", "num_cpus": "CPU"}[key]
             if amount * self.replicas > total.get(name, 0):
+                self._room_for_all = False
                 log.warning(
                     "execution.replicas=%d needs %g %s in all; the Ray cluster has %g now: "
                     "replicas wait for resources (fewer replicas, or a larger cluster)",
@@ -247,11 +249,12 @@ class RayExecutor:
                 run.pool.submit(slot, self._recovery.chunk(rows))
 
     def _reroute_from_down(self, run: _Run) -> None:
-        """Rows routed while no replica was up wait on every replica; once some are up, the
-        rows waiting on one that is not (it may never start: a cluster with room for fewer
-        replicas than asked; or it is restarting) go to those that are. They waited there
-        forever before, the job hanging with its rows in flight."""
-        if not any(s.up for s in run.pool.slots):
+        """Rows routed while no replica was up wait on every replica. On a cluster without
+        room for them all, some may never start: once some are up, the rows waiting on one
+        that is not go to those that are (they waited there forever before, the job hanging
+        with its rows in flight). With room for all, a replica still loading its model
+        keeps its rows (its prefix-cache affinity, and the parallelism it brings)."""
+        if self._room_for_all or not any(s.up for s in run.pool.slots):
             return
         for slot in run.pool.slots:
             if not slot.up and run.pending[slot.index]:
