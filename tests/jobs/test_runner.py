@@ -153,10 +153,14 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
         if manifest.exists() and json.loads(manifest.read_text())["shards"]:
             break
         time.sleep(0.02)
+    seen = handle.progress()  # the numbers of the progress line, while it runs
+    assert seen is not None and seen.rows_total == 120 and 0 < seen.rows_done < 120
     handle.cancel()
     assert handle.wait(60)
     first = handle.result()
     assert first.status == "cancelled" and 0 < first.rows_this_run < 120
+    final = handle.progress()
+    assert final.rows_done >= first.rows_this_run and final.output_tokens > 0
     resumed = submit(spec).result(120)
     assert resumed.status == "complete" and resumed.rows_resumed == first.rows_this_run
     ok, _ = _outputs(out)

@@ -65,6 +65,19 @@ class LiveCounts:
     load_seconds: float = 0.0  # model loading after the progress clock started (Ray replicas)
 
 
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """A running job's progress, as its progress line says it (``JobHandle.progress``).
+    ``rows_total`` and the rates are None until known."""
+
+    rows_done: int  # committed or finished, earlier runs included
+    rows_total: int | None
+    rows_in_flight: int
+    output_tokens: int  # generated this run
+    output_tokens_per_s: float | None  # over the recent window
+    eta_seconds: float | None
+
+
 class Progress:
     """Counts rows and tokens of one run and shows them. ``total``: the input's rows (None if
     not counted); ``already_done``: rows committed by earlier runs. A line is logged every
@@ -165,6 +178,13 @@ class Progress:
         if not rows_per_s or self._row_rate.increase() <= 0:
             return None
         return remaining / rows_per_s
+
+    def snapshot(self) -> ProgressSnapshot:
+        """The numbers of the progress line (read from another thread: each is one read)."""
+        return ProgressSnapshot(
+            self.done, self.total, self.in_flight, self.tokens, self.tokens_per_s,
+            self.eta_seconds,
+        )  # fmt: skip
 
     def line(self) -> str:
         """The progress line, as logged."""

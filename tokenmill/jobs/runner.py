@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -99,10 +100,14 @@ def run_job(
     cancel: threading.Event | None = None,
     show_progress: bool = True,
     progress_interval_s: float = 10.0,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> JobReport:
     """Run (or resume) the job to completion. ``spec`` may be a JobSpec, a path to a job.yaml
     or a dict of sections. Progress is logged every ``progress_interval_s`` seconds (a bar
     instead on a terminal) when ``show_progress``.
+
+    ``on_progress`` is handed the run's Progress once generation starts (``submit``'s
+    handle reads it).
 
     Raises JobSpecError (OutputPathError, OutputOwnedError) when the spec cannot work: the
     output is the root, the input or inside it, or belongs to another job; the input cannot
@@ -120,7 +125,7 @@ def run_job(
         raise
     try:
         shown = progress_interval_s if show_progress else None
-        return _run_locked(spec, store, fresh, cancel or threading.Event(), shown)
+        return _run_locked(spec, store, fresh, cancel or threading.Event(), shown, on_progress)
     finally:
         lock.release()
 
@@ -145,6 +150,7 @@ def _run_locked(
     fresh: bool,
     cancel: threading.Event,
     progress_interval_s: float | None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> JobReport:
     start = time.monotonic()
     report = JobReport(job=spec.name, output=store.url, executor=spec.execution.executor)
@@ -186,6 +192,8 @@ def _run_locked(
         live=None if executor is None else executor.live,
         counters=None if executor is None else replica_counters(executor),
     )
+    if on_progress is not None:
+        on_progress(progress)
     history = progress.history  # what report.html plots
     tracker = ShardTracker(spec.output.rows_per_shard)
     bounds = pipeline_bounds(spec)

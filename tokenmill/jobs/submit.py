@@ -6,6 +6,7 @@ import os
 import threading
 from typing import Any
 
+from tokenmill.jobs.progress import Progress, ProgressSnapshot
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import JobSpec, coerce_spec
@@ -20,6 +21,7 @@ class JobHandle:
         self._cancel = threading.Event()
         self._report: JobReport | None = None
         self._error: BaseException | None = None
+        self._progress: Progress | None = None
         self._thread = threading.Thread(
             target=self._run, args=(fresh,), name=f"tokenmill-job-{spec.name}", daemon=True
         )
@@ -27,9 +29,21 @@ class JobHandle:
 
     def _run(self, fresh: bool) -> None:
         try:
-            self._report = run_job(self.spec, fresh=fresh, cancel=self._cancel, show_progress=False)
+            self._report = run_job(
+                self.spec, fresh=fresh, cancel=self._cancel, show_progress=False,
+                on_progress=self._watch,
+            )  # fmt: skip
         except BaseException as exc:  # handed to the caller through result()
             self._error = exc
+
+    def _watch(self, progress: Progress) -> None:
+        self._progress = progress
+
+    def progress(self) -> ProgressSnapshot | None:
+        """Rows done (of how many), in flight, output tokens, tok/s and ETA, as the progress
+        line says them; None before generation starts (checks, model load)."""
+        progress = self._progress
+        return None if progress is None else progress.snapshot()
 
     def status(self) -> str:
         """running | complete | cancelled | failed"""
