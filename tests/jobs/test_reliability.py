@@ -473,3 +473,17 @@ def test_a_changed_input_is_named_in_words(tiny_model: Path, tmp_path: Path) -> 
     message = str(info.value)
     assert "input: the input changed: its files (which, their sizes" in message
     assert message.count('"') % 2 == 0  # shortened values keep their quotes balanced
+
+
+def test_a_run_that_writes_nothing_leaves_no_output_folder(tmp_path: Path) -> None:
+    """A model that cannot be found is found out after the output's lock is taken: the
+    folder the lock made goes with it, rather than staying behind holding only the lock."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    out = tmp_path / "new" / "out"
+    with pytest.raises(JobSpecError, match="model.source"):
+        run_job(job_dict(tmp_path / "no-such-model", src, out), show_progress=False)
+    assert not out.exists()
+    out.mkdir(parents=True)  # a folder the user made stays, empty
+    with pytest.raises(JobSpecError, match="model.source"):
+        run_job(job_dict(tmp_path / "no-such-model", src, out), show_progress=False)
+    assert out.is_dir() and list(out.iterdir()) == []

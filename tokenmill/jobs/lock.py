@@ -32,9 +32,11 @@ class JobLock:
         self.job = job
         self.output_url = output_url
         self._fd: int | None = None
+        self._made_folder = False  # acquire created the lock's folder (a new local output)
 
     def acquire(self) -> None:
         """Take the lock or raise JobLockedError naming the holder."""
+        self._made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -51,7 +53,15 @@ class JobLock:
         self._fd = fd
 
     def release(self) -> None:
+        """Let go of the lock. When the output holds nothing but the lock (the run stopped
+        before writing: a model that would not load), the lock file goes, and the folder
+        too if acquire made it, while the lock is still held, so that no other run can
+        hold a lock file taken away from it."""
         if self._fd is not None:
+            if os.listdir(self.path.parent) == [LOCK_FILE]:
+                self.path.unlink()
+                if self._made_folder:
+                    self.path.parent.rmdir()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
