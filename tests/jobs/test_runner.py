@@ -53,6 +53,7 @@ def test_jsonl_job_writes_every_row_once(tiny_model: Path, tmp_path: Path) -> No
 
     again = run_job(job_dict(tiny_model, src, out), show_progress=False)
     assert again.status == "complete" and again.rows_this_run == 0 and again.rows_ok == 10
+    assert again.model == str(tiny_model) and again.completion_tokens == 0  # none this run
 
 
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(

@@ -177,6 +177,7 @@ def _run_locked(
     if manifest.complete:
         _fill_totals(report, manifest)
         report.status = "complete"
+        report.model = spec.model.source  # no engine ran: no device, no tokens this run
         report.wall_seconds = round(time.monotonic() - start, 3)
         log.info("job %s: %s", spec.name, report.nothing_to_do_line())
         return report
