@@ -324,3 +324,24 @@ def test_stop_strings_and_min_tokens_end_where_they_do_without_drafts(
     assert runs[method] == runs["off"]
     assert sum(reason == "stop" for _, _, reason, _ in runs["off"]) >= 10
     assert llm.engine.scheduler.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "drafts-ahead"])
+def test_min_tokens_lifts_its_stop_token_ban_at_the_same_token_with_drafts(
+    model_path: Path, async_scheduling: bool
+) -> None:
+    """min_tokens bans the stop tokens by output position; a row drafting ahead of a step in
+    flight does not know its position on the host, so it drafts only once min_tokens is
+    reached (an EOS pushed up by a bias then comes at the same token as without drafts)."""
+    prompts = _copy_prompts(12)
+    runs = {}
+    for method in ("off", "ngram"):
+        llm = _llm(model_path, method, max_num_seqs=4, async_scheduling=async_scheduling)
+        eos = llm.engine.model_config.eos_token_ids[0]
+        params = [
+            SamplingParams(max_tokens=24, temperature=0, min_tokens=3 + i, logit_bias={eos: 8})
+            for i in range(len(prompts))
+        ]
+        runs[method] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+    assert runs["ngram"] == runs["off"]
+    assert sum(reason == "stop" for _, reason in runs["off"]) >= 6

@@ -34,7 +34,8 @@ known tokens only: drafts in flight are often wrong, and a suffix ending in them
 keep a row copying a passage its output has left. The host starts the step at the position
 of "all accepted"; the device moves it back by what was not (sampled_rows.py), and the host
 learns a with the tokens (``install_ahead``). Rows whose sampling depends on their output
-position (a seed) or history (penalties) never draft ahead.
+position (a seed; min_tokens, until reached: min_tokens.py) or history (penalties) never
+draft ahead.
 
 Numpy, no torch: the scheduler calls add_drafts when it schedules a step and verify_drafts
 when the step's tokens come back.
@@ -134,7 +135,8 @@ def add_drafts(
 
     With ``ahead`` (a ``PredictsAhead`` proposer), rows with a step in flight draft ahead
     of it into ``ahead_window`` / ``num_ahead`` (see the top), and rows that sample by
-    position or history (a seed, penalties) take no drafts at all: the step after a drafted
+    position or history (a seed, penalties, min_tokens not yet reached) take no drafts at
+    all: the step after a drafted
     one starts where only the device knows. (After a step drafted without ``ahead``, which
     the engine processes before the next is scheduled, every row's position is known.)"""
     t = table
@@ -142,6 +144,8 @@ def add_drafts(
     eligible = (num_new == 1) & (cols["logprobs"][order] < 0) & ~cols["structured"][order]
     if ahead:  # the next step may start where only the device knows
         eligible &= ~_samples_by_position(cols, order)
+        # short of min_tokens: the stop tokens' ban depends on the position (min_tokens.py)
+        eligible &= t.min_tokens[order] <= t.num_tokens[order] - t.num_prompt[order]
     else:
         eligible &= t.num_pending[order] == 0
     counts = np.zeros(len(order), dtype=np.int64)
