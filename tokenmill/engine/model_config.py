@@ -121,13 +121,13 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
-        # transformers 5 moved rope settings into `rope_parameters`.
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(
                 f"config key hidden_act is {act!r}{where}; this engine's MLP is SiLU-gated "
                 "(hidden_act silu)"
             )
+        # transformers 5 moved rope settings into `rope_parameters`.
         rope_params = cfg.get("rope_parameters")
         if isinstance(rope_params, dict):
             rope_theta = rope_theta or rope_params.get("rope_theta")

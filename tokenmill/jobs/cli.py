@@ -24,6 +24,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.jobs.lock import JobLockedError
@@ -203,27 +204,25 @@ _LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectory
 
 
 def _lasting(exc: BaseException) -> BaseException | None:
-    """The exception in ``exc``'s chain (itself, then what caused it) that will not go away
-    on a rerun, if any."""
+    """The exception in ``exc``'s chain that will not go away on a rerun, if any."""
+    return _in_chain(exc, lambda e: isinstance(e, _LASTING))
+
+
+def _from_a_store_client(exc: BaseException) -> bool:
+    return _in_chain(exc, lambda e: type(e).__module__.split(".")[0] in _STORE_CLIENTS) is not None
+
+
+def _in_chain(exc: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception in ``exc``'s chain (itself, then what caused it) that passes
+    ``test``, if any."""
     seen: BaseException | None = exc
     for _ in range(10):
         if seen is None:
             return None
-        if isinstance(seen, _LASTING):
+        if test(seen):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
-
-
-def _from_a_store_client(exc: BaseException) -> bool:
-    seen: BaseException | None = exc
-    for _ in range(10):  # the exception and what caused it
-        if seen is None:
-            return False
-        if type(seen).__module__.split(".")[0] in _STORE_CLIENTS:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def entry() -> None:

@@ -257,10 +257,14 @@ class RayExecutor:
         if self._room_for_all or not any(s.up for s in run.pool.slots):
             return
         for slot in run.pool.slots:
-            if not slot.up and run.pending[slot.index]:
-                waiting, run.pending[slot.index] = run.pending[slot.index], []
-                for row in waiting:
-                    run.pending[self._route(row, run).index].append(row)
+            if not slot.up:
+                self._reroute_waiting(slot, run)
+
+    def _reroute_waiting(self, slot: ReplicaSlot, run: _Run) -> None:
+        """The rows waiting to be sent to ``slot`` go where ``_route`` now sends them."""
+        waiting, run.pending[slot.index] = run.pending[slot.index], []
+        for row in waiting:
+            run.pending[self._route(row, run).index].append(row)
 
     def _handle(self, event: PoolEvent, run: _Run) -> list[ResultRow]:
         """Apply one pool event; the results it brings."""
@@ -296,9 +300,7 @@ class RayExecutor:
             else:
                 run.suspects.extend(outcome)
                 self.failures.rows_rerun += sum(len(c) for c in outcome)
-        waiting, run.pending[event.slot.index] = run.pending[event.slot.index], []
-        for row in waiting:
-            run.pending[self._route(row, run).index].append(row)
+        self._reroute_waiting(event.slot, run)
         return run.answered(poisoned)
 
     def _note_up(self, event: ReplicaUp) -> None:
