@@ -263,3 +263,29 @@ def test_drafts_ahead_with_stops_seeds_and_preemption(model_path: Path) -> None:
     assert any(o.finish_reason == "stop" for o in got.values())
     assert engine.scheduler.stats.num_accepted_tokens > 0
     assert engine.scheduler.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "lookahead"])
+def test_rows_near_the_context_end_beside_rows_with_more_drafts(
+    model_path: Path, method: str
+) -> None:
+    """A drafted step whose rows end a few tokens short of max_model_len, beside a row that
+    takes more drafts than they have room for: the step's drafts are read row by row within
+    the context (they were read k wide for every row, past the token table's end)."""
+    from tokenmill import LLM
+
+    limit = 64
+    prompts = [([121, 39, 151, 66] * 20)[: limit - 7], ([179, 69] * 40)[: limit - 5]]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    off = LLM(str(model_path), device="cpu", dtype="float32", max_model_len=limit)
+    spec = LLM(
+        str(model_path),
+        device="cpu",
+        dtype="float32",
+        max_model_len=limit,
+        speculative={"method": method, "max_tokens": 3 if method == "lookahead" else 7},
+    )
+    want = [(o.token_ids, o.finish_reason) for o in off.generate(prompts, params)]
+    got = [(o.token_ids, o.finish_reason) for o in spec.generate(prompts, params)]
+    assert [len(t) for t, _ in want] == [7, 5]
+    assert got == want

@@ -247,7 +247,10 @@ def verify_drafts(
     slots' drafts."""
     n = table.num_tokens[slots].astype(np.int64)
     k = sampled.shape[1] - 1
-    drafts = table.token_ids[slots[:, None], n[:, None] + np.arange(k)]
+    # k is the step's most drafts: a row with fewer may end short of k columns before the
+    # table's end, and its columns past its own drafts are never compared
+    at = np.minimum(n[:, None] + np.arange(k), table.token_ids.shape[1] - 1)
+    drafts = table.token_ids[slots[:, None], at]
     accepted = accepted_counts(sampled, drafts, counts - 1)
     stands = accepted.copy()  # kept tokens whose KV is in place
     tree = np.flatnonzero(table.draft_tree[slots] & (counts > 1))
