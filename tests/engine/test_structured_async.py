@@ -296,3 +296,44 @@ def test_kept_sampling_metadata_takes_each_steps_masks(
     assert reused_builds < rebuilt_builds / 2
     assert {o.finish_reason for o in reused} == {"stop", "length"}
     _check_valid(reused, params)
+
+
+@pytest.mark.parametrize(
+    "aborted, waiting",
+    [(["json"], False), (["json"], True), (["json", "free"], False)],
+    ids=["the-only-grammar", "another-grammar-waits", "every-request"],
+)
+def test_aborting_every_constrained_row_of_the_step_ahead(
+    tiny_path, aborted: list[str], waiting: bool
+) -> None:
+    """The step scheduled ahead holds only aborted constrained rows: it is launched with
+    their masks allowing every token (the engine once launched it with no masks, or asked
+    the grammar library for zero rows' masks), and the engine goes on: the others finish as
+    in a fresh engine, and a drained engine takes new work."""
+    plain = SamplingParams(max_tokens=12, temperature=0)
+    constrained = SamplingParams(max_tokens=12, temperature=0, structured_output="json_object")
+    want = _llm(tiny_path, False).generate([[5, 6, 7, 8], [12, 13, 14]], [plain, constrained])
+    engine = _llm(tiny_path, True, max_num_seqs=2).engine
+    engine.add_request("free", [5, 6, 7, 8], plain)
+    engine.add_request("json", [9, 10, 11], constrained)
+    if waiting:  # a second grammar, waiting for a row: the masks are asked for
+        engine.add_request("json2", [12, 13, 14], constrained)
+    outs: dict[str, RequestOutput] = {}
+    for _ in range(2):
+        outs.update((o.request_id, o) for o in engine.step())
+    assert engine._ahead is not None
+    assert "json" in {r.request_id for r in engine._ahead[0].requests}
+    engine.abort_requests(aborted)
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert not set(aborted) & set(outs)
+    expected = {"free": want[0], "json2": want[1]}
+    for rid, out in outs.items():
+        assert out.token_ids == expected[rid].token_ids
+    assert len(engine._grammars) == 0
+    engine.add_request("after", [1, 2, 3], plain)
+    after = []
+    while engine.has_unfinished():
+        after += engine.step()
+    assert [o.request_id for o in after] == ["after"]
+    engine.close()

@@ -408,7 +408,9 @@ class LLMEngine:
             plan = self._prompt_logprobs.plan if self._prompt_logprobs.pending else None
             self._launch_wait_ms = 0.0
             step = prepared or sched
-            if len(self._grammars):  # rows with a grammar mask their logits
+            # Rows with a grammar mask their logits; rows of requests aborted after this
+            # step was scheduled ahead still hold theirs (no grammar left: every token).
+            if len(self._grammars) or aborted:
                 masks = functools.partial(self._token_bitmask, aborted=aborted)
                 launched = (sched, self.runner.launch(step, masks, plan))
             else:
@@ -466,7 +468,8 @@ class LLMEngine:
             return self._live_bitmask(requests)
         keep = np.array([r.request_id not in aborted for r in requests], dtype=bool)
         masks = np.full((len(requests), self._grammars.words), -1, dtype=np.int32)
-        masks[keep] = self._live_bitmask(np.asarray(requests, dtype=object)[keep])
+        if keep.any():  # (else the step in flight is fed when it is processed)
+            masks[keep] = self._live_bitmask(np.asarray(requests, dtype=object)[keep])
         return masks
 
     def _live_bitmask(self, requests: Sequence[Request]) -> np.ndarray:
