@@ -195,9 +195,30 @@ def test_masks_into_any_array_and_workers_stopped_when_the_pool_is_collected(
     alone.fill(want_rows, want, at=[4, 0, 2])
     assert (got == want).all() and got[[0, 2, 4]].any() and not got[[1, 3]].any()
     procs = list(pool._procs)
+    names = [shm.name for shm, *_ in pool._segments.values()]
+    assert names and all(os.path.exists(f"/dev/shm/{n}") for n in names)
     del pool
     gc.collect()
     assert all(p.poll() is not None for p in procs)
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)  # not left behind
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_a_closed_llm_refuses_work_and_its_workers_do_not_start_again(
+    tiny_path,  # noqa: F811
+    processes: int,
+) -> None:
+    params = SamplingParams(max_tokens=6, temperature=0, structured_output="json_object")
+    with _llm(tiny_path, False, structured_output_processes=processes) as llm:
+        assert llm.generate([[5, 6, 7]], params)[0].token_ids
+    pool = llm.engine._grammars.backend
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        llm.generate([[5, 6, 7]], params)
+    llm.close()  # twice is fine
+    if processes:
+        assert not pool._procs and not pool._segments
+        with pytest.raises(RuntimeError, match="were closed"):
+            pool.matcher("json_object")
 
 
 def test_released_matchers_are_dropped_with_the_next_consume(tiny_path) -> None:  # noqa: F811

@@ -208,9 +208,24 @@ def _unregister(masks: np.ndarray) -> None:
     torch.cuda.cudart().cudaHostUnregister(masks.ctypes.data)
 
 
+def _release(
+    conns: list[Connection], procs: list[subprocess.Popen], segments: dict[int, tuple]
+) -> None:
+    """What a ``GrammarProcesses`` collected unclosed holds: its workers stopped and its
+    shared masks' names removed (the memory goes with the last array over it), so no
+    segment is left in /dev/shm behind an engine that was dropped, not closed."""
+    _stop_workers(conns, procs)
+    for shm, *_ in segments.values():
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+    segments.clear()
+
+
 def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
     """Ask the workers to stop, wait for them (killing any that hangs), and empty both
-    lists. Also run when an unclosed ``GrammarProcesses`` is collected."""
+    lists."""
     for conn in conns:
         try:
             conn.send_bytes(_message(STOP))
@@ -255,12 +270,14 @@ class GrammarProcesses:
         self._words = -(-vocab_size // 32)
         self._checker = _backend(name, tokenizer, vocab_size, self._eos)
         self._checked: set[str] = set()
-        self._conns: list[Connection] = []  # changed in place only (see the finalizer)
+        # These three change in place only (the finalizer holds them).
+        self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
-        weakref.finalize(self, _stop_workers, self._conns, self._procs)
         # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
         # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
         self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
+        weakref.finalize(self, _release, self._conns, self._procs, self._segments)
+        self._closed = False
         self._next_key = 0  # a request's key; its worker is key % processes
         self._errors: dict[int, str] = {}  # key -> why its last token was rejected
         self._released: list[int] = []  # finished requests' keys, to drop
@@ -273,8 +290,7 @@ class GrammarProcesses:
         if spec not in self._checked:
             self._checker.matcher(spec)  # raises ValueError for a spec the library rejects
             self._checked.add(spec)
-        if not self._conns:
-            self._start()
+        self._ensure_started()
         key = self._next_key
         self._next_key += 1
         self._send(key % self._num, _message(ADD, [key], text=spec))
@@ -389,12 +405,21 @@ class GrammarProcesses:
         return self._errors.get(row, "the grammar rejected the token")
 
     def close(self) -> None:
-        """Stop the workers and free the shared masks."""
+        """Stop the workers and free the shared masks; the workers do not start again."""
+        self._closed = True
         _stop_workers(self._conns, self._procs)
         for slot in list(self._segments):
             self._free_segment(slot)
 
     # ---- internals -----------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        """Start the workers unless they run; after ``close`` they do not start again."""
+        if self._conns:
+            return
+        if self._closed:
+            raise RuntimeError("the structured-output worker processes were closed")
+        self._start()
+
     def _start(self) -> None:
         """Start the workers as fresh interpreters (``python -c``), not through
         multiprocessing: its spawn would run the user's main module again in each, which a
@@ -435,8 +460,7 @@ class GrammarProcesses:
     def _new_segment(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
         """Shared memory for ``rows`` masks in ``slot``, replacing the slot's old one, made
         known to every worker."""
-        if not self._conns:
-            self._start()
+        self._ensure_started()
         self._free_segment(slot)
         shm = SharedMemory(create=True, size=rows * self._words * 4)
         masks = np.ndarray((rows, self._words), dtype=np.int32, buffer=shm.buf)

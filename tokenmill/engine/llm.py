@@ -44,6 +44,18 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._batches = 0
 
+    def close(self) -> None:
+        """Stop the engine's output thread and structured-output worker processes, and free
+        their shared memory; the LLM generates no more after it. ``with LLM(...) as llm:``
+        closes on leaving the block. (A dropped LLM releases them when it is collected.)"""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

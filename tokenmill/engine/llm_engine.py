@@ -94,6 +94,7 @@ class LLMEngine:
         (``PredictsAhead``) and the attention backend's decode path takes its 1 + k tokens;
         else they run synchronously."""
         self.config = config
+        self._closed = False
         self.policy: SpeculationPolicy | None = None
         # Drafted steps of fewer running rows than this draft ahead (async) where they can;
         # larger ones run synchronously. On the H200 (SmolLM2, k = 4, BENCHMARKS session
@@ -292,6 +293,7 @@ class LLMEngine:
         ``params`` asks for more than one completion (LLM expands n / best_of into requests),
         biases ids outside the vocabulary (``logit_bias``) or its ``structured_output`` does
         not compile for this model's tokenizer."""
+        self._check_open()
         if params.num_samples != 1:
             raise ValueError(
                 f"an engine request makes one completion: SamplingParams n={params.n}, "
@@ -350,9 +352,18 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the output worker (outputs not collected yet are dropped) and the grammars'
-        worker."""
+        workers. The engine takes no requests and runs no steps after it; closing twice
+        is fine."""
+        self._closed = True
         self._outputs.close()
         self._grammars.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this engine was closed (LLMEngine.close / LLM.close): make a new LLM to "
+                "generate again"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
@@ -373,6 +384,7 @@ class LLMEngine:
         With async scheduling the step launched here is processed by the next call, and the
         outputs of its finished requests are built on a worker thread: they come one or more
         calls later, and ``has_unfinished`` stays True until they have."""
+        self._check_open()
         draft = self._wants_drafts()
         # Unless drafted ahead, a drafted row's inputs need every earlier token on the host:
         # such steps run synchronously. (A constrained row's mask needs them too, but only
