@@ -188,3 +188,28 @@ def test_missing_tokenizer_names_the_directory(tiny_hf_dir: TinyDir, tmp_path: P
             file.unlink()
     with pytest.raises(ValueError, match=rf"cannot load a tokenizer from {path}"):
         resolve_model_source(path).load_tokenizer()
+
+
+def test_generation_config_eos_ids_stop_generation_as_in_hf(tmp_path: Path) -> None:
+    """An end-of-turn id listed only in generation_config.json (Llama-3-Instruct's first
+    release) stops the row, as HF generate stops there."""
+    from tokenmill import LLM, SamplingParams
+
+    path = save_tiny_model("llama", tmp_path / "m")
+    prompt = [5, 17, 42, 99, 7]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    free = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    stop = int(free[0, len(prompt) + 5])  # a token the model emits greedily
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, stop]}))
+    assert resolve_model_source(str(path)).load_config().eos_token_ids[-1] == stop
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    out = LLM(str(path), device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0)
+    )[0]
+    assert list(out.token_ids) == want[0, len(prompt) :].tolist()
+    assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+    (path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        resolve_model_source(str(path)).load_config()

@@ -57,7 +57,29 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"{config_path} must hold a JSON object, got {type(cfg).__name__}")
     quantization = checkpoint_quantization(cfg, config_path)
     config = ModelConfig.from_hf_dict(cfg, source=str(config_path))
-    return replace(config, quantization=quantization)
+    eos = config.eos_token_ids + tuple(
+        e for e in _generation_eos_ids(model_dir) if e not in config.eos_token_ids
+    )
+    return replace(config, quantization=quantization, eos_token_ids=eos)
+
+
+def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """``eos_token_id`` of ``model_dir/generation_config.json`` (an id or a list), if the
+    file is there: the ids HF ``generate`` stops at. Instruct checkpoints often list their
+    end-of-turn token only there (Llama-3-Instruct's <|eot_id|>), so without them rows ran
+    on to max_tokens. Raises ValueError naming the file when it is not valid JSON."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        cfg: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+    eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
