@@ -127,6 +127,12 @@ class ModelConfig:
                 f"config key hidden_act is {act!r}{where}; this engine's MLP is SiLU-gated "
                 "(hidden_act silu)"
             )
+        for key, what in (("attention_bias", "o_proj"), ("mlp_bias", "the MLP's projections")):
+            if cfg.get(key) and (key == "mlp_bias" or arch != "Qwen2ForCausalLM"):
+                raise ValueError(
+                    f"config key {key} is true{where}: {arch} then has a bias on {what}, "
+                    "which this engine does not implement (Qwen2's q/k/v biases it does)"
+                )
         # transformers 5 moved rope settings into `rope_parameters`.
         rope_params = cfg.get("rope_parameters")
         if isinstance(rope_params, dict):
@@ -146,7 +152,7 @@ class ModelConfig:
             rope_theta=float(rope_theta or 10000.0),
             max_position_embeddings=int(need("max_position_embeddings")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             bos_token_id=cfg.get("bos_token_id"),

@@ -227,6 +227,8 @@ def _awq(**changes: object) -> dict[str, object]:
         (_gptq(bits=8), "gptq-quantized with bits 8"),
         (_gptq(group_size=-1), "gptq-quantized with group_size -1"),
         (_gptq(group_size=48), "gptq-quantized with group_size 48"),
+        (_gptq(group_size=128), "group_size 128, which does not divide hidden_size 64"),
+        (_gptq(bits="4"), "gptq-quantized with bits '4'"),
         (_gptq(checkpoint_format="marlin"), "gptq-quantized with checkpoint_format marlin"),
         (_gptq(lm_head=True), "gptq-quantized with lm_head true"),
         (_awq(version="gemv"), "awq-quantized with version gemv"),
@@ -401,3 +403,22 @@ def test_random_weights_fill_the_int4_layers(float_model: Path, quantization: st
     assert qkv.qweight.dtype == torch.uint8 and qkv.qweight.float().std() > 10
     if quantization.endswith("desc_act"):
         assert torch.equal(qkv.perm, torch.arange(64, dtype=torch.int32))
+
+
+def test_all_zero_biases_of_gptq_layers_are_left_out_and_others_refused(
+    float_model: Path, tmp_path: Path
+) -> None:
+    """Older GPTQ exports write a zero bias for every quantized layer: it changes nothing
+    and loads; a bias that is not zero is a layer this architecture does not have."""
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / "gptq", "gptq", 32)
+    want = _greedy(_llm(ckpt))
+    weights = load_file(ckpt / "model.safetensors")
+    for name in [n for n in weights if n.endswith(".qweight")]:
+        layer = name.removesuffix(".qweight")
+        weights[f"{layer}.bias"] = torch.zeros(weights[f"{layer}.scales"].shape[1]).half()
+    save_file(weights, ckpt / "model.safetensors")
+    assert _greedy(_llm(ckpt)) == want
+    weights["model.layers.1.mlp.down_proj.bias"][3] = 0.5
+    save_file(weights, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unexpected weight model\.layers\.1\.mlp\.down_proj"):
+        _llm(ckpt)

@@ -99,3 +99,16 @@ def test_e4m3_tensors_without_an_fp8_config_are_refused(float_model: Path, tmp_p
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"float8_e4m3fn.*declares no quantization"):
         LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=1 << 26)
+
+
+def test_calibrated_kv_cache_scales_are_left_unused(float_model: Path, tmp_path) -> None:
+    """FP8 checkpoints calibrated for an FP8 KV cache carry k_scale / v_scale per layer: the
+    engine's FP8 KV cache stores K and V unscaled, so they load and change nothing."""
+    path = _fp8_checkpoint(float_model, tmp_path / "ckpt", per_tensor=False)
+    want = _generate(path)
+    weights = load_file(path / "model.safetensors")
+    for i in range(2):
+        for leaf in ("k_scale", "v_scale"):
+            weights[f"model.layers.{i}.self_attn.{leaf}"] = torch.tensor(0.02)
+    save_file(weights, path / "model.safetensors")
+    assert _generate(path) == want

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -213,3 +214,39 @@ def test_generation_config_eos_ids_stop_generation_as_in_hf(tmp_path: Path) -> N
     (path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
         resolve_model_source(str(path)).load_config()
+
+
+@pytest.mark.parametrize(
+    ("arch", "key", "what"),
+    [
+        ("llama", "attention_bias", "o_proj"),
+        ("qwen3", "attention_bias", "o_proj"),
+        ("llama", "mlp_bias", "the MLP's projections"),
+    ],
+)
+def test_biases_the_engine_does_not_build_are_refused_naming_the_key(
+    tmp_path: Path, arch: str, key: str, what: str
+) -> None:
+    path = save_tiny_model(arch, tmp_path / "m", **{key: True})
+    with pytest.raises(ValueError) as info:
+        resolve_model_source(str(path)).load_config()
+    message = str(info.value)
+    assert f"config key {key} is true in {path / 'config.json'}" in message and what in message
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", max_shard_size="40KB")
+    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    moved = shutil.move(shard, tmp_path / shard.name)
+    outside = str(moved) if where == "absolute" else f"../{shard.name}"
+    index_path = path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"] = {
+        k: outside if v == shard.name else v for k, v in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"lists shard '{re.escape(outside)}', which is not a"):
+        list(resolve_model_source(path).iter_weights())

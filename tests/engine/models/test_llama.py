@@ -87,8 +87,8 @@ def test_tied_head_uses_the_embeddings_and_skips_a_stored_head() -> None:
 )
 def test_unexpected_tensor_is_named_with_its_file(name: str) -> None:
     config = _config()
-    ckpt = {**_checkpoint(config), name: torch.zeros(config.hidden_size)}
-    with pytest.raises(ValueError, match=rf"^unexpected weight {name} in {SOURCE}$"):
+    ckpt = {**_checkpoint(config), name: torch.ones(config.hidden_size)}  # (zero biases load)
+    with pytest.raises(ValueError, match=rf"^unexpected weight {name} in {SOURCE}: "):
         _build(config, ckpt)
 
 

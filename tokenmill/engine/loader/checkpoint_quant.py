@@ -101,6 +101,7 @@ def checkpoint_quantization(cfg: dict[str, Any], config_path: Path) -> str:
             found = f"fp8 with weight_block_size {qc['weight_block_size']} (block-wise scales)"
         elif method in ("gptq", "awq"):
             problem = _gptq_problem(qc) if method == "gptq" else _awq_problem(qc)
+            problem = problem or _groups_misfit(cfg, _first(qc, "group_size", "q_group_size"))
             if problem is None:
                 return _int4_checkpoint(method, qc).name
             found = f"{found} with {problem}"
@@ -141,15 +142,31 @@ def _group_problem(group: Any) -> str | None:
         return "no group_size"
     if group == -1:
         return "group_size -1 (one group per row; the W4A16 layer needs groups of 32k inputs)"
-    if not isinstance(group, int) or group < 32 or group % 32:
-        return f"group_size {group} (the W4A16 layer needs a multiple of 32)"
+    if not isinstance(group, int) or isinstance(group, bool) or group < 32 or group % 32:
+        return f"group_size {group!r} (the W4A16 layer needs an integer multiple of 32)"
+    return None
+
+
+def _groups_misfit(cfg: dict[str, Any], group: int) -> str | None:
+    """A group size that does not divide a layer's inputs (hidden_size for q/k/v and
+    gate/up, the heads' width for o, intermediate_size for down), or None."""
+    heads = cfg.get("num_attention_heads") or 1
+    hidden = cfg.get("hidden_size") or 0
+    inputs = {
+        "hidden_size": hidden,
+        "num_attention_heads x head_dim": heads * (cfg.get("head_dim") or hidden // heads),
+        "intermediate_size": cfg.get("intermediate_size") or 0,
+    }
+    for key, size in inputs.items():
+        if isinstance(size, int) and size % group:
+            return f"group_size {group}, which does not divide {key} {size}"
     return None
 
 
 def _gptq_problem(qc: dict[str, Any]) -> str | None:
     """What about a GPTQ config the engine does not run, or None."""
     if qc.get("bits") != 4:
-        return f"bits {qc.get('bits')}"
+        return f"bits {qc.get('bits')!r}"
     fmt = str(_first(qc, "checkpoint_format", "format") or "gptq").lower()
     if fmt not in _GPTQ_FORMATS:
         return f"checkpoint_format {fmt}"
@@ -166,7 +183,7 @@ def _awq_problem(qc: dict[str, Any]) -> str | None:
     """What about an AWQ config the engine does not run, or None."""
     bits = _first(qc, "bits", "w_bit")
     if bits != 4:
-        return f"bits {bits}"
+        return f"bits {bits!r}"
     version = str(qc.get("version") or "gemm").lower()
     if version != "gemm":
         return f"version {version} (only the GEMM packing is read)"

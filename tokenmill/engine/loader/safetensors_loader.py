@@ -86,7 +86,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     """The weight files of ``model_dir``, in load order.
 
     Raises FileNotFoundError naming the directory (no weights) or the index and the shard it
-    lists that is missing; ValueError if the index is not valid JSON.
+    lists that is missing; ValueError if the index is not valid JSON or names a shard
+    outside the directory.
     """
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():
@@ -96,7 +97,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             raise ValueError(
                 f"{index_path} is not a valid safetensors index (need a 'weight_map' object): {e}"
             ) from e
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        names = list(dict.fromkeys(weight_map.values()))
+        inside = model_dir.resolve()
+        for name in names:
+            if (model_dir / name).resolve().parent != inside:
+                raise ValueError(
+                    f"{index_path} lists shard {name!r}, which is not a file name in "
+                    f"{model_dir}: an index names its shards in the model's own directory"
+                )
+        files = [model_dir / name for name in names]
         for file in files:
             if not file.is_file():
                 raise FileNotFoundError(

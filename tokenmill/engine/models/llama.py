@@ -17,6 +17,7 @@ and qkv_proj, gate_up_proj and down_proj then get a ``QuantizedActivation``, not
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,8 @@ from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParall
 from tokenmill.engine.models.rope import RopeStep, RotaryEmbedding, apply_rope
 from tokenmill.engine.models.weight_loader import weight_loader_of
 from tokenmill.engine.parallel import ParallelConfig
+
+log = logging.getLogger(__name__)
 
 
 class LlamaAttention(torch.nn.Module):
@@ -221,6 +224,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        unused = 0
         where = f" in {source}" if source else ""
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
@@ -229,19 +233,49 @@ class LlamaForCausalLM(torch.nn.Module):
                 continue
             param_name, shard_id = _param_name(name)
             param = params.get(param_name)
+            if param is None and _ignorable(name, tensor, param_name, params):
+                unused += 1
+                continue
             if param is None:
-                raise ValueError(f"unexpected weight {name}{where}")
+                raise ValueError(
+                    f"unexpected weight {name}{where}: the model as its config.json describes "
+                    "it has no such parameter (a feature this engine does not implement, or "
+                    "a config that does not match the weights)"
+                )
             try:
                 weight_loader_of(param)(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"weight {name}{where} {e}") from None
             loaded.add(name)
+        if unused:
+            log.info(
+                "%d tensors%s left unused: calibrated KV-cache scales, all-zero biases",
+                unused,
+                where,
+            )
         missing = [n for p in params for n in _checkpoint_names(p) if n not in loaded]
         if missing:
             raise ValueError(
                 f"checkpoint{where} lacks weights: {', '.join(missing[:8])}"
                 + (" ..." if len(missing) > 8 else "")
             )
+
+
+_KV_SCALES = ("k_scale", "v_scale", "kv_scale")
+
+
+def _ignorable(
+    name: str, tensor: torch.Tensor, param_name: str, params: dict[str, torch.nn.Parameter]
+) -> bool:
+    """Tensors without a parameter that change nothing when left out: calibrated FP8
+    KV-cache scales (this engine's FP8 KV cache stores K and V unscaled; the bf16 cache
+    needs none), and all-zero biases of layers built without one (older GPTQ exports
+    write them)."""
+    module, _, leaf = param_name.rpartition(".")
+    if leaf in _KV_SCALES:
+        return True
+    has_layer = any(p.startswith(module + ".") for p in params)
+    return leaf == "bias" and has_layer and not bool(tensor.any())
 
 
 def _param_name(name: str) -> tuple[str, int | None]:
