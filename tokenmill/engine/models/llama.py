@@ -26,6 +26,7 @@ import torch
 from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.graph_split import attend
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.models import cpu_linear
 from tokenmill.engine.models.fp8_activation import QuantizedActivation
 from tokenmill.engine.models.layers import RMSNorm, silu_and_mul
 from tokenmill.engine.models.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -212,7 +213,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return cpu_linear.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
         """Hand each HF-named tensor to its parameter's ``weight_loader``; q/k/v and gate/up

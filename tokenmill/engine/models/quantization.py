@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
+from tokenmill.engine.models import cpu_linear
 from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
 
 __all__ = ["QuantMethod", "UnquantizedMethod"]
@@ -85,4 +85,4 @@ class UnquantizedMethod:
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return cpu_linear.linear(x, layer.weight, bias)  # F.linear but for a few CPU rows
