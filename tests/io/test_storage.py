@@ -170,3 +170,20 @@ def test_s3_round_trip(s3_endpoint) -> None:
     assert not store.exists("m.json")
     assert store.list() == ["errors/part-00000.jsonl", "shards/part-00000.jsonl"]
     assert store.cleanup_temp() == 0
+
+
+def test_one_output_has_one_identity_however_it_is_spelled(s3_endpoint) -> None:
+    _, options = s3_endpoint
+    spellings = ["s3://bkt/out", "s3://bkt/out/", "s3a://bkt/out", "s3a://bkt/out//"]
+    assert len({OutputStore(url, options).identity for url in spellings}) == 1
+    assert (
+        OutputStore("s3://bkt/out", options).identity
+        != OutputStore("s3://bkt/ou", options).identity
+    )
+
+
+@pytest.mark.parametrize("url", ["s3://bkt//y", "s3://bkt/o/sub/../x", "s3://bkt/z/./w"])
+def test_empty_dot_and_dot_dot_segments_of_a_prefix_are_refused(s3_endpoint, url: str) -> None:
+    _, options = s3_endpoint
+    with pytest.raises(ValueError, match="has an empty, '.' or '..' segment"):
+        OutputStore(url, options)

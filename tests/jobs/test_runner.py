@@ -212,3 +212,27 @@ def test_dry_run_reports_and_writes_nothing(tiny_model: Path, tmp_path: Path, ca
     share = float(text.split("shared prefixes")[1].split("%")[0])
     assert share > 50
     assert not out.exists()
+
+
+def test_an_object_store_output_is_locked_whatever_its_spelling(tmp_path: Path) -> None:
+    """A run on s3a://b/out holds the lock a run on s3://b/out/ asks for (Spark users spell
+    S3 s3a://): the second start exits 75 instead of writing the same output at once."""
+    pytest.importorskip("s3fs")
+    from tokenmill.jobs.lock import JobLockedError
+    from tokenmill.jobs.runner import open_output
+    from tokenmill.jobs.spec import coerce_spec
+
+    options = {"key": "k", "secret": "s", "endpoint_url": "http://127.0.0.1:9"}
+
+    def lock_of(url: str) -> JobLock:
+        spec = job_dict(tmp_path / "m", tmp_path / "in.jsonl", url)
+        spec["output"]["storage_options"] = options
+        return open_output(coerce_spec(spec))[1]
+
+    first, second = (
+        lock_of(f"s3a://bkt-{tmp_path.name}/out"),
+        lock_of(f"s3://bkt-{tmp_path.name}/out/"),
+    )
+    assert first.path == second.path
+    with first, pytest.raises(JobLockedError, match="is in use by a running job"):
+        second.acquire()

@@ -109,6 +109,19 @@ class OutputStore:
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
         if not self.is_local and not self.root:
             raise ValueError(f"output.path {url!r} names no bucket; give e.g. s3://bucket/prefix")
+        if not self.is_local and {"", ".", ".."} & set(self.root.split("/")):
+            raise ValueError(
+                f"output.path {url!r} has an empty, '.' or '..' segment, which an object store "
+                "keeps as part of its keys; write the prefix plainly (s3://bucket/a/b)"
+            )
+
+    @property
+    def identity(self) -> str:
+        """The output as one string whatever its spelling: the filesystem's own protocol
+        name and the root (``s3a://b/o/`` and ``s3://b/o`` are one output)."""
+        protocol = self.fs.protocol
+        name = protocol if isinstance(protocol, str) else protocol[0]
+        return self.root if self.is_local else f"{name}://{self.root}"
 
     def __repr__(self) -> str:
         return f"OutputStore({self.url!r})"

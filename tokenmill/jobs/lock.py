@@ -23,11 +23,15 @@ class JobLockedError(RuntimeError):
 
 
 class JobLock:
-    def __init__(self, job: str, output_url: str, local_dir: str | None) -> None:
+    def __init__(
+        self, job: str, output_url: str, local_dir: str | None, identity: str | None = None
+    ) -> None:
+        """``identity``: the output whatever its spelling (``OutputStore.identity``), which
+        names an object-store output's lock (default ``output_url``)."""
         if local_dir is not None:
             self.path = Path(local_dir) / LOCK_FILE
         else:
-            digest = hashlib.sha256(output_url.encode()).hexdigest()[:16]
+            digest = hashlib.sha256((identity or output_url).encode()).hexdigest()[:16]
             self.path = Path.home() / ".cache" / "tokenmill" / "locks" / f"{digest}.lock"
         self.job = job
         self.output_url = output_url

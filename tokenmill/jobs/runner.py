@@ -75,7 +75,7 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
     except ValueError as exc:
         raise JobSpecError(str(exc)) from None
     local_dir = store.root if store.is_local else None
-    return store, JobLock(spec.name, store.url, local_dir)
+    return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
 def settings_of(spec: JobSpec) -> JobSettings:
