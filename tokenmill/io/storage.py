@@ -42,11 +42,19 @@ class StorageError(OSError):
 
 @contextlib.contextmanager
 def _client_errors(url: str, what: str) -> Iterator[None]:
-    """Re-raise a store client's own exception types as StorageError (OSErrors pass)."""
+    """Re-raise a store client's own exception types as StorageError, and its OSErrors
+    (s3fs's PermissionError "Access Denied", FileNotFoundError "The specified bucket does
+    not exist") as the same type naming ``url``."""
     try:
         yield
-    except OSError:
-        raise
+    except OSError as exc:
+        if url in str(exc):
+            raise
+        try:
+            named = type(exc)(f"{url}: {what} failed ({exc})")
+        except Exception:  # an OSError subclass with other constructor arguments
+            raise exc from None
+        raise named from exc
     except Exception as exc:
         raise StorageError(f"{url}: {what} failed ({type(exc).__name__}: {exc})") from exc
 

@@ -16,8 +16,10 @@ from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.io.storage import StorageError
 from tokenmill.jobs.output_location import check_output_location
 from tokenmill.jobs.spec import JobSpec, JobSpecError
+from tokenmill.jobs.stop_signals import JobInterrupted
 
 
 def input_config(spec: JobSpec) -> InputConfig:
@@ -47,6 +49,24 @@ def check_up_front(spec: JobSpec) -> str:
     return check_input(spec)
 
 
+def store_failure(what: str, exc: Exception, options: str) -> Exception:
+    """The error to raise for ``what`` (``output.path 's3://…'``) when its store's client
+    failed with ``exc`` at the start: a JobSpecError (exit 2) for what stays until someone
+    fixes it (refused credentials, a missing bucket, a malformed option), a StorageError
+    (exit 75: retry later) for the store being out of reach (connection refused, timeouts),
+    which a rerun once it is back gets past. Both name ``what``."""
+    text = f"{what} cannot be reached ({type(exc).__name__}: {exc}); check the address, {options}"
+    lasting = (PermissionError, FileNotFoundError, NotADirectoryError, ValueError, TypeError)
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            break
+        if isinstance(seen, lasting):
+            return JobSpecError(text)
+        seen = seen.__cause__ or seen.__context__
+    return StorageError(f"{text} and the network; rerun once the store is reachable")
+
+
 def check_input(spec: JobSpec) -> str:
     """The input's format, after checking that the spec can read it and write its output.
     Raises JobSpecError naming the key (input.path, output.format, input.prompt_column, ...)."""
@@ -59,10 +79,11 @@ def check_input(spec: JobSpec) -> str:
         fmt = detect_format(files, cfg.format, cfg.storage_options)
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"input.path: {exc}") from None
-    except Exception as exc:  # the store's client: unreachable endpoint, refused credentials
-        raise JobSpecError(
-            f"input.path {cfg.path!r} cannot be read ({type(exc).__name__}: {exc}); check the "
-            "address, input.storage_options (endpoint_url, credentials) and the network"
+    except JobInterrupted:
+        raise
+    except Exception as exc:  # the store's client: refused credentials, unreachable endpoint
+        raise store_failure(
+            f"input.path {cfg.path!r}", exc, "input.storage_options (endpoint_url, credentials)"
         ) from None
     if spec.output.format == "openai-batch" and fmt != "openai-batch":
         raise JobSpecError(

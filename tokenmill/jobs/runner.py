@@ -42,7 +42,12 @@ from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, claim_output
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
-from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
+from tokenmill.jobs.preflight import (
+    check_up_front,
+    input_config,
+    output_schema,
+    store_failure,
+)
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.report_html import import_plots_in_background, write_report_html
@@ -131,16 +136,15 @@ def run_job(
 
 
 def _reachable(store: OutputStore, check: Any) -> Any:
-    """Run ``check`` (a first read of the output); its store client's errors become a spec
-    error naming output.path."""
+    """Run ``check`` (a first read of the output); its store client's errors become an error
+    naming output.path (``store_failure``: exit 2, or 75 for a store out of reach)."""
     try:
         return check()
-    except JobSpecError:
+    except (JobSpecError, JobInterrupted):
         raise
     except Exception as exc:
-        raise JobSpecError(
-            f"output.path {store.url!r} cannot be reached ({type(exc).__name__}: {exc}); check "
-            "the address, output.storage_options (endpoint_url, credentials) and the network"
+        raise store_failure(
+            f"output.path {store.url!r}", exc, "output.storage_options (endpoint_url, credentials)"
         ) from None
 
 
