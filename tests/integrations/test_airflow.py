@@ -321,3 +321,26 @@ def test_the_operator_refuses_what_it_cannot_run(airflow: Airflow) -> None:
         TokenmillJobOperator(task_id="t", job=3)
     with pytest.raises(TypeError, match="overrides must be a list of 'key.path=value'"):
         TokenmillJobOperator(task_id="t", job="job.yaml", overrides="sampling.max_tokens=3")
+
+
+def test_overrides_reach_run_job_in_a_scratch_job_yaml_not_its_arguments(
+    airflow: Airflow, tmp_path: Path
+) -> None:
+    """Overrides may carry credentials: the task log shows run-job's arguments and ps lists
+    them, so they go in through a scratch job.yaml (as a dict job does)."""
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    job_file = tmp_path / "job.yaml"
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", tmp_path / "out")
+    job_file.write_text(yaml.safe_dump(spec))
+    secret = "output.storage_options.secret=SuperSecret_ZX9"
+    op = TokenmillJobOperator(task_id="t", job=str(job_file), overrides=[secret])
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args, _ = op._prepare(scratch)
+    assert not any("SuperSecret_ZX9" in arg for arg in args)
+    written = yaml.safe_load(Path(args[0]).read_text())
+    assert written["output"]["storage_options"]["secret"] == "SuperSecret_ZX9"
+    assert TokenmillJobOperator(task_id="u", job=str(job_file))._prepare(scratch)[0] == [
+        str(job_file)
+    ]

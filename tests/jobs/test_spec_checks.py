@@ -365,3 +365,12 @@ def test_logprobs_unset_leaves_the_sampling_record_as_it_was() -> None:
     for k in (0, 20):
         spec = JobSpec.from_dict(_raw(sampling={"logprobs": k}))
         assert (spec.to_dict()["sampling"]["logprobs"], spec.sampling.logprobs) == (k, k)
+
+
+@pytest.mark.parametrize("value", ["key=AKIA1,secret=Shh_123", ["AKIA1", "Shh_123"]])
+def test_a_wrongly_typed_storage_options_is_not_echoed(value: Any) -> None:
+    """storage_options carry credentials: the error says what was expected, not the value."""
+    for section in ("input", "output"):
+        message = _error(_raw(**{section: {"storage_options": value}}))
+        assert f"{section}.storage_options: expected a mapping, got a " in message, message
+        assert "Shh_123" not in message and "AKIA1" not in message

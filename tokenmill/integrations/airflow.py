@@ -166,9 +166,16 @@ class TokenmillJobOperator(BaseOperator):
         from tokenmill.jobs.spec import JobSpec, JobSpecError, apply_override
 
         try:
-            if isinstance(self.job, str):
+            if isinstance(self.job, str) and not self.overrides:
+                spec = JobSpec.load(self.job)
+                args = [self.job]
+            elif isinstance(self.job, str):
+                # Overrides go in through a scratch job.yaml too, never on the command line,
+                # which the task log shows and ps lists (they may carry credentials).
                 spec = JobSpec.load(self.job, self.overrides)
-                args = [self.job] + [arg for item in self.overrides for arg in ("--set", item)]
+                job_file = scratch / "job.yaml"
+                job_file.write_text(_to_yaml(spec.to_dict()))
+                args = [str(job_file)]
             else:
                 raw = copy.deepcopy(self.job)
                 where = f"task {self.task_id}'s job"

@@ -389,7 +389,10 @@ def _describe(err: ErrorDetails) -> str:
         if isinstance(error, EngineSettingError):  # the value as YAML spells it
             return f"expected {error.expected}, got {_shown_with_type(error.value)}"
         return str(error)
-    got = _shown_with_type(err.get("input"))
+    if "storage_options" in err.get("loc", ()):  # may hold credentials: never echoed
+        got = f"a {type(err.get('input')).__name__} (its value is not shown)"
+    else:
+        got = _shown_with_type(err.get("input"))
     if kind in _EXPECTED:
         return f"{_EXPECTED[kind]}, got {got}"
     what = err["msg"]
