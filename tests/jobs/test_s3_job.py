@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import fsspec
+import pytest
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
+from tokenmill.jobs.spec import JobSpecError
 
 
 def _committed_shards(fs) -> int:
@@ -72,3 +74,22 @@ def test_s3_job_killed_and_resumed(tiny_model: Path, tmp_path: Path, s3_endpoint
         out_rows.extend(json.loads(line) for line in fs.cat_file(key).decode().splitlines())
     assert sorted(r["id"] for r in out_rows) == sorted(r["id"] for r in rows)
     assert fs.exists("jobs/out/report.json") and fs.exists("jobs/out/test.manifest.json")
+
+
+def test_an_existing_object_as_output_is_refused(
+    tiny_model: Path,
+    tmp_path: Path,
+    s3_endpoint,  # noqa: F811
+) -> None:
+    """As a local output.path that is a file is refused: the shards would land under a key
+    that is an object already (existing.csv/shards/...)."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("held")
+    fs.pipe("held/data/existing.csv", b"a,b\n")
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, "s3://held/data/existing.csv")
+    spec["output"]["storage_options"] = options
+    with pytest.raises(JobSpecError, match="is an existing object; output.path must be a prefix"):
+        run_job(spec, show_progress=False)
+    assert fs.find("held") == ["held/data/existing.csv"]

@@ -67,6 +67,10 @@ def check_output_location(
     if local and os.path.exists(out) and not os.path.isdir(out):
         what = "the input file" if out == _normal(in_root, True) else "an existing file"
         raise OutputPathError(f"{where} is {what}; output.path must be a folder")
+    if not local and _is_object(out_fs, out):
+        raise OutputPathError(
+            f"{where} is an existing object; output.path must be a prefix (s3://bucket/out/)"
+        )
     if type(in_fs) is not type(out_fs):
         return
     base, is_folder, pattern = _input_base(in_root, in_fs, local)
@@ -134,3 +138,12 @@ def _normal(path: str, local: bool) -> str:
 
 def _within(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent.rstrip("/") + "/")
+
+
+def _is_object(fs: Any, path: str) -> bool:
+    """Whether ``path`` is an object in ``fs`` (False when the store cannot say: the run's
+    first read reports an unreachable store, naming it)."""
+    try:
+        return bool(fs.isfile(path))
+    except Exception:
+        return False
