@@ -166,8 +166,8 @@ class FaultProxy:
         next ``count`` of them (None: all), each with probability ``fraction`` (seeded). With
         ``after_forward`` the request reaches the target first, so the write happens but the
         client sees an error. With ``armed_by`` the fault waits until ``armed_after`` PUTs to a
-        path ending in it have been forwarded (a job's manifest, written once when the job
-        starts and again at each commit: 2 is "from its first commit on"), counted in the
+        path ending in it have been forwarded (``<job>.manifest.d/00000000.json``, the
+        manifest record of a job's first commit: "from its first commit on"), counted in the
         proxy, so no test thread races the job. Faults added earlier are asked first."""
         self._add(
             _Fault(

@@ -24,7 +24,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tests.tiny_models import save_tiny_model
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.runner import open_output
@@ -175,10 +181,7 @@ def _rows(out: Path) -> dict[str, str]:
 
 
 def _committed(out: Path) -> int:
-    try:
-        return len(json.loads((out / "test.manifest.json").read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
+    return len(committed_shards(out))
 
 
 def _when(ready: Callable[[], bool], then: Callable[[], None], timeout: float = 120) -> list[bool]:

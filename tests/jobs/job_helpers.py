@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import fsspec
+
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,3 +86,25 @@ def reference_run(
     report = run_job(job_dict(model, src, folder / "out", **sections), show_progress=False)
     assert report.status == "complete" and report.rows_ok == rows
     return src, {r["id"]: r["text"] for r in read_jsonl_dir(folder / "out" / "shards")}
+
+
+def committed_shards(out: Path | str, job: str = "test", fs: Any = None) -> dict[str, Any]:
+    """The shards ``job``'s manifest names right now (its file and its journal, see
+    tokenmill/jobs/manifest.py), read straight from the store while a run may be writing:
+    ``out`` a local folder, or with ``fs`` (an fsspec filesystem) the output's path in it."""
+    fs = fs or fsspec.filesystem("file")
+    root = str(out).rstrip("/")
+    try:
+        shards = json.loads(fs.cat_file(f"{root}/{job}.manifest.json"))["shards"]
+    except (FileNotFoundError, ValueError, KeyError):
+        return {}
+    journal = f"{root}/{job}.manifest.d"
+    fs.invalidate_cache()
+    for name in fs.find(journal) if fs.exists(journal) else []:
+        try:
+            shards[str(int(name.rsplit("/", 1)[1].removesuffix(".json")))] = json.loads(
+                fs.cat_file(name)
+            )
+        except (FileNotFoundError, ValueError):  # folded into the file since the listing
+            continue
+    return shards

@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tokenmill import run_job
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.readers import InputConfig, iter_input_rows
@@ -141,7 +147,7 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     assert last.startswith(f"run-job: {message}; {RESUME}")
     # a file to fix: rerunning as it is does not help (exit 2, and it says so)
     assert last.endswith("(rerunning as it is does not help)") is (code == 2)
-    committed = json.loads((out / "test.manifest.json").read_text())["shards"]
+    committed = committed_shards(out)
     assert set(committed) <= {"0", "1", "2", "3", "4"}  # rows before 22 only
 
     monkeypatch.undo()
@@ -186,7 +192,7 @@ def test_a_writer_error_ends_the_run_as_a_serial_run_would(
     err = capsys.readouterr().err
     assert f"run-job: {message}" in err and err.strip().endswith(RESUME)
     assert len(calls) == 3  # nothing was committed after the failure
-    committed = json.loads((out / "test.manifest.json").read_text())["shards"]
+    committed = committed_shards(out)
     assert len(committed) == 2
 
     monkeypatch.undo()

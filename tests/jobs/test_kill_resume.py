@@ -3,7 +3,6 @@ exactly once and the same greedy text as an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,13 @@ from pathlib import Path
 
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
 
@@ -30,10 +35,7 @@ def _start(job: Path) -> subprocess.Popen:
 
 
 def _committed(out: Path, job: str) -> int:
-    try:
-        return len(json.loads((out / f"{job}.manifest.json").read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return 0
+    return len(committed_shards(out, job))
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 120) -> None:

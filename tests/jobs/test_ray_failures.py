@@ -23,7 +23,13 @@ import pytest
 import yaml
 
 from tests.jobs import ray_poison
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tests.jobs.ray_poison import HANG, KILL, RAISE
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
@@ -69,10 +75,7 @@ def _rows_by_id(out: Path, kind: str) -> dict[str, dict[str, Any]]:
 
 
 def _shards_done(manifest: Path) -> int:
-    try:
-        return len(json.loads(manifest.read_text())["shards"])
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being replaced
-        return 0
+    return len(committed_shards(manifest.parent, manifest.name.removesuffix(".manifest.json")))
 
 
 class _Killer(threading.Thread):

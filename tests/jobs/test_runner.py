@@ -10,7 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    write_jsonl,
+)
 from tokenmill import run_job, submit
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.lock import JobLock
@@ -148,10 +154,9 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     engine = {"max_num_seqs": 2, "async_scheduling": async_scheduling}
     spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine=engine)
     handle = submit(spec)
-    manifest = out / "test.manifest.json"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if manifest.exists() and json.loads(manifest.read_text())["shards"]:
+        if committed_shards(out):
             break
         time.sleep(0.02)
     seen = handle.progress()  # the numbers of the progress line, while it runs

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import job_dict, reference_run
+from tests.jobs.job_helpers import committed_shards, job_dict, reference_run
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.runner import open_output
@@ -85,11 +85,7 @@ class _S3Job:
     def shards(self) -> dict[str, Any]:
         """The manifest's committed shards, as moto holds them now."""
         self.direct.invalidate_cache()
-        manifest = f"{self.bucket}/out/test.manifest.json"
-        try:
-            return json.loads(self.direct.cat_file(manifest))["shards"]
-        except (FileNotFoundError, ValueError, KeyError):
-            return {}
+        return committed_shards(f"{self.bucket}/out", fs=self.direct)
 
     def wait_for_commit(self, proc: subprocess.Popen, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -210,11 +206,11 @@ def test_store_down_for_good_exits_75_then_resumes(
     a rerun completes. (A store refusing connections for good: see the "refuse" case above.)"""
     _, want = reference
     job = s3_job(timeout_s=1.0, retries=1)
-    # Armed in the proxy by the manifest's second write (the first names the job, the second
-    # is the first commit): a test thread that waited for the commit and then added the
-    # fault lost the race on a loaded machine (the job had committed all 8 shards by then).
+    # Armed in the proxy by the first commit's manifest record (shard 0's journal entry): a
+    # test thread that waited for the commit and then added the fault lost the race on a
+    # loaded machine (the job had committed all 8 shards by then).
     faulty_s3.proxy.fail(
-        500, "InternalError", methods=None, armed_by="test.manifest.json", armed_after=2
+        500, "InternalError", methods=None, armed_by="test.manifest.d/00000000.json"
     )
     proc = job.start()
     job.wait_for_commit(proc)

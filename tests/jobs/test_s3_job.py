@@ -14,17 +14,15 @@ import fsspec
 import pytest
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tests.jobs.job_helpers import chat_rows, committed_shards, job_dict, write_jsonl
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.spec import JobSpecError
 
 
 def _committed_shards(fs) -> int:
-    try:
-        return len(json.loads(fs.cat_file("jobs/out/test.manifest.json"))["shards"])
-    except (FileNotFoundError, ValueError, KeyError):
-        return 0
+    fs.invalidate_cache()
+    return len(committed_shards("jobs/out", fs=fs))
 
 
 def test_s3_job_killed_and_resumed(tiny_model: Path, tmp_path: Path, s3_endpoint) -> None:  # noqa: F811

@@ -4,7 +4,6 @@ abandoned writer never makes the engine thread wait."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs import shard_writer
-from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.manifest import Manifest, ShardRecord
 from tokenmill.jobs.shard_commit import commit_shard
 from tokenmill.jobs.shard_writer import ShardWriter
 
@@ -32,12 +31,14 @@ def _results(shard: int) -> list[ResultRow]:
 def _writer(tmp_path: Path, max_queued: int = 2) -> tuple[ShardWriter, OutputStore, Manifest]:
     store = OutputStore(str(tmp_path / "out"), owner="t")
     manifest = Manifest("t", "fp", ROWS)
+    manifest.save(store)  # as a run does before its first shard
     return ShardWriter(store, manifest, "jsonl", max_queued), store, manifest
 
 
 def _saved_shards(store: OutputStore) -> list[int]:
-    raw = json.loads(store.read_bytes(Manifest.file_name("t")) or b"{}")
-    return sorted(int(k) for k in raw.get("shards", {}))
+    """The shards a rerun would find committed."""
+    saved = Manifest.load(store, "t")
+    return [] if saved is None else sorted(saved.shards)
 
 
 def test_shards_are_committed_in_order_and_recorded(tmp_path: Path) -> None:
@@ -132,3 +133,35 @@ def test_abandon_leaves_a_hung_write_behind_and_records_nothing_after_it(
     assert not writer._thread.is_alive()
     assert manifest.shards == {} and _saved_shards(store) == []  # a rerun recomputes it
     assert gate.started == 1  # the queued shard was dropped
+
+
+def test_the_manifest_journal_is_folded_in_and_reloads_whole(tmp_path: Path, monkeypatch) -> None:
+    """Each commit writes one small journal record; past the journal's bound the manifest
+    file is rewritten with them and the records go. A load merges file and journal, also
+    after a crash between the rewrite and the deletes (both then name the shard)."""
+    from tokenmill.jobs import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "_MIN_JOURNAL", 4)
+    store = OutputStore(str(tmp_path / "out"), owner="t")
+    manifest = Manifest("t", "fp", ROWS)
+    manifest.save(store)
+    writes: list[str] = []
+    write = store.write_atomic
+    monkeypatch.setattr(store, "write_atomic", lambda n, d: writes.append(n) or write(n, d))
+    record = ShardRecord(0, ROWS, ROWS, 0, "shards/part-00000.jsonl", None)
+    for shard in range(10):
+        manifest.commit_shard(store, shard, record)
+        assert sorted(Manifest.load(store, "t").shards) == list(range(shard + 1))
+    rewrites = [n for n in writes if n == "t.manifest.json"]
+    assert len(rewrites) == 2 and len(writes) == 10  # shards 4 and 9 folded the journal in
+    assert store.list("t.manifest.d/") == []
+    for shard in (10, 11):
+        manifest.commit_shard(store, shard, record)
+    assert store.list("t.manifest.d/") == [
+        "t.manifest.d/00000010.json",
+        "t.manifest.d/00000011.json",
+    ]
+    monkeypatch.setattr(store, "delete", lambda name: None)  # killed before the deletes
+    manifest.save(store)
+    again = Manifest.load(store, "t")
+    assert sorted(again.shards) == list(range(12)) and again.journaled == {10, 11}

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import job_dict, read_jsonl_dir, reference_run
+from tests.jobs.job_helpers import committed_shards, job_dict, read_jsonl_dir, reference_run
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
@@ -79,10 +79,7 @@ def _write_job(path: Path, spec: dict[str, Any]) -> Path:
 
 
 def _local_shards(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "test.manifest.json").read_text())["shards"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        return {}
+    return committed_shards(out)
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +143,7 @@ def test_second_sigterm_stops_at_once_while_a_write_hangs(
 
     def committed() -> bool:
         direct.invalidate_cache()
-        try:
-            return bool(json.loads(direct.cat_file(f"{bucket}/out/test.manifest.json"))["shards"])
-        except (FileNotFoundError, ValueError, KeyError):
-            return False
+        return bool(committed_shards(f"{bucket}/out", fs=direct))
 
     run = _RunJob(job)
     assert run.wait_until(committed), f"finished before its first commit: {run.stderr}"

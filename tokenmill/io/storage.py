@@ -117,7 +117,7 @@ class OutputStore:
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
         if not self.is_local and not self.root:
             raise ValueError(f"output.path {url!r} names no bucket; give e.g. s3://bucket/prefix")
-        if not self.is_local and {"", ".", ".."} & set(self.root.split("/")):
+        if not self.is_local and {"", ".", ".."} & set(self.root.strip("/").split("/")):
             raise ValueError(
                 f"output.path {url!r} has an empty, '.' or '..' segment, which an object store "
                 "keeps as part of its keys; write the prefix plainly (s3://bucket/a/b)"

@@ -28,6 +28,7 @@ _WRITTEN_EXAMPLES = (
     "report.json",
     "report.html",
     "job.manifest.json",
+    "job.manifest.d/00000000.json",
     "_tokenmill_owner.json",
     "shards/part-00000.jsonl",
     "shards/part-00000.parquet",

@@ -91,6 +91,8 @@ def discard_progress(store: OutputStore, manifest: Manifest) -> None:
             store.delete(name)
     store.delete(REPORT_NAME)
     store.delete(REPORT_HTML_NAME)
+    for name in store.list(Manifest.journal_prefix(manifest.job)):  # before the manifest
+        store.delete(name)
     store.delete(Manifest.file_name(manifest.job))
 
 

@@ -2,7 +2,7 @@
 
     engine thread                          writer thread
     submit(shard, results) ─► queue ─►     commit_shard (data file, error file if any)
-      (blocks while ``max_queued``            ─► manifest.shards[k] = record ─► manifest.save
+      (blocks while ``max_queued``            ─► manifest.commit_shard(k, record)
        shards wait: backpressure)
     check() / finish() ◄── the writer's exception, re-raised as it was raised
 
@@ -139,8 +139,7 @@ class ShardWriter:
                 )
                 if self._abandoned.is_set():
                     return
-                self.manifest.shards[shard] = record
-                self.manifest.save(self.store)
+                self.manifest.commit_shard(self.store, shard, record)
                 self.shards_committed += 1
                 self.rows_committed += len(results)
         except BaseException as exc:  # re-raised on the engine thread by check() / finish()
