@@ -64,3 +64,22 @@ def test_display_names_are_relative_to_the_common_directory():
         "x/part-0.jsonl",
         "y/part-0.jsonl",
     ]
+
+
+def test_a_glob_keeps_links_to_files_and_dangling_links(tmp_path):
+    """Links matched by a glob are files to read (their rows went missing without a word);
+    a dangling one is kept so that reading it fails naming it; a link to a folder is not."""
+    _touch(tmp_path / "in" / "a.jsonl")
+    _touch(tmp_path / "elsewhere" / "b.jsonl")
+    (tmp_path / "elsewhere" / "sub").mkdir()
+    (tmp_path / "in" / "b.jsonl").symlink_to(tmp_path / "elsewhere" / "b.jsonl")
+    (tmp_path / "in" / "c.jsonl").symlink_to(tmp_path / "elsewhere" / "gone.jsonl")
+    (tmp_path / "in" / "d.jsonl").symlink_to(tmp_path / "elsewhere" / "sub")
+    found = list_input_files(InputConfig(path=str(tmp_path / "in" / "*.jsonl")))
+    assert [p.rsplit("/", 1)[1] for p in found] == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
+    wanted = _touch(tmp_path / "batch[1].jsonl")
+    _touch(tmp_path / "batch1.jsonl")  # what the pattern batch[1] matches
+    assert list_input_files(InputConfig(path=str(wanted))) == [str(wanted)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.storage import has_protocol, resolve
@@ -23,9 +25,9 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     Raises FileNotFoundError naming the path when nothing matches.
     """
     fs, root = resolve(cfg.path, cfg.storage_options)
-    if any(ch in root for ch in "*?["):
+    if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
         matches = fs.glob(root, detail=True)
-        paths = [p for p, info in matches.items() if info.get("type") == "file"]
+        paths = [p for p, info in matches.items() if _is_file(fs, p, info)]
         if not paths:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} matches no files; check the pattern and the location"
@@ -60,6 +62,15 @@ def display_names(files: list[str]) -> list[str]:
             common = i
             break
     return ["/".join(p[common:]) for p in parts]
+
+
+def _is_file(fs: Any, path: str, info: dict[str, Any]) -> bool:
+    """Whether a glob match is a file to read: a file, or a link to one. A dangling link is
+    kept too, so that reading it fails naming it (as it does in a directory input) instead
+    of its rows going missing without a word; links to folders are left out like folders."""
+    if info.get("type") == "file":
+        return True
+    return bool(info.get("islink")) and (fs.isfile(path) or not fs.exists(path))
 
 
 def _wanted_in_directory(path: str, root: str) -> bool:
