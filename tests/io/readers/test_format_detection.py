@@ -40,3 +40,12 @@ def test_json_array_file_is_explained(tmp_path):
     f.write_text('[\n  {"prompt": "x"}\n]\n')
     with pytest.raises(ValueError, match="JSON array"):
         detect_format([str(f)], "auto")
+
+
+def test_empty_part_files_before_the_first_line_say_nothing(tmp_path):
+    """A Spark export's empty part-00000 made every OpenAI Batch row of the next file fail
+    as a plain JSONL row missing its prompt."""
+    empty = tmp_path / "part-00000.jsonl"
+    empty.write_text("\n")
+    batch = write_jsonl(tmp_path / "part-00001.jsonl", [batch_line("a", chat_body())])
+    assert detect_format([str(empty), str(batch)], "auto") == "openai-batch"

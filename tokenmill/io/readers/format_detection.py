@@ -21,7 +21,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     """The format of ``files``: ``fmt`` itself unless it is "auto".
 
     Auto: .jsonl/.json/.ndjson files, plain or compressed (x.jsonl.gz, .zst, .bz2, .xz), are
-    "jsonl", or "openai-batch" when the first non-blank line of the first file (decompressed)
+    "jsonl", or "openai-batch" when the first non-blank line of the files (decompressed)
     is an object with custom_id, method, url and body; .parquet files are "parquet".
     Raises ValueError naming a file when the suffixes are unknown or mixed, when a .json file
     holds one JSON array instead of JSON Lines, or when a Parquet file has a compression
@@ -46,7 +46,13 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
             )
     if kinds[first] == "parquet":
         return "parquet"
-    first_line = _first_line(first, storage_options or {})
+    # The first line that says something: empty part files (routine in Spark / Hadoop
+    # exports) say nothing.
+    first_line = ""
+    for first in files[:_LOOK_AT]:
+        first_line = _first_line(first, storage_options or {})
+        if first_line:
+            break
     if first_line.startswith("[") and _json_or_none(first_line) is None:
         raise ValueError(
             f"{first} looks like one JSON array, not JSON Lines; write one JSON object per "
@@ -81,6 +87,10 @@ def _refuse_compressed_parquet(url: str) -> None:
             f"{url.rsplit('/', 1)[-1]}`) or rewrite it with "
             "pyarrow.parquet.write_table(..., compression='zstd')"
         )
+
+
+# Files opened at most to find the first non-blank line.
+_LOOK_AT = 64
 
 
 def _first_line(url: str, storage_options: dict[str, Any]) -> str:
