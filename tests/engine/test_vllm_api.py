@@ -262,3 +262,11 @@ def test_a_stop_tokens_text_is_output_only_when_asked_for(
     shown = eos_out.token_ids if include else eos_out.token_ids[:-1]
     assert eos_out.text == tokenizer.decode(shown, skip_special_tokens=False)
     assert eos_out.text.endswith(tokenizer.decode([eos])) is include
+
+
+@pytest.mark.parametrize("settings", [{"max_tokens": 2**63}, {"top_k": 2**40}])
+def test_counts_past_the_engine_columns_are_refused_up_front(settings: dict) -> None:
+    """They overflowed the engine's int64 columns when the request was added (OverflowError
+    out of the step, the engine left half-updated)."""
+    with pytest.raises(ValueError, match=r"must be .*2\*\*31 - 1"):
+        SamplingParams(**settings)

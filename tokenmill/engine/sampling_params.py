@@ -72,10 +72,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check(
-            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= _INT_MAX,
             "max_tokens",
             self.max_tokens,
-            "an integer >= 1",
+            "an integer in [1, 2**31 - 1] (the context ends a row first anyway)",
         )
         _check(
             isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
@@ -91,10 +91,10 @@ class SamplingParams:
         )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+            isinstance(self.top_k, int) and (self.top_k == -1 or 0 <= self.top_k <= _INT_MAX),
             "top_k",
             self.top_k,
-            "-1 (off) or an integer >= 0 (0 is off too)",
+            "-1 (off) or an integer in [0, 2**31 - 1] (0 is off too)",
         )
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -212,6 +212,7 @@ def _short(value: object) -> str:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38  # larger values overflow the sampler's float32 columns
+_INT_MAX = 2**31 - 1  # counts and top_k beyond it mean nothing more (and overflow the columns)
 
 
 def _is_number(value: object) -> bool:

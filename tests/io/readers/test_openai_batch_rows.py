@@ -92,6 +92,7 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("max_tokens", 0, "body.max_tokens must be an integer >= 1, got 0"),
         ("max_tokens", -3, "body.max_tokens"),
         ("max_tokens", 2.5, "body.max_tokens"),
+        ("max_tokens", 2**63, "body.max_tokens must be at most 2**31 - 1, got 9223"),  # crashed
         ("max_completion_tokens", 0, "body.max_completion_tokens"),
         ("temperature", -0.1, "body.temperature must be a number >= 0"),
         ("temperature", "hot", "body.temperature"),

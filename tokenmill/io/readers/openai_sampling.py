@@ -198,6 +198,7 @@ def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
     found = {n: fields[n] for n in ("max_tokens", "max_completion_tokens") if n in fields}
     for name, value in found.items():
         _expect(_is_int(value) and value >= 1, name, value, "an integer >= 1", row_id)
+        _expect(value < 2**31, name, value, "at most 2**31 - 1", row_id)  # (int32 columns)
     if len(set(found.values())) > 1:
         raise RowError(
             f"body.max_tokens={found['max_tokens']} and body.max_completion_tokens="
