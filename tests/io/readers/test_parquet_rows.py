@@ -72,3 +72,24 @@ def test_unreadable_parquet_names_the_file(tmp_path):
         assert str(f) in str(e)
     else:
         raise AssertionError("expected ValueError")
+
+
+def test_a_truncated_or_corrupt_parquet_file_is_corrupt_input(tmp_path):
+    """Exit 2 ("rerunning as it is does not help"), as a truncated .gz; it was exit 1."""
+    import pytest
+
+    from tokenmill.io.readers.compression import CorruptInputError
+
+    table = pa.table({"prompt": [f"p{i}" * 10 for i in range(20000)]})
+    good = tmp_path / "good.parquet"
+    pq.write_table(table, good, row_group_size=2000)
+    data = good.read_bytes()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(data[: len(data) // 2])
+    spoiled = bytearray(data)
+    spoiled[len(data) // 3 : len(data) // 3 + 4000] = bytes(4000)
+    mid = tmp_path / "mid.parquet"
+    mid.write_bytes(bytes(spoiled))
+    for f in (cut, mid):
+        with pytest.raises(CorruptInputError, match=str(f)):
+            read(f)

@@ -8,6 +8,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.readers.record import Record
 from tokenmill.io.readers.storage import resolve
 
@@ -39,7 +40,9 @@ class ParquetRecords:
             self._parquet = pq.ParquetFile(self._file)
         except (pa.ArrowException, OSError) as e:
             self._file.close()
-            raise ValueError(f"{self.url} is not a readable Parquet file: {e}") from e
+            if not _corrupt(e):
+                raise
+            raise CorruptInputError(f"{self.url} is not a readable Parquet file: {e}") from e
         schema = self._parquet.schema_arrow
         self._columns = tuple(schema.names)
         self._types = {f.name: f.type for f in schema}
@@ -72,7 +75,19 @@ class ParquetRecords:
                     yield Record(position, value=value)
                     position += 1
         except (pa.ArrowException, OSError) as e:
-            raise ValueError(
+            if not _corrupt(e):
+                raise
+            raise CorruptInputError(
                 f"{self.url}: Parquet read failed after row {position - 1}: {e}; "
-                "the file may be truncated or corrupt"
+                "the file is truncated or corrupt"
             ) from e
+
+
+def _corrupt(exc: BaseException) -> bool:
+    """Whether pyarrow failed on the file's bytes (a footer or page it cannot decode: an
+    ArrowException, or the bare OSError without an errno its decompressors raise) rather
+    than on reading them (the store's own OSErrors: a missing file, a refused or dropped
+    connection), which keep their type and meaning."""
+    if isinstance(exc, pa.ArrowException):
+        return True
+    return type(exc) is OSError and exc.errno is None
