@@ -428,3 +428,19 @@ def test_plain_logprobs_never_replace_a_passthrough_column() -> None:
     row = ResultRow(0, "r0", "Hi!", "stop", 3, 2, {"logprobs": "mine"}, logprobs=_LOGPROBS)
     with pytest.raises(ValueError, match="passthrough column 'logprobs' clashes"):
         encode_results([row], "jsonl")
+
+
+def test_jsonl_lines_are_strict_json_whatever_the_floats() -> None:
+    """NaN and infinities (from a Parquet input's doubles, or JSONL input's NaN literal)
+    were written as the bare tokens NaN / Infinity, which strict parsers and polars refuse:
+    they are null now, at any depth; finite floats are untouched."""
+    nan, inf = float("nan"), float("inf")
+    passthrough = {"score": nan, "hi": inf, "lo": -inf, "ok": 0.5, "deep": {"v": [1.0, nan]}}
+    data = encode_results([ResultRow(0, "a", "t", "stop", 1, 1, passthrough=passthrough)], "jsonl")
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"not strict JSON: {token}")
+
+    (line,) = [json.loads(x, parse_constant=refuse) for x in data.decode().splitlines()]
+    assert [line[k] for k in ("score", "hi", "lo", "ok")] == [None, None, None, 0.5]
+    assert line["deep"] == {"v": [1.0, None]}

@@ -18,6 +18,7 @@ The tests at the end pin, one each, the bugs this fuzz found.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,15 @@ from tokenmill.jobs.spec import JobSpec
 
 
 def _read_jsonl_strict(path: Path) -> list[Any]:
-    """Every line of a JSONL file; fails unless it is UTF-8 and each line is JSON. Splits on
-    \\n only: U+2028 and U+0085 may sit unescaped inside strings."""
+    """Every line of a JSONL file; fails unless it is UTF-8 and each line is strict JSON (no
+    bare NaN / Infinity). Splits on \\n only: U+2028 and U+0085 may sit unescaped inside
+    strings."""
     text = path.read_bytes().decode("utf-8")
-    return [json.loads(line) for line in text.split("\n") if line.strip()]
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{path}: {token} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in text.split("\n") if line.strip()]
 
 
 def _check_job(
@@ -80,9 +86,9 @@ def _check_job(
         rows = [r for f in shard_files for r in _read_jsonl_strict(f)]
     ok_ids = Counter(r["custom_id"] if batch else r["id"] for r in rows)
     assert ok_ids == good, "good rows missing, repeated or joined by bad ones"
-    if fmt == "jsonl":  # passthrough values come back as they went in
+    if fmt == "jsonl":  # passthrough values come back as they went in, in strict JSON
         topics = {line.row_id: line.topic for _, _, line in lines if line.kind == "good"}
-        assert all(json.dumps(r["topic"]) == json.dumps(topics[r["id"]]) for r in rows)
+        assert all(json.dumps(r["topic"]) == json.dumps(_finite(topics[r["id"]])) for r in rows)
     for r in rows:
         if batch:
             assert r["error"] is None and r["response"]["status_code"] == 200
@@ -212,3 +218,14 @@ def test_read_results_reads_back_line_separators(tiny_model: Path, tmp_path: Pat
     out = _run_lines(tiny_model, tmp_path, [json.dumps(_good_line("r0", topic="a\u2028b\x85c"))])
     [row] = read_results(OutputStore(str(out)), ["shards/part-00000.jsonl"], "jsonl")
     assert row["topic"] == "a\u2028b\x85c"
+
+
+def _finite(value: Any) -> Any:
+    """``value`` as strict JSON holds it: NaN and infinities as null, at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -45,6 +45,7 @@ __all__ = [
     "OutputSchema",
     "inferred_field",
     "json_default",
+    "strict_json",
     "json_text_field",
     "storable_type",
 ]
@@ -79,6 +80,29 @@ _LOGPROB_COLUMNS = (
 def json_text_field(name: str) -> pa.Field:
     """A JSON-text column: strings holding each value's JSON encoding."""
     return pa.field(name, pa.string(), metadata={_ENCODING: _JSON})
+
+
+def strict_json(value: Any) -> str:
+    """``value`` as JSON text every parser takes: NaN and infinities (which Python's json
+    writes as the bare tokens NaN / Infinity, refused by strict parsers, polars and Spark's
+    FAILFAST mode) become null; bytes, dates, decimals as ``json_default`` gives them."""
+    try:
+        return json.dumps(value, ensure_ascii=False, default=json_default, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(value), ensure_ascii=False, default=json_default)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with its non-finite floats (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (bytes, bytearray, memoryview)):
+        return _finite(value.tolist())  # numpy scalars and arrays
+    return value
 
 
 def json_default(value: Any) -> Any:
@@ -284,9 +308,7 @@ def _is_json_text(f: pa.Field) -> bool:
 
 
 def _json_text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return json.dumps(value, ensure_ascii=False, default=json_default)
+    return None if value is None else strict_json(value)
 
 
 def _has_unknown_part(dtype: pa.DataType) -> bool:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from tokenmill.io.logprobs_column import LOGPROBS, LOGPROBS_FIELD
 from tokenmill.io.openai_batch_output import error_line, result_line
-from tokenmill.io.output_schema import FIXED_COLUMNS, FIXED_SCHEMA, OutputSchema, json_default
+from tokenmill.io.output_schema import FIXED_COLUMNS, FIXED_SCHEMA, OutputSchema, strict_json
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, PROMPT_LOGPROBS_FIELD
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
@@ -217,10 +217,7 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 
 def _jsonl_bytes(records: Any) -> bytes:
-    lines = [
-        json.dumps(rec, ensure_ascii=False, default=json_default).translate(_LINE_BREAKS) + "\n"
-        for rec in records
-    ]
+    lines = [strict_json(rec).translate(_LINE_BREAKS) + "\n" for rec in records]
     return "".join(lines).encode("utf-8")
 
 
