@@ -160,3 +160,29 @@ def test_warm_up_renders_and_encodes_once_and_never_raises(tokenizer: Any) -> No
     bare = own_tokenizer(tokenizer)
     bare.chat_template = None
     RowPreparer(bare, DEFAULTS, "m").warm_up()  # no template: nothing to warm, no error
+
+
+def test_a_text_too_long_by_its_length_alone_is_refused_untokenized(tokenizer: Any) -> None:
+    """No token spells more characters than the vocabulary's longest: a text with more than
+    that per position of max_model_len is the row's error before it is tokenized (a 20 MB
+    prompt took 30 s and 5.5 GiB to tokenize, only to be refused); others are tokenized."""
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    calls: list[int] = []
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def __call__(self, texts, **kwargs):
+            calls.append(sum(len(t) for t in texts))
+            return self.inner(texts, **kwargs)
+
+    rows = [_row(0, prompt="y" * (64 * longest)), _row(1, prompt="y" * (64 * longest - 1))]
+    got = RowPreparer(Counting(tokenizer), DEFAULTS, "m", max_model_len=64)(rows)
+    assert isinstance(got[0], ResultRow)
+    assert f"in.jsonl:1: prompt has {64 * longest:,} characters, so at least 64" in got[0].error
+    assert "max_model_len is 64" in got[0].error
+    assert isinstance(got[1], ReadyRow) and calls == [64 * longest - 1]

@@ -58,7 +58,10 @@ class RowProcessor:
         self.tokenizer = self.engine.tokenizer
         self.max_in_flight = 2 * spec.engine.max_num_seqs
         self.prepare = RowPreparer(
-            own_tokenizer(self.tokenizer), spec.sampling.model_dump(), spec.model.source
+            own_tokenizer(self.tokenizer),
+            spec.sampling.model_dump(),
+            spec.model.source,
+            self.engine.max_model_len,
         )
         self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format

@@ -56,10 +56,20 @@ def own_tokenizer(tokenizer: Any) -> Any:
 class RowPreparer:
     """Callable: a list of good InputRows in, a list of ReadyRow | ResultRow out (same order)."""
 
-    def __init__(self, tokenizer: Any, sampling_defaults: dict[str, Any], model: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        sampling_defaults: dict[str, Any],
+        model: str,
+        max_model_len: int | None = None,
+    ) -> None:
+        """``max_model_len``: the engine's; a text too long for it by its length alone is
+        the row's error before it is tokenized (see ``_too_long``)."""
         self.tokenizer = tokenizer
         self.sampling_defaults = sampling_defaults
         self.model = model
+        self.max_model_len = max_model_len
+        self._chars_per_token: int | None = None
         self._default_params: SamplingParams | None = None
 
     def warm_up(self) -> None:
@@ -82,6 +92,8 @@ class RowPreparer:
             text = self._text(row)
             if text is None:  # the per-row path decides: ids, or the row's error
                 encoded[i] = self._one(row)
+            elif (too_long := self._too_long(text)) is not None:
+                encoded[i] = error_result(row, too_long, self.model)
             else:
                 texts[row.messages is None].append((i, text))
         for special, group in texts.items():
@@ -123,6 +135,24 @@ class RowPreparer:
                 return None
         return row.prompt
 
+    def _too_long(self, text: str) -> str | None:
+        """Why ``text`` cannot fit the engine's context whatever its tokens, or None. No
+        token of the vocabulary spells more than ``_chars_per_token`` characters, so a text
+        longer than that many per position of max_model_len has more tokens than fit:
+        tokenizing a 20 MB prompt only to refuse it took 30 s and 5.5 GiB."""
+        if self.max_model_len is None:
+            return None
+        if self._chars_per_token is None:
+            self._chars_per_token = _longest_token(self.tokenizer)
+        least = len(text) // self._chars_per_token
+        if least < self.max_model_len:
+            return None
+        return (
+            f"prompt has {len(text):,} characters, so at least {least:,} tokens (no token of "
+            f"the vocabulary is longer than {self._chars_per_token} characters); the engine's "
+            f"max_model_len is {self.max_model_len}"
+        )
+
     def _one(self, row: InputRow) -> list[int] | ResultRow:
         try:
             return prompt_ids_for(row, self.tokenizer)
@@ -140,3 +170,13 @@ class RowPreparer:
             return list(zip((i for i, _ in group), encoded, strict=True))
         except Exception:  # some row's text: find which, through the per-row path
             return [(i, self._one(rows[i])) for i, _ in group]
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer``'s vocabulary spells, as its vocabulary
+    writes them (byte-level vocabularies write a character per byte: never fewer than the
+    text's own); a very large number when the vocabulary cannot be read."""
+    try:
+        return max(1, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:
+        return 1 << 62
