@@ -52,7 +52,7 @@ def test_a_later_value_that_does_not_fit_is_its_rows_error(tmp_path, monkeypatch
     assert all(r.error is None for r in iter_input_rows(cfg))
 
 
-def test_parquet_types_come_from_every_files_schema(tmp_path) -> None:
+def test_parquet_types_come_from_every_files_schema(tmp_path, caplog) -> None:
     write_parquet(tmp_path / "a.parquet", {"prompt": ["p"], "x": pa.array([None], pa.null())})
     write_parquet(
         tmp_path / "b.parquet", {"prompt": ["p"], "x": [1.5], "y": pa.array([1], pa.int32())}
@@ -69,6 +69,12 @@ def test_parquet_types_come_from_every_files_schema(tmp_path) -> None:
     rows = list(iter_input_rows(cfg, schema))
     assert [r.error for r in rows] == [None] * 4
     assert [r.passthrough["y"] for r in rows] == [None, 1, 2, None]
+    # z is in no file: a misspelling, or a hive-style folder key, warned about once
+    warned = [r.getMessage() for r in caplog.records if "passthrough_columns" in r.getMessage()]
+    assert warned == [
+        "input.passthrough_columns 'z': in none of the 4 input files, so null in every output "
+        "row (a misspelling? hive-style folder keys such as date=... are not read as columns)"
+    ]
 
 
 def test_parquet_files_whose_types_do_not_combine_are_refused(tmp_path) -> None:

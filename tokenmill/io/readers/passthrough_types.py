@@ -13,6 +13,7 @@ its row's error (``iter_input_rows(cfg, schema)``), never a change of the column
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow as pa
@@ -30,6 +31,8 @@ from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.io.readers.parquet_records import ParquetRecords
 
 __all__ = ["SAMPLE_ROWS", "passthrough_schema"]
+
+log = logging.getLogger("tokenmill.jobs")
 
 # Rows whose values decide a JSONL input's passthrough types: large enough that a column that
 # is sparse at the start still shows its type, small enough to read in a second or two.
@@ -94,6 +97,15 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
             fields.append(pa.field(name, found[name][0]))
         else:  # in no input file: every value is null
             fields.append(json_text_field(name))
+    absent = [n for n in cfg.passthrough_columns if n not in found]
+    if absent:
+        log.warning(
+            "input.passthrough_columns %s: in none of the %d input files, so null in every "
+            "output row (a misspelling? hive-style folder keys such as date=... are not read "
+            "as columns)",
+            ", ".join(repr(n) for n in absent),
+            len(files),
+        )
     return fields
 
 
