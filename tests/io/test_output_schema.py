@@ -162,3 +162,17 @@ def test_a_passthrough_column_named_logprobs_is_not_the_column() -> None:
     with pytest.raises(ValueError, match=r"'logprobs' clashes .*\(sampling\.logprobs is set\)"):
         named.with_logprobs()
     assert named.with_prompt_logprobs().has_prompt_logprobs  # the other column is no clash
+
+
+def test_values_nested_too_deep_for_readers_are_json_text(tmp_path) -> None:
+    """Lists nested 60 deep: pyarrow writes the column but refuses to read the file back
+    ("Parquet schema too deeply nested"), so the shard would be unreadable as a dataset."""
+    deep: Any = 1
+    for _ in range(60):
+        deep = [deep]
+    field = inferred_field("deep", [deep])
+    assert field.type == pa.string() and field.metadata  # JSON text
+    shallow: Any = 1
+    for _ in range(8):
+        shallow = [shallow]
+    assert pa.types.is_list(inferred_field("shallow", [shallow]).type)

@@ -133,10 +133,14 @@ def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
 
 
 def storable_type(dtype: pa.DataType) -> bool:
-    """Whether Parquet can store a column of ``dtype`` (an empty struct it cannot)."""
+    """Whether Parquet can store a column of ``dtype`` (an empty struct it cannot) that
+    pyarrow reads back (lists nested ~40 deep it writes but refuses to read: "Parquet schema
+    too deeply nested")."""
     try:
-        pq.write_table(pa.table({"c": pa.array([], type=dtype)}), pa.BufferOutputStream())
-    except (pa.ArrowException, TypeError, ValueError):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"c": pa.array([], type=dtype)}), sink)
+        pq.read_table(pa.BufferReader(sink.getvalue()))
+    except (pa.ArrowException, TypeError, ValueError, OSError):
         return False
     return True
 
