@@ -225,6 +225,21 @@ def test_summary_throughput_is_over_generation_time() -> None:
     assert raw["output_tokens_per_s"] == 100.0 and raw["generation_seconds"] == 10.0
 
 
+def test_a_sub_second_generation_time_is_not_shown_as_zero() -> None:
+    """A tiny job once read "2000.0 output tokens/s over 0.0 s of generation"."""
+    report = JobReport(
+        job="j",
+        output="o/",
+        status="complete",
+        rows_total=3,
+        rows_ok=3,
+        rows_this_run=3,
+        completion_tokens=24,
+        generation_seconds=0.012,
+    )
+    assert "2000.0 output tokens/s over 0.012 s of generation" in report.summary()
+
+
 def test_summary_without_tokens_shows_no_rate() -> None:
     report = JobReport(job="j", output="out/", status="cancelled", wall_seconds=3.0)
     summary = report.summary()
