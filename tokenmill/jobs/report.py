@@ -110,7 +110,8 @@ class JobReport:
         lines.append(f"  output      {self.output}")
         if self.shards_recomputed:
             lines.append(
-                f"  recomputed  {self.shards_recomputed} committed shards whose files were gone"
+                f"  recomputed  {self.shards_recomputed} committed shards whose files were gone or "
+                "changed"
             )
         if self.error:
             lines.append(f"  error       {self.error}")
