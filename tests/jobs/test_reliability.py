@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -489,3 +490,23 @@ def test_a_run_that_writes_nothing_leaves_no_output_folder(tmp_path: Path) -> No
     with pytest.raises(JobSpecError, match="model.source"):
         run_job(job_dict(tmp_path / "no-such-model", src, out), show_progress=False)
     assert out.is_dir() and list(out.iterdir()) == []
+
+
+def test_a_model_that_fails_to_load_exits_2_and_the_fixed_rerun_is_not_refused(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    """Truncated weights are found out after the output is claimed (its manifest written):
+    exit 2 naming model.source (it was exit 1, "rerun to resume", forever); the rerun with
+    the weights restored then runs, as no shard holds progress of the failed settings (it
+    was refused as "progress made with other settings")."""
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = model / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    job = _job_file(tmp_path, job_dict(model, src, tmp_path / "out"))
+    assert cli_main([str(job), "--quiet"]) == INVALID
+    err = capsys.readouterr().err
+    assert f"model.source '{model}' cannot be loaded" in err and "safetensors" in err
+    weights.write_bytes(whole)
+    assert cli_main([str(job), "--quiet"]) == 0

@@ -165,6 +165,8 @@ def _run_locked(
     if manifest is not None and fresh:
         discard_progress(store, manifest)
         manifest = None
+    if manifest is not None and not manifest.shards and not manifest.complete:
+        manifest = None  # no progress to mix (a run that stopped before its first shard)
     if manifest is not None:
         manifest.check_fingerprint(fp, record, store.url)
         manifest.settings = record
@@ -385,7 +387,10 @@ def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) 
     else:
         log.info("loading model %s ...", model)
     loading = time.monotonic()
-    executor = _make_executor(spec, expected_rows)
+    try:
+        executor = _make_executor(spec, expected_rows)
+    except (ValueError, FileNotFoundError) as exc:  # the model's files: a rerun does not help
+        raise JobSpecError(f"model.source {model!r} cannot be loaded: {exc}") from exc
     report.model_load_seconds = round(time.monotonic() - loading, 3)
     if spec.execution.executor == "ray":
         log.info("Ray ready in %.1f s", report.model_load_seconds)
