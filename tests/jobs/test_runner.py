@@ -175,6 +175,37 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     assert {r["id"]: r["text"] for r in ok} == {r["id"]: r["text"] for r in ref}
 
 
+def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl-C in result(): the job stops at its next commit boundary (as run-job does) and
+    the handle says so: it said "failed", result() hit an assert and the job ran on, to be
+    killed mid-write when the interpreter exited."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(120))
+    out = tmp_path / "out"
+    engine = {"max_num_seqs": 2}
+    handle = submit(job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine=engine))
+    wait = handle._done.wait
+    interrupted = []
+
+    def ctrl_c_once(timeout=None):
+        if not interrupted and not committed_shards(out):
+            time.sleep(0.02)
+            return wait(0)  # not yet: the job has no shard committed
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return wait(timeout)
+
+    monkeypatch.setattr(handle._done, "wait", ctrl_c_once)
+    with pytest.raises(KeyboardInterrupt):
+        while not handle.wait(60):
+            pass
+    assert handle.status() == "cancelled" and not handle._thread.is_alive()
+    report = handle.result()
+    assert report.status == "cancelled" and 0 < report.rows_this_run < 120
+
+
 def test_cli_exit_codes(tiny_model: Path, tmp_path: Path, capsys) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
     out = tmp_path / "out"

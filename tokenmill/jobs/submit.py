@@ -22,6 +22,9 @@ class JobHandle:
         self._report: JobReport | None = None
         self._error: BaseException | None = None
         self._progress: Progress | None = None
+        # Set when the job's thread is done: a join cut short by Ctrl-C marks a thread that
+        # still runs as stopped (CPython 3.11), so the state never comes from the thread.
+        self._done = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(fresh,), name=f"tokenmill-job-{spec.name}", daemon=True
         )
@@ -35,6 +38,8 @@ class JobHandle:
             )  # fmt: skip
         except BaseException as exc:  # handed to the caller through result()
             self._error = exc
+        finally:
+            self._done.set()
 
     def _watch(self, progress: Progress) -> None:
         self._progress = progress
@@ -47,16 +52,25 @@ class JobHandle:
 
     def status(self) -> str:
         """running | complete | cancelled | failed"""
-        if self._thread.is_alive():
+        if not self._done.is_set():
             return "running"
         if self._error is not None:
             return "failed"
         return self._report.status if self._report else "failed"
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the job ends or ``timeout`` seconds pass; True when it ended."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Block until the job ends or ``timeout`` seconds pass; True when it ended.
+
+        Ctrl-C while waiting stops the job at its next commit boundary, as it stops run-job
+        (committed shards stay; a rerun resumes), waits for that, and then raises
+        KeyboardInterrupt; a second Ctrl-C stops the waiting at once (the job goes on to
+        its boundary in the background)."""
+        try:
+            return self._done.wait(timeout)
+        except KeyboardInterrupt:
+            self._cancel.set()
+            self._done.wait()
+            raise
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -68,7 +82,8 @@ class JobHandle:
             raise TimeoutError(f"job {self.spec.name!r} is still running")
         if self._error is not None:
             raise self._error
-        assert self._report is not None
+        if self._report is None:  # (the thread always leaves one or the other)
+            raise RuntimeError(f"job {self.spec.name!r} ended without a report")
         return self._report
 
 
