@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._batches = 0
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the engine's output thread and structured-output worker processes, and free
@@ -129,7 +131,9 @@ class LLM:
         added together so they share the prompt's cached KV blocks); one result per prompt."""
         # No full garbage collection stalls the run, and the engine loop gets the GIL back
         # from the output thread within 0.5 ms (short_gil_turns.py).
-        with frozen_heap(), short_gil_turns():
+        # One call at a time: the engine's step loop is not re-entrant (two threads' loops
+        # took each other's outputs); a second thread's call waits for the first.
+        with self._lock, frozen_heap(), short_gil_turns():
             return self._run_frozen(token_lists, texts, sampling_params)
 
     def _run_frozen(
@@ -141,23 +145,31 @@ class LLM:
         groups = sample_groups(str(self._batches), _per_prompt(sampling_params, len(token_lists)))
         self._batches += 1
         failed: dict[str, RequestOutput] = {}
-        for group, tokens, text in zip(groups, token_lists, texts, strict=True):
-            added: list[str] = []
-            try:
-                for rid, params in group.requests():
-                    self.engine.add_request(rid, tokens, params)
-                    added.append(rid)
-            except ValueError as exc:
-                self.engine.abort_requests(added)  # none in practice: one prompt, one verdict
-                failed[group.request_id] = RequestOutput(
-                    group.request_id, list(tokens), "", [], "error", error=str(exc), prompt=text
-                )
+        batch: list[str] = []  # every request this call added
         samples: dict[str, RequestOutput] = {}
-        start = time.perf_counter()
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                samples[out.request_id] = out
-        elapsed = time.perf_counter() - start
+        try:
+            for group, tokens, text in zip(groups, token_lists, texts, strict=True):
+                added: list[str] = []
+                try:
+                    for rid, params in group.requests():
+                        self.engine.add_request(rid, tokens, params)
+                        added.append(rid)
+                except ValueError as exc:
+                    self.engine.abort_requests(added)  # none in practice: one prompt, one verdict
+                    failed[group.request_id] = RequestOutput(
+                        group.request_id, list(tokens), "", [], "error", error=str(exc), prompt=text
+                    )
+                batch += added
+            start = time.perf_counter()
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    samples[out.request_id] = out
+            elapsed = time.perf_counter() - start
+        except BaseException:
+            # Ctrl-C (or an error) mid-call: the call's requests go, so that the next call
+            # does not run them, or find the KV cache they held taken.
+            self.engine.abort_requests(batch)
+            raise
         results = [
             failed[g.request_id] if g.request_id in failed else g.gather(samples, text)
             for g, text in zip(groups, texts, strict=True)

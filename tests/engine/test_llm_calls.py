@@ -1,0 +1,71 @@
+"""LLM calls as services make them: from several threads at once (one after another, each
+getting its own outputs), and cut short by Ctrl-C (the call's requests go; the next call
+runs as on a fresh engine)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("calls") / "m")
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    return [[(seed * 31 + 7 * i + t) % 250 + 5 for t in range(6 + i)] for i in range(10)]
+
+
+def test_calls_from_two_threads_each_get_their_own_outputs(model: Path) -> None:
+    """Two threads' step loops on one engine took each other's outputs (wrong completions,
+    KeyErrors, and then a runner that could not launch again)."""
+    llm = LLM(str(model), device="cpu", dtype="float32", max_num_seqs=4)
+    want = {k: [o.token_ids for o in llm.generate(_prompts(k), PARAMS)] for k in (1, 2)}
+    got: dict[int, list] = {1: [], 2: []}
+    errors: list[BaseException] = []
+
+    def calls(k: int) -> None:
+        try:
+            for _ in range(3):
+                got[k].append([o.token_ids for o in llm.generate(_prompts(k), PARAMS)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(k,)) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    assert got == {k: [want[k]] * 3 for k in (1, 2)}
+
+
+def test_a_call_cut_short_leaves_the_engine_as_new(model: Path, monkeypatch) -> None:
+    """Ctrl-C in the middle of generate left its requests in the engine: later calls ran
+    them too, or failed ("the KV cache is too small for the waiting prompt")."""
+    llm = LLM(str(model), device="cpu", dtype="float32", max_num_seqs=4, kv_cache_memory=1 << 20)
+    want = [o.token_ids for o in llm.generate(_prompts(3), PARAMS)]
+    step, steps = llm.engine.step, []
+
+    def interrupted():
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(_prompts(3), PARAMS)
+    assert not llm.engine.scheduler.has_unfinished()  # the cut call's requests are gone
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(_prompts(3), PARAMS)] == want
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.runner.num_blocks
