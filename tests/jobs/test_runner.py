@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -165,6 +166,7 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     assert handle.wait(60)
     first = handle.result()
     assert first.status == "cancelled" and 0 < first.rows_this_run < 120
+    assert first.rows_total == 120  # the input's rows, not the rows committed so far
     final = handle.progress()
     assert final.rows_done >= first.rows_this_run and final.output_tokens > 0
     resumed = submit(spec).result(120)
@@ -204,6 +206,24 @@ def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(
     assert handle.status() == "cancelled" and not handle._thread.is_alive()
     report = handle.result()
     assert report.status == "cancelled" and 0 < report.rows_this_run < 120
+
+
+def test_a_cancel_once_every_row_is_done_leaves_the_job_complete(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A cancel that lands after the last row was committed changed nothing, yet the run
+    read "cancelled", and the rerun loaded the model again to find nothing to do."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(9))
+    out = tmp_path / "out"
+
+    class LateCancel(threading.Event):
+        def is_set(self) -> bool:  # set once the input has every row committed
+            return sum(s["end_row"] - s["first_row"] for s in committed_shards(out).values()) == 9
+
+    report = run_job(job_dict(tiny_model, src, out), cancel=LateCancel(), show_progress=False)
+    assert (report.status, report.rows_ok, report.rows_total) == ("complete", 9, 9)
+    again = run_job(job_dict(tiny_model, src, out), show_progress=False)
+    assert again.status == "complete" and again.rows_this_run == 0
 
 
 def test_cli_exit_codes(tiny_model: Path, tmp_path: Path, capsys) -> None:

@@ -264,7 +264,9 @@ def _run_locked(
                 report.replica_failures = asdict(failures)
             executor.close()
 
-    if cancel.is_set():
+    # A cancel that came once the input was read to its end and every row had its result
+    # changes nothing: the run is complete.
+    if cancel.is_set() and not (feed.exhausted and not tracker.num_pending_rows):
         report.status = "cancelled"
     else:
         if tracker.num_pending_rows:
@@ -279,7 +281,7 @@ def _run_locked(
     report.rows_resumed = feed.rows_resumed
     report.rows_deduplicated = feed.rows_deduplicated
     report.deduplicated_tokens = feed.deduplicated_tokens
-    _fill_totals(report, manifest)
+    _fill_totals(report, manifest, total)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)
     return report
@@ -366,10 +368,12 @@ def _hand_over_complete(tracker: ShardTracker, writer: ShardWriter) -> None:
         writer.submit(shard, results)
 
 
-def _fill_totals(report: JobReport, manifest: Manifest) -> None:
+def _fill_totals(report: JobReport, manifest: Manifest, counted: int | None = None) -> None:
+    """The report's row counts from the manifest; ``rows_total`` the input's rows (a
+    cancelled run's too: ``counted`` before the run), not the rows committed so far."""
     report.rows_ok = sum(s.ok for s in manifest.shards.values())
     report.rows_failed = sum(s.errors for s in manifest.shards.values())
-    report.rows_total = manifest.total_rows or manifest.rows_done
+    report.rows_total = manifest.total_rows or counted or manifest.rows_done
 
 
 def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) -> Any:
