@@ -203,14 +203,17 @@ def test_format_duration() -> None:
     ]
 
 
+def _complete(rows: int, **fields: float) -> JobReport:
+    """The report of a complete run of ``rows`` rows, all this run's."""
+    return JobReport(
+        job="j", output="out/", status="complete", rows_total=rows, rows_ok=rows,
+        rows_this_run=rows, **fields,
+    )  # fmt: skip
+
+
 def test_summary_throughput_is_over_generation_time() -> None:
-    report = JobReport(
-        job="j",
-        output="out/",
-        status="complete",
-        rows_total=10,
-        rows_ok=10,
-        rows_this_run=10,
+    report = _complete(
+        10,
         completion_tokens=1000,
         wall_seconds=65.0,
         model_load_seconds=50.0,
@@ -227,16 +230,7 @@ def test_summary_throughput_is_over_generation_time() -> None:
 
 def test_a_sub_second_generation_time_is_not_shown_as_zero() -> None:
     """A tiny job once read "2000.0 output tokens/s over 0.0 s of generation"."""
-    report = JobReport(
-        job="j",
-        output="o/",
-        status="complete",
-        rows_total=3,
-        rows_ok=3,
-        rows_this_run=3,
-        completion_tokens=24,
-        generation_seconds=0.012,
-    )
+    report = _complete(3, completion_tokens=24, generation_seconds=0.012)
     assert "2000.0 output tokens/s over 0.012 s of generation" in report.summary()
 
 
