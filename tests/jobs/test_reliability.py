@@ -87,6 +87,23 @@ def test_job_blocked_by_another_jobs_running_run_is_refused_not_retried(
         )
 
 
+def test_a_job_starting_beside_another_on_a_new_output_is_told_whose_it_becomes(
+    tiny_model: Path, tmp_path: Path, capsys
+) -> None:
+    """Job a holds the lock of an output it has not claimed yet (its run just started): job
+    b, started a moment later, is refused as another job's output (exit 2), not "retry
+    later" (75), whose retry would be refused anyway; job a itself is told to retry."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    out.mkdir()
+    with JobLock("a", str(out), str(out)):  # a's run, before it wrote its owner record
+        b = _job_file(tmp_path, job_dict(tiny_model, src, out, name="b"))
+        assert cli_main([str(b), "--quiet"]) == INVALID
+        assert "is being claimed by job 'a', running now" in capsys.readouterr().err
+        a = _job_file(tmp_path, job_dict(tiny_model, src, out, name="a"))
+        assert cli_main([str(a), "--quiet"]) == TEMPORARY
+
+
 def test_unclaimed_output_with_files_at_our_names_is_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:

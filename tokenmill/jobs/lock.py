@@ -13,13 +13,19 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 from pathlib import Path
 
 LOCK_FILE = ".tokenmill.lock"
 
 
 class JobLockedError(RuntimeError):
-    """Another run holds the output's lock."""
+    """Another run holds the output's lock; ``holder_job`` names its job when the lock file
+    says (None: it does not)."""
+
+    def __init__(self, message: str, holder_job: str | None = None) -> None:
+        super().__init__(message)
+        self.holder_job = holder_job
 
 
 class JobLock:
@@ -48,9 +54,11 @@ class JobLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            named = re.match(r"job '(.*)', pid \d+", holder)
             raise JobLockedError(
                 f"output {self.output_url} is in use by a running job ({holder}; lock "
-                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished."
+                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished.",
+                named[1] if named else None,
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())

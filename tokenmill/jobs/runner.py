@@ -40,7 +40,12 @@ from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, s
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.ownership import REPORT_NAME, check_claimable, claim_output
+from tokenmill.jobs.ownership import (
+    REPORT_NAME,
+    OutputOwnedError,
+    check_claimable,
+    claim_output,
+)
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import (
     check_up_front,
@@ -125,8 +130,14 @@ def run_job(
     store, lock = open_output(spec)
     try:
         lock.acquire()
-    except JobLockedError:
-        _reachable(store, lambda: check_claimable(store, spec.name))  # not ours: exit 2
+    except JobLockedError as exc:
+        owner = _reachable(store, lambda: check_claimable(store, spec.name))  # not ours: 2
+        if owner is None and exc.holder_job not in (None, spec.name):
+            # Unclaimed, and another job is claiming it now: it will be that job's.
+            raise OutputOwnedError(
+                f"output.path {store.url} is being claimed by job {exc.holder_job!r}, running "
+                f"now; job {spec.name!r} wrote nothing. Give each job its own output.path."
+            ) from None
         raise
     try:
         shown = progress_interval_s if show_progress else None
