@@ -107,16 +107,19 @@ def test_killed_writer_leaves_temp_that_cleanup_removes(tmp_path, monkeypatch) -
     monkeypatch.setattr(storage, "_remove_quietly", lambda path: None)
     with pytest.raises(KeyboardInterrupt):
         store.write_atomic("shards/part-00000.parquet", b"partial?")
+    with pytest.raises(KeyboardInterrupt):  # a commit's manifest record (manifest.py)
+        store.write_atomic("job.manifest.d/00000000.json", b"{")
     monkeypatch.undo()
 
+    assert is_temp_name(os.listdir(tmp_path / "job.manifest.d")[0])
     left = os.listdir(tmp_path / "shards")
     assert len(left) == 1 and is_temp_name(left[0]) and left[0].startswith(".part-00000.parquet")
     assert not store.exists("shards/part-00000.parquet")
     assert store.list() == []  # temp files are never listed as output
     store.write_atomic("keep.json", b"{}")
-    assert store.cleanup_temp() == 1
+    assert store.cleanup_temp() == 2
     assert store.cleanup_temp() == 0
-    assert os.listdir(tmp_path / "shards") == []
+    assert os.listdir(tmp_path / "shards") == os.listdir(tmp_path / "job.manifest.d") == []
     assert store.list() == ["keep.json"]
 
 

@@ -206,7 +206,8 @@ class OutputStore:
         """Remove temporary files a killed writer of this owner left behind; return how many.
 
         Only names of this store's own pattern (``.<name>.tmp-<owner token>-<hex>``) in the
-        folders a job writes (the prefix itself, ``shards/``, ``errors/``) are touched. Object
+        folders a job writes (the prefix itself, ``shards/``, ``errors/``, the manifests'
+        journals ``<job>.manifest.d/``) are touched. Object
         stores never hold any (a PUT has no temporary name), so this is 0 there. Call it only
         while no other writer of this output runs (under the job lock).
         """
@@ -214,7 +215,11 @@ class OutputStore:
             return 0
         own = re.compile(rf"^\..+\.tmp-{self._token}-[0-9a-f]{{16}}$")
         removed = 0
-        for sub in _WRITTEN_FOLDERS:
+        try:
+            journals = [d for d in os.listdir(self.root) if d.endswith(".manifest.d")]
+        except FileNotFoundError:
+            journals = []
+        for sub in (*_WRITTEN_FOLDERS, *journals):
             folder = os.path.join(self.root, sub) if sub else self.root
             try:
                 names = os.listdir(folder)
