@@ -24,9 +24,9 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 from tokenmill.io.readers.compression import CorruptInputError
+from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
@@ -205,24 +205,11 @@ _LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectory
 
 def _lasting(exc: BaseException) -> BaseException | None:
     """The exception in ``exc``'s chain that will not go away on a rerun, if any."""
-    return _in_chain(exc, lambda e: isinstance(e, _LASTING))
+    return in_chain(exc, lambda e: isinstance(e, _LASTING))
 
 
 def _from_a_store_client(exc: BaseException) -> bool:
-    return _in_chain(exc, lambda e: type(e).__module__.split(".")[0] in _STORE_CLIENTS) is not None
-
-
-def _in_chain(exc: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
-    """The first exception in ``exc``'s chain (itself, then what caused it) that passes
-    ``test``, if any."""
-    seen: BaseException | None = exc
-    for _ in range(10):
-        if seen is None:
-            return None
-        if test(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+    return in_chain(exc, lambda e: type(e).__module__.split(".")[0] in _STORE_CLIENTS) is not None
 
 
 def entry() -> None:

@@ -17,6 +17,7 @@ from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
+from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.output_location import check_output_location
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import JobInterrupted
@@ -57,13 +58,8 @@ def store_failure(what: str, exc: Exception, options: str) -> Exception:
     which a rerun once it is back gets past. Both name ``what``."""
     text = f"{what} cannot be reached ({type(exc).__name__}: {exc}); check the address, {options}"
     lasting = (PermissionError, FileNotFoundError, NotADirectoryError, ValueError, TypeError)
-    seen: BaseException | None = exc
-    for _ in range(10):
-        if seen is None:
-            break
-        if isinstance(seen, lasting):
-            return JobSpecError(text)
-        seen = seen.__cause__ or seen.__context__
+    if in_chain(exc, lambda e: isinstance(e, lasting)) is not None:
+        return JobSpecError(text)
     return StorageError(f"{text} and the network; rerun once the store is reachable")
 
 
