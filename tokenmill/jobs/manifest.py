@@ -91,6 +91,10 @@ class Manifest:
     def journal_prefix(job: str) -> str:
         return f"{job}.manifest.d/"
 
+    def _journal_entry(self, index: int) -> str:
+        """The name of shard ``index``'s record in the journal."""
+        return f"{self.journal_prefix(self.job)}{index:08d}.json"
+
     def commit_shard(self, store: OutputStore, index: int, record: ShardRecord) -> None:
         """Name shard ``index``'s committed files: its record in the journal (one small
         atomic write), or, when the journal is long enough, the whole manifest rewritten."""
@@ -98,16 +102,15 @@ class Manifest:
         if len(self.journaled) + 1 > max(_MIN_JOURNAL, len(self.shards) // _JOURNAL_SHARE):
             self.save(store)
             return
-        entry = f"{self.journal_prefix(self.job)}{index:08d}.json"
-        store.write_atomic(entry, json.dumps(asdict(record)).encode())
+        store.write_atomic(self._journal_entry(index), json.dumps(asdict(record)).encode())
         self.journaled.add(index)
 
     @classmethod
     def load(cls, store: OutputStore, job: str) -> Manifest | None:
-        data = store.read_bytes(cls.file_name(job))
+        name = cls.file_name(job)
+        data = store.read_bytes(name)
         if data is None:
             return None
-        name = cls.file_name(job)
         try:
             raw = json.loads(data)
             schema = raw.get("output_schema")
@@ -182,7 +185,7 @@ class Manifest:
         }
         store.write_atomic(self.file_name(self.job), json.dumps(raw, indent=1).encode())
         for index in sorted(self.journaled):  # now in the manifest file
-            store.delete(f"{self.journal_prefix(self.job)}{index:08d}.json")
+            store.delete(self._journal_entry(index))
         self.journaled.clear()
 
     @property
