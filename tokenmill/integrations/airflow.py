@@ -166,23 +166,20 @@ class TokenmillJobOperator(BaseOperator):
         from tokenmill.jobs.spec import JobSpec, JobSpecError, apply_override
 
         try:
-            if isinstance(self.job, str) and not self.overrides:
-                spec = JobSpec.load(self.job)
-                args = [self.job]
-            elif isinstance(self.job, str):
-                # Overrides go in through a scratch job.yaml too, never on the command line,
-                # which the task log shows and ps lists (they may carry credentials).
+            if isinstance(self.job, str):
                 spec = JobSpec.load(self.job, self.overrides)
-                job_file = scratch / "job.yaml"
-                job_file.write_text(_to_yaml(spec.to_dict()))
-                args = [str(job_file)]
             else:
                 raw = copy.deepcopy(self.job)
                 where = f"task {self.task_id}'s job"
                 for item in self.overrides:
                     apply_override(raw, item, where)
                 spec = JobSpec.from_dict(raw, where)
-                # run-job reads the validated spec back: the same job, in plain YAML.
+            if isinstance(self.job, str) and not self.overrides:
+                args = [self.job]
+            else:
+                # run-job reads the validated spec back: the same job, in plain YAML. The
+                # overrides go in this way too, never on the command line, which the task
+                # log shows and ps lists (they may carry credentials).
                 job_file = scratch / "job.yaml"
                 job_file.write_text(_to_yaml(spec.to_dict()))
                 args = [str(job_file)]
