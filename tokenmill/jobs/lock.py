@@ -10,11 +10,14 @@ several machines against one bucket prefix are not prevented).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
 import re
 from pathlib import Path
+
+from tokenmill.jobs.output_location import OutputPathError
 
 LOCK_FILE = ".tokenmill.lock"
 
@@ -45,10 +48,19 @@ class JobLock:
         self._made_folder = False  # acquire created the lock's folder (a new local output)
 
     def acquire(self) -> None:
-        """Take the lock or raise JobLockedError naming the holder."""
+        """Take the lock or raise JobLockedError naming the holder (OutputPathError when the
+        lock file is a symbolic link)."""
         self._made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: the lock would write where it points
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise OutputPathError(
+                f"output {self.output_url}: its lock file {self.path} is a symbolic link; a "
+                "job never writes through one. Remove the link."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -5,6 +5,8 @@
              output.path = an ancestor of the input       (shards would land among the inputs)
              output.path inside an input directory        (the next read takes the job's own
                                                            files as input rows)
+             output.path = a local model folder, or inside one (the job's files would change
+                                                           the model's fingerprint)
 
 Checks compare paths only (local paths after resolving ``..`` and symlinks), so they cost no
 request to object storage. Raised as OutputPathError, a spec error (exit 2) naming the key.
@@ -87,6 +89,22 @@ def check_output_location(
         raise OutputPathError(
             f"{where} is inside the input folder {input_path!r}; the next read would take "
             "the job's own files as input rows. Give output.path a folder outside the input."
+        )
+
+
+def check_output_outside_model(output_path: str, model_source: str) -> None:
+    """Raise OutputPathError when ``model_source`` is a local folder and the local
+    ``output.path`` is that folder or inside it: the job's JSON files would land among the
+    model's, which its fingerprint reads, so the job could never resume."""
+    if "://" in output_path or not os.path.isdir(model_source):
+        return
+    model, out = os.path.realpath(model_source), os.path.realpath(output_path)
+    if _within(out, model):
+        where = "is the model folder" if out == model else "is inside the model folder"
+        raise OutputPathError(
+            f"output.path {output_path!r} {where} {model_source!r} "
+            "(model.source); the job's files would land among the model's. Give output.path "
+            "a folder outside the model."
         )
 
 

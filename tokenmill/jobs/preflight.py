@@ -18,7 +18,7 @@ from tokenmill.io.readers import InputConfig, detect_format, list_input_files, p
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
 from tokenmill.jobs.error_chain import in_chain
-from tokenmill.jobs.output_location import check_output_location
+from tokenmill.jobs.output_location import check_output_location, check_output_outside_model
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import JobInterrupted
 
@@ -39,14 +39,15 @@ def input_config(spec: JobSpec) -> InputConfig:
 
 def check_up_front(spec: JobSpec) -> str:
     """Everything a run checks before taking the lock or loading weights: where it may write
-    (``check_output_location``) and what it reads (``check_input``). Returns the input's
-    format; raises JobSpecError naming the key."""
+    (``check_output_location``, ``check_output_outside_model``) and what it reads
+    (``check_input``). Returns the input's format; raises JobSpecError naming the key."""
     check_output_location(
         spec.output.path,
         dict(spec.output.storage_options),
         spec.input.path,
         dict(spec.input.storage_options),
     )
+    check_output_outside_model(spec.output.path, spec.model.source)
     return check_input(spec)
 
 

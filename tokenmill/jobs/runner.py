@@ -40,6 +40,7 @@ from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, s
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import (
     REPORT_NAME,
     OutputOwnedError,
@@ -79,12 +80,15 @@ log = logging.getLogger("tokenmill.jobs")
 
 
 def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
-    """The job's output store and its lock. Raises JobSpecError for an unusable output.path."""
+    """The job's output store and its lock. Raises JobSpecError for an unusable output.path
+    (OutputPathError for a local one holding a symbolic link)."""
     try:
         store = OutputStore(spec.output.path, dict(spec.output.storage_options), owner=spec.name)
     except ValueError as exc:
         raise JobSpecError(str(exc)) from None
     local_dir = store.root if store.is_local else None
+    if local_dir is not None:
+        check_no_links(local_dir)
     return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
