@@ -112,6 +112,11 @@ class OutputStore:
                 f"output.path {url!r}: cannot open its filesystem ({exc}); for s3:// install "
                 "s3fs (pip install 'tokenmill[s3]'), and check output.storage_options"
             ) from None
+        if type(fs).__name__ == "HTTPFileSystem":  # fsspec's http(s): reads only
+            raise ValueError(
+                f"output.path {url!r} is an http(s) URL, which can only be read; write to a "
+                "local folder or an object store (s3://bucket/prefix)"
+            )
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local: bool = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")

@@ -26,6 +26,7 @@ import sys
 import threading
 
 from tokenmill.io.readers.compression import CorruptInputError
+from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(HideUrlSecrets())
     quiet_store_loop_errors()
     cancel = threading.Event()
     with StopOnSignals(cancel) as stop:
@@ -178,12 +181,12 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     if args.dry_run:
         from tokenmill.jobs.dry_run import dry_run
 
-        print(dry_run(spec).summary())
+        print(hide_url_secrets(dry_run(spec).summary()))
         return EXIT_OK
     from tokenmill.jobs.runner import run_job
 
     report = run_job(spec, fresh=args.fresh, cancel=cancel, show_progress=not args.quiet)
-    print(report.summary())
+    print(hide_url_secrets(report.summary()))
     if report.status == "complete":
         return EXIT_OK
     if stop.received is not None:
@@ -222,7 +225,7 @@ def entry() -> None:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"run-job: {message}", file=sys.stderr)
+    print(f"run-job: {hide_url_secrets(message)}", file=sys.stderr)
     return code
 
 

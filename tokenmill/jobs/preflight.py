@@ -59,9 +59,15 @@ def store_failure(what: str, exc: Exception, options: str) -> Exception:
     which a rerun once it is back gets past. Both name ``what``."""
     text = f"{what} cannot be reached ({type(exc).__name__}: {exc}); check the address, {options}"
     lasting = (PermissionError, FileNotFoundError, NotADirectoryError, ValueError, TypeError)
-    if in_chain(exc, lambda e: isinstance(e, lasting)) is not None:
+    if in_chain(exc, lambda e: isinstance(e, lasting) or _refused(e)) is not None:
         return JobSpecError(text)
     return StorageError(f"{text} and the network; rerun once the store is reachable")
+
+
+def _refused(exc: BaseException) -> bool:
+    """An HTTP client's error for a request the server refused or has nothing for (aiohttp's
+    ClientResponseError carries ``status``): a password or an address to fix, not an outage."""
+    return getattr(exc, "status", None) in (401, 403, 404)
 
 
 def check_input(spec: JobSpec) -> str:

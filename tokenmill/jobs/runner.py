@@ -36,6 +36,7 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import input_fingerprint
 from tokenmill.io.storage import OutputStore
+from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
@@ -172,7 +173,9 @@ def _run_locked(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> JobReport:
     start = time.monotonic()
-    report = JobReport(job=spec.name, output=store.url, executor=spec.execution.executor)
+    report = JobReport(
+        job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
+    )
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
     settings = settings_of(spec)
     fp, record = fingerprint(settings), settings_record(settings)

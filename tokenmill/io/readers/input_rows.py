@@ -27,6 +27,7 @@ from tokenmill.io.readers.record import Record, RecordSource
 from tokenmill.io.readers.row_error import RowError
 from tokenmill.io.readers.text_check import unwritable_field
 from tokenmill.io.rows import InputRow
+from tokenmill.io.url_secrets import hide_url_secrets
 
 Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
 Check = Callable[[InputRow], str | None]  # why a parsed row cannot be written, or None
@@ -125,7 +126,7 @@ class _RowMaker:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
         error file adds ``source`` once). A bad row claims its id (a later row with it is a
         duplicate, not a fix); an id already taken is never reused by an error row."""
-        source = f"{self.url}:{record.position}"
+        source = f"{hide_url_secrets(self.url)}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None:
             return InputRow(row_index, fallback_id, source, error=record.error)

@@ -1,0 +1,115 @@
+"""A password written into an input, output or model URL is never shown: not in error files,
+the dry run, messages, logs or the report; a refused password exits 2, not 75."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.job_helpers import read_jsonl_dir
+from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
+from tokenmill.jobs.cli import main as cli_main
+
+SECRET = "S3CRETPW"
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("http://alice:pw@h:1/a.jsonl:2: bad", "http://alice:***@h:1/a.jsonl:2: bad"),
+        ("see 'https://TOKEN@github.com/x'", "see 'https://***@github.com/x'"),
+        ("model https:/u:pw@hf.co/m", "model https:/u:***@hf.co/m"),  # a path-normalized URL
+        ("s3://bucket/a@b.jsonl and mail a@b.c", "s3://bucket/a@b.jsonl and mail a@b.c"),
+    ],
+)
+def test_url_secrets_are_masked(text: str, shown: str) -> None:
+    assert hide_url_secrets(text) == shown
+
+
+def test_log_records_leave_masked(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.handler.addFilter(HideUrlSecrets())
+    log = logging.getLogger("tokenmill.test")
+    try:
+        raise OSError("http://u:pw@h/x failed")
+    except OSError:
+        log.exception("reading %s", "http://u:pw@h/x")
+    assert "pw" not in caplog.text and "u:***@h" in caplog.text
+
+
+class _Auth(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self) -> None:
+        want = "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode()
+        if self.headers.get("Authorization") == want:
+            super().do_GET()
+        else:
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[str]:
+    """An http://127.0.0.1 server with basic auth over a folder holding ``rows.jsonl`` (its
+    second line bad); yields its address."""
+    folder = tmp_path / "srv"
+    folder.mkdir()
+    (folder / "rows.jsonl").write_text('{"prompt": "hello"}\n{"prompt": "x", "bad": \n')
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Auth, directory=str(folder))
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _run(model: Path | str, url: str, out: Path | str, *extra: str) -> int:
+    return cli_main([
+        "--model", str(model), "--input", url, "--output", str(out), "--quiet",
+        "--set", "input.id_column=null", "--set", "sampling.max_tokens=2", *extra,
+    ])  # fmt: skip
+
+
+def test_a_password_in_the_input_url_stays_out_of_what_the_job_writes_and_says(
+    tiny_model: Path, tmp_path: Path, served: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    url = f"http://alice:{SECRET}@{served}/rows.jsonl"
+    assert _run(tiny_model, url, tmp_path / "dry", "--dry-run") == 0
+    assert _run(tiny_model, url, tmp_path / "out") == 0
+    errors = read_jsonl_dir(tmp_path / "out" / "errors")
+    assert [e["error"].split(": ")[0] for e in errors] == [
+        f"http://alice:***@{served}/rows.jsonl:2"
+    ]
+    text = capfd.readouterr()
+    written = b"".join(p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert SECRET not in text.out + text.err and SECRET.encode() not in written
+    assert "alice:***@" in text.out  # the dry run names the bad row, password masked
+
+
+def test_a_refused_password_exits_2_without_showing_it(
+    tiny_model: Path, tmp_path: Path, served: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    wrong = _run(tiny_model, f"http://alice:{SECRET[::-1]}@{served}/rows.jsonl", tmp_path / "o")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hello"}\n')
+    out = _run(tiny_model, str(src), f"http://bob:{SECRET}@{served}/out")
+    model = _run(f"https://user:{SECRET}@hf.co/org/m", str(src), tmp_path / "o")
+    assert (wrong, out, model) == (2, 2, 2)
+    err = capfd.readouterr().err
+    assert (
+        SECRET not in err
+        and "alice:***@" in err
+        and "bob:***@" in err
+        and "can only be read" in err
+    )

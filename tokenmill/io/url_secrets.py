@@ -1,0 +1,39 @@
+"""Passwords and tokens written into URLs (``https://user:password@host/...``) are never shown.
+
+fsspec takes credentials in a URL's userinfo; a user who puts them there still expects
+error files, messages, logs and the report to leave them out, as they leave out
+``storage_options``. ``hide_url_secrets`` masks the secret part of every URL in a text:
+``user:password@`` becomes ``user:***@`` and a lone token (``token@``) ``***@``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+# ``:/+``: a URL that went through a path's normalization keeps one slash (https:/user:pw@h).
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^/?#@\s'\"]+)@")
+
+
+def _masked(match: re.Match[str]) -> str:
+    user, colon, _ = match["info"].partition(":")
+    return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
+
+
+def hide_url_secrets(text: str) -> str:
+    """``text`` with the userinfo secret of every URL in it replaced by ``***``."""
+    return _USERINFO.sub(_masked, text) if "@" in text else text
+
+
+class HideUrlSecrets(logging.Filter):
+    """A log handler's filter: records leave with the URL secrets in their text masked."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = hide_url_secrets(message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        if record.exc_info and record.exc_info[1] is not None:  # another handler may have
+            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            record.exc_text = hide_url_secrets(text)  # formatted it already
+        return True
