@@ -374,3 +374,17 @@ def test_a_wrongly_typed_storage_options_is_not_echoed(value: Any) -> None:
         message = _error(_raw(**{section: {"storage_options": value}}))
         assert f"{section}.storage_options: expected a mapping, got a " in message, message
         assert "Shh_123" not in message and "AKIA1" not in message
+
+
+def test_a_broken_yaml_line_or_set_item_is_not_echoed(tmp_path: Path) -> None:
+    """The line that broke may hold a credential: the error says where, not what."""
+    broken = BASE_YAML.replace(
+        "input: {path: in.jsonl}", "input: {path: in.jsonl, storage_options: {secret: Shh/1: x}}"
+    )
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, broken))
+    assert "Shh" not in str(info.value) and "at line 2, column" in str(info.value)
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, BASE_YAML), ["input.storage_options.secret: Shh_2"])
+    assert "Shh_2" not in str(info.value)
+    assert "'input.storage_options.secret'...: expected key.path=value" in str(info.value)

@@ -316,11 +316,24 @@ def _read_yaml(path: Path) -> Any:
     except UnicodeDecodeError:
         raise JobSpecError(f"{path}: not valid YAML: the file is not UTF-8 text") from None
     except yaml.YAMLError as exc:
-        raise JobSpecError(f"{path}: not valid YAML: {exc}") from None
+        raise JobSpecError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     except RecursionError:
         raise JobSpecError(f"{path}: not valid YAML: lists or mappings nested too deep") from None
     except ValueError as exc:  # e.g. an integer past Python's 4300-digit limit
         raise JobSpecError(f"{path}: not valid YAML: {str(exc).split(';')[0][:200]}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, without the quoted lines (which may hold a secret, e.g. a
+    storage_options value on the line that broke)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return type(exc).__name__
+    parts = []
+    for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
+        if text:
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            parts.append(f"{text}{at}")
+    return "; ".join(parts) or type(exc).__name__
 
 
 def _parse_override_value(text: str) -> Any:
@@ -333,8 +346,9 @@ def _parse_override_value(text: str) -> Any:
 def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     """Set ``a.b.c=value`` in ``raw``; the value is parsed as YAML (numbers, bools, lists)."""
     key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise JobSpecError(f"{where}: --set {show_value(item)}: expected key.path=value")
+    if not sep or not key:  # the text after the key is not shown: it may be a secret
+        shown = re.match(r"[\w.-]*", item)[0]
+        raise JobSpecError(f"{where}: --set {shown!r}...: expected key.path=value (no '=')")
     set_key(raw, key, _parse_override_value(value), where)
 
 
