@@ -4,6 +4,7 @@ and on the embedded SmolLM2; damaged files are refused."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,3 +70,30 @@ def test_damaged_files_are_refused(tiny_gguf: TinyPath, tmp_path: Path) -> None:
     other.write_bytes(b"GGML" + data[4:])
     with pytest.raises(ValueError, match="does not start with GGUF"):
         read_gguf(other)
+
+
+def _header(fields: list[tuple[str, int, bytes]]) -> bytes:
+    """A GGUF v3 header with no tensors and ``fields`` (name, value type, encoded value)."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(fields))
+    for name, vtype, value in fields:
+        out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", vtype) + value
+    return out
+
+
+@pytest.mark.parametrize("align", [0, -32, 48])
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path: Path, align: int) -> None:
+    path = tmp_path / "align.gguf"
+    path.write_bytes(_header([("general.alignment", 5, struct.pack("<i", align))]))  # INT32
+    with pytest.raises(ValueError, match="power of two"):
+        read_gguf(path)
+
+
+def test_deeply_nested_metadata_arrays_are_refused(tmp_path: Path) -> None:
+    array, uint8 = 9, 0
+    nested = struct.pack("<IQ", uint8, 1) + b"\x07"
+    for _ in range(10_000):
+        nested = struct.pack("<IQ", array, 1) + nested
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(_header([("x", array, nested)]))
+    with pytest.raises(ValueError, match="nested over"):
+        read_gguf(path)

@@ -90,6 +90,9 @@ class GGUFFile:
         return self.fields.get(key)
 
 
+_MAX_NESTING = 8  # arrays of arrays: real files hold arrays of numbers and strings only
+
+
 class _Bytes:
     """A cursor over the header bytes; running past their end raises ValueError."""
 
@@ -109,20 +112,22 @@ class _Bytes:
     def string(self) -> str:
         return bytes(self.take(self.unpack("<Q"))).decode("utf-8", errors="replace")
 
-    def value(self, vtype: GGUFValueType) -> tuple[Any, list[GGUFValueType]]:
+    def value(self, vtype: GGUFValueType, depth: int = 0) -> tuple[Any, list[GGUFValueType]]:
         if vtype == GGUFValueType.STRING:
             return self.string(), [vtype]
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype]), [vtype]
         if vtype != GGUFValueType.ARRAY:
             raise ValueError(f"unknown metadata value type {int(vtype)}")
+        if depth >= _MAX_NESTING:
+            raise ValueError(f"metadata arrays nested over {_MAX_NESTING} deep")
         item = GGUFValueType(self.unpack("<I"))
         count = self.unpack("<Q")
         if item in _NUMPY:
             dtype = np.dtype(_NUMPY[item]).newbyteorder("<")
             raw = self.take(count * dtype.itemsize)
             return np.frombuffer(raw, dtype=dtype).tolist(), [vtype, item]
-        items = [self.value(item)[0] for _ in range(count)]
+        items = [self.value(item, depth + 1)[0] for _ in range(count)]
         return items, [vtype, item]
 
 
@@ -149,6 +154,8 @@ def read_gguf(path: Path) -> GGUFFile:
         infos.append((name, dims, GGMLQuantizationType(cur.unpack("<I")), cur.unpack("<Q")))
     align_field = fields.get("general.alignment")
     align = int(align_field.value) if align_field is not None else 32
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment is {align}; it must be a power of two")
     start = -(-cur.pos // align) * align
     return GGUFFile(fields, [_tensor(data, start, *info) for info in infos], start)
 
