@@ -39,7 +39,7 @@ def build_model(
     """
     with torch.device("meta"), _default_dtype(dtype), quantized_layers(quantization):
         model = model_class(config)(config, backend, max_positions, parallel=parallel)
-    model = _to_empty(model, device)
+    model = _allocated(model, device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build(device)
@@ -62,6 +62,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _allocated(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``_to_empty``; a model whose parameters do not fit ``device`` raises ValueError with
+    their size (a config.json whose sizes do not belong to its weights asks for terabytes)."""
+    try:
+        return _to_empty(model, device)
+    except (RuntimeError, MemoryError) as exc:
+        if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(exc):
+            raise
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        raise ValueError(
+            f"its parameters, {size / 2**30:,.1f} GiB by the config's sizes, do not fit in "
+            f"{device.type} memory ({str(exc).splitlines()[0][:120]}); check the config's "
+            "sizes (hidden_size, intermediate_size, num_hidden_layers, vocab_size) against "
+            "the weights"
+        ) from None
 
 
 def _to_empty(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -250,3 +250,16 @@ def test_an_index_naming_a_shard_outside_the_directory_is_refused(
     index_path.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"lists shard '{re.escape(outside)}', which is not a"):
         list(resolve_model_source(path).iter_weights())
+
+
+def test_a_config_asking_for_more_memory_than_there_is_names_its_size(
+    tiny_hf_dir: TinyDir, tmp_path: Path
+) -> None:
+    """The model is allocated before its weights are read: a config whose sizes do not belong
+    to the weights must fail as a model that cannot be loaded, not as an allocator crash."""
+    from tokenmill import LLM
+
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    _edit_config(path, hidden_size=1 << 20, intermediate_size=1 << 24)
+    with pytest.raises(ValueError, match=r"parameters, [\d,.]+ GiB by the config's sizes, do not"):
+        LLM(str(path), device="cpu")
