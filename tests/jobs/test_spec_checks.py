@@ -388,3 +388,18 @@ def test_a_broken_yaml_line_or_set_item_is_not_echoed(tmp_path: Path) -> None:
         JobSpec.load(_write(tmp_path, BASE_YAML), ["input.storage_options.secret: Shh_2"])
     assert "Shh_2" not in str(info.value)
     assert "'input.storage_options.secret'...: expected key.path=value" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "what"),
+    [
+        ({"stop": [""]}, "stop must be non-empty strings"),
+        ({"stop": ["ok", ""]}, "stop must be non-empty strings"),
+        ({"top_k": 2**32}, "top_k must be -1"),
+    ],
+)
+def test_sampling_values_every_row_would_refuse_fail_the_spec(
+    sampling: dict[str, Any], what: str
+) -> None:
+    """Refused by SamplingParams in each row, they made every row an error and exited 0."""
+    assert f"sampling: {what}" in _error(_raw(sampling=sampling))

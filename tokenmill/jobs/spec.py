@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,11 +36,12 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
 from tokenmill.engine.engine_config import EngineSettingError
-from tokenmill.engine.sampling_params import check_logit_bias
+from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.openai_sampling import MAX_N
 from tokenmill.jobs.engine_section import EngineSection
@@ -181,6 +183,18 @@ class SamplingSection(_Section):
     @classmethod
     def _logit_bias(cls, value: Any) -> Any:
         return check_logit_bias(value, "")
+
+    @model_validator(mode="after")
+    def _usable(self) -> SamplingSection:
+        """What SamplingParams refuses fails here, before the model loads, instead of in
+        every row (an empty stop string, a top_k past 2**31 - 1)."""
+        names = {f.name for f in fields(SamplingParams)}
+        values = {k: v for k, v in self.model_dump().items() if k in names and v is not None}
+        try:
+            SamplingParams(**values)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("SamplingParams.", "")) from None
+        return self
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
