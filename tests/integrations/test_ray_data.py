@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 from tokenmill.integrations.ray_data import (  # noqa: E402
     OUTPUT_COLUMNS,
+    EngineReplica,
     ProcessorConfig,
     build_processor,
 )
@@ -81,3 +82,14 @@ def test_bad_settings_are_refused_when_building() -> None:
         ProcessorConfig(engine={"max_num_seq": 4})
     with pytest.raises(ValueError, match="temperature"):
         ProcessorConfig(sampling={"temperature": -1.0})
+    with pytest.raises(ValueError, match="n=2, but a row's generated_text holds one"):
+        ProcessorConfig(sampling={"n": 2})
+
+
+def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path) -> None:
+    """Its columns hold one completion: n=3 used to return the first and drop two."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    rows = [{"prompt": "a b c", "sampling_params": {"n": n, "best_of": 3}} for n in (3, 1)]
+    several, best = replica.run(rows)
+    assert several["finish_reason"] == "error" and "n=3" in several["error"]
+    assert best["error"] is None and best["num_generated_tokens"] > 0

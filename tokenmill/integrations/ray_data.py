@@ -65,7 +65,8 @@ class ProcessorConfig:
         from tokenmill.engine.sampling_params import SamplingParams
 
         EngineConfig.from_settings(self.model, **self.engine)  # refuse bad settings here,
-        SamplingParams(**self.sampling)  # not in every replica
+        _one_completion(SamplingParams(**self.sampling), "ProcessorConfig.sampling")  # not
+        # in every replica
 
     def gpus_per_replica(self) -> float:
         if self.num_gpus is not None:
@@ -101,7 +102,7 @@ class EngineReplica:
             try:
                 tokens = self._prompt_tokens(row)
                 sampling = {**self.config.sampling, **_mapping(row.get("sampling_params"))}
-                params.append(SamplingParams(**sampling))
+                params.append(_one_completion(SamplingParams(**sampling), "sampling_params"))
             except (ValueError, TypeError) as exc:
                 results[i] = _failed(f"row {i} of the batch: {exc}")
                 continue
@@ -132,6 +133,18 @@ class EngineReplica:
             "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
             f"function can build one); it has {sorted(row)}"
         )
+
+
+def _one_completion(params: Any, where: str) -> Any:
+    """``params``, or ValueError when it asks for several completions: a row's output columns
+    hold one (a row with n > 1 would lose all but the first)."""
+    if params.n > 1:
+        raise ValueError(
+            f"{where}: n={params.n}, but a row's generated_text holds one completion; for "
+            "several samples of a prompt, repeat its row (e.g. ds.flat_map) with different "
+            "seeds (best_of, which keeps the best one, is fine)"
+        )
+    return params
 
 
 def build_processor(
