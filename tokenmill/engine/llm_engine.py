@@ -589,17 +589,25 @@ class LLMEngine:
         return [self._tracked[rid].request for rid in stopped]
 
     def _end_grammars(self, before: int | None = None, wait: bool = True) -> list[Request]:
-        """Finish the requests whose grammar the fed tokens completed (or that rejected
-        one), "stop", and return them; those the step already ended (EOS) stay as they are.
-        ``before`` and ``wait`` as ``StructuredOutputs.take_ended``'s."""
-        taken = self._grammars.take_ended(before=before, wait=wait)
-        ended = [self._tracked[rid].request for rid in taken]
-        done = [req for req in ended if not req.finished]
-        if done:
-            self.scheduler.finish_requests(
-                [req.request_id for req in done], RequestStatus.FINISHED_STOPPED
-            )
-        return done
+        """Finish the requests whose grammar the fed tokens completed, "stop", or that
+        rejected one, "error" (the output does not follow the constraint: it is never passed
+        off as complete), and return them. Those the step already ended keep their ending,
+        except that one cut by its length on the token that completed its output stopped,
+        and one whose last token was rejected failed. ``before`` and ``wait`` as
+        ``StructuredOutputs.take_ended``'s."""
+        done: dict[RequestStatus, list[Request]] = {}
+        for rid in self._grammars.take_ended(before=before, wait=wait):
+            req, why = self._tracked[rid].request, self._grammars.rejection(rid)
+            if why is not None:
+                req.error = f"structured output: the grammar rejected a sampled token ({why})"
+            status = RequestStatus.FINISHED_STOPPED if why is None else RequestStatus.FINISHED_ERROR
+            if not req.finished:
+                done.setdefault(status, []).append(req)
+            elif why is not None or req.status is RequestStatus.FINISHED_LENGTH:
+                req.status = status
+        for status, reqs in done.items():
+            self.scheduler.finish_requests([req.request_id for req in reqs], status)
+        return [req for reqs in done.values() for req in reqs]
 
     def reset_step_profile(self) -> None:
         """Start ``step_profile`` afresh (a benchmark calls it after its warm-up)."""

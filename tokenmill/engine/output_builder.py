@@ -108,6 +108,7 @@ class OutputBuilder:
                     num_cached_tokens=req.num_cached_prompt_tokens,
                     logprobs=f.logprobs,
                     prompt_logprobs=f.prompt_logprobs,
+                    error=req.error,
                 )
             )
         return outputs

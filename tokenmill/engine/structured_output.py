@@ -251,6 +251,7 @@ class StructuredOutputs:
         self._num_fed = np.zeros(0, dtype=np.int64)
         # (request id, the feed that ended it): fed to a stop or an error, not yet taken
         self._ended: list[tuple[str, int]] = []
+        self._rejections: dict[str, str] = {}  # ended requests whose grammar rejected a token
         self.num_feeds = 0  # feed calls so far: a step's feed is its number
         self._fed_pending: _PendingFeed | None = None
         # While ``bitmask`` runs ``beside`` with worker processes: the step sent to them
@@ -338,6 +339,7 @@ class StructuredOutputs:
         The engine drops a request's grammar as soon as the request finishes."""
         rows = []
         for rid in request_ids:
+            self._rejections.pop(rid, None)
             index = self._index.pop(rid, None)
             if index is not None:
                 rows.append(self._rows[index])
@@ -502,11 +504,9 @@ class StructuredOutputs:
         (noted with the feed ``number``); the feed's time since ``t0`` is counted."""
         for i in np.flatnonzero(status).tolist():
             if status[i] == REJECTED:  # the matcher is left in its error state
-                log.warning(
-                    "request %s: its grammar rejected a sampled token (%s); ending it",
-                    rids[i],
-                    self.backend.error(rows[i]),
-                )
+                why = self.backend.error(rows[i])
+                log.warning("request %s: its grammar rejected a sampled token (%s)", rids[i], why)
+                self._rejections[rids[i]] = why
             self._ended.append((rids[i], number))
         stats = self.stats
         stats.feeds += 1
@@ -529,6 +529,11 @@ class StructuredOutputs:
             taken = [(rid, n) for rid, n in self._ended if n < before]
             self._ended = [(rid, n) for rid, n in self._ended if n >= before]
         return [rid for rid, _ in taken if rid in self._index]
+
+    def rejection(self, request_id: str) -> str | None:
+        """Why the grammar of an ended request rejected its last token, once; None when the
+        grammar completed instead."""
+        return self._rejections.pop(request_id, None)
 
     @property
     def ending(self) -> set[str]:

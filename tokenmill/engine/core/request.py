@@ -32,6 +32,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the model's context
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # the output cannot be trusted (Request.error says why)
 
     @property
     def finished(self) -> bool:
@@ -39,6 +40,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -62,6 +64,7 @@ class Request:
         "num_preemptions",
         "status",
         "stop_reason",
+        "error",
         "_tokens",
         "_num_computed",
         "_num_pending",
@@ -87,6 +90,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it finished FINISHED_ERROR
         self._tokens = list(prompt_token_ids)  # prompt + output, while detached
         self._num_computed = 0
         # Tokens sampled by steps whose results the host has not read yet (async scheduling).

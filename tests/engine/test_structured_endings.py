@@ -1,0 +1,60 @@
+"""How a constrained request ends, on both grammar libraries: a token its grammar rejects
+makes it an error (never a "stop" that passes a broken output off as complete), and an
+output completed by the token that reaches max_tokens is "stop", not "length"."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import save_tiny_model
+from tokenmill import LLM, SamplingParams
+
+BACKENDS = ["llguidance", "xgrammar"]
+PROMPT = [11, 42, 73, 104, 135, 166]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("endings") / "m")
+
+
+def _llm(path: Path, backend: str) -> LLM:
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar")
+    return LLM(str(path), device="cpu", dtype="float32", structured_output_backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rejected_token_ends_the_request_as_an_error(tiny_path: Path, backend: str) -> None:
+    """The choice's only token is a stop token that min_tokens bans: every logit is masked,
+    so a token the grammar rejects is drawn."""
+    llm = _llm(tiny_path, backend)
+    a = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=0, min_tokens=3,
+                            stop_token_ids=[a], structured_output='choice:["aa"]')  # fmt: skip
+    out, plain = llm.generate([PROMPT, PROMPT], [params, SamplingParams(max_tokens=5)])
+    assert out.finish_reason == "error" and out.outputs[0].finish_reason == "error"
+    assert out.error is not None and "grammar rejected a sampled token" in out.error
+    assert plain.error is None and len(plain.token_ids) == 5
+    assert len(llm.engine._grammars) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_output_completed_by_its_last_allowed_token_is_stop(
+    tiny_path: Path, backend: str
+) -> None:
+    schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    llm = _llm(tiny_path, backend)
+    roomy = llm.generate([PROMPT], SamplingParams(max_tokens=32, structured_output=schema))[0]
+    assert roomy.finish_reason == "stop" and json.loads(roomy.text) == {"a": 1}
+    exact, short = llm.generate(
+        [PROMPT, PROMPT],
+        [SamplingParams(max_tokens=n, structured_output=schema)
+         for n in (len(roomy.token_ids), len(roomy.token_ids) - 1)],
+    )  # fmt: skip
+    assert (exact.finish_reason, exact.text) == ("stop", roomy.text)
+    assert short.finish_reason == "length"
