@@ -403,3 +403,24 @@ def test_sampling_values_every_row_would_refuse_fail_the_spec(
 ) -> None:
     """Refused by SamplingParams in each row, they made every row an error and exited 0."""
     assert f"sampling: {what}" in _error(_raw(sampling=sampling))
+
+
+@pytest.mark.parametrize(
+    ("constraint", "what"),
+    [
+        ({"regex": "(?i)ab"}, "Regex parsing error"),
+        ({"json_schema": {"type": "number", "multipleOf": 0.5}}, "'multipleOf'"),
+    ],
+)
+def test_a_constraint_xgrammar_cannot_run_fails_a_spec_that_picks_xgrammar(
+    constraint: dict[str, Any], what: str
+) -> None:
+    """llguidance runs both: only a job on xgrammar is refused, before the model loads."""
+    pytest.importorskip("xgrammar")
+    sampling = {"structured_output": constraint}
+    JobSpec.from_dict(_raw(sampling=sampling))
+    message = _error(_raw(sampling=sampling, engine={"structured_output_backend": "xgrammar"}))
+    assert "engine: structured_output_backend xgrammar cannot run sampling.structured_output" in (
+        message
+    )
+    assert what in message

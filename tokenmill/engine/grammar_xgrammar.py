@@ -13,12 +13,10 @@ as a grammar of its quoted strings. A request ends ("stop") once its output is c
 nothing but a stop token may follow, as with llguidance: checked on the rows whose grammar
 says complete, from a one-row mask.
 
-JSON rows never get a token with a control character (a byte below 0x20) in it: compact JSON
-has no whitespace between values and a string holds control characters only escaped, but
-xgrammar 0.2.9's rule for a string with ``maxLength`` is ``[^"\\\r\n]{0,n}``, which lets a
-raw tab or NUL through (a random model wrote them: 18% of rows failed ``json.loads``). Their
-masks are ANDed with one that drops those tokens; regex and choice rows keep what their
-pattern allows.
+What xgrammar lets through that a constraint forbids is kept out (xgrammar_limits.py):
+every row's mask is ANDed with one without special tokens and surrogate halves (JSON rows':
+without control bytes too), and schemas and regexes using what xgrammar does not enforce
+are refused, naming it.
 """
 
 from __future__ import annotations
@@ -41,8 +39,14 @@ from tokenmill.engine.structured_output_params import (
     describe,
     require_tokenizer,
 )
+from tokenmill.engine.xgrammar_limits import (
+    check_regex,
+    check_schema,
+    surrogate_edges,
+    token_masks,
+)
 
-__all__ = ["XgrammarGrammars", "load_xgrammar"]
+__all__ = ["XgrammarGrammars", "check_for_xgrammar", "load_xgrammar"]
 
 _PARAM = "SamplingParams.structured_output"
 _ANY_OBJECT = '{"type":"object"}'
@@ -59,6 +63,25 @@ def load_xgrammar() -> Any:
             "xgrammar (or use the default backend, llguidance)"
         ) from exc
     return xgrammar
+
+
+def check_for_xgrammar(spec: str) -> None:
+    """Raise ValueError naming ``SamplingParams.structured_output`` when the xgrammar backend
+    cannot run the canonical constraint ``spec`` (no tokenizer needed: a job's spec is
+    checked before its model loads)."""
+    xgr = load_xgrammar()
+    try:
+        if spec.startswith(REGEX_PREFIX):
+            check_regex(spec[len(REGEX_PREFIX) :])
+            xgr.Grammar.from_regex(spec[len(REGEX_PREFIX) :])
+        elif not spec.startswith(CHOICE_PREFIX):
+            schema = _ANY_OBJECT if spec == JSON_OBJECT else spec
+            check_schema(schema)
+            xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(
+            f"{_PARAM}: xgrammar cannot use this {describe(spec)}: {_message(exc)}"
+        ) from None
 
 
 class XgrammarGrammars:
@@ -83,7 +106,12 @@ class XgrammarGrammars:
         self._batch: Any = None
         self._compiled: dict[str, Any] = {}
         self._one = np.zeros((1, -(-vocab_size // 32)), dtype=np.int32)  # _stopped's mask
-        self._json_tokens: np.ndarray | None = None  # [words] int32: tokens JSON may hold
+        # [words] int32: the tokens JSON rows, and regex and choice rows, may take
+        self._json_tokens: np.ndarray | None = None
+        self._text_tokens: np.ndarray | None = None
+        self._ends_lead = self._continues = b""  # surrogate_edges
+        self._after_lead: set[int] = set()  # matchers whose last token ended with 0xED
+        self._broken: set[int] = set()  # matchers rejected for a split surrogate
 
     def matcher(self, spec: str) -> Row:
         """A matcher in its start state for a new request. Raises ValueError when xgrammar
@@ -105,10 +133,13 @@ class XgrammarGrammars:
         json_rows = [i for i, (_, json_output) in enumerate(rows) if json_output]
         if len(json_rows) == len(rows) and places is None:
             mask[: len(rows)] &= self._json_tokens
-        elif json_rows:
-            mask[json_rows if places is None else [places[i] for i in json_rows]] &= (
-                self._json_tokens
-            )
+            return
+        for tokens, chosen in (
+            (self._json_tokens, json_rows),
+            (self._text_tokens, [i for i, (_, json_output) in enumerate(rows) if not json_output]),
+        ):
+            if chosen:
+                mask[chosen if places is None else [places[i] for i in chosen]] &= tokens
 
     def consume(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
         """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
@@ -117,15 +148,33 @@ class XgrammarGrammars:
         taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens))
         status = np.full(len(rows), REJECTED, dtype=np.uint8)
         for i, ((matcher, json_output), ok) in enumerate(zip(rows, taken, strict=True)):
-            if ok:
+            if ok and self._split_surrogate(id(matcher), tokens[i]):
+                self._broken.add(id(matcher))
+            elif ok:
                 status[i] = STOPPED if self._stopped(matcher, json_output) else TAKEN
         return status
 
+    def _split_surrogate(self, key: int, token: int) -> bool:
+        """Whether ``token`` completes a surrogate half with the token before it (never
+        valid UTF-8: xgrammar allows it in strings, its mask cannot keep it out)."""
+        if key in self._after_lead:
+            self._after_lead.discard(key)
+            if self._continues[token]:
+                return True
+        if self._ends_lead[token]:
+            self._after_lead.add(key)
+        return False
+
     def release(self, rows: Sequence[Row]) -> None:
-        """Finished requests' matchers: nothing to do (they go with their last reference)."""
+        """Finished requests' matchers: forgotten (they go with their last reference)."""
+        for matcher, _ in rows:
+            self._after_lead.discard(id(matcher))
+            self._broken.discard(id(matcher))
 
     def error(self, row: Row) -> str:
         """Why ``row``'s last token was rejected."""
+        if id(row[0]) in self._broken:
+            return "it and the token before it write half of a UTF-16 surrogate, not UTF-8"
         return "xgrammar does not allow this token here"
 
     def _stopped(self, matcher: Any, json_output: bool) -> bool:
@@ -135,8 +184,7 @@ class XgrammarGrammars:
         if not matcher.is_completed():
             return False
         matcher.fill_next_token_bitmask(self._one, 0)
-        if json_output:
-            self._one &= self._json_tokens
+        self._one &= self._json_tokens if json_output else self._text_tokens
         bits = np.unpackbits(self._one.view(np.uint8), bitorder="little")[: self.vocab_size]
         return set(np.flatnonzero(bits).tolist()) <= self._stop_ids
 
@@ -146,13 +194,16 @@ class XgrammarGrammars:
         compiler = self._compiler
         try:
             if spec.startswith(REGEX_PREFIX):
+                check_regex(spec[len(REGEX_PREFIX) :])
                 return compiler.compile_regex(spec[len(REGEX_PREFIX) :])
             if spec.startswith(CHOICE_PREFIX):
                 choices = json.loads(spec[len(CHOICE_PREFIX) :])
-                return compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c) for c in choices)
+                return compiler.compile_grammar(  # characters as they are: an escaped
+                    "root ::= "  # astral one (\ud83d\ude00) would be two broken halves
+                    + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
                 )
             schema = _ANY_OBJECT if spec == JSON_OBJECT else spec
+            check_schema(schema)
             return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(
@@ -171,25 +222,23 @@ class XgrammarGrammars:
                 f"{_PARAM}: xgrammar cannot read the model's tokenizer "
                 f"({type(exc).__name__}: {exc})"
             ) from None
-        self._json_tokens = _without_control_bytes(info.decoded_vocab, self.vocab_size, self._eos)
+        self._json_tokens, self._text_tokens = token_masks(
+            info.decoded_vocab, self.vocab_size, self._eos, _special_ids(self._tokenizer)
+        )
+        self._ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
         threads = self._threads or executor_threads()
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._xgr = xgr
 
 
-def _without_control_bytes(
-    vocab: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int]
-) -> np.ndarray:
-    """[ceil(vocab_size / 32)] int32: bit t set unless token t's bytes hold one below 0x20
-    (stop tokens always set; ids past the tokenizer's vocabulary too: no grammar allows
-    them anyway)."""
-    allowed = np.ones(-(-vocab_size // 32) * 32, dtype=np.uint8)
-    for token, text in enumerate(vocab[:vocab_size]):
-        if min(text, default=32) < 32:
-            allowed[token] = 0
-    allowed[list(stop_ids)] = 1
-    return np.packbits(allowed, bitorder="little").view(np.int32)
+def _special_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's special tokens (BOS, chat markers, ...): never in a constrained text."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return sorted(ids)
 
 
 def _message(exc: Exception) -> str:

@@ -249,6 +249,25 @@ class JobSpec(_Section):
     execution: ExecutionSection = ExecutionSection()
     planner: PlannerSection = PlannerSection()
 
+    @field_validator("engine")
+    @classmethod
+    def _backend_runs_the_constraint(cls, engine: EngineSection, info: Any) -> EngineSection:
+        """A job-wide constraint the chosen grammar library cannot run fails the spec, not
+        every row (the sampling section checks it with llguidance, the default)."""
+        sampling = info.data.get("sampling")
+        spec = None if sampling is None else sampling.structured_output
+        if spec is not None and engine.structured_output_backend == "xgrammar":
+            from tokenmill.engine.grammar_xgrammar import check_for_xgrammar
+
+            try:
+                check_for_xgrammar(spec)
+            except (ValueError, ImportError) as exc:
+                raise ValueError(
+                    "structured_output_backend xgrammar cannot run sampling.structured_output: "
+                    + str(exc).removeprefix("SamplingParams.structured_output: ")
+                ) from None
+        return engine
+
     @classmethod
     def load(
         cls,

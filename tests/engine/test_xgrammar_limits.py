@@ -1,0 +1,104 @@
+"""What xgrammar lets through that a constraint forbids is kept out: schemas and regexes it
+does not enforce are refused naming what, special tokens and surrogate halves never get into
+a constrained text, and an astral-plane choice is written as itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny_models import save_tiny_tokenizer
+from tokenmill.engine.structured_output_params import REJECTED, TAKEN
+from tokenmill.engine.xgrammar_limits import (
+    UNENFORCED,
+    check_regex,
+    check_schema,
+    surrogate_edges,
+    token_masks,
+)
+
+
+@pytest.mark.parametrize(
+    ("schema", "what"),
+    [
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "schema uses 'allOf'"),
+        ({"type": "number", "multipleOf": 0.5}, "schema uses 'multipleOf'"),
+        ({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+         "schema.properties.a uses 'uniqueItems'"),
+        ({"type": "object", "required": ["a"]}, "requires 'a' without listing it"),
+        ({"type": "string", "format": "uri", "maxLength": 30}, "'format' with a length bound"),
+        ({"$defs": {"x": {"not": {"type": "null"}}}}, "schema.$defs.x uses 'not'"),
+    ],
+)  # fmt: skip
+def test_schemas_xgrammar_would_not_enforce_are_refused(schema: dict, what: str) -> None:
+    with pytest.raises(ValueError, match="xgrammar does not enforce") as info:
+        check_schema(json.dumps(schema))
+    assert what in str(info.value)
+
+
+def test_keywords_as_property_names_and_values_are_fine() -> None:
+    names = {k: {"type": "string"} for k in sorted(UNENFORCED)}
+    check_schema(json.dumps({"type": "object", "properties": names, "required": sorted(names)}))
+    check_schema(json.dumps({"enum": [{"allOf": 1}], "const": {"not": 2}}))
+    check_schema(json.dumps({"type": "string", "format": "date"}))
+
+
+def test_posix_classes_in_a_regex_are_refused() -> None:
+    with pytest.raises(ValueError, match="POSIX class"):
+        check_regex("[[:digit:]]{3}")
+    check_regex(r"[\[\]x]{2}[0-9]")
+
+
+def test_token_masks_drop_special_surrogate_and_json_control_tokens() -> None:
+    vocab = [b"<s>", b"</s>", b"ab", b"a\tb", b"\xed\xa0x", b"\xed", b"\xa0z", b"\xed\x9f"]
+    json_mask, text_mask = token_masks(vocab, 10, stop_ids=[1], special_ids=[0, 1])
+
+    def allowed(mask: np.ndarray) -> list[int]:
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        return np.flatnonzero(bits[:10]).tolist()
+
+    # 0 special, 4 a surrogate half; 1 a stop token; 8, 9 past the vocabulary
+    assert allowed(text_mask) == [1, 2, 3, 5, 6, 7, 8, 9]
+    assert allowed(json_mask) == [1, 2, 5, 6, 7, 8, 9]  # 3 holds a tab
+    ends, starts = surrogate_edges(vocab, 8)
+    assert list(ends) == [0, 0, 0, 0, 0, 1, 0, 0] and list(starts) == [0, 0, 0, 0, 0, 0, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def xgr_grammars(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    pytest.importorskip("xgrammar")
+    from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+
+    tokenizer = save_tiny_tokenizer(Path(tmp_path_factory.mktemp("xgr")) / "tok")
+    return XgrammarGrammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id], threads=1)
+
+
+def test_a_surrogate_split_across_two_tokens_is_rejected(xgr_grammars) -> None:  # noqa: ANN001
+    row = xgr_grammars.matcher('{"type":"string"}')
+    ends, starts = xgr_grammars._ends_lead, xgr_grammars._continues
+    lead, tail = ends.index(1), starts.index(1)
+    quote = next(t for t in range(len(ends)) if xgr_grammars.consume([row], [t])[0] == TAKEN)
+    assert xgr_grammars.consume([row], [lead])[0] == TAKEN
+    assert xgr_grammars.consume([row], [tail])[0] == REJECTED
+    assert "surrogate" in xgr_grammars.error(row)
+    xgr_grammars.release([row])
+    assert not xgr_grammars._after_lead and not xgr_grammars._broken
+    fresh = xgr_grammars.matcher('{"type":"string"}')
+    assert quote is not None and xgr_grammars.consume([fresh], [quote])[0] == TAKEN
+
+
+def test_an_astral_choice_is_written_as_itself(tmp_path: Path) -> None:
+    pytest.importorskip("xgrammar")
+    from tests.tiny_models import save_tiny_model
+    from tokenmill import LLM, SamplingParams
+
+    path = save_tiny_model("llama", tmp_path / "m")
+    llm = LLM(str(path), device="cpu", dtype="float32", structured_output_backend="xgrammar")
+    params = SamplingParams(
+        max_tokens=16, temperature=1.0, seed=3, structured_output='choice:["😀","🎉"]'
+    )
+    outs = llm.generate([[11, 42, 73], [5, 6, 7]], params)
+    assert {o.text for o in outs} <= {"😀", "🎉"} and {o.finish_reason for o in outs} == {"stop"}

@@ -1,0 +1,128 @@
+"""What xgrammar (0.2.9) lets through that a constraint forbids, and how the xgrammar
+backend keeps it out.
+
+Found by checking its outputs against the schema (jsonschema) and against llguidance's:
+
+- Tokens. A JSON string with ``maxLength`` compiles to ``[^"\\\\\\r\\n]{0,n}``, so a raw tab
+  or NUL gets in (compact JSON holds control characters only escaped); special tokens
+  (``<|im_start|>``) are allowed inside strings, and the text then loses them; a token
+  holding half of a UTF-16 surrogate pair encoded as UTF-8 (``ED A0``-``ED BF``: never valid
+  UTF-8) gets into strings. ``token_masks`` gives the masks every row's is ANDed with.
+- Schemas. Some keywords compile but are not enforced (``allOf`` wrote ``null``,
+  ``multipleOf: 0.5`` wrote 1.125764, ``required`` without ``properties`` wrote ``{}``,
+  ``format`` with ``maxLength`` wrote longer strings), others are not verified.
+  ``check_schema`` refuses a schema holding one, naming it, so a row is an error at once
+  instead of an output that does not follow its schema; llguidance (the default backend)
+  runs them.
+- Regexes. POSIX classes (``[[:digit:]]``) are read as something else; refused.
+
+A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked ahead;
+``surrogate_edges`` lets the backend reject the second token (the request ends "error").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+# Keywords xgrammar compiles without enforcing them, or not verified to be enforced.
+UNENFORCED = frozenset(
+    {
+        "allOf", "multipleOf", "uniqueItems", "not", "if", "then", "else", "contains",
+        "minContains", "maxContains", "dependentRequired", "dependentSchemas",
+        "unevaluatedProperties", "unevaluatedItems", "propertyNames",
+    }
+)  # fmt: skip
+_LENGTHS = ("minLength", "maxLength")
+
+
+def token_masks(
+    vocab: Sequence[bytes], vocab_size: int, stop_ids: Sequence[int], special_ids: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """([words] int32 for JSON rows, [words] int32 for regex and choice rows): bit t set
+    unless token t is special (stop tokens excepted) or holds a surrogate half, and for JSON
+    rows a byte below 0x20. Ids past the tokenizer's vocabulary stay set (no grammar allows
+    them anyway)."""
+    text = np.ones(-(-vocab_size // 32) * 32, dtype=np.uint8)
+    json_ok = text.copy()
+    for token, raw in enumerate(vocab[:vocab_size]):
+        if _holds_surrogate(raw):
+            text[token] = json_ok[token] = 0
+        elif min(raw, default=32) < 32:
+            json_ok[token] = 0
+    special = [t for t in special_ids if t < vocab_size]
+    text[special] = json_ok[special] = 0
+    stops = [t for t in stop_ids if t < len(text)]
+    text[stops] = json_ok[stops] = 1
+    pack = lambda bits: np.packbits(bits, bitorder="little").view(np.int32)  # noqa: E731
+    return pack(json_ok), pack(text)
+
+
+def surrogate_edges(vocab: Sequence[bytes], vocab_size: int) -> tuple[bytes, bytes]:
+    """(byte t is 1 when token t ends with 0xED, byte t is 1 when token t starts with a byte
+    in A0-BF): the two halves of a surrogate written across two tokens."""
+    ends = bytearray(vocab_size)
+    starts = bytearray(vocab_size)
+    for token, raw in enumerate(vocab[:vocab_size]):
+        ends[token] = raw.endswith(b"\xed")
+        starts[token] = bool(raw) and 0xA0 <= raw[0] <= 0xBF
+    return bytes(ends), bytes(starts)
+
+
+def _holds_surrogate(raw: bytes) -> bool:
+    at = raw.find(b"\xed")
+    while at != -1 and at + 1 < len(raw):
+        if 0xA0 <= raw[at + 1] <= 0xBF:
+            return True
+        at = raw.find(b"\xed", at + 1)
+    return False
+
+
+def check_schema(schema_text: str) -> None:
+    """Raise ValueError naming the first keyword of the schema xgrammar would not enforce."""
+    for where, node in _subschemas(json.loads(schema_text), "schema"):
+        found = sorted(UNENFORCED & set(node))
+        if found:
+            raise ValueError(f"{where} uses {found[0]!r}, which xgrammar does not enforce")
+        if "format" in node and any(k in node for k in _LENGTHS):
+            raise ValueError(
+                f"{where} has 'format' with a length bound, which xgrammar does not enforce"
+            )
+        required, properties = node.get("required"), node.get("properties")
+        if isinstance(required, list) and required:
+            missing = [
+                r for r in required if not isinstance(properties, dict) or r not in properties
+            ]
+            if missing:
+                raise ValueError(
+                    f"{where} requires {missing[0]!r} without listing it in 'properties', "
+                    "which xgrammar does not enforce"
+                )
+
+
+def check_regex(pattern: str) -> None:
+    if "[[:" in pattern or "[^[:" in pattern:
+        raise ValueError("the regex uses a POSIX class ([[:digit:]]), which xgrammar misreads")
+
+
+def _subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every subschema of ``node`` (itself included), with its JSON path."""
+    if isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _subschemas(value, f"{where}[{i}]")
+    if not isinstance(node, dict):
+        return
+    yield where, node
+    for key, value in node.items():
+        if key in _NAMED and isinstance(value, dict):  # name -> subschema
+            for name, sub in value.items():
+                yield from _subschemas(sub, f"{where}.{key}.{name}")
+        elif key not in _VALUES:
+            yield from _subschemas(value, f"{where}.{key}")
+
+
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")
+_VALUES = ("const", "enum", "default", "examples", "required")  # values, not schemas
