@@ -290,6 +290,7 @@ def test_openai_batch_logprobs() -> None:
         "tokens": ["Hi", "!"],
         "token_logprobs": [-0.1, -0.5],
         "top_logprobs": [{"Hi": -0.1}, {"!": -0.5}],
+        "text_offset": [0, 2],  # where each token starts in the text, as vLLM writes it
     }
 
 

@@ -156,6 +156,11 @@ def test_openai_batch_output_has_each_choices_own_logprobs(
         assert choice.logprobs.token_logprobs == pytest.approx(
             [lp.logprob for lp in want.logprobs], abs=TOL
         )
+        offsets = choice.logprobs.text_offset
+        assert offsets is not None and len(offsets) == len(choice.logprobs.tokens)
+        assert [choice.text[a:b] for a, b in zip(offsets, [*offsets[1:], None], strict=True)] == (
+            choice.logprobs.tokens
+        )
 
 
 def test_a_rows_logprobs_need_the_jobs_parquet_column(

@@ -25,6 +25,7 @@ shapes, which have no token ids or ranks: a chat choice's ``logprobs.content``
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pyarrow as pa
@@ -73,9 +74,14 @@ def openai_chat_logprobs(entries: LogprobEntries) -> dict[str, Any]:
 
 def openai_completion_logprobs(entries: LogprobEntries) -> dict[str, Any]:
     """A text_completion choice's ``logprobs``, the legacy shape: parallel lists, the top
-    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key)."""
+    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key), and
+    ``text_offset``, where each token's text starts in the completion's text (as vLLM
+    writes it: the prompt is not echoed, so offsets start at 0)."""
+    tokens = [e["token"] for e in entries]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
     return {
-        "tokens": [e["token"] for e in entries],
+        "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
     }
