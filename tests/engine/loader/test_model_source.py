@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -99,3 +100,23 @@ def test_gguf_suffix_without_gguf_magic(tmp_path: Path) -> None:
 def test_model_source_rejects_unknown_kind(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"kind must be 'hf' or 'gguf'"):
         ModelSource(path=tmp_path, kind="onnx")  # type: ignore[arg-type]
+
+
+def test_the_chat_template_read_is_the_one_the_tokenizer_renders_with(
+    tiny_hf_dir: TinyPath, tmp_path: Path
+) -> None:
+    """transformers takes chat_template.jinja (and additional_chat_templates/) over
+    tokenizer_config.json's; the fingerprint must hash that one, or an edit of the template
+    in use goes unnoticed on resume."""
+    path = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ 'unused' }}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text("{{ 'used' }}")
+    source = resolve_model_source(path)
+    assert source.chat_template() == "{{ 'used' }}" == source.load_tokenizer().chat_template
+    (path / "additional_chat_templates").mkdir()
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'tools' }}")
+    named = json.loads(source.chat_template())
+    assert named == {"default": "{{ 'used' }}", "tool_use": "{{ 'tools' }}"}
+    assert named == source.load_tokenizer().chat_template

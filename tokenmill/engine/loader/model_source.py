@@ -93,13 +93,24 @@ class ModelSource:
         return linear_weight_types(open_gguf(self.path))
 
     def chat_template(self) -> str | None:
-        """The chat template the model ships, read without building its tokenizer (a job's
-        fingerprint needs only this; the engine builds the tokenizer once). HF directories:
+        """The chat template the model's tokenizer renders with, read without building the
+        tokenizer (a job's fingerprint needs only this; the engine builds it once). HF
+        directories, as transformers picks it: ``chat_template.jinja`` (with any named
+        templates in ``additional_chat_templates/``, JSON-encoded together), else
         ``tokenizer_config.json``'s ``chat_template`` (JSON-encoded when it is a list of named
-        templates), else ``chat_template.jinja``. GGUF: ``tokenizer.chat_template``."""
+        templates). GGUF: ``tokenizer.chat_template``."""
         if self.kind == "gguf":
             value = metadata_value(open_gguf(self.path), "tokenizer.chat_template")
             return None if value is None else str(value)
+        files = {}
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            files["default"] = jinja.read_text()
+        extra = self.path / "additional_chat_templates"
+        if extra.is_dir():
+            files.update((p.stem, p.read_text()) for p in sorted(extra.glob("*.jinja")))
+        if files:
+            return files["default"] if list(files) == ["default"] else json.dumps(files)
         config_file = self.path / "tokenizer_config.json"
         if config_file.is_file():
             try:
@@ -108,8 +119,7 @@ class ModelSource:
                 raise ValueError(f"cannot read {config_file}: {e}") from e
             if value is not None:
                 return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-        jinja = self.path / "chat_template.jinja"
-        return jinja.read_text() if jinja.is_file() else None
+        return None
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The model's tokenizer, with ``chat_template`` set when the model ships one."""
