@@ -185,6 +185,33 @@ def test_chat_template_kwargs_reach_the_template(smollm2_llm) -> None:
     assert default == smollm2_llm.encode_chat(conv)
 
 
+def test_openai_spellings_render_as_every_entry_point_renders_them(smollm2_llm) -> None:
+    """Text parts, the developer role and a tool-calling turn, as OpenAI clients send them:
+    LLM.chat renders them as a job's reader does (it wrote the parts' repr and dropped the
+    developer message), and a tool call's JSON arguments reach the template as a mapping."""
+    plain = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Summarize:\nThe cat sat."}]  # fmt: skip
+    spelled = [{"role": "developer", "content": "Be brief."},
+               {"role": "user", "content": [{"type": "text", "text": "Summarize:"},
+                                            {"type": "text", "text": "The cat sat."}]}]  # fmt: skip
+    assert smollm2_llm.encode_chat(spelled) == smollm2_llm.encode_chat(plain)
+    out = smollm2_llm.chat(spelled, SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == smollm2_llm.encode_chat(plain)
+    calls = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "18C"}]  # fmt: skip
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]"
+        "{% endfor %}|{% endfor %}"
+    )
+    text = smollm2_llm.chat(calls, SamplingParams(max_tokens=1), chat_template=template)[0].prompt
+    assert text == "user:Weather in Paris?|assistant:[weather(Paris)]|tool:18C|"
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\] is not a text part"):
+        smollm2_llm.encode_chat([plain[0], {"role": "user", "content": [{"type": "image_url"}]}])
+
+
 # ---- refusals ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "name"),

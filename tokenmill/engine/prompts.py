@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tokenmill.engine.chat_messages import normalize_messages
+
 __all__ = ["encode_chat", "encode_prompt", "encode_texts", "render_chat"]
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
@@ -40,7 +42,8 @@ def render_chat(
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """The text of ``messages`` rendered with the model's chat template.
+    """The text of ``messages`` (normalized as ``normalize_messages`` says: every entry point
+    renders a conversation alike) rendered with the model's chat template.
 
     ``chat_template`` (a Jinja string) replaces the model's template; ``chat_template_kwargs``
     are extra variables the template reads (e.g. ``{"enable_thinking": False}`` for Qwen3).
@@ -60,9 +63,10 @@ def render_chat(
         )
     if chat_template is not None:
         extra["chat_template"] = chat_template
+    conversation = normalize_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as exc:  # jinja raises its own types for template errors
         raise ValueError(f"the chat template rejected the conversation: {exc}") from None

@@ -109,3 +109,25 @@ def test_openai_developer_role_and_text_parts_are_read_as_text(tmp_path):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb", "name": "ann"},
     ]
+
+
+def test_an_openai_tool_calling_turn_is_a_conversation_not_a_bad_row() -> None:
+    """An assistant message calling tools has content null (OpenAI's shape), then a tool
+    message answers it: both are rows' conversations, not errors."""
+    from tokenmill.io.readers.messages import check_messages
+    from tokenmill.io.readers.row_error import RowError
+
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]  # fmt: skip
+    messages = check_messages(
+        [{"role": "user", "content": "Weather?"},
+         {"role": "assistant", "content": None, "tool_calls": calls},
+         {"role": "tool", "tool_call_id": "c1", "content": "18C"}],
+        "body.messages", "r1",
+    )  # fmt: skip
+    assert messages[1]["content"] == "" and messages[1]["tool_calls"][0]["function"] == {
+        "name": "weather",
+        "arguments": {"city": "Paris"},
+    }
+    with pytest.raises(RowError, match=r"body.messages\[0\].content must be a string"):
+        check_messages([{"role": "user", "content": None}], "body.messages", "r2")

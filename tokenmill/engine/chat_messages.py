@@ -1,0 +1,95 @@
+"""Conversations as the chat template gets them, the same from every entry point (``LLM.chat``,
+a job's messages column or OpenAI Batch body, the Ray Data processor).
+
+A conversation is a non-empty list of {role, content} messages. OpenAI's spellings are taken
+as they are written: the ``developer`` role (what OpenAI's newer models call system
+messages) becomes ``system``, which chat templates know; content given as a list of parts,
+``[{"type": "text", "text": ...}]``, becomes the parts' texts joined by newlines (as vLLM
+joins them); an assistant message calling tools (``tool_calls``, content null) gets empty
+content, and each call's ``function.arguments`` JSON text becomes the mapping templates
+expect (as vLLM passes it). Other parts (images, audio) are refused naming the part: the
+engine runs text-only models. Other keys (``name``, ``tool_call_id``) are kept unless null,
+since Parquet structs fill absent fields with nulls.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenmill.engine.value_text import short_repr, type_name
+
+ROLES = ("system", "user", "assistant", "tool")
+ALIASES = {"developer": "system"}
+
+
+def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, Any]]:
+    """``value`` as the list of message dicts a chat template gets; ValueError naming
+    ``where`` (a column, a field, an argument) and the message when it is not one."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{where} must be a non-empty list of {{role, content}} messages, "
+            f"got {type_name(value)}"
+        )
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"{where}[{i}] must be an object with role and content, got {type_name(message)}"
+            )
+        role = ALIASES.get(message.get("role"), message.get("role"))
+        if role not in ROLES:
+            raise ValueError(
+                f"{where}[{i}].role is {short_repr(message.get('role'))}; expected one of "
+                f"{', '.join((*ROLES, *ALIASES))}"
+            )
+        kept = {k: v for k, v in message.items() if v is not None}
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls and message.get("content") is None:
+            content = ""
+        else:
+            content = _text(message.get("content"), f"{where}[{i}].content")
+        if calls:
+            kept["tool_calls"] = _tool_calls(calls, f"{where}[{i}].tool_calls")
+        messages.append({**kept, "role": role, "content": content})
+    return messages
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as one string: itself, or its text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)) or not content:
+        raise ValueError(
+            f"{where} must be a string or a non-empty list of text parts, got {type_name(content)}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = f"type {short_repr(kind)}" if kind is not None else type_name(part)
+            raise ValueError(
+                f"{where}[{j}] is not a text part (got {shown}); only text parts "
+                '({"type": "text", "text": ...}) are supported'
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _tool_calls(calls: Any, where: str) -> list[Any]:
+    """The calls, each ``function.arguments`` given as JSON text parsed into its mapping."""
+    if not isinstance(calls, (list, tuple)):
+        raise ValueError(f"{where} must be a list of tool calls, got {type_name(calls)}")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None  # not JSON: the template gets the text as it was written
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        out.append(call)
+    return out
