@@ -206,3 +206,29 @@ def test_a_passthrough_column_named_logprobs_is_refused(tiny_model: Path, tmp_pa
     clash["input"]["passthrough_columns"] = ["logprobs"]
     with pytest.raises(JobSpecError, match=r"input.passthrough_columns: 'logprobs' would overw"):
         run_job(clash, show_progress=False)
+
+
+def test_sentencepiece_tokens_keep_their_space_and_offsets_point_into_the_text() -> None:
+    """Decoded alone, '▁the' is 'the': the tokens did not join to the text and every
+    text_offset after the first pointed at the wrong place."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenmill.engine.outputs import TokenLogprob
+    from tokenmill.io.logprobs_column import openai_completion_logprobs
+    from tokenmill.jobs.requests import _logprobs
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁a": 2, "▁the": 3}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ids = [1, 2, 3, 3]
+    text = tokenizer.decode(ids)
+    assert text == "Hello a the the"
+    entries = _logprobs([TokenLogprob(t, -0.5, 1, {t: -0.5, 2: -1.0}) for t in ids], tokenizer)
+    assert entries is not None
+    assert [e["token"] for e in entries] == [" Hello", " a", " the", " the"]
+    legacy = openai_completion_logprobs(entries, text)
+    assert legacy["text_offset"] == [0, 5, 7, 11]
+    pairs = list(zip(legacy["tokens"], legacy["text_offset"], strict=True))
+    assert all(text[o : o + len(t)] == t for t, o in pairs[1:])  # the first lost its space

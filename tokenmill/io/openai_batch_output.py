@@ -149,4 +149,6 @@ def _completion_body(row: ResultRow, created: int) -> dict[str, Any]:
 
 
 def _completion_logprobs(choice: Choice) -> dict[str, Any] | None:
-    return None if choice.logprobs is None else openai_completion_logprobs(choice.logprobs)
+    if choice.logprobs is None:
+        return None
+    return openai_completion_logprobs(choice.logprobs, choice.text)

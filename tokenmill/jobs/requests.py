@@ -153,10 +153,19 @@ def _prompt_logprobs(
 
 
 def _decoded(entries: list[TokenLogprob], tokenizer: Any) -> dict[int, str]:
-    """Token id -> its text alone, for every token and alternative of ``entries``: each
-    distinct id decoded once, in one batch call (a prompt has thousands of positions)."""
+    """Token id -> its text after another word, for every token and alternative of
+    ``entries``: each distinct id decoded once behind an anchor token, in one batch call (a
+    prompt has thousands of positions). Decoded alone, a SentencePiece token loses its
+    leading space (``▁the`` -> ``the``), and the tokens no longer join to the text."""
     ids = sorted({t for e in entries for t in (e.token_id, *e.top)})
-    return dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]), strict=True))
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+    behind = tokenizer.batch_decode([[*anchor, t] for t in ids])
+    base = tokenizer.decode(anchor)
+    alone = tokenizer.batch_decode([[t] for t in ids])
+    return {
+        t: pair[len(base) :] if anchor and pair.startswith(base) else single
+        for t, pair, single in zip(ids, behind, alone, strict=True)
+    }
 
 
 def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:
