@@ -213,6 +213,16 @@ def test_openai_spellings_render_as_every_entry_point_renders_them(smollm2_llm) 
 
 
 # ---- refusals ---------------------------------------------------------------------------
+def test_a_prompt_that_is_not_unicode_is_named(smollm2_llm) -> None:
+    """A lone surrogate made the tokenizer raise a TypeError naming neither prompt nor cause."""
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match=r"prompt 1 is not valid Unicode .* at character 4"):
+        smollm2_llm.generate(["fine", "bad \ud800 one"], params)
+    with pytest.raises(ValueError, match="prompt 1 is not valid Unicode"):
+        smollm2_llm.chat([[{"role": "user", "content": "ok"}],
+                          [{"role": "user", "content": "x\udc00"}]], params)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [

@@ -31,8 +31,25 @@ def encode_texts(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool)
     the model's BOS rules."""
     if not texts:
         return []
-    encoded = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    try:
+        encoded = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    except (TypeError, ValueError):
+        _check_unicode(texts)  # the tokenizer's own error names neither text nor cause
+        raise
     return [list(ids) for ids in encoded]
+
+
+def _check_unicode(texts: Sequence[str]) -> None:
+    """Raise ValueError naming the first text that is not valid Unicode (a lone surrogate,
+    which no UTF-8 tokenizer can take)."""
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as bad:
+            raise ValueError(
+                f"prompt {i} is not valid Unicode (a lone surrogate, {text[bad.start]!r}, at "
+                f"character {bad.start}); nothing ran. Fix or drop that prompt"
+            ) from None
 
 
 def render_chat(
