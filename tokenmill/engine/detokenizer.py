@@ -11,7 +11,11 @@ Instead keep two offsets into the output tokens and decode a short window:
 The prefix window gives the new tokens their left context. When the new text ends in U+FFFD
 its last character is still incomplete: only the text before it is emitted and the offsets
 stay, so the next tokens are decoded together with it. Once the text ends on a whole
-character, the offsets move on: prefix <- read, read <- len(ids).
+character, the offsets move on: prefix <- read, read <- len(ids). With a ByteFallback
+decoder (SentencePiece's ``<0x..>`` byte tokens), a run of byte tokens decodes as one: when
+the run's bytes are not UTF-8, every byte of it becomes U+FFFD, the valid ones before the
+bad one included; so nothing is emitted while the tokens end in a byte token, and the run is
+decoded whole once it ends (a skipped special token does not end it: decode drops it first).
 
 Stop strings are searched only where a new match can be, the new text plus the
 ``len(longest stop) - 1`` characters before it. Several tokens at once (a drafted step's
@@ -23,13 +27,38 @@ counts to the token, not to the step.
 
 from __future__ import annotations
 
+import json
+import re
+import weakref
+
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.special_ids import special_token_ids
 
 __all__ = ["IncrementalDetokenizer"]
 
 _REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# tokenizer -> its ByteFallback byte tokens' ids (empty without that decoder)
+_byte_tokens: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids of ``tokenizer``'s ``<0x..>`` byte tokens when its decoder joins them with
+    ByteFallback (SentencePiece models); empty otherwise. Read once per tokenizer."""
+    known = _byte_tokens.get(tokenizer)
+    if known is not None:
+        return known
+    ids: frozenset[int] = frozenset()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and '"ByteFallback"' in json.dumps(
+        json.loads(backend.to_str()).get("decoder")
+    ):
+        vocab = tokenizer.get_vocab()
+        ids = frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
+    _byte_tokens[tokenizer] = ids
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -57,6 +86,13 @@ class IncrementalDetokenizer:
         self._num_pending_chars = 0  # text emitted past read_offset's (incomplete tail held)
         self._text = ""
         self._stop_string: str | None = None
+        # Tokens the text may not settle on: byte tokens, and (skipped) special tokens after
+        # which a run of byte tokens may go on, as decode joins the two sides.
+        # ids past the tokenizer's vocabulary (a model's padding rows) decode to nothing too.
+        self._run_ids = byte_fallback_ids(tokenizer)
+        if self._run_ids and params.skip_special_tokens:
+            self._run_ids = self._run_ids | special_token_ids(tokenizer)
+        self._vocab_end = len(tokenizer) if self._run_ids else 1 << 62
 
     @property
     def output_text(self) -> str:
@@ -108,6 +144,8 @@ class IncrementalDetokenizer:
         ids = self._token_ids
         if self._read_offset == len(ids):
             return None
+        if not final and (ids[-1] in self._run_ids or ids[-1] >= self._vocab_end):
+            return None  # inside a run of byte tokens: it decodes whole once it ends
         prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(ids[self._prefix_offset :])[len(prefix_text) :]
         complete = final or not new_text.endswith(_REPLACEMENT_CHAR)

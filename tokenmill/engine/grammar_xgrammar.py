@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.engine.grammar_llguidance import executor_threads
+from tokenmill.engine.special_ids import special_token_ids
 from tokenmill.engine.structured_output_params import (
     CHOICE_PREFIX,
     JSON_OBJECT,
@@ -223,22 +224,16 @@ class XgrammarGrammars:
                 f"({type(exc).__name__}: {exc})"
             ) from None
         self._json_tokens, self._text_tokens = token_masks(
-            info.decoded_vocab, self.vocab_size, self._eos, _special_ids(self._tokenizer)
+            info.decoded_vocab,
+            self.vocab_size,
+            self._eos,
+            sorted(special_token_ids(self._tokenizer)),
         )
         self._ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
         threads = self._threads or executor_threads()
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._xgr = xgr
-
-
-def _special_ids(tokenizer: Any) -> list[int]:
-    """The tokenizer's special tokens (BOS, chat markers, ...): never in a constrained text."""
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(token, "special", False):
-            ids.add(int(token_id))
-    return sorted(ids)
 
 
 def _message(exc: Exception) -> str:
