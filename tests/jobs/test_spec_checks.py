@@ -424,3 +424,23 @@ def test_a_constraint_xgrammar_cannot_run_fails_a_spec_that_picks_xgrammar(
         message
     )
     assert what in message
+
+
+def test_a_job_wide_logit_bias_past_the_vocabulary_fails_the_spec(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Only the model knows its vocabulary: the check runs before its weights load (every row
+    failed on it, exit 0)."""
+    from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+    from tokenmill import run_job
+    from tokenmill.jobs.dry_run import dry_run
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    spec = job_dict(tiny_model, src, tmp_path / "out", sampling={"logit_bias": {5: 1, 10**6: -100}})
+    for run in (
+        lambda: run_job(spec, show_progress=False),
+        lambda: dry_run(JobSpec.from_dict(spec)),
+    ):
+        with pytest.raises(JobSpecError, match=r"sampling.logit_bias: token ids \[1000000\] are"):
+            run()
+    assert not (tmp_path / "out" / "shards").exists()

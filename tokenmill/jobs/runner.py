@@ -95,12 +95,20 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
 
 def settings_of(spec: JobSpec) -> JobSettings:
     """What the job's fingerprint covers. Raises JobSpecError naming model.source when the
-    model cannot be found."""
+    model cannot be found, and sampling.logit_bias when it names ids past the model's
+    vocabulary (a check only the model can make)."""
     try:
         source = resolve_model_source(spec.model.source)
         template = source.chat_template()
+        vocab = source.load_config().vocab_size if spec.sampling.logit_bias else 0
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
+    outside = sorted(t for t in spec.sampling.logit_bias or {} if not 0 <= t < vocab)
+    if outside:  # every row would fail on them
+        raise JobSpecError(
+            f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
+            f"[0, {vocab})"
+        )
     return job_settings(spec, source.path, template, input_fingerprint(input_config(spec)))
 
 
