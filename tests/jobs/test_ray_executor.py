@@ -209,3 +209,26 @@ def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> 
     small = RayExecutor(ray_spec, expected_rows=20)  # 2 chunks of 3 rows per replica
     assert (small.chunk_rows, small.max_in_flight) == (3, CHUNKS_PER_REPLICA * 4 * 3)
     small.close()
+
+
+def test_a_model_a_replica_cannot_load_exits_2(
+    tiny_model: Path, tmp_path: Path, job_input: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Truncated weights: a replica's load fails as the local one does (exit 2 naming
+    model.source, 'rerunning does not help'), not as a failed job to rerun (exit 1)."""
+    import shutil
+
+    import yaml
+
+    from tokenmill.jobs.cli import main as cli_main
+
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    job = tmp_path / "job.yaml"
+    spec = job_dict(model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1})
+    job.write_text(yaml.safe_dump(spec))
+    assert cli_main([str(job), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.source '{model}' cannot be loaded on Ray replica 0" in err, err
+    assert "safetensors" in err

@@ -46,6 +46,11 @@ class ReplicaEngineError(RuntimeError):
     """The replica's engine raised; the replica must restart before it runs anything."""
 
 
+class ReplicaModelError(ValueError):
+    """The replica cannot load the model (its files: an unsupported architecture, corrupt
+    weights, a path missing on that node): a rerun does not help until it is fixed."""
+
+
 @dataclass(frozen=True)
 class ReplicaInfo:
     """A replica process that has loaded its model: its pid (one process per incarnation),
@@ -110,7 +115,12 @@ class EngineReplica:
         from tokenmill.jobs.local_executor import RowProcessor
 
         start = time.monotonic()
-        self._processor = RowProcessor(JobSpec.from_dict(spec_dict))
+        self._load_error: str | None = None  # ready() raises it: a typed error reaches the
+        try:  # driver from a method, but only as text from a constructor
+            self._processor = RowProcessor(JobSpec.from_dict(spec_dict))
+        except (ValueError, FileNotFoundError) as exc:
+            self._load_error = f"{type(exc).__name__}: {exc}"
+            return
         self._processor.model_name = model_name  # the spec's own spelling, as local names it
         self._info = ReplicaInfo(
             os.getpid(), ray.get_runtime_context().get_node_id(), time.monotonic() - start
@@ -125,8 +135,10 @@ class EngineReplica:
         threading.Thread(target=self._serve, name="tokenmill-replica-engine", daemon=True).start()
 
     def ready(self) -> ReplicaInfo:
-        """This process's pid, node and model load time. Raises ReplicaEngineError when its
-        engine has failed."""
+        """This process's pid, node and model load time. Raises ReplicaModelError when the
+        model did not load, ReplicaEngineError when its engine has failed."""
+        if self._load_error is not None:
+            raise ReplicaModelError(self._load_error)
         self._check()
         return self._info
 

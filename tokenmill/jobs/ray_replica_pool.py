@@ -41,8 +41,9 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from tokenmill.jobs.ray_chunks import Chunk
-from tokenmill.jobs.ray_replica import ChunkResult, EngineReplica, ReplicaInfo
+from tokenmill.jobs.ray_replica import ChunkResult, EngineReplica, ReplicaInfo, ReplicaModelError
 from tokenmill.jobs.ray_stall_watch import StallWatch
+from tokenmill.jobs.spec import JobSpecError
 
 __all__ = [
     "MAX_FAILED_STARTS",
@@ -277,6 +278,11 @@ class ReplicaPool:
         return ReplicaLost(slot, chunks, alone=len(chunks) == 1, reason=reason)
 
     def _start_failed(self, slot: ReplicaSlot, exc: BaseException) -> None:
+        if isinstance(exc, ReplicaModelError):  # Ray's error is also the replica's type
+            raise JobSpecError(
+                f"model.source {self._model!r} cannot be loaded on Ray replica {slot.index}: "
+                f"{str(exc.args[0] if exc.args else exc).splitlines()[-1]}"
+            ) from None
         if isinstance(exc, RayActorError) and exc.actor_init_failed:
             raise ReplicaStartError(
                 f"a Ray replica could not load model.source {self._model!r}: {exc}. Every node "
