@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from tests.io.readers.reader_files import read, summary, write_parquet
 from tokenmill.io.readers import parquet_records
+from tokenmill.io.readers.compression import CorruptInputError
 
 
 def test_rows_ids_and_passthrough(tmp_path):
@@ -93,3 +95,34 @@ def test_a_truncated_or_corrupt_parquet_file_is_corrupt_input(tmp_path):
     for f in (cut, mid):
         with pytest.raises(CorruptInputError, match=str(f)):
             read(f)
+
+
+def test_a_value_python_cannot_hold_is_its_rows_error_not_the_files(tmp_path, monkeypatch):
+    """A timestamp past year 9999 raised out of the reader (exit 1 on every rerun); a
+    time64[ns] value with nanoseconds was cut to microseconds without a word."""
+    monkeypatch.setattr(parquet_records, "PARQUET_BATCH_ROWS", 4)
+    stamps = [1_700_000_000_000] * 6
+    stamps[4] = 10**15  # year 33658
+    times = [1_000_000_000] * 6
+    times[1] = 1_000_000_001
+    table = pa.table({
+        "id": [f"r{i}" for i in range(6)], "prompt": ["hi"] * 6,
+        "when": pa.array(stamps, pa.timestamp("ms")), "at": pa.array(times, pa.time64("ns")),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "a.parquet")
+    rows = read(tmp_path / "a.parquet", passthrough_columns=("when", "at"))
+    assert summary(rows) == [(i, f"r{i}" if i not in (1, 4) else f"a.parquet:{i}", i not in (1, 4))
+                             for i in range(6)]  # fmt: skip
+    assert "column 'at' holds a time64[ns] value with nanoseconds" in rows[1].error
+    assert "column 'when' holds a timestamp[ms] value Python cannot hold" in rows[4].error
+    assert rows[5].passthrough["at"] == rows[0].passthrough["at"]
+
+
+def test_two_columns_of_one_name_are_refused(tmp_path):
+    table = pa.Table.from_arrays(
+        [pa.array(["r0"]), pa.array(["short"]), pa.array(["long prompt"])],
+        names=["id", "prompt", "prompt"],
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    with pytest.raises(CorruptInputError, match="has 2 columns named 'prompt'"):
+        read(tmp_path / "a.parquet")

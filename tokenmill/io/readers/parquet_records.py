@@ -1,10 +1,18 @@
-"""ParquetRecords: stream a Parquet file in record batches, reading only the needed columns."""
+"""ParquetRecords: stream a Parquet file in record batches, reading only the needed columns.
+
+Values become Python objects a batch at a time. A value Python cannot hold makes its row an
+error naming it, not the file's (a timestamp past year 9999, a struct with two fields of one
+name); so does a ``time64[ns]`` value with nanoseconds, which ``datetime.time`` would cut to
+microseconds. A file with two columns of one name that the job reads is refused: which one
+a row would take is not defined.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -46,6 +54,13 @@ class ParquetRecords:
         schema = self._parquet.schema_arrow
         self._columns = tuple(schema.names)
         self._types = {f.name: f.type for f in schema}
+        twice = sorted({c for c in self._wanted if self._columns.count(c) > 1})
+        if twice:
+            self.__exit__()
+            raise CorruptInputError(
+                f"{self.url} has {self._columns.count(twice[0])} columns named {twice[0]!r}; "
+                "a row could take either: rename or drop the extra ones"
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -71,8 +86,8 @@ class ParquetRecords:
         position = 0
         try:
             for batch in self._parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
-                for value in batch.to_pylist():
-                    yield Record(position, value=value)
+                for record in _records(batch, position):
+                    yield record
                     position += 1
         except (pa.ArrowException, OSError) as e:
             if not _corrupt(e):
@@ -91,3 +106,57 @@ def _corrupt(exc: BaseException) -> bool:
     if isinstance(exc, pa.ArrowException):
         return True
     return type(exc) is OSError and exc.errno is None
+
+
+def _records(batch: pa.RecordBatch, start: int) -> list[Record]:
+    """The batch's rows as Records from row ``start``: its values as Python objects, a row
+    whose value cannot be one (exactly) an error naming the column."""
+    bad = _inexact_rows(batch)
+    try:
+        values = batch.to_pylist()
+    except _UNCONVERTIBLE:
+        values = None  # find the rows: one at a time
+    records = []
+    for i in range(batch.num_rows):
+        if i in bad:
+            records.append(Record(start + i, error=bad[i]))
+            continue
+        if values is not None:
+            records.append(Record(start + i, value=values[i]))
+            continue
+        row = batch.slice(i, 1)
+        try:
+            records.append(Record(start + i, value=row.to_pylist()[0]))
+        except _UNCONVERTIBLE:
+            records.append(Record(start + i, error=_unconvertible(row)))
+    return records
+
+
+_UNCONVERTIBLE = (OverflowError, ValueError, NotImplementedError, pa.ArrowException)
+
+
+def _unconvertible(row: pa.RecordBatch) -> str:
+    """Which column of the one-row ``row`` Python cannot hold, and why."""
+    for name, column in zip(row.schema.names, row.columns, strict=True):
+        try:
+            column.to_pylist()
+        except _UNCONVERTIBLE as e:
+            return f"column {name!r} holds a {column.type} value Python cannot hold ({e})"
+    return "a value Python cannot hold"
+
+
+def _inexact_rows(batch: pa.RecordBatch) -> dict[int, str]:
+    """{row: why} for rows with a ``time64[ns]`` value that is not whole microseconds."""
+    bad: dict[int, str] = {}
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        if column.type != pa.time64("ns"):
+            continue
+        nanos = column.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+        for i in np.flatnonzero(nanos % 1000).tolist():
+            bad.setdefault(
+                i,
+                f"column {name!r} holds a time64[ns] value with nanoseconds, which cannot be "
+                "passed through exactly (Python's time holds microseconds); cast the column "
+                "to time64[us] or to int64",
+            )
+    return bad
