@@ -132,12 +132,23 @@ class InputSection(_Section):
     @field_validator("passthrough_columns")
     @classmethod
     def _no_clash(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        clash = sorted(set(value) & RESERVED_OUTPUT_COLUMNS)
+        # Case too: duckdb and Spark match column names without it (duckdb renamed a
+        # passthrough "Text" to "Text_1" and gave the generated text for "Text").
+        clash = sorted(c for c in value if c.lower() in RESERVED_OUTPUT_COLUMNS)
         if clash:
             raise ValueError(
-                f"{', '.join(clash)} would overwrite the output column(s) of that name; "
-                "rename them in the input or leave them out"
+                f"{', '.join(clash)} would overwrite the output column(s) of that name (names "
+                "are compared without case, as duckdb and Spark read them); rename them in "
+                "the input or leave them out"
             )
+        folded: dict[str, str] = {}
+        for column in value:
+            other = folded.setdefault(column.lower(), column)
+            if other != column:
+                raise ValueError(
+                    f"{other!r} and {column!r} differ only in case, which duckdb and Spark "
+                    "read as one column; pass one of them"
+                )
         return value
 
 
