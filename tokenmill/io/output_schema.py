@@ -140,7 +140,7 @@ def storable_type(dtype: pa.DataType) -> bool:
         sink = pa.BufferOutputStream()
         pq.write_table(pa.table({"c": pa.array([], type=dtype)}), sink)
         pq.read_table(pa.BufferReader(sink.getvalue()))
-    except (pa.ArrowException, TypeError, ValueError, OSError):
+    except (pa.ArrowException, TypeError, ValueError, OSError, NotImplementedError):
         return False
     return True
 

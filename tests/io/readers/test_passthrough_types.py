@@ -88,3 +88,25 @@ def test_parquet_files_whose_types_do_not_combine_are_refused(tmp_path) -> None:
 def test_no_passthrough_columns_reads_nothing(tmp_path) -> None:
     schema = passthrough_schema(_cfg(tmp_path / "missing.jsonl"))
     assert schema.passthrough == []
+
+
+def test_arrows_own_extension_types_pass_through(tmp_path) -> None:
+    """bool8 made every row an error (its booleans checked against int8 storage);
+    fixed_shape_tensor failed the job with exit 1 (NotImplementedError)."""
+    import numpy as np
+
+    tensor = pa.FixedShapeTensorArray.from_numpy_ndarray(
+        np.arange(8, dtype="float32").reshape(2, 2, 2)
+    )
+    flags = pa.array([1, 0], pa.int8()).cast(pa.bool8())
+    table = pa.table({"id": ["a", "b"], "prompt": ["p", "q"], "flag": flags, "t": tensor})
+    pq.write_table(table, tmp_path / "in.parquet")
+    cfg = _cfg(tmp_path / "in.parquet", "flag", "t")
+    out = passthrough_schema(cfg)
+    described = out.describe()
+    assert described["flag"] == "bool" and described["t"].startswith("fixed_size_list<")
+    rows = list(iter_input_rows(cfg, out))
+    assert [r.error for r in rows] == [None, None]
+    assert [r.passthrough["flag"] for r in rows] == [True, False]
+    written = out.column("t", [r.passthrough["t"] for r in rows], ["a", "b"])
+    assert written.to_pylist() == [[0, 1, 2, 3], [4, 5, 6, 7]]

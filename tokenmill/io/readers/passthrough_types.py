@@ -114,7 +114,9 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
     type's storage."""
     if pa.types.is_dictionary(dtype):
         return _plain(dtype.value_type)
-    if isinstance(dtype, pa.ExtensionType):
+    if isinstance(dtype, pa.BaseExtensionType):  # Arrow's own (bool8, uuid, ...) too
+        if dtype.extension_name == "arrow.bool8":
+            return pa.bool_()  # its values read as booleans, which int8 storage refuses
         return _plain(dtype.storage_type)
     return dtype
 
