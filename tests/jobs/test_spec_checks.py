@@ -449,9 +449,12 @@ def test_a_job_wide_logit_bias_past_the_vocabulary_fails_the_spec(
 @pytest.mark.parametrize(
     ("columns", "what"),
     [(["Text"], "Text would overwrite"), (["ID", "topic"], "ID would overwrite"),
-     (["Meta", "meta"], "'Meta' and 'meta' differ only in case")],
+     (["Meta", "meta"], "'Meta' and 'meta' differ only in case"),
+     (["\ud83d\ude00"], "is not valid Unicode")],
 )  # fmt: skip
-def test_passthrough_names_are_compared_without_case(columns: list[str], what: str) -> None:
+def test_passthrough_names_are_compared_without_case_and_must_be_unicode(
+    columns: list[str], what: str
+) -> None:
     """duckdb renamed a passthrough 'Text' to 'Text_1' and answered SELECT "Text" with the
     generated text."""
     assert what in _error(_raw(input={"path": "in.jsonl", "passthrough_columns": columns}))

@@ -141,6 +141,14 @@ class InputSection(_Section):
                 "are compared without case, as duckdb and Spark read them); rename them in "
                 "the input or leave them out"
             )
+        for column in value:
+            try:
+                column.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{column!r} is not valid Unicode (a lone surrogate: write the character "
+                    "itself, or its JSON escape as one pair)"
+                ) from None
         folded: dict[str, str] = {}
         for column in value:
             other = folded.setdefault(column.lower(), column)
