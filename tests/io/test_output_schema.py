@@ -176,3 +176,18 @@ def test_values_nested_too_deep_for_readers_are_json_text(tmp_path) -> None:
     for _ in range(8):
         shallow = [shallow]
     assert pa.types.is_list(inferred_field("shallow", [shallow]).type)
+
+
+def test_durations_are_one_iso_8601_text_whatever_their_unit() -> None:
+    """pyarrow hands over datetime.timedelta for s/ms/us and pandas' Timedelta for ns: JSONL
+    wrote '-1 day, 23:59:55' for one and 'P-1DT23H59M55S' for the other in one column."""
+    import datetime
+
+    import pyarrow as pa
+
+    from tokenmill.io.output_schema import json_default
+
+    for unit in ("s", "ms", "us", "ns"):
+        values = pa.array([-5, 86400], pa.duration("s")).cast(pa.duration(unit)).to_pylist()
+        assert [json_default(v) for v in values] == ["-PT5S", "PT86400S"], unit
+    assert json_default(datetime.timedelta(microseconds=90_500_000)) == "PT90.5S"

@@ -27,6 +27,7 @@ from a passthrough column of its name by its field metadata.
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -106,14 +107,27 @@ def _finite(value: Any) -> Any:
 
 
 def json_default(value: Any) -> Any:
-    """Values JSON lacks, as Parquet inputs hand them over: bytes, dates, decimals."""
+    """Values JSON lacks, as Parquet inputs hand them over: bytes, dates, decimals,
+    durations (ISO 8601 seconds, ``PT90.5S``, ``-PT5S``, whatever their unit: pyarrow hands
+    over ``datetime.timedelta`` for some units and pandas' ``Timedelta`` for ns)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode("ascii")
+    if isinstance(value, datetime.timedelta):
+        return _duration_text(value)
     if hasattr(value, "isoformat"):
         return value.isoformat()
     if hasattr(value, "tolist"):  # numpy scalars and arrays
         return value.tolist()
     return str(value)
+
+
+def _duration_text(value: datetime.timedelta) -> str:
+    nanos = getattr(value, "value", None)  # pandas' Timedelta: nanoseconds
+    if not isinstance(nanos, int):
+        nanos = ((value.days * 86400 + value.seconds) * 10**6 + value.microseconds) * 1000
+    sign, (seconds, fraction) = "-" if nanos < 0 else "", divmod(abs(nanos), 10**9)
+    decimals = f".{fraction:09d}".rstrip("0") if fraction else ""
+    return f"{sign}PT{seconds}{decimals}S"
 
 
 def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
