@@ -110,3 +110,19 @@ def test_arrows_own_extension_types_pass_through(tmp_path) -> None:
     assert [r.passthrough["flag"] for r in rows] == [True, False]
     written = out.column("t", [r.passthrough["t"] for r in rows], ["a", "b"])
     assert written.to_pylist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "why"),
+    [(pa.array([b"\x00"], pa.binary()), pa.array(["x"]), "string values would be written"),
+     (pa.array([2**63 + 1], pa.uint64()), pa.array([-1], pa.int64()), "uint64 values past")],
+)  # fmt: skip
+def test_types_arrow_combines_with_loss_are_refused_up_front(tmp_path, a, b, why) -> None:
+    """Arrow combines them (binary; int64), and every row whose value did not fit was
+    refused one by one: exit 2 up front instead, as for types that do not combine."""
+    for name, column in (("a", a), ("b", b)):
+        pq.write_table(
+            pa.table({"id": [name], "prompt": ["p"], "c": column}), tmp_path / f"{name}.parquet"
+        )
+    with pytest.raises(ValueError, match=f"do not combine into one type \\({why}"):
+        passthrough_schema(_cfg(tmp_path / "*.parquet", "c"))

@@ -126,6 +126,9 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
         merged = pa.unify_schemas(
             [pa.schema([(name, have)]), pa.schema([(name, dtype)])], promote_options="permissive"
         )
+        lossy = _lossy(have, merged.field(name).type) or _lossy(dtype, merged.field(name).type)
+        if lossy:
+            raise TypeError(lossy)
     except (pa.ArrowException, TypeError) as exc:
         raise ValueError(
             f"input.passthrough_columns: column {name!r} is {have} in {where} but {dtype} in "
@@ -134,3 +137,16 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
             "of input.passthrough_columns"
         ) from None
     return merged.field(name).type
+
+
+def _lossy(side: pa.DataType, merged: pa.DataType) -> str | None:
+    """Why ``side``'s values do not all fit ``merged``, the type Arrow combined it into
+    (text into binary, uint64 past 2**63 into int64: every such row would be refused)."""
+    texts = (pa.types.is_string(side) or pa.types.is_large_string(side)
+             or pa.types.is_string_view(side))  # fmt: skip
+    if texts and not (pa.types.is_string(merged) or pa.types.is_large_string(merged)
+                      or pa.types.is_string_view(merged)):  # fmt: skip
+        return f"{side} values would be written as {merged}"
+    if pa.types.is_uint64(side) and pa.types.is_int64(merged):
+        return "uint64 values past 2**63 do not fit int64"
+    return None
