@@ -309,6 +309,20 @@ def test_parquet_without_the_prompt_column_fails_up_front(
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_first_part_file_does_not_decide_the_columns(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A zero-row part file without the prompt column, sorted first, stopped the job (exit 2)
+    though every row's file has the column."""
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"id": pa.array([], pa.string())}), data / "part-0.parquet")
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": ["p1", "p2"]}), data / "part-1.parquet")
+    spec = job_dict(tiny_model, data / "*.parquet", tmp_path / "out")
+    spec["input"] |= {"messages_column": None, "prompt_column": "prompt", "passthrough_columns": []}
+    assert run_job(spec, show_progress=False).rows_ok == 2
+
+
 # 7. A YAML bomb ----------------------------------------------------------------------------
 
 

@@ -110,8 +110,18 @@ def check_input(spec: JobSpec) -> str:
                 f"that name (sampling.{column} is set); rename it in the input or leave it out"
             )
     if fmt == "parquet":
-        _check_parquet_columns(files[0], cfg)
+        _check_parquet_columns(_first_with_rows(files, cfg), cfg)
     return fmt
+
+
+def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
+    """The first Parquet file holding rows (an empty part file says nothing of the columns
+    the rows have); the first file when none does."""
+    for url in files[:64]:  # as format detection, a bounded look
+        with ParquetRecords(url, cfg.storage_options, []) as records:
+            if records.num_rows:
+                return url
+    return files[0]
 
 
 def _check_parquet_columns(url: str, cfg: InputConfig) -> None:

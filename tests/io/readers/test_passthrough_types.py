@@ -126,3 +126,16 @@ def test_types_arrow_combines_with_loss_are_refused_up_front(tmp_path, a, b, why
         )
     with pytest.raises(ValueError, match=f"do not combine into one type \\({why}"):
         passthrough_schema(_cfg(tmp_path / "*.parquet", "c"))
+
+
+def test_an_empty_part_file_gives_a_type_only_where_no_file_with_rows_does(tmp_path) -> None:
+    """A zero-row Spark part file holding the column as string stopped a job whose rows hold
+    it as int64 (exit 2: the two do not combine)."""
+    pq.write_table(
+        pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string()),
+                  "n": pa.array([], pa.string()), "only": pa.array([], pa.float32())}),
+        tmp_path / "part-0.parquet",
+    )  # fmt: skip
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "n": [7]}), tmp_path / "part-1.parquet")
+    schema = passthrough_schema(_cfg(tmp_path / "*.parquet", "n", "only"))
+    assert schema.describe() == {"n": "int64", "only": "float"}

@@ -72,6 +72,11 @@ class ParquetRecords:
     def has_column(self, name: str) -> bool:
         return name in self._columns
 
+    @property
+    def num_rows(self) -> int:
+        """Rows in the file, from its footer."""
+        return self._parquet.metadata.num_rows if self._parquet is not None else 0
+
     def column_types(self) -> dict[str, pa.DataType]:
         """{column: its Arrow type} from the file's schema."""
         return dict(self._types)

@@ -78,11 +78,16 @@ def _sampled(cfg: InputConfig) -> OutputSchema:
 
 def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
     found: dict[str, tuple[pa.DataType, str]] = {}  # column -> (its type, a file giving it)
+    # (url, types, whether it has no rows): an empty file gives a type only where no file
+    # with rows does (an empty Spark part file's string must not clash with int64 rows)
+    schemas = []
     for url in files:
         with ParquetRecords(url, cfg.storage_options, []) as records:
-            types = records.column_types()
+            schemas.append((url, records.column_types(), records.num_rows == 0))
+    schemas.sort(key=lambda s: s[2])
+    for url, types, no_rows in schemas:
         for name in cfg.passthrough_columns:
-            if name not in types:
+            if name not in types or (no_rows and name in found):
                 continue
             dtype = _plain(types[name])
             if name not in found:
