@@ -117,3 +117,30 @@ def test_a_reader_error_is_raised_by_take_after_the_rows_before_it(monkeypatch) 
             taken += len(feed.take(10, wait=True))
     feed.close()
     assert taken == 128  # the full batches before the failing one
+
+
+def test_a_stretch_of_bad_rows_is_handed_on_a_bounded_read_at_a_time(monkeypatch) -> None:
+    """One take read a whole input of bad rows (1M held in memory, no shard committed, a
+    SIGTERM unseen for the whole stretch): now it returns after TAKE_READ_ROWS, empty, and
+    says that the tracker has results to commit."""
+    monkeypatch.setattr(row_feed, "TAKE_READ_ROWS", 20)
+    source = _Input(200, bad_every=1)  # every row bad
+    bounds = PipelineBounds(batch_rows=5, read_ahead_rows=10, queued_shards=1)
+    monkeypatch.setattr(row_feed, "iter_input_rows", source.rows)
+    tracker = ShardTracker(10)
+    calls: list[int] = []
+    feed = RowFeed(
+        CFG, frozenset(), tracker, Progress(None, 0, enabled=False), "m", source.prepare, bounds,
+        on_results=lambda: calls.append(len(tracker.pop_complete())),
+    )  # fmt: skip
+    takes = 0
+    try:
+        while not feed.exhausted:
+            before = feed.rows_read
+            assert feed.take(8, wait=True) == []
+            assert feed.rows_read - before <= 20 + bounds.batch_rows
+            takes += 1
+    finally:
+        feed.close()
+    assert takes >= 200 // 25 and calls[0] >= 1  # shards go on while the input is read
+    assert sum(calls) + len(tracker.pop_complete()) == 20  # the last when the input ended

@@ -46,6 +46,9 @@ from tokenmill.jobs.shard_tracker import ShardTracker
 
 __all__ = ["FeedPlan", "RowFeed"]
 
+# Rows one ``take`` reads at most (beyond its gather): bounds the rows held, and the wait
+# before a cancel is seen, on a stretch of input the engine gets none of.
+TAKE_READ_ROWS = 4096
 _WAIT_S = 0.1  # how long a waiting ``take`` blocks before its caller re-checks ``cancel``
 _NO_FACTS: Facts = (0.0, None)  # without a plan: no work to sort by, no dedup key
 
@@ -73,6 +76,12 @@ class RowFeed:
     identical row's result and ``deduplicated_tokens`` their prompt and completion tokens
     (the engine's work saved). Call ``finished`` with each result the executor gives, and
     ``close`` when done (it stops the reader).
+
+    Rows that need no engine (bad rows, copies for duplicates) go to the tracker as results
+    while ``take`` reads; ``on_results`` is called after a ``take`` that gave it some, so
+    that their shards are committed then, not when the engine next returns a result. A
+    ``take`` reads at most ``TAKE_READ_ROWS`` rows (or its gather, if more), whatever it
+    found: on an input of bad rows it returns, empty, for its caller to see a cancel.
     """
 
     def __init__(
@@ -86,8 +95,10 @@ class RowFeed:
         bounds: PipelineBounds,
         schema: OutputSchema | None = None,
         plan: FeedPlan | None = None,
+        on_results: Callable[[], None] | None = None,
     ) -> None:
         self._tracker = tracker
+        self._on_results = on_results
         self._progress = progress
         self._model = model
         self._batch_rows = bounds.batch_rows
@@ -95,6 +106,7 @@ class RowFeed:
         self._input_done = False
         self.rows_read = 0
         self.rows_resumed = 0
+        self._direct = 0  # results given to the tracker without the engine
         facts = RowFacts(plan) if plan is not None else None
         batches = _read(
             cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema, facts
@@ -112,7 +124,11 @@ class RowFeed:
         in the plan's order; see RowSource. Marks each row seen by the tracker; bad rows go
         to it as results here, and so do copies for duplicates of finished rows."""
         gather = max(max_rows, self._ready.gather)
+        budget = self.rows_read + max(gather, TAKE_READ_ROWS)
+        direct = self._direct
         while len(self._ready) < gather and not self._input_done:
+            if self.rows_read >= budget:
+                break  # bad rows or copies only so far: hand them on, come back
             batch = self._ahead.get(_WAIT_S if wait and not self._ready else 0.0)
             if batch is None:
                 if self._ahead.exhausted:
@@ -120,6 +136,8 @@ class RowFeed:
                     self._tracker.input_done()
                 break
             self._accept(batch)
+        if self._direct != direct and self._on_results is not None:
+            self._on_results()
         return self._ready.take(max_rows)
 
     def finished(self, result: ResultRow) -> None:
@@ -152,6 +170,7 @@ class RowFeed:
             if isinstance(item, InputRow) and item.error is not None:
                 self._tracker.add_result(error_result(item, item.error, self._model))
                 self._progress.update(1, 0)
+                self._direct += 1
                 continue
             copy = self._ready.add(item, batch.facts[i] if batch.facts else _NO_FACTS)
             if copy is not None:
@@ -160,6 +179,7 @@ class RowFeed:
     def _add_copy(self, copy: ResultRow) -> None:
         """A row's copy of its duplicate's result, as its result."""
         self._tracker.add_result(copy)
+        self._direct += 1
         self._progress.update(1, 0)  # no engine tokens: the rates count the engine's work
 
 

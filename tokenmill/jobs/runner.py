@@ -241,6 +241,7 @@ def _run_locked(
         bounds,
         schema,
         feed_plan(spec),
+        on_results=lambda: _hand_over_complete(tracker, writer),  # bad rows' shards too
     )
     generating = time.monotonic()
     generated: float | None = None  # when the executor's stream ended
