@@ -170,3 +170,28 @@ def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     assert "tiny-llama-cpu (throughput_table.json)" in summary
     assert 'section "Session 7: CPU, after the torch backend\'s batched decode path"' in summary
     assert not out.exists()  # a dry run writes nothing
+
+
+def test_the_dry_run_refuses_a_huge_prompt_by_its_length_as_a_run_does(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It tokenized a 50 MB prompt in full before refusing it (91 s, 11.7 GB); the run
+    refuses by the characters alone, and so does the dry run now, with the run's words."""
+    from tokenmill.jobs import dry_run as dry_run_module
+
+    huge = "word " * 200_000
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}, {"id": "huge", "prompt": huge}]
+    )
+    spec = job_dict(tiny_model, src, tmp_path / "out")
+    spec["input"] |= {"messages_column": None, "prompt_column": "prompt", "passthrough_columns": []}
+    tokenized = []
+    real = dry_run_module.prompt_ids_for
+    monkeypatch.setattr(
+        dry_run_module,
+        "prompt_ids_for",
+        lambda row, tok: tokenized.append(row.row_id) or real(row, tok),
+    )
+    report = dry_run(JobSpec.from_dict(spec))
+    assert (report.rows, report.bad_rows, tokenized) == (2, 1, ["a"])
+    assert "prompt has 1,000,000 characters, so at least" in report.bad_examples[0][1]

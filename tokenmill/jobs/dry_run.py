@@ -26,6 +26,7 @@ from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.progress import format_duration
 from tokenmill.jobs.prompt_stats import PromptStats
+from tokenmill.jobs.ready_rows import RowPreparer
 from tokenmill.jobs.requests import (
     check_output_holds,
     prompt_ids_for,
@@ -158,6 +159,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     defaults: dict[str, Any] = spec.sampling.model_dump()
     stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
+    preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_model_len=max_len)
     for row in iter_input_rows(input_config(spec), schema):
         report.rows += 1
         reason = row.error
@@ -168,6 +170,9 @@ def dry_run(spec: JobSpec) -> DryRunReport:
                     params, spec.output.format, schema_prompt_logprobs, schema_logprobs
                 )
                 check_logit_bias_vocab(params, config.vocab_size)
+                reason = preparer.length_refusal(row)  # as a run: before tokenizing it
+                if reason is not None:
+                    raise ValueError(reason)
                 ids = prompt_ids_for(row, tokenizer)
                 if len(ids) >= max_len:
                     reason = f"{len(ids)} prompt tokens exceed the context ({max_len})"

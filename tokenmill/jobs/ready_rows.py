@@ -135,6 +135,12 @@ class RowPreparer:
                 return None
         return row.prompt
 
+    def length_refusal(self, row: InputRow) -> str | None:
+        """Why ``row``'s prompt cannot fit by its length alone (``_too_long``), or None: what
+        a run refuses before tokenizing, for the dry run to refuse alike."""
+        text = self._text(row)
+        return None if text is None else self._too_long(text)
+
     def _too_long(self, text: str) -> str | None:
         """Why ``text`` cannot fit the engine's context whatever its tokens, or None. No
         token of the vocabulary spells more than ``_chars_per_token`` characters, so a text
