@@ -195,3 +195,26 @@ def test_the_dry_run_refuses_a_huge_prompt_by_its_length_as_a_run_does(
     report = dry_run(JobSpec.from_dict(spec))
     assert (report.rows, report.bad_rows, tokenized) == (2, 1, ["a"])
     assert "prompt has 1,000,000 characters, so at least" in report.bad_examples[0][1]
+
+
+def test_the_dry_run_says_how_far_it_has_read(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It printed nothing for minutes on a big input (115 s on 1M rows)."""
+    import logging
+
+    from tokenmill.jobs import dry_run as dry_run_module
+
+    monkeypatch.setattr(dry_run_module, "PROGRESS_EVERY_S", 0.0)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    with caplog.at_level(logging.INFO, logger="tokenmill.jobs"):
+        dry_run(JobSpec.from_dict(job_dict(tiny_model, src, tmp_path / "out")))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dry run: ")]
+    assert [line.split(" rows read")[0] for line in lines] == [
+        "dry run: 1",
+        "dry run: 2",
+        "dry run: 3",
+    ]

@@ -13,6 +13,8 @@ benchmark measured on its own workload (throughput_table.py, which says how the 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +39,10 @@ from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
 from tokenmill.jobs.throughput_table import Estimate, estimate_time, model_params
 
+log = logging.getLogger("tokenmill.jobs")
+
 MAX_EXAMPLES = 20
+PROGRESS_EVERY_S = 10.0  # a line while it reads: 1M rows take minutes
 MAX_TRACKED_BLOCKS = 2_000_000  # bounds the memory of the shared-prefix estimate (~140 MB)
 MAX_TRACKED_ROWS = 1_000_000  # duplicates are exact up to this many distinct rows (~70 MB)
 
@@ -160,8 +165,17 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
     preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_model_len=max_len)
+    started = shown = time.monotonic()
     for row in iter_input_rows(input_config(spec), schema):
         report.rows += 1
+        if time.monotonic() - shown >= PROGRESS_EVERY_S:
+            shown = time.monotonic()
+            log.info(
+                "dry run: %s rows read (%s bad) in %s",
+                f"{report.rows:,}",
+                f"{report.bad_rows:,}",
+                format_duration(shown - started),
+            )
         reason = row.error
         if reason is None:
             try:
