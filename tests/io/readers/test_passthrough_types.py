@@ -139,3 +139,15 @@ def test_an_empty_part_file_gives_a_type_only_where_no_file_with_rows_does(tmp_p
     pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "n": [7]}), tmp_path / "part-1.parquet")
     schema = passthrough_schema(_cfg(tmp_path / "*.parquet", "n", "only"))
     assert schema.describe() == {"n": "int64", "only": "float"}
+
+
+def test_a_type_parquet_cannot_store_is_json_text_and_said_so(tmp_path, caplog) -> None:
+    """list<uuid> became a JSON text column without a word."""
+    import uuid
+
+    ids = pa.array([uuid.UUID(int=1).bytes], pa.binary(16)).cast(pa.uuid())
+    uuids = pa.ListArray.from_arrays(pa.array([0, 1], pa.int32()), ids)
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "u": uuids}), tmp_path / "in.parquet")
+    schema = passthrough_schema(_cfg(tmp_path / "in.parquet", "u"))
+    assert schema.describe() == {"u": "json text"}
+    assert any("'u': its type list<" in r.getMessage() for r in caplog.records)

@@ -100,8 +100,15 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
     for name in cfg.passthrough_columns:
         if name in found and storable_type(found[name][0]):
             fields.append(pa.field(name, found[name][0]))
-        else:  # in no input file: every value is null
-            fields.append(json_text_field(name))
+            continue
+        if name in found:  # a type Parquet cannot store (list<uuid>, very deep lists)
+            log.warning(
+                "input.passthrough_columns %r: its type %s cannot be written to Parquet as it "
+                "is, so its values are written as JSON text",
+                name,
+                found[name][0],
+            )
+        fields.append(json_text_field(name))  # else in no input file: every value is null
     absent = [n for n in cfg.passthrough_columns if n not in found]
     if absent:
         log.warning(
