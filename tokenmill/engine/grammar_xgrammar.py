@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -70,15 +70,33 @@ def check_for_xgrammar(spec: str) -> None:
     """Raise ValueError naming ``SamplingParams.structured_output`` when the xgrammar backend
     cannot run the canonical constraint ``spec`` (no tokenizer needed: a job's spec is
     checked before its model loads)."""
-    xgr = load_xgrammar()
+    grammar = load_xgrammar().Grammar
+    _built(spec, grammar.from_regex, grammar.from_ebnf, grammar.from_json_schema)
+
+
+def _built(
+    spec: str,
+    regex: Callable[[str], Any],
+    ebnf: Callable[[str], Any],
+    schema: Callable[..., Any],
+) -> Any:
+    """What ``regex``, ``ebnf`` or ``schema`` (xgrammar's compilers, with or without a
+    tokenizer) make of the canonical constraint ``spec``, after refusing what xgrammar would
+    not enforce (xgrammar_limits.py). Raises ValueError naming ``SamplingParams
+    .structured_output``."""
     try:
         if spec.startswith(REGEX_PREFIX):
             check_regex(spec[len(REGEX_PREFIX) :])
-            xgr.Grammar.from_regex(spec[len(REGEX_PREFIX) :])
-        elif not spec.startswith(CHOICE_PREFIX):
-            schema = _ANY_OBJECT if spec == JSON_OBJECT else spec
-            check_schema(schema)
-            xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))
+            return regex(spec[len(REGEX_PREFIX) :])
+        if spec.startswith(CHOICE_PREFIX):
+            choices = json.loads(spec[len(CHOICE_PREFIX) :])
+            return ebnf(  # characters as they are: an escaped astral one (\ud83d\ude00)
+                "root ::= "  # would be two broken halves
+                + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            )
+        text = _ANY_OBJECT if spec == JSON_OBJECT else spec
+        check_schema(text)
+        return schema(text, any_whitespace=False, separators=(",", ":"))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(
             f"{_PARAM}: xgrammar cannot use this {describe(spec)}: {_message(exc)}"
@@ -131,14 +149,13 @@ class XgrammarGrammars:
         bitmask."""
         places = None if at is None else list(at)
         self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask, places)
-        json_rows = [i for i, (_, json_output) in enumerate(rows) if json_output]
-        if len(json_rows) == len(rows) and places is None:
+        kinds: tuple[list[int], list[int]] = ([], [])  # rows of (regex and choice, JSON)
+        for i, (_, json_output) in enumerate(rows):
+            kinds[json_output].append(i)
+        if not kinds[False] and places is None:
             mask[: len(rows)] &= self._json_tokens
             return
-        for tokens, chosen in (
-            (self._json_tokens, json_rows),
-            (self._text_tokens, [i for i, (_, json_output) in enumerate(rows) if not json_output]),
-        ):
+        for tokens, chosen in ((self._text_tokens, kinds[False]), (self._json_tokens, kinds[True])):
             if chosen:
                 mask[chosen if places is None else [places[i] for i in chosen]] &= tokens
 
@@ -193,23 +210,9 @@ class XgrammarGrammars:
         if self._compiler is None:
             self._load()
         compiler = self._compiler
-        try:
-            if spec.startswith(REGEX_PREFIX):
-                check_regex(spec[len(REGEX_PREFIX) :])
-                return compiler.compile_regex(spec[len(REGEX_PREFIX) :])
-            if spec.startswith(CHOICE_PREFIX):
-                choices = json.loads(spec[len(CHOICE_PREFIX) :])
-                return compiler.compile_grammar(  # characters as they are: an escaped
-                    "root ::= "  # astral one (\ud83d\ude00) would be two broken halves
-                    + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-                )
-            schema = _ANY_OBJECT if spec == JSON_OBJECT else spec
-            check_schema(schema)
-            return compiler.compile_json_schema(schema, any_whitespace=False, separators=(",", ":"))
-        except (RuntimeError, ValueError, TypeError) as exc:
-            raise ValueError(
-                f"{_PARAM}: xgrammar cannot use this {describe(spec)}: {_message(exc)}"
-            ) from None
+        return _built(
+            spec, compiler.compile_regex, compiler.compile_grammar, compiler.compile_json_schema
+        )
 
     def _load(self) -> None:
         require_tokenizer(self._tokenizer)
