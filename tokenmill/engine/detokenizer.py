@@ -27,7 +27,6 @@ counts to the token, not to the step.
 
 from __future__ import annotations
 
-import json
 import re
 import weakref
 
@@ -51,10 +50,10 @@ def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     if known is not None:
         return known
     ids: frozenset[int] = frozenset()
+    # The decoder's repr lists its steps (Sequence(decoders=[..., ByteFallback(), ...])):
+    # no need to serialize the whole tokenizer, megabytes for a large vocabulary.
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and '"ByteFallback"' in json.dumps(
-        json.loads(backend.to_str()).get("decoder")
-    ):
+    if backend is not None and "ByteFallback(" in repr(backend.decoder):
         vocab = tokenizer.get_vocab()
         ids = frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
     _byte_tokens[tokenizer] = ids

@@ -15,6 +15,7 @@ from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
+from tokenmill.io.readers.format_detection import LOOK_AT_FILES
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
 from tokenmill.jobs.error_chain import in_chain
@@ -117,7 +118,7 @@ def check_input(spec: JobSpec) -> str:
 def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
     """The first Parquet file holding rows (an empty part file says nothing of the columns
     the rows have); the first file when none does."""
-    for url in files[:64]:  # as format detection, a bounded look
+    for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
         with ParquetRecords(url, cfg.storage_options, []) as records:
             if records.num_rows:
                 return url

@@ -49,7 +49,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     # The first line that says something: empty part files (routine in Spark / Hadoop
     # exports) say nothing.
     first_line = ""
-    for first in files[:_LOOK_AT]:
+    for first in files[:LOOK_AT_FILES]:
         first_line = _first_line(first, storage_options or {})
         if first_line:
             break
@@ -91,8 +91,8 @@ def _refuse_compressed_parquet(url: str) -> None:
         )
 
 
-# Files opened at most to find the first non-blank line.
-_LOOK_AT = 64
+# Files opened at most to find one that says something (a non-blank line, Parquet rows).
+LOOK_AT_FILES = 64
 
 
 def _first_line(url: str, storage_options: dict[str, Any]) -> str:

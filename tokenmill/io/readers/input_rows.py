@@ -53,7 +53,7 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
     for url, name in zip(files, display_names(files), strict=True):
         with _open_source(url, fmt, cfg) as source:
             maker = _RowMaker(
-                url,
+                hide_url_secrets(url),  # the rows' sources name the file, never a password
                 name,
                 _parser(fmt, cfg, source),
                 fmt == "openai-batch",
@@ -115,7 +115,7 @@ def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
 class _RowMaker:
     """Builds the InputRow of each Record of one file: parse, then the duplicate check."""
 
-    url: str
+    url: str  # as shown: a password in it masked
     name: str  # the file's display name, for fallback ids
     parse: Parse
     batch: bool  # OpenAI Batch input: error rows carry custom_id and endpoint
@@ -126,7 +126,7 @@ class _RowMaker:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
         error file adds ``source`` once). A bad row claims its id (a later row with it is a
         duplicate, not a fix); an id already taken is never reused by an error row."""
-        source = f"{hide_url_secrets(self.url)}:{record.position}"
+        source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None:
             return InputRow(row_index, fallback_id, source, error=record.error)
