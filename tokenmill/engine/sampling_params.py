@@ -191,11 +191,16 @@ def check_logit_bias(
 def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Raise ValueError when ``params.logit_bias`` names ids outside ``[0, vocab_size)``
     (the sampler's sparse add needs every id to be a column of the logits)."""
-    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    bad = ids_outside_vocab(params.logit_bias, vocab_size)
     if bad:
         raise ValueError(
             f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         )
+
+
+def ids_outside_vocab(logit_bias: Mapping[int, float] | None, vocab_size: int) -> list[int]:
+    """The token ids of ``logit_bias`` outside ``[0, vocab_size)``, in order."""
+    return sorted(t for t in logit_bias or () if not 0 <= t < vocab_size)
 
 
 def _token_id(key: object) -> int | None:

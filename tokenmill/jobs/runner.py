@@ -33,6 +33,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
+from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import input_fingerprint
 from tokenmill.io.storage import OutputStore
@@ -103,7 +104,7 @@ def settings_of(spec: JobSpec) -> JobSettings:
         vocab = source.load_config().vocab_size if spec.sampling.logit_bias else 0
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
-    outside = sorted(t for t in spec.sampling.logit_bias or {} if not 0 <= t < vocab)
+    outside = ids_outside_vocab(spec.sampling.logit_bias, vocab)
     if outside:  # every row would fail on them
         raise JobSpecError(
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "

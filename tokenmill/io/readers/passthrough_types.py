@@ -154,11 +154,16 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
 def _lossy(side: pa.DataType, merged: pa.DataType) -> str | None:
     """Why ``side``'s values do not all fit ``merged``, the type Arrow combined it into
     (text into binary, uint64 past 2**63 into int64: every such row would be refused)."""
-    texts = (pa.types.is_string(side) or pa.types.is_large_string(side)
-             or pa.types.is_string_view(side))  # fmt: skip
-    if texts and not (pa.types.is_string(merged) or pa.types.is_large_string(merged)
-                      or pa.types.is_string_view(merged)):  # fmt: skip
+    if _is_text(side) and not _is_text(merged):
         return f"{side} values would be written as {merged}"
     if pa.types.is_uint64(side) and pa.types.is_int64(merged):
         return "uint64 values past 2**63 do not fit int64"
     return None
+
+
+def _is_text(dtype: pa.DataType) -> bool:
+    return (
+        pa.types.is_string(dtype)
+        or pa.types.is_large_string(dtype)
+        or pa.types.is_string_view(dtype)
+    )
