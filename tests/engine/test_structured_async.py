@@ -117,9 +117,9 @@ def _count_overlapped_grammar_launches(engine: LLMEngine) -> list[int]:
         finally:
             inside[0] = False
 
-    def counting_process(sched, launched, late=False):
+    def counting_process(sched, launched):
         counts[1] += inside[0]
-        return process(sched, launched, late)
+        return process(sched, launched)
 
     engine.runner.launch = counting
     engine._process = counting_process

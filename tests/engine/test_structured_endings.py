@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,12 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model("llama", tmp_path_factory.mktemp("endings") / "m")
 
 
-def _llm(path: Path, backend: str) -> LLM:
+def _llm(path: Path, backend: str, **kwargs: Any) -> LLM:
     if backend == "xgrammar":
         pytest.importorskip("xgrammar")
-    return LLM(str(path), device="cpu", dtype="float32", structured_output_backend=backend)
+    return LLM(
+        str(path), device="cpu", dtype="float32", structured_output_backend=backend, **kwargs
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -43,18 +46,25 @@ def test_a_rejected_token_ends_the_request_as_an_error(tiny_path: Path, backend:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("workers", [None, 2], ids=["in_process", "worker_processes"])
 def test_an_output_completed_by_its_last_allowed_token_is_stop(
-    tiny_path: Path, backend: str
+    tiny_path: Path, backend: str, workers: int | None
 ) -> None:
+    """In the engine's process and with worker processes answering while the next step's
+    masks fill (async scheduling): the grammar's end is known when the token is applied."""
     schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"],
               "additionalProperties": False}  # fmt: skip
-    llm = _llm(tiny_path, backend)
+    llm = _llm(tiny_path, backend, async_scheduling=True, structured_output_processes=workers)
     roomy = llm.generate([PROMPT], SamplingParams(max_tokens=32, structured_output=schema))[0]
     assert roomy.finish_reason == "stop" and json.loads(roomy.text) == {"a": 1}
-    exact, short = llm.generate(
-        [PROMPT, PROMPT],
+    # A longer constrained row beside them keeps the steps after theirs constrained (the
+    # step in flight is then processed while the next masks fill).
+    long = {"type": "array", "items": {"type": "integer"}, "minItems": 40}
+    exact, short, _ = llm.generate(
+        [PROMPT, PROMPT, PROMPT],
         [SamplingParams(max_tokens=n, structured_output=schema)
-         for n in (len(roomy.token_ids), len(roomy.token_ids) - 1)],
+         for n in (len(roomy.token_ids), len(roomy.token_ids) - 1)]
+        + [SamplingParams(max_tokens=64, structured_output=long)],
     )  # fmt: skip
     assert (exact.finish_reason, exact.text) == ("stop", roomy.text)
     assert short.finish_reason == "length"

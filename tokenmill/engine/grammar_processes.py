@@ -9,7 +9,7 @@ nothing, so N of them do a step's work in about 1/N of the time.
 
 Each worker process owns the matchers of the requests given to it (in turn, as they come)
 and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
-one thread. A step costs one message to each worker and one answer from it, over a socket
+one thread. A step costs one message to each worker and two answers from it, over a socket
 pair. Messages are raw int64 arrays (a kind, then keys and tokens or places), answers raw
 bytes: a step's hundreds of rows are never pickled, and the engine groups them by worker
 with numpy.
@@ -17,14 +17,12 @@ with numpy.
     add              sent, not answered (the spec was compiled here first, so it compiles)
     step             the matchers of finished requests to drop, the previous step's tokens
                      and this step's masks in one message (``send_step``; any part may be
-                     empty). The worker drops, takes its rows' tokens, writes its rows'
-                     masks at their places in the step's mask buffer, and then answers
-                     once: one status byte per token row (taken, stopped or rejected:
+                     empty). The worker drops, takes its rows' tokens and answers one
+                     status byte per row (taken, stopped or rejected:
                      structured_output_params), then the errors of rejected tokens as
-                     JSON, if any (an empty answer when it had no tokens): the engine
-                     reads the statuses after the masks anyway (structured_output.py),
-                     so a second answer would only cost two more system calls a worker
-                     and step. The mask buffers live in shared memory (the
+                     JSON, if any; then, without waiting for another message,
+                     writes its rows' masks at their places in the step's mask buffer and
+                     answers that they are in. The mask buffers live in shared memory (the
                      engine's two come from ``shared_masks``, pinned for CUDA with
                      cudaHostRegister, so the upload reads what the workers wrote; another
                      array is filled through a scratch buffer and a copy)
@@ -83,17 +81,16 @@ ADD, STEP, SHM, STOP = range(4)
 
 class _Sent:
     """A step's messages sent to the workers, whose answers are still to read: the
-    consume part's (its keys and each worker's indices into them; a worker's answer also
-    says its masks are in) and the fill part's (the workers with masks and no tokens, the
-    mask, and the places when it goes through the scratch buffer)."""
+    consume part's (its keys and each worker's indices into them) and the fill part's
+    (the workers, the mask, and the places when it goes through the scratch buffer)."""
 
     def __init__(self) -> None:
         self.keys = np.zeros(0, dtype=np.int64)
         self.consumed: list[tuple[int, np.ndarray]] = []
-        self.status: np.ndarray | None = None  # set once the consume answers are read
         self.filled: list[int] = []
         self.mask: np.ndarray | None = None
         self.scratch_places: np.ndarray | None = None
+        self.consume_read = False  # finish_consume has read the consume part's answers
 
 
 def _message(kind: int, *ints: np.ndarray | Sequence[int], text: str = "") -> bytes:
@@ -150,18 +147,17 @@ def _serve(conn: Connection, backend: Any) -> None:
             for key in body[:d].tolist():
                 matchers.pop(key, None)
             keys, tokens = _halves(body[d : d + 2 * n])
-            answer = b""
             if n:
                 rows = [matchers[key] for key in keys]
                 status = backend.consume(rows, tokens)
                 rejected = np.flatnonzero(status == REJECTED).tolist()
                 errors = {i: backend.error(rows[i]) for i in rejected}
                 answer = status.tobytes() + (json.dumps(errors).encode() if errors else b"")
+                conn.send_bytes(answer)
             keys, places = _halves(body[d + 2 * n :])
             if keys:
                 backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
-            if n or keys:
-                conn.send_bytes(answer)
+                conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
         elif kind == SHM:
@@ -359,19 +355,15 @@ class GrammarProcesses:
             slot = SCRATCH if shared is None else shared
             for worker, index in self._by_worker(keys):
                 part = parts.setdefault(worker, [(), (), (), (), ()])
-                if not len(part[1]):  # else its consume answer says the masks are in
-                    sent.filled.append(worker)
                 part[3:] = keys[index], places[index]
+                sent.filled.append(worker)
         for worker, (dropped, keys_c, tokens_c, keys_f, places_f) in parts.items():
             head = [slot, len(dropped), len(keys_c)]
             self._send(worker, _message(STEP, head, dropped, keys_c, tokens_c, keys_f, places_f))
         return sent
 
     def finish_consume(self, sent: _Sent) -> np.ndarray:
-        """The consume part's answers: [rows] uint8 statuses, as ``consume``. With a fill
-        part they come once the workers' masks are in too."""
-        if sent.status is not None:
-            return sent.status
+        """The consume part's answers: [rows] uint8 statuses, as ``consume``."""
         status = np.empty(len(sent.keys), dtype=np.uint8)
         for worker, index in sent.consumed:
             answer = self._recv(worker)
@@ -379,21 +371,19 @@ class GrammarProcesses:
             if len(answer) > len(index):  # the rejected rows' errors
                 for j, why in json.loads(answer[len(index) :]).items():
                     self._errors[int(sent.keys[index[int(j)]])] = why
-        sent.status = status
+        sent.consume_read = True
         return status
 
     def answered(self, sent: _Sent) -> bool:
         """Whether every worker of ``sent`` has answered what is still to read (so its
-        masks are in), without waiting."""
-        unread = (
-            sent.filled if sent.status is not None else sent.filled + [w for w, _ in sent.consumed]
-        )
-        return all(self._conns[worker].poll() for worker in unread)
+        masks are in), without waiting. Before the consume part's answers are read, a
+        worker's waiting answer may be its statuses, not its masks: False then."""
+        if sent.consumed and not sent.consume_read:
+            return False
+        return all(self._conns[worker].poll() for worker in sent.filled)
 
     def finish_fill(self, sent: _Sent) -> None:
-        """Wait for the fill part's masks (reading the consume answers first, if not yet:
-        the workers that had tokens answer for both)."""
-        self.finish_consume(sent)
+        """Wait for the fill part's masks (after ``finish_consume`` when it had one)."""
         for worker in sent.filled:
             self._recv(worker)
         if sent.scratch_places is not None and sent.mask is not None:

@@ -470,12 +470,7 @@ class LLMEngine:
         once the step's forward pass is enqueued). With a step in flight (async
         scheduling), its tokens are waited for and fed to the grammars first: the masks
         follow them. Rows of the ``aborted`` requests (aborted after their step was
-        scheduled ahead) allow every token: their grammars are gone, their tokens dropped;
-        so do rows whose grammar has ended with a token of an earlier step and whose request
-        is finished when that step is processed (``_process``)."""
-        ending = self._grammars.ending
-        if ending:
-            aborted = ending if not aborted else aborted | ending
+        scheduled ahead) allow every token: their grammars are gone, their tokens dropped."""
         if not aborted:
             return self._live_bitmask(requests)
         keep = np.array([r.request_id not in aborted for r in requests], dtype=bool)
@@ -510,7 +505,7 @@ class LLMEngine:
         next ``step`` call schedules as usual: scheduling ahead then only held the sampling
         back (the host's work is the same either way). Not with a proposer: whether a step
         drafts is decided when it is scheduled, from the state then."""
-        self._process(sched, launched, late=True)
+        self._process(sched, launched)
         if self.scheduler.proposer is not None or self._grammars.masks_in():
             return
         ahead = self.scheduler.schedule(draft=False)
@@ -523,40 +518,31 @@ class LLMEngine:
             return
         self._fed = launched
         out = launched.output()
-        first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
-        self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
+        if len(out.rows):
+            first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
+            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
 
-    def _process(self, sched: SchedulerOutput, launched: LaunchedStep, late: bool = False) -> float:
+    def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host
-        ms spent (not counting the wait for the device).
-
-        Grammars that ended with this step's tokens end their requests after the tokens
-        are applied. ``late`` (while the grammar workers fill the next masks): only where
-        their answers are in already; the others, read once the fill is done, end their
-        requests when the next step is processed, before its tokens are applied, so those
-        tokens (sampled after the end, like the token of a row scheduled after its EOS) are
-        dropped: a row scheduled once more instead of a wait in the middle of the step."""
+        ms spent (not counting the wait for the device)."""
         out = launched.output()
         t0 = time.perf_counter()
         self.runner.profiler.add_wait_ms(launched.wait_ms)
         if launched.prompt_logprobs is not None:  # before a request it ends is handed on
             self._prompt_logprobs.record(launched.prompt_logprobs)
         self._feed_grammars(sched, launched)
-        earlier: list[Request] = []
-        if len(self._grammars):  # grammars that earlier steps' tokens ended, not yet ended
-            earlier = self._end_grammars(before=self._grammars.num_feeds, wait=False)
         accepted = self.scheduler.stats.num_accepted_tokens
         update = self.scheduler.update_from_output(
             sched, out.rows, out.sampled_token_ids, out.counts
         )
         launched.accepted = self.scheduler.stats.num_accepted_tokens - accepted
-        finished = earlier + update.finished
+        finished = update.finished
         if out.sampler_output is not None and out.sampler_output.logprobs is not None:
             self._record_logprobs(sched, out, update.applied)
         if self._watched:
             finished += self._check_stop_strings()
         if len(self._grammars):
-            finished += self._end_grammars(wait=not late)
+            finished += self._end_grammars()
         self._finish(finished)
         return (time.perf_counter() - t0) * 1e3
 
@@ -588,15 +574,14 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return [self._tracked[rid].request for rid in stopped]
 
-    def _end_grammars(self, before: int | None = None, wait: bool = True) -> list[Request]:
+    def _end_grammars(self) -> list[Request]:
         """Finish the requests whose grammar the fed tokens completed, "stop", or that
         rejected one, "error" (the output does not follow the constraint: it is never passed
         off as complete), and return them. Those the step already ended keep their ending,
         except that one cut by its length on the token that completed its output stopped,
-        and one whose last token was rejected failed. ``before`` and ``wait`` as
-        ``StructuredOutputs.take_ended``'s."""
+        and one whose last token was rejected failed."""
         done: dict[RequestStatus, list[Request]] = {}
-        for rid in self._grammars.take_ended(before=before, wait=wait):
+        for rid in self._grammars.take_ended():
             req, why = self._tracked[rid].request, self._grammars.rejection(rid)
             if why is not None:
                 req.error = f"structured output: the grammar rejected a sampled token ({why})"

@@ -45,12 +45,7 @@ How it meets the rest of the engine:
   request still has one are exactly the rows whose token the scheduler will apply. A row
   whose request ends with step n's token (EOS, a stop string, its grammar complete) was
   already scheduled in step n+1, as any row is with async scheduling; its mask there
-  allows EOS only and its token is dropped. With worker processes the answers saying which
-  grammars step n completed are read after step n+1's masks are filled, not in the middle
-  of processing step n (where the engine thread waited for them): step n+2, scheduled
-  meanwhile, holds those rows too, they take no mask (every token allowed) and no token
-  there (``ending``), and their requests end when step n+1 is processed, before its tokens
-  are applied (``LLMEngine._process``): one more row-step each instead of a wait a step.
+  allows EOS only and its token is dropped.
 - **Preemption.** Preemption recomputes: the request keeps its output tokens (they were all
   fed) and re-runs prompt + output; only its next sampled token is new to the grammar.
 - **Speculative decoding.** Rows with a grammar take no drafts (``core/drafts.py``), like
@@ -124,7 +119,6 @@ class _PendingFeed:
     rids: np.ndarray
     rows: list[Any]
     tokens: np.ndarray
-    number: int  # the feed's (``StructuredOutputs.num_feeds`` after it)
     sent: Any = None
 
 
@@ -249,10 +243,8 @@ class StructuredOutputs:
         self._rows: list[Any] = []
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
-        # (request id, the feed that ended it): fed to a stop or an error, not yet taken
-        self._ended: list[tuple[str, int]] = []
+        self._ended: list[str] = []  # fed to a stop or an error, not yet taken
         self._rejections: dict[str, str] = {}  # ended requests whose grammar rejected a token
-        self.num_feeds = 0  # feed calls so far: a step's feed is its number
         self._fed_pending: _PendingFeed | None = None
         # While ``bitmask`` runs ``beside`` with worker processes: the step sent to them
         # (``masks_in`` asks whether they have answered).
@@ -448,22 +440,13 @@ class StructuredOutputs:
         that grammar's last mask); the others (plain rows, finished requests) are skipped.
         Requests whose grammar now stops or rejects its token (logged) go to ``take_ended``.
 
-        Call it once per step (rows or none), before the scheduler applies the step's
-        tokens. Rows whose grammar has ended but whose request is not finished yet
-        (``ending``) take no token: their tokens are dropped. Raises RuntimeError for a
-        token no mask asked for (fed twice, or a drafted row).
+        Call it once per step, before the scheduler applies the step's tokens. Raises
+        RuntimeError for a token no mask asked for (fed twice, or a drafted row).
         """
         self._finish_feed()
-        self.num_feeds += 1
         t0 = time.perf_counter()
         index = self._indices(requests, missing="keep")
-        keep = index >= 0
-        if self._ended and keep.any():
-            ending = self.ending
-            keep &= np.fromiter(
-                (req.request_id not in ending for req in requests), dtype=bool, count=len(index)
-            )
-        kept = np.flatnonzero(keep)
+        kept = np.flatnonzero(index >= 0)
         if not len(kept):
             return
         index = index[kept]
@@ -481,11 +464,10 @@ class StructuredOutputs:
         if self._processes:
             # Sent with the next ``bitmask``'s fill, or alone by whatever reads the outcome
             # first.
-            self._fed_pending = _PendingFeed(rids, rows, tokens_fed, self.num_feeds)
+            self._fed_pending = _PendingFeed(rids, rows, tokens_fed)
             self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
-        status = self.backend.consume(rows, tokens_fed)
-        self._fed_outcome(rids, rows, status, t0, self.num_feeds)
+        self._fed_outcome(rids, rows, self.backend.consume(rows, tokens_fed), t0)
 
     def _finish_feed(self) -> None:
         """Read the answers of a feed sent to the worker processes, if one is pending."""
@@ -495,48 +477,36 @@ class StructuredOutputs:
             if pending.sent is None:
                 pending.sent = self.backend.send_step((pending.rows, pending.tokens))
             status = self.backend.finish_consume(pending.sent)
-            self._fed_outcome(pending.rids, pending.rows, status, t0, pending.number)
+            self._fed_outcome(pending.rids, pending.rows, status, t0)
 
     def _fed_outcome(
-        self, rids: np.ndarray, rows: list[Any], status: np.ndarray, t0: float, number: int
+        self, rids: np.ndarray, rows: list[Any], status: np.ndarray, t0: float
     ) -> None:
-        """Requests whose grammar rejected or completed with its token go to ``take_ended``
-        (noted with the feed ``number``); the feed's time since ``t0`` is counted."""
+        """Requests whose grammar rejected or completed with its token go to ``take_ended``;
+        the feed's time since ``t0`` is counted."""
         for i in np.flatnonzero(status).tolist():
             if status[i] == REJECTED:  # the matcher is left in its error state
                 why = self.backend.error(rows[i])
                 log.warning("request %s: its grammar rejected a sampled token (%s)", rids[i], why)
                 self._rejections[rids[i]] = why
-            self._ended.append((rids[i], number))
+            self._ended.append(rids[i])
         stats = self.stats
         stats.feeds += 1
         stats.fed_rows += len(rows)
         stats.feed_ms += (time.perf_counter() - t0) * 1e3
 
-    def take_ended(self, before: int | None = None, wait: bool = True) -> list[str]:
+    def take_ended(self) -> list[str]:
         """The ids of requests whose grammar has stopped (the output is complete: nothing
         but EOS may follow) or failed since the last call, among those not dropped since:
-        the caller finishes them. ``before``: only those ended by feeds numbered below it
-        (the others stay for a later call); ``wait``: read a pending feed's answers first
-        (worker processes), else take only what is known."""
-        if wait:
-            self._finish_feed()
+        the caller finishes them."""
+        self._finish_feed()
         if not self._ended:
             return []
-        if before is None:
-            taken, self._ended = self._ended, []
-        else:
-            taken = [(rid, n) for rid, n in self._ended if n < before]
-            self._ended = [(rid, n) for rid, n in self._ended if n >= before]
-        return [rid for rid, _ in taken if rid in self._index]
+        ended = [rid for rid in self._ended if rid in self._index]
+        self._ended = []
+        return ended
 
     def rejection(self, request_id: str) -> str | None:
         """Why the grammar of an ended request rejected its last token, once; None when the
         grammar completed instead."""
         return self._rejections.pop(request_id, None)
-
-    @property
-    def ending(self) -> set[str]:
-        """Requests whose grammar has ended and that the engine has not finished yet: their
-        rows take no mask and no token any more."""
-        return {rid for rid, _ in self._ended if rid in self._index}
