@@ -4,6 +4,7 @@ output completed by the token that reaches max_tokens is "stop", not "length".""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ def test_a_rejected_token_ends_the_request_as_an_error(tiny_path: Path, backend:
     assert out.error is not None and "grammar rejected a sampled token" in out.error
     assert plain.error is None and len(plain.token_ids) == 5
     assert len(llm.engine._grammars) == 0
+    # With n = 2 the prompt fails too (a job writes it as an error row, not "length").
+    (both,) = llm.generate([PROMPT], dataclasses.replace(params, n=2))
+    assert [c.finish_reason for c in both.outputs] == ["error", "error"]
+    assert both.error is not None and both.error.startswith("completion 0: structured output")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,7 +9,7 @@ import pytest
 
 from tokenmill import SamplingParams
 from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from tokenmill.engine.sample_groups import sample_seed
+from tokenmill.engine.sample_groups import SampleGroup, sample_seed
 
 SYSTEM = (
     "You are a careful assistant for a school. Answer in plain words, keep answers short, "
@@ -111,6 +111,31 @@ def test_sample_seeds() -> None:
     assert len(set(seeds)) == 49 and all(0 <= s < 2**63 for s in seeds)
     assert seeds == [sample_seed(7, i) for i in range(1, 50)]
     assert sample_seed(8, 1) != sample_seed(7, 1)
+
+
+def _sample(rid: str, logprob: float, error: str | None = None) -> RequestOutput:
+    return RequestOutput(rid, [1, 2], "x", [3], "error" if error else "stop", error=error,
+                         outputs=[CompletionOutput(0, "x", [3], logprob, None,
+                                                   "error" if error else "stop")])  # fmt: skip
+
+
+def test_a_failed_completion_fails_its_prompt_and_ranks_last() -> None:
+    """A completion whose grammar rejected a token (finish "error") is never passed off as
+    a result: the prompt's output names it in ``error``; best_of ranks failed samples last,
+    so the n returned are the ones that did not fail, when there are n."""
+    group = SampleGroup.of("p", SamplingParams(n=2))
+    ids = [rid for rid, _ in group.requests()]
+    out = group.gather({ids[0]: _sample(ids[0], -1.0), ids[1]: _sample(ids[1], -2.0, "bad")})
+    assert out.error == "completion 1: bad" and not out.ok
+    assert [c.finish_reason for c in out.outputs] == ["stop", "error"]
+    ranked = SampleGroup.of("q", SamplingParams(n=2, best_of=3, logprobs=0))
+    ids = [rid for rid, _ in ranked.requests()]
+    samples = {ids[0]: _sample(ids[0], -5.0), ids[1]: _sample(ids[1], -0.1, "bad"),
+               ids[2]: _sample(ids[2], -3.0)}  # fmt: skip
+    best = ranked.gather(samples)
+    assert best.error is None and [c.cumulative_logprob for c in best.outputs] == [-3.0, -5.0]
+    samples[ids[0]] = _sample(ids[0], -5.0, "worse")
+    assert ranked.gather(samples).error == "completion 1: bad"  # of the two failed, the likelier
 
 
 # ---- best_of ----------------------------------------------------------------------------

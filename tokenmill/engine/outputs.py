@@ -82,9 +82,10 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished request. ``error`` is set (and ``finish_reason == "error"``) when the
-    request could not run, e.g. a prompt longer than the model's context; the other
-    requests of the batch are unaffected.
+    """A finished request. ``error`` is set when the request could not run, e.g. a prompt
+    longer than the model's context, or one of its completions failed (that completion's
+    ``finish_reason`` is "error": a grammar rejected a sampled token); the other requests of
+    the batch are unaffected.
 
     Built from the flat fields (one completion; ``outputs`` is then derived from them) or by
     ``from_completions``. ``prompt`` is the prompt's text where there was one (a text prompt,
@@ -147,9 +148,11 @@ class RequestOutput:
         prompt: str | None = None,
         num_cached_tokens: int = 0,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
+        error: str | None = None,
     ) -> RequestOutput:
         """A RequestOutput holding ``completions`` (at least one; indexes 0, 1, 2, ...), its
-        flat fields taken from the first. Raises ValueError when ``completions`` is empty."""
+        flat fields taken from the first; ``error`` set when one of them failed. Raises
+        ValueError when ``completions`` is empty."""
         if not completions:
             raise ValueError(f"RequestOutput {request_id!r}: needs at least one completion")
         first = completions[0]
@@ -165,6 +168,7 @@ class RequestOutput:
             outputs=list(completions),
             prompt=prompt,
             prompt_logprobs=prompt_logprobs,
+            error=error,
         )
 
     @property

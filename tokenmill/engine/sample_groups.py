@@ -69,8 +69,10 @@ class SampleGroup:
         order = list(range(len(outs)))
         if self.num_samples > p.n:
             # Every output of a ranked group has a cumulative logprob: its requests asked.
-            order.sort(key=lambda i: -_score(outs[i]))
+            # A failed sample's output is no candidate: it ranks after every other.
+            order.sort(key=lambda i: (outs[i].error is not None, -_score(outs[i])))
             order = order[: p.n]
+        failed = [(rank, outs[i].error) for rank, i in enumerate(order) if outs[i].error]
         completions = [
             dataclasses.replace(
                 outs[i].outputs[0],
@@ -86,6 +88,7 @@ class SampleGroup:
             prompt=prompt,
             num_cached_tokens=outs[order[0]].num_cached_tokens,
             prompt_logprobs=outs[0].prompt_logprobs,
+            error=None if not failed else f"completion {failed[0][0]}: {failed[0][1]}",
         )
 
 
