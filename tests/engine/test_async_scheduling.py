@@ -4,6 +4,7 @@ under stops discovered late, preemption, prefix caching, penalties, seeds and ab
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,38 @@ def test_abort_in_flight_and_reuse_its_id(model_path) -> None:
     assert done["r2"].token_ids == want[2].token_ids
     assert done["r1"].token_ids == want[3].token_ids
     assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+
+
+def test_reusing_the_id_of_an_output_still_being_built(model_path) -> None:
+    """r0 finishes; its output is still being built (the builder's thread held) when r0 is
+    aborted and a new r0 added: only the old output is dropped, the new one comes back."""
+    prompts = _prompts(3)
+    short, long = SamplingParams(max_tokens=3, temperature=0), SamplingParams(max_tokens=40)
+    want = _llm(model_path, False).generate(prompts[1], short)[0]
+    engine = _llm(model_path, True).engine
+    build, gate = engine._outputs.build, threading.Event()
+
+    def held(finished):
+        gate.wait(10)
+        return build(finished)
+
+    engine._outputs.build = held
+    engine.add_request("r0", prompts[0], short)
+    engine.add_request("z", prompts[2], long)  # keeps the engine running meanwhile
+    for _ in range(6):
+        assert engine.step() == []  # r0's output waits behind the gate
+    assert engine._outputs.pending
+    engine.abort_requests(["r0"])
+    engine.add_request("r0", prompts[1], short)
+    for _ in range(6):  # the new r0 finishes too; its output queues behind the old one's
+        assert engine.step() == []
+    gate.set()
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id not in done
+            done[o.request_id] = o
+    assert sorted(done) == ["r0", "z"] and done["r0"].token_ids == want.token_ids
 
 
 def test_scheduler_runs_ahead_by_one_token_and_stops_at_max_tokens() -> None:

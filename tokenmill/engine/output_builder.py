@@ -52,9 +52,13 @@ class OutputBuilder:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-outputs")
         self.tokenizer = tokenizer
         self._cleanup = None if tokenizer is None else cleanup_policy(tokenizer)
-        self._queued: deque[Future[list[RequestOutput]]] = deque()
+        # Outputs being built, each batch with its number (``submit`` calls before it).
+        self._queued: deque[tuple[int, Future[list[RequestOutput]]]] = deque()
         self._ready: list[RequestOutput] = []
-        self._dropped: set[str] = set()
+        self._submits = 0
+        # Aborted ids -> the submits before their abort: outputs of those batches are
+        # dropped; a request added again with the id is a later batch's, kept.
+        self._dropped: dict[str, int] = {}
 
     @property
     def pending(self) -> bool:
@@ -67,23 +71,30 @@ class OutputBuilder:
         if self._pool is None:
             self._ready += self.build(finished)
         else:
-            self._queued.append(self._pool.submit(self.build, finished))
+            self._queued.append((self._submits, self._pool.submit(self.build, finished)))
+        self._submits += 1
 
     def collect(self, wait: bool = False) -> list[RequestOutput]:
         """The outputs built so far (all of them when ``wait``); re-raises a worker's error."""
         outputs, self._ready = self._ready, []
-        while self._queued and (wait or self._queued[0].done()):
-            outputs += self._queued.popleft().result()
-        if self._dropped and outputs:
-            outputs = [o for o in outputs if o.request_id not in self._dropped]
+        while self._queued and (wait or self._queued[0][1].done()):
+            number, built = self._queued.popleft()
+            if self._dropped:
+                dropped = self._dropped
+                outputs += [o for o in built.result() if dropped.get(o.request_id, 0) <= number]
+            else:
+                outputs += built.result()
         if not self.pending:
             self._dropped.clear()
         return outputs
 
     def drop(self, request_ids: Iterable[str]) -> None:
-        """Never return outputs of these ids that are still being built (aborted requests)."""
-        if self.pending:
-            self._dropped.update(request_ids)
+        """Never return the outputs of these ids submitted so far (aborted requests); a
+        request added later with one of the ids gets its output."""
+        ids = set(request_ids)
+        self._ready = [o for o in self._ready if o.request_id not in ids]
+        if self._queued:
+            self._dropped.update(dict.fromkeys(ids, self._submits))
 
     def close(self) -> None:
         if self._pool is not None:
