@@ -22,7 +22,6 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs import report_html
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.length_histogram import LengthHistogram
-from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import OutputOwnedError, check_claimable
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.report_html import render_report_html, write_report_html
@@ -231,7 +230,7 @@ def test_report_html_belongs_to_the_job(tmp_path: Path) -> None:
     store = OutputStore(str(tmp_path), owner="j")
     with pytest.raises(OutputOwnedError, match="report.html"):
         check_claimable(store, "j")
-    discard_progress(store, Manifest("j", "fp", 4))
+    discard_progress(store, "j")
     assert not (tmp_path / "report.html").exists()
 
 

@@ -29,7 +29,7 @@ from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
-from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
 from tokenmill.jobs.store_loop_noise import quiet_store_loop_errors
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
             return _fail(f"stopped ({exc or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
-        except FingerprintMismatchError as exc:  # needs a decision: --fresh or another path
+        except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:
             # A file that is not there, or not allowed, or an input cut short does not come

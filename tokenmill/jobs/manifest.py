@@ -32,6 +32,7 @@ manifests written before it existed have none.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 
 from tokenmill.io.output_schema import OutputSchema
@@ -43,10 +44,16 @@ MANIFEST_VERSION = 1
 # max(_MIN_JOURNAL, shards // _JOURNAL_SHARE) records.
 _MIN_JOURNAL = 64
 _JOURNAL_SHARE = 64
+_JOURNAL_NAME = re.compile(r"^[0-9]{8}\.json$")  # a journal record's name (_journal_entry)
 
 
 class FingerprintMismatchError(RuntimeError):
     """The output holds progress of a different job configuration."""
+
+
+class ManifestError(RuntimeError):
+    """The output's manifest, or its journal, cannot be read as one: a rerun cannot fix it,
+    ``--fresh`` can."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,9 @@ class Manifest:
 
     @classmethod
     def load(cls, store: OutputStore, job: str) -> Manifest | None:
+        """The job's manifest with its journal's records; None when it has none. Raises
+        ManifestError when the file or a record is not one (files in the journal's folder
+        with other names are not records: left alone)."""
         name = cls.file_name(job)
         data = store.read_bytes(name)
         if data is None:
@@ -125,15 +135,18 @@ class Manifest:
                 output_schema=None if schema is None else OutputSchema.from_record(schema),
             )
             for name in store.list(cls.journal_prefix(job)):
-                index = int(name.rsplit("/", 1)[1].removesuffix(".json"))
+                base = name.rsplit("/", 1)[1]
+                if not _JOURNAL_NAME.match(base):
+                    continue
+                index = int(base.removesuffix(".json"))
                 entry = store.read_bytes(name)
                 if entry is not None:  # (deleted by a compaction since the listing)
                     manifest.shards[index] = ShardRecord(**json.loads(entry))
                     manifest.journaled.add(index)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise RuntimeError(
-                f"{store.path(name)} is not a tokenmill manifest record ({exc}); "
-                "move it away or rerun with --fresh"
+            raise ManifestError(
+                f"{store.path(name)} is not a tokenmill manifest record ({exc}); the job's "
+                "progress cannot be trusted: rerun with --fresh to start it over"
             ) from None
         return manifest
 

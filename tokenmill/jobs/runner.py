@@ -41,7 +41,7 @@ from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
-from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.manifest import Manifest, ManifestError
 from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import (
     REPORT_NAME,
@@ -62,7 +62,7 @@ from tokenmill.jobs.report_html import import_plots_in_background, write_report_
 from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import device_of, replica_counters
-from tokenmill.jobs.shard_commit import discard_progress, remove_stray_error_files
+from tokenmill.jobs.shard_commit import discard_progress, progress_files, remove_stray_files
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
 from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
@@ -188,10 +188,13 @@ def _run_locked(
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
     settings = settings_of(spec)
     fp, record = fingerprint(settings), settings_record(settings)
-    manifest = Manifest.load(store, spec.name)
-    if manifest is not None and fresh:
-        discard_progress(store, manifest)
+    if fresh:
+        discard_progress(store, spec.name)
         manifest = None
+    else:
+        manifest = Manifest.load(store, spec.name)
+        if manifest is None:
+            _refuse_progress_without_manifest(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix (a run that stopped before its first shard)
     if manifest is not None:
@@ -329,9 +332,23 @@ def feed_plan(spec: JobSpec) -> FeedPlan:
     )
 
 
+def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
+    """Raise ManifestError when the output holds shards or journal records of ``job`` but no
+    manifest (moved or deleted): nothing says which settings made them."""
+    files = progress_files(store, job)
+    if files:
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        raise ManifestError(
+            f"{hide_url_secrets(store.url)} holds {len(files)} files of job {job!r}'s progress "
+            f"({shown}) but not its manifest, {Manifest.file_name(job)}: which settings made "
+            "them is unknown, so they cannot be resumed; rerun with --fresh to discard them "
+            "and start over"
+        )
+
+
 def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:
     """Forget committed shards whose files are gone or changed size, so they are recomputed;
-    then remove the error files no committed shard names (``remove_stray_error_files``)."""
+    then remove the shard files no committed shard names (``remove_stray_files``)."""
     sizes = store.sizes("shards/") | store.sizes("errors/")
     dropped = manifest.drop_missing_shards(sizes)
     for index, problems in dropped.items():
@@ -339,9 +356,9 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
     if dropped:
         report.shards_recomputed = len(dropped)
         manifest.save(store)
-    removed = remove_stray_error_files(store, manifest, sizes)
+    removed = remove_stray_files(store, manifest, sizes)
     if removed:
-        log.info("removed %d error files no committed shard names", removed)
+        log.info("removed %d shard files no committed shard names (an earlier run's)", removed)
 
 
 def _fix_output_schema(

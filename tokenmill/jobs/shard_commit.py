@@ -2,10 +2,10 @@
 
 A shard is committed as: data file, then its error file when it has bad rows (each
 all-or-nothing), then the caller's manifest names them with their sizes, which a resume
-checks. ``remove_stray_error_files`` removes the error files the manifest does not name (a
-crash's leftovers, and the empty ones earlier versions wrote). ``discard_progress``
+checks. ``remove_stray_files`` removes the data and error files the manifest does not name
+(a crash's leftovers, and the empty error files earlier versions wrote). ``discard_progress``
 (``--fresh``) removes only files this job wrote: names of its own shard pattern, its report
-and its manifest.
+and its manifest with its journal.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def commit_shard(
     written in ``fmt`` (or does not fit ``schema``) goes to the error file (``encode_shard``).
 
     No error file is written for a shard without bad rows; one left at its name by a crashed
-    run must be gone first (``remove_stray_error_files``, at the start of a run)."""
+    run must be gone first (``remove_stray_files``, at the start of a run)."""
     data_name, error_name = shard_names(shard, fmt)
     encoded = encode_shard(results, fmt, schema)
     store.write_atomic(data_name, encoded.data)
@@ -57,15 +57,17 @@ def commit_shard(
     )
 
 
-def remove_stray_error_files(store: OutputStore, manifest: Manifest, names: Iterable[str]) -> int:
-    """Delete the error files among ``names`` (the output's files) that ``manifest`` does not
-    name; return how many. Call under the job's lock, before any shard is committed.
+def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[str]) -> int:
+    """Delete the shard data and error files among ``names`` (the output's files) that
+    ``manifest`` does not name; return how many. Call under the job's lock, before any shard
+    is committed.
 
     Such a file was left by a run killed between a shard's files and its manifest entry: the
-    shard is recomputed, maybe without bad rows and so without an error file, and the old one
-    must not stay beside it. Empty error files of shards committed by earlier versions are
-    first unlisted (the manifest saved without them), then deleted the same way. Only names
-    of the job's own error-file pattern are touched.
+    shard is recomputed, maybe in another format or shard size (allowed while nothing is
+    committed), maybe without bad rows and so without an error file, and the old file must
+    not stay beside the new ones. Empty error files of shards committed by earlier versions
+    are first unlisted (the manifest saved without them), then deleted the same way. Only
+    names of the job's own shard pattern are touched.
     """
     emptied = {
         index: replace(record, error_file=None, error_bytes=None)
@@ -75,25 +77,28 @@ def remove_stray_error_files(store: OutputStore, manifest: Manifest, names: Iter
     if emptied:
         manifest.shards.update(emptied)
         manifest.save(store)  # before the deletes: the manifest never names a missing file
-    named = {r.error_file for r in manifest.shards.values() if r.error_file is not None}
-    stray = sorted(
-        n for n in names if n.startswith("errors/") and _is_shard_file(n) and n not in named
-    )
+    named = {name for record in manifest.shards.values() for name in record.files()}
+    stray = sorted(n for n in names if _is_shard_file(n) and n not in named)
     for name in stray:
         store.delete(name)
     return len(stray)
 
 
-def discard_progress(store: OutputStore, manifest: Manifest) -> None:
-    """--fresh: remove the job's shards (committed or not), reports and manifest; nothing else."""
-    for name in store.list("shards/") + store.list("errors/"):
-        if _is_shard_file(name):
-            store.delete(name)
+def progress_files(store: OutputStore, job: str) -> list[str]:
+    """The files of job ``job``'s progress in ``store``: its shard data and error files and
+    its manifest journal's records (not the manifest file itself)."""
+    shards = [n for n in store.list("shards/") + store.list("errors/") if _is_shard_file(n)]
+    return shards + store.list(Manifest.journal_prefix(job))
+
+
+def discard_progress(store: OutputStore, job: str) -> None:
+    """--fresh: remove job ``job``'s shards (committed or not), reports, manifest journal and
+    manifest; nothing else. Needs no readable manifest."""
+    for name in progress_files(store, job):  # the journal before the manifest
+        store.delete(name)
     store.delete(REPORT_NAME)
     store.delete(REPORT_HTML_NAME)
-    for name in store.list(Manifest.journal_prefix(manifest.job)):  # before the manifest
-        store.delete(name)
-    store.delete(Manifest.file_name(manifest.job))
+    store.delete(Manifest.file_name(job))
 
 
 def _is_shard_file(name: str) -> bool:

@@ -1,0 +1,108 @@
+"""Progress the manifest does not vouch for: shards or journal records left without their
+manifest are refused until --fresh, which removes them without needing the manifest; a
+manifest that cannot be read exits 2 and --fresh starts over; files a run killed before
+its first commit left are removed before the rows are written again (in another format or
+shard size, allowed while nothing is committed). Every row ends up in the output once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import run_job
+from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.manifest import Manifest, ManifestError
+
+ROWS = 10
+
+
+def _complete_job(tiny_model: Path, tmp_path: Path, **sections) -> tuple[dict, Path]:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    spec = job_dict(tiny_model, src, tmp_path / "out", **sections)
+    assert run_job(spec, show_progress=False).status == "complete"
+    return spec, tmp_path / "out"
+
+
+def _ids_once(out: Path) -> None:
+    ids = [r["id"] for r in read_jsonl_dir(out / "shards")]
+    assert sorted(ids) == [r["id"] for r in chat_rows(ROWS)]
+
+
+def test_shards_without_their_manifest_are_refused_until_fresh(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    spec, out = _complete_job(tiny_model, tmp_path)  # 3 shards of 4 rows
+    (out / "test.manifest.json").unlink()
+    with pytest.raises(ManifestError, match=r"3 files of job 'test'.*--fresh"):
+        run_job(spec, show_progress=False)
+    # --fresh, with a new shard size: the old shards go, though no manifest named them.
+    spec["output"]["rows_per_shard"] = 6
+    report = run_job(spec, fresh=True, show_progress=False)
+    assert report.status == "complete" and report.rows_this_run == ROWS
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [
+        "part-00000.jsonl",
+        "part-00001.jsonl",
+    ]
+    _ids_once(out)
+
+
+def test_journal_records_without_their_manifest_are_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A journal left by another run's settings must never be merged into a new manifest."""
+    spec, out = _complete_job(tiny_model, tmp_path)
+    record = json.loads((out / "test.manifest.json").read_text())["shards"]["0"]
+    journal = out / "test.manifest.d"
+    journal.mkdir(exist_ok=True)
+    (journal / "00000000.json").write_text(json.dumps(record))
+    for shard in (out / "shards").iterdir():
+        shard.unlink()
+    (out / "test.manifest.json").unlink()
+    with pytest.raises(ManifestError, match="00000000.json"):
+        run_job(spec, show_progress=False)
+    assert run_job(spec, fresh=True, show_progress=False).rows_this_run == ROWS
+    assert not list(journal.iterdir())
+    _ids_once(out)
+
+
+def test_an_unreadable_manifest_exits_2_and_fresh_starts_over(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec, out = _complete_job(tiny_model, tmp_path)
+    job_file = tmp_path / "job.json"  # (JSON is YAML)
+    job_file.write_text(json.dumps(spec))
+    # A copy of a record under another name in the journal's folder is not a record.
+    (out / "test.manifest.d").mkdir(exist_ok=True)
+    (out / "test.manifest.d" / "00000003.json.bak").write_text("{}")
+    assert cli_main([str(job_file), "--quiet"]) == 0
+    manifest = out / "test.manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])
+    assert cli_main([str(job_file), "--quiet"]) == 2
+    assert "--fresh" in capsys.readouterr().err
+    assert cli_main([str(job_file), "--quiet", "--fresh"]) == 0
+    _ids_once(out)
+
+
+@pytest.mark.parametrize("change", [{"format": "parquet"}, {"rows_per_shard": 6}])
+def test_files_of_a_run_killed_before_its_first_commit_are_removed(
+    tiny_model: Path, tmp_path: Path, change: dict
+) -> None:
+    """The run wrote shard 2's data file and was killed before naming it: its manifest has
+    no shard, so the next run may change the format or the shard size."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    out = tmp_path / "out"
+    store = OutputStore(str(out), owner="test")
+    Manifest("test", "an earlier fingerprint", 4).save(store)
+    (out / "shards").mkdir()
+    (out / "shards" / "part-00002.jsonl").write_text('{"id": "r0008", "text": "old"}\n')
+    report = run_job(job_dict(tiny_model, src, out, output=change), show_progress=False)
+    assert report.status == "complete" and report.rows_ok == ROWS
+    if "format" in change:
+        assert not list((out / "shards").glob("*.jsonl"))
+        assert len(list((out / "shards").glob("*.parquet"))) == 3
+    else:
+        _ids_once(out)
