@@ -473,7 +473,7 @@ def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     assert report.shards_recomputed == 1 and report.rows_ok == 8
 
 
-def test_resume_refuses_a_changed_kv_cache_dtype_or_grammar_library(
+def test_resume_refuses_a_changed_kv_cache_dtype_grammar_library_or_model_length(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
@@ -482,6 +482,7 @@ def test_resume_refuses_a_changed_kv_cache_dtype_or_grammar_library(
     for key, value, expected in (
         ("kv_cache_dtype", "fp8", 'engine.kv_cache_dtype: "auto" -> "fp8"'),
         ("structured_output_backend", "xgrammar", '"llguidance" -> "xgrammar"'),
+        ("max_model_len", 40, "engine.max_model_len: null -> 40"),  # cuts rows elsewhere
     ):
         changed = job_dict(tiny_model, src, out, engine={key: value})
         with pytest.raises(FingerprintMismatchError) as info:
@@ -492,9 +493,34 @@ def test_resume_refuses_a_changed_kv_cache_dtype_or_grammar_library(
         tiny_model,
         src,
         out,
-        engine={"kv_cache_dtype": "auto", "structured_output_backend": "llguidance"},
-    )
+        engine={"kv_cache_dtype": "auto", "structured_output_backend": "llguidance",
+                "max_model_len": "auto"},
+    )  # fmt: skip
     run_job(same, show_progress=False)
+
+
+def test_resume_refuses_a_model_saved_again_at_the_same_sizes(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Same file names and sizes, other weights (a checkpoint saved again in place): refused,
+    named. A manifest from before the model's content was recorded still resumes."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    spec = job_dict(model, src, out)
+    run_job(spec, show_progress=False)
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(4) if data[-4:] != bytes(4) else b"\x01\x02\x03\x04"  # the last weight
+    weights.write_bytes(bytes(data))
+    with pytest.raises(FingerprintMismatchError, match="model_content: the model's files changed"):
+        run_job(spec, show_progress=False)
+    manifest_path = out / "test.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["settings"]["model_content"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert run_job(spec, show_progress=False).status == "complete"
 
 
 def test_a_changed_input_is_named_in_words(tiny_model: Path, tmp_path: Path) -> None:

@@ -4,9 +4,15 @@ Model identity (resolved file or directory, its size), dtype, quantization, the 
 section, the chat template, the input (files, sizes, content samples, columns), the output
 format and shard size (they decide which file holds which row), and the engine settings that
 change what a row gets (``RESULT_SETTINGS``: an FP8 KV cache rounds every key and value; the
-two grammar libraries tokenize the same JSON differently). Those count only when set away
-from their defaults, so a job begun before they counted still resumes. Engine tuning (batch
-sizes, block size, speculation, replicas) is left out: it does not change greedy results.
+two grammar libraries tokenize the same JSON differently; ``max_model_len`` decides which
+prompts fit and where outputs are cut). Those count only when set away from their defaults,
+so a job begun before they counted still resumes. Engine tuning (batch sizes, block size,
+speculation, replicas) is left out: it does not change greedy results.
+
+The model's content is sampled too (``model_content``: small files whole, weights at 32
+places each), so a checkpoint saved again into the same folder at the same sizes is told
+apart. It sits beside the hash, not in it (``UNHASHED``): a job whose manifest predates it
+still resumes, and it is compared wherever the manifest has it (``same_content``).
 
 The settings themselves are kept beside the hash in the manifest, so that a refused resume
 can say which of them changed (``changed_settings``).
@@ -25,8 +31,15 @@ from tokenmill.jobs.spec import JobSpec
 
 JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 
-RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend")  # engine.<key>
+RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len")  # engine.*
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
+UNHASHED = ("model_content",)  # kept and compared beside the hash (module docstring)
+
+# What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
+# _CHUNK bytes spread from the first byte to the last.
+_WHOLE, _CHUNK, _SAMPLES = 8 << 20, 64 << 10, 32
+# The files of a model directory whose content decides results (weights, configs, tokenizer).
+_MODEL_FILES = (".safetensors", ".json", ".model", ".jinja", ".txt", ".tiktoken")
 
 
 def model_identity(path: Path) -> dict[str, Any]:
@@ -39,12 +52,33 @@ def model_identity(path: Path) -> dict[str, Any]:
     }
 
 
+def model_content(path: Path) -> str:
+    """A hex digest of the model's content: ``path`` (a file) or its directory's model files
+    (``_MODEL_FILES``), each by name, size and sampled bytes."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    digest = hashlib.blake2b(digest_size=16)
+    for file in files:
+        if file is not path and file.suffix not in _MODEL_FILES:
+            continue
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as f:
+            if size <= _WHOLE:
+                digest.update(f.read())
+                continue
+            for i in range(_SAMPLES):
+                f.seek((size - _CHUNK) * i // (_SAMPLES - 1))
+                digest.update(f.read(_CHUNK))
+    return digest.hexdigest()
+
+
 def job_settings(
     spec: JobSpec, model_path: Path, chat_template: str | None, input_fingerprint: str
 ) -> JobSettings:
     """Everything that changes results, as plain JSON values."""
     settings = {
         "model": model_identity(model_path),
+        "model_content": model_content(model_path),
         "dtype": spec.model.dtype,
         "quantization": spec.model.quantization,
         "sampling": spec.sampling.model_dump(mode="json"),
@@ -63,9 +97,14 @@ def job_settings(
 
 
 def fingerprint(settings: JobSettings) -> str:
-    """The hex sha256 of ``settings`` (the manifest's ``fingerprint``)."""
-    blob = json.dumps(settings, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()
+    """The hex sha256 of ``settings`` but ``UNHASHED`` (the manifest's ``fingerprint``)."""
+    hashed = {key: value for key, value in settings.items() if key not in UNHASHED}
+    return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
+
+
+def same_content(old: JobSettings | None, new: JobSettings) -> bool:
+    """Whether the ``UNHASHED`` settings agree, where the manifest's ``old`` has them."""
+    return all(old is None or key not in old or old[key] == new.get(key) for key in UNHASHED)
 
 
 def settings_record(settings: JobSettings) -> JobSettings:
@@ -93,6 +132,8 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
 _HASHED = {
     "input": "the input changed: its files (which, their sizes, their first or last MiB) or "
     "how they are read (format, id / prompt / messages / passthrough columns)",
+    "model_content": "the model's files changed (their content: a checkpoint or config "
+    "saved again in place)",
 }
 
 

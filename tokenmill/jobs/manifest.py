@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import JobSettings, changed_settings
+from tokenmill.jobs.fingerprint import JobSettings, changed_settings, same_content
 
 MANIFEST_VERSION = 1
 # The journal is folded into the manifest file once it holds more than
@@ -152,7 +152,7 @@ class Manifest:
 
     def check_fingerprint(self, fingerprint: str, settings: JobSettings, where: str) -> None:
         """Raise FingerprintMismatchError naming the changed settings (old -> new)."""
-        if fingerprint == self.fingerprint:
+        if fingerprint == self.fingerprint and same_content(self.settings, settings):
             return
         if self.settings is not None:
             changes = changed_settings(self.settings, settings)
