@@ -249,3 +249,12 @@ def test_parquet_inputs_whose_types_do_not_combine_stop_before_any_shard(
     assert not (out / "shards").exists()
     with pytest.raises(JobSpecError, match="b.parquet"):
         dry_run(JobSpec.from_dict(spec))
+
+
+def test_a_job_without_rows_leaves_a_dataset_to_open(tiny_model: Path, tmp_path: Path) -> None:
+    """No input rows: no shard, but shards/ is there, so the documented read gives no rows
+    instead of FileNotFoundError."""
+    src = write_jsonl(tmp_path / "in.jsonl", [])
+    out = tmp_path / "out"
+    assert run_job(_parquet_job(tiny_model, src, out), show_progress=False).rows_total == 0
+    assert ds.dataset(out / "shards").to_table().num_rows == 0

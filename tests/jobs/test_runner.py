@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.lock import JobLock
 from tokenmill.jobs.manifest import FingerprintMismatchError
 
+ROOT = Path(__file__).resolve().parents[2]
 BAD_LINES = [
     "{not json",
     json.dumps({"messages": [{"role": "user", "content": "no id"}]}),
@@ -61,6 +65,27 @@ def test_jsonl_job_writes_every_row_once(tiny_model: Path, tmp_path: Path) -> No
     again = run_job(job_dict(tiny_model, src, out), show_progress=False)
     assert again.status == "complete" and again.rows_this_run == 0 and again.rows_ok == 10
     assert again.model == str(tiny_model) and again.completion_tokens == 0  # none this run
+
+
+def test_a_complete_jobs_stale_report_is_written_again(tiny_model: Path, tmp_path: Path) -> None:
+    """Killed between marking the manifest complete and writing report.json: the rerun has
+    nothing to do but leaves no stale report ("cancelled" from an earlier run, or none)."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    report = out / "report.json"
+    for stale in ('{"status": "cancelled", "rows_ok": 2}', None):
+        if stale is None:
+            report.unlink()
+        else:
+            report.write_text(stale)
+        assert run_job(spec, show_progress=False).rows_this_run == 0
+        saved = json.loads(report.read_text())
+        assert saved["status"] == "complete" and saved["rows_ok"] == 5
+    before = report.read_bytes()  # a report that says complete is the completing run's: kept
+    run_job(spec, show_progress=False)
+    assert report.read_bytes() == before
 
 
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(
@@ -224,6 +249,31 @@ def test_a_cancel_once_every_row_is_done_leaves_the_job_complete(
     assert (report.status, report.rows_ok, report.rows_total) == ("complete", 9, 9)
     again = run_job(job_dict(tiny_model, src, out), show_progress=False)
     assert again.status == "complete" and again.rows_this_run == 0
+
+
+def test_a_reader_gone_from_stdout_does_not_fail_a_complete_job(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """``run-job ... | head -0``: printing the summary hits a closed pipe once the job is
+    complete; the exit code is still 0, not a storage error's 75."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(job_dict(tiny_model, src, tmp_path / "out")))
+    read, write = os.pipe()
+    os.close(read)
+    probe = (
+        f"from tokenmill.jobs.cli import entry; import sys; sys.argv[1:] = [{str(job)!r}]; entry()"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], cwd=ROOT, stdout=write, stderr=subprocess.PIPE,
+            text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "storage error" not in done.stderr and "Traceback" not in done.stderr
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["status"] == "complete"
 
 
 def test_cli_exit_codes(tiny_model: Path, tmp_path: Path, capsys) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -181,18 +182,27 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     if args.dry_run:
         from tokenmill.jobs.dry_run import dry_run
 
-        print(hide_url_secrets(dry_run(spec).summary()))
+        _print(hide_url_secrets(dry_run(spec).summary()))
         return EXIT_OK
     from tokenmill.jobs.runner import run_job
 
     report = run_job(spec, fresh=args.fresh, cancel=cancel, show_progress=not args.quiet)
-    print(hide_url_secrets(report.summary()))
+    _print(hide_url_secrets(report.summary()))
     if report.status == "complete":
         return EXIT_OK
     if stop.received is not None:
         print(f"run-job: stopped by {stop.received}; {_RESUME}", file=sys.stderr)
         return EXIT_TEMPORARY
     return EXIT_FAILED
+
+
+def _print(text: str) -> None:
+    """Print to stdout; a reader that went away (``run-job ... | head``) changes nothing about
+    the job, so its exit code stays: stdout then goes to /dev/null (no error at exit)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # Object-store client packages: their exceptions are storage failures, not tokenmill bugs.

@@ -24,6 +24,7 @@ to do") and leaves its report.json as the run that completed it wrote it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -216,6 +217,8 @@ def _run_locked(
         report.model = spec.model.source  # no engine ran: no device, no tokens this run
         report.wall_seconds = round(time.monotonic() - start, 3)
         log.info("job %s: %s", spec.name, report.nothing_to_do_line())
+        if not _report_says_complete(store):  # the run that completed it was killed before
+            store.write_atomic(REPORT_NAME, report.to_json().encode())
         return report
 
     total = count_input_rows(input_config(spec))
@@ -309,6 +312,8 @@ def _run_locked(
         manifest.total_rows = feed.rows_read
         manifest.save(store)
         report.status = "complete"
+        if store.is_local:  # readers open shards/ even when no row landed there (no input)
+            os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
     report.rows_resumed = feed.rows_resumed
     report.rows_deduplicated = feed.rows_deduplicated
     report.deduplicated_tokens = feed.deduplicated_tokens
@@ -330,6 +335,14 @@ def feed_plan(spec: JobSpec) -> FeedPlan:
         spec.sampling.model_dump(),
         spec.engine.max_num_batched_tokens,
     )
+
+
+def _report_says_complete(store: OutputStore) -> bool:
+    """Whether the output's report.json is there and says the job is complete."""
+    try:
+        return json.loads(store.read_bytes(REPORT_NAME) or b"{}").get("status") == "complete"
+    except (ValueError, AttributeError):
+        return False
 
 
 def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
