@@ -389,23 +389,23 @@ class LLMEngine:
         # Unless drafted ahead, a drafted row's inputs need every earlier token on the host:
         # such steps run synchronously. (A constrained row's mask needs them too, but only
         # once the forward pass is enqueued: ``_token_bitmask`` waits for them there.)
-        ahead = (
+        drafts_ahead = (
             self.scheduler.config.drafts_ahead
             and self.scheduler.num_running < self.draft_ahead_below
         )
-        sync = draft and not ahead
+        sync = draft and not drafts_ahead
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
             # step's own time starts after it).
             self.runner.profiler.add_host_ms(self._process(*self._in_flight))
             self._in_flight = None
         t0 = time.perf_counter()
-        ahead, self._ahead = self._ahead, None
+        scheduled, self._ahead = self._ahead, None
         aborted, self._aborted_ahead = self._aborted_ahead, set()  # of that step's requests
-        if ahead is None:
-            sched, prepared = self.scheduler.schedule(draft=draft, ahead=ahead), None
+        if scheduled is None:
+            sched, prepared = self.scheduler.schedule(draft=draft, ahead=drafts_ahead), None
         else:  # scheduled (and its time counted) in the last launch
-            sched, prepared = ahead
+            sched, prepared = scheduled
         host_ms = (time.perf_counter() - t0) * 1e3
         if sched.is_empty and self._in_flight is None:
             if self.scheduler.has_unfinished():

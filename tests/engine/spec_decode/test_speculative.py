@@ -270,6 +270,12 @@ def test_seeded_and_penalized_rows_beside_drafts_ahead(model_path: Path) -> None
     profile = llm.engine.step_profile()
     assert profile["speculative"]["accepted_tokens"] > 0
     assert 0 < profile["synchronous_steps"] < llm.engine.scheduler.stats.num_steps
+    # Seeded rows alone, 12 of them: every drafted step is synchronous, and they draft there
+    # (near-greedy, so that their outputs repeat their prompts as the greedy rows' do).
+    seeded = [SamplingParams(max_tokens=16, temperature=0.01, seed=i) for i in range(12)]
+    llm = _llm(model_path, "ngram", async_scheduling=True, max_num_seqs=12)
+    llm.generate(prompts[: len(seeded)], seeded)
+    assert llm.engine.scheduler.stats.num_drafted_rows > 0
 
 
 @pytest.mark.parametrize(
