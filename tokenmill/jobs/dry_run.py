@@ -118,10 +118,11 @@ class DryRunReport:
         if est is None:
             return []
         e = est.entry
-        at_most = "" if self.output_tokens_exact else "at most "
-        duration = f"{at_most}{format_duration(est.seconds)}"
+        duration = format_duration(est.seconds)
         if est.seconds < 0.5:  # "0 s" would read as nothing to do
             duration = "less than 1 s"
+        if not self.output_tokens_exact:
+            duration += " with every row to max_tokens"
         what = "GPU time" if e.device == "gpu" else "CPU time"
         pad = " " * 18
         lines = [
@@ -137,7 +138,17 @@ class DryRunReport:
                 f"{format_duration(est.wall_seconds)} of wall time"
             )
         lines += [f"{pad}note: {note}" for note in est.notes]
+        if self.prompt_tokens > _PROMPT_HEAVY * max(est.output_tokens, 1):
+            lines.append(
+                f"{pad}note: the prompts hold {self.prompt_tokens / max(est.output_tokens, 1):,.0f}"
+                "x the output tokens; reading them is not in this rate (its workload's "
+                "prompts were at most about as long as its outputs): expect longer"
+            )
         return lines
+
+
+# Prompt tokens per output token past which the estimate says its rate leaves prefill out.
+_PROMPT_HEAVY = 4
 
 
 def dry_run(spec: JobSpec) -> DryRunReport:
