@@ -121,9 +121,9 @@ class DryRunReport:
         duration = format_duration(est.seconds)
         if est.seconds < 0.5:  # "0 s" would read as nothing to do
             duration = "less than 1 s"
-        if not self.output_tokens_exact:
-            duration += " with every row to max_tokens"
         what = "GPU time" if e.device == "gpu" else "CPU time"
+        if not self.output_tokens_exact:
+            what += " with every row to max_tokens"
         pad = " " * 18
         lines = [
             f"  estimate        {duration} of {what}, an estimate: "
