@@ -166,7 +166,7 @@ def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     summary = report.summary()
     assert "duplicates      3 rows repeat an earlier row's prompt and sampling settings" in summary
     assert "output tokens   at most 72" in summary
-    assert "of CPU time, an estimate: 72 output tokens / 85,000 output tok/s" in summary
+    assert "max_tokens, an estimate: 72 output tokens / 85,000 output tok/s" in summary
     assert "tiny-llama-cpu (throughput_table.json)" in summary
     assert 'section "Session 7: CPU, after the torch backend\'s batched decode path"' in summary
     assert "less than 1 s of CPU time with every row to max_tokens, an estimate" in summary
