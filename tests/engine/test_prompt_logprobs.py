@@ -155,3 +155,17 @@ def test_n_completions_share_one_set_of_prompt_logprobs(tiny_path) -> None:
 def test_out_of_range_prompt_logprobs_are_refused(value: Any) -> None:
     with pytest.raises(ValueError, match=r"SamplingParams.prompt_logprobs must be None or an"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_more_logprobs_than_the_vocabulary_has_gives_them_all(tmp_path: Path) -> None:
+    """k up to 20 is valid whatever the vocabulary: with 12 tokens, k = 20 lists all 12 (it
+    raised inside the step, failing every request of the call)."""
+    path = save_tiny_model("llama", tmp_path / "m", vocab_size=12)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    asks = SamplingParams(max_tokens=2, temperature=0, logprobs=20, prompt_logprobs=20)
+    out, other = llm.generate([[1, 5, 6, 7], [1, 4]], [asks, SamplingParams(max_tokens=2)])
+    assert other.error is None and len(other.token_ids) == 2
+    assert out.logprobs is not None and all(len(lp.top) == 12 for lp in out.logprobs)
+    prompt = out.prompt_logprobs
+    assert prompt is not None and prompt[0] is None
+    assert all(entry is not None and len(entry) >= 12 for entry in prompt[1:])

@@ -225,10 +225,49 @@ def test_sentencepiece_tokens_keep_their_space_and_offsets_point_into_the_text()
     ids = [1, 2, 3, 3]
     text = tokenizer.decode(ids)
     assert text == "Hello a the the"
-    entries = _logprobs([TokenLogprob(t, -0.5, 1, {t: -0.5, 2: -1.0}) for t in ids], tokenizer)
+    entries = _logprobs(
+        [TokenLogprob(t, -0.5, 1, {t: -0.5, 2: -1.0}) for t in ids], tokenizer, True
+    )
     assert entries is not None
     assert [e["token"] for e in entries] == [" Hello", " a", " the", " the"]
     legacy = openai_completion_logprobs(entries, text)
     assert legacy["text_offset"] == [0, 5, 7, 11]
     pairs = list(zip(legacy["tokens"], legacy["text_offset"], strict=True))
     assert all(text[o : o + len(t)] == t for t, o in pairs[1:])  # the first lost its space
+
+
+def test_legacy_logprobs_after_a_stop_string_and_for_alike_alternatives() -> None:
+    """A stop string cut the text to a suffix of the joined tokens: the offsets still add
+    up from 0 (they collapsed to 0 when that was taken for SentencePiece's dropped space).
+    Alternatives decoding alike (two halves of one character) keep the likeliest's
+    logprob under their one key (the least likely's overwrote it)."""
+    from tokenmill.io.logprobs_column import openai_completion_logprobs
+
+    def entry(token: str, top: list[tuple[str, float]]) -> dict:
+        return {"token": token, "logprob": top[0][1], "rank": 1,
+                "top_logprobs": [{"token": t, "logprob": v} for t, v in top]}  # fmt: skip
+
+    entries = [entry("b", [("b", -0.1)]), entry("a", [("\ufffd", -0.02), ("\ufffd", -5.3)]),
+               entry("b", [("b", -0.3)])]  # fmt: skip
+    legacy = openai_completion_logprobs(entries, "b")  # stop: ["ab"]
+    assert legacy["text_offset"] == [0, 1, 2]
+    assert legacy["top_logprobs"][1] == {"\ufffd": -0.02}
+
+
+def test_logprob_tokens_are_decoded_as_the_text_is(tiny_model: Path) -> None:
+    """A special token is in the text only with skip_special_tokens=False: so in the
+    logprob tokens (with it in, the offsets pointed past the text)."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.outputs import TokenLogprob
+    from tokenmill.jobs.requests import _logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    special = tokenizer.convert_tokens_to_ids("<s>")
+    plain = tokenizer.encode("b", add_special_tokens=False)[0]
+    lps = [TokenLogprob(t, -0.5, 1, {t: -0.5}) for t in (special, plain)]
+    for skip in (True, False):
+        entries = _logprobs(lps, tokenizer, skip)
+        assert entries is not None
+        text = tokenizer.decode([special, plain], skip_special_tokens=skip)
+        assert "".join(e["token"] for e in entries) == text

@@ -117,7 +117,7 @@ def compute_prompt_logprobs(
         logprobs = torch.log_softmax(logits, dim=-1)  # [c, V]
         target = logprobs.gather(1, targets[lo : lo + size].unsqueeze(1))  # [c, 1]
         rank = (logprobs > target).sum(dim=-1) + 1  # [c]
-        top_lps, top_ids = logprobs.topk(plan.num_top, dim=-1)  # [c, k]
+        top_lps, top_ids = logprobs.topk(min(plan.num_top, logprobs.shape[-1]), dim=-1)  # [c, k]
         parts.append((target.squeeze(1), rank, top_ids, top_lps))
         del logits, logprobs
     target_lps, ranks, top_ids, top_lps = (torch.cat(col) for col in zip(*parts, strict=True))

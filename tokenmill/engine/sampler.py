@@ -231,10 +231,11 @@ def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
 
 
 def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, n: int) -> LogprobsTensors:
-    """Sampled token's logprob and rank, and the top-n alternatives, from [B, V] logprobs."""
+    """Sampled token's logprob and rank, and the top-n alternatives (all V when n > V), from
+    [B, V] logprobs."""
     sampled_logprobs = logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
     ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1  # [B]
-    top_logprobs, top_ids = logprobs.topk(n, dim=-1)  # [B, n]
+    top_logprobs, top_ids = logprobs.topk(min(n, logprobs.shape[-1]), dim=-1)  # [B, n]
     return LogprobsTensors(
         sampled_token_ids=sampled,
         sampled_logprobs=sampled_logprobs.squeeze(1),

@@ -74,17 +74,27 @@ def openai_chat_logprobs(entries: LogprobEntries) -> dict[str, Any]:
 
 def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, Any]:
     """A text_completion choice's ``logprobs``, the legacy shape: parallel lists, the top
-    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key), and
-    ``text_offset``, where each token starts in ``text``, the completion (the prompt is not
-    echoed, so from 0): the tokens' lengths added up, as vLLM does, less the leading space a
-    SentencePiece tokenizer drops from the text's first token (the tokens keep theirs)."""
+    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key, which
+    keeps the likeliest one's logprob), and ``text_offset``, where each token starts in
+    ``text``, the completion (the prompt is not echoed, so from 0): the tokens' lengths added
+    up, as vLLM does, less the leading space a SentencePiece tokenizer drops from the text's
+    first token (the tokens keep theirs)."""
     tokens = [e["token"] for e in entries]
     ends = list(itertools.accumulate(len(t) for t in tokens))
-    joined = "".join(tokens)
-    dropped = len(joined) - len(text) if len(joined) > len(text) and joined.endswith(text) else 0
+    first = tokens[0] if tokens else ""
+    dropped = int(first.startswith(" ") and not text.startswith(" ") and bool(first.strip()))
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [_likeliest_by_text(e["top_logprobs"]) for e in entries],
         "text_offset": [max(0, end - dropped) for end in [0, *ends][: len(tokens)]],
     }
+
+
+def _likeliest_by_text(top: list[dict[str, Any]]) -> dict[str, float]:
+    """``{token: logprob}`` of alternatives given most likely first: the first of those
+    decoding alike."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out

@@ -123,8 +123,10 @@ class RowProcessor:
                 self._returned_tokens += out.num_completion_tokens
                 done = in_flight.finish(out)
                 if done is not None:
-                    row, whole = done
-                    yield result_from_output(row, whole, self.tokenizer, self.model_name)
+                    row, whole, params = done
+                    yield result_from_output(
+                        row, whole, self.tokenizer, self.model_name, params.skip_special_tokens
+                    )
         self.engine.abort_requests(in_flight.request_ids())
         in_flight.clear()
 

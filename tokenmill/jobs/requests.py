@@ -107,9 +107,16 @@ def error_result(row: InputRow, message: str, model: str = "") -> ResultRow:
     return ResultRow(**_identity(row, model), error=f"{row.source}: {message}")
 
 
-def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model: str) -> ResultRow:
+def result_from_output(
+    row: InputRow,
+    out: RequestOutput,
+    tokenizer: Any,
+    model: str,
+    skip_special_tokens: bool = True,
+) -> ResultRow:
     """The ResultRow of a finished request (of all its completions, for a row that asked for
-    several); an engine-side error becomes a row error."""
+    several); an engine-side error becomes a row error. Completion logprob tokens are
+    decoded as the text was (``skip_special_tokens``: a special token's text is empty then)."""
     if out.error is not None:
         return error_result(row, out.error, model)
     choices = tuple(
@@ -117,7 +124,7 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
             text=c.text,
             finish_reason="stop" if c.finish_reason == "stop" else "length",
             completion_tokens=len(c.token_ids),
-            logprobs=_logprobs(c.logprobs, tokenizer),
+            logprobs=_logprobs(c.logprobs, tokenizer, skip_special_tokens),
         )
         for c in out.outputs
     )
@@ -134,34 +141,40 @@ def result_from_output(row: InputRow, out: RequestOutput, tokenizer: Any, model:
     )
 
 
-def _logprobs(logprobs: list[TokenLogprob] | None, tokenizer: Any) -> LogprobEntries | None:
+def _logprobs(
+    logprobs: list[TokenLogprob] | None, tokenizer: Any, skip_special_tokens: bool
+) -> LogprobEntries | None:
     """A completion's logprobs as output entries (logprobs_column.py), decoded."""
     if logprobs is None:
         return None
-    text = _decoded(logprobs, tokenizer)
+    text = _decoded(logprobs, tokenizer, skip_special_tokens)
     return [_entry(lp, text) for lp in logprobs]
 
 
 def _prompt_logprobs(
     entries: list[TokenLogprob | None] | None, tokenizer: Any
 ) -> PromptLogprobEntries | None:
-    """The engine's prompt logprobs as output entries (prompt_logprobs_column.py), decoded."""
+    """The engine's prompt logprobs as output entries (prompt_logprobs_column.py), decoded
+    with their special tokens (the chat template's turns: the prompt has them)."""
     if entries is None:
         return None
-    text = _decoded([e for e in entries if e is not None], tokenizer)
+    text = _decoded([e for e in entries if e is not None], tokenizer, skip_special_tokens=False)
     return [None if e is None else _entry(e, text) for e in entries]
 
 
-def _decoded(entries: list[TokenLogprob], tokenizer: Any) -> dict[int, str]:
+def _decoded(
+    entries: list[TokenLogprob], tokenizer: Any, skip_special_tokens: bool
+) -> dict[int, str]:
     """Token id -> its text after another word, for every token and alternative of
     ``entries``: each distinct id decoded once behind an anchor token, in one batch call (a
     prompt has thousands of positions). Decoded alone, a SentencePiece token loses its
     leading space (``▁the`` -> ``the``), and the tokens no longer join to the text."""
     ids = sorted({t for e in entries for t in (e.token_id, *e.top)})
     anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-    behind = tokenizer.batch_decode([[*anchor, t] for t in ids])
+    skip = {"skip_special_tokens": skip_special_tokens}
+    behind = tokenizer.batch_decode([[*anchor, t] for t in ids], **skip)
     base = tokenizer.decode(anchor)
-    alone = tokenizer.batch_decode([[t] for t in ids])
+    alone = tokenizer.batch_decode([[t] for t in ids], **skip)
     return {
         t: pair[len(base) :] if anchor and pair.startswith(base) else single
         for t, pair, single in zip(ids, behind, alone, strict=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sample_groups import SampleGroup
+from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow
 
 __all__ = ["RowsInFlight"]
@@ -44,10 +45,11 @@ class RowsInFlight:
             self._by_request[rid] = entry
         self._rows += 1
 
-    def finish(self, out: RequestOutput) -> tuple[InputRow, RequestOutput] | None:
-        """Record a finished request; the row and its whole output once its last request
-        finished, else None. When one of a row's requests failed (``out.error``), that
-        output is the row's. Raises KeyError for a request id that is not in flight."""
+    def finish(self, out: RequestOutput) -> tuple[InputRow, RequestOutput, SamplingParams] | None:
+        """Record a finished request; the row, its whole output and its sampling parameters
+        once its last request finished, else None. When one of a row's requests failed
+        (``out.error``), that output is the row's. Raises KeyError for a request id that is
+        not in flight."""
         entry = self._by_request.pop(out.request_id)
         entry.samples[out.request_id] = out
         if len(entry.samples) < entry.group.num_samples:
@@ -55,8 +57,8 @@ class RowsInFlight:
         self._rows -= 1
         failed = next((s for s in entry.samples.values() if s.error is not None), None)
         if failed is not None:
-            return entry.row, failed
-        return entry.row, entry.group.gather(entry.samples)
+            return entry.row, failed, entry.group.params
+        return entry.row, entry.group.gather(entry.samples), entry.group.params
 
     def request_ids(self) -> list[str]:
         """The engine request ids still in flight (to abort them)."""
