@@ -375,3 +375,42 @@ def test_answered_says_when_every_worker_has_answered(tiny_path) -> None:  # noq
         time.sleep(0.001)
     pool.finish_fill(sent)
     pool.close()
+
+
+def test_a_worker_releases_the_matchers_of_finished_requests() -> None:
+    """A worker drops a finished request's matcher and tells its backend (xgrammar keeps
+    per-matcher state by id(), which a later matcher reusing the address inherited)."""
+    import threading
+    from multiprocessing import Pipe
+
+    from tokenmill.engine.grammar_processes import ADD, STEP, STOP, _message, _serve
+
+    class Recorder:
+        released: list = []
+
+        def matcher(self, spec: str) -> tuple[str, bool]:
+            return spec, True
+
+        def release(self, rows: list) -> None:
+            self.released.extend(rows)
+
+    engine, worker = Pipe()
+    backend = Recorder()
+    serving = threading.Thread(target=_serve, args=(worker, backend), daemon=True)
+    serving.start()
+    engine.send_bytes(_message(ADD, [7], text="spec-a"))
+    engine.send_bytes(_message(ADD, [8], text="spec-b"))
+    engine.send_bytes(_message(STEP, [0, 2, 0], [7, 99]))  # drop 7 and an unknown key
+    engine.send_bytes(_message(STOP))
+    serving.join(10)
+    assert backend.released == [("spec-a", True)]
+
+
+def test_checked_specs_are_bounded(tiny_path) -> None:  # noqa: F811
+    """A job with a schema per row: the specs the engine compiled to check stay bounded."""
+    llm = _llm(tiny_path, True, structured_output_processes=1)
+    pool = llm.engine._grammars.backend
+    for i in range(80):
+        pool.matcher("regex:" + "a" * (i + 1))
+    assert len(pool._checked) == 64 and "regex:" + "a" * 80 in pool._checked
+    llm.engine.close()

@@ -93,3 +93,18 @@ def test_sampled_strings_hold_no_raw_control_characters(tiny_path, backend) -> N
     for out in complete:
         assert set(json.loads(out.text)) == {"name", "note"}  # refuses raw control characters
     assert not any(min(out.text, default=" ") < " " for out in outs)
+
+
+def test_compiled_grammars_stay_bounded_with_a_schema_a_row(tiny_path) -> None:  # noqa: F811
+    """The newest 64 compiled grammars are kept; xgrammar's own compiler cache (unbounded by
+    default: ~48 KB more per schema on the tiny vocabulary) is not used."""
+    llm = _llm(tiny_path, False, structured_output_backend="xgrammar")
+    grammars = llm.engine._grammars.backend
+    for i in range(70):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
+        llm.engine.add_request(
+            f"r{i}", [5, 6], SamplingParams(max_tokens=1, structured_output=schema)
+        )
+        llm.engine.abort_requests([f"r{i}"])
+    assert len(grammars._compiled) == 64
+    assert grammars._compiler.get_cache_size_bytes() == 0

@@ -88,6 +88,38 @@ def test_a_complete_jobs_stale_report_is_written_again(tiny_model: Path, tmp_pat
     assert report.read_bytes() == before
 
 
+def test_a_run_that_fails_mid_stream_leaves_no_request_behind(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader's tokenizer fails with rows in the engine: the run's requests are aborted
+    on the way out. They stayed in the scheduler's batch slots, a cycle through a numpy
+    object array the garbage collector cannot see: every failed run in a long-lived
+    process (an Airflow worker, a notebook) kept its slots' arrays for good."""
+    import gc
+
+    from tokenmill.engine.core.request import Request
+    from tokenmill.jobs import ready_rows
+
+    prepare, calls = ready_rows.RowPreparer.__call__, [0]
+
+    def failing(self, rows):
+        calls[0] += 1
+        if calls[0] == 8:  # the engine is full by then
+            raise RuntimeError("tokenizer crashed")
+        return prepare(self, rows)
+
+    monkeypatch.setattr(ready_rows.RowPreparer, "__call__", failing)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1000))
+    spec = job_dict(tiny_model, src, tmp_path / "out", sampling={"max_tokens": 64},
+                    engine={"max_num_seqs": 256, "kv_cache_memory": 64 << 20})  # fmt: skip
+    gc.collect()
+    before = sum(isinstance(o, Request) for o in gc.get_objects())
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        run_job(spec, show_progress=False)
+    gc.collect()
+    assert sum(isinstance(o, Request) for o in gc.get_objects()) == before
+
+
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -67,6 +67,7 @@ _WORKER_MAIN = "from tokenmill.engine.grammar_processes import main; main()"
 # A step's answer takes milliseconds; the slowest honest one is a batch of new specs that
 # each compile for seconds (compiled here first, so the engine already waited that long).
 ANSWER_TIMEOUT_S = 120.0
+_CHECKED = 64  # specs whose compile check is remembered (``matcher``)
 SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memory
 # A message's kind, its first int64. Its layout after that (int64s, then text):
 ADD, STEP, SHM, STOP = range(4)
@@ -144,8 +145,8 @@ def _serve(conn: Connection, backend: Any) -> None:
         if kind == STEP:
             slot, d, n = int(ints[1]), int(ints[2]), int(ints[3])
             body = ints[4:]
-            for key in body[:d].tolist():
-                matchers.pop(key, None)
+            dropped = [matchers.pop(key, None) for key in body[:d].tolist()]
+            backend.release([row for row in dropped if row is not None])
             keys, tokens = _halves(body[d : d + 2 * n])
             if n:
                 rows = [matchers[key] for key in keys]
@@ -265,7 +266,7 @@ class GrammarProcesses:
         self._num = processes
         self._words = -(-vocab_size // 32)
         self._checker = _backend(name, tokenizer, vocab_size, self._eos)
-        self._checked: set[str] = set()
+        self._checked: dict[str, None] = {}  # specs the checker compiled, oldest first
         # These three change in place only (the finalizer holds them).
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
@@ -285,7 +286,9 @@ class GrammarProcesses:
         """A new request's matcher (in a worker, in its start state): its key."""
         if spec not in self._checked:
             self._checker.matcher(spec)  # raises ValueError for a spec the library rejects
-            self._checked.add(spec)
+            if len(self._checked) >= _CHECKED:  # one schema a row: keep the newest
+                self._checked.pop(next(iter(self._checked)))
+            self._checked[spec] = None
         self._ensure_started()
         key = self._next_key
         self._next_key += 1

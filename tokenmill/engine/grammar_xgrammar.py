@@ -234,7 +234,9 @@ class XgrammarGrammars:
         )
         self._ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
         threads = self._threads or executor_threads()
-        self._compiler = xgr.GrammarCompiler(info, max_threads=threads)
+        # Compiled grammars are kept in ``_compiled`` (the newest 64): xgrammar's own cache
+        # has no bound by default and grew by each new schema (a job's per-row schemas).
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._xgr = xgr
 

@@ -13,6 +13,7 @@ runner's progress can show tokens before any row finishes (``live``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
@@ -34,6 +35,8 @@ from tokenmill.jobs.requests import (
 from tokenmill.jobs.row_source import FeedItem, RowList, RowSource
 from tokenmill.jobs.rows_in_flight import RowsInFlight
 from tokenmill.jobs.spec import JobSpec
+
+log = logging.getLogger("tokenmill.jobs")
 
 
 def engine_config(spec: JobSpec) -> EngineConfig:
@@ -102,32 +105,44 @@ class RowProcessor:
         self, source: RowSource, cancel: threading.Event, on_step: Callable[[], None] | None
     ) -> Iterator[ResultRow]:
         in_flight = self._in_flight
-        while not cancel.is_set():
-            busy = self.engine.has_unfinished()
-            room = self.max_in_flight - in_flight.num_requests
-            if room > 0 and not source.exhausted:
-                for item in source.take(room, wait=not busy):
-                    failed = self._add(item, in_flight)
-                    if failed is not None:
-                        yield failed
+        try:
+            while not cancel.is_set():
                 busy = self.engine.has_unfinished()
-            if not busy:
-                if source.exhausted:
-                    return
-                continue
-            outputs = self.engine.step()
-            if on_step is not None:
-                on_step()
-            for out in outputs:
-                # Counted per request: a row of n requests yields once its last one is done.
-                self._returned_tokens += out.num_completion_tokens
-                done = in_flight.finish(out)
-                if done is not None:
-                    row, whole, params = done
-                    yield result_from_output(
-                        row, whole, self.tokenizer, self.model_name, params.skip_special_tokens
-                    )
-        self.engine.abort_requests(in_flight.request_ids())
+                room = self.max_in_flight - in_flight.num_requests
+                if room > 0 and not source.exhausted:
+                    for item in source.take(room, wait=not busy):
+                        failed = self._add(item, in_flight)
+                        if failed is not None:
+                            yield failed
+                    busy = self.engine.has_unfinished()
+                if not busy:
+                    if source.exhausted:
+                        return
+                    continue
+                outputs = self.engine.step()
+                if on_step is not None:
+                    on_step()
+                for out in outputs:
+                    # Counted per request: a row of n requests yields once its last is done.
+                    self._returned_tokens += out.num_completion_tokens
+                    done = in_flight.finish(out)
+                    if done is not None:
+                        row, whole, params = done
+                        yield result_from_output(
+                            row, whole, self.tokenizer, self.model_name, params.skip_special_tokens
+                        )
+        finally:  # a cancel, an error, or a stream closed early: no request stays behind
+            self._drop(in_flight)
+
+    def _drop(self, in_flight: RowsInFlight) -> None:
+        """Abort ``in_flight``'s requests in the engine (their KV blocks and batch slots go
+        back) and forget them. A failure here is logged, not raised: the caller is already
+        leaving with the run's own outcome, which it must not replace."""
+        try:
+            if self.engine is not None and in_flight.num_requests:
+                self.engine.abort_requests(in_flight.request_ids())
+        except Exception:
+            log.warning("could not abort the engine's requests of a stopped run", exc_info=True)
         in_flight.clear()
 
     def _add(self, item: FeedItem, in_flight: RowsInFlight) -> ResultRow | None:
