@@ -414,3 +414,62 @@ def test_checked_specs_are_bounded(tiny_path) -> None:  # noqa: F811
         pool.matcher("regex:" + "a" * (i + 1))
     assert len(pool._checked) == 64 and "regex:" + "a" * 80 in pool._checked
     llm.engine.close()
+
+
+def test_an_llm_cut_short_mid_message_runs_the_next_call_as_a_fresh_one(tiny_path) -> None:  # noqa: F811
+    """Ctrl-C lands while a step's message to a grammar worker is half written: the call
+    raises KeyboardInterrupt, and the next call gives a fresh LLM's outputs (the runner had
+    refused every later launch, and the workers read the next message out of step)."""
+    import struct
+
+    prompts, params = _prompts(8), _params(8)
+    kwargs = dict(max_num_seqs=5, structured_output_processes=2)
+    want = _summary(_llm(tiny_path, True, **kwargs).generate(prompts, params))
+    llm = _llm(tiny_path, True, **kwargs)
+    pool = llm.engine._grammars.backend
+    send, sent = GrammarProcesses._send, [0]
+
+    def cut(self, worker: int, message: bytes) -> None:
+        sent[0] += 1
+        if sent[0] == 12:  # some steps in: half the message, then the interrupt
+            os.write(self._conns[worker].fileno(), struct.pack("!i", len(message)))
+            os.write(self._conns[worker].fileno(), message[: len(message) // 2])
+            raise KeyboardInterrupt
+        send(self, worker, message)
+
+    GrammarProcesses._send = cut
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params)
+    finally:
+        GrammarProcesses._send = send
+    assert sent[0] >= 12 and not llm.engine.has_unfinished()
+    assert _summary(llm.generate(prompts, params)) == want
+    assert all(p.poll() is None for p in pool._procs)
+    llm.engine.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_llm_cut_short_while_sampling_runs_the_next_call_as_a_fresh_one(
+    tiny_path,  # noqa: F811
+    async_scheduling: bool,
+) -> None:
+    """The interrupt lands in the sampler: between the runner noting a launch's sampled
+    rows and sampling them, which left it refusing every later launch."""
+    prompts, params = _prompts(6), [SamplingParams(max_tokens=12, temperature=0)] * 6
+    want = _summary(_llm(tiny_path, async_scheduling).generate(prompts, params))
+    llm = _llm(tiny_path, async_scheduling)
+    runner, calls = llm.engine.runner, [0]
+    sample = runner.sampler
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return sample(*args, **kwargs)
+
+    runner.sampler = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    runner.sampler = sample
+    assert _summary(llm.generate(prompts, params)) == want

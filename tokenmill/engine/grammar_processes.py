@@ -397,6 +397,26 @@ class GrammarProcesses:
         """Why ``row``'s last token was rejected."""
         return self._errors.get(row, "the grammar rejected the token")
 
+    def restart(self) -> None:
+        """Replace the workers with fresh ones that know the shared masks (no request may be
+        left: their matchers go). After a call cut short, a message to a worker or its
+        answer may be half sent: the old workers are killed, not asked to stop."""
+        if self._closed or not self._conns:
+            return
+        for proc in self._procs:
+            proc.kill()
+            proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns.clear()
+        self._procs.clear()
+        self._errors.clear()
+        self._released.clear()
+        self._start()
+        for slot, (shm, masks, _) in self._segments.items():
+            for worker in range(self._num):
+                self._send(worker, _message(SHM, [slot, len(masks), self._words], text=shm.name))
+
     def close(self) -> None:
         """Stop the workers and free the shared masks; the workers do not start again."""
         self._closed = True

@@ -167,8 +167,9 @@ class LLM:
             elapsed = time.perf_counter() - start
         except BaseException:
             # Ctrl-C (or an error) mid-call: the call's requests go, so that the next call
-            # does not run them, or find the KV cache they held taken.
-            self.engine.abort_requests(batch)
+            # does not run them, or find the KV cache they held taken; and the engine forgets
+            # the step the interrupt cut (LLMEngine.cut_short).
+            self.engine.cut_short(batch)
             raise
         results = [
             failed[g.request_id] if g.request_id in failed else g.gather(samples, text)

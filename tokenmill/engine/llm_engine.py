@@ -365,6 +365,25 @@ class LLMEngine:
                 "generate again"
             )
 
+    def cut_short(self, request_ids: list[str]) -> None:
+        """A call was cut short inside ``step`` (Ctrl-C, an error) and its requests go: wait
+        for the grammars' background work, abort ``request_ids``, and, when no other request
+        is left, forget the steps in flight or scheduled ahead, what the runner knew of the
+        last launch and what the grammar workers were sent, so that the next call runs as on
+        a fresh engine (the interrupt may have landed between any two of those updates: the
+        runner then refused every later launch, and a half-sent message left the grammar
+        workers out of step)."""
+        self._grammars.settle()
+        self.abort_requests(request_ids)
+        if self.scheduler.has_unfinished():
+            return
+        self._in_flight = self._ahead = self._processed_early = self._fed = None
+        self._aborted_ahead = set()
+        self._unscored.clear()
+        self.runner.forget_launches()
+        self._grammars.reset()
+        self._outputs.collect(wait=True)  # the aborted requests' (dropped)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

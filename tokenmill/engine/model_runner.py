@@ -145,6 +145,11 @@ class ModelRunner:
         # sampling is enqueued: what the next step's pending inputs are read from.
         self._source: np.ndarray | None = None
 
+    def forget_launches(self) -> None:
+        """Forget the last launch (no request is left that has a token pending from it): the
+        next launch starts from the host's state alone."""
+        self._last = self._source = None
+
     def enable_cuda_graphs(
         self,
         max_num_seqs: int,

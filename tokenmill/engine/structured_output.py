@@ -320,11 +320,26 @@ class StructuredOutputs:
     def close(self) -> None:
         """Stop the worker thread that runs ``bitmask``'s ``beside`` (started on first use)
         and the grammar processes, if any."""
+        self.settle()
+        if self._processes:
+            self.backend.close()
+
+    def settle(self) -> None:
+        """Wait for ``bitmask``'s ``beside`` if it still runs on the worker thread (a call cut
+        short while it ran)."""
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+    def reset(self) -> None:
+        """Forget every grammar and what was on its way to them (a call cut short, every
+        request gone); worker processes start afresh, since a message may have been cut."""
+        self.drop(list(self._index))
+        self._fed_pending = self._filling = None
+        self._ended = []
+        self._rejections.clear()
         if self._processes:
-            self.backend.close()
+            self.backend.restart()
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).

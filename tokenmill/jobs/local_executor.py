@@ -136,11 +136,12 @@ class RowProcessor:
 
     def _drop(self, in_flight: RowsInFlight) -> None:
         """Abort ``in_flight``'s requests in the engine (their KV blocks and batch slots go
-        back) and forget them. A failure here is logged, not raised: the caller is already
-        leaving with the run's own outcome, which it must not replace."""
+        back; the step they were cut in is forgotten: ``LLMEngine.cut_short``) and forget
+        them. A failure here is logged, not raised: the caller is already leaving with the
+        run's own outcome, which it must not replace."""
         try:
             if self.engine is not None and in_flight.num_requests:
-                self.engine.abort_requests(in_flight.request_ids())
+                self.engine.cut_short(in_flight.request_ids())
         except Exception:
             log.warning("could not abort the engine's requests of a stopped run", exc_info=True)
         in_flight.clear()
