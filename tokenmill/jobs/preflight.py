@@ -11,17 +11,22 @@ with every row in the error file.
 
 from __future__ import annotations
 
+import logging
+
 from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.format_detection import LOOK_AT_FILES
+from tokenmill.io.readers.jsonl_records import JsonlRecords
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.output_location import check_output_location, check_output_outside_model
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import JobInterrupted
+
+log = logging.getLogger("tokenmill.jobs")
 
 
 def input_config(spec: JobSpec) -> InputConfig:
@@ -112,7 +117,36 @@ def check_input(spec: JobSpec) -> str:
             )
     if fmt == "parquet":
         _check_parquet_columns(_first_with_rows(files, cfg), cfg)
+    elif fmt == "jsonl":
+        _check_jsonl_columns(files[0], cfg)
     return fmt
+
+
+def _check_jsonl_columns(url: str, cfg: InputConfig) -> None:
+    """Configured column names against the first objects of ``url`` (JSONL has no schema):
+    a structured-output or id column in none of them is refused (every row would run
+    unconstrained, or get file:line ids, silently), passthrough columns are warned about."""
+    with JsonlRecords(url, cfg.storage_options) as records:
+        keys, objects = records.keys_seen()
+    if not objects:
+        return
+    where = f"any of the first {objects} rows of {url}"
+    have = ", ".join(sorted(keys)[:20]) or "no keys"
+    for key, name in (("structured_output_column", cfg.structured_output_column),
+                      ("id_column", cfg.id_column if cfg.id_column != "id" else None)):  # fmt: skip
+        if name is not None and name not in keys:
+            raise JobSpecError(
+                f"input.{key}: {name!r} is not a key of {where} (they have: {have}); "
+                + ("leave it out for file:line ids" if key == "id_column" else "fix the name")
+            )
+    absent = [n for n in cfg.passthrough_columns if n not in keys]
+    if absent:
+        log.warning(
+            "input.passthrough_columns %s: not a key of %s, so null in their output rows (a "
+            "misspelling?)",
+            ", ".join(repr(n) for n in absent),
+            where,
+        )
 
 
 def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
@@ -137,12 +171,18 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
             have = records.columns_hint()
             has_prompt = column is None or records.has_column(column)
             has_constraint = constraint is None or records.has_column(constraint)
+            has_id = cfg.id_column in (None, "id") or records.has_column(cfg.id_column)
     except ValueError as exc:
         raise JobSpecError(f"input.path: {exc}") from None
     if not has_constraint:  # a misspelt name would leave every row unconstrained, silently
         raise JobSpecError(
             f"input.structured_output_column: {constraint!r} is not a column of {url} "
             f"(it has: {have or 'no columns'})"
+        )
+    if not has_id:  # every row would get a file:row id, silently
+        raise JobSpecError(
+            f"input.id_column: {cfg.id_column!r} is not a column of {url} (it has: "
+            f"{have or 'no columns'}); leave it out for file:row ids"
         )
     if has_prompt:
         return

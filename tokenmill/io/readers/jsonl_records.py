@@ -52,6 +52,22 @@ class JsonlRecords:
     def columns_hint(self) -> str:
         return ""
 
+    def keys_seen(self) -> tuple[frozenset[str], int]:
+        """(The keys of any of the file's first ``_PEEK_LINES`` JSON objects, how many
+        objects that is): what a check of configured column names can go by."""
+        f = self._from_start()
+        keys: set[str] = set()
+        objects = 0
+        for line_no, raw in enumerate(f, start=1):
+            if line_no > _PEEK_LINES:
+                break
+            if raw.strip():
+                record = _decode(line_no, raw)
+                if isinstance(record.value, dict):
+                    keys.update(record.value)
+                    objects += 1
+        return frozenset(keys), objects
+
     def __iter__(self) -> Iterator[Record]:
         f = self._from_start()
         for line_no, raw in enumerate(f, start=1):

@@ -1,0 +1,72 @@
+"""Configured column names the input does not have, before any row runs: JSONL (no schema:
+its first objects' keys) as Parquet. A structured-output or id column in none of them exits
+2 (every row would run unconstrained, or get file:line ids, silently); passthrough columns
+in none of them are warned about (null in every row); the default id column may be absent."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from tests.jobs.job_helpers import job_dict, write_jsonl
+from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.preflight import check_up_front
+from tokenmill.jobs.spec import JobSpec
+
+ROWS = [{"id": "a", "prompt": "hi", "rule": None, "topic": "t"}, {"id": "b", "prompt": "yo"}]
+
+
+def _input(tmp_path: Path, fmt: str) -> Path:
+    if fmt == "jsonl":
+        return write_jsonl(tmp_path / "in.jsonl", ROWS)
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    return path
+
+
+def _spec(tmp_path: Path, fmt: str, **input_keys: Any) -> dict[str, Any]:
+    src = _input(tmp_path, fmt)
+    spec = job_dict(Path("unused-model"), src, tmp_path / "out")
+    spec["input"] = {"path": str(src), **input_keys}
+    return spec
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize(
+    ("key", "name"), [("structured_output_column", "rul"), ("id_column", "ID")]
+)
+def test_a_constraint_or_id_column_the_input_lacks_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str, key: str, name: str
+) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(_spec(tmp_path, fmt, **{key: name})))
+    assert cli_main([str(job), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"input.{key}: {name!r} is not a " in err, err
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_present_columns_and_the_default_id_pass(tmp_path: Path, fmt: str) -> None:
+    check_up_front(JobSpec.from_dict(_spec(tmp_path, fmt, structured_output_column="rule")))
+    check_up_front(JobSpec.from_dict(_spec(tmp_path, fmt, id_column="prompt")))
+    rows = [{"prompt": "no id here"}]
+    src = write_jsonl(tmp_path / "noid.jsonl", rows)
+    spec = job_dict(Path("unused-model"), src, tmp_path / "out2")
+    spec["input"] = {"path": str(src)}  # id_column: id, the default: file:line ids
+    check_up_front(JobSpec.from_dict(spec))
+
+
+def test_a_jsonl_passthrough_column_in_no_row_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = _spec(tmp_path, "jsonl", passthrough_columns=["topic", "topik"])
+    with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+        check_up_front(JobSpec.from_dict(spec))
+    assert "input.passthrough_columns 'topik': not a key of any of the first 2 rows" in caplog.text
+    assert "'topic'" not in caplog.text  # the second row lacks it, the first has it
