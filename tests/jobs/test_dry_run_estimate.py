@@ -57,6 +57,11 @@ def test_prompt_stats_on_known_prefixes_and_duplicates() -> None:
     # max_tokens, or the context left (14 - 8 = 6) when smaller
     assert stats.max_output_tokens == 4 * 10 + 6 and not stats.all_ignore_eos
     assert stats.longest_prompt == 9 and not stats.prefix_capped
+    # Sampled without a seed: the run computes every such row (no two give one result).
+    unseeded = SamplingParams(max_tokens=10, temperature=0.8)
+    stats.add(a, unseeded, max_len=100)
+    stats.add(a, unseeded, max_len=100)
+    assert stats.duplicates == (1, 0)
 
 
 def test_prompt_stats_memory_is_capped() -> None:

@@ -458,3 +458,17 @@ def test_passthrough_names_are_compared_without_case_and_must_be_unicode(
     """duckdb renamed a passthrough 'Text' to 'Text_1' and answered SELECT "Text" with the
     generated text."""
     assert what in _error(_raw(input={"path": "in.jsonl", "passthrough_columns": columns}))
+
+
+@pytest.mark.parametrize(
+    ("execution", "named"),
+    [({"replicas": 3}, "replicas: 3: needs executor: ray"),
+     ({"ray_address": "ray://head:10001"}, "ray_address: ray://head:10001: needs"),
+     ({"replicas": 2, "ray_address": "auto"}, "replicas: 2, ray_address: auto: need")],
+)  # fmt: skip
+def test_ray_settings_with_the_local_executor_are_refused(
+    execution: dict[str, Any], named: str
+) -> None:
+    """They were ignored: replicas: 3 ran one engine, exit 0."""
+    assert f"execution: {named}" in _error(_raw(execution=execution))
+    JobSpec.from_dict(_raw(execution={**execution, "executor": "ray"}))

@@ -26,6 +26,7 @@ from array import array
 from tokenmill.engine.core import hash_block_tokens
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.jobs.distinct_counter import DistinctCounter
+from tokenmill.scheduling.dedup import reproducible
 
 __all__ = ["PromptStats"]
 
@@ -46,6 +47,7 @@ class PromptStats:
         self.shared_prefix_tokens = 0
         self.prefix_capped = False
         self.duplicate_rows = 0  # recognised by the exact set (all of them while it is exact)
+        self._keyed_rows = 0  # rows whose result is reproducible: the ones dedup may copy
         self.max_output_tokens = 0  # every row generating until max_tokens or the context
         self.all_ignore_eos = True  # then every row reaches it: the count is exact
         self._blocks: set[int] = set()
@@ -57,8 +59,10 @@ class PromptStats:
         self.prompt_tokens += len(ids)
         self.longest_prompt = max(self.longest_prompt, len(ids))
         self._add_blocks(ids)
-        if self._rows.add(_row_key(ids, params)):
-            self.duplicate_rows += 1
+        if reproducible(params):  # a row sampled without a seed is never copied
+            self._keyed_rows += 1
+            if self._rows.add(_row_key(ids, params)):
+                self.duplicate_rows += 1
         completions = getattr(params, "best_of", None) or params.n
         self.max_output_tokens += min(params.max_tokens, max_len - len(ids)) * completions
         self.all_ignore_eos = self.all_ignore_eos and params.ignore_eos
@@ -71,7 +75,7 @@ class PromptStats:
             return self.duplicate_rows, 0
         distinct = self._rows.distinct()
         error = round(self._rows.relative_error * distinct)
-        return max(self.rows - distinct, self.duplicate_rows), error
+        return max(self._keyed_rows - distinct, self.duplicate_rows), error
 
     @property
     def shared_prefix_share(self) -> float:

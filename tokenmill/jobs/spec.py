@@ -241,6 +241,24 @@ class ExecutionSection(_Section):
     # killed and replaced, and its rows run again. null: wait forever
     stall_timeout_s: Number | None = Field(600.0, gt=0)
 
+    @model_validator(mode="after")
+    def _for_ray(self) -> ExecutionSection:
+        """Ray's settings with the local executor would be ignored, silently."""
+        if self.executor == "local":
+            defaults = ExecutionSection.model_fields
+            given = [
+                f"{key}: {getattr(self, key)}"
+                for key in ("replicas", "ray_address")
+                if getattr(self, key) != defaults[key].default
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)}: {'needs' if len(given) == 1 else 'need'} executor: "
+                    "ray (the local executor runs one engine in this process); set executor: "
+                    "ray or leave it out"
+                )
+        return self
+
 
 _PLANNER = PlannerSettings()
 
