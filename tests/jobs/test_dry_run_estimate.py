@@ -231,3 +231,17 @@ def test_the_dry_run_says_how_far_it_has_read(
         "dry run: 2",
         "dry run: 3",
     ]
+
+
+def test_the_dry_run_refuses_another_jobs_output_as_a_run_does(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    from tokenmill import run_job
+    from tokenmill.jobs.ownership import OutputOwnedError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out, name="first"), show_progress=False)
+    other = JobSpec.from_dict(job_dict(tiny_model, src, out, name="other"))
+    with pytest.raises(OutputOwnedError, match="first"):
+        dry_run(other)

@@ -25,6 +25,7 @@ from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.ownership import check_claimable
 from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
 from tokenmill.jobs.progress import format_duration
 from tokenmill.jobs.prompt_stats import PromptStats
@@ -157,6 +158,7 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     check_up_front(spec)
     fingerprint = fingerprint_of(spec)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
     manifest = Manifest.load(store, spec.name)
     resumable = manifest is not None and manifest.fingerprint == fingerprint
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
