@@ -88,8 +88,13 @@ def test_job_yaml_best_of_applies_to_every_row(tiny_model: Path, llm: LLM, tmp_p
     rows = chat_rows(3)
     src = write_jsonl(tmp_path / "plain" / "in.jsonl", rows)
     plain = job_dict(tiny_model, src, tmp_path / "plain" / "out", sampling=sampling)
-    assert run_job(plain, show_progress=False).rows_ok == 3
-    texts = {r["id"]: r["text"] for r in read_jsonl_dir(tmp_path / "plain" / "out" / "shards")}
+    report = run_job(plain, show_progress=False)
+    assert report.rows_ok == 3
+    written = read_jsonl_dir(tmp_path / "plain" / "out" / "shards")
+    texts = {r["id"]: r["text"] for r in written}
+    # The run's tokens are the engine's work: every sample of best_of, not the rows' own.
+    engine_tokens = report.throughput_over_time[-1][1]
+    assert report.completion_tokens == engine_tokens > sum(r["completion_tokens"] for r in written)
     params = SamplingParams(max_tokens=8, **sampling)
     want = llm.chat([r["messages"] for r in rows], params)
     assert texts == {r["id"]: o.text for r, o in zip(rows, want, strict=True)}

@@ -48,7 +48,9 @@ class ResultRow:
 
     A row that asked for several completions (``n > 1``) holds them all in ``choices``;
     ``text``, ``finish_reason`` and ``logprobs`` are then the first one's, and
-    ``completion_tokens`` counts every choice's tokens (what OpenAI's ``usage`` bills).
+    ``completion_tokens`` counts every choice's tokens (what OpenAI's ``usage`` bills);
+    ``generated_tokens`` every token the engine generated for the row, the samples that
+    ``best_of`` left out included (what a run's throughput counts).
     ``logprobs`` holds one entry per completion token when the row asked for them
     (``logprobs_column.py``), ``prompt_logprobs`` one per prompt token
     (``prompt_logprobs_column.py``).
@@ -69,6 +71,7 @@ class ResultRow:
     source: str = ""  # the input row's "file:line"
     choices: tuple[Choice, ...] = ()  # every completion when the row asked for n > 1
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    generated_tokens: int = 0
 
     @property
     def ok(self) -> bool:

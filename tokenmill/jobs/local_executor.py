@@ -13,6 +13,7 @@ runner's progress can show tokens before any row finishes (``live``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -127,10 +128,14 @@ class RowProcessor:
                     self._returned_tokens += out.num_completion_tokens
                     done = in_flight.finish(out)
                     if done is not None:
-                        row, whole, params = done
-                        yield result_from_output(
-                            row, whole, self.tokenizer, self.model_name, params.skip_special_tokens
+                        result = result_from_output(
+                            done.row,
+                            done.output,
+                            self.tokenizer,
+                            self.model_name,
+                            done.params.skip_special_tokens,
                         )
+                        yield dataclasses.replace(result, generated_tokens=done.generated_tokens)
         finally:  # a cancel, an error, or a stream closed early: no request stays behind
             self._drop(in_flight)
 

@@ -129,12 +129,14 @@ def result_from_output(
         for c in out.outputs
     )
     first = choices[0]
+    completion_tokens = sum(c.completion_tokens for c in choices)
     return ResultRow(
         **_identity(row, model),
         text=first.text,
         finish_reason=first.finish_reason,
         prompt_tokens=out.num_prompt_tokens,
-        completion_tokens=sum(c.completion_tokens for c in choices),
+        completion_tokens=completion_tokens,
+        generated_tokens=completion_tokens,  # the executor adds best_of's left-out samples
         logprobs=first.logprobs,
         choices=choices if len(choices) > 1 else (),
         prompt_logprobs=_prompt_logprobs(out.prompt_logprobs, tokenizer),

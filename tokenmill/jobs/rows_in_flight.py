@@ -20,7 +20,18 @@ from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow
 
-__all__ = ["RowsInFlight"]
+__all__ = ["FinishedRow", "RowsInFlight"]
+
+
+@dataclass(frozen=True)
+class FinishedRow:
+    """A row whose requests have all finished: its output (the failed request's, if one
+    failed), its sampling parameters and the tokens all its samples generated."""
+
+    row: InputRow
+    output: RequestOutput
+    params: SamplingParams
+    generated_tokens: int
 
 
 @dataclass
@@ -45,20 +56,19 @@ class RowsInFlight:
             self._by_request[rid] = entry
         self._rows += 1
 
-    def finish(self, out: RequestOutput) -> tuple[InputRow, RequestOutput, SamplingParams] | None:
-        """Record a finished request; the row, its whole output and its sampling parameters
-        once its last request finished, else None. When one of a row's requests failed
-        (``out.error``), that output is the row's. Raises KeyError for a request id that is
-        not in flight."""
+    def finish(self, out: RequestOutput) -> FinishedRow | None:
+        """Record a finished request; the row once its last request finished, else None.
+        When one of a row's requests failed (``out.error``), that output is the row's.
+        Raises KeyError for a request id that is not in flight."""
         entry = self._by_request.pop(out.request_id)
         entry.samples[out.request_id] = out
         if len(entry.samples) < entry.group.num_samples:
             return None
         self._rows -= 1
+        generated = sum(s.num_completion_tokens for s in entry.samples.values())
         failed = next((s for s in entry.samples.values() if s.error is not None), None)
-        if failed is not None:
-            return entry.row, failed, entry.group.params
-        return entry.row, entry.group.gather(entry.samples), entry.group.params
+        whole = failed if failed is not None else entry.group.gather(entry.samples)
+        return FinishedRow(entry.row, whole, entry.group.params, generated)
 
     def request_ids(self) -> list[str]:
         """The engine request ids still in flight (to abort them)."""

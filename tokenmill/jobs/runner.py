@@ -258,9 +258,9 @@ def _run_locked(
                 tracker.add_result(result)
                 feed.finished(result)  # copies for the rows held as its duplicates
                 report.prompt_tokens += result.prompt_tokens
-                report.completion_tokens += result.completion_tokens
+                report.completion_tokens += result.generated_tokens  # best_of's extra too
                 history.add_result(result)
-                progress.update(1, result.completion_tokens)
+                progress.update(1, result.generated_tokens)
                 _hand_over_complete(tracker, writer)
             progress.finish()
         generated = time.monotonic()
