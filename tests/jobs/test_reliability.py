@@ -523,6 +523,26 @@ def test_resume_refuses_a_model_saved_again_at_the_same_sizes(
     assert run_job(spec, show_progress=False).status == "complete"
 
 
+def test_resume_refuses_dtype_auto_resolved_on_another_kind_of_device(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """model.dtype auto is fp32 on a CPU and the checkpoint's dtype on a GPU: a job begun on
+    one and resumed on the other would mix them. (The GPU side is written into the
+    manifest here: this box has none.)"""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    manifest_path = out / "test.manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["settings"]["resolved_dtype"] == "float32"
+    manifest["settings"]["resolved_dtype"] = "bfloat16"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    assert 'resolved_dtype: "bfloat16" -> "float32" (model.dtype auto on another' in str(info.value)
+
+
 def test_a_changed_input_is_named_in_words(tiny_model: Path, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
     out = tmp_path / "out"

@@ -33,7 +33,9 @@ JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 
 RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len")  # engine.*
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
-UNHASHED = ("model_content",)  # kept and compared beside the hash (module docstring)
+# Kept and compared beside the hash (module docstring); resolved_dtype: what model.dtype
+# auto is on the device of a local run (runner.settings_of).
+UNHASHED = ("model_content", "resolved_dtype")
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -103,8 +105,12 @@ def fingerprint(settings: JobSettings) -> str:
 
 
 def same_content(old: JobSettings | None, new: JobSettings) -> bool:
-    """Whether the ``UNHASHED`` settings agree, where the manifest's ``old`` has them."""
-    return all(old is None or key not in old or old[key] == new.get(key) for key in UNHASHED)
+    """Whether the ``UNHASHED`` settings agree, where both the manifest's ``old`` and
+    ``new`` have them (a Ray run resolves no dtype here)."""
+    return all(
+        old is None or key not in old or key not in new or old[key] == new[key]
+        for key in UNHASHED
+    )
 
 
 def settings_record(settings: JobSettings) -> JobSettings:
@@ -119,12 +125,13 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
-        if before == after:
-            continue
+        if before == after or (key in UNHASHED and "(unset)" in (before, after)):
+            continue  # (an unhashed setting a manifest predates is compared from then on)
         if key in _HASHED:  # two hex digests say nothing to a reader
             out.append(f"{key}: {_HASHED[key]} (fingerprint {_short(before)} -> {_short(after)})")
         else:
-            out.append(f"{key}: {_short(before)} -> {_short(after)}")
+            why = f" ({_MEANING[key]})" if key in _MEANING else ""
+            out.append(f"{key}: {_short(before)} -> {_short(after)}{why}")
     return out
 
 
@@ -135,6 +142,8 @@ _HASHED = {
     "model_content": "the model's files changed (their content: a checkpoint or config "
     "saved again in place)",
 }
+# What a change of an unhashed setting means, said beside its values.
+_MEANING = {"resolved_dtype": "model.dtype auto on another kind of device"}
 
 
 def _engine_defaults(settings: JobSettings) -> JobSettings:

@@ -102,16 +102,34 @@ def settings_of(spec: JobSpec) -> JobSettings:
     try:
         source = resolve_model_source(spec.model.source)
         template = source.chat_template()
-        vocab = source.load_config().vocab_size if spec.sampling.logit_bias else 0
+        config = source.load_config()
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
+    vocab = config.vocab_size if spec.sampling.logit_bias else 0
     outside = ids_outside_vocab(spec.sampling.logit_bias, vocab)
     if outside:  # every row would fail on them
         raise JobSpecError(
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    return job_settings(spec, source.path, template, input_fingerprint(input_config(spec)))
+    settings = job_settings(spec, source.path, template, input_fingerprint(input_config(spec)))
+    if spec.model.dtype == "auto" and spec.execution.executor == "local":
+        settings["resolved_dtype"] = _resolved_dtype(spec, config)
+    return settings
+
+
+def _resolved_dtype(spec: JobSpec, config: Any) -> str:
+    """What ``model.dtype: auto`` is on the device this process runs the engine on (fp32 on
+    a CPU, the checkpoint's on a GPU): a job begun on one and resumed on the other would mix
+    them. (Ray replicas resolve it on their own nodes.)"""
+    from tokenmill.jobs.local_executor import engine_config
+
+    engine = engine_config(spec)
+    try:
+        device = engine.resolve_device()
+    except ValueError as exc:
+        raise JobSpecError(f"engine.device: {exc}") from None
+    return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
 
 
 def fingerprint_of(spec: JobSpec) -> str:
