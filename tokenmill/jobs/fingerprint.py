@@ -108,8 +108,7 @@ def same_content(old: JobSettings | None, new: JobSettings) -> bool:
     """Whether the ``UNHASHED`` settings agree, where both the manifest's ``old`` and
     ``new`` have them (a Ray run resolves no dtype here)."""
     return all(
-        old is None or key not in old or key not in new or old[key] == new[key]
-        for key in UNHASHED
+        old is None or key not in old or key not in new or old[key] == new[key] for key in UNHASHED
     )
 
 
