@@ -88,6 +88,14 @@ def test_a_complete_jobs_stale_report_is_written_again(tiny_model: Path, tmp_pat
     assert report.read_bytes() == before
 
 
+def _count(cls: type) -> int:
+    """Live objects of exactly ``cls`` (``type(o)``, not isinstance: that asks lazy-import
+    proxies of other packages, e.g. Airflow's, for ``__class__``, which imports them)."""
+    import gc
+
+    return sum(type(o) is cls for o in gc.get_objects())
+
+
 def test_a_run_that_fails_mid_stream_leaves_no_request_behind(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -113,11 +121,11 @@ def test_a_run_that_fails_mid_stream_leaves_no_request_behind(
     spec = job_dict(tiny_model, src, tmp_path / "out", sampling={"max_tokens": 64},
                     engine={"max_num_seqs": 256, "kv_cache_memory": 64 << 20})  # fmt: skip
     gc.collect()
-    before = sum(isinstance(o, Request) for o in gc.get_objects())
+    before = _count(Request)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
         run_job(spec, show_progress=False)
     gc.collect()
-    assert sum(isinstance(o, Request) for o in gc.get_objects()) == before
+    assert _count(Request) == before
 
 
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(
