@@ -271,3 +271,57 @@ def test_logprob_tokens_are_decoded_as_the_text_is(tiny_model: Path) -> None:
         assert entries is not None
         text = tokenizer.decode([special, plain], skip_special_tokens=skip)
         assert "".join(e["token"] for e in entries) == text
+
+
+def test_token_bytes_join_to_the_text_where_characters_span_tokens(tiny_model: Path) -> None:
+    """Byte-level tokens of one emoji each decode to "\\ufffd"; their bytes, joined, give the
+    text back (OpenAI's ``bytes``); special tokens follow skip_special_tokens; a tokenizer of
+    another kind gets None, not a guess."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from tokenmill.io.logprobs_column import openai_chat_logprobs, openai_completion_logprobs
+    from tokenmill.jobs.token_bytes import token_bytes
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    text = "é🌍 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    special = tokenizer.convert_tokens_to_ids("<s>")
+    raw = token_bytes(tokenizer, [*ids, special], skip_special_tokens=True)
+    assert b"".join(raw[t] for t in ids).decode() == text and raw[special] == b""
+    assert token_bytes(tokenizer, [special], skip_special_tokens=False)[special] == b"<s>"
+    entries = [{"token_id": t, "token": tokenizer.decode([t]), "logprob": -0.1, "rank": 1,
+                "bytes": list(raw[t]), "top_logprobs": [{"token_id": t, "token": "x",
+                "logprob": -0.1, "bytes": list(raw[t])}]} for t in ids]  # fmt: skip
+    content = (
+        ChatCompletion.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "logprobs": openai_chat_logprobs(entries),
+                        "message": {"role": "assistant", "content": text},
+                    }
+                ],
+            }  # fmt: skip
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert content is not None and content.content is not None
+    assert bytes(b for e in content.content for b in e.bytes or []).decode() == text
+    # text_offset counts the whole characters before each token
+    offsets = openai_completion_logprobs(entries, text)["text_offset"]
+    assert [text[o] for o in offsets if o < len(text)][:2] == ["é", "é"]
+    assert offsets[-1] == len(text) - 1
+
+    vocab = {"<unk>": 0, "▁a": 1}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    other = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert token_bytes(other, [1], skip_special_tokens=True) == {1: None}

@@ -25,6 +25,7 @@ shapes, which have no token ids or ranks: a chat choice's ``logprobs.content``
 
 from __future__ import annotations
 
+import codecs
 import itertools
 from typing import Any
 
@@ -56,18 +57,20 @@ LOGPROBS_FIELD = pa.field(
 
 
 def openai_chat_logprobs(entries: LogprobEntries) -> dict[str, Any]:
-    """A chat.completion choice's ``logprobs``: ``{"content": [{"token", "logprob",
-    "top_logprobs": [{"token", "logprob"}, ...]}, ...]}``."""
+    """A chat.completion choice's ``logprobs``: ``{"content": [{"token", "bytes", "logprob",
+    "top_logprobs": [{"token", "bytes", "logprob"}, ...]}, ...]}``; ``bytes`` (the token's
+    UTF-8 bytes, which join to the text where a character spans tokens) when the entries
+    carry them."""
+
+    def one(t: dict[str, Any]) -> dict[str, Any]:
+        out = {"token": t["token"], "logprob": t["logprob"]}
+        if "bytes" in t:
+            out["bytes"] = t["bytes"]
+        return out
+
     return {
         "content": [
-            {
-                "token": e["token"],
-                "logprob": e["logprob"],
-                "top_logprobs": [
-                    {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]
-                ],
-            }
-            for e in entries
+            {**one(e), "top_logprobs": [one(t) for t in e["top_logprobs"]]} for e in entries
         ]
     }
 
@@ -77,10 +80,17 @@ def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, 
     alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key, which
     keeps the likeliest one's logprob), and ``text_offset``, where each token starts in
     ``text``, the completion (the prompt is not echoed, so from 0): the tokens' lengths added
-    up, as vLLM does, less the leading space a SentencePiece tokenizer drops from the text's
-    first token (the tokens keep theirs)."""
+    up, as vLLM does (with the tokens' ``bytes``, when the entries carry them: the whole
+    characters before each token), less the leading space a SentencePiece tokenizer drops
+    from the text's first token (the tokens keep theirs)."""
     tokens = [e["token"] for e in entries]
     ends = list(itertools.accumulate(len(t) for t in tokens))
+    if entries and all(e.get("bytes") is not None for e in entries):
+        # Characters split over tokens ("\ufffd" each): the characters the bytes before
+        # each token decode to, as the text was decoded (an incomplete one waits for the
+        # next token's bytes; invalid ones are a "\ufffd" each)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        ends = list(itertools.accumulate(len(decoder.decode(bytes(e["bytes"]))) for e in entries))
     first = tokens[0] if tokens else ""
     dropped = int(first.startswith(" ") and not text.startswith(" ") and bool(first.strip()))
     return {

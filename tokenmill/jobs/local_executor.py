@@ -134,6 +134,7 @@ class RowProcessor:
                             self.tokenizer,
                             self.model_name,
                             done.params.skip_special_tokens,
+                            token_bytes_too=self.output_format == "openai-batch",
                         )
                         yield dataclasses.replace(result, generated_tokens=done.generated_tokens)
         finally:  # a cancel, an error, or a stream closed early: no request stays behind

@@ -11,6 +11,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.logprobs_column import LogprobEntries
 from tokenmill.io.prompt_logprobs_column import PromptLogprobEntries
 from tokenmill.io.rows import Choice, InputRow, ResultRow
+from tokenmill.jobs.token_bytes import token_bytes
 
 # A job row makes one completion, or n (OpenAI's ``n``), of best_of generated (the executor
 # expands them through sample_groups.py), and may ask for its completion's and its prompt's
@@ -113,10 +114,13 @@ def result_from_output(
     tokenizer: Any,
     model: str,
     skip_special_tokens: bool = True,
+    token_bytes_too: bool = False,
 ) -> ResultRow:
     """The ResultRow of a finished request (of all its completions, for a row that asked for
     several); an engine-side error becomes a row error. Completion logprob tokens are
-    decoded as the text was (``skip_special_tokens``: a special token's text is empty then)."""
+    decoded as the text was (``skip_special_tokens``: a special token's text is empty then);
+    with ``token_bytes_too`` (OpenAI Batch output) each entry also holds its token's
+    ``bytes`` (token_bytes.py)."""
     if out.error is not None:
         return error_result(row, out.error, model)
     choices = tuple(
@@ -124,7 +128,7 @@ def result_from_output(
             text=c.text,
             finish_reason="stop" if c.finish_reason == "stop" else "length",
             completion_tokens=len(c.token_ids),
-            logprobs=_logprobs(c.logprobs, tokenizer, skip_special_tokens),
+            logprobs=_logprobs(c.logprobs, tokenizer, skip_special_tokens, token_bytes_too),
         )
         for c in out.outputs
     )
@@ -144,13 +148,24 @@ def result_from_output(
 
 
 def _logprobs(
-    logprobs: list[TokenLogprob] | None, tokenizer: Any, skip_special_tokens: bool
+    logprobs: list[TokenLogprob] | None,
+    tokenizer: Any,
+    skip_special_tokens: bool,
+    with_bytes: bool = False,
 ) -> LogprobEntries | None:
-    """A completion's logprobs as output entries (logprobs_column.py), decoded."""
+    """A completion's logprobs as output entries (logprobs_column.py), decoded; each token's
+    and alternative's ``bytes`` too when ``with_bytes``."""
     if logprobs is None:
         return None
     text = _decoded(logprobs, tokenizer, skip_special_tokens)
-    return [_entry(lp, text) for lp in logprobs]
+    entries = [_entry(lp, text) for lp in logprobs]
+    if with_bytes:
+        ids = sorted(text)
+        raw = token_bytes(tokenizer, ids, skip_special_tokens)
+        for e in entries:
+            for t in (e, *e["top_logprobs"]):
+                t["bytes"] = None if raw[t["token_id"]] is None else list(raw[t["token_id"]])
+    return entries
 
 
 def _prompt_logprobs(
