@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = (
 
 # Rope scaling types implemented in models/rope.py.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# The rope_scaling keys each type reads without a default (models/rope.py).
+_ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,15 @@ class ModelConfig:
                 f"unsupported rope_scaling type {rope_type!r}{where}; "
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        needed = _ROPE_KEYS.get(rope_type, ())
+        missing = [
+            k for k in needed if not isinstance((self.rope_scaling or {}).get(k), (int, float))
+        ]
+        if missing:
+            raise ValueError(
+                f"rope_scaling of type {rope_type!r} needs {', '.join(needed)} (numbers){where}; "
+                f"missing or not a number: {', '.join(missing)}"
+            )
 
     @property
     def rope_type(self) -> str:
@@ -100,6 +111,8 @@ class ModelConfig:
         """Build from an HF ``config.json`` dict; ValueError names ``source`` and the key."""
         where = f" in {source}" if source else ""
         archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"config key 'architectures' must be a list of names{where}")
         if not archs:
             raise ValueError(f"config has no 'architectures' list{where}")
         arch = archs[0]
@@ -114,13 +127,35 @@ class ModelConfig:
                 raise ValueError(f"config key {key!r} is missing{where}")
             return cfg[key]
 
-        n_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        head_dim = cfg.get("head_dim") or hidden // n_heads
+        def whole(key: str, value: Any) -> int:
+            """A count or an id: an int (not a bool), or a float without a fraction."""
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"config key {key!r} must be a whole number{where}, got {value!r}")
+            return value
+
+        def number(key: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"config key {key!r} must be a number{where}, got {value!r}")
+            return float(value)
+
+        n_heads = whole("num_attention_heads", need("num_attention_heads"))
+        hidden = whole("hidden_size", need("hidden_size"))
+        head_dim = cfg.get("head_dim") or hidden // max(n_heads, 1)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise ValueError(
+                f"config key 'rope_scaling' must be a mapping{where}, got {rope_scaling!r}"
+            )
         rope_theta = cfg.get("rope_theta")
+        tied = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ValueError(
+                f"config key 'tie_word_embeddings' must be true or false{where}, got {tied!r}"
+            )
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(
@@ -135,28 +170,32 @@ class ModelConfig:
                 )
         # transformers 5 moved rope settings into `rope_parameters`.
         rope_params = cfg.get("rope_parameters")
-        if isinstance(rope_params, dict):
-            rope_theta = rope_theta or rope_params.get("rope_theta")
+        if isinstance(rope_params, dict):  # it wins over a legacy top-level key, as there
+            rope_theta = rope_params.get("rope_theta") or rope_theta
             if rope_params.get("rope_type", "default") != "default" and not rope_scaling:
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         return cls(
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=whole("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=whole("intermediate_size", need("intermediate_size")),
+            num_hidden_layers=whole("num_hidden_layers", need("num_hidden_layers")),
             num_attention_heads=n_heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta or 10000.0),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_key_value_heads=whole(
+                "num_key_value_heads", cfg.get("num_key_value_heads") or n_heads
+            ),
+            head_dim=whole("head_dim", head_dim),
+            rms_norm_eps=number("rms_norm_eps", cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=number("rope_theta", rope_theta or 10000.0),
+            max_position_embeddings=whole(
+                "max_position_embeddings", need("max_position_embeddings")
+            ),
+            tie_word_embeddings=tied,
             attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            eos_token_ids=tuple(whole("eos_token_id", e) for e in eos_ids),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             sliding_window=_sliding_window(cfg, arch),
             source=source,
