@@ -70,15 +70,29 @@ def test_merged_parameters_stack_the_checkpoint_parts() -> None:
     assert torch.equal(model.lm_head.weight, ckpt["lm_head.weight"])
 
 
-def test_tied_head_uses_the_embeddings_and_skips_a_stored_head() -> None:
+def test_tied_head_uses_the_embeddings_and_skips_a_stored_copy() -> None:
+    """A tied checkpoint that stores its head as a copy of the embeddings loads; one whose
+    stored head differs is refused (it was dropped, and every row ran on the wrong head)."""
     config = _config(tie_word_embeddings=True)
     ckpt = _checkpoint(config)
-    ckpt["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
+    ckpt["lm_head.weight"] = ckpt["model.embed_tokens.weight"].clone()
     model = _build(config, ckpt)
     assert model.lm_head is None
     hidden = torch.randn(3, config.hidden_size)
     expected = hidden @ ckpt["model.embed_tokens.weight"].T
     torch.testing.assert_close(model.compute_logits(hidden), expected)
+    ckpt["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
+    with pytest.raises(ValueError, match="lm_head.weight differs from its embeddings"):
+        _build(config, ckpt)
+
+
+def test_nan_or_infinite_weights_are_refused_naming_them() -> None:
+    config = _config()
+    for bad in (float("nan"), float("inf")):
+        ckpt = _checkpoint(config)
+        ckpt["model.layers.0.mlp.up_proj.weight"][0, 0] = bad
+        with pytest.raises(ValueError, match=r"gate_up_proj.weight in .* NaN or infinite"):
+            _build(config, ckpt)
 
 
 @pytest.mark.parametrize(

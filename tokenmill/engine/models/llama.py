@@ -227,9 +227,11 @@ class LlamaForCausalLM(torch.nn.Module):
         loaded: set[str] = set()
         unused = 0
         where = f" in {source}" if source else ""
+        stored_head: torch.Tensor | None = None
         for name, tensor in weights:
             if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied checkpoints sometimes still store the head
+                stored_head = tensor  # tied checkpoints sometimes still store the head
+                continue
             if "rotary_emb.inv_freq" in name:
                 continue
             param_name, shard_id = _param_name(name)
@@ -260,9 +262,38 @@ class LlamaForCausalLM(torch.nn.Module):
                 f"checkpoint{where} lacks weights: {', '.join(missing[:8])}"
                 + (" ..." if len(missing) > 8 else "")
             )
+        if stored_head is not None:
+            _check_tied_head(stored_head, self.model.embed_tokens.weight, where)
+        _check_finite(params, where)
 
 
 _KV_SCALES = ("k_scale", "v_scale", "kv_scale")
+_CHECKED_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tied_head(head: torch.Tensor, embeddings: torch.Tensor, where: str) -> None:
+    """config.json ties the LM head to the embeddings, yet the checkpoint stores a head of
+    its own: used as the embeddings (the engine builds no head), unless they differ, which
+    is refused rather than run with the wrong head."""
+    if head.dtype not in _CHECKED_FLOATS or head.shape != embeddings.shape:
+        return
+    if not torch.equal(head.to(embeddings.device, embeddings.dtype), embeddings.data):
+        raise ValueError(
+            f"config.json sets tie_word_embeddings true{where}, but the checkpoint's "
+            "lm_head.weight differs from its embeddings: set tie_word_embeddings to false "
+            "in config.json (the head is the model's own), or remove lm_head.weight"
+        )
+
+
+def _check_finite(params: dict[str, torch.nn.Parameter], where: str) -> None:
+    """Refuse NaN or infinite weights, naming the parameter: every row computed from them
+    came out empty or garbage, and was written as a result."""
+    for name, param in params.items():
+        if param.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(param).all()):
+            raise ValueError(
+                f"weight {name}{where} holds NaN or infinite values: the checkpoint is "
+                "damaged (or overflowed on conversion); re-download or re-export it"
+            )
 
 
 def _ignorable(
