@@ -7,12 +7,14 @@ YAML bombs, tracebacks instead of exit 2, repeated locations, and vanished shard
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,6 +44,15 @@ def _ids(folder: Path) -> list[str]:
 
 
 # 1. Two jobs on one output.path ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _manifest(out: Path) -> Iterator[dict]:
+    """Job 'test''s manifest in ``out`` as a dict to edit; written back on leaving."""
+    path = out / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    yield manifest
+    path.write_text(json.dumps(manifest))
 
 
 def test_second_job_on_an_output_is_refused_and_the_first_keeps_its_rows(
@@ -463,11 +474,9 @@ def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out)
     run_job(spec, show_progress=False)
-    manifest_path = out / "test.manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for shard in manifest["shards"].values():  # as written before sizes were recorded
-        del shard["data_bytes"], shard["error_bytes"]
-    manifest_path.write_text(json.dumps(manifest))
+    with _manifest(out) as manifest:
+        for shard in manifest["shards"].values():  # as written before sizes were recorded
+            del shard["data_bytes"], shard["error_bytes"]
     os.remove(out / "shards" / "part-00000.jsonl")
     report = run_job(spec, show_progress=False)
     assert report.shards_recomputed == 1 and report.rows_ok == 8
@@ -516,10 +525,8 @@ def test_resume_refuses_a_model_saved_again_at_the_same_sizes(
     weights.write_bytes(bytes(data))
     with pytest.raises(FingerprintMismatchError, match="model_content: the model's files changed"):
         run_job(spec, show_progress=False)
-    manifest_path = out / "test.manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    del manifest["settings"]["model_content"]
-    manifest_path.write_text(json.dumps(manifest))
+    with _manifest(out) as manifest:
+        del manifest["settings"]["model_content"]
     assert run_job(spec, show_progress=False).status == "complete"
 
 
@@ -533,11 +540,9 @@ def test_resume_refuses_dtype_auto_resolved_on_another_kind_of_device(
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out)
     run_job(spec, show_progress=False)
-    manifest_path = out / "test.manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    assert manifest["settings"]["resolved_dtype"] == "float32"
-    manifest["settings"]["resolved_dtype"] = "bfloat16"
-    manifest_path.write_text(json.dumps(manifest))
+    with _manifest(out) as manifest:
+        assert manifest["settings"]["resolved_dtype"] == "float32"
+        manifest["settings"]["resolved_dtype"] = "bfloat16"
     with pytest.raises(FingerprintMismatchError) as info:
         run_job(spec, show_progress=False)
     assert 'resolved_dtype: "bfloat16" -> "float32" (model.dtype auto on another' in str(info.value)

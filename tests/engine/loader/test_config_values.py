@@ -11,20 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_models import save_tiny_model
+from tests.tiny_models import save_tiny_model, tiny_config
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.model_config import ModelConfig
 
-BASE: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 288,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+BASE: dict[str, Any] = tiny_config("llama").to_dict()  # the tiny test model's config.json
 
 
 @pytest.mark.parametrize(
