@@ -1,7 +1,8 @@
 """Configured column names the input does not have, before any row runs: JSONL (no schema:
 its first objects' keys) as Parquet. A structured-output or id column in none of them exits
 2 (every row would run unconstrained, or get file:line ids, silently); passthrough columns
-in none of them are warned about (null in every row); the default id column may be absent."""
+in none of them are warned about (null in every row); the default id column may be absent.
+A conversations column for a model without a chat template exits 2 as well."""
 
 from __future__ import annotations
 
@@ -70,3 +71,24 @@ def test_a_jsonl_passthrough_column_in_no_row_is_warned_about(
         check_up_front(JobSpec.from_dict(spec))
     assert "input.passthrough_columns 'topik': not a key of any of the first 2 rows" in caplog.text
     assert "'topic'" not in caplog.text  # the second row lacks it, the first has it
+
+
+def test_conversations_for_a_model_without_a_chat_template_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every row would fail "the model has no chat template" and the job exit 0."""
+    import json as json_module
+
+    from tests.jobs.job_helpers import chat_rows
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model("llama", tmp_path / "m")
+    config = json_module.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json_module.dumps(config))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    src = write_jsonl(tmp_path / "chat.jsonl", chat_rows(2))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(model, src, tmp_path / "out")))
+    assert cli_main([str(job), "--quiet"]) == 2
+    assert "input.messages_column: model" in capsys.readouterr().err

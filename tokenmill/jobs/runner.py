@@ -105,6 +105,11 @@ def settings_of(spec: JobSpec) -> JobSettings:
         config = source.load_config()
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
+    if template is None and spec.input.messages_column is not None:  # every row would fail
+        raise JobSpecError(
+            f"input.messages_column: model {spec.model.source!r} has no chat template to "
+            "render conversations with; use a chat model, or plain prompts (prompt_column)"
+        )
     vocab = config.vocab_size if spec.sampling.logit_bias else 0
     outside = ids_outside_vocab(spec.sampling.logit_bias, vocab)
     if outside:  # every row would fail on them
