@@ -1,8 +1,9 @@
 """The job runner: spec in, committed shards and a report out, resumable at any moment.
 
 checks (output location, input, spec) ─► lock ─► ownership ─► manifest (fingerprint, shard
-files verified, stray error files removed) ─► the output schema (Parquet: fixed before the
-first shard, kept in the manifest) ─► then three threads, joined by bounded queues
+files verified, stray shard files removed; shards without a manifest refused) ─► the output
+schema (Parquet: fixed before the first shard, kept in the manifest) ─► then three threads,
+joined by bounded queues
 (pipeline_bounds.py):
 
     reader thread:  read ─► skip committed shards ─► template + tokenize (RowFeed)
@@ -19,7 +20,8 @@ committed; a second signal (JobInterrupted) leaves at once.
 Times: ``model_load_seconds`` is building the executor (the local engine), plus the slowest
 Ray replica's own load; ``generation_seconds``, what throughput is over, runs from the model
 loaded to the executor's last result. A job found complete loads nothing, says so ("nothing
-to do") and leaves its report.json as the run that completed it wrote it.
+to do") and leaves its report.json as the run that completed it wrote it (written anew
+only when it is missing or does not say complete: that run was killed before writing it).
 """
 
 from __future__ import annotations
