@@ -3,8 +3,7 @@
 checks (output location, input, spec) ─► lock ─► ownership ─► manifest (fingerprint, shard
 files verified, stray shard files removed; shards without a manifest refused) ─► the output
 schema (Parquet: fixed before the first shard, kept in the manifest) ─► then three threads,
-joined by bounded queues
-(pipeline_bounds.py):
+joined by bounded queues (pipeline_bounds.py):
 
     reader thread:  read ─► skip committed shards ─► template + tokenize (RowFeed)
                     ─► planner: dedup, length order in a window (RowFeed, FeedPlan)
