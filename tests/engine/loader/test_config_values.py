@@ -69,3 +69,18 @@ def test_a_sharded_model_in_the_hub_caches_layout_loads(tmp_path: Path) -> None:
     assert got.token_ids == want.token_ids
     index = json.loads((snapshot / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
+
+
+def test_an_unreadable_weights_file_is_named_as_such(tmp_path: Path) -> None:
+    """safetensors reports a file it may not read as missing ("No such file"): the message
+    said to re-download a file that was there."""
+    model = save_tiny_model("llama", tmp_path / "m")
+    weights = model / "model.safetensors"
+    weights.chmod(0)
+    try:
+        if os.access(weights, os.R_OK):
+            pytest.skip("this user reads any file (root)")
+        with pytest.raises(PermissionError, match="model.safetensors cannot be read"):
+            LLM(str(model), device="cpu")
+    finally:
+        weights.chmod(0o644)

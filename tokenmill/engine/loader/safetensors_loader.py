@@ -13,6 +13,7 @@ when loaded, so they are refused by ``resolve_model_source`` before we get here.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -154,6 +155,8 @@ def _read_tensors(
     says; with ``packed_ints`` the int32 words of GPTQ / AWQ layers pass too."""
     fp8 = config.quantization == "fp8"
     for file in safetensors_files(model_dir):
+        if not os.access(file, os.R_OK):  # safetensors says "No such file" for this too
+            raise PermissionError(f"{file} cannot be read: permission denied")
         try:
             handle = safe_open(str(file), framework="pt")
         except (SafetensorError, OSError) as e:
