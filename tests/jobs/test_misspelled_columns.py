@@ -92,3 +92,18 @@ def test_conversations_for_a_model_without_a_chat_template_exit_2(
     job.write_text(yaml.safe_dump(job_dict(model, src, tmp_path / "out")))
     assert cli_main([str(job), "--quiet"]) == 2
     assert "input.messages_column: model" in capsys.readouterr().err
+
+
+def test_conversations_for_a_chat_template_that_does_not_compile_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.jobs.job_helpers import chat_rows
+    from tests.tiny_models import save_tiny_model
+
+    model = save_tiny_model("llama", tmp_path / "m")
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    src = write_jsonl(tmp_path / "chat.jsonl", chat_rows(2))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(model, src, tmp_path / "out")))
+    assert cli_main([str(job), "--quiet"]) == 2
+    assert "the chat template 'default' of model" in capsys.readouterr().err

@@ -106,11 +106,8 @@ def settings_of(spec: JobSpec) -> JobSettings:
         config = source.load_config()
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
-    if template is None and spec.input.messages_column is not None:  # every row would fail
-        raise JobSpecError(
-            f"input.messages_column: model {spec.model.source!r} has no chat template to "
-            "render conversations with; use a chat model, or plain prompts (prompt_column)"
-        )
+    if spec.input.messages_column is not None:  # else every row would fail
+        _check_chat_template(template, spec.model.source)
     vocab = config.vocab_size if spec.sampling.logit_bias else 0
     outside = ids_outside_vocab(spec.sampling.logit_bias, vocab)
     if outside:  # every row would fail on them
@@ -122,6 +119,31 @@ def settings_of(spec: JobSpec) -> JobSettings:
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
     return settings
+
+
+def _check_chat_template(template: str | None, model: str) -> None:
+    """Raise JobSpecError when ``model`` has no chat template, or one (any of its named
+    ones) that does not compile, as transformers compiles it to render conversations."""
+    if template is None:
+        raise JobSpecError(
+            f"input.messages_column: model {model!r} has no chat template to render "
+            "conversations with; use a chat model, or plain prompts (prompt_column)"
+        )
+    try:  # (transformers' own compiler, with its extensions; skipped where it moved)
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
+    named = json.loads(template) if template.startswith('{"') else {"default": template}
+    for name, text in named.items():
+        try:
+            _compile_jinja_template(text)
+        except TemplateError as exc:
+            raise JobSpecError(
+                f"input.messages_column: the chat template {name!r} of model {model!r} does "
+                f"not compile ({type(exc).__name__}: {exc}); fix chat_template.jinja or "
+                "tokenizer_config.json's chat_template"
+            ) from None
 
 
 def _resolved_dtype(spec: JobSpec, config: Any) -> str:
