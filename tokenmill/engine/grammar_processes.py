@@ -413,9 +413,8 @@ class GrammarProcesses:
         self._errors.clear()
         self._released.clear()
         self._start()
-        for slot, (shm, masks, _) in self._segments.items():
-            for worker in range(self._num):
-                self._send(worker, _message(SHM, [slot, len(masks), self._words], text=shm.name))
+        for slot in self._segments:
+            self._announce(slot)
 
     def close(self) -> None:
         """Stop the workers and free the shared masks; the workers do not start again."""
@@ -479,9 +478,14 @@ class GrammarProcesses:
         masks = np.ndarray((rows, self._words), dtype=np.int32, buffer=shm.buf)
         registered = pinned and _register(masks)
         self._segments[slot] = (shm, masks, registered)
-        for worker in range(self._num):
-            self._send(worker, _message(SHM, [slot, rows, self._words], text=shm.name))
+        self._announce(slot)
         return masks
+
+    def _announce(self, slot: int) -> None:
+        """Tell every worker where ``slot``'s masks are (its shared memory's name, rows)."""
+        shm, masks, _ = self._segments[slot]
+        for worker in range(self._num):
+            self._send(worker, _message(SHM, [slot, len(masks), self._words], text=shm.name))
 
     def _scratch_room(self, rows: int) -> None:
         """A scratch buffer of at least ``rows`` masks."""

@@ -55,17 +55,11 @@ class JsonlRecords:
     def keys_seen(self) -> tuple[frozenset[str], int]:
         """(The keys of any of the file's first ``_PEEK_LINES`` JSON objects, how many
         objects that is): what a check of configured column names can go by."""
-        f = self._from_start()
         keys: set[str] = set()
         objects = 0
-        for line_no, raw in enumerate(f, start=1):
-            if line_no > _PEEK_LINES:
-                break
-            if raw.strip():
-                record = _decode(line_no, raw)
-                if isinstance(record.value, dict):
-                    keys.update(record.value)
-                    objects += 1
+        for value in self._first_objects():
+            keys.update(value)
+            objects += 1
         return frozenset(keys), objects
 
     def __iter__(self) -> Iterator[Record]:
@@ -76,18 +70,15 @@ class JsonlRecords:
             yield _decode(line_no, raw)
 
     def _peek_first_keys(self) -> frozenset[str]:
-        f = self._from_start()
-        keys: frozenset[str] = frozenset()
-        for line_no, raw in enumerate(f, start=1):
-            if line_no > _PEEK_LINES:
-                break
-            if not raw.strip():
-                continue
-            record = _decode(line_no, raw)
+        return next((frozenset(value) for value in self._first_objects()), frozenset())
+
+    def _first_objects(self) -> Iterator[dict[str, Any]]:
+        """The JSON objects among the file's first ``_PEEK_LINES`` lines."""
+        for record in self:
+            if record.position > _PEEK_LINES:
+                return
             if isinstance(record.value, dict):
-                keys = frozenset(record.value)
-                break
-        return keys
+                yield record.value
 
     def _from_start(self) -> IO[bytes]:
         """The open file at its first byte: as opened, seeked back, or reopened when it is a
