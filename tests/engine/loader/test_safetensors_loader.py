@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from tests.engine.loader.cases import LLAMA3_ROPE, TINY_CASES
@@ -82,6 +83,17 @@ def test_unindexed_safetensors_files_load(tmp_path: Path) -> None:
     expected = _hf_state_dict(path)
     (path / "model.safetensors.index.json").unlink()
     _check_weights_match(path, tied=False, expected=expected)
+
+
+def test_a_tensor_stored_in_two_files_is_refused_naming_both(tmp_path: Path) -> None:
+    path = save_tiny_model("llama", tmp_path / "m", max_shard_size="40KB")
+    (path / "model.safetensors.index.json").unlink()
+    files = sorted(path.glob("*.safetensors"))
+    first = load_file(files[0])
+    name = next(iter(first))
+    save_file({name: first[name].clone()}, path / "zz-extra.safetensors")
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} is stored in both .*zz-extra"):
+        list(resolve_model_source(path).iter_weights())
 
 
 def test_bfloat16_weights_keep_their_dtype(tmp_path: Path) -> None:

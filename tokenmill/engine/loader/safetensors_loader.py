@@ -132,9 +132,9 @@ def iter_safetensors_weights(
     their ``weight_scale`` come as they are, its ``input_scale`` not at all (activations are
     scaled per token). A GPTQ / AWQ checkpoint's linear layers come repacked for the W4A16
     layer, as ``<layer>.qweight``, ``.scales`` and ``.mins`` (awq_gptq.py). Raises ValueError
-    naming the file for a corrupt or truncated file, a non-float (quantized) tensor the
-    config declares no format for, an e4m3 tensor outside an FP8 checkpoint, or a shape the
-    config disagrees with.
+    naming the file for a corrupt or truncated file, a tensor stored in two files, a
+    non-float (quantized) tensor the config declares no format for, an e4m3 tensor outside
+    an FP8 checkpoint, or a shape the config disagrees with.
     """
     shapes = expected_shapes(config)
     int4 = Int4Checkpoint.from_name(config.quantization)
@@ -154,6 +154,7 @@ def _read_tensors(
     """``(hf_name, tensor, file)`` of every tensor, checked as ``iter_safetensors_weights``
     says; with ``packed_ints`` the int32 words of GPTQ / AWQ layers pass too."""
     fp8 = config.quantization == "fp8"
+    seen: dict[str, Path] = {}  # tensor name -> the file it came from
     for file in safetensors_files(model_dir):
         if not os.access(file, os.R_OK):  # safetensors says "No such file" for this too
             raise PermissionError(f"{file} cannot be read: permission denied")
@@ -168,6 +169,12 @@ def _read_tensors(
             for name in f.keys():
                 if name.endswith(_SKIPPED_SUFFIXES) or (fp8 and name.endswith(".input_scale")):
                     continue
+                if name in seen:
+                    raise ValueError(
+                        f"tensor {name} is stored in both {seen[name]} and {file}: which one "
+                        "the model should use is ambiguous; re-download the checkpoint"
+                    )
+                seen[name] = file
                 try:
                     tensor = f.get_tensor(name)
                 except (SafetensorError, OSError, RuntimeError) as e:
