@@ -89,6 +89,16 @@ def _row_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    """As HF's and vLLM's top-k (exactly k were kept before: of the tied, the lowest ids)."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    out = _sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * 4000)
+    counts = torch.bincount(out.sampled_token_ids, minlength=6).float()
+    assert counts[4:].sum() == 0
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 1.0, 1.0]), -1)
+    assert _chi_square(counts[:4], expected) < 16.27  # df = 3, 99.9%
+
+
 def test_top_k_never_picks_filtered_tokens() -> None:
     logits = _row_logits(2000, 30, seed=3)
     k = 4

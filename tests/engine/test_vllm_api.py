@@ -261,11 +261,35 @@ def test_a_prompt_that_is_not_unicode_is_named(smollm2_llm) -> None:
         # past float32's range: the sampler's columns would hold inf (and inf / inf = nan)
         ({"temperature": 1e39}, r"SamplingParams.temperature must be a number >= 0 \(at most"),
         ({"repetition_penalty": 1e300}, r"SamplingParams.repetition_penalty must be a number"),
+        # ints too large for a float: an OverflowError before
+        ({"temperature": 10**400}, r"SamplingParams.temperature must be a number"),
+        ({"top_p": 10**400}, r"SamplingParams.top_p must be in"),
+        ({"logit_bias": {5: 10**400}}, r"logit_bias: the bias of token 5 must be a number"),
+        # a huge id failed the whole generate() call in the scheduler; others became EOS (2.7)
+        ({"stop_token_ids": [2**63]}, r"SamplingParams.stop_token_ids must be a list of token"),
+        ({"stop_token_ids": [2.7]}, r"SamplingParams.stop_token_ids "),
+        ({"stop_token_ids": [True]}, r"SamplingParams.stop_token_ids "),
+        ({"stop_token_ids": [-1]}, r"SamplingParams.stop_token_ids "),
+        ({"stop_token_ids": "12"}, r"SamplingParams.stop_token_ids "),
+        # flags were taken as truthy, counts took True as 1
+        ({"ignore_eos": "no"}, r"SamplingParams.ignore_eos must be True or False"),
+        ({"skip_special_tokens": "x"}, r"SamplingParams.skip_special_tokens must be True or"),
+        ({"include_stop_str_in_output": 1}, r"SamplingParams.include_stop_str_in_output "),
+        ({"max_tokens": True}, r"SamplingParams.max_tokens "),
+        ({"top_k": True}, r"SamplingParams.top_k "),
+        ({"logprobs": True}, r"SamplingParams.logprobs "),
+        ({"seed": True}, r"SamplingParams.seed "),
     ],
 )
 def test_invalid_sampling_params_are_refused(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_below_1e_5_samples_greedily() -> None:
+    """1e-40 passed and overflowed the logits to inf: every row sampled token 0."""
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-5).temperature
+    assert SamplingParams(stop_token_ids=[3, 7]).stop_token_ids == (3, 7)
 
 
 def test_explicit_defaults_are_accepted() -> None:

@@ -22,6 +22,7 @@ from tests.jobs.job_helpers import (
     write_jsonl,
 )
 from tokenmill import LLM, SamplingParams, run_job
+from tokenmill.engine.seeds import input_row_seed
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.spec import JobSpec
 
@@ -95,8 +96,11 @@ def test_job_yaml_best_of_applies_to_every_row(tiny_model: Path, llm: LLM, tmp_p
     # The run's tokens are the engine's work: every sample of best_of, not the rows' own.
     engine_tokens = report.throughput_over_time[-1][1]
     assert report.completion_tokens == engine_tokens > sum(r["completion_tokens"] for r in written)
-    params = SamplingParams(max_tokens=8, **sampling)
-    want = llm.chat([r["messages"] for r in rows], params)
+    # Each row samples from its own seed, derived from the job's and its index in the input.
+    want = [
+        llm.chat(r["messages"], SamplingParams(max_tokens=8, **{**sampling, "seed": seed}))[0]
+        for r, seed in ((r, input_row_seed(7, i)) for i, r in enumerate(rows))
+    ]
     assert texts == {r["id"]: o.text for r, o in zip(rows, want, strict=True)}
 
     messages = rows[0]["messages"]

@@ -18,6 +18,7 @@ import yaml
 
 from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
 from tokenmill import LLM, SamplingParams, run_job
+from tokenmill.engine.seeds import input_row_seed
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.readers.input_fingerprint import input_fingerprint
 from tokenmill.jobs.cli import main as cli_main
@@ -89,9 +90,12 @@ def test_jsonl_rows_each_get_their_own_constraint(tiny_model: Path, tmp_path: Pa
         _check(row, rid.split("-", 1)[1])
     # Unconstrained rows: what the model writes for them alone, with the job's sampling.
     llm = LLM(str(tiny_model), device="cpu", kv_cache_memory=16 << 20)
-    free = [r for r in rows if r["constraint"] is None]
-    alone = llm.chat([r["messages"] for r in free], SamplingParams(**SAMPLING))
-    assert [done[r["id"]]["text"] for r in free] == [o.text for o in alone]
+    free = [(i, r) for i, r in enumerate(rows) if r["constraint"] is None]
+    alone = [  # each row's seed: the job's mixed with the row's index
+        llm.chat(r["messages"], SamplingParams(**SAMPLING | {"seed": input_row_seed(7, i)}))[0]
+        for i, r in free
+    ]
+    assert [done[r["id"]]["text"] for _, r in free] == [o.text for o in alone]
 
     errors = {r["id"]: r["error"] for r in read_jsonl_dir(tmp_path / "out" / "errors")}
     assert {rid.split("-", 1)[1] for rid in errors} == set(BAD_CELLS)

@@ -122,3 +122,39 @@ def test_dedup_spares_30_percent_of_the_tokens_and_changes_no_line(
         engine_before - engine_after,
     )
     assert "dedup       6 rows copied from identical rows" in report.summary()
+
+
+def test_rows_sampled_under_the_job_seed_are_independent_draws_and_never_copies(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """One job-wide seed gave every row the same noise: alike rows drew the same tokens, and
+    repeated prompts were copies. Now each row's seed mixes in its index: a repeat is its
+    own draw (not deduplicated), and a rerun draws every row again the same. Bodies that
+    bring the same seed of their own are still reproducible duplicates."""
+    src = write_jsonl(tmp_path / "batch.jsonl", _batch())
+
+    def sampled(out: Path, body_seed: int | None = None) -> tuple[JobReport, dict]:
+        spec = job_dict(
+            tiny_model,
+            src,
+            out,
+            output={"format": "openai-batch"},
+            sampling={"ignore_eos": True, "temperature": 1.0, "seed": 0},
+        )
+        spec["input"] = {"path": str(src), "format": "openai-batch"}
+        if body_seed is not None:
+            lines = [line | {"body": line["body"] | {"seed": body_seed}} for line in _batch()]
+            spec["input"]["path"] = str(write_jsonl(out.parent / f"{out.name}.jsonl", lines))
+        report = run_job(spec, show_progress=False)
+        assert report.rows_ok == 20
+        return report, _answers(out)
+
+    report, answers = sampled(tmp_path / "a")
+    assert report.rows_deduplicated == 0
+    twins = [("again0", "q1"), ("again1", "q3"), ("again2", "q5")]  # the long repeats
+    assert all(answers[a][0] != answers[b][0] for a, b in twins)
+    assert sampled(tmp_path / "b")[1] == answers  # a rerun repeats every row
+
+    report, answers = sampled(tmp_path / "c", body_seed=5)
+    assert report.rows_deduplicated == 6
+    assert all(answers[a][0] == answers[b][0] for a, b in twins)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.seeds import sample_seed
 
 __all__ = ["SampleGroup", "sample_groups", "sample_seed"]
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -103,22 +102,6 @@ def sample_groups(prefix: str, params: Sequence[SamplingParams]) -> list[SampleG
             per_sample = built[id(p)] = _sample_params(p)
         groups.append(SampleGroup(f"{prefix}-{i}", p, per_sample))
     return groups
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The seed of completion ``index`` of a request seeded with ``seed``.
-
-    Completion 0 keeps ``seed`` (so ``n=1`` samples as before); the others mix (seed, index)
-    through a splitmix64 finalizer into a 63-bit seed: reproducible, and unrelated between
-    indexes. The sampler then mixes in the output position (sampling_metadata.row_seed).
-    """
-    if index == 0:
-        return seed
-    x = ((seed & _MASK64) ^ 0x5851F42D4C957F2D) + index * 0x9E3779B97F4A7C15
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
 
 
 def _sample_params(params: SamplingParams) -> tuple[SamplingParams, ...]:

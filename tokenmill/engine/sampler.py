@@ -202,13 +202,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Te
     Works in descending-sorted order, where both filters keep a prefix of positions:
 
         sorted position j:   0    1    2    3    4   ...
-        top-k keeps          j < top_k
+        top-k keeps          logit j >= logit top_k - 1  (ties with the k-th kept, as HF's
+                             and vLLM's top-k do: bf16 logits tie often)
         top-p keeps          cumulative prob of positions < j  is  < top_p  (j = 0 always)
     """
     vocab_size = logits.shape[1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
     positions = torch.arange(vocab_size, device=logits.device).unsqueeze(0)  # [1, V]
-    keep = positions < meta.top_k.unsqueeze(1)  # [B, V]
+    kth = sorted_logits.gather(1, (meta.top_k.clamp(1, vocab_size) - 1).unsqueeze(1))  # [B, 1]
+    keep = sorted_logits >= kth  # [B, V]
     if not meta.no_top_p:
         probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # [B, V] exclusive cumulative sum

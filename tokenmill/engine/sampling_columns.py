@@ -36,7 +36,7 @@ class SamplingRows:
     """The sampling settings of the rows of one step, [S] each, in logits-row order.
 
     ``top_k`` holds the raw request value (<= 0 means off); ``SamplingMetadata`` clamps it to
-    the vocabulary. ``seed`` is the request's seed modulo 2**64 (all ``row_seed`` depends on)
+    the vocabulary. ``seed`` is the request's seed modulo 2**64 (all ``seeds.row_seed`` depends on)
     where ``has_seed``; ``logprobs`` is ``NO_LOGPROBS`` where unset.
     """
 

@@ -29,10 +29,10 @@ import torch
 from tokenmill.engine.device_copy import upload
 from tokenmill.engine.sampling_columns import SamplingColumns, SamplingRows
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.seeds import row_seed
 
-__all__ = ["SamplingMetadata", "TokenBitmask", "row_seed"]
+__all__ = ["SamplingMetadata", "TokenBitmask"]
 
-_MASK64 = (1 << 64) - 1
 
 # (logits rows with a grammar [G]) -> their allowed-token bitmask [G, ceil(V / 32)] int32
 TokenBitmask = Callable[[np.ndarray], np.ndarray]
@@ -274,17 +274,6 @@ def _allowed_bitmask(
             f"{len(constrained)} rows of {vocab_size} tokens"
         )
     return upload(torch.from_numpy(bitmask), device)
-
-
-def row_seed(seed: int, position: int) -> int:
-    """Mix a request seed and an output position into one 63-bit generator seed (splitmix64).
-
-    A seeded row's draw depends on nothing else, so it is the same in any batch and any row.
-    """
-    x = (seed * 0x9E3779B97F4A7C15 + position + 0x632BE59BD9B4E019) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
 
 
 def _logit_bias(

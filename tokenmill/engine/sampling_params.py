@@ -17,7 +17,9 @@ from tokenmill.engine.structured_output_params import (
 class SamplingParams:
     """Per-request sampling settings, validated when built.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` means greedy; so does one below 1e-5 (kept as 0: dividing the
+    logits by it would overflow float32, as vLLM's rule has it). ``top_k <= 0`` and
+    ``top_p == 1`` disable those filters.
     ``seed`` makes the request's samples reproducible whatever else shares its batch.
     ``logprobs`` asks for the sampled token's logprob plus that many top alternatives.
     ``n`` completions are returned per prompt; with ``best_of``, that many are generated and
@@ -70,64 +72,75 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check(
-            isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= _INT_MAX,
+            not isinstance(self.stop_token_ids, (str, bytes))
+            and all(is_int(t) and 0 <= t <= _INT_MAX for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "a list of token ids (integers in [0, 2**31 - 1])",
+        )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(
+                isinstance(getattr(self, flag), bool), flag, getattr(self, flag), "True or False"
+            )
+        _check(
+            is_int(self.max_tokens) and 1 <= self.max_tokens <= _INT_MAX,
             "max_tokens",
             self.max_tokens,
             "an integer in [1, 2**31 - 1] (the context ends a row first anyway)",
         )
         _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
             self.min_tokens,
             "an integer in [0, max_tokens]",
         )
         _check(
-            _is_number(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
+            is_number(self.temperature) and 0 <= self.temperature <= _FLOAT32_MAX,
             "temperature",
             self.temperature,
             "a number >= 0 (at most 3.4e38: the sampler's columns are float32)",
         )
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        if self.temperature < _GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        _check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or 0 <= self.top_k <= _INT_MAX),
+            is_int(self.top_k) and (self.top_k == -1 or 0 <= self.top_k <= _INT_MAX),
             "top_k",
             self.top_k,
             "-1 (off) or an integer in [0, 2**31 - 1] (0 is off too)",
         )
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        _check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
+            _check(is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
         _check(
-            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= _FLOAT32_MAX,
+            is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= _FLOAT32_MAX,
             "repetition_penalty",
             self.repetition_penalty,
             "a number > 0 (at most 3.4e38: the sampler's columns are float32)",
         )
-        _check(
-            self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None"
-        )
+        _check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             self.logprobs,
             "None or an integer in [0, 20]",
         )
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         _check(
-            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
+            self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n),
             "best_of",
             self.best_of,
             f"None or an integer >= n (n={self.n})",
         )
         _check(
             self.prompt_logprobs is None
-            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
             "prompt_logprobs",
             self.prompt_logprobs,
             "None or an integer in [0, 20]",
@@ -177,7 +190,7 @@ def check_logit_bias(
                 f"{where}key {_short(key)} is not a token id (an integer >= 0, or its digits "
                 "as a string)"
             )
-        if not (_is_number(item) and low <= item <= high):
+        if not (is_number(item) and low <= item <= high):
             raise ValueError(
                 f"{where}the bias of token {_short(key)} must be a number in [-100, 100], "
                 f"got {_short(item)}"
@@ -204,7 +217,7 @@ def ids_outside_vocab(logit_bias: Mapping[int, float] | None, vocab_size: int) -
 
 
 def _token_id(key: object) -> int | None:
-    if _is_int(key):
+    if is_int(key):
         return key if key >= 0 else None  # type: ignore[return-value, operator]
     if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
         return int(key)
@@ -220,11 +233,20 @@ _FLOAT32_MAX = 3.4028234663852886e38  # larger values overflow the sampler's flo
 _INT_MAX = 2**31 - 1  # counts and top_k beyond it mean nothing more (and overflow the columns)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+_GREEDY_BELOW = 1e-5  # temperatures below it sample greedily
 
 
-def _is_int(value: object) -> bool:
+def is_number(value: object) -> bool:
+    """A finite int or float (not a bool); an int too large for a float is not."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -26,6 +26,7 @@ from tokenmill.jobs.requests import (
     prompt_ids_for,
     row_error_reason,
     sampling_params_for,
+    seeded_for_row,
 )
 
 __all__ = ["ReadyRow", "RowPreparer", "own_tokenizer"]
@@ -114,12 +115,15 @@ class RowPreparer:
 
     def _params(self, row: InputRow) -> SamplingParams:
         """``sampling_params_for(row, defaults)``; built once for all the rows that override
-        nothing (SamplingParams is frozen: they share it). Raises as it does."""
+        nothing (SamplingParams is frozen: greedy rows share it; sampled ones take a copy
+        with their own seed). Raises as it does."""
         if row.sampling:
             return sampling_params_for(row, self.sampling_defaults)
         if self._default_params is None:
-            self._default_params = sampling_params_for(row, self.sampling_defaults)
-        return self._default_params
+            self._default_params = sampling_params_for(
+                row, self.sampling_defaults, per_row_seed=False
+            )
+        return seeded_for_row(self._default_params, row)
 
     def _text(self, row: InputRow) -> str | None:
         """The text to encode, or None when only the per-row path can tell (no template, a

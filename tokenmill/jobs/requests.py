@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.seeds import input_row_seed
 from tokenmill.io.logprobs_column import LogprobEntries
 from tokenmill.io.prompt_logprobs_column import PromptLogprobEntries
 from tokenmill.io.rows import Choice, InputRow, ResultRow
@@ -19,8 +21,12 @@ from tokenmill.jobs.token_bytes import token_bytes
 _PARAM_NAMES = {f.name for f in fields(SamplingParams)}
 
 
-def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingParams:
-    """The job's sampling section overlaid with the row's own fields (OpenAI Batch bodies).
+def sampling_params_for(
+    row: InputRow, defaults: dict[str, Any], per_row_seed: bool = True
+) -> SamplingParams:
+    """The job's sampling section overlaid with the row's own fields (OpenAI Batch bodies),
+    with the job's seed made the row's own (``seeded_for_row``) unless ``per_row_seed`` is
+    off or the row gives its own seed.
 
     Raises ValueError naming the field when a value is out of range, or when the job's
     ``sampling.best_of`` is less than the row's own ``n``.
@@ -37,9 +43,23 @@ def sampling_params_for(row: InputRow, defaults: dict[str, Any]) -> SamplingPara
             f"{best_of} generates; raise sampling.best_of to {n} or more, or lower the row's n"
         )
     try:
-        return SamplingParams(**merged)
+        params = SamplingParams(**merged)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+    if not per_row_seed or "seed" in row.sampling:
+        return params
+    return seeded_for_row(params, row)
+
+
+def seeded_for_row(params: SamplingParams, row: InputRow) -> SamplingParams:
+    """``params`` with the job's seed mixed with the row's index in the input, for a sampled
+    row: each row draws from its own stream, so rows sample independently (one shared seed
+    gave every row the same noise, and rows with alike distributions the same tokens), and
+    a rerun or a resume draws every row again the same. Greedy and unseeded params are
+    returned as they are."""
+    if params.seed is None or params.greedy:
+        return params
+    return dataclasses.replace(params, seed=input_row_seed(params.seed, row.row_index))
 
 
 def check_output_holds(

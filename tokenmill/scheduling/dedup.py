@@ -3,11 +3,13 @@
 Identical means the same prompt token ids (or, before tokenizing, the same prompt text or
 conversation) and equal SamplingParams, and only where the result is reproducible: greedy
 (temperature 0), or sampled with a seed (the engine draws a seeded row's samples from its
-own generator, whatever shares its batch). Such a row's result is what computing it again
-would give, so its twin's result is copied under its own identity (row index, id, custom_id,
-passthrough, file:line): each copy is written to its own row's shard, and an OpenAI Batch
-line id, derived from the row index and id, is its own. A row sampled without a seed is
-never deduplicated: two of them are two independent draws.
+own generator, whatever shares its batch; a job's ``sampling.seed`` gives each row a seed
+of its own, jobs/requests.py, so only rows that bring the same seed match). Such a row's
+result is what computing it again would give, so its twin's result is copied under its own
+identity (row index, id, custom_id, passthrough, file:line): each copy is written to its
+own row's shard, and an OpenAI Batch line id, derived from the row index and id, is its
+own. A row sampled without a seed is never deduplicated: two of them are two independent
+draws.
 
     row ─► key ─► a twin's result is cached ───────────► copy it now           (Cached)
               ├─► a twin is queued or running (primary) ─► hold until it ends  (HELD)

@@ -22,10 +22,9 @@ logprob and that many alternatives (SamplingParams.prompt_logprobs).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from tokenmill.engine.sampling_params import check_logit_bias
+from tokenmill.engine.sampling_params import check_logit_bias, is_int, is_number
 from tokenmill.io.readers.row_error import RowError, short_repr
 
 CHAT = "/v1/chat/completions"
@@ -62,20 +61,20 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
         sampling["max_tokens"] = max_tokens
     if "temperature" in fields:
         value = fields["temperature"]
-        _expect(_is_number(value) and value >= 0, "temperature", value, "a number >= 0", row_id)
+        _expect(is_number(value) and value >= 0, "temperature", value, "a number >= 0", row_id)
         sampling["temperature"] = value
     if "top_p" in fields:
         value = fields["top_p"]
-        _expect(_is_number(value) and 0 < value <= 1, "top_p", value, "in (0, 1]", row_id)
+        _expect(is_number(value) and 0 < value <= 1, "top_p", value, "in (0, 1]", row_id)
         sampling["top_p"] = value
     for name in ("presence_penalty", "frequency_penalty"):
         if name in fields:
             value = fields[name]
-            _expect(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]", row_id)
+            _expect(is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]", row_id)
             sampling[name] = value
     if "seed" in fields:
         value = fields["seed"]
-        _expect(_is_int(value), "seed", value, "an integer", row_id)
+        _expect(is_int(value), "seed", value, "an integer", row_id)
         sampling["seed"] = value
     if "stop" in fields:
         stop = _stop(fields["stop"], row_id)
@@ -83,14 +82,14 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
             sampling["stop"] = stop
     if "n" in fields:
         value = _count(fields["n"])
-        _expect(_is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
+        _expect(is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
         if value > 1:
             sampling["n"] = value
     if "best_of" in fields and endpoint == COMPLETIONS:
         sampling["best_of"] = _best_of(fields["best_of"], sampling.get("n", 1), row_id)
     if "prompt_logprobs" in fields:
         value = fields["prompt_logprobs"]
-        _expect(_is_int(value) and 0 <= value <= 20, "prompt_logprobs", value, _LOGPROBS, row_id)
+        _expect(is_int(value) and 0 <= value <= 20, "prompt_logprobs", value, _LOGPROBS, row_id)
         sampling["prompt_logprobs"] = value
     if "logit_bias" in fields:
         try:
@@ -184,7 +183,7 @@ def _response_format(value: Any, row_id: str) -> str | dict[str, Any] | None:
 def _best_of(value: Any, n: int, row_id: str) -> int:
     """A completions body's best_of (kept when it equals n: it overrides the job's)."""
     value = _count(value)
-    _expect(_is_int(value) and 1 <= value <= MAX_N, "best_of", value, f"in [1, {MAX_N}]", row_id)
+    _expect(is_int(value) and 1 <= value <= MAX_N, "best_of", value, f"in [1, {MAX_N}]", row_id)
     if value < n:
         raise RowError(
             f"body.best_of={value} is less than body.n={n}: best_of completions are generated "
@@ -197,7 +196,7 @@ def _best_of(value: Any, n: int, row_id: str) -> int:
 def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
     found = {n: fields[n] for n in ("max_tokens", "max_completion_tokens") if n in fields}
     for name, value in found.items():
-        _expect(_is_int(value) and value >= 1, name, value, "an integer >= 1", row_id)
+        _expect(is_int(value) and value >= 1, name, value, "an integer >= 1", row_id)
         _expect(value < 2**31, name, value, "at most 2**31 - 1", row_id)  # (int32 columns)
     if len(set(found.values())) > 1:
         raise RowError(
@@ -225,13 +224,13 @@ def _logprobs(fields: dict[str, Any], endpoint: str, row_id: str) -> int | None:
     if endpoint == COMPLETIONS:
         if value is None:
             return None
-        _expect(_is_int(value) and 0 <= value <= 20, "logprobs", value, _LOGPROBS, row_id)
+        _expect(is_int(value) and 0 <= value <= 20, "logprobs", value, _LOGPROBS, row_id)
         return value
     top = fields.get("top_logprobs")
     if value is not None:
         _expect(isinstance(value, bool), "logprobs", value, "true or false", row_id)
     if top is not None:
-        _expect(_is_int(top) and 0 <= top <= 20, "top_logprobs", top, _LOGPROBS, row_id)
+        _expect(is_int(top) and 0 <= top <= 20, "top_logprobs", top, _LOGPROBS, row_id)
         if not value:
             raise RowError("body.top_logprobs needs body.logprobs: true", row_id)
     return (top or 0) if value else None
@@ -247,11 +246,3 @@ def _count(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
