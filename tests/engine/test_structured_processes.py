@@ -444,8 +444,11 @@ def test_an_llm_cut_short_mid_message_runs_the_next_call_as_a_fresh_one(tiny_pat
     finally:
         GrammarProcesses._send = send
     assert sent[0] >= 12 and not llm.engine.has_unfinished()
+    # The old workers are gone; fresh ones wait for a request that needs them (a job
+    # stopping on a signal started a set only to stop it).
+    assert pool._procs == []
     assert _summary(llm.generate(prompts, params)) == want
-    assert all(p.poll() is None for p in pool._procs)
+    assert len(pool._procs) == 2 and all(p.poll() is None for p in pool._procs)
     llm.engine.close()
 
 

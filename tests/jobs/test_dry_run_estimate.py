@@ -233,6 +233,32 @@ def test_the_dry_run_says_how_far_it_has_read(
     ]
 
 
+def test_a_stop_signal_stops_the_dry_run(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM logged "stopping at the next commit boundary", then the dry run read on to
+    the end and exited 0 (a second one became a bad row)."""
+    import threading
+
+    from tokenmill.jobs import dry_run as dry_run_module
+    from tokenmill.jobs.stop_signals import JobInterrupted
+
+    cancel = threading.Event()
+    rows = dry_run_module.iter_input_rows
+
+    def signalled_after_two(*args, **kwargs):
+        for i, row in enumerate(rows(*args, **kwargs)):
+            if i == 2:
+                cancel.set()
+            yield row
+
+    monkeypatch.setattr(dry_run_module, "iter_input_rows", signalled_after_two)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
+    spec = JobSpec.from_dict(job_dict(tiny_model, src, tmp_path / "out"))
+    with pytest.raises(JobInterrupted, match="stopped after 2 rows"):
+        dry_run(spec, cancel)
+
+
 def test_the_dry_run_refuses_another_jobs_output_as_a_run_does(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -83,3 +83,16 @@ def test_output_in_the_model_folder_is_refused(
     with pytest.raises(OutputPathError, match="model folder"):
         run_job(job_dict(tiny_model, src, tiny_model / inside), show_progress=False)
     assert sorted(p.name for p in tiny_model.iterdir()) == before
+
+
+def test_an_output_path_under_a_file_is_refused_naming_it(tiny_model: Path, tmp_path: Path) -> None:
+    """It failed with NotADirectoryError and "committed shards are kept; rerun", naming
+    neither output.path nor the file in the way."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file")
+    spec = job_dict(tiny_model, src, blocker / "out" / "run1")
+    with pytest.raises(
+        OutputPathError, match=r"output.path .* is under '.*notes.txt', which is a file"
+    ):
+        run_job(spec, show_progress=False)

@@ -147,3 +147,17 @@ def test_a_log_record_during_the_run_is_printed_above_the_bar(
     assert re.search(r"\r +\rRay replica 2 of 2 loaded the model in 3\.0 s\n\r 20%\|", drawn)
     assert drawn.count("loaded the model") == 1
     assert term.frames()[-1].endswith("| 4 of 10 rows, 40 output tok/s, ETA 6 s, 8 in flight")
+
+
+def test_a_terminal_without_a_width_gets_log_lines() -> None:
+    """A pseudo-terminal with no window size (``script`` in some CI runners and containers)
+    says it is 0 columns wide: the bar drew nothing there, for the whole run."""
+    import os
+
+    leader, follower = os.openpty()
+    with os.fdopen(follower, "w") as stream:
+        assert stream.isatty() and os.get_terminal_size(follower).columns == 0
+        progress = Progress(10, 0, stream=stream)
+        assert progress._bar is None  # the periodic log lines instead
+        progress.close()
+    os.close(leader)

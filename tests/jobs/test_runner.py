@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from tests.jobs.job_helpers import (
     chat_rows,
@@ -126,6 +127,55 @@ def test_a_run_that_fails_mid_stream_leaves_no_request_behind(
         run_job(spec, show_progress=False)
     gc.collect()
     assert _count(Request) == before
+
+
+def test_a_failed_run_says_so_in_report_json(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that failed left the last run's report.json as it was ("cancelled" here), so
+    whatever watched the job (the Airflow operator returns its path) read stale numbers."""
+    from tokenmill.jobs import runner
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    spec = job_dict(tiny_model, src, tmp_path / "out")
+    cancelled = threading.Event()
+    cancelled.set()
+    assert run_job(spec, cancel=cancelled, show_progress=False).status == "cancelled"
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(runner, "_load_executor", no_memory)
+    with pytest.raises(RuntimeError, match="allocate"):
+        run_job(spec, show_progress=False)
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["status"] == "failed"
+    assert saved["error"] == "RuntimeError: DefaultCPUAllocator: can't allocate memory"
+
+
+def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """200 GB on a 24 GiB box failed the allocation after the model loaded (exit 1, "rerun to
+    resume", with a traceback), and a fraction of 0.99 woke the out-of-memory killer: a
+    fraction did not count the memory in use."""
+    from tokenmill.engine import engine_config
+    from tokenmill.engine.engine_config import EngineConfig
+    from tokenmill.jobs.spec import JobSpecError
+
+    gib = 1 << 30
+    monkeypatch.setattr(engine_config, "host_memory", lambda: (8 * gib, 1 * gib))
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine={"kv_cache_memory": 2 * gib})
+    with pytest.raises(JobSpecError, match=r"engine.kv_cache_memory: expected at most the 1.0 "
+                       r"GiB of host memory available now \(of 8.0 GiB\)"):  # fmt: skip
+        run_job(spec, show_progress=False)
+    cpu = torch.device("cpu")
+    assert EngineConfig(model="m", kv_cache_memory=0.5).kv_cache_budget(cpu) == 4 * gib - 7 * gib
+    assert EngineConfig(model="m", kv_cache_memory=0.95).kv_cache_budget(cpu, 1 << 20) == (
+        int(0.95 * 8 * gib) - 7 * gib - (1 << 20)
+    )
+    assert EngineConfig(model="m", kv_cache_memory=gib // 2).kv_cache_budget(cpu) == gib // 2
 
 
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(

@@ -21,7 +21,14 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import committed_shards, job_dict, read_jsonl_dir, reference_run
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    job_dict,
+    read_jsonl_dir,
+    reference_run,
+    write_jsonl,
+)
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
@@ -180,3 +187,39 @@ def test_ray_init_leaves_the_jobs_stop_handlers_in_place() -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         assert signal.getsignal(signal.SIGTERM) == stop._handle
         assert signal.getsignal(signal.SIGINT) == stop._handle
+
+
+def test_a_signal_reaching_ray_inits_handler_stops_the_job_as_interrupted() -> None:
+    """A SIGTERM while ``ray.init`` ran met Ray's handler, which exits with the signal's
+    number: run-job ended with code 15 and no message."""
+    from tokenmill.jobs.stop_signals import JobInterrupted, StopOnSignals, stop_handlers_kept
+
+    with StopOnSignals(threading.Event()), pytest.raises(JobInterrupted, match="SIGTERM"):
+        with stop_handlers_kept():
+            signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(signum))  # Ray's
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # (the handler runs at once; this is not reached)
+
+
+def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor takes an error of ``add_request`` for the row's; a second signal landing
+    there became the row's committed error (never rerun) and the run went on."""
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.jobs.stop_signals import JobInterrupted
+
+    add, calls = LLMEngine.add_request, []
+
+    def interrupted_on_the_5th(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 5:
+            raise JobInterrupted("SIGTERM received again: stopping now")
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "add_request", interrupted_on_the_5th)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
+    out = tmp_path / "out"
+    with pytest.raises(JobInterrupted):
+        run_job(job_dict(tiny_model, src, out, **SETTINGS), show_progress=False)
+    assert [p.name for p in out.rglob("*") if p.parent.name == "errors"] == []

@@ -113,3 +113,22 @@ def test_a_refused_password_exits_2_without_showing_it(
         and "bob:***@" in err
         and "can only be read" in err
     )
+
+
+def test_credentials_in_an_object_store_url_are_refused_up_front_and_masked(
+    tiny_model: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """s3fs took ``key:secret@bucket`` for a bucket name and repeated it in its error, the
+    secret unmasked, and the run exited 75 (retry) for what no retry fixes."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hello"}\n')
+    codes = (
+        _run(tiny_model, f"s3://AKIAKEY:{SECRET}@bucket/in.jsonl", tmp_path / "o"),
+        _run(tiny_model, str(src), f"gs://AKIAKEY:{SECRET}@bucket/out"),
+    )
+    assert codes == (2, 2)
+    err = capfd.readouterr().err
+    assert SECRET not in err
+    assert "input.path 's3://AKIAKEY:***@bucket/in.jsonl' carries credentials" in err
+    assert "output.path 'gs://AKIAKEY:***@bucket/out' carries credentials" in err
+    assert "output.storage_options" in err

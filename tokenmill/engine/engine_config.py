@@ -345,9 +345,12 @@ class EngineConfig:
         return torch.bfloat16 if stored == "float32" else getattr(torch, stored)
 
     def kv_cache_budget(self, device: torch.device, reserve_bytes: int = 0) -> int:
-        """Bytes for the KV cache on ``device``, after ``reserve_bytes`` for activations."""
+        """Bytes for the KV cache on ``device``, after ``reserve_bytes`` for activations. A
+        fraction counts what the device (or the host) holds already; on CPU, a byte count
+        above the memory available raises EngineSettingError (it failed the allocation,
+        or woke the out-of-memory killer, after the model had loaded)."""
         mem = self.kv_cache_memory
-        if isinstance(mem, int):
+        if isinstance(mem, int) and device.type != "cpu":
             return mem
         if device.type == "cuda":
             import torch
@@ -361,5 +364,31 @@ class EngineConfig:
             return int(fraction * total) - (total - free) - reserve_bytes
         if mem is None:
             return DEFAULT_CPU_KV_BYTES
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return int(mem * total)
+        total, available = host_memory()
+        if isinstance(mem, int):
+            if mem + reserve_bytes > available:
+                raise EngineSettingError(
+                    "kv_cache_memory",
+                    mem,
+                    f"at most the {available / 2**30:.1f} GiB of host memory available now "
+                    f"(of {total / 2**30:.1f} GiB) less {reserve_bytes / 2**30:.2f} GiB for "
+                    "activations (the KV cache is allocated and zeroed at start)",
+                )
+            return mem
+        # As on a GPU: the share of the memory this engine may bring the host's use up to.
+        return int(mem * total) - (total - available) - reserve_bytes
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this host's memory: Linux's MemAvailable (free memory plus
+    the caches it can drop), else the free pages."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return total, int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return total, page * os.sysconf("SC_AVPHYS_PAGES")

@@ -400,7 +400,9 @@ class GrammarProcesses:
     def restart(self) -> None:
         """Replace the workers with fresh ones that know the shared masks (no request may be
         left: their matchers go). After a call cut short, a message to a worker or its
-        answer may be half sent: the old workers are killed, not asked to stop."""
+        answer may be half sent: the old workers are killed, not asked to stop. The new
+        ones start when a request next needs one (``_ensure_started``): a job stopping on
+        a signal started a set only to stop it a moment later."""
         if self._closed or not self._conns:
             return
         for proc in self._procs:
@@ -412,9 +414,6 @@ class GrammarProcesses:
         self._procs.clear()
         self._errors.clear()
         self._released.clear()
-        self._start()
-        for slot in self._segments:
-            self._announce(slot)
 
     def close(self) -> None:
         """Stop the workers and free the shared masks; the workers do not start again."""
@@ -425,12 +424,15 @@ class GrammarProcesses:
 
     # ---- internals -----------------------------------------------------------------------
     def _ensure_started(self) -> None:
-        """Start the workers unless they run; after ``close`` they do not start again."""
+        """Start the workers unless they run, and tell them of the shared masks there are
+        (after a ``restart``); after ``close`` they do not start again."""
         if self._conns:
             return
         if self._closed:
             raise RuntimeError("the structured-output worker processes were closed")
         self._start()
+        for slot in self._segments:
+            self._announce(slot)
 
     def _start(self) -> None:
         """Start the workers as fresh interpreters (``python -c``), not through

@@ -4,6 +4,9 @@ fsspec takes credentials in a URL's userinfo; a user who puts them there still e
 error files, messages, logs and the report to leave them out, as they leave out
 ``storage_options``. ``hide_url_secrets`` masks the secret part of every URL in a text:
 ``user:password@`` becomes ``user:***@`` and a lone token (``token@``) ``***@``.
+Object stores' clients (s3fs, gcsfs, adlfs) take no credentials there: ``url_credentials_refusal``
+says so before one tries (s3fs took ``key:secret@bucket`` for a bucket name and repeated it,
+unmasked, in its error).
 """
 
 from __future__ import annotations
@@ -18,6 +21,25 @@ _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^/?#@
 def _masked(match: re.Match[str]) -> str:
     user, colon, _ = match["info"].partition(":")
     return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
+
+
+# Schemes whose fsspec clients read credentials only from their options or the environment.
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
+
+
+def url_credentials_refusal(key: str, url: str) -> str | None:
+    """The error for ``url`` (the job spec's ``key``) when it is an object store's URL with
+    credentials in it; None when it is not."""
+    match = _USERINFO.match(url)
+    if match is None or match["scheme"].split(":")[0].lower() not in _OBJECT_STORES:
+        return None
+    scheme = match["scheme"].split(":")[0]
+    section = key.split(".")[0]
+    return (
+        f"{key} {hide_url_secrets(url)!r} carries credentials in the URL, which {scheme}:// "
+        f"does not take; remove them and put them in {section}.storage_options (key, "
+        "secret) or the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)"
+    )
 
 
 def hide_url_secrets(text: str) -> str:

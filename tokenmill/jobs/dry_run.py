@@ -14,6 +14,7 @@ benchmark measured on its own workload (throughput_table.py, which says how the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from tokenmill.jobs.requests import (
 )
 from tokenmill.jobs.runner import fingerprint_of
 from tokenmill.jobs.spec import JobSpec
+from tokenmill.jobs.stop_signals import JobInterrupted
 from tokenmill.jobs.throughput_table import Estimate, estimate_time, model_params
 
 log = logging.getLogger("tokenmill.jobs")
@@ -152,9 +154,10 @@ class DryRunReport:
 _PROMPT_HEAVY = 4
 
 
-def dry_run(spec: JobSpec) -> DryRunReport:
+def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunReport:
     """Read, check and tokenize every row as a run would; write nothing. Raises JobSpecError
-    for what a run would refuse up front (output location, input, model)."""
+    for what a run would refuse up front (output location, input, model), and JobInterrupted
+    once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once)."""
     check_up_front(spec)
     fingerprint = fingerprint_of(spec)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
@@ -180,6 +183,8 @@ def dry_run(spec: JobSpec) -> DryRunReport:
     preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_model_len=max_len)
     started = shown = time.monotonic()
     for row in iter_input_rows(input_config(spec), schema):
+        if cancel is not None and cancel.is_set():
+            raise JobInterrupted(f"the dry run stopped after {report.rows:,} rows")
         report.rows += 1
         if time.monotonic() - shown >= PROGRESS_EVERY_S:
             shown = time.monotonic()

@@ -70,6 +70,13 @@ def check_output_location(
     if local and os.path.exists(out) and not os.path.isdir(out):
         what = "the input file" if out == _normal(in_root, True) else "an existing file"
         raise OutputPathError(f"{where} is {what}; output.path must be a folder")
+    if local:
+        above = _existing_ancestor(out)
+        if not os.path.isdir(above):
+            raise OutputPathError(
+                f"{where} is under {above!r}, which is a file, not a folder; give output.path "
+                "a folder that can be made there"
+            )
     if not local and _is_object(out_fs, out):
         raise OutputPathError(
             f"{where} is an existing object; output.path must be a prefix (s3://bucket/out/)"
@@ -90,6 +97,14 @@ def check_output_location(
             f"{where} is inside the input folder {input_path!r}; the next read would take "
             "the job's own files as input rows. Give output.path a folder outside the input."
         )
+
+
+def _existing_ancestor(path: str) -> str:
+    """The nearest of ``path``'s parents that exists (``path`` itself not included)."""
+    parent = os.path.dirname(path)
+    while parent != path and not os.path.lexists(parent):
+        path, parent = parent, os.path.dirname(parent)
+    return parent
 
 
 def check_output_outside_model(output_path: str, model_source: str) -> None:

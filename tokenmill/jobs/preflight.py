@@ -21,6 +21,7 @@ from tokenmill.io.readers.format_detection import LOOK_AT_FILES
 from tokenmill.io.readers.jsonl_records import JsonlRecords
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
+from tokenmill.io.url_secrets import url_credentials_refusal
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.output_location import check_output_location, check_output_outside_model
 from tokenmill.jobs.spec import JobSpec, JobSpecError
@@ -47,6 +48,10 @@ def check_up_front(spec: JobSpec) -> str:
     """Everything a run checks before taking the lock or loading weights: where it may write
     (``check_output_location``, ``check_output_outside_model``) and what it reads
     (``check_input``). Returns the input's format; raises JobSpecError naming the key."""
+    for key, url in (("input.path", spec.input.path), ("output.path", spec.output.path)):
+        refusal = url_credentials_refusal(key, url)
+        if refusal is not None:
+            raise JobSpecError(refusal)
     check_output_location(
         spec.output.path,
         dict(spec.output.storage_options),

@@ -33,6 +33,7 @@ plots), with the engines' counters when ``counters`` gives them.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -126,7 +127,7 @@ class Progress:
         self._row_rate.add(self.start, 0)
         self._bar: ProgressBar | None = None
         stream = sys.stderr if stream is None else stream
-        if enabled and stream.isatty():
+        if enabled and stream.isatty() and _has_width(stream):
             from tokenmill.jobs.progress_bar import ProgressBar
 
             self._bar = ProgressBar(stream, total, already_done)
@@ -261,3 +262,12 @@ def format_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60} min {s % 60:02d} s"
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _has_width(stream: TextIO) -> bool:
+    """Whether the terminal says how wide it is: a pseudo-terminal without a window size (some
+    CI runners and containers) reports 0 columns, and the bar then showed nothing at all."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):
+        return True  # no size to read: the bar takes its default width

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
@@ -251,6 +252,25 @@ def _run_locked(
     if manifest is None:
         manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
     manifest.save(store)
+    try:
+        return _run_owned(spec, store, manifest, report, start, cancel, progress_interval_s,
+                          on_progress)  # fmt: skip
+    except Exception as exc:
+        _record_failure(store, report, exc, start)
+        raise
+
+
+def _run_owned(
+    spec: JobSpec,
+    store: OutputStore,
+    manifest: Manifest,
+    report: JobReport,
+    start: float,
+    cancel: threading.Event,
+    progress_interval_s: float | None,
+    on_progress: Callable[[Progress], None] | None,
+) -> JobReport:
+    """The run, once the output is the job's (claimed, its manifest saved)."""
     removed = store.cleanup_temp()
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
@@ -367,6 +387,19 @@ def _run_locked(
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)
     return report
+
+
+def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start: float) -> None:
+    """Write report.json saying the run failed and why: the last run's report stayed, its
+    status ("cancelled", "complete") read as this run's by whatever watches the job. Best
+    effort: the store may be what failed."""
+    report.status = "failed"
+    report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
+    report.wall_seconds = round(time.monotonic() - start, 3)
+    try:
+        store.write_atomic(REPORT_NAME, report.to_json().encode())
+    except Exception as write_error:
+        log.warning("could not write %s saying the run failed (%s)", REPORT_NAME, write_error)
 
 
 def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
@@ -497,6 +530,8 @@ def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) 
     loading = time.monotonic()
     try:
         executor = _make_executor(spec, expected_rows)
+    except EngineSettingError as exc:  # checked against the device: kv_cache_memory
+        raise JobSpecError(f"engine.{exc}") from exc
     except (ValueError, FileNotFoundError) as exc:  # the model's files: a rerun does not help
         raise JobSpecError(f"model.source {model!r} cannot be loaded: {exc}") from exc
     report.model_load_seconds = round(time.monotonic() - loading, 3)

@@ -23,8 +23,10 @@ log = logging.getLogger("tokenmill.jobs")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class JobInterrupted(Exception):
-    """A second stop signal arrived: the run ends now, without waiting for a commit."""
+class JobInterrupted(BaseException):
+    """A second stop signal arrived: the run ends now, without waiting for a commit. A
+    BaseException, as KeyboardInterrupt: no handler of a row's or a step's errors may take it
+    for one (a row once became an error row for it, committed)."""
 
 
 class StopOnSignals:
@@ -63,13 +65,19 @@ class StopOnSignals:
 def stop_handlers_kept() -> Iterator[None]:
     """Put SIGTERM's and SIGINT's handlers back after the block: ``ray.init`` installs its
     own, under which a SIGTERM ended the job at once (exit 1) instead of at a commit
-    boundary."""
+    boundary. A signal that reaches ``ray.init``'s handler inside the block (it exits
+    with the signal's number) raises JobInterrupted: run-job said nothing and exited 15."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     kept = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         yield
+    except SystemExit as exc:
+        if exc.code not in tuple(int(sig) for sig in STOP_SIGNALS):
+            raise
+        name = signal.Signals(exc.code).name  # type: ignore[arg-type]
+        raise JobInterrupted(f"{name} received while Ray started: stopping now") from None
     finally:
         for sig, handler in kept.items():
             if handler is not None:
