@@ -57,7 +57,8 @@ def test_tiny_model_greedy_matches_hf_transformers(case: str, tmp_path: Path) ->
     g = torch.Generator().manual_seed(0)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (1, 5, 17, 33, 8)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    # min_tokens blocks EOS as HF's min_new_tokens does (ignore_eos would still emit it)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, min_tokens=20, temperature=0))
     for ids, out in zip(prompts, outs, strict=True):
         with torch.inference_mode():
             ref = hf.generate(

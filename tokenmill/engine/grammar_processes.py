@@ -165,7 +165,13 @@ def _serve(conn: Connection, backend: Any) -> None:
             slot, rows_, words = (int(v) for v in ints[1:4])
             if slot in segments:
                 segments.pop(slot)[0].close()
-            shm = _attach(message[32:].decode())
+            try:
+                shm = _attach(message[32:].decode())
+            except FileNotFoundError:
+                # Replaced (and unlinked) before this worker read of it: a worker started
+                # after a restart hears of the segments there were, and a newer one for the
+                # slot follows this message.
+                continue
             segments[slot] = (shm, np.ndarray((rows_, words), dtype=np.int32, buffer=shm.buf))
         elif kind == STOP:
             break

@@ -6,6 +6,7 @@ validation path for both formats.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,19 @@ SUPPORTED_ARCHITECTURES = (
 
 # Rope scaling types implemented in models/rope.py.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# The bias switches transformers' model of each architecture reads (it ignores the others).
+_BIAS_KEYS = {
+    "LlamaForCausalLM": ("attention_bias", "mlp_bias"),
+    "Qwen3ForCausalLM": ("attention_bias",),
+}
+# transformers' defaults for Mistral's, Qwen2's and Qwen3's absent window keys
+_DEFAULT_WINDOW, _DEFAULT_WINDOW_LAYERS = 4096, 28
+# Positions a model may have: 16M (the largest context real models have is 10M); a damaged
+# file's 2**63 failed deep in torch, naming neither the file nor the key.
+_MAX_POSITIONS = 1 << 24
+# The rope types transformers gives the pre-training length (max_position_embeddings) when
+# the config does not name it
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 # The rope_scaling keys each type reads without a default (models/rope.py).
 _ROPE_KEYS = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}
 
@@ -63,6 +77,23 @@ class ModelConfig:
                 f"unsupported architecture {self.architecture!r}{where}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            if getattr(self, key) <= 0:
+                raise ValueError(
+                    f"config key {key} must be positive{where}, got {getattr(self, key)}"
+                )
+        if self.max_position_embeddings > _MAX_POSITIONS:
+            raise ValueError(
+                f"config key max_position_embeddings is {self.max_position_embeddings}{where}; "
+                f"this engine takes at most {_MAX_POSITIONS:,} positions"
+            )
+        for key in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"config key {key} must be a positive number{where}, got {value}")
+        factor = (self.rope_scaling or {}).get("factor")
+        if isinstance(factor, (int, float)) and not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"rope_scaling factor must be a positive number{where}, got {factor}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -140,9 +171,17 @@ class ModelConfig:
                 raise ValueError(f"config key {key!r} must be a number{where}, got {value!r}")
             return float(value)
 
+        def token_id(key: str, value: Any) -> int:
+            if whole(key, value) < 0 or value >= 2**31:
+                raise ValueError(f"config key {key!r} must be a token id{where}, got {value!r}")
+            return int(value)
+
         n_heads = whole("num_attention_heads", need("num_attention_heads"))
         hidden = whole("hidden_size", need("hidden_size"))
-        head_dim = cfg.get("head_dim") or hidden // max(n_heads, 1)
+        # transformers' default where the key is absent: Qwen3's config class says 128
+        head_dim = cfg.get("head_dim") or (
+            128 if arch == "Qwen3ForCausalLM" else hidden // max(n_heads, 1)
+        )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope_scaling = cfg.get("rope_scaling")
@@ -162,18 +201,30 @@ class ModelConfig:
                 f"config key hidden_act is {act!r}{where}; this engine's MLP is SiLU-gated "
                 "(hidden_act silu)"
             )
-        for key, what in (("attention_bias", "o_proj"), ("mlp_bias", "the MLP's projections")):
-            if cfg.get(key) and (key == "mlp_bias" or arch != "Qwen2ForCausalLM"):
+        for key in _BIAS_KEYS.get(arch, ()):  # (the keys transformers reads for ``arch``)
+            if cfg.get(key):
+                what = "q/k/v/o_proj" if key == "attention_bias" else "the MLP's projections"
                 raise ValueError(
-                    f"config key {key} is true{where}: {arch} then has a bias on {what}, "
+                    f"config key {key} is true{where}: {arch} then has biases on {what}, "
                     "which this engine does not implement (Qwen2's q/k/v biases it does)"
                 )
-        # transformers 5 moved rope settings into `rope_parameters`.
-        rope_params = cfg.get("rope_parameters")
-        if isinstance(rope_params, dict):  # it wins over a legacy top-level key, as there
+        # As transformers reads them: a legacy `rope_scaling` replaces `rope_parameters`
+        # (transformers 5's key) whole; the type is `rope_type`, or the legacy `type`; theta is
+        # the dict's, else the top-level key's.
+        rope_params = rope_scaling or cfg.get("rope_parameters")
+        rope_scaling = None
+        if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta") or rope_theta
-            if rope_params.get("rope_type", "default") != "default" and not rope_scaling:
+            if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+                rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+                if rope_type in _ORIGINAL_LENGTH_TYPES:  # a top-level key wins, as Phi-3's
+                    original = cfg.get("original_max_position_embeddings")
+                    if original is not None:
+                        rope_scaling["original_max_position_embeddings"] = original
+                    rope_scaling.setdefault(
+                        "original_max_position_embeddings", cfg.get("max_position_embeddings")
+                    )
         return cls(
             architecture=arch,
             vocab_size=whole("vocab_size", need("vocab_size")),
@@ -194,31 +245,46 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(whole("eos_token_id", e) for e in eos_ids),
+            bos_token_id=(
+                None
+                if cfg.get("bos_token_id") is None
+                else token_id("bos_token_id", cfg["bos_token_id"])
+            ),
+            eos_token_ids=tuple(token_id("eos_token_id", e) for e in eos_ids),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            sliding_window=_sliding_window(cfg, arch),
+            sliding_window=_sliding_window(cfg, arch, where),
             source=source,
         )
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+def _sliding_window(cfg: dict[str, Any], arch: str, where: str = "") -> int | None:
     """The window of the layers that slide, as transformers reads the config: Mistral's
     ``sliding_window`` applies to every layer; Qwen2's and Qwen3's only with
     ``use_sliding_window``, to the layers from ``max_window_layers`` on (or those
-    ``layer_types`` calls sliding_attention)."""
-    window = cfg.get("sliding_window")
-    if not window or arch == "LlamaForCausalLM":
+    ``layer_types`` calls sliding_attention). An absent key takes transformers' default
+    (a window of 4096, ``max_window_layers`` 28); an explicit null is no window."""
+    if arch == "LlamaForCausalLM":
         return None
+    window = cfg.get("sliding_window", _DEFAULT_WINDOW)
+    if not window:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(
+            f"config key 'sliding_window' must be a whole number{where}, got {window!r}"
+        )
     if arch != "MistralForCausalLM":
         if not cfg.get("use_sliding_window", False):
             return None
         types = cfg.get("layer_types")
+        if types is not None and not (
+            isinstance(types, list) and all(isinstance(t, str) for t in types)
+        ):
+            raise ValueError(f"config key 'layer_types' must be a list of names{where}")
         if types is not None:
             sliding = "sliding_attention" in types
         else:
             layers = int(cfg.get("num_hidden_layers") or 0)
-            sliding = int(cfg.get("max_window_layers", layers)) < layers
+            sliding = int(cfg.get("max_window_layers", _DEFAULT_WINDOW_LAYERS)) < layers
         if not sliding:
             return None
     return int(window)

@@ -130,6 +130,29 @@ def test_linear_rope_scaling_metadata(tiny_hf_dir: TinyPath, tmp_path: Path) -> 
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
+@pytest.mark.parametrize(
+    ("add", "refusal"),
+    [
+        (lambda w: (w.add_string("llama.rope.scaling.type", "linear"),
+                    w.add_string("llama.rope.scaling.factor", "4")),
+         r"llama.rope.scaling.factor in .* must be a number"),
+        (lambda w: w.add_array("tokenizer.ggml.eot_token_id", [2]),
+         r"tokenizer.ggml.eot_token_id in .* must be a token id"),
+        (lambda w: (w.add_string("llama.rope.scaling.type", "linear"),
+                    w.add_float32("llama.rope.scaling.factor", 0.0)),
+         r"rope_scaling factor must be a positive number"),
+    ],
+)  # fmt: skip
+def test_metadata_of_the_wrong_type_or_range_is_refused_naming_the_key(
+    tiny_hf_dir: TinyPath, tmp_path: Path, add, refusal: str
+) -> None:
+    """Values were converted (a string, a float count) or taken as they came (an array for
+    an id: a TypeError; a factor of 0: garbage text)."""
+    path = write_tiny_gguf(tiny_hf_dir("llama"), tmp_path / "odd.gguf", extra=add)
+    with pytest.raises(ValueError, match=refusal):
+        resolve_model_source(path).load_config()
+
+
 def test_unsupported_rope_scaling_names_the_file(tiny_hf_dir: TinyPath, tmp_path: Path) -> None:
     def yarn(writer: gguf.GGUFWriter) -> None:
         writer.add_string("qwen2.rope.scaling.type", "yarn")

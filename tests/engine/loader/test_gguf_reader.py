@@ -97,3 +97,43 @@ def test_deeply_nested_metadata_arrays_are_refused(tmp_path: Path) -> None:
     path.write_bytes(_header([("x", array, nested)]))
     with pytest.raises(ValueError, match="nested over"):
         read_gguf(path)
+
+
+def _with_tensors(tensors: list[tuple[str, tuple[int, ...], int]], data: int = 256) -> bytes:
+    """A GGUF v3 file of f32 tensors (name, dims, offset) and ``data`` bytes of data."""
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 0)
+    for name, dims, offset in tensors:
+        out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, offset)
+    return out + b"\0" * (-len(out) % 32) + b"\0" * data
+
+
+@pytest.mark.parametrize(
+    ("tensors", "refusal"),
+    [
+        ([("a", (4,), 0), ("a", (4,), 32)], "tensor a is listed twice"),
+        ([("a", (16,), 0), ("b", (4,), 32)], "tensors a and b have overlapping data"),
+        ([("a", (4,), 0), ("b", (4,), 40)], "b's data offset 40 is not a multiple of"),
+        ([("a", (), 0)], "tensor a has no dimensions"),
+    ],
+)
+def test_an_inconsistent_tensor_table_is_refused(
+    tmp_path: Path, tensors: list, refusal: str
+) -> None:
+    """A bit flip in a tensor's offset, or a name given twice, loaded another tensor's bytes
+    (or the last copy) as the weights, unnoticed; a 0-dim tensor raised an IndexError."""
+    path = tmp_path / "table.gguf"
+    path.write_bytes(_with_tensors(tensors))
+    with pytest.raises(ValueError, match=refusal):
+        read_gguf(path)
+    path.write_bytes(_with_tensors([("a", (4,), 0), ("b", (4,), 32)]))
+    assert [t.name for t in read_gguf(path).tensors] == ["a", "b"]
+
+
+def test_a_metadata_key_given_twice_is_refused(tmp_path: Path) -> None:
+    """The second value (a second chat template, say) silently replaced the first."""
+    one = struct.pack("<I", 7)
+    path = tmp_path / "twice.gguf"
+    path.write_bytes(_header([("general.alignment", 4, one), ("general.alignment", 4, one)]))
+    with pytest.raises(ValueError, match="metadata key general.alignment is given twice"):
+        read_gguf(path)

@@ -120,3 +120,23 @@ def test_the_chat_template_read_is_the_one_the_tokenizer_renders_with(
     named = json.loads(source.chat_template())
     assert named == {"default": "{{ 'used' }}", "tool_use": "{{ 'tools' }}"}
     assert named == source.load_tokenizer().chat_template
+
+
+def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(
+    tiny_hf_dir: TinyPath, tmp_path: Path
+) -> None:
+    """A block_count of a million in a damaged GGUF (or num_hidden_layers in config.json)
+    built the model layer by layer, memory growing without end, before any weight was read."""
+    from tests.engine.loader.tiny_gguf import write_tiny_gguf
+
+    hf = shutil.copytree(tiny_hf_dir("llama"), tmp_path / "m")
+    config = json.loads((hf / "config.json").read_text())
+    held = config["num_hidden_layers"]
+    (hf / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000}))
+    with pytest.raises(
+        ValueError, match=rf"num_hidden_layers 1000000, but its weights hold {held}"
+    ):
+        resolve_model_source(hf).load_config()
+    gguf_file = write_tiny_gguf(hf, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=rf"llama.block_count 1000000, but .* hold {held} layers"):
+        resolve_model_source(gguf_file).load_config()

@@ -275,3 +275,15 @@ def test_a_config_asking_for_more_memory_than_there_is_names_its_size(
     _edit_config(path, hidden_size=1 << 20, intermediate_size=1 << 24)
     with pytest.raises(ValueError, match=r"parameters, [\d,.]+ GiB by the config's sizes, do not"):
         LLM(str(path), device="cpu")
+
+
+def test_generation_config_stop_ids_replace_config_jsons_as_in_hf(tmp_path: Path) -> None:
+    """HF generate stops at generation_config.json's eos ids when it has them; config.json's
+    were added to them, stopping rows HF continues."""
+    path = save_tiny_model("llama", tmp_path / "m")
+    _edit_config(path, eos_token_id=116)
+    generation = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [146]}))
+    assert resolve_model_source(str(path)).load_config().eos_token_ids == (146,)
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert resolve_model_source(str(path)).load_config().eos_token_ids == (116,)

@@ -50,7 +50,7 @@ def gguf_hf_config(reader: GGUFFile, path: Path) -> dict[str, Any]:
     missing required key.
     """
     arch = metadata_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r} (key general.architecture) in {path}; "
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
@@ -65,35 +65,54 @@ def gguf_hf_config(reader: GGUFFile, path: Path) -> dict[str, Any]:
             )
         return value
 
-    def need(key: str) -> Any:
+    def typed(key: str, kinds: tuple[type, ...], what: str, required: bool) -> Any:
+        """The key's value, refused unless one of ``kinds`` (a bool is no number): a string
+        or a float was converted (2.9 heads read as 2)."""
         value = get(key)
         if value is None:
-            raise ValueError(f"GGUF metadata key {arch}.{key} is missing in {path}")
+            if required:
+                raise ValueError(f"GGUF metadata key {arch}.{key} is missing in {path}")
+            return None
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(
+                f"GGUF metadata key {arch}.{key} in {path} must be {what}, got {value!r:.40}"
+            )
         return value
 
+    def whole(key: str, required: bool = True) -> int | None:
+        return typed(key, (int,), "an integer", required)
+
+    def real(key: str, required: bool = True) -> float | None:
+        value = typed(key, (int, float), "a number", required)
+        return None if value is None else float(value)
+
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(need("embedding_length"))
-    n_heads = int(need("attention.head_count"))
-    n_kv_heads = int(get("attention.head_count_kv") or n_heads)
-    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // n_heads)
-    rope_theta = float(get("rope.freq_base") or 10000.0)
+    hidden = whole("embedding_length")
+    n_heads = whole("attention.head_count")
+    n_kv_heads = whole("attention.head_count_kv", False) or n_heads
+    head_dim = (
+        whole("attention.key_length", False)
+        or whole("rope.dimension_count", False)
+        or hidden // max(n_heads, 1)
+    )
+    rope_theta = real("rope.freq_base", False) or 10000.0
     return {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": _vocab_size(reader, tensors, arch, path),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": whole("feed_forward_length"),
+        "num_hidden_layers": whole("block_count"),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": real("attention.layer_norm_rms_epsilon"),
         "rope_theta": rope_theta,
-        "max_position_embeddings": int(need("context_length")),
+        "max_position_embeddings": whole("context_length"),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "rope_scaling": _rope_scaling(reader, tensors, arch, head_dim, rope_theta, path),
-        "bos_token_id": metadata_value(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _eos_token_ids(reader),
+        "bos_token_id": _token_id(reader, "bos", path),
+        "eos_token_id": _eos_token_ids(reader, path),
         # iter_weights dequantizes every tensor to float32.
         "torch_dtype": "float32",
     }
@@ -114,11 +133,19 @@ def _vocab_size(reader: GGUFFile, tensors: dict[str, Any], arch: str, path: Path
     return int(size)
 
 
-def _eos_token_ids(reader: GGUFFile) -> list[int]:
+def _eos_token_ids(reader: GGUFFile, path: Path) -> list[int]:
     # Llama-3 instruct models end turns with eot (<|eot_id|>) or eom, not only eos.
-    kinds = ("eos", "eot", "eom")
-    ids = [metadata_value(reader, f"tokenizer.ggml.{kind}_token_id") for kind in kinds]
-    return [int(i) for i in dict.fromkeys(ids) if i is not None]
+    ids = [_token_id(reader, kind, path) for kind in ("eos", "eot", "eom")]
+    return [i for i in dict.fromkeys(ids) if i is not None]
+
+
+def _token_id(reader: GGUFFile, kind: str, path: Path) -> int | None:
+    """``tokenizer.ggml.<kind>_token_id``: None when absent; ValueError unless an id."""
+    key = f"tokenizer.ggml.{kind}_token_id"
+    value = metadata_value(reader, key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"GGUF metadata key {key} in {path} must be a token id, got {value!r:.40}")
+    return value
 
 
 def _rope_scaling(
@@ -133,17 +160,28 @@ def _rope_scaling(
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
         factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
-        context = int(original or _LLAMA3_ORIGINAL_CONTEXT)
+        if original is not None and (isinstance(original, bool) or not isinstance(original, int)):
+            raise ValueError(
+                f"GGUF metadata key {arch}.rope.scaling.original_context_length in {path} must "
+                "be an integer"
+            )
+        context = original or _LLAMA3_ORIGINAL_CONTEXT
         return _llama3_scaling_from_freq_factors(factors, head_dim, rope_theta, context, path)
     kind = metadata_value(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
+    if not isinstance(kind, str):
+        raise ValueError(f"GGUF metadata key {arch}.rope.scaling.type in {path} must be a name")
     scaling: dict[str, Any] = {"rope_type": kind}
     factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
     if factor is not None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise ValueError(
+                f"GGUF metadata key {arch}.rope.scaling.factor in {path} must be a number"
+            )
         scaling["factor"] = float(factor)
     if original is not None:
-        scaling["original_max_position_embeddings"] = int(original)
+        scaling["original_max_position_embeddings"] = original  # (ModelConfig checks it)
     # Types other than "linear" are refused by ModelConfig with the file named.
     return scaling
 

@@ -19,6 +19,7 @@ float types as their numpy dtype, block types as bytes [..., bytes per row].
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,10 @@ class GGUFFile:
 
 
 _MAX_NESTING = 8  # arrays of arrays: real files hold arrays of numbers and strings only
+_INTEGERS = (
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+)  # fmt: skip
 
 
 class _Bytes:
@@ -146,6 +151,8 @@ def read_gguf(path: Path) -> GGUFFile:
     for _ in range(n_fields):
         name = cur.string()
         value, types = cur.value(GGUFValueType(cur.unpack("<I")))
+        if name in fields:  # which one holds is anyone's guess (llama.cpp refuses it too)
+            raise ValueError(f"metadata key {name} is given twice")
         fields[name] = GGUFField(name, types, value)
     infos = []
     for _ in range(n_tensors):
@@ -153,11 +160,37 @@ def read_gguf(path: Path) -> GGUFFile:
         dims = tuple(cur.unpack("<Q") for _ in range(cur.unpack("<I")))
         infos.append((name, dims, GGMLQuantizationType(cur.unpack("<I")), cur.unpack("<Q")))
     align_field = fields.get("general.alignment")
-    align = int(align_field.value) if align_field is not None else 32
+    align = 32
+    if align_field is not None:
+        if align_field.types[0] not in _INTEGERS:
+            raise ValueError("general.alignment must be an integer")
+        align = align_field.value
     if align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment is {align}; it must be a power of two")
     start = -(-cur.pos // align) * align
-    return GGUFFile(fields, [_tensor(data, start, *info) for info in infos], start)
+    tensors = [_tensor(data, start, *info) for info in infos]
+    _check_table(tensors, align, start)
+    return GGUFFile(fields, tensors, start)
+
+
+def _check_table(tensors: list[GGUFTensor], align: int, start: int) -> None:
+    """Refuse a tensor table a bit flip or a faulty writer left inconsistent: a name given
+    twice (the last copy won), data at an offset off the alignment, or two tensors whose data
+    overlap (one read the other's bytes). Each loaded, unnoticed, as wrong weights."""
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise ValueError(f"tensor {t.name} is listed twice in the tensor table")
+        seen.add(t.name)
+        if (t.data_offset - start) % align:
+            raise ValueError(
+                f"tensor {t.name}'s data offset {t.data_offset - start} is not a multiple of "
+                f"the alignment ({align})"
+            )
+    spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in tensors)
+    for (_, end, name), (begin, _, other) in itertools.pairwise(spans):
+        if begin < end:
+            raise ValueError(f"tensors {name} and {other} have overlapping data")
 
 
 def _tensor(
@@ -165,7 +198,9 @@ def _tensor(
     offset: int,
 ) -> GGUFTensor:  # fmt: skip
     block, type_bytes = GGML_QUANT_SIZES[kind]
-    count = int(np.prod(dims)) if dims else 1
+    if not dims:
+        raise ValueError(f"tensor {name} has no dimensions")
+    count = int(np.prod(dims))
     n_bytes = count * type_bytes // block
     begin = start + offset
     if begin + n_bytes > data.size:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from tokenmill.engine.loader.gguf_file import GGUF_MAGIC, metadata_value, open_g
 from tokenmill.engine.loader.safetensors_loader import (
     iter_safetensors_weights,
     load_hf_config,
+    stored_tensor_names,
 )
 from tokenmill.engine.loader.tokenizer import load_gguf_tokenizer, load_hf_tokenizer
 from tokenmill.engine.model_config import ModelConfig
@@ -51,13 +53,22 @@ class ModelSource:
             raise ValueError(f"ModelSource.kind must be 'hf' or 'gguf', got {self.kind!r}")
 
     def load_config(self) -> ModelConfig:
-        """The model's ModelConfig. Raises ValueError/FileNotFoundError naming the file."""
+        """The model's ModelConfig. Raises ValueError/FileNotFoundError naming the file,
+        also for a layer count the weights do not hold (``check_layer_count``)."""
         if self.kind == "hf":
-            return load_hf_config(self.path)
+            config = load_hf_config(self.path)
+            names = stored_tensor_names(self.path)
+            check_layer_count(config, names, "num_hidden_layers", self.path / "config.json")
+            return config
         from tokenmill.engine.loader.gguf_config import gguf_hf_config  # needs gguf
 
-        cfg = gguf_hf_config(open_gguf(self.path), self.path)
-        return ModelConfig.from_hf_dict(cfg, source=str(self.path))
+        reader = open_gguf(self.path)
+        cfg = gguf_hf_config(reader, self.path)
+        config = ModelConfig.from_hf_dict(cfg, source=str(self.path))
+        arch = metadata_value(reader, "general.architecture")
+        names = [t.name for t in reader.tensors]
+        check_layer_count(config, names, f"{arch}.block_count", self.path)
+        return config
 
     def iter_weights(self, native: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` one tensor at a time, in HF names and layouts.
@@ -101,7 +112,12 @@ class ModelSource:
         templates). GGUF: ``tokenizer.chat_template``."""
         if self.kind == "gguf":
             value = metadata_value(open_gguf(self.path), "tokenizer.chat_template")
-            return None if value is None else str(value)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(
+                    f"GGUF metadata key tokenizer.chat_template in {self.path} must be a "
+                    f"string (a Jinja template), got {type(value).__name__}"
+                )
+            return value
         files = {}
         jinja = self.path / "chat_template.jinja"
         if jinja.is_file():
@@ -126,6 +142,22 @@ class ModelSource:
         if self.kind == "hf":
             return load_hf_tokenizer(self.path)
         return load_gguf_tokenizer(self.path, self.chat_template())
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, names: list[str], key: str, where: Path) -> None:
+    """Raise ValueError when the config gives more layers than the weights ``names`` hold:
+    the model was built layer by layer before any weight was read, so a count of a million
+    (a damaged file) grew memory without end instead of failing."""
+    indexes = [int(m.group(1)) for m in map(_LAYER_INDEX.search, names) if m is not None]
+    held = 1 + max(indexes, default=-1)
+    if config.num_hidden_layers > held:
+        raise ValueError(
+            f"{where} gives {key} {config.num_hidden_layers}, but its weights hold {held} "
+            "layers: the config and the weights do not belong together"
+        )
 
 
 def _package_gguf(package: str) -> Path:

@@ -58,9 +58,9 @@ def load_hf_config(model_dir: Path) -> ModelConfig:
         raise ValueError(f"{config_path} must hold a JSON object, got {type(cfg).__name__}")
     quantization = checkpoint_quantization(cfg, config_path)
     config = ModelConfig.from_hf_dict(cfg, source=str(config_path))
-    eos = config.eos_token_ids + tuple(
-        e for e in _generation_eos_ids(model_dir) if e not in config.eos_token_ids
-    )
+    # As HF generate: generation_config.json's stop ids when it gives some, not config.json's
+    # as well (the tokenizer's EOS is added by the engine, as vLLM adds it).
+    eos = _generation_eos_ids(model_dir) or config.eos_token_ids
     return replace(config, quantization=quantization, eos_token_ids=eos)
 
 
@@ -98,6 +98,13 @@ def safetensors_files(model_dir: Path) -> list[Path]:
             raise ValueError(
                 f"{index_path} is not a valid safetensors index (need a 'weight_map' object): {e}"
             ) from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(
+                f"{index_path} is not a valid safetensors index: its 'weight_map' must map "
+                "tensor names to shard file names"
+            )
         names = list(dict.fromkeys(weight_map.values()))
         for name in names:
             # A bare file name (the file itself may link elsewhere, as the HF hub cache's
@@ -121,6 +128,22 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
     return files
+
+
+def stored_tensor_names(model_dir: Path) -> list[str]:
+    """The names of the tensors ``model_dir``'s weight files hold, read from their headers.
+    Raises ValueError naming a file that is not readable safetensors."""
+    names: list[str] = []
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"{file} is not a readable safetensors file ({e}); it may be truncated or "
+                "corrupt: re-download it"
+            ) from e
+    return names
 
 
 def iter_safetensors_weights(

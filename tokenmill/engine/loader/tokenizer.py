@@ -99,7 +99,15 @@ def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> PreTrainedTokenizerB
             trust_remote_code=False,
             local_files_only=True,
         )
-    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as e:
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        NotImplementedError,
+    ) as e:
         raise ValueError(
             f"cannot build a tokenizer from the tokenizer.ggml.* metadata of {gguf_path} "
             f"({type(e).__name__}: {e}); transformers supports GGUF tokenizers of the "
