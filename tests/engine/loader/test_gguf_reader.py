@@ -137,3 +137,16 @@ def test_a_metadata_key_given_twice_is_refused(tmp_path: Path) -> None:
     path.write_bytes(_header([("general.alignment", 4, one), ("general.alignment", 4, one)]))
     with pytest.raises(ValueError, match="metadata key general.alignment is given twice"):
         read_gguf(path)
+
+
+def test_numeric_arrays_stay_views_of_the_file(tmp_path: Path) -> None:
+    """Each number of an array became a Python int: a 64 MiB array took 709 MiB, kept in the
+    open files' cache."""
+    count = 1 << 20
+    items = np.arange(count, dtype="<i4")
+    value = struct.pack("<IQ", 5, count) + items.tobytes()  # an array of INT32
+    path = tmp_path / "array.gguf"
+    path.write_bytes(_header([("test.numbers", 9, value)]))
+    field = read_gguf(path).fields["test.numbers"]
+    assert isinstance(field.value, np.ndarray) and not field.value.flags.owndata
+    assert len(field) == count and field.contents()[:3] == [0, 1, 2]

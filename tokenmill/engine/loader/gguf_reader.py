@@ -57,14 +57,16 @@ _TENSOR_DTYPES = {  # tensor types held as numpy values; every other type is byt
 @dataclass(frozen=True)
 class GGUFField:
     """One metadata entry: ``types`` is [type] for a scalar or string, [ARRAY, item type]
-    for an array; ``value`` a Python value (a list for arrays)."""
+    for an array; ``value`` a Python value, a list for an array of strings or arrays, and a
+    read-only numpy view of the file for an array of numbers (a list of a 64 MiB array took
+    ten times that in memory); ``contents()`` gives every array as a list."""
 
     name: str
     types: list[GGUFValueType]
     value: Any
 
     def contents(self) -> Any:
-        return self.value
+        return _listed(self.value)
 
     def __len__(self) -> int:
         """An array's item count (1 for a scalar or a string)."""
@@ -131,9 +133,13 @@ class _Bytes:
         if item in _NUMPY:
             dtype = np.dtype(_NUMPY[item]).newbyteorder("<")
             raw = self.take(count * dtype.itemsize)
-            return np.frombuffer(raw, dtype=dtype).tolist(), [vtype, item]
-        items = [self.value(item, depth + 1)[0] for _ in range(count)]
+            return np.frombuffer(raw, dtype=dtype), [vtype, item]
+        items = [_listed(self.value(item, depth + 1)[0]) for _ in range(count)]
         return items, [vtype, item]
+
+
+def _listed(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def read_gguf(path: Path) -> GGUFFile:
