@@ -233,6 +233,14 @@ def test_openai_spellings_render_as_every_entry_point_renders_them(smollm2_llm) 
     )
     text = smollm2_llm.chat(calls, SamplingParams(max_tokens=1), chat_template=template)[0].prompt
     assert text == "user:Weather in Paris?|assistant:[weather(Paris)]|tool:18C|"
+    # SmolLM2's template never reads tool_calls: the call was dropped from the prompt unsaid
+    with pytest.raises(ValueError, match=r"messages\[1\] calls tools .* does not render"):
+        smollm2_llm.encode_chat(calls)
+    bad = [calls[0], {**calls[1], "tool_calls": ["x"]}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\] must be a tool call"):
+        smollm2_llm.encode_chat(bad, chat_template=template)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role is \['user'\]; expected"):
+        smollm2_llm.encode_chat([{"role": ["user"], "content": "hi"}])
     with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\] is not a text part"):
         smollm2_llm.encode_chat([plain[0], {"role": "user", "content": [{"type": "image_url"}]}])
 

@@ -507,7 +507,7 @@ class Fuzzer:
             if row["body"]["messages"] == "absent":
                 del row["body"]["messages"]
         else:
-            row["body"]["prompt"] = self.rng.choice([["a"], ["a", "b"], "", None, 5, {}, True])
+            row["body"]["prompt"] = self.rng.choice([[1, 2], ["a", "b"], "", None, 5, {}, True])
         return self.line(row), row_id
 
 

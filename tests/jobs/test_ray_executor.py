@@ -214,21 +214,24 @@ def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> 
 def test_a_model_a_replica_cannot_load_exits_2(
     tiny_model: Path, tmp_path: Path, job_input: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Truncated weights: a replica's load fails as the local one does (exit 2 naming
+    """Damaged weights: a replica's load fails as the local one does (exit 2 naming
     model.source, 'rerunning does not help'), not as a failed job to rerun (exit 1)."""
     import shutil
 
     import yaml
+    from safetensors.torch import load_file, save_file
 
     from tokenmill.jobs.cli import main as cli_main
 
     model = shutil.copytree(tiny_model, tmp_path / "model")
     weights = model / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:4096])
+    tensors = load_file(weights)  # damaged inside: found only when a replica loads them
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
     job = tmp_path / "job.yaml"
     spec = job_dict(model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1})
     job.write_text(yaml.safe_dump(spec))
     assert cli_main([str(job), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert f"model.source '{model}' cannot be loaded on Ray replica 0" in err, err
-    assert "safetensors" in err
+    assert "model.norm.weight" in err and "NaN" in err

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from safetensors.torch import load_file, save_file
 
 from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
 from tokenmill import run_job
@@ -577,18 +578,20 @@ def test_a_run_that_writes_nothing_leaves_no_output_folder(tmp_path: Path) -> No
 def test_a_model_that_fails_to_load_exits_2_and_the_fixed_rerun_is_not_refused(
     tiny_model: Path, tmp_path: Path, capsys
 ) -> None:
-    """Truncated weights are found out after the output is claimed (its manifest written):
+    """Damaged weights are found out after the output is claimed (its manifest written):
     exit 2 naming model.source (it was exit 1, "rerun to resume", forever); the rerun with
     the weights restored then runs, as no shard holds progress of the failed settings (it
     was refused as "progress made with other settings")."""
     model = shutil.copytree(tiny_model, tmp_path / "model")
     weights = model / "model.safetensors"
     whole = weights.read_bytes()
-    weights.write_bytes(whole[: len(whole) // 2])
+    tensors = load_file(weights)  # NaN inside: the header reads, the load refuses it
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
     job = _job_file(tmp_path, job_dict(model, src, tmp_path / "out"))
     assert cli_main([str(job), "--quiet"]) == INVALID
     err = capsys.readouterr().err
-    assert f"model.source '{model}' cannot be loaded" in err and "safetensors" in err
+    assert f"model.source '{model}' cannot be loaded" in err and "NaN" in err
     weights.write_bytes(whole)
     assert cli_main([str(job), "--quiet"]) == 0

@@ -23,6 +23,21 @@ ROLES = ("system", "user", "assistant", "tool")
 ALIASES = {"developer": "system"}
 
 
+def check_tool_calls_rendered(template: Any, messages: list[dict[str, Any]]) -> None:
+    """Raise ValueError when a message calls tools but the chat ``template`` never reads
+    ``tool_calls``: the calls would be left out of the prompt unsaid (a ChatML template
+    rendered an empty assistant turn, and the row ran on a conversation it never had)."""
+    if template is None or "tool_calls" in str(template):
+        return
+    for i, message in enumerate(messages):
+        if message.get("tool_calls"):
+            raise ValueError(
+                f"messages[{i}] calls tools (tool_calls), but the model's chat template does "
+                "not render tool calls: they would be left out of the prompt; write them "
+                "into the message's content, or pass a chat_template that renders them"
+            )
+
+
 def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, Any]]:
     """``value`` as the list of message dicts a chat template gets; ValueError naming
     ``where`` (a column, a field, an argument) and the message when it is not one."""
@@ -37,7 +52,8 @@ def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, An
             raise ValueError(
                 f"{where}[{i}] must be an object with role and content, got {type_name(message)}"
             )
-        role = ALIASES.get(message.get("role"), message.get("role"))
+        role = message.get("role")
+        role = ALIASES.get(role, role) if isinstance(role, str) else None
         if role not in ROLES:
             raise ValueError(
                 f"{where}[{i}].role is {short_repr(message.get('role'))}; expected one of "
@@ -81,9 +97,14 @@ def _tool_calls(calls: Any, where: str) -> list[Any]:
     if not isinstance(calls, (list, tuple)):
         raise ValueError(f"{where} must be a list of tool calls, got {type_name(calls)}")
     out = []
-    for call in calls:
+    for k, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(
+                f'{where}[{k}] must be a tool call, {{"type": "function", "function": '
+                f'{{"name": ..., "arguments": ...}}}}, got {short_repr(call)}'
+            )
+        arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenmill.engine.chat_messages import normalize_messages
+from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
 
 __all__ = ["encode_chat", "encode_prompt", "encode_texts", "render_chat"]
 
@@ -81,6 +81,7 @@ def render_chat(
     if chat_template is not None:
         extra["chat_template"] = chat_template
     conversation = normalize_messages(messages)
+    check_tool_calls_rendered(chat_template or tokenizer.chat_template, conversation)
     try:
         text = tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra

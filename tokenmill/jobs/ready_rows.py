@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.chat_messages import check_tool_calls_rendered
 from tokenmill.engine.prompts import encode_texts
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
@@ -132,6 +133,7 @@ class RowPreparer:
             if not getattr(self.tokenizer, "chat_template", None):
                 return None
             try:
+                check_tool_calls_rendered(self.tokenizer.chat_template, row.messages)
                 return self.tokenizer.apply_chat_template(
                     list(row.messages), tokenize=False, add_generation_prompt=True
                 )

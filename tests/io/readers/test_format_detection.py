@@ -20,6 +20,17 @@ def test_openai_batch_by_first_non_blank_line(tmp_path):
     assert detect_format([str(f)], "auto") == "openai-batch"
 
 
+def test_a_bad_first_line_does_not_make_a_batch_file_plain(tmp_path):
+    """The first line alone decided: one line without custom_id (or not JSON) made every good
+    request line a bad plain row (or, with openai-batch output, failed the job)."""
+    lines = ['{"method": "POST", "url": "/v1/chat/completions"}', "{not json"]
+    lines += [batch_line(f"r{i}", chat_body()) for i in range(3)]
+    f = write_jsonl(tmp_path / "batch.jsonl", lines)
+    assert detect_format([str(f)], "auto") == "openai-batch"
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "x", "custom_id": 1}] * 30)
+    assert detect_format([str(plain)], "auto") == "jsonl"
+
+
 def test_explicit_format_wins(tmp_path):
     f = write_jsonl(tmp_path / "data.txt", [{"prompt": "x"}])
     assert detect_format([str(f)], "jsonl") == "jsonl"

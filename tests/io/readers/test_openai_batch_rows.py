@@ -52,8 +52,8 @@ def test_completions_line(tmp_path):
 
 
 def test_n_and_logit_bias(tmp_path):
-    """n > 1 and a logit_bias reach SamplingParams (token ids as ints); n=1 and an empty
-    bias ask for nothing."""
+    """n > 1 and a logit_bias reach SamplingParams (token ids as ints); n=1 asks for nothing,
+    and an empty bias for none (overriding the job's)."""
     lines = [
         batch_line("a", chat_body(n=3, logit_bias={"50256": -100, "7": 2.5})),
         batch_line("b", {"prompt": "p", "n": 2, "logit_bias": {"1": 100}}, COMPLETIONS),
@@ -62,7 +62,27 @@ def test_n_and_logit_bias(tmp_path):
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
     assert rows[0].sampling == {"n": 3, "logit_bias": {50256: -100.0, 7: 2.5}}
     assert rows[1].sampling == {"n": 2, "logit_bias": {1: 100.0}}
-    assert rows[2].sampling == {}
+    assert rows[2].sampling == {"logit_bias": None}
+
+
+def test_explicit_empty_values_override_the_jobs(tmp_path):
+    """stop [], response_format text, logit_bias {} and logprobs false left the job's own
+    stop strings, constraint, bias and logprobs in force."""
+    body = chat_body(stop=[], response_format={"type": "text"}, logit_bias={}, logprobs=False)
+    (row,) = read(write_jsonl(tmp_path / "b.jsonl", [batch_line("a", body)]))
+    assert row.sampling == {
+        "stop": [], "structured_output": None, "logit_bias": None, "logprobs": None
+    }  # fmt: skip
+
+
+def test_harmless_fields_clients_send_are_accepted(tmp_path):
+    lines = [
+        batch_line("a", chat_body(service_tier="auto", modalities=["text"])),
+        batch_line("b", {"prompt": "p", "echo": False}, COMPLETIONS),
+        batch_line("c", {"prompt": ["one prompt"]}, COMPLETIONS),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert [r.error for r in rows] == [None, None, None] and rows[2].prompt == "one prompt"
 
 
 def test_best_of_and_prompt_logprobs(tmp_path):
@@ -83,7 +103,7 @@ def test_best_of_and_prompt_logprobs(tmp_path):
 def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
     lines = [batch_line("a", chat_body(logprobs=True)), batch_line("b", chat_body(logprobs=False))]
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
-    assert rows[0].sampling == {"logprobs": 0} and rows[1].sampling == {}
+    assert rows[0].sampling == {"logprobs": 0} and rows[1].sampling == {"logprobs": None}
 
 
 @pytest.mark.parametrize(
@@ -143,6 +163,8 @@ def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
     ("body", "message"),
     [
         ({"prompt": ["a", "b"]}, "only one prompt per line is supported"),
+        ({"prompt": [1, 2, 3]}, "body.prompt is given as token ids"),
+        ({"prompt": "x", "modalities": ["text", "audio"]}, "body.modalities"),
         ({"prompt": ""}, "missing prompt"),
         ({}, "missing prompt"),
         ({"prompt": "x", "logprobs": 21}, "body.logprobs must be an integer in [0, 20]"),
@@ -152,7 +174,7 @@ def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
         ({"prompt": "x", "best_of": True}, "body.best_of must be in [1, 128], got True"),
         ({"prompt": "x", "n": 3, "best_of": 2}, "body.best_of=2 is less than body.n=3"),
         ({"prompt": "x", "prompt_logprobs": -1}, "body.prompt_logprobs must be an integer in"),
-        ({"prompt": "x", "max_tokens": 4, "echo": True}, "body.echo is not supported"),
+        ({"prompt": "x", "max_tokens": 4, "echo": True}, "body.echo=True is not supported"),
         ({"prompt": "x", "top_logprobs": 2}, "body.top_logprobs is not supported"),
     ],
 )

@@ -126,3 +126,21 @@ def test_two_columns_of_one_name_are_refused(tmp_path):
     pq.write_table(table, tmp_path / "a.parquet")
     with pytest.raises(CorruptInputError, match="has 2 columns named 'prompt'"):
         read(tmp_path / "a.parquet")
+
+
+def test_messages_as_spark_maps_or_json_text(tmp_path):
+    """Spark's array<map<string,string>> (read as lists of key/value pairs) and messages kept
+    as JSON text were refused on every row: the job exited 0 with nothing done."""
+    table = pa.table(
+        {
+            "maps": pa.array(
+                [[[("role", "user"), ("content", "Hi")]]],
+                type=pa.list_(pa.map_(pa.string(), pa.string())),
+            ),
+            "text": ['[{"role": "user", "content": "Hi"}]'],
+        }
+    )
+    pq.write_table(table, tmp_path / "chat.parquet")
+    for column in ("maps", "text"):
+        (row,) = read(tmp_path / "chat.parquet", messages_column=column)
+        assert row.error is None and row.messages == [{"role": "user", "content": "Hi"}]

@@ -21,8 +21,10 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     """The format of ``files``: ``fmt`` itself unless it is "auto".
 
     Auto: .jsonl/.json/.ndjson files, plain or compressed (x.jsonl.gz, .zst, .bz2, .xz), are
-    "jsonl", or "openai-batch" when the first non-blank line of the files (decompressed)
-    is an object with custom_id, method, url and body; .parquet files are "parquet".
+    "jsonl", or "openai-batch" when one of the first ``LOOK_AT_LINES`` non-blank lines of the
+    files (decompressed) is an object with custom_id, method, url and body (the first alone
+    decided: one bad first line made every good line of a batch file a bad plain row);
+    .parquet files are "parquet".
     Raises ValueError naming a file when the suffixes are unknown or mixed, when a .json file
     holds one JSON array instead of JSON Lines, or when a Parquet file has a compression
     suffix (x.parquet.gz; also with ``fmt`` "parquet"): Parquet compresses inside the file.
@@ -48,11 +50,12 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         return "parquet"
     # The first line that says something: empty part files (routine in Spark / Hadoop
     # exports) say nothing.
-    first_line = ""
+    lines: list[str] = []
     for first in files[:LOOK_AT_FILES]:
-        first_line = _first_line(first, storage_options or {})
-        if first_line:
+        lines = _first_lines(first, storage_options or {}, LOOK_AT_LINES)
+        if lines:
             break
+    first_line = lines[0] if lines else ""
     # A JSON array, pretty-printed or on one line (not parsed: a one-line array of 2M rows
     # took 1.6 GB to end as one bad row, exit 0)
     if first_line.startswith("["):
@@ -60,9 +63,10 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
             f"{first} looks like one JSON array, not JSON Lines; write one JSON object per "
             "line (e.g. `jq -c '.[]' in.json > in.jsonl`)"
         )
-    value = _json_or_none(first_line)
-    if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
-        return "openai-batch"
+    for line in lines:
+        value = _json_or_none(line) if '"custom_id"' in line else None
+        if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
+            return "openai-batch"
     return "jsonl"
 
 
@@ -93,14 +97,20 @@ def _refuse_compressed_parquet(url: str) -> None:
 
 # Files opened at most to find one that says something (a non-blank line, Parquet rows).
 LOOK_AT_FILES = 64
+# Lines of that file looked at for an OpenAI Batch request line.
+LOOK_AT_LINES = 20
 
 
-def _first_line(url: str, storage_options: dict[str, Any]) -> str:
+def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[str]:
+    """The first ``count`` non-blank lines of ``url``, stripped."""
+    lines: list[str] = []
     with open_input(url, storage_options) as f:
         for raw in f:
             if raw.strip():
-                return raw.decode("utf-8-sig", errors="replace").strip()
-    return ""
+                lines.append(raw.decode("utf-8-sig", errors="replace").strip())
+                if len(lines) == count:
+                    break
+    return lines
 
 
 def _json_or_none(text: str) -> Any:

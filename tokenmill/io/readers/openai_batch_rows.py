@@ -57,10 +57,18 @@ def parse_openai_batch_row(
 
 
 def _prompt(prompt: Any, custom_id: str) -> str:
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # one prompt, in OpenAI's list form
+    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         raise RowError(
-            "body.prompt is a list: only one prompt per line is supported; "
-            "write one line per prompt",
+            "body.prompt is given as token ids, which tokenmill does not take in batch "
+            "files; give the prompt as text",
+            custom_id,
+        )
+    elif isinstance(prompt, list):
+        raise RowError(
+            "body.prompt is a list of several prompts: only one prompt per line is "
+            "supported; write one line per prompt",
             custom_id,
         )
     if not isinstance(prompt, str) or not prompt:

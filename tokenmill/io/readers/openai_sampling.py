@@ -40,10 +40,11 @@ _SUPPORTED = {
     # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
     COMPLETIONS: _COMMON | {"prompt", "response_format", "best_of"},
 }
-# Accepted and ignored: they do not change the completion (the job's model always answers).
-_IGNORED = frozenset({"model", "user", "metadata", "store", "stream"})
+# Accepted and ignored: they do not change the completion (the job's model always answers;
+# service_tier is OpenAI's latency and price class).
+_IGNORED = frozenset({"model", "user", "metadata", "store", "stream", "service_tier"})
 # Refused unless they hold their no-op value (given here).
-_UNSUPPORTED_UNLESS = {"best_of": 1, "tools": []}
+_UNSUPPORTED_UNLESS = {"best_of": 1, "tools": [], "modalities": ["text"], "echo": False}
 # Fields of another endpoint only, which the refusal names.
 _ENDPOINT_OF = {"best_of": COMPLETIONS}
 _LOGPROBS = "an integer in [0, 20]"
@@ -76,10 +77,10 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
         value = fields["seed"]
         _expect(is_int(value), "seed", value, "an integer", row_id)
         sampling["seed"] = value
+    # A body's explicit empty value overrides the job's (stop [], logit_bias {}, logprobs
+    # false, response_format text): each left the job's own in force.
     if "stop" in fields:
-        stop = _stop(fields["stop"], row_id)
-        if stop:
-            sampling["stop"] = stop
+        sampling["stop"] = _stop(fields["stop"], row_id)
     if "n" in fields:
         value = _count(fields["n"])
         _expect(is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
@@ -96,15 +97,12 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
             bias = check_logit_bias(fields["logit_bias"], "body.logit_bias")
         except ValueError as exc:
             raise RowError(str(exc), row_id) from None
-        if bias is not None:
-            sampling["logit_bias"] = bias
+        sampling["logit_bias"] = bias
     logprobs = _logprobs(fields, endpoint, row_id)
-    if logprobs is not None:
+    if logprobs is not None or "logprobs" in fields:
         sampling["logprobs"] = logprobs
     if "response_format" in fields:
-        structured = _response_format(fields["response_format"], row_id)
-        if structured is not None:
-            sampling["structured_output"] = structured
+        sampling["structured_output"] = _response_format(fields["response_format"], row_id)
     return sampling
 
 
@@ -118,7 +116,8 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
         elif name in _IGNORED:
             continue
         elif name in _UNSUPPORTED_UNLESS:
-            if value != _UNSUPPORTED_UNLESS[name] or isinstance(value, bool):
+            noop = _UNSUPPORTED_UNLESS[name]
+            if value != noop or type(value) is not type(noop):  # (True == 1)
                 only = _ENDPOINT_OF.get(name)
                 where = "by tokenmill" if only is None else f"for {endpoint} (only {only} has it)"
                 raise RowError(
