@@ -131,6 +131,43 @@ def test_eta_from_rows_remaining_and_the_recent_rows_per_second() -> None:
     assert "ETA 2 min 10 s" in progress.line()
 
 
+def test_eta_follows_the_tokens_rows_take_not_the_waves_they_finish_in() -> None:
+    """Rows of equal length finish in waves (a batch at a time): the rows/s between waves fell
+    and the ETA rose while the time left shrank (25 s, then 40 s, with 19 then 14 s left).
+    100 rows of 100 tokens, 10 at a time, at 100 tok/s: a wave every 10 s."""
+    progress, clock, engine = _progress(total=100)
+    etas = []
+    for second in range(1, 51):
+        clock.now += 1.0
+        engine.counts = LiveCounts(100 * second, 10)
+        if second % 10 == 0:
+            progress.update(10, 1000)
+        else:
+            progress.tick()
+        if second > 10:
+            etas.append(progress.eta_seconds)
+    truth = [100 - s for s in range(11, 51)]
+    assert etas == pytest.approx(truth, abs=1.0)  # the time left, wave or no wave
+    progress.finish()
+    assert progress.eta_seconds is None and progress.in_flight == 0  # stopped: no ETA
+
+
+def test_bad_rows_and_copies_do_not_speed_up_the_eta() -> None:
+    """100 bad rows (no engine work) counted at once made the first ETA 2 s, with 100 s left."""
+    progress, clock, engine = _progress(total=300)
+    progress.update(100, 0)  # 100 bad rows read at once
+    for second in range(1, 11):
+        clock.now += 1.0
+        engine.counts = LiveCounts(100 * second, 10)
+        if second % 5 == 0:
+            progress.update(5, 250)  # rows of 50 tokens
+        else:
+            progress.tick()
+    # 190 rows left at 50 tokens (9,500), less the 500 the rows in flight have generated,
+    # at 100 tok/s
+    assert progress.eta_seconds == pytest.approx(90.0)
+
+
 def test_a_live_count_that_dips_never_lowers_the_tokens() -> None:
     progress, clock, engine = _progress()
     _run(progress, clock, engine, seconds=3, tok_per_s=100)

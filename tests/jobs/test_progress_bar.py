@@ -96,7 +96,7 @@ def test_without_a_row_count_the_bar_is_text_only(term: FakeTerminal) -> None:
     drive = Driver(total=None, done=0, stream=term)
     drive.run(seconds=10, tok_per_s=300, rows_per_s=1, in_flight=4)
     drive.progress.finish()
-    assert term.frames()[-1] == "10 rows, 300 output tok/s, ETA unknown, 4 in flight"
+    assert term.frames()[-1] == "10 rows, 300 output tok/s, ETA unknown, 0 in flight"
 
 
 def test_no_terminal_keeps_the_log_lines(caplog: pytest.LogCaptureFixture) -> None:

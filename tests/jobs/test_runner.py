@@ -178,6 +178,35 @@ def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
     assert EngineConfig(model="m", kv_cache_memory=gib // 2).kv_cache_budget(cpu) == gib // 2
 
 
+def test_a_cancelled_run_reports_the_tokens_its_dropped_rows_generated(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A cancel drops the rows in flight: report.json counted only the finished rows' tokens
+    (about a sixth of the engine's work), so the summary's rate was ~6x too low."""
+    from tokenmill.jobs.progress import Progress
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(64))
+    spec = job_dict(tiny_model, src, tmp_path / "out", sampling={"max_tokens": 48,
+                    "ignore_eos": True}, engine={"max_num_seqs": 16},
+                    output={"rows_per_shard": 1000})  # fmt: skip
+    cancel = threading.Event()
+
+    def watch(progress: Progress) -> None:
+        def stop_once_rows_are_in_flight() -> None:
+            while progress.done_this_run < 16 and not cancel.is_set():
+                time.sleep(0.001)
+            cancel.set()
+
+        threading.Thread(target=stop_once_rows_are_in_flight, daemon=True).start()
+
+    report = run_job(spec, cancel=cancel, show_progress=False, on_progress=watch)
+    assert report.status == "cancelled" and report.rows_this_run == 0
+    generated = report.throughput_over_time[-1][1]
+    assert report.completion_tokens == generated > 16 * 48  # the dropped rows' included
+    # the finished rows not written (their shard was not complete) are said to be lost
+    assert report.rows_not_committed >= 16 and "a rerun computes them again" in report.summary()
+
+
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(
     tiny_model: Path, tmp_path: Path
 ) -> None:

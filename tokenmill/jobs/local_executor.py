@@ -147,6 +147,7 @@ class RowProcessor:
         run's own outcome, which it must not replace."""
         try:
             if self.engine is not None and in_flight.num_requests:
+                _ = self.output_tokens  # counts the dropped requests' tokens, kept from now
                 self.engine.cut_short(in_flight.request_ids())
         except Exception:
             log.warning("could not abort the engine's requests of a stopped run", exc_info=True)

@@ -108,6 +108,8 @@ class Progress:
         self.done_this_run = 0
         self.tokens = 0  # output tokens generated this run (the live count when it is larger)
         self.finished_tokens = 0  # of which in finished rows
+        self.generated_rows = 0  # rows finished with tokens (not bad rows, nor copies)
+        self.ended = False  # the run's stream of results has ended (finish)
         self.in_flight = 0
         self.load_seconds = 0.0
         # (seconds since the clock started, output tokens) for the report
@@ -139,11 +141,15 @@ class Progress:
         return self._samples.points
 
     def update(self, rows: int, tokens: int) -> None:
-        """``rows`` finished (or failed) with ``tokens`` output tokens between them."""
+        """``rows`` finished (or failed) with ``tokens`` output tokens between them; rows
+        without tokens (bad rows, copies of a duplicate's result) took no engine work."""
         self.done += rows
         self.done_this_run += rows
         self.finished_tokens += tokens
         self.tokens = max(self.tokens, self.finished_tokens)
+        if tokens > 0:
+            self.generated_rows += rows
+            self.in_flight = max(self.in_flight - rows, 0)  # (until the next live sample)
         self.tick()
 
     def tick(self) -> None:
@@ -168,13 +174,24 @@ class Progress:
 
     @property
     def eta_seconds(self) -> float | None:
-        """Seconds until every input row is done at the recent rows/s; None without a basis
-        (no row count, or no row finished in the window)."""
+        """Seconds until every input row is done: the rows left at the tokens a finished row
+        took on average, less what the rows in flight have generated, at the recent output
+        tok/s (rows finish in waves, so a rate of rows rose and fell between them, and bad
+        rows or copies read at once made it absurdly fast); at the recent rows/s while no
+        row has generated tokens. None without a basis (no row count, nothing finished in
+        the window), or once the run has ended with rows left (stopped)."""
         if self.total is None:
             return None
         remaining = max(self.total - self.done, 0)
         if remaining == 0:
             return 0.0
+        if self.ended:
+            return None
+        tok_per_s = self.tokens_per_s
+        if self.generated_rows and tok_per_s:
+            per_row = self.finished_tokens / self.generated_rows
+            left = remaining * per_row - (self.tokens - self.finished_tokens)
+            return max(left, per_row) / tok_per_s
         rows_per_s = self._row_rate.rate()
         if not rows_per_s or self._row_rate.increase() <= 0:
             return None
@@ -226,10 +243,13 @@ class Progress:
         return "ETA unknown" if eta is None else f"ETA {format_duration(eta)}"
 
     def finish(self) -> None:
-        """Take a last sample (the run's stream of results has ended), for the report."""
+        """Take a last sample (the run's stream of results has ended), for the report; no
+        row is in flight any more, and no ETA is given for rows left (a stopped run)."""
         now = self._clock()
         self._last_sample = now
         self._sample(now, last=True)
+        self.ended = True
+        self.in_flight = 0
         if self._bar is not None:
             self._bar.show(self.done, self.bar_text())
 

@@ -17,6 +17,9 @@ class JobReport:
     rows_failed: int = 0  # in the error files (this run and earlier runs)
     rows_this_run: int = 0
     rows_resumed: int = 0  # already done by an earlier run, skipped
+    # rows finished this run whose shards were not complete when it stopped (cancelled):
+    # not written, a rerun computes them again
+    rows_not_committed: int = 0
     # tokens the engine processed this run (rows given a duplicate's result not counted)
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -89,6 +92,11 @@ class JobReport:
             f"  throughput  {self._throughput()}",
             f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
         ]
+        if self.rows_not_committed:
+            lines.append(
+                f"  not kept    {self.rows_not_committed} rows finished in shards not complete "
+                "at the stop: a rerun computes them again"
+            )
         if self.rows_deduplicated:
             lines.append(
                 f"  dedup       {self.rows_deduplicated} rows copied from identical rows "

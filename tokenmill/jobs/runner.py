@@ -342,6 +342,9 @@ def _run_owned(
         progress.close()
         report.wall_seconds = round(time.monotonic() - start, 3)
         report.throughput_over_time = progress.samples
+        # Rows dropped at a cancel generated tokens too (the live count has them): this run's
+        # engine work, as README says (the finished rows' alone made the rate ~6x too low).
+        report.completion_tokens = max(report.completion_tokens, progress.tokens)
         report.shards_committed = writer.shards_committed
         report.rows_this_run = writer.rows_committed
         # Ray replicas load their models inside the generation loop: that is load time
@@ -368,6 +371,7 @@ def _run_owned(
     # changes nothing: the run is complete.
     if cancel.is_set() and not (feed.exhausted and not tracker.num_pending_rows):
         report.status = "cancelled"
+        report.rows_not_committed = max(progress.done_this_run - writer.rows_committed, 0)
     else:
         if tracker.num_pending_rows:
             raise RuntimeError(
