@@ -207,6 +207,36 @@ def test_a_cancelled_run_reports_the_tokens_its_dropped_rows_generated(
     assert report.rows_not_committed >= 16 and "a rerun computes them again" in report.summary()
 
 
+def test_a_cancelled_run_counts_only_the_copies_it_committed(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Copies for duplicates made before a cancel, in shards never committed, were counted in
+    rows_deduplicated (649 with 0 rows committed): summed over runs, counted twice."""
+    from tokenmill.jobs.progress import Progress
+
+    base = chat_rows(32)
+    rows = [{**base[i % 32], "id": f"r{i}"} for i in range(64)]  # 32 duplicates
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = job_dict(tiny_model, src, tmp_path / "out", output={"rows_per_shard": 1000},
+                    sampling={"max_tokens": 48, "ignore_eos": True},
+                    engine={"max_num_seqs": 4})  # fmt: skip
+    cancel = threading.Event()
+
+    def stop_after_a_row(progress: Progress) -> None:
+        def watch() -> None:
+            while progress.done_this_run < 8 and not cancel.is_set():
+                time.sleep(0.001)
+            cancel.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    report = run_job(spec, cancel=cancel, show_progress=False, on_progress=stop_after_a_row)
+    assert report.status == "cancelled" and report.rows_this_run == 0
+    assert (report.rows_deduplicated, report.deduplicated_tokens) == (0, 0)
+    complete = run_job(spec, show_progress=False)
+    assert complete.rows_deduplicated == 32 and complete.rows_this_run == 64
+
+
 def test_changed_fingerprint_refuses_to_resume_unless_fresh(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -29,7 +29,7 @@ stops have none, so their shards are recomputed on resume.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenmill.io.output_schema import OutputSchema
@@ -107,6 +107,7 @@ class RowFeed:
         self.rows_read = 0
         self.rows_resumed = 0
         self._direct = 0  # results given to the tracker without the engine
+        self._copies: dict[int, tuple[int, int]] = {}  # shard -> copies' (rows, tokens)
         facts = RowFacts(plan) if plan is not None else None
         batches = _read(
             cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema, facts
@@ -176,8 +177,17 @@ class RowFeed:
             if copy is not None:
                 self._add_copy(copy)
 
+    def deduplicated_in(self, shards: Iterable[int]) -> tuple[int, int]:
+        """(rows, tokens) of the copies made for rows of ``shards``: a stopped run's report
+        counts the copies it committed, not those dropped with incomplete shards."""
+        counts = [self._copies.get(shard, (0, 0)) for shard in shards]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
     def _add_copy(self, copy: ResultRow) -> None:
         """A row's copy of its duplicate's result, as its result."""
+        shard = self._tracker.shard_of(copy.row_index)
+        rows, tokens = self._copies.get(shard, (0, 0))
+        self._copies[shard] = (rows + 1, tokens + copy.prompt_tokens + copy.completion_tokens)
         self._tracker.add_result(copy)
         self._direct += 1
         self._progress.update(1, 0)  # no engine tokens: the rates count the engine's work

@@ -304,9 +304,10 @@ def _run_owned(
     tracker = ShardTracker(spec.output.rows_per_shard)
     bounds = pipeline_bounds(spec)
     writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
+    done_before = frozenset(manifest.shards)
     feed = RowFeed(
         input_config(spec),
-        frozenset(manifest.shards),
+        done_before,
         tracker,
         progress,
         spec.model.source,
@@ -387,6 +388,9 @@ def _run_owned(
     report.rows_resumed = feed.rows_resumed
     report.rows_deduplicated = feed.rows_deduplicated
     report.deduplicated_tokens = feed.deduplicated_tokens
+    if report.status == "cancelled":  # the copies committed (the others are made again)
+        committed = set(manifest.shards) - done_before
+        report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
     _fill_totals(report, manifest, total)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)
