@@ -112,3 +112,50 @@ def test_calibrated_kv_cache_scales_are_left_unused(float_model: Path, tmp_path)
             weights[f"model.layers.{i}.self_attn.{leaf}"] = torch.tensor(0.02)
     save_file(weights, path / "model.safetensors")
     assert _generate(path) == want
+
+
+def _edited(path: Path, edit) -> Path:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+def _e5m2(t: dict) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    t[name] = t[name].float().to(torch.float8_e5m2)
+
+
+def _float_layer(t: dict) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    t[name] = t[name].float() * t[name.replace(".weight", ".weight_scale")]
+
+
+def _scale_per_input(t: dict) -> None:
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    t[name] = torch.ones(1, t[name].shape[0])  # [1, in] on a square layer: not per output
+
+
+def _nan_byte(t: dict) -> None:
+    name = "model.layers.0.mlp.down_proj.weight"
+    t[name].view(torch.uint8)[0, 0] = 0x7F  # e4m3's NaN
+
+
+@pytest.mark.parametrize(
+    ("edit", "refusal"),
+    [
+        (_e5m2, r"down_proj.weight .* has dtype torch.float8_e5m2"),
+        (_float_layer, r"down_proj.weight .* has dtype torch.float32; an FP8 checkpoint"),
+        (_scale_per_input, r"o_proj.weight_scale .* per output channel"),
+        (_nan_byte, r"down_proj.weight .* holds NaN"),
+    ],
+)
+def test_fp8_checkpoints_that_would_run_wrong_are_refused(
+    float_model: Path, tmp_path, edit, refusal: str
+) -> None:
+    """Each loaded and ran wrong: e5m2 weights cast as if e4m3 (logits off by 1.5x their
+    size), a float layer cast to e4m3 with scale 1, a [1, in] scale taken per output
+    channel, an e4m3 NaN byte (every logit NaN)."""
+    path = _edited(_fp8_checkpoint(float_model, tmp_path / "m", per_tensor=False), edit)
+    with pytest.raises(ValueError, match=refusal):
+        LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=1 << 26)

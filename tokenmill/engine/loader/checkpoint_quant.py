@@ -13,9 +13,10 @@ whether the engine runs them as they are.
 
 GPTQ and AWQ layers are repacked at load into the W4A16 layer's layout (loader/awq_gptq.py,
 models/int4.py); ``ModelConfig.quantization`` then holds ``Int4Checkpoint.name``, e.g.
-``gptq-g128``. Anything else (other bit widths, act-order GPTQ, GEMV / Marlin / ExLlama AWQ,
-block-wise FP8, compressed-tensors, bitsandbytes, ...) is refused at load, naming the file, the
-format found and the formats supported: never dequantized silently, never run wrong.
+``gptq-g128`` (act-order GPTQ included: ``gptq-g128-desc_act``). Anything else (other bit
+widths, GEMV / Marlin / ExLlama AWQ, block-wise FP8, compressed-tensors, bitsandbytes, ...)
+is refused at load, naming the file, the format found and the formats supported: never
+dequantized silently, never run wrong.
 """
 
 from __future__ import annotations

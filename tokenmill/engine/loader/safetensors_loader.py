@@ -203,8 +203,14 @@ def _read_tensors(
                 except (SafetensorError, OSError, RuntimeError) as e:
                     raise ValueError(f"cannot read tensor {name} from {file} ({e})") from e
                 packed = packed_ints and name.endswith(_PACKED_INT_SUFFIXES)
+                if fp8 and _is_linear_weight(name) and tensor.dtype != torch.float8_e4m3fn:
+                    raise ValueError(
+                        f"tensor {name} in {file} has dtype {tensor.dtype}; an FP8 checkpoint's "
+                        "linear layers are stored as float8_e4m3fn with a weight_scale (e5m2, "
+                        "or a layer left in full precision, would run wrong)"
+                    )
                 if not (tensor.is_floating_point() or packed) or (
-                    tensor.dtype == torch.float8_e4m3fn and not fp8
+                    tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp8
                 ):
                     raise ValueError(
                         f"tensor {name} in {file} has dtype {tensor.dtype}, and config.json "
@@ -212,3 +218,8 @@ def _read_tensors(
                     )
                 check_shape(name, tuple(tensor.shape), shapes, str(file))
                 yield name, tensor, file
+
+
+def _is_linear_weight(name: str) -> bool:
+    """A decoder layer's attention or MLP projection weight (``...*_proj.weight``)."""
+    return name.endswith("_proj.weight") and ".layers." in name

@@ -62,6 +62,12 @@ class _ScaleLoader:
     def __call__(
         self, param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
     ) -> None:
+        rows = self.full_rows[shard_id or 0]
+        if tuple(loaded.shape) not in ((), (1,), (rows,), (rows, 1)):
+            raise ValueError(
+                f"weight_scale has shape {list(loaded.shape)}; an FP8 checkpoint's scale is "
+                f"per tensor ([] or [1]) or per output channel ([{rows}] or [{rows}, 1])"
+            )
         loaded = loaded.float().reshape(-1, 1)
         if loaded.shape[0] == 1:
             loaded = loaded.expand(self.full_rows[shard_id or 0], 1)

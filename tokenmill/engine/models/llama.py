@@ -269,6 +269,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
 _KV_SCALES = ("k_scale", "v_scale", "kv_scale")
 _CHECKED_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # checked through float32 (e4m3 has NaN)
 
 
 def _check_tied_head(head: torch.Tensor, embeddings: torch.Tensor, where: str) -> None:
@@ -289,7 +290,8 @@ def _check_finite(params: dict[str, torch.nn.Parameter], where: str) -> None:
     """Refuse NaN or infinite weights, naming the parameter: every row computed from them
     came out empty or garbage, and was written as a result."""
     for name, param in params.items():
-        if param.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(param).all()):
+        values = param.float() if param.dtype in _FLOAT8 else param
+        if values.dtype in _CHECKED_FLOATS and not bool(torch.isfinite(values).all()):
             raise ValueError(
                 f"weight {name}{where} holds NaN or infinite values: the checkpoint is "
                 "damaged (or overflowed on conversion); re-download or re-export it"
