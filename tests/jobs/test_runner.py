@@ -26,6 +26,7 @@ from tokenmill import run_job, submit
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.lock import JobLock
 from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.report import JobReport
 
 ROOT = Path(__file__).resolve().parents[2]
 BAD_LINES = [
@@ -178,28 +179,33 @@ def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
     assert EngineConfig(model="m", kv_cache_memory=gib // 2).kv_cache_budget(cpu) == gib // 2
 
 
+def _cancelled_after(spec: dict, rows: int) -> JobReport:
+    """Run ``spec``, cancelling it once ``rows`` rows have finished; its report."""
+    from tokenmill.jobs.progress import Progress
+
+    cancel = threading.Event()
+
+    def watch(progress: Progress) -> None:
+        def stop() -> None:
+            while progress.done_this_run < rows and not cancel.is_set():
+                time.sleep(0.001)
+            cancel.set()
+
+        threading.Thread(target=stop, daemon=True).start()
+
+    return run_job(spec, cancel=cancel, show_progress=False, on_progress=watch)
+
+
 def test_a_cancelled_run_reports_the_tokens_its_dropped_rows_generated(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     """A cancel drops the rows in flight: report.json counted only the finished rows' tokens
     (about a sixth of the engine's work), so the summary's rate was ~6x too low."""
-    from tokenmill.jobs.progress import Progress
-
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(64))
     spec = job_dict(tiny_model, src, tmp_path / "out", sampling={"max_tokens": 48,
                     "ignore_eos": True}, engine={"max_num_seqs": 16},
                     output={"rows_per_shard": 1000})  # fmt: skip
-    cancel = threading.Event()
-
-    def watch(progress: Progress) -> None:
-        def stop_once_rows_are_in_flight() -> None:
-            while progress.done_this_run < 16 and not cancel.is_set():
-                time.sleep(0.001)
-            cancel.set()
-
-        threading.Thread(target=stop_once_rows_are_in_flight, daemon=True).start()
-
-    report = run_job(spec, cancel=cancel, show_progress=False, on_progress=watch)
+    report = _cancelled_after(spec, rows=16)
     assert report.status == "cancelled" and report.rows_this_run == 0
     generated = report.throughput_over_time[-1][1]
     assert report.completion_tokens == generated > 16 * 48  # the dropped rows' included
@@ -212,25 +218,13 @@ def test_a_cancelled_run_counts_only_the_copies_it_committed(
 ) -> None:
     """Copies for duplicates made before a cancel, in shards never committed, were counted in
     rows_deduplicated (649 with 0 rows committed): summed over runs, counted twice."""
-    from tokenmill.jobs.progress import Progress
-
     base = chat_rows(32)
     rows = [{**base[i % 32], "id": f"r{i}"} for i in range(64)]  # 32 duplicates
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     spec = job_dict(tiny_model, src, tmp_path / "out", output={"rows_per_shard": 1000},
                     sampling={"max_tokens": 48, "ignore_eos": True},
                     engine={"max_num_seqs": 4})  # fmt: skip
-    cancel = threading.Event()
-
-    def stop_after_a_row(progress: Progress) -> None:
-        def watch() -> None:
-            while progress.done_this_run < 8 and not cancel.is_set():
-                time.sleep(0.001)
-            cancel.set()
-
-        threading.Thread(target=watch, daemon=True).start()
-
-    report = run_job(spec, cancel=cancel, show_progress=False, on_progress=stop_after_a_row)
+    report = _cancelled_after(spec, rows=8)
     assert report.status == "cancelled" and report.rows_this_run == 0
     assert (report.rows_deduplicated, report.deduplicated_tokens) == (0, 0)
     complete = run_job(spec, show_progress=False)
