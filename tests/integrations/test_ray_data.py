@@ -93,3 +93,37 @@ def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path)
     several, best = replica.run(rows)
     assert several["finish_reason"] == "error" and "n=3" in several["error"]
     assert best["error"] is None and best["num_generated_tokens"] > 0
+
+
+def test_user_columns_keep_their_values_and_no_block_runs_a_nan_prompt(model: Path) -> None:
+    """Numpy batches turned a nullable int64 id into floats (2**62 + 1, + 3 and + 4 all
+    became 4.611686018427388e+18) and an all-null prompt column of a block into NaN, which
+    ran as the prompt "nan" instead of the row's token ids."""
+    import pyarrow as pa
+
+    big = 2**62
+    table = pa.table(
+        {
+            "key": pa.array([big + 1, None, big + 3, big + 4], type=pa.int64()),
+            "prompt": pa.array([None] * 4, type=pa.string()),
+            "prompt_token_ids": [[5, 17, 42], [7, 8], [9, 10, 11], [12]],
+            "sampling_params": ['{"max_tokens": 3}', None, None, '{"max_tokens": 2}'],
+        }
+    )
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING, batch_size=2)
+    out = build_processor(config)(ray.data.from_arrow(table).repartition(2)).take_all()
+    assert sorted(r["key"] for r in out if r["key"] is not None) == [big + 1, big + 3, big + 4]
+    llm = LLM(str(model), **ENGINE)
+    for row in out:
+        want = llm.generate([row["prompt_token_ids"]], SamplingParams(**SAMPLING))[0]
+        cap = {big + 1: 3, big + 4: 2}.get(row["key"], SAMPLING["max_tokens"])
+        assert row["error"] is None and row["generated_token_ids"] == want.token_ids[:cap]
+
+
+def test_replicas_ask_for_a_gpu_on_a_cluster_with_gpus_under_device_auto() -> None:
+    """device auto (the default) asked Ray for no GPU: every replica of a node ran on cuda:0
+    unaccounted for."""
+    assert ProcessorConfig().gpus_per_replica(cluster_gpus=8) == 1.0
+    assert ProcessorConfig().gpus_per_replica(cluster_gpus=0) == 0.0
+    assert ProcessorConfig(engine={"device": "cpu"}).gpus_per_replica(cluster_gpus=8) == 0.0
+    assert ProcessorConfig(num_gpus=0.5).gpus_per_replica(cluster_gpus=8) == 0.5

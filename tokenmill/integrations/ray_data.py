@@ -8,7 +8,11 @@ text, run by a pool of engine replicas (Ray actors), each a tokenmill ``LLM``:
 
 A row the engine cannot run (an over-long prompt, a conversation the chat template
 rejects, a bad sampling value) gets ``error`` set and empty outputs; the rest of its batch
-runs (one bad row never fails a batch). Every input column is kept.
+runs (one bad row never fails a batch; an exception in ``preprocess`` or ``postprocess``
+fails the dataset, as any Ray Data map does). Batches come as Arrow tables, so every input
+column is kept as it is: its values and types (numpy batches turned nullable integer ids
+into floats that collided, and an all-null column's NaN into the prompt "nan"). A user
+column named like an output column is replaced by it.
 
 Columns added: ``generated_text``, ``generated_token_ids``, ``num_input_tokens``,
 ``num_generated_tokens``, ``finish_reason`` (stop, length or error), ``error`` (None or what
@@ -18,6 +22,8 @@ went wrong).
 from __future__ import annotations
 
 import functools
+import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -35,6 +41,8 @@ OUTPUT_COLUMNS = (
 
 Row = dict[str, Any]
 
+log = logging.getLogger("tokenmill.integrations")
+
 
 @dataclass(frozen=True)
 class ProcessorConfig:
@@ -45,7 +53,7 @@ class ProcessorConfig:
     ``sampling``: default ``SamplingParams`` fields, under a row's own ``sampling_params``.
     ``concurrency``: engine replicas; ``batch_size``: rows a replica gets per call (a
     multiple of max_num_seqs keeps its engine full); ``num_gpus``: per replica (None: 1 when
-    the engine's device is cuda, else 0).
+    the engine's device is cuda, or auto on a cluster with GPUs, else 0).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -68,10 +76,15 @@ class ProcessorConfig:
         _one_completion(SamplingParams(**self.sampling), "ProcessorConfig.sampling")  # not
         # in every replica
 
-    def gpus_per_replica(self) -> float:
+    def gpus_per_replica(self, cluster_gpus: float = 0.0) -> float:
+        """GPUs a replica asks Ray for: ``num_gpus``, else one when the engine runs on
+        CUDA, named or (device auto, the default) found on the cluster (``cluster_gpus``):
+        asking for none there left every replica of a node on cuda:0, unaccounted for."""
         if self.num_gpus is not None:
             return self.num_gpus
-        return 1.0 if str(self.engine.get("device", "")).startswith("cuda") else 0.0
+        device = str(self.engine.get("device", "auto"))
+        on_gpu = device.startswith("cuda") or (device == "auto" and cluster_gpus > 0)
+        return 1.0 if on_gpu else 0.0
 
 
 class EngineReplica:
@@ -83,14 +96,17 @@ class EngineReplica:
         self.config = config
         self.llm = LLM(config.model, **config.engine)
 
-    def __call__(self, batch: Mapping[str, Any]) -> dict[str, list[Any]]:
-        columns = {name: list(values) for name, values in batch.items()}
-        size = len(next(iter(columns.values()), []))
-        rows = [{name: values[i] for name, values in columns.items()} for i in range(size)]
-        results = self.run(rows)
-        for name in OUTPUT_COLUMNS:
-            columns[name] = [r[name] for r in results]
-        return columns
+    def __call__(self, batch: Any) -> Any:
+        """``batch`` (an Arrow table) with the output columns set."""
+        import pyarrow as pa
+
+        results = self.run(batch.to_pylist())
+        for name, kind in _output_types().items():
+            column = pa.array([r[name] for r in results], type=kind)
+            if name in batch.column_names:
+                batch = batch.drop_columns([name])
+            batch = batch.append_column(name, column)
+        return batch
 
     def run(self, rows: list[Row]) -> list[Row]:
         """The generated columns for each row, in order."""
@@ -124,11 +140,16 @@ class EngineReplica:
         from tokenmill.engine.prompts import encode_prompt
 
         if row.get("messages") is not None:
-            return self.llm.encode_chat([dict(m) for m in row["messages"]])
+            return self.llm.encode_chat(row["messages"])
         if row.get("prompt") is not None:
-            return encode_prompt(self.llm.tokenizer, str(row["prompt"]))
+            if not isinstance(row["prompt"], str):
+                raise ValueError(f"prompt must be a string, got {type(row['prompt']).__name__}")
+            return encode_prompt(self.llm.tokenizer, row["prompt"])
         if row.get("prompt_token_ids") is not None:
-            return [int(t) for t in row["prompt_token_ids"]]
+            ids = row["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return ids
         raise ValueError(
             "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
             f"function can build one); it has {sorted(row)}"
@@ -156,14 +177,21 @@ def build_processor(
     the top). Refuses bad engine or sampling settings at once (ValueError, TypeError)."""
 
     def process(ds: Any) -> Any:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()  # (Ray Data would at execution) to see what the cluster has
+        resources = ray.cluster_resources()
+        _warn_if_replicas_take_every_cpu(config, resources.get("CPU", 0.0))
         if preprocess is not None:
             ds = ds.map(preprocess)
         ds = ds.map_batches(
             EngineReplica,
             fn_constructor_kwargs={"config": config},
             batch_size=config.batch_size,
+            batch_format="pyarrow",
             concurrency=config.concurrency,
-            num_gpus=config.gpus_per_replica(),
+            num_gpus=config.gpus_per_replica(resources.get("GPU", 0.0)),
             num_cpus=config.num_cpus,
         )
         if postprocess is not None:
@@ -174,11 +202,17 @@ def build_processor(
 
 
 def _mapping(value: Any) -> dict[str, Any]:
-    """A row's ``sampling_params`` as Python values. Ray Data hands a struct column over
-    with every field in every row (None where a row has none: dropped here), numpy scalars
-    and arrays, and integers as floats where the column has nulls (6.0: an int again)."""
+    """A row's ``sampling_params`` as Python values: a mapping, or its JSON text. An Arrow
+    struct column holds every row's fields in every row (None where a row has none: dropped
+    here, nested ones too, so a JSON schema given as a struct cannot hold a null: give it as
+    JSON text), and integers as floats where the column has nulls (6.0: an int again)."""
     if value is None:
         return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params is text but not JSON ({exc})") from None
     if not isinstance(value, Mapping):
         raise ValueError(f"sampling_params must be a mapping, got {type(value).__name__}")
     out = {}
@@ -187,10 +221,46 @@ def _mapping(value: Any) -> dict[str, Any]:
             continue
         if hasattr(v, "tolist"):  # numpy scalars and arrays
             v = v.tolist()
+        v = _without_nulls(v)
         if isinstance(v, float) and v.is_integer() and key in _int_fields():
             v = int(v)
         out[key] = v
     return out
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+@functools.cache
+def _output_types() -> dict[str, Any]:
+    """The output columns' Arrow types: the same in every block, whatever its values."""
+    import pyarrow as pa
+
+    return {
+        "generated_text": pa.string(),
+        "generated_token_ids": pa.list_(pa.int64()),
+        "num_input_tokens": pa.int64(),
+        "num_generated_tokens": pa.int64(),
+        "finish_reason": pa.string(),
+        "error": pa.string(),
+    }
+
+
+def _warn_if_replicas_take_every_cpu(config: ProcessorConfig, cluster_cpus: float) -> None:
+    """Replicas holding every CPU leave none for the tasks that read and map the rows
+    before them: the pipeline waits forever, silently (the job executor says so too)."""
+    wanted = config.concurrency * config.num_cpus
+    if cluster_cpus and wanted >= cluster_cpus:
+        log.warning(
+            "the %d engine replicas ask for %g CPUs, all the cluster's %g: Ray Data's read "
+            "and map tasks get none and the pipeline waits; lower concurrency or num_cpus",
+            config.concurrency, wanted, cluster_cpus,
+        )  # fmt: skip
 
 
 @functools.cache
