@@ -129,9 +129,7 @@ class ModelConfig:
 
     @property
     def rope_type(self) -> str:
-        if not self.rope_scaling:
-            return "default"
-        return str(self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default")))
+        return str(_rope_type(self.rope_scaling or {}))
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -215,9 +213,9 @@ class ModelConfig:
         rope_scaling = None
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta") or rope_theta
-            if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
+            rope_type = _rope_type(rope_params)
+            if rope_type != "default":
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-                rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
                 if rope_type in _ORIGINAL_LENGTH_TYPES:  # a top-level key wins, as Phi-3's
                     original = cfg.get("original_max_position_embeddings")
                     if original is not None:
@@ -255,6 +253,11 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg, arch, where),
             source=source,
         )
+
+
+def _rope_type(params: dict[str, Any]) -> Any:
+    """A rope settings dict's type: ``rope_type``, or the legacy ``type``, else default."""
+    return params.get("rope_type", params.get("type", "default"))
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, where: str = "") -> int | None:

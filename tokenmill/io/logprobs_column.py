@@ -84,13 +84,14 @@ def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, 
     characters before each token), less the leading space a SentencePiece tokenizer drops
     from the text's first token (the tokens keep theirs)."""
     tokens = [e["token"] for e in entries]
-    ends = list(itertools.accumulate(len(t) for t in tokens))
     if entries and all(e.get("bytes") is not None for e in entries):
         # Characters split over tokens ("\ufffd" each): the characters the bytes before
         # each token decode to, as the text was decoded (an incomplete one waits for the
         # next token's bytes; invalid ones are a "\ufffd" each)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         ends = list(itertools.accumulate(len(decoder.decode(bytes(e["bytes"]))) for e in entries))
+    else:
+        ends = list(itertools.accumulate(len(t) for t in tokens))
     first = tokens[0] if tokens else ""
     dropped = int(first.startswith(" ") and not text.startswith(" ") and bool(first.strip()))
     return {

@@ -31,9 +31,9 @@ def url_credentials_refusal(key: str, url: str) -> str | None:
     """The error for ``url`` (the job spec's ``key``) when it is an object store's URL with
     credentials in it; None when it is not."""
     match = _USERINFO.match(url)
-    if match is None or match["scheme"].split(":")[0].lower() not in _OBJECT_STORES:
+    scheme = "" if match is None else match["scheme"].split(":")[0]
+    if scheme.lower() not in _OBJECT_STORES:
         return None
-    scheme = match["scheme"].split(":")[0]
     section = key.split(".")[0]
     return (
         f"{key} {hide_url_secrets(url)!r} carries credentials in the URL, which {scheme}:// "

@@ -19,6 +19,7 @@ token_embd.weight rows          -> vocab_size;  no output.weight -> tie_word_emb
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,18 +67,10 @@ def gguf_hf_config(reader: GGUFFile, path: Path) -> dict[str, Any]:
         return value
 
     def typed(key: str, kinds: tuple[type, ...], what: str, required: bool) -> Any:
-        """The key's value, refused unless one of ``kinds`` (a bool is no number): a string
-        or a float was converted (2.9 heads read as 2)."""
         value = get(key)
-        if value is None:
-            if required:
-                raise ValueError(f"GGUF metadata key {arch}.{key} is missing in {path}")
-            return None
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            raise ValueError(
-                f"GGUF metadata key {arch}.{key} in {path} must be {what}, got {value!r:.40}"
-            )
-        return value
+        if value is None and required:
+            raise ValueError(f"GGUF metadata key {arch}.{key} is missing in {path}")
+        return _checked(value, f"{arch}.{key}", kinds, what, path)
 
     def whole(key: str, required: bool = True) -> int | None:
         return typed(key, (int,), "an integer", required)
@@ -142,9 +135,30 @@ def _eos_token_ids(reader: GGUFFile, path: Path) -> list[int]:
 def _token_id(reader: GGUFFile, kind: str, path: Path) -> int | None:
     """``tokenizer.ggml.<kind>_token_id``: None when absent; ValueError unless an id."""
     key = f"tokenizer.ggml.{kind}_token_id"
-    value = metadata_value(reader, key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"GGUF metadata key {key} in {path} must be a token id, got {value!r:.40}")
+    return _checked(metadata_value(reader, key), key, (int,), "a token id", path, _natural)
+
+
+def _natural(value: int) -> bool:
+    return value >= 0
+
+
+def _checked(
+    value: Any,
+    key: str,
+    kinds: tuple[type, ...],
+    what: str,
+    path: Path,
+    valid: Callable[[Any], bool] | None = None,
+) -> Any:
+    """``value`` of metadata ``key`` (None when absent), refused unless one of ``kinds`` (a
+    bool is no number) and ``valid``: strings and floats were converted (2.9 heads read as
+    2), arrays failed with a TypeError naming neither the file nor the key."""
+    if value is not None and (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or (valid is not None and not valid(value))
+    ):
+        raise ValueError(f"GGUF metadata key {key} in {path} must be {what}, got {value!r:.40}")
     return value
 
 
@@ -156,29 +170,22 @@ def _rope_scaling(
     rope_theta: float,
     path: Path,
 ) -> dict[str, Any] | None:
-    original = metadata_value(reader, f"{arch}.rope.scaling.original_context_length")
+    original_key = f"{arch}.rope.scaling.original_context_length"
+    original = metadata_value(reader, original_key)
     rope_freqs = tensors.get("rope_freqs.weight")
     if rope_freqs is not None:
         factors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
-        if original is not None and (isinstance(original, bool) or not isinstance(original, int)):
-            raise ValueError(
-                f"GGUF metadata key {arch}.rope.scaling.original_context_length in {path} must "
-                "be an integer"
-            )
+        _checked(original, original_key, (int,), "an integer", path)
         context = original or _LLAMA3_ORIGINAL_CONTEXT
         return _llama3_scaling_from_freq_factors(factors, head_dim, rope_theta, context, path)
-    kind = metadata_value(reader, f"{arch}.rope.scaling.type")
+    kind_key, factor_key = f"{arch}.rope.scaling.type", f"{arch}.rope.scaling.factor"
+    kind = metadata_value(reader, kind_key)
     if kind in (None, "none"):
         return None
-    if not isinstance(kind, str):
-        raise ValueError(f"GGUF metadata key {arch}.rope.scaling.type in {path} must be a name")
-    scaling: dict[str, Any] = {"rope_type": kind}
-    factor = metadata_value(reader, f"{arch}.rope.scaling.factor")
+    scaling: dict[str, Any] = {"rope_type": _checked(kind, kind_key, (str,), "a name", path)}
+    factor = _checked(metadata_value(reader, factor_key), factor_key, (int, float), "a number",
+                      path)  # fmt: skip
     if factor is not None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-            raise ValueError(
-                f"GGUF metadata key {arch}.rope.scaling.factor in {path} must be a number"
-            )
         scaling["factor"] = float(factor)
     if original is not None:
         scaling["original_max_position_embeddings"] = original  # (ModelConfig checks it)

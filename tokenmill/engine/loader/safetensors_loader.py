@@ -135,15 +135,23 @@ def stored_tensor_names(model_dir: Path) -> list[str]:
     Raises ValueError naming a file that is not readable safetensors."""
     names: list[str] = []
     for file in safetensors_files(model_dir):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                names.extend(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise ValueError(
-                f"{file} is not a readable safetensors file ({e}); it may be truncated or "
-                "corrupt: re-download it"
-            ) from e
+        with _opened(file) as f:
+            names.extend(f.keys())
     return names
+
+
+def _opened(file: Path) -> Any:
+    """``file`` opened with safetensors (a context manager). Raises PermissionError or
+    ValueError naming the file when it cannot be read, or is not safetensors."""
+    if not os.access(file, os.R_OK):  # safetensors says "No such file" for this too
+        raise PermissionError(f"{file} cannot be read: permission denied")
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({e}); it may be truncated or "
+            "corrupt: re-download it"
+        ) from e
 
 
 def iter_safetensors_weights(
@@ -179,16 +187,7 @@ def _read_tensors(
     fp8 = config.quantization == "fp8"
     seen: dict[str, Path] = {}  # tensor name -> the file it came from
     for file in safetensors_files(model_dir):
-        if not os.access(file, os.R_OK):  # safetensors says "No such file" for this too
-            raise PermissionError(f"{file} cannot be read: permission denied")
-        try:
-            handle = safe_open(str(file), framework="pt")
-        except (SafetensorError, OSError) as e:
-            raise ValueError(
-                f"{file} is not a readable safetensors file ({e}); it may be truncated or "
-                "corrupt: re-download it"
-            ) from e
-        with handle as f:
+        with _opened(file) as f:
             for name in f.keys():
                 if name.endswith(_SKIPPED_SUFFIXES) or (fp8 and name.endswith(".input_scale")):
                     continue

@@ -70,7 +70,7 @@ class _ScaleLoader:
             )
         loaded = loaded.float().reshape(-1, 1)
         if loaded.shape[0] == 1:
-            loaded = loaded.expand(self.full_rows[shard_id or 0], 1)
+            loaded = loaded.expand(rows, 1)
         self.inner(param, loaded, shard_id)
 
 
