@@ -38,7 +38,7 @@ from tokenmill.engine.special_ids import special_token_ids
 __all__ = ["IncrementalDetokenizer"]
 
 _REPLACEMENT_CHAR = "\ufffd"
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a ByteFallback byte token; group 1: its byte
 # tokenizer -> its ByteFallback byte tokens' ids (empty without that decoder)
 _byte_tokens: weakref.WeakKeyDictionary[object, frozenset[int]] = weakref.WeakKeyDictionary()
 
@@ -50,14 +50,19 @@ def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     if known is not None:
         return known
     ids: frozenset[int] = frozenset()
-    # The decoder's repr lists its steps (Sequence(decoders=[..., ByteFallback(), ...])):
-    # no need to serialize the whole tokenizer, megabytes for a large vocabulary.
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and "ByteFallback(" in repr(backend.decoder):
+    if has_decoder_step(tokenizer, "ByteFallback"):
         vocab = tokenizer.get_vocab()
-        ids = frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
+        ids = frozenset(i for token, i in vocab.items() if BYTE_TOKEN.fullmatch(token))
     _byte_tokens[tokenizer] = ids
     return ids
+
+
+def has_decoder_step(tokenizer: PreTrainedTokenizerBase, step: str) -> bool:
+    """Whether ``tokenizer``'s decoder runs ``step`` ("ByteFallback", "ByteLevel"). The
+    decoder's repr lists its steps (Sequence(decoders=[..., ByteFallback(), ...])): no need
+    to serialize the whole tokenizer, megabytes for a large vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and f"{step}(" in repr(backend.decoder)
 
 
 class IncrementalDetokenizer:

@@ -13,7 +13,6 @@ runner's progress can show tokens before any row finishes (``live``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -128,15 +127,15 @@ class RowProcessor:
                     self._returned_tokens += out.num_completion_tokens
                     done = in_flight.finish(out)
                     if done is not None:
-                        result = result_from_output(
+                        yield result_from_output(
                             done.row,
                             done.output,
                             self.tokenizer,
                             self.model_name,
                             done.params.skip_special_tokens,
                             token_bytes_too=self.output_format == "openai-batch",
+                            generated_tokens=done.generated_tokens,
                         )
-                        yield dataclasses.replace(result, generated_tokens=done.generated_tokens)
         finally:  # a cancel, an error, or a stream closed early: no request stays behind
             self._drop(in_flight)
 

@@ -94,8 +94,7 @@ class RowFacts:
 
 class PlannedRows:
     """The rows between the reader and the engine, on the engine thread: a ReorderWindow
-    and, with dedup, a Deduplicator. Without a plan: input order, no dedup (a FIFO).
-    ``rows_deduplicated`` and ``deduplicated_tokens`` count the copies made."""
+    and, with dedup, a Deduplicator. Without a plan: input order, no dedup (a FIFO)."""
 
     def __init__(self, plan: FeedPlan | None) -> None:
         settings = plan.settings if plan is not None else PlannerSettings("input", 1, False)
@@ -105,8 +104,6 @@ class PlannedRows:
         self._dedup: Deduplicator[InputRow, ResultRow] | None = None
         if settings.dedup:
             self._dedup = Deduplicator(max_held=settings.window, max_cached=settings.window)
-        self.rows_deduplicated = 0
-        self.deduplicated_tokens = 0
 
     def __len__(self) -> int:
         """Rows queued for the engine (rows held for a twin not counted)."""
@@ -122,7 +119,7 @@ class PlannedRows:
             if claim is HELD:
                 return None
             if isinstance(claim, Cached):
-                return self._copy(claim.result, row)
+                return copy_result(claim.result, row)
         self._window.push(item, work)
         return None
 
@@ -134,10 +131,4 @@ class PlannedRows:
         """The engine's ``result`` for a row: copies of it for the rows held as its twins."""
         if self._dedup is None:
             return []
-        return [self._copy(result, row) for row in self._dedup.finished(result.row_index, result)]
-
-    def _copy(self, result: ResultRow, row: InputRow) -> ResultRow:
-        copy = copy_result(result, row)
-        self.rows_deduplicated += 1
-        self.deduplicated_tokens += copy.prompt_tokens + copy.completion_tokens
-        return copy
+        return [copy_result(result, row) for row in self._dedup.finished(result.row_index, result)]

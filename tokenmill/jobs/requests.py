@@ -124,8 +124,12 @@ def _identity(row: InputRow, model: str) -> dict[str, Any]:
     }
 
 
-def error_result(row: InputRow, message: str, model: str = "") -> ResultRow:
-    return ResultRow(**_identity(row, model), error=f"{row.source}: {message}")
+def error_result(
+    row: InputRow, message: str, model: str = "", generated_tokens: int = 0
+) -> ResultRow:
+    return ResultRow(
+        **_identity(row, model), error=f"{row.source}: {message}", generated_tokens=generated_tokens
+    )
 
 
 def result_from_output(
@@ -135,14 +139,16 @@ def result_from_output(
     model: str,
     skip_special_tokens: bool = True,
     token_bytes_too: bool = False,
+    generated_tokens: int | None = None,
 ) -> ResultRow:
     """The ResultRow of a finished request (of all its completions, for a row that asked for
     several); an engine-side error becomes a row error. Completion logprob tokens are
     decoded as the text was (``skip_special_tokens``: a special token's text is empty then);
     with ``token_bytes_too`` (OpenAI Batch output) each entry also holds its token's
-    ``bytes`` (token_bytes.py)."""
+    ``bytes`` (token_bytes.py). ``generated_tokens``: every token the row's samples generated
+    (best_of's left-out ones included); by default the returned completions'."""
     if out.error is not None:
-        return error_result(row, out.error, model)
+        return error_result(row, out.error, model, generated_tokens or 0)
     choices = tuple(
         Choice(
             text=c.text,
@@ -160,7 +166,7 @@ def result_from_output(
         finish_reason=first.finish_reason,
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=completion_tokens,
-        generated_tokens=completion_tokens,  # the executor adds best_of's left-out samples
+        generated_tokens=completion_tokens if generated_tokens is None else generated_tokens,
         logprobs=first.logprobs,
         choices=choices if len(choices) > 1 else (),
         prompt_logprobs=_prompt_logprobs(out.prompt_logprobs, tokenizer),

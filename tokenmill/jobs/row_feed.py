@@ -149,11 +149,11 @@ class RowFeed:
 
     @property
     def rows_deduplicated(self) -> int:
-        return self._ready.rows_deduplicated
+        return self.deduplicated_in(self._copies)[0]
 
     @property
     def deduplicated_tokens(self) -> int:
-        return self._ready.deduplicated_tokens
+        return self.deduplicated_in(self._copies)[1]
 
     def __iter__(self) -> Iterator[FeedItem]:
         while not self.exhausted:

@@ -386,11 +386,9 @@ def _run_owned(
         if store.is_local:  # readers open shards/ even when no row landed there (no input)
             os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
     report.rows_resumed = feed.rows_resumed
-    report.rows_deduplicated = feed.rows_deduplicated
-    report.deduplicated_tokens = feed.deduplicated_tokens
-    if report.status == "cancelled":  # the copies committed (the others are made again)
-        committed = set(manifest.shards) - done_before
-        report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
+    # the copies this run committed (a cancel's others are made again by the next run)
+    committed = set(manifest.shards) - done_before
+    report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
     _fill_totals(report, manifest, total)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)

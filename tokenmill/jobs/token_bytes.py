@@ -15,14 +15,13 @@ Any other tokenizer gets None (OpenAI's "no bytes representation"), never a gues
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-__all__ = ["token_bytes"]
+from tokenmill.engine.detokenizer import BYTE_TOKEN, has_decoder_step
 
-_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+__all__ = ["token_bytes"]
 
 
 def token_bytes(
@@ -48,11 +47,9 @@ def token_bytes(
 
 
 def _kind(tokenizer: Any) -> str | None:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = repr(getattr(backend, "decoder", None))
-    if "ByteLevel(" in decoder:
+    if has_decoder_step(tokenizer, "ByteLevel"):
         return "byte-level"
-    if "ByteFallback(" in decoder:
+    if has_decoder_step(tokenizer, "ByteFallback"):
         return "byte-fallback"
     return None
 
@@ -64,7 +61,7 @@ def _piece_bytes(piece: str, kind: str | None) -> bytes | None:
             return bytes(table[c] for c in piece)
         return piece.encode()
     if kind == "byte-fallback":
-        byte = _BYTE_PIECE.match(piece)
+        byte = BYTE_TOKEN.fullmatch(piece)
         if byte is not None:
             return bytes([int(byte.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
