@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.engine.models.fp8 import TRITON_MAX_ROWS, takes_triton_gemm
 from tokenmill.kernels.fp8_gemm import choose_fp8_tiles, fp8_gemm, fp8_gemm_ref
 from tokenmill.kernels.fp8_rows import quantize_rows
 from tokenmill.kernels.int_weight_tiles import IntGemmTiles
@@ -69,3 +70,10 @@ def test_refuses_wrong_inputs() -> None:
         fp8_gemm(x_q.float(), x_scale, w_q, w_scale)
     with pytest.raises(ValueError, match="w_scale"):
         fp8_gemm(x_q, x_scale, w_q, w_scale[:, :5])
+    # K = 48: the K loop's 32-wide tiles would read 16 values past each row (the next row's:
+    # wrong sums, with no error). _scaled_mm takes such a K, and the layer sends it there.
+    x_q, x_scale, w_q, w_scale = _operands(1, 8, 48)
+    with pytest.raises(ValueError, match="K=48 must be a multiple of 32"):
+        fp8_gemm(x_q, x_scale, w_q, w_scale)
+    assert not takes_triton_gemm(1, 48) and not takes_triton_gemm(1, 80)
+    assert takes_triton_gemm(TRITON_MAX_ROWS, 64) and not takes_triton_gemm(TRITON_MAX_ROWS + 1, 64)

@@ -333,3 +333,18 @@ def test_multi_query_rejects_a_missing_query_start_loc() -> None:
     with pytest.raises(ValueError, match="query_start_loc"):
         qsl = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)  # [B + 1] is [3]
         paged_decode_attention(q, kv[0], kv[1], bt, seq, 0.1, 2, query_start_loc=qsl)
+
+
+def test_one_token_query_start_loc_must_give_every_request_its_token() -> None:
+    """With max_query_len=1 the kernel takes request b's token as row b and reads no
+    query_start_loc: a request without a token (qsl [0, 1, 1, 2]) would shift the rows after
+    it (here: write a third row of a two-row output), so such a call is refused."""
+    _, kv, bt, seq = _make_case([5, 9, 7], 4, 2, 64, 16, torch.float32)
+    q, qsl = _multi_query([1, 0, 1], 4, 64, torch.float32)
+    with pytest.raises(ValueError, match="got 2 rows for 3 requests"):
+        paged_decode_attention(q, kv[0], kv[1], bt, seq, 0.1, 2, query_start_loc=qsl)
+    out = paged_decode_attention(
+        q, kv[0], kv[1], bt, seq, 0.1, 2, query_start_loc=qsl, max_query_len=2
+    )
+    ref = paged_decode_attention_ref(q, kv[0], kv[1], bt, seq, 0.1, query_start_loc=qsl)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])

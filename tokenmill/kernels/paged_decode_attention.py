@@ -383,6 +383,13 @@ def paged_decode_attention(
     else:
         _check(max_query_len >= 1, f"max_query_len={max_query_len} must be >= 1")
         batch = seq_lens.shape[0]
+        # With one token at most a request the kernel takes request b's token as row b, so
+        # every request must have its one (T = B); query_start_loc is not read then.
+        _check(
+            max_query_len > 1 or rows == batch,
+            f"max_query_len=1 with query_start_loc needs one token per request: got {rows} "
+            f"rows for {batch} requests (pass the longest query length)",
+        )
         per_request["query_start_loc"] = (query_start_loc, (batch + 1,))
     shapes = check_paged_inputs(
         "paged_decode_attention", q, k_cache, v_cache, block_tables, batch, per_request

@@ -38,7 +38,14 @@ from tokenmill.engine.models.quantization import UnquantizedMethod
 from tokenmill.engine.models.weight_loader import WeightLoader, set_weight_attrs
 from tokenmill.kernels.fp8_rows import FP8, FP8_MAX, quantize_rows
 
-__all__ = ["FP8_MAX", "TRITON_MAX_ROWS", "Fp8Method", "fp8_linear_reference", "quantize_rows"]
+__all__ = [
+    "FP8_MAX",
+    "TRITON_MAX_ROWS",
+    "Fp8Method",
+    "fp8_linear_reference",
+    "quantize_rows",
+    "takes_triton_gemm",
+]
 
 # Products of up to this many rows run in the Triton kernel, larger ones in cuBLAS. On the
 # H200 (bench/fp8_gemm.py --no-sweep, session 16) Triton was faster on every Llama-3-8B shape
@@ -127,7 +134,7 @@ class Fp8Method(UnquantizedMethod):
     ) -> torch.Tensor:
         if not isinstance(x, QuantizedActivation):
             x = quantize_activation(x)  # [T, in] e4m3, [T, 1] fp32
-        if x.values.is_cuda and x.values.shape[0] <= TRITON_MAX_ROWS:
+        if x.values.is_cuda and takes_triton_gemm(*x.values.shape):
             w_q = layer.weight.t()  # [out, in] row-major: the weight is its column-major view
             y = _triton_fp8_gemm()(x.values, x.scales, w_q, layer.weight_scale, layer.out_dtype)
         else:
@@ -139,6 +146,13 @@ class Fp8Method(UnquantizedMethod):
                 out_dtype=layer.out_dtype,
             )  # [T, out]
         return y if bias is None else y + bias
+
+
+def takes_triton_gemm(rows: int, in_features: int) -> bool:
+    """Whether a CUDA product of ``rows`` activations runs in the Triton kernel (else in
+    ``_scaled_mm``): up to ``TRITON_MAX_ROWS`` rows, where K is a multiple of its tiles (32;
+    ``_scaled_mm`` takes any multiple of 16)."""
+    return rows <= TRITON_MAX_ROWS and in_features % 32 == 0
 
 
 @functools.cache
