@@ -69,3 +69,56 @@ def test_a_call_cut_short_leaves_the_engine_as_new(model: Path, monkeypatch) -> 
     assert [o.token_ids for o in llm.generate(_prompts(3), PARAMS)] == want
     assert not llm.engine.has_unfinished()
     assert llm.engine.scheduler.kv.num_free_blocks == llm.engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_cut_call_leaves_no_cached_block_without_its_kv(
+    model: Path, monkeypatch, ahead: bool
+) -> None:
+    """A prompt's full blocks enter the prefix cache when its step is scheduled. Ctrl-C
+    inside that step's forward pass (or, with async scheduling and a grammar, between two
+    steps while the next one is scheduled ahead) left them cached with no KV written: the
+    retry on the same LLM hit them (num_cached_tokens 36 of 40) and gave other tokens."""
+    prompts = [[(37 * p + 11 * t) % 250 + 5 for t in range(40)] for p in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    settings = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=4)
+    if ahead:
+        params = SamplingParams(
+            max_tokens=6, temperature=0, structured_output={"regex": "[a-z]{4,9}"}
+        )
+        settings["async_scheduling"] = True
+    want = [
+        o.token_ids
+        for o in LLM(str(model), **settings, enable_prefix_caching=False).generate(prompts, params)
+    ]
+    llm = LLM(str(model), **settings)
+    engine = llm.engine
+    if ahead:
+        step = engine.step
+
+        def cut_between_steps():
+            out = step()
+            if engine._ahead is not None:  # a step scheduled ahead, its blocks cached
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(engine, "step", cut_between_steps)
+    else:
+        attention = engine.runner.model.model.layers[1].self_attn
+        monkeypatch.setattr(attention, "forward", _raises(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    monkeypatch.undo()
+    retry = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in retry] == [0] * len(prompts)
+    assert [o.token_ids for o in retry] == want
+    again = llm.generate(prompts, params)  # what the retry computed is cached as usual
+    assert all(o.num_cached_tokens > 0 for o in again)
+    assert [o.token_ids for o in again] == want
+
+
+def _raises(exc: type[BaseException]):
+    def forward(*args, **kwargs):
+        raise exc
+
+    return forward

@@ -369,10 +369,10 @@ class LLMEngine:
         """A call was cut short inside ``step`` (Ctrl-C, an error) and its requests go: wait
         for the grammars' background work, abort ``request_ids``, and, when no other request
         is left, forget the steps in flight or scheduled ahead, what the runner knew of the
-        last launch and what the grammar workers were sent, so that the next call runs as on
-        a fresh engine (the interrupt may have landed between any two of those updates: the
-        runner then refused every later launch, and a half-sent message left the grammar
-        workers out of step)."""
+        last launch, what the grammar workers were sent and the prefix cache, so that the
+        next call runs as on a fresh engine (the interrupt may have landed between any two
+        of those updates: the runner then refused every later launch, and a half-sent
+        message left the grammar workers out of step)."""
         self._grammars.settle()
         self.abort_requests(request_ids)
         if self.scheduler.has_unfinished():
@@ -383,6 +383,12 @@ class LLMEngine:
         self.runner.forget_launches()
         self._grammars.reset()
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
+        # A prompt's full blocks enter the prefix cache when its step is scheduled, before
+        # the forward pass writes their KV: the step the cut landed in, or one scheduled
+        # ahead and never launched, left cached blocks holding none of it (the next call's
+        # hits then computed from garbage). Every block is free now: forget the cache.
+        if not self.scheduler.kv.reset_prefix_cache():  # (not raised over the cut's error)
+            log.error("a call was cut short with KV blocks still held: prefix cache kept")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
