@@ -59,6 +59,18 @@ def test_untokenized_rows_are_keyed_by_their_leading_text() -> None:
     )
     plain = InputRow(2, "p", "f:3", prompt="You answer questions about the report.")
     assert row_prefix_key(plain) != row_prefix_key(chat(0, "Who?"))
+    # Text content is keyed as it is: an apostrophe past the key's window changed the quote
+    # a repr chose at its start, and split rows sharing their first 900 characters.
+    doc = system["content"]
+    asks = [
+        InputRow(i, f"q{i}", "f", messages=[{"role": "user", "content": doc + q}])
+        for i, q in enumerate(["What's the year?", "Which year?"])
+    ]
+    assert row_prefix_key(asks[0]) == row_prefix_key(asks[1])
+    ids = InputRow(5, "t", "f:6", prompt_token_ids=tuple(range(1, 300)))
+    assert row_prefix_key(ids) == row_prefix_key(
+        InputRow(6, "u", "f:7", prompt_token_ids=(*range(1, 129), 7, 7))
+    )  # token-id prompts: their first 128 ids
 
 
 def test_rows_sharing_a_prefix_go_to_one_replica() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +20,9 @@ from tokenmill.engine.short_gil_turns import short_gil_turns
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+Prompt = (
+    str | list[int] | dict[str, Any]
+)  # dict: vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
 Message = dict[str, Any]
 
 
@@ -63,21 +66,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete text prompts (tokenized with the model's BOS rules) or token-id lists.
+        """Complete text prompts (tokenized with the model's BOS rules) or token-id lists;
+        vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` are taken too.
 
         Returns one RequestOutput per prompt, in input order, holding ``SamplingParams.n``
         completions in ``outputs``; a prompt that cannot run (too long, empty) gets
         ``error`` set instead of failing the batch. Raises ValueError when the number of
-        SamplingParams is neither one nor one per prompt.
+        SamplingParams is neither one nor one per prompt, or a prompt is none of these forms.
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str | dict) or _is_one_id_list(prompts):
             prompts = [prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        strings = [p for p in prompts if isinstance(p, str)]
+        parts = [_prompt_part(p, i) for i, p in enumerate(prompts)]
+        texts = [p if isinstance(p, str) else None for p in parts]
+        strings = [p for p in parts if isinstance(p, str)]
         encoded = iter(encode_texts(self.tokenizer, strings, add_special_tokens=True))
-        token_lists = [p if not isinstance(p, str) else next(encoded) for p in prompts]
+        token_lists = [p if not isinstance(p, str) else next(encoded) for p in parts]
         return self._run(token_lists, texts, sampling_params)
 
     def chat(
@@ -184,6 +187,40 @@ class LLM:
             n_out / max(elapsed, 1e-9),
         )
         return results
+
+
+def _is_one_id_list(prompts: Any) -> bool:
+    """Whether ``prompts`` is one prompt's token ids (a list, tuple or array of integers)
+    rather than several prompts."""
+    if isinstance(prompts, str | bytes | dict) or not hasattr(prompts, "__len__"):
+        return False
+    return len(prompts) > 0 and _is_id(next(iter(prompts)))
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _prompt_part(prompt: Any, index: int) -> str | list[int]:
+    """One prompt of ``LLM.generate`` as its text or its token ids; ValueError naming the
+    prompt when it is neither (nor a dict holding one)."""
+    if isinstance(prompt, dict):
+        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if extra or len(prompt) != 1:
+            raise ValueError(
+                f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
+                f"'prompt_token_ids'; got keys {sorted(prompt)}"
+            )
+        prompt = next(iter(prompt.values()))
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, bytes | dict) and hasattr(prompt, "__iter__"):
+        ids = list(prompt)  # a list, tuple or numpy array of ids
+        if all(_is_id(t) for t in ids):
+            return [int(t) for t in ids]
+    raise ValueError(
+        f"prompt {index}: expected text or a list of token ids, got {type(prompt).__name__}"
+    )
 
 
 def _per_prompt(

@@ -66,6 +66,7 @@ from tokenmill.engine.output_builder import Finished, OutputBuilder
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogprobs
+from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias_vocab
 from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
@@ -301,13 +302,8 @@ class LLMEngine:
             )
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        check_logit_bias_vocab(params, vocab)
+        check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
+        check_logit_bias_vocab(params, self.model_config.vocab_size)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the engine's max_model_len is "

@@ -7,7 +7,7 @@ from typing import Any
 
 from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
 
-__all__ = ["encode_chat", "encode_prompt", "encode_texts", "render_chat"]
+__all__ = ["check_prompt_ids", "encode_chat", "encode_prompt", "encode_texts", "render_chat"]
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
 # so chat_template_kwargs may not set them (tools and documents are template variables).
@@ -21,6 +21,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a plain completion prompt, with the model's BOS rules."""
     return list(tokenizer.encode(prompt))
+
+
+def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
+    """Raise ValueError when a prompt is empty or holds ids outside ``[0, vocab_size)``."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:

@@ -15,9 +15,11 @@ from typing import Any
 class InputRow:
     """One input row, parsed. ``error`` set means the row is bad and goes to the error file.
 
-    Exactly one of ``prompt`` / ``messages`` is set on a good row. ``sampling`` holds per-row
-    SamplingParams keyword overrides (OpenAI Batch bodies); ``passthrough`` the columns copied
-    to the output as they are. ``custom_id``/``endpoint`` are set for OpenAI Batch rows.
+    Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages`` is set on a good row
+    (``prompt_token_ids``: an OpenAI completions body that gave its prompt as token ids).
+    ``sampling`` holds per-row SamplingParams keyword overrides (OpenAI Batch bodies);
+    ``passthrough`` the columns copied to the output as they are. ``custom_id``/``endpoint``
+    are set for OpenAI Batch rows.
     """
 
     row_index: int
@@ -25,6 +27,7 @@ class InputRow:
     source: str  # "file:line" (1-based line for JSONL, 0-based row for Parquet), for messages
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     passthrough: dict[str, Any] = field(default_factory=dict)
     custom_id: str | None = None

@@ -21,6 +21,7 @@ from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
@@ -206,6 +207,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
                 if reason is not None:
                     raise ValueError(reason)
                 ids = prompt_ids_for(row, tokenizer)
+                check_prompt_ids(ids, config.vocab_size)
                 if len(ids) >= max_len:
                     reason = f"{len(ids)} prompt tokens exceed the context ({max_len})"
             except Exception as exc:  # as the run would: this row's error, not the job's

@@ -67,6 +67,8 @@ class RowFacts:
             return _FAILED
         if isinstance(item, ReadyRow):
             prompt_tokens, params = len(item.prompt_ids), item.params
+        elif item.prompt_token_ids is not None:
+            prompt_tokens, params = len(item.prompt_token_ids), self._params_of(item)
         else:
             text = item.prompt if item.messages is None else repr(item.messages)
             prompt_tokens, params = estimated_prompt_tokens(text or ""), self._params_of(item)

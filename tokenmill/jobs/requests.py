@@ -98,6 +98,8 @@ def check_output_holds(
 
 def prompt_ids_for(row: InputRow, tokenizer: Any) -> list[int]:
     """Token ids of the row's prompt or conversation. Raises ValueError when it has neither."""
+    if row.prompt_token_ids is not None:
+        return list(row.prompt_token_ids)
     if row.messages is not None:
         return encode_chat(tokenizer, row.messages)
     if row.prompt is not None:

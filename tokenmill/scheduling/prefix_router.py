@@ -81,13 +81,17 @@ def text_prefix_key(text: str, prefix_chars: int) -> bytes:
 def row_prefix_key(row: InputRow, prefix_chars: int = PREFIX_CHARS) -> bytes:
     """The routing key of an input row before tokenizing (what a Ray driver holds): the
     first ``prefix_chars`` characters of its prompt, or of its conversation written out
-    message by message (role, then content), which is the order the chat template renders."""
+    message by message (role, then content), which is the order the chat template renders.
+    A prompt given as token ids: its first ``prefix_chars // 4`` ids (``prefix_key``)."""
+    if row.prompt_token_ids is not None:
+        return prefix_key(row.prompt_token_ids, max(prefix_chars // 4, 1), 1)
     if row.messages is None:
         return text_prefix_key(row.prompt or "", prefix_chars)
     parts = []
     for message in row.messages:
         content = message.get("content")
-        parts.append(f"{message.get('role')}\0{content if isinstance(content, str) else content!r}")
+        text = content if isinstance(content, str) else repr(content)  # (repr: parts lists)
+        parts.append(f"{message.get('role')}\0{text}")
     return text_prefix_key("\0".join(parts), prefix_chars)
 
 

@@ -159,11 +159,24 @@ def test_invalid_chat_parameter_is_a_bad_row(tmp_path, field, value, message):
     assert (rows[1].custom_id, rows[1].endpoint) == ("bad", "/v1/chat/completions")
 
 
+@pytest.mark.parametrize("prompt", [[15, 0, 7], [[15, 0, 7]]])
+def test_completions_prompt_as_token_ids(tmp_path, prompt):
+    f = write_jsonl(tmp_path / "b.jsonl", [batch_line("ids", {"prompt": prompt}, COMPLETIONS)])
+    (row,) = read(f)
+    assert row.error is None
+    assert (row.prompt_token_ids, row.prompt, row.messages) == ((15, 0, 7), None, None)
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
         ({"prompt": ["a", "b"]}, "only one prompt per line is supported"),
-        ({"prompt": [1, 2, 3]}, "body.prompt is given as token ids"),
+        ({"prompt": [[1, 2], [3]]}, "only one prompt per line is supported"),
+        ({"prompt": [1, -2]}, "a list of token ids (integers >= 0), got [1, -2]"),
+        ({"prompt": [1, True]}, "a list of token ids (integers >= 0), got [1, True]"),
+        ({"prompt": [1.0]}, "a list of token ids (integers >= 0), got [1.0]"),
+        ({"prompt": []}, "missing prompt"),
+        ({"prompt": [[]]}, "missing prompt"),
         ({"prompt": "x", "modalities": ["text", "audio"]}, "body.modalities"),
         ({"prompt": ""}, "missing prompt"),
         ({}, "missing prompt"),

@@ -1,7 +1,8 @@
 """Turning one OpenAI Batch input line (custom_id, method, url, body) into an InputRow.
 
 See https://platform.openai.com/docs/guides/batch. Supported endpoints:
-``/v1/chat/completions`` (body.messages) and ``/v1/completions`` (body.prompt, one string).
+``/v1/chat/completions`` (body.messages) and ``/v1/completions`` (body.prompt: one string,
+or one prompt's token ids, as the API takes them: ``[1, 2]`` or ``[[1, 2]]``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def parse_openai_batch_row(
     fields: dict[str, Any] = {}
     if url == CHAT:
         fields["messages"] = check_messages(body.get("messages"), "body.messages", custom_id)
+    elif isinstance(prompt := _prompt(body.get("prompt"), custom_id), str):
+        fields["prompt"] = prompt
     else:
-        fields["prompt"] = _prompt(body.get("prompt"), custom_id)
+        fields["prompt_token_ids"] = prompt
     return InputRow(
         row_index,
         custom_id,
@@ -56,24 +59,37 @@ def parse_openai_batch_row(
     )
 
 
-def _prompt(prompt: Any, custom_id: str) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+def _prompt(prompt: Any, custom_id: str) -> str | tuple[int, ...]:
+    """The prompt of a completions body: its text, or its token ids (checked against the
+    vocabulary when the row is run)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # one prompt, in OpenAI's list form
-    elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        raise RowError(
-            "body.prompt is given as token ids, which tokenmill does not take in batch "
-            "files; give the prompt as text",
-            custom_id,
-        )
-    elif isinstance(prompt, list):
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+        return tuple(prompt)
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
         raise RowError(
             "body.prompt is a list of several prompts: only one prompt per line is "
             "supported; write one line per prompt",
             custom_id,
         )
+    if isinstance(prompt, list) and prompt:
+        raise RowError(
+            "body.prompt must be a string or a list of token ids (integers >= 0), got "
+            f"{short_repr(prompt)}",
+            custom_id,
+        )
     if not isinstance(prompt, str) or not prompt:
         raise RowError(
-            f"missing prompt: body.prompt must be a non-empty string, got {type_name(prompt)}",
+            "missing prompt: body.prompt must be a non-empty string or list of token ids, "
+            f"got {short_repr(prompt) if isinstance(prompt, list | str) else type_name(prompt)}",
             custom_id,
         )
     return prompt
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and value >= 0  # (not bool)
