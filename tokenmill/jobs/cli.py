@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         except JobLockedError as exc:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
-            return _fail(f"stopped ({exc or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
+            return _fail(f"stopped ({str(exc) or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:

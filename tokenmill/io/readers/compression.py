@@ -90,13 +90,15 @@ def open_input(url: str, storage_options: dict[str, Any]) -> IO[bytes]:
 
     The codec comes from the suffix or, for a name without one, the magic number (see the
     module docstring). Plain files come back as fsspec opened them (seekable); compressed
-    ones as a buffered stream that iterates lines but cannot seek.
+    ones, and plain ones that cannot seek (a streamed HTTP response), as a buffered stream
+    that iterates lines but cannot seek.
     Raises ValueError naming the file when the bytes do not match the suffix's compression,
     when the codec is not installed (zstd without ``zstandard``), or, while reading, when the
     compressed data is corrupt or truncated; FileNotFoundError when the file is missing.
     """
     fs, path = resolve(url, storage_options)
     raw = fs.open(path, "rb")
+    streamed = False
     try:
         head = raw.read(_MAGIC_BYTES)
         try:
@@ -105,9 +107,11 @@ def open_input(url: str, storage_options: dict[str, Any]) -> IO[bytes]:
             # A streaming filesystem file (HTTP) cannot seek back: start it over.
             raw.close()
             raw = fs.open(path, "rb")
+            streamed = True
         codec = _codec(url, head)
         if codec is None:
-            return raw
+            # (fsspec's own line iteration seeks back after each line: such a file refuses)
+            return io.BufferedReader(_Streamed(raw), _STREAM_BUFFER) if streamed else raw
         if codec not in compr:
             raise ValueError(
                 f"{url} is {codec}-compressed but this Python has no {codec} codec; "
@@ -168,6 +172,26 @@ class _Decompressed(io.RawIOBase):
                 self._stream.close()
             finally:
                 self._raw.close()
+        super().close()
+
+
+class _Streamed(io.RawIOBase):
+    """A file that reads but cannot seek, for io.BufferedReader; closing closes it."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._raw.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
         super().close()
 
 

@@ -40,12 +40,36 @@ def _file_entry(url: str, storage_options: dict[str, Any]) -> list[Any]:
     fs, path = resolve(url, storage_options)
     size = fs.size(path)
     with fs.open(path, "rb") as f:
-        head = f.read(EDGE_BYTES)
-        f.seek(max(size - EDGE_BYTES, 0))
-        tail = f.read(EDGE_BYTES)
+        head = _read_up_to(f, EDGE_BYTES)
+        if size is None:  # an HTTP server that sends no length: read through to the end
+            size, tail = _read_to_end(f, head)
+        else:
+            f.seek(max(size - EDGE_BYTES, 0))
+            tail = f.read(EDGE_BYTES)
     return [
         url,
         size,
         hashlib.sha256(head).hexdigest(),
         hashlib.sha256(tail).hexdigest(),
     ]
+
+
+def _read_to_end(f: Any, head: bytes) -> tuple[int, bytes]:
+    """(size, last EDGE_BYTES) of a file read as far as ``head``, read on to its end: the
+    entry is the one a known size gives, so a server's sending the length or not changes
+    nothing."""
+    size, tail = len(head), head
+    while chunk := f.read(EDGE_BYTES):
+        size += len(chunk)
+        tail = (tail + chunk)[-EDGE_BYTES:]
+    return size, tail
+
+
+def _read_up_to(f: Any, n: int) -> bytes:
+    """``n`` bytes of ``f``, fewer only at its end (a streamed response's read returns what
+    has arrived)."""
+    parts, left = [], n
+    while left and (chunk := f.read(left)):
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
