@@ -458,7 +458,7 @@ class Fuzzer:
         row = self.ok_row(row_id)
         body, chat = row["body"], row["url"] == CHAT
         choices: list[tuple[str, Any]] = [
-            ("temprature", 0.5), ("functions", []), (self.lone(), 1), ("", 0), ("echo", False),
+            ("temprature", 0.5), ("functions", []), (self.lone(), 1), ("", 0), ("echo", True),
             ("prompt" if chat else "messages", "x"), ("n", 129), ("n", True), ("n", 0),
             ("n", 2.5), ("best_of", 0), ("best_of", 129), ("best_of", True),
             ("prompt_logprobs", 21), ("prompt_logprobs", -1), ("tools", [{"type": "function"}]),
@@ -507,7 +507,9 @@ class Fuzzer:
             if row["body"]["messages"] == "absent":
                 del row["body"]["messages"]
         else:
-            row["body"]["prompt"] = self.rng.choice([[1, 2], ["a", "b"], "", None, 5, {}, True])
+            row["body"]["prompt"] = self.rng.choice(
+                [[1, -2], ["a", "b"], "", None, 5, {}, True, [1.5]]
+            )
         return self.line(row), row_id
 
 
