@@ -15,6 +15,7 @@ import torch
 from bench.prompts import chat_prompts
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.attention.backend import check_backend_takes, default_backend_name
 
 
 @pytest.mark.parametrize(
@@ -136,3 +137,23 @@ def test_decode_splits_are_sized_for_the_engines_full_batch() -> None:
         backend.set_engine_limits(max_len, seqs)
         keys[max_len, seqs] = backend.split_keys
     assert keys == {(2048, 8): 256, (2048, 64): 512, (2048, 384): 1024, (32768, 384): 4096}
+
+
+def test_a_head_dim_the_kernels_do_not_take_runs_in_the_torch_backend(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kernels take head dims that are powers of two from 16 to 256: on CUDA, auto sent
+    a model of head dim 80 (or 24 here) to them anyway, and it failed at its first forward
+    pass. auto now picks the torch backend for it, with a warning; triton asked for by name
+    is refused at load, naming the head dim."""
+    assert default_backend_name(torch.device("cuda"), 128) == "triton"
+    with caplog.at_level("WARNING"):
+        assert default_backend_name(torch.device("cuda"), 80) == "torch"
+    assert "head dim 80" in caplog.text and "torch backend (slower)" in caplog.text
+    assert default_backend_name(torch.device("cpu"), 80) == "torch"
+    check_backend_takes("torch", 80)
+    path = save_tiny_model("qwen3", tmp_path / "m", head_dim=24)
+    with pytest.raises(ValueError, match="its head dim is 24, and the Triton attention kernels"):
+        LLM(str(path), device="cpu", attention_backend="triton")
+    llm = LLM(str(path), device="cpu", dtype="float32")  # auto: torch on CPU, as ever
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].error is None

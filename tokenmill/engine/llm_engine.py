@@ -44,7 +44,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.engine.attention.backend import default_backend_name, get_attention_backend
+from tokenmill.engine.attention.backend import (
+    check_backend_takes,
+    default_backend_name,
+    get_attention_backend,
+)
 from tokenmill.engine.core import KVCacheManager
 from tokenmill.engine.core.drafts import DraftProposer, PredictsAhead
 from tokenmill.engine.core.request import Request, RequestStatus
@@ -136,7 +140,8 @@ class LLMEngine:
             log.warning("max_model_len %d: %s", max_len, self._max_len_why)
         backend_name = config.attention_backend
         if backend_name == "auto":
-            backend_name = default_backend_name(self.device)
+            backend_name = default_backend_name(self.device, mc.head_dim)
+        check_backend_takes(backend_name, mc.head_dim)
         # One rank of one today; the layers, the KV cache and the runner take their rank's
         # share of the heads from it.
         parallel = ParallelConfig()

@@ -17,9 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PagedShapes", "check_paged_inputs"]
+__all__ = ["HEAD_DIMS", "PagedShapes", "check_paged_inputs", "takes_head_dim"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = "powers of two from 16 to 256"
+
+
+def takes_head_dim(d: int) -> bool:
+    """Whether the paged attention kernels take head dim ``d`` (``HEAD_DIMS``)."""
+    return 16 <= d <= 256 and not d & (d - 1)
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,8 @@ def check_paged_inputs(
     _, block_size, hkv, kv_dim = k_cache.shape
     if kv_dim != d:
         fail(f"head dim: q has {d}, k_cache/v_cache have {kv_dim}")
-    if d < 16 or d > 256 or d & (d - 1):
-        fail(f"head dim {d}: supported are powers of two from 16 to 256")
+    if not takes_head_dim(d):
+        fail(f"head dim {d}: supported are {HEAD_DIMS}")
     if hq % hkv:
         fail(f"Hq={hq} query heads is not a multiple of Hkv={hkv} KV heads")
     cache_ok = k_cache.dtype in (q.dtype, torch.float8_e4m3fn) and v_cache.dtype == k_cache.dtype
