@@ -56,9 +56,11 @@ BUDGET = EngineConfig.max_num_batched_tokens  # tokens a step schedules (the eng
 
 
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
+    """Device time per step by kernel: self time, so an operator that launched a kernel
+    (whose total includes its children's) does not count that kernel's time again."""
     rows = []
     for evt in prof.key_averages():
-        ms = evt.device_time_total / 1e3 / steps
+        ms = evt.self_device_time_total / 1e3 / steps
         if ms > 0:
             rows.append({"kernel": evt.key[:90], "ms_per_step": round(ms, 3), "calls": evt.count})
     rows.sort(key=lambda r: -r["ms_per_step"])
