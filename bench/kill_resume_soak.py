@@ -135,7 +135,8 @@ class Output:
     def committed(self) -> set[str]:
         """Data files the manifest names."""
         raw = self.manifest()
-        return {s["data"] for s in raw["shards"].values()} if raw else set()
+        shards = raw["shards"].values() if raw else ()
+        return {s["data"] for s in shards if s["data"] is not None}  # None: no good rows
 
 
 @dataclass

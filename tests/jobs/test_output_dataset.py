@@ -139,6 +139,42 @@ def test_error_files_only_for_shards_with_bad_rows(tiny_model: Path, tmp_path: P
     assert run_job(job_dict(tiny_model, src, out), show_progress=False).rows_failed == 1
 
 
+def test_a_jsonl_shard_without_good_rows_writes_no_data_file(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An empty .jsonl shard (every row of it bad) failed pyarrow.dataset over the folder
+    ("Empty JSON stream") and polars.read_ndjson; such a shard now has only its error file.
+    An earlier version's empty data file is unlisted and deleted on the next run."""
+    lines = [json.dumps(r) for r in chat_rows(12)]
+    lines[4:8] = ["{not json"] * 4  # shard 1: all bad
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (8, 4)
+    names = sorted(p.name for p in (out / "shards").iterdir())
+    assert names == ["part-00000.jsonl", "part-00002.jsonl"]
+    assert ds.dataset(out / "shards", format="json").count_rows() == 8
+    assert pl.read_ndjson(out / "shards" / "*.jsonl").height == 8
+    manifest = json.loads((out / "test.manifest.json").read_text())
+    assert manifest["shards"]["1"]["data"] is None and manifest["shards"]["1"]["errors"] == 4
+    again = run_job(spec, show_progress=False)  # resumes: nothing missing, nothing recomputed
+    assert (again.status, again.shards_recomputed, again.rows_this_run) == ("complete", 0, 0)
+
+    # as an earlier version left it: an empty data file, named in the manifest
+    manifest["shards"]["1"]["data"], manifest["shards"]["1"]["data_bytes"] = (
+        "shards/part-00001.jsonl",
+        0,
+    )
+    (out / "test.manifest.json").write_text(json.dumps(manifest))
+    (out / "shards" / "part-00001.jsonl").write_bytes(b"")
+    again = run_job(spec, show_progress=False)
+    assert (again.status, again.shards_recomputed, again.rows_ok) == ("complete", 0, 8)
+    assert not (out / "shards" / "part-00001.jsonl").exists()
+    saved = json.loads((out / "test.manifest.json").read_text())["shards"]["1"]
+    assert saved["data"] is None
+
+
 def _as_an_earlier_version_left_it(out: Path, topics: dict[int, pa.Array]) -> None:
     """The output as an earlier tokenmill wrote it: no schema in the manifest, an empty error
     file for every shard, each shard's own passthrough types (``topics``: shard -> its topic

@@ -34,7 +34,7 @@ def conform_legacy_shards(store: OutputStore, manifest: Manifest, schema: Output
     still have another schema (left as they were)."""
     rewritten = kept = 0
     for index, record in sorted(manifest.shards.items()):
-        if not record.data.endswith(".parquet"):
+        if record.data is None or not record.data.endswith(".parquet"):
             continue
         data = store.read_bytes(record.data)
         if data is None:  # verified a moment ago; gone since: the next run recomputes it

@@ -62,7 +62,7 @@ class ShardRecord:
     end_row: int
     ok: int
     errors: int
-    data: str
+    data: str | None  # None: a JSON Lines shard without good rows, so no data file
     error_file: str | None  # None: the shard has no bad rows, so no error file
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -71,7 +71,7 @@ class ShardRecord:
 
     def files(self) -> dict[str, int | None]:
         """{file name: recorded size or None}"""
-        files = {self.data: self.data_bytes}
+        files = {} if self.data is None else {self.data: self.data_bytes}
         if self.error_file is not None:
             files[self.error_file] = self.error_bytes
         return files

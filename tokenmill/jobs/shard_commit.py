@@ -1,9 +1,11 @@
 """Committing one shard, tidying the error files, and discarding a job's own progress.
 
-A shard is committed as: data file, then its error file when it has bad rows (each
-all-or-nothing), then the caller's manifest names them with their sizes, which a resume
-checks. ``remove_stray_files`` removes the data and error files the manifest does not name
-(a crash's leftovers, and the empty error files earlier versions wrote). ``discard_progress``
+A shard is committed as: data file (none for a JSON Lines shard without good rows: an
+empty .jsonl file is one pyarrow's and polars' JSON readers refuse, failing the whole folder),
+then its error file when it has bad rows (each all-or-nothing), then the caller's manifest
+names them with their sizes, which a resume checks. ``remove_stray_files`` removes the data
+and error files the manifest does not name (a crash's leftovers, and the empty files earlier
+versions wrote). ``discard_progress``
 (``--fresh``) removes only files this job wrote: names of its own shard pattern, its report
 and its manifest with its journal.
 """
@@ -38,7 +40,9 @@ def commit_shard(
     run must be gone first (``remove_stray_files``, at the start of a run)."""
     data_name, error_name = shard_names(shard, fmt)
     encoded = encode_shard(results, fmt, schema)
-    store.write_atomic(data_name, encoded.data)
+    data_file = data_name if encoded.ok_rows or fmt == "parquet" else None  # (see above)
+    if data_file is not None:  # (a Parquet file holds the schema, rows or not)
+        store.write_atomic(data_file, encoded.data)
     error_file = error_name if encoded.error_rows else None
     if error_file is not None:
         store.write_atomic(error_file, encoded.errors)
@@ -48,11 +52,11 @@ def commit_shard(
         end_row=first + len(results),
         ok=len(encoded.ok_rows),
         errors=len(encoded.error_rows),
-        data=data_name,
+        data=data_file,
         error_file=error_file,
         prompt_tokens=sum(r.prompt_tokens for r in encoded.ok_rows),
         completion_tokens=sum(r.completion_tokens for r in encoded.ok_rows),
-        data_bytes=len(encoded.data),
+        data_bytes=len(encoded.data) if data_file is not None else None,
         error_bytes=len(encoded.errors) if error_file is not None else None,
     )
 
@@ -65,14 +69,14 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     Such a file was left by a run killed between a shard's files and its manifest entry: the
     shard is recomputed, maybe in another format or shard size (allowed while nothing is
     committed), maybe without bad rows and so without an error file, and the old file must
-    not stay beside the new ones. Empty error files of shards committed by earlier versions
-    are first unlisted (the manifest saved without them), then deleted the same way. Only
-    names of the job's own shard pattern are touched.
+    not stay beside the new ones. Empty error files and empty JSON Lines data files of
+    shards committed by earlier versions are first unlisted (the manifest saved without
+    them), then deleted the same way. Only names of the job's own shard pattern are touched.
     """
     emptied = {
-        index: replace(record, error_file=None, error_bytes=None)
+        index: _without_empty_files(record)
         for index, record in manifest.shards.items()
-        if record.error_file is not None and record.errors == 0 and not record.error_bytes
+        if _without_empty_files(record) != record
     }
     if emptied:
         manifest.shards.update(emptied)
@@ -82,6 +86,17 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     for name in stray:
         store.delete(name)
     return len(stray)
+
+
+def _without_empty_files(record: ShardRecord) -> ShardRecord:
+    """``record`` without the empty files earlier versions wrote: an error file of a shard
+    without bad rows, a JSON Lines data file of one without good rows."""
+    if record.error_file is not None and record.errors == 0 and not record.error_bytes:
+        record = replace(record, error_file=None, error_bytes=None)
+    empty_data = record.ok == 0 and record.data_bytes == 0
+    if record.data is not None and empty_data and not record.data.endswith(".parquet"):
+        record = replace(record, data=None, data_bytes=None)
+    return record
 
 
 def progress_files(store: OutputStore, job: str) -> list[str]:
