@@ -200,11 +200,20 @@ def test_a_rows_logprobs_need_the_jobs_parquet_column(
     _check_entries(written["plain"]["logprobs"], ref.outputs[0], llm, k=1)
 
 
-def test_a_passthrough_column_named_logprobs_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("column", "setting"),
+    [("logprobs", "logprobs"), ("Logprobs", "logprobs"), ("PROMPT_logprobs", "prompt_logprobs")],
+)
+def test_a_passthrough_column_named_logprobs_is_refused(
+    tiny_model: Path, tmp_path: Path, column: str, setting: str
+) -> None:
+    """Case too: duckdb renamed a passthrough "Logprobs" to "Logprobs_1", and gave the
+    generated logprobs for "Logprobs"."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
-    clash = job_dict(tiny_model, src, tmp_path / "out", sampling={"logprobs": 0})
-    clash["input"]["passthrough_columns"] = ["logprobs"]
-    with pytest.raises(JobSpecError, match=r"input.passthrough_columns: 'logprobs' would overw"):
+    clash = job_dict(tiny_model, src, tmp_path / "out", sampling={setting: 0})
+    clash["input"]["passthrough_columns"] = [column]
+    want = f"input.passthrough_columns: '{column}' would overwrite the output column '{setting}'"
+    with pytest.raises(JobSpecError, match=want):
         run_job(clash, show_progress=False)
 
 

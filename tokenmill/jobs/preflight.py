@@ -115,10 +115,12 @@ def check_input(spec: JobSpec) -> str:
         (PROMPT_LOGPROBS, spec.sampling.prompt_logprobs),
         (LOGPROBS, spec.sampling.logprobs),
     ):
-        if plain_output and setting is not None and column in cfg.passthrough_columns:
+        clash = [c for c in cfg.passthrough_columns if c.lower() == column]  # as duckdb reads
+        if plain_output and setting is not None and clash:
             raise JobSpecError(
-                f"input.passthrough_columns: {column!r} would overwrite the output column of "
-                f"that name (sampling.{column} is set); rename it in the input or leave it out"
+                f"input.passthrough_columns: {clash[0]!r} would overwrite the output column "
+                f"{column!r} (sampling.{column} is set; names are compared without case, as "
+                "duckdb and Spark read them); rename it in the input or leave it out"
             )
     if fmt == "parquet":
         _check_parquet_columns(_first_with_rows(files, cfg), cfg)
