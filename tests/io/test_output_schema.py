@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any
 
@@ -59,6 +60,12 @@ def test_columns_without_a_usable_type_are_json_text(values: list[Any]) -> None:
         (pa.struct([("a", pa.int64())]), [{"a": 1}, {}], [{"a": 1, "b": 2}, {"a": 1.5}]),
         (pa.int32(), [5], [2**40, 1.5]),
         (pa.binary(), [b"\x00"], ["text"]),
+        # the usual open end: in year 10000 in Berlin, which Python's datetime cannot hold
+        (
+            pa.timestamp("us", "Europe/Berlin"),
+            [dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc)],
+            [1],
+        ),
     ],
 )
 def test_values_that_fit_a_column_and_those_that_do_not(

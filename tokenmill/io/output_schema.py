@@ -265,7 +265,7 @@ class OutputSchema:
             array = pa.array(values, type=f.type)
         except _CONVERSION_ERRORS:
             array = None  # find the row to blame, one value at a time
-        back = array.to_pylist() if array is not None else None
+        back = _in_python(array) if array is not None else None
         for i, value in enumerate(values):
             if (not _same(value, back[i])) if back is not None else not fits(value):
                 raise ValueError(f"row {row_ids[i]!r}: {self._misfit(f, value)}")
@@ -359,12 +359,20 @@ def _fit_check(f: pa.Field) -> Callable[[Any], bool]:
         if value is None:
             return True
         try:
-            back = pa.array([value], type=dtype).to_pylist()[0]
+            back = _in_python(pa.array([value], type=dtype))[0]
         except _CONVERSION_ERRORS:
             return False
         return _same(value, back)
 
     return through_arrow
+
+
+def _in_python(array: pa.Array) -> list[Any]:
+    """``array``'s values in Python, zoned timestamps in UTC: the same instants (which
+    compare equal), also where the zone's local time is past what Python holds."""
+    if pa.types.is_timestamp(array.type) and array.type.tz is not None:
+        array = array.cast(pa.timestamp(array.type.unit, "UTC"))
+    return array.to_pylist()
 
 
 def _python_check(dtype: pa.DataType) -> Callable[[Any], bool] | None:

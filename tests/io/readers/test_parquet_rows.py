@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -116,6 +118,21 @@ def test_a_value_python_cannot_hold_is_its_rows_error_not_the_files(tmp_path, mo
     assert "column 'at' holds a time64[ns] value with nanoseconds" in rows[1].error
     assert "column 'when' holds a timestamp[ms] value Python cannot hold" in rows[4].error
     assert rows[5].passthrough["at"] == rows[0].passthrough["at"]
+
+
+def test_a_zoned_timestamp_python_holds_only_in_utc_is_read(tmp_path):
+    """9999-12-31T23:59:59Z, the usual open end, is in year 10000 in Berlin: the row was an
+    error ("a value Python cannot hold") though Python holds the instant."""
+    end = pa.array([253_402_300_799_000_000, 0], pa.timestamp("us", "Europe/Berlin"))
+    start = pa.array([-62_135_596_800_000_000, 0], pa.timestamp("us", "America/New_York"))
+    table = pa.table({"id": ["r0", "r1"], "prompt": ["hi"] * 2, "end": end, "start": start})
+    pq.write_table(table, tmp_path / "a.parquet")
+    rows = read(tmp_path / "a.parquet", passthrough_columns=("end", "start"))
+    assert [r.error for r in rows] == [None, None]
+    utc = dt.timezone.utc
+    assert rows[0].passthrough["end"] == dt.datetime(9999, 12, 31, 23, 59, 59, tzinfo=utc)
+    assert rows[0].passthrough["start"] == dt.datetime(1, 1, 1, tzinfo=utc)
+    assert rows[1].passthrough["end"].utcoffset() == dt.timedelta(hours=1)  # as it was
 
 
 def test_two_columns_of_one_name_are_refused(tmp_path):

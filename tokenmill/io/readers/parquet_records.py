@@ -132,9 +132,27 @@ def _records(batch: pa.RecordBatch, start: int) -> list[Record]:
         row = batch.slice(i, 1)
         try:
             records.append(Record(start + i, value=row.to_pylist()[0]))
+            continue
+        except _UNCONVERTIBLE:
+            pass
+        try:  # a zoned timestamp whose local time is past year 9999 (or before 1): in UTC
+            records.append(Record(start + i, value=_zones_in_utc(row).to_pylist()[0]))
         except _UNCONVERTIBLE:
             records.append(Record(start + i, error=_unconvertible(row)))
     return records
+
+
+def _zones_in_utc(row: pa.RecordBatch) -> pa.RecordBatch:
+    """``row`` with its zoned timestamp columns in UTC: the same instants, whose local times
+    Python may hold where it cannot hold the zone's (9999-12-31T23:59:59Z, the usual open
+    end, is in year 10000 in Berlin)."""
+    columns = [
+        c.cast(pa.timestamp(c.type.unit, "UTC"))
+        if pa.types.is_timestamp(c.type) and c.type.tz is not None
+        else c
+        for c in row.columns
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=None, names=row.schema.names)
 
 
 _UNCONVERTIBLE = (OverflowError, ValueError, NotImplementedError, pa.ArrowException)
