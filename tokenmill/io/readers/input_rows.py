@@ -128,7 +128,7 @@ class _RowMaker:
         duplicate, not a fix); an id already taken is never reused by an error row."""
         source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
-        if record.error is not None:
+        if record.error is not None and record.value is None:
             return InputRow(row_index, fallback_id, source, error=record.error)
 
         def refuse(reason: str, own_id: str | None) -> InputRow:
@@ -139,6 +139,8 @@ class _RowMaker:
                 seen.add(own_id)
             return self._bad_row(record.value, reason, own_id, row_index, source, fallback_id)
 
+        if record.error is not None:  # a value Python cannot hold: the row's own id if it has one
+            return refuse(record.error, self._own_id(record.value, row_index, source, fallback_id))
         try:
             row = self.parse(record.value, row_index, source, fallback_id)
         except RowError as e:
@@ -160,6 +162,16 @@ class _RowMaker:
             return refuse(misfit, row.row_id)
         seen.add(row.row_id)
         return row
+
+    def _own_id(self, value: Any, row_index: int, source: str, fallback_id: str) -> str | None:
+        """The id the row ``value`` gives itself, or None when it cannot be read."""
+        try:
+            row = self.parse(value, row_index, source, fallback_id)
+        except RowError as e:
+            return e.row_id
+        except Exception:
+            return None
+        return None if row.row_id == fallback_id else row.row_id
 
     def _bad_row(
         self,

@@ -124,7 +124,8 @@ def _records(batch: pa.RecordBatch, start: int) -> list[Record]:
     records = []
     for i in range(batch.num_rows):
         if i in bad:
-            records.append(Record(start + i, error=bad[i]))
+            value = values[i] if values is not None else _convertible(batch.slice(i, 1))
+            records.append(Record(start + i, value=value, error=bad[i]))
             continue
         if values is not None:
             records.append(Record(start + i, value=values[i]))
@@ -138,8 +139,20 @@ def _records(batch: pa.RecordBatch, start: int) -> list[Record]:
         try:  # a zoned timestamp whose local time is past year 9999 (or before 1): in UTC
             records.append(Record(start + i, value=_zones_in_utc(row).to_pylist()[0]))
         except _UNCONVERTIBLE:
-            records.append(Record(start + i, error=_unconvertible(row)))
+            records.append(Record(start + i, value=_convertible(row), error=_unconvertible(row)))
     return records
+
+
+def _convertible(row: pa.RecordBatch) -> dict[str, Any]:
+    """The one-row ``row``'s values Python can hold (the others None): its id, for the
+    row's error."""
+    value = {}
+    for name, column in zip(row.schema.names, row.columns, strict=True):
+        try:
+            value[name] = column.to_pylist()[0]
+        except _UNCONVERTIBLE:
+            value[name] = None
+    return value
 
 
 def _zones_in_utc(row: pa.RecordBatch) -> pa.RecordBatch:

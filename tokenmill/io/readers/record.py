@@ -12,8 +12,9 @@ class Record:
     """A raw row. ``position`` is the 1-based line (JSONL) or 0-based row (Parquet).
 
     ``error`` is set when the row could not even be decoded (not UTF-8, not JSON); ``value``
-    is then None. Otherwise ``value`` is whatever the file holds (a dict for Parquet; any JSON
-    value for JSONL, which the row parser rejects unless it is an object).
+    is then None, or, for a Parquet row one of whose values Python cannot hold, the row's
+    other values (for its id). Otherwise ``value`` is whatever the file holds (a dict for
+    Parquet; any JSON value for JSONL, which the row parser rejects unless it is an object).
     """
 
     position: int
