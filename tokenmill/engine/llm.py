@@ -20,9 +20,8 @@ from tokenmill.engine.short_gil_turns import short_gil_turns
 
 log = logging.getLogger(__name__)
 
-Prompt = (
-    str | list[int] | dict[str, Any]
-)  # dict: vLLM's {"prompt": ...} / {"prompt_token_ids": ...}
+# text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
+Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
