@@ -18,7 +18,7 @@ import yaml
 from tests.jobs.job_helpers import job_dict, write_jsonl
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.preflight import check_up_front
-from tokenmill.jobs.spec import JobSpec
+from tokenmill.jobs.spec import JobSpec, JobSpecError
 
 ROWS = [{"id": "a", "prompt": "hi", "rule": None, "topic": "t"}, {"id": "b", "prompt": "yo"}]
 
@@ -107,3 +107,48 @@ def test_conversations_for_a_chat_template_that_does_not_compile_exit_2(
     job.write_text(yaml.safe_dump(job_dict(model, src, tmp_path / "out")))
     assert cli_main([str(job), "--quiet"]) == 2
     assert "the chat template 'default' of model" in capsys.readouterr().err
+
+
+def test_an_empty_first_jsonl_part_file_does_not_turn_the_checks_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Spark writes an empty part file for an empty partition: with it first, a misspelt id
+    or constraint column ran every row with file:line ids or unconstrained, exit 0."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "part-00000-a-c000.json").write_text("")
+    write_jsonl(folder / "part-00001-a-c000.json", ROWS)
+    (folder / "_SUCCESS").write_text("")
+    spec = job_dict(Path("unused-model"), folder, tmp_path / "out")
+    for key, name in (("id_column", "uid"), ("structured_output_column", "rul")):
+        spec["input"] = {"path": str(folder), key: name}
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(spec))
+        assert cli_main([str(job), "--quiet"]) == 2
+        assert f"input.{key}: {name!r} is not a key of any of the first 2 rows" in (
+            capsys.readouterr().err
+        )
+    spec["input"] = {"path": str(folder), "passthrough_columns": ["topik"]}
+    with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+        check_up_front(JobSpec.from_dict(spec))
+    assert "'topik': not a key of any of the first 2 rows" in caplog.text
+
+
+def test_a_parquet_passthrough_column_absent_is_warned_about_for_every_output(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Parquet input, JSONL output: a misspelt passthrough column (or a hive folder key,
+    which is not a column) was null in every row without a word; Parquet output warned."""
+    spec = _spec(tmp_path, "parquet", passthrough_columns=["topic", "date"])
+    with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+        check_up_front(JobSpec.from_dict(spec))
+    assert "input.passthrough_columns 'date': not a column of" in caplog.text
+    assert "hive-style folder keys such as date=... are not read as columns" in caplog.text
+
+
+def test_an_input_path_message_names_its_key_once(tmp_path: Path) -> None:
+    spec = job_dict(Path("unused-model"), tmp_path / "none-*.jsonl", tmp_path / "out")
+    with pytest.raises(JobSpecError) as caught:
+        check_up_front(JobSpec.from_dict(spec))
+    assert str(caught.value).startswith("input.path ")
+    assert "matches no files" in str(caught.value)

@@ -18,6 +18,7 @@ from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.format_detection import LOOK_AT_FILES
+from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN
 from tokenmill.io.readers.jsonl_records import JsonlRecords
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
@@ -92,7 +93,7 @@ def check_input(spec: JobSpec) -> str:
         files = list_input_files(cfg)
         fmt = detect_format(files, cfg.format, cfg.storage_options)
     except (FileNotFoundError, ValueError) as exc:
-        raise JobSpecError(f"input.path: {exc}") from None
+        raise _input_error(exc) from None
     except JobInterrupted:
         raise
     except Exception as exc:  # the store's client: refused credentials, unreachable endpoint
@@ -123,24 +124,36 @@ def check_input(spec: JobSpec) -> str:
                 "duckdb and Spark read them); rename it in the input or leave it out"
             )
     if fmt == "parquet":
-        _check_parquet_columns(_first_with_rows(files, cfg), cfg)
+        # (Parquet output warns of absent passthrough columns over every file: output_schema)
+        _check_parquet_columns(_first_with_rows(files, cfg), cfg, spec.output.format != "parquet")
     elif fmt == "jsonl":
-        _check_jsonl_columns(files[0], cfg)
+        _check_jsonl_columns(files, cfg)
     return fmt
 
 
-def _check_jsonl_columns(url: str, cfg: InputConfig) -> None:
-    """Configured column names against the first objects of ``url`` (JSONL has no schema):
-    a structured-output or id column in none of them is refused (every row would run
-    unconstrained, or get file:line ids, silently), passthrough columns are warned about."""
-    with JsonlRecords(url, cfg.storage_options) as records:
-        keys, objects = records.keys_seen()
-    if not objects:
+_ABSENT_PASSTHROUGH = (
+    "input.passthrough_columns %s: not a %s of %s, so null in their output rows (a "
+    "misspelling? hive-style folder keys such as date=... are not read as columns)"
+)
+
+
+def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
+    """Configured column names against the first objects of the first file that has any
+    (JSONL has no schema; a Spark part file may be empty): a structured-output or id column
+    in none of them is refused (every row would run unconstrained, or get file:line ids,
+    silently), passthrough columns are warned about."""
+    for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
+        with JsonlRecords(url, cfg.storage_options) as records:
+            keys, objects = records.keys_seen()
+        if objects:
+            break
+    else:
         return
     where = f"any of the first {objects} rows of {url}"
     have = ", ".join(sorted(keys)[:20]) or "no keys"
+    named_id = cfg.id_column if cfg.id_column != DEFAULT_ID_COLUMN else None
     for key, name in (("structured_output_column", cfg.structured_output_column),
-                      ("id_column", cfg.id_column if cfg.id_column != "id" else None)):  # fmt: skip
+                      ("id_column", named_id)):  # fmt: skip
         if name is not None and name not in keys:
             raise JobSpecError(
                 f"input.{key}: {name!r} is not a key of {where} (they have: {have}); "
@@ -148,12 +161,7 @@ def _check_jsonl_columns(url: str, cfg: InputConfig) -> None:
             )
     absent = [n for n in cfg.passthrough_columns if n not in keys]
     if absent:
-        log.warning(
-            "input.passthrough_columns %s: not a key of %s, so null in their output rows (a "
-            "misspelling?)",
-            ", ".join(repr(n) for n in absent),
-            where,
-        )
+        log.warning(_ABSENT_PASSTHROUGH, ", ".join(repr(n) for n in absent), "key", where)
 
 
 def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
@@ -166,7 +174,10 @@ def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
     return files[0]
 
 
-def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
+def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> None:
+    """Configured column names against the columns of ``url``: a prompt, id or
+    structured-output column it lacks is refused; with ``passthrough``, passthrough columns
+    it lacks are warned about."""
     key, column = (
         ("messages_column", cfg.messages_column)
         if cfg.messages_column is not None
@@ -178,9 +189,12 @@ def _check_parquet_columns(url: str, cfg: InputConfig) -> None:
             have = records.columns_hint()
             has_prompt = column is None or records.has_column(column)
             has_constraint = constraint is None or records.has_column(constraint)
-            has_id = cfg.id_column in (None, "id") or records.has_column(cfg.id_column)
+            has_id = cfg.id_column in (None, DEFAULT_ID_COLUMN) or records.has_column(cfg.id_column)
+            absent = [n for n in cfg.passthrough_columns if not records.has_column(n)]
     except ValueError as exc:
         raise JobSpecError(f"input.path: {exc}") from None
+    if passthrough and absent:
+        log.warning(_ABSENT_PASSTHROUGH, ", ".join(repr(n) for n in absent), "column", url)
     if not has_constraint:  # a misspelt name would leave every row unconstrained, silently
         raise JobSpecError(
             f"input.structured_output_column: {constraint!r} is not a column of {url} "
@@ -216,7 +230,11 @@ def output_schema(spec: JobSpec) -> OutputSchema | None:
             schema = schema.with_logprobs()
         return schema
     except (FileNotFoundError, ValueError) as exc:
-        message = str(exc)
-        if not message.startswith("input."):
-            message = f"input.path: {message}"
-        raise JobSpecError(message) from None
+        raise _input_error(exc) from None
+
+
+def _input_error(exc: Exception) -> JobSpecError:
+    """``exc`` about the input as the JobSpecError it is: named ``input.path`` unless its
+    message names its key itself."""
+    message = str(exc)
+    return JobSpecError(message if message.startswith("input.") else f"input.path: {message}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tokenmill.io.readers import InputConfig, list_input_files
@@ -83,3 +85,35 @@ def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     wanted = _touch(tmp_path / "batch[1].jsonl")
     _touch(tmp_path / "batch1.jsonl")  # what the pattern batch[1] matches
     assert list_input_files(InputConfig(path=str(wanted))) == [str(wanted)]
+
+
+@pytest.mark.parametrize(
+    ("log_file", "kind"),
+    [
+        ("_delta_log/00000000000000000001.json", "a Delta Lake table (it has _delta_log/)"),
+        ("metadata/v2.metadata.json", "an Iceberg table (it has metadata/*.metadata.json)"),
+    ],
+)
+def test_a_table_folder_is_refused(tmp_path, log_file, kind):
+    """A Delta Lake table's folder read as Parquet ran the rows the table had deleted or
+    overwritten (9 rows of a 2-row table), with no word: only its log tells them apart."""
+    _touch(tmp_path / "t" / "part-0.parquet")
+    _touch(tmp_path / "t" / log_file)
+    with pytest.raises(ValueError, match=re.escape(f"is {kind}: its Parquet files also hold")):
+        list_input_files(InputConfig(path=str(tmp_path / "t")))
+
+
+def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog):
+    """A ** glob kept .ipynb_checkpoints/ (a stale copy of the data) and Spark's _temporary/,
+    which a folder input leaves out: it still does, and now says so."""
+    for name in ["part-0.jsonl", ".ipynb_checkpoints/part-0-checkpoint.jsonl"]:
+        _touch(tmp_path / name)
+    with caplog.at_level("WARNING"):
+        found = list_input_files(InputConfig(path=str(tmp_path / "**" / "*.jsonl")))
+    assert len(found) == 2
+    assert "matches 1 file(s) below a name starting with '.' or '_'" in caplog.text
+    assert ".ipynb_checkpoints/part-0-checkpoint.jsonl" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        list_input_files(InputConfig(path=str(tmp_path / "*.jsonl")))
+    assert not caplog.text

@@ -161,3 +161,16 @@ def test_messages_as_spark_maps_or_json_text(tmp_path):
     for column in ("maps", "text"):
         (row,) = read(tmp_path / "chat.parquet", messages_column=column)
         assert row.error is None and row.messages == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_file_without_the_named_id_column_has_rows_without_ids(tmp_path):
+    """input.id_column: uid, and one file has doc_id instead (a renamed column): its rows got
+    file:row ids without a word. They are rows without an id now, as a null uid is; only the
+    default id column may be absent (file:row ids)."""
+    pq.write_table(pa.table({"uid": ["u0"], "prompt": ["hi"]}), tmp_path / "part-0.parquet")
+    pq.write_table(pa.table({"doc_id": ["d1"], "prompt": ["ho"]}), tmp_path / "part-1.parquet")
+    rows = read(tmp_path, id_column="uid")
+    assert summary(rows) == [(0, "u0", True), (1, "part-1.parquet:0", False)]
+    assert "missing id: column 'uid' is absent, null or empty" in rows[1].error
+    rows = read(tmp_path / "part-1.parquet")  # the default, id: absent, file:row ids
+    assert summary(rows) == [(0, "part-1.parquet:0", True)]

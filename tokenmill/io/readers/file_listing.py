@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
@@ -11,6 +12,8 @@ from tokenmill.io.readers.storage import has_protocol, resolve
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED_SUFFIXES = JSONL_SUFFIXES + PARQUET_SUFFIXES
+
+log = logging.getLogger(__name__)
 
 
 def list_input_files(cfg: InputConfig) -> list[str]:
@@ -22,7 +25,9 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     ``_temporary/``, ``.crc`` files of Spark and Hadoop). Compressed Parquet is listed too, so
     that detect_format refuses it by name instead of the directory silently losing its rows.
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
-    Raises FileNotFoundError naming the path when nothing matches.
+    Raises FileNotFoundError naming the path when nothing matches, and ValueError for the
+    folder of a Delta Lake or Iceberg table (``_delta_log/``, ``metadata/``): its Parquet
+    files hold rows the table has deleted or replaced since.
     """
     fs, root = resolve(cfg.path, cfg.storage_options)
     if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
@@ -32,8 +37,11 @@ def list_input_files(cfg: InputConfig) -> list[str]:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} matches no files; check the pattern and the location"
             )
+        _warn_hidden_matches(cfg.path, root, paths)
     elif fs.isdir(root):
-        paths = [p for p in fs.find(root) if _wanted_in_directory(p, root)]
+        found = fs.find(root)
+        _refuse_table_folder(cfg.path, root, found)
+        paths = [p for p in found if _wanted_in_directory(p, root)]
         if not paths:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} is a directory with no "
@@ -73,8 +81,48 @@ def _is_file(fs: Any, path: str, info: dict[str, Any]) -> bool:
     return bool(info.get("islink")) and (fs.isfile(path) or not fs.exists(path))
 
 
+def _warn_hidden_matches(shown: str, pattern: str, paths: list[str]) -> None:
+    """Warn when a glob matched files below folders or names starting with "." or "_"
+    (``.ipynb_checkpoints/`` with a stale copy, Spark's ``_temporary/``): a glob keeps them,
+    where a folder input, Python's glob and pyarrow.dataset leave them out."""
+    fixed = pattern[: min(pattern.find(c) for c in "*?[" if c in pattern)].rpartition("/")[0]
+    hidden = [p for p in paths if _hidden(p[len(fixed) :])]
+    if hidden:
+        log.warning(
+            "input.path %r matches %d file(s) below a name starting with '.' or '_' (e.g. "
+            "%s), and reads them: a folder input leaves such files out; narrow the pattern "
+            "if they are not data",
+            shown,
+            len(hidden),
+            hidden[0],
+        )
+
+
+def _hidden(relative: str) -> bool:
+    return any(part.startswith((".", "_")) for part in relative.strip("/").split("/"))
+
+
+def _refuse_table_folder(shown: str, root: str, found: list[str]) -> None:
+    """ValueError when the folder ``root`` (its files ``found``) is a Delta Lake or Iceberg
+    table: which of its Parquet files hold the table's rows, and which of their rows are
+    deleted, only the table's log says."""
+    relative = (p[len(root) :].strip("/") for p in found)
+    for path in relative:
+        if path.startswith("_delta_log/"):
+            kind = "a Delta Lake table (it has _delta_log/)"
+        elif path.startswith("metadata/") and path.endswith(".metadata.json"):
+            kind = "an Iceberg table (it has metadata/*.metadata.json)"
+        else:
+            continue
+        raise ValueError(
+            f"input.path {shown!r} is {kind}: its Parquet files also hold rows the table "
+            "has deleted or replaced since, which only the table's log tells apart; export "
+            "the table's current version to Parquet or JSONL (Spark, duckdb, deltalake or "
+            "pyiceberg) and point input.path there"
+        )
+
+
 def _wanted_in_directory(path: str, root: str) -> bool:
-    relative = path[len(root) :].strip("/").split("/")
-    if any(part.startswith((".", "_")) for part in relative):
+    if _hidden(path[len(root) :]):
         return False
     return strip_compression_suffix(path.lower()).endswith(SUPPORTED_SUFFIXES)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_ID_COLUMN = "id"  # optional: a file without it gets file:line ids
+
 FORMATS = ("auto", "jsonl", "parquet", "openai-batch")
 
 
@@ -24,7 +26,7 @@ class InputConfig:
 
     path: str
     format: str = "auto"
-    id_column: str | None = "id"
+    id_column: str | None = DEFAULT_ID_COLUMN
     prompt_column: str | None = "prompt"
     messages_column: str | None = None
     passthrough_columns: tuple[str, ...] = ()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.structured_output_params import structured_output_setting
-from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN, InputConfig
 from tokenmill.io.readers.messages import check_messages
 from tokenmill.io.readers.row_error import RowError, type_name
 from tokenmill.io.rows import InputRow
@@ -25,9 +25,11 @@ from tokenmill.io.rows import InputRow
 class PlainColumns:
     """Which columns one file's rows are read from, decided once per file.
 
-    ``id_column`` is None when the config has none or the file's data lacks it: then ids are
-    the fallback ``"<file>:<line>"``, unless a row carries a usable id of its own (JSONL files,
-    whose columns are judged from their first object).
+    ``id_column`` is None when the config has none, or only the default ``id`` and the file's
+    data lacks it: then ids are the fallback ``"<file>:<line>"``, unless a row carries a
+    usable id of its own (JSONL files, whose columns are judged from their first object). A
+    column named in the config is every row's: a file without it (a renamed column, schema
+    drift) has rows without ids, each an error, rather than file:line ids without a word.
     """
 
     id_column: str | None
@@ -42,7 +44,7 @@ class PlainColumns:
     def for_file(cls, cfg: InputConfig, has_column: Any, columns_hint: str) -> PlainColumns:
         present = cfg.id_column is not None and has_column(cfg.id_column)
         return cls(
-            id_column=cfg.id_column if present else None,
+            id_column=cfg.id_column if present or cfg.id_column != DEFAULT_ID_COLUMN else None,
             config_id_column=cfg.id_column,
             prompt_column=cfg.prompt_column if cfg.messages_column is None else None,
             messages_column=cfg.messages_column,
