@@ -595,3 +595,37 @@ def test_a_model_that_fails_to_load_exits_2_and_the_fixed_rerun_is_not_refused(
     assert f"model.source '{model}' cannot be loaded" in err and "NaN" in err
     weights.write_bytes(whole)
     assert cli_main([str(job), "--quiet"]) == 0
+
+
+def test_a_run_reads_the_files_its_fingerprint_holds_while_its_folder_fills(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The fingerprint and the reads listed the input apart: a file that landed between them
+    was read but not fingerprinted, and every rerun, with nothing changed since, was refused
+    as "the input changed". The run now reads the files it listed once."""
+    import logging
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", chat_rows(4))
+
+    class LandsWhileLoading(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("loading model"):
+                write_jsonl(folder / "b.jsonl", chat_rows(4, start=4))
+
+    handler = LandsWhileLoading()
+    logging.getLogger("tokenmill.jobs").addHandler(handler)
+    try:
+        spec = job_dict(tiny_model, folder, tmp_path / "out")
+        with caplog.at_level(logging.INFO, logger="tokenmill.jobs"):
+            report = run_job(spec, show_progress=False)
+    finally:
+        logging.getLogger("tokenmill.jobs").removeHandler(handler)
+    assert (folder / "b.jsonl").exists()
+    assert (report.status, report.rows_total, report.rows_ok) == ("complete", 4, 4)
+    # b.jsonl came after the run listed its input: to the rerun the input has changed
+    with pytest.raises(FingerprintMismatchError, match="input"):
+        run_job(spec, show_progress=False)
+    (folder / "b.jsonl").unlink()
+    assert run_job(spec, show_progress=False).rows_this_run == 0  # as the run left it

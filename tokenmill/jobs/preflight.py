@@ -93,7 +93,7 @@ def check_input(spec: JobSpec) -> str:
         files = list_input_files(cfg)
         fmt = detect_format(files, cfg.format, cfg.storage_options)
     except (FileNotFoundError, ValueError) as exc:
-        raise _input_error(exc) from None
+        raise input_error(exc) from None
     except JobInterrupted:
         raise
     except Exception as exc:  # the store's client: refused credentials, unreachable endpoint
@@ -213,7 +213,7 @@ def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> Non
     )
 
 
-def output_schema(spec: JobSpec) -> OutputSchema | None:
+def output_schema(spec: JobSpec, cfg: InputConfig | None = None) -> OutputSchema | None:
     """The Parquet schema every shard of ``spec`` is written with (None for JSONL and OpenAI
     Batch output): passthrough types from the input (``passthrough_schema``), decided before
     the first shard, and the prompt_logprobs / logprobs column when ``sampling.prompt_logprobs``
@@ -223,17 +223,17 @@ def output_schema(spec: JobSpec) -> OutputSchema | None:
     if spec.output.format != "parquet":
         return None
     try:
-        schema = passthrough_schema(input_config(spec))
+        schema = passthrough_schema(cfg or input_config(spec))
         if spec.sampling.prompt_logprobs is not None:
             schema = schema.with_prompt_logprobs()
         if spec.sampling.logprobs is not None:
             schema = schema.with_logprobs()
         return schema
     except (FileNotFoundError, ValueError) as exc:
-        raise _input_error(exc) from None
+        raise input_error(exc) from None
 
 
-def _input_error(exc: Exception) -> JobSpecError:
+def input_error(exc: Exception) -> JobSpecError:
     """``exc`` about the input as the JobSpecError it is: named ``input.path`` unless its
     message names its key itself."""
     message = str(exc)

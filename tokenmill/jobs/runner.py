@@ -38,7 +38,7 @@ from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import input_fingerprint
+from tokenmill.io.readers import InputConfig, input_fingerprint, pinned
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
@@ -56,6 +56,7 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import (
     check_up_front,
     input_config,
+    input_error,
     output_schema,
     store_failure,
 )
@@ -97,10 +98,11 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
     return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
-def settings_of(spec: JobSpec) -> JobSettings:
-    """What the job's fingerprint covers. Raises JobSpecError naming model.source when the
-    model cannot be found, and sampling.logit_bias when it names ids past the model's
-    vocabulary (a check only the model can make)."""
+def settings_of(spec: JobSpec, cfg: InputConfig | None = None) -> JobSettings:
+    """What the job's fingerprint covers (the input's files as ``cfg`` lists them: default,
+    as listed now). Raises JobSpecError naming model.source when the model cannot be found,
+    and sampling.logit_bias when it names ids past the model's vocabulary (a check only the
+    model can make)."""
     try:
         source = resolve_model_source(spec.model.source)
         template = source.chat_template()
@@ -116,7 +118,8 @@ def settings_of(spec: JobSpec) -> JobSettings:
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    settings = job_settings(spec, source.path, template, input_fingerprint(input_config(spec)))
+    input_files = input_fingerprint(cfg or input_config(spec))
+    settings = job_settings(spec, source.path, template, input_files)
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
     return settings
@@ -234,7 +237,11 @@ def _run_locked(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
     )
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
-    settings = settings_of(spec)
+    # The input's files, listed once: the fingerprint, the row count, the schema and the
+    # reads all see these (a folder filling meanwhile made a run read files its fingerprint
+    # did not hold, and every rerun then refused as "the input changed").
+    cfg = _listed_input(spec)
+    settings = settings_of(spec, cfg)
     fp, record = fingerprint(settings), settings_record(settings)
     if fresh:
         discard_progress(store, spec.name)
@@ -253,8 +260,8 @@ def _run_locked(
         manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
     manifest.save(store)
     try:
-        return _run_owned(spec, store, manifest, report, start, cancel, progress_interval_s,
-                          on_progress)  # fmt: skip
+        return _run_owned(spec, cfg, store, manifest, report, start, cancel,
+                          progress_interval_s, on_progress)  # fmt: skip
     except Exception as exc:
         _record_failure(store, report, exc, start)
         raise
@@ -262,6 +269,7 @@ def _run_locked(
 
 def _run_owned(
     spec: JobSpec,
+    cfg: InputConfig,
     store: OutputStore,
     manifest: Manifest,
     report: JobReport,
@@ -270,12 +278,13 @@ def _run_owned(
     progress_interval_s: float | None,
     on_progress: Callable[[Progress], None] | None,
 ) -> JobReport:
-    """The run, once the output is the job's (claimed, its manifest saved)."""
+    """The run, once the output is the job's (claimed, its manifest saved), over the input
+    files ``cfg`` lists."""
     removed = store.cleanup_temp()
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
     _verify_committed(store, manifest, report)
-    schema = _fix_output_schema(spec, store, manifest)
+    schema = _fix_output_schema(spec, store, manifest, cfg)
 
     if manifest.complete:
         _fill_totals(report, manifest)
@@ -287,7 +296,7 @@ def _run_owned(
             store.write_atomic(REPORT_NAME, report.to_json().encode())
         return report
 
-    total = count_input_rows(input_config(spec))
+    total = count_input_rows(cfg)
     import_plots_in_background()  # report.html's, hidden by the model load
     executor = None if cancel.is_set() else _load_executor(spec, total, report)
     progress = Progress(
@@ -306,7 +315,7 @@ def _run_owned(
     writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
     done_before = frozenset(manifest.shards)
     feed = RowFeed(
-        input_config(spec),
+        cfg,
         done_before,
         tracker,
         progress,
@@ -459,8 +468,26 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
         log.info("removed %d shard files no committed shard names (an earlier run's)", removed)
 
 
+def _listed_input(spec: JobSpec) -> InputConfig:
+    """The job's input config with its files listed now (``pinned``); a listing that fails
+    (the files gone since the checks a moment ago, the store out of reach) is named as the
+    checks name it."""
+    try:
+        return pinned(input_config(spec))
+    except (FileNotFoundError, ValueError) as exc:
+        raise input_error(exc) from None
+    except JobInterrupted:
+        raise
+    except Exception as exc:
+        raise store_failure(
+            f"input.path {spec.input.path!r}",
+            exc,
+            "input.storage_options (endpoint_url, credentials)",
+        ) from None
+
+
 def _fix_output_schema(
-    spec: JobSpec, store: OutputStore, manifest: Manifest
+    spec: JobSpec, store: OutputStore, manifest: Manifest, cfg: InputConfig
 ) -> OutputSchema | None:
     """The job's Parquet schema: the one its manifest records, or, on a first run, the one
     decided now from the input and recorded before any shard. None for other formats.
@@ -472,7 +499,7 @@ def _fix_output_schema(
         return None
     if manifest.output_schema is not None:
         return manifest.output_schema
-    schema = manifest.output_schema = output_schema(spec)
+    schema = manifest.output_schema = output_schema(spec, cfg)
     if manifest.shards:
         log.info("bringing %d earlier shards to the job's one schema", len(manifest.shards))
         kept = conform_legacy_shards(store, manifest, schema)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
@@ -27,8 +28,11 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
     Raises FileNotFoundError naming the path when nothing matches, and ValueError for the
     folder of a Delta Lake or Iceberg table (``_delta_log/``, ``metadata/``): its Parquet
-    files hold rows the table has deleted or replaced since.
+    files hold rows the table has deleted or replaced since. A config with ``files`` (listed
+    once for a run: ``pinned``) gives those.
     """
+    if cfg.files is not None:
+        return list(cfg.files)
     fs, root = resolve(cfg.path, cfg.storage_options)
     if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
         matches = fs.glob(root, detail=True)
@@ -55,6 +59,11 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     if has_protocol(cfg.path):
         paths = [fs.unstrip_protocol(p) for p in paths]
     return sorted(paths)
+
+
+def pinned(cfg: InputConfig) -> InputConfig:
+    """``cfg`` with its files listed now, for every later use of it to see the same ones."""
+    return replace(cfg, files=tuple(list_input_files(cfg)))
 
 
 def display_names(files: list[str]) -> list[str]:

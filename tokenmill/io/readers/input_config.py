@@ -20,7 +20,9 @@ class InputConfig:
     are chat conversations and ``prompt_column`` is not read. ``structured_output_column``
     names a column of plain rows holding each row's own output constraint (null: the job's
     ``sampling.structured_output``); see plain_rows.py. ``storage_options`` go to fsspec
-    (``endpoint_url``, credentials, ...) and never into the input fingerprint.
+    (``endpoint_url``, credentials, ...) and never into the input fingerprint. ``files``: the
+    input's files as listed once for a run (``pinned``), so that its fingerprint and its
+    reads see the same files while a folder fills; None: listed from ``path`` at each use.
     Raises ValueError naming the key when a value is invalid.
     """
 
@@ -32,6 +34,7 @@ class InputConfig:
     passthrough_columns: tuple[str, ...] = ()
     storage_options: dict[str, Any] = field(default_factory=dict)
     structured_output_column: str | None = None
+    files: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # Lists from YAML are accepted and frozen into a tuple.
