@@ -122,3 +122,72 @@ def _raises(exc: type[BaseException]):
         raise exc
 
     return forward
+
+
+def _nth_call_raises(monkeypatch, owner: object, name: str, n: int) -> None:
+    """``owner.name`` raises KeyboardInterrupt on its ``n``-th call (Ctrl-C landing there)."""
+    real, calls = getattr(owner, name), [0]
+
+    def cut(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, cut)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["second-ctrl-c-in-cleanup", "admitting", "retiring", "adding-a-group", "tracking"],
+)
+def test_an_interrupt_anywhere_in_a_call_leaves_the_llm_as_new(
+    model: Path, monkeypatch, where: str
+) -> None:
+    """Ctrl-C landing outside the forward pass left state cut_short could not see: a second
+    Ctrl-C during its cleanup skipped the prefix-cache reset (wrong tokens on every later
+    call); one while the scheduler admitted or retired requests left batch slots and KV
+    blocks held by no request ("all 4 batch slots are taken" on every later call); one
+    between an n=2 prompt's requests left the first in the engine, unaborted; one inside
+    add_request left a scheduled request the engine did not track (KeyError later)."""
+    import tokenmill.engine.llm_engine as llm_engine
+
+    prompts = [[(37 * p + 11 * t) % 250 + 5 for t in range(40)] for p in range(6)]
+    n = 2 if where == "adding-a-group" else 1
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=n, stop=["zzz"])
+    settings = dict(device="cpu", dtype="float32", block_size=4, max_num_seqs=4)
+    if where == "second-ctrl-c-in-cleanup":
+        settings["async_scheduling"] = True
+    plain = LLM(str(model), **settings, enable_prefix_caching=False)
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(prompts, params)]
+    llm = LLM(str(model), **settings)
+    engine = llm.engine
+    kv = engine.scheduler.kv
+    if where == "second-ctrl-c-in-cleanup":
+        attention = engine.runner.model.model.layers[1].self_attn
+        monkeypatch.setattr(attention, "forward", _raises(KeyboardInterrupt))
+        collect = engine._outputs.collect
+
+        def collect_cut(wait: bool = False):
+            if wait:  # cut_short waits for the output worker: Ctrl-C again
+                raise KeyboardInterrupt
+            return collect(wait)
+
+        monkeypatch.setattr(engine._outputs, "collect", collect_cut)
+    elif where == "admitting":
+        _nth_call_raises(monkeypatch, kv, "cache_blocks", 2)
+    elif where == "retiring":
+        _nth_call_raises(monkeypatch, kv, "free", 1)
+    elif where == "adding-a-group":
+        _nth_call_raises(monkeypatch, engine, "add_request", 4)
+    else:
+        _nth_call_raises(monkeypatch, llm_engine, "IncrementalDetokenizer", 3)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    monkeypatch.undo()
+    assert not engine.has_unfinished() and not engine._tracked
+    assert engine.scheduler.slots.num_free == 4
+    assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+    for _ in range(2):  # the second call hits what the first cached
+        outs = llm.generate(prompts, params)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == want

@@ -156,12 +156,12 @@ class LLM:
                     for rid, params in group.requests():
                         self.engine.add_request(rid, tokens, params)
                         added.append(rid)
+                        batch.append(rid)  # at once: a cut mid-group aborts it too
                 except ValueError as exc:
                     self.engine.abort_requests(added)  # none in practice: one prompt, one verdict
                     failed[group.request_id] = RequestOutput(
                         group.request_id, list(tokens), "", [], "error", error=str(exc), prompt=text
                     )
-                batch += added
             start = time.perf_counter()
             while self.engine.has_unfinished():
                 for out in self.engine.step():

@@ -321,20 +321,27 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             arrival_index=self._arrivals,
         )
-        if params.structured_output is not None:
-            self._grammars.add(req)  # first: a grammar that fails leaves nothing queued
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs.add(req)
-        self._arrivals += 1
-        self.scheduler.add_request(req)
         watch = self.tokenizer is not None and bool(params.stop)
-        tracked = self._tracked[request_id] = _Tracked(
+        tracked = _Tracked(
             req,
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params) if watch else None,
             [] if params.logprobs is not None else None,
         )
-        if watch:
-            self._watched[request_id] = tracked
+        if params.structured_output is not None:
+            self._grammars.add(req)  # first: a grammar that fails leaves nothing queued
+        try:
+            if params.prompt_logprobs is not None:
+                self._prompt_logprobs.add(req)
+            self._tracked[request_id] = tracked
+            if watch:
+                self._watched[request_id] = tracked
+            # Last: a request the scheduler has is tracked (an interrupt before this line
+            # leaves none of it behind; a step that finished an untracked one raised).
+            self.scheduler.add_request(req)
+        except BaseException:
+            self.abort_requests([request_id])
+            raise
+        self._arrivals += 1
 
     def has_unfinished(self) -> bool:
         return (
@@ -369,27 +376,35 @@ class LLMEngine:
     def cut_short(self, request_ids: list[str]) -> None:
         """A call was cut short inside ``step`` (Ctrl-C, an error) and its requests go: wait
         for the grammars' background work, abort ``request_ids``, and, when no other request
-        is left, forget the steps in flight or scheduled ahead, what the runner knew of the
-        last launch, what the grammar workers were sent and the prefix cache, so that the
-        next call runs as on a fresh engine (the interrupt may have landed between any two
-        of those updates: the runner then refused every later launch, and a half-sent
-        message left the grammar workers out of step)."""
-        self._grammars.settle()
-        self.abort_requests(request_ids)
-        if self.scheduler.has_unfinished():
-            return
+        is left, forget every request and step (``_start_afresh``), so that the next call
+        runs as on a fresh engine (the interrupt may have landed between any two updates:
+        the runner then refused every later launch, a half-sent message left the grammar
+        workers out of step, the prefix cache held blocks without their KV)."""
+        try:
+            self._grammars.settle()
+            self.abort_requests(request_ids)
+        finally:  # (a second interrupt, landing in the cleanup, does not skip it)
+            if not self.scheduler.has_unfinished():
+                self._start_afresh()
+
+    def _start_afresh(self) -> None:
+        """Forget every request and step (no request is left), as on a fresh engine. First
+        the scheduler's queues, batch slots and KV blocks, the prefix cache with them: a
+        prompt's full blocks enter the cache when its step is scheduled, before the forward
+        pass writes their KV, so the step a cut landed in, or one scheduled ahead and never
+        launched, left cached blocks holding none of it (the next call's hits computed from
+        garbage); and an interrupt inside the scheduler's own update may have left a slot or
+        blocks held by no queued request."""
+        self.scheduler.clear()
+        self._tracked.clear()
+        self._watched.clear()
+        self._prompt_logprobs.clear()
         self._in_flight = self._ahead = self._processed_early = self._fed = None
         self._aborted_ahead = set()
         self._unscored.clear()
         self.runner.forget_launches()
         self._grammars.reset()
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
-        # A prompt's full blocks enter the prefix cache when its step is scheduled, before
-        # the forward pass writes their KV: the step the cut landed in, or one scheduled
-        # ahead and never launched, left cached blocks holding none of it (the next call's
-        # hits then computed from garbage). Every block is free now: forget the cache.
-        if not self.scheduler.kv.reset_prefix_cache():  # (not raised over the cut's error)
-            log.error("a call was cut short with KV blocks still held: prefix cache kept")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned."""

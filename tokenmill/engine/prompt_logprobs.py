@@ -163,6 +163,11 @@ class PromptLogprobs:
         if request.num_prompt_tokens > 1:
             self._unplanned[request.request_id] = state
 
+    def clear(self) -> None:
+        """Forget every request."""
+        self._states.clear()
+        self._unplanned.clear()
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget aborted requests (unknown ids are ignored)."""
         for rid in request_ids:

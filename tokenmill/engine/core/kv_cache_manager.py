@@ -217,6 +217,12 @@ class KVCacheManager:
             state.num_cached_blocks = j + 1
         state.parent, state.parent_hash = parent, parent_hash
 
+    def clear(self) -> None:
+        """Forget every request's blocks and every cached block: all blocks free and
+        uncached, as at the start. Only when no request runs (``Scheduler.clear``)."""
+        self.pool = BlockPool(self.pool.num_blocks)
+        self._states.clear()
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block. Returns False, changing nothing, while blocks are held."""
         return self.pool.reset_prefix_cache()

@@ -120,6 +120,19 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
+    def clear(self) -> None:
+        """Forget every request: the queue, the running order, every batch slot and KV
+        block, and the prefix cache (``KVCacheManager.clear``). For a call cut short, whose
+        interrupt may have left a request holding a slot or blocks outside the running
+        order (``_admit`` gives slots before the order takes the requests; the order drops
+        ended rows before they are retired)."""
+        for slot, request in enumerate(self.slots.requests):
+            if request is not None:
+                self.slots.remove(slot)
+        self.waiting.clear()
+        self._order = self._order[:0]
+        self.kv.clear()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or bool(len(self._order))
 
