@@ -139,7 +139,14 @@ def _nth_call_raises(monkeypatch, owner: object, name: str, n: int) -> None:
 
 @pytest.mark.parametrize(
     "where",
-    ["second-ctrl-c-in-cleanup", "admitting", "retiring", "adding-a-group", "tracking"],
+    [
+        "second-ctrl-c-in-cleanup",
+        "second-ctrl-c-in-settle",
+        "admitting",
+        "retiring",
+        "adding-a-group",
+        "tracking",
+    ],
 )
 def test_an_interrupt_anywhere_in_a_call_leaves_the_llm_as_new(
     model: Path, monkeypatch, where: str
@@ -174,6 +181,10 @@ def test_an_interrupt_anywhere_in_a_call_leaves_the_llm_as_new(
             return collect(wait)
 
         monkeypatch.setattr(engine._outputs, "collect", collect_cut)
+    elif where == "second-ctrl-c-in-settle":  # the wait for the grammars' worker thread
+        attention = engine.runner.model.model.layers[1].self_attn
+        monkeypatch.setattr(attention, "forward", _raises(KeyboardInterrupt))
+        _nth_call_raises(monkeypatch, engine._grammars, "settle", 1)
     elif where == "admitting":
         _nth_call_raises(monkeypatch, kv, "cache_blocks", 2)
     elif where == "retiring":

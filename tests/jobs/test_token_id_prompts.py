@@ -86,7 +86,9 @@ def test_generate_takes_vllm_dict_prompts(llm: LLM) -> None:
         ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt'"),
         ({"multi_modal_data": {}}, "got keys ['multi_modal_data']"),
         ({"prompt_token_ids": [1, 2.5]}, "expected text or a list of token ids, got list"),
-        ({"prompt": None}, "got NoneType"),
+        ({"prompt": None}, "got 'prompt': NoneType"),
+        ({"prompt_token_ids": "text"}, "'prompt_token_ids' a list of token ids; got"),
+        ({"prompt": [1, 2]}, "'prompt' holds text"),
     ],
 )
 def test_generate_refuses_other_prompt_forms(llm: LLM, prompt: object, message: str) -> None:

@@ -210,7 +210,12 @@ def _prompt_part(prompt: Any, index: int) -> str | list[int]:
                 f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
                 f"'prompt_token_ids'; got keys {sorted(prompt)}"
             )
-        prompt = next(iter(prompt.values()))
+        key, prompt = next(iter(prompt.items()))
+        if isinstance(prompt, str) != (key == "prompt"):
+            raise ValueError(
+                f"prompt {index}: 'prompt' holds text and 'prompt_token_ids' a list of token "
+                f"ids; got {key!r}: {type(prompt).__name__}"
+            )
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, bytes | dict) and hasattr(prompt, "__iter__"):

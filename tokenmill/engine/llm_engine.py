@@ -380,12 +380,15 @@ class LLMEngine:
         runs as on a fresh engine (the interrupt may have landed between any two updates:
         the runner then refused every later launch, a half-sent message left the grammar
         workers out of step, the prefix cache held blocks without their KV)."""
+        # (a second interrupt, landing in the cleanup, skips none of it)
         try:
             self._grammars.settle()
-            self.abort_requests(request_ids)
-        finally:  # (a second interrupt, landing in the cleanup, does not skip it)
-            if not self.scheduler.has_unfinished():
-                self._start_afresh()
+        finally:
+            try:
+                self.abort_requests(request_ids)
+            finally:
+                if not self.scheduler.has_unfinished():
+                    self._start_afresh()
 
     def _start_afresh(self) -> None:
         """Forget every request and step (no request is left), as on a fresh engine. First

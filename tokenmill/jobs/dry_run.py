@@ -28,7 +28,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import check_claimable
-from tokenmill.jobs.preflight import check_up_front, input_config, output_schema
+from tokenmill.jobs.preflight import check_up_front, listed_input, output_schema
 from tokenmill.jobs.progress import format_duration
 from tokenmill.jobs.prompt_stats import PromptStats
 from tokenmill.jobs.ready_rows import RowPreparer
@@ -160,7 +160,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     for what a run would refuse up front (output location, input, model), and JobInterrupted
     once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once)."""
     check_up_front(spec)
-    fingerprint = fingerprint_of(spec)  # also checks model.source
+    cfg = listed_input(spec)  # the files the verdicts below all see
+    fingerprint = fingerprint_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
     manifest = Manifest.load(store, spec.name)
@@ -168,7 +169,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
     schema = manifest.output_schema if resumable and manifest is not None else None
     if schema is None:
-        schema = output_schema(spec)
+        schema = output_schema(spec, cfg)
     source = resolve_model_source(spec.model.source)
     tokenizer = source.load_tokenizer()
     config = source.load_config()
@@ -183,7 +184,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
 
     preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_model_len=max_len)
     started = shown = time.monotonic()
-    for row in iter_input_rows(input_config(spec), schema):
+    for row in iter_input_rows(cfg, schema):
         if cancel is not None and cancel.is_set():
             raise JobInterrupted(f"the dry run stopped after {report.rows:,} rows")
         report.rows += 1

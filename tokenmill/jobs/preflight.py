@@ -16,7 +16,14 @@ import logging
 from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
-from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
+from tokenmill.io.readers import (
+    InputConfig,
+    detect_format,
+    list_input_files,
+    passthrough_schema,
+    pinned,
+)
+from tokenmill.io.readers.file_listing import warn_hidden_matches
 from tokenmill.io.readers.format_detection import LOOK_AT_FILES
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN
 from tokenmill.io.readers.jsonl_records import JsonlRecords
@@ -91,6 +98,7 @@ def check_input(spec: JobSpec) -> str:
         raise JobSpecError(str(exc)) from None
     try:
         files = list_input_files(cfg)
+        warn_hidden_matches(cfg, files)
         fmt = detect_format(files, cfg.format, cfg.storage_options)
     except (FileNotFoundError, ValueError) as exc:
         raise input_error(exc) from None
@@ -238,3 +246,21 @@ def input_error(exc: Exception) -> JobSpecError:
     message names its key itself."""
     message = str(exc)
     return JobSpecError(message if message.startswith("input.") else f"input.path: {message}")
+
+
+def listed_input(spec: JobSpec) -> InputConfig:
+    """The job's input config with its files listed now (``pinned``: a run's fingerprint,
+    row count, schema and reads all see these); a listing that fails (the files gone since
+    the checks a moment ago, the store out of reach) is named as the checks name it."""
+    try:
+        return pinned(input_config(spec))
+    except (FileNotFoundError, ValueError) as exc:
+        raise input_error(exc) from None
+    except JobInterrupted:
+        raise
+    except Exception as exc:
+        raise store_failure(
+            f"input.path {spec.input.path!r}",
+            exc,
+            "input.storage_options (endpoint_url, credentials)",
+        ) from None

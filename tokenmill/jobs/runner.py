@@ -38,7 +38,7 @@ from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import InputConfig, input_fingerprint, pinned
+from tokenmill.io.readers import InputConfig, input_fingerprint
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
@@ -56,7 +56,7 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import (
     check_up_front,
     input_config,
-    input_error,
+    listed_input,
     output_schema,
     store_failure,
 )
@@ -164,8 +164,8 @@ def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
 
 
-def fingerprint_of(spec: JobSpec) -> str:
-    return fingerprint(settings_of(spec))
+def fingerprint_of(spec: JobSpec, cfg: InputConfig | None = None) -> str:
+    return fingerprint(settings_of(spec, cfg))
 
 
 def run_job(
@@ -240,7 +240,7 @@ def _run_locked(
     # The input's files, listed once: the fingerprint, the row count, the schema and the
     # reads all see these (a folder filling meanwhile made a run read files its fingerprint
     # did not hold, and every rerun then refused as "the input changed").
-    cfg = _listed_input(spec)
+    cfg = listed_input(spec)
     settings = settings_of(spec, cfg)
     fp, record = fingerprint(settings), settings_record(settings)
     if fresh:
@@ -466,24 +466,6 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
     removed = remove_stray_files(store, manifest, sizes)
     if removed:
         log.info("removed %d shard files no committed shard names (an earlier run's)", removed)
-
-
-def _listed_input(spec: JobSpec) -> InputConfig:
-    """The job's input config with its files listed now (``pinned``); a listing that fails
-    (the files gone since the checks a moment ago, the store out of reach) is named as the
-    checks name it."""
-    try:
-        return pinned(input_config(spec))
-    except (FileNotFoundError, ValueError) as exc:
-        raise input_error(exc) from None
-    except JobInterrupted:
-        raise
-    except Exception as exc:
-        raise store_failure(
-            f"input.path {spec.input.path!r}",
-            exc,
-            "input.storage_options (endpoint_url, credentials)",
-        ) from None
 
 
 def _fix_output_schema(

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tokenmill.io.readers import InputConfig, list_input_files
-from tokenmill.io.readers.file_listing import display_names
+from tokenmill.io.readers.file_listing import display_names, warn_hidden_matches
 
 
 def _touch(path, text="{}\n"):
@@ -90,30 +90,50 @@ def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
 @pytest.mark.parametrize(
     ("log_file", "kind"),
     [
-        ("_delta_log/00000000000000000001.json", "a Delta Lake table (it has _delta_log/)"),
-        ("metadata/v2.metadata.json", "an Iceberg table (it has metadata/*.metadata.json)"),
+        ("_delta_log/00000000000000000001.json", "a Delta Lake table's (a folder with _delta_log/"),
+        ("metadata/v2.metadata.json", "an Iceberg table's (a folder with metadata/*.metadata"),
     ],
 )
-def test_a_table_folder_is_refused(tmp_path, log_file, kind):
+@pytest.mark.parametrize("given", ["table", "parent", "glob", "partition", "file"])
+def test_a_tables_files_are_refused(tmp_path, log_file, kind, given):
     """A Delta Lake table's folder read as Parquet ran the rows the table had deleted or
-    overwritten (9 rows of a 2-row table), with no word: only its log tells them apart."""
-    _touch(tmp_path / "t" / "part-0.parquet")
-    _touch(tmp_path / "t" / log_file)
-    with pytest.raises(ValueError, match=re.escape(f"is {kind}: its Parquet files also hold")):
-        list_input_files(InputConfig(path=str(tmp_path / "t")))
+    overwritten (9 rows of a 2-row table), with no word: only its log tells them apart. The
+    table found whether the path is its folder, a folder above it, a glob, a partition
+    folder or one file of it."""
+    _touch(tmp_path / "lake" / "t" / "date=1" / "part-0.parquet")
+    _touch(tmp_path / "lake" / "t" / log_file)
+    path = {
+        "table": "lake/t",
+        "parent": "lake",
+        "glob": "lake/*/*/*.parquet",
+        "partition": "lake/t/date=1",
+        "file": "lake/t/date=1/part-0.parquet",
+    }[given]
+    with pytest.raises(ValueError, match=re.escape(f"its files are {kind}")):
+        list_input_files(InputConfig(path=str(tmp_path / path)))
+
+
+def test_a_folder_named_metadata_is_not_a_table(tmp_path):
+    _touch(tmp_path / "in" / "metadata" / "notes.json")
+    _touch(tmp_path / "in" / "part-0.jsonl")
+    found = list_input_files(InputConfig(path=str(tmp_path / "in")))
+    assert [p.rsplit("/", 1)[1] for p in found] == ["notes.json", "part-0.jsonl"]
 
 
 def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog):
     """A ** glob kept .ipynb_checkpoints/ (a stale copy of the data) and Spark's _temporary/,
-    which a folder input leaves out: it still does, and now says so."""
+    which a folder input leaves out: it still does, and the checks before a run say so."""
     for name in ["part-0.jsonl", ".ipynb_checkpoints/part-0-checkpoint.jsonl"]:
         _touch(tmp_path / name)
-    with caplog.at_level("WARNING"):
-        found = list_input_files(InputConfig(path=str(tmp_path / "**" / "*.jsonl")))
+    cfg = InputConfig(path=str(tmp_path / "**" / "*.jsonl"))
+    found = list_input_files(cfg)
     assert len(found) == 2
+    with caplog.at_level("WARNING"):
+        warn_hidden_matches(cfg, found)
     assert "matches 1 file(s) below a name starting with '.' or '_'" in caplog.text
     assert ".ipynb_checkpoints/part-0-checkpoint.jsonl" in caplog.text
     caplog.clear()
+    cfg = InputConfig(path=str(tmp_path / "*.jsonl"))
     with caplog.at_level("WARNING"):
-        list_input_files(InputConfig(path=str(tmp_path / "*.jsonl")))
+        warn_hidden_matches(cfg, list_input_files(cfg))
     assert not caplog.text

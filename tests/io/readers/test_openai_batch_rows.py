@@ -172,9 +172,10 @@ def test_completions_prompt_as_token_ids(tmp_path, prompt):
     [
         ({"prompt": ["a", "b"]}, "only one prompt per line is supported"),
         ({"prompt": [[1, 2], [3]]}, "only one prompt per line is supported"),
-        ({"prompt": [1, -2]}, "a list of token ids (integers >= 0), got [1, -2]"),
-        ({"prompt": [1, True]}, "a list of token ids (integers >= 0), got [1, True]"),
-        ({"prompt": [1.0]}, "a list of token ids (integers >= 0), got [1.0]"),
+        ({"prompt": [1, -2]}, "a list of token ids (integers from 0 to 2147483647), got [1, -2]"),
+        ({"prompt": [2**63]}, "a list of token ids (integers from 0 to 2147483647)"),
+        ({"prompt": [1, True]}, "token ids (integers from 0 to 2147483647), got [1, True]"),
+        ({"prompt": [1.0]}, "token ids (integers from 0 to 2147483647), got [1.0]"),
         ({"prompt": []}, "missing prompt"),
         ({"prompt": [[]]}, "missing prompt"),
         ({"prompt": "x", "modalities": ["text", "audio"]}, "body.modalities"),

@@ -26,10 +26,11 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     ``_temporary/``, ``.crc`` files of Spark and Hadoop). Compressed Parquet is listed too, so
     that detect_format refuses it by name instead of the directory silently losing its rows.
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
-    Raises FileNotFoundError naming the path when nothing matches, and ValueError for the
-    folder of a Delta Lake or Iceberg table (``_delta_log/``, ``metadata/``): its Parquet
-    files hold rows the table has deleted or replaced since. A config with ``files`` (listed
-    once for a run: ``pinned``) gives those.
+    Raises FileNotFoundError naming the path when nothing matches, and ValueError when the
+    files are a Delta Lake or Iceberg table's (a folder with ``_delta_log/`` or
+    ``metadata/*.metadata.json`` holds them, or is below the path): its Parquet files hold
+    rows the table has deleted or replaced since. A config with ``files`` (listed once for
+    a run: ``pinned``) gives those.
     """
     if cfg.files is not None:
         return list(cfg.files)
@@ -41,10 +42,10 @@ def list_input_files(cfg: InputConfig) -> list[str]:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} matches no files; check the pattern and the location"
             )
-        _warn_hidden_matches(cfg.path, root, paths)
+        holders = {p.rpartition("/")[0] for p in paths}
     elif fs.isdir(root):
         found = fs.find(root)
-        _refuse_table_folder(cfg.path, root, found)
+        _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
         paths = [p for p in found if _wanted_in_directory(p, root)]
         if not paths:
             raise FileNotFoundError(
@@ -52,10 +53,15 @@ def list_input_files(cfg: InputConfig) -> list[str]:
                 f"{'/'.join(SUPPORTED_SUFFIXES)} files in it (plain or "
                 f"{'/'.join(COMPRESSION_SUFFIXES)}); point it at the data"
             )
+        holders = {root}
     elif fs.isfile(root):
         paths = [root]
+        holders = {root.rpartition("/")[0]}
     else:
         raise FileNotFoundError(f"input.path {cfg.path!r} does not exist")
+    if not cfg.path.lower().startswith(("http://", "https://")):  # (no tables served so)
+        # the folders that hold the files, and theirs: a glob's, a file's, a partition's
+        _refuse_table_files(cfg.path, _tables_above(fs, sorted(holders)[:_TABLE_LOOKS]))
     if has_protocol(cfg.path):
         paths = [fs.unstrip_protocol(p) for p in paths]
     return sorted(paths)
@@ -90,12 +96,16 @@ def _is_file(fs: Any, path: str, info: dict[str, Any]) -> bool:
     return bool(info.get("islink")) and (fs.isfile(path) or not fs.exists(path))
 
 
-def _warn_hidden_matches(shown: str, pattern: str, paths: list[str]) -> None:
-    """Warn when a glob matched files below folders or names starting with "." or "_"
-    (``.ipynb_checkpoints/`` with a stale copy, Spark's ``_temporary/``): a glob keeps them,
-    where a folder input, Python's glob and pyarrow.dataset leave them out."""
+def warn_hidden_matches(cfg: InputConfig, files: list[str]) -> None:
+    """Warn when ``cfg.path`` is a glob and ``files`` (its matches) hold files below folders
+    or names starting with "." or "_" (``.ipynb_checkpoints/`` with a stale copy, Spark's
+    ``_temporary/``): a glob keeps them, where a folder input, Python's glob and
+    pyarrow.dataset leave them out."""
+    shown, pattern = cfg.path, cfg.path
+    if not any(c in pattern for c in "*?["):
+        return
     fixed = pattern[: min(pattern.find(c) for c in "*?[" if c in pattern)].rpartition("/")[0]
-    hidden = [p for p in paths if _hidden(p[len(fixed) :])]
+    hidden = [p for p in files if p.startswith(fixed) and _hidden(p[len(fixed) :])]
     if hidden:
         log.warning(
             "input.path %r matches %d file(s) below a name starting with '.' or '_' (e.g. "
@@ -111,20 +121,54 @@ def _hidden(relative: str) -> bool:
     return any(part.startswith((".", "_")) for part in relative.strip("/").split("/"))
 
 
-def _refuse_table_folder(shown: str, root: str, found: list[str]) -> None:
-    """ValueError when the folder ``root`` (its files ``found``) is a Delta Lake or Iceberg
-    table: which of its Parquet files hold the table's rows, and which of their rows are
-    deleted, only the table's log says."""
-    relative = (p[len(root) :].strip("/") for p in found)
-    for path in relative:
-        if path.startswith("_delta_log/"):
-            kind = "a Delta Lake table (it has _delta_log/)"
-        elif path.startswith("metadata/") and path.endswith(".metadata.json"):
-            kind = "an Iceberg table (it has metadata/*.metadata.json)"
-        else:
-            continue
+_TABLE_LOOKS = 16  # folders whose ancestors are looked at: any one finds its table
+
+_DELTA = "a Delta Lake table's (a folder with _delta_log/ holds them)"
+_ICEBERG = "an Iceberg table's (a folder with metadata/*.metadata.json holds them)"
+
+
+def _table_inside(relative: str) -> str | None:
+    """The table kind a file found below the input folder (``relative`` to it) says that
+    folder holds, or None."""
+    parts = relative.strip("/").split("/")
+    if "_delta_log" in parts[:-1]:
+        return _DELTA
+    if len(parts) >= 2 and parts[-2] == "metadata" and parts[-1].endswith(".metadata.json"):
+        return _ICEBERG
+    return None
+
+
+def _tables_above(fs: Any, folders: list[str]) -> list[str | None]:
+    """The table kind of each folder of ``folders`` and their ancestors that is a table's
+    root, or None for one that is not (each folder looked at once)."""
+    kinds: dict[str, str | None] = {}
+    for folder in folders:
+        while folder and folder not in kinds:
+            kinds[folder] = _table_kind(fs, folder)
+            parent = folder.rpartition("/")[0]
+            folder = parent if parent != folder else ""
+    return list(kinds.values())
+
+
+def _table_kind(fs: Any, folder: str) -> str | None:
+    try:
+        if fs.exists(f"{folder}/_delta_log"):
+            return _DELTA
+        if fs.exists(f"{folder}/metadata") and fs.glob(f"{folder}/metadata/*.metadata.json"):
+            return _ICEBERG
+    except Exception:  # a folder the store will not show us: not a table we know of
+        return None
+    return None
+
+
+def _refuse_table_files(shown: str, kinds: list[str | None]) -> None:
+    """ValueError when a kind of ``kinds`` says the input's files are a table's: which of
+    its Parquet files hold the table's rows, and which of their rows are deleted, only the
+    table's log says."""
+    kind = next((k for k in kinds if k is not None), None)
+    if kind is not None:
         raise ValueError(
-            f"input.path {shown!r} is {kind}: its Parquet files also hold rows the table "
+            f"input.path {shown!r}: its files are {kind}; they also hold rows the table "
             "has deleted or replaced since, which only the table's log tells apart; export "
             "the table's current version to Parquet or JSONL (Spark, duckdb, deltalake or "
             "pyiceberg) and point input.path there"

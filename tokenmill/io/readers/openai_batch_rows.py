@@ -78,7 +78,8 @@ def _prompt(prompt: Any, custom_id: str) -> str | tuple[int, ...]:
         )
     if isinstance(prompt, list) and prompt:
         raise RowError(
-            "body.prompt must be a string or a list of token ids (integers >= 0), got "
+            "body.prompt must be a string or a list of token ids (integers from 0 to "
+            f"{MAX_TOKEN_ID}), got "
             f"{short_repr(prompt)}",
             custom_id,
         )
@@ -91,5 +92,8 @@ def _prompt(prompt: Any, custom_id: str) -> str | tuple[int, ...]:
     return prompt
 
 
+MAX_TOKEN_ID = 2**31 - 1  # past any vocabulary (an id past the model's is the row's error)
+
+
 def _is_token_id(value: Any) -> bool:
-    return type(value) is int and value >= 0  # (not bool)
+    return type(value) is int and 0 <= value <= MAX_TOKEN_ID  # (not bool)
