@@ -686,7 +686,9 @@ class LLMEngine:
     def _finish(self, finished: list[Request]) -> None:
         """Hand ``finished`` requests to the output builder (their text is decoded there)."""
         if self._learner is not None and finished:
+            t0 = time.perf_counter()
             self._learner.observe([req.output_token_ids for req in finished])
+            self.scheduler.stats.observe_seconds += time.perf_counter() - t0
         items = []
         for req in finished:
             tracked = self._tracked.pop(req.request_id)

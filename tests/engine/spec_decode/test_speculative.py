@@ -58,6 +58,7 @@ def _run_120(
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     profile = llm.engine.step_profile()
     profile["steps"] = llm.engine.scheduler.stats.num_steps
+    profile["observe_seconds"] = llm.engine.scheduler.stats.observe_seconds
     return outs, profile
 
 
@@ -73,6 +74,9 @@ def test_greedy_output_equals_off_on_120_prompts(model_path: Path, off_run, meth
     else:  # drafting on every step: accepted drafts are decode steps saved
         assert stats["draft_tokens"] > 0 and stats["accepted_tokens"] > 0, stats
         assert profile["steps"] < off["steps"], (profile["steps"], off["steps"], stats)
+    assert stats["proposer_ms_per_step"] > 0, stats  # its host time over every step
+    if method in ("suffix", "lookahead"):  # learning from outputs counts in it
+        assert profile["observe_seconds"] > 0, profile
 
 
 @pytest.mark.parametrize(("method", "ahead_below"), [("ngram", 99), ("suffix", 99), ("ngram", 8)])
@@ -351,3 +355,15 @@ def test_min_tokens_lifts_its_stop_token_ban_at_the_same_token_with_drafts(
         runs[method] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
     assert runs["ngram"] == runs["off"]
     assert sum(reason == "stop" for _, reason in runs["off"]) >= 6
+
+
+def test_the_proposers_learning_counts_in_its_host_time() -> None:
+    """The step profile counted only the proposing: the suffix corpus and Lookahead's pool
+    learning from outputs (about a third of Lookahead's host time) were left out."""
+    from tokenmill.engine.core.scheduler_output import SchedulerStats
+
+    stats = SchedulerStats(num_steps=10, num_propose_calls=4)
+    stats.propose_seconds, stats.observe_seconds = 0.004, 0.006
+    summary = stats.speculative()
+    assert summary["propose_ms_per_step"] == 1.0  # per step that asked for drafts
+    assert summary["proposer_ms_per_step"] == 1.0  # (4 + 6) ms over all 10 steps

@@ -451,7 +451,9 @@ class Scheduler:
         accepted = np.zeros(len(hot), dtype=np.int64)
         if tokens.shape[1] > 1:
             if self._observer is not None:
+                t0 = time.perf_counter()
                 self._observer.observe_samples(s, slots, tokens, keep)
+                self.stats.observe_seconds += time.perf_counter() - t0
             keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
             self.stats.num_accepted_tokens += int(accepted.sum())
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)

@@ -117,18 +117,26 @@ class SchedulerStats:
     num_drafted_rows: int = 0  # (step, row) pairs that carried at least one draft
     num_propose_calls: int = 0  # steps that asked the proposer
     propose_seconds: float = 0.0  # host time in the proposer (and writing its drafts)
+    # host time the proposer spends learning: from each drafted step's samples, and from
+    # finished rows' outputs (the suffix corpus, Lookahead's pool), drafting or not
+    observe_seconds: float = 0.0
 
     def speculative(self) -> dict[str, float]:
-        """``draft_summary`` of these counts, the drafted rows, and the proposer's ms a step."""
+        """``draft_summary`` of these counts, the drafted rows, and the proposer's host ms:
+        per step that asked it for drafts (``propose_ms_per_step``), and all of it, learning
+        included, over every step (``proposer_ms_per_step``: its share of the host's step)."""
         return {
             **draft_summary(self.num_draft_tokens, self.num_accepted_tokens, self.num_drafted_rows),
             "drafted_rows": self.num_drafted_rows,
-            "propose_ms_per_step": (
-                round(1e3 * self.propose_seconds / self.num_propose_calls, 4)
-                if self.num_propose_calls
-                else 0.0
+            "propose_ms_per_step": _ms_per(self.propose_seconds, self.num_propose_calls),
+            "proposer_ms_per_step": _ms_per(
+                self.propose_seconds + self.observe_seconds, self.num_steps
             ),
         }
+
+
+def _ms_per(seconds: float, count: int) -> float:
+    return round(1e3 * seconds / count, 4) if count else 0.0
 
 
 @dataclass(frozen=True)

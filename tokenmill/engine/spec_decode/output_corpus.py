@@ -8,9 +8,10 @@ in it to the latest position where one ended (the shared GramHasher, a single ta
     store:  [ {"name": "Ada", "age": 31} | {"name": "Bo", "age": 4 ... ]      | separator
     a row ending in  , "age":  finds the latest earlier  , "age":  and drafts what followed
 
-Memory is bounded: ``capacity`` tokens (int32), the oldest overwritten first; an index entry
-pointing at an overwritten position is stale and ignored, and every hit is checked against the
-tokens it names. Drafts stop at a separator: one output never continues into the next.
+Memory is bounded: ``capacity`` tokens (int64: 8 MiB for the default million), the oldest
+overwritten first, and an index table of as many entries; an index entry pointing at an
+overwritten position is stale and ignored, and every hit is checked against the tokens it
+names. Drafts stop at a separator: one output never continues into the next.
 """
 
 from __future__ import annotations
