@@ -78,6 +78,8 @@ from tokenmill.engine.structured_output import GrammarStats, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD_ROWS = 16  # the batches Lookahead's per-row host work suits (spec_decode/lookahead.py)
+
 
 @dataclass
 class _Tracked:
@@ -110,6 +112,14 @@ class LLMEngine:
         auto = proposer is None and config.speculative.method == "auto"
         if proposer is None:
             proposer = build_proposer(config.speculative)
+        if config.speculative.method == "lookahead" and config.max_num_seqs > LOOKAHEAD_ROWS:
+            log.warning(
+                "speculative.method lookahead with max_num_seqs %d: its host work is Python "
+                "per row a step and per token of each finished output, several ms a step at "
+                "hundreds of rows; it is for batches of up to %d (suffix or auto fit larger)",
+                config.max_num_seqs,
+                LOOKAHEAD_ROWS,
+            )
         self._learner = proposer if isinstance(proposer, LearnsFromOutputs) else None
         if config.load_format == "random":
             source = None

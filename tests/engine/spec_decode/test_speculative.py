@@ -367,3 +367,15 @@ def test_the_proposers_learning_counts_in_its_host_time() -> None:
     summary = stats.speculative()
     assert summary["propose_ms_per_step"] == 1.0  # per step that asked for drafts
     assert summary["proposer_ms_per_step"] == 1.0  # (4 + 6) ms over all 10 steps
+
+
+def test_lookahead_at_a_large_batch_is_warned_about(
+    model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lookahead's host work is Python per row and per finished output token (9.6 ms a
+    step at 256 rows on this CPU): past 16 rows the engine says so."""
+    with caplog.at_level("WARNING", logger="tokenmill.engine.llm_engine"):
+        _llm(model_path, "lookahead", max_num_seqs=16)
+        assert "lookahead" not in caplog.text
+        _llm(model_path, "lookahead", max_num_seqs=256)
+    assert "speculative.method lookahead with max_num_seqs 256" in caplog.text
