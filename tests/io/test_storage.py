@@ -174,6 +174,17 @@ def test_s3_round_trip(s3_endpoint) -> None:
     assert store.list() == ["errors/part-00000.jsonl", "shards/part-00000.jsonl"]
     assert store.cleanup_temp() == 0
 
+    # many at once (a manifest rewrite's journal records): one request, missing ones fine
+    names = [f"j.d/{i:08d}.json" for i in range(5)]
+    for name in names:
+        store.write_atomic(name, b"{}")
+    requests: list[object] = []
+    rm = store.fs.rm
+    store.fs.rm = lambda paths, *a, **k: requests.append(paths) or rm(paths, *a, **k)
+    store.delete_many([*names, "j.d/gone.json"])
+    assert len(requests) == 1 and store.list("j.d/") == []
+    store.delete_many(names)  # all gone: fine
+
 
 def test_one_output_has_one_identity_however_it_is_spelled(s3_endpoint) -> None:
     _, options = s3_endpoint

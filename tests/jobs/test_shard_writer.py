@@ -4,6 +4,7 @@ abandoned writer never makes the engine thread wait."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -165,3 +166,27 @@ def test_the_manifest_journal_is_folded_in_and_reloads_whole(tmp_path: Path, mon
     manifest.save(store)
     again = Manifest.load(store, "t")
     assert sorted(again.shards) == list(range(12)) and again.journaled == {10, 11}
+
+
+def test_the_manifest_is_written_a_record_a_line(tmp_path: Path) -> None:
+    """Written record by record with json's C encoder (indent= took its Python encoder and
+    asdict copied every record deeply: 2.2 s a rewrite at 30,000 shards); it reads back as
+    it was, and a shard's record is one line."""
+    store = OutputStore(str(tmp_path / "out"), owner="t")
+    manifest = Manifest("t", "fp", ROWS, settings={"model": {"a": [1, "b"]}})
+    manifest.save(store)
+    assert json.loads((tmp_path / "out" / "t.manifest.json").read_text())["shards"] == {}
+    for shard in range(3):
+        error = f"errors/part-0000{shard}.jsonl" if shard == 1 else None
+        manifest.shards[shard] = ShardRecord(
+            shard * ROWS, (shard + 1) * ROWS, ROWS, 0, f"shards/part-0000{shard}.jsonl", error
+        )
+    manifest.shards[3] = ShardRecord(3 * ROWS, 4 * ROWS, 0, ROWS, None, "errors/x.jsonl")
+    manifest.complete, manifest.total_rows = True, 4 * ROWS
+    manifest.save(store)
+    text = (tmp_path / "out" / "t.manifest.json").read_text()
+    raw = json.loads(text)
+    assert raw["complete"] is True and raw["settings"] == {"model": {"a": [1, "b"]}}
+    assert sum('"first_row"' in line for line in text.splitlines()) == 4
+    again = Manifest.load(store, "t")
+    assert again.shards == manifest.shards and again.total_rows == 4 * ROWS

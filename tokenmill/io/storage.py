@@ -207,6 +207,23 @@ class OutputStore:
             self.fs.rm_file(path)
         self.fs.invalidate_cache(path)
 
+    def delete_many(self, names: list[str]) -> None:
+        """Remove ``names`` (missing ones are fine): on an object store in batched requests
+        (S3 takes up to 1,000 keys a call), not one request a file."""
+        if self.is_local or len(names) < 2:
+            for name in names:
+                self.delete(name)
+            return
+        paths = [self._fs_path(n) for n in names]
+        with _client_errors(self.url, f"deleting {len(names)} files"):
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:  # some gone already: the rest one by one
+                for name in names:
+                    self.delete(name)
+        for path in paths:
+            self.fs.invalidate_cache(path)
+
     def cleanup_temp(self) -> int:
         """Remove temporary files a killed writer of this owner left behind; return how many.
 

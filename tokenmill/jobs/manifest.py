@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.storage import OutputStore
@@ -109,7 +109,7 @@ class Manifest:
         if len(self.journaled) + 1 > max(_MIN_JOURNAL, len(self.shards) // _JOURNAL_SHARE):
             self.save(store)
             return
-        store.write_atomic(self._journal_entry(index), json.dumps(asdict(record)).encode())
+        store.write_atomic(self._journal_entry(index), json.dumps(vars(record)).encode())
         self.journaled.add(index)
 
     @classmethod
@@ -185,21 +185,30 @@ class Manifest:
         return dropped
 
     def save(self, store: OutputStore) -> None:
-        raw = {
+        """Write the manifest file whole, then delete the journal records it now holds."""
+        store.write_atomic(self.file_name(self.job), self._text().encode())
+        store.delete_many([self._journal_entry(i) for i in sorted(self.journaled)])
+        self.journaled.clear()
+
+    def _text(self) -> str:
+        """The manifest as JSON: its fields a line each, a shard's record a line. Written
+        record by record (json's C encoder; ``indent`` takes its Python one, and
+        ``asdict`` copies deeply): 30,000 shards took 2.2 s a rewrite that way."""
+        head = {
             "version": MANIFEST_VERSION,
             "job": self.job,
             "fingerprint": self.fingerprint,
             "settings": self.settings,
             "rows_per_shard": self.rows_per_shard,
             "output_schema": None if self.output_schema is None else self.output_schema.to_record(),
-            "shards": {str(k): asdict(v) for k, v in sorted(self.shards.items())},
-            "complete": self.complete,
-            "total_rows": self.total_rows,
         }
-        store.write_atomic(self.file_name(self.job), json.dumps(raw, indent=1).encode())
-        for index in sorted(self.journaled):  # now in the manifest file
-            store.delete(self._journal_entry(index))
-        self.journaled.clear()
+        tail = {"complete": self.complete, "total_rows": self.total_rows}
+        lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+        shards = [f'  "{k}": {json.dumps(vars(v))}' for k, v in sorted(self.shards.items())]
+        lines.append(' "shards": {' + ("\n" + ",\n".join(shards) + "\n " if shards else "") + "},")
+        lines += [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in tail.items()]
+        lines[-1] = lines[-1].rstrip(",")
+        return "{\n" + "\n".join(lines) + "\n}"
 
     @property
     def rows_done(self) -> int:
