@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -296,9 +297,8 @@ def _run_owned(
             store.write_atomic(REPORT_NAME, report.to_json().encode())
         return report
 
-    total = count_input_rows(cfg)
     import_plots_in_background()  # report.html's, hidden by the model load
-    executor = None if cancel.is_set() else _load_executor(spec, total, report)
+    total, executor = _count_and_load(spec, cfg, cancel, report)
     progress = Progress(
         total,
         manifest.rows_done,
@@ -526,6 +526,29 @@ def _fill_totals(report: JobReport, manifest: Manifest, counted: int | None = No
     report.rows_ok = sum(s.ok for s in manifest.shards.values())
     report.rows_failed = sum(s.errors for s in manifest.shards.values())
     report.rows_total = manifest.total_rows or counted or manifest.rows_done
+
+
+def _count_and_load(
+    spec: JobSpec, cfg: InputConfig, cancel: threading.Event, report: JobReport
+) -> tuple[int | None, Any]:
+    """(the input's row count, for progress; the executor, None once cancelled). A local
+    run counts beside its model load (reading every JSONL file whole: 26 s for 5,000 files
+    on S3, all before the first row); a Ray one first, its chunks being sized by it."""
+    if spec.execution.executor == "ray":
+        total = count_input_rows(cfg)
+        return total, None if cancel.is_set() else _load_executor(spec, total, report)
+    pool, stop = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-count"), threading.Event()
+    counted = pool.submit(count_input_rows, cfg, stop)
+    try:
+        executor = None if cancel.is_set() else _load_executor(spec, None, report)
+    except BaseException:
+        stop.set()  # (the process would wait for the count to end)
+        raise
+    finally:
+        pool.shutdown(wait=False)
+    if executor is None:  # cancelled: no progress to show
+        stop.set()
+    return counted.result(), executor
 
 
 def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) -> Any:

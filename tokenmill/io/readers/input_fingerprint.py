@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from tokenmill.io.readers.file_listing import list_input_files
+from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.storage import resolve
@@ -31,8 +32,8 @@ def input_fingerprint(cfg: InputConfig) -> str:
         if cfg.structured_output_column is not None:  # absent when unset: old jobs resume
             how["structured_output"] = cfg.structured_output_column
     digest = hashlib.sha256(json.dumps(how, sort_keys=True).encode())
-    for url in files:
-        digest.update(json.dumps(_file_entry(url, cfg.storage_options)).encode())
+    for entry in map_files(lambda url: _file_entry(url, cfg.storage_options), files):
+        digest.update(json.dumps(entry).encode())
     return digest.hexdigest()
 
 
