@@ -253,13 +253,15 @@ def _run_locked(
             _refuse_progress_without_manifest(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix (a run that stopped before its first shard)
+    saved = manifest is not None and manifest.settings == record and not manifest.journaled
     if manifest is not None:
         manifest.check_fingerprint(fp, record, store.url)
         manifest.settings = record
     claim_output(store, spec.name, fp, owner)
     if manifest is None:
         manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
-    manifest.save(store)
+    if not saved:  # (a rerun with nothing new rewrote it whole: 0.7 s, 7 MB at 30k shards)
+        manifest.save(store)
     try:
         return _run_owned(spec, cfg, store, manifest, report, start, cancel,
                           progress_interval_s, on_progress)  # fmt: skip
