@@ -271,3 +271,26 @@ def test_the_dry_run_refuses_another_jobs_output_as_a_run_does(
     other = JobSpec.from_dict(job_dict(tiny_model, src, out, name="other"))
     with pytest.raises(OutputOwnedError, match="first"):
         dry_run(other)
+
+
+def test_the_dry_run_refuses_what_a_sliding_window_refuses(tmp_path: Path) -> None:
+    """A model whose attention slides over a window shorter than its context runs prompts
+    up to the window (the engine does not implement the slide); the dry run measured them
+    against the whole context and passed rows every run then failed."""
+    from tests.tiny_models import save_tiny_model
+    from tokenmill import run_job
+    from tokenmill.jobs.dry_run import dry_run
+    from tokenmill.jobs.spec import JobSpec
+
+    model = save_tiny_model(
+        "mistral", tmp_path / "m", sliding_window=48, max_position_embeddings=1024
+    )
+    rows = [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 80}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = job_dict(model, src, tmp_path / "out")
+    spec["input"] = {"path": str(src)}
+    dry = dry_run(JobSpec.model_validate(spec))
+    assert (dry.rows, dry.bad_rows) == (2, 1)
+    assert dry.bad_examples[0][0] == "long"
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (1, 1)  # what the run refuses too

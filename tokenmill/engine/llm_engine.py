@@ -62,7 +62,7 @@ from tokenmill.engine.loader import ModelSource, resolve_model_source
 from tokenmill.engine.loader.checkpoint_quant import layer_quantization
 from tokenmill.engine.loader.gguf_blocks import BLOCK_TYPES, NATIVE_TYPES
 from tokenmill.engine.loader.safetensors_loader import load_hf_config
-from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.model_config import context_limit
 from tokenmill.engine.model_loader import build_model
 from tokenmill.engine.model_output import ModelOutput
 from tokenmill.engine.model_runner import ModelRunner, PreparedStep, kv_bytes_per_block
@@ -138,7 +138,7 @@ class LLMEngine:
             self.policy = SpeculationPolicy(probe_drafts_every=50 if async_scheduling else 10)
         self.dtype = config.resolve_dtype(self.model_config, self.device)
         mc = self.model_config
-        max_len, self._max_len_why = _context_limit(mc)
+        max_len, self._max_len_why = context_limit(mc)
         if config.max_model_len is not None and config.max_model_len > max_len:
             log.warning(
                 "max_model_len %d lowered to %d: %s", config.max_model_len, max_len,
@@ -709,17 +709,6 @@ class LLMEngine:
                 prompt_lps = self._prompt_logprobs.pop(req.request_id)
             items.append(Finished(req, tracked.detokenizer, tracked.logprobs, prompt_lps))
         self._outputs.submit(items)
-
-
-def _context_limit(mc: ModelConfig) -> tuple[int, str]:
-    """The longest sequence the model runs exactly here, and why: its context, or its
-    sliding attention window (not implemented: within it full attention is the same)."""
-    if mc.sliding_window is not None and mc.sliding_window < mc.max_position_embeddings:
-        return mc.sliding_window, (
-            f"the model's attention slides over windows of {mc.sliding_window} tokens, which "
-            "this engine does not implement; within one window its outputs are exact"
-        )
-    return mc.max_position_embeddings, "the model's context (max_position_embeddings)"
 
 
 def _linear_weights(source: ModelSource | None, quantization: str, dtype: torch.dtype) -> str:

@@ -291,3 +291,14 @@ def _sliding_window(cfg: dict[str, Any], arch: str, where: str = "") -> int | No
         if not sliding:
             return None
     return int(window)
+
+
+def context_limit(mc: ModelConfig) -> tuple[int, str]:
+    """The longest sequence the model runs exactly here, and why: its context, or its
+    sliding attention window (not implemented: within it full attention is the same)."""
+    if mc.sliding_window is not None and mc.sliding_window < mc.max_position_embeddings:
+        return mc.sliding_window, (
+            f"the model's attention slides over windows of {mc.sliding_window} tokens, which "
+            "this engine does not implement; within one window its outputs are exact"
+        )
+    return mc.max_position_embeddings, "the model's context (max_position_embeddings)"

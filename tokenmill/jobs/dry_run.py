@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.loader import resolve_model_source
-from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.model_config import ModelConfig, context_limit
 from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
@@ -173,7 +173,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     source = resolve_model_source(spec.model.source)
     tokenizer = source.load_tokenizer()
     config = source.load_config()
-    max_len = config.max_position_embeddings
+    max_len, _ = context_limit(config)  # as the engine: a sliding window bounds it
     if spec.engine.max_model_len is not None:
         max_len = min(max_len, spec.engine.max_model_len)
     report = DryRunReport(job=spec.name, block_size=spec.engine.block_size)
