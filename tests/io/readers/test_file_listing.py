@@ -120,7 +120,7 @@ def test_a_folder_named_metadata_is_not_a_table(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in found] == ["notes.json", "part-0.jsonl"]
 
 
-def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog):
+def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog, monkeypatch):
     """A ** glob kept .ipynb_checkpoints/ (a stale copy of the data) and Spark's _temporary/,
     which a folder input leaves out: it still does, and the checks before a run say so."""
     for name in ["part-0.jsonl", ".ipynb_checkpoints/part-0-checkpoint.jsonl"]:
@@ -132,6 +132,12 @@ def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog):
         warn_hidden_matches(cfg, found)
     assert "matches 1 file(s) below a name starting with '.' or '_'" in caplog.text
     assert ".ipynb_checkpoints/part-0-checkpoint.jsonl" in caplog.text
+    caplog.clear()
+    monkeypatch.chdir(tmp_path.parent)  # a relative pattern: its matches are absolute paths
+    cfg = InputConfig(path=f"{tmp_path.name}/**/*.jsonl")
+    with caplog.at_level("WARNING"):
+        warn_hidden_matches(cfg, list_input_files(cfg))
+    assert "matches 1 file(s) below a name starting with '.' or '_'" in caplog.text
     caplog.clear()
     cfg = InputConfig(path=str(tmp_path / "*.jsonl"))
     with caplog.at_level("WARNING"):

@@ -101,17 +101,18 @@ def warn_hidden_matches(cfg: InputConfig, files: list[str]) -> None:
     or names starting with "." or "_" (``.ipynb_checkpoints/`` with a stale copy, Spark's
     ``_temporary/``): a glob keeps them, where a folder input, Python's glob and
     pyarrow.dataset leave them out."""
-    shown, pattern = cfg.path, cfg.path
+    fs, pattern = resolve(cfg.path, cfg.storage_options)  # as list_input_files matched it
     if not any(c in pattern for c in "*?["):
         return
     fixed = pattern[: min(pattern.find(c) for c in "*?[" if c in pattern)].rpartition("/")[0]
-    hidden = [p for p in files if p.startswith(fixed) and _hidden(p[len(fixed) :])]
+    paths = [fs._strip_protocol(f) for f in files]  # (a relative path's files are absolute)
+    hidden = [p for p in paths if p.startswith(fixed) and _hidden(p[len(fixed) :])]
     if hidden:
         log.warning(
             "input.path %r matches %d file(s) below a name starting with '.' or '_' (e.g. "
             "%s), and reads them: a folder input leaves such files out; narrow the pattern "
             "if they are not data",
-            shown,
+            cfg.path,
             len(hidden),
             hidden[0],
         )
