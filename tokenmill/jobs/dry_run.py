@@ -28,7 +28,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import check_claimable
-from tokenmill.jobs.preflight import check_up_front, listed_input, output_schema
+from tokenmill.jobs.preflight import check_up_front, output_schema
 from tokenmill.jobs.progress import format_duration
 from tokenmill.jobs.prompt_stats import PromptStats
 from tokenmill.jobs.ready_rows import RowPreparer
@@ -159,8 +159,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     """Read, check and tokenize every row as a run would; write nothing. Raises JobSpecError
     for what a run would refuse up front (output location, input, model), and JobInterrupted
     once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once)."""
-    check_up_front(spec)
-    cfg = listed_input(spec)  # the files the verdicts below all see
+    cfg = check_up_front(spec)  # with the files the verdicts below all see
     fingerprint = fingerprint_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it

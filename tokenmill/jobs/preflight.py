@@ -12,17 +12,12 @@ with every row in the error file.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
-from tokenmill.io.readers import (
-    InputConfig,
-    detect_format,
-    list_input_files,
-    passthrough_schema,
-    pinned,
-)
+from tokenmill.io.readers import InputConfig, detect_format, list_input_files, passthrough_schema
 from tokenmill.io.readers.file_listing import warn_hidden_matches
 from tokenmill.io.readers.format_detection import LOOK_AT_FILES
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN
@@ -52,10 +47,11 @@ def input_config(spec: JobSpec) -> InputConfig:
     )
 
 
-def check_up_front(spec: JobSpec) -> str:
+def check_up_front(spec: JobSpec) -> InputConfig:
     """Everything a run checks before taking the lock or loading weights: where it may write
     (``check_output_location``, ``check_output_outside_model``) and what it reads
-    (``check_input``). Returns the input's format; raises JobSpecError naming the key."""
+    (``check_input``). Returns the input config with its files as listed for the checks
+    (``InputConfig.files``); raises JobSpecError naming the key."""
     for key, url in (("input.path", spec.input.path), ("output.path", spec.output.path)):
         refusal = url_credentials_refusal(key, url)
         if refusal is not None:
@@ -89,9 +85,13 @@ def _refused(exc: BaseException) -> bool:
     return getattr(exc, "status", None) in (401, 403, 404)
 
 
-def check_input(spec: JobSpec) -> str:
-    """The input's format, after checking that the spec can read it and write its output.
-    Raises JobSpecError naming the key (input.path, output.format, input.prompt_column, ...)."""
+def check_input(spec: JobSpec) -> InputConfig:
+    """The job's input config with its files listed once (``InputConfig.files``: a run's
+    fingerprint, row count, schema and reads all take that listing; a folder filling
+    meanwhile made a run read files its fingerprint did not hold, and every rerun then
+    refused as "the input changed"), after checking that the spec can read the input and
+    write its output. Raises JobSpecError naming the key (input.path, output.format,
+    input.prompt_column, ...)."""
     try:
         cfg = input_config(spec)
     except ValueError as exc:
@@ -136,7 +136,7 @@ def check_input(spec: JobSpec) -> str:
         _check_parquet_columns(_first_with_rows(files, cfg), cfg, spec.output.format != "parquet")
     elif fmt == "jsonl":
         _check_jsonl_columns(files, cfg)
-    return fmt
+    return replace(cfg, files=tuple(files))
 
 
 _ABSENT_PASSTHROUGH = (
@@ -221,7 +221,7 @@ def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> Non
     )
 
 
-def output_schema(spec: JobSpec, cfg: InputConfig | None = None) -> OutputSchema | None:
+def output_schema(spec: JobSpec, cfg: InputConfig) -> OutputSchema | None:
     """The Parquet schema every shard of ``spec`` is written with (None for JSONL and OpenAI
     Batch output): passthrough types from the input (``passthrough_schema``), decided before
     the first shard, and the prompt_logprobs / logprobs column when ``sampling.prompt_logprobs``
@@ -231,7 +231,7 @@ def output_schema(spec: JobSpec, cfg: InputConfig | None = None) -> OutputSchema
     if spec.output.format != "parquet":
         return None
     try:
-        schema = passthrough_schema(cfg or input_config(spec))
+        schema = passthrough_schema(cfg)
         if spec.sampling.prompt_logprobs is not None:
             schema = schema.with_prompt_logprobs()
         if spec.sampling.logprobs is not None:
@@ -246,21 +246,3 @@ def input_error(exc: Exception) -> JobSpecError:
     message names its key itself."""
     message = str(exc)
     return JobSpecError(message if message.startswith("input.") else f"input.path: {message}")
-
-
-def listed_input(spec: JobSpec) -> InputConfig:
-    """The job's input config with its files listed now (``pinned``: a run's fingerprint,
-    row count, schema and reads all see these); a listing that fails (the files gone since
-    the checks a moment ago, the store out of reach) is named as the checks name it."""
-    try:
-        return pinned(input_config(spec))
-    except (FileNotFoundError, ValueError) as exc:
-        raise input_error(exc) from None
-    except JobInterrupted:
-        raise
-    except Exception as exc:
-        raise store_failure(
-            f"input.path {spec.input.path!r}",
-            exc,
-            "input.storage_options (endpoint_url, credentials)",
-        ) from None

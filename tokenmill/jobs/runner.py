@@ -57,7 +57,6 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import (
     check_up_front,
     input_config,
-    listed_input,
     output_schema,
     store_failure,
 )
@@ -99,10 +98,10 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
     return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
-def settings_of(spec: JobSpec, cfg: InputConfig | None = None) -> JobSettings:
-    """What the job's fingerprint covers (the input's files as ``cfg`` lists them: default,
-    as listed now). Raises JobSpecError naming model.source when the model cannot be found,
-    and sampling.logit_bias when it names ids past the model's vocabulary (a check only the
+def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
+    """What the job's fingerprint covers (the input's files as ``cfg`` lists them). Raises
+    JobSpecError naming model.source when the model cannot be found, and
+    sampling.logit_bias when it names ids past the model's vocabulary (a check only the
     model can make)."""
     try:
         source = resolve_model_source(spec.model.source)
@@ -119,8 +118,7 @@ def settings_of(spec: JobSpec, cfg: InputConfig | None = None) -> JobSettings:
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    input_files = input_fingerprint(cfg or input_config(spec))
-    settings = job_settings(spec, source.path, template, input_files)
+    settings = job_settings(spec, source.path, template, input_fingerprint(cfg))
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
     return settings
@@ -165,7 +163,7 @@ def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
 
 
-def fingerprint_of(spec: JobSpec, cfg: InputConfig | None = None) -> str:
+def fingerprint_of(spec: JobSpec, cfg: InputConfig) -> str:
     return fingerprint(settings_of(spec, cfg))
 
 
@@ -192,7 +190,7 @@ def run_job(
     progress (unless ``fresh``). Per-row problems never raise: they go to the error files.
     """
     spec = coerce_spec(spec)
-    check_up_front(spec)
+    cfg = check_up_front(spec)
     store, lock = open_output(spec)
     try:
         lock.acquire()
@@ -207,7 +205,7 @@ def run_job(
         raise
     try:
         shown = progress_interval_s if show_progress else None
-        return _run_locked(spec, store, fresh, cancel or threading.Event(), shown, on_progress)
+        return _run_locked(spec, cfg, store, fresh, cancel or threading.Event(), shown, on_progress)
     finally:
         lock.release()
 
@@ -227,6 +225,7 @@ def _reachable(store: OutputStore, check: Any) -> Any:
 
 def _run_locked(
     spec: JobSpec,
+    cfg: InputConfig,
     store: OutputStore,
     fresh: bool,
     cancel: threading.Event,
@@ -238,11 +237,7 @@ def _run_locked(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
     )
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
-    # The input's files, listed once: the fingerprint, the row count, the schema and the
-    # reads all see these (a folder filling meanwhile made a run read files its fingerprint
-    # did not hold, and every rerun then refused as "the input changed").
-    cfg = listed_input(spec)
-    settings = settings_of(spec, cfg)
+    settings = settings_of(spec, cfg)  # over the files the checks listed (check_input)
     fp, record = fingerprint(settings), settings_record(settings)
     if fresh:
         discard_progress(store, spec.name)

@@ -5,7 +5,7 @@ for row in iter_input_rows(cfg):   # streams; row.error set on bad rows
     ...
 """
 
-from tokenmill.io.readers.file_listing import list_input_files, pinned
+from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import FORMATS, InputConfig
 from tokenmill.io.readers.input_fingerprint import input_fingerprint
@@ -20,5 +20,4 @@ __all__ = [
     "iter_input_rows",
     "list_input_files",
     "passthrough_schema",
-    "pinned",
 ]

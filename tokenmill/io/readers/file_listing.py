@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any
 
 from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
@@ -30,7 +29,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     files are a Delta Lake or Iceberg table's (a folder with ``_delta_log/`` or
     ``metadata/*.metadata.json`` holds them, or is below the path): its Parquet files hold
     rows the table has deleted or replaced since. A config with ``files`` (listed once for
-    a run: ``pinned``) gives those.
+    a run: ``preflight.check_input``) gives those.
     """
     if cfg.files is not None:
         return list(cfg.files)
@@ -65,11 +64,6 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     if has_protocol(cfg.path):
         paths = [fs.unstrip_protocol(p) for p in paths]
     return sorted(paths)
-
-
-def pinned(cfg: InputConfig) -> InputConfig:
-    """``cfg`` with its files listed now, for every later use of it to see the same ones."""
-    return replace(cfg, files=tuple(list_input_files(cfg)))
 
 
 def display_names(files: list[str]) -> list[str]:

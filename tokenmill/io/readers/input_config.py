@@ -21,8 +21,9 @@ class InputConfig:
     names a column of plain rows holding each row's own output constraint (null: the job's
     ``sampling.structured_output``); see plain_rows.py. ``storage_options`` go to fsspec
     (``endpoint_url``, credentials, ...) and never into the input fingerprint. ``files``: the
-    input's files as listed once for a run (``pinned``), so that its fingerprint and its
-    reads see the same files while a folder fills; None: listed from ``path`` at each use.
+    input's files as listed once for a run (``preflight.check_input``), so that its
+    fingerprint and its reads see the same files while a folder fills; None: listed from
+    ``path`` at each use.
     Raises ValueError naming the key when a value is invalid.
     """
 
