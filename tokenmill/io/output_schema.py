@@ -49,6 +49,7 @@ __all__ = [
     "strict_json",
     "json_text_field",
     "storable_type",
+    "zones_in_utc",
 ]
 
 FIXED_SCHEMA = pa.schema(
@@ -368,11 +369,17 @@ def _fit_check(f: pa.Field) -> Callable[[Any], bool]:
 
 
 def _in_python(array: pa.Array) -> list[Any]:
-    """``array``'s values in Python, zoned timestamps in UTC: the same instants (which
-    compare equal), also where the zone's local time is past what Python holds."""
+    """``array``'s values in Python, zoned timestamps in UTC (``zones_in_utc``)."""
+    return zones_in_utc(array).to_pylist()
+
+
+def zones_in_utc(array: pa.Array) -> pa.Array:
+    """``array``, a zoned timestamp one cast to UTC: the same instants (which compare equal
+    in Python), whose local times Python holds where it may not hold the zone's
+    (9999-12-31T23:59:59Z, the usual open end, is in year 10000 in Berlin)."""
     if pa.types.is_timestamp(array.type) and array.type.tz is not None:
-        array = array.cast(pa.timestamp(array.type.unit, "UTC"))
-    return array.to_pylist()
+        return array.cast(pa.timestamp(array.type.unit, "UTC"))
+    return array
 
 
 def _python_check(dtype: pa.DataType) -> Callable[[Any], bool] | None:

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.io.output_schema import zones_in_utc
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.readers.record import Record
 from tokenmill.io.readers.storage import resolve
@@ -137,7 +138,9 @@ def _records(batch: pa.RecordBatch, start: int) -> list[Record]:
         except _UNCONVERTIBLE:
             pass
         try:  # a zoned timestamp whose local time is past year 9999 (or before 1): in UTC
-            records.append(Record(start + i, value=_zones_in_utc(row).to_pylist()[0]))
+            in_utc = [zones_in_utc(c) for c in row.columns]
+            utc_row = pa.RecordBatch.from_arrays(in_utc, names=row.schema.names)
+            records.append(Record(start + i, value=utc_row.to_pylist()[0]))
         except _UNCONVERTIBLE:
             records.append(Record(start + i, value=_convertible(row), error=_unconvertible(row)))
     return records
@@ -153,19 +156,6 @@ def _convertible(row: pa.RecordBatch) -> dict[str, Any]:
         except _UNCONVERTIBLE:
             value[name] = None
     return value
-
-
-def _zones_in_utc(row: pa.RecordBatch) -> pa.RecordBatch:
-    """``row`` with its zoned timestamp columns in UTC: the same instants, whose local times
-    Python may hold where it cannot hold the zone's (9999-12-31T23:59:59Z, the usual open
-    end, is in year 10000 in Berlin)."""
-    columns = [
-        c.cast(pa.timestamp(c.type.unit, "UTC"))
-        if pa.types.is_timestamp(c.type) and c.type.tz is not None
-        else c
-        for c in row.columns
-    ]
-    return pa.RecordBatch.from_arrays(columns, schema=None, names=row.schema.names)
 
 
 _UNCONVERTIBLE = (OverflowError, ValueError, NotImplementedError, pa.ArrowException)
