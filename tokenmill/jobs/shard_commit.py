@@ -74,9 +74,9 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     them), then deleted the same way. Only names of the job's own shard pattern are touched.
     """
     emptied = {
-        index: _without_empty_files(record)
+        index: kept
         for index, record in manifest.shards.items()
-        if _without_empty_files(record) != record
+        if (kept := _without_empty_files(record)) != record
     }
     if emptied:
         manifest.shards.update(emptied)
