@@ -78,7 +78,7 @@ from tokenmill.engine.structured_output import GrammarStats, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-LOOKAHEAD_ROWS = 16  # the batches Lookahead's per-row host work suits (spec_decode/lookahead.py)
+LOOKAHEAD_ROWS = 16  # the batches Lookahead's trees suit (spec_decode/lookahead.py)
 
 
 @dataclass
@@ -114,9 +114,9 @@ class LLMEngine:
             proposer = build_proposer(config.speculative)
         if config.speculative.method == "lookahead" and config.max_num_seqs > LOOKAHEAD_ROWS:
             log.warning(
-                "speculative.method lookahead with max_num_seqs %d: its host work is Python "
-                "per row a step and per token of each finished output, several ms a step at "
-                "hundreds of rows; it is for batches of up to %d (suffix or auto fit larger)",
+                "speculative.method lookahead with max_num_seqs %d: each row's step carries "
+                "its whole tree of drafts (tens of tokens), which costs the GPU at hundreds "
+                "of rows; it is for batches of up to %d (suffix or auto fit larger)",
                 config.max_num_seqs,
                 LOOKAHEAD_ROWS,
             )

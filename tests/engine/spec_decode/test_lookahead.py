@@ -27,7 +27,7 @@ def test_window_tokens_see_their_diagonal() -> None:
     proposer = LookaheadProposer(ngram=4, window=5, candidates=2)
     slots = _slots([9, 8, 7, 6])
     tree = proposer.propose(slots, np.array([0]))
-    base = proposer._rows[0].base
+    base = int(proposer.bases[0])
     assert base == 1  # no candidates yet: the window starts right after t
     parents = tree.parents[0]
     w = 5
@@ -89,17 +89,15 @@ def test_window_samples_become_grams_and_the_next_iterate() -> None:
     slots = _slots([40, 41, 42, 43])
     rows = np.array([0])
     tree = proposer.propose(slots, rows)
-    row = proposer._rows[0]
-    window = row.window.copy()  # [2, 2]
+    window = proposer.windows[0].copy()  # [2, 2]
     k = int((tree.tokens[0] >= 0).sum())
-    assert k == 4 and row.base == 1
+    assert k == 4 and proposer.bases[0] == 1
     sampled = np.array([[70, 71, 72, 73, 74]])  # t, (0,0), (0,1), (1,0), (1,1)
     proposer.observe_samples(slots, rows, sampled, np.array([5]))
     for j in range(2):
         gram = [int(window[0, j]), int(window[1, j]), 73 + j]
-        conts = [c.tolist() for c in proposer._pool[gram[0]].values()]
-        assert gram[1:] in conts
-    assert row.window.tolist() == [window[1].tolist(), [73, 74]]
+        assert gram[1:] in proposer.pool.continuations(gram[0])
+    assert proposer.windows[0].tolist() == [window[1].tolist(), [73, 74]]
     # a row whose last token is a gram's key gets it as its first candidate
     slots.token_ids[0, 4] = int(window[0, 1])
     slots.num_tokens[0] = 5
@@ -118,11 +116,87 @@ def test_prompt_lookup_is_a_candidate() -> None:
 
 def test_finished_outputs_feed_the_pool_for_other_rows() -> None:
     """A job's rows share the pool: a finished row's n-grams are candidates for another row
-    whose last token starts one; the pool keeps at most pool_keys keys."""
-    proposer = LookaheadProposer(ngram=3, window=1, candidates=2, pool_keys=4)
+    whose last token starts one; the pool holds pool_keys key places (a key's: key %
+    pool_keys), a key taking its place from another."""
+    proposer = LookaheadProposer(ngram=3, window=1, candidates=2, pool_keys=10)
     proposer.observe([[50, 51, 52, 53, 54, 55]])  # grams 50-51-52, 51-52-53, .. 53-54-55
     slots = _slots([7, 8, 9, 52])
     tree = proposer.propose(slots, np.array([0]))
     assert tree.tokens[0, :2].tolist() == [53, 54]  # the gram after 52, first
-    proposer.observe([[60, 61, 62]])  # a fifth key: the least recently fed (50) goes
-    assert 50 not in proposer._pool and 60 in proposer._pool and len(proposer._pool) == 4
+    proposer.observe([[60, 61, 62]])  # 60 takes 50's place (both at 0)
+    assert 50 not in proposer.pool and proposer.pool.continuations(60) == [[61, 62]]
+    assert proposer.pool.continuations(51) == [[52, 53]]
+
+
+def _tree_of_one_row(
+    proposer: LookaheadProposer, chains: list[list[int]], window: np.ndarray
+) -> tuple[list[int], list[int]]:
+    """A row's tree built one draft at a time: its candidate chains under t, then its
+    window's (l, j) under (l-1, j), or under (0, j-1) and t on level 0."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    for chain in chains[: proposer.candidates]:
+        for k, token in enumerate(chain):
+            parents.append(0 if k == 0 else len(tokens))  # step index of the draft before
+            tokens.append(token)
+    base = len(tokens) + 1
+    for level in range(proposer.levels):
+        for column in range(proposer.width):
+            step = base + level * proposer.width + column
+            if level:
+                parents.append(step - proposer.width)
+            else:
+                parents.append(0 if column == 0 else step - 1)
+            tokens.append(int(window[level, column]))
+    pad = proposer.max_drafts - len(tokens)
+    return tokens + [-1] * pad, parents + [0] * pad
+
+
+def test_rows_of_a_step_get_the_trees_they_would_get_alone() -> None:
+    """Rows with a prompt match, pool continuations, both or neither, proposed together:
+    each row's tree is what a draft-by-draft build of its own candidates and window gives."""
+    proposer = LookaheadProposer(ngram=3, window=2, candidates=3, seed=3)
+    proposer.observe([[30, 31, 32, 30, 33, 34, 9, 35, 36]])  # 30 -> (31 32), (33 34); 9 -> ..
+    prompts = [[5, 6, 7, 5, 6], [1, 2, 30], [1, 2, 3], [9, 1, 9, 1, 9]]
+    slots = BatchSlots(capacity=6, max_model_len=64, block_size=16)
+    rows = np.array([4, 0, 2, 5])
+    for slot, prompt in zip(rows.tolist(), prompts, strict=True):
+        slots.token_ids[slot, : len(prompt)] = prompt
+        slots.num_tokens[slot] = slots.num_prompt[slot] = len(prompt)
+        slots.requests[slot] = _Req()
+    tree = proposer.propose(slots, rows)
+    matches = {4: [[7, 5]], 0: [], 2: [], 5: [[1, 9]]}  # what followed an earlier 5 6 / 9
+    for i, slot in enumerate(rows.tolist()):
+        last = int(slots.token_ids[slot, slots.num_tokens[slot] - 1])
+        chains = matches[slot] + proposer.pool.continuations(last)
+        want = _tree_of_one_row(proposer, chains, proposer.windows[slot])
+        assert (tree.tokens[i].tolist(), tree.parents[i].tolist()) == want, slot
+    assert proposer.pool.continuations(30) == [[33, 34], [31, 32]]
+    # a window is made of the row's own prompt tokens
+    for slot, prompt in zip(rows.tolist(), prompts, strict=True):
+        assert set(proposer.windows[slot].reshape(-1).tolist()) <= set(prompt)
+
+
+def test_samples_move_only_the_rows_that_drafted_whole_windows() -> None:
+    """observe_samples moves the window of a row whose tree was verified whole; a row cut
+    short (fewer step tokens than its tree) or one a new request took meanwhile keeps its
+    window and adds no gram."""
+    proposer = LookaheadProposer(ngram=3, window=2, candidates=0, seed=0)
+    slots = BatchSlots(capacity=3, max_model_len=64, block_size=16)
+    for slot in range(3):
+        slots.token_ids[slot, :4] = [10 + slot, 20 + slot, 30 + slot, 40 + slot]
+        slots.num_tokens[slot] = slots.num_prompt[slot] = 4
+        slots.requests[slot] = _Req()
+    rows = np.arange(3)
+    proposer.propose(slots, rows)
+    before = proposer.windows.copy()
+    slots.requests[2] = _Req()  # another request took slot 2
+    sampled = np.arange(100, 115).reshape(3, 5)  # t, (0,0), (0,1), (1,0), (1,1)
+    proposer.observe_samples(slots, rows, sampled, np.array([5, 3, 5]))
+    assert proposer.windows[0].tolist() == [before[0, 1].tolist(), [103, 104]]
+    assert (proposer.windows[1:] == before[1:]).all()
+    assert (proposer.bases[:2] == 0).all()
+    grams = {int(before[0, 0, j]): [int(before[0, 1, j]), 103 + j] for j in range(2)}
+    for key, cont in grams.items():
+        assert cont in proposer.pool.continuations(key)
+    assert not any(int(before[1, 0, j]) in proposer.pool for j in range(2))

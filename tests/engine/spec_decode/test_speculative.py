@@ -372,8 +372,8 @@ def test_the_proposers_learning_counts_in_its_host_time() -> None:
 def test_lookahead_at_a_large_batch_is_warned_about(
     model_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Lookahead's host work is Python per row and per finished output token (9.6 ms a
-    step at 256 rows on this CPU): past 16 rows the engine says so."""
+    """Lookahead's step carries its whole tree a row (30 drafts at the defaults), which
+    costs the GPU at hundreds of rows: past 16 rows the engine says so."""
     with caplog.at_level("WARNING", logger="tokenmill.engine.llm_engine"):
         _llm(model_path, "lookahead", max_num_seqs=16)
         assert "lookahead" not in caplog.text

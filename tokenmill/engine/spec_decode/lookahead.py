@@ -20,42 +20,33 @@ lower levels: a diagonal trajectory. The token sampled there continues that traj
 
     gram j = window[0, j], window[1, j], .., window[L-1, j], sample(L-1, j)  (N = L + 1)
 
-Each step adds W such grams to the pool (key: the first token; the newest G continuations
-of a key kept), then the window moves one level down and its top level becomes the top
-level's samples (the next Jacobi iterate). The pool is the engine's, shared by all rows (a
-job's rows often say the same things), bounded to ``pool_keys`` keys (the least recently
-fed go first), and the outputs of finished rows feed it too (``observe``).
+Each step adds W such grams to the pool (key: the first token; the newest G distinct
+continuations of a key kept, spec_decode/gram_pool.py), then the window moves one level down
+and its top level becomes the top level's samples (the next Jacobi iterate). The pool is
+the engine's, shared by all rows (a job's rows often say the same things), bounded to
+``pool_keys`` key places (a key takes its place from another), and the outputs of finished
+rows feed it too (``observe``).
 
 Candidates and window are verified alike: the row keeps the path its samples follow
 through the tree, so output is exactly the target's. A new row's window starts from random
 tokens of its prompt.
 
-Per-row numpy work, meant for small batches, where a step has room for W*L + G*L extra
-tokens a row at about a plain step's cost (a GPU's memory-bound decode); it drafts on every
-step it is chosen for.
+Every step's work is numpy over all its rows at once (windows [C, L, W] by slot), no loop
+over rows or tokens. It suits small batches all the same: a step carries W*L + G*L extra
+tokens a row, which cost about nothing only while a GPU's decode is memory-bound; it drafts
+on every step it is chosen for.
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.core.draft_tree import MAX_TREE_DRAFTS, DraftTree
+from tokenmill.engine.spec_decode.gram_pool import GramPool
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 
 __all__ = ["LookaheadProposer"]
-
-
-@dataclass
-class _Row:
-    """One request's window [L, W] and where it sat in the last step's tree (0: none)."""
-
-    request: object
-    window: np.ndarray
-    base: int = 0
 
 
 class LookaheadProposer:
@@ -67,7 +58,7 @@ class LookaheadProposer:
         window: int = 5,
         candidates: int = 5,
         seed: int = 0,
-        pool_keys: int = 1 << 16,
+        pool_keys: int = 1 << 18,
     ) -> None:
         levels = ngram - 1
         if levels < 1 or window < 1 or candidates < 0:
@@ -85,42 +76,56 @@ class LookaheadProposer:
         self.candidates = candidates
         self.max_drafts = (window + candidates) * levels
         self._rng = np.random.default_rng(seed)
-        self._rows: dict[int, _Row] = {}  # by slot
+        # By slot, allocated at the first step (BatchSlots' capacity): the window [L, W],
+        # the request it belongs to, and the step index of its (0, 0) in the last tree.
+        self.windows = np.zeros((0, levels, window), dtype=np.int64)
+        self.bases = np.zeros(0, dtype=np.int64)
+        self._owner = np.empty(0, dtype=object)
         self._lookup = NgramProposer(levels) if candidates else None
-        # first token -> its continuations [L] (newest last); keys in order of last feeding
-        self._pool: OrderedDict[int, OrderedDict[bytes, np.ndarray]] = OrderedDict()
-        self.pool_keys = pool_keys
+        self.pool = GramPool(levels, max(candidates, 1), pool_keys)
+        # The tree's fixed parts: a candidate chain's parents (its first hangs under t),
+        d = np.arange(candidates * levels)
+        self._chain_parents = np.where(d % levels == 0, 0, d)
+        # and a window token's parent, as steps back from its own step index (0: under t)
+        level, column = np.divmod(np.arange(levels * window), window)
+        self._window_at = np.arange(levels * window)
+        self._window_back = np.where(level == 0, 1, window)
+        self._under_t = (level == 0) & (column == 0)
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> DraftTree:
-        """A tree per row in ``rows`` (slots): the pool's candidates for its last token,
-        then its window (see the top)."""
-        lv, w = self.levels, self.width
+        """A tree per row in ``rows`` (slots): its candidates for its last token, then its
+        window (see the top)."""
+        lv, g = self.levels, self.candidates
         rows = np.asarray(rows, dtype=np.int64)
-        tokens = np.full((len(rows), self.max_drafts), -1, dtype=np.int64)
-        parents = np.zeros((len(rows), self.max_drafts), dtype=np.int64)
-        looked_up = None if self._lookup is None else self._lookup.propose(slots, rows)
-        for i, slot in enumerate(rows.tolist()):
-            row = self._row(slots, slot)
-            n = int(slots.num_tokens[slot])
-            last = int(slots.token_ids[slot, n - 1])
-            conts = list(self._pool.get(last, {}).values())[::-1]
-            if looked_up is not None and looked_up[i, 0] >= 0:  # what followed a match
-                conts.insert(0, looked_up[i][looked_up[i] >= 0])
-            at = 0  # the next free draft index
-            for cont in conts[: self.candidates]:  # chains under t
-                m = len(cont)
-                tokens[i, at : at + m] = cont
-                parents[i, at : at + m] = at + np.arange(m)
-                parents[i, at] = 0
-                at += m
-            base = at + 1  # the window's first step index
-            tokens[i, at : at + lv * w] = row.window.reshape(-1)
-            idx = base + np.arange(lv * w)  # step index of (l, j): base + l*W + j
-            level, column = np.divmod(idx - base, w)
-            parents[i, at : at + lv * w] = np.where(
-                level == 0, np.where(column == 0, 0, idx - 1), idx - w
+        r = len(rows)
+        self._start_rows(slots, rows)
+        tokens = np.full((r, self.max_drafts), -1, dtype=np.int64)
+        parents = np.zeros((r, self.max_drafts), dtype=np.int64)
+        at = np.zeros(r, dtype=np.int64)  # drafts taken by candidates: the window goes next
+        if g:
+            n = slots.num_tokens[rows].astype(np.int64)
+            last = slots.token_ids[rows, n - 1].astype(np.int64)
+            pooled, real = self.pool.lookup(last)  # [R, G, L] newest first, [R, G]
+            looked_up = self._lookup.propose(slots, rows)  # [R, L]: a match's continuation
+            found = looked_up[:, 0] >= 0
+            # the match's continuation first where there is one, then the pool's (its real
+            # ones come first)
+            chains = np.where(
+                found[:, None, None],
+                np.concatenate([looked_up[:, None, :], pooled[:, : g - 1]], axis=1),
+                pooled,
             )
-            row.base = base
+            count = np.minimum(found + real.sum(axis=1), g)
+            used = np.repeat(np.arange(g)[None, :] < count[:, None], lv, axis=1)  # [R, G*L]
+            tokens[:, : g * lv] = np.where(used, chains.reshape(r, g * lv), -1)
+            parents[:, : g * lv] = np.where(used, self._chain_parents, 0)
+            at = count * lv
+        base = at + 1  # the window's first step index
+        idx = at[:, None] + self._window_at  # [R, L*W] draft indices of (l, j), l*W + j
+        parent = np.where(self._under_t, 0, idx + 1 - self._window_back)  # step index = idx + 1
+        tokens[np.arange(r)[:, None], idx] = self.windows[rows].reshape(r, -1)
+        parents[np.arange(r)[:, None], idx] = parent
+        self.bases[rows] = base
         return DraftTree(tokens, parents)
 
     def observe_samples(
@@ -129,51 +134,47 @@ class LookaheadProposer:
         """What each drafted row ([R] slots) sampled at its step tokens ([R, M], ``counts``
         of them): grams from the window's top level into the pool, then the window moves."""
         lv, w = self.levels, self.width
-        for i, slot in enumerate(np.asarray(rows).tolist()):
-            row = self._rows.get(slot)
-            if row is None or row.base == 0 or row.request is not slots.requests[slot]:
-                continue
-            top = row.base + (lv - 1) * w  # step index of (L-1, 0)
-            if counts[i] < top + w:  # the tree was cut short (near max_tokens)
-                row.base = 0
-                continue
-            new = np.asarray(sampled[i, top : top + w], dtype=np.int64)
-            grams = np.vstack([row.window, new[None, :]])  # [L + 1, W]: a gram per column
-            for j in range(w):
-                self._remember(int(grams[0, j]), grams[1:, j])
-            row.window = np.vstack([row.window[1:], new[None, :]])
-            row.base = 0
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows) or len(self.bases) < slots.capacity:
+            return
+        mine = (self.bases[rows] > 0) & (self._owner[rows] == slots.requests[rows])
+        top = self.bases[rows] + (lv - 1) * w  # step index of (L-1, 0)
+        whole = mine & (np.asarray(counts) >= top + w)  # not cut short (near max_tokens)
+        self.bases[rows[mine]] = 0
+        if not whole.any():
+            return
+        at = rows[whole]
+        new = np.take_along_axis(np.asarray(sampled)[whole], top[whole, None] + np.arange(w), 1)
+        window = self.windows[at]  # [R', L, W]
+        grams = np.concatenate([window, new[:, None, :]], axis=1)  # [R', L + 1, W]: a column each
+        grams = grams.transpose(0, 2, 1).reshape(-1, lv + 1)
+        self.pool.add(grams[:, 0], grams[:, 1:])
+        self.windows[at] = np.concatenate([window[:, 1:], new[:, None, :]], axis=1)
 
     def observe(self, outputs: list[list[int]]) -> None:
         """Outputs of requests that just finished: each n-gram of them joins the pool."""
         lv = self.levels
-        for out in outputs:
-            tokens = np.asarray(out, dtype=np.int64)
-            if len(tokens) <= lv:
-                continue
-            grams = np.lib.stride_tricks.sliding_window_view(tokens, lv + 1)
-            for gram in grams:
-                self._remember(int(gram[0]), gram[1:])
+        grams = [
+            np.lib.stride_tricks.sliding_window_view(np.asarray(out, dtype=np.int64), lv + 1)
+            for out in outputs
+            if len(out) > lv
+        ]
+        if grams:
+            every = np.concatenate(grams)
+            self.pool.add(every[:, 0], every[:, 1:])
 
-    def _remember(self, first: int, cont: np.ndarray) -> None:
-        conts = self._pool.pop(first, None)
-        if conts is None:
-            conts = OrderedDict()
-            if len(self._pool) >= self.pool_keys:
-                self._pool.popitem(last=False)  # the key fed least recently
-        self._pool[first] = conts
-        key = cont.tobytes()
-        conts.pop(key, None)
-        conts[key] = cont.copy()  # newest last
-        while len(conts) > max(self.candidates, 1):
-            conts.popitem(last=False)
-
-    def _row(self, slots: BatchSlots, slot: int) -> _Row:
-        """The slot's state, started afresh when another request holds the slot now."""
-        req = slots.requests[slot]
-        row = self._rows.get(slot)
-        if row is None or row.request is not req:
-            prompt = slots.token_ids[slot, : max(int(slots.num_prompt[slot]), 1)]
-            window = self._rng.choice(prompt, size=(self.levels, self.width)).astype(np.int64)
-            row = self._rows[slot] = _Row(req, window)
-        return row
+    def _start_rows(self, slots: BatchSlots, rows: np.ndarray) -> None:
+        """Fresh windows (random tokens of the prompt) for rows another request holds now."""
+        if len(self.bases) < slots.capacity:
+            self.windows = np.zeros((slots.capacity, self.levels, self.width), dtype=np.int64)
+            self.bases = np.zeros(slots.capacity, dtype=np.int64)
+            self._owner = np.full(slots.capacity, None, dtype=object)
+        fresh = rows[self._owner[rows] != slots.requests[rows]]
+        if not len(fresh):
+            return
+        prompt = np.maximum(slots.num_prompt[fresh].astype(np.int64), 1)
+        picks = self._rng.random((len(fresh), self.levels, self.width))
+        at = (picks * prompt[:, None, None]).astype(np.int64)
+        self.windows[fresh] = slots.token_ids[fresh[:, None, None], at]
+        self.bases[fresh] = 0
+        self._owner[fresh] = slots.requests[fresh]
