@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -56,11 +57,14 @@ BUDGET = EngineConfig.max_num_batched_tokens  # tokens a step schedules (the eng
 
 
 def kernel_table(prof, steps: int, top: int) -> list[dict]:
-    """Device time per step by kernel: self time, so an operator that launched a kernel
-    (whose total includes its children's) does not count that kernel's time again."""
+    """Device time per step by kernel: the device's own events only. An operator's device
+    time (even its "self" time: on the H100 aten::mm's equalled its cuBLAS kernels') and a
+    runtime call's (cuLaunchKernelEx) count kernels again."""
     rows = []
     for evt in prof.key_averages():
-        ms = evt.self_device_time_total / 1e3 / steps
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        ms = evt.device_time_total / 1e3 / steps
         if ms > 0:
             rows.append({"kernel": evt.key[:90], "ms_per_step": round(ms, 3), "calls": evt.count})
     rows.sort(key=lambda r: -r["ms_per_step"])
@@ -92,9 +96,20 @@ def profiled_steps(llm: LLM, steps: int, want_mixed: bool):
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    kinds = [r.num_tokens != r.num_reqs for r in records[start:]]
-    assert all(k == want_mixed for k in kinds), f"expected mixed={want_mixed}, got {kinds}"
+    check_kinds(records[start:], want_mixed)
     return prof, records[start:]
+
+
+def check_kinds(records: list, want_mixed: bool) -> None:
+    """Every profiled step is of the kind the table names (mixed: new prompts' chunks beside
+    the decode batch)."""
+    kinds = [r.num_tokens != r.num_reqs for r in records]
+    if not all(k == want_mixed for k in kinds):
+        raise SystemExit(
+            f"step_breakdown: expected only {'mixed' if want_mixed else 'decode'} steps, got "
+            f"mixed={kinds}; with more --steps the new prompts may not fit the KV cache beside "
+            "the decode batch: lower --steps, --batch or --mixed-prompt-len"
+        )
 
 
 def python_profile(llm: LLM, steps: int, want_mixed: bool, top: int = 25) -> str:
@@ -109,8 +124,7 @@ def python_profile(llm: LLM, steps: int, want_mixed: bool, top: int = 25) -> str
         engine.step()
     torch.cuda.synchronize()
     prof.disable()
-    kinds = [r.num_tokens != r.num_reqs for r in records[start:]]
-    assert all(k == want_mixed for k in kinds), f"expected mixed={want_mixed}, got {kinds}"
+    check_kinds(records[start:], want_mixed)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -174,6 +188,15 @@ def breakdown(
         "python": decode_python,
     }
     engine.runner.profiler.records.clear()
+    kv = engine.scheduler.kv
+    room = kv.num_blocks * kv.block_size - batch * (prompt_len + 4 * steps + 8)
+    need = (2 * steps + 2) * BUDGET  # the new prompts' tokens the mixed steps compute
+    if need > room:
+        raise SystemExit(
+            f"step_breakdown {name}: {steps} mixed steps compute {need} new prompt tokens "
+            f"beside the decode batch, but the KV cache has room for about {room}: lower "
+            "--steps or --batch"
+        )
     for i in range(num_long):
         engine.add_request(f"p{i}", rng.integers(1000, vocab - 1000, long_len).tolist(), params)
     engine.step()  # the first mixed step (admission)
