@@ -491,9 +491,14 @@ class LLMEngine:
         if launched is not None and launched[1] is not self._processed_early:
             host_ms += self._process(*launched)  # (else the launch's host time counted it)
         self.runner.profiler.add_host_ms(host_ms)
-        if self.policy is not None and mine is not None and sched.decode_only:
-            # (prefills would skew the times) The drafts it accepted are known once it is
-            # processed: this call (synchronous) or the next.
+        # The call's wall time is a step's when it ran one whole (synchronous) or processed
+        # the decode step launched before this one (async); an async call after a synchronous
+        # step timed only its own launch. Prefills would skew the times.
+        timed = sync or not self.scheduler.config.async_scheduling
+        timed = timed or (launched is not None and launched is not mine and launched[0].decode_only)
+        if self.policy is not None and mine is not None and sched.decode_only and timed:
+            # The drafts it accepted are known once it is processed: this call (synchronous)
+            # or the next.
             sample = StepSample(
                 batch=sched.num_rows,
                 drafted=draft,

@@ -166,18 +166,21 @@ def test_an_unquoted_off_in_job_yaml_or_set_is_off() -> None:
 
 
 class _Alternate:
-    """A scripted policy: draft on every other step (and remember what it was told)."""
+    """A scripted policy: draft on every third step (and remember what it was told, and at
+    which of its calls)."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.samples = []
+        self.heard_at = []  # the call during which each sample came
 
     def wants_drafts(self, batch: int) -> bool:
         self.calls += 1
-        return self.calls % 2 == 0
+        return self.calls % 3 == 0
 
     def record(self, sample) -> None:
         self.samples.append(sample)
+        self.heard_at.append(self.calls)
 
     def estimates(self) -> dict:
         return {}
@@ -203,6 +206,15 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
     assert drafted and len(drafted) < len(policy.samples)
     # The policy hears of decode-only steps (steps that admit prompts would skew its times).
     assert 0 < sum(s.accepted for s in drafted) <= llm.engine.scheduler.stats.num_accepted_tokens
+    # A plain step right after a synchronous drafted one (of draft_ahead_below rows or
+    # more) has nothing of its own to time under async scheduling (only its launch): the
+    # policy does not hear of it. (An async plain step is heard of in the call after its
+    # own, once processed.)
+    launched_at = [c - async_scheduling for c in policy.heard_at]
+    after_drafted = [c for s, c in zip(policy.samples, launched_at, strict=True)
+                     if not s.drafted and (c - 1) % 3 == 0
+                     and s.batch >= llm.engine.draft_ahead_below]  # fmt: skip
+    assert (not after_drafted) == async_scheduling, after_drafted
 
 
 def test_penalties_follow_the_drafts(model_path: Path) -> None:
