@@ -276,6 +276,7 @@ class LLMEngine:
         self._arrivals = 0
         # Steps the policy has timed, until they are processed (what they accepted).
         self._unscored: deque[tuple[StepSample, LaunchedStep]] = deque()
+        self._last_sync = False  # the last step launched ran synchronously
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
             "engine ready: %s on %s (%s), linear layers %s, %d KV blocks x %d tokens%s, "
@@ -415,6 +416,7 @@ class LLMEngine:
         self._in_flight = self._ahead = self._processed_early = self._fed = None
         self._aborted_ahead = set()
         self._unscored.clear()
+        self._last_sync = False
         self.runner.forget_launches()
         self._grammars.reset()
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
@@ -492,17 +494,24 @@ class LLMEngine:
             host_ms += self._process(*launched)  # (else the launch's host time counted it)
         self.runner.profiler.add_host_ms(host_ms)
         # The call's wall time is a step's when it ran one whole (synchronous) or processed
-        # the decode step launched before this one (async); an async call after a synchronous
-        # step timed only its own launch. Prefills would skew the times.
+        # the decode step launched before this one (async). An async call right after a
+        # synchronous step timed only its own launch, with the device idle: a cost of the
+        # drafted step before it, not a plain step's time. Prefills would skew the times.
+        wall_ms = (time.perf_counter() - t0) * 1e3
         timed = sync or not self.scheduler.config.async_scheduling
         timed = timed or (launched is not None and launched is not mine and launched[0].decode_only)
+        if self.policy is not None and mine is not None and sched.decode_only:
+            if not timed and self._last_sync and launched is None:
+                self.policy.charge_switch_back(sched.num_rows, wall_ms)
+        if mine is not None:
+            self._last_sync = sync
         if self.policy is not None and mine is not None and sched.decode_only and timed:
             # The drafts it accepted are known once it is processed: this call (synchronous)
             # or the next.
             sample = StepSample(
                 batch=sched.num_rows,
                 drafted=draft,
-                wall_ms=(time.perf_counter() - t0) * 1e3,
+                wall_ms=wall_ms,
                 drafted_rows=int(np.count_nonzero(sched.drafts)),
             )
             self._unscored.append((sample, mine[1]))

@@ -66,3 +66,20 @@ def test_drafting_is_probed_on_its_own_cadence() -> None:
     # move a fifth of the way a sample) it drafts every step.
     chosen = _feed(policy, 1, 60, plain_ms=10.0, draft_ms=12.0, share=1.0, accepted=3.0)
     assert all(chosen[-20:]), chosen
+
+
+def test_the_idle_launch_after_a_drafted_step_is_charged_to_drafting() -> None:
+    """The plain step that follows a synchronous drafted one launches with the device idle:
+    its time is added to the drafted mean as if the drafted sample had been that long, which
+    can turn a thin gain into a loss."""
+    policy = SpeculationPolicy(warmup=1)
+    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))  # 2 tokens a row
+    policy.record(StepSample(8, False, 5.5))
+    assert policy.wants_drafts(8)  # 2 / 10 beats 1.03 / 5.5
+    policy.charge_switch_back(8, 2.0)
+    assert policy.estimates()[8]["draft_ms"] == 10.0 + 0.2 * 2.0
+    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))
+    policy.charge_switch_back(8, 2.0)  # each charge: 0.2 of it, as an EMA sample would
+    assert not policy.wants_drafts(8)  # 2 / 10.72 no longer beats 1.03 / 5.5
+    policy.charge_switch_back(64, 2.0)  # a bucket that never drafted: nothing to charge
+    assert 64 not in policy.estimates() or policy.estimates()[64]["draft_ms"] is None

@@ -173,6 +173,7 @@ class _Alternate:
         self.calls = 0
         self.samples = []
         self.heard_at = []  # the call during which each sample came
+        self.charged_at = []  # the calls that charged their launch to drafting
 
     def wants_drafts(self, batch: int) -> bool:
         self.calls += 1
@@ -181,6 +182,9 @@ class _Alternate:
     def record(self, sample) -> None:
         self.samples.append(sample)
         self.heard_at.append(self.calls)
+
+    def charge_switch_back(self, batch: int, wall_ms: float) -> None:
+        self.charged_at.append(self.calls)
 
     def estimates(self) -> dict:
         return {}
@@ -215,6 +219,9 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
                      if not s.drafted and (c - 1) % 3 == 0
                      and s.batch >= llm.engine.draft_ahead_below]  # fmt: skip
     assert (not after_drafted) == async_scheduling, after_drafted
+    # ... its time is charged to the drafted step instead, right after one
+    assert all((c - 1) % 3 == 0 for c in policy.charged_at)
+    assert bool(policy.charged_at) == async_scheduling
 
 
 def test_penalties_follow_the_drafts(model_path: Path) -> None:

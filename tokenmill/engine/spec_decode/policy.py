@@ -11,7 +11,9 @@ for the batch's size bucket (powers of two), from decode-only steps:
     drafted:  B * (1 + f * m) tokens   in t_draft  (mean wall ms of recent drafted steps)
 
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
-per drafted row (recent drafted steps). It drafts when (1 + f * m) / t_draft beats
+per drafted row (recent drafted steps). A synchronous drafted step also leaves the device
+idle while the next plain step is scheduled and launched (nothing in flight to overlap):
+that time is charged to t_draft (``charge_switch_back``). It drafts when (1 + f * m) / t_draft beats
 1 / t_plain by ``margin``. A bucket drafts for its first ``warmup`` decode steps (a row's
 first tokens rarely match anything yet), and the mode not chosen is probed again, plain every
 ``probe_every`` steps and drafting every ``probe_drafts_every``, so the estimates follow the
@@ -98,6 +100,15 @@ class SpeculationPolicy:
         elif b.accepted is None:
             b.accepted = 0.0
         b.last_draft = b.steps
+
+    def charge_switch_back(self, batch: int, wall_ms: float) -> None:
+        """The first plain step after a synchronous drafted one is scheduled and launched
+        with the device idle (nothing in flight to overlap): ``wall_ms`` of that is the
+        drafted step's cost, added to its bucket's drafted mean as if its sample (the newest)
+        had been that much longer."""
+        b = self._buckets.get(self.bucket_of(batch))
+        if b is not None and b.draft_ms is not None:
+            b.draft_ms += _EMA * wall_ms
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: mean plain and drafted step ms, f and m (for the step profile)."""
