@@ -200,3 +200,10 @@ def test_samples_move_only_the_rows_that_drafted_whole_windows() -> None:
     for key, cont in grams.items():
         assert cont in proposer.pool.continuations(key)
     assert not any(int(before[1, 0, j]) in proposer.pool for j in range(2))
+
+
+def test_no_rows_get_an_empty_tree() -> None:
+    for candidates in (3, 0):
+        proposer = LookaheadProposer(ngram=4, window=5, candidates=candidates)
+        tree = proposer.propose(_slots([1, 2, 3]), np.array([], dtype=np.int64))
+        assert tree.tokens.shape == (0, proposer.max_drafts)

@@ -34,11 +34,18 @@ def _fingerprint(conts: np.ndarray) -> np.ndarray:
     return h.view(np.int64)
 
 
-def _rank_in_runs(sorted_keys: np.ndarray) -> np.ndarray:
-    """Each element's place within its run of equal keys (the keys sorted): 0, 1, .."""
-    n = len(sorted_keys)
-    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
-    return np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """[N] bool: where a run of equal keys starts (the keys sorted or grouped)."""
+    starts = np.empty(len(sorted_keys), dtype=np.bool_)
+    starts[:1] = True
+    np.not_equal(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    return starts
+
+
+def _rank_in_runs(starts: np.ndarray) -> np.ndarray:
+    """Each element's place within its run (``starts``: _run_starts): 0, 1, .."""
+    at = np.arange(len(starts))
+    return at - np.maximum.accumulate(np.where(starts, at, 0))
 
 
 class GramPool:
@@ -67,18 +74,19 @@ class GramPool:
         self._clock += len(keys)
         prints = _fingerprint(conts)
         keys, conts, prints, stamps, taken = self._survivors(keys, conts, prints, stamps)
-        entry = keys % self.entries
-        touched, slot = np.unique(entry, return_inverse=True)  # [E], [N] -> 0 .. E-1
+        # grouped by key (one key an entry now), newest first: an entry's grams are a run
+        first = _run_starts(keys)
+        slot = np.cumsum(first) - 1  # [N] -> 0 .. E-1
+        rank = _rank_in_runs(first)  # a gram's place among its key's (< keep)
+        key = keys[first]
+        touched = key % self.entries
         e, g = len(touched), self.keep
-        key = np.zeros(e, dtype=np.int64)
-        key[slot] = keys  # an entry's grams all have one key now (_survivors)
-        by_slot = np.argsort(slot, kind="stable")
-        rank = np.empty(len(keys), dtype=np.int64)  # a gram's place among its key's (< keep)
-        rank[by_slot] = _rank_in_runs(slot[by_slot])
         # What the touched entries hold (nothing where another key held them), less the
         # grams that came again (the new copy is newer), beside what came: [E, 2G].
         stamp = np.zeros((e, 2 * g), dtype=np.int64)
-        kept = (self.owner[touched] == key + 1) & ~np.isin(touched, taken)
+        kept = self.owner[touched] == key + 1
+        if len(taken):
+            kept &= ~np.isin(touched, taken)
         stamp[:, :g] = np.where(kept[:, None], self.stamp[touched], 0)
         held_print = self.print[touched]
         n_at, g_at = np.nonzero(held_print[slot] == prints[:, None])
@@ -108,22 +116,26 @@ class GramPool:
         held goes)."""
         order = np.lexsort((stamps, prints, keys))  # by key, cont, then time
         k, p = keys[order], prints[order]
-        last = np.r_[(k[1:] != k[:-1]) | (p[1:] != p[:-1]), True]  # the newest of a run
+        last = np.empty(len(k), dtype=np.bool_)  # the newest of a run of one gram
+        last[-1:] = True
+        np.not_equal(k[1:], k[:-1], out=last[:-1])
+        last[:-1] |= p[1:] != p[:-1]
         kept = order[last]
         taken = np.zeros(0, dtype=np.int64)
         if keys.max() >= self.entries:  # keys may share an entry: the one added last wins
             entry = keys[kept] % self.entries
             by_entry = np.lexsort((stamps[kept], entry))
-            final = np.r_[entry[by_entry][1:] != entry[by_entry][:-1], True]
+            newest = _run_starts(entry[by_entry][::-1])[::-1]  # the last of its entry
             winner = np.full(self.entries, -1, dtype=np.int64)
-            winner[entry[by_entry][final]] = keys[kept][by_entry][final]
+            winner[entry[by_entry][newest]] = keys[kept][by_entry][newest]
             lost = winner[entry] != keys[kept]
             since = np.zeros(self.entries, dtype=np.int64)  # the losers' last stamp
             np.maximum.at(since, entry[lost], stamps[kept][lost])
             taken = np.unique(entry[lost])
             kept = kept[~lost & (stamps[kept] > since[entry])]
         order = np.lexsort((-stamps[kept], keys[kept]))  # by key, newest first
-        kept = kept[order[_rank_in_runs(keys[kept][order]) < self.keep]]
+        ordered = keys[kept][order]
+        kept = kept[order[_rank_in_runs(_run_starts(ordered)) < self.keep]]
         return keys[kept], conts[kept], prints[kept], stamps[kept], taken
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -123,7 +123,7 @@ class LookaheadProposer:
         base = at + 1  # the window's first step index
         idx = at[:, None] + self._window_at  # [R, L*W] draft indices of (l, j), l*W + j
         parent = np.where(self._under_t, 0, idx + 1 - self._window_back)  # step index = idx + 1
-        tokens[np.arange(r)[:, None], idx] = self.windows[rows].reshape(r, -1)
+        tokens[np.arange(r)[:, None], idx] = self.windows[rows].reshape(r, len(self._window_at))
         parents[np.arange(r)[:, None], idx] = parent
         self.bases[rows] = base
         return DraftTree(tokens, parents)
@@ -144,7 +144,8 @@ class LookaheadProposer:
         if not whole.any():
             return
         at = rows[whole]
-        new = np.take_along_axis(np.asarray(sampled)[whole], top[whole, None] + np.arange(w), 1)
+        drafted = np.asarray(sampled)[whole]
+        new = drafted[np.arange(len(at))[:, None], top[whole, None] + np.arange(w)]  # [R', W]
         window = self.windows[at]  # [R', L, W]
         grams = np.concatenate([window, new[:, None, :]], axis=1)  # [R', L + 1, W]: a column each
         grams = grams.transpose(0, 2, 1).reshape(-1, lv + 1)
