@@ -119,7 +119,6 @@ class XgrammarGrammars:
         self._threads = threads
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._stop_ids = frozenset(self._eos)
         self._xgr: Any = None
         self._compiler: Any = None
         self._batch: Any = None
@@ -163,12 +162,32 @@ class XgrammarGrammars:
         """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
         (structured_output_params) per row, in input order."""
         matchers = [m for m, _ in rows]
-        taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, list(tokens))
+        tokens = [int(t) for t in tokens]
+        taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        ok = np.fromiter(taken, dtype=bool, count=len(rows))
+        ids = np.asarray(tokens, dtype=np.int64)
+        if self._after_lead or (len(ids) and self._ends_lead_np[ids[ok]].any()):
+            return self._consumed_row_by_row(rows, tokens, ok)  # a surrogate lead in play
+        # No row follows a token ending with 0xED and none takes one: no surrogate check.
+        # Only a completed or terminated matcher may have stopped (_stopped).
+        status = np.where(ok, TAKEN, REJECTED).astype(np.uint8)
+        for i in np.flatnonzero(ok).tolist():
+            matcher = matchers[i]
+            if matcher.is_completed() or matcher.is_terminated():
+                if self._stopped(matcher, rows[i][1]):
+                    status[i] = STOPPED
+        return status
+
+    def _consumed_row_by_row(
+        self, rows: Sequence[Row], tokens: Sequence[int], ok: np.ndarray
+    ) -> np.ndarray:
+        """``consume``'s statuses after the batch took the tokens (``ok``), a row at a time
+        through the surrogate check."""
         status = np.full(len(rows), REJECTED, dtype=np.uint8)
-        for i, ((matcher, json_output), ok) in enumerate(zip(rows, taken, strict=True)):
-            if ok and self._split_surrogate(id(matcher), tokens[i]):
+        for i, ((matcher, json_output), taken) in enumerate(zip(rows, ok.tolist(), strict=True)):
+            if taken and self._split_surrogate(id(matcher), tokens[i]):
                 self._broken.add(id(matcher))
-            elif ok:
+            elif taken:
                 status[i] = STOPPED if self._stopped(matcher, json_output) else TAKEN
         return status
 
@@ -203,8 +222,9 @@ class XgrammarGrammars:
             return False
         matcher.fill_next_token_bitmask(self._one, 0)
         self._one &= self._json_tokens if json_output else self._text_tokens
-        bits = np.unpackbits(self._one.view(np.uint8), bitorder="little")[: self.vocab_size]
-        return set(np.flatnonzero(bits).tolist()) <= self._stop_ids
+        # any allowed token (within the vocabulary) that is not a stop token?
+        self._one &= self._not_stop
+        return not self._one.any()
 
     def _compile(self, spec: str) -> Any:
         if self._compiler is None:
@@ -233,6 +253,12 @@ class XgrammarGrammars:
             sorted(special_token_ids(self._tokenizer)),
         )
         self._ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
+        self._ends_lead_np = np.frombuffer(self._ends_lead, dtype=np.uint8).astype(bool)
+        # [words] int32: every token of the vocabulary but the stop tokens (``_stopped``)
+        bits = np.zeros(self._one.shape[1] * 32, dtype=np.uint8)
+        bits[: self.vocab_size] = 1
+        bits[[t for t in self._eos if 0 <= t < self.vocab_size]] = 0
+        self._not_stop = np.packbits(bits, bitorder="little").view(np.int32)
         threads = self._threads or executor_threads()
         # Compiled grammars are kept in ``_compiled`` (the newest 64): xgrammar's own cache
         # has no bound by default and grew by each new schema (a job's per-row schemas).
