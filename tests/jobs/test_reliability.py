@@ -468,6 +468,38 @@ def test_vanished_shards_are_recomputed(tiny_model: Path, tmp_path: Path, damage
     assert saved["shards_recomputed"] == 1
 
 
+def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another machine's run with --fresh (a lock this one cannot see) removes a shard this
+    run committed: the run fails naming it instead of saying "complete" with 4 rows missing,
+    and a rerun recomputes it."""
+    from tokenmill.jobs import shard_writer
+    from tokenmill.jobs.runner import OutputChangedError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    commit = shard_writer.commit_shard
+
+    def commit_then_lose_shard_0(store, shard, *args, **kwargs):
+        record = commit(store, shard, *args, **kwargs)
+        if shard == 2:
+            os.remove(out / "shards" / "part-00000.jsonl")
+        return record
+
+    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0)
+    with pytest.raises(OutputChangedError, match=r"shard 0: shards/part-00000.jsonl is missing"):
+        run_job(spec, show_progress=False)
+    assert json.loads((out / "report.json").read_text())["status"] == "failed"
+    assert not json.loads((out / "test.manifest.json").read_text())["complete"]
+    monkeypatch.setattr(shard_writer, "commit_shard", commit)
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.shards_recomputed, report.rows_this_run) == ("complete", 1, 4)
+    ids = _ids(out / "shards")
+    assert len(ids) == len(set(ids)) == 12  # every row once
+
+
 def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     tiny_model: Path, tmp_path: Path
 ) -> None:

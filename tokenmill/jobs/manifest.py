@@ -165,10 +165,10 @@ class Manifest:
             "earlier progress, or point output.path elsewhere."
         )
 
-    def drop_missing_shards(self, sizes: dict[str, int]) -> dict[int, list[str]]:
-        """Forget committed shards whose files are missing from ``sizes`` ({name: bytes}) or
-        have another size than recorded; return {shard: [problems]} for those dropped."""
-        dropped: dict[int, list[str]] = {}
+    def missing_shards(self, sizes: dict[str, int]) -> dict[int, list[str]]:
+        """{shard: [problems]} for the committed shards whose files are missing from
+        ``sizes`` ({name: bytes}) or have another size than recorded."""
+        missing: dict[int, list[str]] = {}
         for index, shard in sorted(self.shards.items()):
             problems = []
             for name, expected in shard.files().items():
@@ -177,7 +177,12 @@ class Manifest:
                 elif expected is not None and sizes[name] != expected:
                     problems.append(f"{name} has {sizes[name]} bytes, {expected} were written")
             if problems:
-                dropped[index] = problems
+                missing[index] = problems
+        return missing
+
+    def drop_missing_shards(self, sizes: dict[str, int]) -> dict[int, list[str]]:
+        """Forget the committed shards ``missing_shards`` names; return what it said."""
+        dropped = self.missing_shards(sizes)
         for index in dropped:
             del self.shards[index]
         if dropped:

@@ -385,6 +385,7 @@ def _run_owned(
                 f"{tracker.num_pending_rows} rows got no result; "
                 "the job is incomplete (rerun to resume)"
             )
+        _check_commits_stand(store, manifest)
         manifest.complete = True
         manifest.total_rows = feed.rows_read
         manifest.save(store)
@@ -447,6 +448,27 @@ def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
             f"({shown}) but not its manifest, {Manifest.file_name(job)}: which settings made "
             "them is unknown, so they cannot be resumed; rerun with --fresh to discard them "
             "and start over"
+        )
+
+
+class OutputChangedError(RuntimeError):
+    """Files of shards this job committed were removed or rewritten while it ran."""
+
+
+def _check_commits_stand(store: OutputStore, manifest: Manifest) -> None:
+    """Before a run calls the job complete: every file its committed shards name is there at
+    the size written. The lock keeps a second run off the output only from this machine (and
+    HOME, for object stores); another machine's run with ``--fresh``, or a person, may have
+    removed some meanwhile, and "complete" would then hide missing rows until a rerun."""
+    missing = manifest.missing_shards(store.sizes("shards/") | store.sizes("errors/"))
+    if missing:
+        first, problems = next(iter(missing.items()))
+        raise OutputChangedError(
+            f"{len(missing)} shards this job committed changed under this run (shard {first}: "
+            f"{'; '.join(problems)}): another run on {hide_url_secrets(store.url)} (from a "
+            "machine or HOME whose lock this run cannot see) or a person removed or rewrote "
+            "them, so the job is not complete; rerun to recompute them, one run per output "
+            "at a time"
         )
 
 
