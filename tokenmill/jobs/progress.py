@@ -13,8 +13,11 @@ the model has loaded (the runner builds Progress then); model loading that happe
 of the rate's window. Rates are over a recent window (rate_window.py):
 
     output tok/s  tokens generated over the last 30 s
-    ETA           rows remaining / rows done per s over the last 120 s; "ETA unknown" until
-                  some row has finished in that window (and without an input row count)
+    ETA           the rows left at the tokens a finished row took, less the tokens of the
+                  rows in flight, over the output tok/s; while the rows in flight have run
+                  longer than finished rows took (the short ones finish first), they are
+                  taken to run to max_tokens; "ETA unknown" until some row has finished
+                  (and without an input row count)
 
 A log line reads (with the row count known):
 
@@ -99,11 +102,13 @@ class Progress:
         sample_s: float | None = None,
         stream: TextIO | None = None,
         counters: Callable[[], Mapping[str, EngineCounters]] | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
         sample_s = min(1.0, interval_s) if sample_s is None else sample_s
         self.total = total
+        self.max_tokens = max_tokens  # the job's sampling.max_tokens (rows may set their own)
         self.done = already_done
         self.done_this_run = 0
         self.tokens = 0  # output tokens generated this run (the live count when it is larger)
@@ -178,8 +183,11 @@ class Progress:
         took on average, less what the rows in flight have generated, at the recent output
         tok/s (rows finish in waves, so a rate of rows rose and fell between them, and bad
         rows or copies read at once made it absurdly fast); at the recent rows/s while no
-        row has generated tokens. None without a basis (no row count, nothing finished in
-        the window), or once the run has ended with rows left (stopped)."""
+        row has generated tokens. While the rows in flight have run longer on average than
+        the finished rows took (the short rows finish first), they are taken to run to
+        ``max_tokens`` (without it: the recent rows/s). None without a basis (no row count,
+        nothing finished in the window), or once the run has ended with rows left
+        (stopped)."""
         if self.total is None:
             return None
         remaining = max(self.total - self.done, 0)
@@ -188,10 +196,27 @@ class Progress:
         if self.ended:
             return None
         tok_per_s = self.tokens_per_s
+        by_rows = self._eta_by_rows(remaining)
         if self.generated_rows and tok_per_s:
             per_row = self.finished_tokens / self.generated_rows
-            left = remaining * per_row - (self.tokens - self.finished_tokens)
+            in_flight_tokens = self.tokens - self.finished_tokens
+            # Rows in flight that have already run longer than the finished ones took: those
+            # were the short ones (a run's first to finish), and the estimate below said
+            # "0 s" with most rows still running. Such rows are taken to run to max_tokens.
+            if self.in_flight and in_flight_tokens > self.in_flight * per_row:
+                if self.max_tokens is not None:
+                    ran = in_flight_tokens / self.in_flight
+                    queued = max(remaining - self.in_flight, 0)
+                    left = queued * per_row + self.in_flight * max(self.max_tokens - ran, 1)
+                    return left / tok_per_s
+                if by_rows is not None:
+                    return by_rows
+            left = remaining * per_row - in_flight_tokens
             return max(left, per_row) / tok_per_s
+        return by_rows
+
+    def _eta_by_rows(self, remaining: int) -> float | None:
+        """``remaining`` rows at the recent rows/s; None while no row finished in the window."""
         rows_per_s = self._row_rate.rate()
         if not rows_per_s or self._row_rate.increase() <= 0:
             return None
