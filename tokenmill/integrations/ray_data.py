@@ -178,6 +178,7 @@ def build_processor(
 
     def process(ds: Any) -> Any:
         import ray
+        from ray.data import ActorPoolStrategy
 
         if not ray.is_initialized():
             ray.init()  # (Ray Data would at execution) to see what the cluster has
@@ -190,7 +191,8 @@ def build_processor(
             fn_constructor_kwargs={"config": config},
             batch_size=config.batch_size,
             batch_format="pyarrow",
-            concurrency=config.concurrency,
+            compute=ActorPoolStrategy(size=config.concurrency),  # (`concurrency=`
+            # is deprecated from Ray 2.51)
             num_gpus=config.gpus_per_replica(resources.get("GPU", 0.0)),
             num_cpus=config.num_cpus,
         )
