@@ -69,7 +69,9 @@ class JobLock:
             named = re.match(r"job '(.*)', pid \d+", holder)
             raise JobLockedError(
                 f"output {self.output_url} is in use by a running job ({holder}; lock "
-                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished.",
+                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished "
+                "(the lock goes when that process exits; a stopped or hung one keeps it: see "
+                "it with `ps -o pid,stat,etime -p PID`).",
                 named[1] if named else None,
             ) from None
         os.ftruncate(fd, 0)
