@@ -152,12 +152,13 @@ def test_eta_follows_the_tokens_rows_take_not_the_waves_they_finish_in() -> None
     assert progress.eta_seconds is None and progress.in_flight == 0  # stopped: no ETA
 
 
-@pytest.mark.parametrize("max_tokens", [64, None])
+@pytest.mark.parametrize("max_tokens", [64, None, 32])
 def test_eta_while_the_short_rows_finished_first_is_not_zero(max_tokens: int | None) -> None:
     """50 rows start at once; after 6 s the 12 shortest (30 tokens) are done and the 38 in
     flight have 40 tokens each: the tokens a finished row took said nothing was left ("ETA
     0 s" with 38 rows running). They are taken to run to max_tokens (64: 24 tokens more
-    each); without it, the rows/s says 38 / (12 / 6 s) = 19 s."""
+    each); without it, or past it (32: rows with their own max_tokens), the rows/s says
+    38 / (12 / 6 s) = 19 s."""
     clock, engine = FakeClock(), FakeEngine()
     progress = Progress(50, 0, live=engine, clock=clock, max_tokens=max_tokens)
     for second in range(1, 6):
@@ -167,7 +168,7 @@ def test_eta_while_the_short_rows_finished_first_is_not_zero(max_tokens: int | N
     clock.now += 1.0
     engine.counts = LiveCounts(12 * 30 + 38 * 40, 38)
     progress.update(12, 12 * 30)
-    if max_tokens is None:
+    if max_tokens is None or max_tokens < 40:
         assert progress.eta_seconds == pytest.approx(19.0)
     else:
         assert progress.eta_seconds == pytest.approx(38 * 24 / progress.tokens_per_s)

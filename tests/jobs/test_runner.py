@@ -483,5 +483,6 @@ def test_an_object_store_output_is_locked_whatever_its_spelling(tmp_path: Path) 
         lock_of(f"s3://bkt-{tmp_path.name}/out/"),
     )
     assert first.path == second.path
-    with first, pytest.raises(JobLockedError, match="is in use by a running job"):
+    with first, pytest.raises(JobLockedError, match="is held by another run") as info:
         second.acquire()
+    assert f"ps -o pid,stat,etime -p {os.getpid()}" in str(info.value)  # (the holder: us)

@@ -276,7 +276,7 @@ class LLMEngine:
         self._arrivals = 0
         # Steps the policy has timed, until they are processed (what they accepted).
         self._unscored: deque[tuple[StepSample, LaunchedStep]] = deque()
-        self._last_sync = False  # the last step launched ran synchronously
+        self._last_sync = 0  # rows of the last step launched if it ran synchronously, else 0
         self._outputs = OutputBuilder(self.tokenizer, self.scheduler.config.async_scheduling)
         log.info(
             "engine ready: %s on %s (%s), linear layers %s, %d KV blocks x %d tokens%s, "
@@ -416,7 +416,7 @@ class LLMEngine:
         self._in_flight = self._ahead = self._processed_early = self._fed = None
         self._aborted_ahead = set()
         self._unscored.clear()
-        self._last_sync = False
+        self._last_sync = 0
         self.runner.forget_launches()
         self._grammars.reset()
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
@@ -502,9 +502,9 @@ class LLMEngine:
         timed = timed or (launched is not None and launched is not mine and launched[0].decode_only)
         if self.policy is not None and mine is not None and sched.decode_only:
             if not timed and self._last_sync and launched is None:
-                self.policy.charge_switch_back(sched.num_rows, wall_ms)
+                self.policy.charge_switch_back(self._last_sync, wall_ms)
         if mine is not None:
-            self._last_sync = sync
+            self._last_sync = sched.num_rows if sync else 0
         if self.policy is not None and mine is not None and sched.decode_only and timed:
             # The drafts it accepted are known once it is processed: this call (synchronous)
             # or the next.

@@ -66,12 +66,13 @@ class JobLock:
         except BlockingIOError:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            named = re.match(r"job '(.*)', pid \d+", holder)
+            named = re.match(r"job '(.*)', pid (\d+)", holder)
+            pid = named[2] if named else "PID"
             raise JobLockedError(
-                f"output {self.output_url} is in use by a running job ({holder}; lock "
+                f"output {self.output_url} is held by another run ({holder}; lock "
                 f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished "
                 "(the lock goes when that process exits; a stopped or hung one keeps it: see "
-                "it with `ps -o pid,stat,etime -p PID`).",
+                f"it with `ps -o pid,stat,etime -p {pid}`).",
                 named[1] if named else None,
             ) from None
         os.ftruncate(fd, 0)

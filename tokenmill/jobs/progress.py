@@ -108,7 +108,9 @@ class Progress:
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
         sample_s = min(1.0, interval_s) if sample_s is None else sample_s
         self.total = total
-        self.max_tokens = max_tokens  # the job's sampling.max_tokens (rows may set their own)
+        # the output tokens a row takes at most by the job's settings (max_tokens x best_of;
+        # OpenAI Batch rows may set their own)
+        self.max_tokens = max_tokens
         self.done = already_done
         self.done_this_run = 0
         self.tokens = 0  # output tokens generated this run (the live count when it is larger)
@@ -202,12 +204,13 @@ class Progress:
             in_flight_tokens = self.tokens - self.finished_tokens
             # Rows in flight that have already run longer than the finished ones took: those
             # were the short ones (a run's first to finish), and the estimate below said
-            # "0 s" with most rows still running. Such rows are taken to run to max_tokens.
+            # "0 s" with most rows still running. Such rows are taken to run to max_tokens;
+            # past it (rows with their own max_tokens), the recent rows/s says more.
             if self.in_flight and in_flight_tokens > self.in_flight * per_row:
-                if self.max_tokens is not None:
-                    ran = in_flight_tokens / self.in_flight
+                ran = in_flight_tokens / self.in_flight
+                if self.max_tokens is not None and ran < self.max_tokens:
                     queued = max(remaining - self.in_flight, 0)
-                    left = queued * per_row + self.in_flight * max(self.max_tokens - ran, 1)
+                    left = queued * per_row + self.in_flight * (self.max_tokens - ran)
                     return left / tok_per_s
                 if by_rows is not None:
                     return by_rows

@@ -303,7 +303,7 @@ def _run_owned(
         interval_s=progress_interval_s or 10.0,
         live=None if executor is None else executor.live,
         counters=None if executor is None else replica_counters(executor),
-        max_tokens=spec.sampling.max_tokens,
+        max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
     )
     if on_progress is not None:
         on_progress(progress)

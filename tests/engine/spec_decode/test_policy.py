@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 
 
@@ -76,10 +78,11 @@ def test_the_idle_launch_after_a_drafted_step_is_charged_to_drafting() -> None:
     policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))  # 2 tokens a row
     policy.record(StepSample(8, False, 5.5))
     assert policy.wants_drafts(8)  # 2 / 10 beats 1.03 / 5.5
-    policy.charge_switch_back(8, 2.0)
-    assert policy.estimates()[8]["draft_ms"] == 10.0 + 0.2 * 2.0
-    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))
-    policy.charge_switch_back(8, 2.0)  # each charge: 0.2 of it, as an EMA sample would
-    assert not policy.wants_drafts(8)  # 2 / 10.72 no longer beats 1.03 / 5.5
+    policy.charge_switch_back(8, 1.0)  # the only drafted sample: the mean is it, 1 ms longer
+    assert policy.estimates()[8]["draft_ms"] == 11.0
+    assert not policy.wants_drafts(8)  # 2 / 11 no longer beats 1.03 / 5.5
+    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))  # mean 10.8
+    policy.charge_switch_back(8, 1.0)  # the newest sample's share of the running mean: 0.2
+    assert policy.estimates()[8]["draft_ms"] == pytest.approx(11.0)
     policy.charge_switch_back(64, 2.0)  # a bucket that never drafted: nothing to charge
     assert 64 not in policy.estimates() or policy.estimates()[64]["draft_ms"] is None

@@ -174,6 +174,7 @@ class _Alternate:
         self.samples = []
         self.heard_at = []  # the call during which each sample came
         self.charged_at = []  # the calls that charged their launch to drafting
+        self.charged_right_bucket = []  # each charge named the drafted step's rows
 
     def wants_drafts(self, batch: int) -> bool:
         self.calls += 1
@@ -185,6 +186,8 @@ class _Alternate:
 
     def charge_switch_back(self, batch: int, wall_ms: float) -> None:
         self.charged_at.append(self.calls)
+        last_drafted = next(s for s in reversed(self.samples) if s.drafted)
+        self.charged_right_bucket.append(batch == last_drafted.batch)
 
     def estimates(self) -> dict:
         return {}
@@ -221,6 +224,7 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
     assert (not after_drafted) == async_scheduling, after_drafted
     # ... its time is charged to the drafted step instead, right after one
     assert all((c - 1) % 3 == 0 for c in policy.charged_at)
+    assert all(policy.charged_right_bucket)
     assert bool(policy.charged_at) == async_scheduling
 
 

@@ -104,11 +104,11 @@ class SpeculationPolicy:
     def charge_switch_back(self, batch: int, wall_ms: float) -> None:
         """The first plain step after a synchronous drafted one is scheduled and launched
         with the device idle (nothing in flight to overlap): ``wall_ms`` of that is the
-        drafted step's cost, added to its bucket's drafted mean as if its sample (the newest)
-        had been that much longer."""
+        drafted step's cost (``batch``: that step's rows), added to its bucket's drafted
+        mean as if its sample (the newest) had been that much longer."""
         b = self._buckets.get(self.bucket_of(batch))
         if b is not None and b.draft_ms is not None:
-            b.draft_ms += _EMA * wall_ms
+            b.draft_ms += wall_ms if b.drafted_steps == 1 else _EMA * wall_ms  # (_mean)
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: mean plain and drafted step ms, f and m (for the step profile)."""
