@@ -573,10 +573,10 @@ class GrammarProcesses:
         except (EOFError, OSError) as exc:
             raise self._died(worker) from exc
 
-    def _ready(self, worker: int, timeout_s: float) -> bool:
+    def _ready(self, worker: int, timeout_s: float | None) -> bool:
         """Whether ``worker`` has an answer to read (or has gone: EOF reads as ready),
-        waiting up to ``timeout_s``."""
-        return bool(self._pollers[worker].poll(timeout_s * 1e3))
+        waiting up to ``timeout_s`` (None: as long as it takes)."""
+        return bool(self._pollers[worker].poll(None if timeout_s is None else timeout_s * 1e3))
 
     def _died(self, worker: int, how: str | None = None) -> RuntimeError:
         proc = self._procs[worker]
