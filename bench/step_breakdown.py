@@ -189,7 +189,8 @@ def breakdown(
     }
     engine.runner.profiler.records.clear()
     kv = engine.scheduler.kv
-    room = kv.num_blocks * kv.block_size - batch * (prompt_len + 4 * steps + 8)
+    row_blocks = -(-(prompt_len + 4 * steps + 8) // kv.block_size)  # a decode row's blocks
+    room = (kv.num_blocks - batch * row_blocks) * kv.block_size
     need = (2 * steps + 2) * BUDGET  # the new prompts' tokens the mixed steps compute
     if need > room:
         raise SystemExit(
