@@ -166,7 +166,8 @@ class XgrammarGrammars:
         taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         ok = np.fromiter(taken, dtype=bool, count=len(rows))
         ids = np.asarray(tokens, dtype=np.int64)
-        if self._after_lead or (len(ids) and self._ends_lead_np[ids[ok]].any()):
+        after = self._after_lead and any(id(m) in self._after_lead for m in matchers)
+        if after or (len(ids) and self._ends_lead_np[ids[ok]].any()):
             return self._consumed_row_by_row(rows, tokens, ok)  # a surrogate lead in play
         # No row follows a token ending with 0xED and none takes one: no surrogate check.
         # Only a completed or terminated matcher may have stopped (_stopped).
