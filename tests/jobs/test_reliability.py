@@ -218,6 +218,20 @@ def test_output_inside_or_over_the_input_is_refused(
     assert sorted(p.name for p in data.iterdir()) == ["in.jsonl"]
 
 
+@pytest.mark.parametrize("output_of", [lambda d: d / "out", lambda d: d], ids=["inside", "over"])
+def test_a_folder_named_like_a_glob_is_that_folder(tiny_model: Path, tmp_path: Path, output_of):
+    """run[1] is a folder (the reader reads it as one), not a glob of run1: an output inside
+    it was let through, and the next run read the job's own files as input rows."""
+    data = tmp_path / "run[1]"
+    write_jsonl(data / "in.jsonl", chat_rows(3))
+    (tmp_path / "run1").mkdir()  # what run[1] matches as a glob
+    spec = job_dict(tiny_model, data if output_of(data) != data else data / "in.jsonl",
+                    output_of(data))  # fmt: skip
+    with pytest.raises(JobSpecError, match="inside the input folder|contains the input"):
+        run_job(spec, show_progress=False)
+    assert sorted(p.name for p in data.iterdir()) == ["in.jsonl"]
+
+
 @pytest.mark.parametrize("pattern", ["in.jsonl", "*.jsonl"])
 def test_output_beside_the_input_files_is_fine(
     tiny_model: Path, tmp_path: Path, pattern: str

@@ -173,6 +173,29 @@ def test_blank_paths_and_sources_are_refused(section: str, key: str, value: str)
     assert f"  {section}.{key}: must not be empty or blank" in message
 
 
+@pytest.mark.parametrize("section", ["input", "output"])
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("/data/results::v2", "holds '::', which fsspec reads as a chain"),
+        ("s3://bucket/results::v2", "holds '::', which fsspec reads as a chain"),
+        ("s3://bucket/in/p?versionId=1.jsonl", "holds '?versionId=', which s3fs reads"),
+    ],
+)
+def test_paths_fsspec_would_open_as_something_else_are_refused(
+    section: str, value: str, needle: str
+) -> None:
+    """fsspec cut /data/results::v2 to /data/results (another folder read or written, exit
+    0); s3fs took ?versionId= as a version (every run exit 75, "temporary")."""
+    message = _error(_raw(**{section: {"path": value}}))
+    assert f"  {section}.path: " in message and needle in message
+
+
+def test_a_chain_of_filesystems_is_still_taken() -> None:
+    raw = _raw(input={"path": "simplecache::s3://bucket/in/"})
+    assert JobSpec.from_dict(raw).input.path == "simplecache::s3://bucket/in/"
+
+
 # -- 4. YAML bombs and bounded messages ----------------------------------------------------
 
 

@@ -132,7 +132,8 @@ def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool, re.Pattern[
     ``dir/a.jsonl`` but never ``dir/out/shards/part-00000.jsonl``)."""
     parts = root.split("/")
     wild = next((i for i, p in enumerate(parts) if any(c in p for c in _GLOB_CHARS)), None)
-    if wild is not None:
+    if wild is not None and not fs.exists(root):  # (a folder named run[1] is that folder,
+        # as the reader takes it: file_listing.list_input_files)
         base = _normal("/".join(parts[:wild]) or "/", local)
         rest = "/".join(parts[wild:])
         return base, "**" in rest, re.compile(re.escape(base.rstrip("/")) + "/" + _glob_regex(rest))
@@ -157,7 +158,7 @@ def _glob_regex(pattern: str) -> str:
             i += 1
         elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
             end = pattern.index("]", i + 1)
-            body = pattern[i + 1 : end].replace("\\", "\\\\")
+            body = pattern[i + 1 : end].replace("\\", "\\\\").replace("[", "\\[")
             out.append(f"[^{body[1:]}]" if body.startswith("!") else f"[{body}]")
             i = end + 1
         else:

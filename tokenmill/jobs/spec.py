@@ -44,6 +44,7 @@ from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.openai_sampling import MAX_N
+from tokenmill.io.readers.storage import location_problem
 from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
@@ -103,6 +104,16 @@ def _job_name(value: str) -> str:
 # Scalars: strict, so YAML's numbers and booleans pass and quoted or mistyped ones do not.
 Number = Annotated[float, Strict(), AllowInfNan(False)]  # ints pass (and become floats)
 NonBlank = Annotated[StrictStr, AfterValidator(_not_blank)]
+
+
+def _openable(url: str) -> str:
+    problem = location_problem(url)
+    if problem is not None:
+        raise ValueError(problem)
+    return url
+
+
+Location = Annotated[NonBlank, AfterValidator(_openable)]  # input.path, output.path
 JobName = Annotated[StrictStr, AfterValidator(_job_name)]
 
 
@@ -119,7 +130,7 @@ class ModelSection(_Section):
 
 
 class InputSection(_Section):
-    path: NonBlank
+    path: Location
     format: Literal["auto", "jsonl", "parquet", "openai-batch"] = "auto"
     id_column: StrictStr | None = "id"
     prompt_column: StrictStr | None = "prompt"
@@ -227,7 +238,7 @@ class SamplingSection(_Section):
 
 
 class OutputSection(_Section):
-    path: NonBlank
+    path: Location
     format: Literal["parquet", "jsonl", "openai-batch"] = "parquet"
     rows_per_shard: StrictInt = Field(1000, ge=1)
     storage_options: dict[StrictStr, Any] = Field(default_factory=dict)

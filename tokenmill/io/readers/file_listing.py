@@ -7,7 +7,7 @@ from typing import Any
 
 from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
-from tokenmill.io.readers.storage import has_protocol, resolve
+from tokenmill.io.readers.storage import has_protocol, location_problem, resolve
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -63,6 +63,10 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         _refuse_table_files(cfg.path, _tables_above(fs, sorted(holders)[:_TABLE_LOOKS]))
     if has_protocol(cfg.path):
         paths = [fs.unstrip_protocol(p) for p in paths]
+    for path in paths:  # a key s3fs would not open as listed (every run would fail alike)
+        problem = location_problem(path)
+        if problem is not None:
+            raise ValueError(f"input.path {cfg.path!r}: an input file {problem}")
     return sorted(paths)
 
 

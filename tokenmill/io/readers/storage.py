@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import fsspec
@@ -14,6 +15,28 @@ def resolve(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractF
     if split_protocol(url)[0] is None:
         url = os.path.expanduser(url)
     return url_to_fs(url, **storage_options)
+
+
+_CHAIN_HEAD = re.compile(r"[a-z][a-z0-9+.-]*")  # fsspec's "simplecache::s3://..." chaining
+S3_VERSION_MARK = "?versionId="  # s3fs reads it in a key as an object version
+
+
+def location_problem(url: str) -> str | None:
+    """Why fsspec would not open ``url`` as the file or folder it names, or None: ``::`` that
+    is not a chain of filesystems (fsspec cuts ``/a/results::v2`` to ``/a/results``, and
+    another folder is read or written), or ``?versionId=`` in an S3 key."""
+    head, sep, _ = url.partition("::")
+    if sep and not _CHAIN_HEAD.fullmatch(head):
+        return (
+            f"{url!r} holds '::', which fsspec reads as a chain of filesystems (it would use "
+            f"{head!r}); rename the file or folder"
+        )
+    if split_protocol(url)[0] in ("s3", "s3a") and S3_VERSION_MARK in url:
+        return (
+            f"{url!r} holds {S3_VERSION_MARK!r}, which s3fs reads as an object version, not "
+            "part of the key; choose another name"
+        )
+    return None
 
 
 def has_protocol(url: str) -> bool:
