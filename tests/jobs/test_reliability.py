@@ -514,6 +514,30 @@ def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
     assert len(ids) == len(set(ids)) == 12  # every row once
 
 
+def test_a_stale_journal_record_does_not_override_a_manifest_that_matches_the_files(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A version without the journal finished the job over records this one had left (a
+    rollback mid-job): the records named files of other sizes, which made this version
+    recompute shards the manifest's own records still matched."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    manifest = json.loads((out / "test.manifest.json").read_text())
+    stale = dict(manifest["shards"]["1"], data_bytes=manifest["shards"]["1"]["data_bytes"] + 7)
+    journal = out / "test.manifest.d"
+    journal.mkdir(exist_ok=True)
+    (journal / "00000001.json").write_text(json.dumps(stale))
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.shards_recomputed, report.rows_this_run) == ("complete", 0, 0)
+    assert not (journal / "00000001.json").exists()  # the stale record went
+    assert (
+        json.loads((out / "test.manifest.json").read_text())["shards"]["1"]
+        == (manifest["shards"]["1"])
+    )
+
+
 def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     tiny_model: Path, tmp_path: Path
 ) -> None:

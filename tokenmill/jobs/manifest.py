@@ -89,6 +89,8 @@ class Manifest:
     output_schema: OutputSchema | None = None  # Parquet output: fixed before the first shard
     # shards whose record is in the journal (not yet in the manifest file)
     journaled: set[int] = field(default_factory=set, repr=False)
+    # the manifest file's own records that journal records replaced at load
+    superseded: dict[int, ShardRecord] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def file_name(job: str) -> str:
@@ -141,6 +143,8 @@ class Manifest:
                 index = int(base.removesuffix(".json"))
                 entry = store.read_bytes(name)
                 if entry is not None:  # (deleted by a compaction since the listing)
+                    if index in manifest.shards:
+                        manifest.superseded[index] = manifest.shards[index]
                     manifest.shards[index] = ShardRecord(**json.loads(entry))
                     manifest.journaled.add(index)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -170,15 +174,25 @@ class Manifest:
         ``sizes`` ({name: bytes}) or have another size than recorded."""
         missing: dict[int, list[str]] = {}
         for index, shard in sorted(self.shards.items()):
-            problems = []
-            for name, expected in shard.files().items():
-                if name not in sizes:
-                    problems.append(f"{name} is missing")
-                elif expected is not None and sizes[name] != expected:
-                    problems.append(f"{name} has {sizes[name]} bytes, {expected} were written")
+            problems = _problems(shard, sizes)
             if problems:
                 missing[index] = problems
         return missing
+
+    def restore_superseded(self, sizes: dict[str, int]) -> list[int]:
+        """Shards whose journal record names files that are not there as written while the
+        manifest file's own record of them does: the manifest's record back. A run of this
+        version compacts its records into the manifest file, so the two agree; they differ
+        when a version without the journal finished the job over records this one left.
+        Returns the shards restored (their stale records go at the next ``save``)."""
+        restored = []
+        for index, record in self.superseded.items():
+            current = self.shards.get(index)
+            if current is not None and _problems(current, sizes) and not _problems(record, sizes):
+                self.shards[index] = record
+                restored.append(index)
+        self.superseded.clear()
+        return restored
 
     def drop_missing_shards(self, sizes: dict[str, int]) -> dict[int, list[str]]:
         """Forget the committed shards ``missing_shards`` names; return what it said."""
@@ -218,3 +232,15 @@ class Manifest:
     @property
     def rows_done(self) -> int:
         return sum(s.end_row - s.first_row for s in self.shards.values())
+
+
+def _problems(record: ShardRecord, sizes: dict[str, int]) -> list[str]:
+    """How ``record``'s files differ from ``sizes`` ({name: bytes}): missing, or another
+    size than written (an empty list: as written)."""
+    problems = []
+    for name, expected in record.files().items():
+        if name not in sizes:
+            problems.append(f"{name} is missing")
+        elif expected is not None and sizes[name] != expected:
+            problems.append(f"{name} has {sizes[name]} bytes, {expected} were written")
+    return problems

@@ -477,11 +477,20 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
     """Forget committed shards whose files are gone or changed size, so they are recomputed;
     then remove the shard files no committed shard names (``remove_stray_files``)."""
     sizes = store.sizes("shards/") | store.sizes("errors/")
+    restored = manifest.restore_superseded(sizes)
+    if restored:
+        log.info(
+            "%d shards keep the manifest's record (their files match it; journal records left "
+            "by an earlier run of a newer version did not): shard %d first",
+            len(restored),
+            restored[0],
+        )
     dropped = manifest.drop_missing_shards(sizes)
     for index, problems in dropped.items():
         log.warning("shard %d is recomputed: %s", index, "; ".join(problems))
     if dropped:
         report.shards_recomputed = len(dropped)
+    if dropped or restored:
         manifest.save(store)
     removed = remove_stray_files(store, manifest, sizes)
     if removed:
