@@ -79,7 +79,7 @@ def xgr_grammars(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
 def test_a_surrogate_split_across_two_tokens_is_rejected(xgr_grammars) -> None:  # noqa: ANN001
     row = xgr_grammars.matcher('{"type":"string"}')
     ends, starts = xgr_grammars._ends_lead, xgr_grammars._continues
-    lead, tail = ends.index(1), starts.index(1)
+    lead, tail = int(np.flatnonzero(ends)[0]), starts.index(1)
     quote = next(t for t in range(len(ends)) if xgr_grammars.consume([row], [t])[0] == TAKEN)
     assert xgr_grammars.consume([row], [lead])[0] == TAKEN
     assert xgr_grammars.consume([row], [tail])[0] == REJECTED

@@ -127,7 +127,9 @@ class XgrammarGrammars:
         # [words] int32: the tokens JSON rows, and regex and choice rows, may take
         self._json_tokens: np.ndarray | None = None
         self._text_tokens: np.ndarray | None = None
-        self._ends_lead = self._continues = b""  # surrogate_edges
+        # surrogate_edges: [vocab] bool, token ends with 0xED; bytes, token starts A0-BF
+        self._ends_lead = np.zeros(0, dtype=bool)
+        self._continues = b""
         self._after_lead: set[int] = set()  # matchers whose last token ended with 0xED
         self._broken: set[int] = set()  # matchers rejected for a split surrogate
 
@@ -167,7 +169,7 @@ class XgrammarGrammars:
         ok = np.fromiter(taken, dtype=bool, count=len(rows))
         ids = np.asarray(tokens, dtype=np.int64)
         after = self._after_lead and any(id(m) in self._after_lead for m in matchers)
-        if after or (len(ids) and self._ends_lead_np[ids[ok]].any()):
+        if after or (len(ids) and self._ends_lead[ids[ok]].any()):
             return self._consumed_row_by_row(rows, tokens, ok)  # a surrogate lead in play
         # No row follows a token ending with 0xED and none takes one: no surrogate check.
         # Only a completed or terminated matcher may have stopped (_stopped).
@@ -253,8 +255,8 @@ class XgrammarGrammars:
             self._eos,
             sorted(special_token_ids(self._tokenizer)),
         )
-        self._ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
-        self._ends_lead_np = np.frombuffer(self._ends_lead, dtype=np.uint8).astype(bool)
+        ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
+        self._ends_lead = np.frombuffer(ends_lead, dtype=np.uint8).astype(bool)
         # [words] int32: every token of the vocabulary but the stop tokens (``_stopped``)
         bits = np.zeros(self._one.shape[1] * 32, dtype=np.uint8)
         bits[: self.vocab_size] = 1

@@ -498,23 +498,24 @@ class LLMEngine:
         # synchronous step timed only its own launch, with the device idle: a cost of the
         # drafted step before it, not a plain step's time. Prefills would skew the times.
         wall_ms = (time.perf_counter() - t0) * 1e3
-        timed = sync or not self.scheduler.config.async_scheduling
-        timed = timed or (launched is not None and launched is not mine and launched[0].decode_only)
-        if self.policy is not None and mine is not None and sched.decode_only:
-            if not timed and self._last_sync and launched is None:
-                self.policy.charge_switch_back(self._last_sync, wall_ms)
+        after_sync = self._last_sync
         if mine is not None:
             self._last_sync = sched.num_rows if sync else 0
-        if self.policy is not None and mine is not None and sched.decode_only and timed:
-            # The drafts it accepted are known once it is processed: this call (synchronous)
-            # or the next.
-            sample = StepSample(
-                batch=sched.num_rows,
-                drafted=draft,
-                wall_ms=wall_ms,
-                drafted_rows=int(np.count_nonzero(sched.drafts)),
-            )
-            self._unscored.append((sample, mine[1]))
+        if self.policy is not None and mine is not None and sched.decode_only:
+            timed = sync or not self.scheduler.config.async_scheduling
+            timed = timed or (launched is not None and launched[0].decode_only)
+            if timed:
+                # The drafts it accepted are known once it is processed: this call
+                # (synchronous) or the next.
+                sample = StepSample(
+                    batch=sched.num_rows,
+                    drafted=draft,
+                    wall_ms=wall_ms,
+                    drafted_rows=int(np.count_nonzero(sched.drafts)),
+                )
+                self._unscored.append((sample, mine[1]))
+            elif after_sync and launched is None:
+                self.policy.charge_switch_back(after_sync, wall_ms)
         while self._unscored and self._unscored[0][1].accepted is not None:
             sample, step = self._unscored.popleft()
             self.policy.record(dataclasses.replace(sample, accepted=step.accepted))

@@ -456,12 +456,17 @@ class OutputChangedError(RuntimeError):
     """Files of shards this job committed were removed or rewritten while it ran."""
 
 
+def _shard_file_sizes(store: OutputStore) -> dict[str, int]:
+    """{name: bytes} of the output's shard data and error files, as they are now."""
+    return store.sizes("shards/") | store.sizes("errors/")
+
+
 def _check_commits_stand(store: OutputStore, manifest: Manifest) -> None:
     """Before a run calls the job complete: every file its committed shards name is there at
     the size written. The lock keeps a second run off the output only from this machine (and
     HOME, for object stores); another machine's run with ``--fresh``, or a person, may have
     removed some meanwhile, and "complete" would then hide missing rows until a rerun."""
-    missing = manifest.missing_shards(store.sizes("shards/") | store.sizes("errors/"))
+    missing = manifest.missing_shards(_shard_file_sizes(store))
     if missing:
         first, problems = next(iter(missing.items()))
         raise OutputChangedError(
@@ -476,7 +481,7 @@ def _check_commits_stand(store: OutputStore, manifest: Manifest) -> None:
 def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport) -> None:
     """Forget committed shards whose files are gone or changed size, so they are recomputed;
     then remove the shard files no committed shard names (``remove_stray_files``)."""
-    sizes = store.sizes("shards/") | store.sizes("errors/")
+    sizes = _shard_file_sizes(store)
     restored = manifest.restore_superseded(sizes)
     if restored:
         log.info(

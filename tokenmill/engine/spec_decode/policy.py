@@ -13,11 +13,12 @@ for the batch's size bucket (powers of two), from decode-only steps:
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
 per drafted row (recent drafted steps). A synchronous drafted step also leaves the device
 idle while the next plain step is scheduled and launched (nothing in flight to overlap):
-that time is charged to t_draft (``charge_switch_back``). It drafts when (1 + f * m) / t_draft beats
-1 / t_plain by ``margin``. A bucket drafts for its first ``warmup`` decode steps (a row's
-first tokens rarely match anything yet), and the mode not chosen is probed again, plain every
-``probe_every`` steps and drafting every ``probe_drafts_every``, so the estimates follow the
-data and the batch: a probe costs at most one step in that many. Without async scheduling a
+that time is charged to t_draft (``charge_switch_back``). It drafts when
+(1 + f * m) / t_draft beats 1 / t_plain by ``margin``. A bucket drafts for its first
+``warmup`` decode steps (a row's first tokens rarely match anything yet), and the mode not
+chosen is probed again, plain every ``probe_every`` steps and drafting every
+``probe_drafts_every``, so the estimates follow the data and the batch: a probe costs at
+most one step in that many. Without async scheduling a
 drafted step costs little more than a plain one when few drafts come (no overlap is lost), so
 the engine then probes drafting more often: which rows have drafts changes step to step.
 """
