@@ -400,7 +400,7 @@ def test_a_worker_releases_the_matchers_of_finished_requests() -> None:
     serving.start()
     engine.send_bytes(_message(ADD, [7], text="spec-a"))
     engine.send_bytes(_message(ADD, [8], text="spec-b"))
-    engine.send_bytes(_message(STEP, [0, 2, 0], [7, 99]))  # drop 7 and an unknown key
+    engine.send_bytes(_message(STEP, [0, 2, 0, 0], [7, 99]))  # drop 7 and an unknown key
     engine.send_bytes(_message(STOP))
     serving.join(10)
     assert backend.released == [("spec-a", True)]
@@ -432,8 +432,8 @@ def test_an_llm_cut_short_mid_message_runs_the_next_call_as_a_fresh_one(tiny_pat
     def cut(self, worker: int, message: bytes) -> None:
         sent[0] += 1
         if sent[0] == 12:  # some steps in: half the message, then the interrupt
-            os.write(self._conns[worker].fileno(), struct.pack("!i", len(message)))
-            os.write(self._conns[worker].fileno(), message[: len(message) // 2])
+            os.write(self._links[worker].fileno(), struct.pack("!i", len(message)))
+            os.write(self._links[worker].fileno(), message[: len(message) // 2])
             raise KeyboardInterrupt
         send(self, worker, message)
 
@@ -476,3 +476,27 @@ def test_an_llm_cut_short_while_sampling_runs_the_next_call_as_a_fresh_one(
         llm.generate(prompts, params)
     runner.sampler = sample
     assert _summary(llm.generate(prompts, params)) == want
+
+
+def test_statuses_and_errors_land_on_their_rows_across_workers(tiny_path) -> None:  # noqa: F811
+    """Each worker answers only its rows that did not simply take their token, by their
+    place in the step: stopped and rejected rows come back where they were sent, with the
+    rejected rows' errors, whichever worker holds them."""
+    from tokenmill.engine.loader import resolve_model_source
+    from tokenmill.engine.structured_output_params import REJECTED, STOPPED
+
+    tokenizer = resolve_model_source(str(tiny_path)).load_tokenizer()
+    pool = GrammarProcesses("llguidance", tokenizer, 288, [tokenizer.eos_token_id], 3)
+    brace, close = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "}"))
+    keys = [pool.matcher("json_object") for _ in range(7)]  # workers 0, 1, 2, 0, 1, 2, 0
+    masks = np.zeros((7, 9), np.int32)
+    pool.fill(keys, masks)
+    tokens = [brace, close, brace, close, brace, brace, close]
+    want = [TAKEN, REJECTED, TAKEN, REJECTED, TAKEN, TAKEN, REJECTED]
+    assert pool.consume(keys, tokens).tolist() == want
+    assert all(pool.error(keys[i]) != pool.error(-1) for i in (1, 3, 6))
+    assert pool.error(keys[0]) == pool.error(-1)  # taken: no error of its own
+    order = [keys[4], keys[0], keys[2]]  # rows that took "{" get "}", in another order
+    pool.fill(order, masks[:3])
+    assert pool.consume(order, [close] * 3).tolist() == [STOPPED] * 3
+    pool.close()

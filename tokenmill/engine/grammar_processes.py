@@ -9,16 +9,17 @@ nothing, so N of them do a step's work in about 1/N of the time.
 
 Each worker process owns the matchers of the requests given to it (in turn, as they come)
 and runs the in-process backend (grammar_llguidance.py or grammar_xgrammar.py) on them with
-one thread. A step costs one message to each worker and two answers from it, over a socket
-pair. Messages are raw int64 arrays (a kind, then keys and tokens or places), answers raw
-bytes: a step's hundreds of rows are never pickled, and the engine groups them by worker
-with numpy.
+one thread. A step costs one message, the same to each worker with a part in it, and two
+answers from each, over a socket pair (grammar_wire.py reads a worker's answers in one call
+when both are in). Messages are raw int64 arrays (a kind, then keys and tokens or places),
+answers raw bytes: a step's hundreds of rows are never pickled, nor grouped by worker in the
+engine: each worker picks its own rows out of the step (their keys modulo the worker count).
 
     add              sent, not answered (the spec was compiled here first, so it compiles)
     step             the matchers of finished requests to drop, the previous step's tokens
                      and this step's masks in one message (``send_step``; any part may be
-                     empty). The worker drops, takes its rows' tokens and answers one
-                     status byte per row (taken, stopped or rejected:
+                     empty). The worker drops, takes its rows' tokens and answers where
+                     a row's status is not "taken" (stopped or rejected:
                      structured_output_params), then the errors of rejected tokens as
                      JSON, if any; then, without waiting for another message,
                      writes its rows' masks at their places in the step's mask buffer and
@@ -42,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+from tokenmill.engine.grammar_wire import Link
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
 from tokenmill.engine.structured_output_params import REJECTED
 
@@ -73,22 +74,25 @@ SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memo
 # A message's kind, its first int64. Its layout after that (int64s, then text):
 ADD, STEP, SHM, STOP = range(4)
 #   ADD      key, then the spec (UTF-8)
-#   STEP     slot, d, n, then d keys of finished requests to drop, then n keys and their
-#            tokens to consume, then keys and their places in the slot's masks to fill (as
-#            many): the worker drops, answers the tokens, then goes straight on to the masks
-#            and answers them (any part may be empty; an empty one is not answered)
+#   STEP     slot, d, n, m, then d keys of finished requests to drop, then n keys and
+#            their tokens to consume, then m keys and their places in the slot's masks to
+#            fill: every worker's rows, each worker takes those it holds. It drops, answers
+#            the tokens, then goes straight on to the masks and answers them (a part with
+#            none of its rows is not answered)
+#   (tokens' answer: int64 k, then k row numbers within the step's n and their statuses,
+#   for the rows not simply taken; then the rejected rows' errors as JSON by row number)
 #   SHM      slot, rows, words, then the shared memory's name (UTF-8)
 #   STOP     nothing
 
 
 class _Sent:
-    """A step's messages sent to the workers, whose answers are still to read: the
-    consume part's (its keys and each worker's indices into them) and the fill part's
-    (the workers, the mask, and the places when it goes through the scratch buffer)."""
+    """A step's message sent to the workers, whose answers are still to read: the
+    consume part's (its keys and the workers holding some) and the fill part's (the
+    workers, the mask, and the places when it goes through the scratch buffer)."""
 
     def __init__(self) -> None:
         self.keys = np.zeros(0, dtype=np.int64)
-        self.consumed: list[tuple[int, np.ndarray]] = []
+        self.consumed: list[int] = []
         self.filled: list[int] = []
         self.mask: np.ndarray | None = None
         self.scratch_places: np.ndarray | None = None
@@ -100,12 +104,6 @@ def _message(kind: int, *ints: np.ndarray | Sequence[int], text: str = "") -> by
     parts = [np.asarray([kind], dtype=np.int64)]
     parts += [np.asarray(part, dtype=np.int64) for part in ints]
     return np.concatenate(parts).tobytes() + text.encode()
-
-
-def _halves(body: np.ndarray) -> tuple[list[int], list[int]]:
-    """A message's two equally long int64 runs (keys and tokens or places), as lists."""
-    half = len(body) // 2
-    return body[:half].tolist(), body[half:].tolist()
 
 
 class TokenizerNotPicklable(ValueError):
@@ -135,8 +133,9 @@ def _backend(name: str, tokenizer: Any, vocab_size: int, eos: Sequence[int]) -> 
     return BACKENDS[name](tokenizer, vocab_size, eos, threads=1)
 
 
-def _serve(conn: Connection, backend: Any) -> None:
-    """A worker's loop over the messages of ``GrammarProcesses``, until STOP."""
+def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> None:
+    """Worker ``me`` of ``workers``: its loop over the messages of ``GrammarProcesses``,
+    until STOP. It holds the matchers whose key modulo ``workers`` is ``me``."""
     matchers: dict[int, Any] = {}
     segments: dict[int, tuple[SharedMemory, np.ndarray]] = {}  # slot -> memory, masks
     while True:
@@ -144,21 +143,25 @@ def _serve(conn: Connection, backend: Any) -> None:
         ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
         kind = int(ints[0])
         if kind == STEP:
-            slot, d, n = int(ints[1]), int(ints[2]), int(ints[3])
-            body = ints[4:]
-            dropped = [matchers.pop(key, None) for key in body[:d].tolist()]
+            slot, d, n, m = (int(v) for v in ints[1:5])
+            dropped = [matchers.pop(key, None) for key in ints[5 : 5 + d].tolist()]
             backend.release([row for row in dropped if row is not None])
-            keys, tokens = _halves(body[d : d + 2 * n])
-            if n:
-                rows = [matchers[key] for key in keys]
-                status = backend.consume(rows, tokens)
-                rejected = np.flatnonzero(status == REJECTED).tolist()
-                errors = {i: backend.error(rows[i]) for i in rejected}
-                answer = status.tobytes() + (json.dumps(errors).encode() if errors else b"")
-                conn.send_bytes(answer)
-            keys, places = _halves(body[d + 2 * n :])
-            if keys:
-                backend.fill([matchers[key] for key in keys], segments[slot][1], at=places)
+            keys, tokens = ints[5 + d : 5 + d + n], ints[5 + d + n : 5 + d + 2 * n]
+            mine = np.flatnonzero(keys % workers == me)
+            if len(mine):
+                rows = [matchers[key] for key in keys[mine].tolist()]
+                status = backend.consume(rows, tokens[mine].tolist())
+                hit = np.flatnonzero(status)
+                errors = {
+                    int(mine[i]): backend.error(rows[i]) for i in hit if status[i] == REJECTED
+                }
+                head = np.concatenate([[len(hit)], mine[hit], status[hit]]).astype(np.int64)
+                conn.send_bytes(head.tobytes() + (json.dumps(errors).encode() if errors else b""))
+            keys, places = ints[5 + d + 2 * n : 5 + d + 2 * n + m], ints[5 + d + 2 * n + m :]
+            mine = np.flatnonzero(keys % workers == me)
+            if len(mine):
+                rows = [matchers[key] for key in keys[mine].tolist()]
+                backend.fill(rows, segments[slot][1], at=places[mine].tolist())
                 conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
@@ -212,13 +215,11 @@ def _unregister(masks: np.ndarray) -> None:
     torch.cuda.cudart().cudaHostUnregister(masks.ctypes.data)
 
 
-def _release(
-    conns: list[Connection], procs: list[subprocess.Popen], segments: dict[int, tuple]
-) -> None:
+def _release(links: list[Link], procs: list[subprocess.Popen], segments: dict[int, tuple]) -> None:
     """What a ``GrammarProcesses`` collected unclosed holds: its workers stopped and its
     shared masks' names removed (the memory goes with the last array over it), so no
     segment is left in /dev/shm behind an engine that was dropped, not closed."""
-    _stop_workers(conns, procs)
+    _stop_workers(links, procs)
     for shm, *_ in segments.values():
         try:
             shm.unlink()
@@ -227,13 +228,13 @@ def _release(
     segments.clear()
 
 
-def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
+def _stop_workers(links: list[Link], procs: list[subprocess.Popen]) -> None:
     """Ask the workers to stop, wait for them (killing any that hangs), and empty both
     lists."""
-    for conn in conns:
+    for link in links:
         try:
-            conn.send_bytes(_message(STOP))
-        except (BrokenPipeError, OSError):
+            link.send(_message(STOP))
+        except OSError:
             pass
     for proc in procs:
         try:
@@ -241,9 +242,9 @@ def _stop_workers(conns: list[Connection], procs: list[subprocess.Popen]) -> Non
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    for conn in conns:
-        conn.close()
-    conns.clear()
+    for link in links:
+        link.close()
+    links.clear()
     procs.clear()
 
 
@@ -275,15 +276,12 @@ class GrammarProcesses:
         self._checker = _backend(name, tokenizer, vocab_size, self._eos)
         self._checked: dict[str, None] = {}  # specs the checker compiled, oldest first
         # These three change in place only (the finalizer holds them).
-        self._conns: list[Connection] = []
+        self._links: list[Link] = []
         self._procs: list[subprocess.Popen] = []
-        # A poll object per worker's connection, made once: Connection.poll builds a
-        # selector at every call (tens of microseconds of Python, 16 calls a step at 8).
-        self._pollers: list[Any] = []
         # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
         # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
         self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
-        weakref.finalize(self, _release, self._conns, self._procs, self._segments)
+        weakref.finalize(self, _release, self._links, self._procs, self._segments)
         self._closed = False
         self._next_key = 0  # a request's key; its worker is key % processes
         self._errors: dict[int, str] = {}  # key -> why its last token was rejected
@@ -345,45 +343,46 @@ class GrammarProcesses:
         ``finish_fill`` read the answers. A worker goes from the tokens to the masks without
         waiting for another message."""
         sent = _Sent()
-        # worker -> [dropped keys, consumed keys, their tokens, filled keys, their places]
-        parts: dict[int, list[Any]] = {}
+        with self._lock:
+            released, self._released = self._released, []
+        for key in released:
+            self._errors.pop(key, None)
+        dropped = np.asarray(released, dtype=np.int64)
+        keys_c = tokens_c = keys_f = places = np.zeros(0, dtype=np.int64)
         if consume is not None:
-            for worker, dropped in self._take_released():
-                parts[worker] = [dropped, (), (), (), ()]
-            sent.keys = np.asarray(consume[0], dtype=np.int64)
-            tokens = np.asarray(consume[1], dtype=np.int64)
-            sent.consumed = self._by_worker(sent.keys)
-            for worker, index in sent.consumed:
-                part = parts.setdefault(worker, [(), (), (), (), ()])
-                part[1:3] = sent.keys[index], tokens[index]
+            keys_c = sent.keys = np.asarray(consume[0], dtype=np.int64)
+            tokens_c = np.asarray(consume[1], dtype=np.int64)
+            sent.consumed = self._holders(keys_c)
         slot = 0
         if fill is not None:
             rows, sent.mask, at = fill
-            keys = np.asarray(rows, dtype=np.int64)
-            places = np.arange(len(keys)) if at is None else np.asarray(at, dtype=np.int64)
+            keys_f = np.asarray(rows, dtype=np.int64)
+            places = np.arange(len(keys_f)) if at is None else np.asarray(at, dtype=np.int64)
             shared = self._slot_of(sent.mask)
             if shared is None:
                 self._scratch_room(int(places.max(initial=-1)) + 1)
                 sent.scratch_places = places
             slot = SCRATCH if shared is None else shared
-            for worker, index in self._by_worker(keys):
-                part = parts.setdefault(worker, [(), (), (), (), ()])
-                part[3:] = keys[index], places[index]
-                sent.filled.append(worker)
-        for worker, (dropped, keys_c, tokens_c, keys_f, places_f) in parts.items():
-            head = [slot, len(dropped), len(keys_c)]
-            self._send(worker, _message(STEP, head, dropped, keys_c, tokens_c, keys_f, places_f))
+            sent.filled = self._holders(keys_f)
+        head = [slot, len(dropped), len(keys_c), len(keys_f)]
+        message = _message(STEP, head, dropped, keys_c, tokens_c, keys_f, places)
+        for worker in sorted({*self._holders(dropped), *sent.consumed, *sent.filled}):
+            self._send(worker, message)
         return sent
 
     def finish_consume(self, sent: _Sent) -> np.ndarray:
         """The consume part's answers: [rows] uint8 statuses, as ``consume``."""
-        status = np.empty(len(sent.keys), dtype=np.uint8)
-        for worker, index in sent.consumed:
+        status = np.zeros(len(sent.keys), dtype=np.uint8)  # TAKEN unless answered
+        for worker in sent.consumed:
             answer = self._recv(worker)
-            status[index] = np.frombuffer(answer, dtype=np.uint8, count=len(index))
-            if len(answer) > len(index):  # the rejected rows' errors
-                for j, why in json.loads(answer[len(index) :]).items():
-                    self._errors[int(sent.keys[index[int(j)]])] = why
+            k = int.from_bytes(answer[:8], sys.byteorder)
+            if not k:  # every row of the worker's took its token
+                continue
+            pairs = np.frombuffer(answer, dtype=np.int64, count=2 * k, offset=8)
+            status[pairs[:k]] = pairs[k:]
+            if len(answer) > 8 * (1 + 2 * k):  # the rejected rows' errors
+                for j, why in json.loads(answer[8 * (1 + 2 * k) :]).items():
+                    self._errors[int(sent.keys[int(j)])] = why
         sent.consume_read = True
         return status
 
@@ -413,15 +412,14 @@ class GrammarProcesses:
         answer may be half sent: the old workers are killed, not asked to stop. The new
         ones start when a request next needs one (``_ensure_started``): a job stopping on
         a signal started a set only to stop it a moment later."""
-        if self._closed or not self._conns:
+        if self._closed or not self._links:
             return
         for proc in self._procs:
             proc.kill()
             proc.wait()
-        for conn in self._conns:
-            conn.close()
-        self._conns.clear()
-        self._pollers.clear()
+        for link in self._links:
+            link.close()
+        self._links.clear()
         self._procs.clear()
         self._errors.clear()
         self._released.clear()
@@ -429,8 +427,7 @@ class GrammarProcesses:
     def close(self) -> None:
         """Stop the workers and free the shared masks; the workers do not start again."""
         self._closed = True
-        _stop_workers(self._conns, self._procs)
-        self._pollers.clear()
+        _stop_workers(self._links, self._procs)
         for slot in list(self._segments):
             self._free_segment(slot)
 
@@ -438,7 +435,7 @@ class GrammarProcesses:
     def _ensure_started(self) -> None:
         """Start the workers unless they run, and tell them of the shared masks there are
         (after a ``restart``); after ``close`` they do not start again."""
-        if self._conns:
+        if self._links:
             return
         if self._closed:
             raise RuntimeError("the structured-output worker processes were closed")
@@ -450,28 +447,25 @@ class GrammarProcesses:
         """Start the workers as fresh interpreters (``python -c``), not through
         multiprocessing: its spawn would run the user's main module again in each, which a
         script without a ``__main__`` guard does not survive. Each gets one end of a
-        socket pair and its settings over it."""
+        socket pair, its number and the worker count, and its settings over the socket."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         settings = self._settings()
-        for _ in range(self._num):
+        for me in range(self._num):
             ours, theirs = socket.socketpair()
             with theirs:
                 fd = theirs.fileno()
                 self._procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-c", _WORKER_MAIN, str(fd)],
+                        [sys.executable, "-c", _WORKER_MAIN, str(fd), str(me), str(self._num)],
                         env=env,
                         stdin=subprocess.DEVNULL,
                         pass_fds=(fd,),
                         start_new_session=True,  # out of the job's process group's signals
                     )
                 )
-            self._conns.append(Connection(ours.detach()))
-            poller = select.poll()
-            poller.register(self._conns[-1].fileno(), select.POLLIN)
-            self._pollers.append(poller)
-            self._conns[-1].send_bytes(settings)
+            self._links.append(Link(ours))
+            self._links[-1].send(settings)
 
     def _settings(self) -> bytes:
         """The workers' start message, pickled once for all of them. Raises ValueError when
@@ -534,49 +528,31 @@ class GrammarProcesses:
                 return slot
         return None
 
-    def _take_released(self) -> list[tuple[int, np.ndarray]]:
-        """(worker, its released keys) for the keys released since the last call, which
-        are forgotten here."""
-        with self._lock:
-            released, self._released = self._released, []
-        for key in released:
-            self._errors.pop(key, None)
-        keys = np.asarray(released, dtype=np.int64)
-        return [(worker, keys[index]) for worker, index in self._by_worker(keys)]
-
-    def _by_worker(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """(worker, the indices in ``keys`` of its rows) for each worker with rows, in
-        ``keys`` order within each (numpy: a step has hundreds of rows)."""
+    def _holders(self, keys: np.ndarray) -> list[int]:
+        """The workers holding some of ``keys``, in order."""
         if not len(keys):
             return []
-        workers = keys % self._num
-        order = np.argsort(workers, kind="stable")
-        bounds = np.searchsorted(workers[order], np.arange(self._num + 1))
-        return [
-            (worker, order[bounds[worker] : bounds[worker + 1]])
-            for worker in range(self._num)
-            if bounds[worker + 1] > bounds[worker]
-        ]
+        return np.flatnonzero(np.bincount(keys % self._num, minlength=self._num)).tolist()
 
     def _send(self, worker: int, message: bytes) -> None:
         try:
-            self._conns[worker].send_bytes(message)
-        except (BrokenPipeError, OSError) as exc:
+            self._links[worker].send(message)
+        except OSError as exc:
             raise self._died(worker) from exc
 
     def _recv(self, worker: int) -> bytes:
-        conn = self._conns[worker]
+        link = self._links[worker]
         try:
-            if not self._ready(worker, self.answer_timeout_s):
+            if not link.ready(self.answer_timeout_s):
                 raise self._died(worker, f"has not answered in {self.answer_timeout_s:g} s")
-            return conn.recv_bytes()
+            return link.take()
         except (EOFError, OSError) as exc:
             raise self._died(worker) from exc
 
     def _ready(self, worker: int, timeout_s: float | None) -> bool:
         """Whether ``worker`` has an answer to read (or has gone: EOF reads as ready),
         waiting up to ``timeout_s`` (None: as long as it takes)."""
-        return bool(self._pollers[worker].poll(None if timeout_s is None else timeout_s * 1e3))
+        return self._links[worker].ready(timeout_s)
 
     def _died(self, worker: int, how: str | None = None) -> RuntimeError:
         proc = self._procs[worker]
@@ -592,6 +568,6 @@ def main() -> None:
     conn = Connection(int(sys.argv[1]))
     try:
         _, name, tokenizer, vocab_size, eos = conn.recv()
-        _serve(conn, _backend(name, tokenizer, vocab_size, eos))
+        _serve(conn, _backend(name, tokenizer, vocab_size, eos), int(sys.argv[2]), int(sys.argv[3]))
     except EOFError:  # the engine went away
         pass

@@ -589,7 +589,7 @@ class LLMEngine:
         out = launched.output()
         if len(out.rows):
             first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
-            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first].tolist())
+            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first])
 
     def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host

@@ -117,7 +117,7 @@ class _PendingFeed:
     step's fill or alone)."""
 
     rids: np.ndarray
-    rows: list[Any]
+    rows: np.ndarray  # object
     tokens: np.ndarray
     sent: Any = None
 
@@ -240,7 +240,7 @@ class StructuredOutputs:
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._rids: np.ndarray = np.empty(0, dtype=object)
-        self._rows: list[Any] = []
+        self._rows: np.ndarray = np.empty(0, dtype=object)
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
@@ -312,7 +312,7 @@ class StructuredOutputs:
         size = len(self._rows)
         new = max(64, 2 * size)
         self._rids = np.concatenate([self._rids, np.empty(new - size, dtype=object)])
-        self._rows += [None] * (new - size)
+        self._rows = np.concatenate([self._rows, np.empty(new - size, dtype=object)])
         self._num_masked = np.concatenate([self._num_masked, np.zeros(new - size, np.int64)])
         self._num_fed = np.concatenate([self._num_fed, np.zeros(new - size, np.int64)])
         self._free += range(new - 1, size - 1, -1)  # lowest first
@@ -382,7 +382,7 @@ class StructuredOutputs:
                 "(StructuredOutputs.feed)"
             )
         self._num_masked[index] += 1
-        rows = [self._rows[i] for i in index.tolist()]
+        rows = self._rows[index]
         mask = self._buffers.next(len(rows))
         if self._processes:
             # The fed tokens (kept by ``feed``) go out with the masks to fill, one message
@@ -450,7 +450,7 @@ class StructuredOutputs:
             raise RuntimeError(f"request {rid} has no grammar")
         return index
 
-    def feed(self, requests: Sequence[Request], tokens: Sequence[int]) -> None:
+    def feed(self, requests: Sequence[Request], tokens: Sequence[int] | np.ndarray) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
         that grammar's last mask); the others (plain rows, finished requests) are skipped.
         Requests whose grammar now stops or rejects its token (logged) go to ``take_ended``.
@@ -473,7 +473,7 @@ class StructuredOutputs:
                 "fed twice, or drafts on a constrained row)"
             )
         self._num_fed[index] += 1
-        rows = [self._rows[i] for i in index.tolist()]
+        rows = self._rows[index]
         tokens_fed = np.asarray(tokens, dtype=np.int64)[kept]
         rids = self._rids[index]  # as they are now: the outcome may come after drops
         if self._processes:
@@ -495,7 +495,7 @@ class StructuredOutputs:
             self._fed_outcome(pending.rids, pending.rows, status, t0)
 
     def _fed_outcome(
-        self, rids: np.ndarray, rows: list[Any], status: np.ndarray, t0: float
+        self, rids: np.ndarray, rows: np.ndarray, status: np.ndarray, t0: float
     ) -> None:
         """Requests whose grammar rejected or completed with its token go to ``take_ended``;
         the feed's time since ``t0`` is counted."""
