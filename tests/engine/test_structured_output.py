@@ -230,6 +230,35 @@ def test_sampler_draws_only_allowed_tokens_in_constrained_rows(temperature: floa
         build(params)
 
 
+def test_greedy_constrained_rows_are_masked_in_the_logits_own_dtype() -> None:
+    """bf16 logits the sampler may change: greedy rows are masked in place, in bf16, and take
+    the argmax a float32 copy would give (the conversion is exact); with logits it may not
+    change, a copy is masked and the caller's stay as they were."""
+    vocab, rows = 100, 4
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2))
+    logits = logits.to(torch.bfloat16)
+    greedy = SamplingParams(temperature=0, structured_output="json_object")
+    params = [greedy, SamplingParams(temperature=0), greedy, greedy]
+    allowed = {0: {3, 97}, 2: {50}, 3: set(range(0, vocab, 2))}
+
+    def build() -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params, [[1]] * rows, [[]] * rows, vocab, torch.device("cpu"),
+            token_bitmask=lambda which: _bitmask([allowed[i] for i in which.tolist()], vocab),
+        )  # fmt: skip
+
+    want = logits.float()
+    for i, tokens in allowed.items():
+        want[i, [t for t in range(vocab) if t not in tokens]] = float("-inf")
+    kept = logits.clone()
+    assert Sampler()(kept, build()).sampled_token_ids.tolist() == want.argmax(-1).tolist()
+    assert torch.equal(kept, logits)
+    given = logits.clone()
+    got = Sampler()(given, build(), mutable=True).sampled_token_ids
+    assert got.tolist() == want.argmax(-1).tolist()
+    assert given.dtype == torch.bfloat16 and torch.isinf(given[2]).sum() == vocab - 1
+
+
 # ---- the real model -------------------------------------------------------------------------
 
 

@@ -39,6 +39,18 @@ def test_kernel_gives_the_reference_bits(num_rows, vocab, words, rows) -> None:
     torch.testing.assert_close(got[plain], logits[plain], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits_get_the_reference_bits(dtype) -> None:
+    """The model's own logits dtype is masked in place as float32 is: the same -inf bits,
+    the other values untouched (the greedy sampler masks bf16 logits without a copy)."""
+    logits, rows_t, bitmask = _case(5, 1000, 32, [3, 0], seed=7)
+    logits = logits.to(dtype)
+    want = apply_token_bitmask_ref(logits, rows_t, bitmask)
+    got = apply_token_bitmask_(logits.clone(), rows_t, bitmask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_bits_select_tokens_as_documented() -> None:
     """Row 1 allows tokens 0, 33 and 63 only (bit 31 of word 1 is its sign bit); row 0 is not
     masked."""
@@ -53,8 +65,8 @@ def test_bits_select_tokens_as_documented() -> None:
 def test_refuses_logits_it_cannot_mask_in_place() -> None:
     rows = torch.tensor([0], device=DEVICE)
     bitmask = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="float32"):
-        apply_token_bitmask_(torch.zeros(1, 64, dtype=torch.bfloat16, device=DEVICE), rows, bitmask)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        apply_token_bitmask_(torch.zeros(1, 64, dtype=torch.float64, device=DEVICE), rows, bitmask)
     with pytest.raises(ValueError, match="one row per"):
         apply_token_bitmask_(torch.zeros(2, 64, device=DEVICE), rows, bitmask.repeat(2, 1))
 

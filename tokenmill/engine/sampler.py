@@ -97,15 +97,21 @@ class Sampler:
                 f"Sampler: logits shape {tuple(logits.shape)} does not match the metadata's "
                 f"[{meta.num_rows}, {meta.vocab_size}]; build SamplingMetadata for this batch"
             )
+        masked = meta.allowed_token_rows is not None and meta.allowed_token_bitmask is not None
         if (
             meta.all_greedy
             and meta.max_num_logprobs is None
             and meta.no_penalties
             and meta.logit_bias_index is None
-            and meta.allowed_token_rows is None
+            and (mutable or not masked)
         ):
-            # The argmax of the logits as they are: converting them to float32 first is
-            # exact, so it would pick the same (first) maximum, after a [B, V] copy.
+            # The argmax of the logits as they are (grammar rows masked in place, in their
+            # own dtype): converting them to float32 first is exact, so it would pick the
+            # same (first) maximum, after a [B, V] copy.
+            if masked:
+                logits = apply_token_bitmask(
+                    logits, meta.allowed_token_rows, meta.allowed_token_bitmask, in_place=True
+                )
             return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         given, logits = logits, logits.float()  # a copy unless they were float32
 
@@ -118,7 +124,7 @@ class Sampler:
             logits = apply_penalties(logits, meta)
         if meta.logit_bias_index is not None and meta.logit_bias_values is not None:
             logits = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
-        if meta.allowed_token_rows is not None and meta.allowed_token_bitmask is not None:
+        if masked:
             logits = apply_token_bitmask(
                 logits,
                 meta.allowed_token_rows,
@@ -172,11 +178,12 @@ def apply_logit_bias(
 def apply_token_bitmask(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, in_place: bool = False
 ) -> torch.Tensor:
-    """``logits`` [B, V] float32 with -inf at every token row ``rows[g]`` may not take: a copy,
-    or the tensor itself changed with ``in_place``. ``bitmask`` [G, W] int32 holds one bit per
-    token, token t at bit t % 32 of word t // 32; tokens past 32 * W are forbidden. ``rows``
-    [G] are distinct. On CUDA the Triton kernel, elsewhere its PyTorch reference (the same
-    bits; kernels/token_bitmask.py); neither syncs with the host."""
+    """``logits`` [B, V] (float32, bfloat16 or float16) with -inf at every token row
+    ``rows[g]`` may not take: a copy, or the tensor itself changed with ``in_place``.
+    ``bitmask`` [G, W] int32 holds one bit per token, token t at bit t % 32 of word t // 32;
+    tokens past 32 * W are forbidden. ``rows`` [G] are distinct. On CUDA the Triton kernel,
+    elsewhere its PyTorch reference (the same bits; kernels/token_bitmask.py); neither syncs
+    with the host."""
     if logits.is_cuda:
         return apply_token_bitmask_(logits if in_place else logits.clone(), rows, bitmask)
     if logits.device.type == "cpu":

@@ -3,7 +3,7 @@
     bitmask [G, W] int32   token t allowed in row g when bit t % 32 of word t // 32 is set
                            (little-endian within the word); tokens past 32 * W are forbidden
     rows    [G]            distinct logits rows the G masks belong to
-    logits  [B, V] fp32    the other B - G rows are left as they are
+    logits  [B, V] float   the other B - G rows are left as they are (fp32, bf16 or fp16)
 
 ``apply_token_bitmask_ref`` is the reference (a copy; pure PyTorch, any device).
 ``apply_token_bitmask_host_`` is the CPU path, in place: numpy unpacks the bits (one C loop)
@@ -28,6 +28,7 @@ import triton.language as tl
 __all__ = ["apply_token_bitmask_", "apply_token_bitmask_host_", "apply_token_bitmask_ref"]
 
 _BLOCK = 1024  # columns a program: 32 words of its row's mask
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit(do_not_specialize=["vocab_size", "words"])
@@ -48,7 +49,7 @@ def _token_bitmask_kernel(
     bits = tl.load(bitmask_ptr + g * stride_bitmask + word, mask=in_vocab & (word < words), other=0)
     allowed = ((bits >> (cols % 32)) & 1) != 0
     row = tl.load(rows_ptr + g).to(tl.int64)
-    ninf = tl.full([BLOCK], float("-inf"), tl.float32)
+    ninf = tl.full([BLOCK], float("-inf"), logits_ptr.dtype.element_ty)
     tl.store(logits_ptr + row * stride_logits + cols, ninf, mask=in_vocab & ~allowed)
 
 
@@ -56,10 +57,13 @@ def apply_token_bitmask_(
     logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
 ) -> torch.Tensor:
     """Set ``logits[rows[g], t]`` to -inf wherever ``bitmask[g]`` forbids t, in place; return
-    ``logits``. Shapes as at the top; ``logits`` float32 with contiguous rows, ``rows`` any
-    integer dtype, all three on one device."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError("apply_token_bitmask_: logits must be [B, V] float32, rows contiguous")
+    ``logits``. Shapes as at the top; ``logits`` float32, bfloat16 or float16 with contiguous
+    rows, ``rows`` any integer dtype, all three on one device."""
+    if logits.dtype not in _FLOATS or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(
+            "apply_token_bitmask_: logits must be [B, V] float32, bfloat16 or float16, rows "
+            "contiguous"
+        )
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != rows.shape[0]:
         raise ValueError("apply_token_bitmask_: bitmask must be [G, W] int32, one row per rows[g]")
     num_masked = bitmask.shape[0]
