@@ -259,6 +259,21 @@ def test_greedy_constrained_rows_are_masked_in_the_logits_own_dtype() -> None:
     assert given.dtype == torch.bfloat16 and torch.isinf(given[2]).sum() == vocab - 1
 
 
+def test_logits_the_mask_kernel_does_not_take_are_masked_in_a_copy() -> None:
+    """float64 logits (no mask kernel takes them): the greedy constrained rows are masked
+    in a float32 copy even when the sampler may change the logits; the caller's stay."""
+    vocab = 70
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4)).double()
+    params = [SamplingParams(temperature=0, structured_output="json_object")] * 2
+    meta = SamplingMetadata.build(
+        params, [[1]] * 2, [[]] * 2, vocab, torch.device("cpu"),
+        token_bitmask=lambda which: _bitmask([{5}, {69}], vocab),
+    )  # fmt: skip
+    given = logits.clone()
+    assert Sampler()(given, meta, mutable=True).sampled_token_ids.tolist() == [5, 69]
+    assert torch.equal(given, logits)
+
+
 # ---- the real model -------------------------------------------------------------------------
 
 

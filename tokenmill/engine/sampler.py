@@ -103,7 +103,7 @@ class Sampler:
             and meta.max_num_logprobs is None
             and meta.no_penalties
             and meta.logit_bias_index is None
-            and (mutable or not masked)
+            and (not masked or (mutable and _maskable(logits)))
         ):
             # The argmax of the logits as they are (grammar rows masked in place, in their
             # own dtype): converting them to float32 first is exact, so it would pick the
@@ -143,6 +143,12 @@ class Sampler:
         if raw_logprobs is not None and meta.max_num_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _maskable(logits: torch.Tensor) -> bool:
+    """Whether the grammar masks go on ``logits`` in place as they are (the mask kernel's
+    dtypes, contiguous rows); other logits are masked in a float32 copy."""
+    return logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and logits.stride(1) == 1
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

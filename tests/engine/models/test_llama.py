@@ -81,6 +81,9 @@ def test_tied_head_uses_the_embeddings_and_skips_a_stored_copy() -> None:
     hidden = torch.randn(3, config.hidden_size)
     expected = hidden @ ckpt["model.embed_tokens.weight"].T
     torch.testing.assert_close(model.compute_logits(hidden), expected)
+    # in the model's dtype: the sampler converts them where it computes with them
+    model = model.to(torch.bfloat16)
+    assert model.compute_logits(hidden.to(torch.bfloat16)).dtype == torch.bfloat16
     ckpt["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
     with pytest.raises(ValueError, match="lm_head.weight differs from its embeddings"):
         _build(config, ckpt)

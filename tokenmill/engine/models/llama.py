@@ -212,8 +212,11 @@ class LlamaForCausalLM(torch.nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        """The logits in the model's dtype: the sampler converts them to float32 where it
+        computes with them (sampling, logprobs, penalties) and takes a greedy argmax as they
+        are (the conversion is exact), so no [N, V] float32 copy is made for that."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return cpu_linear.linear(hidden, weight).float()
+        return cpu_linear.linear(hidden, weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "") -> None:
         """Hand each HF-named tensor to its parameter's ``weight_loader``; q/k/v and gate/up
