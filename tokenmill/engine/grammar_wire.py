@@ -19,6 +19,7 @@ import struct
 __all__ = ["Link"]
 
 _READ = 1 << 16
+_ONE_WRITE = 1 << 16  # shorter messages go out with their header in one write (a copy)
 _LONG = 0x7FFFFFFF  # longer payloads: a -1 length, then the length as 8 bytes
 _LONG_MARK = b"\xff\xff\xff\xff"
 
@@ -45,7 +46,7 @@ class Link:
             header = struct.pack("!iQ", -1, size)
         else:
             header = struct.pack("!i", size)
-        if size < 16384:  # one system call for the usual short message
+        if size < _ONE_WRITE:  # one system call for a step of up to ~2,000 rows
             self._sock.sendall(header + payload)
         else:
             self._sock.sendall(header)
