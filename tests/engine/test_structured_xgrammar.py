@@ -108,3 +108,24 @@ def test_compiled_grammars_stay_bounded_with_a_schema_a_row(tiny_path) -> None: 
         llm.engine.abort_requests([f"r{i}"])
     assert len(grammars._compiled) == 64
     assert grammars._compiler.get_cache_size_bytes() == 0
+
+
+@pytest.mark.parametrize("processes", [0, 2], ids=["in-process", "worker-processes"])
+def test_a_row_whose_grammar_took_the_stop_token_gets_a_stop_only_mask(
+    tiny_path,  # noqa: F811
+    processes,
+) -> None:
+    """A regex that may go on after it matches ("leon", then ",12" or the end): the row
+    samples the stop token, xgrammar's matcher terminates, and with async scheduling the
+    row's next step, scheduled before its request ended, asks for a mask again. xgrammar
+    fills none for a terminated matcher (it raised, ending the call); the row gets the stop
+    tokens alone and gives the synchronous loop's output."""
+    spec = "regex:[a-z]{1,4}(,[0-9]{2}){0,3}"
+    params = [SamplingParams(max_tokens=25, temperature=1.0, seed=11, structured_output=spec)]
+    kwargs = dict(max_num_seqs=16, structured_output_backend="xgrammar")
+    want = _llm(tiny_path, False, **kwargs).generate([[5, 6, 7, 8]], params)
+    assert want[0].text == "leon" and want[0].finish_reason == "stop"
+    llm = _llm(tiny_path, True, structured_output_processes=processes, **kwargs)
+    got = llm.generate([[5, 6, 7, 8]], params)
+    assert _summary(got) == _summary(want)
+    llm.engine.close()

@@ -132,6 +132,14 @@ class XgrammarGrammars:
         self._continues = b""
         self._after_lead: set[int] = set()  # matchers whose last token ended with 0xED
         self._broken: set[int] = set()  # matchers rejected for a split surrogate
+        # Matchers that took a stop token, by id (held, so no other matcher takes the id):
+        # xgrammar fills them no mask (it raises), but with async scheduling their row's
+        # next step is scheduled before their request ends (structured_output.py): that row
+        # may take a stop token only, and its token goes. Released ones are forgotten at the
+        # next consume: the engine releases a request's matcher while that step's masks are
+        # being filled (``bitmask(beside=...)``), where the fill still needs to know.
+        self._terminated: dict[int, Any] = {}
+        self._released: list[int] = []
 
     def matcher(self, spec: str) -> Row:
         """A matcher in its start state for a new request. Raises ValueError when xgrammar
@@ -149,7 +157,16 @@ class XgrammarGrammars:
         """Row ``at[i]`` (default i) of ``mask`` [rows, words] int32 <- rows[i]'s next-token
         bitmask."""
         places = None if at is None else list(at)
-        self._batch.batch_fill_next_token_bitmask([m for m, _ in rows], mask, places)
+        matchers = [m for m, _ in rows]
+        if self._terminated and not self._terminated.keys().isdisjoint(map(id, matchers)):
+            places = list(range(len(rows))) if places is None else places
+            ended = [i for i, m in enumerate(matchers) if id(m) in self._terminated]
+            mask[[places[i] for i in ended]] = self._stop_tokens
+            live = [i for i in range(len(rows)) if id(matchers[i]) not in self._terminated]
+            matchers, live_places = [matchers[i] for i in live], [places[i] for i in live]
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, live_places)
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, places)
         kinds: tuple[list[int], list[int]] = ([], [])  # rows of (regex and choice, JSON)
         for i, (_, json_output) in enumerate(rows):
             kinds[json_output].append(i)
@@ -165,6 +182,8 @@ class XgrammarGrammars:
         (structured_output_params) per row, in input order."""
         matchers = [m for m, _ in rows]
         tokens = [int(t) for t in tokens]
+        while self._released:
+            self._terminated.pop(self._released.pop(), None)
         taken = self._xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         ok = np.fromiter(taken, dtype=bool, count=len(rows))
         ids = np.asarray(tokens, dtype=np.int64)
@@ -210,6 +229,8 @@ class XgrammarGrammars:
         for matcher, _ in rows:
             self._after_lead.discard(id(matcher))
             self._broken.discard(id(matcher))
+            if id(matcher) in self._terminated:
+                self._released.append(id(matcher))
 
     def error(self, row: Row) -> str:
         """Why ``row``'s last token was rejected."""
@@ -219,7 +240,8 @@ class XgrammarGrammars:
 
     def _stopped(self, matcher: Any, json_output: bool) -> bool:
         """The output is complete: nothing but a stop token may follow."""
-        if matcher.is_terminated():
+        if matcher.is_terminated():  # it took a stop token
+            self._terminated[id(matcher)] = matcher
             return True
         if not matcher.is_completed():
             return False
@@ -262,6 +284,10 @@ class XgrammarGrammars:
         bits[: self.vocab_size] = 1
         bits[[t for t in self._eos if 0 <= t < self.vocab_size]] = 0
         self._not_stop = np.packbits(bits, bitorder="little").view(np.int32)
+        # and the stop tokens alone (a terminated matcher's row: ``fill``)
+        stops = np.zeros_like(bits)
+        stops[[t for t in self._eos if 0 <= t < self.vocab_size]] = 1
+        self._stop_tokens = np.packbits(stops, bitorder="little").view(np.int32)
         threads = self._threads or executor_threads()
         # Compiled grammars are kept in ``_compiled`` (the newest 64): xgrammar's own cache
         # has no bound by default and grew by each new schema (a job's per-row schemas).
