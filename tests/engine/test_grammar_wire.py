@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from multiprocessing.connection import Connection
 
 import pytest
@@ -48,6 +49,27 @@ def test_a_half_arrived_answer_is_not_ready_until_the_rest_comes() -> None:
     later.join()
     assert link.take() == b"abcdef"
     assert link.ready(0) and link.take() == b""
+
+
+def test_an_answer_trickling_in_is_waited_for_no_longer_than_the_timeout() -> None:
+    """A worker that stalls halfway through an answer, a byte now and then: ``ready`` gives
+    up after its timeout in all, not after a timeout between bytes."""
+    ours, theirs = socket.socketpair()
+    link = Link(ours)
+    theirs.sendall(struct.pack("!i", 100))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.02):
+            theirs.sendall(b"x")
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    started = time.monotonic()
+    assert not link.ready(0.2)
+    assert time.monotonic() - started < 1.0
+    stop.set()
+    sender.join()
 
 
 def test_a_long_frames_eight_byte_length_is_read() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import select
 import socket
 import struct
+import time
 
 __all__ = ["Link"]
 
@@ -73,12 +74,15 @@ class Link:
 
     def _wait(self, timeout_s: float | None) -> int | None:
         """Where the first whole answer in the buffer ends, reading the socket for up to
-        ``timeout_s`` while there is none; None if none came (or the worker is gone)."""
+        ``timeout_s`` in all while there is none; None if none came whole in that time (or
+        the worker is gone)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             end = self._frame_end()
             if end is not None or self._eof:
                 return end
-            if not self._poller.poll(None if timeout_s is None else timeout_s * 1e3):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic()) * 1e3
+            if not self._poller.poll(left):
                 return None
             try:
                 chunk = self._sock.recv(_READ)
