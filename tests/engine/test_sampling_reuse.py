@@ -39,6 +39,22 @@ def _columns(*params: SamplingParams) -> SamplingColumns:
     return SamplingColumns.of(list(params))
 
 
+def test_metadata_whose_rows_changed_while_it_was_built_is_not_kept() -> None:
+    """A slot given to a new request while the metadata was built (beside a step's grammar
+    masks) leaves it describing the old request: it is not kept, under the rows or under
+    their setting."""
+    ring = UploadRing(CPU)
+    cols = _columns(SamplingParams(temperature=0), SamplingParams(temperature=0))
+    reuse = SamplingReuse(ring)
+    rows = np.array([0, 1], dtype=np.int64)
+    version = cols.version
+    meta = _build(cols, rows, ring)
+    cols.set_row(1, SamplingParams(temperature=1.0, seed=7))  # admitted during the build
+    reuse.keep(cols, rows, meta, version)
+    assert reuse.get(cols, rows) is None
+    assert reuse.get(cols, np.array([0])) is None
+
+
 def test_reused_for_the_same_rows_until_a_slot_changes() -> None:
     ring = UploadRing(CPU)
     cols = _columns(
@@ -47,7 +63,7 @@ def test_reused_for_the_same_rows_until_a_slot_changes() -> None:
     reuse = SamplingReuse(ring)
     rows = np.array([1, 0], dtype=np.int64)
     meta = _build(cols, rows, ring)
-    reuse.keep(cols, rows, meta)
+    reuse.keep(cols, rows, meta, cols.version)
     again = reuse.get(cols, rows.copy())
     assert again is not None
     for name in ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty"):
@@ -86,7 +102,7 @@ def test_rows_that_sample_alike_get_the_first_rows_of_the_widest_kept(
     cols = _columns(*([setting] * 5), other, SamplingParams(**vars(setting)))  # 6: equal, apart
     reuse = SamplingReuse(ring)
     wide = np.array([4, 0, 2, 1], dtype=np.int64)
-    reuse.keep(cols, wide, _build(cols, wide, ring))
+    reuse.keep(cols, wide, _build(cols, wide, ring), cols.version)
     ring.upload([np.zeros(4000)] * 8)  # the kept columns are its own: the ring may move on
     for rows in ([3, 1], [6, 0, 3], [1, 2, 3, 4], [6]):  # other slots, other orders, fewer
         rows = np.array(rows, dtype=np.int64)
@@ -105,7 +121,7 @@ def test_rows_with_a_logit_bias_never_share_a_setting() -> None:
     ring = UploadRing(CPU)
     reuse = SamplingReuse(ring)
     rows = np.array([0, 1], dtype=np.int64)
-    reuse.keep(cols, rows, _build(cols, rows, ring))
+    reuse.keep(cols, rows, _build(cols, rows, ring), cols.version)
     assert reuse.get(cols, np.array([1])) is None
 
 
@@ -124,7 +140,7 @@ def test_metadata_that_depends_on_the_step_is_never_kept(params: SamplingParams)
     rows = np.array([0, 1], dtype=np.int64)
     meta = _build(cols, rows, ring)
     assert not sampling_reuse.reusable(meta)
-    reuse.keep(cols, rows, meta)
+    reuse.keep(cols, rows, meta, cols.version)
     assert reuse.get(cols, rows) is None
 
 
@@ -138,10 +154,10 @@ def test_columns_whose_ring_views_expired_are_a_miss() -> None:
     cols = _columns(SamplingParams(temperature=0), SamplingParams(temperature=0.5))
     rows = np.array([0, 1], dtype=np.int64)
     reuse = SamplingReuse(ring)
-    reuse.keep(cols, rows, _build(cols, rows, ring))
+    reuse.keep(cols, rows, _build(cols, rows, ring), cols.version)
     ring.upload([np.zeros(1)])  # one call since: still valid
     assert reuse.get(cols, rows) is not None
-    reuse.keep(cols, rows, _build(cols, rows, ring))
+    reuse.keep(cols, rows, _build(cols, rows, ring), cols.version)
     ring.upload([np.zeros(1)])
     ring.upload([np.zeros(1)])  # two since: expired
     assert reuse.get(cols, rows) is None
@@ -159,7 +175,7 @@ def test_on_cuda_the_reused_columns_outlive_the_ring_slots_they_came_from() -> N
     )  # fmt: skip
     want = {n: getattr(meta, n).cpu() for n in ("temperature", "top_k", "greedy", "top_p")}
     reuse = SamplingReuse(ring)
-    reuse.keep(cols, rows, meta)
+    reuse.keep(cols, rows, meta, cols.version)
     ring.upload([np.zeros(4000, dtype=np.float32)])
     got = reuse.get(cols, rows)
     for _ in range(6):  # every slot of the ring written over with other data

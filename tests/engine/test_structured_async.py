@@ -337,3 +337,30 @@ def test_aborting_every_constrained_row_of_the_step_ahead(
         after += engine.step()
     assert [o.request_id for o in after] == ["after"]
     engine.close()
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_request_taking_a_slot_during_a_fill_is_sampled_with_its_own_settings(
+    tiny_path,  # noqa: F811
+    backend: str,
+) -> None:
+    """One batch slot: A's grammar ends it on its 2nd token (min_tokens 2 rebuilt its
+    sampling settings that step), and B takes A's slot while that step's masks fill. The
+    settings built for A were kept as B's: a plain B failed the call ("0 rows have
+    structured_output but no token_bitmask..."), a constrained B sampling at temperature 1
+    was sampled greedily, as A. Async scheduling now gives the synchronous loop's outputs."""
+    if backend == "xgrammar":
+        pytest.importorskip("xgrammar")
+    first = SamplingParams(
+        max_tokens=20, temperature=0, min_tokens=2, structured_output="regex:[0-9]{2}"
+    )
+    seconds = [
+        SamplingParams(max_tokens=5, temperature=0),
+        SamplingParams(max_tokens=8, temperature=1.0, seed=7, structured_output="regex:[a-z]{1,8}"),
+    ]
+    kwargs = dict(max_num_seqs=1, structured_output_backend=backend)
+    for second in seconds:
+        prompts, params = [[5, 6, 7, 8], [9, 10, 11]], [first, second]
+        want = _llm(tiny_path, False, **kwargs).generate(prompts, params)
+        got = _llm(tiny_path, True, **kwargs).generate(prompts, params)
+        assert _summary(got) == _summary(want)

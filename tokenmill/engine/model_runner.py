@@ -292,6 +292,7 @@ class ModelRunner:
             structured = table.sampling.columns["structured"][row_slots]
             meta = meta.with_token_bitmask(masks, structured)
         elif meta is None:
+            version = table.sampling.version  # the masks' fill may admit a request
             meta = SamplingMetadata.from_rows(
                 table.sampling.gather(row_slots),
                 outputs,
@@ -305,7 +306,7 @@ class ModelRunner:
                 upload_many=self.uploads.upload,
                 banned=banned,
             )
-            self._sampling_reuse.keep(table.sampling, row_slots, meta)
+            self._sampling_reuse.keep(table.sampling, row_slots, meta, version)
         out = self.sampler(logits, meta, mutable=True)  # the step's own, read no more
         self._last = sampled_rows(out.sampled_token_ids, batch, input_ids, row_of_slot, after_d)
         step = LaunchedStep.start(batch.sample_rows, counts, out)

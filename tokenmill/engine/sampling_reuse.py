@@ -76,10 +76,15 @@ class SamplingReuse:
         meta = self._same_rows(columns, rows)
         return meta if meta is not None else self._alike_rows(columns, rows)
 
-    def keep(self, columns: SamplingColumns, rows: np.ndarray, meta: SamplingMetadata) -> None:
-        """Offer ``meta``, just built for ``rows`` of ``columns`` with the ring's last upload
-        holding its columns; kept only if ``reusable``."""
-        if not reusable(meta):
+    def keep(
+        self, columns: SamplingColumns, rows: np.ndarray, meta: SamplingMetadata, version: int
+    ) -> None:
+        """Offer ``meta``, just built for ``rows`` of ``columns`` at ``version`` (the columns'
+        version when their rows were gathered), with the ring's last upload holding its
+        columns; kept only if ``reusable`` and no row was set since: the build fills a
+        step's grammar masks, beside which the engine may give a finished request's slot to
+        a new one, whose settings ``meta`` does not hold."""
+        if not reusable(meta) or columns.version != version:
             self._meta = None
             return
         self._columns, self._version = columns, columns.version
