@@ -129,3 +129,23 @@ def test_a_row_whose_grammar_took_the_stop_token_gets_a_stop_only_mask(
     got = llm.generate([[5, 6, 7, 8]], params)
     assert _summary(got) == _summary(want)
     llm.engine.close()
+
+
+def test_regex_rows_on_xgrammar_follow_the_documented_syntax(tiny_path) -> None:  # noqa: F811
+    """xgrammar's ``.`` takes a newline (a row wrote "\\ncccxx" for the regex below, "stop"),
+    and it reads ``\\A`` as the letter A: the first now matches as the syntax means, the
+    second is refused when the request is added, naming the setting."""
+    import re
+
+    pattern = "(.?c+c{2})(x|x)*|0"
+    params = SamplingParams(
+        max_tokens=8, temperature=0.7, seed=510, min_tokens=2, presence_penalty=0.5,
+        structured_output="regex:" + pattern,
+    )  # fmt: skip
+    llm = _llm(tiny_path, True, structured_output_backend="xgrammar")
+    out = llm.generate([[5, 6, 7, 8]], [params])[0]
+    assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out.text
+    anchored = SamplingParams(structured_output=r"regex:\Aab\z")
+    with pytest.raises(ValueError, match=r"structured_output.*xgrammar.*\\A"):
+        llm.engine.add_request("anchored", [5, 6], anchored)
+    llm.engine.close()

@@ -14,10 +14,10 @@ from tests.tiny_models import save_tiny_tokenizer
 from tokenmill.engine.structured_output_params import REJECTED, TAKEN
 from tokenmill.engine.xgrammar_limits import (
     UNENFORCED,
-    check_regex,
     check_schema,
     surrogate_edges,
     token_masks,
+    xgrammar_regex,
 )
 
 
@@ -48,8 +48,33 @@ def test_keywords_as_property_names_and_values_are_fine() -> None:
 
 def test_posix_classes_in_a_regex_are_refused() -> None:
     with pytest.raises(ValueError, match="POSIX class"):
-        check_regex("[[:digit:]]{3}")
-    check_regex(r"[\[\]x]{2}[0-9]")
+        xgrammar_regex("[[:digit:]]{3}")
+    assert xgrammar_regex(r"[\[\]x]{2}[0-9]") == r"[\[\]x]{2}[0-9]"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        (r"\Aab\z", r"uses \\A"),  # xgrammar matched "Aabz"
+        (r"ab\Z", r"uses \\Z"),
+        (r"[a-z&&[^b]]{2}", "'&&' in a class"),  # xgrammar wrote "h]]"
+        (r"[a-z--b]", "'--' in a class"),
+        (r"[a[bc]]", "a class inside a class"),
+    ],
+)
+def test_regexes_xgrammar_reads_otherwise_are_refused(pattern: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        xgrammar_regex(pattern)
+
+
+def test_a_dot_outside_a_class_takes_no_newline_on_xgrammar() -> None:
+    """xgrammar's ``.`` takes a newline, the documented syntax's does not (a row wrote
+    "\\ncccxx" for ``(.?c+c{2})(x|x)*|0``); escaped dots, dots in classes and the letters
+    xgrammar knows stay as they are."""
+    assert xgrammar_regex("(.?c+c{2})(x|x)*|0") == r"([^\n]?c+c{2})(x|x)*|0"
+    assert xgrammar_regex(r"a\.b[.]\\.") == r"a\.b[.]\\[^\n]"
+    assert xgrammar_regex(r"[^]a.]x.") == r"[^]a.]x[^\n]"
+    assert xgrammar_regex(r"\d+\w\s\x41\u0041\n") == r"\d+\w\s\x41\u0041\n"
 
 
 def test_token_masks_drop_special_surrogate_and_json_control_tokens() -> None:

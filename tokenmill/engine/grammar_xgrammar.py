@@ -41,10 +41,10 @@ from tokenmill.engine.structured_output_params import (
     require_tokenizer,
 )
 from tokenmill.engine.xgrammar_limits import (
-    check_regex,
     check_schema,
     surrogate_edges,
     token_masks,
+    xgrammar_regex,
 )
 
 __all__ = ["XgrammarGrammars", "check_for_xgrammar", "load_xgrammar"]
@@ -86,8 +86,7 @@ def _built(
     .structured_output``."""
     try:
         if spec.startswith(REGEX_PREFIX):
-            check_regex(spec[len(REGEX_PREFIX) :])
-            return regex(spec[len(REGEX_PREFIX) :])
+            return regex(xgrammar_regex(spec[len(REGEX_PREFIX) :]))
         if spec.startswith(CHOICE_PREFIX):
             choices = json.loads(spec[len(CHOICE_PREFIX) :])
             return ebnf(  # characters as they are: an escaped astral one (\ud83d\ude00)

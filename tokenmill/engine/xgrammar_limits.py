@@ -14,7 +14,10 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   ``check_schema`` refuses a schema holding one, naming it, so a row is an error at once
   instead of an output that does not follow its schema; llguidance (the default backend)
   runs them.
-- Regexes. POSIX classes (``[[:digit:]]``) are read as something else; refused.
+- Regexes. POSIX classes (``[[:digit:]]``), escapes of letters it does not know (``\\A``,
+  ``\\z``), class set operations and nested classes are read as something else: refused;
+  its ``.`` takes a newline, which the documented syntax's does not: written ``[^\\n]``
+  (``xgrammar_regex``).
 
 A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked ahead;
 ``surrogate_edges`` lets the backend reject the second token (the request ends "error").
@@ -103,9 +106,56 @@ def check_schema(schema_text: str) -> None:
                 )
 
 
-def check_regex(pattern: str) -> None:
+# Escapes of a letter xgrammar knows; any other letter it matches as itself (\\A as "A").
+_ESCAPED_LETTERS = frozenset("dDwWsSntrfvxu")
+
+
+def xgrammar_regex(pattern: str) -> str:
+    """``pattern`` (the documented regex syntax, Rust's) as xgrammar must read it to mean
+    the same: a ``.`` outside a class is ``[^\\n]`` (xgrammar's ``.`` takes a newline too).
+    Raises ValueError for what xgrammar reads as something else: POSIX classes, escapes of
+    a letter it does not know (``\\A``, ``\\z``: matched as the letter), class set
+    operations (``&&``, ``--``, ``~~``) and classes inside classes (read as literals)."""
     if "[[:" in pattern or "[^[:" in pattern:
         raise ValueError("the regex uses a POSIX class ([[:digit:]]), which xgrammar misreads")
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            e = pattern[i + 1]
+            if e.isascii() and e.isalpha() and e not in _ESCAPED_LETTERS:
+                raise ValueError(
+                    f"the regex uses \\{e}, which xgrammar does not support (it matches some "
+                    "such escapes as the plain letter)"
+                )
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            if pattern.startswith(("&&", "--", "~~"), i):
+                raise ValueError(
+                    f"the regex uses {pattern[i : i + 2]!r} in a class (a set operation), "
+                    "which xgrammar reads as literal characters"
+                )
+            if c == "[":
+                raise ValueError(
+                    "the regex has a class inside a class, which xgrammar reads as literal "
+                    "characters"
+                )
+            in_class = c != "]"
+            out.append(c)
+            i += 1
+            continue
+        if c == "[":  # a leading ^ and a leading ] belong to the class
+            end = i + 1 + (pattern.startswith("^", i + 1))
+            end += pattern.startswith("]", end)
+            out.append(pattern[i:end])
+            i, in_class = end, True
+            continue
+        out.append("[^\\n]" if c == "." else c)
+        i += 1
+    return "".join(out)
 
 
 def _subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
