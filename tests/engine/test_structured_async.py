@@ -364,3 +364,21 @@ def test_a_request_taking_a_slot_during_a_fill_is_sampled_with_its_own_settings(
         want = _llm(tiny_path, False, **kwargs).generate(prompts, params)
         got = _llm(tiny_path, True, **kwargs).generate(prompts, params)
         assert _summary(got) == _summary(want)
+
+
+def test_a_rejected_tokens_error_is_llguidances_error_line_alone(tiny_path) -> None:  # noqa: F811
+    """A grammar that allows only EOS where min_tokens bans it: the row samples a token the
+    grammar rejects and ends "error". The error names the parser's complaint in one line,
+    without the parser state and timings llguidance appends (which differed between runs,
+    so the same job's error rows differed)."""
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, min_tokens=3, structured_output='choice:[""]')
+    ]
+    errors = set()
+    for async_scheduling in (False, True):
+        out = _llm(tiny_path, async_scheduling).generate([[5, 6, 7, 8]], params)[0]
+        assert out.finish_reason == "error"
+        errors.add(out.error)
+    (error,) = errors
+    assert "doesn't satisfy the grammar" in error and "\n" not in error
+    assert "compute_time_us" not in error and "<state>" not in error

@@ -101,8 +101,9 @@ class LlguidanceGrammars:
         """Finished requests' matchers: nothing to do (they go with their last reference)."""
 
     def error(self, row: Row) -> str:
-        """Why ``row``'s last token was rejected."""
-        return row[0].get_error()[:500]
+        """Why ``row``'s last token was rejected: llguidance's error line, without the
+        parser state and timings it appends (they differ from run to run)."""
+        return grammar_error(row[0].get_error())
 
     def _compile(self, spec: str) -> Any:
         if self._ll_tokenizer is None:
