@@ -129,6 +129,39 @@ def test_sigterm_stops_at_a_commit_boundary_then_resumes(
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_while_run_job_imports_exits_75_and_the_rerun_finishes(
+    tiny_model: Path, tmp_path: Path, reference: tuple[Path, dict], sig: signal.Signals
+) -> None:
+    """The run-job command holds stop signals before it imports the job runner: one that
+    comes meanwhile (sent here right after the hold, as a scheduler's SIGTERM or a Ctrl-C
+    within the first second would) stops the run as any stop does, exit 75, where it
+    killed the process (exit -15 / -2); the rerun finishes every row once."""
+    src, want = reference
+    out = tmp_path / "out"
+    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, out, **SETTINGS))
+    script = (
+        "import os, sys\n"
+        "from tokenmill.jobs.stop_signals import hold_signals\n"
+        "hold_signals()\n"
+        f"os.kill(os.getpid(), {int(sig)})\n"
+        "from tokenmill.jobs.command import entry\n"
+        f"sys.argv = ['run-job', {str(job)!r}, '--quiet']\n"
+        "entry()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert proc.returncode == 75, proc.stderr
+    assert sig.name in proc.stderr and RESUME_HINT in proc.stderr, proc.stderr
+    assert cli_main([str(job), "--quiet"]) == 0
+    _assert_same_rows(read_jsonl_dir(out / "shards"), want)
+
+
 def test_second_sigterm_stops_at_once_while_a_write_hangs(
     tiny_model: Path,
     tmp_path: Path,

@@ -11,9 +11,10 @@ rules; the task's return value (its XCom) is the path of the job's ``report.json
 
 Why a child process and not ``tokenmill.submit()`` in the task process: run-job's exit codes
 are the one contract cron and Airflow share (which failures are worth a retry is decided in
-one place, ``tokenmill.jobs.cli``); the model, torch, CUDA and Ray live and die with the child,
-not with the Airflow worker; and its stop-at-a-commit-boundary handling of SIGTERM is the
-CLI's own, tested in ``tests/jobs/test_sigterm.py``.
+one place, ``tokenmill.jobs.cli``, run through the command, ``tokenmill.jobs.command``); the
+model, torch, CUDA and Ray live and die with the child, not with the Airflow worker; and its
+stop-at-a-commit-boundary handling of SIGTERM is the CLI's own, tested in
+``tests/jobs/test_sigterm.py``.
 
 Signals. To stop a task, Airflow 3 sends SIGTERM to the task's whole process group (its
 handler calls ``on_kill``), then SIGKILL 5 s later. The child runs in a session of its own,
@@ -62,7 +63,7 @@ if sys.platform.startswith("linux"):
     if os.getppid() != parent:
         sys.exit(75)
 sys.argv[0] = "run-job"
-from tokenmill.jobs.cli import entry
+from tokenmill.jobs.command import entry
 entry()
 """
 

@@ -21,6 +21,17 @@ from typing import Any
 log = logging.getLogger("tokenmill.jobs")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_held: list[int] = []  # stop signals that came before a StopOnSignals opened (hold_signals)
+
+
+def hold_signals() -> None:
+    """Hold SIGTERM and SIGINT until a ``StopOnSignals`` opens, which then takes the first
+    one held as its own: the ``run-job`` command calls this first thing, so a stop that
+    comes while its modules import (up to a second) exits 75 as any stop does, instead of
+    killing the process. Main thread only."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: _held.append(signum))
 
 
 class JobInterrupted(BaseException):
@@ -42,6 +53,9 @@ class StopOnSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+            if _held:  # a stop while run-job started (hold_signals): one stop, now
+                self._handle(_held[0], None)
+                _held.clear()
         return self
 
     def __exit__(self, *exc: object) -> None:
