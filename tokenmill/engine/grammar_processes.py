@@ -138,6 +138,12 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
     until STOP. It holds the matchers whose key modulo ``workers`` is ``me``."""
     matchers: dict[int, Any] = {}
     segments: dict[int, tuple[SharedMemory, np.ndarray]] = {}  # slot -> memory, masks
+
+    def own(keys: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+        """Where this worker's keys are among a step's ``keys``, and their matchers."""
+        mine = np.flatnonzero(keys % workers == me)
+        return mine, [matchers[key] for key in keys[mine].tolist()]
+
     while True:
         message = conn.recv_bytes()
         ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
@@ -147,9 +153,8 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             dropped = [matchers.pop(key, None) for key in ints[5 : 5 + d].tolist()]
             backend.release([row for row in dropped if row is not None])
             keys, tokens = ints[5 + d : 5 + d + n], ints[5 + d + n : 5 + d + 2 * n]
-            mine = np.flatnonzero(keys % workers == me)
+            mine, rows = own(keys)
             if len(mine):
-                rows = [matchers[key] for key in keys[mine].tolist()]
                 status = backend.consume(rows, tokens[mine].tolist())
                 hit = np.flatnonzero(status)
                 errors = {
@@ -158,9 +163,8 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
                 head = np.concatenate([[len(hit)], mine[hit], status[hit]]).astype(np.int64)
                 conn.send_bytes(head.tobytes() + (json.dumps(errors).encode() if errors else b""))
             keys, places = ints[5 + d + 2 * n : 5 + d + 2 * n + m], ints[5 + d + 2 * n + m :]
-            mine = np.flatnonzero(keys % workers == me)
+            mine, rows = own(keys)
             if len(mine):
-                rows = [matchers[key] for key in keys[mine].tolist()]
                 backend.fill(rows, segments[slot][1], at=places[mine].tolist())
                 conn.send_bytes(b"")
         elif kind == ADD:
@@ -392,7 +396,7 @@ class GrammarProcesses:
         worker's waiting answer may be its statuses, not its masks: False then."""
         if sent.consumed and not sent.consume_read:
             return False
-        return all(self._ready(worker, 0) for worker in sent.filled)
+        return all(self._links[worker].ready(0) for worker in sent.filled)
 
     def finish_fill(self, sent: _Sent) -> None:
         """Wait for the fill part's masks (after ``finish_consume`` when it had one)."""
@@ -548,11 +552,6 @@ class GrammarProcesses:
             return link.take()
         except (EOFError, OSError) as exc:
             raise self._died(worker) from exc
-
-    def _ready(self, worker: int, timeout_s: float | None) -> bool:
-        """Whether ``worker`` has an answer to read (or has gone: EOF reads as ready),
-        waiting up to ``timeout_s`` (None: as long as it takes)."""
-        return self._links[worker].ready(timeout_s)
 
     def _died(self, worker: int, how: str | None = None) -> RuntimeError:
         proc = self._procs[worker]

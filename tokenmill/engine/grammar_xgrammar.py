@@ -159,9 +159,9 @@ class XgrammarGrammars:
         matchers = [m for m, _ in rows]
         if self._terminated and not self._terminated.keys().isdisjoint(map(id, matchers)):
             places = list(range(len(rows))) if places is None else places
-            ended = [i for i, m in enumerate(matchers) if id(m) in self._terminated]
-            mask[[places[i] for i in ended]] = self._stop_tokens
-            live = [i for i in range(len(rows)) if id(matchers[i]) not in self._terminated]
+            ended = [id(m) in self._terminated for m in matchers]
+            mask[[p for p, e in zip(places, ended, strict=True) if e]] = self._stop_tokens
+            live = [i for i, e in enumerate(ended) if not e]
             matchers, live_places = [matchers[i] for i in live], [places[i] for i in live]
             self._batch.batch_fill_next_token_bitmask(matchers, mask, live_places)
         else:
@@ -279,13 +279,14 @@ class XgrammarGrammars:
         ends_lead, self._continues = surrogate_edges(info.decoded_vocab, self.vocab_size)
         self._ends_lead = np.frombuffer(ends_lead, dtype=np.uint8).astype(bool)
         # [words] int32: every token of the vocabulary but the stop tokens (``_stopped``)
+        stop_ids = [t for t in self._eos if 0 <= t < self.vocab_size]
         bits = np.zeros(self._one.shape[1] * 32, dtype=np.uint8)
         bits[: self.vocab_size] = 1
-        bits[[t for t in self._eos if 0 <= t < self.vocab_size]] = 0
+        bits[stop_ids] = 0
         self._not_stop = np.packbits(bits, bitorder="little").view(np.int32)
         # and the stop tokens alone (a terminated matcher's row: ``fill``)
         stops = np.zeros_like(bits)
-        stops[[t for t in self._eos if 0 <= t < self.vocab_size]] = 1
+        stops[stop_ids] = 1
         self._stop_tokens = np.packbits(stops, bitorder="little").view(np.int32)
         threads = self._threads or executor_threads()
         # Compiled grammars are kept in ``_compiled`` (the newest 64): xgrammar's own cache
