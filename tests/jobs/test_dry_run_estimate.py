@@ -203,7 +203,7 @@ def test_the_dry_run_refuses_a_huge_prompt_by_its_length_as_a_run_does(
     monkeypatch.setattr(
         dry_run_module,
         "prompt_ids_for",
-        lambda row, tok: tokenized.append(row.row_id) or real(row, tok),
+        lambda row, tok, chat: tokenized.append(row.row_id) or real(row, tok, chat),
     )
     report = dry_run(JobSpec.from_dict(spec))
     assert (report.rows, report.bad_rows, tokenized) == (2, 1, ["a"])

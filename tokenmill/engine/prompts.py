@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
 
-__all__ = ["check_prompt_ids", "encode_chat", "encode_prompt", "encode_texts", "render_chat"]
+__all__ = [
+    "ChatTemplate",
+    "check_prompt_ids",
+    "encode_chat",
+    "encode_prompt",
+    "encode_texts",
+    "render_chat",
+    "template_variables",
+]
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
 # so chat_template_kwargs may not set them (tools and documents are template variables).
@@ -16,6 +25,27 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
      "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a job renders its conversations: ``template`` (Jinja text) in place of the
+    model's own when set, with ``kwargs`` as extra template variables."""
+
+    template: str | None = None
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def of(self, tokenizer: Any) -> str | None:
+        """The template conversations are rendered with: this one, else the model's."""
+        return self.template or getattr(tokenizer, "chat_template", None)
+
+    def arguments(self) -> dict[str, Any]:
+        """``apply_chat_template``'s keyword arguments for them (checked as ``render_chat``
+        checks its own)."""
+        extra = template_variables(self.kwargs)
+        if self.template is not None:
+            extra["chat_template"] = self.template
+        return extra
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -82,7 +112,7 @@ def render_chat(
             f"chat_template must be a non-empty Jinja template string or None, "
             f"got {chat_template!r}"
         )
-    extra = _template_variables(chat_template_kwargs)
+    extra = template_variables(chat_template_kwargs)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the model has no chat template; send plain prompts instead or pass chat_template"
@@ -116,7 +146,7 @@ def encode_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
     """``chat_template_kwargs`` as a dict, checked: string keys, none of apply_chat_template's
     own arguments."""
     if chat_template_kwargs is None:

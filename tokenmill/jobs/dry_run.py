@@ -181,7 +181,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     defaults: dict[str, Any] = spec.sampling.model_dump()
     stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
-    preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_model_len=max_len)
+    chat = spec.model.chat()
+    preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_len, chat)
     started = shown = time.monotonic()
     for row in iter_input_rows(cfg, schema):
         if cancel is not None and cancel.is_set():
@@ -206,7 +207,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
                 reason = preparer.length_refusal(row)  # as a run: before tokenizing it
                 if reason is not None:
                     raise ValueError(reason)
-                ids = prompt_ids_for(row, tokenizer)
+                ids = prompt_ids_for(row, tokenizer, chat)
                 check_prompt_ids(ids, config.vocab_size)
                 if len(ids) >= max_len:
                     reason = f"{len(ids)} prompt tokens exceed the context ({max_len})"

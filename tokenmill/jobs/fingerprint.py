@@ -88,6 +88,8 @@ def job_settings(
         "input": input_fingerprint,
         "output": {"format": spec.output.format, "rows_per_shard": spec.output.rows_per_shard},
     }
+    if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
+        settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
     engine = {
         key: getattr(spec.engine, key)
         for key in RESULT_SETTINGS

@@ -65,6 +65,7 @@ class RowProcessor:
             spec.sampling.model_dump(),
             spec.model.source,
             self.engine.max_model_len,
+            spec.model.chat(),
         )
         self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format

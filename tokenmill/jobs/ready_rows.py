@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.chat_messages import check_tool_calls_rendered
-from tokenmill.engine.prompts import encode_texts
+from tokenmill.engine.prompts import ChatTemplate, encode_texts
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.requests import (
@@ -64,10 +64,14 @@ class RowPreparer:
         sampling_defaults: dict[str, Any],
         model: str,
         max_model_len: int | None = None,
+        chat: ChatTemplate | None = None,
     ) -> None:
         """``max_model_len``: the engine's; a text too long for it by its length alone is
-        the row's error before it is tokenized (see ``_too_long``)."""
+        the row's error before it is tokenized (see ``_too_long``). ``chat``: the job's own
+        chat template and variables (model.chat_template, model.chat_template_kwargs)."""
         self.tokenizer = tokenizer
+        self.chat = chat or ChatTemplate()
+        self._chat_arguments = self.chat.arguments()
         self.sampling_defaults = sampling_defaults
         self.model = model
         self.max_model_len = max_model_len
@@ -130,12 +134,16 @@ class RowPreparer:
         """The text to encode, or None when only the per-row path can tell (no template, a
         template error, neither prompt nor messages)."""
         if row.messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
+            template = self.chat.of(self.tokenizer)
+            if not template:
                 return None
             try:
-                check_tool_calls_rendered(self.tokenizer.chat_template, row.messages)
+                check_tool_calls_rendered(template, row.messages)
                 return self.tokenizer.apply_chat_template(
-                    list(row.messages), tokenize=False, add_generation_prompt=True
+                    list(row.messages),
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **self._chat_arguments,
                 )
             except Exception:
                 return None
@@ -167,7 +175,7 @@ class RowPreparer:
 
     def _one(self, row: InputRow) -> list[int] | ResultRow:
         try:
-            return prompt_ids_for(row, self.tokenizer)
+            return prompt_ids_for(row, self.tokenizer, self.chat)
         except Exception as exc:  # templating, tokenizing: the row's error
             return error_result(row, row_error_reason(exc), self.model)
 

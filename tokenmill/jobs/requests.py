@@ -7,7 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
-from tokenmill.engine.prompts import encode_chat, encode_prompt
+from tokenmill.engine.prompts import ChatTemplate, encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.seeds import input_row_seed
 from tokenmill.io.logprobs_column import LogprobEntries
@@ -96,12 +96,15 @@ def check_output_holds(
         )
 
 
-def prompt_ids_for(row: InputRow, tokenizer: Any) -> list[int]:
-    """Token ids of the row's prompt or conversation. Raises ValueError when it has neither."""
+def prompt_ids_for(row: InputRow, tokenizer: Any, chat: ChatTemplate | None = None) -> list[int]:
+    """Token ids of the row's prompt or conversation (rendered with ``chat``'s template and
+    variables when given, else the model's template). Raises ValueError when it has
+    neither."""
     if row.prompt_token_ids is not None:
         return list(row.prompt_token_ids)
     if row.messages is not None:
-        return encode_chat(tokenizer, row.messages)
+        chat = chat or ChatTemplate()
+        return encode_chat(tokenizer, row.messages, True, chat.template, chat.kwargs)
     if row.prompt is not None:
         return encode_prompt(tokenizer, row.prompt)
     raise ValueError("the row has neither a prompt nor messages")

@@ -105,12 +105,12 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
     model can make)."""
     try:
         source = resolve_model_source(spec.model.source)
-        template = source.chat_template()
+        template = spec.model.chat_template or source.chat_template()
         config = source.load_config()
     except (FileNotFoundError, ValueError) as exc:
         raise JobSpecError(f"model.source: {exc}") from None
-    if spec.input.messages_column is not None:  # else every row would fail
-        _check_chat_template(template, spec.model.source)
+    if spec.input.messages_column is not None or spec.model.chat_template is not None:
+        _check_chat_template(template, spec)  # else every conversation would fail
     vocab = config.vocab_size if spec.sampling.logit_bias else 0
     outside = ids_outside_vocab(spec.sampling.logit_bias, vocab)
     if outside:  # every row would fail on them
@@ -124,13 +124,16 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
     return settings
 
 
-def _check_chat_template(template: str | None, model: str) -> None:
-    """Raise JobSpecError when ``model`` has no chat template, or one (any of its named
-    ones) that does not compile, as transformers compiles it to render conversations."""
+def _check_chat_template(template: str | None, spec: JobSpec) -> None:
+    """Raise JobSpecError when the job has no chat template (neither the model nor
+    model.chat_template), or one (any of its named ones) that does not compile, as
+    transformers compiles it to render conversations."""
+    model = spec.model.source
     if template is None:
         raise JobSpecError(
             f"input.messages_column: model {model!r} has no chat template to render "
-            "conversations with; use a chat model, or plain prompts (prompt_column)"
+            "conversations with; use a chat model, give one in model.chat_template, or "
+            "plain prompts (prompt_column)"
         )
     try:  # (transformers' own compiler, with its extensions; skipped where it moved)
         from jinja2 import TemplateError
@@ -142,10 +145,15 @@ def _check_chat_template(template: str | None, model: str) -> None:
         try:
             _compile_jinja_template(text)
         except TemplateError as exc:
+            if spec.model.chat_template is not None:
+                raise JobSpecError(
+                    f"model.chat_template: the template does not compile "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
             raise JobSpecError(
                 f"input.messages_column: the chat template {name!r} of model {model!r} does "
                 f"not compile ({type(exc).__name__}: {exc}); fix chat_template.jinja or "
-                "tokenizer_config.json's chat_template"
+                "tokenizer_config.json's chat_template, or give one in model.chat_template"
             ) from None
 
 

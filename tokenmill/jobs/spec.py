@@ -41,10 +41,15 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from tokenmill.engine.engine_config import EngineSettingError
+from tokenmill.engine.prompts import ChatTemplate
 from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.openai_sampling import MAX_N
 from tokenmill.io.readers.storage import location_problem
+from tokenmill.jobs.chat_template_setting import (
+    chat_template_kwargs_setting,
+    chat_template_setting,
+)
 from tokenmill.jobs.engine_section import EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
@@ -127,6 +132,25 @@ class ModelSection(_Section):
     quantization: Literal["none", "fp8", "int4", "int8"] = "none"
     tensor_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with tensor parallelism
     pipeline_parallel: StrictInt = Field(1, ge=1, le=1)  # >1 lands with pipeline parallelism
+    # Replaces the model's chat template: Jinja text, or a local file holding it (read at
+    # load, so the spec carries the text wherever it goes). See chat_template_setting.
+    chat_template: StrictStr | None = None
+    # Extra variables the chat template reads, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _chat_template(cls, value: Any) -> Any:
+        return chat_template_setting(value) if isinstance(value, str) else value
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value: Any) -> Any:
+        return chat_template_kwargs_setting(value)
+
+    def chat(self) -> ChatTemplate:
+        """How the job renders its conversations."""
+        return ChatTemplate(self.chat_template, self.chat_template_kwargs)
 
 
 class InputSection(_Section):

@@ -1,0 +1,121 @@
+"""``model.chat_template`` / ``model.chat_template_kwargs`` in a job: conversations rendered
+with the job's template and variables (as ``LLM.chat`` renders them with the same
+arguments), in a run and in a dry run; the template given as text or as a file; bad values
+refused naming the key; a change of either refuses a resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.job_helpers import TINY_ENGINE, chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tokenmill import LLM, SamplingParams, run_job
+from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.spec import JobSpec, JobSpecError
+
+# Shouts the messages when the job says so: a variable only this template reads.
+TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{% if shout %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _spec(model: Path, tmp_path: Path, **model_keys: object) -> dict:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    spec = job_dict(model, src, tmp_path / "out")
+    spec["model"].update(model_keys)
+    return spec
+
+
+def test_a_job_renders_with_its_template_and_variables(tiny_model: Path, tmp_path: Path) -> None:
+    spec = _spec(tiny_model, tmp_path, chat_template=TEMPLATE, chat_template_kwargs={"shout": True})
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 6
+    got = {r["id"]: r for r in read_jsonl_dir(tmp_path / "out" / "shards")}
+
+    llm = LLM(str(tiny_model), **TINY_ENGINE)
+    rows = chat_rows(6)
+    convs = [r["messages"] for r in rows]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.chat(convs, params, chat_template=TEMPLATE, chat_template_kwargs={"shout": True})
+    plain = llm.chat(convs, params)
+    for row, out, own in zip(rows, want, plain, strict=True):
+        ids = llm.encode_chat(
+            row["messages"], chat_template=TEMPLATE, chat_template_kwargs={"shout": True}
+        )
+        assert "QUESTION NUMBER" in llm.tokenizer.decode(ids)
+        assert got[row["id"]]["prompt_tokens"] == len(ids) == len(out.prompt_token_ids)
+        assert got[row["id"]]["text"] == out.outputs[0].text
+        assert list(out.prompt_token_ids) != list(own.prompt_token_ids)  # not the model's own
+
+    # The dry run counts the same prompts.
+    estimate = dry_run(
+        JobSpec.from_dict(
+            _spec(
+                tiny_model,
+                tmp_path / "dry",
+                chat_template=TEMPLATE,
+                chat_template_kwargs={"shout": True},
+            )
+        )
+    )
+    assert estimate.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+
+
+def test_the_template_may_be_a_file(tiny_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "shout.jinja"
+    path.write_text(TEMPLATE)
+    spec = JobSpec.from_dict(_spec(tiny_model, tmp_path, chat_template=str(path)))
+    assert spec.model.chat_template == TEMPLATE  # the text travels with the spec (Ray)
+    assert JobSpec.from_dict(spec.to_dict()).model.chat_template == TEMPLATE
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"chat_template": "templates/none.jinja"}, "model.chat_template: no file"),
+        ({"chat_template": ""}, "model.chat_template"),
+        ({"chat_template": 5}, "model.chat_template"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "may not set add_generation"),
+        ({"chat_template_kwargs": {"not-a-name": 1}}, "keys must be identifiers"),
+        ({"chat_template_kwargs": ["shout"]}, "model.chat_template_kwargs"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(
+    tiny_model: Path, tmp_path: Path, keys: dict, message: str
+) -> None:
+    with pytest.raises(JobSpecError, match="model.chat_template") as info:
+        JobSpec.from_dict(_spec(tiny_model, tmp_path, **keys))
+    assert message in str(info.value)
+
+
+def test_a_yaml_date_variable_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    import datetime
+
+    with pytest.raises(JobSpecError, match="when: date values cannot be kept"):
+        JobSpec.from_dict(
+            _spec(tiny_model, tmp_path, chat_template_kwargs={"when": datetime.date(2026, 1, 2)})
+        )
+
+
+def test_a_template_that_does_not_compile_fails_the_job(tiny_model: Path, tmp_path: Path) -> None:
+    spec = _spec(tiny_model, tmp_path, chat_template="{% for m in messages %}{{ m }")
+    with pytest.raises(JobSpecError, match="model.chat_template: the template does not compile"):
+        run_job(spec, show_progress=False)
+    assert not (tmp_path / "out" / "shards").exists()
+
+
+def test_changing_the_variables_refuses_a_resume(tiny_model: Path, tmp_path: Path) -> None:
+    spec = _spec(tiny_model, tmp_path, chat_template=TEMPLATE, chat_template_kwargs={"shout": True})
+    run_job(spec, show_progress=False)
+    spec["model"]["chat_template_kwargs"] = {"shout": False}
+    with pytest.raises(FingerprintMismatchError, match="chat_template_kwargs.shout: true -> false"):
+        run_job(spec, show_progress=False)
+    spec["model"]["chat_template_kwargs"] = {"shout": True}
+    spec["model"]["chat_template"] = TEMPLATE.replace("upper", "lower")
+    with pytest.raises(FingerprintMismatchError, match="chat_template"):
+        run_job(spec, show_progress=False)
