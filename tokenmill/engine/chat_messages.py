@@ -93,7 +93,10 @@ def _text(content: Any, where: str) -> str:
 
 
 def _tool_calls(calls: Any, where: str) -> list[Any]:
-    """The calls, each ``function.arguments`` given as JSON text parsed into its mapping."""
+    """The calls, each ``function.arguments`` given as JSON text parsed into its mapping.
+    Null fields are left out, of a call and of its function, as of a message: a Parquet
+    struct column holds every field, null where a row has none (a call without an ``id``),
+    and a template testing ``is defined`` would otherwise render ``None``."""
     if not isinstance(calls, (list, tuple)):
         raise ValueError(f"{where} must be a list of tool calls, got {type_name(calls)}")
     out = []
@@ -104,6 +107,7 @@ def _tool_calls(calls: Any, where: str) -> list[Any]:
                 f'{where}[{k}] must be a tool call, {{"type": "function", "function": '
                 f'{{"name": ..., "arguments": ...}}}}, got {short_repr(call)}'
             )
+        function = {key: v for key, v in function.items() if v is not None}
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -111,6 +115,6 @@ def _tool_calls(calls: Any, where: str) -> list[Any]:
             except ValueError:
                 parsed = None  # not JSON: the template gets the text as it was written
             if isinstance(parsed, dict):
-                call = {**call, "function": {**function, "arguments": parsed}}
-        out.append(call)
+                function["arguments"] = parsed
+        out.append({**{key: v for key, v in call.items() if v is not None}, "function": function})
     return out

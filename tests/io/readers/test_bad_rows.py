@@ -131,3 +131,27 @@ def test_an_openai_tool_calling_turn_is_a_conversation_not_a_bad_row() -> None:
     }
     with pytest.raises(RowError, match=r"body.messages\[0\].content must be a string"):
         check_messages([{"role": "user", "content": None}], "body.messages", "r2")
+
+
+def test_a_parquet_tool_call_without_an_id_reads_as_the_jsonl_one(tmp_path) -> None:
+    """A Parquet struct column holds every field of a tool call, null where the row has
+    none: the call and its function reach the template without those fields, as from JSONL
+    (a template testing ``tool_call.id is defined`` rendered ``id=None``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    calls_a = [{"type": "function", "function": {"name": "f", "arguments": '{"k": 1}'}}]
+    calls_b = [{"id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]
+    rows = [
+        {"id": "a", "messages": [{"role": "user", "content": "x"},
+                                 {"role": "assistant", "content": None, "tool_calls": calls_a}]},
+        {"id": "b", "messages": [{"role": "user", "content": "y"},
+                                 {"role": "assistant", "content": None, "tool_calls": calls_b}]},
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chat.parquet")
+    from_parquet = read(tmp_path / "chat.parquet", messages_column="messages")
+    from_jsonl = read(write_jsonl(tmp_path / "chat.jsonl", rows), messages_column="messages")
+    assert [r.messages for r in from_parquet] == [r.messages for r in from_jsonl]
+    assert from_parquet[0].messages[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"k": 1}}}
+    ]
