@@ -127,3 +127,39 @@ def test_replicas_ask_for_a_gpu_on_a_cluster_with_gpus_under_device_auto() -> No
     assert ProcessorConfig().gpus_per_replica(cluster_gpus=0) == 0.0
     assert ProcessorConfig(engine={"device": "cpu"}).gpus_per_replica(cluster_gpus=8) == 0.0
     assert ProcessorConfig(num_gpus=0.5).gpus_per_replica(cluster_gpus=8) == 0.5
+
+
+def test_messages_cells_read_as_run_job_reads_them_with_the_configs_template(
+    model: Path,
+) -> None:
+    """A messages column as JSON text or as Spark's array<map<string,string>> ran as a row
+    error here while run-job read it; and the processor takes a chat template and its
+    variables, as LLM.chat and a job do."""
+    import json
+
+    import pyarrow as pa
+
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: "
+        "{% if shout %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}\n"
+        "{% endfor %}assistant:"
+    )
+    shout = {"shout": True}
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING,
+                             chat_template=template, chat_template_kwargs=shout)  # fmt: skip
+    replica = EngineReplica(config)
+    question = _question(5)
+    maps = pa.array(
+        [[list(m.items()) for m in question]], pa.list_(pa.map_(pa.string(), pa.string()))
+    )
+    for cell in (pa.array([json.dumps(question)]), maps):
+        (row,) = replica(pa.table({"messages": cell})).to_pylist()
+        assert row["error"] is None, row["error"]
+        want = LLM(str(model), **ENGINE).chat(
+            [question], SamplingParams(**SAMPLING), chat_template=template,
+            chat_template_kwargs={"shout": True},
+        )[0]  # fmt: skip
+        assert row["num_input_tokens"] == len(want.prompt_token_ids)
+        assert row["generated_text"] == want.text
+    with pytest.raises(ValueError, match="ProcessorConfig.chat_template_kwargs may not set"):
+        ProcessorConfig(str(model), chat_template_kwargs={"tokenize": True})

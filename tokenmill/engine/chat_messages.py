@@ -118,3 +118,27 @@ def _tool_calls(calls: Any, where: str) -> list[Any]:
                 function["arguments"] = parsed
         out.append({**{key: v for key, v in call.items() if v is not None}, "function": function})
     return out
+
+
+def conversation_cell(cell: Any) -> Any:
+    """A messages cell as written by common tools, as the list of message objects it holds:
+    JSON text (a string column) parsed, and Parquet maps (Spark's array<map<string,string>>,
+    read as lists of (key, value) pairs) made objects. Anything else as it is, for
+    ``normalize_messages`` to judge. Every reader of a messages column takes its cells
+    through this: run-job, and the Ray Data processor."""
+    if isinstance(cell, str) and cell.lstrip().startswith("["):
+        try:
+            cell = json.loads(cell)
+        except ValueError:
+            return cell
+    if isinstance(cell, list):
+        return [_pairs_to_dict(m) for m in cell]
+    return cell
+
+
+def _pairs_to_dict(message: Any) -> Any:
+    if isinstance(message, list) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in message
+    ):
+        return dict(message)
+    return message

@@ -54,6 +54,8 @@ class ProcessorConfig:
     ``concurrency``: engine replicas; ``batch_size``: rows a replica gets per call (a
     multiple of max_num_seqs keeps its engine full); ``num_gpus``: per replica (None: 1 when
     the engine's device is cuda, or auto on a cluster with GPUs, else 0).
+    ``chat_template`` (Jinja text) replaces the model's for the ``messages`` rows;
+    ``chat_template_kwargs`` are variables it reads (``{"enable_thinking": False}``).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -63,6 +65,8 @@ class ProcessorConfig:
     batch_size: int = 256
     num_gpus: float | None = None
     num_cpus: float = 1
+    chat_template: str | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size"):
@@ -70,11 +74,23 @@ class ProcessorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {value!r}")
         from tokenmill.engine.engine_config import EngineConfig
+        from tokenmill.engine.prompts import ChatTemplate
         from tokenmill.engine.sampling_params import SamplingParams
 
         EngineConfig.from_settings(self.model, **self.engine)  # refuse bad settings here,
         _one_completion(SamplingParams(**self.sampling), "ProcessorConfig.sampling")  # not
         # in every replica
+        if self.chat_template is not None and (
+            not isinstance(self.chat_template, str) or not self.chat_template.strip()
+        ):
+            raise ValueError(
+                "ProcessorConfig.chat_template must be a Jinja template string or None, got "
+                f"{self.chat_template!r}"
+            )
+        try:
+            ChatTemplate(self.chat_template, self.chat_template_kwargs).arguments()
+        except ValueError as exc:
+            raise ValueError(f"ProcessorConfig.{exc}") from None
 
     def gpus_per_replica(self, cluster_gpus: float = 0.0) -> float:
         """GPUs a replica asks Ray for: ``num_gpus``, else one when the engine runs on
@@ -137,10 +153,15 @@ class EngineReplica:
         return results  # type: ignore[return-value]
 
     def _prompt_tokens(self, row: Row) -> list[int]:
+        from tokenmill.engine.chat_messages import conversation_cell
         from tokenmill.engine.prompts import encode_prompt
 
         if row.get("messages") is not None:
-            return self.llm.encode_chat(row["messages"])
+            return self.llm.encode_chat(
+                conversation_cell(row["messages"]),
+                chat_template=self.config.chat_template,
+                chat_template_kwargs=self.config.chat_template_kwargs,
+            )
         if row.get("prompt") is not None:
             if not isinstance(row["prompt"], str):
                 raise ValueError(f"prompt must be a string, got {type(row['prompt']).__name__}")

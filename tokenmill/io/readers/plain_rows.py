@@ -9,11 +9,11 @@ the other rows' keys). A bad one is that row's error, naming the column.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.chat_messages import conversation_cell
 from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN, InputConfig
 from tokenmill.io.readers.messages import check_messages
@@ -65,7 +65,7 @@ def parse_plain_row(
     sampling = _row_sampling(value, columns, row_id)
     if columns.messages_column is not None:
         messages = check_messages(
-            _conversation(value.get(columns.messages_column)),
+            conversation_cell(value.get(columns.messages_column)),
             f"column {columns.messages_column!r}",
             row_id,
         )
@@ -133,26 +133,3 @@ def _missing_prompt(value: dict[str, Any], columns: PlainColumns) -> str:
         f"missing prompt: no column {name!r} in this row (it has: {have or 'nothing'}); "
         "set input.prompt_column, or input.messages_column for chat rows"
     )
-
-
-def _conversation(cell: Any) -> Any:
-    """A messages cell as written by common tools, as the list of message objects it holds:
-    JSON text (a string column) parsed, and Parquet maps (Spark's array<map<string,string>>,
-    read as lists of (key, value) pairs) made objects. Anything else as it is, for
-    ``check_messages`` to judge."""
-    if isinstance(cell, str) and cell.lstrip().startswith("["):
-        try:
-            cell = json.loads(cell)
-        except ValueError:
-            return cell
-    if isinstance(cell, list):
-        return [_pairs_to_dict(m) for m in cell]
-    return cell
-
-
-def _pairs_to_dict(message: Any) -> Any:
-    if isinstance(message, list) and all(
-        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in message
-    ):
-        return dict(message)
-    return message
