@@ -217,6 +217,29 @@ def test_a_passthrough_column_named_logprobs_is_refused(
         run_job(clash, show_progress=False)
 
 
+@pytest.mark.parametrize("column", ["logprobs", "Prompt_Logprobs"])
+def test_openai_batch_input_refuses_a_passthrough_column_a_body_may_overwrite(
+    tiny_model: Path, tmp_path: Path, column: str
+) -> None:
+    """A body asking for logprobs writes the column though the job's sampling does not: the
+    row was computed and then failed ("clashes"), and the column meant two things."""
+    line = batch_line("a", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})
+    spec = batch_job(tiny_model, [{**line, column: "mine"}], tmp_path, fmt="jsonl")
+    spec["input"]["passthrough_columns"] = [column]
+    want = f"'{column}' would overwrite the output column '{column.lower()}' \\(a body may"
+    with pytest.raises(JobSpecError, match=want):
+        run_job(spec, show_progress=False)
+
+
+def test_openai_batch_output_refuses_passthrough_columns(tiny_model: Path, tmp_path: Path) -> None:
+    """Its lines have no place for them: they were dropped without a word (exit 0)."""
+    line = batch_line("a", CHAT_URL, {"messages": [{"role": "user", "content": "hi"}]})
+    spec = batch_job(tiny_model, [{**line, "tenant": "t1"}], tmp_path)
+    spec["input"]["passthrough_columns"] = ["tenant"]
+    with pytest.raises(JobSpecError, match="OpenAI Batch output lines hold the custom_id"):
+        run_job(spec, show_progress=False)
+
+
 def test_sentencepiece_tokens_keep_their_space_and_offsets_point_into_the_text() -> None:
     """Decoded alone, '▁the' is 'the': the tokens did not join to the text and every
     text_offset after the first pointed at the wrong place."""

@@ -119,17 +119,24 @@ def check_input(spec: JobSpec) -> InputConfig:
             "input.structured_output_column: OpenAI Batch input gives each row's constraint in "
             "its body's response_format; remove input.structured_output_column"
         )
-    plain_output = spec.output.format != "openai-batch"  # its lines hold no passthrough
+    if spec.output.format == "openai-batch" and cfg.passthrough_columns:
+        raise JobSpecError(  # they were dropped without a word
+            "input.passthrough_columns: OpenAI Batch output lines hold the custom_id, the "
+            "response and the error only, so these columns would not be written; leave them "
+            "out, or set output.format to jsonl or parquet to keep them beside the results"
+        )
     for column, setting in (
         (PROMPT_LOGPROBS, spec.sampling.prompt_logprobs),
         (LOGPROBS, spec.sampling.logprobs),
     ):
         clash = [c for c in cfg.passthrough_columns if c.lower() == column]  # as duckdb reads
-        if plain_output and setting is not None and clash:
+        # The column is written when the job asks, or (OpenAI Batch input) any body may.
+        if clash and (setting is not None or fmt == "openai-batch"):
+            why = f"sampling.{column} is set" if setting is not None else "a body may ask for it"
             raise JobSpecError(
                 f"input.passthrough_columns: {clash[0]!r} would overwrite the output column "
-                f"{column!r} (sampling.{column} is set; names are compared without case, as "
-                "duckdb and Spark read them); rename it in the input or leave it out"
+                f"{column!r} ({why}; names are compared without case, as duckdb and Spark "
+                "read them); rename it in the input or leave it out"
             )
     if fmt == "parquet":
         # (Parquet output warns of absent passthrough columns over every file: output_schema)
