@@ -42,6 +42,8 @@ def test_inferred_types(values: list[Any], expected: pa.DataType) -> None:
         [{}],  # an empty struct: Parquet cannot store it
         [{"a": None}],  # struct<a: null>
         [10**30],  # beyond int64
+        [{"a": 1, "A": 2}],  # duckdb reads meta.A as meta.a's value (renames A to A_1)
+        [[{"x": {"k": 1, "K": 2}}]],  # so deeper down
     ],
 )
 def test_columns_without_a_usable_type_are_json_text(values: list[Any]) -> None:

@@ -134,7 +134,9 @@ def _duration_text(value: datetime.timedelta) -> str:
 def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
     """The column ``name`` for ``values`` (a sample): Arrow's inferred type, or JSON text when
     the sample has no usable one (no non-null value, no common type, a null or empty nested
-    type that later values could not fill, a type Parquet cannot store)."""
+    type that later values could not fill, a type Parquet cannot store, a struct with field
+    names equal but for case: duckdb renames the second, ``A`` to ``A_1``, and then reads
+    ``meta.A`` as the value of ``meta.a``)."""
     present = [v for v in values if v is not None]
     if not present:
         return json_text_field(name)
@@ -142,7 +144,7 @@ def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
         inferred = pa.array(present).type
     except _CONVERSION_ERRORS:
         return json_text_field(name)
-    if _has_unknown_part(inferred) or not storable_type(inferred):
+    if _has_unknown_part(inferred) or _has_case_twins(inferred) or not storable_type(inferred):
         return json_text_field(name)
     return pa.field(name, inferred)
 
@@ -343,6 +345,20 @@ def _has_unknown_part(dtype: pa.DataType) -> bool:
         return _has_unknown_part(dtype.value_type)
     if pa.types.is_fixed_size_list(dtype):
         return _has_unknown_part(dtype.value_type)
+    return False
+
+
+def _has_case_twins(dtype: pa.DataType) -> bool:
+    """Whether ``dtype`` is or holds a struct with two field names equal but for case."""
+    if pa.types.is_struct(dtype):
+        names = [f.name.casefold() for f in dtype]
+        return len(set(names)) < len(names) or any(_has_case_twins(f.type) for f in dtype)
+    if pa.types.is_map(dtype):
+        return _has_case_twins(dtype.key_type) or _has_case_twins(dtype.item_type)
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return _has_case_twins(dtype.value_type)
+    if pa.types.is_fixed_size_list(dtype):
+        return _has_case_twins(dtype.value_type)
     return False
 
 
