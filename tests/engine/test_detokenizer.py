@@ -171,6 +171,19 @@ def test_no_stop_before_min_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
     assert stop == "world" and detok.output_text == "Hello world, how are you? Hello "
 
 
+@pytest.mark.parametrize("longer", [[], ["zzzzzzzzzzzzzzz"]])
+def test_a_stop_before_min_tokens_is_not_found_later_whatever_the_other_stops(
+    tokenizer: PreTrainedTokenizerBase, longer: list[str]
+) -> None:
+    """'world' ends before min_tokens: it must not be found at a later token. A longer stop
+    string in the list looked back far enough to find it (an audit's fuzzer: texts cut
+    early, runs ended 'stop' where they ran to their length, another stop_reason)."""
+    ids = _encode(tokenizer, "Hello world, how are you?")
+    params = SamplingParams(stop=["world", *longer], min_tokens=3, max_tokens=100)
+    detok, stop = _stream(tokenizer, ids, params)
+    assert stop is None and detok.output_text == "Hello world, how are you?"
+
+
 def test_append_after_stop_raises(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = _encode(tokenizer, "Hello world")
     detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["Hello"]))

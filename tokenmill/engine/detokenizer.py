@@ -166,7 +166,7 @@ class IncrementalDetokenizer:
             # character); remember what of this window's text was already emitted.
             self._num_pending_chars = len(new_text)
         if len(self._text) > start and self._max_stop_len and len(ids) >= self._params.min_tokens:
-            return self._find_stop(max(0, start - self._max_stop_len + 1))
+            return self._find_stop(start)
         return None
 
     def _decode(self, token_ids: list[int]) -> str:
@@ -174,15 +174,19 @@ class IncrementalDetokenizer:
             token_ids, skip_special_tokens=self._params.skip_special_tokens
         )
 
-    def _find_stop(self, search_from: int) -> str | None:
-        """Cut the text at the stop string whose first match ends earliest (ties: list order).
+    def _find_stop(self, new_from: int) -> str | None:
+        """Cut the text at the stop string whose first match ending past ``new_from`` (in
+        the text just added) ends earliest (ties: list order).
 
         Earliest end is what streaming the text one character at a time would find, so the
-        result does not depend on how the text was split into tokens.
+        result does not depend on how the text was split into tokens. Each stop string is
+        looked for from its own length back, never further: text added before
+        ``min_tokens`` was not searched, and a stop it holds must not be found later (a
+        longer stop string's look-back reached it, so the result depended on the others).
         """
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop in self._params.stop:
-            start = self._text.find(stop, search_from)
+            start = self._text.find(stop, max(0, new_from - len(stop) + 1))
             if start >= 0 and (best is None or start + len(stop) < best[0]):
                 best = (start + len(stop), start, stop)
         if best is None:
