@@ -119,3 +119,39 @@ def test_changing_the_variables_refuses_a_resume(tiny_model: Path, tmp_path: Pat
     spec["model"]["chat_template"] = TEMPLATE.replace("upper", "lower")
     with pytest.raises(FingerprintMismatchError, match="chat_template"):
         run_job(spec, show_progress=False)
+
+
+def test_openai_batch_bodies_bring_their_own_variables(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM's chat bodies take chat_template_kwargs (Qwen3's enable_thinking, per request):
+    a body's variables go over the job's; two bodies alike but for them are two prompts,
+    not one computed once and copied (dedup); bad ones are the row's error."""
+    from tests.jobs.job_helpers import CHAT_URL, batch_job, batch_line
+
+    messages = [{"role": "user", "content": "shout or not"}]
+    lines = [
+        batch_line("job", CHAT_URL, {"messages": messages}),
+        batch_line(
+            "own", CHAT_URL, {"messages": messages, "chat_template_kwargs": {"shout": False}}
+        ),
+        batch_line(
+            "bad", CHAT_URL, {"messages": messages, "chat_template_kwargs": {"tokenize": 1}}
+        ),
+        batch_line("tpl", CHAT_URL, {"messages": messages, "chat_template": TEMPLATE}),
+    ]
+    spec = batch_job(tiny_model, lines, tmp_path, fmt="jsonl")
+    spec["model"].update(chat_template=TEMPLATE, chat_template_kwargs={"shout": True})
+    report = run_job(spec, show_progress=False)
+    assert report.rows_ok == 2 and report.rows_failed == 2
+    got = {r["id"]: r for r in read_jsonl_dir(tmp_path / "out" / "shards")}
+    llm = LLM(str(tiny_model), **TINY_ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    texts = {}
+    for custom_id, shout in (("job", True), ("own", False)):
+        kwargs = {"shout": shout}
+        want = llm.chat([messages], params, chat_template=TEMPLATE, chat_template_kwargs=kwargs)
+        texts[custom_id] = want[0].outputs[0].text
+        assert got[custom_id]["text"] == texts[custom_id]
+    assert texts["job"] != texts["own"]  # two prompts, two texts: not one copied
+    errors = "".join(p.read_text() for p in (tmp_path / "out" / "errors").iterdir())
+    assert "body.chat_template_kwargs may not set tokenize" in errors
+    assert "body.chat_template is not taken from a batch line; set model.chat_template" in errors

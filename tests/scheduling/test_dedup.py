@@ -48,6 +48,11 @@ def test_text_keys_tell_prompts_from_conversations() -> None:
     assert text_prompt_bytes(prompt) != text_prompt_bytes(chat)
     assert text_prompt_bytes(chat) == text_prompt_bytes(same_chat)
     assert text_prompt_bytes(prompt) != token_prompt_bytes([])
+    # An OpenAI Batch body's own template variables make another prompt (Ray replicas
+    # tokenize after the driver's dedup: the rows were one there)
+    messages = [{"role": "user", "content": "hello"}]
+    thinking = InputRow(3, "d", "f:4", messages=messages, chat_template_kwargs={"think": True})
+    assert text_prompt_bytes(thinking) != text_prompt_bytes(chat)
 
 
 def test_held_cached_and_run_decisions() -> None:

@@ -47,6 +47,10 @@ class ChatTemplate:
             extra["chat_template"] = self.template
         return extra
 
+    def with_variables(self, kwargs: Mapping[str, Any]) -> ChatTemplate:
+        """This template with ``kwargs`` over its variables (a row's own)."""
+        return ChatTemplate(self.template, {**self.kwargs, **kwargs}) if kwargs else self
+
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     """Token ids of a plain completion prompt, with the model's BOS rules."""

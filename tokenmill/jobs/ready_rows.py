@@ -139,11 +139,11 @@ class RowPreparer:
                 return None
             try:
                 check_tool_calls_rendered(template, row.messages)
+                arguments = self._chat_arguments
+                if row.chat_template_kwargs:
+                    arguments = {**arguments, **row.chat_template_kwargs}
                 return self.tokenizer.apply_chat_template(
-                    list(row.messages),
-                    tokenize=False,
-                    add_generation_prompt=True,
-                    **self._chat_arguments,
+                    list(row.messages), tokenize=False, add_generation_prompt=True, **arguments
                 )
             except Exception:
                 return None

@@ -98,12 +98,12 @@ def check_output_holds(
 
 def prompt_ids_for(row: InputRow, tokenizer: Any, chat: ChatTemplate | None = None) -> list[int]:
     """Token ids of the row's prompt or conversation (rendered with ``chat``'s template and
-    variables when given, else the model's template). Raises ValueError when it has
-    neither."""
+    variables when given, else the model's template; the row's own variables over them).
+    Raises ValueError when it has neither."""
     if row.prompt_token_ids is not None:
         return list(row.prompt_token_ids)
     if row.messages is not None:
-        chat = chat or ChatTemplate()
+        chat = (chat or ChatTemplate()).with_variables(row.chat_template_kwargs)
         return encode_chat(tokenizer, row.messages, True, chat.template, chat.kwargs)
     if row.prompt is not None:
         return encode_prompt(tokenizer, row.prompt)

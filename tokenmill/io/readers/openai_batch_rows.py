@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenmill.engine.prompts import template_variables
 from tokenmill.io.readers.messages import check_messages
 from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS, openai_sampling
 from tokenmill.io.readers.row_error import RowError, short_repr, type_name
@@ -43,6 +44,7 @@ def parse_openai_batch_row(
     fields: dict[str, Any] = {}
     if url == CHAT:
         fields["messages"] = check_messages(body.get("messages"), "body.messages", custom_id)
+        fields["chat_template_kwargs"] = _template_kwargs(body, custom_id)
     elif isinstance(prompt := _prompt(body.get("prompt"), custom_id), str):
         fields["prompt"] = prompt
     else:
@@ -57,6 +59,16 @@ def parse_openai_batch_row(
         endpoint=url,
         **fields,
     )
+
+
+def _template_kwargs(body: dict[str, Any], custom_id: str) -> dict[str, Any]:
+    """A chat body's ``chat_template_kwargs`` (vLLM's extension: variables its template
+    reads, e.g. Qwen3's ``enable_thinking``), checked as ``LLM.chat`` checks them."""
+    value = body.get("chat_template_kwargs")
+    try:
+        return template_variables(value)
+    except ValueError as exc:
+        raise RowError(f"body.{exc}", custom_id) from None
 
 
 def _prompt(prompt: Any, custom_id: str) -> str | tuple[int, ...]:

@@ -35,8 +35,10 @@ _COMMON = frozenset(
      "frequency_penalty", "logprobs", "n", "logit_bias", "prompt_logprobs"}
 )  # fmt: skip
 MAX_N = 128  # OpenAI's bound on n; tokenmill's on best_of too
+# chat_template_kwargs: vLLM's, for the template (openai_batch_rows.py)
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
 _SUPPORTED = {
-    CHAT: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    CHAT: _COMMON | _CHAT_ONLY | {"response_format"},
     # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
     COMPLETIONS: _COMMON | {"prompt", "response_format", "best_of"},
 }
@@ -47,6 +49,8 @@ _IGNORED = frozenset({"model", "user", "metadata", "store", "stream", "service_t
 _UNSUPPORTED_UNLESS = {"best_of": 1, "tools": [], "modalities": ["text"], "echo": False}
 # Fields of another endpoint only, which the refusal names.
 _ENDPOINT_OF = {"best_of": COMPLETIONS}
+# Refused with where the job can say it instead.
+_JOB_INSTEAD = {"chat_template": "model.chat_template"}
 _LOGPROBS = "an integer in [0, 20]"
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
@@ -124,6 +128,12 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
                     f"body.{name}={short_repr(value)} is not supported {where}; remove it",
                     row_id,
                 )
+        elif name in _JOB_INSTEAD:
+            raise RowError(
+                f"body.{name} is not taken from a batch line; set {_JOB_INSTEAD[name]} in the "
+                "job instead (one template for every row)",
+                row_id,
+            )
         else:
             raise RowError(
                 f"body.{name} is not supported by tokenmill for {endpoint}; remove it "
