@@ -495,3 +495,22 @@ def test_ray_settings_with_the_local_executor_are_refused(
     """They were ignored: replicas: 3 ran one engine, exit 0."""
     assert f"execution: {named}" in _error(_raw(execution=execution))
     JobSpec.from_dict(_raw(execution={**execution, "executor": "ray"}))
+
+
+def test_openai_response_format_is_the_structured_output_it_means() -> None:
+    """Issue 15 names sampling.response_format (OpenAI's spelling) for plain jobs: read as
+    structured_output, so the job and its fingerprint are the ones written that way."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    openai = {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+    as_openai = JobSpec.from_dict(_raw(sampling={"response_format": openai}))
+    as_ours = JobSpec.from_dict(_raw(sampling={"structured_output": {"json_schema": schema}}))
+    assert as_openai.to_dict() == as_ours.to_dict()
+    json_object = JobSpec.from_dict(_raw(sampling={"response_format": {"type": "json_object"}}))
+    assert json_object.sampling.structured_output == "json_object"
+    text = JobSpec.from_dict(_raw(sampling={"response_format": {"type": "text"}}))
+    assert text.sampling.structured_output is None
+    assert "response_format.json_schema must be an object with" in _error(
+        _raw(sampling={"response_format": {"type": "json_schema"}})
+    )
+    both = {"response_format": {"type": "json_object"}, "structured_output": "json_object"}
+    assert "response_format and structured_output both set" in _error(_raw(sampling=both))

@@ -44,7 +44,7 @@ from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.prompts import ChatTemplate
 from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
-from tokenmill.io.readers.openai_sampling import MAX_N
+from tokenmill.io.readers.openai_sampling import MAX_N, response_format_setting
 from tokenmill.io.readers.storage import location_problem
 from tokenmill.jobs.chat_template_setting import (
     chat_template_kwargs_setting,
@@ -222,6 +222,27 @@ class SamplingSection(_Section):
     # Each output token's logprob and this many top alternatives, written in a logprobs
     # column (SamplingParams.logprobs; an OpenAI Batch body's own still applies to its row).
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _response_format(cls, data: Any) -> Any:
+        """OpenAI's spelling, ``response_format: {type: json_schema, json_schema: {name,
+        schema}}`` (or json_object, text), read as the structured_output it means: the job
+        is the one written with structured_output (one fingerprint)."""
+        if not isinstance(data, dict) or "response_format" not in data:
+            return data
+        data = dict(data)
+        value = data.pop("response_format")
+        if data.get("structured_output") is not None:
+            raise ValueError(
+                "response_format and structured_output both set: they say the same thing, keep one"
+            )
+        constraint = response_format_setting(value, "response_format")
+        if constraint is not None:
+            data["structured_output"] = (
+                {"json_schema": constraint} if isinstance(constraint, dict) else constraint
+            )
+        return data
 
     @field_validator("stop", mode="before")
     @classmethod

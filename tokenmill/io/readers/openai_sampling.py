@@ -143,41 +143,46 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
 
 
 def _response_format(value: Any, row_id: str) -> str | dict[str, Any] | None:
-    """``structured_output`` for a response_format: None (text), "json_object" or a schema."""
+    try:
+        return response_format_setting(value, "body.response_format")
+    except ValueError as exc:
+        raise RowError(str(exc), row_id) from None
+
+
+def response_format_setting(value: Any, where: str) -> str | dict[str, Any] | None:
+    """``structured_output`` for an OpenAI ``response_format`` (a body's, or a job's
+    ``sampling.response_format``): None (text), "json_object" or the schema. Raises
+    ValueError naming ``where`` and what is wrong."""
+
+    def expect(ok: bool, name: str, got: Any, expected: str) -> None:
+        if not ok:
+            raise ValueError(f"{where}{name} must be {expected}, got {short_repr(got)}")
+
     kinds = ("text", "json_object", "json_schema")
     kind = value.get("type") if isinstance(value, dict) else None
-    _expect(
-        kind in kinds,
-        "response_format",
-        value,
-        'an object whose "type" is "text", "json_object" or "json_schema"',
-        row_id,
+    expect(
+        kind in kinds, "", value, 'an object whose "type" is "text", "json_object" or "json_schema"'
     )
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
     extra = sorted(set(value) - allowed)
     if extra:
-        raise RowError(
-            f"body.response_format of type {kind!r} takes no {', '.join(extra)}; remove it",
-            row_id,
-        )
+        raise ValueError(f"{where} of type {kind!r} takes no {', '.join(extra)}; remove it")
     if kind == "text":
         return None
     if kind == "json_object":
         return "json_object"
     spec = value.get("json_schema")
-    _expect(
+    expect(
         isinstance(spec, dict) and isinstance(spec.get("schema"), dict),
-        "response_format.json_schema",
+        ".json_schema",
         spec,
         'an object with "schema" (a JSON Schema object), "name", "strict", "description"',
-        row_id,
     )
     extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
     if extra:
-        raise RowError(
-            f"body.response_format.json_schema takes no {', '.join(extra)}; remove it "
-            f"(it takes {', '.join(sorted(_JSON_SCHEMA_KEYS))})",
-            row_id,
+        raise ValueError(
+            f"{where}.json_schema takes no {', '.join(extra)}; remove it "
+            f"(it takes {', '.join(sorted(_JSON_SCHEMA_KEYS))})"
         )
     for key, ok, expected in (
         ("name", isinstance(spec.get("name"), str), "a string"),
@@ -185,7 +190,7 @@ def _response_format(value: Any, row_id: str) -> str | dict[str, Any] | None:
         ("strict", isinstance(spec.get("strict"), bool), "true or false"),
     ):
         if spec.get(key) is not None:
-            _expect(ok, f"response_format.json_schema.{key}", spec[key], expected, row_id)
+            expect(ok, f".json_schema.{key}", spec[key], expected)
     return spec["schema"]
 
 
