@@ -149,6 +149,28 @@ def test_filters_combined_on_rows_that_differ() -> None:
     assert (probs[tokens[:, 2]] >= 0.5 * probs.max()).all()
 
 
+def test_min_p_judges_the_tempered_distribution_before_top_p() -> None:
+    """vLLM's order: temperature, min-p, then top-k / top-p. With top-p first, min-p judged
+    what was left of a renormalized nucleus and kept tokens vLLM never samples (an audit's
+    chi-square: 22% of draws on token 2 here)."""
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    logits = probs.log().repeat(4000, 1)
+    out = _sample(logits, [SamplingParams(min_p=0.3, top_p=0.75, seed=i) for i in range(4000)])
+    counts = torch.bincount(out.sampled_token_ids, minlength=4)
+    assert counts[2:].sum() == 0  # 0.2 < 0.3 * 0.4: gone before top-p looks
+    assert 0.5 < counts[0] / 4000 < 0.64  # 0.4 / 0.7 = 0.571 of what is left
+
+
+def test_the_bias_comes_before_the_repetition_penalty() -> None:
+    """vLLM's order: logit_bias (and min_tokens' bans) first, then the penalties, so a
+    biased logit is divided by the repetition penalty as any other: +2 on token 2 (seen in
+    the prompt) gives 2 / 2 = 1, level with token 0, which wins the tie; penalizing first
+    gave 0 / 2 + 2 = 2 and picked token 2."""
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0, logit_bias={2: 2.0})]
+    assert _sample(logits, params, prompts=[[2]]).sampled_token_ids.tolist() == [0]
+
+
 def _metadata(params: list[SamplingParams], prompts, outputs, vocab: int) -> SamplingMetadata:
     return SamplingMetadata.build(params, prompts, outputs, vocab, torch.device("cpu"))
 

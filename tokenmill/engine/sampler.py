@@ -1,13 +1,18 @@
 """Sampler: one token per logits row, following each row's SamplingParams.
 
     logits [B, V] ─┬─► log_softmax ─► LogprobsTensors      (raw model logits, as OpenAI)
-                   └─► penalties ─► logit bias ─► grammar mask   (rows with logit_bias /
+                   └─► logit bias ─► penalties ─► grammar mask   (rows with logit_bias /
                                                                   structured_output)
                          ─┬─► argmax ─────────────────┐ greedy rows
                           └─► / temperature           │
+                              ─► min-p                │
                               ─► top-k ─► top-p       │
-                              ─► softmax ─► min-p     │
+                              ─► softmax              │
                               ─► argmax(p / q) ───────┴─► sampled_token_ids [B]
+
+The order is vLLM's (v1): bias and min_tokens' bans, then penalties; temperature, then
+min-p, then top-k and top-p. It matters: a repetition penalty divides a biased logit, and
+min-p keeps tokens by their share of the tempered distribution before top-p renormalizes.
 
 Sampling uses the exponential race: with q ~ Exp(1) i.i.d., argmax(p / q) is a draw from p.
 The noise q of a seeded row comes from its own generator, seeded from (seed, output position),
@@ -120,10 +125,11 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
 
-        if not meta.no_penalties:
-            logits = apply_penalties(logits, meta)
+        # vLLM's order: the bias (and min_tokens' bans, which ride on it) before penalties
         if meta.logit_bias_index is not None and meta.logit_bias_values is not None:
             logits = apply_logit_bias(logits, meta.logit_bias_index, meta.logit_bias_values)
+        if not meta.no_penalties:
+            logits = apply_penalties(logits, meta)
         if masked:
             logits = apply_token_bitmask(
                 logits,
@@ -198,14 +204,17 @@ def apply_token_bitmask(
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one exponential-race draw per row: [B] int64."""
+    """Temperature, min-p, top-k, top-p (vLLM's order: min-p judges the tempered
+    distribution before top-k / top-p renormalize it), then one exponential-race draw per
+    row: [B] int64."""
     logits = logits / meta.temperature.unsqueeze(1)  # [B, V]
+    if not meta.no_min_p:
+        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        max_probs = probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        logits = logits.masked_fill(probs < meta.min_p.unsqueeze(1) * max_probs, float("-inf"))
     if not (meta.no_top_k and meta.no_top_p):
         logits = _apply_top_k_top_p(logits, meta)
     probs = torch.softmax(logits, dim=-1)  # [B, V]
-    if not meta.no_min_p:
-        max_probs = probs.amax(dim=-1, keepdim=True)  # [B, 1]
-        probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * max_probs, 0.0)
     return (probs / _exponential_noise(probs, meta)).argmax(dim=-1)
 
 
