@@ -167,3 +167,29 @@ def test_the_column_is_part_of_the_input_fingerprint(tmp_path: Path) -> None:
         InputConfig(path=str(src), messages_column="messages", structured_output_column="c")
     )
     assert plain != ruled
+
+
+def test_a_constraint_only_xgrammar_refuses_names_its_column(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The reader checks a cell as llguidance reads it; one that xgrammar (the job's
+    library) refuses was the row's error naming SamplingParams.structured_output, which no
+    input has. Now it names the column, in a run and in a dry run."""
+    pytest.importorskip("xgrammar")
+    from tokenmill.jobs.dry_run import dry_run
+    from tokenmill.jobs.spec import JobSpec
+
+    rows = chat_rows(2)
+    rows[0]["constraint"] = {"regex": "[a-z&&[^aeiou]]{3}"}  # a class set operation
+    rows[1]["constraint"] = {"choice": ["yes", "no"]}
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = job_dict(tiny_model, src, tmp_path / "out", sampling=SAMPLING)
+    spec["input"]["structured_output_column"] = "constraint"
+    spec["engine"]["structured_output_backend"] = "xgrammar"
+    want = "column 'constraint': xgrammar cannot use this regex: the regex uses '&&'"
+    estimate = dry_run(JobSpec.from_dict(spec))
+    assert estimate.bad_rows == 1 and want in estimate.bad_examples[0][1]
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (1, 1)
+    (error,) = [r["error"] for r in read_jsonl_dir(tmp_path / "out" / "errors")]
+    assert want in error and "SamplingParams" not in error

@@ -34,6 +34,7 @@ from tokenmill.jobs.prompt_stats import PromptStats
 from tokenmill.jobs.ready_rows import RowPreparer
 from tokenmill.jobs.requests import (
     check_output_holds,
+    check_row_constraint,
     prompt_ids_for,
     row_error_reason,
     sampling_params_for,
@@ -182,6 +183,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     stats = PromptStats(spec.engine.block_size, MAX_TRACKED_BLOCKS, MAX_TRACKED_ROWS)
 
     chat = spec.model.chat()
+    backend = spec.engine.structured_output_backend
     preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_len, chat)
     started = shown = time.monotonic()
     for row in iter_input_rows(cfg, schema):
@@ -204,6 +206,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
                     params, spec.output.format, schema_prompt_logprobs, schema_logprobs
                 )
                 check_logit_bias_vocab(params, config.vocab_size)
+                check_row_constraint(row, params, backend, spec.input.structured_output_column)
                 reason = preparer.length_refusal(row)  # as a run: before tokenizing it
                 if reason is not None:
                     raise ValueError(reason)

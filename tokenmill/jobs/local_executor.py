@@ -28,6 +28,7 @@ from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
 from tokenmill.jobs.requests import (
     check_output_holds,
+    check_row_constraint,
     error_result,
     result_from_output,
     row_error_reason,
@@ -69,6 +70,8 @@ class RowProcessor:
         )
         self.prepare.warm_up()  # part of the load: the first rows then run at full speed
         self.output_format = spec.output.format
+        self.grammar_backend = spec.engine.structured_output_backend
+        self.constraint_column = spec.input.structured_output_column
         # Parquet output has these columns when the job asks (preflight.output_schema)
         self.prompt_logprobs_column = spec.sampling.prompt_logprobs is not None
         self.logprobs_column = spec.sampling.logprobs is not None
@@ -165,6 +168,9 @@ class RowProcessor:
         try:  # too long for the context, ids outside the vocabulary: the row's error
             check_output_holds(
                 item.params, self.output_format, self.prompt_logprobs_column, self.logprobs_column
+            )
+            check_row_constraint(
+                item.row, item.params, self.grammar_backend, self.constraint_column
             )
             for rid, params in group.requests():
                 self.engine.add_request(rid, item.prompt_ids, params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import fields
 from typing import Any
 
@@ -108,6 +109,34 @@ def prompt_ids_for(row: InputRow, tokenizer: Any, chat: ChatTemplate | None = No
     if row.prompt is not None:
         return encode_prompt(tokenizer, row.prompt)
     raise ValueError("the row has neither a prompt nor messages")
+
+
+def check_row_constraint(
+    row: InputRow, params: SamplingParams, backend: str, column: str | None
+) -> None:
+    """Raise ValueError naming where ``row``'s own constraint came from (``column``, or an
+    OpenAI Batch body's response_format) when the grammar library ``backend`` cannot run
+    it. The reader checks every constraint as llguidance (the default) reads it; what only
+    xgrammar refuses was named as the engine's SamplingParams field, not the input's. (A
+    job-wide constraint is checked with the spec.)"""
+    spec = params.structured_output
+    if backend != "xgrammar" or spec is None or "structured_output" not in row.sampling:
+        return
+    refusal = _xgrammar_refusal(spec)
+    if refusal is not None:
+        where = "body.response_format" if row.endpoint is not None else f"column {column!r}"
+        raise ValueError(f"{where}: {refusal}")
+
+
+@functools.lru_cache(maxsize=64)  # rows share a few constraints
+def _xgrammar_refusal(spec: str) -> str | None:
+    from tokenmill.engine.grammar_xgrammar import check_for_xgrammar
+
+    try:
+        check_for_xgrammar(spec)
+    except ValueError as exc:
+        return str(exc).removeprefix("SamplingParams.structured_output: ")
+    return None
 
 
 def row_error_reason(exc: Exception) -> str:
