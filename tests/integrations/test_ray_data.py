@@ -163,3 +163,14 @@ def test_messages_cells_read_as_run_job_reads_them_with_the_configs_template(
         assert row["generated_text"] == want.text
     with pytest.raises(ValueError, match="ProcessorConfig.chat_template_kwargs may not set"):
         ProcessorConfig(str(model), chat_template_kwargs={"tokenize": True})
+
+
+def test_the_processors_template_may_be_a_file(model: Path, tmp_path: Path) -> None:
+    """As a job's model.chat_template: a path was taken as the template's text, and every
+    row's prompt was the path itself."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    config = ProcessorConfig(str(model), chat_template=str(path))
+    assert config.chat_template == path.read_text()  # the text, for every replica
+    with pytest.raises(ValueError, match="ProcessorConfig.chat_template: no file"):
+        ProcessorConfig(str(model), chat_template=str(tmp_path / "missing.jinja"))

@@ -81,6 +81,9 @@ def test_the_template_may_be_a_file(tiny_model: Path, tmp_path: Path) -> None:
         ({"chat_template": ""}, "model.chat_template"),
         ({"chat_template": 5}, "model.chat_template"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "may not set add_generation"),
+        # transformers renders the conversation under these names: every row failed, exit 0
+        ({"chat_template_kwargs": {"messages": 1}}, "may not set messages"),
+        ({"chat_template_kwargs": {"conversations": []}}, "may not set conversations"),
         ({"chat_template_kwargs": {"not-a-name": 1}}, "keys must be identifiers"),
         ({"chat_template_kwargs": ["shout"]}, "model.chat_template_kwargs"),
     ],

@@ -512,5 +512,7 @@ def test_openai_response_format_is_the_structured_output_it_means() -> None:
     assert "response_format.json_schema must be an object with" in _error(
         _raw(sampling={"response_format": {"type": "json_schema"}})
     )
+    unset = JobSpec.from_dict(_raw(sampling={"response_format": None}))  # as structured_output
+    assert unset.to_dict() == JobSpec.from_dict(_raw()).to_dict()
     both = {"response_format": {"type": "json_object"}, "structured_output": "json_object"}
     assert "response_format and structured_output both set" in _error(_raw(sampling=both))

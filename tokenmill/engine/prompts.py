@@ -19,9 +19,11 @@ __all__ = [
 ]
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
-# so chat_template_kwargs may not set them (tools and documents are template variables).
+# so chat_template_kwargs may not set them (tools and documents are template variables);
+# nor the names transformers renders the conversation under (messages, conversations).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+    {"conversation", "messages", "conversations",
+     "chat_template", "add_generation_prompt", "continue_final_message",
      "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )  # fmt: skip

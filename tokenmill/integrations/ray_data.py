@@ -54,7 +54,8 @@ class ProcessorConfig:
     ``concurrency``: engine replicas; ``batch_size``: rows a replica gets per call (a
     multiple of max_num_seqs keeps its engine full); ``num_gpus``: per replica (None: 1 when
     the engine's device is cuda, or auto on a cluster with GPUs, else 0).
-    ``chat_template`` (Jinja text) replaces the model's for the ``messages`` rows;
+    ``chat_template`` (Jinja text, or a local file holding it, read here so replicas get
+    the text) replaces the model's for the ``messages`` rows;
     ``chat_template_kwargs`` are variables it reads (``{"enable_thinking": False}``).
     """
 
@@ -76,17 +77,22 @@ class ProcessorConfig:
         from tokenmill.engine.engine_config import EngineConfig
         from tokenmill.engine.prompts import ChatTemplate
         from tokenmill.engine.sampling_params import SamplingParams
+        from tokenmill.jobs.chat_template_setting import chat_template_setting
 
         EngineConfig.from_settings(self.model, **self.engine)  # refuse bad settings here,
         _one_completion(SamplingParams(**self.sampling), "ProcessorConfig.sampling")  # not
         # in every replica
-        if self.chat_template is not None and (
-            not isinstance(self.chat_template, str) or not self.chat_template.strip()
-        ):
-            raise ValueError(
-                "ProcessorConfig.chat_template must be a Jinja template string or None, got "
-                f"{self.chat_template!r}"
-            )
+        if self.chat_template is not None:  # the text, or a file holding it, as in a job
+            if not isinstance(self.chat_template, str):
+                raise ValueError(
+                    "ProcessorConfig.chat_template must be a Jinja template, the path of a "
+                    f"file holding one, or None, got {self.chat_template!r}"
+                )
+            try:
+                text = chat_template_setting(self.chat_template)
+            except ValueError as exc:
+                raise ValueError(f"ProcessorConfig.chat_template: {exc}") from None
+            object.__setattr__(self, "chat_template", text)  # replicas get the text
         try:
             ChatTemplate(self.chat_template, self.chat_template_kwargs).arguments()
         except ValueError as exc:

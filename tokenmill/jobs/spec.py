@@ -233,6 +233,8 @@ class SamplingSection(_Section):
             return data
         data = dict(data)
         value = data.pop("response_format")
+        if value is None:  # unset, as structured_output: null
+            return data
         if data.get("structured_output") is not None:
             raise ValueError(
                 "response_format and structured_output both set: they say the same thing, keep one"
