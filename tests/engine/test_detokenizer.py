@@ -184,6 +184,18 @@ def test_a_stop_before_min_tokens_is_not_found_later_whatever_the_other_stops(
     assert stop is None and detok.output_text == "Hello world, how are you?"
 
 
+def test_a_stop_completed_by_the_min_tokens_th_token_does_not_count(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """vLLM counts a stop string once more than min_tokens tokens are out (as an EOS may
+    come only after min_tokens tokens); at exactly min_tokens it stopped here."""
+    ids = _encode(tokenizer, "Hello world, how are you? Fine, how")
+    assert tokenizer.decode(ids[:4]) == "Hello world, how"
+    params = SamplingParams(stop=[" how"], min_tokens=4, max_tokens=100)
+    detok, stop = _stream(tokenizer, ids, params)
+    assert stop == " how" and detok.output_text == "Hello world, how are you? Fine,"
+
+
 def test_append_after_stop_raises(tokenizer: PreTrainedTokenizerBase) -> None:
     ids = _encode(tokenizer, "Hello world")
     detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["Hello"]))

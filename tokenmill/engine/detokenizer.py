@@ -17,8 +17,10 @@ the run's bytes are not UTF-8, every byte of it becomes U+FFFD, the valid ones b
 bad one included; so nothing is emitted while the tokens end in a byte token, and the run is
 decoded whole once it ends (a skipped special token does not end it: decode drops it first).
 
-Stop strings are searched only where a new match can be, the new text plus the
-``len(longest stop) - 1`` characters before it. Several tokens at once (a drafted step's
+Stop strings are searched only where a new match can be: each ends in the new text (so
+starts at most ``len(stop) - 1`` characters before it). As vLLM's, a stop string counts only
+once more than ``min_tokens`` tokens are out: one completed by an earlier token is never
+found, as an EOS is not sampled before then. Several tokens at once (a drafted step's
 accepted ones) are taken one at a time while there are stop strings to watch, as that many
 one-token steps would: a stop string ends the text at the token that completed it (the
 tokens after it are not taken: ``output_token_ids`` says how many were), and ``min_tokens``
@@ -116,8 +118,9 @@ class IncrementalDetokenizer:
         """Feed newly generated tokens; return the stop string they completed, else None.
         A stop string completed before the last of them leaves the rest untaken.
 
-        Stop strings are not looked for while fewer than ``params.min_tokens`` tokens have been
-        generated. Raises RuntimeError when called after a stop string matched.
+        Stop strings are not looked for until more than ``params.min_tokens`` tokens have been
+        generated (vLLM's rule: the token completing one comes after min_tokens others).
+        Raises RuntimeError when called after a stop string matched.
         """
         if self._stop_string is not None:
             raise RuntimeError(
@@ -165,7 +168,7 @@ class IncrementalDetokenizer:
             # Offsets stay (nothing new, e.g. skipped special tokens, or an incomplete
             # character); remember what of this window's text was already emitted.
             self._num_pending_chars = len(new_text)
-        if len(self._text) > start and self._max_stop_len and len(ids) >= self._params.min_tokens:
+        if len(self._text) > start and self._max_stop_len and len(ids) > self._params.min_tokens:
             return self._find_stop(start)
         return None
 
