@@ -335,31 +335,39 @@ def _json_text(value: Any) -> str | None:
 def _has_unknown_part(dtype: pa.DataType) -> bool:
     """Whether ``dtype`` is or holds the null type or an empty struct: types a sample of
     nulls and empty values gives, which later values could not fill."""
-    if pa.types.is_null(dtype):
-        return True
-    if pa.types.is_struct(dtype):
-        return dtype.num_fields == 0 or any(_has_unknown_part(f.type) for f in dtype)
-    if pa.types.is_map(dtype):
-        return _has_unknown_part(dtype.key_type) or _has_unknown_part(dtype.item_type)
-    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-        return _has_unknown_part(dtype.value_type)
-    if pa.types.is_fixed_size_list(dtype):
-        return _has_unknown_part(dtype.value_type)
-    return False
+    return _any_part(
+        dtype, lambda t: pa.types.is_null(t) or (pa.types.is_struct(t) and t.num_fields == 0)
+    )
 
 
 def _has_case_twins(dtype: pa.DataType) -> bool:
     """Whether ``dtype`` is or holds a struct with two field names equal but for case."""
+
+    def twins(t: pa.DataType) -> bool:
+        names = [f.name.casefold() for f in t] if pa.types.is_struct(t) else []
+        return len(set(names)) < len(names)
+
+    return _any_part(dtype, twins)
+
+
+def _any_part(dtype: pa.DataType, test: Callable[[pa.DataType], bool]) -> bool:
+    """Whether ``test`` holds for ``dtype`` or any type nested in it (struct fields, map
+    keys and items, list values)."""
+    if test(dtype):
+        return True
     if pa.types.is_struct(dtype):
-        names = [f.name.casefold() for f in dtype]
-        return len(set(names)) < len(names) or any(_has_case_twins(f.type) for f in dtype)
-    if pa.types.is_map(dtype):
-        return _has_case_twins(dtype.key_type) or _has_case_twins(dtype.item_type)
-    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-        return _has_case_twins(dtype.value_type)
-    if pa.types.is_fixed_size_list(dtype):
-        return _has_case_twins(dtype.value_type)
-    return False
+        inner = [f.type for f in dtype]
+    elif pa.types.is_map(dtype):
+        inner = [dtype.key_type, dtype.item_type]
+    elif (
+        pa.types.is_list(dtype)
+        or pa.types.is_large_list(dtype)
+        or pa.types.is_fixed_size_list(dtype)
+    ):
+        inner = [dtype.value_type]
+    else:
+        inner = []
+    return any(_any_part(t, test) for t in inner)
 
 
 def _fit_check(f: pa.Field) -> Callable[[Any], bool]:
