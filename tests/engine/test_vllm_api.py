@@ -210,6 +210,24 @@ def test_chat_template_kwargs_reach_the_template(smollm2_llm) -> None:
     assert default == smollm2_llm.encode_chat(conv)
 
 
+def test_continue_final_message_leaves_the_assistant_answer_open(smollm2_llm) -> None:
+    """vLLM's LLM.chat option: the model goes on writing an answer begun for it (the
+    template's end of turn is not written after it), as transformers renders it."""
+    conv = [*CONV[1:], {"role": "assistant", "content": "The longest river is"}]
+    tok = smollm2_llm.tokenizer
+    want = tok.apply_chat_template(conv, tokenize=False, continue_final_message=True)
+    assert want.endswith("The longest river is")
+    o = smollm2_llm.chat(
+        conv, SamplingParams(max_tokens=2), add_generation_prompt=False, continue_final_message=True
+    )[0]
+    assert o.prompt == want
+    assert o.prompt_token_ids == tok.encode(want, add_special_tokens=False)
+    closed = smollm2_llm.encode_chat(conv, add_generation_prompt=False)
+    assert len(closed) > len(o.prompt_token_ids)  # the end of turn
+    with pytest.raises(ValueError, match="cannot both be true"):
+        smollm2_llm.chat(conv, SamplingParams(max_tokens=1), continue_final_message=True)
+
+
 def test_openai_spellings_render_as_every_entry_point_renders_them(smollm2_llm) -> None:
     """Text parts, the developer role and a tool-calling turn, as OpenAI clients send them:
     LLM.chat renders them as a job's reader does (it wrote the parts' repr and dropped the

@@ -158,3 +158,33 @@ def test_openai_batch_bodies_bring_their_own_variables(tiny_model: Path, tmp_pat
     errors = "".join(p.read_text() for p in (tmp_path / "out" / "errors").iterdir())
     assert "body.chat_template_kwargs may not set tokenize" in errors
     assert "body.chat_template is not taken from a batch line; set model.chat_template" in errors
+
+
+def test_an_openai_batch_body_may_continue_its_last_message(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """vLLM's chat bodies take continue_final_message (with add_generation_prompt false):
+    the row's prompt ends inside the assistant message it began, as LLM.chat renders it;
+    both true is the row's error; a row that continues is not a copy of one that does not."""
+    from tests.jobs.job_helpers import CHAT_URL, batch_job, batch_line
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    lines = [
+        batch_line("open", CHAT_URL, {"messages": messages, **ending}),
+        batch_line("closed", CHAT_URL, {"messages": messages}),
+        batch_line("both", CHAT_URL, {"messages": messages, "continue_final_message": True}),
+    ]
+    spec = batch_job(tiny_model, lines, tmp_path, fmt="jsonl")
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (2, 1)
+    got = {r["id"]: r for r in read_jsonl_dir(tmp_path / "out" / "shards")}
+    llm = LLM(str(tiny_model), **TINY_ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = llm.chat([messages], params, **ending)[0]
+    assert want.prompt.endswith("Hel")
+    assert got["open"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert got["open"]["text"] == want.outputs[0].text
+    assert got["closed"]["prompt_tokens"] == len(llm.encode_chat(messages))
+    errors = "".join(p.read_text() for p in (tmp_path / "out" / "errors").iterdir())
+    assert "continue_final_message and add_generation_prompt cannot both be true" in errors

@@ -53,6 +53,9 @@ def test_text_keys_tell_prompts_from_conversations() -> None:
     messages = [{"role": "user", "content": "hello"}]
     thinking = InputRow(3, "d", "f:4", messages=messages, chat_template_kwargs={"think": True})
     assert text_prompt_bytes(thinking) != text_prompt_bytes(chat)
+    kept_open = InputRow(4, "e", "f:5", messages=messages, add_generation_prompt=False,
+                         continue_final_message=True)  # fmt: skip
+    assert text_prompt_bytes(kept_open) != text_prompt_bytes(chat)
 
 
 def test_held_cached_and_run_decisions() -> None:

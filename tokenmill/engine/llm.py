@@ -90,20 +90,28 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {"role", "content"} messages) with the model's chat
         template. A single conversation may be passed without the outer list.
 
         ``chat_template`` (a Jinja string) replaces the model's template for this call;
         ``chat_template_kwargs`` are extra template variables, e.g. ``{"enable_thinking":
-        False}`` for Qwen3. Each result's ``prompt`` is the rendered text. Raises ValueError
+        False}`` for Qwen3; ``continue_final_message`` (with ``add_generation_prompt``
+        False) has the model go on writing the last message, e.g. an assistant answer
+        begun for it. Each result's ``prompt`` is the rendered text. Raises ValueError
         when a conversation cannot be rendered (see ``render_chat``): nothing runs then.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         texts = [
             render_chat(
-                self.tokenizer, c, add_generation_prompt, chat_template, chat_template_kwargs
+                self.tokenizer,
+                c,
+                add_generation_prompt,
+                chat_template,
+                chat_template_kwargs,
+                continue_final_message,
             )
             for c in conversations
         ]
@@ -116,11 +124,17 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template (or
         ``chat_template``, with ``chat_template_kwargs``), as ``chat`` renders them."""
         return encode_chat(
-            self.tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            chat_template,
+            chat_template_kwargs,
+            continue_final_message,
         )
 
     def _run(

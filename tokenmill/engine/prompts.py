@@ -10,6 +10,7 @@ from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_
 
 __all__ = [
     "ChatTemplate",
+    "check_chat_options",
     "check_prompt_ids",
     "encode_chat",
     "encode_prompt",
@@ -103,16 +104,21 @@ def render_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The text of ``messages`` (normalized as ``normalize_messages`` says: every entry point
     renders a conversation alike) rendered with the model's chat template.
 
     ``chat_template`` (a Jinja string) replaces the model's template; ``chat_template_kwargs``
     are extra variables the template reads (e.g. ``{"enable_thinking": False}`` for Qwen3).
+    ``continue_final_message`` leaves the last message open (no end of turn after it), so
+    the model goes on writing it: an assistant message started for it (vLLM's option; with
+    ``add_generation_prompt`` False).
     The template runs in transformers' sandboxed Jinja environment; nothing else is executed.
     Raises ValueError when there is no template, an argument is malformed (naming it), or the
     template rejects the conversation (e.g. roles out of order).
     """
+    check_chat_options(add_generation_prompt, continue_final_message)
     if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
         raise ValueError(
             f"chat_template must be a non-empty Jinja template string or None, "
@@ -129,7 +135,11 @@ def render_chat(
     check_tool_calls_rendered(chat_template or tokenizer.chat_template, conversation)
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **extra,
         )
     except Exception as exc:  # jinja raises its own types for template errors
         raise ValueError(f"the chat template rejected the conversation: {exc}") from None
@@ -142,14 +152,37 @@ def encode_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template (``render_chat``,
     which says what the arguments do and what it raises). The template writes the special
     tokens, so none are added."""
     text = render_chat(
-        tokenizer, messages, add_generation_prompt, chat_template, chat_template_kwargs
+        tokenizer,
+        messages,
+        add_generation_prompt,
+        chat_template,
+        chat_template_kwargs,
+        continue_final_message,
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_chat_options(add_generation_prompt: Any, continue_final_message: Any) -> None:
+    """Raise ValueError unless both are booleans and not both true (a new assistant turn
+    and the last message continued contradict each other)."""
+    for name, value in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true: the last "
+            "message is continued, or a new assistant turn is started; set "
+            "add_generation_prompt to false to continue the last message"
+        )
 
 
 def template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:

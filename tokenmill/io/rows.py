@@ -18,8 +18,9 @@ class InputRow:
     Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages`` is set on a good row
     (``prompt_token_ids``: an OpenAI completions body that gave its prompt as token ids).
     ``sampling`` holds per-row SamplingParams keyword overrides (OpenAI Batch bodies);
-    ``chat_template_kwargs`` the row's own chat template variables (an OpenAI Batch chat
-    body's, vLLM's extension), over the job's; ``passthrough`` the columns copied to the
+    ``chat_template_kwargs`` the row's own chat template variables and
+    ``add_generation_prompt`` / ``continue_final_message`` how its conversation ends (an
+    OpenAI Batch chat body's, vLLM's extensions); ``passthrough`` the columns copied to the
     output as they are. ``custom_id``/``endpoint`` are set for OpenAI Batch rows.
     """
 
@@ -35,6 +36,8 @@ class InputRow:
     endpoint: str | None = None  # "/v1/chat/completions" | "/v1/completions"
     error: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,11 @@ class RowPreparer:
                 if row.chat_template_kwargs:
                     arguments = {**arguments, **row.chat_template_kwargs}
                 return self.tokenizer.apply_chat_template(
-                    list(row.messages), tokenize=False, add_generation_prompt=True, **arguments
+                    list(row.messages),
+                    tokenize=False,
+                    add_generation_prompt=row.add_generation_prompt,
+                    continue_final_message=row.continue_final_message,
+                    **arguments,
                 )
             except Exception:
                 return None

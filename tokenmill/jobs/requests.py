@@ -105,7 +105,14 @@ def prompt_ids_for(row: InputRow, tokenizer: Any, chat: ChatTemplate | None = No
         return list(row.prompt_token_ids)
     if row.messages is not None:
         chat = (chat or ChatTemplate()).with_variables(row.chat_template_kwargs)
-        return encode_chat(tokenizer, row.messages, True, chat.template, chat.kwargs)
+        return encode_chat(
+            tokenizer,
+            row.messages,
+            row.add_generation_prompt,
+            chat.template,
+            chat.kwargs,
+            row.continue_final_message,
+        )
     if row.prompt is not None:
         return encode_prompt(tokenizer, row.prompt)
     raise ValueError("the row has neither a prompt nor messages")

@@ -73,14 +73,16 @@ def token_prompt_bytes(prompt_ids: Sequence[int]) -> bytes:
 def text_prompt_bytes(row: InputRow) -> bytes:
     """An untokenized row's prompt as dedup hashes it: the prompt text, or its conversation
     (role and content of each message, in order, with any other message fields, and the
-    row's own chat template variables). The same text always tokenizes to the same ids, so
-    equal bytes mean equal prompts (the converse may fail, e.g. for a message's keys in
-    another order: then the rows just both run).
+    row's own chat template variables and ending). The same text always tokenizes to the
+    same ids, so equal bytes mean equal prompts (the converse may fail, e.g. for a
+    message's keys in another order: then the rows just both run).
     A prompt given as token ids is hashed as ``token_prompt_bytes``."""
     if row.prompt_token_ids is not None:
         return token_prompt_bytes(row.prompt_token_ids)
     if row.messages is not None:
         own = repr(sorted(row.chat_template_kwargs.items())) if row.chat_template_kwargs else ""
+        if not row.add_generation_prompt or row.continue_final_message:
+            own += f"|{row.add_generation_prompt}|{row.continue_final_message}"
         return b"M" + (repr(row.messages) + own).encode("utf-8", "surrogatepass")
     return b"P" + (row.prompt or "").encode("utf-8", "surrogatepass")
 

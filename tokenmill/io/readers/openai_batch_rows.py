@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.engine.prompts import template_variables
+from tokenmill.engine.prompts import check_chat_options, template_variables
 from tokenmill.io.readers.messages import check_messages
 from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS, openai_sampling
 from tokenmill.io.readers.row_error import RowError, short_repr, type_name
@@ -45,6 +45,7 @@ def parse_openai_batch_row(
     if url == CHAT:
         fields["messages"] = check_messages(body.get("messages"), "body.messages", custom_id)
         fields["chat_template_kwargs"] = _template_kwargs(body, custom_id)
+        fields.update(_conversation_end(body, custom_id))
     elif isinstance(prompt := _prompt(body.get("prompt"), custom_id), str):
         fields["prompt"] = prompt
     else:
@@ -69,6 +70,19 @@ def _template_kwargs(body: dict[str, Any], custom_id: str) -> dict[str, Any]:
         return template_variables(value)
     except ValueError as exc:
         raise RowError(f"body.{exc}", custom_id) from None
+
+
+def _conversation_end(body: dict[str, Any], custom_id: str) -> dict[str, bool]:
+    """A chat body's ``add_generation_prompt`` (true unless given) and
+    ``continue_final_message`` (false unless given): vLLM's, for a row that has the model
+    go on writing an assistant message its conversation began."""
+    options = {"add_generation_prompt": True, "continue_final_message": False}
+    options |= {k: body[k] for k in options if body.get(k) is not None}
+    try:
+        check_chat_options(**options)
+    except ValueError as exc:
+        raise RowError(f"body: {exc}", custom_id) from None
+    return options
 
 
 def _prompt(prompt: Any, custom_id: str) -> str | tuple[int, ...]:

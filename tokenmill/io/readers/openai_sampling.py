@@ -35,8 +35,9 @@ _COMMON = frozenset(
      "frequency_penalty", "logprobs", "n", "logit_bias", "prompt_logprobs"}
 )  # fmt: skip
 MAX_N = 128  # OpenAI's bound on n; tokenmill's on best_of too
-# chat_template_kwargs: vLLM's, for the template (openai_batch_rows.py)
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}
+# The last three: vLLM's, for the template (openai_batch_rows.py)
+_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs",
+              "add_generation_prompt", "continue_final_message"}  # fmt: skip
 _SUPPORTED = {
     CHAT: _COMMON | _CHAT_ONLY | {"response_format"},
     # OpenAI's completions take no response_format; vLLM's do, and so does tokenmill.
