@@ -158,3 +158,17 @@ def test_rows_sampled_under_the_job_seed_are_independent_draws_and_never_copies(
     report, answers = sampled(tmp_path / "c", body_seed=5)
     assert report.rows_deduplicated == 6
     assert all(answers[a][0] == answers[b][0] for a, b in twins)
+
+
+def test_a_copied_error_is_not_counted_as_deduplicated(tiny_model: Path, tmp_path: Path) -> None:
+    """Twins of a row the engine refuses (too long for the context) get a copy of its
+    error, which saved no work: counted, the Ray executor (which keys rows before checking
+    them) and the local one reported different rows_deduplicated for one input."""
+    long = {"messages": [{"role": "user", "content": "word " * 30}], "max_tokens": 2}
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": CHAT, "body": long} for i in range(3)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine={"max_model_len": 64})
+    spec["input"] = {"path": str(src), "format": "openai-batch"}
+    report = run_job(spec, show_progress=False)
+    assert (report.rows_ok, report.rows_failed) == (0, 3)
+    assert (report.rows_deduplicated, report.deduplicated_tokens) == (0, 0)

@@ -184,10 +184,14 @@ class RowFeed:
         return sum(c[0] for c in counts), sum(c[1] for c in counts)
 
     def _add_copy(self, copy: ResultRow) -> None:
-        """A row's copy of its duplicate's result, as its result."""
-        shard = self._tracker.shard_of(copy.row_index)
-        rows, tokens = self._copies.get(shard, (0, 0))
-        self._copies[shard] = (rows + 1, tokens + copy.prompt_tokens + copy.completion_tokens)
+        """A row's copy of its duplicate's result, as its result. Only copied completions
+        count as deduplicated (work saved): a copied error saved nothing, and whether a
+        failing row's twin is held for a copy depends on where rows are prepared (the Ray
+        driver keys them by text before any check; locally they fail first)."""
+        if copy.error is None:
+            shard = self._tracker.shard_of(copy.row_index)
+            rows, tokens = self._copies.get(shard, (0, 0))
+            self._copies[shard] = (rows + 1, tokens + copy.prompt_tokens + copy.completion_tokens)
         self._tracker.add_result(copy)
         self._direct += 1
         self._progress.update(1, 0)  # no engine tokens: the rates count the engine's work
