@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "JobSpec", "submit", "run_job"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "EngineConfig",
+    "JobSpec",
+    "submit",
+    "run_job",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
+]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -19,6 +29,9 @@ _LAZY = {
     "JobSpec": "tokenmill.jobs.spec",
     "submit": "tokenmill.jobs.submit",
     "run_job": "tokenmill.jobs.runner",
+    # vLLM's names, so its scripts import them from here
+    "StructuredOutputsParams": "tokenmill.engine.structured_output_params",
+    "GuidedDecodingParams": "tokenmill.engine.structured_output_params",
 }
 
 if TYPE_CHECKING:
@@ -26,6 +39,10 @@ if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.outputs import RequestOutput
     from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.structured_output_params import (
+        GuidedDecodingParams,
+        StructuredOutputsParams,
+    )
     from tokenmill.jobs.runner import run_job
     from tokenmill.jobs.spec import JobSpec
     from tokenmill.jobs.submit import submit

@@ -65,3 +65,85 @@ def test_a_vllm_script_runs_with_only_the_import_changed(model: Path) -> None:
         assert math.isclose(cumulative, sum(chosen), rel_tol=1e-5, abs_tol=1e-5)
         assert all(b.rank == 1 and b.logprob <= 0 for b in best)
     assert isinstance(scope["chat_text"], str) and scope["chat_text"]
+
+
+# The spellings vLLM's own examples use beyond the script above, as an audit of 21 such
+# scripts found them failing with TypeError or AttributeError (or, for decoded_token,
+# silently None).
+VLLM_SPELLINGS = """
+from vllm import LLM, SamplingParams, GuidedDecodingParams, StructuredOutputsParams
+
+llm = LLM(model=MODEL, dtype="float", gpu_memory_utilization=0.5, enforce_eager=True,
+          tensor_parallel_size=1, trust_remote_code=False, seed=None, disable_log_stats=True)
+tokenizer = llm.get_tokenizer()
+params = SamplingParams(temperature=0, max_tokens=4, stop=None, stop_token_ids=None,
+                        logprobs=1)
+outputs = llm.generate(["Hello, my name is"], params, use_tqdm=False, lora_request=None)
+decoded = [[(lp.decoded_token, tokenizer.decode([t])) for t, lp in position.items()]
+           for position in outputs[0].outputs[0].logprobs]
+choice = SamplingParams(max_tokens=8, temperature=0,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+old_choice = SamplingParams(max_tokens=8, temperature=0,
+                            guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2),
+                use_tqdm=False, tools=tools, chat_template=TOOLS_TEMPLATE)
+"""
+TOOLS_TEMPLATE = (
+    "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_vllm_spellings_run_as_written(model: Path) -> None:
+    pytest.importorskip("llguidance")
+    script = VLLM_SPELLINGS.replace("from vllm import", "from tokenmill import")
+    scope = {"MODEL": str(model), "TOOLS_TEMPLATE": TOOLS_TEMPLATE}
+    exec(compile(script, "vllm_spellings.py", "exec"), scope)  # noqa: S102
+    llm = scope["llm"]
+    assert llm.config.cuda_graphs is False and llm.config.seed == 0
+    assert scope["tokenizer"] is llm.tokenizer
+    pairs = [pair for position in scope["decoded"] for pair in position]
+    assert pairs and all(ours == theirs for ours, theirs in pairs)  # decoded_token filled
+    assert scope["choice"].structured_output == scope["old_choice"].structured_output
+    assert scope["choice"].structured_output == 'choice:["yes","no"]'
+    assert scope["chat"][0].prompt == "[weather]hi"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+        ({"trust_remote_code": True}, "never a checkpoint's own code"),
+        ({"tokenizer": "/some/other/tokenizer"}, "the engine uses the model's own tokenizer"),
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
+        ({"gpu_memory_utilization": 0.5, "kv_cache_memory": 0.4, "device": "cuda"}, "keep one"),
+    ],
+)
+def test_vllm_settings_tokenmill_cannot_honour_are_refused(settings, message) -> None:
+    from tokenmill.engine.vllm_settings import engine_settings
+
+    with pytest.raises(ValueError, match=message):
+        engine_settings("m", settings)
+
+
+def test_gpu_memory_utilization_is_the_kv_cache_share_on_a_gpu_only() -> None:
+    from tokenmill.engine.vllm_settings import engine_settings
+
+    assert engine_settings("m", {"gpu_memory_utilization": 0.8, "device": "cuda"}) == {
+        "device": "cuda",
+        "kv_cache_memory": 0.8,
+    }
+    assert engine_settings("m", {"gpu_memory_utilization": 0.8, "device": "cpu"}) == {
+        "device": "cpu"
+    }
+
+
+def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:
+    from tokenmill import LLM, StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="StructuredOutputsParams\\(grammar=...\\) is not"):
+        StructuredOutputsParams(grammar='root ::= "a"')
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
+        llm.generate("a", lora_request=object())

@@ -33,6 +33,8 @@ __all__ = ["EngineConfig", "EngineSettingError", "Rule", "SpeculativeConfig"]
 _DTYPES = {  # accepted name -> torch dtype name
     "float32": "float32",
     "fp32": "float32",
+    "float": "float32",  # torch's and vLLM's other names
+    "half": "float16",
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
     "float16": "float16",

@@ -17,6 +17,7 @@ from tokenmill.engine.prompts import encode_chat, encode_texts, render_chat
 from tokenmill.engine.sample_groups import sample_groups
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.short_gil_turns import short_gil_turns
+from tokenmill.engine.vllm_settings import engine_settings as vllm_engine_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,13 @@ class LLM:
         ``engine_settings`` are the fields of :class:`~tokenmill.EngineConfig` (dtype, device,
         max_num_seqs, max_num_batched_tokens, max_model_len, block_size, kv_cache_memory,
         enable_prefix_caching, ...), which declares each one, its default and what it
-        accepts. Raises TypeError for an unknown setting (naming it and listing the valid
-        ones) and EngineSettingError, a ValueError, for a value out of range.
+        accepts; vLLM's names for some (gpu_memory_utilization, enforce_eager,
+        tensor_parallel_size=1, ...) are taken too (vllm_settings.py). Raises TypeError for
+        an unknown setting (naming it and listing the valid ones) and ValueError
+        (EngineSettingError) for a value out of range.
         """
-        self.config = EngineConfig.from_settings(str(model), **engine_settings)
+        settings = vllm_engine_settings(str(model), engine_settings)
+        self.config = EngineConfig.from_settings(str(model), **settings)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._batches = 0
@@ -60,10 +64,16 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's accessor; also ``llm.tokenizer``)."""
+        return self.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Complete text prompts (tokenized with the model's BOS rules) or token-id lists;
         vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` are taken too.
@@ -72,7 +82,10 @@ class LLM:
         completions in ``outputs``; a prompt that cannot run (too long, empty) gets
         ``error`` set instead of failing the batch. Raises ValueError when the number of
         SamplingParams is neither one nor one per prompt, or a prompt is none of these forms.
+        ``use_tqdm`` is vLLM's and shows nothing here (the call logs its rate when done);
+        ``lora_request`` must be None (no adapters).
         """
+        _no_lora(lora_request)
         if isinstance(prompts, str | dict) or _is_one_id_list(prompts):
             prompts = [prompts]
         parts = [_prompt_part(p, i) for i, p in enumerate(prompts)]
@@ -91,9 +104,14 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        use_tqdm: Any = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {"role", "content"} messages) with the model's chat
-        template. A single conversation may be passed without the outer list.
+        template. A single conversation may be passed without the outer list. ``tools``
+        (OpenAI's function specs) reach the template as its ``tools`` variable, as vLLM's;
+        ``use_tqdm`` and ``lora_request`` as in ``generate``.
 
         ``chat_template`` (a Jinja string) replaces the model's template for this call;
         ``chat_template_kwargs`` are extra template variables, e.g. ``{"enable_thinking":
@@ -102,6 +120,9 @@ class LLM:
         begun for it. Each result's ``prompt`` is the rendered text. Raises ValueError
         when a conversation cannot be rendered (see ``render_chat``): nothing runs then.
         """
+        _no_lora(lora_request)
+        if tools is not None:
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         texts = [
@@ -200,6 +221,11 @@ class LLM:
             n_out / max(elapsed, 1e-9),
         )
         return results
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported; pass None")
 
 
 def _is_one_id_list(prompts: Any) -> bool:

@@ -19,6 +19,7 @@ leaves it out; the token stays in ``token_ids``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import Any
 
 from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.logprob_texts import logprob_texts
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 
 __all__ = ["Finished", "OutputBuilder"]
@@ -117,12 +119,22 @@ class OutputBuilder:
                     finish_reason=req.status.value,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_prompt_tokens,
-                    logprobs=f.logprobs,
-                    prompt_logprobs=f.prompt_logprobs,
+                    logprobs=self._with_texts(f.logprobs, req.sampling_params.skip_special_tokens),
+                    prompt_logprobs=self._with_texts(f.prompt_logprobs, False),
                     error=req.error,
                 )
             )
         return outputs
+
+    def _with_texts(self, entries: list[Any] | None, skip_special_tokens: bool) -> Any:
+        """Logprobs entries (None where a prompt position has none) with their tokens' texts,
+        for ``Logprob.decoded_token``, decoded as the text is (vLLM fills it in too)."""
+        if not entries or self.tokenizer is None:
+            return entries
+        texts = logprob_texts(
+            [e for e in entries if e is not None], self.tokenizer, skip_special_tokens
+        )
+        return [None if e is None else dataclasses.replace(e, texts=texts) for e in entries]
 
     def _decode(self, requests: list[Request]) -> dict[str, str]:
         """{request id: text}, decoded in one batch per ``skip_special_tokens`` setting."""

@@ -25,7 +25,7 @@ class Logprob:
 
     logprob: float
     rank: int | None = None  # 1 = the most likely token
-    decoded_token: str | None = None  # not filled in here (decode the id if needed)
+    decoded_token: str | None = None  # the token's text (output logprobs; logprob_texts.py)
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,15 @@ class TokenLogprob(Mapping[int, Logprob]):
     logprob: float
     rank: int
     top: dict[int, float] = field(default_factory=dict)
+    # token id -> text, for Logprob.decoded_token (set when the request's output is built)
+    texts: Mapping[int, str] | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def _entries(self) -> dict[int, Logprob]:
+        text = (self.texts or {}).get
         ranked = sorted(self.top.items(), key=lambda kv: -kv[1])
-        entries = {t: Logprob(v, rank) for rank, (t, v) in enumerate(ranked, start=1)}
-        entries[self.token_id] = Logprob(self.logprob, self.rank)
+        entries = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(ranked, start=1)}
+        entries[self.token_id] = Logprob(self.logprob, self.rank, text(self.token_id))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from tokenmill.engine.structured_output_params import (
@@ -66,9 +66,31 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_output: str | dict[str, Any] | StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    # vLLM's names for structured_output (>= 0.10.2, and before): either may be given
+    # instead of it (not a field: kept as structured_output)
+    structured_outputs: InitVar[StructuredOutputsParams | None] = None
+    guided_decoding: InitVar[StructuredOutputsParams | None] = None
 
-    def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen into tuples.
+    def __post_init__(
+        self,
+        structured_outputs: StructuredOutputsParams | None,
+        guided_decoding: StructuredOutputsParams | None,
+    ) -> None:
+        spellings = (self.structured_output, structured_outputs, guided_decoding)
+        given = [v for v in spellings if v is not None]
+        if len(given) > 1:
+            raise ValueError(
+                "SamplingParams: give one of structured_output, structured_outputs and "
+                "guided_decoding (they are one setting, under vLLM's names too)"
+            )
+        if given:
+            object.__setattr__(self, "structured_output", given[0])
+        # Lists are accepted for convenience and frozen into tuples; None (vLLM's default
+        # spelling) is none.
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

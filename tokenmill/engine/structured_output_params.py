@@ -38,6 +38,7 @@ __all__ = [
     "REJECTED",
     "STOPPED",
     "TAKEN",
+    "GuidedDecodingParams",
     "StructuredOutputsParams",
     "check_structured_output",
     "describe",
@@ -101,8 +102,15 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: Sequence[str] | None = None
     json_object: bool = False
+    grammar: str | None = None  # vLLM's; refused: no grammar language is taken here
 
     def __post_init__(self) -> None:
+        if self.grammar is not None:
+            raise ValueError(
+                "StructuredOutputsParams(grammar=...) is not supported: tokenmill takes a JSON "
+                "schema (json=), a regex (regex=), a list of choices (choice=) or any JSON "
+                "object (json_object=True)"
+            )
         given = [
             name
             for name, value in (("json", self.json), ("regex", self.regex), ("choice", self.choice))
@@ -125,6 +133,9 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return _check_choice(self.choice, f"{name}.choice")
         return _check_schema(self.json, name)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
 
 
 def check_structured_output(value: Any, name: str = _PARAM) -> str | None:

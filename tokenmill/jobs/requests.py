@@ -7,6 +7,7 @@ import functools
 from dataclasses import fields
 from typing import Any
 
+from tokenmill.engine.logprob_texts import logprob_texts
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import ChatTemplate, encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
@@ -224,7 +225,7 @@ def _logprobs(
     and alternative's ``bytes`` too when ``with_bytes``."""
     if logprobs is None:
         return None
-    text = _decoded(logprobs, tokenizer, skip_special_tokens)
+    text = logprob_texts(logprobs, tokenizer, skip_special_tokens)
     entries = [_entry(lp, text) for lp in logprobs]
     if with_bytes:
         ids = sorted(text)
@@ -242,27 +243,8 @@ def _prompt_logprobs(
     with their special tokens (the chat template's turns: the prompt has them)."""
     if entries is None:
         return None
-    text = _decoded([e for e in entries if e is not None], tokenizer, skip_special_tokens=False)
+    text = logprob_texts([e for e in entries if e is not None], tokenizer, False)
     return [None if e is None else _entry(e, text) for e in entries]
-
-
-def _decoded(
-    entries: list[TokenLogprob], tokenizer: Any, skip_special_tokens: bool
-) -> dict[int, str]:
-    """Token id -> its text after another word, for every token and alternative of
-    ``entries``: each distinct id decoded once behind an anchor token, in one batch call (a
-    prompt has thousands of positions). Decoded alone, a SentencePiece token loses its
-    leading space (``▁the`` -> ``the``), and the tokens no longer join to the text."""
-    ids = sorted({t for e in entries for t in (e.token_id, *e.top)})
-    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-    skip = {"skip_special_tokens": skip_special_tokens}
-    behind = tokenizer.batch_decode([[*anchor, t] for t in ids], **skip)
-    base = tokenizer.decode(anchor)
-    alone = tokenizer.batch_decode([[t] for t in ids], **skip)
-    return {
-        t: pair[len(base) :] if anchor and pair.startswith(base) else single
-        for t, pair, single in zip(ids, behind, alone, strict=True)
-    }
 
 
 def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:

@@ -1,0 +1,77 @@
+"""vLLM's spellings of ``LLM(...)`` arguments, so that its users' scripts run as written.
+
+    gpu_memory_utilization=f        kv_cache_memory=f on a GPU: the same meaning here, the
+                                    share of the device's memory the engine may fill, weights
+                                    included; on CPU left unused (it is the GPU's: a fraction
+                                    of host memory would be far more than a CPU run needs)
+    enforce_eager=True              cuda_graphs=False
+    tensor_parallel_size=1,         taken (one device); more is refused, naming it
+      pipeline_parallel_size=1
+    trust_remote_code=False         taken; True is refused (no model's own code is run)
+    tokenizer=<the model>           taken; another tokenizer is refused
+    seed=None                       seed 0 (tokenmill is always seeded: runs repeat)
+    disable_log_stats, swap_space,  taken and left unused: they change no result here (a
+      enable_chunked_prefill=True     preempted request is recomputed, prompts are always
+                                      chunked)
+
+Any other name goes on to ``EngineConfig.from_settings``, which names what it does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["engine_settings"]
+
+_UNUSED = ("disable_log_stats", "swap_space")
+
+
+def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with vLLM's names turned into tokenmill's (see the module docstring).
+    Raises ValueError for a vLLM value tokenmill cannot honour, naming it."""
+    out = dict(settings)
+    if "gpu_memory_utilization" in out:
+        fraction = out.pop("gpu_memory_utilization")
+        if _on_gpu(out.get("device", "auto")):
+            _set(out, "kv_cache_memory", fraction, "gpu_memory_utilization")
+    if "enforce_eager" in out:
+        eager = out.pop("enforce_eager")
+        if not isinstance(eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {eager!r}")
+        if eager:
+            _set(out, "cuda_graphs", False, "enforce_eager")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if name in out and out.pop(name) not in (1, None):
+            raise ValueError(f"{name} must be 1: an engine runs on one device here")
+    if out.pop("trust_remote_code", False):
+        raise ValueError(
+            "trust_remote_code=True is refused: tokenmill runs only the model families it "
+            "implements and never a checkpoint's own code"
+        )
+    tokenizer = out.pop("tokenizer", None)
+    if tokenizer is not None and str(tokenizer) != str(model):
+        raise ValueError(
+            f"tokenizer={tokenizer!r}: the engine uses the model's own tokenizer ({model!r})"
+        )
+    if "seed" in out and out["seed"] is None:
+        out["seed"] = 0
+    if out.get("enable_chunked_prefill", True) is not True:
+        raise ValueError("enable_chunked_prefill=False is not supported: prompts are chunked")
+    out.pop("enable_chunked_prefill", None)
+    for name in _UNUSED:
+        out.pop(name, None)
+    return out
+
+
+def _on_gpu(device: Any) -> bool:
+    if device != "auto":
+        return str(device).startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _set(out: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
+    if name in out and out[name] != value:
+        raise ValueError(f"{vllm_name} and {name} both given: they are one setting, keep one")
+    out[name] = value
