@@ -225,7 +225,7 @@ def _logprobs(
     and alternative's ``bytes`` too when ``with_bytes``."""
     if logprobs is None:
         return None
-    text = logprob_texts(logprobs, tokenizer, skip_special_tokens)
+    text = _texts(logprobs, tokenizer, skip_special_tokens)
     entries = [_entry(lp, text) for lp in logprobs]
     if with_bytes:
         ids = sorted(text)
@@ -243,8 +243,16 @@ def _prompt_logprobs(
     with their special tokens (the chat template's turns: the prompt has them)."""
     if entries is None:
         return None
-    text = logprob_texts([e for e in entries if e is not None], tokenizer, False)
+    text = _texts([e for e in entries if e is not None], tokenizer, False)
     return [None if e is None else _entry(e, text) for e in entries]
+
+
+def _texts(entries: list[TokenLogprob], tokenizer: Any, skip_special_tokens: bool) -> Any:
+    """The entries' token texts: those the engine's output builder decoded (the same way,
+    for ``Logprob.decoded_token``), else decoded here."""
+    if entries and entries[0].texts is not None:
+        return entries[0].texts
+    return logprob_texts(entries, tokenizer, skip_special_tokens)
 
 
 def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:
