@@ -147,3 +147,22 @@ def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:
     llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         llm.generate("a", lora_request=object())
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model: Path) -> None:
+    """vLLM's left truncation: k keeps the last k prompt tokens; -1 what the context leaves
+    room for (a prompt too long for it then runs instead of failing)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(model), device="cpu", max_model_len=32, kv_cache_memory=16 << 20)
+    ids = list(range(5, 45))  # 40 tokens: more than the context holds
+    greedy = {"max_tokens": 2, "temperature": 0}
+    cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=6, **greedy))[0]
+    assert cut.prompt_token_ids == ids[-6:] and cut.error is None
+    assert cut.token_ids == llm.generate([ids[-6:]], SamplingParams(**greedy))[0].token_ids
+    room = llm.generate([ids], SamplingParams(truncate_prompt_tokens=-1, **greedy))[0]
+    assert room.prompt_token_ids == ids[-31:] and room.error is None
+    assert llm.generate([ids], SamplingParams(**greedy))[0].finish_reason == "error"
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -305,7 +305,8 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request. Raises ValueError (the request is not queued) when the prompt is
+        """Queue a request (its prompt cut to its last ``params.truncate_prompt_tokens``
+        tokens when set). Raises ValueError (the request is not queued) when the prompt is
         empty, holds ids outside the vocabulary, or leaves no room in the context, and when
         ``params`` asks for more than one completion (LLM expands n / best_of into requests),
         biases ids outside the vocabulary (``logit_bias``) or its ``structured_output`` does
@@ -318,6 +319,9 @@ class LLMEngine:
             )
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # vLLM's left truncation; -1: what the context leaves room for
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
         check_logit_bias_vocab(params, self.model_config.vocab_size)
         if len(prompt_token_ids) >= self.max_model_len:

@@ -42,6 +42,9 @@ class SamplingParams:
     all but forces a token, -100 all but bans it. Keys may be ints or, as OpenAI's JSON
     spells them, strings of digits; they are kept as ints. Ids past the model's vocabulary
     are refused when the request is added to an engine.
+    ``truncate_prompt_tokens`` k (vLLM's) keeps the prompt's last k tokens (left
+    truncation); -1, as many as the engine's context leaves room for with one token to
+    generate.
     Raises ValueError naming the field when a value is out of range.
     """
 
@@ -66,6 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_output: str | dict[str, Any] | StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM's names for structured_output (>= 0.10.2, and before): either may be given
     # instead of it (not a field: kept as structured_output)
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
@@ -166,6 +170,16 @@ class SamplingParams:
             "prompt_logprobs",
             self.prompt_logprobs,
             "None or an integer in [0, 20]",
+        )
+        _check(
+            self.truncate_prompt_tokens is None
+            or (
+                is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+            ),
+            "truncate_prompt_tokens",
+            self.truncate_prompt_tokens,
+            "None, -1 (the context's room) or an integer >= 1",
         )
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
         # Last: the other fields' errors come first, and without llguidance installed only
