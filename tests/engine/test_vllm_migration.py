@@ -96,6 +96,8 @@ TOOLS_TEMPLATE = (
 
 
 def test_vllm_spellings_run_as_written(model: Path) -> None:
+    from tokenmill import SamplingParams
+
     pytest.importorskip("llguidance")
     script = VLLM_SPELLINGS.replace("from vllm import", "from tokenmill import")
     scope = {"MODEL": str(model), "TOOLS_TEMPLATE": TOOLS_TEMPLATE}
@@ -105,6 +107,11 @@ def test_vllm_spellings_run_as_written(model: Path) -> None:
     assert scope["tokenizer"] is llm.tokenizer
     pairs = [pair for position in scope["decoded"] for pair in position]
     assert pairs and all(ours == theirs for ours, theirs in pairs)  # decoded_token filled
+    # special tokens spelled out, as vLLM's decoded_token, whatever skip_special_tokens says
+    eos = llm.tokenizer.eos_token_id
+    forced = llm.generate("a", SamplingParams(max_tokens=1, logprobs=0, logit_bias={eos: 100},
+                                              ignore_eos=True))[0]  # fmt: skip
+    assert forced.outputs[0].logprobs[0][eos].decoded_token == llm.tokenizer.eos_token
     assert scope["choice"].structured_output == scope["old_choice"].structured_output
     assert scope["choice"].structured_output == 'choice:["yes","no"]'
     assert scope["chat"][0].prompt == "[weather]hi"
@@ -118,6 +125,7 @@ def test_vllm_spellings_run_as_written(model: Path) -> None:
         ({"tokenizer": "/some/other/tokenizer"}, "the engine uses the model's own tokenizer"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
         ({"gpu_memory_utilization": 0.5, "kv_cache_memory": 0.4, "device": "cuda"}, "keep one"),
+        ({"gpu_memory_utilization": 1.5, "device": "cuda"}, "must be in \\(0, 1\\]"),
     ],
 )
 def test_vllm_settings_tokenmill_cannot_honour_are_refused(settings, message) -> None:
@@ -137,6 +145,52 @@ def test_gpu_memory_utilization_is_the_kv_cache_share_on_a_gpu_only() -> None:
     assert engine_settings("m", {"gpu_memory_utilization": 0.8, "device": "cpu"}) == {
         "device": "cpu"
     }
+    # vLLM's int 1 is the whole device; kv_cache_memory's int 1 would be one byte
+    whole = engine_settings("m", {"gpu_memory_utilization": 1, "device": "cuda"})
+    assert whole["kv_cache_memory"] == 1.0 and isinstance(whole["kv_cache_memory"], float)
+    # vLLM's defaults, and the model's own path spelled another way
+    assert engine_settings("m", {"enable_chunked_prefill": None}) == {}
+
+
+def test_the_model_folder_as_its_own_tokenizer_is_taken_however_spelled(model: Path) -> None:
+    from tokenmill.engine.vllm_settings import engine_settings
+
+    assert engine_settings(str(model), {"tokenizer": f"{model}/"}) == {}
+
+
+def test_sampling_params_fields_may_be_set_after_it_is_made(model: Path) -> None:
+    """vLLM's example: params = llm.get_default_sampling_params(); params.max_tokens = n.
+    A bad value is refused and leaves the params as they were."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    params = llm.get_default_sampling_params()
+    params.max_tokens = 3
+    params.temperature = 0
+    out = llm.generate("a b", params)[0]
+    assert len(out.token_ids) == 3
+    assert (
+        out.token_ids
+        == llm.generate("a b", SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    )
+    with pytest.raises(ValueError, match="top_p must be in"):
+        params.top_p = 2
+    assert params.top_p == 1.0 and params.max_tokens == 3
+    params.stop = ["x"]
+    assert params.stop == ("x",)  # normalized as in the constructor
+    with pytest.raises(AttributeError, match="no field 'max_token'"):
+        params.max_token = 4
+
+
+def test_chat_template_kwargs_tools_win_over_the_tools_argument(model: Path) -> None:
+    from tokenmill import LLM
+
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    template = "TOOLS={{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    one, two = [{"name": "a"}], [{"name": "a"}, {"name": "b"}]
+    out = llm.chat([{"role": "user", "content": "hi"}], chat_template=template, tools=one,
+                   chat_template_kwargs={"tools": two})  # fmt: skip
+    assert out[0].prompt == "TOOLS=2hi"  # as vLLM merges them
 
 
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:

@@ -75,6 +75,11 @@ def test_outputs_equal_llm_chat_and_bad_rows_get_errors(model: Path) -> None:
     assert got[7]["finish_reason"] == "error" and "temperature" in got[7]["error"]
 
 
+def test_vllm_engine_names_are_taken_as_llm_takes_them() -> None:
+    config = ProcessorConfig(engine={"enforce_eager": True, "gpu_memory_utilization": 0.5})
+    assert config.engine["enforce_eager"] is True  # the replica's LLM translates them
+
+
 def test_bad_settings_are_refused_when_building() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         ProcessorConfig(concurrency=0)

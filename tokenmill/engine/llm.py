@@ -68,6 +68,12 @@ class LLM:
         """The model's tokenizer (vLLM's accessor; also ``llm.tokenizer``)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new ``SamplingParams()``: what a call without any uses (vLLM's accessor, whose
+        scripts then set fields on it, e.g. ``params.max_tokens = 64``). Unlike vLLM's, it
+        does not read the model's generation_config.json for temperature or top_p."""
+        return SamplingParams()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -121,8 +127,8 @@ class LLM:
         when a conversation cannot be rendered (see ``render_chat``): nothing runs then.
         """
         _no_lora(lora_request)
-        if tools is not None:
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": tools}
+        if tools is not None:  # (a "tools" of chat_template_kwargs wins, as in vLLM)
+            chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         texts = [

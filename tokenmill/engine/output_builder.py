@@ -119,21 +119,20 @@ class OutputBuilder:
                     finish_reason=req.status.value,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_prompt_tokens,
-                    logprobs=self._with_texts(f.logprobs, req.sampling_params.skip_special_tokens),
-                    prompt_logprobs=self._with_texts(f.prompt_logprobs, False),
+                    logprobs=self._with_texts(f.logprobs),
+                    prompt_logprobs=self._with_texts(f.prompt_logprobs),
                     error=req.error,
                 )
             )
         return outputs
 
-    def _with_texts(self, entries: list[Any] | None, skip_special_tokens: bool) -> Any:
+    def _with_texts(self, entries: list[Any] | None) -> Any:
         """Logprobs entries (None where a prompt position has none) with their tokens' texts,
-        for ``Logprob.decoded_token``, decoded as the text is (vLLM fills it in too)."""
+        for ``Logprob.decoded_token``: special tokens spelled out, as vLLM fills it in
+        whatever ``skip_special_tokens`` says (that setting is the completion text's)."""
         if not entries or self.tokenizer is None:
             return entries
-        texts = logprob_texts(
-            [e for e in entries if e is not None], self.tokenizer, skip_special_tokens
-        )
+        texts = logprob_texts([e for e in entries if e is not None], self.tokenizer, False)
         return [None if e is None else dataclasses.replace(e, texts=texts) for e in entries]
 
     def _decode(self, requests: list[Request]) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
@@ -13,7 +14,7 @@ from tokenmill.engine.structured_output_params import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """Per-request sampling settings, validated when built.
 
@@ -45,7 +46,10 @@ class SamplingParams:
     ``truncate_prompt_tokens`` k (vLLM's) keeps the prompt's last k tokens (left
     truncation); -1, as many as the engine's context leaves room for with one token to
     generate.
-    Raises ValueError naming the field when a value is out of range.
+    Raises ValueError naming the field when a value is out of range; so does setting a
+    field afterwards (``params.max_tokens = 64``, as vLLM's scripts do), which checks the
+    whole again and leaves the params as they were when it fails. A request takes its
+    params as they are when it is added.
     """
 
     max_tokens: int = 16
@@ -188,6 +192,16 @@ class SamplingParams:
             self, "structured_output", check_structured_output(self.structured_output)
         )
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if _FIELDS[-1] not in self.__dict__:  # being built: __post_init__ checks it all
+            object.__setattr__(self, name, value)
+            return
+        if name not in _FIELDS:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        checked = dataclasses.replace(self, **{name: value})  # raises as the constructor
+        for field_name in _FIELDS:
+            object.__setattr__(self, field_name, getattr(checked, field_name))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
@@ -196,6 +210,9 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Completions generated per prompt: ``best_of`` when set, else ``n``."""
         return self.n if self.best_of is None else self.best_of
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds

@@ -1,9 +1,10 @@
 """vLLM's spellings of ``LLM(...)`` arguments, so that its users' scripts run as written.
 
-    gpu_memory_utilization=f        kv_cache_memory=f on a GPU: the same meaning here, the
-                                    share of the device's memory the engine may fill, weights
-                                    included; on CPU left unused (it is the GPU's: a fraction
-                                    of host memory would be far more than a CPU run needs)
+    gpu_memory_utilization=f        kv_cache_memory=f on a GPU: the share of the device's
+                                    memory the engine may fill, weights included (memory other
+                                    processes hold counts against it here, not in vLLM); on
+                                    CPU left unused (it is the GPU's: a fraction of host
+                                    memory would be far more than a CPU run needs)
     enforce_eager=True              cuda_graphs=False
     tensor_parallel_size=1,         taken (one device); more is refused, naming it
       pipeline_parallel_size=1
@@ -12,13 +13,14 @@
     seed=None                       seed 0 (tokenmill is always seeded: runs repeat)
     disable_log_stats, swap_space,  taken and left unused: they change no result here (a
       enable_chunked_prefill=True     preempted request is recomputed, prompts are always
-                                      chunked)
+      or None                         chunked); enable_chunked_prefill=False is refused
 
 Any other name goes on to ``EngineConfig.from_settings``, which names what it does not know.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __all__ = ["engine_settings"]
@@ -32,8 +34,12 @@ def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
     out = dict(settings)
     if "gpu_memory_utilization" in out:
         fraction = out.pop("gpu_memory_utilization")
-        if _on_gpu(out.get("device", "auto")):
-            _set(out, "kv_cache_memory", fraction, "gpu_memory_utilization")
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+            raise ValueError(f"gpu_memory_utilization must be a number, got {fraction!r}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+        if _on_gpu(out.get("device", "auto")):  # a float: kv_cache_memory's int is bytes
+            _set(out, "kv_cache_memory", float(fraction), "gpu_memory_utilization")
     if "enforce_eager" in out:
         eager = out.pop("enforce_eager")
         if not isinstance(eager, bool):
@@ -49,18 +55,25 @@ def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
             "implements and never a checkpoint's own code"
         )
     tokenizer = out.pop("tokenizer", None)
-    if tokenizer is not None and str(tokenizer) != str(model):
+    if tokenizer is not None and not _same_place(tokenizer, model):
         raise ValueError(
             f"tokenizer={tokenizer!r}: the engine uses the model's own tokenizer ({model!r})"
         )
     if "seed" in out and out["seed"] is None:
         out["seed"] = 0
-    if out.get("enable_chunked_prefill", True) is not True:
+    if out.get("enable_chunked_prefill") is False:
         raise ValueError("enable_chunked_prefill=False is not supported: prompts are chunked")
     out.pop("enable_chunked_prefill", None)
     for name in _UNUSED:
         out.pop(name, None)
     return out
+
+
+def _same_place(tokenizer: Any, model: str) -> bool:
+    """Whether ``tokenizer`` names the model itself (its alias, or its path however spelled)."""
+    if str(tokenizer) == str(model):
+        return True
+    return os.path.exists(model) and os.path.realpath(tokenizer) == os.path.realpath(model)
 
 
 def _on_gpu(device: Any) -> bool:

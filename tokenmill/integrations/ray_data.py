@@ -77,9 +77,11 @@ class ProcessorConfig:
         from tokenmill.engine.engine_config import EngineConfig
         from tokenmill.engine.prompts import ChatTemplate
         from tokenmill.engine.sampling_params import SamplingParams
+        from tokenmill.engine.vllm_settings import engine_settings as vllm_engine_settings
         from tokenmill.jobs.chat_template_setting import chat_template_setting
 
-        EngineConfig.from_settings(self.model, **self.engine)  # refuse bad settings here,
+        settings = vllm_engine_settings(self.model, dict(self.engine))  # as LLM takes them
+        EngineConfig.from_settings(self.model, **settings)  # refuse bad settings here,
         _one_completion(SamplingParams(**self.sampling), "ProcessorConfig.sampling")  # not
         # in every replica
         if self.chat_template is not None:  # the text, or a file holding it, as in a job

@@ -248,11 +248,13 @@ def _prompt_logprobs(
 
 
 def _texts(entries: list[TokenLogprob], tokenizer: Any, skip_special_tokens: bool) -> Any:
-    """The entries' token texts: those the engine's output builder decoded (the same way,
-    for ``Logprob.decoded_token``), else decoded here."""
-    if entries and entries[0].texts is not None:
-        return entries[0].texts
-    return logprob_texts(entries, tokenizer, skip_special_tokens)
+    """The entries' token texts: those the engine's output builder decoded (for
+    ``Logprob.decoded_token``: special tokens spelled out) when the row's are too, else
+    decoded here (a special token's text empty, as the completion's text has it)."""
+    texts = entries[0].texts if entries else None
+    if texts is None or skip_special_tokens:
+        return logprob_texts(entries, tokenizer, skip_special_tokens)
+    return texts
 
 
 def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:
