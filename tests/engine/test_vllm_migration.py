@@ -220,3 +220,52 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model: Path) -> No
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_a_call_runs_with_the_params_as_they_were_when_it_started(model: Path) -> None:
+    """Params set from another thread mid-call changed requests already queued (lengths
+    60, 2, 2) or failed the whole call (an n the gathering no longer matched)."""
+    import threading
+
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(model), device="cpu", max_num_seqs=1, kv_cache_memory=16 << 20)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2)
+    started = threading.Event()
+    original_step = llm.engine.step
+
+    def step_then_meddle():  # the first step runs, then the caller's params change
+        out = original_step()
+        if not started.is_set():
+            started.set()
+            params.max_tokens = 2
+            params.n = 1
+        return out
+
+    llm.engine.step = step_then_meddle
+    outs = llm.generate(["a b", "c d", "e f"], params)
+    assert started.is_set() and params.max_tokens == 2
+    assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[12, 12]] * 3
+
+
+def test_fields_cannot_be_deleted_and_subclasses_keep_their_own() -> None:
+    import dataclasses
+
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(AttributeError, match="cannot be deleted"):
+        del params.truncate_prompt_tokens
+    with pytest.raises(ValueError, match="temperature"):
+        params.temperature = -3  # still checked
+
+    @dataclasses.dataclass
+    class Tagged(SamplingParams):
+        tag: str = "x"
+
+    tagged = Tagged(max_tokens=3, tag="y")
+    tagged.tag = "z"
+    tagged.max_tokens = 5
+    assert (tagged.tag, tagged.max_tokens) == ("z", 5)
+    params.structured_outputs = {"type": "object"}  # vLLM's name, set as an attribute too
+    assert params.structured_output == '{"type":"object"}'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import threading
@@ -276,11 +277,15 @@ def _prompt_part(prompt: Any, index: int) -> str | list[int]:
 def _per_prompt(
     sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
 ) -> list[SamplingParams]:
+    """One SamplingParams a prompt, each a copy of the caller's made now: the call runs with
+    the params as they are when it starts, whatever the caller sets on them meanwhile (they
+    are mutable, as vLLM's; a request added with params changed under it failed the call)."""
     if sampling_params is None:
         return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
+        return [dataclasses.replace(sampling_params)] * n
     params = list(sampling_params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}")
-    return params
+    copies: dict[int, SamplingParams] = {}  # one copy per distinct object
+    return [copies.setdefault(id(p), dataclasses.replace(p)) for p in params]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tokenmill.engine.outputs import TokenLogprob
 
-__all__ = ["logprob_texts"]
+__all__ = ["logprob_texts", "special_token_ids"]
 
 
 def logprob_texts(
@@ -31,3 +31,11 @@ def logprob_texts(
         t: pair[len(base) :] if anchor and pair.startswith(base) else single
         for t, pair, single in zip(ids, behind, alone, strict=True)
     }
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids decoding skips under ``skip_special_tokens``: the tokenizer's special tokens
+    and the added tokens marked special (chat turn markers often are only that)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    marked = {i for i, token in added.items() if getattr(token, "special", False)}
+    return frozenset(marked | set(getattr(tokenizer, "all_special_ids", ())))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass
@@ -48,8 +49,8 @@ class SamplingParams:
     generate.
     Raises ValueError naming the field when a value is out of range; so does setting a
     field afterwards (``params.max_tokens = 64``, as vLLM's scripts do), which checks the
-    whole again and leaves the params as they were when it fails. A request takes its
-    params as they are when it is added.
+    whole again and leaves the params as they were when it fails. ``LLM.generate`` /
+    ``chat`` copy the params they are given when the call starts.
     """
 
     max_tokens: int = 16
@@ -193,14 +194,19 @@ class SamplingParams:
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if _FIELDS[-1] not in self.__dict__:  # being built: __post_init__ checks it all
-            object.__setattr__(self, name, value)
+        names = _field_names(type(self))
+        if names[-1] not in self.__dict__:  # being built (__init__ sets the fields in
+            object.__setattr__(self, name, value)  # order): __post_init__ checks them all
             return
-        if name not in _FIELDS:
+        name = _ALIASES.get(name, name)
+        if name not in names:
             raise AttributeError(f"SamplingParams has no field {name!r}")
         checked = dataclasses.replace(self, **{name: value})  # raises as the constructor
-        for field_name in _FIELDS:
+        for field_name in names:
             object.__setattr__(self, field_name, getattr(checked, field_name))
+
+    def __delattr__(self, name: str) -> None:  # (a deleted last field would read as unbuilt)
+        raise AttributeError(f"SamplingParams fields cannot be deleted ({name!r}); set them")
 
     @property
     def greedy(self) -> bool:
@@ -212,7 +218,13 @@ class SamplingParams:
         return self.n if self.best_of is None else self.best_of
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_ALIASES = {"structured_outputs": "structured_output", "guided_decoding": "structured_output"}
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The fields of ``cls`` (SamplingParams or a subclass of it)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's bounds

@@ -94,7 +94,7 @@ class PromptStats:
 
 
 def _row_key(ids: list[int], params: SamplingParams) -> int:
-    """A 64-bit digest of the prompt's token ids and the row's sampling settings (a frozen
+    """A 64-bit digest of the prompt's token ids and the row's sampling settings (a
     dataclass: its repr lists every field in order)."""
     digest = hashlib.blake2b(array("q", ids).tobytes(), digest_size=8)
     digest.update(repr(params).encode())

@@ -120,7 +120,7 @@ class RowPreparer:
 
     def _params(self, row: InputRow) -> SamplingParams:
         """``sampling_params_for(row, defaults)``; built once for all the rows that override
-        nothing (SamplingParams is frozen: greedy rows share it; sampled ones take a copy
+        nothing (nothing sets fields on it: greedy rows share it; sampled ones take a copy
         with their own seed). Raises as it does."""
         if row.sampling:
             return sampling_params_for(row, self.sampling_defaults)

@@ -7,7 +7,7 @@ import functools
 from dataclasses import fields
 from typing import Any
 
-from tokenmill.engine.logprob_texts import logprob_texts
+from tokenmill.engine.logprob_texts import logprob_texts, special_token_ids
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.prompts import ChatTemplate, encode_chat, encode_prompt
 from tokenmill.engine.sampling_params import SamplingParams
@@ -249,12 +249,16 @@ def _prompt_logprobs(
 
 def _texts(entries: list[TokenLogprob], tokenizer: Any, skip_special_tokens: bool) -> Any:
     """The entries' token texts: those the engine's output builder decoded (for
-    ``Logprob.decoded_token``: special tokens spelled out) when the row's are too, else
-    decoded here (a special token's text empty, as the completion's text has it)."""
+    ``Logprob.decoded_token``: special tokens spelled out), with the special tokens' made
+    empty under ``skip_special_tokens`` (as decoding skips them: the same texts over the
+    embedded model's whole vocabulary); decoded here when the builder did not."""
     texts = entries[0].texts if entries else None
-    if texts is None or skip_special_tokens:
+    if texts is None:
         return logprob_texts(entries, tokenizer, skip_special_tokens)
-    return texts
+    if not skip_special_tokens:
+        return texts
+    special = special_token_ids(tokenizer)
+    return {t: "" if t in special else text for t, text in texts.items()}
 
 
 def _entry(lp: TokenLogprob, text: dict[int, str]) -> dict[str, Any]:
