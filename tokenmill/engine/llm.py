@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import numbers
 import threading
@@ -283,9 +283,18 @@ def _per_prompt(
     if sampling_params is None:
         return [SamplingParams()] * n
     if isinstance(sampling_params, SamplingParams):
-        return [dataclasses.replace(sampling_params)] * n
+        return [_snapshot(sampling_params)] * n
     params = list(sampling_params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}")
     copies: dict[int, SamplingParams] = {}  # one copy per distinct object
-    return [copies.setdefault(id(p), dataclasses.replace(p)) for p in params]
+    return [copies.get(id(p)) or copies.setdefault(id(p), _snapshot(p)) for p in params]
+
+
+def _snapshot(params: SamplingParams) -> SamplingParams:
+    """A copy of valid ``params`` (its fields are checked as they are set), its one mutable
+    value (logit_bias) copied too: 2 us, against 16 for a copy checked again."""
+    snapshot = copy.copy(params)
+    if params.logit_bias:
+        object.__setattr__(snapshot, "logit_bias", dict(params.logit_bias))
+    return snapshot
