@@ -9,7 +9,8 @@ joins them); an assistant message calling tools (``tool_calls``, content null) g
 content, and each call's ``function.arguments`` JSON text becomes the mapping templates
 expect (as vLLM passes it). Other parts (images, audio) are refused naming the part: the
 engine runs text-only models. Other keys (``name``, ``tool_call_id``) are kept unless null,
-since Parquet structs fill absent fields with nulls.
+since Parquet structs fill absent fields with nulls; so are a tool call's and its function's
+(from any entry point: an explicit null reads as absent).
 """
 
 from __future__ import annotations
