@@ -21,6 +21,7 @@ are refused, naming it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from tokenmill.engine.xgrammar_limits import (
     xgrammar_regex,
 )
 
-__all__ = ["XgrammarGrammars", "check_for_xgrammar", "load_xgrammar"]
+__all__ = ["XgrammarGrammars", "load_xgrammar", "xgrammar_refusal"]
 
 _PARAM = "SamplingParams.structured_output"
 _ANY_OBJECT = '{"type":"object"}'
@@ -66,12 +67,17 @@ def load_xgrammar() -> Any:
     return xgrammar
 
 
-def check_for_xgrammar(spec: str) -> None:
-    """Raise ValueError naming ``SamplingParams.structured_output`` when the xgrammar backend
-    cannot run the canonical constraint ``spec`` (no tokenizer needed: a job's spec is
-    checked before its model loads)."""
+@functools.lru_cache(maxsize=64)  # a job's rows share a few constraints
+def xgrammar_refusal(spec: str) -> str | None:
+    """Why the xgrammar backend cannot run the canonical constraint ``spec``, or None (no
+    tokenizer needed: a job's constraints are checked before its model loads); the callers
+    name where the constraint came from. Raises ImportError without xgrammar."""
     grammar = load_xgrammar().Grammar
-    _built(spec, grammar.from_regex, grammar.from_ebnf, grammar.from_json_schema)
+    try:
+        _built(spec, grammar.from_regex, grammar.from_ebnf, grammar.from_json_schema)
+    except ValueError as exc:
+        return str(exc).removeprefix(f"{_PARAM}: ")
+    return None
 
 
 def _built(

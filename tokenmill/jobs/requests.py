@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import fields
 from typing import Any
 
@@ -130,21 +129,12 @@ def check_row_constraint(
     spec = params.structured_output
     if backend != "xgrammar" or spec is None or "structured_output" not in row.sampling:
         return
-    refusal = _xgrammar_refusal(spec)
+    from tokenmill.engine.grammar_xgrammar import xgrammar_refusal
+
+    refusal = xgrammar_refusal(spec)
     if refusal is not None:
         where = "body.response_format" if row.endpoint is not None else f"column {column!r}"
         raise ValueError(f"{where}: {refusal}")
-
-
-@functools.lru_cache(maxsize=64)  # rows share a few constraints
-def _xgrammar_refusal(spec: str) -> str | None:
-    from tokenmill.engine.grammar_xgrammar import check_for_xgrammar
-
-    try:
-        check_for_xgrammar(spec)
-    except ValueError as exc:
-        return str(exc).removeprefix("SamplingParams.structured_output: ")
-    return None
 
 
 def row_error_reason(exc: Exception) -> str:

@@ -352,15 +352,17 @@ class JobSpec(_Section):
         sampling = info.data.get("sampling")
         spec = None if sampling is None else sampling.structured_output
         if spec is not None and engine.structured_output_backend == "xgrammar":
-            from tokenmill.engine.grammar_xgrammar import check_for_xgrammar
+            from tokenmill.engine.grammar_xgrammar import xgrammar_refusal
 
             try:
-                check_for_xgrammar(spec)
-            except (ValueError, ImportError) as exc:
+                refusal = xgrammar_refusal(spec)
+            except ImportError as exc:
+                refusal = str(exc)
+            if refusal is not None:
                 raise ValueError(
                     "structured_output_backend xgrammar cannot run sampling.structured_output: "
-                    + str(exc).removeprefix("SamplingParams.structured_output: ")
-                ) from None
+                    + refusal
+                )
         return engine
 
     @classmethod
