@@ -124,15 +124,15 @@ def render_chat(
             f"chat_template must be a non-empty Jinja template string or None, "
             f"got {chat_template!r}"
         )
-    extra = template_variables(chat_template_kwargs)
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+    chat = ChatTemplate(chat_template, {} if chat_template_kwargs is None else chat_template_kwargs)
+    extra = chat.arguments()
+    template = chat.of(tokenizer)
+    if not template:
         raise ValueError(
             "the model has no chat template; send plain prompts instead or pass chat_template"
         )
-    if chat_template is not None:
-        extra["chat_template"] = chat_template
     conversation = normalize_messages(messages)
-    check_tool_calls_rendered(chat_template or tokenizer.chat_template, conversation)
+    check_tool_calls_rendered(template, conversation)
     try:
         text = tokenizer.apply_chat_template(
             conversation,
