@@ -85,7 +85,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._watch_stops = bool(params.stop)  # (each stop string looks back its own length)
         self._token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -127,7 +127,7 @@ class IncrementalDetokenizer:
                 f"IncrementalDetokenizer.append: the text already stopped at "
                 f"{self._stop_string!r}; finish the request instead of feeding more tokens"
             )
-        if not self._max_stop_len:
+        if not self._watch_stops:
             self._token_ids.extend(token_ids)
             return self._decode_new(final=False)
         for token_id in token_ids:
@@ -168,7 +168,7 @@ class IncrementalDetokenizer:
             # Offsets stay (nothing new, e.g. skipped special tokens, or an incomplete
             # character); remember what of this window's text was already emitted.
             self._num_pending_chars = len(new_text)
-        if len(self._text) > start and self._max_stop_len and len(ids) > self._params.min_tokens:
+        if len(self._text) > start and self._watch_stops and len(ids) > self._params.min_tokens:
             return self._find_stop(start)
         return None
 
