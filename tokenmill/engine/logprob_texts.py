@@ -1,5 +1,6 @@
-"""The text of each token a logprobs entry names (vLLM's ``Logprob.decoded_token``, and the
-``token`` of a job's logprobs columns), decoded as the completion's text is."""
+"""The text of each token a logprobs entry names: vLLM's ``Logprob.decoded_token`` (special
+tokens spelled out) and the ``token`` of a job's logprobs columns (special tokens as the
+completion's text has them)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ class Logprob:
 
     logprob: float
     rank: int | None = None  # 1 = the most likely token
-    decoded_token: str | None = None  # the token's text (output logprobs; logprob_texts.py)
+    decoded_token: str | None = None  # the token's text (logprob_texts.py)
 
 
 @dataclass(frozen=True)
