@@ -135,7 +135,9 @@ class LLMEngine:
         async_scheduling = config.resolve_async_scheduling(self.device)
         if auto:
             # Synchronous steps lose no overlap by drafting: probe drafting more often.
-            self.policy = SpeculationPolicy(probe_drafts_every=50 if async_scheduling else 10)
+            self.policy = SpeculationPolicy(
+                probe_drafts_every=50 if async_scheduling else 10, max_drafts=proposer.max_drafts
+            )
         self.dtype = config.resolve_dtype(self.model_config, self.device)
         mc = self.model_config
         max_len, self._max_len_why = context_limit(mc)

@@ -14,17 +14,25 @@ where f is the share of rows the proposer found drafts for and m the mean accept
 per drafted row (recent drafted steps). A synchronous drafted step also leaves the device
 idle while the next plain step is scheduled and launched (nothing in flight to overlap):
 that time is charged to t_draft (``charge_switch_back``). It drafts when
-(1 + f * m) / t_draft beats 1 / t_plain by ``margin``. A bucket drafts for its first
-``warmup`` decode steps (a row's first tokens rarely match anything yet), and the mode not
-chosen is probed again, plain every ``probe_every`` steps and drafting every
-``probe_drafts_every``, so the estimates follow the data and the batch: a probe costs at
-most one step in that many. Without async scheduling a
-drafted step costs little more than a plain one when few drafts come (no overlap is lost), so
-the engine then probes drafting more often: which rows have drafts changes step to step.
+(1 + f * m) / t_draft beats 1 / t_plain by ``margin``.
+
+A bucket first times a plain step (or borrows the plain time of a larger bucket: a smaller
+batch's plain step is no longer), then drafts for ``warmup`` decode steps (a row's first
+tokens rarely match anything yet) unless one drafted step already shows that drafting
+cannot pay even if every row drafted ``max_drafts`` tokens and all were accepted. After
+that the mode not chosen is probed again, so the estimates follow the data and the batch:
+plain every ``probe_every`` steps; drafting every ``probe_drafts_every`` plain steps, or
+less often where a drafted step costs several plain ones, so that the probes' extra time
+stays under ``probe_share`` of the plain steps' (at 256 rows of SmolLM2 on an H100 a
+drafted step took 5x a plain one: a probe every 50 steps cost 8% of the run, BENCHMARKS
+session 38). Without async scheduling a drafted step costs little more than a plain one
+when few drafts come (no overlap is lost), so the engine then probes drafting more often:
+which rows have drafts changes step to step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["SpeculationPolicy", "StepSample"]
@@ -67,7 +75,9 @@ class SpeculationPolicy:
     margin: float = 0.03
     probe_every: int = 50
     probe_drafts_every: int = 50
+    probe_share: float = 0.01
     warmup: int = 4
+    max_drafts: int = 4  # the proposer's k: a drafted row gives at most 1 + k tokens
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     @staticmethod
@@ -75,16 +85,39 @@ class SpeculationPolicy:
         return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
 
     def wants_drafts(self, batch: int) -> bool:
-        b = self._buckets.setdefault(self.bucket_of(batch), _Bucket())
-        if b.drafted_steps < self.warmup:
-            return True  # measure drafting first: plain steps are measured anyway
+        size = self.bucket_of(batch)
+        b = self._buckets.setdefault(size, _Bucket())
+        plain_ms = self._plain_ms(size)
+        if plain_ms is None:
+            return False  # time a plain step first
+        if b.drafted_steps < self.warmup and not self._hopeless(b, plain_ms):
+            return True
         if b.plain_ms is None:
             return False
         gain = (1 + b.share * b.accepted) / b.draft_ms - (1 + self.margin) / b.plain_ms
         drafting = gain > 0
         if drafting:
             return b.steps - b.last_plain < self.probe_every
-        return b.steps - b.last_draft >= self.probe_drafts_every
+        return b.steps - b.last_draft >= self._draft_probe_interval(b)
+
+    def _plain_ms(self, size: int) -> float | None:
+        """The bucket's plain step time, else the nearest larger bucket's (an upper bound)."""
+        for s, b in sorted(self._buckets.items()):
+            if s >= size and b.plain_ms is not None:
+                return b.plain_ms
+        return None
+
+    def _hopeless(self, b: _Bucket, plain_ms: float) -> bool:
+        """Whether the bucket's drafted steps cost more than the most they could give."""
+        if b.draft_ms is None:
+            return False
+        return (1 + self.max_drafts) / b.draft_ms <= (1 + self.margin) / plain_ms
+
+    def _draft_probe_interval(self, b: _Bucket) -> int:
+        """Plain steps between two drafting probes: a probe's extra time (a drafted step
+        less a plain one) over the plain steps between probes stays under probe_share."""
+        excess = b.draft_ms / b.plain_ms - 1 if b.draft_ms is not None else 0.0
+        return max(self.probe_drafts_every, math.ceil(excess / self.probe_share))
 
     def record(self, sample: StepSample) -> None:
         b = self._buckets.setdefault(self.bucket_of(sample.batch), _Bucket())
