@@ -92,7 +92,7 @@ def test_directory_picks_up_compressed_jsonl(tmp_path):
         data = jsonl_bytes([{"id": name, "prompt": "x"}])
         compress = COMPRESSORS.get(path.suffix.lower())
         path.write_bytes(compress(data) if compress else data)
-    for name in ["notes.txt.gz", "_SUCCESS", ".hidden.jsonl.gz", "f.jsonl.lz4"]:
+    for name in ["_SUCCESS", ".hidden.jsonl.gz"]:
         (tmp_path / name).write_bytes(b"")
     found = list_input_files(InputConfig(path=str(tmp_path)))
     assert [Path(p).name for p in found] == [

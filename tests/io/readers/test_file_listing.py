@@ -27,7 +27,8 @@ def test_directory_is_recursive_sorted_and_skips_markers(tmp_path):
         _touch(tmp_path / name)
     found = list_input_files(InputConfig(path=str(tmp_path)))
     names = [p[len(str(tmp_path)) + 1 :] for p in found]
-    assert names == ["a.parquet", "b.jsonl", "sub/c.ndjson", "x.json"]
+    # notes.txt is listed: its format is input.format's to say (auto refuses it by name)
+    assert names == ["a.parquet", "b.jsonl", "notes.txt", "sub/c.ndjson", "x.json"]
 
 
 def test_glob_keeps_every_match_sorted(tmp_path):
@@ -47,12 +48,13 @@ def test_file_url_keeps_protocol(tmp_path):
     [
         ("missing.jsonl", "does not exist"),
         ("nothing*.jsonl", "matches no files"),
-        ("empty", "no .jsonl"),
+        ("empty", "no files in it"),
     ],
 )
 def test_nothing_found_names_the_path(tmp_path, relative, message):
     (tmp_path / "empty").mkdir()
-    _touch(tmp_path / "empty" / "readme.txt")
+    _touch(tmp_path / "empty" / "_SUCCESS")
+    _touch(tmp_path / "empty" / ".hidden.jsonl")
     path = str(tmp_path / relative)
     with pytest.raises(FileNotFoundError, match=message) as e:
         list_input_files(InputConfig(path=path))

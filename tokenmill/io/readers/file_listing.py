@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tokenmill.io.readers.compression import COMPRESSION_SUFFIXES, strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.storage import has_protocol, location_problem, resolve
 
@@ -19,11 +18,12 @@ log = logging.getLogger(__name__)
 def list_input_files(cfg: InputConfig) -> list[str]:
     """The input files of ``cfg.path``, sorted, as URLs that can be reopened.
 
-    A glob keeps every file it matches. A directory gives every file with a supported
-    suffix (.jsonl .json .ndjson .parquet), plain or compressed (.gz .zst .bz2 .xz: x.jsonl.gz),
-    below it, recursively, skipping names that start with "." or "_" (``_SUCCESS``,
-    ``_temporary/``, ``.crc`` files of Spark and Hadoop). Compressed Parquet is listed too, so
-    that detect_format refuses it by name instead of the directory silently losing its rows.
+    A glob keeps every file it matches. A directory gives every file below it, recursively,
+    skipping names that start with "." or "_" (``_SUCCESS``, ``_temporary/``, ``.crc`` files
+    of Spark and Hadoop). Files whose suffix says no format (``part-00000`` of a Hadoop text
+    export, ``x.jsonl.lz4``) are listed too: read as ``input.format`` says where it is set,
+    refused by name by detect_format where it is auto, never left out without a word (their
+    rows would be lost). Compressed Parquet is listed for the same reason.
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
     Raises FileNotFoundError naming the path when nothing matches, and ValueError when the
     files are a Delta Lake or Iceberg table's (a folder with ``_delta_log/`` or
@@ -45,12 +45,11 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     elif fs.isdir(root):
         found = fs.find(root)
         _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
-        paths = [p for p in found if _wanted_in_directory(p, root)]
+        paths = [p for p in found if not _hidden(p[len(root) :])]
         if not paths:
             raise FileNotFoundError(
-                f"input.path {cfg.path!r} is a directory with no "
-                f"{'/'.join(SUPPORTED_SUFFIXES)} files in it (plain or "
-                f"{'/'.join(COMPRESSION_SUFFIXES)}); point it at the data"
+                f"input.path {cfg.path!r} is a directory with no files in it (names starting "
+                "with '.' or '_' are left out); point it at the data"
             )
         holders = {root}
     elif fs.isfile(root):
@@ -172,9 +171,3 @@ def _refuse_table_files(shown: str, kinds: list[str | None]) -> None:
             "the table's current version to Parquet or JSONL (Spark, duckdb, deltalake or "
             "pyiceberg) and point input.path there"
         )
-
-
-def _wanted_in_directory(path: str, root: str) -> bool:
-    if _hidden(path[len(root) :]):
-        return False
-    return strip_compression_suffix(path.lower()).endswith(SUPPORTED_SUFFIXES)

@@ -79,8 +79,9 @@ def _kind_by_suffix(url: str) -> str:
         return "parquet"
     raise ValueError(
         f"cannot tell the format of {url} from its name (expected .jsonl, .json, .ndjson or "
-        ".parquet, JSONL optionally compressed: .jsonl.gz .zst .bz2 .xz); rename it or set "
-        "input.format (jsonl | parquet | openai-batch)"
+        ".parquet, JSONL optionally compressed: .jsonl.gz .zst .bz2 .xz); rename it, set "
+        "input.format (jsonl | parquet | openai-batch) to read every input file as that "
+        "format, or point input.path at the data files alone (a glob: dir/**/*.jsonl)"
     )
 
 
