@@ -155,3 +155,28 @@ def test_a_parquet_tool_call_without_an_id_reads_as_the_jsonl_one(tmp_path) -> N
     assert from_parquet[0].messages[1]["tool_calls"] == [
         {"type": "function", "function": {"name": "f", "arguments": {"k": 1}}}
     ]
+
+
+def test_an_error_row_never_takes_an_id_a_row_has(tmp_path):
+    """A row without an id falls back to ``<file>:<line>``; where an earlier row gave itself
+    that id, the error row took it too, and one id was in the output and in the errors."""
+    f = write_jsonl(
+        tmp_path / "f.jsonl",
+        [
+            {"prompt": "first", "id": "f.jsonl:2"},  # the next line's fallback id
+            {"prompt": "second"},  # missing id
+            "{not json",
+            {"prompt": "fourth", "id": "f.jsonl:3#2"},
+            {"prompt": "fifth", "id": "f.jsonl:2#2"},  # the error row of line 2 took it
+        ],
+    )
+    rows = read(f)
+    assert summary(rows) == [
+        (0, "f.jsonl:2", True),
+        (1, "f.jsonl:2#2", False),
+        (2, "f.jsonl:3", False),
+        (3, "f.jsonl:3#2", True),
+        (4, "f.jsonl:5", False),
+    ]
+    assert "duplicate id 'f.jsonl:2#2'" in rows[4].error
+    assert len({r.row_id for r in rows}) == len(rows)

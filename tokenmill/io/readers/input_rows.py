@@ -65,6 +65,16 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
                 row_index += 1
 
 
+def _claim_free(base: str, seen: set[str]) -> str:
+    """``base``, or ``base#2``, ``base#3``, ... where it is taken; added to ``seen``."""
+    free, n = base, 1
+    while free in seen:
+        n += 1
+        free = f"{base}#{n}"
+    seen.add(free)
+    return free
+
+
 def _open_source(url: str, fmt: str, cfg: InputConfig) -> JsonlRecords | ParquetRecords:
     if fmt == "parquet":
         wanted = [cfg.id_column, cfg.prompt_column, cfg.messages_column, *cfg.passthrough_columns]
@@ -125,11 +135,13 @@ class _RowMaker:
     def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
         error file adds ``source`` once). A bad row claims its id (a later row with it is a
-        duplicate, not a fix); an id already taken is never reused by an error row."""
+        duplicate, not a fix); an id already taken is never reused by an error row: one
+        without an id of its own takes its fallback ``<file>:<line>``, or where an earlier
+        row took that (as its own id), the fallback with ``#2``, ``#3``, ... after it."""
         source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None and record.value is None:
-            return InputRow(row_index, fallback_id, source, error=record.error)
+            return InputRow(row_index, _claim_free(fallback_id, seen), source, error=record.error)
 
         def refuse(reason: str, own_id: str | None) -> InputRow:
             if own_id is not None and own_id in seen:
@@ -137,7 +149,8 @@ class _RowMaker:
                 own_id = None
             elif own_id is not None:
                 seen.add(own_id)
-            return self._bad_row(record.value, reason, own_id, row_index, source, fallback_id)
+            free = fallback_id if own_id is not None else _claim_free(fallback_id, seen)
+            return self._bad_row(record.value, reason, own_id, row_index, source, free)
 
         if record.error is not None:  # a value Python cannot hold: the row's own id if it has one
             return refuse(record.error, self._own_id(record.value, row_index, source, fallback_id))
