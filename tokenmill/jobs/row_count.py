@@ -11,6 +11,7 @@ import fsspec
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.file_reads import map_files
+from tokenmill.io.readers.jsonl_records import blank_line
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -45,8 +46,11 @@ def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None)
             return pq.ParquetFile(f).metadata.num_rows
     rows = 0
     with open_input(url, cfg.storage_options) as f:
+        line_no = 0
         for chunk in iter(lambda: list(itertools.islice(f, 1 << 16)), []):
-            rows += sum(1 for line in chunk if line.strip())
+            numbered = enumerate(chunk, start=line_no + 1)
+            rows += sum(1 for i, line in numbered if not blank_line(line, i))
+            line_no += len(chunk)
             if stop is not None and stop.is_set():
                 raise _Stopped
     return rows

@@ -59,3 +59,20 @@ def test_excerpt_is_at_most_twenty_characters_and_escaped(tmp_path):
     error = read(f)[0].error
     assert "invalid control character at column 213" in error
     assert error.endswith(", near " + repr("y" * 10 + "\x01 and the ")), error
+
+
+@pytest.mark.parametrize("line_one", [b"\xef\xbb\xbf\n", b"\xef\xbb\xbf  \r\n"])
+def test_a_byte_order_mark_alone_on_line_one_is_a_blank_line(tmp_path, line_one):
+    """It was a bad row ("expecting value at column 1"), where blank lines are no rows; the
+    row count (progress) and the format detection read it as blank too."""
+    from tokenmill.io.readers import InputConfig, detect_format
+    from tokenmill.jobs.row_count import count_input_rows
+
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(line_one + GOOD + b"\xef\xbb\xbf\n")  # (a mark on another line is no mark)
+    rows = read(f)
+    assert [(r.row_id, r.error is None) for r in rows] == [("ok", True), ("in.jsonl:3", False)]
+    assert count_input_rows(InputConfig(path=str(f))) == 2
+    batch = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    f.write_bytes(line_one + batch)
+    assert detect_format([str(f)], "auto", {}) == "openai-batch"

@@ -107,8 +107,9 @@ def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[
     lines: list[str] = []
     with open_input(url, storage_options) as f:
         for raw in f:
-            if raw.strip():
-                lines.append(raw.decode("utf-8-sig", errors="replace").strip())
+            text = raw.decode("utf-8-sig", errors="replace").strip()  # (a mark alone: blank)
+            if text:
+                lines.append(text)
                 if len(lines) == count:
                     break
     return lines

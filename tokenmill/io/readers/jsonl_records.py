@@ -17,6 +17,8 @@ _PEEK_LINES = 1000
 # Characters of the line shown either side of a JSON error's position.
 _EXCERPT_HALF = 10
 
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark, which some editors write (and never show)
+
 
 class JsonlRecords:
     """An open JSONL file; iterate it for Records, one per non-blank line.
@@ -65,9 +67,8 @@ class JsonlRecords:
     def __iter__(self) -> Iterator[Record]:
         f = self._from_start()
         for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            yield _decode(line_no, raw)
+            if not blank_line(raw, line_no):
+                yield _decode(line_no, raw)
 
     def _peek_first_keys(self) -> frozenset[str]:
         return next((frozenset(value) for value in self._first_objects()), frozenset())
@@ -93,6 +94,14 @@ class JsonlRecords:
             self._file.close()
             self._file = open_input(self.url, self._storage_options)
         return self._file
+
+
+def blank_line(raw: bytes, line_no: int) -> bool:
+    """Whether JSONL line ``line_no`` (from 1) holds nothing: white space, or on line 1 a
+    byte-order mark and white space (such lines are no rows)."""
+    if line_no == 1:
+        raw = raw.removeprefix(_BOM)
+    return not raw.strip()
 
 
 def _decode(line_no: int, raw: bytes) -> Record:
