@@ -180,3 +180,28 @@ def test_an_error_row_never_takes_an_id_a_row_has(tmp_path):
     ]
     assert "duplicate id 'f.jsonl:2#2'" in rows[4].error
     assert len({r.row_id for r in rows}) == len(rows)
+
+
+def test_a_row_without_its_messages_column_says_so():
+    """It said "column 'messages' must be a non-empty list ..., got null" for a row with no
+    such column (here "Messages"), without the columns the row has."""
+    from tokenmill.io.readers import InputConfig
+    from tokenmill.io.readers.plain_rows import PlainColumns, RowError, parse_plain_row
+
+    cfg = InputConfig(path="x.jsonl", messages_column="messages", prompt_column=None)
+    columns = PlainColumns.for_file(cfg, lambda name: True, "")
+    row = {"id": "t6", "Messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(RowError) as e:
+        parse_plain_row(row, columns=columns, row_index=0, source="x", fallback_id="x:1")
+    assert "no column 'messages' in this row (it has: id, Messages)" in str(e.value)
+    assert "input.messages_column" in str(e.value)
+
+
+def test_an_openai_batch_line_read_as_a_plain_row_says_what_it_is(tmp_path):
+    """Format detection looks at a file's first 20 lines: batch lines after 20 others read
+    as plain rows, whose error named only the prompt column."""
+    line = {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {}}
+    for plain in ({"id": "p", "prompt": "x"}, {"prompt": "x"}):  # (missing id; prompt)
+        lines = [{**plain, **({"id": f"p{i}"} if "id" in plain else {})} for i in range(20)]
+        rows = read(write_jsonl(tmp_path / "in.jsonl", [*lines, line]))
+        assert rows[0].error is None and "input.format: openai-batch" in rows[20].error

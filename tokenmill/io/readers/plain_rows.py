@@ -64,6 +64,8 @@ def parse_plain_row(
     passthrough = {name: value.get(name) for name in columns.passthrough_columns}
     sampling = _row_sampling(value, columns, row_id)
     if columns.messages_column is not None:
+        if columns.messages_column not in value:
+            raise RowError(_missing_column(value, columns, columns.messages_column), row_id)
         messages = check_messages(
             conversation_cell(value.get(columns.messages_column)),
             f"column {columns.messages_column!r}",
@@ -104,9 +106,13 @@ def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> s
     if raw is None or raw == "" or (isinstance(raw, float) and math.isnan(raw)):
         if columns.id_column is None:
             return fallback_id
+        fix = (
+            _BATCH_HINT
+            if _batch_line(value)
+            else "give every row a unique id, or set input.id_column: null to use file:line ids"
+        )
         raise RowError(
-            f"missing id: column {columns.id_column!r} is absent, null or empty in this row; "
-            "give every row a unique id, or set input.id_column: null to use file:line ids"
+            f"missing id: column {columns.id_column!r} is absent, null or empty in this row; {fix}"
         )
     if isinstance(raw, str):
         return raw
@@ -128,8 +134,25 @@ def _missing_prompt(value: dict[str, Any], columns: PlainColumns) -> str:
             f"missing prompt: column {name!r} must be a non-empty string, "
             f"got {type_name(value[name])}"
         )
+    return _missing_column(value, columns, name)
+
+
+def _missing_column(value: dict[str, Any], columns: PlainColumns, name: str) -> str:
+    """The error of a row without the prompt or messages column ``name``: the columns it
+    has, and what to set (an OpenAI Batch request line, that it is one)."""
     have = columns.columns_hint or ", ".join(list(value)[:20])
-    return (
-        f"missing prompt: no column {name!r} in this row (it has: {have or 'nothing'}); "
-        "set input.prompt_column, or input.messages_column for chat rows"
-    )
+    message = f"missing prompt: no column {name!r} in this row (it has: {have or 'nothing'}); "
+    if _batch_line(value):
+        return message + _BATCH_HINT
+    if name == columns.messages_column:
+        return message + "set input.messages_column, or input.prompt_column for plain prompts"
+    return message + "set input.prompt_column, or input.messages_column for chat rows"
+
+
+_BATCH_HINT = "it is an OpenAI Batch request line: set input.format: openai-batch"
+
+
+def _batch_line(value: dict[str, Any]) -> bool:
+    """Whether a plain row is an OpenAI Batch request line (format detection looks at a
+    file's first lines only)."""
+    return {"custom_id", "body"} <= value.keys()
