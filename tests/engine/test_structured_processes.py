@@ -500,3 +500,38 @@ def test_statuses_and_errors_land_on_their_rows_across_workers(tiny_path) -> Non
     pool.fill(order, masks[:3])
     assert pool.consume(order, [close] * 3).tolist() == [STOPPED] * 3
     pool.close()
+
+
+def test_close_from_another_thread_stops_the_running_call_with_the_closed_error(
+    tiny_path,  # noqa: F811
+) -> None:
+    """close() released the grammar workers under the running step, whose caller got
+    'grammar worker process 0 ... stopped' (a crash, it read) instead of the closed error."""
+    import threading
+
+    llm = _llm(tiny_path, True, structured_output_processes=2)
+    params = SamplingParams(max_tokens=30, temperature=0, structured_output="json_object")
+    stepping, raised = threading.Event(), []
+    step = llm.engine.step
+
+    def step_and_tell() -> Any:
+        stepping.set()
+        return step()
+
+    llm.engine.step = step_and_tell  # type: ignore[method-assign]
+
+    def call() -> None:
+        try:
+            llm.generate([[5, 6, 7 + i % 50] for i in range(400)], params)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    assert stepping.wait(60)
+    pool = llm.engine._grammars.backend
+    llm.close()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and "this engine was closed" in str(raised[0]), raised
+    assert not pool._procs and not pool._segments

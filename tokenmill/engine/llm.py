@@ -51,13 +51,20 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._batches = 0
-        self._lock = threading.Lock()
+        # Reentrant: a close() from a signal handler in the calling thread must not wait
+        # for the call it interrupted.
+        self._lock = threading.RLock()
 
     def close(self) -> None:
         """Stop the engine's output thread and structured-output worker processes, and free
         their shared memory; the LLM generates no more after it. ``with LLM(...) as llm:``
-        closes on leaving the block. (A dropped LLM releases them when it is collected.)"""
-        self.engine.close()
+        closes on leaving the block. (A dropped LLM releases them when it is collected.)
+        A call running in another thread stops at its next step with the error a closed
+        LLM gives, and only then is anything released (it was released under the running
+        step, whose caller got a grammar worker's death instead)."""
+        self.engine.stop()
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

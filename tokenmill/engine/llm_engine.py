@@ -379,9 +379,15 @@ class LLMEngine:
         """Stop the output worker (outputs not collected yet are dropped) and the grammars'
         workers. The engine takes no requests and runs no steps after it; closing twice
         is fine."""
-        self._closed = True
+        self.stop()
         self._outputs.close()
         self._grammars.close()
+
+    def stop(self) -> None:
+        """Refuse every later step and request (the closed engine's error) and release
+        nothing yet: a step loop in another thread stops at its next step; ``close``
+        releases once it has."""
+        self._closed = True
 
     def _check_open(self) -> None:
         if self._closed:
