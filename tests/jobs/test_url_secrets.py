@@ -27,6 +27,16 @@ SECRET = "S3CRETPW"
         ("see 'https://TOKEN@github.com/x'", "see 'https://***@github.com/x'"),
         ("model https:/u:pw@hf.co/m", "model https:/u:***@hf.co/m"),  # a path-normalized URL
         ("s3://bucket/a@b.jsonl and mail a@b.c", "s3://bucket/a@b.jsonl and mail a@b.c"),
+        ("http://u:p@h/x and http://v:q@k/y", "http://u:***@h/x and http://v:***@k/y"),
+        ("http://h/x failed for a@b", "http://h/x failed for a@b"),
+        # A secret runs to the "@" before the host, whatever it holds: an AWS secret key's
+        # "/", a quote, a space or an "@" (each showed the secret, whole or in part)
+        ("'s3://AKIAK:SEC/RET@inb/in.jsonl' failed", "'s3://***@inb/in.jsonl' failed"),
+        ("'http://alice:SE'C@h:1/in.jsonl' x", "'http://alice:***@h:1/in.jsonl' x"),
+        ('"http://alice:SE"C@h/in.jsonl"', '"http://alice:***@h/in.jsonl"'),
+        ("http://alice:SE C@h/in.jsonl:2: bad", "http://alice:***@h/in.jsonl:2: bad"),
+        ("http://alice:SE@C@h/in.jsonl:2: bad", "http://alice:***@h/in.jsonl:2: bad"),
+        ("file://u:pw@localhost/tmp/o", "file://***@localhost/tmp/o"),
     ],
 )
 def test_url_secrets_are_masked(text: str, shown: str) -> None:
@@ -125,10 +135,16 @@ def test_credentials_in_an_object_store_url_are_refused_up_front_and_masked(
     codes = (
         _run(tiny_model, f"s3://AKIAKEY:{SECRET}@bucket/in.jsonl", tmp_path / "o"),
         _run(tiny_model, str(src), f"gs://AKIAKEY:{SECRET}@bucket/out"),
+        # An AWS secret key holding "/": it was not seen as credentials, and s3fs's error
+        # (exit 75) showed the key and the secret.
+        _run(tiny_model, f"s3://AKIAKEY:{SECRET}/x@bucket/in.jsonl", tmp_path / "o"),
+        # A local file takes none: the folder was made, named with the password.
+        _run(tiny_model, str(src), f"file://u:{SECRET}@localhost{tmp_path}/o2"),
     )
-    assert codes == (2, 2)
+    assert codes == (2, 2, 2, 2)
     err = capfd.readouterr().err
-    assert SECRET not in err
-    assert "input.path 's3://AKIAKEY:***@bucket/in.jsonl' carries credentials" in err
-    assert "output.path 'gs://AKIAKEY:***@bucket/out' carries credentials" in err
+    assert SECRET not in err and "AKIAKEY" not in err
+    assert "input.path 's3://***@bucket/in.jsonl' carries credentials" in err
+    assert "output.path 'gs://***@bucket/out' carries credentials" in err
     assert "output.storage_options" in err
+    assert "which file:// does not take (a local file has none)" in err

@@ -3,10 +3,10 @@
 fsspec takes credentials in a URL's userinfo; a user who puts them there still expects
 error files, messages, logs and the report to leave them out, as they leave out
 ``storage_options``. ``hide_url_secrets`` masks the secret part of every URL in a text:
-``user:password@`` becomes ``user:***@`` and a lone token (``token@``) ``***@``.
-Object stores' clients (s3fs, gcsfs, adlfs) take no credentials there: ``url_credentials_refusal``
-says so before one tries (s3fs took ``key:secret@bucket`` for a bucket name and repeated it,
-unmasked, in its error).
+``user:password@`` becomes ``user:***@`` and a lone token (``token@``) ``***@``; an object
+store's ``key:secret@`` becomes ``***@``. Object stores' clients (s3fs, gcsfs, adlfs) take no
+credentials there, nor do local files: ``url_credentials_refusal`` says so before one tries
+(s3fs took ``key:secret@bucket`` for a bucket name and repeated it, unmasked, in its error).
 """
 
 from __future__ import annotations
@@ -15,36 +15,74 @@ import logging
 import re
 
 # ``:/+``: a URL that went through a path's normalization keeps one slash (https:/user:pw@h).
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^/?#@\s'\"]+)@")
+_SCHEME = re.compile(r"\b(?P<name>[A-Za-z][A-Za-z0-9+.-]*):/+")
+# Not in a userinfo's user part (nor in a lone token): what starts a path, a query or a
+# fragment, white space and quotes. A secret may hold any of them (an AWS secret key holds
+# "/", a password a quote or an "@"), so a secret runs to the "@" before the host.
+_NOT_IN_USER = re.compile(r"[/?#\s'\"]")
+
+# Schemes whose fsspec clients read credentials only from their options or the environment
+# (object stores), or take none at all (local files).
+_NO_URL_CREDENTIALS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "file", "local")
 
 
-def _masked(match: re.Match[str]) -> str:
-    user, colon, _ = match["info"].partition(":")
-    return f"{match['scheme']}{user}:***@" if colon else f"{match['scheme']}***@"
+def _userinfo_end(text: str, start: int) -> int | None:
+    """The index in ``text`` of the "@" that ends the userinfo (``user:secret`` or a lone
+    token) of the URL whose ``scheme://`` ends at ``start``, or None when it has none: the
+    last "@" before the first "/", "?" or "#" that follows its first "@"
+    (``alice:p@ss@host/x``, ``KEY:SEC/RET@bucket/x``), with no path character or white space
+    before its first ":" (``s3://bucket/a@b.jsonl`` is a key with an "@" in it)."""
+    first = text.find("@", start)
+    if first < 0:
+        return None
+    ends = [i for i in (text.find(c, first) for c in "/?#") if i >= 0]
+    at = text.rfind("@", start, min(ends, default=len(text)))
+    colon = text.find(":", start, at)
+    return None if _NOT_IN_USER.search(text, start, at if colon < 0 else colon) else at
 
 
-# Schemes whose fsspec clients read credentials only from their options or the environment.
-_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
+def _masked(scheme: str, info: str) -> str:
+    """A userinfo with its secret as ``***``; an object store's whole (its "user" is an
+    access key id)."""
+    user, colon, _ = info.partition(":")
+    if colon and scheme.lower() not in _NO_URL_CREDENTIALS:
+        return f"{user}:***"
+    return "***"
 
 
 def url_credentials_refusal(key: str, url: str) -> str | None:
-    """The error for ``url`` (the job spec's ``key``) when it is an object store's URL with
-    credentials in it; None when it is not."""
-    match = _USERINFO.match(url)
-    scheme = "" if match is None else match["scheme"].split(":")[0]
-    if scheme.lower() not in _OBJECT_STORES:
+    """The error for ``url`` (the job spec's ``key``) when it is an object store's or a
+    local file's URL with credentials in it; None when it is not."""
+    match = _SCHEME.match(url)
+    if match is None or match["name"].lower() not in _NO_URL_CREDENTIALS:
         return None
+    if _userinfo_end(url, match.end()) is None:
+        return None
+    scheme = match["name"]
     section = key.split(".")[0]
+    shown = f"{key} {hide_url_secrets(url)!r} carries credentials in the URL, which {scheme}://"
+    if scheme.lower() in ("file", "local"):
+        return f"{shown} does not take (a local file has none); remove them"
     return (
-        f"{key} {hide_url_secrets(url)!r} carries credentials in the URL, which {scheme}:// "
-        f"does not take; remove them and put them in {section}.storage_options (key, "
+        f"{shown} does not take; remove them and put them in {section}.storage_options (key, "
         "secret) or the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...)"
     )
 
 
 def hide_url_secrets(text: str) -> str:
     """``text`` with the userinfo secret of every URL in it replaced by ``***``."""
-    return _USERINFO.sub(_masked, text) if "@" in text else text
+    if "@" not in text:
+        return text
+    out, done = [], 0
+    for match in _SCHEME.finditer(text):
+        if match.start() < done:
+            continue  # (inside a secret already masked)
+        at = _userinfo_end(text, match.end())
+        if at is None:
+            continue
+        out += [text[done : match.end()], _masked(match["name"], text[match.end() : at])]
+        done = at
+    return "".join(out) + text[done:]
 
 
 class HideUrlSecrets(logging.Filter):
