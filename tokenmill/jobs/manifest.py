@@ -51,6 +51,10 @@ class FingerprintMismatchError(RuntimeError):
     """The output holds progress of a different job configuration."""
 
 
+class InputChangedError(FingerprintMismatchError):
+    """The input changed while a run read it: the output holds rows of either content."""
+
+
 class ManifestError(RuntimeError):
     """The output's manifest, or its journal, cannot be read as one: a rerun cannot fix it,
     ``--fresh`` can."""

@@ -45,7 +45,7 @@ from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
-from tokenmill.jobs.manifest import Manifest, ManifestError
+from tokenmill.jobs.manifest import InputChangedError, Manifest, ManifestError
 from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import (
     REPORT_NAME,
@@ -394,6 +394,7 @@ def _run_owned(
                 f"{tracker.num_pending_rows} rows got no result; "
                 "the job is incomplete (rerun to resume)"
             )
+        _check_input_unchanged(cfg, manifest)
         _check_commits_stand(store, manifest)
         manifest.complete = True
         manifest.total_rows = feed.rows_read
@@ -409,6 +410,23 @@ def _run_owned(
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)
     return report
+
+
+def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
+    """Raise InputChangedError when the input's files are not what the run's fingerprint,
+    taken at its start, describes: a file rewritten, appended to or replaced while the run
+    read it left rows of both contents in the output, and the run said it was complete (the
+    next run refused the changed input; a folder's new files are not read: the next run
+    refuses them)."""
+    started = (manifest.settings or {}).get("input")
+    if started is None or input_fingerprint(cfg) == started:
+        return
+    raise InputChangedError(
+        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it: a file "
+        "was rewritten, appended to or replaced, so the rows it wrote may be of either "
+        "content and the job is not complete. Rerun with --fresh once the input stays as "
+        "it is (give a changed input a new name)."
+    )
 
 
 def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start: float) -> None:
