@@ -629,6 +629,24 @@ def test_a_changed_input_is_named_in_words(tiny_model: Path, tmp_path: Path) -> 
     message = str(info.value)
     assert "input: the input changed: its files (which, their sizes" in message
     assert message.count('"') % 2 == 0  # shortened values keep their quotes balanced
+    # what kind of change: the same file, more bytes (a file added says files: 1 -> 2)
+    grown = src.stat().st_size
+    assert "input_files.files" not in message
+    assert f"-> {grown} (bytes in the input files)" in message, message
+
+
+def test_a_manifest_without_input_counts_resumes(tiny_model: Path, tmp_path: Path) -> None:
+    """The input's file and byte counts sit beside the fingerprint: a job begun before
+    they were kept resumes."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out), show_progress=False)
+    with _manifest(out) as manifest:
+        assert manifest["settings"]["input_files"] == {"files": 1, "bytes": src.stat().st_size}
+        del manifest["settings"]["input_files"]
+        manifest["complete"] = False
+    report = run_job(job_dict(tiny_model, src, out), show_progress=False)
+    assert report.status == "complete"
 
 
 def test_a_run_that_writes_nothing_leaves_no_output_folder(tmp_path: Path) -> None:

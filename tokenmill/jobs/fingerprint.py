@@ -34,8 +34,9 @@ JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len")  # engine.*
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
 # Kept and compared beside the hash (module docstring); resolved_dtype: what model.dtype
-# auto is on the device of a local run (runner.settings_of).
-UNHASHED = ("model_content", "resolved_dtype")
+# auto is on the device of a local run (runner.settings_of); input_files: how many input
+# files and bytes (what a changed input fingerprint changed: a file added, one rewritten).
+UNHASHED = ("model_content", "resolved_dtype", "input_files")
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -75,9 +76,14 @@ def model_content(path: Path) -> str:
 
 
 def job_settings(
-    spec: JobSpec, model_path: Path, chat_template: str | None, input_fingerprint: str
+    spec: JobSpec,
+    model_path: Path,
+    chat_template: str | None,
+    input_fingerprint: str,
+    input_files: dict[str, int] | None = None,
 ) -> JobSettings:
-    """Everything that changes results, as plain JSON values."""
+    """Everything that changes results, as plain JSON values (and ``input_files``, the
+    input's file and byte counts, beside them: ``UNHASHED``)."""
     settings = {
         "model": model_identity(model_path),
         "model_content": model_content(model_path),
@@ -88,6 +94,8 @@ def job_settings(
         "input": input_fingerprint,
         "output": {"format": spec.output.format, "rows_per_shard": spec.output.rows_per_shard},
     }
+    if input_files is not None:
+        settings["input_files"] = input_files
     if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
         settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
     engine = {
@@ -144,7 +152,11 @@ _HASHED = {
     "saved again in place)",
 }
 # What a change of an unhashed setting means, said beside its values.
-_MEANING = {"resolved_dtype": "model.dtype auto on another kind of device"}
+_MEANING = {
+    "resolved_dtype": "model.dtype auto on another kind of device",
+    "input_files.files": "input files",
+    "input_files.bytes": "bytes in the input files",
+}
 
 
 def _engine_defaults(settings: JobSettings) -> JobSettings:

@@ -39,7 +39,7 @@ from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import InputConfig, input_fingerprint
+from tokenmill.io.readers import InputConfig, fingerprint_input
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
@@ -118,7 +118,7 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    settings = job_settings(spec, source.path, template, input_fingerprint(cfg))
+    settings = job_settings(spec, source.path, template, *fingerprint_input(cfg))
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
     return settings
@@ -418,14 +418,19 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     read it left rows of both contents in the output, and the run said it was complete (the
     next run refused the changed input; a folder's new files are not read: the next run
     refuses them)."""
-    started = (manifest.settings or {}).get("input")
-    if started is None or input_fingerprint(cfg) == started:
+    settings = manifest.settings or {}
+    if "input" not in settings:
         return
+    now, files = fingerprint_input(cfg)
+    if now == settings["input"]:
+        return
+    before = settings.get("input_files")
+    sizes = f" ({before['bytes']:,} -> {files['bytes']:,} bytes)" if before else ""
     raise InputChangedError(
-        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it: a file "
-        "was rewritten, appended to or replaced, so the rows it wrote may be of either "
-        "content and the job is not complete. Rerun with --fresh once the input stays as "
-        "it is (give a changed input a new name)."
+        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{sizes}: "
+        "a file was rewritten, appended to or replaced, so the rows it wrote may be of "
+        "either content and the job is not complete. Rerun with --fresh once the input "
+        "stays as it is (give a changed input a new name)."
     )
 
 

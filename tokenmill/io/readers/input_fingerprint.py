@@ -24,6 +24,12 @@ def input_fingerprint(cfg: InputConfig) -> str:
     (credentials), and edits in the middle of a file that keep its size — a cheap check, not
     a full content hash, so that fingerprinting terabytes costs two reads per file.
     """
+    return fingerprint_input(cfg)[0]
+
+
+def fingerprint_input(cfg: InputConfig) -> tuple[str, dict[str, int]]:
+    """(``input_fingerprint``, ``{"files": how many, "bytes": their sizes' sum}``): the
+    counts say what kind of change a changed fingerprint is (a file added, one rewritten)."""
     files = list_input_files(cfg)
     fmt = detect_format(files, cfg.format, cfg.storage_options)
     how: dict[str, Any] = {"v": _VERSION, "format": fmt, "passthrough": cfg.passthrough_columns}
@@ -32,9 +38,11 @@ def input_fingerprint(cfg: InputConfig) -> str:
         if cfg.structured_output_column is not None:  # absent when unset: old jobs resume
             how["structured_output"] = cfg.structured_output_column
     digest = hashlib.sha256(json.dumps(how, sort_keys=True).encode())
+    size = 0
     for entry in map_files(lambda url: _file_entry(url, cfg.storage_options), files):
         digest.update(json.dumps(entry).encode())
-    return digest.hexdigest()
+        size += entry[1]
+    return digest.hexdigest(), {"files": len(files), "bytes": size}
 
 
 def _file_entry(url: str, storage_options: dict[str, Any]) -> list[Any]:
