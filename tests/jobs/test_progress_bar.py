@@ -161,3 +161,22 @@ def test_a_terminal_without_a_width_gets_log_lines() -> None:
         assert progress._bar is None  # the periodic log lines instead
         progress.close()
     os.close(leader)
+
+
+def test_a_terminal_with_columns_and_no_rows_gets_log_lines() -> None:
+    """``stty cols 150`` on such a terminal sets its width alone: tqdm drew nothing on a
+    terminal 0 rows high, and no log line came either, for the whole run."""
+    import fcntl
+    import os
+    import struct
+    import termios
+
+    leader, follower = os.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 150, 0, 0))
+    with os.fdopen(follower, "w") as stream:
+        size = os.get_terminal_size(follower)
+        assert (size.columns, size.lines) == (150, 0)
+        progress = Progress(10, 0, stream=stream)
+        assert progress._bar is None
+        progress.close()
+    os.close(leader)

@@ -313,9 +313,11 @@ def format_duration(seconds: float) -> str:
 
 
 def _has_width(stream: TextIO) -> bool:
-    """Whether the terminal says how wide it is: a pseudo-terminal without a window size (some
-    CI runners and containers) reports 0 columns, and the bar then showed nothing at all."""
+    """Whether the terminal says how large it is: a pseudo-terminal without a window size
+    (some CI runners and containers) reports 0 columns, or its columns set and 0 rows, and
+    the bar then showed nothing at all (tqdm draws on no terminal 0 rows high)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns > 0
+        size = os.get_terminal_size(stream.fileno())
     except (OSError, ValueError, AttributeError):
         return True  # no size to read: the bar takes its default width
+    return size.columns > 0 and size.lines > 0
