@@ -193,6 +193,20 @@ def test_a_page_with_every_plot() -> None:
     assert "3 failed and were replaced; 40 rows they held ran again" in report.summary()
 
 
+def test_every_count_of_report_json_is_on_the_page() -> None:
+    """rows_not_committed (a cancel's) and deduplicated_tokens were in report.json and the
+    summary, not on the page."""
+    report = JobReport(
+        job="j", output="out", status="cancelled", rows_not_committed=304,
+        rows_deduplicated=240, deduplicated_tokens=12_440,
+    )  # fmt: skip
+    check = _check_self_contained(render_report_html(report, None))
+    counts = {k for k, v in json.loads(report.to_json()).items() if isinstance(v, int)}
+    assert counts <= set(check.values), counts - set(check.values)
+    assert check.values["rows_not_committed"] == 304
+    assert check.values["deduplicated_tokens"] == 12_440
+
+
 def test_a_page_without_samples_says_why() -> None:
     report = JobReport(job="j", output="out", status="cancelled", wall_seconds=1.0)
     page = render_report_html(report, None)
