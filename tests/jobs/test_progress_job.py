@@ -56,6 +56,26 @@ def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path
     assert frozen[0] > 0 and gc.get_freeze_count() == 0  # and unfrozen once it ended
 
 
+def test_the_live_count_has_the_tokens_of_rows_that_finished_in_the_step(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The step that finishes requests takes their tokens out of the engine's count: the
+    live count stood still for that step's sample and jumped at the next (a 0-then-spike
+    rate at the end of report.html's plot)."""
+    spec = JobSpec.from_dict(job_dict(tiny_model, tmp_path, tmp_path, sampling=LONG))
+    processor = RowProcessor(spec)
+    rows = [InputRow(i, f"r{i}", f"gen:{i}", prompt="the same prompt") for i in range(4)]
+    seen: list[int] = []
+    try:
+        results = list(processor.process(rows, on_step=lambda: seen.append(
+            processor.live().output_tokens)))  # fmt: skip
+    finally:
+        processor.close()
+    assert len(results) == 4 and seen[-1] == 4 * 300  # all four finish in the last step
+    steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    assert all(step <= 4 for step in steps), steps  # one token a row a step, no jump
+
+
 def test_log_shows_loading_and_a_live_rate_then_a_rerun_has_nothing_to_do(
     tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys
 ) -> None:

@@ -124,11 +124,13 @@ class RowProcessor:
                         return
                     continue
                 outputs = self.engine.step()
+                # Before on_step's sample: the engine no longer counts these requests' tokens
+                # (the live count stood still for a sample, then jumped: report.html's plot).
+                self._returned_tokens += sum(out.num_completion_tokens for out in outputs)
                 if on_step is not None:
                     on_step()
                 for out in outputs:
                     # Counted per request: a row of n requests yields once its last is done.
-                    self._returned_tokens += out.num_completion_tokens
                     done = in_flight.finish(out)
                     if done is not None:
                         yield result_from_output(
