@@ -234,6 +234,31 @@ def test_a_signal_reaching_ray_inits_handler_stops_the_job_as_interrupted() -> N
             time.sleep(1)  # (the handler runs at once; this is not reached)
 
 
+_SHUTDOWN_RESET = """
+import ctypes, os, signal, threading
+from tokenmill.jobs.stop_signals import StopOnSignals, stop_signals_held
+libc = ctypes.CDLL(None)
+with StopOnSignals(threading.Event()) as stop:
+    with stop_signals_held():
+        libc.signal(int(signal.SIGTERM), 0)  # SIG_DFL below Python, as ray.shutdown leaves it
+        os.kill(os.getpid(), signal.SIGTERM)  # a stop during the shutdown
+    print("after:", stop.received)
+    os.kill(os.getpid(), signal.SIGTERM)  # and one after it: JobInterrupted, not death
+"""
+
+
+def test_a_signal_during_or_after_ray_shutdown_reaches_the_jobs_handler() -> None:
+    """``ray.shutdown`` resets SIGTERM below Python: a stop while or after it ran killed
+    run-job (exit 143, no message, no report, a fully committed job not marked complete)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SHUTDOWN_RESET],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    assert done.returncode == 1 and "after: SIGTERM" in done.stdout, (done.returncode, done)
+    assert "JobInterrupted: SIGTERM received again" in done.stderr
+
+
 def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

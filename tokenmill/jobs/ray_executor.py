@@ -74,7 +74,7 @@ from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.row_source import FeedItem, RowSource
 from tokenmill.jobs.spec import JobSpec
 from tokenmill.jobs.step_batches import StepBatches
-from tokenmill.jobs.stop_signals import stop_handlers_kept
+from tokenmill.jobs.stop_signals import stop_handlers_kept, stop_signals_held
 from tokenmill.scheduling import PrefixRouter, row_prefix_key
 
 __all__ = ["CHUNKS_PER_REPLICA", "RayExecutor", "replica_resources"]
@@ -355,7 +355,8 @@ class RayExecutor:
             self._pool.close()
         self._pool = None
         if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+            with stop_signals_held():
+                ray.shutdown()
 
 
 class _RowIter:

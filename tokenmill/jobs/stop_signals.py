@@ -96,3 +96,24 @@ def stop_handlers_kept() -> Iterator[None]:
         for sig, handler in kept.items():
             if handler is not None:
                 signal.signal(sig, handler)
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT back during the block, then put their handlers back and let
+    one that came meanwhile reach them: ``ray.shutdown`` resets both to the system's default
+    below Python (``signal.getsignal`` still names the handler), so a signal during or after
+    it killed run-job (exit 143: no message, no report; a job whose every shard was
+    committed was left not complete). Main thread only; elsewhere the block just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
