@@ -43,6 +43,7 @@ def test_a_rewritten_input_leaves_the_job_incomplete_until_fresh(
     assert not manifest.get("complete")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["status"] == "failed" and "changed while this run" in report["error"]
+    assert (report["rows_ok"], report["rows_this_run"]) == (9, 9)  # what it committed
     with pytest.raises(FingerprintMismatchError, match="input"):  # the input it read: refused
         run_job(spec, show_progress=False)
     report = run_job(spec, fresh=True, show_progress=False)

@@ -269,6 +269,7 @@ def _run_locked(
         return _run_owned(spec, cfg, store, manifest, report, start, cancel,
                           progress_interval_s, on_progress)  # fmt: skip
     except Exception as exc:
+        _fill_totals(report, manifest)  # the rows committed so far (they were 0)
         _record_failure(store, report, exc, start)
         raise
 
