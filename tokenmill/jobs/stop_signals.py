@@ -108,12 +108,9 @@ def stop_signals_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    kept = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        yield
+        with stop_handlers_kept():
+            yield
     finally:
-        for sig, handler in kept.items():
-            if handler is not None:
-                signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
