@@ -347,3 +347,27 @@ def test_overrides_reach_run_job_in_a_scratch_job_yaml_not_its_arguments(
     assert TokenmillJobOperator(task_id="u", job=str(job_file))._prepare(scratch)[0] == [
         str(job_file)
     ]
+
+
+def test_a_dict_jobs_chat_template_is_not_rendered_by_airflow(
+    airflow: Airflow, tmp_path: Path
+) -> None:
+    """A chat template is Jinja itself: Airflow rendered it with the task's context at its
+    start ("'bos_token' is undefined"), a failure it then retried."""
+    from airflow.sdk import DAG
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", str(tmp_path / "out/{{ ds }}"))
+    spec["model"]["chat_template"] = template
+    with DAG("chat_template_kept", schedule=None):
+        op = TokenmillJobOperator(task_id="t", job=spec)
+    op.render_template_fields({"ds": "2026-12-06"})
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    args, _ = op._prepare(scratch)
+    written = yaml.safe_load(Path(args[0]).read_text())
+    assert written["model"]["chat_template"] == template
+    assert written["output"]["path"] == str(tmp_path / "out/2026-12-06")  # rendered
+    assert spec["model"]["chat_template"] == template  # the caller's dict is left as it was

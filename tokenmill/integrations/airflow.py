@@ -70,13 +70,24 @@ entry()
 _TAIL_LINES = 20  # run-job's last lines, kept for the exception message
 
 
+def _take_chat_template(job: str | dict[str, Any]) -> Any:
+    """A dict job's ``model.chat_template``, taken out of it (None when it has none)."""
+    model = job.get("model") if isinstance(job, dict) else None
+    if not isinstance(model, dict) or "chat_template" not in model:
+        return None
+    model = job["model"] = dict(model)
+    return model.pop("chat_template")
+
+
 class TokenmillJobOperator(BaseOperator):
     """Run (or resume) a tokenmill job; return the path of its ``report.json``.
 
     ``job``: a path to a job.yaml, or a dict of its sections (as ``tokenmill.submit`` takes);
     relative paths, in it and of it, resolve against the worker's working directory, so give
     absolute paths or URLs. ``overrides``: ``run-job --set`` items, ``"sampling.max_tokens=32"``.
-    Both are Jinja-templated (``"output.path=s3://bucket/out/{{ ds }}/"``).
+    Both are Jinja-templated (``"output.path=s3://bucket/out/{{ ds }}/"``), but for a dict
+    job's ``model.chat_template``, which is Jinja itself and goes to run-job as given (Airflow
+    rendered it at the task's start: "'bos_token' is undefined", retried as a failure).
     ``stop_timeout_s``: how long a stopped run may take to reach its commit boundary before
     it is killed (only when the task itself is interrupted, e.g. by ``execution_timeout``).
 
@@ -115,6 +126,8 @@ class TokenmillJobOperator(BaseOperator):
                 f"got {stop_timeout_s}"
             )
         self.job = job if isinstance(job, str) else copy.deepcopy(dict(job))
+        # Kept out of the templated fields (the docstring says why), put back in _prepare.
+        self._chat_template = _take_chat_template(self.job)
         self.overrides = list(overrides)
         self.stop_timeout_s = stop_timeout_s
         self._child: subprocess.Popen[str] | None = None
@@ -171,6 +184,8 @@ class TokenmillJobOperator(BaseOperator):
                 spec = JobSpec.load(self.job, self.overrides)
             else:
                 raw = copy.deepcopy(self.job)
+                if self._chat_template is not None:
+                    raw.setdefault("model", {})["chat_template"] = self._chat_template
                 where = f"task {self.task_id}'s job"
                 for item in self.overrides:
                     apply_override(raw, item, where)
