@@ -149,3 +149,31 @@ def test_regex_rows_on_xgrammar_follow_the_documented_syntax(tiny_path) -> None:
     with pytest.raises(ValueError, match=r"structured_output.*xgrammar.*\\A"):
         llm.engine.add_request("anchored", [5, 6], anchored)
     llm.engine.close()
+
+
+def test_an_object_without_additional_properties_takes_other_keys(tiny_path) -> None:  # noqa: F811
+    """xgrammar's strict mode (its default) allowed no key past those listed where the
+    schema leaves additionalProperties unset (JSON Schema, and llguidance, allow any), and
+    refused minProperties past the properties listed as impossible."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.grammar_xgrammar import _built
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_path))
+    compiler = xgrammar.GrammarCompiler(info)
+
+    def accepts(schema: dict, text: str) -> bool:
+        grammar = _built(json.dumps(schema), None, None, compiler.compile_json_schema)
+        matcher = xgrammar.GrammarMatcher(grammar)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert accepts(listed, '{"a":1,"b":2}') and accepts(listed, '{"a":1}')
+    assert not accepts({**listed, "additionalProperties": False}, '{"a":1,"b":2}')
+    llm = _llm(tiny_path, False, structured_output_backend="xgrammar")
+    two_keys = SamplingParams(
+        max_tokens=5, structured_output={"json_schema": {"type": "object", "minProperties": 2}}
+    )
+    llm.engine.add_request("two", [5, 6], two_keys)  # was refused
+    llm.engine.abort_requests(["two"])

@@ -101,7 +101,10 @@ def _built(
             )
         text = _ANY_OBJECT if spec == JSON_OBJECT else spec
         check_schema(text)
-        return schema(text, any_whitespace=False, separators=(",", ":"))
+        # strict_mode off: an object without additionalProperties takes other keys, as
+        # JSON Schema says and llguidance does (xgrammar's default allowed none, and refused
+        # minProperties past the properties listed)
+        return schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=False)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(
             f"{_PARAM}: xgrammar cannot use this {describe(spec)}: {_message(exc)}"
