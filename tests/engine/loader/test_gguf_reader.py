@@ -99,12 +99,15 @@ def test_deeply_nested_metadata_arrays_are_refused(tmp_path: Path) -> None:
         read_gguf(path)
 
 
-def _with_tensors(tensors: list[tuple[str, tuple[int, ...], int]], data: int = 256) -> bytes:
-    """A GGUF v3 file of f32 tensors (name, dims, offset) and ``data`` bytes of data."""
+def _with_tensors(
+    tensors: list[tuple[str, tuple[int, ...], int]], data: int = 256, kind: int = 0
+) -> bytes:
+    """A GGUF v3 file of tensors (name, dims, offset) of type ``kind`` (0: f32) and ``data``
+    bytes of data."""
     out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 0)
     for name, dims, offset in tensors:
         out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
-        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 0, offset)
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", kind, offset)
     return out + b"\0" * (-len(out) % 32) + b"\0" * data
 
 
@@ -168,3 +171,18 @@ def test_numeric_arrays_stay_views_of_the_file(tmp_path: Path) -> None:
     field = read_gguf(path).fields["test.numbers"]
     assert isinstance(field.value, np.ndarray) and not field.value.flags.owndata
     assert len(field) == count and field.contents()[:3] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("kind", "name"), [(2, "Q4_0"), (3, "Q4_1"), (8, "Q8_0")])
+def test_a_block_tensor_of_rows_not_whole_blocks_is_refused_naming_it(
+    tmp_path: Path, kind: int, name: str
+) -> None:
+    """It read as a corrupt file ("cannot reshape array of size 4644 into shape (64,72)")."""
+    path = tmp_path / "blocks.gguf"
+    path.write_bytes(_with_tensors([("ffn", (129, 2), 0)], data=1024, kind=kind))
+    with pytest.raises(
+        ValueError, match=f"tensor ffn \\({name}\\) has rows of 129 values, not whole blocks of 32"
+    ):
+        read_gguf(path)
+    path.write_bytes(_with_tensors([("ffn", (128, 2), 0)], data=1024, kind=kind))
+    assert read_gguf(path).tensors[0].shape == (128, 2)

@@ -217,6 +217,11 @@ def _tensor(
     block, type_bytes = GGML_QUANT_SIZES[kind]
     if not dims:
         raise ValueError(f"tensor {name} has no dimensions")
+    if dims[0] % block:  # (it read as a corrupt file: "cannot reshape array of size ...")
+        raise ValueError(
+            f"tensor {name} ({kind.name}) has rows of {dims[0]} values, not whole blocks of "
+            f"{block}: no GGUF writer makes that"
+        )
     count = int(np.prod(dims))
     n_bytes = count * type_bytes // block
     begin = start + offset
