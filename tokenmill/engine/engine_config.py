@@ -28,7 +28,15 @@ from tokenmill.engine.model_config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "EngineSettingError", "Rule", "SpeculativeConfig"]
+__all__ = ["EngineConfig", "EngineSettingError", "Rule", "SpeculativeConfig", "auto_device"]
+
+
+def auto_device() -> str:
+    """What ``device="auto"`` resolves to: "cuda" where a CUDA GPU is visible, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
 
 _DTYPES = {  # accepted name -> torch dtype name
     "float32": "float32",
@@ -325,7 +333,7 @@ class EngineConfig:
         import torch
 
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            return torch.device(auto_device())
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but no CUDA GPU is visible; use device=cpu")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tokenmill.engine.engine_config import auto_device
+
 __all__ = ["engine_settings"]
 
 _UNUSED = ("disable_log_stats", "swap_space")
@@ -77,11 +79,7 @@ def _same_place(tokenizer: Any, model: str) -> bool:
 
 
 def _on_gpu(device: Any) -> bool:
-    if device != "auto":
-        return str(device).startswith("cuda")
-    import torch
-
-    return torch.cuda.is_available()
+    return str(auto_device() if device == "auto" else device).startswith("cuda")
 
 
 def _set(out: dict[str, Any], name: str, value: Any, vllm_name: str) -> None:
