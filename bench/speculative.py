@@ -54,6 +54,33 @@ def compact_profile(profile: dict) -> dict:
     return out
 
 
+class StepClock:
+    """Wall ms of each ``LLMEngine.step`` call, summed by the running batch's bucket (powers
+    of two) and by whether the call gave drafts; what a run spends at each batch size, to read
+    beside the same run without speculation."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.step = engine.step
+        self.buckets: dict[int, list[float]] = {}  # bucket: [calls, drafted, wall ms]
+        engine.step = self
+
+    def __call__(self):
+        scheduler = self.engine.scheduler
+        running, drafted = scheduler.num_running, scheduler.stats.num_drafted_rows
+        start = time.perf_counter()
+        out = self.step()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        b = self.buckets.setdefault(1 << max(running - 1, 0).bit_length(), [0, 0, 0.0])
+        b[0] += 1
+        b[1] += scheduler.stats.num_drafted_rows > drafted
+        b[2] += wall_ms
+        return out
+
+    def table(self) -> dict[int, list]:
+        return {k: [c, d, round(ms, 1)] for k, (c, d, ms) in sorted(self.buckets.items())}
+
+
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
     profile: bool = False, ahead_below: int | None = None,
@@ -76,12 +103,13 @@ def run(
     llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))
     llm.engine.runner.profiler.records.clear()
     before = llm.engine.scheduler.stats.speculative()
+    clock = StepClock(llm.engine) if profile else None
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - start
     stats = since(before, llm.engine.scheduler.stats.speculative())
-    if profile:
-        stats = {**stats, "step_profile": llm.engine.step_profile()}
+    if clock is not None:
+        stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table()}
     llm.engine.close()
     del llm
     gc.collect()
@@ -104,7 +132,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="step profile per run (graph and eager steps, host and GPU ms; adds events)",
+        help="step profile per run (graph and eager steps, host and GPU ms; adds events) and "
+        "each run's step calls by running-batch bucket: [calls, drafted calls, wall ms]",
     )
     parser.add_argument(
         "--repeat",
@@ -157,6 +186,7 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
         }
     if args.profile:
         line["steps"] = compact_profile(done[-1][2]["step_profile"])
+        line["by_bucket"] = done[-1][2]["by_bucket"]
     return line
 
 
