@@ -20,10 +20,13 @@ def list_input_files(cfg: InputConfig) -> list[str]:
 
     A glob keeps every file it matches. A directory gives every file below it, recursively,
     skipping names that start with "." or "_" (``_SUCCESS``, ``_temporary/``, ``.crc`` files
-    of Spark and Hadoop). Files whose suffix says no format (``part-00000`` of a Hadoop text
-    export, ``x.jsonl.lz4``) are listed too: read as ``input.format`` says where it is set,
-    refused by name by detect_format where it is auto, never left out without a word (their
-    rows would be lost). Compressed Parquet is listed for the same reason.
+    of Spark and Hadoop) and, with a warning naming them, files that are documentation or
+    code, never data (``README.md`` beside a dataset's Parquet files, ``NOTEBOOK.ipynb``:
+    ``NOT_DATA_SUFFIXES``, ``NOT_DATA_NAMES``). Files whose suffix says no format
+    (``part-00000`` of a Hadoop text export, ``x.jsonl.lz4``) are listed too: read as
+    ``input.format`` says where it is set, refused by name by detect_format where it is auto
+    or the suffix is an archive it cannot open, never left out without a word (their rows
+    would be lost). Compressed Parquet is listed for the same reason.
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
     Raises FileNotFoundError naming the path when nothing matches, and ValueError when the
     files are a Delta Lake or Iceberg table's (a folder with ``_delta_log/`` or
@@ -46,6 +49,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         found = fs.find(root)
         _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
         paths = [p for p in found if not _hidden(p[len(root) :])]
+        paths = _without_documents(cfg.path, paths)
         if not paths:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} is a directory with no files in it (names starting "
@@ -113,6 +117,40 @@ def warn_hidden_matches(cfg: InputConfig, files: list[str]) -> None:
             len(hidden),
             hidden[0],
         )
+
+
+# Files a dataset folder holds beside its data that are never data (a Hugging Face dataset's
+# README.md, a notebook, a schema description): left out of a folder input, with a warning.
+# Not .txt: JSONL saved as .txt and read with input.format set must not lose its rows
+# (a README.txt goes by its name).
+NOT_DATA_SUFFIXES = (
+    ".md", ".rst", ".html", ".pdf", ".py", ".sh", ".ipynb", ".yaml", ".yml", ".toml",
+    ".cfg", ".ini", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".lock", ".crc",
+)  # fmt: skip
+NOT_DATA_NAMES = ("readme", "license", "licence", "notice", "changelog", "copying", "authors")
+
+
+def _without_documents(path: str, paths: list[str]) -> list[str]:
+    """``paths`` less the documents among them (NOT_DATA_SUFFIXES, NOT_DATA_NAMES), which a
+    warning names."""
+    documents = [p for p in paths if _is_document(p.rsplit("/", 1)[-1].lower())]
+    if not documents:
+        return paths
+    left_out = set(documents)
+    names = ", ".join(d.rsplit("/", 1)[-1] for d in documents[:5])
+    more = f" and {len(documents) - 5} more" if len(documents) > 5 else ""
+    log.warning(
+        "input.path %r: left out %d file(s) that are documentation, not data (%s%s)",
+        path,
+        len(documents),
+        names,
+        more,
+    )
+    return [p for p in paths if p not in left_out]
+
+
+def _is_document(name: str) -> bool:
+    return name.endswith(NOT_DATA_SUFFIXES) or name.split(".", 1)[0] in NOT_DATA_NAMES
 
 
 def _hidden(relative: str) -> bool:

@@ -26,8 +26,10 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     decided: one bad first line made every good line of a batch file a bad plain row);
     .parquet files are "parquet".
     Raises ValueError naming a file when the suffixes are unknown or mixed, when a .json file
-    holds one JSON array instead of JSON Lines, or when a Parquet file has a compression
-    suffix (x.parquet.gz; also with ``fmt`` "parquet"): Parquet compresses inside the file.
+    holds one JSON array instead of JSON Lines, when a Parquet file has a compression
+    suffix (x.parquet.gz; also with ``fmt`` "parquet"): Parquet compresses inside the file,
+    or (with ``fmt`` set) when a file's suffix names a compression or archive that is not
+    read (x.jsonl.lz4, x.zip): its bytes would be read as rows.
     """
     if fmt not in FORMATS:
         raise ValueError(f"input.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -35,6 +37,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         for f in files:
             _refuse_compressed_parquet(f)
     if fmt != "auto":
+        for f in files:
+            _refuse_unreadable_packing(f)
         return fmt
     if not files:
         raise ValueError("detect_format: no input files to look at")
@@ -83,6 +87,20 @@ def _kind_by_suffix(url: str) -> str:
         "input.format (jsonl | parquet | openai-batch) to read every input file as that "
         "format, or point input.path at the data files alone (a glob: dir/**/*.jsonl)"
     )
+
+
+# Compressions and archives that are not read: a file so named is refused, not read as text.
+UNREADABLE_PACKING = (".lz4", ".snappy", ".sz", ".lzo", ".br", ".zip", ".tar", ".tgz", ".7z")
+
+
+def _refuse_unreadable_packing(url: str) -> None:
+    lower = url.lower()
+    suffix = next((s for s in UNREADABLE_PACKING if lower.endswith(s)), None)
+    if suffix is not None:
+        raise ValueError(
+            f"{url} is a {suffix} file, a compression or archive that is not read (the "
+            "compressions read are .gz .zst .bz2 .xz); unpack it, or recompress it as one of those"
+        )
 
 
 def _refuse_compressed_parquet(url: str) -> None:
