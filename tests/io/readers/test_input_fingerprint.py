@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.io.readers.reader_files import write_jsonl
 from tokenmill.io.readers import InputConfig, input_fingerprint
 from tokenmill.io.readers.input_fingerprint import EDGE_BYTES
@@ -68,3 +70,26 @@ def test_files_are_read_side_by_side() -> None:
     got = map_files(lambda name: time.sleep(0.05) or name.upper(), [f"f{i}" for i in range(32)])
     assert got == [f"F{i}" for i in range(32)]  # in order
     assert time.perf_counter() - start < 32 * 0.05 / 4  # 16 at a time: ~0.1 s, not 1.6 s
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_first_line_of_a_byte_order_mark_alone_is_in_the_fingerprint(
+    tmp_path, monkeypatch, suffix
+):
+    """Before 9800fb8 that line was an error row (row 0), since then no row: a job begun
+    before would resume over rows numbered one lower (one lost, one twice). Its fingerprint
+    differs from the one it had then; every other file's is the one it had."""
+    import gzip
+    import importlib
+
+    fingerprint_module = importlib.import_module("tokenmill.io.readers.input_fingerprint")
+
+    body = b'{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n'
+    marked, plain = tmp_path / f"m{suffix}", tmp_path / f"p{suffix}"
+    for path, data in ((marked, b"\xef\xbb\xbf\n" + body), (plain, b"\xef\xbb\xbf" + body)):
+        path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    now = {p: input_fingerprint(InputConfig(path=str(p))) for p in (marked, plain)}
+    monkeypatch.setattr(fingerprint_module, "_mark_alone_first", lambda url, options: False)
+    before = {p: input_fingerprint(InputConfig(path=str(p))) for p in (marked, plain)}
+    assert now[marked] != before[marked]
+    assert now[plain] == before[plain]
