@@ -462,10 +462,13 @@ class LLMEngine:
             and self.scheduler.num_running < self.draft_ahead_below
         )
         sync = draft and not drafts_ahead
+        switch_in_ms = 0.0
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
-            # step's own time starts after it).
-            self.runner.profiler.add_host_ms(self._process(*self._in_flight))
+            # step's own time starts after it, but the policy charges it this processing,
+            # which async steps overlap with the device's work).
+            switch_in_ms = self._process(*self._in_flight)
+            self.runner.profiler.add_host_ms(switch_in_ms)
             self._in_flight = None
         t0 = time.perf_counter()
         scheduled, self._ahead = self._ahead, None
@@ -522,7 +525,7 @@ class LLMEngine:
                 sample = StepSample(
                     batch=sched.num_rows,
                     drafted=draft,
-                    wall_ms=wall_ms,
+                    wall_ms=wall_ms + switch_in_ms,
                     drafted_rows=int(np.count_nonzero(sched.drafts)),
                 )
                 self._unscored.append((sample, mine[1]))

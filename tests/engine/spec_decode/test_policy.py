@@ -115,11 +115,46 @@ def test_warmup_stops_once_drafting_cannot_pay() -> None:
     assert chosen[1:5] == [True] * 4
 
 
-def test_a_bucket_borrows_a_larger_buckets_plain_time() -> None:
-    """A bucket with no plain step timed yet takes the nearest larger bucket's (a larger
-    batch's plain step is no shorter) rather than a plain step first; with none, plain."""
-    policy = SpeculationPolicy(warmup=2)
-    assert not policy.wants_drafts(100)  # nothing timed anywhere
-    _feed(policy, 100, 10, plain_ms=2.0, draft_ms=3.0, share=1.0, accepted=3.0)
-    assert policy.wants_drafts(20)  # bucket 32 borrows bucket 128's 2.0 ms
-    assert not policy.wants_drafts(300)  # no larger bucket timed: plain first
+def test_a_bucket_times_a_plain_step_then_a_drafted_one_then_decides() -> None:
+    """After the run's warm-up a new bucket takes one plain and one drafted step, then
+    decides with the acceptance of every bucket's drafted steps: the last rows of a run
+    pass through six buckets, and four warm-up drafted steps in each were a sizable share
+    of a 1,024-row run. A bucket's own acceptance takes over once it has drafted enough."""
+    policy = SpeculationPolicy(warmup=4, probe_every=1000, probe_drafts_every=1000)
+    assert not policy.wants_drafts(100)  # nothing timed anywhere: plain
+    _feed(policy, 100, 10, plain_ms=2.0, draft_ms=3.0, share=1.0, accepted=3.0)  # pays
+    # Bucket 32: its own plain step first (no other bucket's time), then one drafted step,
+    # which costs more than the run's 4 tokens a row can repay: plain from then on.
+    chosen = _feed(policy, 20, 30, plain_ms=1.0, draft_ms=5.0, share=0.0, accepted=0.0)
+    assert chosen[:3] == [False, True, False] and sum(chosen) == 1
+    # Bucket 16, where drafts pay at the run's acceptance: drafting after its plain step,
+    # until the acceptance its drafts bring (none here) says otherwise.
+    chosen = _feed(policy, 10, 30, plain_ms=1.0, draft_ms=2.0, share=0.0, accepted=0.0)
+    assert chosen[:3] == [False, True, True]
+    assert not any(chosen[2 + policy.warmup :]), chosen
+
+
+def test_one_slow_step_does_not_decide_for_long() -> None:
+    """A review's case: drafted steps of 11 ms giving 3 tokens a row against plain ones of
+    10, but the first drafted step took 300 ms (a compile, say). It stopped the warm-up at
+    once and its running mean kept the bucket plain for 2,900 steps; now the next drafting
+    probe (at most ``max_probe_gap`` steps on) brings drafting back. Likewise one slow plain
+    step among fast ones does not make drafting look better for more than a step or two."""
+    policy = SpeculationPolicy(warmup=4, max_drafts=4)
+    walls = iter([300.0])
+    chosen = []
+    for _ in range(3000):
+        draft = policy.wants_drafts(64)
+        chosen.append(draft)
+        if draft:
+            policy.record(StepSample(64, True, next(walls, 11.0), 64, 128))
+        else:
+            policy.record(StepSample(64, False, 10.0))
+    first_back = chosen.index(True, 2)
+    assert first_back <= policy.max_probe_gap + 2, first_back
+    assert sum(chosen[first_back:]) >= 0.9 * len(chosen[first_back:])
+
+    policy = SpeculationPolicy(warmup=1)
+    _feed(policy, 8, 20, plain_ms=1.0, draft_ms=2.0, share=1.0, accepted=0.5)  # plain wins
+    policy.record(StepSample(8, False, 40.0))  # one slow plain step
+    assert policy.estimates()[8]["plain_ms"] == 1.0

@@ -7,37 +7,47 @@ synchronously; smaller ones draft ahead of the step in flight, core/drafts.py, a
 it, but their drafts are a step older). Per step the policy compares,
 for the batch's size bucket (powers of two), from decode-only steps:
 
-    plain:    B tokens                 in t_plain  (mean wall ms of recent plain steps)
-    drafted:  B * (1 + f * m) tokens   in t_draft  (mean wall ms of recent drafted steps)
+    plain:    B tokens                 in t_plain  (wall ms of recent plain steps)
+    drafted:  B * (1 + f * m) tokens   in t_draft  (wall ms of recent drafted steps)
 
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
 per drafted row (recent drafted steps). A synchronous drafted step also leaves the device
-idle while the next plain step is scheduled and launched (nothing in flight to overlap):
-that time is charged to t_draft (``charge_switch_back``). It drafts when
+idle while the step in flight before it is processed and while the next plain step is
+scheduled and launched (nothing in flight to overlap): both are charged to t_draft
+(``charge_switch_back``; the engine adds the first to the drafted sample). It drafts when
 (1 + f * m) / t_draft beats 1 / t_plain by ``margin``.
 
-A bucket first times a plain step (or borrows the plain time of a larger bucket: a smaller
-batch's plain step is no longer), then drafts for ``warmup`` decode steps (a row's first
-tokens rarely match anything yet) unless one drafted step already shows that drafting
-cannot pay even if every row drafted ``max_drafts`` tokens and all were accepted. After
-that the mode not chosen is probed again, so the estimates follow the data and the batch:
-plain every ``probe_every`` steps; drafting every ``probe_drafts_every`` plain steps, or
-less often where a drafted step costs several plain ones, so that the probes' extra time
-stays under ``probe_share`` of the plain steps' (at 256 rows of SmolLM2 on an H100 a
+t_plain and t_draft are medians of a bucket's last five samples (the shortest while
+fewer than three): one slow step (a collection pause, a compile) moves neither for long.
+f and m are the data's more than the batch's: until a bucket has drafted ``warmup`` steps
+of its own it takes those of all buckets (a row's first tokens rarely match anything yet,
+so the run drafts ``warmup`` steps before any bucket decides). A bucket times its own
+plain step first (a plain step costs nothing to take), then one drafted step, then decides;
+where one drafted step costs more than the most it could give (every row ``max_drafts``
+tokens, all accepted), it stops at once. (A 1,024-row run through 256 slots passes through
+six buckets as its last rows drain: a warm-up of four synchronous drafted steps in each was
+a sizable share of it.)
+After that the mode not chosen is probed again, so the estimates follow the data and the
+batch: plain every ``probe_every`` steps; drafting every ``probe_drafts_every`` plain steps,
+or less often where a drafted step costs several plain ones, so that the probes' extra
+time stays under ``probe_share`` of the plain steps' (at 256 rows of SmolLM2 on an H100 a
 drafted step took 5x a plain one: a probe every 50 steps cost 8% of the run, BENCHMARKS
-session 38). Without async scheduling a drafted step costs little more than a plain one
-when few drafts come (no overlap is lost), so the engine then probes drafting more often:
-which rows have drafts changes step to step.
+session 38), but at least every ``max_probe_gap`` plain steps. Without async scheduling a
+drafted step costs little more than a plain one when few drafts come (no overlap is lost),
+so the engine then probes drafting more often: which rows have drafts changes step to step.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 __all__ = ["SpeculationPolicy", "StepSample"]
 
-_EMA = 0.2  # weight of the newest sample in the running means
+_EMA = 0.2  # weight of the newest sample in the running means of f and m
+_TIMES = 5  # step times a bucket keeps per mode (their median is its estimate)
 
 
 @dataclass(frozen=True)
@@ -52,13 +62,52 @@ class StepSample:
     accepted: int = 0
 
 
+class _Times:
+    """A mode's last ``_TIMES`` step times: their median, or while there are fewer than 3
+    the shortest (a step is slowed now and then, by a compile or a collection pause, but
+    never sped up: one slow first drafted step kept a bucket plain for 2,900 steps)."""
+
+    def __init__(self) -> None:
+        self._ms: deque[float] = deque(maxlen=_TIMES)
+
+    def add(self, ms: float) -> None:
+        self._ms.append(ms)
+
+    def lengthen_last(self, ms: float) -> None:
+        self._ms[-1] += ms
+
+    @property
+    def ms(self) -> float | None:
+        if len(self._ms) < 3:
+            return min(self._ms, default=None)
+        return statistics.median(self._ms)
+
+
+@dataclass
+class _Yield:
+    """f (rows with drafts / rows) and m (accepted drafts per drafted row) of drafted steps."""
+
+    share: float | None = None
+    accepted: float | None = None
+    steps: int = 0
+
+    def add(self, sample: StepSample) -> None:
+        self.steps += 1
+        self.share = _mean(self.share, sample.drafted_rows / max(sample.batch, 1))
+        if sample.drafted_rows:
+            self.accepted = _mean(self.accepted, sample.accepted / sample.drafted_rows)
+        elif self.accepted is None:
+            self.accepted = 0.0
+
+    def tokens_per_row(self) -> float:
+        return 1 + (self.share or 0.0) * (self.accepted or 0.0)
+
+
 @dataclass
 class _Bucket:
-    plain_ms: float | None = None
-    draft_ms: float | None = None
-    share: float | None = None  # f: rows with drafts / rows, in drafted steps
-    accepted: float | None = None  # m: accepted drafts per drafted row
-    drafted_steps: int = 0
+    plain: _Times = field(default_factory=_Times)
+    draft: _Times = field(default_factory=_Times)
+    drafts: _Yield = field(default_factory=_Yield)
     steps: int = 0
     last_plain: int = -(10**9)
     last_draft: int = -(10**9)
@@ -76,82 +125,70 @@ class SpeculationPolicy:
     probe_every: int = 50
     probe_drafts_every: int = 50
     probe_share: float = 0.01
+    max_probe_gap: int = 1000
     warmup: int = 4
     max_drafts: int = 4  # the proposer's k: a drafted row gives at most 1 + k tokens
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _drafts: _Yield = field(default_factory=_Yield)  # every bucket's drafted steps
 
     @staticmethod
     def bucket_of(batch: int) -> int:
         return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
 
     def wants_drafts(self, batch: int) -> bool:
-        size = self.bucket_of(batch)
-        b = self._buckets.setdefault(size, _Bucket())
-        plain_ms = self._plain_ms(size)
+        b = self._buckets.setdefault(self.bucket_of(batch), _Bucket())
+        plain_ms, draft_ms = b.plain.ms, b.draft.ms
         if plain_ms is None:
             return False  # time a plain step first
-        if b.drafted_steps < self.warmup and not self._hopeless(b, plain_ms):
-            return True
-        if b.plain_ms is None:
-            return False
-        gain = (1 + b.share * b.accepted) / b.draft_ms - (1 + self.margin) / b.plain_ms
-        drafting = gain > 0
-        if drafting:
+        if draft_ms is None:
+            return True  # then a drafted one
+        if self._drafts.steps < self.warmup and not self._hopeless(draft_ms, plain_ms):
+            return True  # the run's first drafted steps
+        drafts = b.drafts if b.drafts.steps >= self.warmup else self._drafts
+        gain = drafts.tokens_per_row() / draft_ms - (1 + self.margin) / plain_ms
+        if gain > 0:
             return b.steps - b.last_plain < self.probe_every
-        return b.steps - b.last_draft >= self._draft_probe_interval(b)
+        return b.steps - b.last_draft >= self._draft_probe_interval(draft_ms, plain_ms)
 
-    def _plain_ms(self, size: int) -> float | None:
-        """The bucket's plain step time, else the nearest larger bucket's (an upper bound)."""
-        for s, b in sorted(self._buckets.items()):
-            if s >= size and b.plain_ms is not None:
-                return b.plain_ms
-        return None
+    def _hopeless(self, draft_ms: float, plain_ms: float) -> bool:
+        """Whether drafted steps cost more than the most they could give."""
+        return (1 + self.max_drafts) / draft_ms <= (1 + self.margin) / plain_ms
 
-    def _hopeless(self, b: _Bucket, plain_ms: float) -> bool:
-        """Whether the bucket's drafted steps cost more than the most they could give."""
-        if b.draft_ms is None:
-            return False
-        return (1 + self.max_drafts) / b.draft_ms <= (1 + self.margin) / plain_ms
-
-    def _draft_probe_interval(self, b: _Bucket) -> int:
+    def _draft_probe_interval(self, draft_ms: float, plain_ms: float) -> int:
         """Plain steps between two drafting probes: a probe's extra time (a drafted step
         less a plain one) over the plain steps between probes stays under probe_share."""
-        excess = b.draft_ms / b.plain_ms - 1 if b.draft_ms is not None else 0.0
-        return max(self.probe_drafts_every, math.ceil(excess / self.probe_share))
+        wanted = math.ceil((draft_ms / plain_ms - 1) / self.probe_share)
+        return min(max(self.probe_drafts_every, wanted), self.max_probe_gap)
 
     def record(self, sample: StepSample) -> None:
         b = self._buckets.setdefault(self.bucket_of(sample.batch), _Bucket())
         b.steps += 1
         if not sample.drafted:
-            b.plain_ms = _mean(b.plain_ms, sample.wall_ms)
+            b.plain.add(sample.wall_ms)
             b.last_plain = b.steps
             return
-        b.drafted_steps += 1
-        b.draft_ms = _mean(b.draft_ms, sample.wall_ms)
-        b.share = _mean(b.share, sample.drafted_rows / max(sample.batch, 1))
-        if sample.drafted_rows:
-            b.accepted = _mean(b.accepted, sample.accepted / sample.drafted_rows)
-        elif b.accepted is None:
-            b.accepted = 0.0
+        b.draft.add(sample.wall_ms)
+        b.drafts.add(sample)
+        self._drafts.add(sample)
         b.last_draft = b.steps
 
     def charge_switch_back(self, batch: int, wall_ms: float) -> None:
         """The first plain step after a synchronous drafted one is scheduled and launched
         with the device idle (nothing in flight to overlap): ``wall_ms`` of that is the
-        drafted step's cost (``batch``: that step's rows), added to its bucket's drafted
-        mean as if its sample (the newest) had been that much longer."""
+        drafted step's cost (``batch``: that step's rows), added to its bucket's newest
+        drafted sample."""
         b = self._buckets.get(self.bucket_of(batch))
-        if b is not None and b.draft_ms is not None:
-            b.draft_ms += wall_ms if b.drafted_steps == 1 else _EMA * wall_ms  # (_mean)
+        if b is not None and b.draft.ms is not None:
+            b.draft.lengthen_last(wall_ms)
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: mean plain and drafted step ms, f and m (for the step profile)."""
         return {
             size: {
-                "plain_ms": b.plain_ms,
-                "draft_ms": b.draft_ms,
-                "drafted_share": b.share,
-                "accepted_per_drafted_row": b.accepted,
+                "plain_ms": b.plain.ms,
+                "draft_ms": b.draft.ms,
+                "drafted_share": b.drafts.share,
+                "accepted_per_drafted_row": b.drafts.accepted,
             }
             for size, b in sorted(self._buckets.items())
         }
