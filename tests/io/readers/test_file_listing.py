@@ -24,13 +24,16 @@ def test_single_file(tmp_path):
 def test_directory_is_recursive_sorted_and_skips_markers(tmp_path):
     for name in ["b.jsonl", "a.parquet", "sub/c.ndjson", "x.json", "notes.txt", "_SUCCESS",
                  ".hidden.jsonl", "_temporary/part-0.jsonl", "sub/.a.jsonl.crc", "README.md",
-                 "sub/README.txt", "LICENSE", "card.yaml", "look.ipynb"]:  # fmt: skip
+                 "sub/README.txt", "LICENSE", "card.yaml", "look.ipynb", "authors.jsonl",
+                 "license.parquet", "readme.jsonl.gz"]:  # fmt: skip
         _touch(tmp_path / name)
     found = list_input_files(InputConfig(path=str(tmp_path)))
     names = [p[len(str(tmp_path)) + 1 :] for p in found]
     # notes.txt is listed: its format is input.format's to say (auto refuses it by name);
-    # documentation (README.*, LICENSE, .md, .yaml, .ipynb) is left out with a warning
-    assert names == ["a.parquet", "b.jsonl", "notes.txt", "sub/c.ndjson", "x.json"]
+    # documentation (README.*, LICENSE, .md, .yaml, .ipynb) is left out with a warning,
+    # never a data file whatever its name (a table export's authors.jsonl)
+    assert names == ["a.parquet", "authors.jsonl", "b.jsonl", "license.parquet", "notes.txt",
+                     "readme.jsonl.gz", "sub/c.ndjson", "x.json"]  # fmt: skip
 
 
 def test_glob_keeps_every_match_sorted(tmp_path):

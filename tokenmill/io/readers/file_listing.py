@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.storage import has_protocol, location_problem, resolve
 
@@ -150,6 +151,10 @@ def _without_documents(path: str, paths: list[str]) -> list[str]:
 
 
 def _is_document(name: str) -> bool:
+    """Whether a (lower-cased) file name is a document's: never where its suffix names a
+    data format (``authors.jsonl``, ``license.parquet``, compressed or not)."""
+    if strip_compression_suffix(name).endswith(SUPPORTED_SUFFIXES):
+        return False
     return name.endswith(NOT_DATA_SUFFIXES) or name.split(".", 1)[0] in NOT_DATA_NAMES
 
 
