@@ -465,8 +465,8 @@ class LLMEngine:
         switch_in_ms = 0.0
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
-            # step's own time starts after it, but the policy charges it this processing,
-            # which async steps overlap with the device's work).
+            # step's own time starts after it; the policy counts this processing, which
+            # async steps overlap with the device's work, as the switch's cost).
             switch_in_ms = self._process(*self._in_flight)
             self.runner.profiler.add_host_ms(switch_in_ms)
             self._in_flight = None
@@ -525,8 +525,9 @@ class LLMEngine:
                 sample = StepSample(
                     batch=sched.num_rows,
                     drafted=draft,
-                    wall_ms=wall_ms + switch_in_ms,
+                    wall_ms=wall_ms,
                     drafted_rows=int(np.count_nonzero(sched.drafts)),
+                    switch_ms=switch_in_ms,
                 )
                 self._unscored.append((sample, mine[1]))
             elif after_sync and launched is None:

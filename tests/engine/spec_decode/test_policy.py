@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 
 
@@ -72,22 +70,53 @@ def test_drafting_is_probed_on_its_own_cadence() -> None:
     assert all(chosen[-20:]), chosen
 
 
-def test_the_idle_launch_after_a_drafted_step_is_charged_to_drafting() -> None:
-    """The plain step that follows a synchronous drafted one launches with the device idle:
-    its time is added to the drafted mean as if the drafted sample had been that long, which
-    can turn a thin gain into a loss."""
-    policy = SpeculationPolicy(warmup=1)
-    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))  # 2 tokens a row
+def test_switching_to_drafting_and_back_is_paid_once_a_run() -> None:
+    """Switching to synchronous drafted steps leaves the device idle while the step in
+    flight is processed, and switching back while the next plain step launches: costs of
+    a run of drafted steps, not of each (they made every isolated probe look like a
+    drafted step's steady cost, and a bucket first seen late never drafted where drafting
+    paid, a review's simulation). They are spread over the run (probe_every steps) and paid
+    in full by a probe."""
+    policy = SpeculationPolicy(warmup=1, probe_every=50)
     policy.record(StepSample(8, False, 5.5))
-    assert policy.wants_drafts(8)  # 2 / 10 beats 1.03 / 5.5
-    policy.charge_switch_back(8, 1.0)  # the only drafted sample: the mean is it, 1 ms longer
-    assert policy.estimates()[8]["draft_ms"] == 11.0
-    assert not policy.wants_drafts(8)  # 2 / 11 no longer beats 1.03 / 5.5
-    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8))  # mean 10.8
-    policy.charge_switch_back(8, 1.0)  # the newest sample's share of the running mean: 0.2
-    assert policy.estimates()[8]["draft_ms"] == pytest.approx(11.0)
+    # 2 tokens a row in 10 ms, after 5 ms processing the step in flight; 1 ms to switch back
+    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8, switch_ms=5.0))
+    policy.charge_switch_back(8, 1.0)
+    estimates = policy.estimates()[8]
+    assert (estimates["draft_ms"], estimates["switch_ms"]) == (10.0, 6.0)
+    assert policy.wants_drafts(8)  # 2 / (10 + 6 / 50) beats 1.03 / 5.5
+    # A switch of 40 ms is 0.8 ms a drafted step of the run: 2 / 10.8 < 1.03 / 5.5
+    policy = SpeculationPolicy(warmup=1, probe_every=50)
+    policy.record(StepSample(8, False, 5.5))
+    policy.record(StepSample(8, True, 10.0, drafted_rows=8, accepted=8, switch_ms=40.0))
+    assert not policy.wants_drafts(8)
     policy.charge_switch_back(64, 2.0)  # a bucket that never drafted: nothing to charge
-    assert 64 not in policy.estimates() or policy.estimates()[64]["draft_ms"] is None
+    assert 64 not in policy.estimates() or policy.estimates()[64]["switch_ms"] is None
+
+
+def test_a_bucket_seen_late_drafts_where_drafting_pays_despite_its_switches() -> None:
+    """The review's case: plain steps 10 ms; drafted ones 15 ms giving 2.5 tokens a row,
+    the first of a run after 10 ms processing the step in flight and followed by 2 ms of
+    launch with the device idle; the batch moves from bucket 128 to 64 at step 300. Bucket
+    64 drafted 12 of 2,000 steps (each of its samples an isolated probe, its switches
+    counted in its step time); it drafts nearly all of them."""
+    policy = SpeculationPolicy()
+    drafting = False
+    chosen = []
+    for step in range(2300):
+        batch = 100 if step < 300 else 50
+        draft = policy.wants_drafts(batch)
+        if step >= 300:
+            chosen.append(draft)
+        if draft:
+            switch = 0.0 if drafting else 10.0
+            policy.record(StepSample(batch, True, 15.0, batch, round(batch * 1.5), switch))
+        else:
+            if drafting:
+                policy.charge_switch_back(batch, 2.0)
+            policy.record(StepSample(batch, False, 10.0))
+        drafting = draft
+    assert sum(chosen) >= 0.9 * len(chosen), sum(chosen)
 
 
 def test_costly_drafting_is_probed_less_often() -> None:
@@ -107,8 +136,9 @@ def test_warmup_stops_once_drafting_cannot_pay() -> None:
     """If one drafted step costs more than 1 + max_drafts plain ones, no acceptance could
     repay it: the bucket stops drafting at once instead of after its warm-up."""
     policy = SpeculationPolicy(warmup=4, max_drafts=4)
-    chosen = _feed(policy, 256, 100, plain_ms=1.6, draft_ms=8.1, share=1.0, accepted=4.0)
-    assert chosen[:3] == [False, True, False] and sum(chosen) == 1
+    chosen = _feed(policy, 256, 300, plain_ms=1.6, draft_ms=8.1, share=1.0, accepted=4.0)
+    # (one more drafted sample 50 steps on, then the probes spaced by their cost)
+    assert chosen[:3] == [False, True, False] and sum(chosen) == 2 and chosen[53]
     # Short of it, the warm-up runs in full: 5 tokens a row could repay 4.7x.
     policy = SpeculationPolicy(warmup=4, max_drafts=4)
     chosen = _feed(policy, 256, 100, plain_ms=1.6, draft_ms=7.5, share=0.1, accepted=0.5)

@@ -11,14 +11,18 @@ for the batch's size bucket (powers of two), from decode-only steps:
     drafted:  B * (1 + f * m) tokens   in t_draft  (wall ms of recent drafted steps)
 
 where f is the share of rows the proposer found drafts for and m the mean accepted drafts
-per drafted row (recent drafted steps). A synchronous drafted step also leaves the device
-idle while the step in flight before it is processed and while the next plain step is
-scheduled and launched (nothing in flight to overlap): both are charged to t_draft
-(``charge_switch_back``; the engine adds the first to the drafted sample). It drafts when
-(1 + f * m) / t_draft beats 1 / t_plain by ``margin``.
+per drafted row (recent drafted steps). Switching to synchronous drafted steps also leaves
+the device idle while the step in flight before the first is processed, and switching back
+while the next plain step is scheduled and launched (nothing in flight to overlap): t_switch,
+paid once per run of drafted steps (``StepSample.switch_ms``, ``charge_switch_back``), so
+spread over the ``probe_every`` drafted steps a run lasts between plain probes, and paid
+in full by a drafting probe. It drafts when (1 + f * m) / (t_draft + t_switch / probe_every)
+beats 1 / t_plain by ``margin``.
 
-t_plain and t_draft are medians of a bucket's last five samples (the shortest while
-fewer than three): one slow step (a collection pause, a compile) moves neither for long.
+t_plain, t_draft and t_switch are medians of a bucket's last five samples (the shortest
+while fewer than three): one slow step (a collection pause, a compile) moves none for long;
+and until a bucket has two drafted samples it probes drafting again after
+``probe_drafts_every`` plain steps, whatever the first cost.
 f and m are the data's more than the batch's: until a bucket has drafted ``warmup`` steps
 of its own it takes those of all buckets (a row's first tokens rarely match anything yet,
 so the run drafts ``warmup`` steps before any bucket decides). A bucket times its own
@@ -60,6 +64,7 @@ class StepSample:
     wall_ms: float
     drafted_rows: int = 0
     accepted: int = 0
+    switch_ms: float = 0.0  # a drafted step's: the switch from async steps before it
 
 
 class _Times:
@@ -69,6 +74,9 @@ class _Times:
 
     def __init__(self) -> None:
         self._ms: deque[float] = deque(maxlen=_TIMES)
+
+    def __len__(self) -> int:
+        return len(self._ms)
 
     def add(self, ms: float) -> None:
         self._ms.append(ms)
@@ -107,6 +115,7 @@ class _Yield:
 class _Bucket:
     plain: _Times = field(default_factory=_Times)
     draft: _Times = field(default_factory=_Times)
+    switch: _Times = field(default_factory=_Times)
     drafts: _Yield = field(default_factory=_Yield)
     steps: int = 0
     last_plain: int = -(10**9)
@@ -145,19 +154,25 @@ class SpeculationPolicy:
         if self._drafts.steps < self.warmup and not self._hopeless(draft_ms, plain_ms):
             return True  # the run's first drafted steps
         drafts = b.drafts if b.drafts.steps >= self.warmup else self._drafts
-        gain = drafts.tokens_per_row() / draft_ms - (1 + self.margin) / plain_ms
+        switch_ms = b.switch.ms or 0.0
+        per_step_ms = draft_ms + switch_ms / self.probe_every
+        gain = drafts.tokens_per_row() / per_step_ms - (1 + self.margin) / plain_ms
         if gain > 0:
             return b.steps - b.last_plain < self.probe_every
-        return b.steps - b.last_draft >= self._draft_probe_interval(draft_ms, plain_ms)
+        if len(b.draft) < 2:  # one drafted sample decides nothing for long
+            return b.steps - b.last_draft > self.probe_drafts_every
+        interval = self._draft_probe_interval(draft_ms + switch_ms, plain_ms)
+        return b.steps - b.last_draft >= interval
 
     def _hopeless(self, draft_ms: float, plain_ms: float) -> bool:
         """Whether drafted steps cost more than the most they could give."""
         return (1 + self.max_drafts) / draft_ms <= (1 + self.margin) / plain_ms
 
-    def _draft_probe_interval(self, draft_ms: float, plain_ms: float) -> int:
-        """Plain steps between two drafting probes: a probe's extra time (a drafted step
-        less a plain one) over the plain steps between probes stays under probe_share."""
-        wanted = math.ceil((draft_ms / plain_ms - 1) / self.probe_share)
+    def _draft_probe_interval(self, probe_ms: float, plain_ms: float) -> int:
+        """Plain steps between two drafting probes: a probe's extra time (a drafted step and
+        the switches to it and back, less a plain step) over the plain steps between probes
+        stays under probe_share."""
+        wanted = math.ceil((probe_ms / plain_ms - 1) / self.probe_share)
         return min(max(self.probe_drafts_every, wanted), self.max_probe_gap)
 
     def record(self, sample: StepSample) -> None:
@@ -168,18 +183,24 @@ class SpeculationPolicy:
             b.last_plain = b.steps
             return
         b.draft.add(sample.wall_ms)
+        if sample.switch_ms:
+            b.switch.add(sample.switch_ms)
         b.drafts.add(sample)
         self._drafts.add(sample)
         b.last_draft = b.steps
 
     def charge_switch_back(self, batch: int, wall_ms: float) -> None:
         """The first plain step after a synchronous drafted one is scheduled and launched
-        with the device idle (nothing in flight to overlap): ``wall_ms`` of that is the
-        drafted step's cost (``batch``: that step's rows), added to its bucket's newest
-        drafted sample."""
+        with the device idle (nothing in flight to overlap): ``wall_ms`` of that is a cost
+        of the switch (``batch``: the drafted step's rows), added to the switch to drafting
+        that began the run of drafted steps."""
         b = self._buckets.get(self.bucket_of(batch))
-        if b is not None and b.draft.ms is not None:
-            b.draft.lengthen_last(wall_ms)
+        if b is None or b.draft.ms is None:
+            return
+        if len(b.switch):
+            b.switch.lengthen_last(wall_ms)
+        else:
+            b.switch.add(wall_ms)
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
         """Per batch bucket: mean plain and drafted step ms, f and m (for the step profile)."""
@@ -187,6 +208,7 @@ class SpeculationPolicy:
             size: {
                 "plain_ms": b.plain.ms,
                 "draft_ms": b.draft.ms,
+                "switch_ms": b.switch.ms,
                 "drafted_share": b.drafts.share,
                 "accepted_per_drafted_row": b.drafts.accepted,
             }
