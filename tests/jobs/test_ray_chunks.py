@@ -82,3 +82,31 @@ def test_bad_arguments_are_refused() -> None:
         ChunkRecovery("m", poison_failures=0)
     with pytest.raises(ValueError, match="at least one row"):
         ChunkRecovery("m").chunk([])
+
+
+def test_a_replica_that_dies_while_starting_is_a_lost_replica_of_the_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica whose process died while it loaded its model was restarted without a word
+    to the report: `replica_failures.replicas` counted only replicas that died holding
+    rows. Now the pool hands the executor the loss (no rows in it), which counts it."""
+    ray = pytest.importorskip("ray")
+    from tokenmill.jobs.ray_executor import RayExecutor, _Run
+    from tokenmill.jobs.ray_replica_failures import ReplicaFailures
+    from tokenmill.jobs.ray_replica_pool import ReplicaLost, ReplicaPool, ReplicaSlot
+
+    pool = object.__new__(ReplicaPool)  # no actors: the start and kill are Ray's
+    pool._model, pool.slots = "m", [ReplicaSlot(0), ReplicaSlot(1)]
+    monkeypatch.setattr(pool, "_start", lambda slot: None)
+    monkeypatch.setattr(pool, "_kill", lambda slot: None)
+    lost = pool._start_failed(pool.slots[0], ray.exceptions.RayActorError())
+    assert isinstance(lost, ReplicaLost) and lost.chunks == [] and not lost.alone
+    assert pool.slots[0].restarts == 1 and "while starting" in lost.reason
+
+    executor = object.__new__(RayExecutor)
+    executor.failures, executor._recovery = ReplicaFailures(), ChunkRecovery("m")
+    executor._router = None
+    executor.chunk_rows = 4
+    run = _Run(pool, source=None)
+    assert executor._lost(lost, run) == []
+    assert (executor.failures.replicas, executor.failures.rows_rerun) == (1, 0)

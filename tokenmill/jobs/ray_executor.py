@@ -284,11 +284,11 @@ class RayExecutor:
         rows = sum(len(c) for c in event.chunks)
         self.failures.replicas += 1
         log.warning(
-            "Ray replica %d failed with %d rows in flight (%s); a new replica takes its "
-            "place, and its rows run again",
+            "Ray replica %d failed with %d rows in flight (%s); a new replica takes its place%s",
             event.slot.index,
             rows,
             event.reason,
+            ", and its rows run again" if rows else "",
         )
         poisoned = []
         for chunk in event.chunks:

@@ -114,8 +114,9 @@ class ChunkDone:
 
 @dataclass(frozen=True)
 class ReplicaLost:
-    """A replica failed with ``chunks`` in flight (all lost); a new one is starting.
-    ``alone``: it held one chunk only, so the failure is that chunk's."""
+    """A replica failed with ``chunks`` in flight (all lost; none where it died while
+    starting); a new one is starting. ``alone``: it held one chunk only, so the failure is
+    that chunk's."""
 
     slot: ReplicaSlot
     chunks: list[Chunk]
@@ -198,7 +199,7 @@ class ReplicaPool:
         for ref, exc in failed:  # after the successes: a chunk that finished is not lost
             slot = owner[ref]
             if ref == slot.starting:
-                self._start_failed(slot, exc)
+                events.append(self._start_failed(slot, exc))
             elif ref in slot.running:  # not dropped already with an earlier failure
                 events.append(self._lost(slot, self._reason(slot, exc)))
         return events + self._stalled()
@@ -277,7 +278,9 @@ class ReplicaPool:
         self._start(slot)
         return ReplicaLost(slot, chunks, alone=len(chunks) == 1, reason=reason)
 
-    def _start_failed(self, slot: ReplicaSlot, exc: BaseException) -> None:
+    def _start_failed(self, slot: ReplicaSlot, exc: BaseException) -> ReplicaLost:
+        """A replica died while starting: a new one takes its place (it held no rows), or,
+        where starting again cannot help, ReplicaStartError / JobSpecError."""
         if isinstance(exc, ReplicaModelError):  # Ray's error is also the replica's type
             raise JobSpecError(
                 f"model.source {self._model!r} cannot be loaded on Ray replica {slot.index}: "
@@ -296,12 +299,10 @@ class ReplicaPool:
                 f"starting with model.source {self._model!r} ({exc}); check the replica's "
                 "memory (engine.kv_cache_memory, a smaller model) and the Ray worker logs"
             ) from None
-        log.warning(
-            "Ray replica %d failed while starting (%s); starting a new one", slot.index, exc
-        )
         self._kill(slot)
         slot.restarts += 1
         self._start(slot)
+        return ReplicaLost(slot, [], alone=False, reason=f"it died while starting: {exc}")
 
     def _release_dropped(self) -> None:
         """Read the finished calls of failed replicas (Ray logs an error never read)."""
