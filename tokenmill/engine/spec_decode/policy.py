@@ -20,17 +20,17 @@ in full by a drafting probe. It drafts when (1 + f * m) / (t_draft + t_switch / 
 beats 1 / t_plain by ``margin``.
 
 t_plain, t_draft and t_switch are medians of a bucket's last five samples (the shortest
-while fewer than three): one slow step (a collection pause, a compile) moves none for long;
-and until a bucket has two drafted samples it probes drafting again after
-``probe_drafts_every`` plain steps, whatever the first cost.
+while fewer than three): one slow step (a collection pause, a compile) moves none for long.
 f and m are the data's more than the batch's: until a bucket has drafted ``warmup`` steps
 of its own it takes those of all buckets (a row's first tokens rarely match anything yet,
 so the run drafts ``warmup`` steps before any bucket decides). A bucket times its own
 plain step first (a plain step costs nothing to take), then one drafted step, then decides;
 where one drafted step costs more than the most it could give (every row ``max_drafts``
-tokens, all accepted), it stops at once. (A 1,024-row run through 256 slots passes through
-six buckets as its last rows drain: a warm-up of four synchronous drafted steps in each was
-a sizable share of it.)
+tokens, all accepted), it stops at once, and probes drafting again after
+``probe_drafts_every`` plain steps until it has two drafted samples. (A 1,024-row run
+through 256 slots passes through six buckets as its last rows drain: a warm-up of four
+synchronous drafted steps in each was a sizable share of it.)
+
 After that the mode not chosen is probed again, so the estimates follow the data and the
 batch: plain every ``probe_every`` steps; drafting every ``probe_drafts_every`` plain steps,
 or less often where a drafted step costs several plain ones, so that the probes' extra
