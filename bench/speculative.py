@@ -80,6 +80,12 @@ class StepClock:
     def table(self) -> dict[int, list]:
         return {k: [c, d, round(ms, 1)] for k, (c, d, ms) in sorted(self.buckets.items())}
 
+    def detach(self) -> None:
+        """Give the engine its own ``step`` back: the wrapper and the engine held each other,
+        and the next run's engine found the GPU still full (its KV cache not freed)."""
+        del self.engine.step
+        self.engine = self.step = None
+
 
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
@@ -109,6 +115,7 @@ def run(
     seconds = time.perf_counter() - start
     stats = since(before, llm.engine.scheduler.stats.speculative())
     if clock is not None:
+        clock.detach()
         stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table()}
     llm.engine.close()
     del llm

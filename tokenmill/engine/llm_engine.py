@@ -382,6 +382,8 @@ class LLMEngine:
         self.stop()
         self._outputs.close()
         self._grammars.close()
+        if self._learner is not None:
+            self._learner.close()
 
     def stop(self) -> None:
         """Refuse every later step and request (the closed engine's error) and release

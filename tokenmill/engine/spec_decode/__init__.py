@@ -13,9 +13,12 @@ __all__ = ["LearnsFromOutputs", "build_proposer"]
 
 @runtime_checkable
 class LearnsFromOutputs(Protocol):
-    """A proposer that drafts from finished outputs: the engine hands them over."""
+    """A proposer that drafts from finished outputs: the engine hands them over, and closes
+    it (its background work) when the engine closes."""
 
     def observe(self, outputs: list[list[int]]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:

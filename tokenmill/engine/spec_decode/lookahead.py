@@ -164,6 +164,9 @@ class LookaheadProposer:
             every = np.concatenate(grams)
             self.pool.add(every[:, 0], every[:, 1:])
 
+    def close(self) -> None:
+        """Nothing runs beside the engine here."""
+
     def _start_rows(self, slots: BatchSlots, rows: np.ndarray) -> None:
         """Fresh windows (random tokens of the prompt) for rows another request holds now."""
         if len(self.bases) < slots.capacity:

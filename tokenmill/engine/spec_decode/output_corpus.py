@@ -16,6 +16,8 @@ names. Drafts stop at a separator: one output never continues into the next.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from tokenmill.engine.spec_decode.gram_hash import GramHasher
@@ -40,9 +42,9 @@ class OutputCorpus:
         self._end = np.full(1 << table_bits, -1, dtype=np.int64)  # entry -> absolute position
         self.written = 0  # tokens ever written (absolute position of the next one)
 
-    def add(self, outputs: list[list[int]]) -> None:
+    def add(self, outputs: Sequence[Sequence[int] | np.ndarray]) -> None:
         """Append finished outputs (each then a separator) and index their m-grams."""
-        outputs = [o for o in outputs if o]
+        outputs = [o for o in outputs if len(o)]
         if not outputs:
             return
         tokens = np.concatenate([np.append(np.asarray(o, dtype=np.int64), _SEPARATOR)

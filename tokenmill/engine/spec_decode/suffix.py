@@ -7,10 +7,16 @@ Two sources, the longer matching suffix wins:
     of ``corpus_min_n`` .. ``corpus_max_n`` tokens, so only a long shared context drafts
     from another row (a short one would often guess wrong).
 
-The engine calls ``observe`` with the outputs of requests as they finish.
+The engine calls ``observe`` with the outputs of requests as they finish. Indexing them
+(hashing every gram of every new token: ~0.4 us a token, 40 ms of a 1 s run of 97k tokens
+on an H100 host, on the engine thread between two steps, whether the policy drafted or
+not) runs on a worker thread, beside the steps; ``predict`` first waits for what was
+observed before it, so drafts do not depend on timing.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -34,10 +40,19 @@ class SuffixProposer:
         self.max_drafts = max_drafts
         self.own = NgramProposer(max_drafts, min_n, max_n)
         self.corpus = OutputCorpus(corpus_tokens, corpus_min_n, corpus_max_n)
+        self._indexer = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-suffix-index")
+        self._indexed: Future[None] | None = None  # the last indexing asked for
 
     def observe(self, outputs: list[list[int]]) -> None:
-        """Outputs of requests that just finished: later rows may draft from them."""
-        self.corpus.add(outputs)
+        """Outputs of requests that just finished: later rows may draft from them (indexed
+        on the worker thread, in the order observed; copied here, as they are now)."""
+        copies = [np.asarray(o, dtype=np.int64) for o in outputs if len(o)]
+        if copies:
+            self._indexed = self._indexer.submit(self.corpus.add, copies)
+
+    def close(self) -> None:
+        """Stop the indexing worker (what it has queued is dropped)."""
+        self._indexer.shutdown(wait=False, cancel_futures=True)
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
         """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
@@ -50,6 +65,9 @@ class SuffixProposer:
         tokens, n = slots.token_ids, slots.num_tokens[rows].astype(np.int64)
         start, own_len = self.own.match(slots, rows)
         drafts = self.own.drafts_from(tokens, rows, start, n, count)
+        if self._indexed is not None:  # every output observed so far is indexed first
+            self._indexed.result()
+            self._indexed = None
         if self.corpus.written == 0:
             return drafts
         back = self.corpus.hasher.back
