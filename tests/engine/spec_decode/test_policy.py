@@ -148,8 +148,8 @@ def test_warmup_stops_once_drafting_cannot_pay() -> None:
 def test_a_bucket_times_a_plain_step_then_a_drafted_one_then_decides() -> None:
     """After the run's warm-up a new bucket takes one plain and one drafted step, then
     decides with the acceptance of every bucket's drafted steps: the last rows of a run
-    pass through six buckets, and four warm-up drafted steps in each were a sizable share
-    of a 1,024-row run. A bucket's own acceptance takes over once it has drafted enough."""
+    pass through six buckets, and four warm-up drafted steps in each came to 24
+    synchronous steps. A bucket's own acceptance takes over once it has drafted enough."""
     policy = SpeculationPolicy(warmup=4, probe_every=1000, probe_drafts_every=1000)
     assert not policy.wants_drafts(100)  # nothing timed anywhere: plain
     _feed(policy, 100, 10, plain_ms=2.0, draft_ms=3.0, share=1.0, accepted=3.0)  # pays

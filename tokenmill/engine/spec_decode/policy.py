@@ -29,7 +29,7 @@ where one drafted step costs more than the most it could give (every row ``max_d
 tokens, all accepted), it stops at once, and probes drafting again after
 ``probe_drafts_every`` plain steps until it has two drafted samples. (A 1,024-row run
 through 256 slots passes through six buckets as its last rows drain: a warm-up of four
-synchronous drafted steps in each was a sizable share of it.)
+synchronous drafted steps in each came to 24 of them.)
 
 After that the mode not chosen is probed again, so the estimates follow the data and the
 batch: plain every ``probe_every`` steps; drafting every ``probe_drafts_every`` plain steps,
