@@ -3,6 +3,8 @@ and SuffixProposer choosing between a row's own tokens and the corpus."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -82,8 +84,6 @@ def test_the_suffix_proposer_indexes_outputs_beside_the_steps_and_drafts_as_if_a
     """Indexing finished outputs cost ~0.4 us a token on the engine thread between two
     steps, whether the policy drafted or not; it runs on a worker thread now, and a
     proposal waits for everything observed before it (drafts never depend on timing)."""
-    import threading
-
     proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
     gate, threads = threading.Event(), []
     add = proposer.corpus.add
@@ -104,3 +104,31 @@ def test_the_suffix_proposer_indexes_outputs_beside_the_steps_and_drafts_as_if_a
     assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]
     assert threads == ["tokenmill-suffix-index_0"]
     proposer.close()
+
+
+def test_an_indexing_failure_is_raised_once_by_the_next_proposal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review: a failed indexing raised at every later proposal (the engine never
+    recovered), and one followed by another indexing was never raised at all."""
+    proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
+    add, calls = proposer.corpus.add, []
+
+    def add_failing_first(outputs):
+        calls.append(threading.current_thread())
+        if len(calls) == 1:
+            raise ValueError("boom")
+        add(outputs)
+
+    monkeypatch.setattr(proposer.corpus, "add", add_failing_first)
+    proposer.observe([[1, 2, 3, 4]])  # fails on the worker
+    proposer.observe([[60, 61, 62, 63, 64, 65, 66, 67]])  # indexed
+    slots = BatchSlots(4, 64, 16)
+    slots.token_ids[0, :7] = [1, 2, 60, 61, 62, 63, 64]
+    slots.num_tokens[0] = 7
+    slots.requests[0] = object()
+    with pytest.raises(RuntimeError, match="indexing finished outputs.*boom"):
+        proposer.propose(slots, np.arange(1))
+    assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]  # once only
+    proposer.close()  # waits for its worker
+    assert not calls[0].is_alive()

@@ -16,7 +16,7 @@ observed before it, so drafts do not depend on timing.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -41,18 +41,38 @@ class SuffixProposer:
         self.own = NgramProposer(max_drafts, min_n, max_n)
         self.corpus = OutputCorpus(corpus_tokens, corpus_min_n, corpus_max_n)
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-suffix-index")
-        self._indexed: Future[None] | None = None  # the last indexing asked for
+        self._queued = False  # outputs handed to the worker since the last proposal
+        self._failure: BaseException | None = None  # the worker's first, until raised
 
     def observe(self, outputs: list[list[int]]) -> None:
         """Outputs of requests that just finished: later rows may draft from them (indexed
         on the worker thread, in the order observed; copied here, as they are now)."""
         copies = [np.asarray(o, dtype=np.int64) for o in outputs if len(o)]
         if copies:
-            self._indexed = self._indexer.submit(self.corpus.add, copies)
+            self._queued = True  # (before the hand-over: an interrupt between loses none)
+            self._indexer.submit(self._index, copies)
+
+    def _index(self, outputs: list[np.ndarray]) -> None:
+        try:
+            self.corpus.add(outputs)
+        except BaseException as exc:  # raised by the next proposal, on the engine's thread
+            self._failure = self._failure or exc
+
+    def _wait_for_index(self) -> None:
+        """Return once everything observed is indexed (the worker runs in order: a no-op
+        queued now runs after it); raise, once, what indexing raised."""
+        if self._queued:
+            self._indexer.submit(lambda: None).result()
+            self._queued = False
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise RuntimeError(
+                f"the suffix proposer failed indexing finished outputs: {failure!r}"
+            ) from failure
 
     def close(self) -> None:
-        """Stop the indexing worker (what it has queued is dropped)."""
-        self._indexer.shutdown(wait=False, cancel_futures=True)
+        """Stop the indexing worker once its current batch is done (the rest is dropped)."""
+        self._indexer.shutdown(wait=True, cancel_futures=True)
 
     def propose(self, slots: BatchSlots, rows: np.ndarray) -> np.ndarray:
         """[R, max_drafts] drafts for the slots ``rows`` (-1 past a row's drafts)."""
@@ -65,9 +85,7 @@ class SuffixProposer:
         tokens, n = slots.token_ids, slots.num_tokens[rows].astype(np.int64)
         start, own_len = self.own.match(slots, rows)
         drafts = self.own.drafts_from(tokens, rows, start, n, count)
-        if self._indexed is not None:  # every output observed so far is indexed first
-            self._indexed.result()
-            self._indexed = None
+        self._wait_for_index()  # every output observed so far is indexed first
         if self.corpus.written == 0:
             return drafts
         back = self.corpus.hasher.back
