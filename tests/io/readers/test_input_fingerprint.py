@@ -89,7 +89,7 @@ def test_a_first_line_of_a_byte_order_mark_alone_is_in_the_fingerprint(
     for path, data in ((marked, b"\xef\xbb\xbf\n" + body), (plain, b"\xef\xbb\xbf" + body)):
         path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
     now = {p: input_fingerprint(InputConfig(path=str(p))) for p in (marked, plain)}
-    monkeypatch.setattr(fingerprint_module, "_mark_alone_first", lambda url, options: False)
+    monkeypatch.setattr(fingerprint_module, "_mark_alone_first", lambda url, head, options: False)
     before = {p: input_fingerprint(InputConfig(path=str(p))) for p in (marked, plain)}
     assert now[marked] != before[marked]
     assert now[plain] == before[plain]

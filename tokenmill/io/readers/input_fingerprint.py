@@ -6,7 +6,11 @@ import hashlib
 import json
 from typing import Any
 
-from tokenmill.io.readers.compression import open_input
+from tokenmill.io.readers.compression import (
+    compression_by_magic,
+    compression_by_suffix,
+    open_input,
+)
 from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.format_detection import detect_format
@@ -60,19 +64,23 @@ def _file_entry(url: str, storage_options: dict[str, Any], lines: bool = False) 
             f.seek(max(size - EDGE_BYTES, 0))
             tail = f.read(EDGE_BYTES)
     entry = [url, size, hashlib.sha256(head).hexdigest(), hashlib.sha256(tail).hexdigest()]
-    if lines and not head.startswith(b"{") and _mark_alone_first(url, storage_options):
+    if lines and not head.startswith(b"{") and _mark_alone_first(url, head, storage_options):
         entry.append("bom-line")
     return entry
 
 
-def _mark_alone_first(url: str, storage_options: dict[str, Any]) -> bool:
+def _mark_alone_first(url: str, head: bytes, storage_options: dict[str, Any]) -> bool:
     """Whether the file's first line (decompressed) is a byte-order mark alone. Such a line
     was an error row (row 0) before 9800fb8 and is no row since, so every later row's index
     moved by one: the mark in the fingerprint refuses a resume of a job begun before (it
     would lose a row and repeat one); every other file keeps the entry old jobs resume with.
-    """
-    with open_input(url, storage_options) as f:
-        first = f.readline()
+    ``head``: the file's first bytes, which hold the line unless the file is compressed
+    (then it is opened again, decompressing its first line)."""
+    if compression_by_suffix(url) or compression_by_magic(head[:10]):
+        with open_input(url, storage_options) as f:
+            first = f.readline()
+    else:
+        first = head.split(b"\n", 1)[0]
     return first.startswith(b"\xef\xbb\xbf") and not first[3:].strip()
 
 
