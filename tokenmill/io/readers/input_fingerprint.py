@@ -15,6 +15,7 @@ from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.io.readers.storage import resolve
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
@@ -81,7 +82,7 @@ def _mark_alone_first(url: str, head: bytes, storage_options: dict[str, Any]) ->
             first = f.readline()
     else:
         first = head.split(b"\n", 1)[0]
-    return first.startswith(b"\xef\xbb\xbf") and not first[3:].strip()
+    return blank_line(first, 1) and bool(first.strip())  # blank to the reader only for the mark
 
 
 def _read_to_end(f: Any, head: bytes) -> tuple[int, bytes]:
