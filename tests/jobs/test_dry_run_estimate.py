@@ -147,6 +147,22 @@ def test_the_estimate_takes_the_nearest_measured_entry_and_says_how_it_differs()
     assert cpu.entry.name == "smollm2-135m-cpu-fp32" and cpu.notes == ()
 
 
+def test_the_estimate_says_when_the_job_holds_far_fewer_rows_a_step_than_its_entry() -> None:
+    """The entries ran 64-1,024 rows a step; a job of 8 rows at a time (its rows, or
+    engine.max_num_seqs) decodes far fewer tokens a step, which the rate alone hid."""
+    h200 = ("gpu", "NVIDIA H200", "bfloat16", "none")
+    full = estimate_time(1000, 8_030_000_000, *h200, rows_in_flight=384)
+    half = estimate_time(1000, 8_030_000_000, *h200, rows_in_flight=200)
+    assert full.notes == half.notes == ()  # within a factor of two: the entry's own
+    few = estimate_time(1000, 8_030_000_000, *h200, rows_in_flight=8)
+    assert few.seconds == full.seconds  # a note, not a model of the hardware
+    assert few.notes == (
+        "a step holds at most 8 rows here (the job's rows, or engine.max_num_seqs, whichever "
+        "is fewer), 384 in the entry: a decode step takes about as long with fewer rows, so "
+        "expect it slower, by up to about 48x",
+    )
+
+
 def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -168,6 +184,7 @@ def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     est = report.estimate
     assert est is not None and est.entry.name == "tiny-llama-cpu"  # engine.device: cpu
     assert est.seconds == pytest.approx(72 / 85_000)
+    assert "a step holds at most 8 rows here" in est.notes[-1]  # max_num_seqs; the entry 1,024
     summary = report.summary()
     assert "duplicates      3 rows repeat an earlier row's prompt and sampling settings" in summary
     assert "output tokens   at most 72" in summary

@@ -4,6 +4,7 @@
     engine.device, the GPU seen here ──────────┼─► the nearest measured entry ─► its tok/s
     model.dtype, model.quantization ───────────┘
     predicted output tokens / tok/s ─► estimated time (one replica; Ray: / replicas)
+    rows a step can hold (rows, engine.max_num_seqs) ─► a note when far below the entry's
 
 Every entry is a figure measured by a benchmark and written in BENCHMARKS.md; nothing here
 models hardware. An entry is chosen by device (GPU or CPU) first, then by size (within a
@@ -36,6 +37,7 @@ class ThroughputEntry:
     dtype: str
     quantization: str
     output_tokens_per_s: float
+    rows_in_flight: int  # the most rows a decode step of the measured run held
     figure: str  # as BENCHMARKS.md writes it
     workload: str
     source: str  # the heading of its section in BENCHMARKS.md
@@ -82,10 +84,12 @@ def estimate_time(
     quantization: str,
     replicas: int = 1,
     table: list[ThroughputEntry] | None = None,
+    rows_in_flight: int | None = None,
 ) -> Estimate:
     """The time ``output_tokens`` take at the rate of the entry nearest to the job: a model of
     ``params`` weights on ``device`` ("gpu" or "cpu"; ``gpu_name`` when one is visible), in
-    ``dtype`` with ``quantization``, over ``replicas`` replicas."""
+    ``dtype`` with ``quantization``, over ``replicas`` replicas, each decode step holding up
+    to ``rows_in_flight`` rows (None: not known)."""
     entries = table if table is not None else load_table()
     if not entries:
         raise ValueError(f"{TABLE_FILE} has no entries")
@@ -103,6 +107,13 @@ def estimate_time(
 
     entry = min(same_device, key=distance)
     notes = _differences(entry, params, device, gpu_name, dtype, quantization)
+    if rows_in_flight is not None and rows_in_flight * 2 <= entry.rows_in_flight:
+        notes.append(
+            f"a step holds at most {rows_in_flight:,} rows here (the job's rows, or "
+            f"engine.max_num_seqs, whichever is fewer), {entry.rows_in_flight:,} in the entry: "
+            "a decode step takes about as long with fewer rows, so expect it slower, by up to "
+            f"about {entry.rows_in_flight / max(rows_in_flight, 1):,.0f}x"
+        )
     seconds = output_tokens / entry.output_tokens_per_s
     return Estimate(entry, output_tokens, seconds, max(replicas, 1), tuple(notes))
 
