@@ -82,8 +82,8 @@ def test_the_fingerprint_is_the_same_with_or_without_a_length(
 ) -> None:
     no_length, plain = servers
     for name in ("big.jsonl", "big.jsonl.gz", "rows.jsonl"):
-        streamed = _file_entry(f"{no_length}/{name}", {})
-        sized = _file_entry(f"{plain}/{name}", {})
+        streamed, _ = _file_entry(f"{no_length}/{name}", {})
+        sized, _ = _file_entry(f"{plain}/{name}", {})
         assert streamed[1:] == sized[1:]  # size, head and tail hashes (the URLs differ)
 
 

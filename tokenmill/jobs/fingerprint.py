@@ -12,7 +12,10 @@ speculation, replicas) is left out: it does not change greedy results.
 The model's content is sampled too (``model_content``: small files whole, weights at 32
 places each), so a checkpoint saved again into the same folder at the same sizes is told
 apart. It sits beside the hash, not in it (``UNHASHED``): a job whose manifest predates it
-still resumes, and it is compared wherever the manifest has it (``same_content``).
+still resumes, and it is compared wherever the manifest has it (``same_content``). So
+are the input objects' versions (``input_versions``: an object store's ETag or MD5 per
+file), which tell an object rewritten in its middle at the same size, where the input's
+hash reads only each file's first and last MiB.
 
 The settings themselves are kept beside the hash in the manifest, so that a refused resume
 can say which of them changed (``changed_settings``).
@@ -35,8 +38,10 @@ RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
 # Kept and compared beside the hash (module docstring); resolved_dtype: what model.dtype
 # auto is on the device of a local run (runner.settings_of); input_files: how many input
-# files and bytes (what a changed input fingerprint changed: a file added, one rewritten).
-UNHASHED = ("model_content", "resolved_dtype", "input_files")
+# files and bytes (what a changed input fingerprint changed: a file added, one rewritten);
+# input_versions: {url: version} of the input files an object store versions (none for
+# local files).
+UNHASHED = ("model_content", "resolved_dtype", "input_files", "input_versions")
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -81,9 +86,11 @@ def job_settings(
     chat_template: str | None,
     input_fingerprint: str,
     input_files: dict[str, int] | None = None,
+    input_versions: dict[str, str] | None = None,
 ) -> JobSettings:
     """Everything that changes results, as plain JSON values (and ``input_files``, the
-    input's file and byte counts, beside them: ``UNHASHED``)."""
+    input's file and byte counts, and ``input_versions``, its objects' versions where the
+    store gives them, beside them: ``UNHASHED``)."""
     settings = {
         "model": model_identity(model_path),
         "model_content": model_content(model_path),
@@ -96,6 +103,8 @@ def job_settings(
     }
     if input_files is not None:
         settings["input_files"] = input_files
+    if input_versions:  # absent for local files: their manifests stay as they were
+        settings["input_versions"] = input_versions
     if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
         settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
     engine = {
@@ -129,17 +138,22 @@ def settings_record(settings: JobSettings) -> JobSettings:
 
 
 def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
-    """``["sampling.max_tokens: 8 -> 12", ...]`` for every leaf that differs (sorted)."""
+    """``["sampling.max_tokens: 8 -> 12", ...]`` for every leaf that differs (sorted). An
+    unhashed setting's leaf that one side lacks is left out: a manifest that predates the
+    setting compares it from then on, and a file added or gone is said by the input's hash
+    and ``input_files``, not as ``input_versions.<url>: (unset) -> ...``."""
     old_flat, new_flat = _flatten(_engine_defaults(old)), _flatten(_engine_defaults(new))
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
-        if before == after or (key in UNHASHED and "(unset)" in (before, after)):
-            continue  # (an unhashed setting a manifest predates is compared from then on)
+        top = key.split(".", 1)[0]  # (input_versions' keys are URLs, with dots in them)
+        if before == after or (top in UNHASHED and "(unset)" in (before, after)):
+            continue
         if key in _HASHED:  # two hex digests say nothing to a reader
             out.append(f"{key}: {_HASHED[key]} (fingerprint {_short(before)} -> {_short(after)})")
         else:
-            why = f" ({_MEANING[key]})" if key in _MEANING else ""
+            meaning = _MEANING.get(key) or _MEANING.get(f"{top}.*")
+            why = f" ({meaning})" if meaning else ""
             out.append(f"{key}: {_short(before)} -> {_short(after)}{why}")
     return out
 
@@ -156,6 +170,8 @@ _MEANING = {
     "resolved_dtype": "model.dtype auto on another kind of device",
     "input_files.files": "input files",
     "input_files.bytes": "bytes in the input files",
+    "input_versions.*": "the object was written again in storage since: its rows may differ "
+    "anywhere in it, even at the same size and first and last MiB",
 }
 
 

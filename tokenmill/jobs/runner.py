@@ -422,11 +422,16 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     settings = manifest.settings or {}
     if "input" not in settings:
         return
-    now, files = fingerprint_input(cfg)
-    if now == settings["input"]:
+    now, files, versions = fingerprint_input(cfg, fresh=True)  # not a listing cached at start
+    started = settings.get("input_versions") or {}
+    rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)
+    if now == settings["input"] and not rewritten:
         return
     before = settings.get("input_files")
     sizes = f" ({before['bytes']:,} -> {files['bytes']:,} bytes)" if before else ""
+    if rewritten:  # (an object rewritten at its size: its version says so, its hash may not)
+        more = f" and {len(rewritten) - 1} more" if len(rewritten) > 1 else ""
+        sizes += f" ({hide_url_secrets(rewritten[0])}{more} written again in storage)"
     raise InputChangedError(
         f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{sizes}: "
         "a file was rewritten, appended to or replaced, so the rows it wrote may be of "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, NamedTuple
+
+import fsspec
 
 from tokenmill.io.readers.compression import (
     compression_by_magic,
@@ -20,6 +22,28 @@ from tokenmill.io.readers.storage import resolve
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
 _VERSION = 1  # bump when what goes into the fingerprint changes
+# The fields of an object store's file info that name the content of an object (its
+# ``fs.info``, from a HEAD or a listing), first found wins: S3's ETag (an MD5, or
+# "md5-parts" for a multipart upload), GCS's MD5 (absent for a composed object: then its
+# generation), Azure's ETag. Other filesystems have none: a local file's mtime changes with
+# every copy, and an HTTP server's ETag is often made of the mtime too.
+_VERSION_FIELDS = {
+    "s3": ("ETag",),
+    "s3a": ("ETag",),
+    "gs": ("md5Hash", "generation"),
+    "gcs": ("md5Hash", "generation"),
+    "az": ("etag",),
+    "abfs": ("etag",),
+    "abfss": ("etag",),
+}
+
+
+class InputFingerprint(NamedTuple):
+    """What ``fingerprint_input`` tells of the input."""
+
+    digest: str  # input_fingerprint
+    counts: dict[str, int]  # {"files": how many, "bytes": their sizes' sum}
+    versions: dict[str, str]  # {url: the store's content version}, for files that have one
 
 
 def input_fingerprint(cfg: InputConfig) -> str:
@@ -33,10 +57,15 @@ def input_fingerprint(cfg: InputConfig) -> str:
     return fingerprint_input(cfg)[0]
 
 
-def fingerprint_input(cfg: InputConfig) -> tuple[str, dict[str, int]]:
-    """(``input_fingerprint``, ``{"files": how many, "bytes": their sizes' sum}``): the
-    counts say what kind of change a changed fingerprint is (a file added, one rewritten)."""
+def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint:
+    """``input_fingerprint`` with the files' counts, which say what kind of change a changed
+    fingerprint is (a file added, one rewritten), and their objects' versions, which tell an
+    object rewritten in its middle at the same size (the digest reads only its edges).
+    ``fresh``: ask the store again for each file's size and version rather than take them
+    from a listing the filesystem cached (a check that the input has not changed since)."""
     files = list_input_files(cfg)
+    if fresh:
+        _forget_cached(files, cfg.storage_options)
     fmt = detect_format(files, cfg.format, cfg.storage_options)
     how: dict[str, Any] = {"v": _VERSION, "format": fmt, "passthrough": cfg.passthrough_columns}
     if fmt != "openai-batch":
@@ -46,17 +75,35 @@ def fingerprint_input(cfg: InputConfig) -> tuple[str, dict[str, int]]:
     digest = hashlib.sha256(json.dumps(how, sort_keys=True).encode())
     size = 0
     lines = fmt != "parquet"
-    for entry in map_files(lambda url: _file_entry(url, cfg.storage_options, lines), files):
+    versions: dict[str, str] = {}
+    entries = map_files(lambda url: _file_entry(url, cfg.storage_options, lines), files)
+    for entry, version in entries:
         digest.update(json.dumps(entry).encode())
         size += entry[1]
-    return digest.hexdigest(), {"files": len(files), "bytes": size}
+        if version is not None:
+            versions[entry[0]] = version
+    return InputFingerprint(digest.hexdigest(), {"files": len(files), "bytes": size}, versions)
 
 
-def _file_entry(url: str, storage_options: dict[str, Any], lines: bool = False) -> list[Any]:
-    """The file's URL, size and hashes of its first and last MiB; for a line format
-    (``lines``) whose first line is a byte-order mark alone, "bom-line" too."""
+def _forget_cached(files: list[str], storage_options: dict[str, Any]) -> None:
+    """Drop what the files' filesystems cached of them (s3fs: the listing's sizes and
+    ETags): their info comes from the store again, and s3fs's reads, which send the ETag
+    they know as a precondition, no longer fail on an object rewritten since."""
+    for url in files:
+        fs, path = resolve(url, storage_options)
+        fs.invalidate_cache(path)
+
+
+def _file_entry(
+    url: str, storage_options: dict[str, Any], lines: bool = False
+) -> tuple[list[Any], str | None]:
+    """(entry, version): the entry is the file's URL, size and hashes of its first and last
+    MiB, for a line format (``lines``) whose first line is a byte-order mark alone
+    "bom-line" too; the version is the store's (``content_version``), from the file info
+    its size comes from."""
     fs, path = resolve(url, storage_options)
-    size = fs.size(path)
+    info = fs.info(path)
+    size = info.get("size")
     with fs.open(path, "rb") as f:
         head = _read_up_to(f, EDGE_BYTES)
         if size is None:  # an HTTP server that sends no length: read through to the end
@@ -67,7 +114,19 @@ def _file_entry(url: str, storage_options: dict[str, Any], lines: bool = False) 
     entry = [url, size, hashlib.sha256(head).hexdigest(), hashlib.sha256(tail).hexdigest()]
     if lines and not head.startswith(b"{") and _mark_alone_first(url, head, storage_options):
         entry.append("bom-line")
-    return entry
+    return entry, content_version(fs, info)
+
+
+def content_version(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str | None:
+    """The version an object store gives a file's content (``_VERSION_FIELDS``) as one
+    string, or None where it gives none. The same from a listing as from a HEAD: S3 quotes
+    its ETags (and a weak one starts ``W/``), so both go."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    fields = next((_VERSION_FIELDS[p] for p in protocols if p in _VERSION_FIELDS), ())
+    value = next((info[name] for name in fields if info.get(name) not in (None, "")), None)
+    if value is None:
+        return None
+    return str(value).strip().removeprefix("W/").strip('"') or None
 
 
 def _mark_alone_first(url: str, head: bytes, storage_options: dict[str, Any]) -> bool:

@@ -1,0 +1,189 @@
+"""An object-storage input rewritten in its middle at the same size: the input's hash reads
+each file's first and last MiB only, so the object's version (S3's ETag) tells it, and a
+resume that would mix rows of the old content and the new is refused. (The edges are made
+``_EDGE`` bytes here, so that small files have a middle.)"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import s3fs
+
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tests.s3_server import s3_endpoint  # noqa: F401
+from tokenmill import run_job
+from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files
+from tokenmill.io.readers.input_fingerprint import content_version
+from tokenmill.jobs import runner
+from tokenmill.jobs.fingerprint import changed_settings, fingerprint, same_content
+from tokenmill.jobs.manifest import FingerprintMismatchError, InputChangedError, Manifest
+
+URL = "s3://jobs/in/rows.jsonl"
+_EDGE = 512  # input_fingerprint.EDGE_BYTES in these tests
+
+
+def _rows(middle: str) -> bytes:
+    """Three rows: the first and last padded past ``_EDGE`` bytes each, so the middle one
+    (``middle`` its question) lies outside both edges the input's hash reads."""
+    rows = chat_rows(3)
+    rows[0]["pad"] = rows[2]["pad"] = "x" * _EDGE
+    rows[1]["messages"][0]["content"] = middle
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+OLD, NEW = _rows("what is 2 + 2?"), _rows("what is 3 + 3?")  # same size, same edges
+
+
+@contextlib.contextmanager
+def _manifest(out: Path) -> Iterator[dict[str, Any]]:
+    """Job 'test''s manifest in ``out`` as a dict to edit; written back on leaving."""
+    path = out / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    yield manifest
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.fixture(autouse=True)
+def _small_edges(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module("tokenmill.io.readers.input_fingerprint")  # (not the function)
+    monkeypatch.setattr(module, "EDGE_BYTES", _EDGE)
+    assert len(OLD) > 2 * _EDGE and OLD[:_EDGE] == NEW[:_EDGE] and OLD[-_EDGE:] == NEW[-_EDGE:]
+
+
+@pytest.fixture
+def s3_job(s3_endpoint, tmp_path: Path, tiny_model: Path) -> tuple[Any, dict[str, Any]]:  # noqa: F811
+    """(filesystem, job spec): a job over ``URL`` (holding OLD), its output local."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("jobs")
+    fs.pipe_file(URL, OLD)
+    spec = job_dict(tiny_model, URL, tmp_path / "out", sampling={"max_tokens": 1})
+    spec["input"]["storage_options"] = options
+    return fs, spec
+
+
+def test_an_object_rewritten_in_its_middle_is_refused(s3_job, tmp_path: Path) -> None:
+    fs, spec = s3_job
+    assert run_job(spec, show_progress=False).status == "complete"
+    etag = fs.info(URL)["ETag"].strip('"')
+    with _manifest(tmp_path / "out") as manifest:
+        assert manifest["settings"]["input_versions"] == {URL: etag}
+        manifest["complete"] = False  # stopped part way
+    fs.pipe_file(URL, OLD)  # uploaded again as it was: the same ETag, the job resumes
+    assert run_job(spec, show_progress=False).status == "complete"
+
+    fs.pipe_file(URL, NEW)
+    new = fs.info(URL)["ETag"].strip('"')
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    message = str(info.value)
+    assert f'input_versions.{URL}: "{etag}" -> "{new}" (the object was written again' in message
+    assert "input:" not in message  # its hash did not see it
+    assert "--fresh" in message and "output.path elsewhere" in message
+
+
+def test_an_object_rewritten_while_a_run_reads_it(
+    s3_job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fs, spec = s3_job
+    load = runner._count_and_load
+
+    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
+        fs.pipe_file(URL, NEW)
+        return loaded
+
+    monkeypatch.setattr(runner, "_count_and_load", load_then_rewrite)
+    with pytest.raises(InputChangedError, match=f"{URL} written again in storage"):
+        run_job(spec, show_progress=False)
+    with _manifest(tmp_path / "out") as manifest:
+        assert not manifest.get("complete")
+
+
+def test_a_listing_and_a_head_give_one_version(s3_endpoint) -> None:  # noqa: F811
+    """s3fs answers info from a listing it cached, else from a HEAD: both quote the ETag,
+    and a multipart upload's ("md5-parts") reads the same both ways."""
+    _, options = s3_endpoint
+    options = {k: v for k, v in options.items() if k != "skip_instance_cache"}
+    fs = fsspec.filesystem("s3", **options, skip_instance_cache=True)
+    fs.mkdir("jobs")
+    fs.pipe_file("jobs/in/a.jsonl", OLD)
+    fs.pipe_file("jobs/in/b.jsonl", b"{}\n" * (4 << 20), chunksize=5 << 20)  # two parts
+    for name in ("a.jsonl", "b.jsonl"):
+        fs.invalidate_cache()
+        head = content_version(fs, fs.info(f"jobs/in/{name}"))
+        fs.ls("jobs/in", detail=True)  # the listing, cached: info answers from it
+        listed = content_version(fs, fs.info(f"jobs/in/{name}"))
+        assert head == listed and head is not None and '"' not in head
+    assert head is not None and head.rsplit("-", 1)[1].isdigit()  # "md5-parts"
+
+    # A check for changes asks the store again, not the listing cached at the start.
+    cfg = InputConfig(path="s3://jobs/in/", prompt_column="x", storage_options=options)
+    try:
+        cfg = replace(cfg, files=tuple(list_input_files(cfg)))  # as a run lists it, once
+        first = fingerprint_input(cfg).versions
+        fs.pipe_file("jobs/in/a.jsonl", NEW)  # (another instance: the run's cache stays)
+        fresh = fingerprint_input(cfg, fresh=True)
+        assert fresh.versions["s3://jobs/in/a.jsonl"] != first["s3://jobs/in/a.jsonl"]
+        assert fresh.digest == fingerprint_input(replace(cfg, files=None)).digest  # (its edges)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_local_files_have_no_versions(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    cfg = InputConfig(path=str(src), messages_column="messages", prompt_column=None)
+    assert fingerprint_input(cfg).versions == {}
+
+
+class _Store:
+    def __init__(self, protocol: str | tuple[str, ...]) -> None:
+        self.protocol = protocol
+
+
+@pytest.mark.parametrize(
+    ("protocol", "info", "version"),
+    [
+        (("s3", "s3a"), {"ETag": '"abc-3"'}, "abc-3"),
+        (("gs", "gcs"), {"md5Hash": "q2b==", "generation": "17"}, "q2b=="),
+        (("gs", "gcs"), {"generation": "17"}, "17"),  # a composed object has no MD5
+        (("abfs", "az", "abfss"), {"etag": '"0x8DC"'}, "0x8DC"),
+        ("file", {"mtime": 1.5}, None),
+        (("http", "https"), {"ETag": 'W/"5f-1a"'}, None),  # often made of the mtime
+    ],
+)
+def test_content_versions(protocol: Any, info: dict[str, Any], version: str | None) -> None:
+    assert content_version(_Store(protocol), info) == version  # type: ignore[arg-type]
+
+
+_VERSIONS = {"input_versions": {"s3://b/p.v1/a.jsonl": "1"}}
+
+
+def test_a_changed_version_is_named_and_a_file_added_is_not() -> None:
+    old = {"input": "h", **_VERSIONS}
+    new = {"input": "h", "input_versions": {"s3://b/p.v1/a.jsonl": "2"}}
+    assert not same_content(old, new)
+    (line,) = changed_settings(old, new)
+    assert line.startswith('input_versions.s3://b/p.v1/a.jsonl: "1" -> "2" (the object was')
+    added = {"input": "h2", "input_versions": {**old["input_versions"], "s3://b/b.jsonl": "3"}}
+    assert [line.split(":")[0] for line in changed_settings(old, added)] == ["input"]
+
+
+def test_a_manifest_without_versions_resumes() -> None:
+    """A job begun before versions were kept (or on local files) resumes; from then on its
+    manifest has them (runner: ``manifest.settings = record``)."""
+    settings = {"input": "h", "input_files": {"files": 1, "bytes": 9}}
+    manifest = Manifest("test", fingerprint(settings), 4, settings=settings)
+    manifest.check_fingerprint(fingerprint(settings), {**settings, **_VERSIONS}, "out")
+    with pytest.raises(FingerprintMismatchError, match=r"input_versions\.s3://b/p\.v1/a"):
+        manifest.settings = {**settings, **_VERSIONS}
+        changed = {"input_versions": {"s3://b/p.v1/a.jsonl": "2"}}
+        manifest.check_fingerprint(fingerprint(settings), {**settings, **changed}, "out")
