@@ -85,7 +85,7 @@ def test_an_object_rewritten_in_its_middle_is_refused(s3_job, tmp_path: Path) ->
     with pytest.raises(FingerprintMismatchError) as info:
         run_job(spec, show_progress=False)
     message = str(info.value)
-    assert f'input_versions.{URL}: "{etag}" -> "{new}" (the object was written again' in message
+    assert f'input_versions.{URL}: "{etag}" -> "{new}" (written again in storage' in message
     assert "input:" not in message  # its hash did not see it
     assert "--fresh" in message and "output.path elsewhere" in message
 
@@ -172,7 +172,7 @@ def test_a_changed_version_is_named_and_a_file_added_is_not() -> None:
     new = {"input": "h", "input_versions": {"s3://b/p.v1/a.jsonl": "2"}}
     assert not same_content(old, new)
     (line,) = changed_settings(old, new)
-    assert line.startswith('input_versions.s3://b/p.v1/a.jsonl: "1" -> "2" (the object was')
+    assert line.startswith('input_versions.s3://b/p.v1/a.jsonl: "1" -> "2" (written again')
     added = {"input": "h2", "input_versions": {**old["input_versions"], "s3://b/b.jsonl": "3"}}
     assert [line.split(":")[0] for line in changed_settings(old, added)] == ["input"]
 
@@ -187,3 +187,25 @@ def test_a_manifest_without_versions_resumes() -> None:
         manifest.settings = {**settings, **_VERSIONS}
         changed = {"input_versions": {"s3://b/p.v1/a.jsonl": "2"}}
         manifest.check_fingerprint(fingerprint(settings), {**settings, **changed}, "out")
+
+
+def test_many_objects_keep_one_digest_of_their_versions(
+    s3_endpoint,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    """Past MAX_NAMED_VERSIONS files the manifest keeps one digest, not a line a file (it is
+    rewritten as a long job goes); a rewritten object still changes it."""
+    module = importlib.import_module("tokenmill.io.readers.input_fingerprint")
+    monkeypatch.setattr(module, "MAX_NAMED_VERSIONS", 2)
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("many")
+    for name in "abc":
+        fs.pipe_file(f"many/in/{name}.jsonl", OLD)
+    cfg = InputConfig(path="s3://many/in/", prompt_column="x", storage_options=options)
+    before = fingerprint_input(cfg).versions
+    fs.pipe_file("many/in/b.jsonl", NEW)
+    after = fingerprint_input(cfg, fresh=True).versions
+    assert list(before) == list(after) == ["any of 3 objects"] and before != after
+    (line,) = changed_settings({"input_versions": before}, {"input_versions": after})
+    assert line.startswith("input_versions.any of 3 objects: ") and "written again" in line

@@ -170,8 +170,8 @@ _MEANING = {
     "resolved_dtype": "model.dtype auto on another kind of device",
     "input_files.files": "input files",
     "input_files.bytes": "bytes in the input files",
-    "input_versions.*": "the object was written again in storage since: its rows may differ "
-    "anywhere in it, even at the same size and first and last MiB",
+    "input_versions.*": "written again in storage since: rows may differ anywhere in it, "
+    "even at the same size and the same first and last MiB",
 }
 
 

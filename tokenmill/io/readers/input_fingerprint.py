@@ -22,6 +22,7 @@ from tokenmill.io.readers.storage import resolve
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
 _VERSION = 1  # bump when what goes into the fingerprint changes
+MAX_NAMED_VERSIONS = 1000  # input files whose versions are kept one by one (_named_versions)
 # The fields of an object store's file info that name the content of an object (its
 # ``fs.info``, from a HEAD or a listing), first found wins: S3's ETag (an MD5, or
 # "md5-parts" for a multipart upload), GCS's MD5 (absent for a composed object: then its
@@ -43,7 +44,8 @@ class InputFingerprint(NamedTuple):
 
     digest: str  # input_fingerprint
     counts: dict[str, int]  # {"files": how many, "bytes": their sizes' sum}
-    versions: dict[str, str]  # {url: the store's content version}, for files that have one
+    # {url: the store's content version} for the files that have one (_named_versions)
+    versions: dict[str, str]
 
 
 def input_fingerprint(cfg: InputConfig) -> str:
@@ -82,7 +84,18 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
-    return InputFingerprint(digest.hexdigest(), {"files": len(files), "bytes": size}, versions)
+    counts = {"files": len(files), "bytes": size}
+    return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions))
+
+
+def _named_versions(versions: dict[str, str]) -> dict[str, str]:
+    """``versions`` as the manifest keeps them: by URL up to ``MAX_NAMED_VERSIONS`` files;
+    past that one digest of them all under ``"any of <n> objects"``, so that the manifest,
+    rewritten as a long job goes, does not grow with the input's file count."""
+    if len(versions) <= MAX_NAMED_VERSIONS:
+        return versions
+    pairs = json.dumps(sorted(versions.items())).encode()
+    return {f"any of {len(versions)} objects": hashlib.sha256(pairs).hexdigest()}
 
 
 def _forget_cached(files: list[str], storage_options: dict[str, Any]) -> None:
