@@ -56,13 +56,14 @@ def compact_profile(profile: dict) -> dict:
 
 class StepClock:
     """Wall ms of each ``LLMEngine.step`` call, summed by the running batch's bucket (powers
-    of two) and by whether the call gave drafts; what a run spends at each batch size, to read
-    beside the same run without speculation."""
+    of two) and by whether the call gave drafts, with the bucket's slowest call (a first
+    compile or capture shows there); what a run spends at each batch size, to read beside
+    the same run without speculation."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.step = engine.step
-        self.buckets: dict[int, list[float]] = {}  # bucket: [calls, drafted, wall ms]
+        self.buckets: dict[int, list[float]] = {}  # bucket: [calls, drafted, wall ms, max ms]
         engine.step = self
 
     def __call__(self):
@@ -71,14 +72,18 @@ class StepClock:
         start = time.perf_counter()
         out = self.step()
         wall_ms = (time.perf_counter() - start) * 1e3
-        b = self.buckets.setdefault(1 << max(running - 1, 0).bit_length(), [0, 0, 0.0])
+        b = self.buckets.setdefault(1 << max(running - 1, 0).bit_length(), [0, 0, 0.0, 0.0])
         b[0] += 1
         b[1] += scheduler.stats.num_drafted_rows > drafted
         b[2] += wall_ms
+        b[3] = max(b[3], wall_ms)
         return out
 
     def table(self) -> dict[int, list]:
-        return {k: [c, d, round(ms, 1)] for k, (c, d, ms) in sorted(self.buckets.items())}
+        return {
+            k: [c, d, round(ms, 1), round(top, 1)]
+            for k, (c, d, ms, top) in sorted(self.buckets.items())
+        }
 
     def detach(self) -> None:
         """Give the engine its own ``step`` back: the wrapper and the engine held each other,
@@ -140,7 +145,8 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="step profile per run (graph and eager steps, host and GPU ms; adds events) and "
-        "each run's step calls by running-batch bucket: [calls, drafted calls, wall ms]",
+        "each run's step calls by running-batch bucket: [calls, drafted calls, wall ms, "
+        "slowest call ms]",
     )
     parser.add_argument(
         "--repeat",
