@@ -190,8 +190,8 @@ def test_a_manifest_without_versions_resumes() -> None:
 
 
 def test_many_objects_keep_one_digest_of_their_versions(
-    s3_endpoint,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    s3_endpoint,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Past MAX_NAMED_VERSIONS files the manifest keeps one digest, not a line a file (it is
     rewritten as a long job goes); a rewritten object still changes it."""

@@ -50,6 +50,10 @@ def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path
         processor.close()
     # before any row finished: rows in flight and their tokens, growing step by step
     assert before_first[-1].rows_in_flight == 6 and before_first[-1].output_tokens >= 6 * 250
+    # and each row's own count, for the ETA (row_lengths.py), while all six generate
+    middle = before_first[len(before_first) // 2]
+    assert middle.row_tokens is not None and len(middle.row_tokens) == 6
+    assert sum(middle.row_tokens) == middle.output_tokens and min(middle.row_tokens) >= 100
     tokens = [c.output_tokens for c in seen]
     assert tokens == sorted(tokens) and tokens[0] > 0
     assert counters.output_tokens == sum(r.completion_tokens for r in results) == 6 * 300

@@ -375,6 +375,11 @@ class LLMEngine:
         for every step."""
         return sum(t.request.num_output_tokens for t in self._tracked.values())
 
+    def unfinished_output_tokens(self) -> dict[str, int]:
+        """{request id: output tokens generated so far} of the requests that have not
+        finished; O(requests), like ``num_unfinished_output_tokens``."""
+        return {rid: t.request.num_output_tokens for rid, t in self._tracked.items()}
+
     def close(self) -> None:
         """Stop the output worker (outputs not collected yet are dropped) and the grammars'
         workers. The engine takes no requests and runs no steps after it; closing twice

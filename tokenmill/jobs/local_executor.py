@@ -193,8 +193,10 @@ class RowProcessor:
         return self._output_tokens
 
     def live(self) -> LiveCounts:
-        """Tokens so far and rows in flight, for the progress line (the engine's thread)."""
-        return LiveCounts(self.output_tokens, len(self._in_flight))
+        """Tokens so far and rows in flight with each one's tokens, for the progress line
+        (the engine's thread)."""
+        row_tokens = self._in_flight.row_tokens(self.engine.unfinished_output_tokens())
+        return LiveCounts(self.output_tokens, len(self._in_flight), row_tokens=row_tokens)
 
     @property
     def counters(self) -> EngineCounters:

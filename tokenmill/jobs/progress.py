@@ -13,11 +13,12 @@ the model has loaded (the runner builds Progress then); model loading that happe
 of the rate's window. Rates are over a recent window (rate_window.py):
 
     output tok/s  tokens generated over the last 30 s
-    ETA           the rows left at the tokens a finished row took, less the tokens of the
-                  rows in flight, over the output tok/s; while the rows in flight have run
-                  longer than finished rows took (the short ones finish first), they are
-                  taken to run to max_tokens; "ETA unknown" until some row has finished
-                  (and without an input row count)
+    ETA           the tokens the rows left will take, over the output tok/s: each row not
+                  started the mean length, each row in flight the rest of a row that has
+                  run as far, both estimated from the finished rows and the rows in flight
+                  alike (row_lengths.py: the short rows finish first, so the finished rows
+                  alone said too little); "ETA unknown" until some row has finished (and
+                  without an input row count)
 
 A log line reads (with the row count known):
 
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from tokenmill.jobs.bounded_series import BoundedSeries
 from tokenmill.jobs.rate_window import RateWindow
+from tokenmill.jobs.row_lengths import RowLengths
 from tokenmill.jobs.run_history import RunHistory
 
 if TYPE_CHECKING:
@@ -67,6 +69,9 @@ class LiveCounts:
     output_tokens: int = 0  # generated this run so far, rows still generating included
     rows_in_flight: int = 0  # handed to the engine(s), no result yet
     load_seconds: float = 0.0  # model loading after the progress clock started (Ray replicas)
+    # each row in flight's output tokens so far, where the executor knows them (local); else
+    # the rows in flight are taken to have an equal share of the tokens in flight
+    row_tokens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,8 @@ class Progress:
         self.ended = False  # the run's stream of results has ended (finish)
         self.in_flight = 0
         self.load_seconds = 0.0
+        self._lengths = RowLengths(max_tokens)
+        self._row_tokens: tuple[int, ...] | None = None  # the last sample's (LiveCounts)
         # (seconds since the clock started, output tokens) for the report
         self._samples: BoundedSeries[int] = BoundedSeries(sample_s, MAX_REPORT_SAMPLES)
         # the same spacing and bound as ``samples``, so both keep the same moments
@@ -156,6 +163,7 @@ class Progress:
         self.tokens = max(self.tokens, self.finished_tokens)
         if tokens > 0:
             self.generated_rows += rows
+            self._lengths.add(rows, tokens)
             self.in_flight = max(self.in_flight - rows, 0)  # (until the next live sample)
         self.tick()
 
@@ -181,15 +189,14 @@ class Progress:
 
     @property
     def eta_seconds(self) -> float | None:
-        """Seconds until every input row is done: the rows left at the tokens a finished row
-        took on average, less what the rows in flight have generated, at the recent output
-        tok/s (rows finish in waves, so a rate of rows rose and fell between them, and bad
-        rows or copies read at once made it absurdly fast); at the recent rows/s while no
-        row has generated tokens. While the rows in flight have run longer on average than
-        the finished rows took (the short rows finish first), they are taken to run to
-        ``max_tokens`` (without it: the recent rows/s). None without a basis (no row count,
-        nothing finished in the window), or once the run has ended with rows left
-        (stopped)."""
+        """Seconds until every input row is done: the tokens the rows left will take
+        (``RowLengths``: each row not started the mean length, each row in flight the rest
+        of a row that has run as far) at the recent output tok/s (rows finish in waves, so
+        a rate of rows rose and fell between them, and bad rows or copies read at once made
+        it absurdly fast); at the recent rows/s while no row has generated tokens, or while
+        a row in flight has run past every finished row without a ``max_tokens`` to bound
+        it. None without a basis (no row count, nothing finished in the window), or once
+        the run has ended with rows left (stopped)."""
         if self.total is None:
             return None
         remaining = max(self.total - self.done, 0)
@@ -198,25 +205,23 @@ class Progress:
         if self.ended:
             return None
         tok_per_s = self.tokens_per_s
-        by_rows = self._eta_by_rows(remaining)
         if self.generated_rows and tok_per_s:
-            per_row = self.finished_tokens / self.generated_rows
-            in_flight_tokens = self.tokens - self.finished_tokens
-            # Rows in flight that have already run longer than the finished ones took: those
-            # were the short ones (a run's first to finish), and the estimate below said
-            # "0 s" with most rows still running. Such rows are taken to run to max_tokens;
-            # past it (rows with their own max_tokens), the recent rows/s says more.
-            if self.in_flight and in_flight_tokens > self.in_flight * per_row:
-                ran = in_flight_tokens / self.in_flight
-                if self.max_tokens is not None and ran < self.max_tokens:
-                    queued = max(remaining - self.in_flight, 0)
-                    left = queued * per_row + self.in_flight * (self.max_tokens - ran)
-                    return left / tok_per_s
-                if by_rows is not None:
-                    return by_rows
-            left = remaining * per_row - in_flight_tokens
-            return max(left, per_row) / tok_per_s
-        return by_rows
+            running = self._running_tokens()
+            left = self._lengths.tokens_left(max(remaining - len(running), 0), running)
+            if left is not None:
+                return max(left, 1.0) / tok_per_s
+        return self._eta_by_rows(remaining)
+
+    def _running_tokens(self) -> tuple[int, ...]:
+        """The rows in flight's output tokens so far: the executor's, or else the tokens in
+        flight shared evenly among them (to the token)."""
+        if self._row_tokens is not None:
+            return self._row_tokens
+        rows = self.in_flight
+        if rows <= 0:
+            return ()
+        each, extra = divmod(max(self.tokens - self.finished_tokens, 0), rows)
+        return (each + 1,) * extra + (each,) * (rows - extra)
 
     def _eta_by_rows(self, remaining: int) -> float | None:
         """``remaining`` rows at the recent rows/s; None while no row finished in the window."""
@@ -290,6 +295,7 @@ class Progress:
             counts = self._live()
             self.tokens = max(self.tokens, counts.output_tokens)
             self.in_flight = counts.rows_in_flight
+            self._row_tokens = counts.row_tokens
             if counts.load_seconds > self.load_seconds:
                 self.load_seconds = counts.load_seconds
                 # what a replica spent loading is not generation time

@@ -70,6 +70,17 @@ class RowsInFlight:
         whole = failed if failed is not None else entry.group.gather(entry.samples)
         return FinishedRow(entry.row, whole, entry.group.params, generated)
 
+    def row_tokens(self, unfinished: dict[str, int]) -> tuple[int, ...]:
+        """Each row's output tokens so far: its finished samples' and, from ``unfinished``
+        ({request id: tokens so far}, the engine's), the rest's."""
+        rows: dict[int, int] = {}  # id(row entry): tokens
+        for rid, entry in self._by_request.items():
+            key = id(entry)
+            if key not in rows:
+                rows[key] = sum(s.num_completion_tokens for s in entry.samples.values())
+            rows[key] += unfinished.get(rid, 0)
+        return tuple(rows.values())
+
     def request_ids(self) -> list[str]:
         """The engine request ids still in flight (to abort them)."""
         return list(self._by_request)
