@@ -23,8 +23,10 @@ from tokenmill import run_job
 from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files
 from tokenmill.io.readers.input_fingerprint import content_version
 from tokenmill.jobs import runner
+from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.fingerprint import changed_settings, fingerprint, same_content
 from tokenmill.jobs.manifest import FingerprintMismatchError, InputChangedError, Manifest
+from tokenmill.jobs.spec import JobSpec
 
 URL = "s3://jobs/in/rows.jsonl"
 _EDGE = 512  # input_fingerprint.EDGE_BYTES in these tests
@@ -82,6 +84,9 @@ def test_an_object_rewritten_in_its_middle_is_refused(s3_job, tmp_path: Path) ->
 
     fs.pipe_file(URL, NEW)
     new = fs.info(URL)["ETag"].strip('"')
+    # the dry run says what the run will do (it said "resumable", 3 rows already done)
+    report = dry_run(JobSpec.from_dict(spec))
+    assert report.resumable is False and "another fingerprint: use --fresh" in report.summary()
     with pytest.raises(FingerprintMismatchError) as info:
         run_job(spec, show_progress=False)
     message = str(info.value)

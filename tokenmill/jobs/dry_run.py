@@ -25,6 +25,7 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.fingerprint import fingerprint, same_content, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import check_claimable
@@ -39,7 +40,7 @@ from tokenmill.jobs.requests import (
     row_error_reason,
     sampling_params_for,
 )
-from tokenmill.jobs.runner import fingerprint_of
+from tokenmill.jobs.runner import settings_of
 from tokenmill.jobs.spec import JobSpec
 from tokenmill.jobs.stop_signals import JobInterrupted
 from tokenmill.jobs.throughput_table import Estimate, estimate_time, model_params
@@ -161,11 +162,16 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     for what a run would refuse up front (output location, input, model), and JobInterrupted
     once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once)."""
     cfg = check_up_front(spec)  # with the files the verdicts below all see
-    fingerprint = fingerprint_of(spec, cfg)  # also checks model.source
+    settings = settings_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
     manifest = Manifest.load(store, spec.name)
-    resumable = manifest is not None and manifest.fingerprint == fingerprint
+    # as a run decides (Manifest.check_fingerprint): the hash, and what is kept beside it
+    resumable = (
+        manifest is not None
+        and manifest.fingerprint == fingerprint(settings)
+        and same_content(manifest.settings, settings_record(settings))
+    )
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
     schema = manifest.output_schema if resumable and manifest is not None else None
     if schema is None:

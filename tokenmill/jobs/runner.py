@@ -74,7 +74,6 @@ from tokenmill.jobs.stop_signals import JobInterrupted
 
 __all__ = [
     "feed_plan",
-    "fingerprint_of",
     "input_config",
     "open_output",
     "pipeline_bounds",
@@ -169,10 +168,6 @@ def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     except ValueError as exc:
         raise JobSpecError(f"engine.device: {exc}") from None
     return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
-
-
-def fingerprint_of(spec: JobSpec, cfg: InputConfig) -> str:
-    return fingerprint(settings_of(spec, cfg))
 
 
 def run_job(
