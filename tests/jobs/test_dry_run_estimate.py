@@ -157,9 +157,9 @@ def test_the_estimate_says_when_the_job_holds_far_fewer_rows_a_step_than_its_ent
     few = estimate_time(1000, 8_030_000_000, *h200, rows_in_flight=8)
     assert few.seconds == full.seconds  # a note, not a model of the hardware
     assert few.notes == (
-        "a step holds at most 8 rows here (the job's rows, or engine.max_num_seqs, whichever "
-        "is fewer), 384 in the entry: a decode step takes about as long with fewer rows, so "
-        "expect it slower, by up to about 48x",
+        "a step holds at most 8 sequences here (the job's rows, a row of n completions n of "
+        "them, or engine.max_num_seqs, whichever is fewer), 384 in the entry: a decode step "
+        "takes about as long with fewer, so expect it slower, by up to about 48x",
     )
 
 
@@ -184,7 +184,7 @@ def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     est = report.estimate
     assert est is not None and est.entry.name == "tiny-llama-cpu"  # engine.device: cpu
     assert est.seconds == pytest.approx(72 / 85_000)
-    assert "a step holds at most 8 rows here" in est.notes[-1]  # max_num_seqs; the entry 1,024
+    assert "a step holds at most 8 sequences here" in est.notes[-1]  # max_num_seqs; entry 1,024
     summary = report.summary()
     assert "duplicates      3 rows repeat an earlier row's prompt and sampling settings" in summary
     assert "output tokens   at most 72" in summary
@@ -200,6 +200,21 @@ def test_dry_run_counts_duplicates_and_shared_prefixes_and_estimates_the_time(
     )
     assert "the prompts hold" not in dry_run(roomy).summary()
     assert not out.exists()  # a dry run writes nothing
+
+
+def test_a_row_of_n_completions_is_n_sequences_in_a_step(tiny_model: Path, tmp_path: Path) -> None:
+    """40 rows of best_of 32 fill 1,024 sequences a step, as the entry's run did: no note
+    that the job holds fewer (a review's reproduction said "40 rows ... up to about 26x")."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
+    sections = {"sampling": {"max_tokens": 4, "temperature": 1.0, "best_of": 32}}
+    spec = job_dict(tiny_model, src, tmp_path / "out", **sections)
+    spec["engine"]["max_num_seqs"] = 1024
+    est = dry_run(JobSpec.from_dict(spec)).estimate
+    assert est is not None and est.entry.name == "tiny-llama-cpu"
+    assert not any("sequences here" in note for note in est.notes)
+    spec["sampling"]["best_of"] = 8  # 320 a step: the note
+    est = dry_run(JobSpec.from_dict(spec)).estimate
+    assert est is not None and "at most 320 sequences here" in est.notes[-1]
 
 
 def test_the_dry_run_refuses_a_huge_prompt_by_its_length_as_a_run_does(

@@ -230,7 +230,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
         stats.add(ids, params, max_len)
 
     _fill_stats(report, stats)
-    report.estimate = _estimate(spec, stats.max_output_tokens, stats.rows, config)
+    report.estimate = _estimate(spec, stats.max_output_tokens, stats.sequences, config)
 
     if manifest is not None:
         report.resumable = resumable
@@ -248,10 +248,11 @@ def _fill_stats(report: DryRunReport, stats: PromptStats) -> None:
     report.output_tokens_exact = stats.all_ignore_eos and stats.rows > 0
 
 
-def _estimate(spec: JobSpec, output_tokens: int, rows: int, config: ModelConfig) -> Estimate:
+def _estimate(spec: JobSpec, output_tokens: int, sequences: int, config: ModelConfig) -> Estimate:
     """The time estimate for the device the job would run on: engine.device, a GPU when one
     is visible here (auto), and for Ray replicas a GPU (they run on the cluster's nodes);
-    ``rows``: the good rows, shared evenly by the replicas."""
+    ``sequences``: the good rows' completions (a row of n is n sequences in a step), shared
+    evenly by the replicas."""
     import torch
 
     gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -264,7 +265,7 @@ def _estimate(spec: JobSpec, output_tokens: int, rows: int, config: ModelConfig)
     target = torch.device("cpu" if device == "cpu" else "cuda")
     dtype = str(engine_config(spec).resolve_dtype(config, target)).removeprefix("torch.")
     replicas = spec.execution.replicas if spec.execution.executor == "ray" else 1
-    in_flight = min(-(-rows // replicas), spec.engine.max_num_seqs) if rows else None
+    in_flight = min(-(-sequences // replicas), spec.engine.max_num_seqs) if sequences else None
     return estimate_time(
         output_tokens,
         model_params(config),

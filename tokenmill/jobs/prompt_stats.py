@@ -42,6 +42,7 @@ class PromptStats:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.rows = 0
+        self.sequences = 0  # engine requests: a row asking for n (best_of) completions is n
         self.prompt_tokens = 0
         self.longest_prompt = 0
         self.shared_prefix_tokens = 0
@@ -64,6 +65,7 @@ class PromptStats:
             if self._rows.add(_row_key(ids, params)):
                 self.duplicate_rows += 1
         completions = getattr(params, "best_of", None) or params.n
+        self.sequences += completions
         self.max_output_tokens += min(params.max_tokens, max_len - len(ids)) * completions
         self.all_ignore_eos = self.all_ignore_eos and params.ignore_eos
 

@@ -109,10 +109,11 @@ def estimate_time(
     notes = _differences(entry, params, device, gpu_name, dtype, quantization)
     if rows_in_flight is not None and rows_in_flight * 2 <= entry.rows_in_flight:
         notes.append(
-            f"a step holds at most {rows_in_flight:,} rows here (the job's rows, or "
-            f"engine.max_num_seqs, whichever is fewer), {entry.rows_in_flight:,} in the entry: "
-            "a decode step takes about as long with fewer rows, so expect it slower, by up to "
-            f"about {entry.rows_in_flight / max(rows_in_flight, 1):,.0f}x"
+            f"a step holds at most {rows_in_flight:,} sequences here (the job's rows, a row of "
+            "n completions n of them, or engine.max_num_seqs, whichever is fewer), "
+            f"{entry.rows_in_flight:,} in the entry: a decode step takes about as long with "
+            "fewer, so expect it slower, by up to about "
+            f"{entry.rows_in_flight / max(rows_in_flight, 1):,.0f}x"
         )
     seconds = output_tokens / entry.output_tokens_per_s
     return Estimate(entry, output_tokens, seconds, max(replicas, 1), tuple(notes))
