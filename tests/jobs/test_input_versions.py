@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,7 @@ import s3fs
 from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
-from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files
+from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files, listing_cache
 from tokenmill.io.readers.input_fingerprint import content_version
 from tokenmill.jobs import runner
 from tokenmill.jobs.dry_run import dry_run
@@ -214,3 +216,104 @@ def test_many_objects_keep_one_digest_of_their_versions(
     assert list(before) == list(after) == ["any of 3 objects"] and before != after
     (line,) = changed_settings({"input_versions": before}, {"input_versions": after})
     assert line.startswith("input_versions.any of 3 objects: ") and "written again" in line
+
+
+@pytest.fixture
+def user_client(s3_endpoint, tmp_path: Path, tiny_model: Path):  # noqa: F811
+    """(another client, job spec) with storage options as a user gives them: one s3fs
+    client for the process, its listings cached across runs (the other fixtures make a
+    client a call); the object written by another client, as another program would."""
+    _, options = s3_endpoint
+    user = {k: v for k, v in options.items() if k != "skip_instance_cache"}
+    other = fsspec.filesystem("s3", **options)
+    other.mkdir("jobs")
+    other.pipe_file(URL, OLD)
+    spec = job_dict(tiny_model, "s3://jobs/in/", tmp_path / "out", sampling={"max_tokens": 1})
+    spec["input"]["storage_options"] = user
+    yield other, spec
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_run_lists_the_store_as_it_is_now(user_client) -> None:
+    """A dry run, the object rewritten, then a fresh run in the same process: the client's
+    cached listing had the old ETag, so the run could not read the object ("cannot be
+    reached (FileExpired ...)", exit 75, again at every retry in that process)."""
+    other, spec = user_client
+    assert dry_run(JobSpec.from_dict(spec)).rows == 3
+    other.pipe_file(URL, NEW)
+    assert run_job(spec, fresh=True, show_progress=False).status == "complete"
+
+
+def test_an_object_rewritten_mid_run_is_the_input_changing(
+    user_client, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """s3fs reads with the ETag it listed: an object rewritten while the run reads it fails
+    its read ("FileExpired", a raw client error); it is the input changing under the run."""
+    other, spec = user_client
+    load = runner._count_and_load
+
+    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
+        other.pipe_file(URL, NEW)
+        return loaded
+
+    monkeypatch.setattr(runner, "_count_and_load", load_then_rewrite)
+    with pytest.raises(InputChangedError, match="changed while this run read it .*FileExpired|"
+                       "changed while this run read it .*no longer exists"):  # fmt: skip
+        run_job(spec, show_progress=False)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["status"] == "failed" and "InputChangedError" in report["error"]
+
+
+@contextlib.contextmanager
+def _requests() -> Iterator[list[str]]:
+    """The requests the S3 server answers meanwhile ("HEAD /bucket/key ..."), from its
+    request log."""
+    seen: list[str] = []
+
+    class Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.extend(re.findall(r'"([A-Z]+ /[^"]*)"', record.getMessage()))
+
+    log, handler = logging.getLogger("werkzeug"), Log()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+@pytest.mark.parametrize("list_past", [listing_cache.LIST_FOLDER_PAST, 1000])
+def test_the_end_check_lists_a_busy_folder_once(
+    s3_endpoint,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    list_past: int,
+) -> None:
+    """The check at a run's end asks the store again: a folder of many input files is
+    listed once (a request per 1,000 files), not asked about file by file (two HEADs each:
+    20,000 requests for 10,000 files); a folder of few (here: past 1,000) file by file."""
+    monkeypatch.setattr(listing_cache, "LIST_FOLDER_PAST", list_past)
+    files = 20
+    assert listing_cache.LIST_FOLDER_PAST < files or list_past == 1000
+    _, options = s3_endpoint
+    user = {k: v for k, v in options.items() if k != "skip_instance_cache"}
+    other = fsspec.filesystem("s3", **options)
+    other.mkdir("busy")
+    for i in range(files):
+        other.pipe_file(f"busy/in/{i:03}.jsonl", OLD)
+    cfg = InputConfig(path="s3://busy/in/", prompt_column="x", storage_options=user)
+    try:
+        cfg = replace(cfg, files=tuple(list_input_files(cfg)))
+        other.pipe_file("busy/in/007.jsonl", NEW)
+        with _requests() as seen:
+            versions = fingerprint_input(cfg, fresh=True).versions
+        heads = sum(line.startswith("HEAD /busy/in/") for line in seen)
+        assert len(versions) == files
+        assert heads == 0 if list_past < files else heads >= 2 * files  # (info, then open)
+        now = other.info("busy/in/007.jsonl")["ETag"].strip('"')
+        assert versions["s3://busy/in/007.jsonl"] == now
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()

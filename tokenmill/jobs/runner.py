@@ -42,6 +42,7 @@ from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, fingerprint_input
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
+from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
@@ -265,7 +266,10 @@ def _run_locked(
                           progress_interval_s, on_progress)  # fmt: skip
     except Exception as exc:
         _fill_totals(report, manifest)  # the rows committed so far (they were 0)
-        _record_failure(store, report, exc, start)
+        changed = _rewritten_while_read(exc, cfg)
+        _record_failure(store, report, changed or exc, start)
+        if changed is not None:
+            raise changed from exc
         raise
 
 
@@ -429,9 +433,27 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
         sizes += f" ({hide_url_secrets(rewritten[0])}{more} written again in storage)"
     raise InputChangedError(
         f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{sizes}: "
-        "a file was rewritten, appended to or replaced, so the rows it wrote may be of "
-        "either content and the job is not complete. Rerun with --fresh once the input "
-        "stays as it is (give a changed input a new name)."
+        + _CHANGED
+    )
+
+
+_CHANGED = (
+    "a file was rewritten, appended to or replaced, so the rows it wrote may be of either "
+    "content and the job is not complete. Rerun with --fresh once the input stays as it is "
+    "(give a changed input a new name)."
+)
+
+
+def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError | None:
+    """The InputChangedError that ``exc`` is, if it is s3fs's refusal to read an object
+    rewritten since its listing (s3fs reads with the version the listing gave: "FileExpired");
+    None for any other failure."""
+    expired = in_chain(exc, lambda e: type(e).__name__ == "FileExpired")
+    if expired is None:
+        return None
+    return InputChangedError(
+        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it "
+        f"({hide_url_secrets(str(expired))}): " + _CHANGED
     )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.listing_cache import forget_listings
 from tokenmill.io.readers.storage import has_protocol, location_problem, resolve
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -37,6 +38,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     """
     if cfg.files is not None:
         return list(cfg.files)
+    forget_listings(cfg.path, cfg.storage_options)  # the store as it is now (listing_cache.py)
     fs, root = resolve(cfg.path, cfg.storage_options)
     if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
         matches = fs.glob(root, detail=True)

@@ -18,6 +18,7 @@ from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.jsonl_records import blank_line
+from tokenmill.io.readers.listing_cache import list_again
 from tokenmill.io.readers.storage import resolve
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
@@ -66,8 +67,8 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     ``fresh``: ask the store again for each file's size and version rather than take them
     from a listing the filesystem cached (a check that the input has not changed since)."""
     files = list_input_files(cfg)
-    if fresh:
-        _forget_cached(files, cfg.storage_options)
+    if fresh:  # (listing_cache.py says why)
+        list_again(files, cfg.storage_options, set(_VERSION_FIELDS))
     fmt = detect_format(files, cfg.format, cfg.storage_options)
     how: dict[str, Any] = {"v": _VERSION, "format": fmt, "passthrough": cfg.passthrough_columns}
     if fmt != "openai-batch":
@@ -96,15 +97,6 @@ def _named_versions(versions: dict[str, str]) -> dict[str, str]:
         return versions
     pairs = json.dumps(sorted(versions.items())).encode()
     return {f"any of {len(versions)} objects": hashlib.sha256(pairs).hexdigest()}
-
-
-def _forget_cached(files: list[str], storage_options: dict[str, Any]) -> None:
-    """Drop what the files' filesystems cached of them (s3fs: the listing's sizes and
-    ETags): their info comes from the store again, and s3fs's reads, which send the ETag
-    they know as a precondition, no longer fail on an object rewritten since."""
-    for url in files:
-        fs, path = resolve(url, storage_options)
-        fs.invalidate_cache(path)
 
 
 def _file_entry(
