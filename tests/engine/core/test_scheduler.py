@@ -339,3 +339,32 @@ def test_admission_waits_for_a_batch_of_free_slots() -> None:
     assert later == [3]  # r0..r2 finish one by one; r4..r6 enter together
     assert all(r.status is RequestStatus.FINISHED_LENGTH for r in reqs)
     assert kv.num_free_blocks == 256
+
+
+class _AlwaysDrafts:
+    """Proposes ``max_drafts`` tokens (7s) for every row it is asked about."""
+
+    max_drafts = 3
+
+    def propose(self, slots, rows: np.ndarray) -> np.ndarray:
+        return np.full((len(rows), self.max_drafts), 7, dtype=np.int64)
+
+
+@pytest.mark.parametrize("prompt_len", [30, 20])
+def test_drafts_take_only_the_budget_the_admitted_prompts_leave(prompt_len: int) -> None:
+    """4 rows decoding, 2 waiting, a 64-token step. 30-token prompts: the drafts (4 x 3)
+    took budget the prompts needed, so the second was split over another prefill step; now
+    no drafts, both prompts whole. 20-token prompts leave room: drafts and both prompts."""
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(8, 64, 1000), kv, proposer=_AlwaysDrafts())
+    for i in range(4):
+        sched.add_request(Request(f"run{i}", [1, 2, 3], SamplingParams(max_tokens=50)))
+    first = sched.schedule()  # the four prompts
+    apply_sampled(sched, first, {f"run{i}": [5] for i in range(4)})
+    for i in range(2):
+        prompt = list(range(1, prompt_len + 1))
+        sched.add_request(Request(f"wait{i}", prompt, SamplingParams(max_tokens=5)))
+    out = sched.schedule()
+    drafts = 0 if prompt_len == 30 else 3
+    assert out.drafts.tolist() == [drafts] * 4 + [0, 0]
+    assert out.num_new.tolist() == [1 + drafts] * 4 + [prompt_len] * 2

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 
@@ -165,7 +166,13 @@ class Scheduler:
         that is on) so do rows with a step in flight, drafted ahead of it (drafts.py)."""
         budget = self.config.max_num_batched_tokens
         ahead = self.config.drafts_ahead if ahead is None else ahead and self.config.drafts_ahead
-        slots, num_new, drafts, preempted = self._schedule_running(budget, draft, ahead)
+        # Drafts take only the budget that the prompts this step admits leave: a prompt's
+        # token is work done for sure, a draft only if accepted (drafts had taken the budget
+        # from them, so admissions took more prefill steps).
+        draft_budget = budget - self._admission_tokens(budget) if draft else budget
+        slots, num_new, drafts, preempted = self._schedule_running(
+            budget, draft and draft_budget > 0, ahead, draft_budget
+        )
         starts, sample = self._advance(slots, num_new)
         parts = [(slots, starts, num_new, sample, drafts)]
         if not preempted:
@@ -190,10 +197,11 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, budget: int, draft: bool = True, ahead: bool = False
+        self, budget: int, draft: bool = True, ahead: bool = False, draft_budget: int | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
-        """Slots of the running requests this step serves, their token counts and drafts,
-        oldest first, with their KV slots allocated; plus the ids preempted to make room.
+        """Slots of the running requests this step serves, their token counts and drafts
+        (within ``draft_budget``, default ``budget``), oldest first, with their KV slots
+        allocated; plus the ids preempted to make room.
 
         Vectorized when every running request fits the budget and the free blocks; the
         per-request loop (``_schedule_running_loop``) otherwise. A row's drafts in flight
@@ -209,7 +217,8 @@ class Scheduler:
         if self.proposer is not None and draft:
             t0 = time.perf_counter()
             drafts = add_drafts(
-                s, order, num_new, self.proposer, budget, self.config.max_model_len,
+                s, order, num_new, self.proposer,
+                budget if draft_budget is None else draft_budget, self.config.max_model_len,
                 ahead=ahead,
             )  # fmt: skip
             self.stats.propose_seconds += time.perf_counter() - t0
@@ -296,6 +305,26 @@ class Scheduler:
             (outputs >= s.max_tokens[slots]) | (known >= self.config.max_model_len)
         )
 
+    def _admission_tokens(self, budget: int) -> int:
+        """The prompt tokens (up to ``budget``) of the waiting requests this step will
+        admit, slots allowing (``_admits_next``); 0 when it admits none."""
+        if self.proposer is None or not self._admits_next():
+            return 0
+        tokens = 0
+        for req in islice(self.waiting, self.config.max_num_seqs - len(self._order)):
+            tokens += req.num_tokens - req.num_computed_tokens
+            if tokens >= budget:
+                return budget
+        return tokens
+
+    def _admits_next(self) -> bool:
+        """Whether the next step admits waiting requests (slots and blocks allowing): some
+        wait, and a slot is free, or ``admit_batch`` are while requests run."""
+        free = self.config.max_num_seqs - len(self._order)
+        if not self.waiting or free <= 0 or self.waiting[0].num_pending_tokens:
+            return False
+        return not (len(self._order) and free < min(self.config.admit_batch, len(self.waiting)))
+
     def _admit(self, budget: int) -> list[tuple[np.ndarray, ...]]:
         """Admit waiting requests in FCFS order while budget, slots and blocks allow; each
         one's full blocks are cached before the next looks up the prefix cache, then all are
@@ -303,8 +332,7 @@ class Scheduler:
         s = self.slots
         admitted: list[int] = []
         counts: list[int] = []
-        free = self.config.max_num_seqs - len(self._order)
-        if len(self._order) and free < min(self.config.admit_batch, len(self.waiting)):
+        if not self._admits_next():
             return []
         while (
             self.waiting
