@@ -65,3 +65,20 @@ def test_a_row_of_several_samples_counts_all_its_tokens() -> None:
     assert rows.finish(RequestOutput("a.1", [1], "t", [5, 6, 7], "length")) is None
     unfinished = {"a": 2, "a.2": 4, "b": 6}  # the engine's, by request
     assert sorted(rows.row_tokens(unfinished)) == [6, 3 + 2 + 4]
+
+
+def test_rows_finishing_after_a_sample_do_not_cut_the_eta() -> None:
+    """The rows in flight are counted at a sample; rows finishing after it, at lengths past
+    those counts, looked like the only rows to reach them (the others' counts were older),
+    so every row seemed to end there: the ETA fell to a third. The ETA is worked out at
+    the sample, from the rows finished and in flight at that moment."""
+    clock, engine = FakeClock(), FakeEngine()
+    progress = Progress(1000, 0, live=engine, clock=clock, max_tokens=100, sample_s=5.0)
+    clock.now += 5.0
+    engine.counts = LiveCounts(1000, 100, row_tokens=(10,) * 100)
+    progress.update(1, 5)  # a sample: 1 row of 5 tokens, 100 at 10 tokens
+    at_sample = progress.eta_seconds
+    clock.now += 1.0  # no sample yet: rows end at 12-15 tokens meanwhile
+    for length in (12, 13, 14, 15) * 5:
+        progress.update(1, length)
+    assert at_sample is not None and progress.eta_seconds == pytest.approx(at_sample)

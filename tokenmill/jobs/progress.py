@@ -125,7 +125,10 @@ class Progress:
         self.in_flight = 0
         self.load_seconds = 0.0
         self._lengths = RowLengths(max_tokens)
-        self._row_tokens: tuple[int, ...] | None = None  # the last sample's (LiveCounts)
+        # The output tokens the rows left will take, as of the last sample (RowLengths):
+        # worked out there, from the rows finished and in flight at one moment; a finished
+        # row's length newer than the rows in flight's counts made rows look to end there.
+        self._tokens_left: float | None = None
         # (seconds since the clock started, output tokens) for the report
         self._samples: BoundedSeries[int] = BoundedSeries(sample_s, MAX_REPORT_SAMPLES)
         # the same spacing and bound as ``samples``, so both keep the same moments
@@ -205,18 +208,16 @@ class Progress:
         if self.ended:
             return None
         tok_per_s = self.tokens_per_s
-        if self.generated_rows and tok_per_s:
-            running = self._running_tokens()
-            left = self._lengths.tokens_left(max(remaining - len(running), 0), running)
-            if left is not None:
-                return max(left, 1.0) / tok_per_s
+        left = self._tokens_left
+        if self.generated_rows and tok_per_s and left is not None:
+            return max(left, 1.0) / tok_per_s
         return self._eta_by_rows(remaining)
 
-    def _running_tokens(self) -> tuple[int, ...]:
+    def _running_tokens(self, counts: LiveCounts) -> tuple[int, ...]:
         """The rows in flight's output tokens so far: the executor's, or else the tokens in
         flight shared evenly among them (to the token)."""
-        if self._row_tokens is not None:
-            return self._row_tokens
+        if counts.row_tokens is not None:
+            return counts.row_tokens
         rows = self.in_flight
         if rows <= 0:
             return ()
@@ -295,7 +296,10 @@ class Progress:
             counts = self._live()
             self.tokens = max(self.tokens, counts.output_tokens)
             self.in_flight = counts.rows_in_flight
-            self._row_tokens = counts.row_tokens
+            if self.total is not None and self.generated_rows:
+                running = self._running_tokens(counts)
+                queued = max(self.total - self.done - len(running), 0)
+                self._tokens_left = self._lengths.tokens_left(queued, running)
             if counts.load_seconds > self.load_seconds:
                 self.load_seconds = counts.load_seconds
                 # what a replica spent loading is not generation time
