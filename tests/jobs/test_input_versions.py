@@ -97,10 +97,9 @@ def test_an_object_rewritten_in_its_middle_is_refused(s3_job, tmp_path: Path) ->
     assert "--fresh" in message and "output.path elsewhere" in message
 
 
-def test_an_object_rewritten_while_a_run_reads_it(
-    s3_job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    fs, spec = s3_job
+def _rewrite_once_loaded(monkeypatch: pytest.MonkeyPatch, fs: Any) -> None:
+    """Make the run's input NEW (through ``fs``, another client) once the run has loaded
+    the model and counted the rows: while it reads them."""
     load = runner._count_and_load
 
     def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
@@ -109,6 +108,13 @@ def test_an_object_rewritten_while_a_run_reads_it(
         return loaded
 
     monkeypatch.setattr(runner, "_count_and_load", load_then_rewrite)
+
+
+def test_an_object_rewritten_while_a_run_reads_it(
+    s3_job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fs, spec = s3_job
+    _rewrite_once_loaded(monkeypatch, fs)
     with pytest.raises(InputChangedError, match=f"{URL} written again in storage"):
         run_job(spec, show_progress=False)
     with _manifest(tmp_path / "out") as manifest:
@@ -250,14 +256,7 @@ def test_an_object_rewritten_mid_run_is_the_input_changing(
     """s3fs reads with the ETag it listed: an object rewritten while the run reads it fails
     its read ("FileExpired", a raw client error); it is the input changing under the run."""
     other, spec = user_client
-    load = runner._count_and_load
-
-    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
-        loaded = load(*args, **kwargs)
-        other.pipe_file(URL, NEW)
-        return loaded
-
-    monkeypatch.setattr(runner, "_count_and_load", load_then_rewrite)
+    _rewrite_once_loaded(monkeypatch, other)
     with pytest.raises(InputChangedError, match="changed while this run read it .*FileExpired|"
                        "changed while this run read it .*no longer exists"):  # fmt: skip
         run_job(spec, show_progress=False)
