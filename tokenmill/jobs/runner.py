@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -445,10 +446,16 @@ _CHANGED = (
 
 
 def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError | None:
-    """The InputChangedError that ``exc`` is, if it is s3fs's refusal to read an object
-    rewritten since its listing (s3fs reads with the version the listing gave: "FileExpired");
-    None for any other failure."""
-    expired = in_chain(exc, lambda e: type(e).__name__ == "FileExpired")
+    """The InputChangedError that ``exc`` is, if it is s3fs's refusal to read an input
+    file rewritten since its listing (s3fs reads with the version the listing gave:
+    "FileExpired ... filename <bucket/key> and Etag ..."); None for any other failure."""
+    inputs = {url.split("://", 1)[-1] for url in cfg.files or ()}
+
+    def an_input_expired(e: BaseException) -> bool:
+        named = re.search(r"filename (\S+) and Etag", str(e))
+        return type(e).__name__ == "FileExpired" and named is not None and named[1] in inputs
+
+    expired = in_chain(exc, an_input_expired)
     if expired is None:
         return None
     return InputChangedError(

@@ -368,3 +368,19 @@ def test_drafts_take_only_the_budget_the_admitted_prompts_leave(prompt_len: int)
     drafts = 0 if prompt_len == 30 else 3
     assert out.drafts.tolist() == [drafts] * 4 + [0, 0]
     assert out.num_new.tolist() == [1 + drafts] * 4 + [prompt_len] * 2
+
+
+def test_a_full_kv_cache_admits_nothing_and_leaves_the_drafts_be() -> None:
+    """Free slots but no free blocks (a KV-bound job's steady state): nothing is admitted,
+    so the waiting prompts take none of the budget and the running rows draft (the first
+    cut reserved their tokens anyway: no drafts for most of such a run)."""
+    kv = KVCacheManager(6, 4, enable_prefix_caching=False)  # 24 tokens of KV in all
+    sched = Scheduler(SchedulerConfig(8, 64, 1000), kv, proposer=_AlwaysDrafts())
+    for i in range(2):
+        sched.add_request(Request(f"run{i}", [1, 2, 3, 4, 5], SamplingParams(max_tokens=10)))
+    apply_sampled(sched, sched.schedule(), {f"run{i}": [5] for i in range(2)})
+    assert kv.num_free_blocks == 2  # room for the drafts, not for a 60-token prompt
+    sched.add_request(Request("wait", list(range(1, 61)), SamplingParams(max_tokens=5)))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["run0", "run1"]  # no room for "wait"
+    assert out.drafts.tolist() == [3, 3]

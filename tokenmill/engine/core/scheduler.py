@@ -306,15 +306,19 @@ class Scheduler:
         )
 
     def _admission_tokens(self, budget: int) -> int:
-        """The prompt tokens (up to ``budget``) of the waiting requests this step will
-        admit, slots allowing (``_admits_next``); 0 when it admits none."""
+        """The prompt tokens the waiting requests this step will admit may take: theirs, up
+        to ``budget`` and to what the free KV blocks hold (a full cache admits nothing: its
+        free slots must not stop the running rows' drafts), with slots free
+        (``_admits_next``); 0 when it admits none. Prefix-cache hits are not looked up: a
+        prompt found cached takes less, and that step's drafts less than they could."""
         if self.proposer is None or not self._admits_next():
             return 0
+        limit = min(budget, self.kv.num_free_blocks * self.kv.block_size)
         tokens = 0
         for req in islice(self.waiting, self.config.max_num_seqs - len(self._order)):
             tokens += req.num_tokens - req.num_computed_tokens
-            if tokens >= budget:
-                return budget
+            if tokens >= limit:
+                return limit
         return tokens
 
     def _admits_next(self) -> bool:
