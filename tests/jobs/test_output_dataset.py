@@ -294,3 +294,29 @@ def test_a_job_without_rows_leaves_a_dataset_to_open(tiny_model: Path, tmp_path:
     out = tmp_path / "out"
     assert run_job(_parquet_job(tiny_model, src, out), show_progress=False).rows_total == 0
     assert ds.dataset(out / "shards").to_table().num_rows == 0
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_uuid_ids_and_columns_as_duckdb_writes_them(tiny_model: Path, tmp_path: Path, fmt) -> None:
+    """DuckDB (and Spark) write UUID columns that pyarrow reads as UUIDs: as the id column
+    every row failed ("must hold a string or an integer, got UUID"), and as a passthrough
+    column of a Parquet job every row failed (its 16-byte storage refused the UUIDs)."""
+    src = tmp_path / "in.parquet"
+    duckdb.connect().sql(
+        "COPY (SELECT uuid() AS id, uuid() AS ref, 'say ' || i::VARCHAR AS prompt "
+        f"FROM range(6) t(i)) TO '{src}' (FORMAT parquet)"
+    )
+    given = {str(r["id"]): r["ref"] for r in pq.read_table(src).to_pylist()}
+    spec = job_dict(tiny_model, src, tmp_path / "out", output={"format": fmt})
+    spec["input"] |= {"prompt_column": "prompt", "messages_column": None}
+    spec["input"]["passthrough_columns"] = ["ref"]
+    report = run_job(spec, show_progress=False)
+    assert (report.status, report.rows_ok, report.rows_failed) == ("complete", 6, 0)
+    out = tmp_path / "out"
+    if fmt == "jsonl":
+        got = {r["id"]: r["ref"] for r in read_jsonl_dir(out / "shards")}
+        assert got == {rid: str(ref) for rid, ref in given.items()}
+        return
+    assert pq.read_schema(next((out / "shards").glob("*.parquet"))).field("ref").type == pa.uuid()
+    rows = duckdb.connect().sql(f"SELECT id, ref FROM '{out}/shards/*.parquet'").fetchall()
+    assert {rid: ref for rid, ref in rows} == given  # DuckDB reads them back as UUIDs

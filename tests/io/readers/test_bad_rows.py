@@ -19,7 +19,7 @@ GOOD_AFTER = {"id": "after", "prompt": "ok"}
         ({"id": None, "prompt": "x"}, "in.jsonl:2", "missing id"),
         ({"id": "", "prompt": "x"}, "in.jsonl:2", "missing id"),
         ({"prompt": "x"}, "in.jsonl:2", "missing id"),
-        ({"id": {"a": 1}, "prompt": "x"}, "in.jsonl:2", "must hold a string or an integer"),
+        ({"id": {"a": 1}, "prompt": "x"}, "in.jsonl:2", "must hold a string, an integer or a UUID"),
         ({"id": "r"}, "r", "missing prompt: no column 'prompt'"),
         ({"id": "r", "prompt": ""}, "r", "missing prompt"),
         ({"id": "r", "prompt": ["a"]}, "r", "must be a non-empty string, got a list"),

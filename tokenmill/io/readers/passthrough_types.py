@@ -3,6 +3,7 @@
     Parquet input  ─► every file's schema (footers only) ─► one type per column: the files'
                       types unified as Arrow promotes them (null -> double, int32 -> int64);
                       dictionary columns as their values, extension types as their storage
+                      (but UUIDs, which Parquet stores as they are)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
                       ``SAMPLE_ROWS`` ─► Arrow's inference (``inferred_field``: JSON text
                       where the sample has no usable type)
@@ -129,6 +130,11 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
     if isinstance(dtype, pa.BaseExtensionType):  # Arrow's own (bool8, uuid, ...) too
         if dtype.extension_name == "arrow.bool8":
             return pa.bool_()  # its values read as booleans, which int8 storage refuses
+        if dtype.extension_name == "arrow.uuid":
+            # kept: its values read as UUIDs, which its 16-byte storage refused (every row
+            # of a job with DuckDB's or Spark's UUID column failed), and Parquet has a UUID
+            # type of its own that readers know
+            return dtype
         return _plain(dtype.storage_type)
     return dtype
 

@@ -10,6 +10,7 @@ the other rows' keys). A bad one is that row's error, naming the column.
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,13 +117,13 @@ def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> s
         )
     if isinstance(raw, str):
         return raw
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return str(raw)
+    if isinstance(raw, int | uuid.UUID) and not isinstance(raw, bool):
+        return str(raw)  # (a UUID key, as DuckDB and Spark write them: its canonical text)
     # pandas turns integer ids into floats when a column has nulls.
     if isinstance(raw, float) and raw.is_integer():
         return str(int(raw))
     raise RowError(
-        f"id column {name!r} must hold a string or an integer, got {type_name(raw)}; "
+        f"id column {name!r} must hold a string, an integer or a UUID, got {type_name(raw)}; "
         "fix the id or set input.id_column"
     )
 
