@@ -174,3 +174,18 @@ def test_a_file_without_the_named_id_column_has_rows_without_ids(tmp_path):
     assert "missing id: column 'uid' is absent, null or empty" in rows[1].error
     rows = read(tmp_path / "part-1.parquet")  # the default, id: absent, file:row ids
     assert summary(rows) == [(0, "part-1.parquet:0", True)]
+
+
+def test_a_binary_prompt_column_is_read_as_utf8_text(tmp_path):
+    """Impala, old Hive and Spark write string columns as BINARY without the UTF8 mark:
+    every row failed ("missing prompt ... got bytes"); they are text, as Spark's
+    binaryAsString reads them. Bytes that are not UTF-8 are their row's error; a wrong type
+    is a bad prompt, not a missing one."""
+    prompts = pa.array(["héllo".encode(), b"\xff\xfe", b"ok"], pa.binary())
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "prompt": prompts}), tmp_path / "in.parquet")
+    rows = read(tmp_path / "in.parquet")
+    assert [(r.row_id, r.prompt) for r in rows] == [("a", "héllo"), ("b", None), ("c", "ok")]
+    assert "bad prompt: column 'prompt' holds bytes that are not UTF-8 text" in rows[1].error
+    pq.write_table(pa.table({"id": ["n"], "prompt": [3]}), tmp_path / "num.parquet")
+    (row,) = read(tmp_path / "num.parquet")
+    assert "bad prompt: column 'prompt' must be a non-empty string, got the number 3" in row.error

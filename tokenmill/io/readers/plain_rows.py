@@ -77,6 +77,8 @@ def parse_plain_row(
         )
     assert columns.prompt_column is not None  # InputConfig.check_plain_columns guarantees it
     prompt = value.get(columns.prompt_column)
+    if isinstance(prompt, bytes):  # a Parquet BINARY column that is text (Impala, old Hive
+        prompt = _utf8(prompt, columns.prompt_column, row_id)  # and Spark write them so)
     if not isinstance(prompt, str) or not prompt:
         raise RowError(_missing_prompt(value, columns), row_id)
     return InputRow(
@@ -128,13 +130,26 @@ def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> s
     )
 
 
+def _utf8(raw: bytes, name: str, row_id: str) -> str:
+    """A binary prompt cell as text (what Spark's ``binaryAsString`` reads such a column as);
+    RowError when its bytes are not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RowError(
+            f"bad prompt: column {name!r} holds bytes that are not UTF-8 text ({exc.reason} "
+            f"at byte {exc.start}); a prompt must be text",
+            row_id,
+        ) from None
+
+
 def _missing_prompt(value: dict[str, Any], columns: PlainColumns) -> str:
     name = columns.prompt_column
     if name in value:
-        return (
-            f"missing prompt: column {name!r} must be a non-empty string, "
-            f"got {type_name(value[name])}"
-        )
+        cell = value[name]
+        empty = cell is None or cell == "" or (isinstance(cell, float) and math.isnan(cell))
+        what = "missing prompt" if empty else "bad prompt"
+        return f"{what}: column {name!r} must be a non-empty string, got {type_name(cell)}"
     return _missing_column(value, columns, name)
 
 
