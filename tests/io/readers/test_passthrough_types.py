@@ -151,3 +151,22 @@ def test_a_type_parquet_cannot_store_is_json_text_and_said_so(tmp_path, caplog) 
     schema = passthrough_schema(_cfg(tmp_path / "in.parquet", "u"))
     assert schema.describe() == {"u": "json text"}
     assert any("'u': its type list<" in r.getMessage() for r in caplog.records)
+
+
+def test_dictionaries_inside_lists_structs_and_maps_are_their_values(tmp_path) -> None:
+    """polars writes list<categorical> as list<dictionary<string>>: beside another file's
+    list<string> the job stopped ("do not combine into one type")."""
+    tags = pa.array([["a", "b"]], pa.list_(pa.string()))
+    coded = tags.cast(pa.list_(pa.dictionary(pa.int32(), pa.string())))
+    meta = pa.array([{"k": "x"}]).cast(pa.struct([("k", pa.dictionary(pa.int8(), pa.string()))]))
+    pq.write_table(
+        pa.table({"id": ["a"], "prompt": ["p"], "t": tags, "m": meta}), tmp_path / "a.parquet"
+    )
+    pq.write_table(
+        pa.table({"id": ["b"], "prompt": ["p"], "t": coded, "m": meta}), tmp_path / "b.parquet"
+    )
+    schema = passthrough_schema(_cfg(tmp_path, "t", "m"))
+    assert schema.describe() == {"t": "list<element: string>", "m": "struct<k: string>"}
+    rows = list(iter_input_rows(_cfg(tmp_path, "t", "m"), schema))
+    assert [r.passthrough for r in rows] == [{"t": ["a", "b"], "m": {"k": "x"}}] * 2
+    assert all(r.error is None for r in rows)

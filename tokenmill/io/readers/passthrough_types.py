@@ -124,9 +124,20 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
 
 def _plain(dtype: pa.DataType) -> pa.DataType:
     """The type a column's values are written back as: a dictionary's values, an extension
-    type's storage."""
+    type's storage, inside lists, structs and maps too (polars writes list<categorical> as
+    list<dictionary>: beside a file's list<string> the two did not combine)."""
     if pa.types.is_dictionary(dtype):
         return _plain(dtype.value_type)
+    if pa.types.is_map(dtype):
+        return pa.map_(_plain_field(dtype.key_field), _plain_field(dtype.item_field))
+    if pa.types.is_list(dtype):
+        return pa.list_(_plain_field(dtype.value_field))
+    if pa.types.is_large_list(dtype):
+        return pa.large_list(_plain_field(dtype.value_field))
+    if pa.types.is_fixed_size_list(dtype):
+        return pa.list_(_plain_field(dtype.value_field), dtype.list_size)
+    if pa.types.is_struct(dtype):
+        return pa.struct([_plain_field(dtype.field(i)) for i in range(dtype.num_fields)])
     if isinstance(dtype, pa.BaseExtensionType):  # Arrow's own (bool8, uuid, ...) too
         if dtype.extension_name == "arrow.bool8":
             return pa.bool_()  # its values read as booleans, which int8 storage refuses
@@ -137,6 +148,10 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
             return dtype
         return _plain(dtype.storage_type)
     return dtype
+
+
+def _plain_field(field: pa.Field) -> pa.Field:
+    return field.with_type(_plain(field.type))
 
 
 def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: str) -> pa.DataType:
