@@ -64,7 +64,19 @@ class StepClock:
         self.engine = engine
         self.step = engine.step
         self.buckets: dict[int, list[float]] = {}  # bucket: [calls, drafted, wall ms, max ms]
+        self.drafted_calls: dict[int, list[float]] = {}  # bucket: each drafted call's ms
+        self.policy_samples: dict[int, list[float]] = {}  # bucket: the policy's drafted ms
         engine.step = self
+        if engine.policy is not None:  # what the policy was told, beside what calls took
+            record = self.record = engine.policy.record
+
+            def told(sample):
+                if sample.drafted:
+                    bucket = engine.policy.bucket_of(sample.batch)
+                    self.policy_samples.setdefault(bucket, []).append(sample.wall_ms)
+                return record(sample)
+
+            engine.policy.record = told
 
     def __call__(self):
         scheduler = self.engine.scheduler
@@ -77,6 +89,9 @@ class StepClock:
         b[1] += scheduler.stats.num_drafted_rows > drafted
         b[2] += wall_ms
         b[3] = max(b[3], wall_ms)
+        if scheduler.stats.num_drafted_rows > drafted:
+            bucket = 1 << max(running - 1, 0).bit_length()
+            self.drafted_calls.setdefault(bucket, []).append(wall_ms)
         return out
 
     def table(self) -> dict[int, list]:
@@ -85,10 +100,26 @@ class StepClock:
             for k, (c, d, ms, top) in sorted(self.buckets.items())
         }
 
+    def drafted_spread(self) -> dict[str, dict[int, list]]:
+        """Per bucket, [count, p10, median, mean, p90] ms of the drafted step calls, and of
+        the drafted steps' times the policy recorded (decode-only steps, the switch apart)."""
+
+        def spread(times: list[float]) -> list:
+            q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+            return [len(times), round(q[0], 2), round(statistics.median(times), 2),
+                    round(statistics.fmean(times), 2), round(q[-1], 2)]  # fmt: skip
+
+        return {
+            "calls": {k: spread(v) for k, v in sorted(self.drafted_calls.items())},
+            "policy": {k: spread(v) for k, v in sorted(self.policy_samples.items())},
+        }
+
     def detach(self) -> None:
         """Give the engine its own ``step`` back: the wrapper and the engine held each other,
         and the next run's engine found the GPU still full (its KV cache not freed)."""
         del self.engine.step
+        if self.engine.policy is not None:
+            del self.engine.policy.record
         self.engine = self.step = None
 
 
@@ -121,7 +152,8 @@ def run(
     stats = since(before, llm.engine.scheduler.stats.speculative())
     if clock is not None:
         clock.detach()
-        stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table()}
+        stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table(),
+                 "drafted_ms": clock.drafted_spread()}  # fmt: skip
     llm.engine.close()
     del llm
     gc.collect()
@@ -200,6 +232,7 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
     if args.profile:
         line["steps"] = compact_profile(done[-1][2]["step_profile"])
         line["by_bucket"] = done[-1][2]["by_bucket"]
+        line["drafted_ms"] = done[-1][2]["drafted_ms"]
     return line
 
 
