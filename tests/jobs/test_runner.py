@@ -345,6 +345,28 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     assert {r["id"]: r["text"] for r in ok} == {r["id"]: r["text"] for r in ref}
 
 
+def test_a_job_cancelled_before_generation_shows_no_progress(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Cancelled while its model loads: generation never started, so progress() stays None
+    as README says (it gave a snapshot of an unfinished run that never ran)."""
+    from tokenmill.jobs import runner
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
+    load, loading = runner._load_executor, threading.Event()
+
+    def slow_load(*args, **kwargs):
+        loading.set()
+        time.sleep(0.5)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_load_executor", slow_load)
+    handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
+    assert loading.wait(30)
+    handle.cancel()
+    assert handle.result(60).status == "cancelled" and handle.progress() is None
+
+
 def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(
     tiny_model: Path, tmp_path: Path, monkeypatch
 ) -> None:

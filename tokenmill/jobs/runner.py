@@ -314,7 +314,8 @@ def _run_owned(
         counters=None if executor is None else replica_counters(executor),
         max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
     )
-    if on_progress is not None:
+    generate = executor is not None and not cancel.is_set()  # (cancelled first: it never does)
+    if on_progress is not None and generate:
         on_progress(progress)
     history = progress.history  # what report.html plots
     tracker = ShardTracker(spec.output.rows_per_shard)
@@ -336,7 +337,7 @@ def _run_owned(
     generating = time.monotonic()
     generated: float | None = None  # when the executor's stream ended
     try:
-        if executor is not None and not cancel.is_set():
+        if generate:
             for result in executor.process(feed, cancel, progress.tick):
                 tracker.add_result(result)
                 feed.finished(result)  # copies for the rows held as its duplicates
@@ -345,7 +346,7 @@ def _run_owned(
                 history.add_result(result)
                 progress.update(1, result.generated_tokens)
                 _hand_over_complete(tracker, writer)
-            progress.finish()
+        progress.finish()
         generated = time.monotonic()
         _hand_over_complete(tracker, writer)
         writer.finish()
