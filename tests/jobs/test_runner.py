@@ -505,6 +505,30 @@ def test_an_object_store_output_is_locked_whatever_its_spelling(tmp_path: Path) 
         lock_of(f"s3://bkt-{tmp_path.name}/out/"),
     )
     assert first.path == second.path
-    with first, pytest.raises(JobLockedError, match="is held by another run") as info:
+    with first, pytest.raises(JobLockedError, match="is being written by job") as info:
         second.acquire()
-    assert f"ps -o pid,stat,etime -p {os.getpid()}" in str(info.value)  # (the holder: us)
+    # the holder is this process: said so (it said to wait for "that process" to exit)
+    assert "in this process (another submit()" in str(info.value)
+    assert info.value.holder_job == "test"
+    second.acquire()  # once released, it is free
+    second.release()
+
+
+def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
+    from tokenmill.jobs.lock import JobLockedError
+
+    holder = subprocess.Popen(  # takes the lock, says so, keeps it until stdin closes
+        [sys.executable, "-c", "import sys; from tokenmill.jobs.lock import JobLock; "
+         f"lock = JobLock('other', 'out', {str(tmp_path)!r}); lock.acquire(); "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(JobLockedError, match="is held by another run") as info:
+            JobLock("test", "out", str(tmp_path)).acquire()
+        assert f"job 'other', pid {holder.pid}" in str(info.value)
+        assert info.value.holder_job == "other"
+    finally:
+        holder.communicate("")

@@ -15,11 +15,18 @@ import fcntl
 import hashlib
 import os
 import re
+import threading
+import time
 from pathlib import Path
 
 from tokenmill.jobs.output_location import OutputPathError
 
 LOCK_FILE = ".tokenmill.lock"
+
+# The locks this process holds ({lock path: job}): a second run in this process (another
+# submit()) is told so, not to wait for "another process" to exit.
+_HELD: dict[Path, str] = {}
+_HELD_GUARD = threading.Lock()
 
 
 class JobLockedError(RuntimeError):
@@ -45,6 +52,7 @@ class JobLock:
         self.job = job
         self.output_url = output_url
         self._fd: int | None = None
+        self._key = self.path  # resolved once held (the _HELD entry)
         self._made_folder = False  # acquire created the lock's folder (a new local output)
 
     def acquire(self) -> None:
@@ -64,7 +72,18 @@ class JobLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            with _HELD_GUARD:
+                here = _HELD.get(self.path.resolve())
+            if here is not None:
+                os.close(fd)
+                raise JobLockedError(
+                    f"output {self.output_url} is being written by job {here!r} in this "
+                    f"process (another submit() or run_job of this program); job "
+                    f"{self.job!r} wrote nothing. Run it once that job has finished (its "
+                    "handle's result()), or give each job its own output.path.",
+                    here,
+                ) from None
+            holder = _holder(fd)
             os.close(fd)
             named = re.match(r"job '(.*)', pid (\d+)", holder)
             pid = named[2] if named else "PID"
@@ -78,6 +97,9 @@ class JobLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())
         self._fd = fd
+        self._key = self.path.resolve()
+        with _HELD_GUARD:
+            _HELD[self._key] = self.job
 
     def release(self) -> None:
         """Let go of the lock. When the output holds nothing but the lock (the run stopped
@@ -89,6 +111,8 @@ class JobLock:
                 self.path.unlink()
                 if self._made_folder:
                     self.path.parent.rmdir()
+            with _HELD_GUARD:
+                _HELD.pop(self._key, None)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -99,3 +123,15 @@ class JobLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holder(fd: int) -> str:
+    """What the lock file says of its holder: the holder writes it just after taking the
+    lock, so an empty file is read again for a moment."""
+    for _ in range(5):
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 200).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.02)
+    return "another process"
