@@ -10,8 +10,11 @@ Two sources, the longer matching suffix wins:
 The engine calls ``observe`` with the outputs of requests as they finish. Indexing them
 (hashing every gram of every new token: ~0.4 us a token, 40 ms of a 1 s run of 97k tokens
 on an H100 host, on the engine thread between two steps, whether the policy drafted or
-not) runs on a worker thread, beside the steps; ``predict`` first waits for what was
-observed before it, so drafts do not depend on timing.
+not) runs on a worker thread, beside the steps, in batches of ``INDEX_BATCH_TOKENS``:
+handed over a few outputs at a time, the worker took the GIL from the engine's thread
+some hundred times a run, and auto's plain steps at 256 rows took 0.3-0.9 ms more host
+time than off's (H100, BENCHMARKS session 40). ``predict`` first hands over what is left
+and waits for everything observed before it, so drafts do not depend on timing.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 from tokenmill.engine.spec_decode.output_corpus import OutputCorpus
 
-__all__ = ["SuffixProposer"]
+__all__ = ["INDEX_BATCH_TOKENS", "SuffixProposer"]
+
+INDEX_BATCH_TOKENS = 16_384  # observed tokens handed to the indexing worker at once
 
 
 class SuffixProposer:
@@ -43,14 +48,23 @@ class SuffixProposer:
         self._indexer = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-suffix-index")
         self._queued = False  # outputs handed to the worker since the last proposal
         self._failure: BaseException | None = None  # the worker's first, until raised
+        self._pending: list[np.ndarray] = []  # observed, not yet handed over
+        self._pending_tokens = 0
 
     def observe(self, outputs: list[list[int]]) -> None:
         """Outputs of requests that just finished: later rows may draft from them (indexed
-        on the worker thread, in the order observed; copied here, as they are now)."""
+        on the worker thread in batches, in the order observed; copied here, as they are
+        now)."""
         copies = [np.asarray(o, dtype=np.int64) for o in outputs if len(o)]
-        if copies:
-            self._queued = True  # (before the hand-over: an interrupt between loses none)
-            self._indexer.submit(self._index, copies)
+        self._pending += copies
+        self._pending_tokens += sum(len(c) for c in copies)
+        if self._pending_tokens >= INDEX_BATCH_TOKENS:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        batch, self._pending, self._pending_tokens = self._pending, [], 0
+        self._queued = True  # (before the hand-over: an interrupt between loses none)
+        self._indexer.submit(self._index, batch)
 
     def _index(self, outputs: list[np.ndarray]) -> None:
         try:
@@ -61,6 +75,8 @@ class SuffixProposer:
     def _wait_for_index(self) -> None:
         """Return once everything observed is indexed (the worker runs in order: a no-op
         queued now runs after it); raise, once, what indexing raised."""
+        if self._pending:
+            self._hand_over()
         if self._queued:
             self._indexer.submit(lambda: None).result()
             self._queued = False
