@@ -14,9 +14,10 @@ generating alike.
         a row not started: sum of S(j) over j < horizon
         a row in flight at c tokens: the sum of S(j) / S(c) over c <= j < horizon
 
-``horizon``: the most tokens a row may take (the job's max_tokens); without it, the longest
-finished row. Unknown (None) when a row in flight has run past the horizon (rows with a
-max_tokens of their own): nothing finished says how long such a row goes on.
+``horizon``: the most tokens a row may take: the job's max_tokens, or the longest finished
+row where that is longer (rows with a max_tokens of their own) or the job gives none. Unknown
+(None) when a row in flight has run past it: nothing finished says how long such a row
+goes on.
 """
 
 from __future__ import annotations
