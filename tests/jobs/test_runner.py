@@ -532,3 +532,56 @@ def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
         assert info.value.holder_job == "other"
     finally:
         holder.communicate("")
+
+
+def test_a_forked_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
+    """A review: a forked child was told the output was "being written by job 'A' in this
+    process" (its parent's)."""
+    from tokenmill.jobs import lock
+
+    held = JobLock("A", "out", str(tmp_path))
+    held.acquire()
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: what it believes it holds
+            os.write(write, str(len(lock._HELD)).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.read(read, 16) == b"0" and len(lock._HELD) == 1
+    finally:
+        held.release()
+    assert lock._HELD == {}
+
+
+def test_a_job_that_fails_mid_run_shows_no_rows_in_flight(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A review: the Progress of a run whose executor raised was left running: its snapshot
+    kept rows in flight and an ETA after the job had failed."""
+    from tokenmill.jobs import runner
+
+    load = runner._load_executor
+
+    def failing_load(*args, **kwargs):
+        executor = load(*args, **kwargs)
+        process = executor.process
+
+        def dies_after_three(feed, cancel, tick):
+            for i, result in enumerate(process(feed, cancel, tick)):
+                yield result
+                if i == 2:
+                    time.sleep(1.1)  # a progress sample (one a second) counts rows in flight
+                    tick()
+                    raise RuntimeError("replica died")
+
+        executor.process = dies_after_three
+        return executor
+
+    monkeypatch.setattr(runner, "_load_executor", failing_load)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
+    handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
+    with pytest.raises(RuntimeError, match="replica died"):
+        handle.result(120)
+    seen = handle.progress()
+    assert seen is not None and seen.rows_in_flight == 0 and seen.eta_seconds is None

@@ -23,10 +23,22 @@ from tokenmill.jobs.output_location import OutputPathError
 
 LOCK_FILE = ".tokenmill.lock"
 
-# The locks this process holds ({lock path: job}): a second run in this process (another
-# submit()) is told so, not to wait for "another process" to exit.
-_HELD: dict[Path, str] = {}
+# The locks this process holds ({lock path: the JobLock}): a second run in this process
+# (another submit()) is told so, not to wait for "another process" to exit. A forked child
+# holds none of them.
+_HELD: dict[Path, JobLock] = {}
 _HELD_GUARD = threading.Lock()
+
+
+def _forked() -> None:
+    """In a forked child: no lock is its (and the guard is new: another thread may have held
+    it at the fork)."""
+    global _HELD_GUARD
+    _HELD.clear()
+    _HELD_GUARD = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class JobLockedError(RuntimeError):
@@ -73,7 +85,8 @@ class JobLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             with _HELD_GUARD:
-                here = _HELD.get(self.path.resolve())
+                holder_here = _HELD.get(self.path.resolve())
+            here = None if holder_here is None else holder_here.job
             if here is not None:
                 os.close(fd)
                 raise JobLockedError(
@@ -99,7 +112,7 @@ class JobLock:
         self._fd = fd
         self._key = self.path.resolve()
         with _HELD_GUARD:
-            _HELD[self._key] = self.job
+            _HELD[self._key] = self
 
     def release(self) -> None:
         """Let go of the lock. When the output holds nothing but the lock (the run stopped
@@ -107,12 +120,13 @@ class JobLock:
         too if acquire made it, while the lock is still held, so that no other run can
         hold a lock file taken away from it."""
         if self._fd is not None:
+            with _HELD_GUARD:  # first: a run may take a new lock file once this one goes
+                if _HELD.get(self._key) is self:
+                    del _HELD[self._key]
             if os.listdir(self.path.parent) == [LOCK_FILE]:
                 self.path.unlink()
                 if self._made_folder:
                     self.path.parent.rmdir()
-            with _HELD_GUARD:
-                _HELD.pop(self._key, None)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -353,6 +353,8 @@ def _run_owned(
     except BaseException as exc:
         generated = generated or time.monotonic()
         _stop_writer(writer, exc)
+        if not progress.ended:  # a failed run shows no rows in flight, no ETA
+            _finish_quietly(progress)
         raise
     finally:
         generated = generated or time.monotonic()
@@ -614,6 +616,16 @@ def _hand_over_complete(tracker: ShardTracker, writer: ShardWriter) -> None:
     writer.check()
     for shard, results in tracker.pop_complete():
         writer.submit(shard, results)
+
+
+def _finish_quietly(progress: Progress) -> None:
+    """End a failed run's progress: its last sample reads the executor, which may be what
+    failed; the run's own error is the one raised, not this."""
+    try:
+        progress.finish()
+    except Exception:
+        log.debug("could not take the last progress sample of a failed run", exc_info=True)
+        progress.ended, progress.in_flight = True, 0
 
 
 def _fill_totals(report: JobReport, manifest: Manifest, counted: int | None = None) -> None:

@@ -188,3 +188,22 @@ def test_one_slow_step_does_not_decide_for_long() -> None:
     _feed(policy, 8, 20, plain_ms=1.0, draft_ms=2.0, share=1.0, accepted=0.5)  # plain wins
     policy.record(StepSample(8, False, 40.0))  # one slow plain step
     assert policy.estimates()[8]["plain_ms"] == 1.0
+
+
+def test_two_slow_drafted_steps_among_fast_ones_do_not_stop_drafting() -> None:
+    """A review's case: drafted steps of 11 ms giving 3 tokens a row against plain ones of
+    10; drafted steps 100 and 101 took 200 ms (a collection pause over two steps, say). A
+    mean of the last eight but the longest kept the second and stopped drafting for 2,000
+    of 6,000 steps; the longest quarter left out, drafting goes on (118 plain steps: the
+    probes)."""
+    policy = SpeculationPolicy(warmup=4, max_drafts=4)
+    drafted, plain = 0, 0
+    for _ in range(6000):
+        if policy.wants_drafts(64):
+            drafted += 1
+            wall = 200.0 if drafted in (100, 101) else 11.0
+            policy.record(StepSample(64, True, wall, 64, 128))
+        else:
+            plain += 1
+            policy.record(StepSample(64, False, 10.0))
+    assert plain < 200, plain

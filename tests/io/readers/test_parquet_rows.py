@@ -189,3 +189,9 @@ def test_a_binary_prompt_column_is_read_as_utf8_text(tmp_path):
     pq.write_table(pa.table({"id": ["n"], "prompt": [3]}), tmp_path / "num.parquet")
     (row,) = read(tmp_path / "num.parquet")
     assert "bad prompt: column 'prompt' must be a non-empty string, got the number 3" in row.error
+
+
+def test_an_empty_binary_prompt_is_missing_as_an_empty_string_is(tmp_path):
+    prompts = pa.array([b"", None], pa.binary())
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt": prompts}), tmp_path / "in.parquet")
+    assert all("missing prompt" in r.error for r in read(tmp_path / "in.parquet"))

@@ -20,8 +20,8 @@ in full by a drafting probe. It drafts when (1 + f * m) / (t_draft + t_switch / 
 beats 1 / t_plain by ``margin``.
 
 t_plain, t_draft and t_switch are means of a bucket's last eight samples but the longest
-(the shortest while fewer than three): one slow step (a collection pause, a compile) moves
-none for long, and steps that are often slow count as they cost.
+two (the shortest while fewer than three): a slow step or two (a collection pause, a
+compile) move none for long, and steps that are often slow count as they cost.
 f and m are the data's more than the batch's: until a bucket has drafted ``warmup`` steps
 of its own it takes those of all buckets (a row's first tokens rarely match anything yet,
 so the run drafts ``warmup`` steps before any bucket decides). A bucket times its own
@@ -68,12 +68,13 @@ class StepSample:
 
 
 class _Times:
-    """A mode's last ``_TIMES`` step times: their mean but for the longest, or while there
-    are fewer than 3 the shortest (a step is slowed now and then, by a compile or a
-    collection pause, but never sped up: one slow first drafted step kept a bucket plain
-    for 2,900 steps). A mean, not the median: throughput is what the steps take on
-    average, and at 256 rows on an H100 a drafted step's calls took 10.4 ms on average
-    where the median of five said 7.3 (drafting then cost 18-30%; BENCHMARKS session 40)."""
+    """A mode's last ``_TIMES`` step times: the mean of all but the longest quarter (at
+    least one), or while there are fewer than 3 the shortest (a step is slowed now and
+    then, by a compile or a collection pause, but never sped up: one slow first drafted
+    step kept a bucket plain for 2,900 steps; two slow ones of eight, kept in a mean, for
+    2,000). A mean, not the median: throughput is what the steps take on average, and at
+    256 rows on an H100 a drafted step's calls took 10.4 ms on average where the median of
+    five said 7.3 (drafting then cost 18-30%; BENCHMARKS session 40)."""
 
     def __init__(self) -> None:
         self._ms: deque[float] = deque(maxlen=_TIMES)
@@ -91,7 +92,8 @@ class _Times:
     def ms(self) -> float | None:
         if len(self._ms) < 3:
             return min(self._ms, default=None)
-        return (sum(self._ms) - max(self._ms)) / (len(self._ms) - 1)
+        kept = sorted(self._ms)[: len(self._ms) - max(len(self._ms) // 4, 1)]
+        return sum(kept) / len(kept)
 
 
 @dataclass

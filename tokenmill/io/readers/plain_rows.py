@@ -147,7 +147,7 @@ def _missing_prompt(value: dict[str, Any], columns: PlainColumns) -> str:
     name = columns.prompt_column
     if name in value:
         cell = value[name]
-        empty = cell is None or cell == "" or (isinstance(cell, float) and math.isnan(cell))
+        empty = cell in (None, "", b"") or (isinstance(cell, float) and math.isnan(cell))
         what = "missing prompt" if empty else "bad prompt"
         return f"{what}: column {name!r} must be a non-empty string, got {type_name(cell)}"
     return _missing_column(value, columns, name)
