@@ -25,7 +25,7 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import fingerprint, same_content, settings_record
+from tokenmill.jobs.fingerprint import fingerprint, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import check_claimable
@@ -166,12 +166,9 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
     manifest = Manifest.load(store, spec.name)
-    # as a run decides (Manifest.check_fingerprint): the hash, and what is kept beside it
-    resumable = (
-        manifest is not None
-        and manifest.fingerprint == fingerprint(settings)
-        and same_content(manifest.settings, settings_record(settings))
-    )
+    resumable = manifest is not None and manifest.matches(
+        fingerprint(settings), settings_record(settings)
+    )  # as a run decides
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
     schema = manifest.output_schema if resumable and manifest is not None else None
     if schema is None:

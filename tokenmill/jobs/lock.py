@@ -85,16 +85,15 @@ class JobLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             with _HELD_GUARD:
-                holder_here = _HELD.get(self.path.resolve())
-            here = None if holder_here is None else holder_here.job
+                here = _HELD.get(self.path.resolve())
             if here is not None:
                 os.close(fd)
                 raise JobLockedError(
-                    f"output {self.output_url} is being written by job {here!r} in this "
-                    f"process (another submit() or run_job of this program); job "
+                    f"output {self.output_url} is being written by job {here.job!r} in "
+                    f"this process (another submit() or run_job of this program); job "
                     f"{self.job!r} wrote nothing. Run it once that job has finished (its "
                     "handle's result()), or give each job its own output.path.",
-                    here,
+                    here.job,
                 ) from None
             holder = _holder(fd)
             os.close(fd)

@@ -158,9 +158,14 @@ class Manifest:
             ) from None
         return manifest
 
+    def matches(self, fingerprint: str, settings: JobSettings) -> bool:
+        """Whether a run with ``fingerprint`` and ``settings`` (``settings_record``'s) may
+        resume this progress: the hash, and what is kept beside it (``same_content``)."""
+        return fingerprint == self.fingerprint and same_content(self.settings, settings)
+
     def check_fingerprint(self, fingerprint: str, settings: JobSettings, where: str) -> None:
         """Raise FingerprintMismatchError naming the changed settings (old -> new)."""
-        if fingerprint == self.fingerprint and same_content(self.settings, settings):
+        if self.matches(fingerprint, settings):
             return
         if self.settings is not None:
             changes = changed_settings(self.settings, settings)

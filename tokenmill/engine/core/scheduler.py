@@ -197,11 +197,11 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, budget: int, draft: bool = True, ahead: bool = False, draft_budget: int | None = None
+        self, budget: int, draft: bool, ahead: bool, draft_budget: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
         """Slots of the running requests this step serves, their token counts and drafts
-        (within ``draft_budget``, default ``budget``), oldest first, with their KV slots
-        allocated; plus the ids preempted to make room.
+        (within ``draft_budget``), oldest first, with their KV slots allocated; plus the
+        ids preempted to make room.
 
         Vectorized when every running request fits the budget and the free blocks; the
         per-request loop (``_schedule_running_loop``) otherwise. A row's drafts in flight
@@ -217,8 +217,7 @@ class Scheduler:
         if self.proposer is not None and draft:
             t0 = time.perf_counter()
             drafts = add_drafts(
-                s, order, num_new, self.proposer,
-                budget if draft_budget is None else draft_budget, self.config.max_model_len,
+                s, order, num_new, self.proposer, draft_budget, self.config.max_model_len,
                 ahead=ahead,
             )  # fmt: skip
             self.stats.propose_seconds += time.perf_counter() - t0

@@ -19,7 +19,7 @@ from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.io.readers.listing_cache import list_again
-from tokenmill.io.readers.storage import resolve
+from tokenmill.io.readers.storage import protocols, resolve
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
 _VERSION = 1  # bump when what goes into the fingerprint changes
@@ -126,8 +126,7 @@ def content_version(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str 
     """The version an object store gives a file's content (``_VERSION_FIELDS``) as one
     string, or None where it gives none. The same from a listing as from a HEAD: S3 quotes
     its ETags (and a weak one starts ``W/``), so both go."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    fields = next((_VERSION_FIELDS[p] for p in protocols if p in _VERSION_FIELDS), ())
+    fields = next((_VERSION_FIELDS[p] for p in protocols(fs) if p in _VERSION_FIELDS), ())
     value = next((info[name] for name in fields if info.get(name) not in (None, "")), None)
     if value is None:
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from tokenmill.io.readers.storage import resolve
+from tokenmill.io.readers.storage import protocols, resolve
 
 __all__ = ["forget_listings", "list_again"]
 
@@ -44,8 +44,7 @@ def list_again(files: list[str], storage_options: dict[str, Any], stores: set[st
         entry[1][fs._parent(path)] += 1
     for fs, counts in folders.values():
         fs.invalidate_cache()
-        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-        if not stores.intersection(protocols):
+        if not stores.intersection(protocols(fs)):
             continue
         for folder, count in counts.items():
             if count > LIST_FOLDER_PAST:

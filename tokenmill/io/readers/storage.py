@@ -39,5 +39,10 @@ def location_problem(url: str) -> str | None:
     return None
 
 
+def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    """The names a filesystem answers to (``("s3", "s3a")``; fsspec gives one or several)."""
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
 def has_protocol(url: str) -> bool:
     return split_protocol(url)[0] is not None
