@@ -64,18 +64,26 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--sequence",
+        help="the runs' methods in order, e.g. off,auto,auto,off (default: off,auto --runs "
+        "times): a later run in a process may be slower whatever its method",
+    )
     args = parser.parse_args()
     SpeculationPolicy.wants_drafts = lambda self, batch: False  # auto, never drafting
     convs = WORKLOADS[args.workload](args.rows)
+    sequence = (args.sequence or ",".join(["off,auto"] * args.runs)).split(",")
+    if set(sequence) != {"off", "auto"}:
+        parser.error(f"--sequence {args.sequence!r}: give off and auto, each at least once")
     totals: dict[str, dict[str, float]] = {"off": {}, "auto": {}}
-    for _ in range(args.runs):
-        for method in ("off", "auto"):
-            seconds, decode, cumulative = run(args.model, args.device, method, convs, args.batch)
-            keys = ("steps", "cpu_ms", "gpu_ms")
-            print(json.dumps({"method": method, "seconds": round(seconds, 3),
-                              "decode": {k: decode.get(k) for k in keys}}), flush=True)  # fmt: skip
-            for name, s in cumulative.items():
-                totals[method][name] = totals[method].get(name, 0.0) + s / args.runs
+    for position, method in enumerate(sequence):
+        seconds, decode, cumulative = run(args.model, args.device, method, convs, args.batch)
+        keys = ("steps", "cpu_ms", "gpu_ms")
+        print(json.dumps({"position": position, "method": method, "seconds": round(seconds, 3),
+                          "decode": {k: decode.get(k) for k in keys}}), flush=True)  # fmt: skip
+        for name, s in cumulative.items():
+            share = s / sequence.count(method)
+            totals[method][name] = totals[method].get(name, 0.0) + share
     names = totals["off"].keys() | totals["auto"].keys()
     diff = {n: totals["auto"].get(n, 0.0) - totals["off"].get(n, 0.0) for n in names}
     top = sorted(diff, key=lambda n: -abs(diff[n]))[:25]

@@ -5,8 +5,9 @@ For each workload of bench/spec_workloads.py and each batch size B: ``LLM.chat``
 ``speculative.method`` off and once per method asked for, each on its own engine after a
 warm-up on other prompts of the workload. Prints one JSON line per (workload, batch, method):
 output tok/s, its ratio to off, the draft acceptance, and whether the tokens equal off's
-(greedy: they must). With ``--repeat N`` off and the methods run N times, alternating, and
-each line gives the medians and every run's ratio to the off run beside it.
+(greedy: they must). With ``--repeat N`` off and the methods run N times, alternating (off
+first in odd rounds, last in even ones: a process's later runs may be slower whatever they
+run), and each line gives the medians and every run's ratio to the off run beside it.
 
     PYTHONPATH=. python bench/speculative.py --device cpu --workloads copy_edit --batches 1,8
     PYTHONPATH=. python bench/speculative.py --device cuda --batches 1,8,64,256
@@ -184,8 +185,8 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="runs of off and each method, alternating; lines report medians (short runs on "
-        "the GPU move 10-30%% from one to the next)",
+        help="runs of off and each method, alternating (off first, then last); lines report "
+        "medians (short runs on the GPU move 10-30%% from one to the next)",
     )
     parser.add_argument(
         "--ahead-below",
@@ -200,8 +201,9 @@ def main() -> None:
             convs = WORKLOADS[workload](max(2, args.rounds * batch))
             warm = WORKLOADS[workload](batch, seed=1000)
             runs: dict[str, list] = {m: [] for m in ["off", *methods]}
-            for _ in range(args.repeat):
-                for method in runs:
+            for i in range(args.repeat):
+                # off first, then last: a process's later runs may differ whatever they run
+                for method in list(runs)[:: -1 if i % 2 else 1]:
                     runs[method].append(
                         run(args.model, args.device, batch, method, args.draft_tokens, convs,
                             warm, args.max_tokens, args.profile, args.ahead_below)
