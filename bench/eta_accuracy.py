@@ -20,7 +20,7 @@ import numpy as np
 
 from tokenmill.jobs.progress import LiveCounts, Progress
 
-POINTS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9)
+POINTS = (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.9, 0.95, 0.98)
 
 
 def lengths(dist: str, n: int, max_tokens: int, rng: np.random.Generator) -> np.ndarray:
@@ -33,8 +33,10 @@ def lengths(dist: str, n: int, max_tokens: int, rng: np.random.Generator) -> np.
     return np.clip(raw, 1, max_tokens)
 
 
-def simulate(dist: str, rows: int, batch: int, max_tokens: int, step_s: float) -> list[float]:
-    """ETA / time left at each of POINTS."""
+def simulate(
+    dist: str, rows: int, batch: int, max_tokens: int, step_s: float, row_s: float = 0.0
+) -> list[float]:
+    """ETA / time left at each of POINTS; a step takes ``step_s`` + ``row_s`` a row."""
     want = lengths(dist, rows, max_tokens, np.random.default_rng(0))
     now = [0.0]
     live = {"counts": LiveCounts()}
@@ -49,16 +51,23 @@ def simulate(dist: str, rows: int, batch: int, max_tokens: int, step_s: float) -
         made = np.concatenate([made, np.zeros(room, dtype=np.int64)])
         need = np.concatenate([need, want[started : started + room]])
         started += room
-        now[0] += step_s
+        now[0] += step_s + row_s * len(made)
         made += 1
         tokens += len(made)
         ended = made >= need
         running = made[~ended]
-        live["counts"] = LiveCounts(tokens, len(running), row_tokens=tuple(running.tolist()))
-        for length in made[ended].tolist():
+        # as the local executor does: the rows a step finished are out of flight, counted
+        # as finishing until each is handed on; a sample after the step, then the rows
+        finishing = made[ended].tolist()
+        row_tokens = tuple(running.tolist())
+        live["counts"] = LiveCounts(tokens, len(running), row_tokens=row_tokens,
+                                    rows_finishing=len(finishing))  # fmt: skip
+        progress.tick()
+        for i, length in enumerate(finishing):
+            live["counts"] = LiveCounts(tokens, len(running), row_tokens=row_tokens,
+                                        rows_finishing=len(finishing) - i - 1)  # fmt: skip
             progress.update(1, length)
         made, need = running, need[~ended]
-        progress.tick()
         etas.append((now[0], progress.eta_seconds))
     total = now[0]
     out = []
@@ -73,11 +82,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--batches", default="256,1024")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--step-ms", type=float, default=100.0)
+    parser.add_argument("--step-ms", type=float, default=100.0, help="a step's fixed time")
+    parser.add_argument(
+        "--row-ms", type=float, default=0.0, help="a step's time a row (a CPU's: most of it)"
+    )
     args = parser.parse_args()
     for dist in ("lognormal", "uniform", "bimodal"):
         for batch in (int(b) for b in args.batches.split(",")):
-            ratios = simulate(dist, args.rows, batch, args.max_tokens, args.step_ms / 1e3)
+            ratios = simulate(dist, args.rows, batch, args.max_tokens, args.step_ms / 1e3,
+                              args.row_ms / 1e3)  # fmt: skip
             ratio_at = dict(zip(POINTS, ratios, strict=True))
             print(json.dumps({"lengths": dist, "batch": batch, "eta_over_left": ratio_at}))
 

@@ -48,8 +48,10 @@ def test_counts_tokens_of_rows_still_generating(tiny_model: Path, tmp_path: Path
         counters = processor.counters
     finally:
         processor.close()
-    # before any row finished: rows in flight and their tokens, growing step by step
-    assert before_first[-1].rows_in_flight == 6 and before_first[-1].output_tokens >= 6 * 250
+    # before any row finished: rows in flight and their tokens, growing step by step; at
+    # the step that finished them, all six finishing (out of flight, not handed on yet)
+    assert before_first[-2].rows_in_flight == 6 and before_first[-2].output_tokens >= 6 * 250
+    assert (before_first[-1].rows_in_flight, before_first[-1].rows_finishing) == (0, 6)
     # and each row's own count, for the ETA (row_lengths.py), while all six generate
     middle = before_first[len(before_first) // 2]
     assert middle.row_tokens is not None and len(middle.row_tokens) == 6
@@ -65,17 +67,25 @@ def test_the_live_count_has_the_tokens_of_rows_that_finished_in_the_step(
 ) -> None:
     """The step that finishes requests takes their tokens out of the engine's count: the
     live count stood still for that step's sample and jumped at the next (a 0-then-spike
-    rate at the end of report.html's plot)."""
+    rate at the end of report.html's plot). The rows it finished are out of flight at that
+    sample and counted as finishing until each is handed on: no row is counted nowhere (a
+    row neither done nor in flight looked queued, and the ETA waited for it to start)."""
     spec = JobSpec.from_dict(job_dict(tiny_model, tmp_path, tmp_path, sampling=LONG))
     processor = RowProcessor(spec)
     rows = [InputRow(i, f"r{i}", f"gen:{i}", prompt="the same prompt") for i in range(4)]
-    seen: list[int] = []
+    lives = []
+    finishing: list[int] = []
     try:
-        results = list(processor.process(rows, on_step=lambda: seen.append(
-            processor.live().output_tokens)))  # fmt: skip
+        for _ in processor.process(rows, on_step=lambda: lives.append(processor.live())):
+            finishing.append(processor.live().rows_finishing)
     finally:
         processor.close()
-    assert len(results) == 4 and seen[-1] == 4 * 300  # all four finish in the last step
+    seen = [live.output_tokens for live in lives]
+    assert len(finishing) == 4 and seen[-1] == 4 * 300  # all four finish in the last step
+    last = lives[-1]
+    assert (last.rows_in_flight, last.row_tokens, last.rows_finishing) == (0, (), 4)
+    assert lives[-2].rows_in_flight == 4 and lives[-2].rows_finishing == 0
+    assert finishing == [3, 2, 1, 0]  # as each is handed on
     steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
     assert all(step <= 4 for step in steps), steps  # one token a row a step, no jump
 

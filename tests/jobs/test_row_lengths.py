@@ -109,3 +109,19 @@ def test_long_rows_are_counted_in_bins_and_stay_cheap() -> None:
     assert time.perf_counter() - start < 0.005
     running_left = 500 * (np.mean(exact) - 500)  # (rows at < 1,000 tokens: about the mean)
     assert left == pytest.approx(100 * np.mean(exact) + running_left, rel=0.02)
+
+
+def test_rows_finishing_are_not_rows_to_come() -> None:
+    """At a step's sample the rows it finished are out of flight and not yet handed on (so
+    not done): counted as rows not started, the last step of a run said two rows of 50
+    tokens were still to come, 50 s at 2 tok/s, where none were."""
+    clock, engine = FakeClock(), FakeEngine()
+    progress = Progress(4, 0, live=engine, clock=clock, max_tokens=100, sample_s=1.0)
+    clock.now += 1.0
+    engine.counts = LiveCounts(200, 2, row_tokens=(50, 50))
+    progress.update(2, 100)  # two rows of 50 tokens ended (and a sample)
+    clock.now += 50.0
+    engine.counts = LiveCounts(300, 0, row_tokens=(), rows_finishing=2)
+    progress.tick()
+    assert progress.tokens_per_s == pytest.approx(2.0)
+    assert progress.eta_seconds == pytest.approx(0.5)  # (at least one token: 1 / 2 tok/s)

@@ -77,6 +77,7 @@ class RowProcessor:
         self.logprobs_column = spec.sampling.logprobs is not None
         self._in_flight = RowsInFlight()
         self._returned_tokens = 0  # output tokens of the engine's outputs yielded so far
+        self._finishing = 0  # rows finished by the last step, not yielded yet
         self._output_tokens = 0  # the highest count ``output_tokens`` gave
 
     @property
@@ -125,23 +126,26 @@ class RowProcessor:
                     continue
                 outputs = self.engine.step()
                 # Before on_step's sample: the engine no longer counts these requests' tokens
-                # (the live count stood still for a sample, then jumped: report.html's plot).
+                # (the live count stood still for a sample, then jumped: report.html's plot),
+                # and the rows they finish are out of the rows in flight, counted as
+                # finishing until each is yielded (a sample then counts every row once).
                 self._returned_tokens += sum(out.num_completion_tokens for out in outputs)
+                # Counted per request: a row of n requests is done once its last is.
+                finished = [done for out in outputs if (done := in_flight.finish(out)) is not None]
+                self._finishing = len(finished)
                 if on_step is not None:
                     on_step()
-                for out in outputs:
-                    # Counted per request: a row of n requests yields once its last is done.
-                    done = in_flight.finish(out)
-                    if done is not None:
-                        yield result_from_output(
-                            done.row,
-                            done.output,
-                            self.tokenizer,
-                            self.model_name,
-                            done.params.skip_special_tokens,
-                            token_bytes_too=self.output_format == "openai-batch",
-                            generated_tokens=done.generated_tokens,
-                        )
+                for done in finished:
+                    self._finishing -= 1
+                    yield result_from_output(
+                        done.row,
+                        done.output,
+                        self.tokenizer,
+                        self.model_name,
+                        done.params.skip_special_tokens,
+                        token_bytes_too=self.output_format == "openai-batch",
+                        generated_tokens=done.generated_tokens,
+                    )
         finally:  # a cancel, an error, or a stream closed early: no request stays behind
             self._drop(in_flight)
 
@@ -196,7 +200,12 @@ class RowProcessor:
         """Tokens so far and rows in flight with each one's tokens, for the progress line
         (the engine's thread)."""
         row_tokens = self._in_flight.row_tokens(self.engine.unfinished_output_tokens())
-        return LiveCounts(self.output_tokens, len(self._in_flight), row_tokens=row_tokens)
+        return LiveCounts(
+            self.output_tokens,
+            len(self._in_flight),
+            row_tokens=row_tokens,
+            rows_finishing=self._finishing,
+        )
 
     @property
     def counters(self) -> EngineCounters:

@@ -72,6 +72,8 @@ class LiveCounts:
     # each row in flight's output tokens so far, where the executor knows them (local); else
     # the rows in flight are taken to have an equal share of the tokens in flight
     row_tokens: tuple[int, ...] | None = None
+    # rows finished and out of the rows in flight, not handed on yet (so not counted done)
+    rows_finishing: int = 0
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,7 @@ class Progress:
             self.in_flight = counts.rows_in_flight
             if self.total is not None and self.generated_rows:
                 running = self._running_tokens(counts)
-                queued = max(self.total - self.done - len(running), 0)
+                queued = max(self.total - self.done - len(running) - counts.rows_finishing, 0)
                 self._tokens_left = self._lengths.tokens_left(queued, running)
             if counts.load_seconds > self.load_seconds:
                 self.load_seconds = counts.load_seconds
