@@ -147,6 +147,7 @@ class RowProcessor:
                         generated_tokens=done.generated_tokens,
                     )
         finally:  # a cancel, an error, or a stream closed early: no request stays behind
+            self._finishing = 0  # (rows not yielded by then are not results of this run)
             self._drop(in_flight)
 
     def _drop(self, in_flight: RowsInFlight) -> None:
