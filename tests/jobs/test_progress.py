@@ -319,3 +319,23 @@ def test_finish_takes_a_last_sample_for_the_report() -> None:
     progress.update(2, 45)
     progress.finish()
     assert progress.samples[-2:] == [(3.0, 30), (3.25, 45)]
+
+
+def test_finish_ends_the_progress_even_when_its_last_sample_fails() -> None:
+    """A failed run's executor may be what fails the last sample: the Progress still ends,
+    with no row in flight and no ETA, and the sample's error goes to the caller."""
+    clock, alive = FakeClock(), [True]
+
+    def live() -> LiveCounts:
+        if not alive[0]:
+            raise RuntimeError("replica died")
+        return LiveCounts(50, 4)
+
+    progress = Progress(10, 0, live=live, clock=clock, sample_s=1.0)
+    clock.now += 1.0
+    progress.tick()
+    assert progress.in_flight == 4
+    alive[0] = False
+    with pytest.raises(RuntimeError, match="replica died"):
+        progress.finish()
+    assert progress.ended and progress.in_flight == 0 and progress.eta_seconds is None

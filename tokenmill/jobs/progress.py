@@ -280,12 +280,15 @@ class Progress:
 
     def finish(self) -> None:
         """Take a last sample (the run's stream of results has ended), for the report; no
-        row is in flight any more, and no ETA is given for rows left (a stopped run)."""
+        row is in flight any more, and no ETA is given for rows left (a stopped run), even
+        when the sample raises (it reads the executor, which may be what failed)."""
         now = self._clock()
         self._last_sample = now
-        self._sample(now, last=True)
-        self.ended = True
-        self.in_flight = 0
+        try:
+            self._sample(now, last=True)
+        finally:
+            self.ended = True
+            self.in_flight = 0
         if self._bar is not None:
             self._bar.show(self.done, self.bar_text())
 

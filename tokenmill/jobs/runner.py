@@ -622,10 +622,9 @@ def _finish_quietly(progress: Progress) -> None:
     """End a failed run's progress: its last sample reads the executor, which may be what
     failed; the run's own error is the one raised, not this."""
     try:
-        progress.finish()
+        progress.finish()  # (ended, with no row in flight, even when its sample raises)
     except Exception:
         log.debug("could not take the last progress sample of a failed run", exc_info=True)
-        progress.ended, progress.in_flight = True, 0
 
 
 def _fill_totals(report: JobReport, manifest: Manifest, counted: int | None = None) -> None:
