@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.prompts import chat_prompts  # noqa: E402
+from bench.prompts import chat_prompts, write_chat_jsonl  # noqa: E402
 from tokenmill import run_job  # noqa: E402
 from tokenmill.jobs.progress import Progress  # noqa: E402
 
@@ -41,10 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        data = folder / "prompts.jsonl"
-        with data.open("w") as f:
-            for i, conv in enumerate(chat_prompts(args.rows)):
-                f.write(json.dumps({"id": f"p{i:06d}", "messages": conv}) + "\n")
+        data = write_chat_jsonl(folder / "prompts.jsonl", chat_prompts(args.rows))
         spec = {
             "name": "eta-job",
             "model": {"source": args.model},

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.hf_peer import left_padded, load_hf_model  # noqa: E402
-from bench.prompts import chat_prompts  # noqa: E402
+from bench.prompts import chat_prompts, write_chat_jsonl  # noqa: E402
 from tokenmill.engine.engine_config import EngineConfig  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -87,10 +87,7 @@ def write_job(
     """The JSONL input and the job spec (also saved as job.yaml, for rerunning by hand)."""
     import yaml
 
-    data = folder / "prompts.jsonl"
-    with data.open("w") as f:
-        for i, conv in enumerate(convs):
-            f.write(json.dumps({"id": f"p{i:06d}", "messages": conv}) + "\n")
+    data = write_chat_jsonl(folder / "prompts.jsonl", convs)
     spec = {
         "name": "job-throughput",
         "model": {"source": args.model},

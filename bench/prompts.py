@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 _TOPICS = [
     "the water cycle",
@@ -60,3 +62,11 @@ def chat_prompts(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
         msgs.append({"role": "user", "content": rng.choice(_ASKS).format(t=topic)})
         convs.append(msgs)
     return convs
+
+
+def write_chat_jsonl(path: Path, convs: list[list[dict[str, str]]]) -> Path:
+    """``convs`` as a job's JSONL input: one ``{"id": "p000000", "messages": [...]}`` a line."""
+    with path.open("w") as f:
+        for i, conv in enumerate(convs):
+            f.write(json.dumps({"id": f"p{i:06d}", "messages": conv}) + "\n")
+    return path

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.spec_workloads import WORKLOADS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine.core.scheduler_output import draft_summary  # noqa: E402
+from tokenmill.engine.spec_decode.policy import SpeculationPolicy  # noqa: E402
 
 
 def since(before: dict, after: dict) -> dict:
@@ -73,7 +74,7 @@ class StepClock:
 
             def told(sample):
                 if sample.drafted:
-                    bucket = engine.policy.bucket_of(sample.batch)
+                    bucket = SpeculationPolicy.bucket_of(sample.batch)
                     self.policy_samples.setdefault(bucket, []).append(sample.wall_ms)
                 return record(sample)
 
@@ -85,13 +86,14 @@ class StepClock:
         start = time.perf_counter()
         out = self.step()
         wall_ms = (time.perf_counter() - start) * 1e3
-        b = self.buckets.setdefault(1 << max(running - 1, 0).bit_length(), [0, 0, 0.0, 0.0])
+        bucket = SpeculationPolicy.bucket_of(running)
+        gave_drafts = scheduler.stats.num_drafted_rows > drafted
+        b = self.buckets.setdefault(bucket, [0, 0, 0.0, 0.0])
         b[0] += 1
-        b[1] += scheduler.stats.num_drafted_rows > drafted
+        b[1] += gave_drafts
         b[2] += wall_ms
         b[3] = max(b[3], wall_ms)
-        if scheduler.stats.num_drafted_rows > drafted:
-            bucket = 1 << max(running - 1, 0).bit_length()
+        if gave_drafts:
             self.drafted_calls.setdefault(bucket, []).append(wall_ms)
         return out
 
