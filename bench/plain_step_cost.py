@@ -4,9 +4,11 @@ run's seconds, the decode steps' host ms, and the engine functions whose time di
 
     python bench/plain_step_cost.py [--device cuda] [--rows 1024] [--batch 256] [--runs 2]
 
-On an H100 at 256 rows the decode steps' host time was 0.5-0.9 ms higher under ``auto``
-than under ``off`` even where it drafted once in 500 steps (BENCHMARKS session 40): this
-finds where. The profiler slows both alike; compare the two, not either with a plain run.
+On an H100 at 256 rows the decode steps' host time looked 0.5-0.9 ms higher under ``auto``
+than under ``off`` in runs where off always ran first (BENCHMARKS session 40); with the
+order alternated (``--sequence off,auto,auto,off,off,auto``) auto took 6% longer on average,
+inside the 25% one setting moved between runs (session 41). The profiler slows both alike;
+compare the two, not either with a plain run.
 """
 
 from __future__ import annotations

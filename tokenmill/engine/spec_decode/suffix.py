@@ -11,10 +11,11 @@ The engine calls ``observe`` with the outputs of requests as they finish. Indexi
 (hashing every gram of every new token: ~0.4 us a token, 40 ms of a 1 s run of 97k tokens
 on an H100 host, on the engine thread between two steps, whether the policy drafted or
 not) runs on a worker thread, beside the steps, in batches of ``INDEX_BATCH_TOKENS``:
-handed the outputs of each step's finished rows (~500 small batches a run), it could take
-the GIL from the engine's thread as often, and auto's plain steps at 256 rows took 0.3-0.9
-ms more host time than off's, every engine function a little slower (H100, BENCHMARKS
-session 40; the batches' effect is not measured yet). ``predict`` first hands over what is
+handed the outputs of each step's finished rows instead (~500 small batches a run), it
+could take the GIL from the engine's thread as often. (Auto's plain steps at 256 rows
+looked 0.3-0.9 ms slower than off's in runs where off always ran first; in alternating
+order, after this change, auto took 6% longer than off on average where one setting moved
+25% between runs: BENCHMARKS sessions 40 and 41.) ``predict`` first hands over what is
 left and waits for everything observed before it, so drafts do not depend on timing.
 """
 
