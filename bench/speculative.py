@@ -40,6 +40,16 @@ def since(before: dict, after: dict) -> dict:
     return {**summary, "drafted_rows": count["drafted_rows"]}
 
 
+def _proposer_host(stats, before: dict | None = None) -> dict:
+    """The proposer's host time (SchedulerStats): calls that asked it for drafts, ms in
+    them, and ms learning from samples and finished outputs; since ``before`` if given."""
+    now = {"calls": stats.num_propose_calls, "propose_ms": 1e3 * stats.propose_seconds,
+           "observe_ms": 1e3 * stats.observe_seconds}  # fmt: skip
+    if before is None:
+        return now
+    return {k: round(v - before[k], 1) for k, v in now.items()}
+
+
 def compact_profile(profile: dict) -> dict:
     """The step profile's figures that explain a run, small enough to read in a log line:
     per kind of step its count, graph replays, host and device ms; the synchronous steps;
@@ -148,6 +158,7 @@ def run(
     llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))
     llm.engine.runner.profiler.records.clear()
     before = llm.engine.scheduler.stats.speculative()
+    host_before = _proposer_host(llm.engine.scheduler.stats)
     clock = StepClock(llm.engine) if profile else None
     start = time.perf_counter()
     outs = llm.chat(convs, params)
@@ -156,7 +167,8 @@ def run(
     if clock is not None:
         clock.detach()
         stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table(),
-                 "drafted_ms": clock.drafted_spread()}  # fmt: skip
+                 "drafted_ms": clock.drafted_spread(),
+                 "proposer": _proposer_host(llm.engine.scheduler.stats, host_before)}  # fmt: skip
     llm.engine.close()
     del llm
     gc.collect()
@@ -237,6 +249,7 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
         line["steps"] = compact_profile(done[-1][2]["step_profile"])
         line["by_bucket"] = done[-1][2]["by_bucket"]
         line["drafted_ms"] = done[-1][2]["drafted_ms"]
+        line["proposer"] = done[-1][2]["proposer"]
     return line
 
 
