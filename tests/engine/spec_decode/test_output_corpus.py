@@ -75,34 +75,39 @@ def test_suffix_proposer_takes_the_longer_match() -> None:
         slots.requests[slot] = object()
     proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
     proposer.observe([[60, 61, 62, 63, 64, 65, 66, 67]])
+    proposer.propose(slots, np.arange(3))  # hands the output over: the next one sees it
     got = proposer.propose(slots, np.arange(3)).tolist()
     assert got == [[-1, -1, -1], [65, 66, 67], [8, 9, 8]]
+    proposer.close()
 
 
-def test_the_suffix_proposer_indexes_outputs_beside_the_steps_and_drafts_as_if_at_once(
+def test_the_suffix_proposer_indexes_outputs_beside_the_steps_and_no_proposal_waits_for_new_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Indexing finished outputs cost ~0.4 us a token on the engine thread between two
-    steps, whether the policy drafted or not; it runs on a worker thread now, and a
-    proposal waits for everything observed before it (drafts never depend on timing)."""
+    steps, whether the policy drafted or not; it runs on a worker thread. A proposal hands
+    over what was observed since the last one after its lookup, so it never waits for
+    outputs indexed at once (a drafting probe waited for a whole batch of them); the next
+    proposal waits for them, so drafts never depend on timing."""
     proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
     gate, threads = threading.Event(), []
     add = proposer.corpus.add
 
     def held_add(outputs):
         threads.append(threading.current_thread().name)
-        gate.wait(5)  # held until the test lets it go: observe must not wait for it
+        gate.wait(5)  # held until the test lets it go: no call but the next proposal waits
         add(outputs)
 
     monkeypatch.setattr(proposer.corpus, "add", held_add)
     proposer.observe([[60, 61, 62, 63, 64, 65, 66, 67]])
-    assert proposer.corpus.written == 0  # queued, not indexed on this thread
-    threading.Timer(0.2, gate.set).start()
     slots = BatchSlots(4, 64, 16)
     slots.token_ids[0, :7] = [1, 2, 60, 61, 62, 63, 64]
     slots.num_tokens[0] = 7
     slots.requests[0] = object()
-    assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]
+    assert proposer.propose(slots, np.arange(1)).tolist() == [[-1, -1, -1]]  # not yet
+    assert proposer.corpus.written == 0 and not gate.is_set()  # being indexed, not waited for
+    threading.Timer(0.2, gate.set).start()
+    assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]  # waited for it
     assert threads == ["tokenmill-suffix-index_0"]
     proposer.close()
 
@@ -133,6 +138,7 @@ def test_an_indexing_failure_is_raised_once_by_the_next_proposal(
     with pytest.raises(RuntimeError, match="indexing finished outputs.*boom"):
         proposer.propose(slots, np.arange(1))
     assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]  # once only
+    assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]
     proposer.close()  # waits for its worker
     assert not calls[0].is_alive()
 
@@ -140,7 +146,8 @@ def test_an_indexing_failure_is_raised_once_by_the_next_proposal(
 def test_outputs_are_handed_to_the_indexer_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Handed over a few outputs at a time, the worker took the GIL from the engine's thread
     some hundred times a run (auto's plain steps 0.3-0.9 ms slower than off's on an H100):
-    outputs wait until INDEX_BATCH_TOKENS have come, or until a proposal needs them."""
+    outputs wait until INDEX_BATCH_TOKENS have come, or until a proposal hands them over
+    (after its lookup: the next proposal sees them)."""
     monkeypatch.setattr(suffix, "INDEX_BATCH_TOKENS", 20)
     proposer = SuffixProposer(3, min_n=2, max_n=4, corpus_min_n=3, corpus_max_n=6)
     add, batches = proposer.corpus.add, []
@@ -162,6 +169,7 @@ def test_outputs_are_handed_to_the_indexer_in_batches(monkeypatch: pytest.Monkey
     slots.token_ids[0, :7] = [1, 2, 60, 61, 62, 63, 64]
     slots.num_tokens[0] = 7
     slots.requests[0] = object()
+    assert proposer.propose(slots, np.arange(1)).tolist() == [[-1, -1, -1]]
     assert proposer.propose(slots, np.arange(1)).tolist() == [[65, 66, 67]]
     assert batches == [24, 8]
     proposer.close()

@@ -12,11 +12,14 @@ The engine calls ``observe`` with the outputs of requests as they finish. Indexi
 on an H100 host, on the engine thread between two steps, whether the policy drafted or
 not) runs on a worker thread, beside the steps, in batches of ``INDEX_BATCH_TOKENS``:
 handed the outputs of each step's finished rows instead (~500 small batches a run), it
-could take the GIL from the engine's thread as often. (Auto's plain steps at 256 rows
-looked 0.3-0.9 ms slower than off's in runs where off always ran first; in alternating
-order, after this change, auto took 6% longer than off on average where one setting moved
-25% between runs: BENCHMARKS sessions 40 and 41.) ``predict`` first hands over what is
-left and waits for everything observed before it, so drafts do not depend on timing.
+could take the GIL from the engine's thread as often. A proposal looks up what was handed
+over before it (waiting for the worker to finish that), then hands over the rest observed
+so far, to be indexed beside the step it drafts for: the next proposal sees it. Drafts
+never depend on timing, and no proposal waits for outputs indexed at once. A drafted step
+had waited for the outputs the step before it finished, and a drafting probe for up to a
+batch of them observed in the plain steps before it: on an H100 (open chat, 256 rows,
+BENCHMARKS session 42) the proposer's ms a call went from 2.06-2.52 to 1.88-1.92 with every
+step drafted, and `auto`'s probes at 64-128 rows from 10.5-18.4 ms to 6.1-7.2.
 """
 
 from __future__ import annotations
@@ -75,10 +78,8 @@ class SuffixProposer:
             self._failure = self._failure or exc
 
     def _wait_for_index(self) -> None:
-        """Return once everything observed is indexed (the worker runs in order: a no-op
+        """Return once everything handed over is indexed (the worker runs in order: a no-op
         queued now runs after it); raise, once, what indexing raised."""
-        if self._pending:
-            self._hand_over()
         if self._queued:
             self._indexer.submit(lambda: None).result()
             self._queued = False
@@ -98,17 +99,20 @@ class SuffixProposer:
 
     def predict(self, slots: BatchSlots, rows: np.ndarray, count: int) -> np.ndarray:
         """[R, count]: what followed each row's suffix, from the row itself or from the
-        outputs seen (the longer match wins), for as many tokens as asked (-1 past them)."""
+        outputs handed over before this call (the longer match wins), for as many tokens as
+        asked (-1 past them); then hands over the outputs observed since."""
         rows = np.asarray(rows, dtype=np.int64)
         tokens, n = slots.token_ids, slots.num_tokens[rows].astype(np.int64)
         start, own_len = self.own.match(slots, rows)
         drafts = self.own.drafts_from(tokens, rows, start, n, count)
-        self._wait_for_index()  # every output observed so far is indexed first
-        if self.corpus.written == 0:
-            return drafts
-        back = self.corpus.hasher.back
-        pos = n[:, None] - 1 - back  # [R, corpus max_n] the rows' last tokens, oldest first
-        suffix = tokens.reshape(-1).take(rows[:, None] * tokens.shape[1] + np.maximum(pos, 0))
-        suffix = np.where(pos >= 0, suffix, -1)  # a short row: the separator before it
-        shared, shared_len = self.corpus.lookup(suffix, count)
-        return np.where((shared_len > own_len)[:, None], shared, drafts)
+        self._wait_for_index()  # what was handed over before this call is indexed first
+        if self.corpus.written:
+            back = self.corpus.hasher.back
+            pos = n[:, None] - 1 - back  # [R, corpus max_n] the rows' last tokens, oldest first
+            at = rows[:, None] * tokens.shape[1] + np.maximum(pos, 0)
+            suffix = np.where(pos >= 0, tokens.reshape(-1).take(at), -1)  # short: separator
+            shared, shared_len = self.corpus.lookup(suffix, count)
+            drafts = np.where((shared_len > own_len)[:, None], shared, drafts)
+        if self._pending:  # after the lookup: the corpus is the worker's until the next one
+            self._hand_over()
+        return drafts
