@@ -308,8 +308,10 @@ def test_summary_of_a_job_with_nothing_to_do() -> None:
         "job j: complete; nothing to do: all 5 rows already committed (output: out/)"
     )
     assert "tok" not in summary and "0.0 s" not in summary
-    empty = JobReport(job="j", output="out/", status="complete")
+    empty = JobReport(job="j", output="out/", status="complete", rows_total=0)
     assert "the input has no rows" in empty.summary()
+    uncounted = JobReport(job="j", output="out/", status="complete")  # rows_total None
+    assert "nothing to do: every row already committed" in uncounted.summary()
 
 
 def test_finish_takes_a_last_sample_for_the_report() -> None:

@@ -367,6 +367,38 @@ def test_a_job_cancelled_before_generation_shows_no_progress(
     assert handle.result(60).status == "cancelled" and handle.progress() is None
 
 
+def test_a_job_cancelled_before_its_input_is_counted_reports_no_total(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Cancelled while its model loads and its input is still being counted: the count
+    stops with the run (it went on to the end of the input: 26 s for 5,000 files on S3),
+    and report.json says the input's rows are not known (null), where it said 0 (the rows
+    committed so far, read as the input's size)."""
+    from tokenmill.jobs import runner
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
+    load, loading = runner._load_executor, threading.Event()
+
+    def slow_load(*args, **kwargs):
+        loading.set()
+        time.sleep(0.5)
+        return load(*args, **kwargs)
+
+    def slow_count(cfg, stop=None):
+        assert stop is not None and stop.wait(30), "the count was not stopped"
+        return None  # as count_input_rows does once stopped
+
+    monkeypatch.setattr(runner, "_load_executor", slow_load)
+    monkeypatch.setattr(runner, "count_input_rows", slow_count)
+    handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
+    assert loading.wait(30)
+    handle.cancel()
+    report = handle.result(20)
+    assert report.status == "cancelled" and report.rows_total is None
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["rows_total"] is None
+    assert "job " in report.summary()
+
+
 def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(
     tiny_model: Path, tmp_path: Path, monkeypatch
 ) -> None:

@@ -12,7 +12,9 @@ class JobReport:
     job: str
     output: str
     status: str = "running"  # running | complete | cancelled | failed
-    rows_total: int = 0  # rows in the input
+    # rows in the input; None where not known: a run stopped (cancelled, failed) before they
+    # were counted (not the rows committed so far, which would read as the input's size)
+    rows_total: int | None = None
     rows_ok: int = 0  # finished with a completion (this run and earlier runs)
     rows_failed: int = 0  # in the error files (this run and earlier runs)
     rows_this_run: int = 0
@@ -64,8 +66,10 @@ class JobReport:
 
     def nothing_to_do_line(self) -> str:
         """What a run that found every row committed says."""
-        if not self.rows_total:
+        if self.rows_total == 0:
             return f"nothing to do: the input has no rows (output: {self.output})"
+        if self.rows_total is None:
+            return f"nothing to do: every row already committed (output: {self.output})"
         return (
             f"nothing to do: all {self.rows_total} rows already committed (output: {self.output})"
         )

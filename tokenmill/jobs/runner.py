@@ -305,6 +305,7 @@ def _run_owned(
 
     import_plots_in_background()  # report.html's, hidden by the model load
     total, executor = _count_and_load(spec, cfg, cancel, report)
+    report.rows_total = total  # (None: stopped before the count; a complete run's is read)
     progress = Progress(
         total,
         manifest.rows_done,
@@ -410,7 +411,7 @@ def _run_owned(
     # the copies this run committed (a cancel's others are made again by the next run)
     committed = set(manifest.shards) - done_before
     report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
-    _fill_totals(report, manifest, total)
+    _fill_totals(report, manifest)
     store.write_atomic(REPORT_NAME, report.to_json().encode())
     write_report_html(store, report, history)
     return report
@@ -627,12 +628,15 @@ def _finish_quietly(progress: Progress) -> None:
         log.debug("could not take the last progress sample of a failed run", exc_info=True)
 
 
-def _fill_totals(report: JobReport, manifest: Manifest, counted: int | None = None) -> None:
-    """The report's row counts from the manifest; ``rows_total`` the input's rows (a
-    cancelled run's too: ``counted`` before the run), not the rows committed so far."""
+def _fill_totals(report: JobReport, manifest: Manifest) -> None:
+    """The report's row counts from the manifest; ``rows_total`` the input's rows: a
+    complete job's, else the count taken before the run (``report.rows_total``, None if the
+    run stopped before it), never the rows committed so far."""
     report.rows_ok = sum(s.ok for s in manifest.shards.values())
     report.rows_failed = sum(s.errors for s in manifest.shards.values())
-    report.rows_total = manifest.total_rows or counted or manifest.rows_done
+    if manifest.complete:  # every row committed (a manifest before total_rows: counted so)
+        total = manifest.total_rows
+        report.rows_total = manifest.rows_done if total is None else total
 
 
 def _count_and_load(
@@ -653,8 +657,8 @@ def _count_and_load(
         raise
     finally:
         pool.shutdown(wait=False)
-    if executor is None:  # cancelled: no progress to show
-        stop.set()
+    if executor is None or cancel.is_set():  # cancelled: no progress to show, no count
+        stop.set()  # (a cancel during the load waited for the whole count: 26 s on S3)
     return counted.result(), executor
 
 
