@@ -83,8 +83,14 @@ class NgramProposer:
         h = self.hasher
         width = tokens.shape[1]
         flat = tokens.reshape(-1)  # 1-d takes: cheaper than 2-d fancy indexing
-        grams = flat.take(slot[:, None] * width + np.maximum(pos[:, None] - h.back, 0))
-        hashes = h(grams)  # [P + R, S]
+        # The windows gathered as [max_n, P + R] (oldest first; before a row's start its
+        # first token), the hasher's own layout: 256 rows catching up on 200 tokens each
+        # took 6.3 ms where [P + R, max_n] windows took 7.7-8.4 (2-core CPU,
+        # bench/proposer_catchup.py, BENCHMARKS session 42).
+        start = slot * width
+        at = np.maximum(start + pos - h.back[:, None], start)  # [max_n, P + R]
+        columns = flat.take(at).astype(np.int64)
+        hashes = h.of_columns(columns)  # [P + R, S]
         whole = pos[:, None] >= h.sizes - 1  # the m-gram lies inside the row
         p = len(new)
         fill = whole[:p]
@@ -95,7 +101,7 @@ class NgramProposer:
         self._indexed[rows] = hi
         hit = self._last[rows[:, None], hashes[p:]].astype(np.int64)  # [R, S] where it ended
         found = flat.take(rows[:, None, None] * width + np.maximum(hit[:, :, None] - h.back, 0))
-        same = h.same(found, grams[p:]) & whole[p:] & (hit >= h.sizes - 1)
+        same = h.same(found, columns[:, p:].T) & whole[p:] & (hit >= h.sizes - 1)
         same &= n[:, None] > h.sizes
         first = same.argmax(axis=1)  # the longest size that matches
         r = np.arange(len(rows))
