@@ -345,14 +345,10 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     assert {r["id"]: r["text"] for r in ok} == {r["id"]: r["text"] for r in ref}
 
 
-def test_a_job_cancelled_before_generation_shows_no_progress(
-    tiny_model: Path, tmp_path: Path, monkeypatch
-) -> None:
-    """Cancelled while its model loads: generation never started, so progress() stays None
-    as README says (it gave a snapshot of an unfinished run that never ran)."""
+def _slow_model_load(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make a run's model load take 0.5 s more; the event is set once it has begun."""
     from tokenmill.jobs import runner
 
-    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
     load, loading = runner._load_executor, threading.Event()
 
     def slow_load(*args, **kwargs):
@@ -361,6 +357,16 @@ def test_a_job_cancelled_before_generation_shows_no_progress(
         return load(*args, **kwargs)
 
     monkeypatch.setattr(runner, "_load_executor", slow_load)
+    return loading
+
+
+def test_a_job_cancelled_before_generation_shows_no_progress(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Cancelled while its model loads: generation never started, so progress() stays None
+    as README says (it gave a snapshot of an unfinished run that never ran)."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
+    loading = _slow_model_load(monkeypatch)
     handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
     assert loading.wait(30)
     handle.cancel()
@@ -377,18 +383,12 @@ def test_a_job_cancelled_before_its_input_is_counted_reports_no_total(
     from tokenmill.jobs import runner
 
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
-    load, loading = runner._load_executor, threading.Event()
-
-    def slow_load(*args, **kwargs):
-        loading.set()
-        time.sleep(0.5)
-        return load(*args, **kwargs)
+    loading = _slow_model_load(monkeypatch)
 
     def slow_count(cfg, stop=None):
         assert stop is not None and stop.wait(30), "the count was not stopped"
         return None  # as count_input_rows does once stopped
 
-    monkeypatch.setattr(runner, "_load_executor", slow_load)
     monkeypatch.setattr(runner, "count_input_rows", slow_count)
     handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
     assert loading.wait(30)
