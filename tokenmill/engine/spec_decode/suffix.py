@@ -19,7 +19,8 @@ never depend on timing, and no proposal waits for outputs indexed at once. A dra
 had waited for the outputs the step before it finished, and a drafting probe for up to a
 batch of them observed in the plain steps before it: on an H100 (open chat, 256 rows,
 BENCHMARKS session 42) the proposer's ms a call went from 2.06-2.52 to 1.88-1.92 with every
-step drafted, and `auto`'s probes at 64-128 rows from 10.5-18.4 ms to 6.1-7.2.
+step drafted, and `auto`'s drafted steps as the batch drained to 64-128 rows from 8.9-18.4
+ms (one a bucket) to 4.6-7.2 in three runs of four (medians of 4-8; the fourth's 10.9-11.1).
 """
 
 from __future__ import annotations
