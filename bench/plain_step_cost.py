@@ -129,7 +129,7 @@ def main() -> None:
     off = sum(seconds_by["off"]) / len(seconds_by["off"])
     print(json.dumps({v: round(sum(s) / len(s) / off, 3) for v, s in seconds_by.items()}),
           "(mean seconds / off's)")  # fmt: skip
-    for variant in totals.keys() - {"off"} if args.cprofile else ():
+    for variant in sorted(set(totals) - {"off"}) if args.cprofile else []:
         mine, base = totals[variant], totals["off"]
         diff = {n: mine.get(n, 0.0) - base.get(n, 0.0) for n in mine.keys() | base.keys()}
         top = sorted(diff, key=lambda n: -abs(diff[n]))[:15]
