@@ -71,20 +71,25 @@ def test_jsonl_job_writes_every_row_once(tiny_model: Path, tmp_path: Path) -> No
 
 def test_a_complete_jobs_stale_report_is_written_again(tiny_model: Path, tmp_path: Path) -> None:
     """Killed between marking the manifest complete and writing report.json: the rerun has
-    nothing to do but leaves no stale report ("cancelled" from an earlier run, or none)."""
+    nothing to do but leaves no stale report ("cancelled" from an earlier run, or none),
+    report.html too (a review: the rerun wrote report.json alone), each saying the rows
+    were committed by earlier runs."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out)
     run_job(spec, show_progress=False)
-    report = out / "report.json"
+    report, page = out / "report.json", out / "report.html"
     for stale in ('{"status": "cancelled", "rows_ok": 2}', None):
         if stale is None:
             report.unlink()
+            page.unlink()
         else:
             report.write_text(stale)
         assert run_job(spec, show_progress=False).rows_this_run == 0
         saved = json.loads(report.read_text())
         assert saved["status"] == "complete" and saved["rows_ok"] == 5
+        assert saved["rows_resumed"] == 5 and saved["rows_total"] == 5
+        assert "tokenmill job test: complete" in page.read_text()
     before = report.read_bytes()  # a report that says complete is the completing run's: kept
     run_job(spec, show_progress=False)
     assert report.read_bytes() == before
@@ -345,6 +350,55 @@ def test_submit_cancel_then_resume(tiny_model: Path, tmp_path: Path, async_sched
     assert {r["id"]: r["text"] for r in ok} == {r["id"]: r["text"] for r in ref}
 
 
+def _fail_after(monkeypatch: pytest.MonkeyPatch, results: int) -> None:
+    """Make a run raise once its shard tracker has taken ``results`` results."""
+    from tokenmill.jobs.shard_tracker import ShardTracker
+
+    add, taken = ShardTracker.add_result, [0]
+
+    def add_until(self, result):
+        taken[0] += 1
+        if taken[0] > results:
+            raise RuntimeError(f"injected failure after {results} results")
+        return add(self, result)
+
+    monkeypatch.setattr(ShardTracker, "add_result", add_until)
+
+
+def test_reports_count_the_rows_earlier_runs_committed_whatever_this_run_reached(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A review: a failed run, and a resumed one cancelled before generation, said
+    rows_resumed 0 beside rows_ok 12 (the rows its reader had skipped, not those earlier
+    runs committed); a failed run wrote no report.html, so the page of the run before stayed
+    ("cancelled", its own counts) beside a report.json saying "failed"."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    _fail_after(monkeypatch, 10)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_job(spec, show_progress=False)
+    first = json.loads((out / "report.json").read_text())
+    done = first["rows_ok"] + first["rows_failed"]
+    assert first["status"] == "failed" and done > 0 and first["rows_resumed"] == 0
+    page = (out / "report.html").read_text()
+    assert "tokenmill job test: failed" in page
+    _fail_after(monkeypatch, 9)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_job(spec, show_progress=False)
+    second = json.loads((out / "report.json").read_text())
+    assert second["status"] == "failed" and second["rows_resumed"] == done
+    monkeypatch.undo()
+    handle = submit(spec)
+    handle.cancel()  # before generation (or early in it)
+    cancelled = handle.result(60)
+    committed = second["rows_ok"] + second["rows_failed"]
+    assert cancelled.rows_resumed == committed
+    assert cancelled.rows_ok + cancelled.rows_failed == committed + cancelled.rows_this_run
+    final = run_job(spec, show_progress=False)
+    assert final.status == "complete" and final.rows_resumed + final.rows_this_run == 40
+
+
 def _slow_model_load(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Make a run's model load take 0.5 s more; the event is set once it has begun."""
     from tokenmill.jobs import runner
@@ -397,6 +451,7 @@ def test_a_job_cancelled_before_its_input_is_counted_reports_no_total(
     assert report.status == "cancelled" and report.rows_total is None
     assert json.loads((tmp_path / "out" / "report.json").read_text())["rows_total"] is None
     assert "job " in report.summary()
+    assert "not counted" in (tmp_path / "out" / "report.html").read_text()
 
 
 def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(

@@ -44,6 +44,10 @@ figure{margin:.5em 0}figcaption{font-size:.9em;color:#444}
 .empty{color:#777;font-style:italic}svg{max-width:100%;height:auto}
 """
 
+# What the page says for a report.json value that is null because it is not known (other
+# null values are left out).
+_UNKNOWN = {"rows_total": "not counted (the run stopped before it counted them)"}
+
 # (report.json key, label, how to show its value)
 _SUMMARY: list[tuple[str, str, Callable[[Any], str]]] = [
     ("status", "status", str),
@@ -135,12 +139,13 @@ def _summary_table(raw: dict[str, Any]) -> str:
     rows = []
     for key, label, show in _SUMMARY:
         value = raw.get(key)
-        if value is None or value == "":
+        if (value is None and key not in _UNKNOWN) or value == "":
             continue
         cls = ' class="num"' if isinstance(value, (int, float)) else ""
+        text = _UNKNOWN[key] if value is None else show(value)
         rows.append(
             f'<tr><th>{_e(label)}</th><td{cls} data-key="{key}" '
-            f'data-value="{_e(json.dumps(value))}">{_e(show(value))}</td></tr>'
+            f'data-value="{_e(json.dumps(value))}">{_e(text)}</td></tr>'
         )
     failures = raw.get("replica_failures")
     if failures is not None:

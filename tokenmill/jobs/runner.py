@@ -292,6 +292,9 @@ def _run_owned(
         log.info("removed %d temporary files left by an interrupted run", removed)
     _verify_committed(store, manifest, report)
     schema = _fix_output_schema(spec, store, manifest, cfg)
+    # Committed by earlier runs: whether or not this run's reader gets to them (it had
+    # counted those it read, so a run that failed or was cancelled early said 0).
+    report.rows_resumed = manifest.rows_done
 
     if manifest.complete:
         _fill_totals(report, manifest)
@@ -301,6 +304,7 @@ def _run_owned(
         log.info("job %s: %s", spec.name, report.nothing_to_do_line())
         if not _report_says_complete(store):  # the run that completed it was killed before
             store.write_atomic(REPORT_NAME, report.to_json().encode())
+            write_report_html(store, report, None)
         return report
 
     import_plots_in_background()  # report.html's, hidden by the model load
@@ -407,7 +411,6 @@ def _run_owned(
         report.status = "complete"
         if store.is_local:  # readers open shards/ even when no row landed there (no input)
             os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
-    report.rows_resumed = feed.rows_resumed
     # the copies this run committed (a cancel's others are made again by the next run)
     committed = set(manifest.shards) - done_before
     report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
@@ -469,14 +472,16 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
 
 
 def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start: float) -> None:
-    """Write report.json saying the run failed and why: the last run's report stayed, its
-    status ("cancelled", "complete") read as this run's by whatever watches the job. Best
-    effort: the store may be what failed."""
+    """Write report.json and report.html saying the run failed and why: the last run's
+    report stayed, its status ("cancelled", "complete") read as this run's by whatever
+    watches the job (the page's too, beside a report.json that said "failed"). Best effort:
+    the store may be what failed."""
     report.status = "failed"
     report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
     report.wall_seconds = round(time.monotonic() - start, 3)
     try:
         store.write_atomic(REPORT_NAME, report.to_json().encode())
+        write_report_html(store, report, None)
     except Exception as write_error:
         log.warning("could not write %s saying the run failed (%s)", REPORT_NAME, write_error)
 
