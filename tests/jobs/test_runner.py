@@ -381,6 +381,8 @@ def test_reports_count_the_rows_earlier_runs_committed_whatever_this_run_reached
     first = json.loads((out / "report.json").read_text())
     done = first["rows_ok"] + first["rows_failed"]
     assert first["status"] == "failed" and done > 0 and first["rows_resumed"] == 0
+    # 10 rows had results, the whole shards of them committed: the rest a rerun makes again
+    assert first["rows_not_committed"] == 10 - done > 0
     page = (out / "report.html").read_text()
     assert "tokenmill job test: failed" in page
     _fail_after(monkeypatch, 9)

@@ -360,6 +360,8 @@ def _run_owned(
         _stop_writer(writer, exc)
         if not progress.ended:  # a failed run shows no rows in flight, no ETA
             _finish_quietly(progress)
+        # as a cancel's: rows finished in shards not complete, computed again by a rerun
+        report.rows_not_committed = max(progress.done_this_run - writer.rows_committed, 0)
         raise
     finally:
         generated = generated or time.monotonic()
