@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from openai.types import Completion
 
 from tests.jobs.job_helpers import COMPLETIONS_URL, batch_job, batch_line, read_jsonl_dir
@@ -75,7 +76,9 @@ def test_generate_takes_vllm_dict_prompts(llm: LLM) -> None:
     assert dicts[0].prompt == "hello there" and dicts[1].prompt is None
     (single,) = llm.generate({"prompt_token_ids": tuple(ids)}, params)
     assert single.text == plain[0].text
-    for one in (tuple(ids), np.array(ids), [np.int64(t) for t in ids]):  # one prompt each
+    one_each = (tuple(ids), np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids),
+                [np.int64(t) for t in ids])  # fmt: skip
+    for one in one_each:  # one prompt each
         (out,) = llm.generate(one, params)
         assert out.text == plain[0].text
 
@@ -86,6 +89,9 @@ def test_generate_takes_vllm_dict_prompts(llm: LLM) -> None:
         ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt'"),
         ({"multi_modal_data": {}}, "got keys ['multi_modal_data']"),
         ({"prompt_token_ids": [1, 2.5]}, "expected text or a list of token ids, got list"),
+        ({"prompt_token_ids": [True, 1]}, "expected text or a list of token ids, got list"),
+        ({"prompt_token_ids": np.array([[1, 2]])}, "got ndarray"),
+        ({"prompt_token_ids": np.array([1.0, 2.0])}, "got ndarray"),
         ({"prompt": None}, "got 'prompt': NoneType"),
         ({"prompt_token_ids": "text"}, "'prompt_token_ids' a list of token ids; got"),
         ({"prompt": [1, 2]}, "'prompt' holds text"),
