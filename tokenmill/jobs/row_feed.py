@@ -57,7 +57,6 @@ _NO_FACTS: Facts = (0.0, None)  # without a plan: no work to sort by, no dedup k
 class _FeedBatch:
     items: list[FeedItem]  # in input order; bad InputRows included
     rows_read: int  # input rows this batch accounts for, skipped ones included
-    rows_resumed: int  # of which in shards committed by an earlier run
     facts: list[Facts] | None = None  # each good item's (work, dedup key), with a plan
 
 
@@ -71,11 +70,11 @@ class RowFeed:
     ``prepare`` (run on the reader thread) turns good rows into ReadyRows; without it, good
     rows are handed over as they are. With ``schema`` (the job's Parquet output schema), a
     row whose passthrough values do not fit it is a bad row. Without ``plan``, rows are
-    handed over in input order and none is deduplicated. ``rows_read`` and ``rows_resumed``
-    count the rows taken so far, ``rows_deduplicated`` the rows given a copy of an
-    identical row's result and ``deduplicated_tokens`` their prompt and completion tokens
-    (the engine's work saved). Call ``finished`` with each result the executor gives, and
-    ``close`` when done (it stops the reader).
+    handed over in input order and none is deduplicated. ``rows_read`` counts the rows
+    taken so far (those of committed shards, skipped, included), ``rows_deduplicated`` the
+    rows given a copy of an identical row's result and ``deduplicated_tokens`` their prompt
+    and completion tokens (the engine's work saved). Call ``finished`` with each result the
+    executor gives, and ``close`` when done (it stops the reader).
 
     Rows that need no engine (bad rows, copies for duplicates) go to the tracker as results
     while ``take`` reads; ``on_results`` is called after a ``take`` that gave it some, so
@@ -105,7 +104,6 @@ class RowFeed:
         self._ready = PlannedRows(plan)
         self._input_done = False
         self.rows_read = 0
-        self.rows_resumed = 0
         self._direct = 0  # results given to the tracker without the engine
         self._copies: dict[int, tuple[int, int]] = {}  # shard -> copies' (rows, tokens)
         facts = RowFacts(plan) if plan is not None else None
@@ -165,7 +163,6 @@ class RowFeed:
 
     def _accept(self, batch: _FeedBatch) -> None:
         self.rows_read += batch.rows_read
-        self.rows_resumed += batch.rows_resumed
         for i, item in enumerate(batch.items):
             self._tracker.row_seen(_row_index(item))
             if isinstance(item, InputRow) and item.error is not None:
@@ -210,17 +207,16 @@ def _read(
     prepared and, with ``facts_of``, planned. The last batch carries the counts of the rows
     after the last item."""
     rows: list[InputRow] = []
-    read = resumed = 0
+    read = 0
     for row in iter_input_rows(cfg, schema):
         read += 1
         if row.row_index // rows_per_shard in committed:
-            resumed += 1
             continue
         rows.append(row)
         if len(rows) == batch_rows:
-            yield _batch(rows, prepare, facts_of, read, resumed)
-            rows, read, resumed = [], 0, 0
-    yield _batch(rows, prepare, facts_of, read, resumed)
+            yield _batch(rows, prepare, facts_of, read)
+            rows, read = [], 0
+    yield _batch(rows, prepare, facts_of, read)
 
 
 def _batch(
@@ -228,14 +224,13 @@ def _batch(
     prepare: Prepare | None,
     facts_of: Callable[[FeedItem], Facts] | None,
     read: int,
-    resumed: int,
 ) -> _FeedBatch:
     """``rows`` prepared and, with ``facts_of``, planned (bad rows get no facts)."""
     items = _prepared(rows, prepare)
     facts = None
     if facts_of is not None:
         facts = [_NO_FACTS if _bad(item) else facts_of(item) for item in items]
-    return _FeedBatch(items, read, resumed, facts)
+    return _FeedBatch(items, read, facts)
 
 
 def _bad(item: FeedItem) -> bool:
