@@ -357,3 +357,22 @@ def test_token_bytes_join_to_the_text_where_characters_span_tokens(tiny_model: P
     backend.pre_tokenizer, backend.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     other = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     assert token_bytes(other, [1], skip_special_tokens=True) == {1: None}
+
+
+def test_text_offset_after_a_byte_the_next_token_shows_invalid() -> None:
+    """An audit: a lead byte alone (held back as a character's beginning) that the next
+    token's byte shows invalid is that token's "\ufffd", before the next one; the offsets
+    after it were one short ([0, 0, 2, 3, 3] where the tokens start at 0 .. 4). A character
+    split over tokens still starts every token of it where it starts."""
+    from tokenmill.io.logprobs_column import openai_completion_logprobs
+
+    def entries(parts: list[bytes]) -> list[dict]:
+        return [{"token": p.decode(errors="replace"), "logprob": -1.0, "bytes": list(p),
+                 "top_logprobs": []} for p in parts]  # fmt: skip
+
+    invalid = [b"\xe2", b'"', b"H", b"\xe2", b'"']
+    text = b"".join(invalid).decode(errors="replace")  # '\ufffd"H\ufffd"'
+    offsets = openai_completion_logprobs(entries(invalid), text)["text_offset"]
+    assert offsets == [0, 1, 2, 3, 4] and [text[o] for o in offsets] == list(text)
+    split = [b"a", b"\xe2\x82", b"\xac", b"b"]  # 'a€b', the euro sign over two tokens
+    assert openai_completion_logprobs(entries(split), "a€b")["text_offset"] == [0, 1, 1, 2]

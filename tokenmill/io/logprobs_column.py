@@ -85,21 +85,39 @@ def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, 
     from the text's first token (the tokens keep theirs)."""
     tokens = [e["token"] for e in entries]
     if entries and all(e.get("bytes") is not None for e in entries):
-        # Characters split over tokens ("\ufffd" each): the characters the bytes before
-        # each token decode to, as the text was decoded (an incomplete one waits for the
-        # next token's bytes; invalid ones are a "\ufffd" each)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        ends = list(itertools.accumulate(len(decoder.decode(bytes(e["bytes"]))) for e in entries))
+        starts = _char_starts([bytes(e["bytes"]) for e in entries])
     else:
-        ends = list(itertools.accumulate(len(t) for t in tokens))
+        starts = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
     first = tokens[0] if tokens else ""
     dropped = int(first.startswith(" ") and not text.startswith(" ") and bool(first.strip()))
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [_likeliest_by_text(e["top_logprobs"]) for e in entries],
-        "text_offset": [max(0, end - dropped) for end in [0, *ends][: len(tokens)]],
+        "text_offset": [max(0, start - dropped) for start in starts],
     }
+
+
+def _decoded_length(data: bytes) -> int:
+    """Characters ``data`` decodes to as the text was decoded (invalid bytes a "\ufffd"
+    each), an incomplete last character not yet counted."""
+    return len(codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data))
+
+
+def _char_starts(token_bytes: list[bytes]) -> list[int]:
+    """Where each token starts in the text: the whole characters before it. A character
+    split over tokens ("\ufffd" each) is whole only after its last byte, so it starts no
+    token before that; bytes held back as a character's beginning that the next token's
+    bytes show invalid are the earlier tokens' "\ufffd", before the next token (they were
+    counted at it: an offset one short after such a byte)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    starts, decoded = [], 0
+    for data in token_bytes:
+        held = decoder.getstate()[0]  # the bytes before this token not yet a character
+        extra = _decoded_length(held + data) - _decoded_length(data) if held else 0
+        starts.append(decoded + max(extra, 0))
+        decoded += len(decoder.decode(data))
+    return starts
 
 
 def _likeliest_by_text(top: list[dict[str, Any]]) -> dict[str, float]:
