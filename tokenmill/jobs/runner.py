@@ -67,7 +67,7 @@ from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.report_html import import_plots_in_background, write_report_html
 from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
-from tokenmill.jobs.run_history import device_of, replica_counters
+from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
 from tokenmill.jobs.shard_commit import discard_progress, progress_files, remove_stray_files
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
@@ -303,8 +303,7 @@ def _run_owned(
         report.wall_seconds = round(time.monotonic() - start, 3)
         log.info("job %s: %s", spec.name, report.nothing_to_do_line())
         if not _report_says_complete(store):  # the run that completed it was killed before
-            store.write_atomic(REPORT_NAME, report.to_json().encode())
-            write_report_html(store, report, None)
+            _write_report(store, report)
         return report
 
     import_plots_in_background()  # report.html's, hidden by the model load
@@ -417,8 +416,7 @@ def _run_owned(
     committed = set(manifest.shards) - done_before
     report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
     _fill_totals(report, manifest)
-    store.write_atomic(REPORT_NAME, report.to_json().encode())
-    write_report_html(store, report, history)
+    _write_report(store, report, history)
     return report
 
 
@@ -482,8 +480,7 @@ def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start
     report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
     report.wall_seconds = round(time.monotonic() - start, 3)
     try:
-        store.write_atomic(REPORT_NAME, report.to_json().encode())
-        write_report_html(store, report, None)
+        _write_report(store, report)
     except Exception as write_error:
         log.warning("could not write %s saying the run failed (%s)", REPORT_NAME, write_error)
 
@@ -500,6 +497,13 @@ def feed_plan(spec: JobSpec) -> FeedPlan:
         spec.sampling.model_dump(),
         spec.engine.max_num_batched_tokens,
     )
+
+
+def _write_report(store: OutputStore, report: JobReport, history: RunHistory | None = None) -> None:
+    """report.json, then report.html (with the plots of ``history``, where the run has one):
+    every run that writes the one writes the other, so the two never disagree."""
+    store.write_atomic(REPORT_NAME, report.to_json().encode())
+    write_report_html(store, report, history)
 
 
 def _report_says_complete(store: OutputStore) -> bool:
