@@ -21,6 +21,11 @@ attention/graph_split.py): while a bucket is captured its metadata is a GraphSpl
 one graph and begins the next. All pieces of all buckets share one memory pool; a bucket's
 pieces replay in the order they were captured and no two buckets interleave, so the pool's
 reuse of memory across pieces and buckets is what capture-time liveness allowed.
+
+Every layer's attention takes the same static q/k/v/o buffers and the same metadata; only
+its KV cache differs. So the first layer's Triton launches are recorded and the later layers
+launch the same compiled kernels over their own caches (kernels/launch_log.py), without
+binding and checking ~30 arguments a launch again.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from tokenmill.engine.attention.graph_split import GraphSplit
 from tokenmill.engine.attention.interface import AttentionBackend
+from tokenmill.kernels.launch_log import LaunchLog
 
 __all__ = ["PiecewiseGraphRunner", "piecewise_buckets"]
 
@@ -114,6 +120,7 @@ class PiecewiseGraphRunner:
         # bucket -> (its pieces, the (kv cache, scale) of each attention between two pieces)
         self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple[torch.Tensor, float]]]]
         self.pieces = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # LaunchLog.replay's views of the caches
 
     def buffers(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Allocate the static q/k/v/o buffers on the first split (their head counts and
@@ -166,8 +173,17 @@ class PiecewiseGraphRunner:
         self.positions[:n].copy_(positions)
         graphs, layers = self.pieces[t]
         q, k, v, o = self.q[:n], self.k[:n], self.v[:n], self.o[:n]
+        log: LaunchLog | None = None  # the first layer's attention launches
+        first_scale = layers[0][1] if layers else None
         for graph, (kv_cache, scale) in zip(graphs[:-1], layers, strict=True):
             graph.replay()
-            self.backend.forward(q, k, v, kv_cache, attn_meta, scale, out=o)
+            if log is not None and scale == first_scale:
+                log.replay(kv_cache, self._views)
+                continue
+            with LaunchLog.recording() as recorded:
+                self.backend.forward(q, k, v, kv_cache, attn_meta, scale, out=o)
+            if log is None and recorded.replayable and recorded.launches:
+                recorded.swaps(kv_cache)
+                log = recorded
         graphs[-1].replay()
         return self.hidden[:n]

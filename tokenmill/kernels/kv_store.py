@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.kernels.fp8_kv import FP8_KV, to_kv_cache
+from tokenmill.kernels.launch_log import launch
 
 __all__ = ["store_kv", "store_kv_ref"]
 
@@ -149,7 +150,9 @@ def store_kv(
         # The interpreter's fp32 -> e4m3 conversion drops the carry of a mantissa that rounds
         # up to the next power of two (31.5 -> 16, not 32); there torch rounds beforehand.
         k, v = to_kv_cache(k, FP8_KV), to_kv_cache(v, FP8_KV)
-    _store_kv_kernel[(t,)](
+    launch(
+        _store_kv_kernel,
+        (t,),
         k,
         v,
         k_cache,

@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from tokenmill.kernels.launch_log import launch
 from tokenmill.kernels.paged_inputs import check_paged_inputs
 from tokenmill.kernels.tile_block_ids import tile_block_ids
 
@@ -446,7 +447,8 @@ def paged_decode_attention(
     if batch == 0 or rows == 0:
         return out
     qsl = seq_lens if query_start_loc is None else query_start_loc  # unread when QUERY_MAX = 1
-    _split_kernel[(batch, num_kv_heads, num_splits)](
+    launch(
+        _split_kernel, (batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, qsl, part, lse,
         scale * _LOG2E, block_tables.shape[1], num_splits,
         0 if split_keys is None else -(-split_keys // block_n),
@@ -466,7 +468,8 @@ def paged_decode_attention(
         num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(rows, num_q_heads)](
+        launch(
+            _merge_kernel, (rows, num_q_heads),
             part, lse, out,
             num_splits,
             *part.stride(), *lse.stride(), *out.stride(),

@@ -81,6 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.launch_log import launch
 from tokenmill.kernels.paged_inputs import check_paged_inputs
 from tokenmill.kernels.paged_prefill_config import PrefillAttentionConfig, default_prefill_config
 from tokenmill.kernels.tile_block_ids import tile_block_ids
@@ -439,7 +440,8 @@ def paged_prefill_attention(
     # as integers (triton-lang/triton#11584, "not supported yet"); there the kernel upcasts bf16
     # dot operands to fp32, which keeps the GPU's numerics (bf16 products are exact in fp32).
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    _paged_prefill_attention_kernel[grid](
+    launch(
+        _paged_prefill_attention_kernel, grid,
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, kn, vn,
         query_start_loc if tree_mask is None else tree_mask,
         scale * _LOG2E, first_req, tiles_per_req,
