@@ -78,14 +78,15 @@ class StepClock:
         self.buckets: dict[int, list[float]] = {}  # bucket: [calls, drafted, wall ms, max ms]
         self.drafted_calls: dict[int, list[float]] = {}  # bucket: each drafted call's ms
         self.policy_samples: dict[int, list[float]] = {}  # bucket: the policy's drafted ms
+        self.plain_samples: dict[int, list[float]] = {}  # bucket: the policy's plain ms
         engine.step = self
         if engine.policy is not None:  # what the policy was told, beside what calls took
             record = self.record = engine.policy.record
 
             def told(sample):
-                if sample.drafted:
-                    bucket = SpeculationPolicy.bucket_of(sample.batch)
-                    self.policy_samples.setdefault(bucket, []).append(sample.wall_ms)
+                bucket = SpeculationPolicy.bucket_of(sample.batch)
+                samples = self.policy_samples if sample.drafted else self.plain_samples
+                samples.setdefault(bucket, []).append(sample.wall_ms)
                 return record(sample)
 
             engine.policy.record = told
@@ -115,7 +116,8 @@ class StepClock:
 
     def drafted_spread(self) -> dict[str, dict[int, list]]:
         """Per bucket, [count, p10, median, mean, p90] ms of the drafted step calls, and of
-        the drafted steps' times the policy recorded (decode-only steps, the switch apart)."""
+        the drafted and the plain steps' times the policy recorded (decode-only steps, the
+        switch apart)."""
 
         def spread(times: list[float]) -> list:
             q = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
@@ -125,6 +127,7 @@ class StepClock:
         return {
             "calls": {k: spread(v) for k, v in sorted(self.drafted_calls.items())},
             "policy": {k: spread(v) for k, v in sorted(self.policy_samples.items())},
+            "policy_plain": {k: spread(v) for k, v in sorted(self.plain_samples.items())},
         }
 
     def detach(self) -> None:
