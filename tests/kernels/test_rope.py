@@ -8,6 +8,8 @@ import torch
 from tokenmill.engine.model_config import ModelConfig
 from tokenmill.engine.models.rope import RotaryEmbedding
 from tokenmill.kernels import rope as rope_mod
+from tokenmill.kernels.fp8_kv import FP8_KV
+from tokenmill.kernels.kv_store import store_kv
 from tokenmill.kernels.rope import rope_, rope_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,3 +136,55 @@ def test_rope_rejects_mismatch() -> None:
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (9, 3, 64)])
 def test_rope_engine_size(hq, hkv, d, dtype) -> None:
     _run(4096, hq, hkv, d, dtype, max_pos=131072)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, FP8_KV),
+    ],
+)
+@pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(7, 9, 3, 64), (3, 4, 2, 128)])
+def test_rope_storing_kv_equals_rope_then_store_kv(t, hq, hkv, d, dtype, cache_dtype) -> None:
+    """With (v, kv_cache, slots) the kernel rotates q and k and stores k and v as rope_ and
+    then store_kv would: the same q, k and cache bits (slot -1: nothing stored)."""
+    cos, sin = _tables(hq, hkv, d, 64)
+    gen = torch.Generator().manual_seed(t + d)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (t,), generator=gen).to(DEVICE)
+    nb, bs = 4, 4
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[1] = -1  # a padding token
+    slots = slots.to(DEVICE)
+    cache = torch.randn(2, nb, bs, hkv, d, generator=gen).to(DEVICE, cache_dtype)
+    want_qkv, got_qkv = qkv.clone(), qkv.clone()
+    want_cache, got_cache = cache.clone(), cache.clone()
+
+    def views(x: torch.Tensor):
+        return x[:, :hq], x[:, hq : hq + hkv], x[:, hq + hkv :]
+
+    q, k, v = views(want_qkv)
+    rope_(q, k, positions, cos, sin)
+    store_kv(k, v, want_cache[0], want_cache[1], slots)
+    q, k, v = views(got_qkv)
+    rope_(q, k, positions, cos, sin, (v, got_cache, slots))
+    assert torch.equal(got_qkv, want_qkv)
+    assert torch.equal(got_cache.view(torch.uint8), want_cache.view(torch.uint8))
+    assert not torch.equal(got_cache.view(torch.uint8), cache.view(torch.uint8))  # it stored
+
+
+def test_rope_storing_kv_rejects_mismatch() -> None:
+    cos, sin = _tables(4, 2, 64, 16)
+    q, k = torch.zeros(2, 4, 64, device=DEVICE), torch.zeros(2, 2, 64, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    cache = torch.zeros(2, 3, 4, 2, 64, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="v must be"):
+        rope_(q, k, positions, cos, sin, (torch.zeros(2, 3, 64, device=DEVICE), cache, slots))
+    with pytest.raises(ValueError, match="kv_cache must be \\[2"):
+        rope_(q, k, positions, cos, sin, (k.clone(), cache[0], slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_(q, k, positions, cos, sin, (k.clone(), cache, slots.int()))

@@ -26,14 +26,25 @@ Every q and k load of the tile is issued before the positions -> cos/sin loads a
 store, so one program keeps all its bytes in flight and waits on memory about twice (loads,
 then the dependent table rows) however many tokens it holds. ``_launch_config`` picks TOKENS
 and num_warps.
+
+With ``kv`` the same program also stores the token's rotated k and its v into the paged KV
+cache at its slot (what kv_store.py's kernel would do next, to the same bits, FP8 cache
+included): the attention backend then launches no store of its own (``rope_kv_slots``), one
+kernel fewer a layer. In a CUDA-graph decode step of a small model every kernel costs a few
+microseconds however little it does (SmolLM2: ~330 a step).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.kernels.fp8_kv import FP8_KV
+from tokenmill.kernels.kv_store import store_kv
+from tokenmill.kernels.launch_log import launch
 from tokenmill.kernels.rotate_half import apply_rope
 
 __all__ = ["rope_", "rope_ref"]
@@ -84,10 +95,42 @@ def _store_rotated(
     x2 = x2.to(tl.float32)
     a = (x1 * cos).to(dtype).to(tl.float32)
     b = (x2 * sin).to(dtype).to(tl.float32)
-    tl.store(p1, (a - b).to(dtype), mask=mask)
+    r1 = (a - b).to(dtype)
+    tl.store(p1, r1, mask=mask)
     a = (x2 * cos).to(dtype).to(tl.float32)
     b = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(p1 + half, (a + b).to(dtype), mask=mask)
+    r2 = (a + b).to(dtype)
+    tl.store(p1 + half, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
+def _store_in_cache(
+    cache_ptr,
+    slot,  # [TOKENS, 1, 1] int64, < 0: not stored
+    mask,  # [TOKENS, BLOCK_HEADS, BLOCK_HALF] the tile's own
+    x1,
+    x2,
+    half,
+    block_size,
+    stride_b,
+    stride_o,
+    stride_h,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    TO_FP8: tl.constexpr,
+):
+    # As kv_store.py's kernel stores (the same conversion, so the same cache bits).
+    h = tl.arange(0, BLOCK_HEADS)[None, :, None]
+    j = tl.arange(0, BLOCK_HALF)[None, None, :]
+    at = tl.maximum(slot, 0)
+    p1 = cache_ptr + (at // block_size) * stride_b + (at % block_size) * stride_o + h * stride_h + j
+    mask = mask & (slot >= 0)
+    if TO_FP8:
+        x1 = tl.clamp(x1.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+        x2 = tl.clamp(x2.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+    tl.store(p1, x1, mask=mask)
+    tl.store(p1 + half, x2, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -110,11 +153,27 @@ def _rope_kernel(
     stride_kh,
     stride_cos,
     stride_sin,
+    # the KV store (STORE_KV): v, the caches [NB, BS, Hkv, d] and each token's slot
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    block_size,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     # meta-parameters
     TOKENS: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    TO_FP8: tl.constexpr,  # the cache is float8_e4m3fn
 ):
     tok = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)  # [TOKENS]
     tok3 = tok[:, None, None]  # [TOKENS, 1, 1]
@@ -136,7 +195,18 @@ def _rope_kernel(
     cos = cos[:, None, :]  # [TOKENS, 1, BLOCK_HALF]
     sin = sin[:, None, :]
     _store_rotated(q_p, q_mask, q1, q2, half, cos, sin)
-    _store_rotated(k_p, k_mask, k1, k2, half, cos, sin)
+    k1, k2 = _store_rotated(k_p, k_mask, k1, k2, half, cos, sin)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+        slot = slot[:, None, None]  # [TOKENS, 1, 1]
+        _, v_mask, v1, v2 = _load_heads(
+            v_ptr, tok3, num_tokens, num_kv_heads, half, stride_vt, stride_vh, BLOCK_HKV,
+            BLOCK_HALF,
+        )  # fmt: skip
+        _store_in_cache(k_cache_ptr, slot, k_mask, k1, k2, half, block_size, stride_kcb,
+                        stride_kco, stride_kch, BLOCK_HKV, BLOCK_HALF, TO_FP8)  # fmt: skip
+        _store_in_cache(v_cache_ptr, slot, v_mask, v1, v2, half, block_size, stride_vcb,
+                        stride_vco, stride_vch, BLOCK_HKV, BLOCK_HALF, TO_FP8)  # fmt: skip
 
 
 def _pow2_floor(n: int) -> int:
@@ -203,42 +273,82 @@ def rope_(
     positions: torch.Tensor,  # [T] int64
     cos: torch.Tensor,  # [P, d/2] float32
     sin: torch.Tensor,  # [P, d/2] float32
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Rotate q and k in place by the angles of ``positions``.
+    """Rotate q and k in place by the angles of ``positions``; with ``kv`` = (v [T, Hkv, d],
+    kv_cache [2, num_blocks, block_size, Hkv, d], slot_mapping [T] int64), also store the
+    rotated k and v into the cache at each token's slot (< 0: not stored), as
+    ``store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)`` after it would, to the same bits.
 
-    Mutates q and k (and so the fused qkv tensor they view); reads the rest. q and k must
-    not overlap. Positions must be < P: they are not checked on the device (that would need
-    a host sync). Raises ValueError on shape, dtype, stride or device mismatches.
+    Mutates q and k (and so the fused qkv tensor they view), and the cache at the slots;
+    reads the rest. q and k must not overlap. Positions must be < P and slots inside the
+    cache: they are not checked on the device (that would need a host sync). Raises
+    ValueError on shape, dtype, stride or device mismatches.
     """
     _check(q, k, positions, cos, sin)
     t, hq, d = q.shape
     hkv = k.shape[1]
+    if kv is not None and kv[1].dtype == FP8_KV and os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter's e4m3 conversion is store_kv's to work around (kv_store.py)
+        rope_(q, k, positions, cos, sin)
+        store_kv(k, kv[0], kv[1][0], kv[1][1], kv[2])
+        return
+    if kv is not None:
+        _check_kv(k, *kv)
     if t == 0:
         return
+    v, cache, slots = kv if kv is not None else (k, None, positions)
+    k_cache = v_cache = q if cache is None else None
+    if cache is not None:
+        k_cache, v_cache = cache[0], cache[1]
+    kc = k_cache.stride()[:3] if cache is not None else (0, 0, 0)
+    vc = v_cache.stride()[:3] if cache is not None else (0, 0, 0)
     tokens, num_warps = _launch_config(hq, hkv, d)
-    _rope_kernel[(triton.cdiv(t, tokens),)](
-        q,
-        k,
-        positions,
-        cos,
-        sin,
-        t,
-        hq,
-        hkv,
-        d // 2,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        cos.stride(0),
-        sin.stride(0),
+    launch(
+        _rope_kernel, (triton.cdiv(t, tokens),),
+        q, k, positions, cos, sin,
+        t, hq, hkv, d // 2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        v, k_cache, v_cache, slots,
+        k_cache.shape[1] if cache is not None else 1,
+        v.stride(0), v.stride(1), *kc, *vc,
         TOKENS=tokens,
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
+        STORE_KV=cache is not None,
+        TO_FP8=cache is not None and cache.dtype == FP8_KV and k.dtype != FP8_KV,
         num_warps=num_warps,
         enable_fp_fusion=False,  # see _store_rotated
-    )
+    )  # fmt: skip
+
+
+def _check_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    if v.shape != k.shape or v.dtype != k.dtype or v.stride(2) != 1:
+        raise ValueError(
+            f"v must be {k.dtype} {tuple(k.shape)} contiguous in head_dim; got {v.dtype} "
+            f"{tuple(v.shape)} strides {v.stride()}"
+        )
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[3:]) != k.shape[1:]:
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {k.shape[1]}, {k.shape[2]}]; got "
+            f"{tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype not in (k.dtype, FP8_KV) or kv_cache.stride(4) != 1:
+        raise ValueError(
+            f"kv_cache must be {k.dtype} or {FP8_KV}, contiguous in head_dim; got "
+            f"{kv_cache.dtype} strides {kv_cache.stride()}"
+        )
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(
+            f"slot_mapping must be int64 [T={k.shape[0]}]; got {slot_mapping.dtype} "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    devices = {x.device for x in (k, v, kv_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
 def rope_ref(

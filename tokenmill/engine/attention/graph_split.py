@@ -46,8 +46,12 @@ def attend(
     kv_cache: torch.Tensor,
     meta: Any,
     scale: float,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
-    """``backend.forward``, or the capture's split when ``meta`` is a GraphSplit."""
+    """``backend.forward``, or the capture's split when ``meta`` is a GraphSplit (whose
+    attention stores the K/V itself: ``kv_stored`` must be False there)."""
     if isinstance(meta, GraphSplit):
+        if kv_stored:
+            raise ValueError("attend: a graph split's attention stores K/V; none may be stored")
         return meta.split(q, k, v, kv_cache, scale)
-    return backend.forward(q, k, v, kv_cache, meta, scale)
+    return backend.forward(q, k, v, kv_cache, meta, scale, kv_stored=kv_stored)

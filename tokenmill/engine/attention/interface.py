@@ -73,7 +73,14 @@ class AttentionBackend(ABC):
         meta: Any,
         scale: float,
         out: torch.Tensor | None = None,  # [T, Hq, d]
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, d]
-        """Store the step's k/v in ``kv_cache`` and attend; returns the attention output,
-        written into ``out`` when given (the piecewise graphs' static buffer) else into a new
-        tensor."""
+        """Store the step's k/v in ``kv_cache`` (unless ``kv_stored``: the rope kernel did,
+        at ``rope_kv_slots(meta)``) and attend; returns the attention output, written into
+        ``out`` when given (the piecewise graphs' static buffer) else into a new tensor."""
+
+    def rope_kv_slots(self, meta: Any) -> torch.Tensor | None:
+        """The slot mapping [T] int64 at which the fused rope kernel may store this step's
+        K/V, so that ``forward`` (told ``kv_stored``) launches no store of its own; None (the
+        default) where the backend stores them itself."""
+        return None

@@ -134,7 +134,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        if kv_stored:  # this backend names no rope_kv_slots: nothing else stores its K/V
+            raise ValueError("the torch attention backend stores K/V itself (kv_stored given)")
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [NB, BS, Hkv, d]
         n_q, n_kv, d = q.shape[1], k.shape[1], k.shape[2]
         _store(k_cache, meta.slot_mapping, k)

@@ -99,6 +99,13 @@ class TritonAttentionBackend(AttentionBackend):
             common, nd, query_len, decode_tokens, splits, prefill_max, fresh
         )
 
+    def rope_kv_slots(self, meta: object) -> torch.Tensor | None:
+        """The step's slot mapping: the fused rope kernel stores K/V with the rotation (one
+        kernel fewer a layer: 30 of a SmolLM2 decode step's ~330, each a few microseconds of
+        a graph's replay however few its rows). Not in a graph capture's split (a piece of
+        the piecewise graphs has no step's slots; the eager attention stores there)."""
+        return meta.common.slot_mapping if isinstance(meta, TritonAttentionMetadata) else None
+
     def forward(
         self,
         q: torch.Tensor,
@@ -108,10 +115,12 @@ class TritonAttentionBackend(AttentionBackend):
         meta: TritonAttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         c = meta.common
-        self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
+        if not kv_stored:
+            self._store_kv(k, v, k_cache, v_cache, c.slot_mapping)
         nd = meta.num_decodes
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, d]

@@ -76,14 +76,17 @@ class LlamaAttention(torch.nn.Module):
         t = qkv.shape[0]
         qkv = qkv.view(t, hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, d]
         v = qkv[:, hq + hkv :]  # [T, Hkv, d]
+        slots = None  # where the rope kernel stores K/V (None: the attention backend does)
         if self.q_norm is not None:
             q, k = rope.rotate(self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv]))
         elif rope.fused:
-            q, k = rope.rotate(qkv[:, :hq], qkv[:, hq : hq + hkv])  # in place, in qkv
+            slots = self.backend.rope_kv_slots(meta)
+            kv = None if slots is None else (v, kv_cache, slots)
+            q, k = rope.rotate(qkv[:, :hq], qkv[:, hq : hq + hkv], kv)  # in place, in qkv
         else:
             qk = apply_rope(qkv[:, : hq + hkv], rope.cos, rope.sin)  # q and k in one pass
             q, k = qk[:, :hq], qk[:, hq:]
-        o = attend(self.backend, q, k, v, kv_cache, meta, self.scale)  # [T, Hq, d]
+        o = attend(self.backend, q, k, v, kv_cache, meta, self.scale, kv_stored=slots is not None)
         return self.o_proj(o.reshape(t, self.q_size))
 
 

@@ -95,11 +95,20 @@ class RopeStep:
     sin: torch.Tensor
     fused: bool
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated (q [T, Hq, d], k [T, Hkv, d]); the fused kernel rotates them in place."""
+    def rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated (q [T, Hq, d], k [T, Hkv, d]); the fused kernel rotates them in place, and
+        with ``kv`` = (v, kv_cache, slot_mapping) also stores the rotated k and v in the cache
+        (kernels/rope.py; the fused kernel only)."""
         if self.fused:
             from tokenmill.kernels.rope import rope_
 
-            rope_(q, k, self.positions, self.cos, self.sin)
+            rope_(q, k, self.positions, self.cos, self.sin, kv)
             return q, k
+        if kv is not None:
+            raise ValueError("RopeStep.rotate: only the fused kernel stores K/V (kv given)")
         return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
