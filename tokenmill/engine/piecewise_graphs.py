@@ -173,17 +173,17 @@ class PiecewiseGraphRunner:
         self.positions[:n].copy_(positions)
         graphs, layers = self.pieces[t]
         q, k, v, o = self.q[:n], self.k[:n], self.v[:n], self.o[:n]
-        log: LaunchLog | None = None  # the first layer's attention launches
-        first_scale = layers[0][1] if layers else None
+        log: LaunchLog | None = None  # the first recorded layer's attention launches
+        log_scale = None  # (its softmax scale: a layer with another is launched itself)
         for graph, (kv_cache, scale) in zip(graphs[:-1], layers, strict=True):
             graph.replay()
-            if log is not None and scale == first_scale:
+            if log is not None and scale == log_scale:
                 log.replay(kv_cache, self._views)
                 continue
             with LaunchLog.recording() as recorded:
                 self.backend.forward(q, k, v, kv_cache, attn_meta, scale, out=o)
             if log is None and recorded.replayable and recorded.launches:
                 recorded.swaps(kv_cache)
-                log = recorded
+                log, log_scale = recorded, scale
         graphs[-1].replay()
         return self.hidden[:n]

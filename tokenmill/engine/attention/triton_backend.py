@@ -117,6 +117,9 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor | None = None,
         kv_stored: bool = False,
     ) -> torch.Tensor:
+        # Every kernel here goes through kernels.launch_log.launch: a piecewise step launches
+        # the first layer's again for the others (LaunchLog), so device work done any other
+        # way (a torch op) would run for the first layer only.
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         c = meta.common
         if not kv_stored:
