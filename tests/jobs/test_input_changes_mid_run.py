@@ -37,8 +37,9 @@ def test_a_rewritten_input_leaves_the_job_incomplete_until_fresh(
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
     spec = job_dict(tiny_model, src, tmp_path / "out")
     _rewrite_after_load(monkeypatch, src, chat_rows(9, start=100))
-    with pytest.raises(InputChangedError, match="changed while this run read it"):
+    with pytest.raises(InputChangedError, match="changed while this run read it") as info:
         run_job(spec, show_progress=False)
+    assert f"(input files changed: {src})" in str(info.value)  # which file
     manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
     assert not manifest.get("complete")
     report = json.loads((tmp_path / "out" / "report.json").read_text())

@@ -25,7 +25,7 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_logit_bias_vocab
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import fingerprint, settings_record
+from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.ownership import check_claimable
@@ -71,6 +71,7 @@ class DryRunReport:
     estimate: Estimate | None = None
     rows_already_done: int = 0
     resumable: bool | None = None  # None: no earlier progress; False: fingerprint differs
+    changed: list[str] = field(default_factory=list)  # what differs (changed_settings)
 
     @property
     def shared_prefix_share(self) -> float:
@@ -99,6 +100,7 @@ class DryRunReport:
                 if self.resumable is False
                 else ""
             ),
+            *(f"  changed since   {change}" for change in self.changed),
         ]
         for row_id, reason in self.bad_examples:
             lines.append(f"  bad row {row_id}: {reason}")
@@ -232,6 +234,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     if manifest is not None:
         report.resumable = resumable
         report.rows_already_done = manifest.rows_done if resumable else 0
+        if not resumable and manifest.settings is not None:
+            report.changed = changed_settings(manifest.settings, settings_record(settings))
     return report
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.spec import JobSpec
 
 JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
@@ -41,7 +42,8 @@ _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT
 # files and bytes (what a changed input fingerprint changed: a file added, one rewritten);
 # input_versions: {url: version} of the input files an object store versions (none for
 # local files).
-UNHASHED = ("model_content", "resolved_dtype", "input_files", "input_versions")
+# input_entries: {url: a short hash of the file's entry} (input_changes.py: which files).
+UNHASHED = ("model_content", "resolved_dtype", "input_files", "input_versions", "input_entries")
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -87,10 +89,11 @@ def job_settings(
     input_fingerprint: str,
     input_files: dict[str, int] | None = None,
     input_versions: dict[str, str] | None = None,
+    input_entries: dict[str, str] | None = None,
 ) -> JobSettings:
     """Everything that changes results, as plain JSON values (and ``input_files``, the
-    input's file and byte counts, and ``input_versions``, its objects' versions where the
-    store gives them, beside them: ``UNHASHED``)."""
+    input's file and byte counts, ``input_versions``, its objects' versions where the store
+    gives them, and ``input_entries``, each file's entry hashed, beside them: ``UNHASHED``)."""
     settings = {
         "model": model_identity(model_path),
         "model_content": model_content(model_path),
@@ -105,6 +108,8 @@ def job_settings(
         settings["input_files"] = input_files
     if input_versions:  # absent for local files: their manifests stay as they were
         settings["input_versions"] = input_versions
+    if input_entries:  # absent past MAX_NAMED_FILES files: counts only then
+        settings["input_entries"] = input_entries
     if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
         settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
     engine = {
@@ -149,12 +154,16 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
         top = key.split(".", 1)[0]  # (input_versions' keys are URLs, with dots in them)
         if before == after or (top in UNHASHED and "(unset)" in (before, after)):
             continue
+        if top == "input_entries":  # said file by file below
+            continue
         if key in _HASHED:  # two hex digests say nothing to a reader
             out.append(f"{key}: {_HASHED[key]} (fingerprint {_short(before)} -> {_short(after)})")
         else:
             meaning = _MEANING.get(key) or _MEANING.get(f"{top}.*")
             why = f" ({meaning})" if meaning else ""
             out.append(f"{key}: {_short(before)} -> {_short(after)}{why}")
+    if "input_entries" in old and "input_entries" in new:
+        out += file_changes(old["input_entries"], new["input_entries"])
     return out
 
 

@@ -45,6 +45,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
+from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import InputChangedError, Manifest, ManifestError
@@ -429,7 +430,7 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     settings = manifest.settings or {}
     if "input" not in settings:
         return
-    now, files, versions = fingerprint_input(cfg, fresh=True)  # not a listing cached at start
+    now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not a cached listing
     started = settings.get("input_versions") or {}
     rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)
     if now == settings["input"] and not rewritten:
@@ -439,6 +440,8 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     if rewritten:  # (an object rewritten at its size: its version says so, its hash may not)
         more = f" and {len(rewritten) - 1} more" if len(rewritten) > 1 else ""
         sizes += f" ({hide_url_secrets(rewritten[0])}{more} written again in storage)"
+    elif "input_entries" in settings and entries:
+        sizes += "".join(f" ({c})" for c in file_changes(settings["input_entries"], entries))
     raise InputChangedError(
         f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{sizes}: "
         + _CHANGED

@@ -20,10 +20,12 @@ from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.io.readers.listing_cache import list_again
 from tokenmill.io.readers.storage import protocols, resolve
+from tokenmill.io.url_secrets import hide_url_secrets
 
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
 _VERSION = 1  # bump when what goes into the fingerprint changes
 MAX_NAMED_VERSIONS = 1000  # input files whose versions are kept one by one (_named_versions)
+MAX_NAMED_FILES = 1000  # input files whose entries are kept one by one (``entries``)
 # The fields of an object store's file info that name the content of an object (its
 # ``fs.info``, from a HEAD or a listing), first found wins: S3's ETag (an MD5, or
 # "md5-parts" for a multipart upload), GCS's MD5 (absent for a composed object: then its
@@ -47,6 +49,9 @@ class InputFingerprint(NamedTuple):
     counts: dict[str, int]  # {"files": how many, "bytes": their sizes' sum}
     # {url: the store's content version} for the files that have one (_named_versions)
     versions: dict[str, str]
+    # {url (credentials hidden): a short hash of its entry (size, first and last MiB)} for
+    # up to MAX_NAMED_FILES files (none past that): what a changed fingerprint changed
+    entries: dict[str, str]
 
 
 def input_fingerprint(cfg: InputConfig) -> str:
@@ -62,7 +67,8 @@ def input_fingerprint(cfg: InputConfig) -> str:
 
 def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint:
     """``input_fingerprint`` with the files' counts, which say what kind of change a changed
-    fingerprint is (a file added, one rewritten), and their objects' versions, which tell an
+    fingerprint is (a file added, one rewritten), each file's entry hashed (up to
+    MAX_NAMED_FILES), which say which files, and their objects' versions, which tell an
     object rewritten in its middle at the same size (the digest reads only its edges).
     ``fresh``: ask the store again for each file's size and version rather than take them
     from a listing the filesystem cached (a check that the input has not changed since)."""
@@ -79,14 +85,18 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     size = 0
     lines = fmt != "parquet"
     versions: dict[str, str] = {}
+    named: dict[str, str] = {}
     entries = map_files(lambda url: _file_entry(url, cfg.storage_options, lines), files)
     for entry, version in entries:
-        digest.update(json.dumps(entry).encode())
+        text = json.dumps(entry).encode()
+        digest.update(text)
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
+        if len(files) <= MAX_NAMED_FILES:  # (kept in the manifest: no credentials)
+            named[hide_url_secrets(entry[0])] = hashlib.sha256(text).hexdigest()[:16]
     counts = {"files": len(files), "bytes": size}
-    return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions))
+    return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
 
 
 def _named_versions(versions: dict[str, str]) -> dict[str, str]:

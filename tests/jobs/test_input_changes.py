@@ -1,0 +1,94 @@
+"""A job refused because its input changed names the files added, gone or changed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tokenmill import run_job
+from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.input_changes import file_changes
+from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.spec import JobSpec
+
+# the module (tokenmill.io.readers exports a function of the same name)
+fingerprints = importlib.import_module("tokenmill.io.readers.input_fingerprint")
+
+
+def test_file_changes_names_each_kind_and_counts_the_rest() -> None:
+    before = {"s3://b/a": "1", "s3://b/b": "2", "s3://b/c": "3"}
+    after = {"s3://b/a": "1", "s3://b/b": "9", **{f"s3://b/n{i}": "0" for i in range(5)}}
+    assert file_changes(before, after) == [
+        "input files added: s3://b/n0, s3://b/n1, s3://b/n2 (and 2 more)",
+        "input files gone: s3://b/c",
+        "input files changed: s3://b/b",
+    ]
+    assert file_changes(before, dict(before)) == []
+    secret = file_changes({}, {"https://user:hunter2@host/x.jsonl": "1"})
+    assert secret and "hunter2" not in secret[0]
+
+
+def _folder_job(tiny_model: Path, tmp_path: Path) -> tuple[Path, dict]:
+    folder = tmp_path / "in"
+    write_jsonl(folder / "a.jsonl", chat_rows(2))
+    write_jsonl(folder / "b.jsonl", chat_rows(2, start=10))
+    spec = job_dict(tiny_model, folder, tmp_path / "out")
+    assert run_job(spec, show_progress=False).status == "complete"
+    return folder, spec
+
+
+def test_a_new_file_in_the_input_folder_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    folder, spec = _folder_job(tiny_model, tmp_path)
+    added = write_jsonl(folder / "c.jsonl", chat_rows(1, start=20))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    message = str(info.value)
+    assert f"input files added: {added}" in message, message
+    assert "input_files.files: 2 -> 3 (input files)" in message  # the counts as before
+    report = dry_run(JobSpec.from_dict(spec))  # the dry run says it too
+    assert report.resumable is False
+    assert f"changed since   input files added: {added}" in report.summary()
+
+
+def test_a_rewritten_and_a_removed_file_are_named(tiny_model: Path, tmp_path: Path) -> None:
+    folder, spec = _folder_job(tiny_model, tmp_path)
+    write_jsonl(folder / "a.jsonl", chat_rows(3))
+    (folder / "b.jsonl").unlink()
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    message = str(info.value)
+    assert f"input files changed: {folder / 'a.jsonl'}" in message, message
+    assert f"input files gone: {folder / 'b.jsonl'}" in message
+
+
+def test_a_manifest_without_file_entries_says_the_counts(tiny_model: Path, tmp_path: Path) -> None:
+    """A job begun before the entries were kept (or with more input files than are named)
+    is refused as before, by the counts."""
+    folder, spec = _folder_job(tiny_model, tmp_path)
+    path = tmp_path / "out" / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    assert set(manifest["settings"]["input_entries"]) == {
+        str(folder / "a.jsonl"),
+        str(folder / "b.jsonl"),
+    }
+    del manifest["settings"]["input_entries"]
+    path.write_text(json.dumps(manifest))
+    write_jsonl(folder / "c.jsonl", chat_rows(1, start=20))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    assert "input files added" not in str(info.value)
+    assert "input_files.files: 2 -> 3" in str(info.value)
+
+
+def test_past_the_named_files_limit_no_entries_are_kept(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fingerprints, "MAX_NAMED_FILES", 1)
+    folder, spec = _folder_job(tiny_model, tmp_path)
+    manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
+    assert "input_entries" not in manifest["settings"]
+    assert manifest["settings"]["input_files"]["files"] == 2
