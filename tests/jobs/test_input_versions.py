@@ -316,3 +316,35 @@ def test_the_end_check_lists_a_busy_folder_once(
         assert versions["s3://busy/in/007.jsonl"] == now
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_the_end_check_reads_no_file_while_every_version_holds(
+    s3_endpoint,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At a run's end the input is checked against its start: where every object's version
+    and size are as they were, the listing says so and no file is read again (the check
+    read each file's first and last MiB again: as many bytes as the start read); an object
+    rewritten at its size is still found, by its version."""
+    module = importlib.import_module("tokenmill.io.readers.input_fingerprint")
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("ends")
+    for name in "abc":
+        fs.pipe_file(f"ends/in/{name}.jsonl", OLD)
+    cfg = InputConfig(path="s3://ends/in/", prompt_column="x", storage_options=options)
+    cfg = replace(cfg, files=tuple(list_input_files(cfg)))
+    start = fingerprint_input(cfg)
+    settings = {"input": start.digest, "input_files": start.counts}
+    manifest = Manifest("test", "fp", 1, settings={**settings, "input_versions": start.versions})
+    reads: list[str] = []
+    read = module._file_entry
+    monkeypatch.setattr(module, "_file_entry", lambda url, *a: reads.append(url) or read(url, *a))
+    runner._check_input_unchanged(cfg, manifest)
+    assert reads == []
+    # without versions kept (a manifest of before, local files) the files are read
+    runner._check_input_unchanged(cfg, Manifest("test", "fp", 1, settings=settings))
+    assert len(reads) == 3
+    fs.pipe_file("ends/in/b.jsonl", NEW)  # same size, same edges: only its version tells
+    with pytest.raises(InputChangedError, match="ends/in/b.jsonl"):
+        runner._check_input_unchanged(cfg, manifest)

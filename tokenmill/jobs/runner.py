@@ -41,6 +41,7 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, fingerprint_input
+from tokenmill.io.readers.input_fingerprint import unchanged_by_versions
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
@@ -430,6 +431,10 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     settings = manifest.settings or {}
     if "input" not in settings:
         return
+    if unchanged_by_versions(
+        cfg, settings.get("input_versions") or {}, settings.get("input_files")
+    ):
+        return  # every object's version as at the start: no file read again
     now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not a cached listing
     started = settings.get("input_versions") or {}
     rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)

@@ -99,6 +99,36 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
 
 
+def unchanged_by_versions(
+    cfg: InputConfig, versions: dict[str, str], counts: dict[str, int] | None
+) -> bool:
+    """Whether the store says, reading no file, that the input is as ``fingerprint_input``
+    found it (its ``versions`` and ``counts`` then): every file has a content version (an
+    object store's ETag or MD5, which any write changes), the same as then, and the files'
+    count and sizes are the same. False where it cannot tell (a file without a version, a
+    manifest without counts) or something changed: then ``fingerprint_input(cfg,
+    fresh=True)`` decides, reading each file's first and last MiB again (up to 2 GB for
+    1,000 files, what the run's start read). Asks the store again, as ``fresh`` does: on a
+    local S3 (moto), 200 objects of 3 MB, 2.4 s by the reads, 0.11 s by one listing."""
+    if not versions or counts is None:
+        return False
+    files = list_input_files(cfg)
+    list_again(files, cfg.storage_options, set(_VERSION_FIELDS))
+
+    def listed(url: str) -> tuple[int | None, str | None]:
+        fs, path = resolve(url, cfg.storage_options)
+        info = fs.info(path)
+        return info.get("size"), content_version(fs, info)
+
+    now = map_files(listed, files)
+    if any(size is None or version is None for size, version in now):
+        return False
+    sizes = sum(size for size, _ in now)
+    if counts != {"files": len(files), "bytes": sizes}:
+        return False
+    return _named_versions({url: v for url, (_, v) in zip(files, now, strict=True)}) == versions
+
+
 def _named_versions(versions: dict[str, str]) -> dict[str, str]:
     """``versions`` as the manifest keeps them: by URL up to ``MAX_NAMED_VERSIONS`` files;
     past that one digest of them all under ``"any of <n> objects"``, so that the manifest,
