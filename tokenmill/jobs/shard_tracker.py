@@ -4,6 +4,11 @@
     shards:        0          |        1         |   2
 A shard is complete once the reader has moved past its last row (or the input ended) and
 each row it saw there has a result. Shards already in the manifest are never tracked.
+
+``pop_complete`` runs after every result, so it looks only at the shards that changed since
+(a result landed, or the reader closed them): with the reader far ahead of the engine, a
+scan of every pending shard cost 156 us a result at 2,000 pending shards (4 rows a shard,
+8,000 rows in flight), 1.25 s of a 17 s CPU job.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class ShardTracker:
         self.rows_per_shard = rows_per_shard
         self._pending: dict[int, _Pending] = {}
         self._last_shard = -1
+        self._changed: set[int] = set()  # pending shards to look at in pop_complete
+        self._open: set[int] = set()  # pending shards the reader may still add rows to
 
     def shard_of(self, row_index: int) -> int:
         return row_index // self.rows_per_shard
@@ -33,21 +40,39 @@ class ShardTracker:
         """The reader handed out ``row_index`` (to be computed or failed)."""
         shard = self.shard_of(row_index)
         if shard > self._last_shard:
-            for pending in self._pending.values():
-                pending.closed = True
+            for open_shard in list(self._open):  # (the one it was in, unless rows came late)
+                self._close(open_shard)
             self._last_shard = shard
-        self._pending.setdefault(shard, _Pending()).seen += 1
+        pending = self._pending.get(shard)
+        if pending is None:
+            pending = self._pending[shard] = _Pending()
+            self._open.add(shard)
+        pending.seen += 1
 
     def add_result(self, result: ResultRow) -> None:
-        self._pending[self.shard_of(result.row_index)].results.append(result)
+        shard = self.shard_of(result.row_index)
+        self._pending[shard].results.append(result)
+        self._changed.add(shard)
 
     def input_done(self) -> None:
-        for pending in self._pending.values():
+        for shard in list(self._open):
+            self._close(shard)
+
+    def _close(self, shard: int) -> None:
+        self._open.discard(shard)
+        pending = self._pending.get(shard)
+        if pending is not None and not pending.closed:
             pending.closed = True
+            self._changed.add(shard)
 
     def pop_complete(self) -> list[tuple[int, list[ResultRow]]]:
         """Complete shards (index, results sorted by row index), removed from tracking."""
-        done = [k for k, p in self._pending.items() if p.closed and len(p.results) == p.seen]
+        changed, self._changed = self._changed, set()
+        done = [
+            k
+            for k in changed
+            if (p := self._pending.get(k)) is not None and p.closed and len(p.results) == p.seen
+        ]
         out = []
         for k in sorted(done):
             pending = self._pending.pop(k)
