@@ -362,7 +362,7 @@ def _run_owned(
         if not progress.ended:  # a failed run shows no rows in flight, no ETA
             _finish_quietly(progress)
         # as a cancel's: rows finished in shards not complete, computed again by a rerun
-        report.rows_not_committed = max(progress.done_this_run - writer.rows_committed, 0)
+        report.rows_not_committed = _rows_not_committed(progress, writer)
         raise
     finally:
         generated = generated or time.monotonic()
@@ -399,7 +399,7 @@ def _run_owned(
     # changes nothing: the run is complete.
     if cancel.is_set() and not (feed.exhausted and not tracker.num_pending_rows):
         report.status = "cancelled"
-        report.rows_not_committed = max(progress.done_this_run - writer.rows_committed, 0)
+        report.rows_not_committed = _rows_not_committed(progress, writer)
     else:
         if tracker.num_pending_rows:
             raise RuntimeError(
@@ -628,6 +628,12 @@ def _stop_writer(writer: ShardWriter, exc: BaseException) -> None:
     except BaseException:
         writer.abandon()
         raise
+
+
+def _rows_not_committed(progress: Progress, writer: ShardWriter) -> int:
+    """Rows this run finished whose shards it did not commit (a cancel's, a failure's): a
+    rerun computes them again."""
+    return max(progress.done_this_run - writer.rows_committed, 0)
 
 
 def _hand_over_complete(tracker: ShardTracker, writer: ShardWriter) -> None:
