@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import importlib
 import json
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
 from tokenmill import run_job
+from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files
+from tokenmill.jobs import runner
 from tokenmill.jobs.dry_run import dry_run
 from tokenmill.jobs.input_changes import file_changes
-from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.manifest import FingerprintMismatchError, InputChangedError, Manifest
 from tokenmill.jobs.spec import JobSpec
 
 # the module (tokenmill.io.readers exports a function of the same name)
@@ -92,3 +99,49 @@ def test_past_the_named_files_limit_no_entries_are_kept(
     manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
     assert "input_entries" not in manifest["settings"]
     assert manifest["settings"]["input_files"]["files"] == 2
+
+
+@pytest.fixture
+def http_folder(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """(address, folder): an http://127.0.0.1 server over a folder holding ``rows.jsonl``
+    (query strings ignored, as a presigned URL's are by the store)."""
+    folder = tmp_path / "srv"
+    write_jsonl(folder / "rows.jsonl", chat_rows(2))
+    handler = functools.partial(_Quiet, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}", folder
+    server.shutdown()
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_entries_keep_no_token_and_no_password(http_folder: tuple[str, Path]) -> None:
+    """A presigned URL's signature and a URL's password stay out of the manifest's entries,
+    and a new token or password for the same file changes no entry (the file is the same)."""
+    address, _ = http_folder
+
+    def entries(url: str) -> dict[str, str]:
+        return fingerprint_input(InputConfig(path=url, format="jsonl", prompt_column="x")).entries
+
+    first = entries(f"http://u:pw1@{address}/rows.jsonl?X-Amz-Signature=SIGSECRET1")
+    assert list(first) == [f"http://u:***@{address}/rows.jsonl"]
+    assert first == entries(f"http://u:pw2@{address}/rows.jsonl?X-Amz-Signature=SIGSECRET2")
+
+
+def test_a_file_gone_by_the_end_check_is_named(tiny_model: Path, tmp_path: Path) -> None:
+    """An input file deleted while the run read it: the end check's InputChangedError names
+    it (it raised a bare FileNotFoundError)."""
+    folder = tmp_path / "in"
+    write_jsonl(folder / "a.jsonl", chat_rows(2))
+    gone = write_jsonl(folder / "b.jsonl", chat_rows(2, start=10))
+    cfg = InputConfig(path=str(folder), messages_column="messages", prompt_column=None)
+    cfg = replace(cfg, files=tuple(list_input_files(cfg)))
+    start = fingerprint_input(cfg)
+    settings = {"input": start.digest, "input_files": start.counts, "input_entries": start.entries}
+    gone.unlink()
+    with pytest.raises(InputChangedError, match=f"input files gone: {gone}"):
+        runner._check_input_unchanged(cfg, Manifest("test", "fp", 1, settings=settings))

@@ -1,9 +1,10 @@
 """What changed in a job's input since its manifest was written, file by file.
 
 The manifest keeps, beside the input's fingerprint, a short hash of each input file's entry
-(its URL, size and first and last MiB; ``InputFingerprint.entries``, up to MAX_NAMED_FILES
-files). A run refused because the input changed names the files added, gone or changed,
-rather than only how many files and bytes there are now:
+(its size and first and last MiB, under its URL without a password or a query string;
+``InputFingerprint.entries``, up to MAX_NAMED_FILES files). A run refused because the input
+changed names the files added, gone or changed, rather than only how many files and bytes
+there are now:
 
     input files added: s3://bucket/in/part-0004.jsonl
     input files changed: s3://bucket/in/part-0001.jsonl, ... (and 2 more)

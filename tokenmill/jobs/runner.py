@@ -431,12 +431,17 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     settings = manifest.settings or {}
     if "input" not in settings:
         return
-    if unchanged_by_versions(
-        cfg, settings.get("input_versions") or {}, settings.get("input_files")
-    ):
-        return  # every object's version as at the start: no file read again
-    now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not a cached listing
     started = settings.get("input_versions") or {}
+    try:
+        if unchanged_by_versions(cfg, started, settings.get("input_files")):
+            return  # every object's version as at the start: no file read again
+        now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not cached
+    except FileNotFoundError as exc:  # an input file deleted or moved since the start
+        gone = hide_url_secrets(str(exc.filename or exc))
+        raise InputChangedError(
+            f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it "
+            f"(input files gone: {gone}): " + _CHANGED
+        ) from None
     rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)
     if now == settings["input"] and not rewritten:
         return

@@ -25,7 +25,9 @@ from tokenmill.io.url_secrets import hide_url_secrets
 EDGE_BYTES = 1 << 20  # hash this much of each file's start and end
 _VERSION = 1  # bump when what goes into the fingerprint changes
 MAX_NAMED_VERSIONS = 1000  # input files whose versions are kept one by one (_named_versions)
-MAX_NAMED_FILES = 1000  # input files whose entries are kept one by one (``entries``)
+# Input files whose entries are kept one by one (``entries``): past that, none. The manifest
+# is rewritten as a long job goes; 256 URLs of ~190 characters add ~54 KB to it.
+MAX_NAMED_FILES = 256
 # The fields of an object store's file info that name the content of an object (its
 # ``fs.info``, from a HEAD or a listing), first found wins: S3's ETag (an MD5, or
 # "md5-parts" for a multipart upload), GCS's MD5 (absent for a composed object: then its
@@ -49,8 +51,8 @@ class InputFingerprint(NamedTuple):
     counts: dict[str, int]  # {"files": how many, "bytes": their sizes' sum}
     # {url: the store's content version} for the files that have one (_named_versions)
     versions: dict[str, str]
-    # {url (credentials hidden): a short hash of its entry (size, first and last MiB)} for
-    # up to MAX_NAMED_FILES files (none past that): what a changed fingerprint changed
+    # {url (no password, no query string): a short hash of its content's entry (size, first
+    # and last MiB)} for up to MAX_NAMED_FILES files (none past that): which files changed
     entries: dict[str, str]
 
 
@@ -93,10 +95,17 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
-        if len(files) <= MAX_NAMED_FILES:  # (kept in the manifest: no credentials)
-            named[hide_url_secrets(entry[0])] = hashlib.sha256(text).hexdigest()[:16]
+        if len(files) <= MAX_NAMED_FILES:  # the content's hash, under the URL as shown
+            content = json.dumps(entry[1:]).encode()  # (a changed password changes no file)
+            named[_shown_url(entry[0])] = hashlib.sha256(content).hexdigest()[:16]
     counts = {"files": len(files), "bytes": size}
     return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
+
+
+def _shown_url(url: str) -> str:
+    """``url`` as the manifest keeps it: no password (``user:***@``) and no query string (a
+    presigned URL's signature, a token)."""
+    return hide_url_secrets(url).split("?", 1)[0].split("#", 1)[0]
 
 
 def unchanged_by_versions(
