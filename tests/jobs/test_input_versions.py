@@ -202,6 +202,16 @@ def test_a_manifest_without_versions_resumes() -> None:
         manifest.check_fingerprint(fingerprint(settings), {**settings, **changed}, "out")
 
 
+def _three_objects(s3_endpoint: tuple[str, dict[str, Any]], bucket: str):  # noqa: F811
+    """(filesystem, input config): objects a, b and c holding OLD in ``bucket``'s in/."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir(bucket)
+    for name in "abc":
+        fs.pipe_file(f"{bucket}/in/{name}.jsonl", OLD)
+    return fs, InputConfig(path=f"s3://{bucket}/in/", prompt_column="x", storage_options=options)
+
+
 def test_many_objects_keep_one_digest_of_their_versions(
     s3_endpoint,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
@@ -210,12 +220,7 @@ def test_many_objects_keep_one_digest_of_their_versions(
     rewritten as a long job goes); a rewritten object still changes it."""
     module = importlib.import_module("tokenmill.io.readers.input_fingerprint")
     monkeypatch.setattr(module, "MAX_NAMED_VERSIONS", 2)
-    _, options = s3_endpoint
-    fs = fsspec.filesystem("s3", **options)
-    fs.mkdir("many")
-    for name in "abc":
-        fs.pipe_file(f"many/in/{name}.jsonl", OLD)
-    cfg = InputConfig(path="s3://many/in/", prompt_column="x", storage_options=options)
+    fs, cfg = _three_objects(s3_endpoint, "many")
     before = fingerprint_input(cfg).versions
     fs.pipe_file("many/in/b.jsonl", NEW)
     after = fingerprint_input(cfg, fresh=True).versions
@@ -327,12 +332,7 @@ def test_the_end_check_reads_no_file_while_every_version_holds(
     read each file's first and last MiB again: as many bytes as the start read); an object
     rewritten at its size is still found, by its version."""
     module = importlib.import_module("tokenmill.io.readers.input_fingerprint")
-    _, options = s3_endpoint
-    fs = fsspec.filesystem("s3", **options)
-    fs.mkdir("ends")
-    for name in "abc":
-        fs.pipe_file(f"ends/in/{name}.jsonl", OLD)
-    cfg = InputConfig(path="s3://ends/in/", prompt_column="x", storage_options=options)
+    fs, cfg = _three_objects(s3_endpoint, "ends")
     cfg = replace(cfg, files=tuple(list_input_files(cfg)))
     start = fingerprint_input(cfg)
     settings = {"input": start.digest, "input_files": start.counts}
