@@ -7,8 +7,8 @@ each row it saw there has a result. Shards already in the manifest are never tra
 
 ``pop_complete`` runs after every result, so it looks only at the shards that changed since
 (a result landed, or the reader closed them): with the reader far ahead of the engine, a
-scan of every pending shard cost 156 us a result at 2,000 pending shards (4 rows a shard,
-8,000 rows in flight), 1.25 s of a 17 s CPU job.
+scan of every pending shard cost 181 us a result under cProfile at 2,000 pending shards (4
+rows a shard, 8,000 rows in flight), 1.45 s of a 17 s CPU job.
 """
 
 from __future__ import annotations

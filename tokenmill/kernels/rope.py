@@ -30,8 +30,8 @@ and num_warps.
 With ``kv`` the same program also stores the token's rotated k and its v into the paged KV
 cache at its slot (what kv_store.py's kernel would do next, to the same bits, FP8 cache
 included): the attention backend then launches no store of its own (``rope_kv_slots``), one
-kernel fewer a layer. In a CUDA-graph decode step of a small model every kernel costs a few
-microseconds however little it does (SmolLM2: ~330 a step).
+kernel fewer a layer, and k and v are read once. On an H100, SmolLM2's decode step at 1,024
+rows took 1.5% less GPU time; at 256 rows nothing measurable (BENCHMARKS session 43).
 """
 
 from __future__ import annotations

@@ -101,8 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rope_kv_slots(self, meta: object) -> torch.Tensor | None:
         """The step's slot mapping: the fused rope kernel stores K/V with the rotation (one
-        kernel fewer a layer: 30 of a SmolLM2 decode step's ~330, each a few microseconds of
-        a graph's replay however few its rows). Not in a graph capture's split (a piece of
+        kernel fewer a layer; kernels/rope.py). Not in a graph capture's split (a piece of
         the piecewise graphs has no step's slots; the eager attention stores there)."""
         return meta.common.slot_mapping if isinstance(meta, TritonAttentionMetadata) else None
 
