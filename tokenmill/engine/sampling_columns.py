@@ -94,6 +94,27 @@ class SamplingColumns:
             cols.set_row(i, p)
         return cols
 
+    def set_rows(self, rows: list[int], params: list[SamplingParams]) -> None:
+        """``set_row(rows[i], params[i])`` for each i, each distinct params object's values
+        written once and copied to its other rows (an admission's requests mostly share
+        one: 13 column writes a row took ~3 us of a row's ~33 at admission, CPU)."""
+        first: dict[int, int] = {}  # id(params) -> its first row
+        copies: dict[int, list[int]] = {}  # that first row -> the params' other rows
+        for row, p in zip(rows, params, strict=True):
+            at = first.setdefault(id(p), row)
+            if at == row:
+                self.set_row(row, p)
+            else:
+                copies.setdefault(at, []).append(row)
+        for at, others in copies.items():
+            for column in self.columns.values():
+                if column.dtype == object:  # (a bias tuple would be spread over the rows)
+                    for row in others:
+                        column[row] = column[at]
+                else:
+                    column[others] = column[at]
+            self.setting_ids[others] = self.setting_ids[at]
+
     def set_row(self, row: int, params: SamplingParams) -> None:
         self.version += 1
         c = self.columns

@@ -25,6 +25,7 @@ Numpy only: no torch.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -83,36 +84,52 @@ class BatchSlots:
     def add(self, request: Request) -> int:
         """Give ``request`` a free slot, copy its state in, and attach it (its fields now read
         and write the slot). Raises RuntimeError when no slot is free."""
-        if not self._free:
-            raise RuntimeError(f"all {self.capacity} batch slots are taken")
-        slot = self._free.pop()
-        tokens = request.all_token_ids
-        n = len(tokens)
-        if n > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id}: {n} tokens exceed max_model_len "
-                f"{self.max_model_len}"
+        return int(self.add_many([request])[0])
+
+    def add_many(self, requests: list[Request]) -> np.ndarray:
+        """``add`` each of ``requests``, in order, in one pass over the arrays (an admission
+        of ~46 rows a step: one row at a time took ~9 us a row of admission's ~33, CPU);
+        returns their slots [R]. Raises RuntimeError when too few slots are free and
+        ValueError for a request longer than max_model_len, before taking any slot."""
+        if len(requests) > len(self._free):
+            raise RuntimeError(
+                f"{len(requests)} requests for {len(self._free)} free of {self.capacity} "
+                "batch slots"
             )
-        params = request.sampling_params
-        self.token_ids[slot, :n] = tokens
-        self.num_tokens[slot] = n
-        self.num_prompt[slot] = request.num_prompt_tokens
-        self.num_computed[slot] = request.num_computed_tokens
-        self.num_pending[slot] = request.num_pending_tokens
-        self.num_drafts[slot] = 0
-        self.num_ahead[slot] = 0
-        self.draft_tree[slot] = False
-        self.max_tokens[slot] = params.max_tokens
-        self.min_tokens[slot] = params.min_tokens
-        self.ignore_eos[slot] = params.ignore_eos
-        self.eos_ids = _set_padded(self.eos_ids, slot, request.eos_token_ids)
-        self.stop_ids = _set_padded(self.stop_ids, slot, params.stop_token_ids)
-        self.num_blocks[slot] = 0
-        self.num_cached_full[slot] = 0
-        self.sampling.set_row(slot, params)
-        self.requests[slot] = request
-        request.attach(self, slot)
-        return slot
+        tokens = [r.all_token_ids for r in requests]
+        lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(requests))
+        for request, n in zip(requests, lens.tolist(), strict=True):
+            if n > self.max_model_len:
+                raise ValueError(
+                    f"request {request.request_id}: {n} tokens exceed max_model_len "
+                    f"{self.max_model_len}"
+                )
+        slots = np.array([self._free.pop() for _ in requests], dtype=np.int64)
+        # every request's tokens in one assignment: row slot[i], columns 0 .. lens[i] - 1
+        total = int(lens.sum())
+        at = np.repeat(slots, lens)
+        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        self.token_ids[at, cols] = np.fromiter(chain.from_iterable(tokens), np.int64, total)
+        params = [r.sampling_params for r in requests]
+        self.num_tokens[slots] = lens
+        self.num_prompt[slots] = [r.num_prompt_tokens for r in requests]
+        self.num_computed[slots] = [r.num_computed_tokens for r in requests]
+        self.num_pending[slots] = [r.num_pending_tokens for r in requests]
+        self.num_drafts[slots] = 0
+        self.num_ahead[slots] = 0
+        self.draft_tree[slots] = False
+        self.max_tokens[slots] = [p.max_tokens for p in params]
+        self.min_tokens[slots] = [p.min_tokens for p in params]
+        self.ignore_eos[slots] = [p.ignore_eos for p in params]
+        self.eos_ids = _set_padded_rows(self.eos_ids, slots, [r.eos_token_ids for r in requests])
+        self.stop_ids = _set_padded_rows(self.stop_ids, slots, [p.stop_token_ids for p in params])
+        self.num_blocks[slots] = 0
+        self.num_cached_full[slots] = 0
+        self.sampling.set_rows(slots.tolist(), params)
+        for slot, request in zip(slots.tolist(), requests, strict=True):
+            self.requests[slot] = request
+            request.attach(self, slot)
+        return slots
 
     def remove(self, slot: int) -> None:
         """Detach the slot's request (its state copied back to it) and free the slot."""
@@ -133,12 +150,18 @@ class BatchSlots:
         return tuple(self.block_table[slot, : self.num_blocks[slot]].tolist())
 
 
-def _set_padded(table: np.ndarray, row: int, values: tuple[int, ...]) -> np.ndarray:
-    """Write ``values`` into ``table[row]`` padded with -1, widening the table if needed."""
-    if len(values) > table.shape[1]:
-        wider = np.full((table.shape[0], len(values)), -1, dtype=table.dtype)
+def _set_padded_rows(
+    table: np.ndarray, rows: np.ndarray, values: list[tuple[int, ...]]
+) -> np.ndarray:
+    """Write ``values[i]`` into ``table[rows[i]]`` padded with -1, widening the table if
+    needed; returns the table (a new one when widened)."""
+    width = max(map(len, values), default=0)
+    if width > table.shape[1]:
+        wider = np.full((table.shape[0], width), -1, dtype=table.dtype)
         wider[:, : table.shape[1]] = table
         table = wider
-    table[row] = -1
-    table[row, : len(values)] = values
+    table[rows] = -1
+    if width:
+        padded = [tuple(v) + (-1,) * (width - len(v)) for v in values]
+        table[rows, :width] = padded
     return table

@@ -330,11 +330,12 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[np.ndarray, ...]]:
         """Admit waiting requests in FCFS order while budget, slots and blocks allow; each
-        one's full blocks are cached before the next looks up the prefix cache, then all are
-        advanced together."""
+        one's full blocks are cached before the next looks up the prefix cache, then all take
+        their slots in one pass (``BatchSlots.add_many``) and are advanced together."""
         s = self.slots
-        admitted: list[int] = []
+        admitted: list[Request] = []
         counts: list[int] = []
+        cached: list[int] = []  # full blocks each one's admission cached
         if not self._admits_next():
             return []
         while (
@@ -350,8 +351,6 @@ class Scheduler:
             if not self.kv.allocate_slots(req, num_new, hit_blocks):
                 break
             self.waiting.popleft()
-            slot = s.add(req)
-            self._sync_blocks(slot)
             if hit_tokens:
                 req.num_computed_tokens += hit_tokens
                 if req.num_computed_tokens <= req.num_prompt_tokens:
@@ -359,13 +358,17 @@ class Scheduler:
                         req.num_cached_prompt_tokens, req.num_computed_tokens
                     )
             req.status = RequestStatus.RUNNING
-            self._cache_full_blocks(slot, int(s.num_computed[slot]) + num_new)
-            admitted.append(slot)
+            # before the next request looks the prefix cache up (it may share these blocks)
+            cached.append(self._cache_blocks_of(req, req.num_computed_tokens + num_new, 0))
+            admitted.append(req)
             counts.append(num_new)
             budget -= num_new
         if not admitted:
             return []
-        rows = np.asarray(admitted, dtype=np.int64)
+        rows = s.add_many(admitted)  # the slots, written in one pass
+        s.num_cached_full[rows] = cached
+        for slot in rows.tolist():
+            self._sync_blocks(slot)
         num_new_rows = np.asarray(counts, dtype=np.int64)
         starts, sample = self._advance(rows, num_new_rows)  # their blocks are cached already
         self._order = np.concatenate([self._order, rows])
@@ -398,15 +401,19 @@ class Scheduler:
             s.num_pending[slots[sample]] += 1
         return starts, sample
 
-    def _cache_full_blocks(self, slot: int, computed: int) -> None:
-        """Offer the prefix cache the slot's blocks that ``computed`` tokens fill, of known
-        tokens only (a pending token's id is not on the host yet)."""
+    def _cache_blocks_of(self, req: Request, computed: int, cached_full: int) -> int:
+        """Offer the prefix cache the request's blocks that ``computed`` tokens fill, of
+        known tokens only (a pending token's id is not on the host yet), where that is more
+        than the ``cached_full`` blocks it cached before; returns its full blocks cached
+        now (a slot's ``num_cached_full``)."""
         if not self.kv.enable_prefix_caching:
-            return
-        cacheable = min(computed, int(self.slots.num_tokens[slot]))
+            return cached_full
+        cacheable = min(computed, req.num_tokens)
         full = cacheable // self.kv.block_size
-        if full > self.slots.num_cached_full[slot]:
-            self._offer_blocks(slot, cacheable, full)
+        if full <= cached_full:
+            return cached_full
+        self.kv.cache_blocks(req, cacheable)
+        return full
 
     def _offer_blocks(self, slot: int, cacheable: int, full: int) -> None:
         """Cache the slot's first ``cacheable`` tokens' ``full`` blocks (more than it has
@@ -554,6 +561,7 @@ class Scheduler:
         """Give back ``req``'s slot, if it holds one, and its KV blocks; its full blocks are
         offered to the prefix cache first (output blocks are cached only now: ``_advance``)."""
         if req.slot >= 0:
-            self._cache_full_blocks(req.slot, int(self.slots.num_computed[req.slot]))
-            self.slots.remove(req.slot)
+            s, slot = self.slots, req.slot
+            self._cache_blocks_of(req, int(s.num_computed[slot]), int(s.num_cached_full[slot]))
+            s.remove(slot)
         self.kv.free(req)
