@@ -97,7 +97,7 @@ class SamplingColumns:
     def set_rows(self, rows: list[int], params: list[SamplingParams]) -> None:
         """``set_row(rows[i], params[i])`` for each i, each distinct params object's values
         written once and copied to its other rows (an admission's requests mostly share
-        one: 13 column writes a row took ~3 us of a row's ~33 at admission, CPU)."""
+        one: a row's 13 column writes and setting lookup took 6 us under cProfile, CPU)."""
         first: dict[int, int] = {}  # id(params) -> its first row
         copies: dict[int, list[int]] = {}  # that first row -> the params' other rows
         for row, p in zip(rows, params, strict=True):
