@@ -96,12 +96,13 @@ def instrument(llm: LLM, clocks: Clocks) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    llm = LLM(args.model, max_num_seqs=args.batch)
+    llm = LLM(args.model, max_num_seqs=args.batch, profile_steps=args.profile)
     engine = llm.engine
     if engine.runner.pieces is None or engine.runner.graphs is None:
         raise SystemExit("this bench needs CUDA graphs (a CUDA device and the Triton backend)")
     convs = WORKLOADS[args.workload](args.rounds * args.batch)
     llm.chat(WORKLOADS[args.workload](args.batch, seed=1000), SamplingParams(max_tokens=16))
+    engine.reset_step_profile()
     clocks = Clocks()
     instrument(llm, clocks)
     sums: dict[str, dict[str, float]] = {"decode": defaultdict(float), "mixed": defaultdict(float)}
@@ -139,6 +140,14 @@ def run(args: argparse.Namespace) -> dict:
         n = max(calls[kind], 1)
         line[kind] = {k: round(v / n, 3) for k, v in sorted(s.items())}
         line[kind]["total_ms"] = round(s["call"], 1)
+    if args.profile:  # the engine's own host and GPU ms per kind of step (CUDA events)
+        profile = engine.step_profile()
+        keys = ("steps", "mean_batch", "cpu_ms", "gpu_ms")
+        line["engine_profile"] = {
+            kind: {k: profile[kind][k] for k in keys if k in profile[kind]}
+            for kind in ("decode", "prefill_or_mixed")
+            if kind in profile
+        }
     engine.close()
     return line
 
@@ -151,6 +160,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="prompts = rounds x batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also the engine's step profile (host and GPU ms per kind of step; adds events)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/mixed_step_host.py times CUDA-graph steps: it needs a GPU")
