@@ -341,3 +341,19 @@ def test_finish_ends_the_progress_even_when_its_last_sample_fails() -> None:
     with pytest.raises(RuntimeError, match="replica died"):
         progress.finish()
     assert progress.ended and progress.in_flight == 0 and progress.eta_seconds is None
+
+
+def test_rows_a_step_finished_are_in_flight_until_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """The local executor samples right after a step, before it hands that step's finished
+    rows on: they are no longer in the engine and not counted done yet. The quickstart's last
+    line read "15 of 50 rows done (30%), 0 in flight ... ETA 0 s" with 35 rows so placed."""
+    progress, clock, engine = _progress(total=50, interval_s=1)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    progress.update(15, 700)
+    clock.now += 1.0
+    engine.counts = LiveCounts(2577, 0, rows_finishing=35)
+    progress.tick()
+    assert "15 of 50 rows done (30%), 35 in flight" in caplog.records[-1].getMessage()
+    assert progress.snapshot().rows_in_flight == 35
+    progress.update(35, 1877)  # counted: done, and out of flight
+    assert (progress.done, progress.in_flight) == (50, 0)

@@ -300,7 +300,11 @@ class Progress:
         if self._live is not None:
             counts = self._live()
             self.tokens = max(self.tokens, counts.output_tokens)
-            self.in_flight = counts.rows_in_flight
+            # Rows a step just finished and the runner has not counted yet are still in
+            # flight to the reader of the line (a run's last line read "15 of 50 rows done,
+            # 0 in flight, ETA 0 s" while 35 rows were being handed on); ``update`` takes
+            # each off as it is counted.
+            self.in_flight = counts.rows_in_flight + counts.rows_finishing
             if self.total is not None and self.generated_rows:
                 running = self._running_tokens(counts)
                 queued = max(self.total - self.done - len(running) - counts.rows_finishing, 0)
