@@ -438,10 +438,7 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
         now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not cached
     except FileNotFoundError as exc:  # an input file deleted or moved since the start
         gone = hide_url_secrets(str(exc.filename or exc))
-        raise InputChangedError(
-            f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it "
-            f"(input files gone: {gone}): " + _CHANGED
-        ) from None
+        raise _input_changed(cfg, f" (input files gone: {gone})") from None
     rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)
     if now == settings["input"] and not rewritten:
         return
@@ -452,8 +449,14 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
         sizes += f" ({hide_url_secrets(rewritten[0])}{more} written again in storage)"
     elif "input_entries" in settings and entries:
         sizes += "".join(f" ({c})" for c in file_changes(settings["input_entries"], entries))
-    raise InputChangedError(
-        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{sizes}: "
+    raise _input_changed(cfg, sizes)
+
+
+def _input_changed(cfg: InputConfig, detail: str) -> InputChangedError:
+    """The error of an input that changed while the run read it, ``detail`` (" (...)",
+    or "") saying how."""
+    return InputChangedError(
+        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{detail}: "
         + _CHANGED
     )
 
@@ -478,10 +481,7 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
     expired = in_chain(exc, an_input_expired)
     if expired is None:
         return None
-    return InputChangedError(
-        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it "
-        f"({hide_url_secrets(str(expired))}): " + _CHANGED
-    )
+    return _input_changed(cfg, f" ({hide_url_secrets(str(expired))})")
 
 
 def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start: float) -> None:
