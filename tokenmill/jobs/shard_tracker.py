@@ -22,7 +22,6 @@ from tokenmill.io.rows import ResultRow
 class _Pending:
     seen: int = 0
     results: list[ResultRow] = field(default_factory=list)
-    closed: bool = False  # the reader is past this shard's range
 
 
 class ShardTracker:
@@ -31,7 +30,9 @@ class ShardTracker:
         self._pending: dict[int, _Pending] = {}
         self._last_shard = -1
         self._changed: set[int] = set()  # pending shards to look at in pop_complete
-        self._open: set[int] = set()  # pending shards the reader may still add rows to
+        # pending shards the reader may still add rows to; the others are closed (the
+        # reader is past their range)
+        self._open: set[int] = set()
 
     def shard_of(self, row_index: int) -> int:
         return row_index // self.rows_per_shard
@@ -40,8 +41,7 @@ class ShardTracker:
         """The reader handed out ``row_index`` (to be computed or failed)."""
         shard = self.shard_of(row_index)
         if shard > self._last_shard:
-            for open_shard in list(self._open):  # (the one it was in, unless rows came late)
-                self._close(open_shard)
+            self._close_open()  # (the one it was in, unless rows came late)
             self._last_shard = shard
         pending = self._pending.get(shard)
         if pending is None:
@@ -55,23 +55,19 @@ class ShardTracker:
         self._changed.add(shard)
 
     def input_done(self) -> None:
-        for shard in list(self._open):
-            self._close(shard)
+        self._close_open()
 
-    def _close(self, shard: int) -> None:
-        self._open.discard(shard)
-        pending = self._pending.get(shard)
-        if pending is not None and not pending.closed:
-            pending.closed = True
-            self._changed.add(shard)
+    def _close_open(self) -> None:
+        self._changed |= self._open
+        self._open.clear()
 
     def pop_complete(self) -> list[tuple[int, list[ResultRow]]]:
         """Complete shards (index, results sorted by row index), removed from tracking."""
         changed, self._changed = self._changed, set()
         done = [
             k
-            for k in changed
-            if (p := self._pending.get(k)) is not None and p.closed and len(p.results) == p.seen
+            for k in changed - self._open
+            if (p := self._pending.get(k)) is not None and len(p.results) == p.seen
         ]
         out = []
         for k in sorted(done):
