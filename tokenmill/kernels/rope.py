@@ -297,27 +297,27 @@ def rope_(
         _check_kv(k, *kv)
     if t == 0:
         return
-    v, cache, slots = kv if kv is not None else (k, None, positions)
-    k_cache = v_cache = q if cache is None else None
-    if cache is not None:
-        k_cache, v_cache = cache[0], cache[1]
-    kc = k_cache.stride()[:3] if cache is not None else (0, 0, 0)
-    vc = v_cache.stride()[:3] if cache is not None else (0, 0, 0)
+    if kv is None:  # no store: its arguments are never read (STORE_KV off)
+        v, k_cache, v_cache, slots, block_size = k, q, q, positions, 1
+        kc = vc = (0, 0, 0)
+    else:
+        v, cache, slots = kv
+        k_cache, v_cache, block_size = cache[0], cache[1], cache.shape[2]
+        kc, vc = k_cache.stride()[:3], v_cache.stride()[:3]
     tokens, num_warps = _launch_config(hq, hkv, d)
     launch(
         _rope_kernel, (triton.cdiv(t, tokens),),
         q, k, positions, cos, sin,
         t, hq, hkv, d // 2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        v, k_cache, v_cache, slots,
-        k_cache.shape[1] if cache is not None else 1,
+        v, k_cache, v_cache, slots, block_size,
         v.stride(0), v.stride(1), *kc, *vc,
         TOKENS=tokens,
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HKV=triton.next_power_of_2(hkv),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        STORE_KV=cache is not None,
-        TO_FP8=cache is not None and cache.dtype == FP8_KV and k.dtype != FP8_KV,
+        STORE_KV=kv is not None,
+        TO_FP8=kv is not None and k_cache.dtype == FP8_KV and k.dtype != FP8_KV,
         num_warps=num_warps,
         enable_fp_fusion=False,  # see _store_rotated
     )  # fmt: skip
