@@ -79,6 +79,7 @@ class StepClock:
         self.drafted_calls: dict[int, list[float]] = {}  # bucket: each drafted call's ms
         self.policy_samples: dict[int, list[float]] = {}  # bucket: the policy's drafted ms
         self.plain_samples: dict[int, list[float]] = {}  # bucket: the policy's plain ms
+        self.slowest: list[tuple[float, int, bool]] = []  # the 5 slowest calls: ms, bucket, drafted
         engine.step = self
         if engine.policy is not None:  # what the policy was told, beside what calls took
             record = self.record = engine.policy.record
@@ -106,7 +107,15 @@ class StepClock:
         b[3] = max(b[3], wall_ms)
         if gave_drafts:
             self.drafted_calls.setdefault(bucket, []).append(wall_ms)
+        self.slowest = sorted([*self.slowest, (round(wall_ms, 1), bucket, gave_drafts)])[-5:]
         return out
+
+    def run_summary(self, seconds: float) -> dict:
+        """The run's wall ms, the ms inside step calls and outside them, its slowest calls."""
+        inside = sum(b[2] for b in self.buckets.values())
+        wall = seconds * 1e3
+        return {"wall_ms": round(wall, 1), "step_ms": round(inside, 1),
+                "outside_ms": round(wall - inside, 1), "slowest": self.slowest[::-1]}  # fmt: skip
 
     def table(self) -> dict[int, list]:
         return {
@@ -170,7 +179,7 @@ def run(
     if clock is not None:
         clock.detach()
         stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table(),
-                 "drafted_ms": clock.drafted_spread(),
+                 "drafted_ms": clock.drafted_spread(), "run": clock.run_summary(seconds),
                  "proposer": _proposer_host(llm.engine.scheduler.stats, host_before)}  # fmt: skip
     llm.engine.close()
     del llm
@@ -253,6 +262,7 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
         line["by_bucket"] = done[-1][2]["by_bucket"]
         line["drafted_ms"] = done[-1][2]["drafted_ms"]
         line["proposer"] = done[-1][2]["proposer"]
+        line["runs"] = [d[2]["run"] for d in done]  # every run's, the slow ones included
     return line
 
 

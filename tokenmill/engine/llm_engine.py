@@ -547,13 +547,16 @@ class LLMEngine:
 
     def _wants_drafts(self) -> bool:
         """Whether this step gives decode rows drafts: always with a proposer and no policy,
-        else as the policy says for the running batch."""
-        if self.scheduler.proposer is None:
+        else as the policy says for the running batch (and, once nothing waits, for its
+        slowest row)."""
+        scheduler = self.scheduler
+        if scheduler.proposer is None:
             return False
-        running = self.scheduler.num_running
+        running = scheduler.num_running
         if self.policy is None or running == 0:
             return running > 0
-        return self.policy.wants_drafts(running)
+        slowest = None if scheduler.waiting else scheduler.slowest_yield()
+        return self.policy.wants_drafts(running, slowest)
 
     def _token_bitmask(
         self, requests: Sequence[Request], aborted: set[str] | None = None

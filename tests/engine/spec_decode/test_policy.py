@@ -207,3 +207,17 @@ def test_two_slow_drafted_steps_among_fast_ones_do_not_stop_drafting() -> None:
             plain += 1
             policy.record(StepSample(64, False, 10.0))
     assert plain < 200, plain
+
+
+def test_once_nothing_waits_the_slowest_row_decides() -> None:
+    """Drafting pays by the rows' mean yield (1 + 1.0 * 2 = 3 tokens a row for 1.5x the
+    time), but once nothing waits the run ends with its slowest row: a row that gains
+    nothing from drafts keeps the steps plain, one that gains 2.5 tokens a step does not."""
+    policy = SpeculationPolicy(probe_every=1000, probe_drafts_every=1000)
+    chosen = _feed(policy, 8, 50, plain_ms=10.0, draft_ms=15.0, share=1.0, accepted=2.0)
+    assert all(chosen[1:])
+    assert policy.wants_drafts(8) and policy.wants_drafts(8, slowest_yield=None)
+    assert not policy.wants_drafts(8, slowest_yield=1.0)
+    assert not policy.wants_drafts(8, slowest_yield=1.5)  # 1.5 in 1.5x the time: a tie
+    assert policy.wants_drafts(8, slowest_yield=2.5)
+    assert policy.wants_drafts(8, slowest_yield=4.0)  # the mean (3) bounds it

@@ -176,7 +176,7 @@ class _Alternate:
         self.charged_at = []  # the calls that charged their launch to drafting
         self.charged_right_bucket = []  # each charge named the drafted step's rows
 
-    def wants_drafts(self, batch: int) -> bool:
+    def wants_drafts(self, batch: int, slowest_yield: float | None = None) -> bool:
         self.calls += 1
         return self.calls % 3 == 0
 
@@ -226,6 +226,45 @@ def test_drafted_steps_between_plain_steps_keep_the_output(
     assert all((c - 1) % 3 == 0 for c in policy.charged_at)
     assert all(policy.charged_right_bucket)
     assert bool(policy.charged_at) == async_scheduling
+
+
+class _Always(_Alternate):
+    """A scripted policy that drafts every step, and notes what the engine told it of the
+    slowest row and whether requests were waiting then."""
+
+    def __init__(self, scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+        self.told: list[tuple[bool, float | None, float | None]] = []
+
+    def wants_drafts(self, batch: int, slowest_yield: float | None = None) -> bool:
+        s = self.scheduler.slots
+        order = self.scheduler._order
+        steps = s.drafted_steps[order]
+        seen = steps >= 2
+        mine = (
+            1 + float((s.accepted_drafts[order][seen] / steps[seen]).min()) if seen.any() else None
+        )
+        self.told.append((bool(self.scheduler.waiting), slowest_yield, mine))
+        return True
+
+
+def test_the_policy_hears_of_the_slowest_row_once_nothing_waits(model_path: Path) -> None:
+    """While requests wait the policy weighs drafts by their rate; once none waits (the
+    drain) it is told the fewest tokens a drafted step gives any running row, from each
+    row's drafted steps and accepted drafts since its admission."""
+    llm = _llm(model_path, "auto", max_num_seqs=8)
+    policy = _Always(llm.engine.scheduler)
+    llm.engine.policy = policy
+    prompts = _copy_prompts(24)
+    llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    waiting = [slowest for waits, slowest, _ in policy.told if waits]
+    drain = [(slowest, mine) for waits, slowest, mine in policy.told if not waits]
+    assert waiting and all(slowest is None for slowest in waiting)
+    assert drain and all(slowest == mine for slowest, mine in drain)
+    told = [slowest for slowest, _ in drain if slowest is not None]
+    assert told and all(1.0 <= y <= 5.0 for y in told), told
+    assert min(told) < max(told)  # rows differ, and the slowest changes as rows finish
 
 
 def test_penalties_follow_the_drafts(model_path: Path) -> None:

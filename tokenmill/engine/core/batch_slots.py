@@ -12,6 +12,8 @@ writes through to them), so a step works on all rows at once with numpy:
                                             previous one is in flight (drafts.py: the device
                                             picks them once it knows what that one accepted)
             max_tokens, min_tokens, ignore_eos, eos_ids[slot], stop_ids[slot]
+            drafted_steps, accepted_drafts   drafted steps the row was in since its admission,
+                                            and the drafts it accepted in them (its yield)
             block_table[slot, :num_blocks]    its KV block ids (a copy of the KV manager's)
             sampling.columns[...][slot]       temperature, top_k, ... (SamplingColumns)
             requests[slot]                    the Request itself (object array)
@@ -65,6 +67,8 @@ class BatchSlots:
         self.max_tokens = np.zeros(capacity, dtype=np.int64)
         self.min_tokens = np.zeros(capacity, dtype=np.int64)
         self.ignore_eos = np.zeros(capacity, dtype=np.bool_)
+        self.drafted_steps = np.zeros(capacity, dtype=np.int32)
+        self.accepted_drafts = np.zeros(capacity, dtype=np.int64)
         self.eos_ids = np.full((capacity, 1), -1, dtype=np.int64)  # padded with -1
         self.stop_ids = np.full((capacity, 1), -1, dtype=np.int64)
         max_blocks = -(-max_model_len // block_size)
@@ -118,6 +122,8 @@ class BatchSlots:
         self.num_drafts[slots] = 0
         self.num_ahead[slots] = 0
         self.draft_tree[slots] = False
+        self.drafted_steps[slots] = 0
+        self.accepted_drafts[slots] = 0
         self.max_tokens[slots] = [p.max_tokens for p in params]
         self.min_tokens[slots] = [p.min_tokens for p in params]
         self.ignore_eos[slots] = [p.ignore_eos for p in params]

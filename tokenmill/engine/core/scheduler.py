@@ -160,6 +160,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._order)
 
+    def slowest_yield(self, min_steps: int = 2) -> float | None:
+        """The fewest tokens a drafted step gives any running row, by the rows' own history:
+        1 + accepted drafts per drafted step it was in, over rows in at least ``min_steps``
+        of them; None when no row has that history. While nothing waits, the run ends with
+        its slowest rows: the speculation policy weighs a drafted step by this, not by the
+        mean yield (engine/spec_decode/policy.py)."""
+        steps = self.slots.drafted_steps[self._order]
+        seen = steps >= min_steps
+        if not seen.any():
+            return None
+        accepted = self.slots.accepted_drafts[self._order][seen]
+        return 1.0 + float((accepted / steps[seen]).min())
+
     def schedule(self, draft: bool = True, ahead: bool | None = None) -> SchedulerOutput:
         """The next step. ``draft``: decode rows whose inputs are all known on the host take
         the proposer's drafts, and with ``ahead`` (default: ``drafts_ahead``; only where
@@ -494,6 +507,8 @@ class Scheduler:
                 self.stats.observe_seconds += time.perf_counter() - t0
             keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
             self.stats.num_accepted_tokens += int(accepted.sum())
+            s.drafted_steps[slots] += 1  # (slots: one row each)
+            s.accepted_drafts[slots] += accepted
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
         if self.config.drafts_ahead:
             install_ahead(s, slots, accepted)
