@@ -145,3 +145,82 @@ def test_a_file_gone_by_the_end_check_is_named(tiny_model: Path, tmp_path: Path)
     gone.unlink()
     with pytest.raises(InputChangedError, match=f"input files gone: {gone}"):
         runner._check_input_unchanged(cfg, Manifest("test", "fp", 1, settings=settings))
+
+
+def test_a_regenerated_presigned_url_resumes(tiny_model: Path, tmp_path: Path, http_folder) -> None:
+    """The same file under a new signature (a presigned URL expires): the entries say the file
+    is the same, and so must the input's hash."""
+    address, _ = http_folder
+    url = f"http://{address}/rows.jsonl"
+    spec = job_dict(tiny_model, url + "?X-Amz-Signature=SIG1", tmp_path / "out")
+    spec["input"]["format"] = "jsonl"
+    assert run_job(spec, show_progress=False).status == "complete"
+    manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
+    manifest["complete"] = False  # as if stopped after its shards
+    (tmp_path / "out" / "test.manifest.json").write_text(json.dumps(manifest))
+    spec["input"]["path"] = url + "?X-Amz-Signature=SIG2"
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete"
+
+
+def test_a_hash_sign_in_local_file_names_keeps_each_file_apart(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Only an HTTP(S) URL loses its query string and fragment in the manifest: local (and
+    object) names may hold "#" or "?", and two such files stay two entries."""
+    folder = tmp_path / "in"
+    write_jsonl(folder / "part#1.jsonl", chat_rows(2))
+    write_jsonl(folder / "part#2.jsonl", chat_rows(2, start=10))
+    spec = job_dict(tiny_model, folder, tmp_path / "out")
+    assert run_job(spec, show_progress=False).status == "complete"
+    manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
+    assert len(manifest["settings"]["input_entries"]) == 2
+    write_jsonl(folder / "part#1.jsonl", chat_rows(3))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    assert f"input files changed: {folder / 'part#1.jsonl'}" in str(info.value), str(info.value)
+
+
+def test_a_presigned_signature_stays_out_of_the_changed_input_error(
+    tiny_model: Path, tmp_path: Path, http_folder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The input rewritten while the run reads it: the InputChangedError (and report.json,
+    which keeps it) leave the presigned URL's signature out, as the manifest does."""
+    address, folder = http_folder
+    spec = job_dict(
+        tiny_model, f"http://{address}/rows.jsonl?X-Amz-Signature=SIGSECRET", tmp_path / "out"
+    )
+    spec["input"]["format"] = "jsonl"
+    load = runner._count_and_load
+
+    def load_then_rewrite(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        write_jsonl(folder / "rows.jsonl", chat_rows(3))
+        return loaded
+
+    monkeypatch.setattr(runner, "_count_and_load", load_then_rewrite)
+    with pytest.raises(InputChangedError) as info:
+        run_job(spec, show_progress=False)
+    assert "SIGSECRET" not in str(info.value), str(info.value)
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file():
+            assert "SIGSECRET" not in path.read_text(errors="replace"), path
+
+
+def test_the_dry_run_says_what_the_run_does_before_a_first_shard(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Progress without a shard is no progress to a run (it starts over, refusing nothing):
+    the dry run must not say the run will be refused and list changes."""
+    folder = tmp_path / "in"
+    write_jsonl(folder / "a.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, folder, tmp_path / "out")
+    assert run_job(spec, show_progress=False).status == "complete"
+    path = tmp_path / "out" / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["complete"], manifest["shards"] = False, {}
+    path.write_text(json.dumps(manifest))
+    write_jsonl(folder / "b.jsonl", chat_rows(2, start=10))
+    report = dry_run(JobSpec.from_dict(spec))
+    assert "use --fresh" not in report.summary() and not report.changed, report.summary()
+    assert run_job(spec, show_progress=False).status == "complete"  # the run refuses nothing

@@ -168,6 +168,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
     manifest = Manifest.load(store, spec.name)
+    if manifest is not None and not manifest.shards and not manifest.complete:
+        manifest = None  # no progress to mix: a run starts over (runner._run_locked)
     resumable = manifest is not None and manifest.matches(
         fingerprint(settings), settings_record(settings)
     )  # as a run decides

@@ -41,7 +41,7 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, fingerprint_input
-from tokenmill.io.readers.input_fingerprint import unchanged_by_versions
+from tokenmill.io.readers.input_fingerprint import shown_url, unchanged_by_versions
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
@@ -437,7 +437,7 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
             return  # every object's version as at the start: no file read again
         now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not cached
     except FileNotFoundError as exc:  # an input file deleted or moved since the start
-        gone = hide_url_secrets(str(exc.filename or exc))
+        gone = shown_url(str(exc.filename or exc))
         raise _input_changed(cfg, f" (input files gone: {gone})") from None
     rewritten = sorted(url for url, v in versions.items() if started.get(url, v) != v)
     if now == settings["input"] and not rewritten:
@@ -456,7 +456,7 @@ def _input_changed(cfg: InputConfig, detail: str) -> InputChangedError:
     """The error of an input that changed while the run read it, ``detail`` (" (...)",
     or "") saying how."""
     return InputChangedError(
-        f"the input ({hide_url_secrets(cfg.path)}) changed while this run read it{detail}: "
+        f"the input ({shown_url(cfg.path)}) changed while this run read it{detail}: "
         + _CHANGED
     )
 

@@ -90,22 +90,28 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     named: dict[str, str] = {}
     entries = map_files(lambda url: _file_entry(url, cfg.storage_options, lines), files)
     for entry, version in entries:
-        text = json.dumps(entry).encode()
+        # hashed under the URL as shown: a presigned URL signed again or a new password names
+        # the same file (the same as before for a URL without either)
+        text = json.dumps([shown_url(entry[0]), *entry[1:]]).encode()
         digest.update(text)
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
         if len(files) <= MAX_NAMED_FILES:  # the content's hash, under the URL as shown
             content = json.dumps(entry[1:]).encode()  # (a changed password changes no file)
-            named[_shown_url(entry[0])] = hashlib.sha256(content).hexdigest()[:16]
+            named[shown_url(entry[0])] = hashlib.sha256(content).hexdigest()[:16]
     counts = {"files": len(files), "bytes": size}
     return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
 
 
-def _shown_url(url: str) -> str:
+def shown_url(url: str) -> str:
     """``url`` as the manifest keeps it: no password (``user:***@``) and no query string (a
-    presigned URL's signature, a token)."""
-    return hide_url_secrets(url).split("?", 1)[0].split("#", 1)[0]
+    presigned URL's signature, a token) where it is an HTTP(S) URL: a local file's or an
+    object's name may hold "?" or "#" (``part#1.jsonl``), and is kept whole."""
+    shown = hide_url_secrets(url)
+    if not shown.lower().startswith(("http://", "https://")):
+        return shown
+    return shown.split("?", 1)[0].split("#", 1)[0]
 
 
 def unchanged_by_versions(
