@@ -1,6 +1,7 @@
 """Configured column names the input does not have, before any row runs: JSONL (no schema:
-its first objects' keys) as Parquet. A structured-output or id column in none of them exits
-2 (every row would run unconstrained, or get file:line ids, silently); passthrough columns
+its first objects' keys) as Parquet. A prompt, messages, structured-output or id column in
+none of them exits 2 (every row would be a bad row, run unconstrained, or get file:line ids,
+in a job that ends "complete"); passthrough columns
 in none of them are warned about (null in every row); the default id column may be absent.
 A conversations column for a model without a chat template exits 2 as well."""
 
@@ -40,9 +41,15 @@ def _spec(tmp_path: Path, fmt: str, **input_keys: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 @pytest.mark.parametrize(
-    ("key", "name"), [("structured_output_column", "rul"), ("id_column", "ID")]
+    ("key", "name"),
+    [
+        ("structured_output_column", "rul"),
+        ("id_column", "ID"),
+        ("prompt_column", "promt"),
+        ("messages_column", "messages"),
+    ],
 )
-def test_a_constraint_or_id_column_the_input_lacks_exits_2(
+def test_a_column_the_input_lacks_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str, key: str, name: str
 ) -> None:
     job = tmp_path / "job.yaml"

@@ -154,9 +154,10 @@ _ABSENT_PASSTHROUGH = (
 
 def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
     """Configured column names against the first objects of the first file that has any
-    (JSONL has no schema; a Spark part file may be empty): a structured-output or id column
-    in none of them is refused (every row would run unconstrained, or get file:line ids,
-    silently), passthrough columns are warned about."""
+    (JSONL has no schema; a Spark part file may be empty): a prompt or messages column in
+    none of them is refused, as Parquet's is (every row would be a bad row, and the job
+    "complete"), and so is a structured-output or id column (every row would run
+    unconstrained, or get file:line ids, silently); passthrough columns are warned about."""
     for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
         with JsonlRecords(url, cfg.storage_options) as records:
             keys, objects = records.keys_seen()
@@ -167,12 +168,19 @@ def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
     where = f"any of the first {objects} rows of {url}"
     have = ", ".join(sorted(keys)[:20]) or "no keys"
     named_id = cfg.id_column if cfg.id_column != DEFAULT_ID_COLUMN else None
-    for key, name in (("structured_output_column", cfg.structured_output_column),
+    prompt = ("messages_column", cfg.messages_column) if cfg.messages_column is not None else (
+        "prompt_column", cfg.prompt_column)  # fmt: skip
+    fixes = {
+        "id_column": "leave it out for file:line ids",
+        "prompt_column": "set input.prompt_column, or input.messages_column for chat rows",
+        "messages_column": "set input.messages_column, or input.prompt_column for plain prompts",
+    }
+    for key, name in (prompt, ("structured_output_column", cfg.structured_output_column),
                       ("id_column", named_id)):  # fmt: skip
         if name is not None and name not in keys:
             raise JobSpecError(
                 f"input.{key}: {name!r} is not a key of {where} (they have: {have}); "
-                + ("leave it out for file:line ids" if key == "id_column" else "fix the name")
+                + fixes.get(key, "fix the name")
             )
     absent = [n for n in cfg.passthrough_columns if n not in keys]
     if absent:

@@ -456,8 +456,7 @@ def _input_changed(cfg: InputConfig, detail: str) -> InputChangedError:
     """The error of an input that changed while the run read it, ``detail`` (" (...)",
     or "") saying how."""
     return InputChangedError(
-        f"the input ({shown_url(cfg.path)}) changed while this run read it{detail}: "
-        + _CHANGED
+        f"the input ({shown_url(cfg.path)}) changed while this run read it{detail}: " + _CHANGED
     )
 
 
