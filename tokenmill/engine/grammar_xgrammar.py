@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.engine.date_format import with_date_patterns
 from tokenmill.engine.grammar_llguidance import executor_threads
 from tokenmill.engine.special_ids import special_token_ids
 from tokenmill.engine.structured_output_params import (
@@ -104,6 +105,7 @@ def _built(
         # strict_mode off: an object without additionalProperties takes other keys, as
         # JSON Schema says and llguidance does (xgrammar's default allowed none, and refused
         # minProperties past the properties listed)
+        text = with_date_patterns(text)  # (its "date" lets 2024-04-31 through)
         return schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=False)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.engine.date_format import with_date_patterns
+
 __all__ = [
     "CHOICE_PREFIX",
     "JSON_OBJECT",
@@ -229,7 +231,7 @@ def grammar_text(canonical: str) -> str:
         choices = json.loads(canonical[len(CHOICE_PREFIX) :])
         rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
         return llg.LLMatcher.grammar_from_lark(f"start: {rule}")
-    schema = _ANY_OBJECT_SCHEMA if canonical == JSON_OBJECT else canonical
+    schema = _ANY_OBJECT_SCHEMA if canonical == JSON_OBJECT else with_date_patterns(canonical)
     return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPILE_DEFAULTS)
 
 
