@@ -22,7 +22,8 @@ The schema users give (a job's fingerprint, the validation of its outputs) is un
 from __future__ import annotations
 
 import json
-from typing import Any
+
+from tokenmill.engine.xgrammar_limits import subschemas
 
 __all__ = ["DATE_PATTERN", "with_date_patterns"]
 
@@ -38,9 +39,6 @@ _MONTH_DAY = (
 )
 DATE_PATTERN = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
 
-_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_VALUES = ("const", "enum", "default", "examples", "required")  # values, not schemas
-
 
 def with_date_patterns(schema_text: str) -> str:
     """``schema_text`` with each ``format: "date"`` subschema (no ``pattern`` of its own)
@@ -48,25 +46,12 @@ def with_date_patterns(schema_text: str) -> str:
     if '"date"' not in schema_text:
         return schema_text
     schema = json.loads(schema_text)
-    if not _rewrite(schema):
+    changed = False
+    for _, node in subschemas(schema, "schema"):  # (each yielded before its keys are read)
+        if node.get("format") == "date" and "pattern" not in node:
+            del node["format"]
+            node["pattern"] = DATE_PATTERN
+            changed = True
+    if not changed:
         return schema_text
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-
-
-def _rewrite(node: Any) -> bool:
-    """Rewrite ``node``'s date subschemas in place; whether any was."""
-    if isinstance(node, list):
-        return any([_rewrite(value) for value in node])
-    if not isinstance(node, dict):
-        return False
-    changed = False
-    if node.get("format") == "date" and "pattern" not in node:
-        del node["format"]
-        node["pattern"] = DATE_PATTERN
-        changed = True
-    for key, value in node.items():
-        if key in _NAMED and isinstance(value, dict):  # name -> subschema
-            changed = any([_rewrite(sub) for sub in value.values()]) or changed
-        elif key not in _VALUES and key != "pattern":
-            changed = _rewrite(value) or changed
-    return changed

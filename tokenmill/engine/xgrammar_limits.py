@@ -86,7 +86,7 @@ def _holds_surrogate(raw: bytes) -> bool:
 
 def check_schema(schema_text: str) -> None:
     """Raise ValueError naming the first keyword of the schema xgrammar would not enforce."""
-    for where, node in _subschemas(json.loads(schema_text), "schema"):
+    for where, node in subschemas(json.loads(schema_text), "schema"):
         found = sorted(UNENFORCED & set(node))
         if found:
             raise ValueError(f"{where} uses {found[0]!r}, which xgrammar does not enforce")
@@ -158,20 +158,20 @@ def xgrammar_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+def subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Every subschema of ``node`` (itself included), with its JSON path."""
     if isinstance(node, list):
         for i, value in enumerate(node):
-            yield from _subschemas(value, f"{where}[{i}]")
+            yield from subschemas(value, f"{where}[{i}]")
     if not isinstance(node, dict):
         return
     yield where, node
     for key, value in node.items():
         if key in _NAMED and isinstance(value, dict):  # name -> subschema
             for name, sub in value.items():
-                yield from _subschemas(sub, f"{where}.{key}.{name}")
+                yield from subschemas(sub, f"{where}.{key}.{name}")
         elif key not in _VALUES:
-            yield from _subschemas(value, f"{where}.{key}")
+            yield from subschemas(value, f"{where}.{key}")
 
 
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")
