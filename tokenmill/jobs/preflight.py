@@ -168,14 +168,14 @@ def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
     where = f"any of the first {objects} rows of {url}"
     have = ", ".join(sorted(keys)[:20]) or "no keys"
     named_id = cfg.id_column if cfg.id_column != DEFAULT_ID_COLUMN else None
-    prompt = ("messages_column", cfg.messages_column) if cfg.messages_column is not None else (
-        "prompt_column", cfg.prompt_column)  # fmt: skip
+    prompt_key = "messages_column" if cfg.messages_column is not None else "prompt_column"
     fixes = {
         "id_column": "leave it out for file:line ids",
         "prompt_column": "set input.prompt_column, or input.messages_column for chat rows",
         "messages_column": "set input.messages_column, or input.prompt_column for plain prompts",
     }
-    for key, name in (prompt, ("structured_output_column", cfg.structured_output_column),
+    for key, name in ((prompt_key, getattr(cfg, prompt_key)),
+                      ("structured_output_column", cfg.structured_output_column),
                       ("id_column", named_id)):  # fmt: skip
         if name is not None and name not in keys:
             raise JobSpecError(
