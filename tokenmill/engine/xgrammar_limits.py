@@ -10,7 +10,8 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   UTF-8) gets into strings. ``token_masks`` gives the masks every row's is ANDed with.
 - Schemas. Some keywords compile but are not enforced (``allOf`` wrote ``null``,
   ``multipleOf: 0.5`` wrote 1.125764, ``required`` without ``properties`` wrote ``{}``,
-  ``format`` with ``maxLength`` wrote longer strings), others are not verified.
+  ``format`` with ``maxLength`` wrote longer strings, ``format`` or ``pattern`` without a
+  ``type`` was no constraint at all), others are not verified.
   ``check_schema`` refuses a schema holding one, naming it, so a row is an error at once
   instead of an output that does not follow its schema; llguidance (the default backend)
   runs them.
@@ -90,6 +91,9 @@ def check_schema(schema_text: str) -> None:
         found = sorted(UNENFORCED & set(node))
         if found:
             raise ValueError(f"{where} uses {found[0]!r}, which xgrammar does not enforce")
+        untyped = [k for k in ("format", "pattern") if k in node and "type" not in node]
+        if untyped:  # ({"items": {"pattern": "^a$"}} wrote ["b"])
+            raise ValueError(f"{where} has {untyped[0]!r} without 'type', which xgrammar ignores")
         if "format" in node and any(k in node for k in _LENGTHS):
             raise ValueError(
                 f"{where} has 'format' with a length bound, which xgrammar does not enforce"
