@@ -371,3 +371,31 @@ def test_a_dict_jobs_chat_template_is_not_rendered_by_airflow(
     assert written["model"]["chat_template"] == template
     assert written["output"]["path"] == str(tmp_path / "out/2026-12-06")  # rendered
     assert spec["model"]["chat_template"] == template  # the caller's dict is left as it was
+
+
+def test_storage_options_are_masked_in_the_rendered_fields(
+    airflow: Airflow, tmp_path: Path
+) -> None:
+    """The UI shows a task's rendered fields as Airflow serializes them: values of keys it
+    deems sensitive (``secret``) were hidden, an s3fs ``key`` and an override's text were
+    not. Every ``storage_options`` value is masked now; the rest stays readable."""
+    from airflow.sdk import DAG
+    from airflow.sdk.execution_time.task_runner import _serialize_rendered_fields
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", str(tmp_path / "out/{{ ds }}"))
+    endpoint = {"endpoint_url": "http://127.0.0.1:9000"}
+    spec["input"]["storage_options"] = {"key": "AKIAEXAMPLE0001", "client_kwargs": endpoint}
+    overrides = [
+        "output.storage_options.token=TokenValue_0002",
+        "model.storage_options={key: KeyInYaml_0003}",
+        "sampling.max_tokens=7",
+    ]
+    with DAG("masked", schedule=None):
+        op = TokenmillJobOperator(task_id="t", job=spec, overrides=overrides)
+    op.render_template_fields({"ds": "2026-12-06"})
+    shown = json.dumps(_serialize_rendered_fields(op))
+    for secret in ("AKIAEXAMPLE0001", "127.0.0.1:9000", "TokenValue_0002", "KeyInYaml_0003"):
+        assert secret not in shown, shown
+    assert "out/2026-12-06" in shown and "sampling.max_tokens=7" in shown

@@ -134,6 +134,17 @@ class TokenmillJobOperator(BaseOperator):
         self._stop_requested = False  # on_kill was called during this execute
         self._stop_sent = False  # the child got its SIGTERM
 
+    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
+        """Render ``job`` and ``overrides``, then register every ``storage_options`` value in
+        them with Airflow's secrets masker: the rendered fields (shown in the UI) and the
+        task log then read ``***`` for them. Airflow hides values by key name only
+        (``secret``, ``password``), and an s3fs ``key`` or an override's text is none."""
+        super().render_template_fields(context, jinja_env)
+        from airflow.sdk.log import mask_secret
+
+        for text in _storage_option_texts(self.job, self.overrides):
+            mask_secret(text)
+
     def execute(self, context: Any) -> str:
         from tokenmill.jobs.cli import EXIT_INVALID, EXIT_OK
 
@@ -261,6 +272,38 @@ class TokenmillJobOperator(BaseOperator):
             )
             child.kill()
             child.wait()
+
+
+def _storage_option_texts(job: str | dict[str, Any], overrides: Sequence[str]) -> list[str]:
+    """The text of every ``storage_options`` value of a dict job and of the overrides: each
+    string in them, and an override's value as written (``...storage_options={key: K}``)."""
+    from tokenmill.jobs.spec import JobSpecError, apply_override
+
+    raw: dict[str, Any] = {} if isinstance(job, str) else copy.deepcopy(job)
+    texts: list[str] = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if "storage_options" in key.split("."):
+            texts.append(value)
+        try:
+            apply_override(raw, item, "overrides")
+        except JobSpecError:  # (refused with its message when the task runs)
+            pass
+    for section in raw.values():
+        if isinstance(section, dict):
+            texts += _strings(section.get("storage_options"))
+    return texts
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in ``value`` (nested dicts and lists walked)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def _to_yaml(spec: dict[str, Any]) -> str:
