@@ -66,6 +66,11 @@ from tokenmill.integrations.airflow import TokenmillJobOperator
 
 for case in json.loads((Path(__file__).parent / "cases.json").read_text()):
     with DAG(case["dag_id"], schedule=None, start_date=datetime(2024, 1, 1), catchup=False):
+        if case.get("mapped"):  # one task a list of overrides
+            TokenmillJobOperator.partial(
+                task_id="generate", job=case["job"], retries=case["retries"]
+            ).expand(overrides=case["overrides"])
+            continue
         TokenmillJobOperator(
             task_id="generate",
             job=case["job"],
@@ -132,6 +137,17 @@ def cases(model: Path, work: Path) -> dict[str, dict[str, Any]]:
         "locked": {"job": job_dict(model, src, work / "locked", **SETTINGS), "retries": 1},
         "no_model": {"job": job_dict(work / "no-such-model", src, work / "nm"), "retries": 2},
         "bad_key": {"job": bad_key, "retries": 2},
+        "mapped": {
+            "job": job_dict(model, src, work / "mapped", **SETTINGS),
+            "overrides": [
+                [
+                    "output.storage_options.auto_mkdir=true",
+                    "output.storage_options.token=MappedSecret_0042",
+                ]
+            ],
+            "mapped": True,
+            "retries": 0,
+        },  # fmt: skip
     }
 
 
@@ -373,6 +389,21 @@ def test_a_dict_jobs_chat_template_is_not_rendered_by_airflow(
     assert spec["model"]["chat_template"] == template  # the caller's dict is left as it was
 
 
+def test_a_mapped_tasks_storage_options_are_masked(airflow: Airflow) -> None:
+    """A mapped task's operator is rendered by its MappedOperator, which does not call the
+    operator's render_template_fields: the rendered fields kept in the DB showed the token."""
+    from airflow.models.renderedtifields import RenderedTaskInstanceFields
+    from airflow.utils.session import create_session
+
+    run = airflow.bag.get_dag("mapped").test()
+    assert run.state == "success"
+    with create_session() as session:
+        rows = session.query(RenderedTaskInstanceFields).filter_by(dag_id="mapped").all()
+        shown = json.dumps([row.rendered_fields for row in rows])
+    assert rows and "MappedSecret_0042" not in shown, shown
+    assert "auto_mkdir=true" in shown  # a boolean is not a secret (nor is every "true")
+
+
 def test_storage_options_are_masked_in_the_rendered_fields(
     airflow: Airflow, tmp_path: Path
 ) -> None:
@@ -399,3 +430,47 @@ def test_storage_options_are_masked_in_the_rendered_fields(
     for secret in ("AKIAEXAMPLE0001", "127.0.0.1:9000", "TokenValue_0002", "KeyInYaml_0003"):
         assert secret not in shown, shown
     assert "out/2026-12-06" in shown and "sampling.max_tokens=7" in shown
+
+
+@pytest.mark.parametrize(
+    ("override", "secret"),
+    [
+        ("output.storage_option.key=TypoKey_0051", "TypoKey_0051"),  # a key misspelt
+        ("output.storage_options.key:ColonTypo_0052", "ColonTypo_0052"),  # ':' for '='
+        ("output={path: /x, storage_options: {key: 'It''sSecret_0053'}}", "It''sSecret_0053"),
+    ],
+)
+def test_overrides_mistyped_or_whole_sections_are_masked(
+    airflow: Airflow, tmp_path: Path, override: str, secret: str
+) -> None:
+    from airflow.sdk import DAG
+    from airflow.sdk.execution_time.task_runner import _serialize_rendered_fields
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", tmp_path / "out")
+    with DAG("forms", schedule=None):
+        op = TokenmillJobOperator(task_id="t", job=spec, overrides=[override])
+    op.render_template_fields({})
+    assert secret not in json.dumps(_serialize_rendered_fields(op))
+
+
+def test_a_failed_render_does_not_log_the_overrides_unmasked(
+    airflow: Airflow, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A Jinja error in one override: Airflow logs the field's template (the whole list)."""
+    from airflow.sdk import DAG
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", tmp_path / "out")
+    overrides = ["output.storage_options.key=RenderFail_0071", "output.path={{ nope }}"]
+    with DAG("render_fails", schedule=None):
+        op = TokenmillJobOperator(task_id="t", job=spec, overrides=overrides)
+    with pytest.raises(Exception, match="nope"):
+        op.render_template_fields({})
+    out = capfd.readouterr()
+    text = out.out + out.err + caplog.text
+    assert "Exception rendering Jinja template" in text
+    assert "RenderFail_0071" not in text, text

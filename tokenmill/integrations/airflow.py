@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import copy
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,16 +135,20 @@ class TokenmillJobOperator(BaseOperator):
         self._stop_requested = False  # on_kill was called during this execute
         self._stop_sent = False  # the child got its SIGTERM
 
-    def render_template_fields(self, context: Any, jinja_env: Any = None) -> None:
-        """Render ``job`` and ``overrides``, then register every ``storage_options`` value in
-        them with Airflow's secrets masker: the rendered fields (shown in the UI) and the
-        task log then read ``***`` for them. Airflow hides values by key name only
-        (``secret``, ``password``), and an s3fs ``key`` or an override's text is none."""
-        super().render_template_fields(context, jinja_env)
-        from airflow.sdk.log import mask_secret
-
-        for text in _storage_option_texts(self.job, self.overrides):
-            mask_secret(text)
+    def _do_render_template_fields(
+        self, parent: Any, template_fields: Any, context: Any, jinja_env: Any, seen_oids: Any
+    ) -> None:
+        """Render ``job`` and ``overrides``, registering every ``storage_options`` value in
+        them with Airflow's secrets masker before (a failed render logs the templates) and
+        after (the rendered values): the UI's rendered fields and the task log then read
+        ``***`` for them, where Airflow hides values by key name only (``secret``), not an
+        s3fs ``key`` or an override's text. This method, not ``render_template_fields``: a
+        mapped task's operator is rendered by its MappedOperator through this one only."""
+        if parent is self:
+            _mask_storage_options(self.job, self.overrides)
+        super()._do_render_template_fields(parent, template_fields, context, jinja_env, seen_oids)
+        if parent is self:
+            _mask_storage_options(self.job, self.overrides)
 
     def execute(self, context: Any) -> str:
         from tokenmill.jobs.cli import EXIT_INVALID, EXIT_OK
@@ -274,17 +279,29 @@ class TokenmillJobOperator(BaseOperator):
             child.wait()
 
 
+def _mask_storage_options(job: str | dict[str, Any], overrides: Sequence[str]) -> None:
+    from airflow.sdk.log import mask_secret
+
+    for text in _storage_option_texts(job, overrides):
+        mask_secret(text)
+
+
 def _storage_option_texts(job: str | dict[str, Any], overrides: Sequence[str]) -> list[str]:
     """The text of every ``storage_options`` value of a dict job and of the overrides: each
     string in them, and an override's value as written (``...storage_options={key: K}``)."""
-    from tokenmill.jobs.spec import JobSpecError, apply_override
+    from tokenmill.jobs.spec import JobSpecError, apply_override, parse_override_value
 
     raw: dict[str, Any] = {} if isinstance(job, str) else copy.deepcopy(job)
     texts: list[str] = []
     for item in overrides:
-        key, _, value = item.partition("=")
-        if "storage_options" in key.split("."):
-            texts.append(value)
+        if not isinstance(item, str):
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:  # refused when the task runs; what follows the key may be a value
+            texts.append(item[len(re.match(r"[\w.-]*", item)[0]) :].lstrip(":= "))
+        elif "storage" in key.lower() or "storage_options" in value:  # typos, whole sections
+            if not isinstance(parse_override_value(value), bool):  # not every "false"
+                texts.append(value)
         try:
             apply_override(raw, item, "overrides")
         except JobSpecError:  # (refused with its message when the task runs)

@@ -466,7 +466,9 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return "; ".join(parts) or type(exc).__name__
 
 
-def _parse_override_value(text: str) -> Any:
+def parse_override_value(text: str) -> Any:
+    """An override's value (``--set key=value``) as YAML reads it; the text itself where
+    YAML cannot read it."""
     try:
         return yaml.safe_load(text)
     except (yaml.YAMLError, ValueError, RecursionError):
@@ -479,7 +481,7 @@ def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     if not sep or not key:  # the text after the key is not shown: it may be a secret
         shown = re.match(r"[\w.-]*", item)[0]
         raise JobSpecError(f"{where}: --set {shown!r}...: expected key.path=value (no '=')")
-    set_key(raw, key, _parse_override_value(value), where)
+    set_key(raw, key, parse_override_value(value), where)
 
 
 def set_key(raw: dict[str, Any], key: str, value: Any, where: str) -> None:
