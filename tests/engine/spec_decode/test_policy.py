@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
+
+from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 
 
@@ -221,3 +226,26 @@ def test_once_nothing_waits_the_slowest_row_decides() -> None:
     assert not policy.wants_drafts(8, slowest_yield=1.5)  # 1.5 in 1.5x the time: a tie
     assert policy.wants_drafts(8, slowest_yield=2.5)
     assert policy.wants_drafts(8, slowest_yield=4.0)  # the mean (3) bounds it
+
+
+def test_two_early_misses_of_one_row_do_not_keep_the_drain_plain() -> None:
+    """A row's history moves only in drafted steps: the last admitted row missing its first
+    two drafts (a chat preamble) must not keep the drain plain until the next regular probe
+    (50 plain steps away, most of a drain)."""
+    policy = SpeculationPolicy()
+    # drafting pays well: 1 + 3 = 4 tokens a row in 1.2x a plain step's time
+    _feed(policy, 2, 30, plain_ms=10.0, draft_ms=12.0, share=1.0, accepted=3.0)
+    # the drain: row 0 accepted nothing in its two drafted steps; from now on it copies its
+    # input as row 1 does (3 of 4 drafts a step)
+    slots = SimpleNamespace(drafted_steps=np.array([2, 30], dtype=np.int32),
+                            accepted_drafts=np.array([0, 90], dtype=np.int64))  # fmt: skip
+    scheduler = SimpleNamespace(slots=slots, _order=np.array([0, 1]))
+    drafted = 0
+    for _ in range(40):
+        draft = policy.wants_drafts(2, Scheduler.slowest_yield(scheduler))
+        if draft:
+            slots.drafted_steps += 1
+            slots.accepted_drafts += 3
+            drafted += 1
+        policy.record(StepSample(2, draft, 12.0 if draft else 10.0, 2 * draft, 6 * draft))
+    assert drafted >= 30, drafted

@@ -26,7 +26,10 @@ rows of open chat on an H100, auto ran its last row alone for 20-42 plain steps 
 drain took 173 ms against off's 127: BENCHMARKS session 44). Then the policy weighs a drafted
 step by the fewest tokens it gives any running row, from the rows' own history
 (``Scheduler.slowest_yield``: 1 + a row's accepted drafts per drafted step it was in), in
-place of 1 + f * m where that is lower.
+place of 1 + f * m where that is lower. A row's history moves only in drafted steps, so
+where the mean says drafting pays and only the slowest row says no, drafting is probed
+again after ``slowest_probe_every`` plain steps (two early misses of the last admitted row
+kept an extraction drain at 8 rows plain for 45 steps: an audit, CPU).
 
 t_plain, t_draft and t_switch are means of a bucket's last eight samples but the longest
 two (the shortest while fewer than three): a slow step or two (a collection pause, a
@@ -154,6 +157,8 @@ class SpeculationPolicy:
     max_probe_gap: int = 1000
     warmup: int = 4
     max_drafts: int = 4  # the proposer's k: a drafted row gives at most 1 + k tokens
+    slowest_probe_every: int = 8  # plain steps between drafting probes kept plain only by
+    # the slowest row's history (its counters move only in drafted steps)
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _drafts: _Yield = field(default_factory=_Yield)  # every bucket's drafted steps
 
@@ -177,11 +182,14 @@ class SpeculationPolicy:
         switch_ms = b.switch.ms or 0.0
         per_step_ms = draft_ms + switch_ms / self.probe_every
         tokens = drafts.tokens_per_row()
+        pays = tokens / per_step_ms - (1 + self.margin) / plain_ms > 0
         if slowest_yield is not None:
             tokens = min(tokens, slowest_yield)
         gain = tokens / per_step_ms - (1 + self.margin) / plain_ms
         if gain > 0:
             return b.steps - b.last_plain < self.probe_every
+        if pays:  # only the slowest row's (frozen) history says no: look again soon
+            return b.steps - b.last_draft > self.slowest_probe_every
         if len(b.draft) < 2:  # one drafted sample decides nothing for long
             return b.steps - b.last_draft > self.probe_drafts_every
         interval = self._draft_probe_interval(draft_ms + switch_ms, plain_ms)
