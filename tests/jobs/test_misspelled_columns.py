@@ -159,3 +159,29 @@ def test_an_input_path_message_names_its_key_once(tmp_path: Path) -> None:
         check_up_front(JobSpec.from_dict(spec))
     assert str(caught.value).startswith("input.path ")
     assert "matches no files" in str(caught.value)
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_an_id_column_in_another_case_is_warned_about_for_every_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: str
+) -> None:
+    """The default ``id`` absent and ``ID`` present (in a later file, too): its rows get
+    "<file>:<row>" ids, so the warning names the column, once a file."""
+    from tokenmill.io.readers import InputConfig
+    from tokenmill.io.readers.input_rows import iter_input_rows
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    parts = [[{"id": "a", "prompt": "hi"}], [{"ID": "b", "prompt": "yo"}]]
+    for i, rows in enumerate(parts):
+        if fmt == "jsonl":
+            write_jsonl(folder / f"part{i}.jsonl", rows)
+        else:
+            pq.write_table(pa.Table.from_pylist(rows), folder / f"part{i}.parquet")
+    cfg = InputConfig(path=str(folder))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+        ids = [row.row_id for row in iter_input_rows(cfg)]
+        ids_again = [row.row_id for row in iter_input_rows(cfg)]
+    assert ids == ids_again and ids[0] == "a" and ids[1].startswith("part1")
+    warned = [r.getMessage() for r in caplog.records if "case-sensitive" in r.getMessage()]
+    assert len(warned) == 1 and f"part1.{fmt}" in warned[0] and "input.id_column: ID" in warned[0]

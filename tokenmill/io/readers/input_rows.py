@@ -10,6 +10,7 @@ rows), so it is stable across runs and shards can be defined as row-index ranges
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers.file_listing import display_names, list_input_files
 from tokenmill.io.readers.format_detection import detect_format
-from tokenmill.io.readers.input_config import InputConfig
+from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN, InputConfig
 from tokenmill.io.readers.jsonl_records import JsonlRecords
 from tokenmill.io.readers.openai_batch_rows import parse_openai_batch_row
 from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS
@@ -28,6 +29,8 @@ from tokenmill.io.readers.row_error import RowError
 from tokenmill.io.readers.text_check import unwritable_field
 from tokenmill.io.rows import InputRow
 from tokenmill.io.url_secrets import hide_url_secrets
+
+log = logging.getLogger("tokenmill.jobs")
 
 Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
 Check = Callable[[InputRow], str | None]  # why a parsed row cannot be written, or None
@@ -112,6 +115,8 @@ def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
 
         return parse_batch
     columns = PlainColumns.for_file(cfg, source.has_column, source.columns_hint())
+    if columns.id_column is None and cfg.id_column == DEFAULT_ID_COLUMN:
+        _warn_of_an_id_in_other_case(source)
 
     def parse_plain(value: Any, row_index: int, source: str, fallback_id: str) -> InputRow:
         return parse_plain_row(
@@ -119,6 +124,29 @@ def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
         )
 
     return parse_plain
+
+
+_WARNED_ID_CASE: set[str] = set()  # files warned about, once a process (rows are read more
+# than once a job: the passthrough sample, the dry run, the run)
+
+
+def _warn_of_an_id_in_other_case(source: RecordSource) -> None:
+    """A file without the default ``id`` column but with ``ID`` (or ``Id``, ``iD``) gets
+    "<file>:<row>" ids: say so, naming the column, rather than let its ids go unused."""
+    found = next((name for name in ("ID", "Id", "iD") if source.has_column(name)), None)
+    url = hide_url_secrets(source.url)
+    if found is None or url in _WARNED_ID_CASE:
+        return
+    if len(_WARNED_ID_CASE) > 10_000:
+        _WARNED_ID_CASE.clear()
+    _WARNED_ID_CASE.add(url)
+    log.warning(
+        "%s has no 'id' column but has %r (names are case-sensitive): its rows get "
+        "'<file>:<row>' ids; set input.id_column: %s to keep its ids",
+        url,
+        found,
+        found,
+    )
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ class Record:
 class RecordSource(Protocol):
     """An open input file that streams Records (``JsonlRecords``, ``ParquetRecords``)."""
 
+    url: str
+
     def has_column(self, name: str) -> bool:
         """Whether the file's data has this column (Parquet: schema; JSONL: first object)."""
         ...
