@@ -179,3 +179,35 @@ def test_the_processors_template_may_be_a_file(model: Path, tmp_path: Path) -> N
     assert config.chat_template == path.read_text()  # the text, for every replica
     with pytest.raises(ValueError, match="ProcessorConfig.chat_template: no file"):
         ProcessorConfig(str(model), chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_numpy_token_ids_from_preprocess_run(model: Path) -> None:
+    """A preprocess returning numpy token ids (a tokenizer's return_tensors="np") makes Ray
+    Data store a tensor column; its cells reach the replica as ndarrays, and every row
+    failed with 'prompt_token_ids must be a list of integers'."""
+    import numpy as np
+
+    def pre(row: dict) -> dict:
+        return {"id": row["id"], "prompt_token_ids": np.array([5, 6, 7], dtype=np.int64)}
+
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING, batch_size=2)
+    out = build_processor(config, preprocess=pre)(ray.data.range(3)).take_all()
+    assert [r["error"] for r in out] == [None] * 3
+    assert all(r["num_input_tokens"] == 3 for r in out)
+
+
+def test_logprobs_are_refused_not_computed_and_dropped(model: Path) -> None:
+    """No output column holds logprobs: a row asking for them ran and lost them."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    rows = [{"prompt": "a b", "sampling_params": {k: 2}} for k in ("logprobs", "prompt_logprobs")]
+    for result in replica.run(rows):
+        assert result["finish_reason"] == "error" and "logprobs" in result["error"]
+    with pytest.raises(ValueError, match="logprobs"):
+        ProcessorConfig(str(model), sampling={"logprobs": 2})
+
+
+def test_a_json_null_sampling_params_cell_is_no_params(model: Path) -> None:
+    """json.dumps(None) is "null": a JSON-text column's empty cell was a row error."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    (result,) = replica.run([{"prompt": "a b", "sampling_params": "null"}])
+    assert result["error"] is None

@@ -176,6 +176,8 @@ class EngineReplica:
             return encode_prompt(self.llm.tokenizer, row["prompt"])
         if row.get("prompt_token_ids") is not None:
             ids = row["prompt_token_ids"]
+            if hasattr(ids, "tolist"):  # a tensor column's cell (numpy ids) is an ndarray
+                ids = ids.tolist()
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers")
             return ids
@@ -187,7 +189,14 @@ class EngineReplica:
 
 def _one_completion(params: Any, where: str) -> Any:
     """``params``, or ValueError when it asks for several completions: a row's output columns
-    hold one (a row with n > 1 would lose all but the first)."""
+    hold one (a row with n > 1 would lose all but the first); or for logprobs, which no
+    output column holds (they ran and were dropped)."""
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise ValueError(
+                f"{where}: {name}={getattr(params, name)}, but the processor writes no "
+                f"{name} column; leave {name} unset"
+            )
     if params.n > 1:
         raise ValueError(
             f"{where}: n={params.n}, but a row's generated_text holds one completion; for "
@@ -244,6 +253,8 @@ def _mapping(value: Any) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError as exc:
             raise ValueError(f"sampling_params is text but not JSON ({exc})") from None
+        if value is None:  # json.dumps(None): no params of its own
+            return {}
     if not isinstance(value, Mapping):
         raise ValueError(f"sampling_params must be a mapping, got {type(value).__name__}")
     out = {}
