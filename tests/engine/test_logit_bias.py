@@ -104,6 +104,17 @@ def test_engine_refuses_ids_past_the_vocabulary(tiny_llm: LLM) -> None:
     assert outs[1].error is None and len(outs[1].token_ids) == 2
 
 
+def test_engine_refuses_stop_ids_past_the_vocabulary(tiny_llm: LLM) -> None:
+    """A stop id the model cannot sample would never stop anything: refused, not ignored."""
+    vocab = tiny_llm.engine.model_config.vocab_size
+    bad = SamplingParams(max_tokens=2, stop_token_ids=[3, vocab + 5])
+    outs = tiny_llm.generate([[5, 6], [7, 8]], [bad, SamplingParams(max_tokens=2)])
+    assert f"stop_token_ids token ids outside the vocabulary [0, {vocab}): [{vocab + 5}]" in (
+        outs[0].error or ""
+    )
+    assert outs[1].error is None and len(outs[1].token_ids) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bias_holds_in_graph_replayed_decode_steps(tmp_path: Path) -> None:

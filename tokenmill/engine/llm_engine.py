@@ -71,7 +71,7 @@ from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogprobs
 from tokenmill.engine.prompts import check_prompt_ids
-from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias_vocab
+from tokenmill.engine.sampling_params import SamplingParams, check_vocab_ids
 from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
 from tokenmill.engine.structured_output import GrammarStats, StructuredOutputs
@@ -325,7 +325,7 @@ class LLMEngine:
         if keep is not None:  # vLLM's left truncation; -1: what the context leaves room for
             prompt_token_ids = prompt_token_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
         check_prompt_ids(prompt_token_ids, self.model_config.vocab_size)
-        check_logit_bias_vocab(params, self.model_config.vocab_size)
+        check_vocab_ids(params, self.model_config.vocab_size)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; the engine's max_model_len is "

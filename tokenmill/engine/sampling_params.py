@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -266,19 +266,22 @@ def check_logit_bias(
     return bias or None
 
 
-def check_logit_bias_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Raise ValueError when ``params.logit_bias`` names ids outside ``[0, vocab_size)``
-    (the sampler's sparse add needs every id to be a column of the logits)."""
-    bad = ids_outside_vocab(params.logit_bias, vocab_size)
-    if bad:
-        raise ValueError(
-            f"logit_bias token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-        )
+def check_vocab_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError when ``params.logit_bias`` or ``params.stop_token_ids`` names ids
+    outside ``[0, vocab_size)`` (the sampler's sparse add needs every biased id to be a
+    column of the logits; a stop id the model cannot sample would never stop anything)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = ids_outside_vocab(ids, vocab_size)
+        if bad:
+            raise ValueError(
+                f"{name} token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            )
 
 
-def ids_outside_vocab(logit_bias: Mapping[int, float] | None, vocab_size: int) -> list[int]:
-    """The token ids of ``logit_bias`` outside ``[0, vocab_size)``, in order."""
-    return sorted(t for t in logit_bias or () if not 0 <= t < vocab_size)
+def ids_outside_vocab(ids: Iterable[int] | None, vocab_size: int) -> list[int]:
+    """The token ids of ``ids`` (a logit_bias mapping's keys, stop ids) outside
+    ``[0, vocab_size)``, in order."""
+    return sorted(t for t in ids or () if not 0 <= t < vocab_size)
 
 
 def _token_id(key: object) -> int | None:

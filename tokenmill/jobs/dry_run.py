@@ -22,7 +22,7 @@ from typing import Any
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.model_config import ModelConfig, context_limit
 from tokenmill.engine.prompts import check_prompt_ids
-from tokenmill.engine.sampling_params import check_logit_bias_vocab
+from tokenmill.engine.sampling_params import check_vocab_ids
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
@@ -212,7 +212,7 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
                 check_output_holds(
                     params, spec.output.format, schema_prompt_logprobs, schema_logprobs
                 )
-                check_logit_bias_vocab(params, config.vocab_size)
+                check_vocab_ids(params, config.vocab_size)
                 check_row_constraint(row, params, backend, spec.input.structured_output_column)
                 reason = preparer.length_refusal(row)  # as a run: before tokenizing it
                 if reason is not None:
