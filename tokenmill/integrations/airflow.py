@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import copy
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -289,7 +288,12 @@ def _mask_storage_options(job: str | dict[str, Any], overrides: Sequence[str]) -
 def _storage_option_texts(job: str | dict[str, Any], overrides: Sequence[str]) -> list[str]:
     """The text of every ``storage_options`` value of a dict job and of the overrides: each
     string in them, and an override's value as written (``...storage_options={key: K}``)."""
-    from tokenmill.jobs.spec import JobSpecError, apply_override, parse_override_value
+    from tokenmill.jobs.spec import (
+        JobSpecError,
+        apply_override,
+        parse_override_value,
+        split_malformed_override,
+    )
 
     raw: dict[str, Any] = {} if isinstance(job, str) else copy.deepcopy(job)
     texts: list[str] = []
@@ -297,8 +301,8 @@ def _storage_option_texts(job: str | dict[str, Any], overrides: Sequence[str]) -
         if not isinstance(item, str):
             continue
         key, sep, value = item.partition("=")
-        if not sep:  # refused when the task runs; what follows the key may be a value
-            texts.append(item[len(re.match(r"[\w.-]*", item)[0]) :].lstrip(":= "))
+        if not sep:  # refused when the task runs (showing the key); the rest may be a value
+            texts.append(split_malformed_override(item)[1].lstrip(":= "))
         elif "storage" in key.lower() or "storage_options" in value:  # typos, whole sections
             if not isinstance(parse_override_value(value), bool):  # not every "false"
                 texts.append(value)

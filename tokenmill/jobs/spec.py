@@ -479,9 +479,16 @@ def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     """Set ``a.b.c=value`` in ``raw``; the value is parsed as YAML (numbers, bools, lists)."""
     key, sep, value = item.partition("=")
     if not sep or not key:  # the text after the key is not shown: it may be a secret
-        shown = re.match(r"[\w.-]*", item)[0]
+        shown, _ = split_malformed_override(item)
         raise JobSpecError(f"{where}: --set {shown!r}...: expected key.path=value (no '=')")
     set_key(raw, key, parse_override_value(value), where)
+
+
+def split_malformed_override(item: str) -> tuple[str, str]:
+    """An override without ``key=`` as (what its error shows: the leading key characters,
+    the rest: never shown, it may be a secret)."""
+    shown = re.match(r"[\w.-]*", item)[0]
+    return shown, item[len(shown) :]
 
 
 def set_key(raw: dict[str, Any], key: str, value: Any, where: str) -> None:

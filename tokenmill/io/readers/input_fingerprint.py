@@ -92,14 +92,14 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     for entry, version in entries:
         # hashed under the URL as shown: a presigned URL signed again or a new password names
         # the same file (the same as before for a URL without either)
-        text = json.dumps([shown_url(entry[0]), *entry[1:]]).encode()
-        digest.update(text)
+        shown = shown_url(entry[0])
+        digest.update(json.dumps([shown, *entry[1:]]).encode())
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
         if len(files) <= MAX_NAMED_FILES:  # the content's hash, under the URL as shown
             content = json.dumps(entry[1:]).encode()  # (a changed password changes no file)
-            named[shown_url(entry[0])] = hashlib.sha256(content).hexdigest()[:16]
+            named[shown] = hashlib.sha256(content).hexdigest()[:16]
     counts = {"files": len(files), "bytes": size}
     return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
 

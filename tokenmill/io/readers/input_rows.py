@@ -134,8 +134,10 @@ def _warn_of_an_id_in_other_case(source: RecordSource) -> None:
     """A file without the default ``id`` column but with ``ID`` (or ``Id``, ``iD``) gets
     "<file>:<row>" ids: say so, naming the column, rather than let its ids go unused."""
     found = next((name for name in ("ID", "Id", "iD") if source.has_column(name)), None)
+    if found is None:
+        return
     url = hide_url_secrets(source.url)
-    if found is None or url in _WARNED_ID_CASE:
+    if url in _WARNED_ID_CASE:
         return
     if len(_WARNED_ID_CASE) > 10_000:
         _WARNED_ID_CASE.clear()
