@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from tokenmill import SamplingParams
-from tokenmill.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenmill.engine.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprob
 from tokenmill.engine.sample_groups import SampleGroup, sample_seed
 
 SYSTEM = (
@@ -69,6 +69,17 @@ def test_request_output_keeps_flat_and_nested_in_step() -> None:
 
 
 # ---- n ----------------------------------------------------------------------------------
+def test_a_positions_mapping_gives_the_chosen_token_first() -> None:
+    """vLLM's order: the chosen token, then the alternatives by rank (a chosen token of rank
+    15 came last, so ``next(iter(lp.values()))`` read the most likely one's logprob)."""
+    lp = TokenLogprob(2807, -3.0, 15, {253: -0.1, 9: -0.9})
+    assert list(lp) == [2807, 253, 9]
+    assert next(iter(lp.values())) == Logprob(-3.0, 15)
+    assert [(v.logprob, v.rank) for v in lp.values()] == [(-3.0, 15), (-0.1, 1), (-0.9, 2)]
+    among = TokenLogprob(9, -0.9, 2, {253: -0.1, 9: -0.9})  # chosen and among the top: once
+    assert list(among.items()) == [(9, Logprob(-0.9, 2)), (253, Logprob(-0.1, 1))]
+
+
 def test_n_samples_are_distinct_reproducible_and_share_the_prompt(smollm2_llm, prompt) -> None:
     kv = smollm2_llm.engine.scheduler.kv
     hits_before = kv.prefix_cache_stats.hit_tokens

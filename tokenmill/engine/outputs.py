@@ -33,7 +33,8 @@ class TokenLogprob(Mapping[int, Logprob]):
     """The chosen token's logprob and the top alternatives (token id -> logprob).
 
     It is also vLLM's per-position mapping, token id -> ``Logprob`` over the chosen token and
-    the alternatives, so ``lp[token_id].logprob`` and ``lp.items()`` read as they do there.
+    the alternatives, in vLLM's order (the chosen token first, then the alternatives by
+    rank), so ``lp[token_id].logprob`` and ``lp.items()`` read as they do there.
     """
 
     token_id: int
@@ -45,10 +46,13 @@ class TokenLogprob(Mapping[int, Logprob]):
 
     @functools.cached_property
     def _entries(self) -> dict[int, Logprob]:
+        # The chosen token first, then the alternatives by rank, as vLLM orders them (code
+        # reads the chosen token's logprob as ``next(iter(lp.values()))``).
         text = (self.texts or {}).get
+        entries = {self.token_id: Logprob(self.logprob, self.rank, text(self.token_id))}
         ranked = sorted(self.top.items(), key=lambda kv: -kv[1])
-        entries = {t: Logprob(v, rank, text(t)) for rank, (t, v) in enumerate(ranked, start=1)}
-        entries[self.token_id] = Logprob(self.logprob, self.rank, text(self.token_id))
+        for rank, (t, v) in enumerate(ranked, start=1):
+            entries.setdefault(t, Logprob(v, rank, text(t)))
         return entries
 
     def __getitem__(self, token_id: int) -> Logprob:
