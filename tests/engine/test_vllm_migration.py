@@ -193,6 +193,38 @@ def test_chat_template_kwargs_tools_win_over_the_tools_argument(model: Path) -> 
     assert out[0].prompt == "TOOLS=2hi"  # as vLLM merges them
 
 
+def test_chat_takes_vllms_argument_names_and_order(model: Path) -> None:
+    """``chat(messages=...)`` and vLLM's positional order (use_tqdm third, the template
+    fifth) raised TypeError; content formats other than a string are refused by name."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    hi = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    named = llm.chat(messages=hi, sampling_params=greedy, use_tqdm=False,
+                     chat_template=template, chat_template_content_format="string")  # fmt: skip
+    placed = llm.chat(hi, greedy, False, None, template, "auto", True, False, None, None)
+    assert named[0].prompt == placed[0].prompt == "<hi>"
+    assert named[0].token_ids == placed[0].token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not"):
+        llm.chat(hi, greedy, chat_template=template, chat_template_content_format="openai")
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(model: Path) -> None:
+    """vLLM's ``max_tokens=None``: no limit but the context (refused before)."""
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    assert params.max_tokens == 2**31 - 1
+    llm = LLM(str(model), device="cpu", max_model_len=32, kv_cache_memory=16 << 20)
+    out = llm.generate([list(range(5, 15))], params)[0]
+    assert (len(out.token_ids), out.finish_reason, out.error) == (22, "length", None)
+    params.max_tokens = 8
+    params.max_tokens = None  # set afterwards too
+    assert params.max_tokens == 2**31 - 1
+
+
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:
     from tokenmill import LLM, StructuredOutputsParams
 

@@ -111,32 +111,43 @@ class LLM:
 
     def chat(
         self,
-        conversations: Sequence[Message] | Sequence[Sequence[Message]],
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        continue_final_message: bool = False,
-        tools: list[dict[str, Any]] | None = None,
         use_tqdm: Any = True,
         lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer conversations (lists of {"role", "content"} messages) with the model's chat
-        template. A single conversation may be passed without the outer list. ``tools``
-        (OpenAI's function specs) reach the template as its ``tools`` variable, as vLLM's;
-        ``use_tqdm`` and ``lora_request`` as in ``generate``.
+        template. A single conversation may be passed without the outer list. The arguments
+        are vLLM's, in its order. ``tools`` (OpenAI's function specs) reach the template as
+        its ``tools`` variable, as vLLM's; ``use_tqdm`` and ``lora_request`` as in
+        ``generate``.
 
         ``chat_template`` (a Jinja string) replaces the model's template for this call;
         ``chat_template_kwargs`` are extra template variables, e.g. ``{"enable_thinking":
         False}`` for Qwen3; ``continue_final_message`` (with ``add_generation_prompt``
         False) has the model go on writing the last message, e.g. an assistant answer
-        begun for it. Each result's ``prompt`` is the rendered text. Raises ValueError
-        when a conversation cannot be rendered (see ``render_chat``): nothing runs then.
+        begun for it. The template gets each message's content as a string (text parts
+        joined): ``chat_template_content_format`` "auto" or "string"; "openai" (content as
+        a list of parts) is refused. Each result's ``prompt`` is the rendered text. Raises
+        ValueError when a conversation cannot be rendered (see ``render_chat``): nothing
+        runs then.
         """
         _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(
+                f"chat_template_content_format {chat_template_content_format!r} is not "
+                "supported: the template gets each message's content as a string (text "
+                'parts joined by newlines), vLLM\'s "string"; pass "auto" or "string"'
+            )
         if tools is not None:  # (a "tools" of chat_template_kwargs wins, as in vLLM)
             chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
+        conversations = messages
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         texts = [

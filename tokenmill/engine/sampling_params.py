@@ -44,6 +44,8 @@ class SamplingParams:
     all but forces a token, -100 all but bans it. Keys may be ints or, as OpenAI's JSON
     spells them, strings of digits; they are kept as ints. Ids past the model's vocabulary
     are refused when the request is added to an engine.
+    ``max_tokens=None`` (vLLM's: as many as the context leaves room for) is kept as
+    2**31 - 1: the engine's ``max_model_len`` ends the row ("length").
     ``truncate_prompt_tokens`` k (vLLM's) keeps the prompt's last k tokens (left
     truncation); -1, as many as the engine's context leaves room for with one token to
     generate.
@@ -115,6 +117,8 @@ class SamplingParams:
             _check(
                 isinstance(getattr(self, flag), bool), flag, getattr(self, flag), "True or False"
             )
+        if self.max_tokens is None:  # vLLM's "no limit": the context ends the row
+            object.__setattr__(self, "max_tokens", _INT_MAX)
         _check(
             is_int(self.max_tokens) and 1 <= self.max_tokens <= _INT_MAX,
             "max_tokens",
