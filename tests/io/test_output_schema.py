@@ -55,7 +55,9 @@ def test_columns_without_a_usable_type_are_json_text(values: list[Any]) -> None:
     ("dtype", "fits", "misfits"),
     [
         (pa.int64(), [3, -(2**63), None], [2.5, True, "3", 2**63, [3]]),
-        (pa.float64(), [2.5, 3, float("nan"), 2**53], ["x", True, 2**60 + 1, 10**400]),
+        (pa.float64(), [2.5, 3, float("nan"), 2**53, 10**20], ["x", True, 2**60 + 1, 10**400]),
+        (pa.list_(pa.float64()), [[10**20, 1.5]], [[2**60 + 1]]),
+        (pa.struct([("x", pa.float64())]), [{"x": -(10**20)}], [{"x": 2**60 + 1}]),
         (pa.string(), ["a", ""], [1, b"a", ["a"]]),
         (pa.bool_(), [True], [1, "true"]),
         (pa.list_(pa.string()), [["a"], []], [[1], "a"]),
@@ -74,9 +76,9 @@ def test_values_that_fit_a_column_and_those_that_do_not(
     dtype: pa.DataType, fits: list[Any], misfits: list[Any]
 ) -> None:
     schema = OutputSchema.of([pa.field("c", dtype)], "inferred from all 3 input rows")
-    for value in fits:
+    for value in fits:  # (integers past int64 in a double fit: Arrow refused to write them)
         assert schema.row_problem({"c": value}) is None, value
-        schema.column("c", [value], ["r"])
+        schema.column("c", [value, None], ["r", "s"])
     for value in misfits:
         problem = schema.row_problem({"c": value})
         assert problem is not None, value
@@ -86,12 +88,21 @@ def test_values_that_fit_a_column_and_those_that_do_not(
             schema.column("c", [None, value], ["r6", "r7"])
 
 
+def test_integers_past_int64_are_written_as_the_doubles_they_are() -> None:
+    schema = OutputSchema.of([pa.field("c", pa.float64()), pa.field("l", pa.list_(pa.float64()))])
+    assert schema.column("c", [1.5, 10**20], ["r", "s"]).to_pylist() == [1.5, 1e20]
+    assert schema.column("l", [[-(10**20)]], ["r"]).to_pylist() == [[-1e20]]
+
+
 def test_json_text_holds_every_value_as_json() -> None:
     schema = OutputSchema.of([json_text_field("c")])
     values = [None, "a", 5, {"k": [1, None]}, b"\xff"]
     assert all(schema.row_problem({"c": v}) is None for v in values)
     cells = schema.column("c", values, ["r"] * 5).to_pylist()
     assert cells == [None, '"a"', "5", '{"k": [1, null]}', '"/w=="']
+    # a NaN is JSON's null, so a null cell (it was the text "null", which IS NULL missed)
+    nans = schema.column("c", [float("nan"), float("inf"), [float("nan")]], ["r"] * 3)
+    assert nans.to_pylist() == [None, None, "[null]"]
 
 
 def test_skipped_columns_are_not_looked_at() -> None:

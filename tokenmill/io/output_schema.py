@@ -268,6 +268,13 @@ class OutputSchema:
             array = pa.array(values, type=f.type)
         except _CONVERSION_ERRORS:
             array = None  # find the row to blame, one value at a time
+        if array is None and all(fits(v) for v in values):
+            # integers past int64 where doubles go (JSON's 1e20 written as 100000000000000000000):
+            # Arrow refuses them as Python ints, not as the exact doubles they are
+            try:
+                array = pa.array([_wide_ints_as_floats(v) for v in values], type=f.type)
+            except _CONVERSION_ERRORS:
+                array = None
         back = _in_python(array) if array is not None else None
         for i, value in enumerate(values):
             if (not _same(value, back[i])) if back is not None else not fits(value):
@@ -329,7 +336,22 @@ def _is_json_text(f: pa.Field) -> bool:
 
 
 def _json_text(value: Any) -> str | None:
-    return None if value is None else strict_json(value)
+    """``value``'s JSON text; None (a null cell) for None and for a NaN or infinity, which
+    JSON writes as null (the text "null" in a cell would hide it from ``IS NULL``)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return strict_json(value)
+
+
+def _wide_ints_as_floats(value: Any) -> Any:
+    """``value`` with its integers outside int64 (at any depth) as floats."""
+    if _is_int(value) and not _INT64_MIN <= value <= _INT64_MAX:
+        return float(value)
+    if isinstance(value, dict):
+        return {k: _wide_ints_as_floats(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_wide_ints_as_floats(v) for v in value]
+    return value
 
 
 def _has_unknown_part(dtype: pa.DataType) -> bool:

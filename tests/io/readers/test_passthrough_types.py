@@ -65,7 +65,7 @@ def test_parquet_types_come_from_every_files_schema(tmp_path, caplog) -> None:
     )
     schema = passthrough_schema(cfg)
     assert schema.describe() == {"x": "double", "y": "int64", "cat": "string", "z": "json text"}
-    assert schema.origin == "the input's Parquet type"
+    assert schema.origin == "the input's Parquet type, combined over its files"
     rows = list(iter_input_rows(cfg, schema))
     assert [r.error for r in rows] == [None] * 4
     assert [r.passthrough["y"] for r in rows] == [None, 1, 2, None]
@@ -126,6 +126,25 @@ def test_types_arrow_combines_with_loss_are_refused_up_front(tmp_path, a, b, why
         )
     with pytest.raises(ValueError, match=f"do not combine into one type \\({why}"):
         passthrough_schema(_cfg(tmp_path / "*.parquet", "c"))
+
+
+def test_string_views_combine_with_strings_and_int64_with_double_says_so(tmp_path, caplog) -> None:
+    """string_view beside string stopped the job (exit 2, "do not combine"); int64 beside
+    double became double without a word, and a row past 2**53 failed as "not the input's
+    Parquet type"."""
+    pq.write_table(pa.table({"id": ["a"], "prompt": ["p"], "s": pa.array(["x"], pa.string_view()),
+                             "n": [2**53 + 1]}), tmp_path / "a.parquet")  # fmt: skip
+    pq.write_table(
+        pa.table({"id": ["b"], "prompt": ["p"], "s": ["y"], "n": [0.5]}), tmp_path / "b.parquet"
+    )
+    cfg = _cfg(tmp_path / "*.parquet", "s", "n")
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"s": "string", "n": "double"}
+    rows = {r.row_id: r for r in iter_input_rows(cfg, schema)}
+    assert rows["b"].error is None and rows["b"].passthrough == {"s": "y", "n": 0.5}
+    assert rows["a"].error is not None and "combined over its files" in rows["a"].error
+    warned = [r.getMessage() for r in caplog.records if "'n' is int64" in r.getMessage()]
+    assert len(warned) == 1 and "a.parquet" in warned[0] and "past 2**53" in warned[0]
 
 
 def test_an_empty_part_file_gives_a_type_only_where_no_file_with_rows_does(tmp_path) -> None:

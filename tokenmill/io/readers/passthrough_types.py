@@ -53,7 +53,8 @@ def passthrough_schema(cfg: InputConfig) -> OutputSchema:
     files = list_input_files(cfg)
     fmt = detect_format(files, cfg.format, cfg.storage_options)
     if fmt == "parquet":
-        return OutputSchema.of(_parquet_fields(files, cfg), "the input's Parquet type")
+        origin = "the input's Parquet type, combined over its files"
+        return OutputSchema.of(_parquet_fields(files, cfg), origin)
     return _sampled(cfg)
 
 
@@ -128,6 +129,10 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
     list<dictionary>: beside a file's list<string> the two did not combine)."""
     if pa.types.is_dictionary(dtype):
         return _plain(dtype.value_type)
+    if pa.types.is_string_view(dtype):  # (beside another file's string they did not combine)
+        return pa.string()
+    if pa.types.is_binary_view(dtype):
+        return pa.binary()
     if pa.types.is_map(dtype):
         return pa.map_(_plain_field(dtype.key_field), _plain_field(dtype.item_field))
     if pa.types.is_list(dtype):
@@ -159,7 +164,8 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
         merged = pa.unify_schemas(
             [pa.schema([(name, have)]), pa.schema([(name, dtype)])], promote_options="permissive"
         )
-        lossy = _lossy(have, merged.field(name).type) or _lossy(dtype, merged.field(name).type)
+        combined = merged.field(name).type
+        lossy = _lossy(have, combined) or _lossy(dtype, combined)
         if lossy:
             raise TypeError(lossy)
     except (pa.ArrowException, TypeError) as exc:
@@ -169,7 +175,15 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
             "type per column: give the column one type in every input file, or leave it out "
             "of input.passthrough_columns"
         ) from None
-    return merged.field(name).type
+    for side, file in ((have, where), (dtype, url)):
+        if pa.types.is_integer(side) and side.bit_width > 32 and pa.types.is_floating(combined):
+            log.warning(
+                "input.passthrough_columns: column %r is %s in %s but %s in %s: written as %s, "
+                "so a row of %s whose integer a double cannot hold exactly (past 2**53) is "
+                "that row's error",
+                name, have, where, dtype, url, combined, file,
+            )  # fmt: skip
+    return combined
 
 
 def _lossy(side: pa.DataType, merged: pa.DataType) -> str | None:
