@@ -225,6 +225,31 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(model: Path) -> None:
     assert params.max_tokens == 2**31 - 1
 
 
+def test_sampling_params_clone_and_vllm_prompt_dicts(model: Path) -> None:
+    """``params.clone()`` raised AttributeError; a dict prompt with vLLM's empty multimodal
+    keys, or ids with their text beside them, was refused."""
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0, logit_bias={5: 1.0})
+    copy = params.clone()
+    copy.max_tokens, copy.logit_bias[5] = 4, 2.0
+    assert (params.max_tokens, params.logit_bias) == (3, {5: 1.0}) and copy.max_tokens == 4
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    ids = list(range(5, 12))
+    plain = llm.generate([ids], params)[0]
+    outs = llm.generate(
+        [{"prompt_token_ids": ids, "prompt": "its text"},
+         {"prompt_token_ids": ids, "multi_modal_data": None, "mm_processor_kwargs": None}],
+        params,
+    )  # fmt: skip
+    assert [o.token_ids for o in outs] == [plain.token_ids] * 2
+    assert [o.prompt for o in outs] == ["its text", None]
+    with pytest.raises(ValueError, match="prompt 0: a dict prompt .* text-only models"):
+        llm.generate({"prompt": "a", "multi_modal_data": {"image": 1}}, params)
+    with pytest.raises(ValueError, match="prompt 0: 'prompt_token_ids' holds a list"):
+        llm.generate({"prompt_token_ids": "abc"}, params)
+
+
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:
     from tokenmill import LLM, StructuredOutputsParams
 

@@ -103,10 +103,10 @@ class LLM:
         if isinstance(prompts, str | dict) or _is_one_id_list(prompts):
             prompts = [prompts]
         parts = [_prompt_part(p, i) for i, p in enumerate(prompts)]
-        texts = [p if isinstance(p, str) else None for p in parts]
-        strings = [p for p in parts if isinstance(p, str)]
+        texts = [text for text, _ in parts]
+        strings = [text for text, ids in parts if ids is None]
         encoded = iter(encode_texts(self.tokenizer, strings, add_special_tokens=True))
-        token_lists = [p if not isinstance(p, str) else next(encoded) for p in parts]
+        token_lists = [next(encoded) if ids is None else ids for _, ids in parts]
         return self._run(token_lists, texts, sampling_params)
 
     def chat(
@@ -282,33 +282,53 @@ def _token_ids(values: list[Any]) -> list[int] | None:
     return None
 
 
-def _prompt_part(prompt: Any, index: int) -> str | list[int]:
-    """One prompt of ``LLM.generate`` as its text or its token ids; ValueError naming the
-    prompt when it is neither (nor a dict holding one)."""
+# Keys of vLLM's prompt dicts for other kinds of models: taken where they hold nothing.
+_UNUSED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def _prompt_part(prompt: Any, index: int) -> tuple[str | None, list[int] | None]:
+    """One prompt of ``LLM.generate`` as (its text, its token ids), one or both known: text
+    alone is encoded; ids are run as they are (vLLM's ``{"prompt_token_ids": ids, "prompt":
+    text}`` keeps the text for the result). ValueError naming the prompt when it is neither
+    (nor a dict holding one)."""
     if isinstance(prompt, dict):
-        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-        if extra or len(prompt) != 1:
+        used = {k: v for k, v in prompt.items() if not (k in _UNUSED_PROMPT_KEYS and v is None)}
+        extra = sorted(set(used) - {"prompt", "prompt_token_ids"})
+        if extra or not used:
             raise ValueError(
-                f"prompt {index}: a dict prompt holds exactly one of 'prompt' (text) or "
-                f"'prompt_token_ids'; got keys {sorted(prompt)}"
+                f"prompt {index}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids' "
+                f"(with its text as 'prompt' if you like); got keys {sorted(prompt)}"
+                + (" (the engine runs text-only models)" if extra else "")
             )
-        key, prompt = next(iter(prompt.items()))
-        if isinstance(prompt, str) != (key == "prompt"):
+        text = used.get("prompt")
+        if "prompt" in used and not isinstance(text, str):
+            raise ValueError(f"prompt {index}: 'prompt' holds text; got {type(text).__name__}")
+        if "prompt_token_ids" not in used:
+            return text, None
+        ids = _ids_of(used["prompt_token_ids"])
+        if ids is None:
             raise ValueError(
-                f"prompt {index}: 'prompt' holds text and 'prompt_token_ids' a list of token "
-                f"ids; got {key!r}: {type(prompt).__name__}"
+                f"prompt {index}: 'prompt_token_ids' holds a list of token ids; got "
+                f"{type(used['prompt_token_ids']).__name__}"
             )
+        return text, ids
     if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, bytes | dict) and hasattr(prompt, "__iter__"):
-        # a list, tuple, numpy array or tensor of ids (an array's tolist: Python values)
-        values = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-        ids = _token_ids(values) if isinstance(values, list) else None
-        if ids is not None:
-            return ids
+        return prompt, None
+    ids = _ids_of(prompt)
+    if ids is not None:
+        return None, ids
     raise ValueError(
         f"prompt {index}: expected text or a list of token ids, got {type(prompt).__name__}"
     )
+
+
+def _ids_of(value: Any) -> list[int] | None:
+    """``value`` as token ids: a list, tuple, numpy array or tensor of them (an array's
+    tolist gives Python values); None when it is not one."""
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        return None
+    values = value.tolist() if hasattr(value, "tolist") else list(value)
+    return _token_ids(values) if isinstance(values, list) else None
 
 
 def _per_prompt(
