@@ -167,7 +167,8 @@ def test_an_error_row_never_takes_an_id_a_row_has(tmp_path):
             {"prompt": "second"},  # missing id
             "{not json",
             {"prompt": "fourth", "id": "f.jsonl:3#2"},
-            {"prompt": "fifth", "id": "f.jsonl:2#2"},  # the error row of line 2 took it
+            {"prompt": "fifth", "id": "f.jsonl:2#2"},  # the error row of line 2 stands in as it
+            {"prompt": "sixth", "id": "f.jsonl:3#2"},  # a row's own id, twice: a duplicate
         ],
     )
     rows = read(f)
@@ -176,10 +177,24 @@ def test_an_error_row_never_takes_an_id_a_row_has(tmp_path):
         (1, "f.jsonl:2#2", False),
         (2, "f.jsonl:3", False),
         (3, "f.jsonl:3#2", True),
-        (4, "f.jsonl:5", False),
+        (4, "f.jsonl:2#2", True),
+        (5, "f.jsonl:6", False),
     ]
-    assert "duplicate id 'f.jsonl:2#2'" in rows[4].error
-    assert len({r.row_id for r in rows}) == len(rows)
+    assert "duplicate id 'f.jsonl:3#2'" in rows[5].error
+
+
+def test_a_bad_rows_stand_in_id_never_costs_a_later_row_its_own(tmp_path):
+    """The second "dup" stood in as "in.jsonl:2", and the next row, whose own id that is
+    (unique in the input), was refused as a duplicate "an earlier row already has": its
+    output was lost."""
+    f = write_jsonl(
+        tmp_path / "in.jsonl",
+        [{"id": "dup", "prompt": "1"}, {"id": "dup", "prompt": "2"},
+         {"id": "in.jsonl:2", "prompt": "3"}],
+    )  # fmt: skip
+    rows = read(f)
+    assert summary(rows) == [(0, "dup", True), (1, "in.jsonl:2", False), (2, "in.jsonl:2", True)]
+    assert rows[1].source != rows[2].source  # the error row's source tells it apart
 
 
 def test_a_row_without_its_messages_column_says_so():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.io.output_schema import OutputSchema
@@ -51,7 +51,7 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
     fmt = detect_format(files, cfg.format, cfg.storage_options)
     if fmt != "openai-batch":
         cfg.check_plain_columns()
-    seen: set[str] = set()
+    ids = _Ids()
     row_index = 0
     for url, name in zip(files, display_names(files), strict=True):
         with _open_source(url, fmt, cfg) as source:
@@ -64,18 +64,29 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
                 _passthrough_check(schema, source),
             )
             for record in source:
-                yield maker.row(record, row_index, seen)
+                yield maker.row(record, row_index, ids)
                 row_index += 1
 
 
-def _claim_free(base: str, seen: set[str]) -> str:
-    """``base``, or ``base#2``, ``base#3``, ... where it is taken; added to ``seen``."""
-    free, n = base, 1
-    while free in seen:
-        n += 1
-        free = f"{base}#{n}"
-    seen.add(free)
-    return free
+@dataclass
+class _Ids:
+    """The ids given out so far: rows' own (an id column's, or the fallback of a row that
+    has none), and the fallbacks given to bad rows in place of an id they could not keep.
+    Only the first count as taken for a later row's own id: a bad row's stand-in never
+    costs a later row its output (a row whose own id was "in.jsonl:2" was refused as a
+    duplicate, that being the stand-in of the bad row at line 2)."""
+
+    own: set[str] = field(default_factory=set)
+    stand_ins: set[str] = field(default_factory=set)
+
+    def stand_in(self, base: str) -> str:
+        """``base``, or ``base#2``, ``base#3``, ... where it is taken (either way)."""
+        free, n = base, 1
+        while free in self.own or free in self.stand_ins:
+            n += 1
+            free = f"{base}#{n}"
+        self.stand_ins.add(free)
+        return free
 
 
 def _open_source(url: str, fmt: str, cfg: InputConfig) -> JsonlRecords | ParquetRecords:
@@ -162,24 +173,24 @@ class _RowMaker:
     passthrough_columns: tuple[str, ...]
     check: Check | None = None
 
-    def row(self, record: Record, row_index: int, seen: set[str]) -> InputRow:
+    def row(self, record: Record, row_index: int, ids: _Ids) -> InputRow:
         """The row of ``record``; a bad one carries ``error`` (without its location: the
         error file adds ``source`` once). A bad row claims its id (a later row with it is a
         duplicate, not a fix); an id already taken is never reused by an error row: one
         without an id of its own takes its fallback ``<file>:<line>``, or where an earlier
-        row took that (as its own id), the fallback with ``#2``, ``#3``, ... after it."""
+        row took that, the fallback with ``#2``, ``#3``, ... after it (``_Ids``)."""
         source = f"{self.url}:{record.position}"
         fallback_id = f"{self.name}:{record.position}"
         if record.error is not None and record.value is None:
-            return InputRow(row_index, _claim_free(fallback_id, seen), source, error=record.error)
+            return InputRow(row_index, ids.stand_in(fallback_id), source, error=record.error)
 
         def refuse(reason: str, own_id: str | None) -> InputRow:
-            if own_id is not None and own_id in seen:
+            if own_id is not None and own_id in ids.own:
                 reason += f" (its id {own_id!r} is also an earlier row's)"
                 own_id = None
             elif own_id is not None:
-                seen.add(own_id)
-            free = fallback_id if own_id is not None else _claim_free(fallback_id, seen)
+                ids.own.add(own_id)
+            free = fallback_id if own_id is not None else ids.stand_in(fallback_id)
             return self._bad_row(record.value, reason, own_id, row_index, source, free)
 
         if record.error is not None:  # a value Python cannot hold: the row's own id if it has one
@@ -190,7 +201,7 @@ class _RowMaker:
             return refuse(str(e), e.row_id)
         except Exception as e:  # any surprise in a row is that row's error, never the job's
             return refuse(f"the row could not be read ({type(e).__name__}: {e})", None)
-        if row.row_id in seen:
+        if row.row_id in ids.own:
             return refuse(
                 f"duplicate id {row.row_id!r}: an earlier row already has it; "
                 "ids must be unique across all input files",
@@ -203,7 +214,7 @@ class _RowMaker:
         misfit = self.check(row) if self.check is not None else None
         if misfit is not None:
             return refuse(misfit, row.row_id)
-        seen.add(row.row_id)
+        ids.own.add(row.row_id)
         return row
 
     def _own_id(self, value: Any, row_index: int, source: str, fallback_id: str) -> str | None:
