@@ -180,13 +180,17 @@ def test_blank_paths_and_sources_are_refused(section: str, key: str, value: str)
         ("/data/results::v2", "holds '::', which fsspec reads as a chain"),
         ("s3://bucket/results::v2", "holds '::', which fsspec reads as a chain"),
         ("s3://bucket/in/p?versionId=1.jsonl", "holds '?versionId=', which s3fs reads"),
+        # written under the working directory, as ./localhost/data/out (exit 0)
+        ("file://localhost/data/out", "reads as the folder 'localhost/data/out' under the"),
+        ("file://out", "names a host or a relative path after file://"),
     ],
 )
 def test_paths_fsspec_would_open_as_something_else_are_refused(
     section: str, value: str, needle: str
 ) -> None:
     """fsspec cut /data/results::v2 to /data/results (another folder read or written, exit
-    0); s3fs took ?versionId= as a version (every run exit 75, "temporary")."""
+    0); s3fs took ?versionId= as a version (every run exit 75, "temporary"); file://localhost
+    went under the working directory."""
     message = _error(_raw(**{section: {"path": value}}))
     assert f"  {section}.path: " in message and needle in message
 
@@ -194,6 +198,8 @@ def test_paths_fsspec_would_open_as_something_else_are_refused(
 def test_a_chain_of_filesystems_is_still_taken() -> None:
     raw = _raw(input={"path": "simplecache::s3://bucket/in/"})
     assert JobSpec.from_dict(raw).input.path == "simplecache::s3://bucket/in/"
+    raw = _raw(output={"path": "file:///data/out"})
+    assert JobSpec.from_dict(raw).output.path == "file:///data/out"
 
 
 # -- 4. YAML bombs and bounded messages ----------------------------------------------------

@@ -24,14 +24,23 @@ S3_VERSION_MARK = "?versionId="  # s3fs reads it in a key as an object version
 def location_problem(url: str) -> str | None:
     """Why fsspec would not open ``url`` as the file or folder it names, or None: ``::`` that
     is not a chain of filesystems (fsspec cuts ``/a/results::v2`` to ``/a/results``, and
-    another folder is read or written), or ``?versionId=`` in an S3 key."""
+    another folder is read or written), a ``file://`` URL naming a host (``localhost``) or a
+    relative path, which fsspec puts under the working directory, or ``?versionId=`` in an
+    S3 key."""
     head, sep, _ = url.partition("::")
     if sep and not _CHAIN_HEAD.fullmatch(head):
         return (
             f"{url!r} holds '::', which fsspec reads as a chain of filesystems (it would use "
             f"{head!r}); rename the file or folder"
         )
-    if split_protocol(url)[0] in ("s3", "s3a") and S3_VERSION_MARK in url:
+    protocol, rest = split_protocol(url)
+    if protocol in ("file", "local") and not rest.startswith("/"):  # (rest: after "://")
+        return (
+            f"{url!r} names a host or a relative path after {protocol}://, which fsspec "
+            f"reads as the folder {rest!r} under the working directory; write an absolute "
+            "path (/data/x, or file:///data/x with three slashes)"
+        )
+    if protocol in ("s3", "s3a") and S3_VERSION_MARK in url:
         return (
             f"{url!r} holds {S3_VERSION_MARK!r}, which s3fs reads as an object version, not "
             "part of the key; choose another name"
