@@ -82,6 +82,21 @@ def test_second_job_on_an_output_is_refused_and_the_first_keeps_its_rows(
     assert _ids(out / "shards") == [r["id"] for r in chat_rows(6)]
 
 
+def test_a_job_inside_another_jobs_output_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    """Job b written to a's shards/ folder put its manifest and reports among a's data files
+    (pyarrow.dataset and polars then failed on a's output); both exited 0."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    out = tmp_path / "out"
+    run_job(job_dict(tiny_model, src, out, name="a"), show_progress=False)
+    before = sorted(p.name for p in (out / "shards").iterdir())
+    for inner in (out / "shards", out / "x" / "y"):
+        with pytest.raises(OutputOwnedError, match=f"output.path {inner} is inside the output "
+                           f"of job 'a' \\({out} holds"):  # fmt: skip
+            run_job(job_dict(tiny_model, src, inner, name="b"), show_progress=False)
+    assert sorted(p.name for p in (out / "shards").iterdir()) == before
+    assert not (out / "x").exists()
+
+
 def test_job_blocked_by_another_jobs_running_run_is_refused_not_retried(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
     holds files at names this job would write (shards/, errors/, report.json, report.html,
     manifests).
     """
+    check_not_inside_another(store, job)
     owner = read_owner(store)
     if owner is not None:
         if owner.job != job:
@@ -86,6 +87,34 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
                 "folder, or move those files away."
             )
     return None
+
+
+def check_not_inside_another(store: OutputStore, job: str) -> None:
+    """Raise OutputOwnedError when a folder above ``store`` is a job's output (holds an
+    ownership record): a job written into another's ``shards/`` put its manifest and
+    reports among that job's data files, and pyarrow and polars could no longer read them
+    as a dataset. Folders that cannot be read are passed over."""
+    for parent in _parents(store):
+        try:
+            record = store.fs.cat_file(f"{parent.rstrip('/')}/{OWNER_FILE}")
+        except Exception:  # none there, or no right to read there: nothing known
+            continue
+        try:
+            other = repr(str(json.loads(record)["job"]))
+        except (ValueError, KeyError, TypeError):
+            other = "(unreadable record)"
+        raise OutputOwnedError(
+            f"output.path {store.url} is inside the output of job {other} ({parent} holds "
+            f"{OWNER_FILE}); job {job!r} would write among that job's files. Give job "
+            f"{job!r} a folder outside it."
+        )
+
+
+def _parents(store: OutputStore) -> list[str]:
+    """The folders above ``store``'s root, nearest first: up to the filesystem root, or up
+    to the bucket on an object store (the bucket itself included)."""
+    parts = store.root.rstrip("/").split("/")
+    return ["/".join(parts[:i]) or "/" for i in range(len(parts) - 1, 0, -1)]
 
 
 def claim_output(store: OutputStore, job: str, fingerprint: str, owner: Owner | None) -> None:

@@ -55,6 +55,7 @@ from tokenmill.jobs.ownership import (
     REPORT_NAME,
     OutputOwnedError,
     check_claimable,
+    check_not_inside_another,
     claim_output,
 )
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -199,6 +200,8 @@ def run_job(
     spec = coerce_spec(spec)
     cfg = check_up_front(spec)
     store, lock = open_output(spec)
+    # (before the lock: its file would be left among the other job's files)
+    _reachable(store, lambda: check_not_inside_another(store, spec.name))
     try:
         lock.acquire()
     except JobLockedError as exc:
