@@ -159,6 +159,24 @@ def test_a_failed_run_says_so_in_report_json(
     assert saved["error"] == "RuntimeError: DefaultCPUAllocator: can't allocate memory"
 
 
+def test_a_kv_cache_too_small_for_the_jobs_context_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The engine lowered max_model_len to what the KV cache held: a run killed and resumed
+    with other memory cut rows at two lengths in one output (22 and 24 tokens), exit 0."""
+    from tokenmill.jobs.spec import JobSpecError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    small = {"kv_cache_memory": 200_000}  # 24 blocks of 16 tokens: 384 < the model's 1,024
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine=small)
+    said = r"^engine: the KV cache holds 384 tokens, less than the 1024-token context .* Set "
+    with pytest.raises(JobSpecError, match=said + r"engine.max_model_len to 384 or less"):
+        run_job(spec, show_progress=False)
+    assert not (tmp_path / "out" / "shards").exists()
+    fits = job_dict(tiny_model, src, tmp_path / "out", engine={**small, "max_model_len": 384})
+    assert run_job(fits, show_progress=False).rows_ok == 2
+
+
 def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

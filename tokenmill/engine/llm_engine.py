@@ -192,6 +192,10 @@ class LLMEngine:
                 + _gpu_use_hint(self.device)
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
+        # What the settings and the model give, before the KV cache's size lowers it: a job
+        # refuses to run below it (local_executor.py), as its rows would be cut at a length
+        # that memory decides.
+        self.settings_max_model_len = max_len
         if self.max_model_len < max_len:
             self._max_len_why = (
                 f"all the KV cache holds ({num_blocks} blocks of {config.block_size} tokens; "

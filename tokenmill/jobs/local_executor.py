@@ -51,6 +51,27 @@ def engine_config(spec: JobSpec) -> EngineConfig:
     )
 
 
+class ContextCutError(ValueError):
+    """The KV cache holds less than the job's context (``_check_context``)."""
+
+
+def _check_context(engine: LLMEngine) -> None:
+    """Raise ContextCutError (the engine closed) when the KV cache holds less than the context
+    the job's settings give: its rows would be cut where memory decides (the engine lowers
+    max_model_len to fit), and a resume with other memory or on another device would cut
+    others elsewhere, so one job's output would mix the two without a word."""
+    if engine.max_model_len >= engine.settings_max_model_len:
+        return
+    held, wanted = engine.max_model_len, engine.settings_max_model_len
+    engine.close()
+    raise ContextCutError(
+        f"engine: the KV cache holds {held} tokens, less than the {wanted}-token context the "
+        f"job's settings give (engine.max_model_len, else the model's); rows would be cut "
+        f"at a length this machine's memory decides. Set engine.max_model_len to {held} or "
+        "less (a setting of the job: a resume keeps it), or raise engine.kv_cache_memory"
+    )
+
+
 class RowProcessor:
     """One engine and the row <-> request mapping; used by the local and the Ray executor.
 
@@ -59,6 +80,7 @@ class RowProcessor:
 
     def __init__(self, spec: JobSpec) -> None:
         self.engine = LLMEngine(engine_config(spec))
+        _check_context(self.engine)
         self.tokenizer = self.engine.tokenizer
         self.max_in_flight = 2 * spec.engine.max_num_seqs
         self.prepare = RowPreparer(

@@ -714,6 +714,10 @@ def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) 
     except EngineSettingError as exc:  # checked against the device: kv_cache_memory
         raise JobSpecError(f"engine.{exc}") from exc
     except (ValueError, FileNotFoundError) as exc:  # the model's files: a rerun does not help
+        from tokenmill.jobs.local_executor import ContextCutError  # (imported by now)
+
+        if isinstance(exc, ContextCutError):  # not the model's fault: the settings'
+            raise JobSpecError(str(exc)) from exc
         raise JobSpecError(f"model.source {model!r} cannot be loaded: {exc}") from exc
     report.model_load_seconds = round(time.monotonic() - loading, 3)
     if spec.execution.executor == "ray":
