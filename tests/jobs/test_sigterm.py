@@ -263,7 +263,8 @@ def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The executor takes an error of ``add_request`` for the row's; a second signal landing
-    there became the row's committed error (never rerun) and the run went on."""
+    there became the row's committed error (never rerun) and the run went on. The run
+    writes its report, cancelled (none was written)."""
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.jobs.stop_signals import JobInterrupted
 
@@ -281,3 +282,8 @@ def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
     with pytest.raises(JobInterrupted):
         run_job(job_dict(tiny_model, src, out, **SETTINGS), show_progress=False)
     assert [p.name for p in out.rglob("*") if p.parent.name == "errors"] == []
+    # this run's report, not none (an earlier run's report.json was left to speak for it)
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "cancelled"
+    assert report["error"] == "JobInterrupted: SIGTERM received again: stopping now"
+    assert "cancelled" in (out / "report.html").read_text()

@@ -63,7 +63,11 @@ _SUMMARY: list[tuple[str, str, Callable[[Any], str]]] = [
     ("prompt_tokens", "prompt tokens (this run)", lambda v: f"{v:,}"),
     ("completion_tokens", "output tokens (this run)", lambda v: f"{v:,}"),
     ("rows_deduplicated", "rows copied from identical rows (this run)", lambda v: f"{v:,}"),
-    ("deduplicated_tokens", "output tokens those copies did not compute", lambda v: f"{v:,}"),
+    (
+        "deduplicated_tokens",
+        "tokens (prompt and output) those copies did not compute",
+        lambda v: f"{v:,}",
+    ),
     ("output_tokens_per_s", "output tokens/s (over generation)", lambda v: f"{v:,.1f}"),
     ("generation_seconds", "generation time", lambda v: f"{v:,.1f} s"),
     ("model_load_seconds", "model load time", lambda v: f"{v:,.1f} s"),

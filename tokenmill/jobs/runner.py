@@ -277,6 +277,10 @@ def _run_locked(
         if changed is not None:
             raise changed from exc
         raise
+    except (JobInterrupted, KeyboardInterrupt) as exc:  # a second signal: gone at once
+        _fill_totals(report, manifest)
+        _record_failure(store, report, exc, start, status="cancelled")
+        raise
 
 
 def _run_owned(
@@ -486,12 +490,19 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
     return _input_changed(cfg, f" ({hide_url_secrets(str(expired))})")
 
 
-def _record_failure(store: OutputStore, report: JobReport, exc: Exception, start: float) -> None:
-    """Write report.json and report.html saying the run failed and why: the last run's
-    report stayed, its status ("cancelled", "complete") read as this run's by whatever
-    watches the job (the page's too, beside a report.json that said "failed"). Best effort:
-    the store may be what failed."""
-    report.status = "failed"
+def _record_failure(
+    store: OutputStore,
+    report: JobReport,
+    exc: BaseException,
+    start: float,
+    status: str = "failed",
+) -> None:
+    """Write report.json and report.html saying the run failed (or, ``status``, was cut
+    short by a second stop signal) and why: the last run's report stayed, its status
+    ("cancelled", "complete") read as this run's by whatever watches the job (the page's
+    too, beside a report.json that said "failed"). Best effort: the store may be what
+    failed."""
+    report.status = status
     report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
     report.wall_seconds = round(time.monotonic() - start, 3)
     try:
