@@ -300,6 +300,18 @@ def test_summary_without_tokens_shows_no_rate() -> None:
     assert "tokens/s" not in summary and "over 0.0 s" not in summary
 
 
+def test_a_stopped_runs_summary_says_how_many_rows_are_left() -> None:
+    """A cancelled 30-row job said "12 ok, 0 failed" and never how many rows were left."""
+    report = JobReport(job="j", output="out/", status="cancelled", rows_total=30, rows_ok=11)
+    report.rows_failed = 1
+    assert "  left        18 of the input's 30 rows: a rerun resumes with them" in (
+        report.summary().splitlines()
+    )
+    done = JobReport(job="j", output="out/", status="complete", rows_total=30, rows_ok=30)
+    uncounted = JobReport(job="j", output="out/", status="cancelled", rows_ok=3)
+    assert "left" not in done.summary() and "left" not in uncounted.summary()
+
+
 def test_summary_of_a_job_with_nothing_to_do() -> None:
     report = JobReport(job="j", output="out/", status="complete", rows_total=5, rows_ok=4)
     report.rows_failed = 1

@@ -101,6 +101,10 @@ class JobReport:
                 f"  not kept    {self.rows_not_committed} rows finished in shards not complete "
                 "at the stop: a rerun computes them again"
             )
+        left = (self.rows_total or 0) - self.rows_ok - self.rows_failed
+        if self.status != "complete" and self.rows_total and left > 0:
+            lines.append(f"  left        {left} of the input's {self.rows_total} rows: a rerun "
+                         "resumes with them")  # fmt: skip
         if self.rows_deduplicated:
             lines.append(
                 f"  dedup       {self.rows_deduplicated} rows copied from identical rows "
