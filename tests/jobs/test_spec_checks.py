@@ -181,7 +181,7 @@ def test_blank_paths_and_sources_are_refused(section: str, key: str, value: str)
         ("s3://bucket/results::v2", "holds '::', which fsspec reads as a chain"),
         ("s3://bucket/in/p?versionId=1.jsonl", "holds '?versionId=', which s3fs reads"),
         # written under the working directory, as ./localhost/data/out (exit 0)
-        ("file://localhost/data/out", "reads as the folder 'localhost/data/out' under the"),
+        ("file://localhost/data/out", "reads as a folder under the working directory"),
         ("file://out", "names a host or a relative path after file://"),
     ],
 )

@@ -86,15 +86,16 @@ def test_generate_takes_vllm_dict_prompts(llm: LLM) -> None:
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of 'prompt'"),
-        ({"multi_modal_data": {}}, "got keys ['multi_modal_data']"),
-        ({"prompt_token_ids": [1, 2.5]}, "expected text or a list of token ids, got list"),
-        ({"prompt_token_ids": [True, 1]}, "expected text or a list of token ids, got list"),
+        ({}, "a dict prompt holds 'prompt' (text) or 'prompt_token_ids'"),
+        ({"multi_modal_data": {}}, "got keys ['multi_modal_data'] (the engine runs text-only"),
+        ({"prompt_token_ids": [1, 2.5]}, "'prompt_token_ids' holds a list of token ids; got list"),
+        ({"prompt_token_ids": [True, 1]}, "'prompt_token_ids' holds a list of token ids; got"),
         ({"prompt_token_ids": np.array([[1, 2]])}, "got ndarray"),
         ({"prompt_token_ids": np.array([1.0, 2.0])}, "got ndarray"),
-        ({"prompt": None}, "got 'prompt': NoneType"),
-        ({"prompt_token_ids": "text"}, "'prompt_token_ids' a list of token ids; got"),
+        ({"prompt": None}, "'prompt' holds text; got NoneType"),
+        ({"prompt_token_ids": "text"}, "'prompt_token_ids' holds a list of token ids; got str"),
         ({"prompt": [1, 2]}, "'prompt' holds text"),
+        ({"prompt": 5, "prompt_token_ids": [1]}, "'prompt' holds text; got int"),
     ],
 )
 def test_generate_refuses_other_prompt_forms(llm: LLM, prompt: object, message: str) -> None:

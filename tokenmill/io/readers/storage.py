@@ -34,11 +34,12 @@ def location_problem(url: str) -> str | None:
             f"{head!r}); rename the file or folder"
         )
     protocol, rest = split_protocol(url)
-    if protocol in ("file", "local") and not rest.startswith("/"):  # (rest: after "://")
+    host = rest.split("/", 1)[0]  # (rest: after "://"; credentials are refused elsewhere)
+    if protocol in ("file", "local") and not rest.startswith("/") and "@" not in host:
         return (
             f"{url!r} names a host or a relative path after {protocol}://, which fsspec "
-            f"reads as the folder {rest!r} under the working directory; write an absolute "
-            "path (/data/x, or file:///data/x with three slashes)"
+            "reads as a folder under the working directory; write an absolute path "
+            "(/data/x, or file:///data/x with three slashes)"
         )
     if protocol in ("s3", "s3a") and S3_VERSION_MARK in url:
         return (
