@@ -265,6 +265,25 @@ def test_the_dry_run_says_how_far_it_has_read(
     ]
 
 
+def test_the_dry_run_of_a_resumed_job_counts_the_work_left(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A job done to the end (or half way) was estimated as if none of it were: every row's
+    output tokens and time, beside "already done 6 rows"."""
+    from tokenmill import run_job
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    raw = job_dict(tiny_model, src, tmp_path / "out", sampling={"max_tokens": 8})
+    before = dry_run(JobSpec.from_dict(raw))
+    assert before.output_tokens == 48 and before.rows_already_done == 0
+    assert "count the rows not done yet" not in before.summary()
+    run_job(raw, show_progress=False)
+    after = dry_run(JobSpec.from_dict(raw))
+    assert (after.rows, after.rows_already_done, after.output_tokens) == (6, 6, 0)
+    assert after.prompt_tokens == 0
+    assert "output tokens and the estimate count the rows not done yet" in after.summary()
+
+
 def test_a_stop_signal_stops_the_dry_run(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -102,6 +102,12 @@ class DryRunReport:
             ),
             *(f"  changed since   {change}" for change in self.changed),
         ]
+        if self.rows_already_done:
+            lines.insert(
+                3,
+                "  (prompt tokens, shared prefixes, duplicates, output tokens and the estimate "
+                "count the rows not done yet)",
+            )
         for row_id, reason in self.bad_examples:
             lines.append(f"  bad row {row_id}: {reason}")
         if self.bad_rows > len(self.bad_examples):
@@ -192,6 +198,9 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     chat = spec.model.chat()
     backend = spec.engine.structured_output_backend
     preparer = RowPreparer(tokenizer, defaults, spec.model.source, max_len, chat)
+    # Rows of committed shards count as rows (good or bad) but not as work left.
+    done = set(manifest.shards) if resumable and manifest is not None else set()
+    rows_per_shard = manifest.rows_per_shard if manifest is not None else 1
     started = shown = time.monotonic()
     for row in iter_input_rows(cfg, schema):
         if cancel is not None and cancel.is_set():
@@ -227,6 +236,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
             report.bad_rows += 1
             if len(report.bad_examples) < MAX_EXAMPLES:
                 report.bad_examples.append((row.row_id, f"{row.source}: {reason}"))
+            continue
+        if row.row_index // rows_per_shard in done:  # committed: a run computes it no more
             continue
         stats.add(ids, params, max_len)
 
