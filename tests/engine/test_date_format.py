@@ -125,7 +125,8 @@ CLOCK_VALUES = [("date-time", "2024-02-29T23:59:59Z"), ("date-time", "2024-02-29
                 ("date-time", "2024-01-01T24:00:00+01:00"),
                 ("date-time", "2024-01-01T08:30:00.25-05:30"),
                 ("time", "23:59:59.5Z"), ("time", "12:00:60Z"), ("time", "12:00:00+24:00"),
-                ("time", "12:00:00")]  # fmt: skip
+                ("time", "12:00:00"), ("time", "07:52:1315Z"), ("time", "07:52:13.15Z"),
+                ("date-time", "2024-02-29T16:33:336-06:00")]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", [LlguidanceGrammars, XgrammarGrammars])

@@ -177,3 +177,36 @@ def test_an_object_without_additional_properties_takes_other_keys(tiny_path) -> 
     )
     llm.engine.add_request("two", [5, 6], two_keys)  # was refused
     llm.engine.abort_requests(["two"])
+
+
+def test_schema_patterns_are_read_as_written(tiny_path) -> None:  # noqa: F811
+    """In a JSON schema's pattern xgrammar dropped the first character of an optional group
+    whose end repeats ("^v(?:-[0-9]+)?$" took "v66331"; the engine's own time patterns took
+    07:52:1315Z), and read \\A as the letter A: the first is written as it reads right, the
+    second refused, naming the subschema."""
+    import re
+
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.grammar_xgrammar import _built
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_path))
+    compiler = xgrammar.GrammarCompiler(info)
+
+    def accepts(schema: dict, value: str) -> bool:
+        grammar = _built(json.dumps(schema), None, None, compiler.compile_json_schema)
+        matcher = xgrammar.GrammarMatcher(grammar)
+        return matcher.accept_string(json.dumps(value)) and matcher.is_completed()
+
+    pattern = "^v(?:-[0-9]+)?(x)??$"
+    version = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}}
+    for value in ("v", "v-12", "v-1x", "vx", "v66331", "v1x", "v-", "-12"):
+        assert accepts(version["properties"]["v"], value) == bool(re.fullmatch(pattern, value))
+    for fmt, value, valid in (("time", "07:52:13.15Z", True), ("time", "07:52:1315Z", False),
+                              ("date-time", "2024-02-29T16:33:33-06:00", True),
+                              ("date-time", "2024-02-29T16:33:336-06:00", False)):  # fmt: skip
+        assert accepts({"type": "string", "format": fmt}, value) == valid, value
+    anchored = {"type": "object", "properties": {"a": {"type": "string", "pattern": r"\Aab"}}}
+    with pytest.raises(ValueError, match=r"schema.properties.a.pattern: the regex uses \\A"):
+        _built(json.dumps(anchored), None, None, compiler.compile_json_schema)

@@ -47,6 +47,7 @@ from tokenmill.engine.xgrammar_limits import (
     surrogate_edges,
     token_masks,
     xgrammar_regex,
+    xgrammar_schema_patterns,
 )
 
 __all__ = ["XgrammarGrammars", "load_xgrammar", "xgrammar_refusal"]
@@ -106,6 +107,7 @@ def _built(
         # JSON Schema says and llguidance does (xgrammar's default allowed none, and refused
         # minProperties past the properties listed)
         text = with_date_patterns(text)  # (its "date" lets 2024-04-31 through)
+        text = xgrammar_schema_patterns(text)  # (and the date patterns' optional parts)
         return schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=False)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(

@@ -18,7 +18,10 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
 - Regexes. POSIX classes (``[[:digit:]]``), escapes of letters it does not know (``\\A``,
   ``\\z``), class set operations and nested classes are read as something else: refused;
   its ``.`` takes a newline, which the documented syntax's does not: written ``[^\\n]``
-  (``xgrammar_regex``).
+  (``xgrammar_regex``). In a JSON schema's ``pattern`` an optional group whose end repeats
+  lost its first character (``^a(?:-[0-9]+)?$`` took "a12"): every ``(...)?`` is written
+  ``(...){0,1}``, which it reads right. Schema patterns go through the same checks
+  (``xgrammar_schema_patterns``).
 
 A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked ahead;
 ``surrogate_edges`` lets the backend reject the second token (the request ends "error").
@@ -151,6 +154,10 @@ def xgrammar_regex(pattern: str) -> str:
             out.append(c)
             i += 1
             continue
+        if c == ")" and pattern.startswith("?", i + 1):  # (lazy or not: one full match)
+            out.append("){0,1}")
+            i += 3 if pattern.startswith("??", i + 1) else 2
+            continue
         if c == "[":  # a leading ^ and a leading ] belong to the class
             end = i + 1 + (pattern.startswith("^", i + 1))
             end += pattern.startswith("]", end)
@@ -160,6 +167,29 @@ def xgrammar_regex(pattern: str) -> str:
         out.append("[^\\n]" if c == "." else c)
         i += 1
     return "".join(out)
+
+
+def xgrammar_schema_patterns(schema_text: str) -> str:
+    """``schema_text`` with each subschema's ``pattern`` as xgrammar must read it
+    (``xgrammar_regex``); the text itself when it has none. Raises ValueError naming the
+    subschema whose pattern xgrammar would misread."""
+    if '"pattern"' not in schema_text:
+        return schema_text
+    schema = json.loads(schema_text)
+    changed = False
+    for where, node in subschemas(schema, "schema"):
+        pattern = node.get("pattern")
+        if not isinstance(pattern, str):
+            continue
+        try:
+            rewritten = xgrammar_regex(pattern)
+        except ValueError as exc:
+            raise ValueError(f"{where}.pattern: {exc}") from None
+        if rewritten != pattern:
+            node["pattern"], changed = rewritten, True
+    if not changed:
+        return schema_text
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
 
 
 def subschemas(node: Any, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
