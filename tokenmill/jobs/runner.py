@@ -279,7 +279,16 @@ def _run_locked(
         raise
     except (JobInterrupted, KeyboardInterrupt) as exc:  # a second signal: gone at once
         _fill_totals(report, manifest)
-        _record_failure(store, report, exc, start, status="cancelled")
+        # The report as a parting word, not a wait: the store may be what hangs (a PUT
+        # stuck for 30 s held a second SIGTERM's exit that long).
+        writer = threading.Thread(
+            target=_record_failure,
+            args=(store, report, exc, start, "cancelled"),
+            name="tokenmill-last-report",
+            daemon=True,
+        )
+        writer.start()
+        writer.join(_LAST_REPORT_S)
         raise
 
 
@@ -488,6 +497,10 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
     if expired is None:
         return None
     return _input_changed(cfg, f" ({hide_url_secrets(str(expired))})")
+
+
+# How long a run stopped by a second signal waits for its report to be written.
+_LAST_REPORT_S = 2.0
 
 
 def _record_failure(
