@@ -235,3 +235,22 @@ def test_a_model_a_replica_cannot_load_exits_2(
     err = capsys.readouterr().err
     assert f"model.source '{model}' cannot be loaded on Ray replica 0" in err, err
     assert "model.norm.weight" in err and "NaN" in err
+
+
+def test_a_replicas_kv_cache_too_small_for_the_context_names_the_setting(
+    tiny_model: Path, tmp_path: Path, job_input: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local executor's refusal (engine.max_model_len to set), not "model.source cannot
+    be loaded", which blamed the model's files."""
+    import yaml
+
+    from tokenmill.jobs.cli import main as cli_main
+
+    job = tmp_path / "job.yaml"
+    spec = job_dict(tiny_model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1},
+                    engine={"kv_cache_memory": 200_000})  # fmt: skip
+    job.write_text(yaml.safe_dump(spec))
+    assert cli_main([str(job), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "engine: the KV cache holds 384 tokens, less than the 1024-token context" in err, err
+    assert "(on Ray replica 0)" in err and "cannot be loaded" not in err

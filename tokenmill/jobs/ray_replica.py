@@ -51,6 +51,11 @@ class ReplicaModelError(ValueError):
     weights, a path missing on that node): a rerun does not help until it is fixed."""
 
 
+class ReplicaSettingsError(ValueError):
+    """The job's settings cannot run on the replica's engine (its KV cache holds less than
+    the job's context): a rerun does not help until they are changed."""
+
+
 @dataclass(frozen=True)
 class ReplicaInfo:
     """A replica process that has loaded its model: its pid (one process per incarnation),
@@ -112,12 +117,16 @@ class EngineReplica:
 
     def __init__(self, spec_dict: dict[str, Any], model_name: str) -> None:
         # imported here: the driver imports this module too, and needs no engine
-        from tokenmill.jobs.local_executor import RowProcessor
+        from tokenmill.jobs.local_executor import ContextCutError, RowProcessor
 
         start = time.monotonic()
         self._load_error: str | None = None  # ready() raises it: a typed error reaches the
-        try:  # driver from a method, but only as text from a constructor
+        self._settings_error: str | None = None  # driver from a method, but only as text
+        try:  # from a constructor
             self._processor = RowProcessor(JobSpec.from_dict(spec_dict))
+        except ContextCutError as exc:  # (a ValueError: the settings', not the model's)
+            self._settings_error = str(exc)
+            return
         except (ValueError, FileNotFoundError) as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
             return
@@ -135,8 +144,11 @@ class EngineReplica:
         threading.Thread(target=self._serve, name="tokenmill-replica-engine", daemon=True).start()
 
     def ready(self) -> ReplicaInfo:
-        """This process's pid, node and model load time. Raises ReplicaModelError when the
+        """This process's pid, node and model load time. Raises ReplicaSettingsError when
+        the job's settings cannot run on its engine, ReplicaModelError when the
         model did not load, ReplicaEngineError when its engine has failed."""
+        if self._settings_error is not None:
+            raise ReplicaSettingsError(self._settings_error)
         if self._load_error is not None:
             raise ReplicaModelError(self._load_error)
         self._check()

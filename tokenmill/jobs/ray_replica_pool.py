@@ -41,7 +41,13 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from tokenmill.jobs.ray_chunks import Chunk
-from tokenmill.jobs.ray_replica import ChunkResult, EngineReplica, ReplicaInfo, ReplicaModelError
+from tokenmill.jobs.ray_replica import (
+    ChunkResult,
+    EngineReplica,
+    ReplicaInfo,
+    ReplicaModelError,
+    ReplicaSettingsError,
+)
 from tokenmill.jobs.ray_stall_watch import StallWatch
 from tokenmill.jobs.spec import JobSpecError
 
@@ -281,7 +287,10 @@ class ReplicaPool:
     def _start_failed(self, slot: ReplicaSlot, exc: BaseException) -> ReplicaLost:
         """A replica died while starting: a new one takes its place (it held no rows), or,
         where starting again cannot help, ReplicaStartError / JobSpecError."""
-        if isinstance(exc, ReplicaModelError):  # Ray's error is also the replica's type
+        if isinstance(exc, ReplicaSettingsError):  # Ray's error is also the replica's type
+            message = str(exc.args[0] if exc.args else exc).splitlines()[-1]
+            raise JobSpecError(f"{message} (on Ray replica {slot.index})") from None
+        if isinstance(exc, ReplicaModelError):
             raise JobSpecError(
                 f"model.source {self._model!r} cannot be loaded on Ray replica {slot.index}: "
                 f"{str(exc.args[0] if exc.args else exc).splitlines()[-1]}"
