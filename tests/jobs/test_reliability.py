@@ -95,6 +95,12 @@ def test_a_job_inside_another_jobs_output_is_refused(tiny_model: Path, tmp_path:
             run_job(job_dict(tiny_model, src, inner, name="b"), show_progress=False)
     assert sorted(p.name for p in (out / "shards").iterdir()) == before
     assert not (out / "x").exists()
+    # an output that was there first stays its job's when another job takes a folder above
+    outer = tmp_path / "outer"
+    assert run_job(job_dict(tiny_model, src, outer / "c", name="c"), show_progress=False).rows_ok
+    assert run_job(job_dict(tiny_model, src, outer, name="d"), show_progress=False).rows_ok
+    again = run_job(job_dict(tiny_model, src, outer / "c", name="c"), show_progress=False)
+    assert again.status == "complete" and again.rows_resumed == 3
 
 
 def test_job_blocked_by_another_jobs_running_run_is_refused_not_retried(

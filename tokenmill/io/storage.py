@@ -132,9 +132,14 @@ class OutputStore:
     def identity(self) -> str:
         """The output as one string whatever its spelling: the filesystem's own protocol
         name and the root (``s3a://b/o/`` and ``s3://b/o`` are one output)."""
+        return self.url_of(self.root)
+
+    def url_of(self, path: str) -> str:
+        """``path`` (of this store's filesystem, as ``root`` is) as a URL: itself when
+        local, else with the filesystem's own protocol name."""
         protocol = self.fs.protocol
         name = protocol if isinstance(protocol, str) else protocol[0]
-        return self.root if self.is_local else f"{name}://{self.root}"
+        return path if self.is_local else f"{name}://{path}"
 
     def __repr__(self) -> str:
         return f"OutputStore({self.url!r})"

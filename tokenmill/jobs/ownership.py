@@ -91,20 +91,30 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
 
 def check_not_inside_another(store: OutputStore, job: str) -> None:
     """Raise OutputOwnedError when a folder above ``store`` is a job's output (holds an
-    ownership record): a job written into another's ``shards/`` put its manifest and
-    reports among that job's data files, and pyarrow and polars could no longer read them
-    as a dataset. Folders that cannot be read are passed over."""
+    ownership record) newer than ``store``'s own: a job written into another's ``shards/``
+    put its manifest and reports among that job's data files, and pyarrow and polars could
+    no longer read them as a dataset. An output that was there first stays its job's (a
+    job later pointed at a folder above it does not lock it out). The walk up stops at the
+    first folder that cannot be read (no right to, or a store out of reach: what opening
+    the output then says)."""
+    own = read_owner(store)  # first: a store out of reach says so once, here
     for parent in _parents(store):
         try:
             record = store.fs.cat_file(f"{parent.rstrip('/')}/{OWNER_FILE}")
-        except Exception:  # none there, or no right to read there: nothing known
+        except FileNotFoundError:
             continue
+        except Exception:  # nothing known above, and each try may take a store's retries
+            return
         try:
-            other = repr(str(json.loads(record)["job"]))
-        except (ValueError, KeyError, TypeError):
-            other = "(unreadable record)"
+            raw = json.loads(record)
+            other, created = repr(str(raw["job"])), str(raw.get("created", ""))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            other, created = "(unreadable record)", ""
+        if own is not None and own.created and created and own.created <= created:
+            continue  # this output was there first
         raise OutputOwnedError(
-            f"output.path {store.url} is inside the output of job {other} ({parent} holds "
+            f"output.path {store.url} is inside the output of job {other} "
+            f"({store.url_of(parent)} holds "
             f"{OWNER_FILE}); job {job!r} would write among that job's files. Give job "
             f"{job!r} a folder outside it."
         )
