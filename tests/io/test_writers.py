@@ -292,6 +292,13 @@ def test_openai_batch_logprobs() -> None:
         "top_logprobs": [{"Hi": -0.1}, {"!": -0.5}],
         "text_offset": [0, 2],  # where each token starts in the text, as vLLM writes it
     }
+    # the sampled token is always there (OpenAI: up to logprobs + 1 entries), after the top
+    from tokenmill.io.logprobs_column import openai_completion_logprobs
+
+    sampled = {"token": "x", "logprob": -3.0, "top_logprobs": [{"token": "y", "logprob": -0.1}]}
+    alone = {"token": "z", "logprob": -0.2, "top_logprobs": []}  # logprobs: 0 gave {}
+    tops = openai_completion_logprobs([sampled, alone], "xz")["top_logprobs"]
+    assert tops == [{"y": -0.1, "x": -3.0}, {"z": -0.2}]
 
 
 def test_openai_batch_ids_are_one_per_line_and_stable() -> None:

@@ -279,7 +279,8 @@ def test_legacy_logprobs_after_a_stop_string_and_for_alike_alternatives() -> Non
         return {"token": token, "logprob": top[0][1], "rank": 1,
                 "top_logprobs": [{"token": t, "logprob": v} for t, v in top]}  # fmt: skip
 
-    entries = [entry("b", [("b", -0.1)]), entry("a", [("\ufffd", -0.02), ("\ufffd", -5.3)]),
+    entries = [entry("b", [("b", -0.1)]),
+               entry("\ufffd", [("\ufffd", -0.02), ("\ufffd", -5.3)]),
                entry("b", [("b", -0.3)])]  # fmt: skip
     legacy = openai_completion_logprobs(entries, "b")  # stop: ["ab"]
     assert legacy["text_offset"] == [0, 1, 2]

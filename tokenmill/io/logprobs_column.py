@@ -77,12 +77,12 @@ def openai_chat_logprobs(entries: LogprobEntries) -> dict[str, Any]:
 
 def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, Any]:
     """A text_completion choice's ``logprobs``, the legacy shape: parallel lists, the top
-    alternatives as ``{token: logprob}`` (tokens decoding alike collapse into one key, which
-    keeps the likeliest one's logprob), and ``text_offset``, where each token starts in
-    ``text``, the completion (the prompt is not echoed, so from 0): the tokens' lengths added
-    up, as vLLM does (with the tokens' ``bytes``, when the entries carry them: the whole
-    characters before each token), less the leading space a SentencePiece tokenizer drops
-    from the text's first token (the tokens keep theirs)."""
+    alternatives and the sampled token as ``{token: logprob}`` (tokens decoding alike
+    collapse into one key, which keeps the likeliest one's logprob), and ``text_offset``,
+    where each token starts in ``text``, the completion (the prompt is not echoed, so from
+    0): the tokens' lengths added up, as vLLM does (with the tokens' ``bytes``, when the
+    entries carry them: the whole characters before each token), less the leading space a
+    SentencePiece tokenizer drops from the text's first token (the tokens keep theirs)."""
     tokens = [e["token"] for e in entries]
     if entries and all(e.get("bytes") is not None for e in entries):
         starts = _char_starts([bytes(e["bytes"]) for e in entries])
@@ -93,7 +93,7 @@ def openai_completion_logprobs(entries: LogprobEntries, text: str) -> dict[str, 
     return {
         "tokens": tokens,
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [_likeliest_by_text(e["top_logprobs"]) for e in entries],
+        "top_logprobs": [_with_the_sampled(e) for e in entries],
         "text_offset": [max(0, start - dropped) for start in starts],
     }
 
@@ -118,6 +118,15 @@ def _char_starts(token_bytes: list[bytes]) -> list[int]:
         starts.append(decoded + max(extra, 0))
         decoded += len(decoder.decode(data))
     return starts
+
+
+def _with_the_sampled(entry: dict[str, Any]) -> dict[str, float]:
+    """A position's ``{token: logprob}``: its top alternatives, and the sampled token's own
+    where it is not among them (OpenAI's legacy completions always give it: up to
+    logprobs + 1 entries; ``logprobs: 0`` gave an empty dict)."""
+    out = _likeliest_by_text(entry["top_logprobs"])
+    out.setdefault(entry["token"], entry["logprob"])
+    return out
 
 
 def _likeliest_by_text(top: list[dict[str, Any]]) -> dict[str, float]:

@@ -80,9 +80,15 @@ def test_harmless_fields_clients_send_are_accepted(tmp_path):
         batch_line("a", chat_body(service_tier="auto", modalities=["text"])),
         batch_line("b", {"prompt": "p", "echo": False}, COMPLETIONS),
         batch_line("c", {"prompt": ["one prompt"]}, COMPLETIONS),
+        # OpenAI's successors of user, and the tool settings' defaults with no tools (each
+        # was a row error)
+        batch_line("d", chat_body(safety_identifier="u1", prompt_cache_key="k")),
+        batch_line("e", chat_body(tool_choice="none", parallel_tool_calls=True)),
+        batch_line("f", chat_body(tool_choice="auto")),
     ]
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
-    assert [r.error for r in rows] == [None, None, None] and rows[2].prompt == "one prompt"
+    assert [r.error for r in rows][:5] == [None] * 5 and rows[2].prompt == "one prompt"
+    assert "body.tool_choice='auto' is not supported" in rows[5].error
 
 
 def test_best_of_and_prompt_logprobs(tmp_path):

@@ -44,10 +44,16 @@ _SUPPORTED = {
     COMPLETIONS: _COMMON | {"prompt", "response_format", "best_of"},
 }
 # Accepted and ignored: they do not change the completion (the job's model always answers;
-# service_tier is OpenAI's latency and price class).
-_IGNORED = frozenset({"model", "user", "metadata", "store", "stream", "service_tier"})
-# Refused unless they hold their no-op value (given here).
-_UNSUPPORTED_UNLESS = {"best_of": 1, "tools": [], "modalities": ["text"], "echo": False}
+# service_tier is OpenAI's latency and price class; safety_identifier and prompt_cache_key
+# are what OpenAI replaces user with).
+_IGNORED = frozenset(
+    {"model", "user", "metadata", "store", "stream", "service_tier", "safety_identifier",
+     "prompt_cache_key"}
+)  # fmt: skip
+# Refused unless they hold their no-op value (given here): with no tools, tool_choice
+# "none" and parallel_tool_calls true are OpenAI's defaults.
+_UNSUPPORTED_UNLESS = {"best_of": 1, "tools": [], "modalities": ["text"], "echo": False,
+                       "tool_choice": "none", "parallel_tool_calls": True}  # fmt: skip
 # Fields of another endpoint only, which the refusal names.
 _ENDPOINT_OF = {"best_of": COMPLETIONS}
 # Refused with where the job can say it instead.
