@@ -7,7 +7,8 @@ messages) becomes ``system``, which chat templates know; content given as a list
 ``[{"type": "text", "text": ...}]``, becomes the parts' texts joined by newlines (as vLLM
 joins them); an assistant message calling tools (``tool_calls``, content null) gets empty
 content, and each call's ``function.arguments`` JSON text becomes the mapping templates
-expect (as vLLM passes it). Other parts (images, audio) are refused naming the part: the
+expect (as vLLM passes it); an assistant message refusing (``refusal``, content null) gets
+the refusal's text as its content. Other parts (images, audio) are refused naming the part: the
 engine runs text-only models. Other keys (``name``, ``tool_call_id``) are kept unless null,
 since Parquet structs fill absent fields with nulls; so are a tool call's and its function's
 (from any entry point: an explicit null reads as absent).
@@ -62,8 +63,11 @@ def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, An
             )
         kept = {k: v for k, v in message.items() if v is not None}
         calls = message.get("tool_calls")
+        refusal = message.get("refusal")
         if role == "assistant" and calls and message.get("content") is None:
             content = ""
+        elif role == "assistant" and isinstance(refusal, str) and message.get("content") is None:
+            content = refusal  # OpenAI's refusing answer: its text in place of content
         else:
             content = _text(message.get("content"), f"{where}[{i}].content")
         if calls:

@@ -131,6 +131,16 @@ def test_an_openai_tool_calling_turn_is_a_conversation_not_a_bad_row() -> None:
     }
     with pytest.raises(RowError, match=r"body.messages\[0\].content must be a string"):
         check_messages([{"role": "user", "content": None}], "body.messages", "r2")
+    # OpenAI's refusing answer (content null, the text in refusal): a row error before
+    refused = check_messages(
+        [{"role": "user", "content": "Help?"},
+         {"role": "assistant", "content": None, "refusal": "I can't help with that."},
+         {"role": "user", "content": "Why?"}],
+        "body.messages", "r3",
+    )  # fmt: skip
+    assert refused[1]["content"] == "I can't help with that."
+    with pytest.raises(RowError, match=r"body.messages\[0\].content must be a string"):
+        check_messages([{"role": "user", "content": None, "refusal": "x"}], "body.messages", "r4")
 
 
 def test_a_parquet_tool_call_without_an_id_reads_as_the_jsonl_one(tmp_path) -> None:
