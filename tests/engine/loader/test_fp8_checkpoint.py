@@ -101,6 +101,29 @@ def test_e4m3_tensors_without_an_fp8_config_are_refused(float_model: Path, tmp_p
         LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=1 << 26)
 
 
+@pytest.mark.parametrize("fnuz", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz])
+def test_every_one_byte_float_outside_fp8_layers_is_refused(
+    float_model: Path, tmp_path, fnuz: torch.dtype
+) -> None:
+    """The fnuz kinds loaded in a float checkpoint, cast without a scale; an FP8
+    checkpoint's e4m3 embeddings loaded the same way (they have no weight_scale)."""
+    plain = shutil.copytree(float_model, tmp_path / "plain")
+
+    def to_fnuz(t: dict) -> None:
+        name = "model.layers.0.mlp.down_proj.weight"
+        t[name] = t[name].float().to(fnuz)
+
+    with pytest.raises(ValueError, match=rf"{fnuz}, and config.json declares no quantization"):
+        LLM(str(_edited(plain, to_fnuz)), device="cpu", dtype="float32", kv_cache_memory=1 << 26)
+
+    def e4m3_embeddings(t: dict) -> None:
+        t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+
+    fp8 = _edited(_fp8_checkpoint(float_model, tmp_path / "fp8", per_tensor=False), e4m3_embeddings)
+    with pytest.raises(ValueError, match=r"embed_tokens.weight .*e4m3fn; an FP8 checkpoint stores"):
+        LLM(str(fp8), device="cpu", dtype="float32", kv_cache_memory=1 << 26)
+
+
 def test_calibrated_kv_cache_scales_are_left_unused(float_model: Path, tmp_path) -> None:
     """FP8 checkpoints calibrated for an FP8 KV cache carry k_scale / v_scale per layer: the
     engine's FP8 KV cache stores K and V unscaled, so they load and change nothing."""

@@ -208,9 +208,18 @@ def _read_tensors(
                         "linear layers are stored as float8_e4m3fn with a weight_scale (e5m2, "
                         "or a layer left in full precision, would run wrong)"
                     )
-                if not (tensor.is_floating_point() or packed) or (
-                    tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not fp8
-                ):
+                # A 1-byte float (any FP8 kind, e4m3fnuz too) is a quantized value: only an
+                # FP8 checkpoint's linear layers hold them, with their weight_scale (one in
+                # the embeddings or the LM head would run unscaled).
+                one_byte = tensor.is_floating_point() and tensor.element_size() == 1
+                if one_byte and fp8 and not _is_linear_weight(name):
+                    raise ValueError(
+                        f"tensor {name} in {file} has dtype {tensor.dtype}; an FP8 "
+                        "checkpoint stores only its layers' linear weights as FP8, each with a "
+                        "weight_scale (embeddings and the LM head in bf16, fp16 or fp32: "
+                        f"this one would run unscaled); supported are {SUPPORTED}"
+                    )
+                if not (tensor.is_floating_point() or packed) or (one_byte and not fp8):
                     raise ValueError(
                         f"tensor {name} in {file} has dtype {tensor.dtype}, and config.json "
                         f"declares no quantization that stores it; supported are {SUPPORTED}"
