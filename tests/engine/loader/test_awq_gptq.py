@@ -346,6 +346,24 @@ def test_a_layer_missing_its_zeros_is_named(float_model: Path, tmp_path: Path) -
         _llm(ckpt)
 
 
+@pytest.mark.parametrize(("packed", "named"), [("gptq", "awq"), ("awq", "gptq")])
+def test_a_config_naming_the_other_packing_is_refused_naming_the_layer(
+    float_model: Path, tmp_path: Path, packed: str, named: str
+) -> None:
+    """The refusal quoted an "expected" shape for a layer of the wrong size (taken from the
+    misread tensor) and no supported formats."""
+    ckpt, _, _ = write_int4_checkpoint(float_model, tmp_path / packed, packed, 32)
+    config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    edit_config(ckpt, quantization_config={**config, "quant_method": named,
+                                           **({"version": "gemm", "zero_point": True}
+                                              if named == "awq" else {})})  # fmt: skip
+    model = json.loads((ckpt / "config.json").read_text())
+    layer = f"a {model['intermediate_size']}-input, {model['hidden_size']}-output layer"
+    with pytest.raises(ValueError, match=rf"down_proj.qweight .* {layer} \(GPTQ and AWQ pack "
+                       r"qweight along different axes.*supported are"):  # fmt: skip
+        _llm(ckpt)
+
+
 def test_int32_tensors_without_an_int4_config_are_refused(
     float_model: Path, tmp_path: Path
 ) -> None:

@@ -180,8 +180,12 @@ def _repack(
         )
     scales = _fp16_scales(f"{layer}.scales", scales, s_file)
     g = ckpt.group_size
-    n = scales.shape[1]
-    k = qweight.shape[0] * 8 if ckpt.format != "awq" else qweight.shape[0]
+    expected = shapes.get(f"{layer}.weight")
+    if expected is not None:  # the layer the model config gives, [outputs, inputs]
+        n, k = expected
+    else:
+        n = scales.shape[1]
+        k = qweight.shape[0] * 8 if ckpt.format != "awq" else qweight.shape[0]
     want = {
         "qweight": [k // 8, n] if ckpt.format != "awq" else [k, n // 8],
         "qzeros": [k // g, n // 8],
@@ -193,15 +197,10 @@ def _repack(
             raise ValueError(
                 f"tensor {layer}.{leaf} in {file} has shape {list(t.shape)}, expected "
                 f"{want[leaf]} for {ckpt.format} with group_size {g} (config.json) and a "
-                f"{k}-input, {n}-output layer"
+                f"{k}-input, {n}-output layer (GPTQ and AWQ pack qweight along different "
+                f"axes: a config naming the other format shows this way); supported are "
+                f"{SUPPORTED}"
             )
-    expected = shapes.get(f"{layer}.weight")
-    if expected is not None and [n, k] != list(expected):
-        raise ValueError(
-            f"tensors {layer}.qweight/scales in {qw_file} make a [{n}, {k}] weight, but the "
-            f"model config implies {list(expected)}; the config and the weights do not belong "
-            "together"
-        )
     if "g_idx" in parts:
         g_idx, g_file = parts["g_idx"]
         perm = act_order_perm(f"{layer}.g_idx", g_idx, g_file, k, g)
