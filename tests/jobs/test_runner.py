@@ -523,6 +523,47 @@ def test_a_cancel_once_every_row_is_done_leaves_the_job_complete(
     assert again.status == "complete" and again.rows_this_run == 0
 
 
+def test_a_failed_handles_error_keeps_its_traceback(tmp_path: Path) -> None:
+    """Each result() raised the one stored error again, its traceback two frames longer."""
+    import traceback
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    handle = submit(job_dict(tmp_path / "no-model", src, tmp_path / "out"))
+    lengths = []
+    for _ in range(3):
+        with pytest.raises(Exception) as caught:
+            handle.result(60)
+        lengths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+    assert lengths[0] == lengths[1] == lengths[2], lengths
+
+
+def test_a_process_exiting_with_a_job_running_stops_it_at_a_commit_boundary(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A script that returned while a submit()ted job ran aborted (SIGABRT, "terminate called
+    without an active exception": the engine taken down mid-step) and wrote no report."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(300))
+    long_rows = {"max_tokens": 128, "temperature": 0.0, "ignore_eos": True}
+    spec = job_dict(tiny_model, src, tmp_path / "out", sampling=long_rows)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(spec))
+    script = (
+        "import json, time, tokenmill\n"
+        f"handle = tokenmill.submit(json.load(open({str(job)!r})))\n"
+        "while handle.progress() is None and handle.status() == 'running':\n"
+        "    time.sleep(0.05)\n"
+        "assert handle.status() == 'running', handle.status()\n"
+    )  # and returns, the job still running
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exiting with 1 tokenmill job(s) still running (test)" in done.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["status"] == "cancelled" and report["rows_ok"] < 300
+    again = run_job(spec, show_progress=False)
+    assert (again.status, again.rows_ok, again.rows_resumed) == ("complete", 300, report["rows_ok"])
+
+
 def test_a_reader_gone_from_stdout_does_not_fail_a_complete_job(
     tiny_model: Path, tmp_path: Path
 ) -> None:

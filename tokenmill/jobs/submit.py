@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 from tokenmill.jobs.progress import Progress, ProgressSnapshot
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.runner import run_job
 from tokenmill.jobs.spec import JobSpec, coerce_spec
+
+log = logging.getLogger("tokenmill.jobs")
+
+# Handles whose job still runs: stopped at their next commit boundary when the process
+# exits (``_stop_at_exit``).
+_RUNNING: weakref.WeakSet[JobHandle] = weakref.WeakSet()
 
 
 class JobHandle:
@@ -21,6 +30,7 @@ class JobHandle:
         self._cancel = threading.Event()
         self._report: JobReport | None = None
         self._error: BaseException | None = None
+        self._error_tb: Any = None
         self._progress: Progress | None = None
         # Set when the job's thread is done: a join cut short by Ctrl-C marks a thread that
         # still runs as stopped (CPython 3.11), so the state never comes from the thread.
@@ -28,6 +38,7 @@ class JobHandle:
         self._thread = threading.Thread(
             target=self._run, args=(fresh,), name=f"tokenmill-job-{spec.name}", daemon=True
         )
+        _RUNNING.add(self)
         self._thread.start()
 
     def _run(self, fresh: bool) -> None:
@@ -37,9 +48,10 @@ class JobHandle:
                 on_progress=self._watch,
             )  # fmt: skip
         except BaseException as exc:  # handed to the caller through result()
-            self._error = exc
+            self._error, self._error_tb = exc, exc.__traceback__
         finally:
             self._done.set()
+            _RUNNING.discard(self)
 
     def _watch(self, progress: Progress) -> None:
         self._progress = progress
@@ -80,11 +92,32 @@ class JobHandle:
         Raises TimeoutError when it is still running after ``timeout`` seconds."""
         if not self.wait(timeout):
             raise TimeoutError(f"job {self.spec.name!r} is still running")
-        if self._error is not None:
-            raise self._error
+        if self._error is not None:  # (its own traceback each time: raising grew it)
+            raise self._error.with_traceback(self._error_tb)
         if self._report is None:  # (the thread always leaves one or the other)
             raise RuntimeError(f"job {self.spec.name!r} ended without a report")
         return self._report
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop the jobs still running as the process exits, each at its next commit boundary
+    (committed shards stay, a rerun resumes), and wait for them: their threads, left to the
+    interpreter's shutdown, took the engine down mid-step (the process aborted, SIGABRT,
+    no report written)."""
+    running = list(_RUNNING)
+    if not running:
+        return
+    log.warning(
+        "the process is exiting with %d tokenmill job(s) still running (%s): stopping them at "
+        "their next commit boundary; a rerun resumes them",
+        len(running),
+        ", ".join(h.spec.name for h in running),
+    )
+    for handle in running:
+        handle.cancel()
+    for handle in running:
+        handle._done.wait()
 
 
 def submit(spec: JobSpec | str | os.PathLike | dict[str, Any], *, fresh: bool = False) -> JobHandle:
