@@ -662,6 +662,26 @@ def test_an_object_store_output_is_locked_whatever_its_spelling(tmp_path: Path) 
     second.release()
 
 
+def test_a_lock_this_process_holds_unregistered_is_still_said_to_be_its(tmp_path: Path) -> None:
+    """Between a run's flock and its entry among this process's locks (or as it releases),
+    another run of this process was told "held by another run ... pid <its own>"."""
+    import fcntl
+
+    from tokenmill.jobs.lock import LOCK_FILE, JobLockedError
+
+    (tmp_path / "out").mkdir()
+    path = tmp_path / "out" / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run that has not registered yet
+        os.write(fd, f"job 'first', pid {os.getpid()} on here".encode())
+        lock = JobLock("second", str(tmp_path / "out"), str(tmp_path / "out"))
+        with pytest.raises(JobLockedError, match="being written by job 'first' in this process"):
+            lock.acquire()
+    finally:
+        os.close(fd)
+
+
 def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
     from tokenmill.jobs.lock import JobLockedError
 

@@ -81,23 +81,32 @@ class JobLock:
                 f"output {self.output_url}: its lock file {self.path} is a symbolic link; a "
                 "job never writes through one. Remove the link."
             ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            with _HELD_GUARD:
+        # The lock taken and registered as one step under the guard: a run of this process
+        # that lost in between found no holder here and was told another process held it.
+        won, here = False, None
+        with _HELD_GUARD:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
                 here = _HELD.get(self.path.resolve())
-            if here is not None:
+            else:
+                won, self._fd, self._key = True, fd, self.path.resolve()
+                _HELD[self._key] = self
+        if not won:
+            holder = _holder(fd)
+            named = re.match(r"job '(.*)', pid (\d+)", holder)
+            mine = named is not None and int(named[2]) == os.getpid()  # (being released)
+            if here is not None or mine:
                 os.close(fd)
+                job = here.job if here is not None else named[1]  # type: ignore[index]
                 raise JobLockedError(
-                    f"output {self.output_url} is being written by job {here.job!r} in "
+                    f"output {self.output_url} is being written by job {job!r} in "
                     f"this process (another submit() or run_job of this program); job "
                     f"{self.job!r} wrote nothing. Run it once that job has finished (its "
                     "handle's result()), or give each job its own output.path.",
-                    here.job,
+                    job,
                 ) from None
-            holder = _holder(fd)
             os.close(fd)
-            named = re.match(r"job '(.*)', pid (\d+)", holder)
             pid = named[2] if named else "PID"
             raise JobLockedError(
                 f"output {self.output_url} is held by another run ({holder}; lock "
@@ -108,10 +117,6 @@ class JobLock:
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())
-        self._fd = fd
-        self._key = self.path.resolve()
-        with _HELD_GUARD:
-            _HELD[self._key] = self
 
     def release(self) -> None:
         """Let go of the lock. When the output holds nothing but the lock (the run stopped
