@@ -28,9 +28,9 @@ schema users give (a job's fingerprint, the validation of its outputs) is unchan
 
 from __future__ import annotations
 
-import json
+from typing import Any
 
-from tokenmill.engine.xgrammar_limits import subschemas
+from tokenmill.engine.xgrammar_limits import edit_subschemas
 
 __all__ = ["DATE_PATTERN", "DATE_TIME_PATTERN", "TIME_PATTERN", "with_date_patterns"]
 
@@ -62,15 +62,14 @@ def with_date_patterns(schema_text: str) -> str:
     ``pattern`` of its own) given its pattern instead; the text itself when it has none."""
     if '"date' not in schema_text and '"time"' not in schema_text:
         return schema_text
-    schema = json.loads(schema_text)
-    changed = False
-    for _, node in subschemas(schema, "schema"):  # (each yielded before its keys are read)
-        fmt = node.get("format")
-        pattern = _PATTERNS.get(fmt) if isinstance(fmt, str) else None
-        if pattern is not None and "pattern" not in node:
-            del node["format"]
-            node["pattern"] = pattern
-            changed = True
-    if not changed:
-        return schema_text
-    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    return edit_subschemas(schema_text, _pattern_for_format)
+
+
+def _pattern_for_format(where: str, node: dict[str, Any]) -> bool:
+    fmt = node.get("format")
+    pattern = _PATTERNS.get(fmt) if isinstance(fmt, str) else None
+    if pattern is None or "pattern" in node:
+        return False
+    del node["format"]
+    node["pattern"] = pattern
+    return True

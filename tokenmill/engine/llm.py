@@ -147,9 +147,8 @@ class LLM:
             )
         if tools is not None:  # (a "tools" of chat_template_kwargs wins, as in vLLM)
             chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
-        conversations = messages
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
         texts = [
             render_chat(
                 self.tokenizer,
@@ -159,7 +158,7 @@ class LLM:
                 chat_template_kwargs,
                 continue_final_message,
             )
-            for c in conversations
+            for c in messages
         ]
         token_lists = encode_texts(self.tokenizer, texts, add_special_tokens=False)
         return self._run(token_lists, texts, sampling_params)

@@ -30,7 +30,7 @@ A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -175,18 +175,29 @@ def xgrammar_schema_patterns(schema_text: str) -> str:
     subschema whose pattern xgrammar would misread."""
     if '"pattern"' not in schema_text:
         return schema_text
-    schema = json.loads(schema_text)
-    changed = False
-    for where, node in subschemas(schema, "schema"):
+
+    def rewrite(where: str, node: dict[str, Any]) -> bool:
         pattern = node.get("pattern")
         if not isinstance(pattern, str):
-            continue
+            return False
         try:
             rewritten = xgrammar_regex(pattern)
         except ValueError as exc:
             raise ValueError(f"{where}.pattern: {exc}") from None
-        if rewritten != pattern:
-            node["pattern"], changed = rewritten, True
+        node["pattern"] = rewritten
+        return rewritten != pattern
+
+    return edit_subschemas(schema_text, rewrite)
+
+
+def edit_subschemas(schema_text: str, edit: Callable[[str, dict[str, Any]], bool]) -> str:
+    """``schema_text`` after ``edit(where, node)`` on each of its subschemas (``subschemas``:
+    each before its keys are read), compact; the text itself where no edit said it changed
+    its node."""
+    schema = json.loads(schema_text)
+    changed = False
+    for where, node in subschemas(schema, "schema"):
+        changed |= edit(where, node)
     if not changed:
         return schema_text
     return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))

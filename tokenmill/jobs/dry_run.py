@@ -28,7 +28,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
-from tokenmill.jobs.ownership import check_claimable
+from tokenmill.jobs.ownership import check_claimable, check_not_inside_another
 from tokenmill.jobs.preflight import check_up_front, output_schema
 from tokenmill.jobs.progress import format_duration
 from tokenmill.jobs.prompt_stats import PromptStats
@@ -172,7 +172,8 @@ def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunRepor
     cfg = check_up_front(spec)  # with the files the verdicts below all see
     settings = settings_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
-    check_claimable(store, spec.name)  # another job's output: refused, as a run refuses it
+    check_not_inside_another(store, spec.name)  # refused, as a run refuses them: inside
+    check_claimable(store, spec.name)  # another job's output, or that output itself
     manifest = Manifest.load(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)

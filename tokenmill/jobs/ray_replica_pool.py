@@ -287,13 +287,12 @@ class ReplicaPool:
     def _start_failed(self, slot: ReplicaSlot, exc: BaseException) -> ReplicaLost:
         """A replica died while starting: a new one takes its place (it held no rows), or,
         where starting again cannot help, ReplicaStartError / JobSpecError."""
-        if isinstance(exc, ReplicaSettingsError):  # Ray's error is also the replica's type
-            message = str(exc.args[0] if exc.args else exc).splitlines()[-1]
-            raise JobSpecError(f"{message} (on Ray replica {slot.index})") from None
-        if isinstance(exc, ReplicaModelError):
+        if isinstance(exc, (ReplicaSettingsError, ReplicaModelError)):  # (Ray's error is
+            said = str(exc.args[0] if exc.args else exc).splitlines()[-1]  # also their type)
+            if isinstance(exc, ReplicaSettingsError):
+                raise JobSpecError(f"{said} (on Ray replica {slot.index})") from None
             raise JobSpecError(
-                f"model.source {self._model!r} cannot be loaded on Ray replica {slot.index}: "
-                f"{str(exc.args[0] if exc.args else exc).splitlines()[-1]}"
+                f"model.source {self._model!r} cannot be loaded on Ray replica {slot.index}: {said}"
             ) from None
         if isinstance(exc, RayActorError) and exc.actor_init_failed:
             raise ReplicaStartError(
