@@ -91,6 +91,27 @@ def test_matches_brute_force_on_random_rows(vocab: int) -> None:
             _put(slots, slot, rows[slot])
 
 
+def test_a_crowded_index_never_gives_a_false_match() -> None:
+    """A table of 4 entries a slot: nearly every lookup lands on an entry another gram wrote.
+    Each match reported is a real earlier occurrence of the row's suffix (the entry's print
+    told the grams apart), and some are found."""
+    rng = np.random.default_rng(0)
+    proposer = NgramProposer(3, min_n=2, max_n=4, table_bits=2)
+    rows = [rng.integers(0, 5, 60).tolist() for _ in range(8)]
+    slots = _slots(rows)
+    found = 0
+    for _ in range(40):
+        start, length = proposer.match(slots, np.arange(8))
+        for row, s, m in zip(rows, start.tolist(), length.tolist(), strict=True):
+            if s >= 0:
+                found += 1
+                assert 0 < s < len(row) and row[s - m : s] == row[len(row) - m :]
+        for slot, row in enumerate(rows):
+            row += rng.integers(0, 5, 2).tolist()
+            _put(slots, slot, row)
+    assert found > 20
+
+
 def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer(3, min_n=3, max_n=2)

@@ -53,6 +53,28 @@ def test_lookup_matches_brute_force(vocab: int, capacity: int) -> None:
             assert (d, n) == _brute_force(outputs, capacity, q, 4, 2, 5), q
 
 
+def test_a_crowded_table_never_gives_a_false_match() -> None:
+    """16 entries for thousands of grams: a lookup's entry was nearly always written by
+    another gram. Each match reported is one (its print told them apart), and some are."""
+    rng = np.random.default_rng(1)
+    corpus = OutputCorpus(10_000, min_n=2, max_n=4, table_bits=4)
+    outputs = [rng.integers(0, 4, 30).tolist() for _ in range(100)]
+    corpus.add(outputs)
+    store = [t for o in outputs for t in [*o, -1]]
+    queries = rng.integers(0, 4, (200, 4))
+    drafts, lengths = corpus.lookup(queries, 3)
+    assert (lengths > 0).sum() > 20
+
+    def following(end: int) -> list[int]:  # up to 3 tokens after ``end``, -1 from a separator
+        after = (store[end + 1 : end + 4] + [-1] * 3)[:3]
+        return [-1 if -1 in after[: j + 1] else t for j, t in enumerate(after)]
+
+    for q, d, m in zip(queries.tolist(), drafts.tolist(), lengths.tolist(), strict=True):
+        if m:  # what followed some occurrence of the matched gram
+            ends = [e for e in range(m - 1, len(store)) if store[e - m + 1 : e + 1] == q[-m:]]
+            assert d in [following(e) for e in ends], (q, d)
+
+
 def test_drafts_stop_at_the_end_of_an_output() -> None:
     corpus = OutputCorpus(1000, min_n=3, max_n=4)
     corpus.add([[7, 8, 9, 10, 11], [1, 2, 3]])

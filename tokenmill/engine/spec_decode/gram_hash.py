@@ -1,6 +1,11 @@
 """Hashes of the m-grams that end at a token, for every size m at once (numpy, no loops over
 tokens). The n-gram proposer's per-row index and the job-wide output corpus both key their
-tables with it; a hit is always checked against the tokens, since hashes collide."""
+tables with it: a gram's entry (the hash's top ``bits`` bits) and its print (the low 32
+bits), stored beside what the entry points at. A hit counts only where the prints agree too,
+so two grams that share an entry (a table of 2^13 entries fills up in a long row) are told
+apart without reading their tokens back: two different grams agree on both one time in
+2^(32 + bits). A false hit costs a wrong draft, which verification rejects: output never
+depends on a draft, only the step's speed does."""
 
 from __future__ import annotations
 
@@ -24,13 +29,14 @@ class GramHasher:
         self.back = np.arange(max_n - 1, -1, -1)  # window column c is ``back[c]`` tokens back
         self._salt = self.sizes.astype(np.uint64)  # the size, mixed in by the finalizer
 
-    def __call__(self, windows: np.ndarray) -> np.ndarray:
-        """[P, S] entries of the m-grams ending at each window's last token; ``windows``
-        [P, max_n] holds the tokens oldest .. newest. The newest token is mixed first, one
-        round a token, so the shorter grams' hashes fall out on the way to the longest."""
+    def __call__(self, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[P, S] entries (int64) and [P, S] prints (uint32) of the m-grams ending at each
+        window's last token; ``windows`` [P, max_n] holds the tokens oldest .. newest. The
+        newest token is mixed first, one round a token, so the shorter grams' hashes fall
+        out on the way to the longest."""
         return self.of_columns(np.ascontiguousarray(windows.T, dtype=np.int64))
 
-    def of_columns(self, columns: np.ndarray) -> np.ndarray:
+    def of_columns(self, columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``__call__`` of the windows ``columns.T``: ``columns`` [max_n, P] int64,
         C-contiguous, a row per window position (oldest first). Computed a size at a time
         over all windows, in place, on contiguous rows: 1.8x faster than over [P, S]
@@ -48,11 +54,6 @@ class GramHasher:
         raw ^= raw >> np.uint64(33)
         raw *= _FINAL
         raw ^= raw >> np.uint64(33)
+        prints = raw.astype(np.uint32).T  # the low bits
         raw >>= np.uint64(64 - self.bits)
-        return raw.T.astype(np.int64)  # [P, S] (column-major in memory)
-
-    def same(self, found: np.ndarray, suffix: np.ndarray) -> np.ndarray:
-        """[R, S] whether the last m tokens of ``found`` [R, S, max_n] (a window per size)
-        equal those of ``suffix`` [R, max_n], for each size m."""
-        compared = self.back[None, :] < self.sizes[:, None]  # [S, max_n]
-        return ((found == suffix[:, None, :]) | ~compared).all(axis=2)
+        return raw.T.astype(np.int64), prints  # [P, S] each (column-major in memory)

@@ -11,9 +11,10 @@ free.
              ^^^^^^^ p = 1                             drafts: sat on the ...
 
 Each slot keeps an index, [C, H] int32: the hash of an m-gram (for every m) -> the last
-position where one with that hash ended (-1: none). A position is indexed once, when it is
-known and is no longer the row's last one, so a lookup never finds the suffix itself. A
-lookup checks the tokens at the hit, since hashes collide. Everything is numpy over the rows
+position where one with that hash ended (-1: none), and beside it that gram's print (more
+bits of its hash, gram_hash.py). A position is indexed once, when it is known and is no
+longer the row's last one, so a lookup never finds the suffix itself. A hit whose print
+differs is another gram that shares the entry, and is no match. Everything is numpy over the rows
 (and over a row's new positions), never a loop over tokens: the cost of a step is a few
 array operations on R x max_n x (new tokens + 1) entries, and a row's prompt is indexed once,
 at its first decode step.
@@ -32,7 +33,7 @@ __all__ = ["NgramProposer"]
 class NgramProposer:
     """Up to ``max_drafts`` tokens per row from the row's own tokens, matching suffixes of
     ``min_n`` .. ``max_n`` tokens (longest first). ``table_bits``: log2 of the index's
-    entries per slot (2^13 int32 = 32 KiB a slot)."""
+    entries per slot (2^13 int32 positions and uint32 prints: 64 KiB a slot)."""
 
     def __init__(
         self, max_drafts: int, min_n: int = 2, max_n: int = 4, table_bits: int = 13
@@ -42,6 +43,7 @@ class NgramProposer:
         self.max_drafts = max_drafts
         self.hasher = GramHasher(min_n, max_n, table_bits)
         self._last: np.ndarray | None = None  # [C, 2^bits] int32, allocated on first use
+        self._print = np.zeros((0, 0), dtype=np.uint32)  # [C, 2^bits] each entry's gram's
         self._owner = np.empty(0, dtype=object)  # [C] the request a slot's index belongs to
         self._indexed = np.zeros(0, dtype=np.int64)  # [C] m-grams ending before this are in
 
@@ -62,6 +64,7 @@ class NgramProposer:
         if self._last is None or len(self._owner) != slots.capacity:
             entries = 1 << self.hasher.bits
             self._last = np.full((slots.capacity, entries), -1, dtype=np.int32)
+            self._print = np.zeros((slots.capacity, entries), dtype=np.uint32)
             self._owner = np.full(slots.capacity, None, dtype=object)
             self._indexed = np.zeros(slots.capacity, dtype=np.int64)
         rows = np.asarray(rows, dtype=np.int64)
@@ -90,18 +93,19 @@ class NgramProposer:
         start = slot * width
         at = np.maximum(start + pos - h.back[:, None], start)  # [max_n, P + R]
         columns = flat.take(at).astype(np.int64)
-        hashes = h.of_columns(columns)  # [P + R, S]
+        hashes, prints = h.of_columns(columns)  # [P + R, S] each
         whole = pos[:, None] >= h.sizes - 1  # the m-gram lies inside the row
         p = len(new)
         fill = whole[:p]
         keys = (slot[:p, None] * self._last.shape[1] + hashes[:p])[fill]
         # Positions ascend within a row, so where a key repeats the latest is written last
-        # (numpy assigns a 1-d index array in order).
+        # (numpy assigns a 1-d index array in order), to both tables alike.
         self._last.reshape(-1)[keys] = np.broadcast_to(new[:, None], fill.shape)[fill]
+        self._print.reshape(-1)[keys] = prints[:p][fill]
         self._indexed[rows] = hi
-        hit = self._last[rows[:, None], hashes[p:]].astype(np.int64)  # [R, S] where it ended
-        found = flat.take(rows[:, None, None] * width + np.maximum(hit[:, :, None] - h.back, 0))
-        same = h.same(found, columns[:, p:].T) & whole[p:] & (hit >= h.sizes - 1)
+        at = rows[:, None] * self._last.shape[1] + hashes[p:]  # [R, S] the suffixes' entries
+        hit = self._last.reshape(-1).take(at).astype(np.int64)  # where each ended, -1: none
+        same = (self._print.reshape(-1).take(at) == prints[p:]) & (hit >= 0) & whole[p:]
         same &= n[:, None] > h.sizes
         first = same.argmax(axis=1)  # the longest size that matches
         r = np.arange(len(rows))

@@ -3,15 +3,16 @@
 Batch jobs repeat their output's structure row after row (a JSON record per row, a label, a
 fixed answer template): row n + 1 can draft from rows 1 .. n. Finished outputs go into a ring
 buffer of tokens, each followed by a separator, and an index maps the hash of every m-gram
-in it to the latest position where one ended (the shared GramHasher, a single table):
+in it to the latest position where one ended, and that gram's print (the shared GramHasher,
+a single table):
 
     store:  [ {"name": "Ada", "age": 31} | {"name": "Bo", "age": 4 ... ]      | separator
     a row ending in  , "age":  finds the latest earlier  , "age":  and drafts what followed
 
 Memory is bounded: ``capacity`` tokens (int64: 8 MiB for the default million), the oldest
-overwritten first, and an index table of as many entries; an index entry pointing at an
-overwritten position is stale and ignored, and every hit is checked against the tokens it
-names. Drafts stop at a separator: one output never continues into the next.
+overwritten first, and an index table of as many entries (12 bytes each); an index entry
+pointing at an overwritten position is stale and ignored, and one whose print differs holds
+another gram. Drafts stop at a separator: one output never continues into the next.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class OutputCorpus:
         self.capacity = capacity
         self._store = np.full(capacity, _SEPARATOR, dtype=np.int64)
         self._end = np.full(1 << table_bits, -1, dtype=np.int64)  # entry -> absolute position
+        self._print = np.zeros(1 << table_bits, dtype=np.uint32)  # entry -> its gram's print
         self.written = 0  # tokens ever written (absolute position of the next one)
 
     def add(self, outputs: Sequence[Sequence[int] | np.ndarray]) -> None:
@@ -58,20 +60,20 @@ class OutputCorpus:
         real = at[tokens != _SEPARATOR]
         h = self.hasher
         windows = self._tokens(real[:, None] - h.back)  # [P, max_n]
-        entries = h(windows)  # [P, S]
+        entries, prints = h(windows)  # [P, S] each
         valid = self._whole(windows)
         self._end[entries[valid]] = np.broadcast_to(real[:, None], entries.shape)[valid]
+        self._print[entries[valid]] = prints[valid]  # (in order, as the positions)
 
     def lookup(self, suffix: np.ndarray, max_drafts: int) -> tuple[np.ndarray, np.ndarray]:
         """For rows ending in ``suffix`` [R, max_n] (oldest first; a short row padded with
         the separator on the left): ([R, max_drafts] drafts, -1 past them; [R] the length of
         the longest matched gram, 0 where none matched)."""
         h = self.hasher
-        entries = h(suffix)  # [R, S]
-        end = self._end[entries]  # [R, S] absolute positions, -1: empty
+        entries, prints = h(suffix)  # [R, S] each
+        end = self._end.take(entries)  # [R, S] absolute positions, -1: empty
         live = (end >= 0) & (end > self.written - self.capacity + h.max_n)
-        found = self._tokens(end[:, :, None] - h.back)  # [R, S, max_n]
-        same = h.same(found, suffix) & live & self._whole(suffix)
+        same = (self._print.take(entries) == prints) & live & self._whole(suffix)
         first = same.argmax(axis=1)  # the longest size that matches
         r = np.arange(len(suffix))
         matched = same[r, first]
