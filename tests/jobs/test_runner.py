@@ -177,6 +177,20 @@ def test_a_kv_cache_too_small_for_the_jobs_context_is_refused(
     assert run_job(fits, show_progress=False).rows_ok == 2
 
 
+def test_a_kv_cache_with_no_room_for_blocks_names_the_setting(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit: a kv_cache_memory too small for 2 blocks said "model.source '...' cannot be
+    loaded": the model was fine; the key to change is engine.kv_cache_memory."""
+    from tokenmill.jobs.spec import JobSpecError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine={"kv_cache_memory": 1_000})
+    said = r"^engine.kv_cache_memory: expected room for at least 2 KV blocks of \d+ bytes"
+    with pytest.raises(JobSpecError, match=said + r" \(it leaves room for 0: .*got 1000$"):
+        run_job(spec, show_progress=False)
+
+
 def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -613,6 +627,10 @@ def test_cli_exit_codes(tiny_model: Path, tmp_path: Path, capsys) -> None:
 
     assert cli_main([str(job), "--quiet"]) == 0
     assert "complete" in capsys.readouterr().out
+    assert cli_main([str(job), "--dry-run"]) == 0
+    assert "already done    0 rows" not in capsys.readouterr().out
+    assert cli_main([str(job), "--dry-run", "--fresh"]) == 0  # counts what --fresh runs
+    assert "already done    0 rows" in capsys.readouterr().out
 
 
 def test_dry_run_reports_and_writes_nothing(tiny_model: Path, tmp_path: Path, capsys) -> None:
@@ -753,3 +771,37 @@ def test_a_job_that_fails_mid_run_shows_no_rows_in_flight(
         handle.result(120)
     seen = handle.progress()
     assert seen is not None and seen.rows_in_flight == 0 and seen.eta_seconds is None
+
+
+def test_a_lock_file_taken_away_as_it_is_locked_is_locked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: run B opened the lock file, then its holder A released it, taking the file
+    (and the folder it made) away because A wrote nothing; run C took a new lock file; B
+    then locked the old, unlinked one and both B and C went on to write the output."""
+    from tokenmill.jobs import lock as lock_module
+    from tokenmill.jobs.lock import JobLockedError
+
+    out = tmp_path / "out"
+    a, b, c = (JobLock(name, str(out), str(out)) for name in "ABC")
+    a.acquire()
+    real_open = os.open
+    raced = []
+
+    def open_then_race(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        if not raced:  # B has the file open and has not locked it yet
+            raced.append(True)
+            a.release()  # the output holds nothing else: the file and folder go
+            assert not out.exists()
+            c.acquire()
+        return fd
+
+    monkeypatch.setattr(lock_module.os, "open", open_then_race)
+    try:
+        with pytest.raises(JobLockedError, match="being written by job 'C'"):
+            b.acquire()
+    finally:
+        c.release()
+    b.acquire()  # once C is done, B takes it
+    b.release()

@@ -22,6 +22,7 @@ from pathlib import Path
 from tokenmill.jobs.output_location import OutputPathError
 
 LOCK_FILE = ".tokenmill.lock"
+_TRIES = 5  # takes of the lock before giving up on a lock file taken away as it is locked
 
 # The locks this process holds ({lock path: the JobLock}): a second run in this process
 # (another submit()) is told so, not to wait for "another process" to exit. A forked child
@@ -69,11 +70,31 @@ class JobLock:
 
     def acquire(self) -> None:
         """Take the lock or raise JobLockedError naming the holder (OutputPathError when the
-        lock file is a symbolic link)."""
-        self._made_folder = not self.path.parent.exists()
+        lock file is a symbolic link).
+
+        A run that opened the lock file just before its holder released it, taking the file
+        away (``release``), would lock a file no longer at the path while a third run locks
+        the new one there: both would write. So the file locked must still be the one at
+        the path; if not, the lock is let go and taken again from the start."""
+        self._made_folder = False
+        for _ in range(_TRIES):
+            if self._try_acquire():
+                return
+        raise JobLockedError(
+            f"output {self.output_url}: its lock file {self.path} was taken away "
+            f"{_TRIES} times as job {self.job!r} locked it (other runs starting and "
+            "stopping on this output at once); it wrote nothing. Run it again."
+        )
+
+    def _try_acquire(self) -> bool:
+        """One try: False when the file locked was no longer the lock file (or its folder
+        went as it was opened)."""
+        self._made_folder |= not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:  # never through a link: the lock would write where it points
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except FileNotFoundError:  # the folder, made by a run that took it away as it ended
+            return False
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 raise
@@ -90,6 +111,10 @@ class JobLock:
             except BlockingIOError:
                 here = _HELD.get(self.path.resolve())
             else:
+                if not _still_at(fd, self.path):  # taken away before it was locked
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+                    return False
                 won, self._fd, self._key = True, fd, self.path.resolve()
                 _HELD[self._key] = self
         if not won:
@@ -117,6 +142,7 @@ class JobLock:
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())
+        return True
 
     def release(self) -> None:
         """Let go of the lock. When the output holds nothing but the lock (the run stopped
@@ -141,6 +167,16 @@ class JobLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the one at ``path`` (not unlinked, nor replaced)."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
 
 
 def _holder(fd: int) -> str:
