@@ -282,6 +282,25 @@ def test_the_dry_run_of_a_resumed_job_counts_the_work_left(
     assert (after.rows, after.rows_already_done, after.output_tokens) == (6, 6, 0)
     assert after.prompt_tokens == 0
     assert "output tokens and the estimate count the rows not done yet" in after.summary()
+    # An audit: `--dry-run --fresh` said "already done 6 rows", 0 tokens; a --fresh run
+    # discards them and runs all 6.
+    fresh = dry_run(JobSpec.from_dict(raw), fresh=True)
+    assert (fresh.rows, fresh.rows_already_done, fresh.output_tokens) == (6, 0, 48)
+
+
+def test_the_dry_run_refuses_a_link_inside_the_output_as_a_run_does(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit: the dry run passed an output folder holding a symbolic link (exit 0, with
+    an estimate), which the run then refused (exit 2)."""
+    from tokenmill.jobs.output_location import OutputPathError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "elsewhere").symlink_to(tmp_path)
+    with pytest.raises(OutputPathError, match="holds a symbolic link"):
+        dry_run(JobSpec.from_dict(job_dict(tiny_model, src, out)))
 
 
 def test_a_stop_signal_stops_the_dry_run(

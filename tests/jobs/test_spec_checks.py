@@ -493,7 +493,8 @@ def test_passthrough_names_are_compared_without_case_and_must_be_unicode(
     ("execution", "named"),
     [({"replicas": 3}, "replicas: 3: needs executor: ray"),
      ({"ray_address": "ray://head:10001"}, "ray_address: ray://head:10001: needs"),
-     ({"replicas": 2, "ray_address": "auto"}, "replicas: 2, ray_address: auto: need")],
+     ({"replicas": 2, "ray_address": "auto"}, "replicas: 2, ray_address: auto: need"),
+     ({"stall_timeout_s": 5}, "stall_timeout_s: 5.0: needs")],  # (an audit: it was taken)
 )  # fmt: skip
 def test_ray_settings_with_the_local_executor_are_refused(
     execution: dict[str, Any], named: str

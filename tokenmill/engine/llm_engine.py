@@ -55,7 +55,7 @@ from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
 from tokenmill.engine.grammar_processes import auto_processes
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import ModelSource, resolve_model_source
@@ -185,11 +185,13 @@ class LLMEngine:
             # than it could use. Twice what max_num_seqs requests of full length hold is room
             # for them and for cached prefixes.
             num_blocks = min(num_blocks, 2 * config.max_num_seqs * -(-max_len // config.block_size))
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory leaves room for {max(num_blocks, 0)} KV blocks of "
-                f"{block_bytes} bytes; raise kv_cache_memory or lower block_size"
-                + _gpu_use_hint(self.device)
+        if num_blocks < 2:  # the setting's fault, not the model's: named as the setting
+            raise EngineSettingError(
+                "kv_cache_memory",
+                config.kv_cache_memory,
+                f"room for at least 2 KV blocks of {block_bytes} bytes (it leaves room for "
+                f"{max(num_blocks, 0)}: raise it, or lower block_size)"
+                + _gpu_use_hint(self.device),
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         # What the settings and the model give, before the KV cache's size lowers it: a job

@@ -182,7 +182,7 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     if args.dry_run:
         from tokenmill.jobs.dry_run import dry_run
 
-        _print(hide_url_secrets(dry_run(spec, cancel).summary()))
+        _print(hide_url_secrets(dry_run(spec, cancel, fresh=args.fresh).summary()))
         return EXIT_OK
     from tokenmill.jobs.runner import run_job
 

@@ -28,6 +28,7 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import check_claimable, check_not_inside_another
 from tokenmill.jobs.preflight import check_up_front, output_schema
 from tokenmill.jobs.progress import format_duration
@@ -165,16 +166,21 @@ class DryRunReport:
 _PROMPT_HEAVY = 4
 
 
-def dry_run(spec: JobSpec, cancel: threading.Event | None = None) -> DryRunReport:
+def dry_run(
+    spec: JobSpec, cancel: threading.Event | None = None, fresh: bool = False
+) -> DryRunReport:
     """Read, check and tokenize every row as a run would; write nothing. Raises JobSpecError
     for what a run would refuse up front (output location, input, model), and JobInterrupted
-    once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once)."""
+    once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once).
+    ``fresh``: as a ``--fresh`` run would, counting none of the output's earlier progress."""
     cfg = check_up_front(spec)  # with the files the verdicts below all see
     settings = settings_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
+    if store.is_local:
+        check_no_links(store.root)  # a link inside a local output: refused, as a run would
     check_not_inside_another(store, spec.name)  # refused, as a run refuses them: inside
     check_claimable(store, spec.name)  # another job's output, or that output itself
-    manifest = Manifest.load(store, spec.name)
+    manifest = None if fresh else Manifest.load(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
     resumable = manifest is not None and manifest.matches(

@@ -306,7 +306,7 @@ class ExecutionSection(_Section):
             defaults = ExecutionSection.model_fields
             given = [
                 f"{key}: {getattr(self, key)}"
-                for key in ("replicas", "ray_address")
+                for key in ("replicas", "ray_address", "stall_timeout_s")
                 if getattr(self, key) != defaults[key].default
             ]
             if given:

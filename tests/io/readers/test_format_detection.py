@@ -36,6 +36,21 @@ def test_explicit_format_wins(tmp_path):
     assert detect_format([str(f)], "jsonl") == "jsonl"
 
 
+def test_a_parquet_file_read_as_json_lines_is_refused(tmp_path):
+    """An audit: `input.format: jsonl` on a Parquet file ran to exit 0 with every row bad
+    ("line is not valid UTF-8"); the other way round was refused up front."""
+    p = write_parquet(tmp_path / "rows.parquet", {"prompt": ["x"]})
+    (tmp_path / "empty.jsonl").write_text("")
+    for fmt in ("jsonl", "openai-batch"):
+        said = f"is a Parquet file .* input.format {fmt} reads it as JSON"
+        with pytest.raises(ValueError, match=said):
+            detect_format([str(tmp_path / "empty.jsonl"), str(p)], fmt)
+    named = tmp_path / "rows.jsonl"  # named as JSON Lines, Parquet inside
+    named.write_bytes(p.read_bytes())
+    with pytest.raises(ValueError, match="named as JSON Lines, .* Set input.format to parquet"):
+        detect_format([str(named)], "auto")
+
+
 @pytest.mark.parametrize(
     ("names", "message"),
     [(["a.jsonl", "b.parquet"], "mixes formats"), (["a.csv"], "set input.format")],

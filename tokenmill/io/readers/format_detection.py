@@ -39,6 +39,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     if fmt != "auto":
         for f in files:
             _refuse_unreadable_packing(f)
+        if fmt != "parquet":
+            _refuse_parquet_bytes(files, f"input.format {fmt} reads it", storage_options or {})
         return fmt
     if not files:
         raise ValueError("detect_format: no input files to look at")
@@ -71,6 +73,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         value = _json_or_none(line) if '"custom_id"' in line else None
         if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
             return "openai-batch"
+    _refuse_parquet_bytes(files, "named as JSON Lines, it is read", storage_options or {})
     return "jsonl"
 
 
@@ -118,6 +121,26 @@ def _refuse_compressed_parquet(url: str) -> None:
 LOOK_AT_FILES = 64
 # Lines of that file looked at for an OpenAI Batch request line.
 LOOK_AT_LINES = 20
+
+
+_PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
+
+
+def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str, Any]) -> None:
+    """Raise ValueError when the first input file that holds bytes (of the first
+    ``LOOK_AT_FILES``) is a Parquet file: read as JSON Lines (``why``: what makes it so),
+    every row would be a bad row of binary text, and the job "complete"."""
+    for url in files[:LOOK_AT_FILES]:
+        with open_input(url, storage_options) as f:
+            head = f.read(len(_PARQUET_MAGIC))
+        if head == _PARQUET_MAGIC:
+            raise ValueError(
+                f"{url} is a Parquet file (it begins with {_PARQUET_MAGIC.decode()}), but "
+                f"{why} as JSON Lines: every row would be a bad row. Set input.format to "
+                "parquet (or name the file .parquet)"
+            )
+        if head:
+            return
 
 
 def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[str]:
