@@ -523,3 +523,24 @@ def test_openai_response_format_is_the_structured_output_it_means() -> None:
     assert unset.to_dict() == JobSpec.from_dict(_raw()).to_dict()
     both = {"response_format": {"type": "json_object"}, "structured_output": "json_object"}
     assert "response_format and structured_output both set" in _error(_raw(sampling=both))
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [("sampling: {temperature: 1e-3}", "'1e-3' (YAML reads 1e-3 as text: write 0.001)"),
+     ("sampling: {max_tokens: 1e3}", "(YAML reads 1e3 as text: write 1000)"),
+     ("engine: {kv_cache_memory: 2e9}", "2e9 as text: write 2000000000.0 or 2000000000)"),
+     ("name: 2024-12-01", "got datetime.date(2024, 12, 1) (YAML read it as a date: quote it"),
+     ("name: 007", "got 7 (YAML read it as a number: quote it to keep it text)"),
+     ("sampling: {temperature: .inf}", "expected a finite number, got inf\n"),
+     ("sampling: {temperature: hot}", "got the string 'hot'\n")],
+)  # fmt: skip
+def test_what_yaml_read_as_another_type_says_how_to_write_it(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """An audit: `temperature: 1e-3` (text to YAML 1.1) and `name: 2024-12-01` (a date) were
+    refused without a word on how to write them."""
+    base = "model: {source: m}\ninput: {path: in.jsonl}\noutput: {path: out/}\n"
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, base + text + "\n"))
+    assert said in str(info.value) + "\n"

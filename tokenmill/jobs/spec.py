@@ -14,10 +14,12 @@ EngineConfig's fields and checked by its rules (``engine_section``).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import fields
+from datetime import date, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -531,6 +533,28 @@ def _shown_with_type(value: Any) -> str:
     return f"the string {shown}" if isinstance(value, str) else shown
 
 
+def _yaml_hint(kind: str, value: Any) -> str:
+    """How to write what YAML read as another type: ``1e9`` is text to YAML (it wants a dot
+    and a signed exponent, ``1.0e+9``); ``2024-12-01`` a date and ``007`` the number 7 where
+    text was meant."""
+    if kind.startswith(("float_", "int_")) and isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        if not math.isfinite(number):
+            return ""
+        whole = number.is_integer() and abs(number) < 1e18
+        if kind.startswith("int_") and whole:
+            return f" (YAML reads {value} as text: write {int(number)})"
+        written = f"{number!r} or {int(number)}" if whole else repr(number)
+        return f" (YAML reads {value} as text: write {written})"
+    read_as = {bool: "true or false", int: "a number", float: "a number"}.get(type(value))
+    if kind == "string_type" and (read_as or isinstance(value, (date, datetime))):
+        return f" (YAML read it as {read_as or 'a date'}: quote it to keep it text)"
+    return ""
+
+
 def _describe(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
@@ -540,14 +564,15 @@ def _describe(err: ErrorDetails) -> str:
     if kind == "value_error":  # our validators' messages say what they got
         error = err.get("ctx", {}).get("error", err["msg"])
         if isinstance(error, EngineSettingError):  # the value as YAML spells it
-            return f"expected {error.expected}, got {_shown_with_type(error.value)}"
+            hint = _yaml_hint("float_type", error.value)
+            return f"expected {error.expected}, got {_shown_with_type(error.value)}{hint}"
         return str(error)
     if "storage_options" in err.get("loc", ()):  # may hold credentials: never echoed
         got = f"a {type(err.get('input')).__name__} (its value is not shown)"
     else:
         got = _shown_with_type(err.get("input"))
     if kind in _EXPECTED:
-        return f"{_EXPECTED[kind]}, got {got}"
+        return f"{_EXPECTED[kind]}, got {got}{_yaml_hint(kind, err.get('input'))}"
     what = err["msg"]
     for prefix, instead in (("Input should", "must"), ("String should", "must")):
         if what.startswith(prefix):
