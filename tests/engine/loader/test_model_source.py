@@ -140,3 +140,29 @@ def test_a_layer_count_the_weights_do_not_hold_is_refused_before_building(
     gguf_file = write_tiny_gguf(hf, tmp_path / "m.gguf")
     with pytest.raises(ValueError, match=rf"llama.block_count 1000000, but .* hold {held} layers"):
         resolve_model_source(gguf_file).load_config()
+
+
+@pytest.mark.parametrize("generic", ["PreTrainedTokenizerFast", "TokenizersBackend"])
+def test_a_tokenizer_transformers_loads_as_its_model_types_own_class_is_loaded_so(
+    tmp_path: Path, generic: str
+) -> None:
+    """An audit: a qwen2 directory whose tokenizer_config.json names the generic class was
+    built as named, where AutoTokenizer builds Qwen2's own class (NFC): "a" + U+0301 gave
+    [a, U+0301] ids against transformers' one "á"."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.loader.tokenizer import load_hf_tokenizer
+
+    path = tmp_path / "m"
+    resolve_model_source("smollm2-135m-instruct").load_tokenizer().save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": generic}))
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    text = "a\u0301 <|im_start|>x"
+    ours = load_hf_tokenizer(path)
+    theirs = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert type(ours) is type(theirs)
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # the shortcut
+    generic_classes = ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert type(load_hf_tokenizer(path)).__name__ in generic_classes

@@ -63,13 +63,34 @@ _GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 def _generic_fast(model_dir: Path) -> bool:
     """Whether ``model_dir`` holds a tokenizer.json that its tokenizer_config.json says the
-    generic fast class loads (unreadable or absent config: False, AutoTokenizer decides)."""
-    try:
-        config = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+    generic fast class loads (unreadable or absent config: False, AutoTokenizer decides),
+    for a model type whose own class AutoTokenizer does not put in its place."""
+    config = _json_object(model_dir / "tokenizer_config.json")
+    named = config.get("tokenizer_class")
+    if named not in _GENERIC_CLASSES or not (model_dir / "tokenizer.json").is_file():
         return False
-    named = config.get("tokenizer_class") if isinstance(config, dict) else None
-    return named in _GENERIC_CLASSES and (model_dir / "tokenizer.json").is_file()
+    return _json_object(model_dir / "config.json").get("model_type") not in _own_class_types()
+
+
+def _json_object(path: Path) -> dict:
+    """The JSON object in ``path``; empty when it is absent, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@functools.cache
+def _own_class_types() -> frozenset[str]:
+    """Model types whose hub configs name the generic class where AutoTokenizer loads the
+    type's own (which sets its normalizer and pre-tokenizer: Qwen2's NFC, ...): built as
+    named, a qwen2 directory's tokenizer split "á" (a + U+0301) where transformers joins it
+    (an audit). transformers keeps the list; importing it costs ~1.3 s of AutoTokenizer's
+    2.8 s, once a process."""
+    from transformers.models.auto import tokenization_auto
+
+    return frozenset(getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", ()))
 
 
 def load_gguf_tokenizer(gguf_path: Path, chat_template: str | None) -> PreTrainedTokenizerBase:
