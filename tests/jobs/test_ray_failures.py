@@ -175,6 +175,24 @@ def test_poison_rows_are_isolated_and_every_other_row_is_written(
     assert failures["rows_isolated"] == 2 and failures["replicas"] >= 6, failures
 
 
+def test_replicas_failing_whatever_they_run_end_the_job_writing_no_error_rows(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An audit: with every replica's engine failing, 12 rows "completed", exit 0, every
+    row written as an error ("failed every engine replica that ran it"), and a rerun had
+    nothing to do. As the local executor does on its engine's first error: exit 1, no row
+    written, and a rerun runs them."""
+    rows = chat_rows(12)
+    for row in rows:
+        row["messages"][0]["content"] += f" {RAISE}"
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "ray"
+    assert _run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 1
+    assert "failed 8 times in a row with no chunk of rows finishing" in capsys.readouterr().err
+    assert read_jsonl_dir(out / "errors") == [] and read_jsonl_dir(out / "shards") == []
+    assert json.loads((out / "report.json").read_text())["status"] == "failed"
+
+
 def test_a_hung_engine_is_replaced_and_its_row_isolated(tiny_model: Path, tmp_path: Path) -> None:
     """An engine that stops stepping while it holds rows (the process alive, answering) is
     killed after execution.stall_timeout_s; the row that hangs every replica it runs on is

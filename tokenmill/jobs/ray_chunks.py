@@ -17,19 +17,34 @@ row alone does not cost that row its result: a row is only skipped after it fail
 time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay bounded: each
 failure splits or retires a chunk, and finding the row in a chunk of n rows takes about
 log2(n) + 2 replica failures (3 at least).
+
+A failure counts against a lineage only while it is the one lineage lost since a chunk last
+finished anywhere. A poison row fails its own lineage, again and again, while other chunks
+finish; an engine or cluster that fails everything (a CUDA error, a node going away) loses
+several lineages before anything finishes, and those failures say nothing of any row: the
+chunks still run again (and halve), but no row is skipped for them (an audit: a 20 s outage
+wrote two good rows as errors, exit 0, and a rerun had nothing to do). Replica failures in a
+row with nothing finishing between them end the job (``ReplicasFailingError``, exit 1, the
+rows in flight unwritten: a rerun resumes), as the local executor ends on its engine's first
+error: with every replica failing, a job of 12 rows "completed" with 12 error rows.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.requests import error_result
 
-__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery"]
+__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery", "ReplicasFailingError"]
 
 POISON_FAILURES = 3  # failures of a row's lineage, the last one alone, before it is skipped
+
+
+class ReplicasFailingError(RuntimeError):
+    """Replicas kept failing with no chunk finishing between the failures."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,11 @@ class Chunk:
     id: int
     rows: tuple[InputRow, ...]
     failures: int = 0
+    lineage: int = -1  # the id of the chunk it was split from first (-1: its own)
+
+    @property
+    def root(self) -> int:
+        return self.id if self.lineage < 0 else self.lineage
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -50,34 +70,61 @@ class ChunkRecovery:
     again as suspects (whole, or split in halves), or, for a poison row, its error result.
     ``model`` names the model in error results (the spec's model.source)."""
 
-    def __init__(self, model: str, poison_failures: int = POISON_FAILURES) -> None:
+    def __init__(
+        self, model: str, poison_failures: int = POISON_FAILURES, give_up_after: int = 8
+    ) -> None:
+        """``give_up_after``: replica failures in a row, nothing finishing between them,
+        that end the job."""
         if poison_failures < 1:
             raise ValueError(f"poison_failures must be >= 1, got {poison_failures}")
         self.model = model
         self.poison_failures = poison_failures
+        self.give_up_after = give_up_after
         self._ids = itertools.count()
+        self._lost_lineages: set[int] = set()  # lost since a chunk last finished
+        self.failures_since_done = 0  # replica failures since a chunk last finished
 
-    def chunk(self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0) -> Chunk:
+    def chunk(
+        self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0, lineage: int = -1
+    ) -> Chunk:
         """A new chunk of ``rows`` (at least one), with the next id."""
         if not rows:
             raise ValueError("a chunk needs at least one row")
-        return Chunk(next(self._ids), tuple(rows), failures)
+        return Chunk(next(self._ids), tuple(rows), failures, lineage)
+
+    def done(self) -> None:
+        """A chunk finished (its replica answered for all its rows)."""
+        self._lost_lineages.clear()
+        self.failures_since_done = 0
+
+    def failed(self, chunks: tuple[Chunk, ...] | list[Chunk], reason: str) -> None:
+        """A replica failed with ``chunks`` running (before ``lost`` for each of them).
+        Raises ReplicasFailingError once replicas have failed ``give_up_after`` times in a
+        row with nothing finishing."""
+        self._lost_lineages.update(c.root for c in chunks)
+        self.failures_since_done += 1
+        if self.failures_since_done >= self.give_up_after:
+            raise ReplicasFailingError(
+                f"Ray replicas failed {self.failures_since_done} times in a row with no chunk "
+                f"of rows finishing between the failures (the last: {reason}): the engine or "
+                "the cluster fails, not a row. The rows in flight were not written; fix the "
+                "cause and rerun the same command to resume"
+            )
 
     def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | ResultRow:
         """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
         it was the only chunk there. Returns the suspects to run next (each alone), or the
-        error result of a poison row."""
-        failures = chunk.failures + 1
+        error result of a poison row. The failure counts against the chunk's rows only
+        while its lineage is the only one lost since a chunk last finished."""
+        failures = chunk.failures + int(self._lost_lineages <= {chunk.root})
+        again = functools.partial(self.chunk, failures=failures, lineage=chunk.root)
         if not alone:  # any of the replica's chunks may have done it: run this one alone
-            return [self.chunk(chunk.rows, failures)]
+            return [again(chunk.rows)]
         if len(chunk) > 1:
             half = len(chunk) // 2
-            return [
-                self.chunk(chunk.rows[:half], failures),
-                self.chunk(chunk.rows[half:], failures),
-            ]
+            return [again(chunk.rows[:half]), again(chunk.rows[half:])]
         if failures < self.poison_failures:
-            return [self.chunk(chunk.rows, failures)]
+            return [again(chunk.rows)]
         row = chunk.rows[0]
         return error_result(
             row,

@@ -137,7 +137,7 @@ class RayExecutor:
                     name,
                     total.get(name, 0),
                 )
-        self._recovery = ChunkRecovery(spec.model.source)
+        self._recovery = ChunkRecovery(spec.model.source, give_up_after=max(8, 4 * self.replicas))
         self._pool: ReplicaPool | None = None
         self._started = 0.0
         self._stats: dict[str, EngineCounters] = {}  # replica process -> its last counts
@@ -272,6 +272,7 @@ class RayExecutor:
             self._note_up(event)
             return []
         if isinstance(event, ChunkDone):
+            self._recovery.done()
             key = event.slot.key
             self._stats[key] = event.result.counters
             self._batches[key] = event.result.batches
@@ -290,6 +291,7 @@ class RayExecutor:
             event.reason,
             ", and its rows run again" if rows else "",
         )
+        self._recovery.failed(event.chunks, event.reason)
         poisoned = []
         for chunk in event.chunks:
             outcome = self._recovery.lost(chunk, event.alone, event.reason)
