@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 from typing import Any
 
 RAISE = "POISON-RAISE"
 KILL = "POISON-KILL"
 HANG = "POISON-HANG"
+# While this file exists, the first actor of replica slot 1 never answers ready() (a start
+# that hangs: a model load stuck on a network file system, a CUDA init that never returns).
+HANG_START_FLAG = os.path.join(tempfile.gettempdir(), f"tokenmill-test-hang-start-{os.getuid()}")
 
 
 def install() -> None:
@@ -47,3 +51,17 @@ def install() -> None:
 
     LLMEngine.add_request = marked_add_request
     LLMEngine.step = marked_step
+
+    from tokenmill.jobs.ray_replica import EngineReplica
+
+    ready = EngineReplica.ready
+
+    def hanging_ready(self: Any) -> Any:
+        import ray
+
+        name = ray.get_runtime_context().get_actor_name() or ""
+        if os.path.exists(HANG_START_FLAG) and name.endswith("-replica-1"):
+            threading.Event().wait()
+        return ready(self)
+
+    EngineReplica.ready = hanging_ready

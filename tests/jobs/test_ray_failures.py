@@ -30,7 +30,7 @@ from tests.jobs.job_helpers import (
     read_jsonl_dir,
     write_jsonl,
 )
-from tests.jobs.ray_poison import HANG, KILL, RAISE
+from tests.jobs.ray_poison import HANG, HANG_START_FLAG, KILL, RAISE
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
 
@@ -191,6 +191,29 @@ def test_replicas_failing_whatever_they_run_end_the_job_writing_no_error_rows(
     assert "failed 8 times in a row with no chunk of rows finishing" in capsys.readouterr().err
     assert read_jsonl_dir(out / "errors") == [] and read_jsonl_dir(out / "shards") == []
     assert json.loads((out / "report.json").read_text())["status"] == "failed"
+
+
+def test_rows_waiting_on_a_replica_whose_start_hangs_go_to_one_that_is_up(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: a replica whose start hung (SIGSTOPped while it loaded) held the rows
+    routed to it before any replica was up; the job sat at "152 of 160 rows done" until
+    stopped. Once its start is overdue they go to the replica that is up."""
+    from tokenmill.jobs import ray_executor
+
+    monkeypatch.setattr(ray_executor, "START_GRACE_S", 3.0)
+    monkeypatch.setattr(ray_executor, "START_GRACE_FACTOR", 0.0)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
+    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
+    Path(HANG_START_FLAG).touch()
+    try:
+        out = tmp_path / "ray"
+        report = run_job(job_dict(tiny_model, src, out, execution=RAY, **SMALL),
+                         show_progress=False)  # fmt: skip
+    finally:
+        Path(HANG_START_FLAG).unlink()
+    assert report.status == "complete" and report.rows_ok == 8
+    assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards")
 
 
 def test_a_hung_engine_is_replaced_and_its_row_isolated(tiny_model: Path, tmp_path: Path) -> None:

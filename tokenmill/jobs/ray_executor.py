@@ -85,6 +85,10 @@ log = logging.getLogger("tokenmill.jobs")
 # others wait on the actor, so a finished chunk's successor arrives before the engine runs dry.
 CHUNKS_PER_REPLICA = 4
 _POLL_S = 0.1  # how often a wait for results re-checks ``cancel`` and calls ``on_step``
+# Seconds a replica may take to start, and times the slowest first start of those up, before
+# the rows waiting on it go to replicas that are up.
+START_GRACE_S = 60.0
+START_GRACE_FACTOR = 2.0
 
 
 def replica_resources(spec: JobSpec, cluster_gpus: float) -> dict[str, float]:
@@ -253,12 +257,21 @@ class RayExecutor:
         room for them all, some may never start: once some are up, the rows waiting on one
         that is not go to those that are (they waited there forever before, the job hanging
         with its rows in flight). With room for all, a replica still loading its model
-        keeps its rows (its prefix-cache affinity, and the parallelism it brings)."""
-        if self._room_for_all or not any(s.up for s in run.pool.slots):
+        keeps its rows (its prefix-cache affinity, and the parallelism it brings) until its
+        start is overdue (``_start_overdue``): one whose start hangs (a load stuck on a
+        network file system, a CUDA init that never returns) held them forever, the job
+        at "152 of 160 rows done" until stopped (an audit)."""
+        if not any(s.up for s in run.pool.slots):
             return
         for slot in run.pool.slots:
-            if not slot.up:
+            if not slot.up and (not self._room_for_all or self._start_overdue(slot)):
                 self._reroute_waiting(slot, run)
+
+    def _start_overdue(self, slot: ReplicaSlot) -> bool:
+        """Whether ``slot`` has been starting for longer than ``START_GRACE_S`` and
+        ``START_GRACE_FACTOR`` times the slowest first start of the replicas that are up."""
+        slowest = max(self._load_seconds.values(), default=0.0)
+        return time.monotonic() - slot.started_at > max(START_GRACE_S, START_GRACE_FACTOR * slowest)
 
     def _reroute_waiting(self, slot: ReplicaSlot, run: _Run) -> None:
         """The rows waiting to be sent to ``slot`` go where ``_route`` now sends them."""

@@ -85,6 +85,7 @@ class ReplicaSlot:
     failed_starts: int = 0  # actors in a row that died before they were up
     isolated: bool = False  # running one suspect chunk, alone (ray_chunks.py)
     starting: Any = None  # the ObjectRef of its pending ready() call
+    started_at: float = 0.0  # time.monotonic() when its current actor was started
     watch: StallWatch | None = None  # None: never declared stalled
 
     @property
@@ -243,6 +244,7 @@ class ReplicaPool:
         slot.actor = self._class.options(name=name, **self._options).remote(*self._args)
         slot.info = None
         slot.starting = slot.actor.ready.remote()
+        slot.started_at = time.monotonic()
         if slot.watch is not None:
             self._reset_watch(slot)
 
