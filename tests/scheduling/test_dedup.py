@@ -94,4 +94,7 @@ def test_a_copy_carries_its_own_rows_identity() -> None:
         "hi", "stop", 5, 2,
     )  # fmt: skip
     failed = copy_result(error_result(first, "prompt too long", "m"), twin)
-    assert failed.error == "in.jsonl:10: prompt too long" and failed.row_id == "q2"
+    assert failed.row_id == "q2" and failed.error == (  # whose error it is (an audit)
+        "in.jsonl:10: prompt too long (the error of the identical row at in.jsonl:4: this "
+        "row was not run again)"
+    )

@@ -130,11 +130,16 @@ class DedupKeys:
 
 def copy_result(result: ResultRow, row: InputRow) -> ResultRow:
     """``result`` (a twin's) as ``row``'s own: its identity fields, and an error message
-    under its own file:line."""
+    under its own file:line that says whose it is (a copy of a Ray poison row's error said
+    the row "failed every engine replica that ran it", run by none)."""
     copy = replace(result, **{name: getattr(row, name) for name in IDENTITY_FIELDS})
     if result.error is not None:
         message = result.error.removeprefix(f"{result.source}: ")
-        copy = replace(copy, error=f"{row.source}: {message}")
+        copy = replace(
+            copy,
+            error=f"{row.source}: {message} (the error of the identical row at "
+            f"{result.source}: this row was not run again)",
+        )
     return copy
 
 
