@@ -186,6 +186,29 @@ def test_s3_round_trip(s3_endpoint) -> None:
     store.delete_many(names)  # all gone: fine
 
 
+@pytest.mark.parametrize("glob", ["out[1]", "out?", "ou*"])
+def test_deleting_many_never_reads_the_prefix_as_a_pattern(s3_endpoint, glob: str) -> None:
+    """An audit: fsspec's rm expanded s3://b/out[1]/j.d/* as a pattern, deleting the journal
+    records of s3://b/out1 (another job's output, its committed shards then forgotten) and
+    none of its own."""
+    boto3 = pytest.importorskip("boto3")
+    endpoint, options = s3_endpoint
+    bucket = f"tm-{uuid.uuid4().hex[:12]}"
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="testing",
+        aws_secret_access_key="testing", region_name="us-east-1",
+    ).create_bucket(Bucket=bucket)  # fmt: skip
+    names = [f"j.d/{i:08d}.json" for i in range(3)]
+    mine, other = (
+        OutputStore(f"s3://{bucket}/{p}", storage_options=options) for p in (glob, "out1")
+    )
+    for store in (mine, other):
+        for name in names:
+            store.write_atomic(name, b"{}")
+    mine.delete_many(names)
+    assert mine.list("j.d/") == [] and other.list("j.d/") == names
+
+
 def test_one_output_has_one_identity_however_it_is_spelled(s3_endpoint) -> None:
     _, options = s3_endpoint
     spellings = ["s3://bkt/out", "s3://bkt/out/", "s3a://bkt/out", "s3a://bkt/out//"]

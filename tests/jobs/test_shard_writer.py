@@ -168,6 +168,37 @@ def test_the_manifest_journal_is_folded_in_and_reloads_whole(tmp_path: Path, mon
     assert sorted(again.shards) == list(range(12)) and again.journaled == {10, 11}
 
 
+@pytest.mark.parametrize("compacting", [False, True])
+def test_a_shard_whose_manifest_write_fails_is_not_committed_in_memory_either(
+    tmp_path: Path, monkeypatch, compacting: bool
+) -> None:
+    """An audit: the record went into the manifest before its journal write (or rewrite),
+    which then failed (an object store's 500s): a failed run's report counted the shard,
+    rows_ok 12 of 16 rows with 8 committed."""
+    from tokenmill.jobs import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "_MIN_JOURNAL", 1 if compacting else 100)
+    store = OutputStore(str(tmp_path / "out"), owner="t")
+    manifest = Manifest("t", "fp", ROWS)
+    manifest.save(store)
+    old = ShardRecord(0, ROWS, ROWS, 0, "shards/part-00000.jsonl", None)
+    manifest.commit_shard(store, 0, old)
+    write = store.write_atomic
+
+    def failing(name: str, data: bytes) -> None:
+        raise OSError(f"writing {name} failed: 500")
+
+    monkeypatch.setattr(store, "write_atomic", failing)
+    new = ShardRecord(ROWS, 2 * ROWS, ROWS, 0, "shards/part-00001.jsonl", None)
+    redone = ShardRecord(0, ROWS, 0, ROWS, None, "errors/part-00000.jsonl")
+    for index, record in ((1, new), (0, redone)):
+        with pytest.raises(OSError, match="500"):
+            manifest.commit_shard(store, index, record)
+    assert manifest.shards == {0: old} and manifest.rows_done == ROWS
+    monkeypatch.setattr(store, "write_atomic", write)
+    assert Manifest.load(store, "t").shards == {0: old}
+
+
 def test_the_manifest_is_written_a_record_a_line(tmp_path: Path) -> None:
     """Written record by record with json's C encoder (indent= took its Python encoder and
     asdict copied every record deeply: 2.2 s a rewrite at 30,000 shards); it reads back as

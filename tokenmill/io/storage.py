@@ -214,8 +214,11 @@ class OutputStore:
 
     def delete_many(self, names: list[str]) -> None:
         """Remove ``names`` (missing ones are fine): on an object store in batched requests
-        (S3 takes up to 1,000 keys a call), not one request a file."""
-        if self.is_local or len(names) < 2:
+        (S3 takes up to 1,000 keys a call), not one request a file. Not where a path holds
+        a glob character (``*``, ``?``, ``[``: fsspec's ``rm`` expands them as a pattern, so
+        removing ``s3://b/out[1]/x`` removed ``s3://b/out1/x``, another output's file: an
+        audit): one request a file then, which never expands."""
+        if self.is_local or len(names) < 2 or any(_GLOB.search(self._fs_path(n)) for n in names):
             for name in names:
                 self.delete(name)
             return
@@ -350,6 +353,9 @@ class OutputStore:
                     continue
                 names.append(base if rel == "." else f"{rel.replace(os.sep, '/')}/{base}")
         return names
+
+
+_GLOB = re.compile(r"[*?\[]")  # what fsspec's path expansion reads as a pattern
 
 
 def _remove_quietly(path: str) -> None:

@@ -110,13 +110,28 @@ class Manifest:
 
     def commit_shard(self, store: OutputStore, index: int, record: ShardRecord) -> None:
         """Name shard ``index``'s committed files: its record in the journal (one small
-        atomic write), or, when the journal is long enough, the whole manifest rewritten."""
+        atomic write), or, when the journal is long enough, the whole manifest rewritten.
+        Where that write fails the shard is not committed, here as on storage (this
+        manifest then counted it: a failed run's report gave rows_ok 12 of 16 rows with 8
+        committed; an audit)."""
+        previous = self.shards.get(index)
         self.shards[index] = record
-        if len(self.journaled) + 1 > max(_MIN_JOURNAL, len(self.shards) // _JOURNAL_SHARE):
-            self.save(store)
-            return
-        store.write_atomic(self._journal_entry(index), json.dumps(vars(record)).encode())
-        self.journaled.add(index)
+        compact = len(self.journaled) + 1 > max(_MIN_JOURNAL, len(self.shards) // _JOURNAL_SHARE)
+        try:
+            if compact:
+                store.write_atomic(self.file_name(self.job), self._text().encode())
+            else:
+                store.write_atomic(self._journal_entry(index), json.dumps(vars(record)).encode())
+        except BaseException:
+            if previous is None:
+                del self.shards[index]
+            else:
+                self.shards[index] = previous
+            raise
+        if compact:
+            self._drop_journal(store)
+        else:
+            self.journaled.add(index)
 
     @classmethod
     def load(cls, store: OutputStore, job: str) -> Manifest | None:
@@ -215,6 +230,10 @@ class Manifest:
     def save(self, store: OutputStore) -> None:
         """Write the manifest file whole, then delete the journal records it now holds."""
         store.write_atomic(self.file_name(self.job), self._text().encode())
+        self._drop_journal(store)
+
+    def _drop_journal(self, store: OutputStore) -> None:
+        """Delete the journal records the manifest file now holds."""
         store.delete_many([self._journal_entry(i) for i in sorted(self.journaled)])
         self.journaled.clear()
 
