@@ -77,3 +77,30 @@ def test_generate_runs_frozen_and_leaves_the_heap_as_it_was(tmp_path: Path) -> N
     assert len(out[0].outputs[0].token_ids) == 3
     assert counts and all(c > 0 for c in counts)
     assert gc.get_freeze_count() == 0
+
+
+def test_a_child_forked_inside_a_loop_starts_with_none_running() -> None:
+    """An audit: a child forked while an engine loop ran (a thread of the parent's) counted
+    that loop as its own: the frozen heap stayed frozen in it, and its own loops never undid
+    the change. Its copy is undone at the fork; its own loops apply and undo as usual."""
+    import os
+    import sys
+
+    from tokenmill.engine.short_gil_turns import TURN_S, short_gil_turns
+
+    before = sys.getswitchinterval()
+    read, write = os.pipe()
+    with frozen_heap(), short_gil_turns():
+        assert gc.get_freeze_count() > 0 and sys.getswitchinterval() == TURN_S
+        pid = os.fork()
+        if pid == 0:
+            try:
+                undone = gc.get_freeze_count() == 0 and sys.getswitchinterval() == before
+                with frozen_heap():
+                    applied = gc.get_freeze_count() > 0
+                os.write(write, b"%d%d%d" % (undone, applied, gc.get_freeze_count() == 0))
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    assert os.read(read, 8) == b"111"
+    assert gc.get_freeze_count() == 0 and sys.getswitchinterval() == before

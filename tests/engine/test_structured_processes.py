@@ -535,3 +535,26 @@ def test_close_from_another_thread_stops_the_running_call_with_the_closed_error(
     assert not thread.is_alive()
     assert len(raised) == 1 and "this engine was closed" in str(raised[0]), raised
     assert not pool._procs and not pool._segments
+
+
+def test_a_forked_child_leaves_its_parents_workers_and_masks_alone(tiny_path) -> None:  # noqa: F811
+    """An audit: a forked child that exited ran its copy of the pool's finalizer, stopping
+    the parent's grammar workers and removing its shared masks; the parent's next
+    constrained call failed ("grammar worker process 0 ... stopped")."""
+    llm = _llm(tiny_path, True, structured_output_processes=2)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_output="json_object")
+    want = _summary(llm.generate(_prompts(3), params))
+    pool = llm.engine._grammars.backend
+    segments = [shm.name for shm, *_ in pool._segments.values()]
+    pid = os.fork()
+    if pid == 0:  # the child: drops its copies (finalizers run), then leaves at once
+        try:
+            del pool, llm
+            gc.collect()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert all(os.path.exists(f"/dev/shm/{name}") for name in segments)
+    assert all(p.poll() is None for p in llm.engine._grammars.backend._procs)
+    assert _summary(llm.generate(_prompts(3), params)) == want
+    llm.engine.close()

@@ -578,6 +578,63 @@ def test_a_process_exiting_with_a_job_running_stops_it_at_a_commit_boundary(
     assert (again.status, again.rows_ok, again.rows_resumed) == ("complete", 300, report["rows_ok"])
 
 
+def test_a_forked_child_exits_without_waiting_for_its_parents_jobs(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit: a child forked while a submit()ted job ran inherited the running handles,
+    and its exit warned of a job "still running" and waited forever for it (no thread of
+    its ran it)."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(300))
+    long_rows = {"max_tokens": 128, "temperature": 0.0, "ignore_eos": True}
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(job_dict(tiny_model, src, tmp_path / "out", sampling=long_rows)))
+    script = (
+        "import json, os, sys, time, tokenmill\n"
+        f"handle = tokenmill.submit(json.load(open({str(job)!r})))\n"
+        "while handle.progress() is None and handle.status() == 'running':\n"
+        "    time.sleep(0.05)\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    sys.exit(0)  # a normal exit: atexit handlers run\n"
+        "deadline = time.monotonic() + 60\n"
+        "while os.waitpid(child, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print('child gone' if time.monotonic() < deadline else 'child hung', flush=True)\n"
+        "handle.cancel()\n"
+        "handle.wait()\n"
+        "if time.monotonic() >= deadline:\n"
+        "    os.kill(child, 9)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "child gone", done.stderr[-2000:]
+    assert "still running" not in done.stderr
+
+
+def test_a_run_failing_before_it_generates_closes_its_engine(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: an on_progress callback that raised failed the run before the block that
+    closes the engine, which then lived (KV cache and all) as long as the exception did:
+    +260 MB a failed run kept by retry code."""
+    from tokenmill.jobs.local_executor import RowProcessor
+
+    closed: list[bool] = []
+    close = RowProcessor.close
+    monkeypatch.setattr(RowProcessor, "close", lambda self: closed.append(True) or close(self))
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+
+    def broken(progress: object) -> None:
+        raise ValueError("the callback's own bug")
+
+    with pytest.raises(ValueError, match="callback's own bug"):
+        run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False,
+                on_progress=broken)  # fmt: skip
+    assert closed == [True]
+    assert run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False).rows_ok == 3
+
+
 def test_a_reader_gone_from_stdout_does_not_fail_a_complete_job(
     tiny_model: Path, tmp_path: Path
 ) -> None:

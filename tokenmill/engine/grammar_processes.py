@@ -219,10 +219,16 @@ def _unregister(masks: np.ndarray) -> None:
     torch.cuda.cudart().cudaHostUnregister(masks.ctypes.data)
 
 
-def _release(links: list[Link], procs: list[subprocess.Popen], segments: dict[int, tuple]) -> None:
+def _release(
+    links: list[Link], procs: list[subprocess.Popen], segments: dict[int, tuple], owner: int
+) -> None:
     """What a ``GrammarProcesses`` collected unclosed holds: its workers stopped and its
     shared masks' names removed (the memory goes with the last array over it), so no
-    segment is left in /dev/shm behind an engine that was dropped, not closed."""
+    segment is left in /dev/shm behind an engine that was dropped, not closed. Only in the
+    process ``owner`` that started them: a forked child that exits runs its copy of this
+    finalizer too, and stopped its parent's workers and removed its masks (an audit)."""
+    if os.getpid() != owner:
+        return
     _stop_workers(links, procs)
     for shm, *_ in segments.values():
         try:
@@ -285,7 +291,8 @@ class GrammarProcesses:
         # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
         # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
         self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
-        weakref.finalize(self, _release, self._links, self._procs, self._segments)
+        self._owner = os.getpid()  # the process whose workers and masks these are
+        weakref.finalize(self, _release, self._links, self._procs, self._segments, self._owner)
         self._closed = False
         self._next_key = 0  # a request's key; its worker is key % processes
         self._errors: dict[int, str] = {}  # key -> why its last token was rejected
@@ -429,8 +436,11 @@ class GrammarProcesses:
         self._released.clear()
 
     def close(self) -> None:
-        """Stop the workers and free the shared masks; the workers do not start again."""
+        """Stop the workers and free the shared masks; the workers do not start again (in
+        a forked child, only this copy is closed: the workers and masks are its parent's)."""
         self._closed = True
+        if os.getpid() != self._owner:
+            return
         _stop_workers(self._links, self._procs)
         for slot in list(self._segments):
             self._free_segment(slot)

@@ -12,6 +12,7 @@ first starts and undone when the last ends, whatever the order they end in:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +31,17 @@ class WhileRunning:
         self._lock = threading.Lock()
         self._runs = 0  # runs inside now, in any thread
         self._applied: Any = None  # what apply returned, for undo
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child no run is inside (the loops' threads stay in the parent): its
+        copy of the change is undone, and its lock is new (another thread may have held
+        it at the fork). The child's own runs counted the parent's, and never undid it."""
+        self._lock = threading.Lock()
+        if self._runs:
+            self._runs = 0
+            applied, self._applied = self._applied, None
+            self._undo(applied)
 
     @contextmanager
     def __call__(self) -> Iterator[None]:

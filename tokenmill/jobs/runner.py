@@ -327,35 +327,43 @@ def _run_owned(
     import_plots_in_background()  # report.html's, hidden by the model load
     total, executor = _count_and_load(spec, cfg, cancel, report)
     report.rows_total = total  # (None: stopped before the count; a complete run's is read)
-    progress = Progress(
-        total,
-        manifest.rows_done,
-        enabled=progress_interval_s is not None,
-        interval_s=progress_interval_s or 10.0,
-        live=None if executor is None else executor.live,
-        counters=None if executor is None else replica_counters(executor),
-        max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
-    )
-    generate = executor is not None and not cancel.is_set()  # (cancelled first: it never does)
-    if on_progress is not None and generate:
-        on_progress(progress)
+    writer: ShardWriter | None = None
+    try:  # the loaded engine is closed below, or here where the run fails before that
+        progress = Progress(
+            total,
+            manifest.rows_done,
+            enabled=progress_interval_s is not None,
+            interval_s=progress_interval_s or 10.0,
+            live=None if executor is None else executor.live,
+            counters=None if executor is None else replica_counters(executor),
+            max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
+        )
+        generate = executor is not None and not cancel.is_set()  # (cancelled: it never does)
+        if on_progress is not None and generate:
+            on_progress(progress)
+        tracker = ShardTracker(spec.output.rows_per_shard)
+        bounds = pipeline_bounds(spec)
+        writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
+        done_before = frozenset(manifest.shards)
+        feed = RowFeed(
+            cfg,
+            done_before,
+            tracker,
+            progress,
+            spec.model.source,
+            getattr(executor, "prepare", None),  # local: rows are tokenized on the reader thread
+            bounds,
+            schema,
+            feed_plan(spec),
+            on_results=lambda: _hand_over_complete(tracker, writer),  # bad rows' shards too
+        )
+    except BaseException:  # an on_progress that raised kept the engine (and its KV cache) for
+        if writer is not None:  # as long as its exception lived: +260 MB a run (an audit)
+            writer.abandon()
+        if executor is not None:
+            executor.close()
+        raise
     history = progress.history  # what report.html plots
-    tracker = ShardTracker(spec.output.rows_per_shard)
-    bounds = pipeline_bounds(spec)
-    writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
-    done_before = frozenset(manifest.shards)
-    feed = RowFeed(
-        cfg,
-        done_before,
-        tracker,
-        progress,
-        spec.model.source,
-        getattr(executor, "prepare", None),  # local: rows are tokenized on the reader thread
-        bounds,
-        schema,
-        feed_plan(spec),
-        on_results=lambda: _hand_over_complete(tracker, writer),  # bad rows' shards too
-    )
     generating = time.monotonic()
     generated: float | None = None  # when the executor's stream ended
     try:

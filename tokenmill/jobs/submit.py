@@ -17,8 +17,10 @@ from tokenmill.jobs.spec import JobSpec, coerce_spec
 log = logging.getLogger("tokenmill.jobs")
 
 # Handles whose job still runs: stopped at their next commit boundary when the process
-# exits (``_stop_at_exit``).
+# exits (``_stop_at_exit``). A forked child runs none of them (their threads stay in the
+# parent): it held them, and its exit waited forever for jobs it did not run (an audit).
 _RUNNING: weakref.WeakSet[JobHandle] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_RUNNING.clear)
 
 
 class JobHandle:
