@@ -172,3 +172,45 @@ def test_a_copied_error_is_not_counted_as_deduplicated(tiny_model: Path, tmp_pat
     report = run_job(spec, show_progress=False)
     assert (report.rows_ok, report.rows_failed) == (0, 3)
     assert (report.rows_deduplicated, report.deduplicated_tokens) == (0, 0)
+
+
+def test_the_tokens_a_best_of_copy_spares_count_every_sample(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit: a copy of a best_of 4 row counted its prompt and its one returned
+    completion as spared (10 tokens), where the engine was spared 4 samples (25)."""
+    body = {"prompt": "hello there", "max_tokens": 5, "best_of": 4, "temperature": 0.8,
+            "seed": 1}  # fmt: skip
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+        for i in range(2)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    reports = []
+    for name, dedup in (("off", False), ("on", True)):
+        spec = job_dict(tiny_model, src, tmp_path / name, sampling={"ignore_eos": True},
+                        planner={"dedup": dedup})  # fmt: skip
+        spec["input"] = {"path": str(src), "format": "openai-batch"}
+        reports.append(run_job(spec, show_progress=False))
+    off, on = reports
+    spared = (off.prompt_tokens + off.completion_tokens) - (on.prompt_tokens + on.completion_tokens)
+    assert on.rows_deduplicated == 1 and spared > 0
+    assert on.deduplicated_tokens == spared
+
+
+def test_a_failed_runs_report_counts_the_copies_it_committed(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: a run that failed after committing its shards reported rows_deduplicated 0
+    beside rows_ok that held the copies."""
+    from tokenmill.jobs import runner
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("the end-of-run check failed")
+
+    monkeypatch.setattr(runner, "_check_commits_stand", fails)
+    src = write_jsonl(tmp_path / "batch.jsonl", _batch())
+    with pytest.raises(RuntimeError, match="end-of-run check"):
+        _run(tiny_model, src, tmp_path / "out", {})
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["status"] == "failed" and saved["rows_deduplicated"] == 6

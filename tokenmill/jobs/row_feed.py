@@ -188,7 +188,10 @@ class RowFeed:
         if copy.error is None:
             shard = self._tracker.shard_of(copy.row_index)
             rows, tokens = self._copies.get(shard, (0, 0))
-            self._copies[shard] = (rows + 1, tokens + copy.prompt_tokens + copy.completion_tokens)
+            # the engine's work spared: every token it would generate, best_of's left-out
+            # samples included (completion_tokens counts the returned ones only: an audit)
+            spared = copy.prompt_tokens + max(copy.generated_tokens, copy.completion_tokens)
+            self._copies[shard] = (rows + 1, tokens + spared)
         self._tracker.add_result(copy)
         self._direct += 1
         self._progress.update(1, 0)  # no engine tokens: the rates count the engine's work

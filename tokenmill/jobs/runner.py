@@ -399,6 +399,10 @@ def _run_owned(
         report.completion_tokens = max(report.completion_tokens, progress.tokens)
         report.shards_committed = writer.shards_committed
         report.rows_this_run = writer.rows_committed
+        # the copies this run committed (a cancel's others are made again by the next run;
+        # a failed run's too: its report said 0 beside committed copies, an audit)
+        committed = set(manifest.shards) - done_before
+        report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
         # Ray replicas load their models inside the generation loop: that is load time
         late_load = min(getattr(executor, "load_seconds", 0.0), generated - generating)
         report.model_load_seconds = round(report.model_load_seconds + late_load, 3)
@@ -438,9 +442,6 @@ def _run_owned(
         report.status = "complete"
         if store.is_local:  # readers open shards/ even when no row landed there (no input)
             os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
-    # the copies this run committed (a cancel's others are made again by the next run)
-    committed = set(manifest.shards) - done_before
-    report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
     _fill_totals(report, manifest)
     _write_report(store, report, history)
     return report
