@@ -207,6 +207,18 @@ def test_every_count_of_report_json_is_on_the_page() -> None:
     assert check.values["deduplicated_tokens"] == 12_440
 
 
+def test_a_short_generation_is_not_shown_as_0_s_beside_its_rate() -> None:
+    """An audit: report.html gave "generation time 0.0 s" beside 800 output tokens/s (the
+    summary said 0.015 s)."""
+    report = JobReport(
+        job="j", output="out", status="complete", completion_tokens=12, rows_this_run=6,
+        generation_seconds=0.015, model_load_seconds=0.06, wall_seconds=1234.5,
+    )  # fmt: skip
+    page = render_report_html(report, None)
+    assert "0.015 s" in page and "0.06 s" in page and "1,234.5 s" in page
+    assert "0.0 s" not in page and "0.015 s of generation" in report.summary()
+
+
 def test_a_page_without_samples_says_why() -> None:
     report = JobReport(job="j", output="out", status="cancelled", wall_seconds=1.0)
     page = render_report_html(report, None)

@@ -136,6 +136,40 @@ def test_abandon_leaves_a_hung_write_behind_and_records_nothing_after_it(
     assert gate.started == 1  # the queued shard was dropped
 
 
+def test_a_shard_whose_record_is_written_as_the_run_stops_is_not_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: a second stop signal during a shard's (slow) journal write; the manifest
+    here had the record before the write and the counts came after it, so the run's report
+    said rows_ok 8 (the record, not yet written) beside rows_this_run 4. Once abandoned,
+    the writer changes neither: a write that lands after it is a rerun's to find."""
+    writer, store, manifest = _writer(tmp_path, max_queued=2)
+    writer.submit(0, _results(0))
+    writer.submit(1, _results(1))
+    writer.finish()  # shards 0 and 1 committed
+    started, release = threading.Event(), threading.Event()
+    write = store.write_atomic
+
+    def slow(name: str, data: bytes) -> None:
+        if name.startswith("t.manifest"):
+            started.set()
+            release.wait(10)
+        write(name, data)
+
+    monkeypatch.setattr(store, "write_atomic", slow)
+    writer = ShardWriter(store, manifest, "jsonl", 2)
+    writer.submit(2, _results(2))
+    assert started.wait(10)
+    writer.abandon()
+    before = (dict(manifest.shards), writer.shards_committed, writer.rows_committed)
+    release.set()
+    writer._thread.join(10)
+    assert not writer._thread.is_alive()
+    assert before == (dict(manifest.shards), writer.shards_committed, writer.rows_committed)
+    assert sorted(manifest.shards) == [0, 1] and writer.shards_committed == 0
+    assert _saved_shards(store) == [0, 1, 2]  # written after all: a rerun finds it
+
+
 def test_the_manifest_journal_is_folded_in_and_reloads_whole(tmp_path: Path, monkeypatch) -> None:
     """Each commit writes one small journal record; past the journal's bound the manifest
     file is rewritten with them and the records go. A load merges file and journal, also

@@ -137,11 +137,11 @@ class JobReport:
         times = f"model load {self.model_load_seconds:.1f} s, whole run {self.wall_seconds:.1f} s"
         if not self.completion_tokens or self.generation_seconds <= 0:
             return f"no output tokens generated this run ({times})"
-        over = _seconds(self.generation_seconds)
+        over = show_seconds(self.generation_seconds)
         return f"{self.output_tokens_per_s:.1f} output tokens/s over {over} of generation ({times})"
 
 
-def _seconds(seconds: float) -> str:
+def show_seconds(seconds: float) -> str:
     """A duration to two significant digits below a second ("0.012 s", never "0.0 s" beside
-    a rate computed over it), one decimal above."""
-    return f"{seconds:.1f} s" if seconds >= 1 else f"{seconds:.2g} s"
+    a rate computed over it), one decimal above (the summary's and report.html's)."""
+    return f"{seconds:,.1f} s" if seconds >= 1 else f"{seconds:.2g} s"

@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.ownership import REPORT_HTML_NAME
-from tokenmill.jobs.report import JobReport
+from tokenmill.jobs.report import JobReport, show_seconds
 from tokenmill.jobs.run_history import RunHistory
 
 __all__ = ["import_plots_in_background", "render_report_html", "write_report_html"]
@@ -69,9 +69,9 @@ _SUMMARY: list[tuple[str, str, Callable[[Any], str]]] = [
         lambda v: f"{v:,}",
     ),
     ("output_tokens_per_s", "output tokens/s (over generation)", lambda v: f"{v:,.1f}"),
-    ("generation_seconds", "generation time", lambda v: f"{v:,.1f} s"),
-    ("model_load_seconds", "model load time", lambda v: f"{v:,.1f} s"),
-    ("wall_seconds", "whole run", lambda v: f"{v:,.1f} s"),
+    ("generation_seconds", "generation time", show_seconds),
+    ("model_load_seconds", "model load time", show_seconds),
+    ("wall_seconds", "whole run", show_seconds),
     ("prefix_cache_hit_rate", "prefix-cache hit rate", lambda v: f"{v:.1%}"),
     ("shards_committed", "shards committed this run", lambda v: f"{v:,}"),
     ("shards_recomputed", "shards recomputed (files gone)", lambda v: f"{v:,}"),
@@ -274,8 +274,8 @@ def _speculative(plots: ModuleType, report: JobReport, history: RunHistory | Non
 def _too_short(report: JobReport) -> str:
     """Why a plot over time is missing from a run that did generate."""
     return (
-        f"no plot: {report.generation_seconds:.1f} s of generation gave fewer than two samples "
-        "(about one a second); the run's totals are in the summary"
+        f"no plot: {show_seconds(report.generation_seconds)} of generation gave fewer than "
+        "two samples (about one a second); the run's totals are in the summary"
     )
 
 

@@ -56,6 +56,7 @@ class ShardWriter:
         self._queue: queue.Queue[tuple[int, list[ResultRow]] | None] = queue.Queue(max_queued)
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
+        self._counted = threading.Lock()  # a commit counted, or the writer abandoned: one
         self._thread = threading.Thread(target=self._run, name="tokenmill-writer", daemon=True)
         self._thread.start()
 
@@ -99,8 +100,11 @@ class ShardWriter:
             )
 
     def abandon(self) -> None:
-        """Stop now, without waiting: shards not yet recorded are left for a rerun."""
-        self._abandoned.set()
+        """Stop now, without waiting: shards not yet recorded are left for a rerun (one
+        being written as this is called is not counted here, as it may not be written:
+        the manifest and the counts stay what they are now)."""
+        with self._counted:
+            self._abandoned.set()
         try:
             while True:  # what is queued is dropped; make room for the end marker
                 self._queue.get_nowait()
@@ -139,8 +143,14 @@ class ShardWriter:
                 )
                 if self._abandoned.is_set():
                     return
-                self.manifest.commit_shard(self.store, shard, record)
-                self.shards_committed += 1
-                self.rows_committed += len(results)
+                compacted = self.manifest.write_record(self.store, shard, record)
+                with self._counted:  # a run stopped during the write counts it not
+                    if self._abandoned.is_set():  # (its report was read at the stop)
+                        return
+                    self.manifest.add_record(shard, record, compacted)
+                    self.shards_committed += 1
+                    self.rows_committed += len(results)
+                if compacted:
+                    self.manifest.drop_journal(self.store)
         except BaseException as exc:  # re-raised on the engine thread by check() / finish()
             self._error = exc
