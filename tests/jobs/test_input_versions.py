@@ -348,3 +348,23 @@ def test_the_end_check_reads_no_file_while_every_version_holds(
     fs.pipe_file("ends/in/b.jsonl", NEW)  # same size, same edges: only its version tells
     with pytest.raises(InputChangedError, match="ends/in/b.jsonl"):
         runner._check_input_unchanged(cfg, manifest)
+
+
+def test_a_key_with_a_space_rewritten_mid_run_is_the_input_changing() -> None:
+    """An audit: s3fs's message names the key ("filename b/in/my rows.jsonl and Etag ..."),
+    and a pattern of non-spaces missed one with a space: a plain store error (exit 75,
+    "retry") instead of the input changing."""
+    from tokenmill.io.readers import InputConfig
+    from tokenmill.jobs.runner import _rewritten_while_read
+
+    class FileExpired(OSError):  # s3fs's, by name
+        pass
+
+    cfg = InputConfig(path="s3://b/in/", files=("s3://b/in/a.jsonl", "s3://b/in/my rows.jsonl"))
+    said = 'The remote file corresponding to filename b/in/my rows.jsonl and Etag "33f7" no longer'
+    failure = RuntimeError("reading failed")
+    failure.__cause__ = FileExpired(16, said)
+    assert isinstance(_rewritten_while_read(failure, cfg), InputChangedError)
+    other = RuntimeError("reading failed")
+    other.__cause__ = FileExpired(16, said.replace("my rows", "other rows"))
+    assert _rewritten_while_read(other, cfg) is None

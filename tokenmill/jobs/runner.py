@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -498,9 +497,10 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
     "FileExpired ... filename <bucket/key> and Etag ..."); None for any other failure."""
     inputs = {url.split("://", 1)[-1] for url in cfg.files or ()}
 
-    def an_input_expired(e: BaseException) -> bool:
-        named = re.search(r"filename (\S+) and Etag", str(e))
-        return type(e).__name__ == "FileExpired" and named is not None and named[1] in inputs
+    def an_input_expired(e: BaseException) -> bool:  # (a key may hold spaces: an audit)
+        said = str(e)
+        named = any(f"filename {key} and Etag" in said for key in inputs)
+        return type(e).__name__ == "FileExpired" and named
 
     expired = in_chain(exc, an_input_expired)
     if expired is None:

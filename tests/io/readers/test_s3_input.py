@@ -45,3 +45,30 @@ def test_reads_two_jsonl_files_from_s3_prefix(s3_endpoint):  # noqa: F811
     globbed = InputConfig(path="s3://inputs/prefix/*.jsonl", storage_options=options)
     assert [r.row_id for r in iter_input_rows(globbed)] == ["a1", "a2", "b1"]
     assert input_fingerprint(globbed) == input_fingerprint(cfg)
+
+
+def test_folder_markers_are_not_input_files(s3_endpoint):  # noqa: F811
+    """An audit: the empty "folder/" keys the S3 console, rclone and S3A leave (and Hadoop's
+    name_$folder$) were listed as files: a folder input with format auto failed ("cannot
+    tell the format of s3://b/in/"), a Parquet one as a 0-byte Parquet file, and adding or
+    removing an empty folder changed the input's fingerprint."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("markers")
+    _put_jsonl(fs, "markers/in/a.jsonl", [{"id": "a1", "prompt": "one"}])
+    _put_jsonl(fs, "markers/in/sub/b.jsonl", [{"id": "b1", "prompt": "two"}])
+    cfg = InputConfig(path="s3://markers/in", storage_options=options)
+    before = input_fingerprint(cfg)
+    for marker in (
+        "markers/in/",
+        "markers/in/sub/",
+        "markers/in/empty/",
+        "markers/in/old_$folder$",
+    ):
+        fs.pipe(marker, b"")
+    want = ["s3://markers/in/a.jsonl", "s3://markers/in/sub/b.jsonl"]
+    assert list_input_files(cfg) == want
+    assert [r.row_id for r in iter_input_rows(cfg)] == ["a1", "b1"]
+    assert input_fingerprint(cfg) == before
+    globbed = InputConfig(path="s3://markers/in/**", storage_options=options)
+    assert list_input_files(globbed) == want

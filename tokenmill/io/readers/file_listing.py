@@ -42,14 +42,16 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     fs, root = resolve(cfg.path, cfg.storage_options)
     if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
         matches = fs.glob(root, detail=True)
-        paths = [p for p, info in matches.items() if _is_file(fs, p, info)]
+        paths = [
+            p for p, info in matches.items() if _is_file(fs, p, info) and not _folder_marker(p)
+        ]
         if not paths:
             raise FileNotFoundError(
                 f"input.path {cfg.path!r} matches no files; check the pattern and the location"
             )
         holders = {p.rpartition("/")[0] for p in paths}
     elif fs.isdir(root):
-        found = fs.find(root)
+        found = [p for p in fs.find(root) if not _folder_marker(p)]
         _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
         paths = [p for p in found if not _hidden(p[len(root) :])]
         paths = _without_documents(cfg.path, paths)
@@ -89,6 +91,14 @@ def display_names(files: list[str]) -> list[str]:
             common = i
             break
     return ["/".join(p[common:]) for p in parts]
+
+
+def _folder_marker(path: str) -> bool:
+    """Whether ``path`` is an object store's folder marker, not data: an empty key ending
+    in "/" (the S3 console's "Create folder", rclone, S3A) or Hadoop's ``<name>_$folder$``.
+    Listed as files, a folder of Parquet files failed as "Parquet file size is 0 bytes", an
+    auto-format one "cannot tell the format of s3://b/in/" (an audit)."""
+    return path.endswith(("/", "_$folder$"))
 
 
 def _is_file(fs: Any, path: str, info: dict[str, Any]) -> bool:
