@@ -56,7 +56,7 @@ class ShardWriter:
         self._queue: queue.Queue[tuple[int, list[ResultRow]] | None] = queue.Queue(max_queued)
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
-        self._counted = threading.Lock()  # a commit counted, or the writer abandoned: one
+        self._counted = threading.Lock()  # a commit is counted, or the writer abandoned: not both
         self._thread = threading.Thread(target=self._run, name="tokenmill-writer", daemon=True)
         self._thread.start()
 
