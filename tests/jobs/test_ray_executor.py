@@ -211,6 +211,37 @@ def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> 
     small.close()
 
 
+def test_no_stores_credentials_reach_a_replicas_arguments(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: the whole job spec, storage_options' secrets included, went to every
+    replica actor as its constructor's arguments, which Ray keeps in the cluster's state.
+    A replica reads no input and writes no output: it is given neither's options."""
+    from tokenmill.jobs import ray_executor
+
+    given: list[dict[str, Any]] = []
+
+    class Pool:
+        def __init__(self, spec_dict: dict[str, Any], *args: Any) -> None:
+            given.append(spec_dict)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ray_executor, "ReplicaPool", Pool)
+    raw = job_dict(tiny_model, tmp_path / "in.jsonl", tmp_path / "out", execution=RAY)
+    raw["input"]["storage_options"] = {"secret": "IN-SECRET"}
+    raw["output"]["storage_options"] = {"token": "OUT-SECRET"}
+    executor = RayExecutor(JobSpec.from_dict(raw))
+    try:
+        executor.start()
+    finally:
+        executor.close()
+    (spec_dict,) = given
+    assert "SECRET" not in json.dumps(spec_dict)
+    JobSpec.from_dict(spec_dict)  # still a spec a replica can build its engine from
+
+
 def test_a_model_a_replica_cannot_load_exits_2(
     tiny_model: Path, tmp_path: Path, job_input: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -735,6 +735,7 @@ def test_an_object_store_output_is_locked_whatever_its_spelling(tmp_path: Path) 
     assert info.value.holder_job == "test"
     second.acquire()  # once released, it is free
     second.release()
+    assert not second.path.exists()  # (an audit: one was left in ~/.cache for every output)
 
 
 def test_a_lock_this_process_holds_unregistered_is_still_said_to_be_its(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ class JobLock:
     ) -> None:
         """``identity``: the output whatever its spelling (``OutputStore.identity``), which
         names an object-store output's lock (default ``output_url``)."""
+        self._in_cache = local_dir is None  # an object-store output's, in ~/.cache
         if local_dir is not None:
             self.path = Path(local_dir) / LOCK_FILE
         else:
@@ -145,17 +146,19 @@ class JobLock:
         return True
 
     def release(self) -> None:
-        """Let go of the lock. When the output holds nothing but the lock (the run stopped
-        before writing: a model that would not load), the lock file goes, and the folder
-        too if acquire made it, while the lock is still held, so that no other run can
-        hold a lock file taken away from it."""
+        """Let go of the lock. An object-store output's lock file goes (one was left in
+        ~/.cache/tokenmill/locks for every such output ever run: an audit); a local
+        output's when the output holds nothing but the lock (the run stopped before
+        writing: a model that would not load), and the folder too if acquire made it.
+        Either while the lock is still held: a run that opened the file meanwhile finds it
+        taken away and takes the lock again (``acquire``)."""
         if self._fd is not None:
             with _HELD_GUARD:  # first: a run may take a new lock file once this one goes
                 if _HELD.get(self._key) is self:
                     del _HELD[self._key]
-            if os.listdir(self.path.parent) == [LOCK_FILE]:
+            if self._in_cache or os.listdir(self.path.parent) == [LOCK_FILE]:
                 self.path.unlink()
-                if self._made_folder:
+                if self._made_folder and not self._in_cache:
                     self.path.parent.rmdir()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

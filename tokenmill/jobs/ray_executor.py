@@ -159,6 +159,11 @@ class RayExecutor:
         if self._pool is None:
             source = self.spec.model.source
             spec_dict = self.spec.to_dict()
+            # A replica reads no input and writes no output: no store's credentials in its
+            # actor's arguments, which Ray keeps in the cluster's state (an audit).
+            for section in ("input", "output"):
+                spec_dict[section]["storage_options"] = {}
+            spec_dict["execution"]["ray_address"] = None
             if os.path.exists(source):  # a relative path means the driver's directory
                 spec_dict["model"]["source"] = os.path.abspath(source)
             self._started = time.monotonic()
