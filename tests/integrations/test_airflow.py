@@ -323,6 +323,66 @@ def test_run_job_does_not_outlive_a_killed_task_process(
     assert report["status"] == "cancelled" and report["rows_ok"] < ROWS, report
 
 
+def test_a_stopped_run_job_is_woken_to_stop(airflow: Airflow) -> None:
+    """An audit: on_kill's SIGTERM stayed pending in a run-job stopped by SIGSTOP, which
+    then held the job's lock after its task was gone (every retry exiting 75)."""
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    operator = TokenmillJobOperator(task_id="t", job="job.yaml")
+    child = subprocess.Popen(  # stands in for run-job: SIGTERM ends it with 75
+        [sys.executable, "-c", "import signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+         "print('ready', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGSTOP)
+        operator._child = child
+        operator.on_kill()
+        assert child.wait(timeout=20) == 75
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.parametrize(("exit_code", "task_fails"), [(0, False), (75, True)])
+def test_a_timeout_as_run_job_completes_leaves_the_task_done(
+    airflow: Airflow, monkeypatch: pytest.MonkeyPatch, exit_code: int, task_fails: bool
+) -> None:
+    """An audit: an execution_timeout that came as run-job was finishing a complete job
+    (it then exited 0) failed the task; a retry found nothing to do. A run-job that
+    stopped (75) still fails it, for the retry to resume."""
+    from tokenmill.integrations import airflow as airflow_module
+
+    class Timeout(BaseException):  # as Airflow's AirflowTaskTimeout
+        pass
+
+    real = subprocess.Popen
+
+    class Child(real):  # type: ignore[misc,valid-type]
+        def __init__(self, args: list[str], **kwargs: Any) -> None:
+            program = f"print('run-job: done', flush=True); raise SystemExit({exit_code})"
+            super().__init__([sys.executable, "-c", program], **kwargs)
+            self.timed_out = False
+
+        def wait(self, timeout: float | None = None) -> int:
+            code = super().wait(timeout)
+            if not self.timed_out:  # the timeout fires as the child ends
+                self.timed_out = True
+                raise Timeout()
+            return code
+
+    monkeypatch.setattr(airflow_module.subprocess, "Popen", Child)
+    operator = airflow_module.TokenmillJobOperator(task_id="t", job="job.yaml")
+    if task_fails:
+        with pytest.raises(Timeout):
+            operator._run([])
+    else:
+        assert operator._run([]) == (0, "run-job: done")
+
+
 def test_the_example_dag_parses(airflow: Airflow) -> None:
     from airflow.dag_processing.dagbag import DagBag
 

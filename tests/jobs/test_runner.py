@@ -635,6 +635,25 @@ def test_a_run_failing_before_it_generates_closes_its_engine(
     assert run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False).rows_ok == 3
 
 
+def test_a_full_disk_under_stdout_does_not_fail_a_complete_job(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """An audit: cron's ``run-job job.yaml >> nightly.log`` with the log's disk full: the
+    complete job exited 75, "storage error ... rerun the same command", which cannot help."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(job_dict(tiny_model, src, tmp_path / "out")))
+    probe = (
+        f"from tokenmill.jobs.cli import entry; import sys; sys.argv[1:] = [{str(job)!r}]; entry()"
+    )
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "storage error" not in done.stderr
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["status"] == "complete"
+
+
 def test_a_reader_gone_from_stdout_does_not_fail_a_complete_job(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -176,11 +176,14 @@ class TokenmillJobOperator(BaseOperator):
         self._signal_child()
 
     def _signal_child(self) -> None:
-        """SIGTERM to a running child, once."""
+        """SIGTERM to a running child, once, then SIGCONT: a stopped child (SIGSTOP, a
+        debugger) kept the SIGTERM pending, and held the job's lock after its task was
+        gone, every retry exiting 75 (an audit)."""
         child = self._child
         if child is not None and child.poll() is None and not self._stop_sent:
             self._stop_sent = True
             child.send_signal(signal.SIGTERM)
+            child.send_signal(signal.SIGCONT)
             self.log.warning(
                 "asked run-job (pid %d) to stop at its next commit boundary; committed shards "
                 "are kept and a retry resumes",
@@ -246,9 +249,16 @@ class TokenmillJobOperator(BaseOperator):
         reader.start()
         try:
             code = child.wait()
-        except BaseException:  # e.g. execution_timeout: stop the job before leaving
+        except BaseException as exc:  # e.g. execution_timeout: stop the job before leaving
+            from tokenmill.jobs.cli import EXIT_OK
+
             self._stop(child)
-            raise
+            if child.returncode != EXIT_OK or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            # It had completed the job as the timeout came (a stop gives 75): the task's work
+            # is done (it failed, and a retry found nothing to do: an audit).
+            self.log.warning("run-job completed the job as the task was being stopped")
+            code = EXIT_OK
         finally:
             reader.join(timeout=10)
             self._child = None

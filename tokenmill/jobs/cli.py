@@ -197,11 +197,13 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
 
 
 def _print(text: str) -> None:
-    """Print to stdout; a reader that went away (``run-job ... | head``) changes nothing about
-    the job, so its exit code stays: stdout then goes to /dev/null (no error at exit)."""
+    """Print to stdout; a reader that went away (``run-job ... | head``) or a full disk under
+    a cron job's ``>> nightly.log`` (it exited 75, "storage error ... rerun", for a complete
+    job: an audit) changes nothing about the job, so its exit code stays: stdout then goes
+    to /dev/null (no error at exit)."""
     try:
         print(text, flush=True)
-    except BrokenPipeError:
+    except OSError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
