@@ -112,40 +112,15 @@ def test_a_replica_that_dies_while_starting_is_a_lost_replica_of_the_report(
     assert (executor.failures.replicas, executor.failures.rows_rerun) == (1, 0)
 
 
-def test_failures_of_several_lineages_with_nothing_finishing_skip_no_row() -> None:
-    """An audit: an engine failing for 20 s whatever it ran (a CUDA error, a node going
-    away) bisected the chunks it held down to rows and wrote two good rows as errors, exit 0.
-    Failures count against a row only while its lineage is the only one lost since a chunk
-    last finished."""
-    recovery = ChunkRecovery("m", give_up_after=100)
-    suspects = [recovery.chunk(_rows(4)), recovery.chunk(_rows(4)[2:])]
-    for _ in range(20):  # both keep failing, nothing finishes: halved, never skipped
-        recovery.failed(suspects, "CUDA error")
-        outcomes = [recovery.lost(c, alone=True, reason="CUDA error") for c in suspects]
-        assert all(isinstance(o, list) for o in outcomes)
-        suspects = [c for o in outcomes for c in o][:2]
-        assert all(c.failures == 0 for c in suspects)
-    recovery.done()  # the engine works again; a row that still fails alone is poison
-    chunk = suspects[0]
-    for failures in range(1, POISON_FAILURES + 1):
-        recovery.failed([chunk], "died")
-        outcome = recovery.lost(chunk, alone=True, reason="died")
-        if failures < POISON_FAILURES:
-            assert isinstance(outcome, list) and outcome[0].failures == failures
-            chunk = outcome[0]
-    assert isinstance(outcome, ResultRow) and not outcome.ok
-
-
 def test_replicas_failing_in_a_row_with_nothing_finishing_end_the_job() -> None:
     """An audit: with every replica's engine failing, a job of 12 rows "completed", exit 0,
     every row an error; the local executor ends on its engine's first error (exit 1)."""
     from tokenmill.jobs.ray_chunks import ReplicasFailingError
 
     recovery = ChunkRecovery("m", give_up_after=3)
-    chunk = recovery.chunk(_rows(2))
-    recovery.failed([chunk], "x")
+    recovery.failed("x")
     recovery.done()  # a chunk finished between: the count starts again
-    recovery.failed([chunk], "x")
-    recovery.failed([chunk], "x")
+    recovery.failed("x")
+    recovery.failed("x")
     with pytest.raises(ReplicasFailingError, match=r"failed 3 times in a row .* \(the last: y\)"):
-        recovery.failed([chunk], "y")
+        recovery.failed("y")

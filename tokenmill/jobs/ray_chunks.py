@@ -18,15 +18,13 @@ time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay bo
 failure splits or retires a chunk, and finding the row in a chunk of n rows takes about
 log2(n) + 2 replica failures (3 at least).
 
-A failure counts against a lineage only while it is the one lineage lost since a chunk last
-finished anywhere. A poison row fails its own lineage, again and again, while other chunks
-finish; an engine or cluster that fails everything (a CUDA error, a node going away) loses
-several lineages before anything finishes, and those failures say nothing of any row: the
-chunks still run again (and halve), but no row is skipped for them (an audit: a 20 s outage
-wrote two good rows as errors, exit 0, and a rerun had nothing to do). Replica failures in a
-row with nothing finishing between them end the job (``ReplicasFailingError``, exit 1, the
-rows in flight unwritten: a rerun resumes), as the local executor ends on its engine's first
-error: with every replica failing, a job of 12 rows "completed" with 12 error rows.
+Replica failures in a row with nothing finishing between them end the job
+(``ReplicasFailingError``, exit 1, the rows in flight unwritten: a rerun resumes), as the
+local executor ends on its engine's first error: with every replica failing whatever it ran,
+a job of 12 rows "completed" with 12 error rows (an audit). Isolating a poison row never
+takes that many: a bisection's innocent half finishes every other failure, and a row alone
+fails ``POISON_FAILURES`` times. Not told apart yet: an outage shorter than that (a 20 s
+engine failure) can still skip the rows it bisects down to.
 """
 
 from __future__ import annotations
@@ -55,11 +53,6 @@ class Chunk:
     id: int
     rows: tuple[InputRow, ...]
     failures: int = 0
-    lineage: int = -1  # the id of the chunk it was split from first (-1: its own)
-
-    @property
-    def root(self) -> int:
-        return self.id if self.lineage < 0 else self.lineage
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,7 +64,7 @@ class ChunkRecovery:
     ``model`` names the model in error results (the spec's model.source)."""
 
     def __init__(
-        self, model: str, poison_failures: int = POISON_FAILURES, give_up_after: int = 8
+        self, model: str, poison_failures: int = POISON_FAILURES, give_up_after: int = 16
     ) -> None:
         """``give_up_after``: replica failures in a row, nothing finishing between them,
         that end the job."""
@@ -81,27 +74,22 @@ class ChunkRecovery:
         self.poison_failures = poison_failures
         self.give_up_after = give_up_after
         self._ids = itertools.count()
-        self._lost_lineages: set[int] = set()  # lost since a chunk last finished
         self.failures_since_done = 0  # replica failures since a chunk last finished
 
-    def chunk(
-        self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0, lineage: int = -1
-    ) -> Chunk:
+    def chunk(self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0) -> Chunk:
         """A new chunk of ``rows`` (at least one), with the next id."""
         if not rows:
             raise ValueError("a chunk needs at least one row")
-        return Chunk(next(self._ids), tuple(rows), failures, lineage)
+        return Chunk(next(self._ids), tuple(rows), failures)
 
     def done(self) -> None:
         """A chunk finished (its replica answered for all its rows)."""
-        self._lost_lineages.clear()
         self.failures_since_done = 0
 
-    def failed(self, chunks: tuple[Chunk, ...] | list[Chunk], reason: str) -> None:
-        """A replica failed with ``chunks`` running (before ``lost`` for each of them).
+    def failed(self, reason: str) -> None:
+        """A replica failed (before ``lost`` for each chunk it held).
         Raises ReplicasFailingError once replicas have failed ``give_up_after`` times in a
         row with nothing finishing."""
-        self._lost_lineages.update(c.root for c in chunks)
         self.failures_since_done += 1
         if self.failures_since_done >= self.give_up_after:
             raise ReplicasFailingError(
@@ -114,10 +102,9 @@ class ChunkRecovery:
     def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | ResultRow:
         """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
         it was the only chunk there. Returns the suspects to run next (each alone), or the
-        error result of a poison row. The failure counts against the chunk's rows only
-        while its lineage is the only one lost since a chunk last finished."""
-        failures = chunk.failures + int(self._lost_lineages <= {chunk.root})
-        again = functools.partial(self.chunk, failures=failures, lineage=chunk.root)
+        error result of a poison row."""
+        failures = chunk.failures + 1
+        again = functools.partial(self.chunk, failures=failures)
         if not alone:  # any of the replica's chunks may have done it: run this one alone
             return [again(chunk.rows)]
         if len(chunk) > 1:

@@ -141,7 +141,7 @@ class RayExecutor:
                     name,
                     total.get(name, 0),
                 )
-        self._recovery = ChunkRecovery(spec.model.source, give_up_after=max(8, 4 * self.replicas))
+        self._recovery = ChunkRecovery(spec.model.source, give_up_after=max(16, 4 * self.replicas))
         self._pool: ReplicaPool | None = None
         self._started = 0.0
         self._stats: dict[str, EngineCounters] = {}  # replica process -> its last counts
@@ -309,7 +309,7 @@ class RayExecutor:
             event.reason,
             ", and its rows run again" if rows else "",
         )
-        self._recovery.failed(event.chunks, event.reason)
+        self._recovery.failed(event.reason)
         poisoned = []
         for chunk in event.chunks:
             outcome = self._recovery.lost(chunk, event.alone, event.reason)
