@@ -218,11 +218,11 @@ class OutputStore:
         a glob character (``*``, ``?``, ``[``: fsspec's ``rm`` expands them as a pattern, so
         removing ``s3://b/out[1]/x`` removed ``s3://b/out1/x``, another output's file: an
         audit): one request a file then, which never expands."""
-        if self.is_local or len(names) < 2 or any(_GLOB.search(self._fs_path(n)) for n in names):
+        paths = [] if self.is_local else [self._fs_path(n) for n in names]
+        if len(paths) < 2 or any(_GLOB.search(p) for p in paths):
             for name in names:
                 self.delete(name)
             return
-        paths = [self._fs_path(n) for n in names]
         with _client_errors(self.url, f"deleting {len(names)} files"):
             try:
                 self.fs.rm(paths)

@@ -29,7 +29,6 @@ engine failure) can still skip the rows it bisects down to.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
@@ -104,14 +103,16 @@ class ChunkRecovery:
         it was the only chunk there. Returns the suspects to run next (each alone), or the
         error result of a poison row."""
         failures = chunk.failures + 1
-        again = functools.partial(self.chunk, failures=failures)
         if not alone:  # any of the replica's chunks may have done it: run this one alone
-            return [again(chunk.rows)]
+            return [self.chunk(chunk.rows, failures)]
         if len(chunk) > 1:
             half = len(chunk) // 2
-            return [again(chunk.rows[:half]), again(chunk.rows[half:])]
+            return [
+                self.chunk(chunk.rows[:half], failures),
+                self.chunk(chunk.rows[half:], failures),
+            ]
         if failures < self.poison_failures:
-            return [again(chunk.rows)]
+            return [self.chunk(chunk.rows, failures)]
         row = chunk.rows[0]
         return error_result(
             row,

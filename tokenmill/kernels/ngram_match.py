@@ -66,7 +66,7 @@ def ngram_match_ref(
     for j in range(max_n):
         back = torch.roll(rows, j, dims=1)  # back[p] = t[p - j] (wrapped where p < j)
         last = rows.gather(1, (n - 1 - j).clamp(min=0))  # the suffix's token j back
-        run = run & (pos >= j) & (n - 1 - j >= 0) & (back == last)
+        run = run & (pos >= j) & (back == last)  # (pos >= j also means n - 1 - j >= 0)
         depth += run.long()
     score = torch.where(depth >= min_n, depth * width + pos, -1)
     best = score.max(dim=1, keepdim=True).values  # [R, 1]

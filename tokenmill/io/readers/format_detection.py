@@ -73,7 +73,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         value = _json_or_none(line) if '"custom_id"' in line else None
         if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
             return "openai-batch"
-    _refuse_parquet_bytes(files, "named as JSON Lines, it is read", storage_options or {})
+    if first_line.startswith(_PARQUET_MAGIC.decode()):  # (read above: not opened again)
+        raise _parquet_as_json_lines(first, "named as JSON Lines, it is read")
     return "jsonl"
 
 
@@ -134,13 +135,17 @@ def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str,
         with open_input(url, storage_options) as f:
             head = f.read(len(_PARQUET_MAGIC))
         if head == _PARQUET_MAGIC:
-            raise ValueError(
-                f"{url} is a Parquet file (it begins with {_PARQUET_MAGIC.decode()}), but "
-                f"{why} as JSON Lines: every row would be a bad row. Set input.format to "
-                "parquet (or name the file .parquet)"
-            )
+            raise _parquet_as_json_lines(url, why)
         if head:
             return
+
+
+def _parquet_as_json_lines(url: str, why: str) -> ValueError:
+    return ValueError(
+        f"{url} is a Parquet file (it begins with {_PARQUET_MAGIC.decode()}), but {why} as "
+        "JSON Lines: every row would be a bad row. Set input.format to parquet (or name the "
+        "file .parquet)"
+    )
 
 
 def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[str]:
