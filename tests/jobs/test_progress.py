@@ -289,8 +289,13 @@ def test_summary_throughput_is_over_generation_time() -> None:
 
 def test_a_sub_second_generation_time_is_not_shown_as_zero() -> None:
     """A tiny job once read "2000.0 output tokens/s over 0.0 s of generation"."""
-    report = _complete(3, completion_tokens=24, generation_seconds=0.012)
-    assert "2000.0 output tokens/s over 0.012 s of generation" in report.summary()
+    report = _complete(
+        3, completion_tokens=24, generation_seconds=0.012, wall_seconds=0.4,
+        model_load_seconds=0.03,
+    )  # fmt: skip
+    assert (
+        "2000.0 output tokens/s over 0.012 s of generation (model load 0.03 s, whole run 0.4 s)"
+    ) in report.summary()
 
 
 def test_summary_without_tokens_shows_no_rate() -> None:

@@ -134,7 +134,8 @@ class JobReport:
         return "\n".join(lines)
 
     def _throughput(self) -> str:
-        times = f"model load {self.model_load_seconds:.1f} s, whole run {self.wall_seconds:.1f} s"
+        load, whole = show_seconds(self.model_load_seconds), show_seconds(self.wall_seconds)
+        times = f"model load {load}, whole run {whole}"
         if not self.completion_tokens or self.generation_seconds <= 0:
             return f"no output tokens generated this run ({times})"
         over = show_seconds(self.generation_seconds)
