@@ -81,3 +81,14 @@ def test_empty_part_files_before_the_first_line_say_nothing(tmp_path):
     empty.write_text("\n")
     batch = write_jsonl(tmp_path / "part-00001.jsonl", [batch_line("a", chat_body())])
     assert detect_format([str(empty), str(batch)], "auto") == "openai-batch"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_utf16_json_lines_are_refused_up_front(tmp_path, encoding):
+    """An audit: a UTF-16 JSONL file (Windows PowerShell's default) ran to exit 0 with every
+    line a bad row ("line is not valid UTF-8" / "not valid JSON", one more than it had rows)."""
+    f = tmp_path / "rows.jsonl"
+    f.write_bytes('{"prompt": "x"}\n{"prompt": "y"}\n'.encode(encoding))
+    for fmt in ("auto", "jsonl", "openai-batch"):
+        with pytest.raises(ValueError, match="is not UTF-8 text: .* UTF-16"):
+            detect_format([str(f)], fmt)

@@ -28,7 +28,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     Raises ValueError naming a file when the suffixes are unknown or mixed, when a .json file
     holds one JSON array instead of JSON Lines, when a Parquet file has a compression
     suffix (x.parquet.gz; also with ``fmt`` "parquet"): Parquet compresses inside the file,
-    or (with ``fmt`` set) when a file's suffix names a compression or archive that is not
+    when the first JSON Lines file is UTF-16 or UTF-32 text (every line a bad row), or
+    (with ``fmt`` set) when a file's suffix names a compression or archive that is not
     read (x.jsonl.lz4, x.zip): its bytes would be read as rows.
     """
     if fmt not in FORMATS:
@@ -62,6 +63,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         if lines:
             break
     first_line = lines[0] if lines else ""
+    if "\x00" in first_line[:4]:  # (JSON never holds a NUL byte; UTF-16/32 text does)
+        raise _not_utf8_text(first)
     # A JSON array, pretty-printed or on one line (not parsed: a one-line array of 2M rows
     # took 1.6 GB to end as one bad row, exit 0)
     if first_line.startswith("["):
@@ -130,12 +133,15 @@ _PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
 def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str, Any]) -> None:
     """Raise ValueError when the first input file that holds bytes (of the first
     ``LOOK_AT_FILES``) is a Parquet file: read as JSON Lines (``why``: what makes it so),
-    every row would be a bad row of binary text, and the job "complete"."""
+    every row would be a bad row of binary text, and the job "complete"; likewise when it
+    is UTF-16 or UTF-32 text (a NUL byte among its first four)."""
     for url in files[:LOOK_AT_FILES]:
         with open_input(url, storage_options) as f:
             head = f.read(len(_PARQUET_MAGIC))
         if head == _PARQUET_MAGIC:
             raise _parquet_as_json_lines(url, why)
+        if b"\x00" in head:
+            raise _not_utf8_text(url)
         if head:
             return
 
@@ -145,6 +151,18 @@ def _parquet_as_json_lines(url: str, why: str) -> ValueError:
         f"{url} is a Parquet file (it begins with {_PARQUET_MAGIC.decode()}), but {why} as "
         "JSON Lines: every row would be a bad row. Set input.format to parquet (or name the "
         "file .parquet)"
+    )
+
+
+def _not_utf8_text(url: str) -> ValueError:
+    """A JSON Lines file that starts with a NUL byte among its first characters: UTF-16 or
+    UTF-32 text (what Windows PowerShell 5 writes by default), in which every line would be
+    a bad row ("not valid UTF-8" / "not valid JSON") and the job "complete"."""
+    return ValueError(
+        f"{url} is not UTF-8 text: it holds NUL bytes where its first characters are, as "
+        "UTF-16 or UTF-32 text does (what Windows PowerShell writes by default); every line "
+        f"would be a bad row. Convert it to UTF-8 (`iconv -f UTF-16 -t UTF-8 "
+        f"{url.rsplit('/', 1)[-1]}`; in PowerShell, `Out-File -Encoding utf8`)"
     )
 
 
