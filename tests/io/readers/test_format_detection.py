@@ -92,3 +92,37 @@ def test_utf16_json_lines_are_refused_up_front(tmp_path, encoding):
     for fmt in ("auto", "jsonl", "openai-batch"):
         with pytest.raises(ValueError, match="is not UTF-8 text: .* UTF-16"):
             detect_format([str(f)], fmt)
+
+
+def test_lines_ending_in_a_carriage_return_alone_are_refused_up_front(tmp_path):
+    """An audit: a file of 6 rows joined by \\r (classic Mac OS, some spreadsheet exports)
+    ran to exit 0 as one bad row ("extra data at column 46")."""
+    f = tmp_path / "rows.jsonl"
+    f.write_bytes(b"\r".join(b'{"id": "r%d", "prompt": "x"}' % i for i in range(6)) + b"\r")
+    for fmt in ("auto", "jsonl", "openai-batch"):
+        with pytest.raises(ValueError, match=r"rows.jsonl's lines end in a carriage return"):
+            detect_format([str(f)], fmt)
+    crlf = tmp_path / "crlf.jsonl"  # \r\n is a line end: fine
+    crlf.write_bytes(b'{"prompt": "x"}\r\n{"prompt": "y"}\r\n')
+    assert detect_format([str(crlf)], "auto") == "jsonl"
+
+
+def test_the_first_lines_are_read_a_bounded_amount(tmp_path, monkeypatch):
+    """A file with no newline was read whole to find its "first line"."""
+    import tokenmill.io.readers.format_detection as detection
+
+    monkeypatch.setattr(detection, "_LINE_CAP", 3 << 20)
+    reads: list[int] = []
+    real = detection.open_input
+
+    def counting(url, options):
+        f = real(url, options)
+        read = f.read
+        f.read = lambda n=-1: reads.append(n) or read(n)
+        return f
+
+    monkeypatch.setattr(detection, "open_input", counting)
+    f = tmp_path / "one.jsonl"
+    f.write_bytes(b'{"prompt": "' + b"x" * (20 << 20) + b'"}')
+    assert detect_format([str(f)], "auto") == "jsonl"
+    assert 0 < len(reads) <= 4 and all(0 < n <= 1 << 20 for n in reads)

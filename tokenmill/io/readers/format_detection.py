@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tokenmill.io.readers.compression import (
@@ -65,6 +66,8 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     first_line = lines[0] if lines else ""
     if "\x00" in first_line[:4]:  # (JSON never holds a NUL byte; UTF-16/32 text does)
         raise _not_utf8_text(first)
+    if _CR_BETWEEN_RECORDS.search(first_line):
+        raise _lines_end_in_cr(first)
     # A JSON array, pretty-printed or on one line (not parsed: a one-line array of 2M rows
     # took 1.6 GB to end as one bad row, exit 0)
     if first_line.startswith("["):
@@ -128,6 +131,12 @@ LOOK_AT_LINES = 20
 
 
 _PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
+_HEAD_BYTES = 1 << 16  # what an explicit format's check reads of the first file
+_LINE_CAP = 16 << 20  # the longest first line read whole (a file with no \n is one line)
+# One JSON value ends and another begins with only a carriage return between them: never
+# valid JSON on one line (a raw CR cannot sit inside a string either), but a file whose
+# lines end in CR alone (classic Mac OS, some spreadsheet exports) read as one line.
+_CR_BETWEEN_RECORDS = re.compile(r"[}\]][ \t]*\r[ \t\r]*[{\[]")
 
 
 def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str, Any]) -> None:
@@ -137,11 +146,13 @@ def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str,
     is UTF-16 or UTF-32 text (a NUL byte among its first four)."""
     for url in files[:LOOK_AT_FILES]:
         with open_input(url, storage_options) as f:
-            head = f.read(len(_PARQUET_MAGIC))
-        if head == _PARQUET_MAGIC:
+            head = f.read(_HEAD_BYTES)
+        if head[: len(_PARQUET_MAGIC)] == _PARQUET_MAGIC:
             raise _parquet_as_json_lines(url, why)
-        if b"\x00" in head:
+        if b"\x00" in head[:4]:
             raise _not_utf8_text(url)
+        if _CR_BETWEEN_RECORDS.search(head.split(b"\n", 1)[0].decode("utf-8", "replace")):
+            raise _lines_end_in_cr(url)
         if head:
             return
 
@@ -166,17 +177,33 @@ def _not_utf8_text(url: str) -> ValueError:
     )
 
 
+def _lines_end_in_cr(url: str) -> ValueError:
+    return ValueError(
+        f"{url}'s lines end in a carriage return alone (\\r, as classic Mac OS and some "
+        "spreadsheet exports write them), not \\n: the whole file would be read as one bad "
+        f"row. Convert it (`tr '\\r' '\\n' < {url.rsplit('/', 1)[-1]} > rows.jsonl`)"
+    )
+
+
 def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[str]:
-    """The first ``count`` non-blank lines of ``url``, stripped."""
+    """The first ``count`` non-blank lines of ``url``, stripped; read a MiB at a time, and
+    a line longer than ``_LINE_CAP`` bytes is its beginning (a file with no \\n, or lines
+    ending in \\r alone, is one line: not read whole)."""
     lines: list[str] = []
+    rest = b""
     with open_input(url, storage_options) as f:
-        for raw in f:
-            text = raw.decode("utf-8-sig", errors="replace").strip()  # (a mark alone: blank)
-            if text:
-                lines.append(text)
-                if len(lines) == count:
-                    break
-    return lines
+        while len(lines) < count:
+            chunk = f.read(1 << 20)
+            *complete, rest = (rest + chunk).split(b"\n")
+            if not chunk or len(rest) > _LINE_CAP:
+                complete.append(rest)
+            for raw in complete:
+                text = raw.decode("utf-8-sig", errors="replace").strip()  # (a mark alone: blank)
+                if text:
+                    lines.append(text)
+            if not chunk or len(rest) > _LINE_CAP:
+                break
+    return lines[:count]
 
 
 def _json_or_none(text: str) -> Any:
