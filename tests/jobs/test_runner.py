@@ -797,6 +797,80 @@ def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
         holder.communicate("")
 
 
+def test_a_lock_held_by_a_stopped_process_says_so_and_how_to_resume_it(
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An audit: a run stopped (Ctrl-Z, SIGSTOP) while it held the lock made every cron start
+    exit 75 saying only "rerun when it has finished". The refusal, on stderr with --quiet
+    too, now names the holder's pid, host and start, says it is stopped and how to resume
+    or end it; the exit code stays 75 (README: another run holds the output)."""
+    import signal
+
+    import yaml
+
+    from tokenmill.jobs.lock import JobLockedError
+
+    out = tmp_path / "out"
+    out.mkdir()
+
+    holder = subprocess.Popen(  # takes the lock, says so, keeps it until stdin closes
+        [sys.executable, "-c", "import sys; from tokenmill.jobs.lock import JobLock; "
+         f"lock = JobLock('test', 'out', {str(out)!r}); lock.acquire(); "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(JobLockedError) as running:
+            JobLock("test", "out", str(out)).acquire()
+        assert f"pid {holder.pid} on {os.uname().nodename}, since " in str(running.value)
+        assert not running.value.holder_stopped and "is stopped" not in str(running.value)
+        os.kill(holder.pid, signal.SIGSTOP)
+        stat = Path(f"/proc/{holder.pid}/stat")
+        for _ in range(200):  # (the signal lands a moment after kill() returns)
+            if stat.read_text().rpartition(")")[2].split()[0] == "T":
+                break
+            time.sleep(0.01)
+        with pytest.raises(JobLockedError) as stopped:
+            JobLock("test", "out", str(out)).acquire()
+        said = str(stopped.value)
+        assert f"job 'test', pid {holder.pid} on {os.uname().nodename}, since " in said
+        assert f"Process {holder.pid} is stopped (state T in /proc/{holder.pid}/stat" in said
+        assert f"`kill -CONT {holder.pid}`" in said and f"`kill {holder.pid}`" in said
+        assert stopped.value.holder_pid == holder.pid and stopped.value.holder_job == "test"
+        # run-job: exit 75, the message on stderr under --quiet (cron's log), none on stdout
+        src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(job_dict(tiny_model, src, out)))
+        capsys.readouterr()
+        assert cli_main([str(job), "--quiet"]) == 75
+        out, err = capsys.readouterr()
+        assert f"Process {holder.pid} is stopped" in err and f"kill -CONT {holder.pid}" in err
+        assert out == ""
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+        holder.communicate("")
+
+
+def test_a_holder_in_a_frozen_cgroup_is_said_to_be_frozen(tmp_path: Path) -> None:
+    """A frozen cgroup's tasks show state S or D, not T: only the cgroup says they are."""
+    from tokenmill.jobs.lock import _stopped
+
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "stat").write_text("42 (python3 (x)) S 1 42 42 0")
+    (proc / "42" / "cgroup").write_text("0::/jobs/nightly\n")
+    (cgroups / "jobs" / "nightly").mkdir(parents=True)
+    events = cgroups / "jobs" / "nightly" / "cgroup.events"
+    events.write_text("populated 1\nfrozen 0\n")
+    assert _stopped(42, proc, cgroups) is None
+    events.write_text("populated 1\nfrozen 1\n")
+    stopped = _stopped(42, proc, cgroups)
+    assert stopped is not None and "frozen cgroup" in stopped.how
+    assert f"echo 0 > {cgroups / 'jobs' / 'nightly' / 'cgroup.freeze'}" in stopped.resume
+
+
 def test_a_forked_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
     """A review: a forked child was told the output was "being written by job 'A' in this
     process" (its parent's)."""

@@ -10,6 +10,7 @@ several machines against one bucket prefix are not prevented).
 
 from __future__ import annotations
 
+import calendar
 import errno
 import fcntl
 import hashlib
@@ -17,6 +18,7 @@ import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.jobs.output_location import OutputPathError
@@ -46,9 +48,19 @@ class JobLockedError(RuntimeError):
     """Another run holds the output's lock; ``holder_job`` names its job when the lock file
     says (None: it does not)."""
 
-    def __init__(self, message: str, holder_job: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        holder_job: str | None = None,
+        holder_pid: int | None = None,
+        holder_stopped: bool = False,
+    ) -> None:
         super().__init__(message)
         self.holder_job = holder_job
+        self.holder_pid = holder_pid  # None: the lock file does not say
+        # The holder is a process of this machine that is stopped or frozen: it keeps the
+        # lock until someone resumes or ends it, so retrying alone never gets through.
+        self.holder_stopped = holder_stopped
 
 
 class JobLock:
@@ -132,17 +144,11 @@ class JobLock:
                     "handle's result()), or give each job its own output.path.",
                     job,
                 ) from None
+            since = _since(holder, fd)
             os.close(fd)
-            pid = named[2] if named else "PID"
-            raise JobLockedError(
-                f"output {self.output_url} is held by another run ({holder}; lock "
-                f"{self.path}); job {self.job!r} wrote nothing. Rerun when it has finished "
-                "(the lock goes when that process exits; a stopped or hung one keeps it: see "
-                f"it with `ps -o pid,stat,etime -p {pid}`).",
-                named[1] if named else None,
-            ) from None
+            raise _held_elsewhere(self, holder, since) from None
         os.ftruncate(fd, 0)
-        os.write(fd, f"job {self.job!r}, pid {os.getpid()} on {os.uname().nodename}".encode())
+        os.write(fd, _holder_text(self.job).encode())
         return True
 
     def release(self) -> None:
@@ -192,3 +198,153 @@ def _holder(fd: int) -> str:
             return text
         time.sleep(0.02)
     return "another process"
+
+
+# What a holder writes in the lock file (``_holder_text``); older versions wrote no "since".
+_HOLDER = re.compile(r"job '(.*)', pid (\d+)(?: on (\S+?))?(?:, since (\S+))?$")
+
+
+def _holder_text(job: str) -> str:
+    """The lock file's text: who holds it and since when (UTC), for the refusal of a run
+    that finds it held and for a person reading the file."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return f"job {job!r}, pid {os.getpid()} on {os.uname().nodename}, since {started}"
+
+
+def _since(holder: str, fd: int) -> float:
+    """When the holder took the lock (epoch seconds): the time it wrote, else (a lock file
+    of an older version, which wrote none) the file's mtime, as the holder writes the file
+    once, just after taking the lock."""
+    named = _HOLDER.match(holder)
+    if named is not None and named[4]:
+        try:
+            return float(calendar.timegm(time.strptime(named[4], "%Y-%m-%dT%H:%M:%SZ")))
+        except ValueError:
+            pass
+    return os.fstat(fd).st_mtime
+
+
+@dataclass(frozen=True)
+class _Stopped:
+    """Why a holder is stopped (``how``) and what resumes it (``resume``)."""
+
+    how: str
+    resume: str
+
+
+def _held_elsewhere(lock: JobLock, holder: str, since: float) -> JobLockedError:
+    """The refusal of ``lock`` held by another process: who holds it, since when, and, for
+    a process of this machine that is stopped or frozen, that it is and how to resume or
+    end it (a stopped run keeps the lock forever: each cron start exited 75 saying only
+    "rerun when it has finished", an audit)."""
+    named = _HOLDER.match(holder)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(since))
+    ago = _duration(time.time() - since)
+    head = (
+        f"output {lock.output_url} is held by another run ({holder.split(', since ')[0]}, "
+        f"since {started}, {ago} ago; lock {lock.path}); job {lock.job!r} wrote nothing."
+    )
+    if named is None:  # (a file of another program, or empty: nothing to look up)
+        return JobLockedError(f"{head} Rerun when it has finished.")
+    job, pid, host = named[1], int(named[2]), named[3]
+    local = host is None or host == os.uname().nodename
+    stopped = _stopped(pid) if local else None
+    if stopped is not None:
+        return JobLockedError(
+            f"{head} Process {pid} is {stopped.how}: it keeps the lock until it is resumed "
+            "or ended, so every start is refused until then (run-job: exit 75). Resume it "
+            f"with {stopped.resume}, "
+            f"or end it with `kill {pid}` and then resume it (a stopped process acts on "
+            f"SIGTERM only once resumed; it stops at its next commit, keeping committed "
+            f"shards), or `kill -KILL {pid}` to end it at once.",
+            job,
+            pid,
+            holder_stopped=True,
+        )
+    where = "" if local else f" (on {host}, not this machine: its state cannot be read here)"
+    return JobLockedError(
+        f"{head} Rerun when it has finished{where} (the lock goes when that process exits; "
+        f"a hung one keeps it: see it with `ps -o pid,stat,etime -p {pid}`).",
+        job,
+        pid,
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as "3 h 05 min", "12 min" or "40 s"."""
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _stopped(
+    pid: int, proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
+) -> _Stopped | None:
+    """How process ``pid`` of this machine is stopped, if it is: by a signal or a tracer
+    (state T or t in ``/proc/<pid>/stat``), or in a frozen cgroup (whose tasks show S or D:
+    only the cgroup says so). None: running, gone, or /proc cannot say (not Linux)."""
+    state = _proc_state(pid, proc)
+    if state == "T":
+        return _Stopped(
+            f"stopped (state T in /proc/{pid}/stat: SIGSTOP, Ctrl-Z)",
+            f"`kill -CONT {pid}` (or `fg` in the shell that stopped it)",
+        )
+    if state == "t":
+        return _Stopped(
+            f"stopped by a debugger or tracer (state t in /proc/{pid}/stat)",
+            f"the debugger's continue, or `kill -CONT {pid}` once it detaches",
+        )
+    frozen = _frozen_cgroup(pid, proc, cgroups)
+    if frozen is not None:
+        return _Stopped(f"in the frozen cgroup {frozen.parent}", _thaw_command(frozen))
+    return None
+
+
+def _proc_state(pid: int, proc: Path) -> str | None:
+    """The state letter of ``/proc/<pid>/stat`` (after the command name, which may itself
+    hold spaces and parentheses); None when there is no such process or file."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return fields[0] if fields else None
+
+
+def _frozen_cgroup(pid: int, proc: Path, cgroups: Path) -> Path | None:
+    """The freezer file of ``pid``'s cgroup when that cgroup is frozen (cgroup v2's
+    ``cgroup.events`` saying ``frozen 1``, v1's ``freezer.state`` saying FROZEN)."""
+    try:
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if controllers == "":  # v2 (or v1's unified hierarchy beside it)
+            for base in (cgroups, cgroups / "unified"):
+                events = base / relative / "cgroup.events"
+                if "frozen 1" in _read(events).splitlines():
+                    return base / relative / "cgroup.freeze"
+        elif "freezer" in controllers.split(","):
+            state = cgroups / "freezer" / relative / "freezer.state"
+            if _read(state).strip() == "FROZEN":
+                return state
+    return None
+
+
+def _thaw_command(freezer: Path) -> str:
+    """The command that thaws the cgroup whose freezer file is ``freezer`` (its manager's
+    own, ``docker unpause`` or ``systemctl thaw``, does too)."""
+    value = "0" if freezer.name == "cgroup.freeze" else "THAWED"
+    return f"`echo {value} > {freezer}` (or its manager's thaw: `docker unpause`, `systemctl thaw`)"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
