@@ -285,3 +285,45 @@ def test_a_replicas_kv_cache_too_small_for_the_context_names_the_setting(
     err = capsys.readouterr().err
     assert "engine: the KV cache holds 384 tokens, less than the 1024-token context" in err, err
     assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
+
+
+def test_a_lost_cluster_fails_the_run_with_its_report_and_exit_75(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """An audit: with the head gone mid-job nothing raised in Python; Ray's C++ core ended the
+    driver 60 s later (exit 1, no report.json, only Ray's log line). The head's loss is
+    injected where the driver notices it (the GCS watch's connect: killing a real head is
+    60+ s and would end this test process): the run fails with its committed shards'
+    report, exit 75, naming the cause."""
+    import ray
+    import yaml
+
+    from tokenmill.jobs import ray_cluster_watch
+    from tokenmill.jobs.cli import main as cli_main
+
+    out = tmp_path / "out"
+    # the head "goes away" once a shard is committed
+    monkeypatch.setattr(ray_cluster_watch, "gcs_answers", lambda address: not _committed(out))
+    monkeypatch.setattr(ray_cluster_watch, "LOST_AFTER_S", 0.5)
+    monkeypatch.setattr(ray_cluster_watch, "_EVERY_S", 0.1)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(60))
+    spec = job_dict(tiny_model, src, out, execution={"executor": "ray", "replicas": 1},
+                    engine={"max_num_seqs": 2}, sampling={"max_tokens": 16})  # fmt: skip
+    spec["output"]["rows_per_shard"] = 2
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    try:
+        assert cli_main([str(job), "--quiet"]) == 75
+    finally:  # the cluster is up in fact: the replicas the lost run left go
+        for name in ray.util.list_named_actors():
+            if name.startswith("tokenmill-"):
+                ray.kill(ray.get_actor(name))
+    assert "run-job: the Ray cluster went away: its head (GCS at " in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed" and "ClusterLostError" in report["error"]
+    assert report["shards_committed"] >= 1 and report["rows_this_run"] < 60
+
+
+def _committed(out: Path) -> bool:
+    shards = out / "shards"
+    return shards.exists() and any(shards.iterdir())

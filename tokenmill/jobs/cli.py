@@ -5,8 +5,9 @@
 2   the spec cannot work: invalid, its output/input/model paths are wrong, or the output
     holds progress made with other settings (the message names the file and the key);
     rerunning will not help until it is fixed
-75  temporary: another run holds the output, the run was stopped by SIGTERM/SIGINT, or the
-    storage failed mid-run; committed shards are kept: rerun the same command to resume
+75  temporary: another run holds the output, the run was stopped by SIGTERM/SIGINT, the
+    storage failed mid-run, or a Ray run lost its cluster; committed shards are kept: rerun
+    the same command to resume
 
 The job is a job.yaml, or, for one input and one output, flags alone:
 
@@ -31,6 +32,7 @@ from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError
+from tokenmill.jobs.ray_cluster_watch import ClusterLostError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
 from tokenmill.jobs.store_loop_noise import quiet_store_loop_errors
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:
+            lost = _cluster_lost(exc)
+            if lost is not None:  # the Ray cluster went away: once it is up, a rerun resumes
+                return _fail(f"{lost}; {_RESUME}", EXIT_TEMPORARY)
             # A file that is not there, or not allowed, or an input cut short does not come
             # right by waiting.
             lasting = _lasting(exc)
@@ -108,7 +113,7 @@ true, [a, b]). Without a job.yaml the job is named "job" (--set name=... to chan
 
 exit codes: 0 complete, 1 failed, 2 invalid spec or usage, or a file, path or permission
 to fix (a missing or corrupt input, an output not allowed), 75 temporary (locked, stopped
-by a signal, storage failure): rerun to resume
+by a signal, storage failure, Ray cluster lost): rerun to resume
 """
 
 
@@ -221,6 +226,11 @@ _LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectory
 def _lasting(exc: BaseException) -> BaseException | None:
     """The exception in ``exc``'s chain that will not go away on a rerun, if any."""
     return in_chain(exc, lambda e: isinstance(e, _LASTING))
+
+
+def _cluster_lost(exc: BaseException) -> BaseException | None:
+    """The ClusterLostError in ``exc``'s chain (a Ray run's driver lost its cluster), if any."""
+    return in_chain(exc, lambda e: isinstance(e, ClusterLostError))
 
 
 def _from_a_store_client(exc: BaseException) -> bool:

@@ -61,6 +61,7 @@ from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery
+from tokenmill.jobs.ray_cluster_watch import GcsWatch
 from tokenmill.jobs.ray_replica_failures import ReplicaFailures
 from tokenmill.jobs.ray_replica_pool import (
     ChunkDone,
@@ -126,6 +127,9 @@ class RayExecutor:
                 "ray_address=%s",
                 spec.execution.ray_address,
             )
+        # Ray's C++ core ends a driver that cannot reach its head for 60 s, with no
+        # Python exception: the watch makes the run fail (and write its report) first.
+        self._watch = GcsWatch(ray.get_runtime_context().gcs_address)
         total = ray.cluster_resources()
         self._resources = replica_resources(spec, total.get("GPU", 0))
         self._room_for_all = True  # the cluster can run every replica at once
@@ -199,6 +203,7 @@ class RayExecutor:
                     return
                 for event in run.pool.poll(_POLL_S):
                     results += self._handle(event, run)
+                self._watch.check()  # (the events of a cluster still up are handled first)
                 self._rows_in_flight = len(run.in_flight)
                 if on_step is not None:
                     on_step()
@@ -370,7 +375,12 @@ class RayExecutor:
 
     def close(self) -> None:
         """Kill the replicas (their in-flight rows are dropped); shut Ray down if we started
-        it."""
+        it. With the cluster lost, it makes no Ray call: each would wait on the head that
+        is gone until Ray ends the process (60 s), taking the run's report with it."""
+        self._watch.stop()
+        if self._watch.lost:
+            self._pool = None
+            return
         if self._pool is not None and ray.is_initialized():
             self._pool.close()
         self._pool = None
