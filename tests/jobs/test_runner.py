@@ -855,7 +855,7 @@ def test_a_lock_held_by_a_stopped_process_says_so_and_how_to_resume_it(
 
 def test_a_holder_in_a_frozen_cgroup_is_said_to_be_frozen(tmp_path: Path) -> None:
     """A frozen cgroup's tasks show state S or D, not T: only the cgroup says they are."""
-    from tokenmill.jobs.lock import _stopped
+    from tokenmill.jobs.process_state import stopped_how
 
     proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "42").mkdir(parents=True)
@@ -864,9 +864,9 @@ def test_a_holder_in_a_frozen_cgroup_is_said_to_be_frozen(tmp_path: Path) -> Non
     (cgroups / "jobs" / "nightly").mkdir(parents=True)
     events = cgroups / "jobs" / "nightly" / "cgroup.events"
     events.write_text("populated 1\nfrozen 0\n")
-    assert _stopped(42, proc, cgroups) is None
+    assert stopped_how(42, proc, cgroups) is None
     events.write_text("populated 1\nfrozen 1\n")
-    stopped = _stopped(42, proc, cgroups)
+    stopped = stopped_how(42, proc, cgroups)
     assert stopped is not None and "frozen cgroup" in stopped.how
     assert f"echo 0 > {cgroups / 'jobs' / 'nightly' / 'cgroup.freeze'}" in stopped.resume
 

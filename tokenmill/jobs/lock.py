@@ -18,10 +18,10 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.jobs.output_location import OutputPathError
+from tokenmill.jobs.process_state import stopped_how
 
 LOCK_FILE = ".tokenmill.lock"
 _TRIES = 5  # takes of the lock before giving up on a lock file taken away as it is locked
@@ -224,14 +224,6 @@ def _since(holder: str, fd: int) -> float:
     return os.fstat(fd).st_mtime
 
 
-@dataclass(frozen=True)
-class _Stopped:
-    """Why a holder is stopped (``how``) and what resumes it (``resume``)."""
-
-    how: str
-    resume: str
-
-
 def _held_elsewhere(lock: JobLock, holder: str, since: float) -> JobLockedError:
     """The refusal of ``lock`` held by another process: who holds it, since when, and, for
     a process of this machine that is stopped or frozen, that it is and how to resume or
@@ -248,7 +240,7 @@ def _held_elsewhere(lock: JobLock, holder: str, since: float) -> JobLockedError:
         return JobLockedError(f"{head} Rerun when it has finished.")
     job, pid, host = named[1], int(named[2]), named[3]
     local = host is None or host == os.uname().nodename
-    stopped = _stopped(pid) if local else None
+    stopped = stopped_how(pid) if local else None
     if stopped is not None:
         return JobLockedError(
             f"{head} Process {pid} is {stopped.how}: it keeps the lock until it is resumed "
@@ -278,73 +270,3 @@ def _duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60} min"
     return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-
-
-def _stopped(
-    pid: int, proc: Path = Path("/proc"), cgroups: Path = Path("/sys/fs/cgroup")
-) -> _Stopped | None:
-    """How process ``pid`` of this machine is stopped, if it is: by a signal or a tracer
-    (state T or t in ``/proc/<pid>/stat``), or in a frozen cgroup (whose tasks show S or D:
-    only the cgroup says so). None: running, gone, or /proc cannot say (not Linux)."""
-    state = _proc_state(pid, proc)
-    if state == "T":
-        return _Stopped(
-            f"stopped (state T in /proc/{pid}/stat: SIGSTOP, Ctrl-Z)",
-            f"`kill -CONT {pid}` (or `fg` in the shell that stopped it)",
-        )
-    if state == "t":
-        return _Stopped(
-            f"stopped by a debugger or tracer (state t in /proc/{pid}/stat)",
-            f"the debugger's continue, or `kill -CONT {pid}` once it detaches",
-        )
-    frozen = _frozen_cgroup(pid, proc, cgroups)
-    if frozen is not None:
-        return _Stopped(f"in the frozen cgroup {frozen.parent}", _thaw_command(frozen))
-    return None
-
-
-def _proc_state(pid: int, proc: Path) -> str | None:
-    """The state letter of ``/proc/<pid>/stat`` (after the command name, which may itself
-    hold spaces and parentheses); None when there is no such process or file."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return fields[0] if fields else None
-
-
-def _frozen_cgroup(pid: int, proc: Path, cgroups: Path) -> Path | None:
-    """The freezer file of ``pid``'s cgroup when that cgroup is frozen (cgroup v2's
-    ``cgroup.events`` saying ``frozen 1``, v1's ``freezer.state`` saying FROZEN)."""
-    try:
-        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        relative = path.lstrip("/")
-        if controllers == "":  # v2 (or v1's unified hierarchy beside it)
-            for base in (cgroups, cgroups / "unified"):
-                events = base / relative / "cgroup.events"
-                if "frozen 1" in _read(events).splitlines():
-                    return base / relative / "cgroup.freeze"
-        elif "freezer" in controllers.split(","):
-            state = cgroups / "freezer" / relative / "freezer.state"
-            if _read(state).strip() == "FROZEN":
-                return state
-    return None
-
-
-def _thaw_command(freezer: Path) -> str:
-    """The command that thaws the cgroup whose freezer file is ``freezer`` (its manager's
-    own, ``docker unpause`` or ``systemctl thaw``, does too)."""
-    value = "0" if freezer.name == "cgroup.freeze" else "THAWED"
-    return f"`echo {value} > {freezer}` (or its manager's thaw: `docker unpause`, `systemctl thaw`)"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
