@@ -6,8 +6,10 @@ Ray runs ``install`` in each worker process it starts for the job (``ray.init(ru
 engines change; the driver's do not. From then on, an engine step taken while a request
 whose prompt holds ``RAISE`` is in the engine raises RuntimeError (the replica's engine
 fails mid-batch), one holding ``KILL`` SIGKILLs its own process (a native crash), and one
-holding ``HANG`` never returns (a hung engine: the process lives, and answers calls). The
-recovery that follows is the executor's own; nothing here touches it.
+holding ``HANG`` never returns (a hung engine: the process lives, and answers calls). An
+outage: while ``OUTAGE_DIR`` holds files, each engine step takes one away and raises, whatever
+its rows (one replica failure a file). The recovery that follows is the executor's own;
+nothing here touches it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ HANG = "POISON-HANG"
 # While this file exists, the first actor of replica slot 1 never answers ready() (a start
 # that hangs: a model load stuck on a network file system, a CUDA init that never returns).
 HANG_START_FLAG = os.path.join(tempfile.gettempdir(), f"tokenmill-test-hang-start-{os.getuid()}")
+OUTAGE_DIR = os.path.join(tempfile.gettempdir(), f"tokenmill-test-outage-{os.getuid()}")
+
+
+def outage_failure() -> bool:
+    """Whether this engine step is one of the outage's failures: it takes one of
+    ``OUTAGE_DIR``'s files (os.remove is atomic: of two replicas racing for one file, one
+    gets it, so the outage is exactly as many failures as files)."""
+    try:
+        tokens = os.listdir(OUTAGE_DIR)
+    except FileNotFoundError:
+        return False
+    for token in tokens:
+        try:
+            os.remove(os.path.join(OUTAGE_DIR, token))
+        except FileNotFoundError:
+            continue
+        return True
+    return False
 
 
 def install() -> None:
@@ -47,6 +67,8 @@ def install() -> None:
             threading.Event().wait()  # forever; the GIL is free, as in a hung native call
         if RAISE in marks:
             raise RuntimeError(f"the test engine cannot run a prompt holding {RAISE}")
+        if outage_failure():
+            raise RuntimeError("the test engine fails whatever it runs: an outage")
         return step(self)
 
     LLMEngine.add_request = marked_add_request

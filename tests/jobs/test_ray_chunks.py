@@ -1,14 +1,20 @@
 """ChunkRecovery without Ray: what happens to the chunks of a failed replica. A chunk lost
 with others runs again whole, a chunk lost alone is halved, a row is skipped only after its
 lineage failed POISON_FAILURES times, and a poison row is found in about log2(n) + 2
-failures while the rows beside it all run again."""
+failures while the rows beside it all run again. A row failing alone while nothing finishes
+(an outage) waits for evidence that the cluster works: replayed through the executor's loop
+on a fake pool, an outage costs no row, and poison rows are still isolated when they are
+the last work left."""
 
 from __future__ import annotations
+
+import itertools
+from typing import Any
 
 import pytest
 
 from tokenmill.io.rows import InputRow, ResultRow
-from tokenmill.jobs.ray_chunks import POISON_FAILURES, Chunk, ChunkRecovery
+from tokenmill.jobs.ray_chunks import POISON_FAILURES, Chunk, ChunkRecovery, Parked
 
 
 def _rows(n: int) -> list[InputRow]:
@@ -124,3 +130,143 @@ def test_replicas_failing_in_a_row_with_nothing_finishing_end_the_job() -> None:
     recovery.failed("x")
     with pytest.raises(ReplicasFailingError, match=r"failed 3 times in a row .* \(the last: y\)"):
         recovery.failed("y")
+
+
+def test_a_row_failing_alone_while_nothing_finishes_is_parked_not_counted() -> None:
+    """An outage: every replica fails whatever it runs. A one-row chunk's failure alone
+    with other work in flight and no chunk finished since its lineage's last failure is
+    no evidence against the row: it waits, its failures unchanged, and once a chunk has
+    finished (the cluster works) its next failure counts."""
+    recovery = ChunkRecovery("m")
+    (row,) = _rows(1)
+    chunk = recovery.chunk([row], failures=POISON_FAILURES - 1)
+
+    parked = recovery.lost(chunk, alone=True, reason="died", other_work=True)
+    assert isinstance(parked, Parked) and parked.chunk.failures == POISON_FAILURES - 1
+    # still no chunk finished: parked again, however often it fails
+    again = recovery.lost(parked.chunk, alone=True, reason="died", other_work=True)
+    assert isinstance(again, Parked) and again.chunk.failures == POISON_FAILURES - 1
+
+    recovery.done()  # a chunk finished: the cluster works, so the row's failure is its own
+    skipped = recovery.lost(again.chunk, alone=True, reason="died", other_work=True)
+    assert isinstance(skipped, ResultRow) and not skipped.ok
+
+
+def test_a_parked_row_counts_when_no_evidence_can_come() -> None:
+    """Nothing else queued or in flight: no chunk can finish to vouch for the cluster, so
+    the failure counts (a poison row that is the last work left is still isolated), and
+    so does the next failure of a row released for that reason."""
+    recovery = ChunkRecovery("m")
+    first, second = (recovery.chunk([r], failures=POISON_FAILURES - 1) for r in _rows(2))
+
+    assert isinstance(recovery.lost(first, alone=True, reason="x", other_work=False), ResultRow)
+    parked = recovery.lost(second, alone=True, reason="x", other_work=True)
+    assert isinstance(parked, Parked)
+    (released,) = recovery.release_unproven([parked.chunk])
+    assert isinstance(recovery.lost(released, alone=True, reason="x", other_work=True), ResultRow)
+
+
+def test_chunks_of_several_rows_are_halved_during_an_outage_as_before() -> None:
+    recovery = ChunkRecovery("m")
+    halves = recovery.lost(recovery.chunk(_rows(4), failures=1), True, "x", other_work=True)
+    assert isinstance(halves, list) and [len(h) for h in halves] == [2, 2]
+
+
+class _FakePool:
+    """ReplicaPool's interface without Ray. Each poll settles one busy replica (in turn):
+    while ``outage`` failures are left, or when it holds a ``poison`` row, it fails with
+    every chunk it holds (and is replaced at once); else each of its chunks finishes."""
+
+    def __init__(self, replicas: int, outage: int = 0, poison: frozenset[int] = frozenset()):
+        from tokenmill.jobs.ray_replica import ReplicaInfo
+        from tokenmill.jobs.ray_replica_pool import ReplicaSlot
+
+        info = ReplicaInfo(pid=1, node_id="n", load_seconds=0.0)
+        self.slots = [ReplicaSlot(i, info=info) for i in range(replicas)]
+        self.outage, self.poison = outage, poison
+        self.polls = 0
+        self._turn = 0
+        self._refs = itertools.count()
+
+    def submit(self, slot: Any, chunk: Chunk, alone: bool = False) -> None:
+        slot.running[next(self._refs)] = chunk
+        slot.isolated = alone
+
+    def poll(self, timeout: float) -> list[Any]:
+        from tokenmill.jobs.engine_counters import EngineCounters
+        from tokenmill.jobs.ray_replica import ChunkResult
+        from tokenmill.jobs.ray_replica_pool import ChunkDone, ReplicaLost
+        from tokenmill.jobs.step_batches import StepBatches
+
+        self.polls += 1
+        assert self.polls < 10_000, "the job hangs: nothing runs and nothing is released"
+        busy = [s for s in self.slots if s.running]
+        if not busy:
+            return []
+        slot = busy[self._turn % len(busy)]
+        self._turn += 1
+        chunks = list(slot.running.values())
+        rows = [r.row_index for c in chunks for r in c.rows]
+        if self.outage or self.poison.intersection(rows):
+            self.outage = max(0, self.outage - 1)
+            slot.running.clear()
+            slot.isolated = False
+            return [ReplicaLost(slot, chunks, alone=len(chunks) == 1, reason="engine raised")]
+        slot.running.clear()
+        slot.isolated = False
+        done = [ResultRow(r.row_index, r.row_id, text="ok") for c in chunks for r in c.rows]
+        return [ChunkDone(slot, chunks[0], ChunkResult(done, EngineCounters(), StepBatches()))]
+
+
+def _simulate(rows: int, pool: _FakePool, chunk_rows: int = 2) -> tuple[Any, list[ResultRow]]:
+    """Run ``rows`` rows through a RayExecutor's process loop on ``pool``: its results."""
+    pytest.importorskip("ray")
+    from tokenmill.jobs.ray_executor import CHUNKS_PER_REPLICA, RayExecutor
+    from tokenmill.jobs.ray_replica_failures import ReplicaFailures
+
+    executor = object.__new__(RayExecutor)
+    executor.replicas, executor.chunk_rows = len(pool.slots), chunk_rows
+    executor.max_in_flight = CHUNKS_PER_REPLICA * executor.replicas * chunk_rows
+    executor._recovery = ChunkRecovery("m", give_up_after=16)
+    executor.failures = ReplicaFailures()
+    executor._pool, executor._by_prefix, executor._room_for_all = pool, False, True
+    executor._stats, executor._batches, executor._load_seconds = {}, {}, {}
+    executor._rows_in_flight = 0
+    results = list(executor.process(_rows(rows)))
+    assert sorted(r.row_index for r in results) == list(range(rows))  # each row once
+    return executor, results
+
+
+@pytest.mark.parametrize("outage", [8, 12, 15])
+def test_an_outage_shorter_than_the_breaker_costs_no_row(outage: int) -> None:
+    """The defect: every replica failing for a while (fewer failures than the breaker's 16)
+    bisected chunks of good rows down to single rows and skipped them as poison rows
+    (from 12 failures on in this replay: 8 only halves chunks, and passes unmended)."""
+    executor, results = _simulate(32, _FakePool(2, outage=outage))
+    assert [r.row_id for r in results if not r.ok] == []
+    assert executor.failures.replicas == outage and executor.failures.rows_isolated == 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "poison"),
+    [
+        (32, {5}),  # amid other work
+        (32, {5, 20}),
+        (1, {0}),  # the only row: nothing else can ever finish
+        (2, {0, 1}),  # two poison rows, the only work: each waits on the other
+        (4, {2, 3}),  # two poison rows in the last chunk
+    ],
+)
+def test_poison_rows_are_still_isolated_also_when_they_are_the_last_work(
+    rows: int, poison: set[int]
+) -> None:
+    """The reverted rule waited for completions that could not come when poison rows were
+    the last work, and the breaker ended the job instead of isolating them."""
+    executor, results = _simulate(rows, _FakePool(2, poison=frozenset(poison)))
+    assert sorted(r.row_index for r in results if not r.ok) == sorted(poison)
+    assert executor.failures.rows_isolated == len(poison)
+
+
+def test_an_outage_with_poison_rows_last_isolates_them_and_no_other() -> None:
+    executor, results = _simulate(8, _FakePool(2, outage=6, poison=frozenset({6, 7})))
+    assert sorted(r.row_index for r in results if not r.ok) == [6, 7]

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -30,7 +31,7 @@ from tests.jobs.job_helpers import (
     read_jsonl_dir,
     write_jsonl,
 )
-from tests.jobs.ray_poison import HANG, HANG_START_FLAG, KILL, RAISE
+from tests.jobs.ray_poison import HANG, HANG_START_FLAG, KILL, OUTAGE_DIR, RAISE
 from tokenmill import run_job
 from tokenmill.jobs.cli import main as cli_main
 
@@ -191,6 +192,30 @@ def test_replicas_failing_whatever_they_run_end_the_job(
     assert "failed 16 times in a row with no chunk of rows finishing" in capsys.readouterr().err
     assert len(read_jsonl_dir(out / "errors")) < 12 and read_jsonl_dir(out / "shards") == []
     assert json.loads((out / "report.json").read_text())["status"] == "failed"
+
+
+def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_path: Path) -> None:
+    """Every replica's engine failing whatever it runs, 12 times (an engine or cluster
+    outage, fewer failures than the breaker's 16): the chunks were bisected down to single
+    rows, and good rows were skipped as poison rows. A row failing alone while no chunk
+    finishes now waits for one; every row is written, no error row."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(16))
+    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
+    outage = Path(OUTAGE_DIR)
+    shutil.rmtree(outage, ignore_errors=True)
+    outage.mkdir()
+    for i in range(12):
+        (outage / f"failure-{i}").touch()
+    try:
+        out = tmp_path / "ray"
+        assert _run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
+        assert list(outage.iterdir()) == []  # the whole outage happened
+    finally:
+        shutil.rmtree(outage, ignore_errors=True)
+    assert read_jsonl_dir(out / "errors") == []
+    assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards")
+    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    assert failures["replicas"] == 12 and failures["rows_isolated"] == 0, failures
 
 
 def test_rows_waiting_on_a_replica_whose_start_hangs_go_to_one_that_is_up(

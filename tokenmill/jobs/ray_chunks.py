@@ -11,31 +11,44 @@ while alone is then the chunk's own, and the chunk is bisected until the row is 
 
 A one-row chunk is written as the row's error (the "poison row") once its lineage (the chunk
 it came from and that chunk's own ancestors) has failed ``POISON_FAILURES`` times, at least
-once with the row alone; before that it runs again. Three failures, not one, so that a
-replica killed by chance (preempted, OOM-killed for another reason) while it ran an innocent
-row alone does not cost that row its result: a row is only skipped after it failed every
-time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay bounded: each
-failure splits or retires a chunk, and finding the row in a chunk of n rows takes about
-log2(n) + 2 replica failures (3 at least).
+once with the row alone; before that it runs again (or waits: below). Three failures, not
+one, so that a replica killed by chance (preempted, OOM-killed for another reason) while it
+ran an innocent row alone does not cost that row its result: a row is only skipped after it
+failed every time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay
+bounded: each failure splits or retires a chunk, and finding the row in a chunk of n rows
+takes about log2(n) + 2 replica failures (3 at least).
+
+An outage is not a row: with every replica failing for a while (a 20 s engine failure, a
+cluster hiccup), bisection would go on down to single rows and skip good ones. So a one-row
+chunk's failure alone counts towards its verdict only with evidence that the cluster works
+(a chunk finished since its lineage's previous failure), or when none can come: nothing
+else is queued or in flight, so that a poison row that is the last work left is still
+isolated. Otherwise the row is *parked* (``Parked``), not run (during an outage it would
+only fail again), until a chunk finishes (its next failure then counts), or until nothing
+but parked rows is left: then they are all released, and each one's next failure counts
+whatever finished (``release_unproven``). Halving a chunk of several rows goes on as
+before: it loses nothing.
 
 Replica failures in a row with nothing finishing between them end the job
 (``ReplicasFailingError``, exit 1, the rows in flight unwritten: a rerun resumes), as the
 local executor ends on its engine's first error: with every replica failing whatever it ran,
 a job of 12 rows "completed" with 12 error rows (an audit). Isolating a poison row never
 takes that many: a bisection's innocent half finishes every other failure, and a row alone
-fails ``POISON_FAILURES`` times. Not told apart yet: an outage shorter than that (a 20 s
-engine failure) can still skip the rows it bisects down to.
+fails ``POISON_FAILURES`` times (once more where it was parked). An outage longer than that
+ends the job the same way; a shorter one costs no row while other work is left to show that
+the cluster works again. Not told apart: an outage that outlasts all the other work (a small
+job, or its tail) counts against the rows left, as a poison row there must.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.requests import error_result
 
-__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery", "ReplicasFailingError"]
+__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery", "Parked", "ReplicasFailingError"]
 
 POISON_FAILURES = 3  # failures of a row's lineage, the last one alone, before it is skipped
 
@@ -47,14 +60,26 @@ class ReplicasFailingError(RuntimeError):
 @dataclass(frozen=True)
 class Chunk:
     """Rows that travel to one replica together and come back together. ``failures``: how
-    often this chunk or the chunks it was split from were lost with a failed replica."""
+    often this chunk or the chunks it was split from were lost with a failed replica.
+    ``evidence_after``: ChunkRecovery.finished when the chunk was made (at its lineage's last
+    failure, for a suspect): a chunk finishing after that shows the cluster works; None: its
+    next failure counts whatever finished (released for lack of any evidence to wait for)."""
 
     id: int
     rows: tuple[InputRow, ...]
     failures: int = 0
+    evidence_after: int | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A one-row chunk that failed alone with no evidence that the cluster works: it waits
+    (not run, not counted) until a chunk finishes or nothing else is queued or in flight."""
+
+    chunk: Chunk
 
 
 class ChunkRecovery:
@@ -74,16 +99,27 @@ class ChunkRecovery:
         self.give_up_after = give_up_after
         self._ids = itertools.count()
         self.failures_since_done = 0  # replica failures since a chunk last finished
+        self.finished = 0  # chunks finished so far: the clock of Chunk.evidence_after
 
     def chunk(self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0) -> Chunk:
-        """A new chunk of ``rows`` (at least one), with the next id."""
+        """A new chunk of ``rows`` (at least one), with the next id; only chunks finishing
+        from now on are evidence for it."""
         if not rows:
             raise ValueError("a chunk needs at least one row")
-        return Chunk(next(self._ids), tuple(rows), failures)
+        return Chunk(next(self._ids), tuple(rows), failures, self.finished)
 
     def done(self) -> None:
-        """A chunk finished (its replica answered for all its rows)."""
+        """A chunk finished (its replica answered for all its rows): the cluster works, so
+        parked rows may run again, and their next failure counts."""
         self.failures_since_done = 0
+        self.finished += 1
+
+    def release_unproven(self, parked: list[Chunk]) -> list[Chunk]:
+        """``parked`` to run again when nothing else is queued or in flight: no chunk can
+        finish to show that the cluster works, so their next failure counts whatever
+        finished. Waiting longer starved poison rows that were the last work left (the
+        breaker ended the job instead of isolating them)."""
+        return [replace(chunk, evidence_after=None) for chunk in parked]
 
     def failed(self, reason: str) -> None:
         """A replica failed (before ``lost`` for each chunk it held).
@@ -98,10 +134,14 @@ class ChunkRecovery:
                 "cause and rerun the same command to resume"
             )
 
-    def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | ResultRow:
+    def lost(
+        self, chunk: Chunk, alone: bool, reason: str, other_work: bool = False
+    ) -> list[Chunk] | Parked | ResultRow:
         """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
-        it was the only chunk there. Returns the suspects to run next (each alone), or the
-        error result of a poison row."""
+        it was the only chunk there; ``other_work``: other rows are queued or in flight
+        (parked ones included), so a chunk may yet finish and show that the cluster works.
+        Returns the suspects to run next (each alone), a one-row chunk parked, or the error
+        result of a poison row."""
         failures = chunk.failures + 1
         if not alone:  # any of the replica's chunks may have done it: run this one alone
             return [self.chunk(chunk.rows, failures)]
@@ -111,6 +151,10 @@ class ChunkRecovery:
                 self.chunk(chunk.rows[:half], failures),
                 self.chunk(chunk.rows[half:], failures),
             ]
+        if not self._counts(chunk, other_work):
+            # an outage fails every replica whatever it runs: rerunning the row now would
+            # fail again and count against a good row; it waits for evidence instead
+            return Parked(replace(chunk, evidence_after=self.finished))
         if failures < self.poison_failures:
             return [self.chunk(chunk.rows, failures)]
         row = chunk.rows[0]
@@ -121,3 +165,12 @@ class ChunkRecovery:
             "could finish; run it alone (e.g. with executor: local) to reproduce the failure",
             self.model,
         )
+
+    def _counts(self, chunk: Chunk, other_work: bool) -> bool:
+        """Whether a one-row chunk's failure alone counts towards its verdict: a chunk
+        finished since its lineage's previous failure (the cluster works, so the row failed
+        on its own), it was released for lack of evidence, or none can come (nothing else
+        queued or in flight)."""
+        if chunk.evidence_after is None or not other_work:
+            return True
+        return self.finished > chunk.evidence_after

@@ -24,9 +24,11 @@ Failures (ray_replica_pool.py, ray_chunks.py): a replica whose process dies, or 
 raises, loses only the chunks it held; a new replica takes its place (the model reloads) and
 the lost chunks run again, each alone on a replica, so that a chunk that fails again is
 known to be the culprit and is bisected down to the row that does it; that row is written
-to the error file with what happened, and the job goes on. A result arriving for a row
-already answered is dropped, so every row is answered once. Commits stay on the driver,
-through the runner's exactly-once writer.
+to the error file with what happened, and the job goes on. A row that fails alone while no
+chunk finishes is parked (``_Run.parked``) until one does, or until nothing else is queued
+or in flight: an outage fails every replica, and is not the row's fault. A result arriving
+for a row already answered is dropped, so every row is answered once. Commits stay on the
+driver, through the runner's exactly-once writer.
 
 Why plain actors and not Ray Data's map_batches: Ray Data retries an actor's lost blocks
 by itself, forever (a poison row hangs the job) and fails the whole dataset when a batch
@@ -60,7 +62,7 @@ import ray
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
-from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery
+from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked
 from tokenmill.jobs.ray_cluster_watch import GcsWatch
 from tokenmill.jobs.ray_replica_failures import ReplicaFailures
 from tokenmill.jobs.ray_replica_pool import (
@@ -197,6 +199,7 @@ class RayExecutor:
         try:
             while not cancel.is_set():
                 results = run.pull(self.max_in_flight, self._route)
+                self._release_parked(run)
                 self._send(run)
                 if run.finished:
                     yield from results
@@ -296,6 +299,9 @@ class RayExecutor:
             return []
         if isinstance(event, ChunkDone):
             self._recovery.done()
+            # the cluster works: parked rows run again, and their next failure counts
+            run.suspects.extend(run.parked)
+            run.parked.clear()
             key = event.slot.key
             self._stats[key] = event.result.counters
             self._batches[key] = event.result.batches
@@ -316,17 +322,49 @@ class RayExecutor:
         )
         self._recovery.failed(event.reason)
         poisoned = []
+        # only a chunk lost alone can be parked. Parked rows are other work too: a row
+        # failing alone with only parked rows left joins them, and they are released
+        # together, each with its next failure counting, rather than this one counting
+        # every failure while the others wait
+        other_work = event.alone and (bool(run.parked) or self._evidence_may_come(run))
         for chunk in event.chunks:
-            outcome = self._recovery.lost(chunk, event.alone, event.reason)
+            outcome = self._recovery.lost(chunk, event.alone, event.reason, other_work)
             if isinstance(outcome, ResultRow):
                 log.error("row %s skipped: %s", outcome.row_id, outcome.error)
                 poisoned.append(outcome)
                 self.failures.rows_isolated += 1
+            elif isinstance(outcome, Parked):
+                log.info(
+                    "row %s waits to run again: it failed alone with no chunk finishing since "
+                    "its previous failure (the cluster may be failing, not the row)",
+                    outcome.chunk.rows[0].row_id,
+                )
+                run.parked.append(outcome.chunk)
+                self.failures.rows_rerun += len(outcome.chunk)
             else:
                 run.suspects.extend(outcome)
                 self.failures.rows_rerun += sum(len(c) for c in outcome)
         self._reroute_waiting(event.slot, run)
         return run.answered(poisoned)
+
+    def _evidence_may_come(self, run: _Run) -> bool:
+        """Whether rows are queued or running, or may still come from the source, so that
+        a chunk may yet finish and show that the cluster works (parked rows do not run:
+        they cannot). Call after the pool has dropped a failed replica's chunks."""
+        return bool(
+            run.suspects
+            or any(run.pending)
+            or any(slot.running for slot in run.pool.slots)
+            or (not run.source.exhausted and len(run.in_flight) < self.max_in_flight)
+        )
+
+    def _release_parked(self, run: _Run) -> None:
+        """Parked rows run again, their next failure counting, once no chunk can finish to
+        release them: waiting on would hang the job, or leave poison rows that are the last
+        work to the breaker, unisolated."""
+        if run.parked and not self._evidence_may_come(run):
+            run.suspects.extend(self._recovery.release_unproven(run.parked))
+            run.parked.clear()
 
     def _note_up(self, event: ReplicaUp) -> None:
         slot, info = event.slot, event.info
@@ -408,14 +446,16 @@ class _RowIter:
 
 
 class _Run:
-    """One ``process`` call's rows on their way: waiting per replica, suspects, and every
-    row taken from the source with no result yet (``in_flight``, which bounds the pull)."""
+    """One ``process`` call's rows on their way: waiting per replica, suspects, rows parked
+    until a chunk finishes (ray_chunks.py), and every row taken from the source with no
+    result yet (``in_flight``, which bounds the pull)."""
 
     def __init__(self, pool: ReplicaPool, source: RowSource) -> None:
         self.pool = pool
         self.source = source
         self.pending: list[list[InputRow]] = [[] for _ in pool.slots]
         self.suspects: deque[Chunk] = deque()
+        self.parked: list[Chunk] = []
         self.in_flight: set[int] = set()
 
     @property
