@@ -96,6 +96,26 @@ def test_crash_before_rename_leaves_no_partial_file(tmp_path, monkeypatch) -> No
     assert os.listdir(tmp_path / "shards") == []
 
 
+def test_a_full_disk_names_the_file_it_was_writing(tmp_path, monkeypatch) -> None:
+    """A write or fsync that fails (ENOSPC, EFBIG, EIO) raises an OSError naming no file;
+    run-job printed "storage error: OSError: [Errno 28] No space left on device" without
+    saying which output or disk was full (an audit). The error keeps its type and errno."""
+    import errno
+
+    store = OutputStore(str(tmp_path))
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "fsync", full)
+    with pytest.raises(OSError, match=r"No space left on device: .*part-00003\.parquet") as info:
+        store.write_atomic("shards/part-00003.parquet", b"data")
+    assert type(info.value) is OSError and info.value.errno == errno.ENOSPC
+    assert info.value.filename == str(tmp_path / "shards" / "part-00003.parquet")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "shards") == []  # the temporary file went too
+
+
 def test_killed_writer_leaves_temp_that_cleanup_removes(tmp_path, monkeypatch) -> None:
     store = OutputStore(str(tmp_path))
 

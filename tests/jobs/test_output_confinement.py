@@ -47,6 +47,29 @@ def test_the_lock_itself_never_opens_a_link(tmp_path: Path) -> None:
     assert (victim / "important.txt").read_text() == "keep me"
 
 
+def test_a_full_disk_as_the_lock_is_taken_leaves_it_free(tmp_path: Path, monkeypatch) -> None:
+    """ENOSPC writing the holder's line into the lock file (a full disk) failed the run but
+    kept the lock held and registered in this process: once space was freed, every later
+    run_job or submit() of the job in this process was refused as "being written by job
+    't' in this process" (an audit)."""
+    import errno
+
+    from tokenmill.jobs import lock as lock_module
+
+    out = tmp_path / "out"
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(lock_module.os, "write", full)
+    with pytest.raises(OSError, match=LOCK_FILE):
+        JobLock("t", str(out), str(out)).acquire()
+    monkeypatch.undo()
+    assert not out.exists()  # the folder it made, and the empty lock file, are gone
+    with JobLock("t", str(out), str(out)):  # free again, in this process too
+        assert (out / LOCK_FILE).read_text().startswith("job 't'")
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_linked_folder_inside_the_output_is_refused(
     tiny_model: Path, tmp_path: Path, fresh: bool

@@ -196,6 +196,13 @@ class OutputStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
+        except OSError as exc:
+            _remove_quietly(tmp)
+            if exc.filename is not None or exc.errno is None:
+                raise
+            # A failed write or fsync (disk full, EFBIG, EIO) names no file: name the one
+            # being written, so that the message says which output (and disk) to look at.
+            raise type(exc)(exc.errno, exc.strerror, final) from exc
         except BaseException:
             _remove_quietly(tmp)
             raise

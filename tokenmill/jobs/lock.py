@@ -147,8 +147,14 @@ class JobLock:
             since = _since(holder, fd)
             os.close(fd)
             raise _held_elsewhere(self, holder, since) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, _holder_text(self.job).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, _holder_text(self.job).encode())
+        except OSError as exc:  # (disk full): let the lock go, or this process kept it
+            self.release()  # and refused its every later run on this output (an audit)
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise type(exc)(exc.errno, exc.strerror, str(self.path)) from exc
         return True
 
     def release(self) -> None:
