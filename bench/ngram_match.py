@@ -43,7 +43,7 @@ MIN_N, MAX_N, DRAFTS = 2, 4, 4  # the engine's defaults (SpeculativeConfig)
 
 
 def _slots(rows: int, length: int, rng: np.random.Generator) -> BatchSlots:
-    slots = BatchSlots(rows, length + 16, 16)
+    slots = BatchSlots(rows, length + 256, 16)  # room for the host steps
     for r in range(rows):
         slots.token_ids[r, :length] = (rng.zipf(1.3, length) % 2000).astype(np.int32)
         slots.num_tokens[r] = length
