@@ -232,6 +232,7 @@ def _simulate(rows: int, pool: _FakePool, chunk_rows: int = 2) -> tuple[Any, lis
     executor._pool, executor._by_prefix, executor._room_for_all = pool, False, True
     executor._stats, executor._batches, executor._load_seconds = {}, {}, {}
     executor._rows_in_flight = 0
+    executor._watch = _ClusterUp()
     results = list(executor.process(_rows(rows)))
     assert sorted(r.row_index for r in results) == list(range(rows))  # each row once
     return executor, results
@@ -270,3 +271,15 @@ def test_poison_rows_are_still_isolated_also_when_they_are_the_last_work(
 def test_an_outage_with_poison_rows_last_isolates_them_and_no_other() -> None:
     executor, results = _simulate(8, _FakePool(2, outage=6, poison=frozenset({6, 7})))
     assert sorted(r.row_index for r in results if not r.ok) == [6, 7]
+
+
+class _ClusterUp:
+    """The GCS watch of a cluster that stays up (the fake pool has no cluster)."""
+
+    lost = False
+
+    def check(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
