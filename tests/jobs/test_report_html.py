@@ -250,6 +250,22 @@ def test_a_page_that_cannot_be_drawn_is_a_warning_not_a_failure(
     assert "report.html not written (ImportError" in caplog.text and "matplotlib" in caplog.text
 
 
+def test_a_page_is_checked_against_report_json_without_drawing() -> None:
+    """report.json read back gives the page's summary again (what a found-complete run
+    checks report.html against); another run's numbers, or no page, do not match."""
+    report, history = _synthetic_run()
+    report.status = "complete"
+    page = render_report_html(report, history).encode()
+    saved = JobReport.from_json(report.to_json())
+    assert saved.to_json() == report.to_json()
+    assert report_html.page_shows(page, saved)
+    saved.wall_seconds += 0.001  # another run of the same job
+    assert not report_html.page_shows(page, saved)
+    assert not report_html.page_shows(None, report)
+    with pytest.raises(TypeError):
+        JobReport.from_json('{"status": "complete"}')  # no job: not a report
+
+
 def test_report_html_belongs_to_the_job(tmp_path: Path) -> None:
     """A folder holding someone else's report.html is not claimed; --fresh removes the job's."""
     (tmp_path / "report.html").write_text("<p>not ours</p>")

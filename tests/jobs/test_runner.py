@@ -95,6 +95,97 @@ def test_a_complete_jobs_stale_report_is_written_again(tiny_model: Path, tmp_pat
     assert report.read_bytes() == before
 
 
+def test_a_disk_full_at_report_html_leaves_report_json_for_the_rerun(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An audit: report.json was written before report.html. The disk filled between the
+    two: report.json said "complete", report.html failed, report.json saying "failed" failed
+    too, and the run exited 75 saying rerun; the rerun found report.json complete, had
+    nothing to do and never wrote the page (an earlier run's "failed" page stayed for good).
+    The warning blamed report.json. report.json now comes last: it stays as it was, the
+    warning names report.html, and the rerun writes both."""
+    import errno
+    import logging
+
+    from tokenmill.io.storage import OutputStore
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    report, page = out / "report.json", out / "report.html"
+    _fail_after(monkeypatch, 10)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_job(spec, show_progress=False)
+    monkeypatch.undo()
+    assert "tokenmill job test: failed" in page.read_text()
+
+    write, full = OutputStore.write_atomic, [False]
+
+    def disk_fills_at_the_page(self: OutputStore, name: str, data: bytes) -> None:
+        full[0] = full[0] or name == "report.html"  # and stays full: report.json fails too
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device", self.path(name))
+        write(self, name, data)
+
+    monkeypatch.setattr(OutputStore, "write_atomic", disk_fills_at_the_page)
+    with (
+        caplog.at_level(logging.WARNING, logger="tokenmill.jobs"),
+        pytest.raises(OSError, match="No space left"),
+    ):
+        run_job(spec, show_progress=False)
+    assert json.loads(report.read_text())["status"] == "failed"  # the earlier run's report
+    assert "could not write report.html saying the run failed" in caplog.text
+    assert "could not write report.json" not in caplog.text
+    monkeypatch.undo()
+
+    again = run_job(spec, show_progress=False)
+    assert again.status == "complete" and again.rows_this_run == 0
+    saved = json.loads(report.read_text())
+    assert saved["status"] == "complete" and saved["rows_ok"] + saved["rows_failed"] == 40
+    text = page.read_text()
+    assert "tokenmill job test: complete" in text
+    assert f'data-key="wall_seconds" data-value="{saved["wall_seconds"]}"' in text
+
+
+def test_a_complete_jobs_missing_or_stale_page_is_drawn_again_from_report_json(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What earlier versions left (report.json saying complete, report.html missing or
+    another run's): a found-complete run draws the page again from report.json, which it
+    keeps; a page that shows report.json is left alone (no matplotlib, no write)."""
+    from tokenmill.jobs import runner
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    run_job(spec, show_progress=False)
+    report, page = out / "report.json", out / "report.html"
+    before, drawn = report.read_bytes(), page.read_bytes()
+    wall = json.loads(before)["wall_seconds"]
+    for stale in (b"<title>tokenmill job test: failed</title>", None):
+        if stale is None:
+            page.unlink()
+        else:
+            page.write_bytes(stale)
+        assert run_job(spec, show_progress=False).rows_this_run == 0
+        assert report.read_bytes() == before  # the completing run's report, kept
+        text = page.read_text()
+        assert "tokenmill job test: complete" in text
+        assert f'data-key="wall_seconds" data-value="{wall}"' in text  # its numbers
+        assert text.split("<h2", 1)[0] == drawn.decode().split("<h2", 1)[0]  # its summary
+
+    def no_drawing(*args: object) -> None:
+        raise AssertionError("a page that shows report.json was drawn again")
+
+    monkeypatch.setattr(runner, "write_report_html", no_drawing)
+    repaired = page.read_bytes()
+    run_job(spec, show_progress=False)
+    assert page.read_bytes() == repaired and report.read_bytes() == before
+
+
 def _count(cls: type) -> int:
     """Live objects of exactly ``cls`` (``type(o)``, not isinstance: that asks lazy-import
     proxies of other packages, e.g. Airflow's, for ``__class__``, which imports them)."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -78,6 +78,18 @@ class JobReport:
         raw = asdict(self)
         raw["output_tokens_per_s"] = round(self.output_tokens_per_s, 2)
         return json.dumps(raw, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobReport:
+        """The report a report.json holds (``to_json``'s text), to draw its page again: the
+        derived ``output_tokens_per_s`` and keys this version does not know are left out.
+        Raises ValueError (not JSON), TypeError or AttributeError (not a report)."""
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        report = cls(**{key: value for key, value in raw.items() if key in known})
+        # JSON has no tuples: the samples come back as lists
+        report.throughput_over_time = [tuple(p) for p in report.throughput_over_time]
+        return report
 
     def summary(self) -> str:
         if self.nothing_to_do:

@@ -28,7 +28,7 @@ from tokenmill.jobs.ownership import REPORT_HTML_NAME
 from tokenmill.jobs.report import JobReport, show_seconds
 from tokenmill.jobs.run_history import RunHistory
 
-__all__ = ["import_plots_in_background", "render_report_html", "write_report_html"]
+__all__ = ["import_plots_in_background", "page_shows", "render_report_html", "write_report_html"]
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -113,6 +113,15 @@ def write_report_html(store: OutputStore, report: JobReport, history: RunHistory
         )
         return
     store.write_atomic(REPORT_HTML_NAME, page.encode())
+
+
+def page_shows(page: bytes | None, report: JobReport) -> bool:
+    """Whether ``page`` (report.html's bytes; None: missing) is ``report``'s page: it holds
+    the summary table ``report`` gives, byte for byte. The table carries every number of
+    report.json (wall_seconds to the millisecond among them), so another run's page differs;
+    drawing it needs no matplotlib, so checking a page is cheap."""
+    table = _summary_table(json.loads(report.to_json()))
+    return page is not None and table.encode() in page
 
 
 def render_report_html(report: JobReport, history: RunHistory | None = None) -> str:

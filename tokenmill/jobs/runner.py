@@ -21,6 +21,11 @@ Ray replica's own load; ``generation_seconds``, what throughput is over, runs fr
 loaded to the executor's last result. A job found complete loads nothing, says so ("nothing
 to do") and leaves its report.json as the run that completed it wrote it (written anew
 only when it is missing or does not say complete: that run was killed before writing it).
+report.json is the commit point of the pair: report.html is written first, so a run that
+stops between the two (killed, disk full) leaves a report.json that does not say complete
+and the rerun writes both. A found-complete run also rewrites report.html from report.json
+where the page is missing or shows another report (left so by versions that wrote
+report.json first).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from tokenmill.jobs.lock import JobLock, JobLockedError
 from tokenmill.jobs.manifest import InputChangedError, Manifest, ManifestError
 from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import (
+    REPORT_HTML_NAME,
     REPORT_NAME,
     OutputOwnedError,
     check_claimable,
@@ -66,7 +72,11 @@ from tokenmill.jobs.preflight import (
 )
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.report import JobReport
-from tokenmill.jobs.report_html import import_plots_in_background, write_report_html
+from tokenmill.jobs.report_html import (
+    import_plots_in_background,
+    page_shows,
+    write_report_html,
+)
 from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
@@ -319,8 +329,11 @@ def _run_owned(
         report.model = spec.model.source  # no engine ran: no device, no tokens this run
         report.wall_seconds = round(time.monotonic() - start, 3)
         log.info("job %s: %s", spec.name, report.nothing_to_do_line())
-        if not _report_says_complete(store):  # the run that completed it was killed before
+        saved = _saved_complete_report(store)
+        if saved is None:  # the run that completed it stopped before writing report.json
             _write_report(store, report)
+        else:
+            _repair_report_html(store, saved)
         return report
 
     import_plots_in_background()  # report.html's, hidden by the model load
@@ -527,10 +540,21 @@ def _record_failure(
     report.status = status
     report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
     report.wall_seconds = round(time.monotonic() - start, 3)
-    try:
-        _write_report(store, report)
-    except Exception as write_error:
-        log.warning("could not write %s saying the run failed (%s)", REPORT_NAME, write_error)
+    for name, write in _report_writes(store, report):
+        try:
+            write()
+        except Exception as write_error:
+            # Name the file that failed: report.json is written last, so whichever it was,
+            # report.json still holds what an earlier run wrote (or nothing).
+            log.warning(
+                "could not write %s saying the run %s (%s); %s is left as it was, and a "
+                "rerun writes both",
+                name,
+                status,
+                write_error,
+                REPORT_NAME,
+            )
+            return
 
 
 def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
@@ -547,19 +571,48 @@ def feed_plan(spec: JobSpec) -> FeedPlan:
     )
 
 
+def _report_writes(
+    store: OutputStore, report: JobReport, history: RunHistory | None = None
+) -> list[tuple[str, Callable[[], None]]]:
+    """The writes of a report, (file name, write) in the order they must run: report.html
+    (with the plots of ``history``, where the run has one), then report.json. report.json
+    is the commit point: a found-complete job keeps a report.json that says complete, so
+    written first it outlived a report.html that failed after it (disk full), and the page
+    stayed missing or another run's for good (an audit). Written last, a failure leaves
+    report.json as it was (not "complete" from this run) and the rerun writes both."""
+    return [
+        (REPORT_HTML_NAME, lambda: write_report_html(store, report, history)),
+        (REPORT_NAME, lambda: store.write_atomic(REPORT_NAME, report.to_json().encode())),
+    ]
+
+
 def _write_report(store: OutputStore, report: JobReport, history: RunHistory | None = None) -> None:
-    """report.json, then report.html (with the plots of ``history``, where the run has one):
-    every run that writes the one writes the other, so the two never disagree."""
-    store.write_atomic(REPORT_NAME, report.to_json().encode())
-    write_report_html(store, report, history)
+    """report.html, then report.json (``_report_writes``): every run that writes the one
+    writes the other; a store failure raises, with report.json left as it was."""
+    for _name, write in _report_writes(store, report, history):
+        write()
 
 
-def _report_says_complete(store: OutputStore) -> bool:
-    """Whether the output's report.json is there and says the job is complete."""
+def _saved_complete_report(store: OutputStore) -> JobReport | None:
+    """The output's report.json where it is there and says the job is complete (the report
+    of the run that completed it), else None: missing, not complete, or not a report."""
     try:
-        return json.loads(store.read_bytes(REPORT_NAME) or b"{}").get("status") == "complete"
-    except (ValueError, AttributeError):
-        return False
+        saved = JobReport.from_json(store.read_bytes(REPORT_NAME) or b"{}")
+    except (ValueError, TypeError, AttributeError):  # unreadable or another shape: rewritten
+        return None
+    return saved if saved.status == "complete" else None
+
+
+def _repair_report_html(store: OutputStore, saved: JobReport) -> None:
+    """Write report.html from the complete job's report.json (``saved``) where the page is
+    missing or shows another report: versions that wrote report.json first left it so when
+    report.html then failed, and no later run rewrote it. A page that shows ``saved`` is left
+    alone; checking costs one read and no matplotlib (``page_shows``). A failing store
+    raises, as writing the report does."""
+    if page_shows(store.read_bytes(REPORT_HTML_NAME), saved):
+        return
+    log.info("%s is missing or not %s's page: written again from it", REPORT_HTML_NAME, REPORT_NAME)
+    write_report_html(store, saved, None)  # the run's history is gone; its report has the rest
 
 
 def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
