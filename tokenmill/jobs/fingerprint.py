@@ -161,12 +161,16 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
         else:
             meaning = _MEANING.get(key) or _MEANING.get(f"{top}.*")
             why = f" ({meaning})" if meaning else ""
-            out.append(f"{key}: {_short(before)} -> {_short(after)}{why}")
+            shown = f"model.{key}" if top in _MODEL_KEYS else key
+            out.append(f"{shown}: {_short(before)} -> {_short(after)}{why}")
     if "input_entries" in old and "input_entries" in new:
         out += file_changes(old["input_entries"], new["input_entries"])
     return out
 
 
+# Settings kept at the top level that job.yaml writes in its model section: a change is
+# named by its job.yaml key (model.dtype, not dtype).
+_MODEL_KEYS = frozenset({"dtype", "quantization", "chat_template", "chat_template_kwargs"})
 # Settings kept as a hash, and what a change of it means.
 _HASHED = {
     "input": "the input changed: its files (which, their sizes, their first or last MiB) or "
