@@ -17,6 +17,7 @@ from tokenmill.engine.core.drafts import accepted_counts, draft_lengths
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.spec_decode.device_ngram import DeviceNgramProposer
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 
 MAX_TOKENS = 24
@@ -180,7 +181,7 @@ def test_triton_decode_kernel_takes_drafts(model_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["true", "wrong", "ahead", "ahead-flaky", "ngram"])
+@pytest.mark.parametrize("kind", ["true", "wrong", "ahead", "ahead-flaky", "ngram", "device-ngram"])
 def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> None:
     """On CUDA (Triton attention, CUDA graphs): decode steps with drafts replay the graphs
     captured for 1 + K tokens a row (rows with fewer drafts left-padded), with the tokens
@@ -192,6 +193,8 @@ def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> No
     truth = {r: o.token_ids for r, o in want.items()}
     if kind == "ngram":
         oracle = NgramProposer(K)
+    elif kind == "device-ngram":  # (its search on the device, on a stream of its own)
+        oracle = DeviceNgramProposer(K, device="cuda")
     elif kind.startswith("ahead"):
         oracle = AheadProposer(truth, K, flaky=kind == "ahead-flaky")
     else:
@@ -205,7 +208,7 @@ def test_gpu_drafted_steps_replay_cuda_graphs(model_path: Path, kind: str) -> No
         assert engine.scheduler.config.drafts_ahead
         assert engine.step_profile()["synchronous_steps"] == 0
         assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
-    if kind == "ngram":
+    if kind.endswith("ngram"):
         assert engine.scheduler.config.drafts_ahead
         assert engine.step_profile()["synchronous_steps"] == 0
     decode = engine.step_profile()["decode"]

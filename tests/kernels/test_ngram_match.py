@@ -12,7 +12,12 @@ import torch
 from tests.engine.spec_decode.test_ngram import _brute_force
 from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.spec_decode.ngram import NgramProposer
-from tokenmill.kernels.ngram_match import ngram_match, ngram_match_ref
+from tokenmill.kernels.ngram_match import (
+    ngram_match,
+    ngram_match_ref,
+    ngram_suffix_match,
+    ngram_suffix_match_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,6 +75,25 @@ def test_the_kernel_gives_the_reference_drafts(
     got = ngram_match(tokens, slots, lengths, min_n, max_n, count)
     assert got.dtype == torch.int64 and got.tolist() == want.tolist()
     assert (want >= 0).any() and (want < 0).any()  # rows with a match and without
+
+
+@pytest.mark.parametrize(("vocab", "longest", "min_n", "max_n"), [(3, 40, 1, 4), (4, 1100, 2, 6)])
+def test_the_kernel_gives_the_reference_matches(vocab: int, longest: int, min_n: int, max_n: int):
+    """(start, length) of each row's match: the kernel's, the reference's and the host
+    proposer's (a wide index) alike."""
+    rows = _rows(longest + 1, 9, vocab, longest)
+    tokens, slots, lengths = (t.to(DEVICE) for t in _tensors(rows, longest + 4))
+    want = ngram_suffix_match_ref(tokens, slots, lengths, min_n, max_n)
+    got = ngram_suffix_match(tokens, slots, lengths, min_n, max_n)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    host = BatchSlots(len(rows) + 2, longest + 4, 16)
+    host.token_ids[:] = tokens.cpu().numpy()
+    host.num_tokens[slots.cpu().numpy()] = lengths.cpu().numpy()
+    host.requests[:] = [object() for _ in range(len(rows) + 2)]
+    proposer = NgramProposer(2, min_n, max_n, table_bits=20)
+    by_host = proposer.match(host, slots.cpu().numpy().astype(np.int64))
+    assert [h.tolist() for h in by_host] == [w.tolist() for w in want]
+    assert (want[1] > 0).any() and (want[1] == 0).any()
 
 
 def test_bad_arguments_are_refused() -> None:

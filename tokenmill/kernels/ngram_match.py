@@ -20,6 +20,8 @@ and the row's match is the position of the largest score. ``ngram_match_ref`` is
 reference (pure PyTorch, any device: every row at once, [R, W] comparisons a depth);
 ``ngram_match`` the Triton kernel: a program a row, blocks of positions from the row's
 start, the best score kept across blocks. Both give the same drafts, bit for bit.
+``ngram_suffix_match`` (and its ``_ref``) give each row's match instead, as (the position
+after it, its length): what spec_decode/device_ngram.py hands the proposers.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ngram_match", "ngram_match_ref"]
+__all__ = ["ngram_match", "ngram_match_ref", "ngram_suffix_match", "ngram_suffix_match_ref"]
 
 _BLOCK = 512  # positions a program compares at once
 
@@ -60,6 +62,33 @@ def ngram_match_ref(
     rows = tokens[slots.long()].long()  # [R, W]
     n = lengths.long()[:, None]  # [R, 1]
     width = rows.shape[1]
+    best = _best_ref(rows, n, min_n, max_n)  # [R, 1]
+    start = torch.where(best >= 0, best % width + 1, -1)
+    period = (n - start).clamp(min=1)
+    cols = start + torch.arange(count, device=rows.device)[None, :] % period
+    drafts = rows.gather(1, cols.clamp(min=0, max=width - 1))
+    return torch.where(start >= 0, drafts, -1)
+
+
+def ngram_suffix_match_ref(
+    tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R] the position after each row's match, -1 where none; [R] the matched gram's
+    length, 0 where none) int64: what NgramProposer.match gives (without its index)."""
+    _check(tokens, slots, lengths, min_n, max_n, 1)
+    rows = tokens[slots.long()].long()
+    best = _best_ref(rows, lengths.long()[:, None], min_n, max_n)[:, 0]
+    return _start_and_length(best, rows.shape[1])
+
+
+def _start_and_length(best: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    found = best >= 0
+    return torch.where(found, best % width + 1, -1), torch.where(found, best // width, 0)
+
+
+def _best_ref(rows: torch.Tensor, n: torch.Tensor, min_n: int, max_n: int) -> torch.Tensor:
+    """[R, 1] each row's best score (-1: no match) over its positions ``rows`` [R, W]."""
+    width = rows.shape[1]
     pos = torch.arange(width, device=rows.device)[None, :]  # [1, W]
     run = pos <= n - 2  # positions p < n - 1 (never the suffix itself)
     depth = torch.zeros_like(rows)
@@ -69,20 +98,16 @@ def ngram_match_ref(
         run = run & (pos >= j) & (back == last)  # (pos >= j also means n - 1 - j >= 0)
         depth += run.long()
     score = torch.where(depth >= min_n, depth * width + pos, -1)
-    best = score.max(dim=1, keepdim=True).values  # [R, 1]
-    start = torch.where(best >= 0, best % width + 1, -1)
-    period = (n - start).clamp(min=1)
-    cols = start + torch.arange(count, device=rows.device)[None, :] % period
-    drafts = rows.gather(1, cols.clamp(min=0, max=width - 1))
-    return torch.where(start >= 0, drafts, -1)
+    return score.max(dim=1, keepdim=True).values
 
 
-@triton.jit(do_not_specialize=["width"])
+@triton.jit(do_not_specialize=["width", "stride_tokens"])
 def _ngram_match_kernel(
     tokens_ptr,
     slots_ptr,
     lengths_ptr,
     drafts_ptr,
+    best_ptr,
     width,
     stride_tokens,
     MIN_N: tl.constexpr,
@@ -108,6 +133,7 @@ def _ngram_match_kernel(
             depth += run.to(tl.int64)
         score = tl.where(depth >= MIN_N, depth * width + pos, -1)
         best = tl.maximum(best, tl.max(score, axis=0))
+    tl.store(best_ptr + r, best)
     start = tl.where(best >= 0, best % width + 1, -1)
     period = tl.maximum(n - start, 1)
     i = tl.arange(0, COUNT_PAD).to(tl.int64)
@@ -126,14 +152,31 @@ def ngram_match(
     count: int,
 ) -> torch.Tensor:
     """``ngram_match_ref`` as one Triton program a row (``tokens`` contiguous in its rows)."""
+    return _launch(tokens, slots, lengths, min_n, max_n, count)[0]
+
+
+def ngram_suffix_match(
+    tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ngram_suffix_match_ref`` by the Triton kernel."""
+    best = _launch(tokens, slots, lengths, min_n, max_n, 1)[1]
+    return _start_and_length(best, tokens.shape[1])
+
+
+def _launch(
+    tokens: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int,
+    count: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(drafts [R, count], best scores [R]) int64."""
     _check(tokens, slots, lengths, min_n, max_n, count)
     if tokens.stride(1) != 1:
         raise ValueError("ngram_match: each row of tokens must be contiguous")
     drafts = torch.empty((len(slots), count), dtype=torch.int64, device=tokens.device)
+    best = torch.empty(len(slots), dtype=torch.int64, device=tokens.device)
     if len(slots):
         _ngram_match_kernel[(len(slots),)](
-            tokens, slots, lengths, drafts, tokens.shape[1], tokens.stride(0),
+            tokens, slots, lengths, drafts, best, tokens.shape[1], tokens.stride(0),
             MIN_N=min_n, MAX_N=max_n, COUNT=count, COUNT_PAD=triton.next_power_of_2(count),
             BLOCK=_BLOCK,
         )  # fmt: skip
-    return drafts
+    return drafts, best

@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 from tokenmill.engine.core.drafts import DraftProposer
 from tokenmill.engine.engine_config import SpeculativeConfig
+from tokenmill.engine.spec_decode.ngram import NgramProposer
 
 __all__ = ["LearnsFromOutputs", "build_proposer"]
 
@@ -21,22 +22,30 @@ class LearnsFromOutputs(Protocol):
     def close(self) -> None: ...
 
 
-def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
-    """The proposer ``config`` names; None when speculation is off."""
+def build_proposer(config: SpeculativeConfig, device: str = "cpu") -> DraftProposer | None:
+    """The proposer ``config`` names; None when speculation is off. On a CUDA ``device``
+    the n-gram matches of ngram and suffix (auto) are searched on it (device_ngram.py)."""
     if config.method == "off":
         return None
-    if config.method == "ngram":
-        from tokenmill.engine.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)
     if config.method == "lookahead":
         from tokenmill.engine.spec_decode.lookahead import LookaheadProposer
 
         return LookaheadProposer(
             config.max_tokens + 1, config.lookahead_window, config.lookahead_candidates, seed=0
         )
-    if config.method in ("suffix", "auto"):
-        from tokenmill.engine.spec_decode.suffix import SuffixProposer
+    if config.method not in ("ngram", "suffix", "auto"):
+        raise ValueError(f"speculative.method {config.method!r} has no proposer")
+    own = _ngram_proposer(config, device)
+    if config.method == "ngram":
+        return own
+    from tokenmill.engine.spec_decode.suffix import SuffixProposer
 
-        return SuffixProposer(config.max_tokens, config.ngram_min, config.ngram_max)
-    raise ValueError(f"speculative.method {config.method!r} has no proposer")
+    return SuffixProposer(config.max_tokens, config.ngram_min, config.ngram_max, own=own)
+
+
+def _ngram_proposer(config: SpeculativeConfig, device: str) -> NgramProposer:
+    if str(device).startswith("cuda"):
+        from tokenmill.engine.spec_decode.device_ngram import DeviceNgramProposer
+
+        return DeviceNgramProposer(config.max_tokens, config.ngram_min, config.ngram_max, device)
+    return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)

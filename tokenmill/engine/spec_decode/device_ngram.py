@@ -1,0 +1,96 @@
+"""N-gram prompt lookup with the search on the device: NgramProposer's drafts without its
+host index.
+
+NgramProposer (ngram.py) hashes every token of a row into a per-slot table once, on the
+host: inside the engine that cost 0.66-0.80 us a position on an H100 host, and a row's
+whole prompt is indexed at its first drafted step, so a forced proposal at 256 rows took
+0.6-1.8 ms of a 1.7-2.8 ms device step (BENCHMARKS.md, sessions 45-46). Here each proposed
+row's tokens are copied to the device as they become known (only the new ones each call),
+and kernels/ngram_match.py searches the whole row at every call: ~0.01 ms of device time
+at 512 rows x 2,048 tokens (H100, session 47). What is left on the host is the gather of
+the new tokens, one upload, and one small copy back of each row's match.
+
+The search runs on a stream of its own: drafting ahead (async scheduling, small batches)
+proposes while a step is in flight, and waiting for the main stream would wait for that
+step. The device copy is the proposer's alone, so nothing orders it against the step.
+
+The match is NgramProposer's rule (the longest suffix of ``min_n`` .. ``max_n`` tokens,
+its latest earlier occurrence), found without a hash table: where the host index forgot a
+gram (another one took its entry) this still finds it, so the drafts can differ in such
+rows; both are verified alike, so the output cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.spec_decode.ngram import NgramProposer
+from tokenmill.kernels.ngram_match import ngram_suffix_match, ngram_suffix_match_ref
+
+__all__ = ["DeviceNgramProposer"]
+
+
+class DeviceNgramProposer(NgramProposer):
+    """``NgramProposer`` whose ``match`` searches a device copy of the rows' tokens (on a
+    CPU ``device``, by the PyTorch reference: the same drafts, for tests)."""
+
+    def __init__(
+        self, max_drafts: int, min_n: int = 2, max_n: int = 4, device: str = "cuda"
+    ) -> None:
+        super().__init__(max_drafts, min_n, max_n)
+        self.min_n, self.max_n = min_n, max_n
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self._search = ngram_suffix_match if cuda else ngram_suffix_match_ref
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._tokens: torch.Tensor | None = None  # [C, max_model_len] int32, on first use
+        self._owner = np.empty(0, dtype=object)  # [C] the request whose tokens a row holds
+        self._copied = np.zeros(0, dtype=np.int64)  # [C] tokens of a row on the device
+        if cuda:  # compile the kernel now, at the engine's start, not in a step
+            tokens = torch.zeros((1, 8), dtype=torch.int32, device=self.device)
+            one = torch.ones(1, dtype=torch.int64, device=self.device)
+            self._search(tokens, one * 0, one * 8, min_n, max_n)
+
+    def match(self, slots: BatchSlots, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([R] the position after each row's match, -1 where none; [R] the matched gram's
+        length, 0 where none), as ``NgramProposer.match``."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        on_stream = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
+        with on_stream:
+            self._copy_new_tokens(slots, rows)
+            n = slots.num_tokens[rows].astype(np.int64)
+            which = torch.from_numpy(np.stack([rows, n])).to(self.device)  # [2, R]
+            start, length = self._search(self._tokens, which[0], which[1], self.min_n, self.max_n)
+            found = torch.stack([start, length]).cpu().numpy()  # (waits for this stream only)
+        return found[0], found[1]
+
+    def _copy_new_tokens(self, slots: BatchSlots, rows: np.ndarray) -> None:
+        """Bring the device copy of ``rows`` up to their known tokens: from where it
+        stopped, or from the row's start where the slot holds another request than at its
+        last call or the row is shorter than then (cut back: its tokens may differ). A
+        row's known tokens otherwise only grow (as NgramProposer's index assumes)."""
+        if self._tokens is None or self._tokens.shape != slots.token_ids.shape:
+            self._tokens = torch.zeros(slots.token_ids.shape, dtype=torch.int32, device=self.device)
+            self._owner = np.full(slots.capacity, None, dtype=object)
+            self._copied = np.zeros(slots.capacity, dtype=np.int64)
+        n = slots.num_tokens[rows].astype(np.int64)
+        fresh = rows[(slots.requests[rows] != self._owner[rows]) | (n < self._copied[rows])]
+        self._owner[fresh] = slots.requests[fresh]
+        self._copied[fresh] = 0
+        lo = self._copied[rows]
+        count = n - lo
+        total = int(count.sum())
+        if total:
+            which = np.repeat(np.arange(len(rows)), count)
+            pos = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+            flat = rows[which] * slots.token_ids.shape[1] + pos
+            values = slots.token_ids.reshape(-1).take(flat).astype(np.int64)
+            both = torch.from_numpy(np.concatenate([flat, values])).to(self.device)  # one copy
+            self._tokens.view(-1)[both[:total]] = both[total:].to(torch.int32)
+        self._copied[rows] = n
