@@ -222,7 +222,7 @@ def test_no_stores_credentials_reach_a_replicas_arguments(
     given: list[dict[str, Any]] = []
 
     class Pool:
-        def __init__(self, spec_dict: dict[str, Any], *args: Any) -> None:
+        def __init__(self, spec_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
             given.append(spec_dict)
 
         def close(self) -> None:
@@ -322,6 +322,65 @@ def test_a_lost_cluster_fails_the_run_with_its_report_and_exit_75(
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == "failed" and "ClusterLostError" in report["error"]
     assert report["shards_committed"] >= 1 and report["rows_this_run"] < 60
+
+
+def test_a_head_lost_with_its_replicas_still_fails_the_run_with_exit_75(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """A real head kill (`kill -9` of `ray start --head`'s process group): the replica on
+    the head's node died with it, the pool started its replacement at once, and starting
+    a named actor asks the GCS and waits: the driver hung there until Ray's C++ core ended
+    it 60 s on (exit 1, no report.json), the GCS watch never consulted. Injected as in the
+    test above, plus the replica's death: no replacement starts while the GCS is silent,
+    and the run fails with exit 75."""
+    import logging
+    import os
+    import signal
+
+    import ray
+    import yaml
+
+    from tokenmill.jobs import ray_cluster_watch
+    from tokenmill.jobs.cli import main as cli_main
+
+    out = tmp_path / "out"
+    head_gone = threading.Event()
+
+    def kill_head_and_replica() -> None:  # once a shard is committed: the head, then its node
+        deadline = time.monotonic() + 300
+        while not _committed(out) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        name = next(n for n in ray.util.list_named_actors() if n.startswith("tokenmill-"))
+        pid = ray.get(ray.get_actor(name).ready.remote(), timeout=60).pid
+        head_gone.set()
+        os.kill(pid, signal.SIGKILL)
+
+    monkeypatch.setattr(ray_cluster_watch, "gcs_answers", lambda *a, **k: not head_gone.is_set())
+    # long enough for the driver to see its replica die before the watch gives up
+    monkeypatch.setattr(ray_cluster_watch, "LOST_AFTER_S", 3.0)
+    monkeypatch.setattr(ray_cluster_watch, "_EVERY_S", 0.1)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(60))
+    ray_1 = {"executor": "ray", "replicas": 1}
+    spec = job_dict(tiny_model, src, out, name="headloss", execution=ray_1,
+                    engine={"max_num_seqs": 2}, sampling={"max_tokens": 16})  # fmt: skip
+    spec["output"]["rows_per_shard"] = 2
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    killer = threading.Thread(target=kill_head_and_replica, daemon=True)
+    killer.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
+            assert cli_main([str(job), "--quiet"]) == 75
+        started = [n for n in ray.util.list_named_actors() if n.startswith("tokenmill-headloss-")]
+    finally:  # the cluster is up in fact: the replicas the lost run left go
+        killer.join(5)
+        for name in ray.util.list_named_actors():
+            if name.startswith("tokenmill-"):
+                ray.kill(ray.get_actor(name))
+    assert any("Ray replica 0 failed" in r.message for r in caplog.records)  # it died
+    assert not any(n.endswith("-replica-0-1") for n in started), started  # none replaced it
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed" and "ClusterLostError" in report["error"]
 
 
 def _committed(out: Path) -> bool:

@@ -68,6 +68,10 @@ class GcsWatch:
                 self.lost = True
                 return
 
+    def answers(self) -> bool:
+        """Whether the GCS answers a connect now (before a Ray call that would wait on it)."""
+        return gcs_answers(self.address)
+
     def check(self) -> None:
         """Raise ClusterLostError if the cluster is lost."""
         if self.lost:

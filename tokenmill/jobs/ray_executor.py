@@ -180,6 +180,7 @@ class RayExecutor:
                 self._resources,
                 CHUNKS_PER_REPLICA,
                 self.spec.execution.stall_timeout_s,
+                cluster_answers=self._watch.answers,
             )
         return self._pool
 

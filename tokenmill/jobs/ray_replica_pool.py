@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ class ReplicaSlot:
     starting: Any = None  # the ObjectRef of its pending ready() call
     started_at: float = 0.0  # time.monotonic() when its current actor was started
     watch: StallWatch | None = None  # None: never declared stalled
+    waits_for_cluster: bool = False  # no actor: the GCS did not answer when one was due
 
     @property
     def key(self) -> str:
@@ -147,8 +149,10 @@ class ReplicaPool:
         resources: dict[str, float],
         chunks_per_replica: int,
         stall_timeout_s: float | None = None,
+        cluster_answers: Callable[[], bool] | None = None,
     ) -> None:
         self._args = (spec_dict, model_name)
+        self._cluster_answers = cluster_answers  # whether the head's GCS answers now
         self._name = f"tokenmill-{spec_dict['name']}-{uuid.uuid4().hex[:8]}-replica"
         self._class = ray.remote(EngineReplica)
         self._options = {
@@ -178,6 +182,9 @@ class ReplicaPool:
     def poll(self, timeout: float) -> list[PoolEvent]:
         """What finished within ``timeout`` seconds (everything that finished, once one has).
         Raises ReplicaStartError for a replica that cannot start."""
+        for slot in self.slots:
+            if slot.waits_for_cluster:
+                self._start(slot)
         self._release_dropped()
         owner = {ref: slot for slot in self.slots for ref in slot.running}
         owner.update({s.starting: s for s in self.slots if s.starting is not None})
@@ -237,7 +244,18 @@ class ReplicaPool:
         self.slots = []
 
     def _start(self, slot: ReplicaSlot) -> None:
-        """A new actor in ``slot``, and its ready() call."""
+        """A new actor in ``slot``, and its ready() call; none yet while the head's GCS
+        does not answer (``poll`` tries again). Starting a (named) actor asks the GCS and
+        waits for its answer: with the head gone (its node's replicas die with it, so this
+        is the next call) it waited until Ray ended the driver, 60 s on, exit 1 with no
+        report, before the executor's GCS watch could fail the run (a real head kill)."""
+        if self._cluster_answers is not None and not self._cluster_answers():
+            if not slot.waits_for_cluster:
+                log.warning("Ray replica %d waits for the Ray head to answer", slot.index)
+            slot.actor, slot.info, slot.starting = None, None, None
+            slot.waits_for_cluster = True
+            return
+        slot.waits_for_cluster = False
         name = f"{self._name}-{slot.index}"
         if slot.restarts:
             name += f"-{slot.restarts}"
