@@ -13,14 +13,19 @@ from tests.engine.spec_decode.test_ngram import _put
 from tests.engine.spec_decode.test_speculative import _run_120, model_path, off_run  # noqa: F401
 from tokenmill.engine import spec_decode
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.spec_decode import device_ngram
 from tokenmill.engine.spec_decode.device_ngram import DeviceNgramProposer
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 
 
 @pytest.mark.parametrize("vocab", [3, 20])
-def test_matches_the_host_index_as_rows_grow_shrink_and_change_hands(vocab: int) -> None:
+def test_matches_the_host_index_as_rows_grow_shrink_and_change_hands(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every call's (start, length) and drafts equal the host proposer's (a wide index: no
-    hash collision at these sizes), calls asking for any subset of the slots."""
+    hash collision at these sizes), calls asking for any subset of the slots; the device
+    copy widens as rows grow (from 8 tokens here)."""
+    monkeypatch.setattr(device_ngram, "MIN_WIDTH", 8)
     rng = np.random.default_rng(vocab)
     capacity, k = 8, 4
     host = NgramProposer(k, min_n=1, max_n=4, table_bits=20)
@@ -47,6 +52,8 @@ def test_matches_the_host_index_as_rows_grow_shrink_and_change_hands(vocab: int)
             else:
                 rows[slot] += rng.integers(0, vocab, rng.integers(1, 4)).tolist()
                 _put(slots, slot, rows[slot])
+    longest = max(len(r) for r in rows)
+    assert 8 < device._tokens.shape[1] < 2 * longest  # widened as far as the rows needed
 
 
 def test_no_rows_ask_for_nothing() -> None:

@@ -33,6 +33,8 @@ from tokenmill.kernels.ngram_match import ngram_suffix_match, ngram_suffix_match
 
 __all__ = ["DeviceNgramProposer"]
 
+MIN_WIDTH = 1024  # tokens a row of the device copy holds at first
+
 
 class DeviceNgramProposer(NgramProposer):
     """``NgramProposer`` whose ``match`` searches a device copy of the rows' tokens (on a
@@ -47,7 +49,7 @@ class DeviceNgramProposer(NgramProposer):
         cuda = self.device.type == "cuda"
         self._search = ngram_suffix_match if cuda else ngram_suffix_match_ref
         self._stream = torch.cuda.Stream(self.device) if cuda else None
-        self._tokens: torch.Tensor | None = None  # [C, max_model_len] int32, on first use
+        self._tokens: torch.Tensor | None = None  # [C, width] int32 (_make_room)
         self._owner = np.empty(0, dtype=object)  # [C] the request whose tokens a row holds
         self._copied = np.zeros(0, dtype=np.int64)  # [C] tokens of a row on the device
         if cuda:  # compile the kernel now, at the engine's start, not in a step
@@ -75,11 +77,8 @@ class DeviceNgramProposer(NgramProposer):
         stopped, or from the row's start where the slot holds another request than at its
         last call or the row is shorter than then (cut back: its tokens may differ). A
         row's known tokens otherwise only grow (as NgramProposer's index assumes)."""
-        if self._tokens is None or self._tokens.shape != slots.token_ids.shape:
-            self._tokens = torch.zeros(slots.token_ids.shape, dtype=torch.int32, device=self.device)
-            self._owner = np.full(slots.capacity, None, dtype=object)
-            self._copied = np.zeros(slots.capacity, dtype=np.int64)
         n = slots.num_tokens[rows].astype(np.int64)
+        self._make_room(slots, int(n.max()))
         fresh = rows[(slots.requests[rows] != self._owner[rows]) | (n < self._copied[rows])]
         self._owner[fresh] = slots.requests[fresh]
         self._copied[fresh] = 0
@@ -89,8 +88,27 @@ class DeviceNgramProposer(NgramProposer):
         if total:
             which = np.repeat(np.arange(len(rows)), count)
             pos = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-            flat = rows[which] * slots.token_ids.shape[1] + pos
-            values = slots.token_ids.reshape(-1).take(flat).astype(np.int64)
-            both = torch.from_numpy(np.concatenate([flat, values])).to(self.device)  # one copy
+            known = slots.token_ids.reshape(-1).take(rows[which] * slots.token_ids.shape[1] + pos)
+            flat = rows[which] * self._tokens.shape[1] + pos
+            both = torch.from_numpy(np.concatenate([flat, known.astype(np.int64)]))
+            both = both.to(self.device)  # (one copy for positions and values)
             self._tokens.view(-1)[both[:total]] = both[total:].to(torch.int32)
         self._copied[rows] = n
+
+    def _make_room(self, slots: BatchSlots, longest: int) -> None:
+        """A device copy as wide as the longest row proposed so far (a power of two, at
+        least MIN_WIDTH, at most the slots' width): [max_num_seqs, max_model_len] int32 at
+        once would take 0.5 GiB at 1,024 rows of 131,072 tokens, after the KV cache was
+        sized. Widening keeps what was copied."""
+        if self._tokens is None or self._tokens.shape[0] != slots.capacity:
+            self._tokens = None
+            self._owner = np.full(slots.capacity, None, dtype=object)
+            self._copied = np.zeros(slots.capacity, dtype=np.int64)
+        width = 0 if self._tokens is None else self._tokens.shape[1]
+        if longest <= width:
+            return
+        wide = min(max(MIN_WIDTH, 1 << (longest - 1).bit_length()), slots.token_ids.shape[1])
+        tokens = torch.zeros((slots.capacity, wide), dtype=torch.int32, device=self.device)
+        if self._tokens is not None:
+            tokens[:, :width] = self._tokens
+        self._tokens = tokens
