@@ -111,7 +111,7 @@ class LLMEngine:
         self.draft_ahead_below = 8
         auto = proposer is None and config.speculative.method == "auto"
         if proposer is None:
-            proposer = build_proposer(config.speculative, str(config.resolve_device()))
+            proposer = build_proposer(config.speculative)
         if config.speculative.method == "lookahead" and config.max_num_seqs > LOOKAHEAD_ROWS:
             log.warning(
                 "speculative.method lookahead with max_num_seqs %d: each row's step carries "

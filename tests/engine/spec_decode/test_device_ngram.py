@@ -64,9 +64,9 @@ def test_no_rows_ask_for_nothing() -> None:
 
 @pytest.fixture()
 def device_matcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine builds its n-gram matcher as on a GPU (the device class), here on CPU."""
+    """The engine builds the device class as its n-gram matcher (here on CPU)."""
 
-    def build(config, device):
+    def build(config):
         return DeviceNgramProposer(config.max_tokens, config.ngram_min, config.ngram_max, "cpu")
 
     monkeypatch.setattr(spec_decode, "_ngram_proposer", build)

@@ -22,9 +22,10 @@ class LearnsFromOutputs(Protocol):
     def close(self) -> None: ...
 
 
-def build_proposer(config: SpeculativeConfig, device: str = "cpu") -> DraftProposer | None:
-    """The proposer ``config`` names; None when speculation is off. On a CUDA ``device``
-    the n-gram matches of ngram and suffix (auto) are searched on it (device_ngram.py)."""
+def build_proposer(config: SpeculativeConfig) -> DraftProposer | None:
+    """The proposer ``config`` names; None when speculation is off. The n-gram matches of
+    ngram and suffix (auto) come from the host index (ngram.py): the device search
+    (device_ngram.py) measured slower a call inside the engine (BENCHMARKS.md, session 47)."""
     if config.method == "off":
         return None
     if config.method == "lookahead":
@@ -35,7 +36,7 @@ def build_proposer(config: SpeculativeConfig, device: str = "cpu") -> DraftPropo
         )
     if config.method not in ("ngram", "suffix", "auto"):
         raise ValueError(f"speculative.method {config.method!r} has no proposer")
-    own = _ngram_proposer(config, device)
+    own = _ngram_proposer(config)
     if config.method == "ngram":
         return own
     from tokenmill.engine.spec_decode.suffix import SuffixProposer
@@ -43,9 +44,5 @@ def build_proposer(config: SpeculativeConfig, device: str = "cpu") -> DraftPropo
     return SuffixProposer(config.max_tokens, config.ngram_min, config.ngram_max, own=own)
 
 
-def _ngram_proposer(config: SpeculativeConfig, device: str) -> NgramProposer:
-    if str(device).startswith("cuda"):
-        from tokenmill.engine.spec_decode.device_ngram import DeviceNgramProposer
-
-        return DeviceNgramProposer(config.max_tokens, config.ngram_min, config.ngram_max, device)
+def _ngram_proposer(config: SpeculativeConfig) -> NgramProposer:
     return NgramProposer(config.max_tokens, config.ngram_min, config.ngram_max)

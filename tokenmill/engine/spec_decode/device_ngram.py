@@ -18,6 +18,12 @@ The match is NgramProposer's rule (the longest suffix of ``min_n`` .. ``max_n`` 
 its latest earlier occurrence), found without a hash table: where the host index forgot a
 gram (another one took its entry) this still finds it, so the drafts can differ in such
 rows; both are verified alike, so the output cannot.
+
+Not the engine's default (build_proposer keeps the host index): inside the engine on an
+H100, 256 rows, every step drafted, a call took 1.0-1.9 ms against the host index's
+0.5-1.4 ms (BENCHMARKS.md, session 47). Its three waits a call (two uploads, the copy
+back) are each a moment the output thread can take the GIL and keep it for a switch
+interval (0.5 ms); a version with one wait is the next measurement.
 """
 
 from __future__ import annotations
