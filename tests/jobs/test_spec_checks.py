@@ -422,16 +422,17 @@ def test_a_broken_yaml_line_or_set_item_is_not_echoed(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("sampling", "what"),
     [
-        ({"stop": [""]}, "stop must be non-empty strings"),
-        ({"stop": ["ok", ""]}, "stop must be non-empty strings"),
-        ({"top_k": 2**32}, "top_k must be -1"),
+        ({"stop": [""]}, "stop: expected non-empty strings, got ['']"),
+        ({"stop": ["ok", ""]}, "stop: expected non-empty strings, got ['ok', '']"),
+        ({"top_k": 2**32}, "top_k: expected -1"),
     ],
 )
 def test_sampling_values_every_row_would_refuse_fail_the_spec(
     sampling: dict[str, Any], what: str
 ) -> None:
-    """Refused by SamplingParams in each row, they made every row an error and exited 0."""
-    assert f"sampling: {what}" in _error(_raw(sampling=sampling))
+    """Refused by SamplingParams in each row, they made every row an error and exited 0;
+    the error names the key (sampling.stop: it said "sampling: stop must be ...")."""
+    assert f"sampling.{what}" in _error(_raw(sampling=sampling))
 
 
 @pytest.mark.parametrize(

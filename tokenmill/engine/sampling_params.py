@@ -327,6 +327,15 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class SamplingParamError(ValueError):
+    """A SamplingParams field's value breaks its rule: ``name``, the ``value`` given and
+    what was ``expected`` (a job spec names it as ``sampling.<name>``)."""
+
+    def __init__(self, name: str, value: object, expected: str) -> None:
+        super().__init__(f"SamplingParams.{name} must be {expected}, got {value!r}")
+        self.name, self.value, self.expected = name, value, expected
+
+
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+        raise SamplingParamError(name, value, expected)

@@ -44,7 +44,7 @@ from pydantic_core import ErrorDetails
 
 from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.prompts import ChatTemplate
-from tokenmill.engine.sampling_params import SamplingParams, check_logit_bias
+from tokenmill.engine.sampling_params import SamplingParamError, SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
 from tokenmill.io.readers.openai_sampling import MAX_N, response_format_setting
 from tokenmill.io.readers.storage import location_problem
@@ -271,6 +271,9 @@ class SamplingSection(_Section):
         values = {k: v for k, v in self.model_dump().items() if k in names and v is not None}
         try:
             SamplingParams(**values)
+        except SamplingParamError as exc:  # named as sampling.<key> in the error list
+            value = list(exc.value) if isinstance(exc.value, tuple) else exc.value  # as given
+            raise EngineSettingError(f"sampling.{exc.name}", value, exc.expected) from None
         except ValueError as exc:
             raise ValueError(str(exc).replace("SamplingParams.", "")) from None
         return self
