@@ -868,16 +868,22 @@ def test_a_lock_this_process_holds_unregistered_is_still_said_to_be_its(tmp_path
         os.close(fd)
 
 
-def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
-    from tokenmill.jobs.lock import JobLockedError
-
-    holder = subprocess.Popen(  # takes the lock, says so, keeps it until stdin closes
+def _lock_holder(job: str, output: Path) -> subprocess.Popen:
+    """A process that takes ``output``'s lock as ``job``, prints "held", and keeps the lock
+    until its stdin closes."""
+    return subprocess.Popen(
         [sys.executable, "-c", "import sys; from tokenmill.jobs.lock import JobLock; "
-         f"lock = JobLock('other', 'out', {str(tmp_path)!r}); lock.acquire(); "
+         f"lock = JobLock({job!r}, 'out', {str(output)!r}); lock.acquire(); "
          "print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )  # fmt: skip
+
+
+def test_a_lock_held_by_another_process_names_it(tmp_path: Path) -> None:
+    from tokenmill.jobs.lock import JobLockedError
+
+    holder = _lock_holder("other", tmp_path)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(JobLockedError, match="is held by another run") as info:
@@ -904,13 +910,7 @@ def test_a_lock_held_by_a_stopped_process_says_so_and_how_to_resume_it(
     out = tmp_path / "out"
     out.mkdir()
 
-    holder = subprocess.Popen(  # takes the lock, says so, keeps it until stdin closes
-        [sys.executable, "-c", "import sys; from tokenmill.jobs.lock import JobLock; "
-         f"lock = JobLock('test', 'out', {str(out)!r}); lock.acquire(); "
-         "print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
-    )  # fmt: skip
+    holder = _lock_holder("test", out)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(JobLockedError) as running:
