@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     if report.status == "complete":
         return EXIT_OK
     if stop.received is not None:
-        print(f"run-job: stopped by {stop.received}; {_RESUME}", file=sys.stderr)
+        _say(f"run-job: stopped by {stop.received}; {_RESUME}")
         return EXIT_TEMPORARY
     return EXIT_FAILED
 
@@ -210,6 +210,21 @@ def _print(text: str) -> None:
         print(text, flush=True)
     except OSError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _say(text: str) -> None:
+    """Print to stderr; one that went away (a closed terminal, ``run-job ... 2>&1 | head``,
+    a full disk under ``2>> log``) changes nothing about the job either: a stopped run's
+    message raised BrokenPipeError, which became a "storage error" whose own message raised
+    again, and a SIGTERM'd run exited 1 instead of 75 (an audit). stderr then goes to
+    /dev/null."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 # Object-store client packages: their exceptions are storage failures, not tokenmill bugs.
@@ -247,7 +262,7 @@ def entry() -> None:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"run-job: {hide_url_secrets(message)}", file=sys.stderr)
+    _say(f"run-job: {hide_url_secrets(message)}")
     return code
 
 
