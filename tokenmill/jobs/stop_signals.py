@@ -1,10 +1,13 @@
-"""SIGTERM and SIGINT stop a run at its next commit boundary, not in the middle of nowhere.
+"""SIGTERM, SIGINT and SIGHUP stop a run at its next commit boundary, not in the middle of
+nowhere.
 
     1st signal ─► cancel.set(): in-flight rows are dropped, complete shards are committed,
                   the report says "cancelled", run-job exits 75 (rerun to resume)
     2nd signal ─► JobInterrupted raised at once (as safe as SIGKILL: every write is atomic)
 
-SIGTERM is what Airflow, Kubernetes and systemd send before they kill; SIGINT is Ctrl-C.
+SIGTERM is what Airflow, Kubernetes and systemd send before they kill; SIGINT is Ctrl-C;
+SIGHUP is a closed terminal or a dropped ssh session (it killed the run: exit 129, no message,
+no report; an audit), left alone where it is ignored (``nohup run-job ...``).
 Handlers can only be installed from the main thread; elsewhere this does nothing.
 """
 
@@ -20,17 +23,23 @@ from typing import Any
 
 log = logging.getLogger("tokenmill.jobs")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _held: list[int] = []  # stop signals that came before a StopOnSignals opened (hold_signals)
 
 
+def _taken(sig: int) -> bool:
+    """Whether a stop handler goes on ``sig``: not on a SIGHUP that is ignored (``nohup``),
+    which would make a closed terminal stop the run that nohup keeps going."""
+    return sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN
+
+
 def hold_signals() -> None:
-    """Hold SIGTERM and SIGINT until a ``StopOnSignals`` opens, which then takes the first
+    """Hold SIGTERM, SIGINT and SIGHUP until a ``StopOnSignals`` opens, which then takes the first
     one held as its own: the ``run-job`` command calls this first thing, so a stop that
     comes while its modules import (up to a second) exits 75 as any stop does, instead of
     killing the process. Main thread only."""
     if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
+        for sig in filter(_taken, STOP_SIGNALS):
             signal.signal(sig, lambda signum, frame: _held.append(signum))
 
 
@@ -51,7 +60,7 @@ class StopOnSignals:
 
     def __enter__(self) -> StopOnSignals:
         if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
+            for sig in filter(_taken, STOP_SIGNALS):
                 self._previous[sig] = signal.signal(sig, self._handle)
             if _held:  # a stop while run-job started (hold_signals): one stop, now
                 self._handle(_held[0], None)
@@ -88,7 +97,8 @@ def stop_handlers_kept() -> Iterator[None]:
     try:
         yield
     except SystemExit as exc:
-        if exc.code not in tuple(int(sig) for sig in STOP_SIGNALS):
+        # (ray.init's handlers are SIGTERM's and SIGINT's; an exit 1 is not a SIGHUP)
+        if exc.code not in (int(signal.SIGTERM), int(signal.SIGINT)):
             raise
         name = signal.Signals(exc.code).name  # type: ignore[arg-type]
         raise JobInterrupted(f"{name} received while Ray started: stopping now") from None
