@@ -8,6 +8,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -327,6 +328,30 @@ def test_a_stop_signal_stops_the_dry_run(
     spec = JobSpec.from_dict(job_dict(tiny_model, src, tmp_path / "out"))
     with pytest.raises(JobInterrupted, match="stopped after 2 rows"):
         dry_run(spec, cancel)
+
+
+def test_a_stopped_dry_run_says_rerun_it_not_committed_shards_kept(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """An audit: a dry run stopped by a signal said "committed shards are kept; rerun the
+    same command to resume", though a dry run writes nothing."""
+    import yaml
+
+    from tokenmill.jobs import dry_run as dry_run_module
+    from tokenmill.jobs.cli import main as cli_main
+    from tokenmill.jobs.stop_signals import JobInterrupted
+
+    def stopped(*args, **kwargs):
+        raise JobInterrupted("the dry run stopped after 0 rows")
+        yield  # (a generator, as iter_input_rows is)
+
+    monkeypatch.setattr(dry_run_module, "iter_input_rows", stopped)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(5))
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, src, tmp_path / "out")))
+    assert cli_main([str(job), "--dry-run", "--quiet"]) == 75
+    err = capsys.readouterr().err
+    assert "a dry run writes nothing; rerun it" in err and "committed shards" not in err
 
 
 def test_the_dry_run_refuses_another_jobs_output_as_a_run_does(

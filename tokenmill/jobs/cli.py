@@ -42,6 +42,7 @@ log = logging.getLogger("tokenmill.jobs")
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TEMPORARY = 0, 1, 2, 75
 
 _RESUME = "committed shards are kept; rerun the same command to resume"
+_DRY_RUN_AGAIN = "a dry run writes nothing; rerun it"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         except JobLockedError as exc:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
-            return _fail(f"stopped ({str(exc) or 'interrupted'}); {_RESUME}", EXIT_TEMPORARY)
+            again = _DRY_RUN_AGAIN if args.dry_run else _RESUME
+            return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:
