@@ -6,6 +6,8 @@ import gc
 import weakref
 from pathlib import Path
 
+import pytest
+
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.frozen_heap import frozen_heap
@@ -104,3 +106,29 @@ def test_a_child_forked_inside_a_loop_starts_with_none_running() -> None:
         os.waitpid(pid, 0)
     assert os.read(read, 8) == b"111"
     assert gc.get_freeze_count() == 0 and sys.getswitchinterval() == before
+
+
+def test_brief_gil_turns_last_the_block_and_nest_inside_short_ones() -> None:
+    """brief_gil_turns (a proposer's wait for the device): 20 us turns inside the block, the
+    interval it found put back after it, an exception included."""
+    import sys
+
+    from tokenmill.engine.short_gil_turns import (
+        BRIEF_TURN_S,
+        TURN_S,
+        brief_gil_turns,
+        short_gil_turns,
+    )
+
+    before = sys.getswitchinterval()
+    with short_gil_turns():
+        with brief_gil_turns():
+            assert sys.getswitchinterval() == pytest.approx(BRIEF_TURN_S)
+        assert sys.getswitchinterval() == TURN_S
+        try:
+            with brief_gil_turns():
+                raise KeyError("x")
+        except KeyError:
+            pass
+        assert sys.getswitchinterval() == TURN_S
+    assert sys.getswitchinterval() == before

@@ -23,13 +23,19 @@ left as it is.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from tokenmill.engine.while_running import WhileRunning
 
-__all__ = ["TURN_S", "short_gil_turns"]
+__all__ = ["BRIEF_TURN_S", "TURN_S", "brief_gil_turns", "short_gil_turns"]
 
 TURN_S = 0.0005  # seconds a thread waits for the GIL before it asks the holder to drop it
+# For the span of a synchronous (drafted) step, whose host work the device waits for:
+# 20 us everywhere sped copy-edit suffix drafting up 22% on an H100 but slowed plain async
+# decoding 5-9% (BENCHMARKS.md, session 46), so only those steps get it.
+BRIEF_TURN_S = 0.00002
 
 
 def _shorten() -> float | None:
@@ -48,3 +54,16 @@ def _restore(before: float | None) -> None:
 
 # Set the GIL switch interval to at most TURN_S for the duration (re-entrant, any thread).
 short_gil_turns = WhileRunning(_shorten, _restore)
+
+
+@contextlib.contextmanager
+def brief_gil_turns() -> Iterator[None]:
+    """The switch interval at most BRIEF_TURN_S inside the block (this thread's span; it is
+    process-wide, and put back as it was at the block's end)."""
+    before = sys.getswitchinterval()
+    if before > BRIEF_TURN_S:
+        sys.setswitchinterval(BRIEF_TURN_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)

@@ -21,9 +21,10 @@ rows; both are verified alike, so the output cannot.
 
 Not the engine's default (build_proposer keeps the host index): inside the engine on an
 H100, 256 rows, every step drafted, a call took 1.0-1.9 ms against the host index's
-0.5-1.4 ms (BENCHMARKS.md, session 47). Its three waits a call (two uploads, the copy
-back) are each a moment the output thread can take the GIL and keep it for a switch
-interval (0.5 ms); a version with one wait is the next measurement.
+0.5-1.2 ms (BENCHMARKS.md, session 47). That version waited three times a call (two
+uploads from pageable memory, the copy back), each a moment the output thread can take
+the GIL and keep it for a switch interval (0.5 ms). This one stages a single upload in
+pinned memory and waits once, under 20 us GIL turns; it is not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.short_gil_turns import brief_gil_turns
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 from tokenmill.kernels.ngram_match import ngram_suffix_match, ngram_suffix_match_ref
 
@@ -58,6 +60,9 @@ class DeviceNgramProposer(NgramProposer):
         self._tokens: torch.Tensor | None = None  # [C, width] int32 (_make_room)
         self._owner = np.empty(0, dtype=object)  # [C] the request whose tokens a row holds
         self._copied = np.zeros(0, dtype=np.int64)  # [C] tokens of a row on the device
+        self._pinned_up: torch.Tensor | None = None  # staging for uploads (GPU)
+        self._pinned_down: torch.Tensor | None = None  # and for the matches coming back
+        self._done = torch.cuda.Event() if cuda else None
         if cuda:  # compile the kernel now, at the engine's start, not in a step
             tokens = torch.zeros((1, 8), dtype=torch.int32, device=self.device)
             one = torch.ones(1, dtype=torch.int64, device=self.device)
@@ -71,35 +76,62 @@ class DeviceNgramProposer(NgramProposer):
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         on_stream = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
         with on_stream:
-            self._copy_new_tokens(slots, rows)
             n = slots.num_tokens[rows].astype(np.int64)
-            which = torch.from_numpy(np.stack([rows, n])).to(self.device)  # [2, R]
+            self._make_room(slots, int(n.max()))
+            flat, known = self._new_tokens(slots, rows, n)
+            # One upload: the new tokens' places and values, then the rows and their lengths.
+            sent = self._upload(np.concatenate([flat, known, rows, n]))
+            total = len(flat)
+            self._tokens.view(-1)[sent[:total]] = sent[total : 2 * total].to(torch.int32)
+            which = sent[2 * total :].view(2, -1)
             start, length = self._search(self._tokens, which[0], which[1], self.min_n, self.max_n)
-            found = torch.stack([start, length]).cpu().numpy()  # (waits for this stream only)
+            found = self._download(torch.stack([start, length]))
         return found[0], found[1]
 
-    def _copy_new_tokens(self, slots: BatchSlots, rows: np.ndarray) -> None:
-        """Bring the device copy of ``rows`` up to their known tokens: from where it
+    def _new_tokens(
+        self, slots: BatchSlots, rows: np.ndarray, n: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(places in the device copy, values) of the rows' tokens it lacks: from where it
         stopped, or from the row's start where the slot holds another request than at its
         last call or the row is shorter than then (cut back: its tokens may differ). A
         row's known tokens otherwise only grow (as NgramProposer's index assumes)."""
-        n = slots.num_tokens[rows].astype(np.int64)
-        self._make_room(slots, int(n.max()))
         fresh = rows[(slots.requests[rows] != self._owner[rows]) | (n < self._copied[rows])]
         self._owner[fresh] = slots.requests[fresh]
         self._copied[fresh] = 0
         lo = self._copied[rows]
         count = n - lo
         total = int(count.sum())
-        if total:
-            which = np.repeat(np.arange(len(rows)), count)
-            pos = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-            known = slots.token_ids.reshape(-1).take(rows[which] * slots.token_ids.shape[1] + pos)
-            flat = rows[which] * self._tokens.shape[1] + pos
-            both = torch.from_numpy(np.concatenate([flat, known.astype(np.int64)]))
-            both = both.to(self.device)  # (one copy for positions and values)
-            self._tokens.view(-1)[both[:total]] = both[total:].to(torch.int32)
         self._copied[rows] = n
+        which = np.repeat(np.arange(len(rows)), count)
+        pos = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        known = slots.token_ids.reshape(-1).take(rows[which] * slots.token_ids.shape[1] + pos)
+        return rows[which] * self._tokens.shape[1] + pos, known.astype(np.int64)
+
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """``values`` (int64) on the device. On a GPU through a pinned buffer, without a
+        wait: each wait is a moment another thread (the output builder) can take the GIL,
+        and keep it for a switch interval."""
+        if self._stream is None:
+            return torch.from_numpy(values)
+        if self._pinned_up is None or len(self._pinned_up) < len(values):
+            self._pinned_up = torch.empty(2 * len(values), dtype=torch.int64, pin_memory=True)
+        staged = self._pinned_up[: len(values)]
+        staged.numpy()[:] = values
+        return staged.to(self.device, non_blocking=True)
+
+    def _download(self, found: torch.Tensor) -> np.ndarray:
+        """``found`` [2, R] on the host: one wait for this stream's work, with brief GIL
+        turns (short_gil_turns.py) so that the engine's thread has the GIL back soon."""
+        if self._stream is None:
+            return found.numpy()
+        if self._pinned_down is None or self._pinned_down.numel() < found.numel():
+            self._pinned_down = torch.empty(2 * found.numel(), dtype=torch.int64, pin_memory=True)
+        out = self._pinned_down[: found.numel()].view(found.shape)
+        out.copy_(found, non_blocking=True)
+        self._done.record(self._stream)
+        with brief_gil_turns():
+            self._done.synchronize()
+        return out.numpy().copy()  # (the buffer is the next call's)
 
     def _make_room(self, slots: BatchSlots, longest: int) -> None:
         """A device copy as wide as the longest row proposed so far (a power of two, at
