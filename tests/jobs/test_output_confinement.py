@@ -119,3 +119,30 @@ def test_an_output_path_under_a_file_is_refused_naming_it(tiny_model: Path, tmp_
         OutputPathError, match=r"output.path .* is under '.*notes.txt', which is a file"
     ):
         run_job(spec, show_progress=False)
+
+
+@pytest.mark.parametrize("spelling", ["tilde", "file_url"])
+def test_output_in_the_model_folder_is_refused_however_spelled(
+    tiny_model: Path, tmp_path: Path, monkeypatch, spelling: str
+) -> None:
+    """``~/m`` (model.source and output.path) and ``file:///.../m`` name the model folder as
+    its plain path does; the check compared the text and let the job write among the model's
+    files (its next run refused: the model's fingerprint had changed)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    model = home / "m"
+    model.mkdir()
+    for file in tiny_model.iterdir():
+        if file.is_file():
+            (model / file.name).write_bytes(file.read_bytes())
+    monkeypatch.setenv("HOME", str(home))
+    before = sorted(p.name for p in model.iterdir())
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
+    spec = job_dict(model, src, model)
+    if spelling == "tilde":
+        spec["model"]["source"] = spec["output"]["path"] = "~/m"
+    else:
+        spec["output"]["path"] = f"file://{model}"
+    with pytest.raises(OutputPathError, match="model folder"):
+        run_job(spec, show_progress=False)
+    assert sorted(p.name for p in model.iterdir()) == before

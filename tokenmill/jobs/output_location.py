@@ -111,9 +111,18 @@ def check_output_outside_model(output_path: str, model_source: str) -> None:
     """Raise OutputPathError when ``model_source`` is a local folder and the local
     ``output.path`` is that folder or inside it: the job's JSON files would land among the
     model's, which its fingerprint reads, so the job could never resume."""
-    if "://" in output_path or not os.path.isdir(model_source):
+    # Spelled as the job reads and writes them: ``~`` expanded (the loader and the output
+    # store both expand it), and a file:// output is the local folder it names.
+    model_dir = os.path.expanduser(model_source)
+    if not os.path.isdir(model_dir):
         return
-    model, out = os.path.realpath(model_source), os.path.realpath(output_path)
+    try:
+        out_fs, out_root = resolve(output_path, {})
+    except (ImportError, ValueError):
+        return
+    if not isinstance(out_fs, LocalFileSystem):
+        return
+    model, out = os.path.realpath(model_dir), os.path.realpath(out_root)
     if _within(out, model):
         where = "is the model folder" if out == model else "is inside the model folder"
         raise OutputPathError(
