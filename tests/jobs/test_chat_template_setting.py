@@ -188,3 +188,16 @@ def test_an_openai_batch_body_may_continue_its_last_message(
     assert got["closed"]["prompt_tokens"] == len(llm.encode_chat(messages))
     errors = "".join(p.read_text() for p in (tmp_path / "out" / "errors").iterdir())
     assert "continue_final_message and add_generation_prompt cannot both be true" in errors
+
+
+def test_a_relative_template_file_not_found_says_where_it_was_looked_for(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A job run from another directory (cron, Airflow) named only the relative path."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.from_dict(_spec(tiny_model, tmp_path, chat_template="templates/t.jinja"))
+    assert str(elsewhere / "templates" / "t.jinja") in str(info.value)
+    assert "working directory" in str(info.value)

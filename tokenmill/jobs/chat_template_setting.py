@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.prompts import template_variables
+from tokenmill.io.readers.storage import relative_note
 
 __all__ = ["MAX_TEMPLATE_BYTES", "chat_template_kwargs_setting", "chat_template_setting"]
 
@@ -41,8 +42,8 @@ def chat_template_setting(value: str) -> str:
             data = f.read(MAX_TEMPLATE_BYTES + 1)
     except FileNotFoundError:
         raise ValueError(
-            f"no file {shown!r} (a value holding '{{{{', '{{%' or '{{#' is the template "
-            "itself; anything else is read as the path of a file holding it)"
+            f"no file {shown!r}{relative_note(value)} (a value holding '{{{{', '{{%' or '{{#' "
+            "is the template itself; anything else is read as the path of a file holding it)"
         ) from None
     except OSError as exc:
         raise ValueError(f"cannot read {shown!r}: {exc.strerror or exc}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import shutil
 from collections.abc import Callable
@@ -166,3 +167,10 @@ def test_a_tokenizer_transformers_loads_as_its_model_types_own_class_is_loaded_s
     (path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # the shortcut
     generic_classes = ("PreTrainedTokenizerFast", "TokenizersBackend")
     assert type(load_hf_tokenizer(path)).__name__ in generic_classes
+
+
+def test_a_missing_relative_path_is_named_as_looked_for(tmp_path, monkeypatch):
+    """From another working directory (cron, Airflow) the message named 'model' only."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "models" / "m"))):
+        resolve_model_source("models/m")

@@ -66,6 +66,17 @@ def test_nothing_found_names_the_path(tmp_path, relative, message):
     assert path in str(e.value)
 
 
+@pytest.mark.parametrize("relative", ["data/missing.jsonl", "data/nothing*.jsonl"])
+def test_a_relative_path_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch, relative):
+    """Run from another directory (cron, Airflow), the message named only data/in.jsonl and
+    not the working directory it was looked for under."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        list_input_files(InputConfig(path=relative))
+    assert str(tmp_path / relative) in str(e.value)
+    assert "working directory" in str(e.value)
+
+
 def test_display_names_are_relative_to_the_common_directory():
     assert display_names(["/d/a.jsonl"]) == ["a.jsonl"]
     assert display_names(["s3://b/p/a.jsonl", "s3://b/p/c.jsonl"]) == ["a.jsonl", "c.jsonl"]

@@ -204,7 +204,7 @@ def resolve_model_source(model: str | os.PathLike[str]) -> ModelSource:
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"model {str(model)!r}: {path} does not exist and is not a known alias; "
+            f"model {str(model)!r}: {path.absolute()} does not exist and is not a known alias; "
             f"models are never downloaded, pass a local path; {_supported()}"
         )
     if path.is_dir():

@@ -8,7 +8,7 @@ from typing import Any
 from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.listing_cache import forget_listings
-from tokenmill.io.readers.storage import has_protocol, location_problem, resolve
+from tokenmill.io.readers.storage import has_protocol, location_problem, relative_note, resolve
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -47,7 +47,8 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         ]
         if not paths:
             raise FileNotFoundError(
-                f"input.path {cfg.path!r} matches no files; check the pattern and the location"
+                f"input.path {cfg.path!r} matches no files{relative_note(cfg.path)}; check the "
+                "pattern and the location"
             )
         holders = {p.rpartition("/")[0] for p in paths}
     elif fs.isdir(root):
@@ -65,7 +66,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         paths = [root]
         holders = {root.rpartition("/")[0]}
     else:
-        raise FileNotFoundError(f"input.path {cfg.path!r} does not exist")
+        raise FileNotFoundError(f"input.path {cfg.path!r} does not exist{relative_note(cfg.path)}")
     if not cfg.path.lower().startswith(("http://", "https://")):  # (no tables served so)
         # the folders that hold the files, and theirs: a glob's, a file's, a partition's
         _refuse_table_files(cfg.path, _tables_above(fs, sorted(holders)[:_TABLE_LOOKS]))

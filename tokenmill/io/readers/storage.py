@@ -54,5 +54,19 @@ def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
+def relative_note(path: str) -> str:
+    """For a relative local path, what it was looked for as: `` (looked for /abs/path:
+    relative paths resolve against the working directory, /cwd)``; else ''. A cron job or an
+    Airflow worker runs in another directory than the one a job was tried in, and a message
+    naming only ``data/in.jsonl`` does not say where it was looked for."""
+    if has_protocol(path) or os.path.isabs(os.path.expanduser(path)):
+        return ""
+    cwd = os.getcwd()
+    return (
+        f" (looked for {os.path.join(cwd, path)!r}: relative paths resolve against the "
+        f"working directory, {cwd!r}, not the job file's folder)"
+    )
+
+
 def has_protocol(url: str) -> bool:
     return split_protocol(url)[0] is not None
