@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
