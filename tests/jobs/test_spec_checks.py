@@ -545,3 +545,12 @@ def test_what_yaml_read_as_another_type_says_how_to_write_it(
     with pytest.raises(JobSpecError) as info:
         JobSpec.load(_write(tmp_path, base + text + "\n"))
     assert said in str(info.value) + "\n"
+
+
+def test_an_unknown_key_close_to_a_real_one_is_suggested() -> None:
+    """An audit: `sampling.max_token` said "unknown key" and nothing of max_tokens."""
+    error = _error(_raw(sampling={"max_token": 3, "zzz": 1}, engine={"max_num_seq": 4}))
+    assert "sampling.max_token: unknown key (did you mean sampling.max_tokens?)" in error
+    assert "engine.max_num_seq: unknown key (did you mean engine.max_num_seqs?)" in error
+    assert "sampling.zzz: unknown key\n" in error + "\n"  # nothing close: no guess
+    assert "outptu: unknown key (did you mean output?)" in _error({**_raw(), "outptu": {}})

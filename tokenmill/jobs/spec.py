@@ -14,6 +14,7 @@ EngineConfig's fields and checked by its rules (``engine_section``).
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -558,10 +559,25 @@ def _yaml_hint(kind: str, value: Any) -> str:
     return ""
 
 
+def _did_you_mean(loc: tuple[int | str, ...]) -> str:
+    """`` (did you mean sampling.max_tokens?)`` for an unknown key close to one of its
+    section's (a typo), else ''."""
+    section: Any = JobSpec
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        section = None if field is None else field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1, cutoff=0.75)
+    if not close:
+        return ""
+    return f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?)"
+
+
 def _describe(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        return "unknown key" + _did_you_mean(err["loc"])
     if kind == "missing":
         return "required key is missing"
     if kind == "value_error":  # our validators' messages say what they got
