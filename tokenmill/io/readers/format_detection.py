@@ -42,7 +42,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         for f in files:
             _refuse_unreadable_packing(f)
         if fmt != "parquet":
-            _refuse_parquet_bytes(files, f"input.format {fmt} reads it", storage_options or {})
+            _refuse_first_file(files, f"input.format {fmt} reads it", storage_options or {})
         return fmt
     if not files:
         raise ValueError("detect_format: no input files to look at")
@@ -64,10 +64,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         if lines:
             break
     first_line = lines[0] if lines else ""
-    if "\x00" in first_line[:4]:  # (JSON never holds a NUL byte; UTF-16/32 text does)
-        raise _not_utf8_text(first)
-    if _CR_BETWEEN_RECORDS.search(first_line):
-        raise _lines_end_in_cr(first)
+    _refuse_unreadable_start(first, first_line, "named as JSON Lines, it is read")
     # A JSON array, pretty-printed or on one line (not parsed: a one-line array of 2M rows
     # took 1.6 GB to end as one bad row, exit 0)
     if first_line.startswith("["):
@@ -79,8 +76,6 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         value = _json_or_none(line) if '"custom_id"' in line else None
         if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
             return "openai-batch"
-    if first_line.startswith(_PARQUET_MAGIC.decode()):  # (read above: not opened again)
-        raise _parquet_as_json_lines(first, "named as JSON Lines, it is read")
     return "jsonl"
 
 
@@ -139,22 +134,29 @@ _LINE_CAP = 16 << 20  # the longest first line read whole (a file with no \n is 
 _CR_BETWEEN_RECORDS = re.compile(r"[}\]][ \t]*\r[ \t\r]*[{\[]")
 
 
-def _refuse_parquet_bytes(files: list[str], why: str, storage_options: dict[str, Any]) -> None:
-    """Raise ValueError when the first input file that holds bytes (of the first
-    ``LOOK_AT_FILES``) is a Parquet file: read as JSON Lines (``why``: what makes it so),
-    every row would be a bad row of binary text, and the job "complete"; likewise when it
-    is UTF-16 or UTF-32 text (a NUL byte among its first four)."""
+def _refuse_first_file(files: list[str], why: str, storage_options: dict[str, Any]) -> None:
+    """``_refuse_unreadable_start`` on the first line of the first input file that holds
+    bytes (of the first ``LOOK_AT_FILES``; its first ``_HEAD_BYTES`` read)."""
     for url in files[:LOOK_AT_FILES]:
         with open_input(url, storage_options) as f:
             head = f.read(_HEAD_BYTES)
-        if head[: len(_PARQUET_MAGIC)] == _PARQUET_MAGIC:
-            raise _parquet_as_json_lines(url, why)
-        if b"\x00" in head[:4]:
-            raise _not_utf8_text(url)
-        if _CR_BETWEEN_RECORDS.search(head.split(b"\n", 1)[0].decode("utf-8", "replace")):
-            raise _lines_end_in_cr(url)
         if head:
+            first_line = head.split(b"\n", 1)[0].decode("utf-8-sig", errors="replace").strip()
+            _refuse_unreadable_start(url, first_line, why)
             return
+
+
+def _refuse_unreadable_start(url: str, first_line: str, why: str) -> None:
+    """Raise ValueError when ``url``'s first line (as text) shows a file in which, read as
+    JSON Lines (``why``: what makes it so), every row would be a bad row and the job
+    "complete": a Parquet file, UTF-16 or UTF-32 text (JSON never holds a NUL byte; such
+    text does among its first characters), or lines ending in a carriage return alone."""
+    if first_line.startswith(_PARQUET_MAGIC.decode()):
+        raise _parquet_as_json_lines(url, why)
+    if "\x00" in first_line[:4]:
+        raise _not_utf8_text(url)
+    if _CR_BETWEEN_RECORDS.search(first_line):
+        raise _lines_end_in_cr(url)
 
 
 def _parquet_as_json_lines(url: str, why: str) -> ValueError:
