@@ -32,9 +32,9 @@ from tokenmill.engine.while_running import WhileRunning
 __all__ = ["BRIEF_TURN_S", "TURN_S", "brief_gil_turns", "short_gil_turns"]
 
 TURN_S = 0.0005  # seconds a thread waits for the GIL before it asks the holder to drop it
-# For the span of a synchronous (drafted) step, whose host work the device waits for:
-# 20 us everywhere sped copy-edit suffix drafting up 22% on an H100 but slowed plain async
-# decoding 5-9% (BENCHMARKS.md, session 46), so only those steps get it.
+# For a short wait whose end the engine's thread should not lose to another thread's turn
+# (DeviceNgramProposer's wait for its matches): 20 us everywhere slowed plain async decoding
+# 5-9% on an H100 (BENCHMARKS.md, session 46), so only such spans get it.
 BRIEF_TURN_S = 0.00002
 
 

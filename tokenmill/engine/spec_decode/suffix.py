@@ -1,8 +1,8 @@
 """SuffixProposer: drafts from the row's own tokens or from earlier rows' outputs.
 
 Two sources, the longer matching suffix wins:
-  * the row itself (prompt and output so far): NgramProposer's per-slot index (on a GPU,
-    DeviceNgramProposer's search), grams of ``min_n`` .. ``max_n`` tokens;
+  * the row itself (prompt and output so far): NgramProposer's per-slot index (or the
+    matcher given as ``own``), grams of ``min_n`` .. ``max_n`` tokens;
   * every output finished before in this engine (a job's earlier rows): OutputCorpus, grams
     of ``corpus_min_n`` .. ``corpus_max_n`` tokens, so only a long shared context drafts
     from another row (a short one would often guess wrong).
@@ -49,8 +49,8 @@ class SuffixProposer:
         corpus_tokens: int = 1 << 20,
         own: NgramProposer | None = None,
     ) -> None:
-        """``own``: the row's own matcher (default a host-indexed NgramProposer; the engine
-        gives a DeviceNgramProposer on a GPU)."""
+        """``own``: the row's own matcher (default a host-indexed NgramProposer; a
+        DeviceNgramProposer searches on the device instead, not the engine's default)."""
         self.max_drafts = max_drafts
         self.own = own if own is not None else NgramProposer(max_drafts, min_n, max_n)
         self.corpus = OutputCorpus(corpus_tokens, corpus_min_n, corpus_max_n)
