@@ -62,8 +62,7 @@ def ngram_match_ref(
     rows = tokens[slots.long()].long()  # [R, W]
     n = lengths.long()[:, None]  # [R, 1]
     width = rows.shape[1]
-    best = _best_ref(rows, n, min_n, max_n)  # [R, 1]
-    start = torch.where(best >= 0, best % width + 1, -1)
+    start, _ = _start_and_length(_best_ref(rows, n, min_n, max_n), width)  # [R, 1]
     period = (n - start).clamp(min=1)
     cols = start + torch.arange(count, device=rows.device)[None, :] % period
     drafts = rows.gather(1, cols.clamp(min=0, max=width - 1))

@@ -52,7 +52,6 @@ class DeviceNgramProposer(NgramProposer):
         self, max_drafts: int, min_n: int = 2, max_n: int = 4, device: str = "cuda"
     ) -> None:
         super().__init__(max_drafts, min_n, max_n)
-        self.min_n, self.max_n = min_n, max_n
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self._search = ngram_suffix_match if cuda else ngram_suffix_match_ref
@@ -84,7 +83,8 @@ class DeviceNgramProposer(NgramProposer):
             total = len(flat)
             self._tokens.view(-1)[sent[:total]] = sent[total : 2 * total].to(torch.int32)
             which = sent[2 * total :].view(2, -1)
-            start, length = self._search(self._tokens, which[0], which[1], self.min_n, self.max_n)
+            h = self.hasher  # (its n-gram sizes)
+            start, length = self._search(self._tokens, which[0], which[1], h.min_n, h.max_n)
             found = self._download(torch.stack([start, length]))
         return found[0], found[1]
 
