@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+from typing import TextIO
 
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
@@ -206,25 +207,27 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
 def _print(text: str) -> None:
     """Print to stdout; a reader that went away (``run-job ... | head``) or a full disk under
     a cron job's ``>> nightly.log`` (it exited 75, "storage error ... rerun", for a complete
-    job: an audit) changes nothing about the job, so its exit code stays: stdout then goes
-    to /dev/null (no error at exit)."""
-    try:
-        print(text, flush=True)
-    except OSError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    job: an audit) changes nothing about the job, so its exit code stays."""
+    _write_or_drop(sys.stdout, text)
 
 
 def _say(text: str) -> None:
     """Print to stderr; one that went away (a closed terminal, ``run-job ... 2>&1 | head``,
     a full disk under ``2>> log``) changes nothing about the job either: a stopped run's
     message raised BrokenPipeError, which became a "storage error" whose own message raised
-    again, and a SIGTERM'd run exited 1 instead of 75 (an audit). stderr then goes to
-    /dev/null."""
+    again, and a SIGTERM'd run exited 1 instead of 75 (an audit)."""
+    _write_or_drop(sys.stderr, text)
+
+
+def _write_or_drop(stream: TextIO, text: str) -> None:
+    """Print ``text`` to ``stream``; when that fails, the stream's file descriptor goes to
+    /dev/null, so that neither this line nor any later one (Python's own flush at exit
+    included) raises."""
     try:
-        print(text, file=sys.stderr, flush=True)
+        print(text, file=stream, flush=True)
     except (OSError, ValueError):
         try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         except (OSError, ValueError, AttributeError):
             pass
 
