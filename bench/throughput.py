@@ -15,7 +15,8 @@ Peer: HF transformers `generate` (static batches, same random-weight shapes, bf1
 a subset (one batch of --hf-batch requests; --hf-out output tokens), in the same run.
 Roofline: for every decode step the engine ran, (weight bytes + KV bytes read) / 4.25 TB/s
 against FLOPs / 795 TFLOP/s, whichever is larger; the sum over steps gives a lower bound on
-decode time and so an upper bound on output tokens/s.
+decode time and so an upper bound on output tokens/s; ``steps_against_bound`` splits the
+run's GPU time and that bound by kind of step and batch size.
 
     PYTHONPATH=$PWD python3 bench/throughput.py [--workloads llama8b,qwen3,prefix]
         [--quantization fp8|int4|int8] [--kv-cache-dtype fp8]
@@ -92,22 +93,37 @@ def param_bytes(cfg: dict) -> int:
     return 2 * (n * per_layer + cfg["vocab_size"] * h + head + h)
 
 
-def roofline_seconds(cfg: dict, records) -> float:
-    """Lower bound on the run's time: each decode step reads the weights and its batch's KV
+def step_bound_seconds(cfg: dict, record) -> float:
+    """Lower bound on one step's GPU time: a decode step reads the weights and its batch's KV
     (bytes / 4.25 TB/s) or does its matmul FLOPs (/ 795 TFLOP/s), whichever is longer; other
     steps are counted by their matmul FLOPs alone (attention FLOPs left out: a lower bound)."""
     d = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
     weights = param_bytes(cfg)
-    flops_per_token = weights  # 2 FLOPs per bf16 parameter (2 bytes)
-    seconds = 0.0
+    t_flop = record.num_tokens * weights / PEAK_FLOPS  # 2 FLOPs per bf16 parameter (2 bytes)
+    if record.num_tokens == record.num_reqs:
+        return max((weights + record.context_tokens * kv_per_token) / HBM_BPS, t_flop)
+    return t_flop
+
+
+def roofline_seconds(cfg: dict, records) -> float:
+    """Lower bound on the run's time: the sum of its steps' bounds."""
+    return sum(step_bound_seconds(cfg, r) for r in records)
+
+
+def steps_against_bound(cfg: dict, records) -> dict[str, list]:
+    """Where the run's GPU time went against the roofline, by kind of step and batch size
+    (the largest power of two at or below a step's rows): per bucket [steps, GPU ms, bound
+    ms, host ms] summed, so the buckets that lose the most to their bound stand out."""
+    table: dict[str, list] = {}
     for r in records:
-        t_flop = r.num_tokens * flops_per_token / PEAK_FLOPS
-        if r.num_tokens == r.num_reqs:
-            seconds += max((weights + r.context_tokens * kv_per_token) / HBM_BPS, t_flop)
-        else:
-            seconds += t_flop
-    return seconds
+        bucket = f"{'decode' if r.decode else 'mixed'} {1 << (max(r.num_reqs, 1).bit_length() - 1)}"
+        row = table.setdefault(bucket, [0, 0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += r.gpu_ms or 0.0
+        row[2] += step_bound_seconds(cfg, r) * 1e3
+        row[3] += r.cpu_ms
+    return {k: [v[0], *(round(x, 1) for x in v[1:])] for k, v in sorted(table.items())}
 
 
 def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, **engine_settings):
@@ -148,6 +164,7 @@ def run_tokenmill(cfg: dict, path: Path, prompts, out_lens, **engine_settings):
         "steps": len(recs),
         "preemptions": preemptions,
         "roofline_tok_per_s": round(tokens / bound, 1) if bound else None,
+        "steps_against_bound": steps_against_bound(cfg, recs),
     }
 
 
