@@ -152,6 +152,24 @@ def test_gpu_memory_utilization_is_the_kv_cache_share_on_a_gpu_only() -> None:
     assert engine_settings("m", {"enable_chunked_prefill": None}) == {}
 
 
+@pytest.mark.parametrize(
+    "name", ["quantization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+             "block_size"],
+)  # fmt: skip
+def test_vllms_none_defaults_are_the_engines_defaults(name: str) -> None:
+    """vLLM's ``LLM(quantization=None)`` and its EngineArgs' ``None`` (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``block_size``) mean the engine's
+    default; scripts pass them through from argparse. They were refused as bad values
+    ("quantization: expected one of none, fp8, int4, int8, got None")."""
+    from tokenmill import EngineConfig
+    from tokenmill.engine.vllm_settings import engine_settings
+
+    settings = engine_settings("m", {name: None, "max_model_len": None})
+    assert settings == {"max_model_len": None}  # (EngineConfig's own None, kept)
+    default = EngineConfig.from_settings("m")
+    assert getattr(EngineConfig.from_settings("m", **settings), name) == getattr(default, name)
+
+
 def test_the_model_folder_as_its_own_tokenizer_is_taken_however_spelled(model: Path) -> None:
     from tokenmill.engine.vllm_settings import engine_settings
 

@@ -14,6 +14,11 @@
     disable_log_stats, swap_space,  taken and left unused: they change no result here (a
       enable_chunked_prefill=True     preempted request is recomputed, prompts are always
       or None                         chunked); enable_chunked_prefill=False is refused
+    quantization=None,              the engine's default, as vLLM's None is its own (scripts
+      max_num_seqs=None,              pass argparse's None through)
+      max_num_batched_tokens=None,
+      enable_prefix_caching=None,
+      block_size=None
 
 Any other name goes on to ``EngineConfig.from_settings``, which names what it does not know.
 """
@@ -28,6 +33,14 @@ from tokenmill.engine.engine_config import auto_device
 __all__ = ["engine_settings"]
 
 _UNUSED = ("disable_log_stats", "swap_space")
+# vLLM's settings whose None (LLM's quantization, EngineArgs' others) is the engine's default
+_NONE_IS_DEFAULT = (
+    "quantization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "block_size",
+)
 
 
 def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
@@ -68,6 +81,9 @@ def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
     out.pop("enable_chunked_prefill", None)
     for name in _UNUSED:
         out.pop(name, None)
+    for name in _NONE_IS_DEFAULT:
+        if name in out and out[name] is None:
+            del out[name]
     return out
 
 
