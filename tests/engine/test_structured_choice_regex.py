@@ -69,6 +69,23 @@ def test_bad_regex_or_choice_is_a_value_error_naming_it(value: Any, message: str
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"json": TINY_SCHEMA},
+        {"json_object": True},
+        {"regex": CODE, "choice": CHOICES},
+        {"json": TINY_SCHEMA, "backend": "xgrammar"},
+    ],
+)
+def test_a_mapping_of_params_fields_is_not_taken_for_a_schema(value: dict) -> None:
+    # vLLM's StructuredOutputsParams fields given as a dict: read as a JSON schema, its keys
+    # (none a schema keyword) constrained nothing
+    with pytest.raises(ValueError, match="StructuredOutputsParams' fields, not a JSON schema"):
+        SamplingParams(structured_output=value)
+    assert check_structured_output({"json": 1, "type": "object"}) is not None  # a schema
+
+
 def test_structured_outputs_params_takes_exactly_one() -> None:
     with pytest.raises(ValueError, match="exactly one of json, regex, choice, json_object"):
         StructuredOutputsParams()

@@ -59,6 +59,11 @@ TAKEN = 0  # accepted; the output goes on
 STOPPED = 1  # accepted, and the output is complete: nothing but EOS may follow
 REJECTED = 2  # not allowed here: the matcher is in its error state (``error`` says why)
 SETTING_KEYS = ("json_schema", "regex", "choice")  # the one-key mapping form's keys
+# StructuredOutputsParams' fields (vLLM's too): a dict of only these is not a schema
+_PARAMS_FIELDS = frozenset(
+    ("json", "regex", "choice", "json_object", "grammar", "structural_tag", "backend",
+     "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+)  # fmt: skip
 _ANY_OBJECT_SCHEMA = '{"type":"object"}'
 _COMPILE_DEFAULTS = {"whitespace_flexible": False}
 _PARAM = "SamplingParams.structured_output"
@@ -156,6 +161,14 @@ def check_structured_output(value: Any, name: str = _PARAM) -> str | None:
         return value.canonical(name)
     if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in SETTING_KEYS:
         return structured_output_setting(value, name)  # no JSON Schema is just that key
+    if isinstance(value, dict) and value and set(map(str, value)) <= _PARAMS_FIELDS:
+        # {"json": schema} read as a schema would constrain nothing (its one key unknown)
+        raise ValueError(
+            f"{name}: a mapping with keys {_short(sorted(map(str, value)))} is "
+            "StructuredOutputsParams' fields, not a JSON schema; pass "
+            "StructuredOutputsParams(json=<schema>) (or regex=, choice=, json_object=True), "
+            "or the schema itself"
+        )
     if isinstance(value, str):
         if value.startswith(REGEX_PREFIX):
             return _check_regex(value[len(REGEX_PREFIX) :], name)
