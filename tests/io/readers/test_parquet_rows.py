@@ -120,6 +120,26 @@ def test_a_value_python_cannot_hold_is_its_rows_error_not_the_files(tmp_path, mo
     assert rows[5].passthrough["at"] == rows[0].passthrough["at"]
 
 
+def test_a_nested_time64_ns_value_with_nanoseconds_is_its_rows_error(tmp_path):
+    """Inside a struct, list or map, a time64[ns] value with nanoseconds was cut to
+    microseconds without a word (only a top-level column was checked)."""
+    ns, whole = 1_000_000_001, 2_000_000_000
+    table = pa.table({
+        "id": ["r0", "r1", "r2", "r3"], "prompt": ["hi"] * 4,
+        "st": pa.array([{"t": whole}, {"t": ns}, None, {"t": whole}],
+                       pa.struct([("t", pa.time64("ns"))])),
+        "ls": pa.array([[whole], [whole], [whole, ns], None], pa.list_(pa.time64("ns"))),
+        "mp": pa.array([[("a", whole)], None, None, [("b", ns)]],
+                       pa.map_(pa.string(), pa.time64("ns"))),
+    })  # fmt: skip
+    pq.write_table(table, tmp_path / "a.parquet")
+    rows = read(tmp_path / "a.parquet", passthrough_columns=("st", "ls", "mp"))
+    assert summary(rows) == [(i, f"r{i}", i == 0) for i in range(4)]
+    for row, column in zip(rows[1:], ("st", "ls", "mp"), strict=True):
+        assert f"column {column!r} holds a time64[ns] value with nanoseconds" in row.error
+    assert rows[0].passthrough["st"] == {"t": dt.time(0, 0, 2)}
+
+
 def test_a_zoned_timestamp_python_holds_only_in_utc_is_read(tmp_path):
     """9999-12-31T23:59:59Z, the usual open end, is in year 10000 in Berlin: the row was an
     error ("a value Python cannot hold") though Python holds the instant."""

@@ -2,9 +2,9 @@
 
 Values become Python objects a batch at a time. A value Python cannot hold makes its row an
 error naming it, not the file's (a timestamp past year 9999, a struct with two fields of one
-name); so does a ``time64[ns]`` value with nanoseconds, which ``datetime.time`` would cut to
-microseconds. A file with two columns of one name that the job reads is refused: which one
-a row would take is not defined.
+name); so does a ``time64[ns]`` value with nanoseconds (in a struct, list or map too), which
+``datetime.time`` would cut to microseconds. A file with two columns of one name that the job
+reads is refused: which one a row would take is not defined.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -172,17 +171,50 @@ def _unconvertible(row: pa.RecordBatch) -> str:
 
 
 def _inexact_rows(batch: pa.RecordBatch) -> dict[int, str]:
-    """{row: why} for rows with a ``time64[ns]`` value that is not whole microseconds."""
+    """{row: why} for rows with a ``time64[ns]`` value that is not whole microseconds, in a
+    column of that type or nested in one (a struct's field, a list's or a map's values)."""
     bad: dict[int, str] = {}
     for name, column in zip(batch.schema.names, batch.columns, strict=True):
-        if column.type != pa.time64("ns"):
+        in_us = _time_in_us(column.type)
+        if in_us == column.type or _casts_exactly(column, in_us):
             continue
-        nanos = column.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-        for i in np.flatnonzero(nanos % 1000).tolist():
-            bad.setdefault(
-                i,
-                f"column {name!r} holds a time64[ns] value with nanoseconds, which cannot be "
-                "passed through exactly (Python's time holds microseconds); cast the column "
-                "to time64[us] or to int64",
-            )
+        for i in range(len(column)):  # find the rows: one at a time
+            if column[i].is_valid and not _casts_exactly(column.take([i]), in_us):
+                bad.setdefault(
+                    i,
+                    f"column {name!r} holds a time64[ns] value with nanoseconds, which cannot "
+                    "be passed through exactly (Python's time holds microseconds); cast it "
+                    "to time64[us] or to int64",
+                )
     return bad
+
+
+def _casts_exactly(column: pa.Array, dtype: pa.DataType) -> bool:
+    """Whether ``column`` casts to ``dtype`` without losing data."""
+    try:
+        column.cast(dtype)  # safe: refuses to drop nanoseconds
+    except pa.ArrowInvalid:
+        return False
+    return True
+
+
+def _time_in_us(dtype: pa.DataType) -> pa.DataType:
+    """``dtype`` with ``time64[ns]`` as ``time64[us]``, inside structs, lists and maps too:
+    the type its values keep as Python objects."""
+    if dtype == pa.time64("ns"):
+        return pa.time64("us")
+    if pa.types.is_struct(dtype):
+        return pa.struct([_field_in_us(dtype.field(i)) for i in range(dtype.num_fields)])
+    if pa.types.is_map(dtype):
+        return pa.map_(_field_in_us(dtype.key_field), _field_in_us(dtype.item_field))
+    if pa.types.is_list(dtype):
+        return pa.list_(_field_in_us(dtype.value_field))
+    if pa.types.is_large_list(dtype):
+        return pa.large_list(_field_in_us(dtype.value_field))
+    if pa.types.is_fixed_size_list(dtype):
+        return pa.list_(_field_in_us(dtype.value_field), dtype.list_size)
+    return dtype
+
+
+def _field_in_us(field: pa.Field) -> pa.Field:
+    return field.with_type(_time_in_us(field.type))
