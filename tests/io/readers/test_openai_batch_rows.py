@@ -75,6 +75,29 @@ def test_explicit_empty_values_override_the_jobs(tmp_path):
     }  # fmt: skip
 
 
+def test_null_keys_of_response_format_read_as_absent(tmp_path):
+    """A response_format key set to null reads as absent, as a body's own null fields do:
+    serializers of OpenAI's union type (pydantic, pyarrow) write the other kinds' keys as
+    null (each was a row error, "takes no json_schema")."""
+    schema = {"type": "object"}
+    lines = [
+        batch_line("a", chat_body(response_format={"type": "text", "json_schema": None})),
+        batch_line("b", chat_body(response_format={"type": "json_object", "json_schema": None})),
+        batch_line(
+            "c",
+            chat_body(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": schema, "strict": None, "x": None},
+                }
+            ),
+        ),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert [r.error for r in rows] == [None] * 3
+    assert [r.sampling["structured_output"] for r in rows] == [None, "json_object", schema]
+
+
 def test_harmless_fields_clients_send_are_accepted(tmp_path):
     lines = [
         batch_line("a", chat_body(service_tier="auto", modalities=["text"])),

@@ -22,6 +22,7 @@ logprob and that many alternatives (SamplingParams.prompt_logprobs).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from tokenmill.engine.sampling_params import check_logit_bias, is_int, is_number
@@ -171,7 +172,7 @@ def response_format_setting(value: Any, where: str) -> str | dict[str, Any] | No
         kind in kinds, "", value, 'an object whose "type" is "text", "json_object" or "json_schema"'
     )
     allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
-    extra = sorted(set(value) - allowed)
+    extra = _given_keys(value, allowed)
     if extra:
         raise ValueError(f"{where} of type {kind!r} takes no {', '.join(extra)}; remove it")
     if kind == "text":
@@ -185,7 +186,7 @@ def response_format_setting(value: Any, where: str) -> str | dict[str, Any] | No
         spec,
         'an object with "schema" (a JSON Schema object), "name", "strict", "description"',
     )
-    extra = sorted(set(spec) - _JSON_SCHEMA_KEYS)
+    extra = _given_keys(spec, _JSON_SCHEMA_KEYS)
     if extra:
         raise ValueError(
             f"{where}.json_schema takes no {', '.join(extra)}; remove it "
@@ -199,6 +200,12 @@ def response_format_setting(value: Any, where: str) -> str | dict[str, Any] | No
         if spec.get(key) is not None:
             expect(ok, f".json_schema.{key}", spec[key], expected)
     return spec["schema"]
+
+
+def _given_keys(value: dict[str, Any], allowed: Collection[str]) -> list[str]:
+    """``value``'s keys outside ``allowed``, sorted; a key set to null reads as absent, as a
+    body's own do (serializers of OpenAI's union type write the other kinds' keys as null)."""
+    return sorted(k for k, v in value.items() if k not in allowed and v is not None)
 
 
 def _best_of(value: Any, n: int, row_id: str) -> int:
