@@ -100,6 +100,18 @@ def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path)
     assert best["error"] is None and best["num_generated_tokens"] > 0
 
 
+def test_a_null_prompt_is_named_null_not_missing(model: Path) -> None:
+    """A row whose prompt cell is null was told it "needs a ... 'prompt' ... column; it has
+    ['id', 'prompt']" (an audit)."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    prompt, both, other = replica.run(
+        [{"id": 1, "prompt": None}, {"messages": None, "prompt": None}, {"id": 3}]
+    )
+    assert prompt["error"].endswith("its 'prompt' is null")
+    assert both["error"].endswith("its 'messages' and 'prompt' are null")
+    assert "needs a 'messages', 'prompt' or 'prompt_token_ids' column" in other["error"]
+
+
 def test_user_columns_keep_their_values_and_no_block_runs_a_nan_prompt(model: Path) -> None:
     """Numpy batches turned a nullable int64 id into floats (2**62 + 1, + 3 and + 4 all
     became 4.611686018427388e+18) and an all-null prompt column of a block into NaN, which

@@ -181,6 +181,10 @@ class EngineReplica:
             if not isinstance(ids, list) or not all(type(t) is int for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers")
             return ids
+        null = [name for name in ("messages", "prompt", "prompt_token_ids") if name in row]
+        if null:
+            verb = "is" if len(null) == 1 else "are"
+            raise ValueError(f"its {' and '.join(map(repr, null))} {verb} null")
         raise ValueError(
             "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
             f"function can build one); it has {sorted(row)}"
