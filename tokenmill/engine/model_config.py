@@ -234,7 +234,8 @@ class ModelConfig:
                 "num_key_value_heads", cfg.get("num_key_value_heads") or n_heads
             ),
             head_dim=whole("head_dim", head_dim),
-            rms_norm_eps=number("rms_norm_eps", cfg.get("rms_norm_eps") or 1e-6),
+            # (only an absent or null eps takes the default: 0 is refused below, not run as 1e-6)
+            rms_norm_eps=number("rms_norm_eps", _or_default(cfg.get("rms_norm_eps"), 1e-6)),
             rope_theta=number("rope_theta", rope_theta or 10000.0),
             max_position_embeddings=whole(
                 "max_position_embeddings", need("max_position_embeddings")
@@ -253,6 +254,11 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg, arch, where),
             source=source,
         )
+
+
+def _or_default(value: Any, default: float) -> Any:
+    """``value``, or ``default`` when it is None (a falsy 0 stays, for validation to judge)."""
+    return default if value is None else value
 
 
 def _rope_type(params: dict[str, Any]) -> Any:

@@ -35,6 +35,8 @@ BASE: dict[str, Any] = tiny_config("llama").to_dict()  # the tiny test model's c
         # values in range were not checked: garbage text, a ZeroDivisionError, or a failure
         # deep in torch naming neither the file nor the key
         ("rms_norm_eps", -1.0),
+        # HF runs an eps of 0 as 0; it ran as 1e-6 here, silently (logprobs off by 1e-4)
+        ("rms_norm_eps", 0.0),
         ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}),
         ("rope_scaling", {"rope_type": "linear", "factor": 0.0}),
         ("num_attention_heads", 0),
