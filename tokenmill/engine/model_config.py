@@ -177,8 +177,8 @@ class ModelConfig:
         n_heads = whole("num_attention_heads", need("num_attention_heads"))
         hidden = whole("hidden_size", need("hidden_size"))
         # transformers' default where the key is absent: Qwen3's config class says 128
-        head_dim = cfg.get("head_dim") or (
-            128 if arch == "Qwen3ForCausalLM" else hidden // max(n_heads, 1)
+        head_dim = _or_default(
+            cfg.get("head_dim"), 128 if arch == "Qwen3ForCausalLM" else hidden // max(n_heads, 1)
         )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -212,7 +212,7 @@ class ModelConfig:
         rope_params = rope_scaling or cfg.get("rope_parameters")
         rope_scaling = None
         if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta") or rope_theta
+            rope_theta = _or_default(rope_params.get("rope_theta"), rope_theta)
             rope_type = _rope_type(rope_params)
             if rope_type != "default":
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
@@ -231,12 +231,13 @@ class ModelConfig:
             num_hidden_layers=whole("num_hidden_layers", need("num_hidden_layers")),
             num_attention_heads=n_heads,
             num_key_value_heads=whole(
-                "num_key_value_heads", cfg.get("num_key_value_heads") or n_heads
+                "num_key_value_heads", _or_default(cfg.get("num_key_value_heads"), n_heads)
             ),
             head_dim=whole("head_dim", head_dim),
-            # (only an absent or null eps takes the default: 0 is refused below, not run as 1e-6)
+            # (only an absent or null value takes a default: a 0 is refused by __post_init__,
+            # not run as the default)
             rms_norm_eps=number("rms_norm_eps", _or_default(cfg.get("rms_norm_eps"), 1e-6)),
-            rope_theta=number("rope_theta", rope_theta or 10000.0),
+            rope_theta=number("rope_theta", _or_default(rope_theta, 10000.0)),
             max_position_embeddings=whole(
                 "max_position_embeddings", need("max_position_embeddings")
             ),
@@ -256,7 +257,7 @@ class ModelConfig:
         )
 
 
-def _or_default(value: Any, default: float) -> Any:
+def _or_default(value: Any, default: Any) -> Any:
     """``value``, or ``default`` when it is None (a falsy 0 stays, for validation to judge)."""
     return default if value is None else value
 

@@ -37,6 +37,10 @@ BASE: dict[str, Any] = tiny_config("llama").to_dict()  # the tiny test model's c
         ("rms_norm_eps", -1.0),
         # HF runs an eps of 0 as 0; it ran as 1e-6 here, silently (logprobs off by 1e-4)
         ("rms_norm_eps", 0.0),
+        # as were these zeros, run as the head count, hidden / heads and 10,000
+        ("num_key_value_heads", 0),
+        ("head_dim", 0),
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 0}),
         ("rope_parameters", {"rope_type": "default", "rope_theta": float("nan")}),
         ("rope_scaling", {"rope_type": "linear", "factor": 0.0}),
         ("num_attention_heads", 0),
@@ -54,8 +58,11 @@ def test_a_value_of_the_wrong_type_names_its_key(key: str, value: Any) -> None:
 
 
 def test_whole_floats_and_a_null_eps_are_read() -> None:
-    config = ModelConfig.from_hf_dict({**BASE, "hidden_size": 64.0, "rms_norm_eps": None})
+    nulls = dict.fromkeys(("rms_norm_eps", "num_key_value_heads", "head_dim", "rope_parameters"))
+    config = ModelConfig.from_hf_dict({**BASE, "hidden_size": 64.0, **nulls, "rope_theta": None})
     assert config.hidden_size == 64 and config.rms_norm_eps == 1e-6
+    assert config.num_key_value_heads == config.num_attention_heads
+    assert config.head_dim == 64 // config.num_attention_heads and config.rope_theta == 10000.0
 
 
 def test_rope_parameters_win_over_a_legacy_rope_theta_as_in_transformers() -> None:
