@@ -17,6 +17,7 @@ from tokenmill import run_job
 from tokenmill.io.rows import InputRow
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.local_executor import RowProcessor
+from tokenmill.jobs.row_source import FeedItem
 from tokenmill.jobs.spec import JobSpec
 
 # Long rows (each generates all its max_tokens), so a row takes many engine steps.
@@ -136,3 +137,37 @@ def test_log_shows_loading_and_a_live_rate_then_a_rerun_has_nothing_to_do(
     assert "tokens/s" not in printed and "over 0.0 s" not in printed
     assert "loading model" not in caplog.text
     assert json.loads((out / "report.json").read_text()) == raw
+
+
+class _SlowSource:
+    """A RowSource whose rows come late: ``empty`` waits give nothing (a resume's reader
+    skipping committed shards), then one row, then the end."""
+
+    def __init__(self, processor: RowProcessor, empty: int) -> None:
+        self.processor = processor
+        self.empty = empty
+        self.exhausted = False
+
+    def take(self, max_rows: int, wait: bool) -> list[FeedItem]:
+        if self.empty:
+            self.empty -= 1
+            return []
+        self.exhausted = True
+        return self.processor.prepare([InputRow(0, "r0", "gen:0", prompt="late")])
+
+
+def test_progress_is_due_while_the_engine_waits_for_rows(tiny_model: Path, tmp_path: Path) -> None:
+    """While no row reaches the engine (a resume whose reader skips a long job's committed
+    shards: 4.4 s for 199,950 rows here, minutes on a larger one), ``on_step`` still runs
+    at every wait, so the progress line keeps coming; it ran after engine steps only, and
+    a resume logged nothing until its first new row ran."""
+    spec = JobSpec.from_dict(job_dict(tiny_model, tmp_path, tmp_path, sampling={"max_tokens": 1}))
+    processor = RowProcessor(spec)
+    steps: list[int] = []
+    try:
+        source = _SlowSource(processor, empty=5)
+        results = list(processor.process(source, on_step=lambda: steps.append(source.empty)))
+    finally:
+        processor.close()
+    assert len(results) == 1
+    assert steps[:5] == [4, 3, 2, 1, 0]  # one at each wait, before the first row ran

@@ -7,8 +7,9 @@ the engine up to ``2 * max_num_seqs`` requests (a row asking for n completions i
 rows_in_flight.py) from what the source has ready, without
 waiting (it waits only when the engine has nothing to do), so the scheduler always has a
 queue to batch from and the queued-but-not-running requests stay bounded. Results are
-yielded as requests finish (any order); ``on_step`` is called after every step, so the
-runner's progress can show tokens before any row finishes (``live``).
+yielded as requests finish (any order); ``on_step`` is called after every step (and at
+every wait for rows), so the runner's progress can show tokens before any row finishes
+(``live``), and keeps showing while no row comes.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ class RowProcessor:
         """Run the rows through the engine; yields one ResultRow per row. ``rows`` is a
         RowSource, or good InputRows (prepared here). On ``cancel``, in-flight requests are
         dropped (their rows yield nothing) and the stream ends. ``on_step`` is called after
-        every engine step. Re-raises the source's error."""
+        every engine step, and after every wait for rows while the engine has none.
+        Re-raises the source's error."""
         cancel = cancel or threading.Event()
         source = rows if isinstance(rows, RowSource) else RowList(rows, self.prepare)
         # no full garbage collection stalls a step; the reader and writer threads hand the
@@ -145,6 +147,11 @@ class RowProcessor:
                 if not busy:
                     if source.exhausted:
                         return
+                    # Waiting for rows (a resume's reader skipping committed shards, a slow
+                    # input): progress is due all the same (no line came for as long as the
+                    # skip took: minutes on a long job's resume; an audit)
+                    if on_step is not None:
+                        on_step()
                     continue
                 outputs = self.engine.step()
                 # Before on_step's sample: the engine no longer counts these requests' tokens
