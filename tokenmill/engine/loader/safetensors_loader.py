@@ -206,7 +206,8 @@ def _read_tensors(
                     raise ValueError(
                         f"tensor {name} in {file} has dtype {tensor.dtype}; an FP8 checkpoint's "
                         "linear layers are stored as float8_e4m3fn with a weight_scale (e5m2, "
-                        "or a layer left in full precision, would run wrong)"
+                        f"or a layer left in full precision, would run wrong); supported are "
+                        f"{SUPPORTED}"
                     )
                 # A 1-byte float (any FP8 kind, e4m3fnuz too) is a quantized value: only an
                 # FP8 checkpoint's linear layers hold them, with their weight_scale (one in
