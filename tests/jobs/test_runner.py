@@ -982,6 +982,39 @@ def test_a_forked_child_holds_none_of_its_parents_locks(tmp_path: Path) -> None:
     assert lock._HELD == {}
 
 
+def test_a_forked_child_outliving_its_parent_does_not_keep_its_lock(tmp_path: Path) -> None:
+    """An audit: a flock belongs to the open file, which a forked child shares, so a child of
+    a run's process (a fork-started worker) that outlived it kept the dead run's lock, and
+    every later run was refused, told to wait for the dead pid."""
+    from tokenmill.jobs.lock import JobLockedError
+
+    program = (
+        "import os, sys; from tokenmill.jobs.lock import JobLock; "
+        f"JobLock('A', 'out', {str(tmp_path)!r}).acquire(); pid = os.fork()\n"
+        "if pid == 0: sys.stdin.read(); os._exit(0)\n"  # the child lives on
+        "print(pid, flush=True); os._exit(0)"  # the run dies without releasing
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", program], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    child = int(parent.stdout.readline())
+    try:
+        assert parent.wait(30) == 0
+        lock = JobLock("B", "out", str(tmp_path))
+        try:
+            lock.acquire()
+        except JobLockedError as exc:
+            pytest.fail(f"the dead run's child kept its lock: {exc}")
+        lock.release()
+    finally:
+        parent.stdin.close()  # the child reads EOF and exits
+        for _ in range(500):
+            if not Path(f"/proc/{child}").exists():
+                break
+            time.sleep(0.01)
+
+
 def test_a_job_that_fails_mid_run_shows_no_rows_in_flight(
     tiny_model: Path, tmp_path: Path, monkeypatch
 ) -> None:

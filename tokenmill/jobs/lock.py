@@ -35,8 +35,16 @@ _HELD_GUARD = threading.Lock()
 
 def _forked() -> None:
     """In a forked child: no lock is its (and the guard is new: another thread may have held
-    it at the fork)."""
+    it at the fork). Its copies of the held locks' files are closed, not unlocked (that
+    would free the parent's lock): a flock belongs to the open file, which the child shared,
+    so a child outliving its parent (a fork-started worker of the program that ran
+    submit()) kept the lock of a run that had died, and every later run was refused, told
+    to wait for the dead parent's pid (an audit)."""
     global _HELD_GUARD
+    for lock in _HELD.values():
+        if lock._fd is not None:
+            os.close(lock._fd)
+            lock._fd = None
     _HELD.clear()
     _HELD_GUARD = threading.Lock()
 
