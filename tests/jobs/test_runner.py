@@ -1015,6 +1015,34 @@ def test_a_forked_child_outliving_its_parent_does_not_keep_its_lock(tmp_path: Pa
             time.sleep(0.01)
 
 
+@pytest.mark.parametrize("store", ["local", "object store"])
+def test_releasing_a_lock_whose_file_was_replaced_leaves_the_new_holders_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """An audit: run A's lock file was removed as A ran (a cache cleaner, a person) and run
+    B locked a new one; A's release then unlinked B's file by its path (or raised on a
+    file already gone), and run C locked a third file and wrote beside B."""
+    from tokenmill.jobs.lock import JobLockedError
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = tmp_path / "out"
+    local = None if store == "object store" else str(out)
+    a, b, c = (JobLock(name, "s3://b/out", local) for name in "ABC")
+    a.acquire()
+    a.path.unlink()  # removed under A
+    b.acquire()
+    try:
+        a.release()  # not B's file: left alone
+        assert b.path.exists()
+        with pytest.raises(JobLockedError, match="job 'B'"):
+            c.acquire()
+    finally:
+        b.release()
+    a.acquire()  # the file gone before release is no error either
+    a.path.unlink()
+    a.release()
+
+
 def test_a_job_that_fails_mid_run_shows_no_rows_in_flight(
     tiny_model: Path, tmp_path: Path, monkeypatch
 ) -> None:

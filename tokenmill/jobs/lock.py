@@ -176,13 +176,30 @@ class JobLock:
             with _HELD_GUARD:  # first: a run may take a new lock file once this one goes
                 if _HELD.get(self._key) is self:
                     del _HELD[self._key]
-            if self._in_cache or os.listdir(self.path.parent) == [LOCK_FILE]:
-                self.path.unlink()
-                if self._made_folder and not self._in_cache:
-                    self.path.parent.rmdir()
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+            try:
+                self._remove_file(self._fd)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+                self._fd = None
+
+    def _remove_file(self, fd: int) -> None:
+        """``release``'s removal of the lock file (and of the folder acquire made), only
+        while the file at the path is still the one this run locked: one removed meanwhile
+        (a cache cleaner's ``rm``, a person's) may have been replaced by another run's, and
+        unlinking that one let a third run lock a new file and write beside it (an audit).
+        The folder stays when another run's lock file appeared in it meanwhile."""
+        if not self._in_cache and os.listdir(self.path.parent) != [LOCK_FILE]:
+            return
+        if not _still_at(fd, self.path):
+            return
+        self.path.unlink(missing_ok=True)
+        if self._made_folder and not self._in_cache:
+            try:
+                self.path.parent.rmdir()
+            except OSError as exc:  # another run's lock file in it since: theirs now
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    raise
 
     def __enter__(self) -> JobLock:
         self.acquire()
