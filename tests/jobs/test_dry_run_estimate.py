@@ -354,6 +354,28 @@ def test_a_stopped_dry_run_says_rerun_it_not_committed_shards_kept(
     assert "a dry run writes nothing; rerun it" in err and "committed shards" not in err
 
 
+def test_a_dry_run_on_a_corrupt_input_says_rerun_it_not_committed_shards_kept(
+    tiny_model: Path, tmp_path: Path, capsys: Any
+) -> None:
+    """An audit: a dry run of a corrupt Parquet input exited 2 saying "committed shards are
+    kept; rerun the same command to resume once it is fixed", though a dry run writes
+    nothing (the stop-signal message already said so)."""
+    import yaml
+
+    from tokenmill.jobs.cli import main as cli_main
+
+    src = tmp_path / "in.parquet"
+    src.write_bytes(b"junk")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, src, tmp_path / "out")))
+    assert cli_main([str(job), "--dry-run", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable Parquet file" in err
+    assert "a dry run writes nothing; rerun it once it is fixed" in err
+    assert "committed shards" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_dry_run_refuses_another_jobs_output_as_a_run_does(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         handler.addFilter(HideUrlSecrets())
     quiet_store_loop_errors()
     cancel = threading.Event()
+    again = _DRY_RUN_AGAIN if args.dry_run else _RESUME
     with StopOnSignals(cancel) as stop:
         try:
             return _run(args, cancel, stop)
@@ -74,31 +75,28 @@ def main(argv: list[str] | None = None) -> int:
         except JobLockedError as exc:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
-            again = _DRY_RUN_AGAIN if args.dry_run else _RESUME
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
         except Exception as exc:
             lost = _cluster_lost(exc)
             if lost is not None:  # the Ray cluster went away: once it is up, a rerun resumes
-                return _fail(f"{lost}; {_RESUME}", EXIT_TEMPORARY)
+                return _fail(f"{lost}; {again}", EXIT_TEMPORARY)
             # A file that is not there, or not allowed, or an input cut short does not come
             # right by waiting.
             lasting = _lasting(exc)
             if lasting is not None:
                 return _fail(
-                    f"{type(lasting).__name__}: {lasting}; {_RESUME} once it is fixed "
+                    f"{type(lasting).__name__}: {lasting}; {again} once it is fixed "
                     "(rerunning as it is does not help)",
                     EXIT_INVALID,
                 )
             # The storage (disk full, object store down after retries; a store client's own
             # exception types, e.g. botocore's while reading the input) is temporary.
             if isinstance(exc, OSError) or _from_a_store_client(exc):
-                return _fail(
-                    f"storage error: {type(exc).__name__}: {exc}; {_RESUME}", EXIT_TEMPORARY
-                )
+                return _fail(f"storage error: {type(exc).__name__}: {exc}; {again}", EXIT_TEMPORARY)
             log.exception("the job failed")
-            return _fail(f"the job failed ({type(exc).__name__}: {exc}); {_RESUME}", EXIT_FAILED)
+            return _fail(f"the job failed ({type(exc).__name__}: {exc}); {again}", EXIT_FAILED)
 
 
 # The flags that stand for a job.yaml's required keys (and set them over a job.yaml's).
