@@ -419,6 +419,19 @@ def test_a_broken_yaml_line_or_set_item_is_not_echoed(tmp_path: Path) -> None:
     assert "'input.storage_options.secret'...: expected key.path=value" in str(info.value)
 
 
+def test_a_set_item_without_a_key_says_so_not_that_it_has_no_equals_sign(
+    tmp_path: Path,
+) -> None:
+    """An audit: ``--set =3`` was refused with "(no '=')", though the item has one; what it
+    lacks is the key."""
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, BASE_YAML), ["=3"])
+    assert "expected key.path=value (no key before '=')" in str(info.value)
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, BASE_YAML), ["sampling.max_tokens"])
+    assert "expected key.path=value (no '=')" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("sampling", "what"),
     [

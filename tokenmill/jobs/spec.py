@@ -486,7 +486,8 @@ def apply_override(raw: dict[str, Any], item: str, where: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:  # the text after the key is not shown: it may be a secret
         shown, _ = split_malformed_override(item)
-        raise JobSpecError(f"{where}: --set {shown!r}...: expected key.path=value (no '=')")
+        missing = "no '='" if not sep else "no key before '='"
+        raise JobSpecError(f"{where}: --set {shown!r}...: expected key.path=value ({missing})")
     set_key(raw, key, parse_override_value(value), where)
 
 
