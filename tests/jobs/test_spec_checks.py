@@ -567,3 +567,22 @@ def test_an_unknown_key_close_to_a_real_one_is_suggested() -> None:
     assert "engine.max_num_seq: unknown key (did you mean engine.max_num_seqs?)" in error
     assert "sampling.zzz: unknown key\n" in error + "\n"  # nothing close: no guess
     assert "outptu: unknown key (did you mean output?)" in _error({**_raw(), "outptu": {}})
+
+
+def test_an_error_in_a_key_the_command_line_set_says_so_not_only_the_file(
+    tmp_path: Path,
+) -> None:
+    """An audit: ``run-job job.yaml --set engine.foo=1`` said ``job.yaml: invalid job
+    spec: engine.foo: unknown key``, sending the user to a file that does not hold it."""
+    job = _write(tmp_path, BASE_YAML)
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(job, ["engine.foo=1", "sampling=3"])
+    message = str(info.value)
+    assert message.startswith(f"{job}: invalid job spec:")
+    assert "engine.foo: unknown key (set on the command line)" in message
+    assert "sampling: expected a mapping, got 3 (set on the command line)" in message
+    # A key of the file itself is not said to be the command line's.
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, BASE_YAML + "bogus: 1\n"), ["sampling.max_tokens=2"])
+    assert "bogus: unknown key" in str(info.value)
+    assert "command line" not in str(info.value)

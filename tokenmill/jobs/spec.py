@@ -18,7 +18,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from datetime import date, datetime
 from pathlib import Path
@@ -389,7 +389,9 @@ class JobSpec(_Section):
         raw = _read_yaml(path)
         if not isinstance(raw, dict):
             raise JobSpecError(f"{path}: expected a mapping of sections (name, model, input, ...)")
-        return cls._with_changes(raw, settings, overrides, str(path))
+        # An error in a key the command line set says so: the file does not hold it.
+        given = [*(settings or {}), *(item.partition("=")[0] for item in overrides or [])]
+        return cls._with_changes(raw, settings, overrides, str(path), given)
 
     @classmethod
     def from_settings(
@@ -411,12 +413,13 @@ class JobSpec(_Section):
         settings: Mapping[str, Any] | None,
         overrides: list[str] | None,
         where: str,
+        given: Sequence[str] = (),
     ) -> JobSpec:
         for key, value in (settings or {}).items():
             set_key(raw, key, value, where)
         for item in overrides or []:
             apply_override(raw, item, where)
-        return cls.from_dict(raw, where)
+        return cls._validated(raw, where, given)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "<dict>") -> JobSpec:
@@ -425,13 +428,19 @@ class JobSpec(_Section):
         Raises JobSpecError listing each bad key, also for values too large to validate
         (over ``yaml_limits.MAX_ITEMS`` once YAML aliases are expanded) or self-referencing.
         """
+        return cls._validated(raw, where)
+
+    @classmethod
+    def _validated(cls, raw: dict[str, Any], where: str, given: Sequence[str] = ()) -> JobSpec:
+        """``from_dict``; an error in one of the ``given`` keys (or below one) says that the
+        command line set it, as ``where`` names the job file, which does not hold it."""
         oversize = find_oversize(raw)
         if oversize is not None:
             raise JobSpecError(f"{where}: invalid job spec:\n  {oversize.key}: {oversize.reason}")
         try:
             return cls.model_validate(raw, context={"where": where})
         except ValidationError as exc:
-            raise JobSpecError(_format_errors(exc, where)) from None
+            raise JobSpecError(_format_errors(exc, where, given)) from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -610,14 +619,23 @@ def _error_key(err: ErrorDetails) -> str:
     return key
 
 
-def _format_errors(exc: ValidationError, where: str) -> str:
-    """``<where>: invalid job spec:`` then one ``  <key>: <what>`` line per error (bounded)."""
+def _format_errors(exc: ValidationError, where: str, given: Sequence[str] = ()) -> str:
+    """``<where>: invalid job spec:`` then one ``  <key>: <what>`` line per error (bounded),
+    ending ``(set on the command line)`` for a key in ``given`` or below one."""
     errors = exc.errors(include_url=False)
     lines = [f"{where}: invalid job spec:"]
-    lines += [f"  {_error_key(e)}: {_describe(e)}" for e in errors[:MAX_ERROR_LINES]]
+    for err in errors[:MAX_ERROR_LINES]:
+        key = _error_key(err)
+        origin = " (set on the command line)" if _is_within(key, given) else ""
+        lines.append(f"  {key}: {_describe(err)}{origin}")
     if len(errors) > MAX_ERROR_LINES:
         lines.append(f"  ... and {len(errors) - MAX_ERROR_LINES} more")
     return "\n".join(lines)
+
+
+def _is_within(key: str, given: Sequence[str]) -> bool:
+    """Whether ``key`` is one of the dotted keys ``given`` or lies below one."""
+    return any(key == g or key.startswith((f"{g}.", f"{g}[")) for g in given if g)
 
 
 def coerce_spec(spec: JobSpec | str | os.PathLike | dict[str, Any]) -> JobSpec:
