@@ -12,6 +12,7 @@ run fails as any failed run does: its committed shards kept, its report written,
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -36,6 +37,28 @@ def gcs_answers(address: str, timeout: float = _CONNECT_S) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def wait_for_head(address: str | None, within_s: float | None = None) -> None:
+    """Before joining the cluster at ``address`` (``execution.ray_address``, else Ray's
+    ``RAY_ADDRESS``): wait up to ``within_s`` (LOST_AFTER_S) for its head to accept a
+    connection, else raise ClusterLostError naming the address. ``ray.init`` itself retried a
+    head that was down for minutes, and a cron run hung there (an audit). Addresses Ray
+    resolves itself ("auto", "local", none) are left to it."""
+    address = address or os.environ.get("RAY_ADDRESS") or ""
+    host_port = address.removeprefix("ray://")
+    if address in ("", "auto", "local") or ":" not in host_port:
+        return
+    patience = LOST_AFTER_S if within_s is None else within_s
+    deadline = time.monotonic() + patience
+    while not gcs_answers(host_port):
+        if time.monotonic() >= deadline:
+            raise ClusterLostError(
+                f"no Ray cluster answers at {address} (tried for {patience:.0f} s): start "
+                "it (`ray start --head ...`) or correct execution.ray_address (or "
+                "RAY_ADDRESS), then rerun the same command"
+            )
+        time.sleep(min(_EVERY_S, max(0.0, deadline - time.monotonic())))
 
 
 class GcsWatch:

@@ -63,7 +63,7 @@ from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked
-from tokenmill.jobs.ray_cluster_watch import GcsWatch
+from tokenmill.jobs.ray_cluster_watch import GcsWatch, wait_for_head
 from tokenmill.jobs.ray_replica_failures import ReplicaFailures
 from tokenmill.jobs.ray_replica_pool import (
     ChunkDone,
@@ -121,6 +121,7 @@ class RayExecutor:
         self.max_in_flight = CHUNKS_PER_REPLICA * self.replicas * self.chunk_rows
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            wait_for_head(spec.execution.ray_address)
             with stop_handlers_kept():
                 ray.init(address=spec.execution.ray_address, include_dashboard=False)
         elif spec.execution.ray_address is not None:
