@@ -510,7 +510,7 @@ def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
     run committed: the run fails naming it instead of saying "complete" with 4 rows missing,
     and a rerun recomputes it."""
     from tokenmill.jobs import shard_writer
-    from tokenmill.jobs.runner import OutputChangedError
+    from tokenmill.jobs.manifest import OutputChangedError
 
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
     out = tmp_path / "out"
@@ -533,6 +533,36 @@ def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
     assert (report.status, report.shards_recomputed, report.rows_this_run) == ("complete", 1, 4)
     ids = _ids(out / "shards")
     assert len(ids) == len(set(ids)) == 12  # every row once
+
+
+def test_run_job_says_a_vanished_shard_without_a_traceback(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its message says what happened and what to do; run-job printed a traceback under it,
+    as for a failure nobody foresaw (an audit)."""
+    from tokenmill.jobs import shard_writer
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(job_dict(tiny_model, src, out)))
+    commit = shard_writer.commit_shard
+
+    def commit_then_lose_shard_0(store, shard, *args, **kwargs):
+        record = commit(store, shard, *args, **kwargs)
+        if shard == 2:
+            os.remove(out / "shards" / "part-00000.jsonl")
+        return record
+
+    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0)
+    assert cli_main([str(job), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "shards this job committed changed under this run" in err and "rerun" in err
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
 def test_a_stale_journal_record_does_not_override_a_manifest_that_matches_the_files(

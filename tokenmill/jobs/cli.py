@@ -32,7 +32,7 @@ from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
-from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError
+from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError, OutputChangedError
 from tokenmill.jobs.ray_cluster_watch import ClusterLostError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
+        except OutputChangedError as exc:  # explained in full: no traceback to add
+            return _fail(str(exc), EXIT_FAILED)
         except Exception as exc:
             lost = _cluster_lost(exc)
             if lost is not None:  # the Ray cluster went away: once it is up, a rerun resumes

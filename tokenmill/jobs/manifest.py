@@ -60,6 +60,11 @@ class ManifestError(RuntimeError):
     ``--fresh`` can."""
 
 
+class OutputChangedError(RuntimeError):
+    """Files of shards this job committed were removed or rewritten while it ran: the job is
+    not complete, and a rerun recomputes them."""
+
+
 @dataclass(frozen=True)
 class ShardRecord:
     first_row: int

@@ -53,7 +53,12 @@ from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, s
 from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
-from tokenmill.jobs.manifest import InputChangedError, Manifest, ManifestError
+from tokenmill.jobs.manifest import (
+    InputChangedError,
+    Manifest,
+    ManifestError,
+    OutputChangedError,
+)
 from tokenmill.jobs.output_links import check_no_links
 from tokenmill.jobs.ownership import (
     REPORT_HTML_NAME,
@@ -627,10 +632,6 @@ def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
             "them is unknown, so they cannot be resumed; rerun with --fresh to discard them "
             "and start over"
         )
-
-
-class OutputChangedError(RuntimeError):
-    """Files of shards this job committed were removed or rewritten while it ran."""
 
 
 def _shard_file_sizes(store: OutputStore) -> dict[str, int]:
