@@ -81,6 +81,10 @@ WRONG_TYPES = [
     ("execution", "ray_address", 5, "expected a string, got 5"),
     ("execution", "stall_timeout_s", "60", "expected a number, got the string '60'"),
     ("execution", "stall_timeout_s", 0, "must be greater than 0, got 0"),
+    # said why, with what to do instead (it said "must be less than or equal to 1, got 2")
+    ("model", "tensor_parallel", 2, "2 is not supported yet: an engine runs on one device"),
+    ("model", "pipeline_parallel", 4, "run several engines, with execution.executor: ray"),
+    ("model", "tensor_parallel", 0, "must be greater than or equal to 1, got 0"),
 ]
 
 

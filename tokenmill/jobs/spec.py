@@ -141,6 +141,17 @@ class ModelSection(_Section):
     # Extra variables the chat template reads, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)
 
+    @field_validator("tensor_parallel", "pipeline_parallel", mode="before")
+    @classmethod
+    def _one_device(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise ValueError(
+                f"{value} is not supported yet: an engine runs on one device; for several "
+                "GPUs run several engines, with execution.executor: ray and "
+                "execution.replicas"
+            )
+        return value
+
     @field_validator("chat_template", mode="before")
     @classmethod
     def _chat_template(cls, value: Any) -> Any:
