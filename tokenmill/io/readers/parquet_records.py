@@ -15,6 +15,7 @@ from typing import IO, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tokenmill.io.nested_types import with_child_types
 from tokenmill.io.output_schema import zones_in_utc
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.readers.record import Record
@@ -203,18 +204,4 @@ def _time_in_us(dtype: pa.DataType) -> pa.DataType:
     the type its values keep as Python objects."""
     if dtype == pa.time64("ns"):
         return pa.time64("us")
-    if pa.types.is_struct(dtype):
-        return pa.struct([_field_in_us(dtype.field(i)) for i in range(dtype.num_fields)])
-    if pa.types.is_map(dtype):
-        return pa.map_(_field_in_us(dtype.key_field), _field_in_us(dtype.item_field))
-    if pa.types.is_list(dtype):
-        return pa.list_(_field_in_us(dtype.value_field))
-    if pa.types.is_large_list(dtype):
-        return pa.large_list(_field_in_us(dtype.value_field))
-    if pa.types.is_fixed_size_list(dtype):
-        return pa.list_(_field_in_us(dtype.value_field), dtype.list_size)
-    return dtype
-
-
-def _field_in_us(field: pa.Field) -> pa.Field:
-    return field.with_type(_time_in_us(field.type))
+    return with_child_types(dtype, _time_in_us)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from tokenmill.io.nested_types import with_child_types
 from tokenmill.io.output_schema import (
     OutputSchema,
     inferred_field,
@@ -133,16 +134,6 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
         return pa.string()
     if pa.types.is_binary_view(dtype):
         return pa.binary()
-    if pa.types.is_map(dtype):
-        return pa.map_(_plain_field(dtype.key_field), _plain_field(dtype.item_field))
-    if pa.types.is_list(dtype):
-        return pa.list_(_plain_field(dtype.value_field))
-    if pa.types.is_large_list(dtype):
-        return pa.large_list(_plain_field(dtype.value_field))
-    if pa.types.is_fixed_size_list(dtype):
-        return pa.list_(_plain_field(dtype.value_field), dtype.list_size)
-    if pa.types.is_struct(dtype):
-        return pa.struct([_plain_field(dtype.field(i)) for i in range(dtype.num_fields)])
     if isinstance(dtype, pa.BaseExtensionType):  # Arrow's own (bool8, uuid, ...) too
         if dtype.extension_name == "arrow.bool8":
             return pa.bool_()  # its values read as booleans, which int8 storage refuses
@@ -152,11 +143,7 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
             # type of its own that readers know
             return dtype
         return _plain(dtype.storage_type)
-    return dtype
-
-
-def _plain_field(field: pa.Field) -> pa.Field:
-    return field.with_type(_plain(field.type))
+    return with_child_types(dtype, _plain)
 
 
 def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: str) -> pa.DataType:
