@@ -14,7 +14,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -503,6 +503,23 @@ def test_vanished_shards_are_recomputed(tiny_model: Path, tmp_path: Path, damage
     assert saved["shards_recomputed"] == 1
 
 
+def _lose_shard_0_after_shard_2(out: Path, monkeypatch: pytest.MonkeyPatch) -> Callable:
+    """Make the run's commit of shard 2 remove shard 0's file (another machine's run, or a
+    person); returns the real ``commit_shard`` to put back."""
+    from tokenmill.jobs import shard_writer
+
+    commit = shard_writer.commit_shard
+
+    def commit_then_lose_shard_0(store, shard, *args, **kwargs):
+        record = commit(store, shard, *args, **kwargs)
+        if shard == 2:
+            os.remove(out / "shards" / "part-00000.jsonl")
+        return record
+
+    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0)
+    return commit
+
+
 def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -515,15 +532,7 @@ def test_a_run_whose_committed_shard_vanishes_meanwhile_is_not_complete(
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out)
-    commit = shard_writer.commit_shard
-
-    def commit_then_lose_shard_0(store, shard, *args, **kwargs):
-        record = commit(store, shard, *args, **kwargs)
-        if shard == 2:
-            os.remove(out / "shards" / "part-00000.jsonl")
-        return record
-
-    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0)
+    commit = _lose_shard_0_after_shard_2(out, monkeypatch)
     with pytest.raises(OutputChangedError, match=r"shard 0: shards/part-00000.jsonl is missing"):
         run_job(spec, show_progress=False)
     assert json.loads((out / "report.json").read_text())["status"] == "failed"
@@ -544,21 +553,11 @@ def test_run_job_says_a_vanished_shard_without_a_traceback(
 ) -> None:
     """Its message says what happened and what to do; run-job printed a traceback under it,
     as for a failure nobody foresaw (an audit)."""
-    from tokenmill.jobs import shard_writer
-
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
     out = tmp_path / "out"
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(job_dict(tiny_model, src, out)))
-    commit = shard_writer.commit_shard
-
-    def commit_then_lose_shard_0(store, shard, *args, **kwargs):
-        record = commit(store, shard, *args, **kwargs)
-        if shard == 2:
-            os.remove(out / "shards" / "part-00000.jsonl")
-        return record
-
-    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0)
+    _lose_shard_0_after_shard_2(out, monkeypatch)
     assert cli_main([str(job), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "shards this job committed changed under this run" in err and "rerun" in err
