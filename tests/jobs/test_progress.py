@@ -190,6 +190,19 @@ def test_bad_rows_and_copies_do_not_speed_up_the_eta() -> None:
     assert progress.eta_seconds == pytest.approx(90.0)
 
 
+def test_no_eta_from_bad_rows_alone_while_the_engines_load() -> None:
+    """Ray replicas load for 10 s after the clock starts, the reader meanwhile finding 52 bad
+    rows: their rate said "ETA 1 h 04 min" for a run 25 s from its end (an audit). No token
+    generated yet: no basis for an ETA."""
+    progress, clock, engine = _progress(total=20_000)
+    for _ in range(10):
+        clock.now += 1.0
+        engine.counts = LiveCounts(0, 512)
+        progress.update(5, 0)  # bad rows: no engine work
+    assert progress.eta_seconds is None
+    assert progress.line().endswith("output tok/s not measured yet, ETA unknown")
+
+
 def test_a_live_count_that_dips_never_lowers_the_tokens() -> None:
     progress, clock, engine = _progress()
     _run(progress, clock, engine, seconds=3, tok_per_s=100)

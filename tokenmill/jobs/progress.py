@@ -207,7 +207,9 @@ class Progress:
         remaining = max(self.total - self.done, 0)
         if remaining == 0:
             return 0.0
-        if self.ended:
+        if self.ended or not self.tokens:
+            # no engine work yet (Ray replicas loading): the rows done are bad rows and
+            # copies, whose rate said "ETA 1 h 04 min" for a run 25 s from its end
             return None
         tok_per_s = self.tokens_per_s
         left = self._tokens_left
