@@ -55,8 +55,7 @@ def wait_for_head(address: str | None, within_s: float | None = None) -> None:
         if time.monotonic() >= deadline:
             raise ClusterLostError(
                 f"no Ray cluster answers at {address} (tried for {patience:.0f} s): start "
-                "it (`ray start --head ...`) or correct execution.ray_address (or "
-                "RAY_ADDRESS), then rerun the same command"
+                "it (`ray start --head ...`) or correct execution.ray_address (or RAY_ADDRESS)"
             )
         time.sleep(min(_EVERY_S, max(0.0, deadline - time.monotonic())))
 
