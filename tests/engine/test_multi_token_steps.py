@@ -158,6 +158,24 @@ def test_seeded_sampling_and_stops_match_without_drafts(model_path: Path) -> Non
     assert any(o.finish_reason == "stop" for o in got.values())
 
 
+def test_drafts_accepted_past_a_stop_are_not_counted(model_path: Path) -> None:
+    """A row whose stop token id is an accepted draft ends there: the drafts accepted after
+    it are not output, so they saved no step and are not counted as accepted (one row: its
+    tokens are its steps plus the drafts counted)."""
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    probe, _, _ = _run(model_path, [SamplingParams(**greedy)])
+    tokens = probe["r0"].token_ids
+    end = next(j for j in (1, 2) if tokens[j] not in tokens[:j])  # a draft of step 2
+    oracle = ContinuationProposer({"r0": tokens}, K)  # drafts past the stop, all accepted
+    params = [SamplingParams(**greedy, stop_token_ids=(tokens[end],))]
+    got, steps, engine = _run(model_path, params, oracle)
+    assert got["r0"].token_ids == tokens[: end + 1] and got["r0"].finish_reason == "stop"
+    assert steps == 2  # the prefill, then one drafted step that meets the stop
+    stats = engine.scheduler.stats
+    assert stats.num_draft_tokens == K
+    assert stats.num_accepted_tokens == len(got["r0"].token_ids) - steps == end - 1
+
+
 def test_acceptance_takes_the_leading_matches() -> None:
     drafts = np.array([[5, 6, 7], [5, 6, 7], [5, -1, -1], [-1, -1, -1]])
     lengths = draft_lengths(drafts)

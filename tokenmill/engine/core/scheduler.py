@@ -506,10 +506,15 @@ class Scheduler:
                 self._observer.observe_samples(s, slots, tokens, keep)
                 self.stats.observe_seconds += time.perf_counter() - t0
             keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
-            self.stats.num_accepted_tokens += int(accepted.sum())
-            s.drafted_steps[slots] += 1  # (slots: one row each)
-            s.accepted_drafts[slots] += accepted
+        before = s.num_tokens[slots].astype(np.int64)
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
+        if tokens.shape[1] > 1:
+            # A row that ended (EOS, a stop id) at an accepted draft keeps none after it:
+            # drafts accepted past its end saved no step, and are not counted as if they had.
+            kept = np.minimum(accepted, s.num_tokens[slots] - before - 1)
+            self.stats.num_accepted_tokens += int(kept.sum())
+            s.drafted_steps[slots] += 1  # (slots: one row each)
+            s.accepted_drafts[slots] += kept
         if self.config.drafts_ahead:
             install_ahead(s, slots, accepted)
         finished += self._finish_ended(slots, ends)
