@@ -511,7 +511,7 @@ class Scheduler:
         if tokens.shape[1] > 1:
             # A row that ended (EOS, a stop id) at an accepted draft keeps none after it:
             # drafts accepted past its end saved no step, and are not counted as if they had.
-            kept = np.minimum(accepted, s.num_tokens[slots] - before - 1)
+            kept = np.clip(s.num_tokens[slots] - before - 1, 0, accepted)
             self.stats.num_accepted_tokens += int(kept.sum())
             s.drafted_steps[slots] += 1  # (slots: one row each)
             s.accepted_drafts[slots] += kept
