@@ -322,3 +322,19 @@ def test_byte_fallback_runs_decode_whole(skip_special_tokens: bool) -> None:
             assert detok.append([t]) is None
         detok.flush()
         assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize(
+    ("run", "want"),
+    [([0x0A, 0x0A], "\n"), ([0x0A, 0xE4, 0xB8, 0x96, 0x0A], "\n世")],
+)
+def test_a_stop_in_a_byte_run_before_min_tokens_is_not_found(run: list[int], want: str) -> None:
+    """A run of byte tokens decodes whole, so its text came at once: the newline of its
+    first token (min_tokens=1) was searched with the rest, and the text stopped at 0
+    (SentencePiece models spell '\\n' as <0x0A>; vLLM stops at the second newline)."""
+    tokenizer = _byte_fallback_tokenizer()
+    ids = [6 + b for b in run] + [3]  # the run, then '▁a'
+    params = SamplingParams(stop=["\n"], min_tokens=1, max_tokens=64)
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    stops = [detok.append([t]) for t in ids]
+    assert stops[-1] == "\n" and detok.output_text == want

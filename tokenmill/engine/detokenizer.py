@@ -160,6 +160,12 @@ class IncrementalDetokenizer:
             # Only the trailing incomplete character waits; the text before it is settled.
             new_text = new_text.rstrip(_REPLACEMENT_CHAR)
         start = len(self._text)
+        searched_from = start
+        if self._watch_stops and self._read_offset < self._params.min_tokens < len(ids):
+            # A run of byte tokens decodes whole: the text its tokens up to min_tokens gave
+            # is not searched, as it would not be had they been decoded one at a time.
+            settled = start - self._num_pending_chars
+            searched_from = max(start, settled + self._text_through_min_tokens(new_text))
         self._text += new_text[self._num_pending_chars :]
         if final or (complete and new_text):
             self._prefix_offset, self._read_offset = self._read_offset, len(ids)
@@ -168,9 +174,26 @@ class IncrementalDetokenizer:
             # Offsets stay (nothing new, e.g. skipped special tokens, or an incomplete
             # character); remember what of this window's text was already emitted.
             self._num_pending_chars = len(new_text)
-        if len(self._text) > start and self._watch_stops and len(ids) > self._params.min_tokens:
-            return self._find_stop(start)
+        if (
+            len(self._text) > searched_from
+            and self._watch_stops
+            and len(ids) > self._params.min_tokens
+        ):
+            return self._find_stop(searched_from)
         return None
+
+    def _text_through_min_tokens(self, new_text: str) -> int:
+        """How much of ``new_text`` (the window's text past ``read_offset``) the tokens up to
+        ``min_tokens`` complete: the most any of their prefixes gives without a trailing
+        incomplete character (a byte run that goes on invalid decodes as U+FFFD only)."""
+        prefix_len = len(self._decode(self._token_ids[self._prefix_offset : self._read_offset]))
+        most = 0
+        for end in range(self._read_offset + 1, self._params.min_tokens + 1):
+            text = self._decode(self._token_ids[self._prefix_offset : end])[prefix_len:]
+            text = text.rstrip(_REPLACEMENT_CHAR)
+            if new_text.startswith(text):
+                most = max(most, len(text))
+        return most
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(
