@@ -18,8 +18,10 @@ from tokenmill import run_job
 from tokenmill.io.readers import InputConfig, fingerprint_input, list_input_files
 from tokenmill.jobs import runner
 from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.fingerprint import fingerprint
 from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.manifest import FingerprintMismatchError, InputChangedError, Manifest
+from tokenmill.jobs.preflight import check_up_front
 from tokenmill.jobs.spec import JobSpec
 
 # the module (tokenmill.io.readers exports a function of the same name)
@@ -224,3 +226,38 @@ def test_the_dry_run_says_what_the_run_does_before_a_first_shard(
     report = dry_run(JobSpec.from_dict(spec))
     assert "use --fresh" not in report.summary() and not report.changed, report.summary()
     assert run_job(spec, show_progress=False).status == "complete"  # the run refuses nothing
+
+
+def test_a_job_begun_when_signed_urls_were_hashed_whole_resumes(
+    tiny_model: Path, tmp_path: Path, http_folder: tuple[str, Path]
+) -> None:
+    """Versions before 5d2d81c hashed an HTTP(S) URL whole (its query string, a password):
+    a job they began over a presigned URL resumes under the same URL after an upgrade (it
+    was refused, "the input changed", the input the same: --fresh recomputed every row)."""
+    address, folder = http_folder
+    write_jsonl(folder / "rows.jsonl", chat_rows(8))
+    url = f"http://u:pw@{address}/rows.jsonl?X-Amz-Signature=SIG1"
+    spec = job_dict(tiny_model, url, tmp_path / "out")
+    spec["input"]["format"] = "jsonl"
+    assert run_job(spec, show_progress=False).status == "complete"
+    cfg = check_up_front(JobSpec.from_dict(spec))
+    settings = runner.settings_of(JobSpec.from_dict(spec), cfg)
+    # the input's digest as those versions took it: each file's entry with the URL whole
+    how = {"v": 1, "format": "jsonl", "passthrough": cfg.passthrough_columns}
+    how |= {"id": cfg.id_column, "prompt": cfg.prompt_column, "messages": cfg.messages_column}
+    digest = fingerprints.hashlib.sha256(json.dumps(how, sort_keys=True).encode())
+    content = (folder / "rows.jsonl").read_bytes()
+    edge = fingerprints.hashlib.sha256(content).hexdigest()
+    digest.update(json.dumps([url, len(content), edge, edge]).encode())
+    earlier = fingerprint({**settings, "input": digest.hexdigest()})
+    path = tmp_path / "out" / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["fingerprint"] != earlier  # (the hash this version gives differs)
+    manifest["fingerprint"], manifest["complete"] = earlier, False
+    del manifest["shards"]["1"]  # as if stopped after its first shard
+    path.write_text(json.dumps(manifest))
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete"
+    assert (report.rows_resumed, report.rows_this_run) == (4, 4)
+    assert json.loads(path.read_text())["fingerprint"] == fingerprint(settings)
+    assert dry_run(JobSpec.from_dict(spec)).changed == []

@@ -25,7 +25,12 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_vocab_ids
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
+from tokenmill.jobs.fingerprint import (
+    changed_settings,
+    earlier_fingerprints,
+    fingerprint,
+    settings_record,
+)
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.output_links import check_no_links
@@ -184,7 +189,7 @@ def dry_run(
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
     resumable = manifest is not None and manifest.matches(
-        fingerprint(settings), settings_record(settings)
+        fingerprint(settings), settings_record(settings), earlier_fingerprints(settings)
     )  # as a run decides
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
     schema = manifest.output_schema if resumable and manifest is not None else None

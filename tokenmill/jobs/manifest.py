@@ -182,14 +182,21 @@ class Manifest:
             ) from None
         return manifest
 
-    def matches(self, fingerprint: str, settings: JobSettings) -> bool:
+    def matches(
+        self, fingerprint: str, settings: JobSettings, earlier: tuple[str, ...] = ()
+    ) -> bool:
         """Whether a run with ``fingerprint`` and ``settings`` (``settings_record``'s) may
-        resume this progress: the hash, and what is kept beside it (``same_content``)."""
-        return fingerprint == self.fingerprint and same_content(self.settings, settings)
+        resume this progress: the hash (or one of the ``earlier`` ones an older version gave
+        the same settings: ``earlier_fingerprints``), and what is kept beside it
+        (``same_content``)."""
+        hashes = (fingerprint, *earlier)
+        return self.fingerprint in hashes and same_content(self.settings, settings)
 
-    def check_fingerprint(self, fingerprint: str, settings: JobSettings, where: str) -> None:
+    def check_fingerprint(
+        self, fingerprint: str, settings: JobSettings, where: str, earlier: tuple[str, ...] = ()
+    ) -> None:
         """Raise FingerprintMismatchError naming the changed settings (old -> new)."""
-        if self.matches(fingerprint, settings):
+        if self.matches(fingerprint, settings, earlier):
             return
         if self.settings is not None:
             changes = changed_settings(self.settings, settings)

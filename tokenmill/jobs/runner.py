@@ -49,7 +49,14 @@ from tokenmill.io.readers.input_fingerprint import shown_url, unchanged_by_versi
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
-from tokenmill.jobs.fingerprint import JobSettings, fingerprint, job_settings, settings_record
+from tokenmill.jobs.fingerprint import (
+    EARLIER_INPUT,
+    JobSettings,
+    earlier_fingerprints,
+    fingerprint,
+    job_settings,
+    settings_record,
+)
 from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError
@@ -136,7 +143,12 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    settings = job_settings(spec, source.path, template, *fingerprint_input(cfg))
+    found = fingerprint_input(cfg)
+    settings = job_settings(
+        spec, source.path, template, found.digest, found.counts, found.versions, found.entries
+    )
+    if found.earlier is not None:
+        settings[EARLIER_INPUT] = found.earlier
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
     return settings
@@ -272,10 +284,14 @@ def _run_locked(
             _refuse_progress_without_manifest(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix (a run that stopped before its first shard)
-    saved = manifest is not None and manifest.settings == record and not manifest.journaled
+    saved = (
+        manifest is not None
+        and (manifest.fingerprint, manifest.settings) == (fp, record)
+        and not manifest.journaled
+    )
     if manifest is not None:
-        manifest.check_fingerprint(fp, record, store.url)
-        manifest.settings = record
+        manifest.check_fingerprint(fp, record, store.url, earlier_fingerprints(settings))
+        manifest.fingerprint, manifest.settings = fp, record
     claim_output(store, spec.name, fp, owner)
     if manifest is None:
         manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
@@ -477,7 +493,7 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     try:
         if unchanged_by_versions(cfg, started, settings.get("input_files")):
             return  # every object's version as at the start: no file read again
-        now, files, versions, entries = fingerprint_input(cfg, fresh=True)  # not cached
+        now, files, versions, entries, _ = fingerprint_input(cfg, fresh=True)  # not cached
     except FileNotFoundError as exc:  # an input file deleted or moved since the start
         gone = shown_url(str(exc.filename or exc))
         raise _input_changed(cfg, f" (input files gone: {gone})") from None

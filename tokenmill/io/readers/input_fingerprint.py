@@ -54,6 +54,10 @@ class InputFingerprint(NamedTuple):
     # {url (no password, no query string): a short hash of its content's entry (size, first
     # and last MiB)} for up to MAX_NAMED_FILES files (none past that): which files changed
     entries: dict[str, str]
+    # ``digest`` as versions before 5d2d81c (2026-12-06) hashed it, each URL whole (an
+    # HTTP(S) URL's query string, a password): a job begun then resumes. None where every
+    # URL is hashed as it was then.
+    earlier: str | None = None
 
 
 def input_fingerprint(cfg: InputConfig) -> str:
@@ -84,6 +88,8 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
         if cfg.structured_output_column is not None:  # absent when unset: old jobs resume
             how["structured_output"] = cfg.structured_output_column
     digest = hashlib.sha256(json.dumps(how, sort_keys=True).encode())
+    earlier = digest.copy()
+    whole = True  # whether every URL is hashed as earlier versions hashed it
     size = 0
     lines = fmt != "parquet"
     versions: dict[str, str] = {}
@@ -94,6 +100,8 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
         # the same file (the same as before for a URL without either)
         shown = shown_url(entry[0])
         digest.update(json.dumps([shown, *entry[1:]]).encode())
+        earlier.update(json.dumps(entry).encode())
+        whole = whole and shown == entry[0]
         size += entry[1]
         if version is not None:
             versions[entry[0]] = version
@@ -101,7 +109,13 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
             content = json.dumps(entry[1:]).encode()  # (a changed password changes no file)
             named[shown] = hashlib.sha256(content).hexdigest()[:16]
     counts = {"files": len(files), "bytes": size}
-    return InputFingerprint(digest.hexdigest(), counts, _named_versions(versions), named)
+    return InputFingerprint(
+        digest.hexdigest(),
+        counts,
+        _named_versions(versions),
+        named,
+        None if whole else earlier.hexdigest(),
+    )
 
 
 def shown_url(url: str) -> str:
