@@ -241,7 +241,7 @@ def test_a_job_begun_when_signed_urls_were_hashed_whole_resumes(
     spec["input"]["format"] = "jsonl"
     assert run_job(spec, show_progress=False).status == "complete"
     cfg = check_up_front(JobSpec.from_dict(spec))
-    settings = runner.settings_of(JobSpec.from_dict(spec), cfg)
+    settings, _ = runner.settings_of(JobSpec.from_dict(spec), cfg)
     # the input's digest as those versions took it: each file's entry with the URL whole
     how = {"v": 1, "format": "jsonl", "passthrough": cfg.passthrough_columns}
     how |= {"id": cfg.id_column, "prompt": cfg.prompt_column, "messages": cfg.messages_column}

@@ -25,12 +25,7 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_vocab_ids
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import (
-    changed_settings,
-    earlier_fingerprints,
-    fingerprint,
-    settings_record,
-)
+from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.output_links import check_no_links
@@ -179,7 +174,7 @@ def dry_run(
     once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once).
     ``fresh``: as a ``--fresh`` run would, counting none of the output's earlier progress."""
     cfg = check_up_front(spec)  # with the files the verdicts below all see
-    settings = settings_of(spec, cfg)  # also checks model.source
+    settings, earlier = settings_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     if store.is_local:
         check_no_links(store.root)  # a link inside a local output: refused, as a run would
@@ -189,7 +184,7 @@ def dry_run(
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
     resumable = manifest is not None and manifest.matches(
-        fingerprint(settings), settings_record(settings), earlier_fingerprints(settings)
+        fingerprint(settings), settings_record(settings), earlier
     )  # as a run decides
     # The schema a run writes with: the one the job fixed, else the one a first run would fix.
     schema = manifest.output_schema if resumable and manifest is not None else None

@@ -44,10 +44,6 @@ _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT
 # local files).
 # input_entries: {url: a short hash of the file's entry} (input_changes.py: which files).
 UNHASHED = ("model_content", "resolved_dtype", "input_files", "input_versions", "input_entries")
-# The input's digest as earlier versions computed it, where it differs from ``input``
-# (InputFingerprint.earlier: each URL whole, a presigned URL's signature or a password in
-# it): neither hashed nor kept in the manifest, only tried by ``earlier_fingerprints``.
-EARLIER_INPUT = "input_earlier"
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -128,21 +124,19 @@ def job_settings(
 
 def fingerprint(settings: JobSettings) -> str:
     """The hex sha256 of ``settings`` but ``UNHASHED`` (the manifest's ``fingerprint``)."""
-    hashed = {
-        key: value
-        for key, value in settings.items()
-        if key not in UNHASHED and key != EARLIER_INPUT
-    }
+    hashed = {key: value for key, value in settings.items() if key not in UNHASHED}
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
 
 
-def earlier_fingerprints(settings: JobSettings) -> tuple[str, ...]:
+def earlier_fingerprints(settings: JobSettings, earlier_input: str | None) -> tuple[str, ...]:
     """The fingerprints earlier versions gave a job of these ``settings`` where this one's
-    differs only by how it hashes them (``EARLIER_INPUT``): a job begun then resumes, its
-    manifest then taking this version's fingerprint."""
-    if EARLIER_INPUT not in settings:
+    differs only by how it hashes its input (``earlier_input``: InputFingerprint.earlier,
+    each URL hashed whole, a presigned URL's signature or a password in it; None where it
+    is hashed as then): a job begun then resumes, its manifest then taking this version's
+    fingerprint. Neither hashed nor kept in the manifest."""
+    if earlier_input is None:
         return ()
-    return (fingerprint({**settings, "input": settings[EARLIER_INPUT]}),)
+    return (fingerprint({**settings, "input": earlier_input}),)
 
 
 def same_content(old: JobSettings | None, new: JobSettings) -> bool:
@@ -156,8 +150,7 @@ def same_content(old: JobSettings | None, new: JobSettings) -> bool:
 def settings_record(settings: JobSettings) -> JobSettings:
     """``settings`` as the manifest keeps them: the chat template as a short hash."""
     template = settings.get("chat_template", "")
-    record = {key: value for key, value in settings.items() if key != EARLIER_INPUT}
-    return {**record, "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16]}
+    return {**settings, "chat_template": hashlib.sha256(template.encode()).hexdigest()[:16]}
 
 
 def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:

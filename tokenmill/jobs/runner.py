@@ -50,7 +50,6 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.fingerprint import (
-    EARLIER_INPUT,
     JobSettings,
     earlier_fingerprints,
     fingerprint,
@@ -123,8 +122,9 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
     return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
-def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
-    """What the job's fingerprint covers (the input's files as ``cfg`` lists them). Raises
+def settings_of(spec: JobSpec, cfg: InputConfig) -> tuple[JobSettings, tuple[str, ...]]:
+    """What the job's fingerprint covers (the input's files as ``cfg`` lists them), and the
+    fingerprints earlier versions gave it where they differ (``earlier_fingerprints``). Raises
     JobSpecError naming model.source when the model cannot be found, and
     sampling.logit_bias when it names ids past the model's vocabulary (a check only the
     model can make)."""
@@ -147,11 +147,9 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> JobSettings:
     settings = job_settings(
         spec, source.path, template, found.digest, found.counts, found.versions, found.entries
     )
-    if found.earlier is not None:
-        settings[EARLIER_INPUT] = found.earlier
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
-    return settings
+    return settings, earlier_fingerprints(settings, found.earlier)
 
 
 def _check_chat_template(template: str | None, spec: JobSpec) -> None:
@@ -273,7 +271,7 @@ def _run_locked(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
     )
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
-    settings = settings_of(spec, cfg)  # over the files the checks listed (check_input)
+    settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
     fp, record = fingerprint(settings), settings_record(settings)
     if fresh:
         discard_progress(store, spec.name)
@@ -290,7 +288,7 @@ def _run_locked(
         and not manifest.journaled
     )
     if manifest is not None:
-        manifest.check_fingerprint(fp, record, store.url, earlier_fingerprints(settings))
+        manifest.check_fingerprint(fp, record, store.url, earlier)
         manifest.fingerprint, manifest.settings = fp, record
     claim_output(store, spec.name, fp, owner)
     if manifest is None:
