@@ -24,7 +24,8 @@ H100, 256 rows, every step drafted, a call took 1.0-1.9 ms against the host inde
 0.5-1.2 ms (BENCHMARKS.md, session 47). That version waited three times a call (two
 uploads from pageable memory, the copy back), each a moment the output thread can take
 the GIL and keep it for a switch interval (0.5 ms). This one stages a single upload in
-pinned memory and waits once, under 20 us GIL turns; it is not yet timed on a GPU.
+pinned memory and waits once, under 20 us GIL turns: still 0.15-0.6 ms a call slower than
+the host index in two A/B pairs on an H100 (BENCHMARKS.md, session 48).
 """
 
 from __future__ import annotations
