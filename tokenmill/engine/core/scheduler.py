@@ -500,15 +500,16 @@ class Scheduler:
         tokens = tokens_by_row(token_ids, first[hot], counts[hot])  # [R, M]
         keep = counts[hot]
         accepted = np.zeros(len(hot), dtype=np.int64)
-        if tokens.shape[1] > 1:
+        drafted = tokens.shape[1] > 1
+        if drafted:
             if self._observer is not None:
                 t0 = time.perf_counter()
                 self._observer.observe_samples(s, slots, tokens, keep)
                 self.stats.observe_seconds += time.perf_counter() - t0
             keep, accepted, tokens = verify_drafts(s, slots, tokens, keep)
-        before = s.num_tokens[slots].astype(np.int64)
+            before = s.num_tokens[slots].astype(np.int64)  # (a plain step needs no copy)
         ends = append_tokens(s, slots, tokens, keep, self.config.max_model_len)
-        if tokens.shape[1] > 1:
+        if drafted:
             # A row that ended (EOS, a stop id) at an accepted draft keeps none after it:
             # drafts accepted past its end saved no step, and are not counted as if they had.
             kept = np.clip(s.num_tokens[slots] - before - 1, 0, accepted)
