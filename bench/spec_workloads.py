@@ -126,6 +126,22 @@ def code_edit(n: int, seed: int = 0) -> list[Conversation]:
     return out
 
 
+# The JSON schema the records workload asks for (bench/speculative.py --structured makes
+# every row's output follow it).
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "city", "age", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+
+
 def records(n: int, seed: int = 0) -> list[Conversation]:
     rng = random.Random(seed + 4)
     ask = (

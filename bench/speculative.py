@@ -11,6 +11,13 @@ run), and each line gives the medians and every run's ratio to the off run besid
 
     PYTHONPATH=. python bench/speculative.py --device cpu --workloads copy_edit --batches 1,8
     PYTHONPATH=. python bench/speculative.py --device cuda --batches 1,8,64,256
+    PYTHONPATH=. python bench/speculative.py --device cuda --workloads records --structured \
+        --batches 64 --methods suffix      # issue 13's structured job (>= 2x at batch 64)
+
+With ``--structured`` every row is constrained by the records workload's JSON schema
+(``SamplingParams(structured_output=RECORD_SCHEMA)``, the engine's default grammar backend
+and processes), off and on alike: a structured job, where the suffix proposer drafts from
+the rows finished before and the grammar masks each drafted position.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.spec_workloads import WORKLOADS  # noqa: E402
+from bench.spec_workloads import RECORD_SCHEMA, WORKLOADS  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine.core.scheduler_output import draft_summary  # noqa: E402
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy  # noqa: E402
@@ -150,7 +157,7 @@ class StepClock:
 
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
-    profile: bool = False, ahead_below: int | None = None,
+    profile: bool = False, ahead_below: int | None = None, structured: bool = False,
 ):  # fmt: skip
     llm = LLM(
         model,
@@ -161,13 +168,14 @@ def run(
     )
     if ahead_below is not None:
         llm.engine.draft_ahead_below = ahead_below
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    schema = RECORD_SCHEMA if structured else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=schema)
     # Warm-up on a full batch of other prompts of the workload, long enough to draft, so the
     # kernel variants and graphs the run's shapes need are built before the clock starts (a
     # 2-prompt warm-up left compiles of 100+ ms inside sub-second runs). Its outputs are
     # earlier rows to the suffix proposer and its ~16 steps the policy's first, as a job's
     # first rows would be; the run's counts below are its own.
-    llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))
+    llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0, structured_output=schema))
     llm.engine.runner.profiler.records.clear()
     before = llm.engine.scheduler.stats.speculative()
     host_before = _proposer_host(llm.engine.scheduler.stats)
@@ -220,6 +228,11 @@ def main() -> None:
         default=None,
         help="the engine's draft_ahead_below: drafted steps of fewer rows draft ahead (async)",
     )
+    parser.add_argument(
+        "--structured",
+        action="store_true",
+        help="every row constrained by the records workload's JSON schema (RECORD_SCHEMA)",
+    )
     args = parser.parse_args()
     methods = args.methods.split(",")
     for workload in args.workloads.split(","):
@@ -232,7 +245,8 @@ def main() -> None:
                 for method in list(runs)[:: -1 if i % 2 else 1]:
                     runs[method].append(
                         run(args.model, args.device, batch, method, args.draft_tokens, convs,
-                            warm, args.max_tokens, args.profile, args.ahead_below)
+                            warm, args.max_tokens, args.profile, args.ahead_below,
+                        args.structured)
                     )  # fmt: skip
             for method, done in runs.items():
                 line = _line(workload, batch, method, args, done, runs["off"])
@@ -243,6 +257,8 @@ def _line(workload: str, batch: int, method: str, args, done: list, off: list) -
     """One JSON line for ``method``'s runs ``done`` against ``off``'s, run for run."""
     rates = [d[0] for d in done]
     line = {"workload": workload, "batch": batch, "method": method}
+    if args.structured:
+        line["structured"] = True
     line["tok_per_s"] = round(statistics.median(rates), 1)
     if method != "off":
         ratios = [d[0] / o[0] for d, o in zip(done, off, strict=True)]

@@ -360,16 +360,18 @@ def test_answered_says_when_every_worker_has_answered(tiny_path) -> None:  # noq
     masks = pool.shared_masks(0, 4, pinned=False)
     pool.fill(rows, masks)
     brace = tokenizer.encode("{", add_special_tokens=False)[0]
-    sent = pool.send_step((rows, [brace] * 4), (rows, masks, None))
+    places = np.arange(4)
+    sent = pool.send_step((rows, [brace] * 4, None), (rows, masks, places, None))
     assert not pool.answered(sent)  # its statuses unread: a waiting answer may be them
-    assert pool.finish_consume(sent).tolist() == [TAKEN] * 4
+    status, took = pool.finish_consume(sent)
+    assert status.tolist() == [TAKEN] * 4 and took.tolist() == [1] * 4
     deadline = time.monotonic() + 30
     while not pool.answered(sent):  # the workers answer within milliseconds
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert pool.answered(sent)  # answered stays answered until read
     pool.finish_fill(sent)
-    sent = pool.send_step(fill=(rows, masks, None))
+    sent = pool.send_step(fill=(rows, masks, places, None))
     while not pool.answered(sent):
         assert time.monotonic() < deadline
         time.sleep(0.001)
@@ -400,7 +402,8 @@ def test_a_worker_releases_the_matchers_of_finished_requests() -> None:
     serving.start()
     engine.send_bytes(_message(ADD, [7], text="spec-a"))
     engine.send_bytes(_message(ADD, [8], text="spec-b"))
-    engine.send_bytes(_message(STEP, [0, 2, 0, 0], [7, 99]))  # drop 7 and an unknown key
+    # slot 0, two keys to drop (7 and an unknown one), nothing to consume or fill
+    engine.send_bytes(_message(STEP, [0, 2, 0, 0, 0, 0], [7, 99]))
     engine.send_bytes(_message(STOP))
     serving.join(10)
     assert backend.released == [("spec-a", True)]

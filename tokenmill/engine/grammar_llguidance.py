@@ -97,6 +97,26 @@ class LlguidanceGrammars:
                 status[i] = STOPPED if rows[i][0].is_stopped() else TAKEN
         return status
 
+    def advance(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
+        """Each row's matcher takes its draft token for now, to fill the masks after it
+        (grammar_drafts.py): [rows] bool, whether it took it (a token it does not allow
+        leaves it as it was, not in its error state); no stop token. ``rollback`` undoes
+        it."""
+        eos = self._eos
+        return np.fromiter(
+            (
+                int(t) not in eos and m.try_consume_tokens([int(t)]) == 1
+                for (m, _), t in zip(rows, tokens, strict=True)
+            ),
+            dtype=bool,
+            count=len(rows),
+        )
+
+    def rollback(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        """Each row's matcher gives back its last ``counts[i]`` tokens (``advance``'s)."""
+        for (matcher, _), count in zip(rows, counts, strict=True):
+            matcher.rollback(int(count))
+
     def release(self, rows: Sequence[Row]) -> None:
         """Finished requests' matchers: nothing to do (they go with their last reference)."""
 

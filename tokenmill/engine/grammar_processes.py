@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts, within_runs
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_wire import Link
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
@@ -74,13 +75,15 @@ SCRATCH = -1  # the shared buffer of masks bound for an array not in shared memo
 # A message's kind, its first int64. Its layout after that (int64s, then text):
 ADD, STEP, SHM, STOP = range(4)
 #   ADD      key, then the spec (UTF-8)
-#   STEP     slot, d, n, m, then d keys of finished requests to drop, then n keys and
-#            their tokens to consume, then m keys and their places in the slot's masks to
-#            fill: every worker's rows, each worker takes those it holds. It drops, answers
-#            the tokens, then goes straight on to the masks and answers them (a part with
-#            none of its rows is not answered)
-#   (tokens' answer: int64 k, then k row numbers within the step's n and their statuses,
-#   for the rows not simply taken; then the rejected rows' errors as JSON by row number)
+#   STEP     slot, d, n, t, m, w, then d keys of finished requests to drop, then n keys,
+#            how many tokens each consumes and their t tokens one row after another, then
+#            m keys, their places in the slot's masks to fill, how many drafts each walks
+#            and their w drafts (grammar_drafts.py): every worker's rows, each worker takes
+#            those it holds. It drops, answers the tokens, then goes straight on to the
+#            masks and answers them (a part with none of its rows is not answered)
+#   (tokens' answer: int64 k, then k row numbers within the step's n, their statuses and
+#   how many tokens each took, for the rows not simply taken; then the rejected rows'
+#   errors as JSON by row number)
 #   SHM      slot, rows, words, then the shared memory's name (UTF-8)
 #   STOP     nothing
 
@@ -92,6 +95,7 @@ class _Sent:
 
     def __init__(self) -> None:
         self.keys = np.zeros(0, dtype=np.int64)
+        self.counts = np.zeros(0, dtype=np.int64)  # tokens each consumed row was sent
         self.consumed: list[int] = []
         self.filled: list[int] = []
         self.mask: np.ndarray | None = None
@@ -149,23 +153,30 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
         ints = np.frombuffer(message, dtype=np.int64, count=len(message) // 8)
         kind = int(ints[0])
         if kind == STEP:
-            slot, d, n, m = (int(v) for v in ints[1:5])
-            dropped = [matchers.pop(key, None) for key in ints[5 : 5 + d].tolist()]
+            slot, d, n, t, m, w = (int(v) for v in ints[1:7])
+            parts = np.split(ints[7:], np.cumsum([d, n, n, t, m, m, m, w])[:-1])
+            dropped_keys, keys, counts, tokens, fill_keys, places, walks, drafts = parts
+            dropped = [matchers.pop(key, None) for key in dropped_keys.tolist()]
             backend.release([row for row in dropped if row is not None])
-            keys, tokens = ints[5 + d : 5 + d + n], ints[5 + d + n : 5 + d + 2 * n]
             mine, rows = own(keys)
             if len(mine):
-                status = backend.consume(rows, tokens[mine].tolist())
+                status, took = consume_runs(
+                    backend, rows, tokens[_runs(counts, mine)], counts[mine]
+                )
+                took = counts[mine] if took is None else took
                 hit = np.flatnonzero(status)
                 errors = {
                     int(mine[i]): backend.error(rows[i]) for i in hit if status[i] == REJECTED
                 }
-                head = np.concatenate([[len(hit)], mine[hit], status[hit]]).astype(np.int64)
+                answer = [[len(hit)], mine[hit], status[hit], took[hit]]
+                head = np.concatenate(answer).astype(np.int64)
                 conn.send_bytes(head.tobytes() + (json.dumps(errors).encode() if errors else b""))
-            keys, places = ints[5 + d + 2 * n : 5 + d + 2 * n + m], ints[5 + d + 2 * n + m :]
-            mine, rows = own(keys)
+            mine, rows = own(fill_keys)
             if len(mine):
-                backend.fill(rows, segments[slot][1], at=places[mine].tolist())
+                mask = segments[slot][1]
+                fill_with_drafts(
+                    backend, rows, mask, places[mine], drafts[_runs(walks, mine)], walks[mine]
+                )
                 conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
@@ -185,6 +196,13 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             break
     for shm, _ in segments.values():
         shm.close()
+
+
+def _runs(counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Where ``rows``' entries are in an array holding every row's ``counts[i]`` entries
+    one row after another."""
+    starts = np.cumsum(counts) - counts
+    return np.repeat(starts[rows], counts[rows]) + within_runs(counts[rows])
 
 
 def _attach(name: str) -> SharedMemory:
@@ -329,7 +347,8 @@ class GrammarProcesses:
         """Row ``at[i]`` (default i) of ``mask`` <- rows[i]'s next-token bitmask. Into one of
         ``shared_masks``' buffers the workers write directly; into any other array through
         a scratch buffer and a copy."""
-        self.finish_fill(self.send_step(fill=(rows, mask, at)))
+        places = np.arange(len(rows)) if at is None else np.asarray(at, dtype=np.int64)
+        self.finish_fill(self.send_step(fill=(rows, mask, places, None)))
 
     def shared_masks(self, slot: int, rows: int, pinned: bool) -> np.ndarray:
         """A [rows, words] int32 buffer in shared memory for the engine's mask buffer
@@ -341,61 +360,74 @@ class GrammarProcesses:
     def consume(self, rows: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
         """Each row's matcher takes its token: [rows] uint8, TAKEN, STOPPED or REJECTED
         (structured_output_params) per row, in input order."""
-        return self.finish_consume(self.send_step(consume=(rows, tokens)))
+        return self.finish_consume(self.send_step(consume=(rows, tokens, None)))[0]
 
     def send_step(
         self,
-        consume: tuple[Sequence[int], Sequence[int]] | None = None,
-        fill: tuple[Sequence[int], np.ndarray, Sequence[int] | None] | None = None,
+        consume: tuple[Sequence[int], Sequence[int], np.ndarray | None] | None = None,
+        fill: tuple[Sequence[int], np.ndarray, np.ndarray, tuple | None] | None = None,
     ) -> _Sent:
         """Send a step's work, one message per worker: with ``consume`` (rows, their
-        tokens) the drops of the requests released since the last one and then the tokens,
-        then ``fill`` (rows, mask, places as in ``fill``); ``finish_consume`` and then
-        ``finish_fill`` read the answers. A worker goes from the tokens to the masks without
-        waiting for another message."""
+        tokens, how many each takes: None for one) the drops of the requests released since
+        the last one and then the tokens, then ``fill`` (rows, mask, each row's first
+        place, and None or (drafts, counts) to walk: grammar_drafts.py);
+        ``finish_consume`` and then ``finish_fill`` read the answers. A worker goes from the
+        tokens to the masks without waiting for another message."""
         sent = _Sent()
         with self._lock:
             released, self._released = self._released, []
         for key in released:
             self._errors.pop(key, None)
         dropped = np.asarray(released, dtype=np.int64)
-        keys_c = tokens_c = keys_f = places = np.zeros(0, dtype=np.int64)
+        none = np.zeros(0, dtype=np.int64)
+        keys_c = counts_c = tokens_c = keys_f = places = walks = drafts = none
         if consume is not None:
             keys_c = sent.keys = np.asarray(consume[0], dtype=np.int64)
             tokens_c = np.asarray(consume[1], dtype=np.int64)
+            counts = consume[2]
+            counts_c = np.ones(len(keys_c), np.int64) if counts is None else np.asarray(counts)
+            sent.counts = counts_c.astype(np.int64)
             sent.consumed = self._holders(keys_c)
         slot = 0
         if fill is not None:
-            rows, sent.mask, at = fill
+            rows, sent.mask, places, walk = fill
             keys_f = np.asarray(rows, dtype=np.int64)
-            places = np.arange(len(keys_f)) if at is None else np.asarray(at, dtype=np.int64)
+            places = np.asarray(places, dtype=np.int64)
+            walks = np.zeros(len(keys_f), np.int64)
+            if walk is not None:
+                drafts, walks = (np.asarray(a, dtype=np.int64) for a in walk)
             shared = self._slot_of(sent.mask)
-            if shared is None:
-                self._scratch_room(int(places.max(initial=-1)) + 1)
-                sent.scratch_places = places
+            if shared is None:  # every row's masks, its first and one per draft
+                sent.scratch_places = np.repeat(places, walks + 1) + within_runs(walks + 1)
+                self._scratch_room(int(sent.scratch_places.max(initial=-1)) + 1)
             slot = SCRATCH if shared is None else shared
             sent.filled = self._holders(keys_f)
-        head = [slot, len(dropped), len(keys_c), len(keys_f)]
-        message = _message(STEP, head, dropped, keys_c, tokens_c, keys_f, places)
+        head = [slot, len(dropped), len(keys_c), len(tokens_c), len(keys_f), len(drafts)]
+        parts = (dropped, keys_c, counts_c, tokens_c, keys_f, places, walks, drafts)
+        message = _message(STEP, head, *parts)
         for worker in sorted({*self._holders(dropped), *sent.consumed, *sent.filled}):
             self._send(worker, message)
         return sent
 
-    def finish_consume(self, sent: _Sent) -> np.ndarray:
-        """The consume part's answers: [rows] uint8 statuses, as ``consume``."""
+    def finish_consume(self, sent: _Sent) -> tuple[np.ndarray, np.ndarray]:
+        """The consume part's answers: [rows] uint8 statuses, as ``consume``, and [rows]
+        how many tokens each row took (grammar_drafts.consume_runs)."""
         status = np.zeros(len(sent.keys), dtype=np.uint8)  # TAKEN unless answered
+        took = sent.counts.copy()
         for worker in sent.consumed:
             answer = self._recv(worker)
             k = int.from_bytes(answer[:8], sys.byteorder)
-            if not k:  # every row of the worker's took its token
+            if not k:  # every row of the worker's took its tokens
                 continue
-            pairs = np.frombuffer(answer, dtype=np.int64, count=2 * k, offset=8)
-            status[pairs[:k]] = pairs[k:]
-            if len(answer) > 8 * (1 + 2 * k):  # the rejected rows' errors
-                for j, why in json.loads(answer[8 * (1 + 2 * k) :]).items():
+            parts = np.frombuffer(answer, dtype=np.int64, count=3 * k, offset=8)
+            rows = parts[:k]
+            status[rows] = parts[k : 2 * k]
+            took[rows] = parts[2 * k :]
+            if len(answer) > 8 * (1 + 3 * k):  # the rejected rows' errors
+                for j, why in json.loads(answer[8 * (1 + 3 * k) :]).items():
                     self._errors[int(sent.keys[int(j)])] = why
         sent.consume_read = True
-        return status
+        return status, took
 
     def answered(self, sent: _Sent) -> bool:
         """Whether every worker of ``sent`` has answered what is still to read (so its

@@ -236,6 +236,30 @@ class XgrammarGrammars:
             self._after_lead.add(key)
         return False
 
+    def advance(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
+        """Each row's matcher takes its draft token for now, to fill the masks after it
+        (grammar_drafts.py): [rows] bool, whether it took it. Unlike ``consume`` it keeps no
+        account (surrogates, stops) and takes no stop token; ``rollback`` undoes it."""
+        ok = np.zeros(len(rows), dtype=bool)
+        live = [
+            i
+            for i, (matcher, _) in enumerate(rows)
+            if int(tokens[i]) not in self._eos and id(matcher) not in self._terminated
+        ]
+        if live:
+            taken = self._xgr.BatchGrammarMatcher.batch_accept_token(
+                [rows[i][0] for i in live], [int(tokens[i]) for i in live]
+            )
+            ok[live] = np.fromiter(taken, dtype=bool, count=len(live))
+        return ok
+
+    def rollback(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
+        """Each row's matcher gives back its last ``counts[i]`` tokens (``advance``'s)."""
+        if len(rows):
+            self._xgr.BatchGrammarMatcher.batch_rollback(
+                [m for m, _ in rows], [int(c) for c in counts]
+            )
+
     def release(self, rows: Sequence[Row]) -> None:
         """Finished requests' matchers: forgotten (they go with their last reference)."""
         for matcher, _ in rows:

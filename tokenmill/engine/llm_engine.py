@@ -49,6 +49,7 @@ from tokenmill.engine.attention.backend import (
     default_backend_name,
     get_attention_backend,
 )
+from tokenmill.engine.constrained_drafts import kept_tokens, step_drafts
 from tokenmill.engine.core import KVCacheManager
 from tokenmill.engine.core.drafts import DraftProposer, PredictsAhead
 from tokenmill.engine.core.request import Request, RequestStatus
@@ -56,6 +57,7 @@ from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
+from tokenmill.engine.grammar_drafts import within_runs
 from tokenmill.engine.grammar_processes import auto_processes
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import ModelSource, resolve_model_source
@@ -270,6 +272,10 @@ class LLMEngine:
         # The last step processed inside the next one's launch (``_token_bitmask``).
         self._processed_early: LaunchedStep | None = None
         self._fed: LaunchedStep | None = None  # the last step whose tokens the grammars have
+        # slot -> drafts its row accepted in the step fed last (``_drafts_of``), and request
+        # id -> its output's length before the drafted step fed last (``_end_grammars``)
+        self._accepted_ahead: dict[int, int] = {}
+        self._fed_from: dict[str, int] = {}
         self._launch_wait_ms = 0.0  # of the current launch, blocked on the step in flight
         self._num_sync_steps = 0  # steps launched and processed in one call
         # Requests with prompt_logprobs: their prompt positions' logits (prompt_logprobs.py).
@@ -565,25 +571,35 @@ class LLMEngine:
         return self.policy.wants_drafts(running, slowest)
 
     def _token_bitmask(
-        self, requests: Sequence[Request], aborted: set[str] | None = None
+        self,
+        requests: Sequence[Request],
+        slots: np.ndarray,
+        drafts: np.ndarray,
+        aborted: set[str] | None = None,
     ) -> np.ndarray:
         """The grammar masks of a step's constrained rows (``ModelRunner.launch`` calls it
-        once the step's forward pass is enqueued). With a step in flight (async
-        scheduling), its tokens are waited for and fed to the grammars first: the masks
-        follow them. Rows of the ``aborted`` requests (aborted after their step was
+        once the step's forward pass is enqueued): 1 + drafts[i] for request i (in slot
+        ``slots[i]``), after its output and after each of its drafts. With a step in flight
+        (async scheduling), its tokens are waited for and fed to the grammars first: the
+        masks follow them. Rows of the ``aborted`` requests (aborted after their step was
         scheduled ahead) allow every token: their grammars are gone, their tokens dropped."""
         if not aborted:
-            return self._live_bitmask(requests)
+            return self._live_bitmask(requests, slots, drafts)
         keep = np.array([r.request_id not in aborted for r in requests], dtype=bool)
-        masks = np.full((len(requests), self._grammars.words), -1, dtype=np.int32)
+        masks = np.full((len(requests) + int(drafts.sum()), self._grammars.words), -1, np.int32)
         if keep.any():  # (else the step in flight is fed when it is processed)
-            masks[keep] = self._live_bitmask(np.asarray(requests, dtype=object)[keep])
+            rows = np.repeat(keep, drafts + 1)
+            masks[rows] = self._live_bitmask(
+                np.asarray(requests, dtype=object)[keep], slots[keep], drafts[keep]
+            )
         return masks
 
-    def _live_bitmask(self, requests: Sequence[Request]) -> np.ndarray:
+    def _live_bitmask(
+        self, requests: Sequence[Request], slots: np.ndarray, drafts: np.ndarray
+    ) -> np.ndarray:
         """``_token_bitmask`` of rows whose requests all have their grammar."""
         if self._in_flight is None:
-            return self._grammars.bitmask(requests)
+            return self._grammars.bitmask(requests, drafts=self._drafts_of(slots, drafts))
         sched, launched = self._in_flight
         t0 = time.perf_counter()
         launched.output()  # the wait, timed by the step itself
@@ -592,10 +608,19 @@ class LLMEngine:
         # The step in flight is processed, and the next one scheduled, while the grammars
         # fill the masks: the sampling metadata has read every row's settings by now.
         masks = self._grammars.bitmask(
-            requests, beside=lambda: self._while_masks_fill(sched, launched)
+            requests,
+            beside=lambda: self._while_masks_fill(sched, launched),
+            drafts=self._drafts_of(slots, drafts),
         )
         self._processed_early = launched
         return masks
+
+    def _drafts_of(
+        self, slots: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The drafts the step being launched gives its constrained rows (constrained_drafts
+        .py), for their masks to walk."""
+        return step_drafts(self.scheduler.slots, slots, counts, self._accepted_ahead)
 
     def _while_masks_fill(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
         """Host work done while the grammars fill the masks of the step being launched:
@@ -613,15 +638,35 @@ class LLMEngine:
         self._ahead = (ahead, None if ahead.is_empty else self.runner.prepare(ahead))
 
     def _feed_grammars(self, sched: SchedulerOutput, launched: LaunchedStep) -> None:
-        """Give a step's sampled tokens to the grammars of its constrained rows, once per
-        step and before the scheduler applies them (structured_output.py says why then)."""
+        """Give a step's kept tokens to the grammars of its constrained rows, once per step
+        and before the scheduler applies them (structured_output.py says why then): one
+        token a row, or a drafted row's accepted drafts and the token after them (the
+        accepted counts are kept for the drafts of the step scheduled ahead of it:
+        ``_drafts_of``)."""
         if launched is self._fed or not len(self._grammars):
             return
         self._fed = launched
         out = launched.output()
-        if len(out.rows):
-            first = np.cumsum(out.counts) - out.counts  # a constrained row samples one token
-            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids[first])
+        if not len(out.rows):
+            return
+        self._accepted_ahead, self._fed_from = {}, {}
+        slots = sched.slots[out.rows]
+        if int(out.counts.max()) == 1:  # no row drafted: one token each
+            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids)
+            return
+        first = np.cumsum(out.counts) - out.counts
+        mine = np.flatnonzero(self.scheduler.slots.sampling.columns["structured"][slots])
+        if not len(mine):
+            return
+        rows = np.repeat(first[mine], out.counts[mine]) + within_runs(out.counts[mine])
+        kept, tokens, accepted = kept_tokens(
+            self.scheduler.slots, slots[mine], out.sampled_token_ids[rows], out.counts[mine]
+        )
+        self._accepted_ahead = dict(zip(slots[mine].tolist(), accepted.tolist(), strict=True))
+        requests = sched.requests[out.rows[mine]]
+        for req in requests[kept > 1]:  # where ``_end_grammars`` may cut its output
+            self._fed_from[req.request_id] = req.num_output_tokens
+        self._grammars.feed(requests, tokens, kept)
 
     def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host
@@ -684,6 +729,12 @@ class LLMEngine:
         done: dict[RequestStatus, list[Request]] = {}
         for rid in self._grammars.take_ended():
             req, why = self._tracked[rid].request, self._grammars.rejection(rid)
+            took = self._grammars.took(rid)
+            kept = None if took is None else self._fed_from[rid] + took
+            if kept is not None and kept < req.num_output_tokens:
+                # a drafted step kept tokens after the one that ended the grammar
+                req.truncate_output(kept)
+                req.stop_reason = None
             if why is not None:
                 req.error = f"structured output: the grammar rejected a sampled token ({why})"
             status = RequestStatus.FINISHED_STOPPED if why is None else RequestStatus.FINISHED_ERROR

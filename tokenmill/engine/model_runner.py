@@ -202,15 +202,17 @@ class ModelRunner:
     def launch(
         self,
         sched: SchedulerOutput | PreparedStep,
-        token_bitmask: Callable[[Sequence[Request]], np.ndarray] | None = None,
+        token_bitmask: Callable[[Sequence[Request], np.ndarray, np.ndarray], np.ndarray]
+        | None = None,
         prompt_logits: Callable[[SchedulerOutput, HostBatch], PromptLogitsPlan | None]
         | None = None,
     ) -> LaunchedStep:
         """Enqueue one step (forward, sampling, the copy of its tokens to the host).
 
-        ``token_bitmask(requests)`` gives the allowed-token bitmask [G, ceil(V / 32)] int32
-        of requests with a grammar (structured output); it is called only when a row that
-        samples has one, after the forward pass is enqueued. ``prompt_logits(sched, batch)``
+        ``token_bitmask(requests, slots, drafts)`` gives the allowed-token bitmasks of the
+        requests with a grammar (structured output), 1 + drafts[i] rows of ceil(V / 32)
+        int32 for request i in its slot; it is called only when a row that samples has one,
+        after the forward pass is enqueued. ``prompt_logits(sched, batch)``
         names the prompt positions to score for prompt logprobs (prompt_logprobs.py); a step
         with some runs eagerly and carries their scores in ``LaunchedStep.prompt_logprobs``.
         """
@@ -318,14 +320,23 @@ class ModelRunner:
     def _masks(
         sched: SchedulerOutput,
         batch: HostBatch,
-        token_bitmask: Callable[[Sequence[Request]], np.ndarray],
+        token_bitmask: Callable[[Sequence[Request], np.ndarray, np.ndarray], np.ndarray],
     ) -> Callable[[np.ndarray], np.ndarray]:
-        """Logits rows with a grammar [G] -> their requests' bitmasks (rows with a grammar
-        take no drafts, but the rows before them may: map through the per-row counts)."""
+        """Logits rows with a grammar [G] -> their masks: a constrained row's logits rows
+        (1 + its drafts, one after another) are its request's masks after its output and
+        after each draft (``token_bitmask(requests, slots, drafts per request)``)."""
 
         def masks(rows: np.ndarray) -> np.ndarray:
             row_of = np.repeat(np.arange(len(batch.sample_rows)), batch.sample_counts)  # [N]
-            return token_bitmask(sched.requests[batch.sample_rows[row_of[rows]]])
+            sampled = row_of[rows]
+            first = np.flatnonzero(np.diff(sampled, prepend=-1) != 0)
+            constrained = sampled[first]  # the sampling rows, each once, in order
+            drafts = np.diff(np.append(first, len(rows))) - 1
+            return token_bitmask(
+                sched.requests[batch.sample_rows[constrained]],
+                batch.sample_slots[constrained],
+                drafts,
+            )
 
         return masks
 

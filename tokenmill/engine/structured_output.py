@@ -48,8 +48,14 @@ How it meets the rest of the engine:
   allows EOS only and its token is dropped.
 - **Preemption.** Preemption recomputes: the request keeps its output tokens (they were all
   fed) and re-runs prompt + output; only its next sampled token is new to the grammar.
-- **Speculative decoding.** Rows with a grammar take no drafts (``core/drafts.py``), like
-  rows that ask for logprobs: every step samples one token for them.
+- **Speculative decoding.** A row with a grammar takes draft tokens like any other (a chain,
+  not a tree: ``core/drafts.py``). Its step's logits rows are masked by the grammar after
+  its output and after each draft in turn (``bitmask(drafts=...)``: the grammar walks the
+  drafts and rolls back, grammar_drafts.py), and its kept tokens (the accepted drafts and
+  the one after them) are fed in turn (``feed(counts=...)``); tokens kept after the one
+  that ended the grammar are cut by the engine (``took``), so the output is token-by-token
+  decoding's. A row drafted ahead of the step in flight gets its drafts from where that
+  step's accepted tokens put it (llm_engine.py ``_drafts_of``).
 - **The invariant.** Each mask handed out is answered by exactly one fed token before the
   row's next mask: ``bitmask`` raises if a row's previous token was not fed, ``feed`` if no
   mask asked for the token.
@@ -85,6 +91,12 @@ import numpy as np
 import torch
 
 from tokenmill.engine.device_copy import record_event
+from tokenmill.engine.grammar_drafts import (
+    consume_runs,
+    fill_with_drafts,
+    mask_rows,
+    within_runs,
+)
 from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses, TokenizerNotPicklable
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
@@ -113,13 +125,18 @@ log = logging.getLogger(__name__)
 class _PendingFeed:
     """A step's tokens for the worker processes whose answers are not read yet: the fed
     rows' request ids (as they were at the feed: the answers may come after drops), their
-    backend rows and tokens, and the sent step (None until it goes out, with the next
-    step's fill or alone)."""
+    backend rows, tokens and tokens per row, and the sent step (None until it goes out,
+    with the next step's fill or alone)."""
 
     rids: np.ndarray
     rows: np.ndarray  # object
     tokens: np.ndarray
+    counts: np.ndarray | None  # tokens per row (None: one each)
     sent: Any = None
+
+    def consumed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The consume part of a step's message (``GrammarProcesses.send_step``)."""
+        return self.rows, self.tokens, self.counts
 
 
 @dataclass
@@ -136,6 +153,7 @@ class GrammarStats:
     mask_rows: int = 0
     mask_ms: float = 0.0
     mask_wait_ms: float = 0.0
+    drafts_walked: int = 0  # masks filled after a draft token (grammar_drafts.py)
     feeds: int = 0  # feed calls that fed a row
     fed_rows: int = 0
     feed_ms: float = 0.0
@@ -147,6 +165,7 @@ class GrammarStats:
             "rows_per_mask": round(self.mask_rows / max(self.masks, 1), 1),
             "mask_ms": round(self.mask_ms / max(self.masks, 1), 3),
             "mask_wait_ms": round(self.mask_wait_ms / max(self.masks, 1), 3),
+            "drafts_walked": self.drafts_walked,
             "feed_calls": self.feeds,
             "rows_per_feed": round(self.fed_rows / max(self.feeds, 1), 1),
             "feed_ms": round(self.feed_ms / max(self.feeds, 1), 3),
@@ -245,6 +264,7 @@ class StructuredOutputs:
         self._num_fed = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
         self._rejections: dict[str, str] = {}  # ended requests whose grammar rejected a token
+        self._took: dict[str, int] = {}  # ended requests' tokens taken of a several-token feed
         self._fed_pending: _PendingFeed | None = None
         # While ``bitmask`` runs ``beside`` with worker processes: the step sent to them
         # (``masks_in`` asks whether they have answered).
@@ -338,6 +358,7 @@ class StructuredOutputs:
         self._fed_pending = self._filling = None
         self._ended = []
         self._rejections.clear()
+        self._took.clear()
         if self._processes:
             self.backend.restart()
 
@@ -347,6 +368,7 @@ class StructuredOutputs:
         rows = []
         for rid in request_ids:
             self._rejections.pop(rid, None)
+            self._took.pop(rid, None)
             index = self._index.pop(rid, None)
             if index is not None:
                 rows.append(self._rows[index])
@@ -356,11 +378,18 @@ class StructuredOutputs:
             self.backend.release(rows)
 
     def bitmask(
-        self, requests: Sequence[Request], beside: Callable[[], object] | None = None
+        self,
+        requests: Sequence[Request],
+        beside: Callable[[], object] | None = None,
+        drafts: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> np.ndarray:
         """[G, ceil(vocab_size / 32)] int32: bit t of row i (little-endian within each int32)
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
-        mask handed out, which the row's next fed token answers.
+        mask handed out, which the row's next feed answers.
+
+        ``drafts`` (counts [G], tokens: every row's one after another) gives rows draft
+        tokens: row i then takes 1 + counts[i] rows in turn, the masks after its output
+        and after each of its drafts (grammar_drafts.py), [G + sum(counts), words].
 
         ``beside()``, when given, runs while the masks are filled: on a worker thread while
         the backend fills them on its own threads (llguidance without the GIL: alongside),
@@ -383,7 +412,13 @@ class StructuredOutputs:
             )
         self._num_masked[index] += 1
         rows = self._rows[index]
-        mask = self._buffers.next(len(rows))
+        counts, draft_tokens = (None, None) if drafts is None else drafts
+        if counts is not None and not np.any(counts):
+            counts = draft_tokens = None
+        size = mask_rows(counts, len(rows))
+        places = np.arange(len(rows)) if counts is None else np.cumsum(counts + 1) - counts - 1
+        walk = None if counts is None else (np.asarray(draft_tokens, np.int64), counts)
+        mask = self._buffers.next(size)
         if self._processes:
             # The fed tokens (kept by ``feed``) go out with the masks to fill, one message
             # per worker: the workers take the tokens, answer, and go straight on to the
@@ -391,11 +426,12 @@ class StructuredOutputs:
             # the fill's (each worker answers in order).
             t0 = time.perf_counter()
             pending = self._fed_pending
+            fill = (rows, mask, places, walk)
             if pending is not None and pending.sent is None:
-                sent = self.backend.send_step((pending.rows, pending.tokens), (rows, mask, None))
+                sent = self.backend.send_step(pending.consumed(), fill)
                 pending.sent = sent
             else:
-                sent = self.backend.send_step(fill=(rows, mask, None))
+                sent = self.backend.send_step(fill=fill)
             t1 = time.perf_counter()
             self._filling = sent
             try:
@@ -418,7 +454,7 @@ class StructuredOutputs:
                 side = self._worker.submit(beside)
             t0 = time.perf_counter()
             try:
-                self.backend.fill(rows, mask)
+                fill_with_drafts(self.backend, rows, mask, places, *(walk or (None, None)))
             finally:
                 t1 = time.perf_counter()
                 if side is not None:
@@ -427,6 +463,7 @@ class StructuredOutputs:
         stats = self.stats
         stats.masks += 1
         stats.mask_rows += len(rows)
+        stats.drafts_walked += size - len(rows)
         stats.mask_ms += mask_s * 1e3
         stats.mask_wait_ms += wait_s * 1e3
         return mask
@@ -450,13 +487,21 @@ class StructuredOutputs:
             raise RuntimeError(f"request {rid} has no grammar")
         return index
 
-    def feed(self, requests: Sequence[Request], tokens: Sequence[int] | np.ndarray) -> None:
+    def feed(
+        self,
+        requests: Sequence[Request],
+        tokens: Sequence[int] | np.ndarray,
+        counts: np.ndarray | None = None,
+    ) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
         that grammar's last mask); the others (plain rows, finished requests) are skipped.
-        Requests whose grammar now stops or rejects its token (logged) go to ``take_ended``.
+        With ``counts``, request i's tokens are its ``counts[i]`` ones in turn in ``tokens``
+        (a drafted row's kept tokens: its accepted drafts and the one after them). Requests
+        whose grammar now stops or rejects a token (logged) go to ``take_ended``; tokens
+        after it are not taken (``took``).
 
         Call it once per step, before the scheduler applies the step's tokens. Raises
-        RuntimeError for a token no mask asked for (fed twice, or a drafted row).
+        RuntimeError for a token no mask asked for (a step's tokens fed twice).
         """
         self._finish_feed()
         t0 = time.perf_counter()
@@ -470,19 +515,28 @@ class StructuredOutputs:
             rid = self._rids[index[int(np.argmax(unasked))]]
             raise RuntimeError(
                 f"request {rid}: a sampled token no grammar mask asked for (a step's tokens "
-                "fed twice, or drafts on a constrained row)"
+                "fed twice)"
             )
         self._num_fed[index] += 1
         rows = self._rows[index]
-        tokens_fed = np.asarray(tokens, dtype=np.int64)[kept]
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if counts is None or int(np.max(counts)) == 1:
+            fed = None
+            tokens_fed = tokens[kept]
+        else:
+            counts = np.asarray(counts, dtype=np.int64)
+            starts = np.cumsum(counts) - counts
+            fed = counts[kept]
+            tokens_fed = tokens[np.repeat(starts[kept], fed) + within_runs(fed)]
         rids = self._rids[index]  # as they are now: the outcome may come after drops
         if self._processes:
             # Sent with the next ``bitmask``'s fill, or alone by whatever reads the outcome
             # first.
-            self._fed_pending = _PendingFeed(rids, rows, tokens_fed)
+            self._fed_pending = _PendingFeed(rids, rows, tokens_fed, fed)
             self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
-        self._fed_outcome(rids, rows, self.backend.consume(rows, tokens_fed), t0)
+        status, took = consume_runs(self.backend, rows, tokens_fed, fed)
+        self._fed_outcome(rids, rows, status, t0, fed, took)
 
     def _finish_feed(self) -> None:
         """Read the answers of a feed sent to the worker processes, if one is pending."""
@@ -490,20 +544,29 @@ class StructuredOutputs:
             t0 = time.perf_counter()
             pending, self._fed_pending = self._fed_pending, None
             if pending.sent is None:
-                pending.sent = self.backend.send_step((pending.rows, pending.tokens))
-            status = self.backend.finish_consume(pending.sent)
-            self._fed_outcome(pending.rids, pending.rows, status, t0)
+                pending.sent = self.backend.send_step(pending.consumed())
+            status, took = self.backend.finish_consume(pending.sent)
+            self._fed_outcome(pending.rids, pending.rows, status, t0, pending.counts, took)
 
     def _fed_outcome(
-        self, rids: np.ndarray, rows: np.ndarray, status: np.ndarray, t0: float
+        self,
+        rids: np.ndarray,
+        rows: np.ndarray,
+        status: np.ndarray,
+        t0: float,
+        counts: np.ndarray | None = None,
+        took: np.ndarray | None = None,
     ) -> None:
-        """Requests whose grammar rejected or completed with its token go to ``take_ended``;
-        the feed's time since ``t0`` is counted."""
+        """Requests whose grammar rejected or completed with a token go to ``take_ended``,
+        with how many of their ``counts`` tokens they ``took``; the feed's time since ``t0``
+        is counted."""
         for i in np.flatnonzero(status).tolist():
             if status[i] == REJECTED:  # the matcher is left in its error state
                 why = self.backend.error(rows[i])
                 log.warning("request %s: its grammar rejected a sampled token (%s)", rids[i], why)
                 self._rejections[rids[i]] = why
+            if counts is not None and took is not None and counts[i] > 1:
+                self._took[rids[i]] = int(took[i])
             self._ended.append(rids[i])
         stats = self.stats
         stats.feeds += 1
@@ -520,6 +583,12 @@ class StructuredOutputs:
         ended = [rid for rid in self._ended if rid in self._index]
         self._ended = []
         return ended
+
+    def took(self, request_id: str) -> int | None:
+        """How many of the tokens last fed to an ended request's grammar it took, the one
+        that ended it included, once; None unless they were several (a drafted step's). The
+        tokens after it are the engine's to cut: token-by-token decoding never makes them."""
+        return self._took.pop(request_id, None)
 
     def rejection(self, request_id: str) -> str | None:
         """Why the grammar of an ended request rejected its last token, once; None when the

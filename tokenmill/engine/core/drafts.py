@@ -127,8 +127,8 @@ def add_drafts(
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
     how many each row got. Rows that ask for logprobs take none (a step records one
-    logprob entry per row), nor do rows with a grammar (structured output: the mask at a
-    position needs the tokens before it consumed), nor do drafts go past max_tokens,
+    logprob entry per row), nor do rows with a grammar from a tree of drafts (structured
+    output: their masks walk a chain, grammar_drafts.py), nor do drafts go past max_tokens,
     max_model_len or the step's token ``budget``. Penalties follow the drafts: the sampler
     sees each draft position's output as the row's output plus the drafts before it
     (ModelRunner._histories).
@@ -141,7 +141,7 @@ def add_drafts(
     the engine processes before the next is scheduled, every row's position is known.)"""
     t = table
     cols = t.sampling.columns
-    eligible = (num_new == 1) & (cols["logprobs"][order] < 0) & ~cols["structured"][order]
+    eligible = (num_new == 1) & (cols["logprobs"][order] < 0)
     if ahead:  # the next step may start where only the device knows
         eligible &= ~_samples_by_position(cols, order)
         # short of min_tokens: the stop tokens' ban depends on the position (min_tokens.py)
@@ -157,6 +157,8 @@ def add_drafts(
     if known.any():
         proposal = proposer.propose(t, order[known])
         k_known = _draft_counts(t, order[known], proposal, proposer.max_drafts, max_model_len, 0)
+        if isinstance(proposal, DraftTree):  # a grammar walks a chain of drafts only
+            k_known[cols["structured"][order[known]]] = 0
     if lagging.any():
         assert isinstance(proposer, PredictsAhead)
         window, k_ahead = _drafts_ahead(t, order[lagging], proposer, max_model_len)

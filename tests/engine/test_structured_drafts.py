@@ -1,0 +1,153 @@
+"""Constrained rows take draft tokens (grammar_drafts.py): each drafted position's logits are
+masked by the grammar in the state its drafts lead to, the kept tokens are fed in turn,
+and every output is the one token-by-token decoding gives, whatever the drafts: true ones
+(accepted), wrong ones (rejected), drafted ahead of a step in flight or not, with the
+grammars in this process or in worker processes, with either grammar library."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.engine.test_multi_token_steps import AheadProposer, ContinuationProposer
+from tests.engine.test_structured_async import _check_valid, _params, _prompts
+from tests.tiny_models import EOS_ID, save_tiny_model, save_tiny_tokenizer
+from tokenmill import SamplingParams
+from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts
+from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
+from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.structured_output_params import STOPPED, TAKEN, check_structured_output
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    return save_tiny_model("llama", tmp_path_factory.mktemp("structured_drafts") / "m")
+
+
+def _run(
+    path: Path,
+    params: list[SamplingParams],
+    proposer=None,
+    async_scheduling: bool = True,
+    backend: str = "llguidance",
+    processes: int = 0,
+) -> tuple[dict[str, RequestOutput], LLMEngine]:
+    config = EngineConfig(
+        model=str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory=1 << 24,
+        max_num_seqs=5,  # rows come and go
+        async_scheduling=async_scheduling,
+        structured_output_backend=backend,
+        structured_output_processes=processes,
+        profile_steps=True,
+    )
+    engine = LLMEngine(config, proposer)
+    for i, (prompt, p) in enumerate(zip(_prompts(len(params)), params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    assert len(engine._grammars) == 0
+    assert engine.scheduler.kv.num_free_blocks == engine.runner.num_blocks
+    return done, engine
+
+
+def _summary(outs: dict[str, RequestOutput]) -> dict[str, tuple]:
+    return {
+        rid: (o.token_ids, o.text, o.finish_reason, o.stop_reason)
+        for rid, o in sorted(outs.items())
+    }
+
+
+@pytest.mark.parametrize(
+    ("backend", "processes"),
+    [("llguidance", 0), ("xgrammar", 0), ("llguidance", 2), ("xgrammar", 2)],
+)
+@pytest.mark.parametrize("drafts", ["true-ahead", "flaky-ahead", "true-sync", "wrong-ahead"])
+def test_drafted_constrained_rows_give_token_by_token_outputs(
+    tiny_path, backend: str, processes: int, drafts: str
+) -> None:
+    params = _params(N)
+    want, _ = _run(tiny_path, params, backend=backend, processes=processes)
+    outputs = {rid: list(o.token_ids) for rid, o in want.items()}
+    if drafts == "true-sync":
+        proposer = ContinuationProposer(outputs, 3)
+    else:
+        proposer = AheadProposer(
+            outputs, 3, wrong=drafts == "wrong-ahead", flaky=drafts == "flaky-ahead"
+        )
+    got, engine = _run(tiny_path, params, proposer, backend=backend, processes=processes)
+    assert _summary(got) == _summary(want)
+    _check_valid([got[f"r{i}"] for i in range(N)], params)
+    walked = engine._grammars.stats.drafts_walked
+    assert walked > 10  # constrained rows took drafts
+    accepted = engine.scheduler.stats.num_accepted_tokens
+    assert (accepted == 0) == (drafts == "wrong-ahead")
+
+
+def test_a_grammar_ended_inside_a_drafted_step_cuts_the_tokens_after_it(tiny_path) -> None:
+    """A choice completed by an accepted draft, with the stop token drafted and accepted
+    after it: the output ends where the grammar did, as without drafts."""
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, structured_output='choice:["x", "xy"]')
+    ] * 3
+    want, _ = _run(tiny_path, params)
+    assert any(o.token_ids[-1] != EOS_ID for o in want.values())  # ended by the grammar
+    outputs = {
+        rid: [*o.token_ids, EOS_ID, EOS_ID, EOS_ID] for rid, o in want.items()
+    }  # EOS after them
+    got, engine = _run(tiny_path, params, ContinuationProposer(outputs, 3), False)
+    assert _summary(got) == _summary(want)
+    assert engine._grammars.stats.drafts_walked > 0
+
+
+@pytest.mark.parametrize("backend", [LlguidanceGrammars, XgrammarGrammars])
+def test_walking_drafts_fills_the_masks_one_token_at_a_time_would(backend) -> None:
+    """fill_with_drafts against masks filled after consuming each draft for real, for
+    drafts the grammar takes, one it refuses midway, and a stop token; and the matchers are
+    left as they were (a fill afterwards equals the first mask)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = save_tiny_tokenizer(tmp)
+    grammars = backend(tokenizer, 261, [EOS_ID])
+    spec = check_structured_output('choice:["abcd", "abx"]')
+    ids = tokenizer.convert_tokens_to_ids
+    a, b, c, d, x = (ids(ch) for ch in "abcdx")
+    rows = [grammars.matcher(spec) for _ in range(3)]
+    drafts = [[a, b, c], [a, x, c], [a, EOS_ID]]  # all taken; refused at x; a stop token
+    counts = np.array([3, 3, 2])
+    words = -(-261 // 32)
+    mask = np.zeros((sum(counts) + 3, words), dtype=np.int32)
+    places = np.array([0, 4, 8])
+    fill_with_drafts(grammars, rows, mask, places, np.concatenate(drafts), counts)
+    for i, row in enumerate(rows):
+        fresh = grammars.matcher(spec)
+        one = np.zeros((1, words), dtype=np.int32)
+        expected = []
+        refused = False
+        for j in range(counts[i] + 1):
+            if not refused:
+                grammars.fill([fresh], one)
+                last = one.copy()
+            expected.append(last[0])
+            if j < counts[i] and not refused:
+                token = drafts[i][j]
+                refused = token == EOS_ID or grammars.consume([fresh], [token])[0] != TAKEN
+        np.testing.assert_array_equal(mask[places[i] : places[i] + counts[i] + 1], expected)
+        again = np.zeros((1, words), dtype=np.int32)
+        grammars.fill([row], again)
+        np.testing.assert_array_equal(again[0], mask[places[i]])  # rolled back
+    tokens = [a, b, x, a, b, c, d, EOS_ID, a, b, c]
+    status, took = consume_runs(grammars, rows, tokens, np.array([3, 5, 3]))
+    assert took.tolist() == [3, 4, 3]  # the second stops at "abcd": its EOS is not taken
+    assert status.tolist() == [STOPPED, STOPPED, TAKEN]
