@@ -2,9 +2,9 @@
 with others runs again whole, a chunk lost alone is halved, a row is skipped only after its
 lineage failed POISON_FAILURES times, and a poison row is found in about log2(n) + 2
 failures while the rows beside it all run again. A row failing alone while nothing finishes
-(an outage) waits for evidence that the cluster works: replayed through the executor's loop
-on a fake pool, an outage costs no row, and poison rows are still isolated when they are
-the last work left."""
+(an outage) waits for evidence that the cluster works, a probe's when nothing else is
+left: replayed through the executor's loop on a fake pool, an outage costs no row, in the
+job's tail too, and poison rows are still isolated when they are the last work left."""
 
 from __future__ import annotations
 
@@ -41,10 +41,12 @@ def test_a_row_is_skipped_only_after_its_lineage_failed_poison_failures_times() 
     chunk: Chunk | ResultRow = recovery.chunk([row])
     for _ in range(POISON_FAILURES - 1):  # a replica killed by chance: the row runs again
         assert isinstance(chunk, Chunk)
+        recovery.done()  # other work finishes between: the cluster works
         outcome = recovery.lost(chunk, alone=True, reason="the replica's engine raised X")
         assert isinstance(outcome, list) and len(outcome) == 1
         chunk = outcome[0]
     assert isinstance(chunk, Chunk)
+    recovery.done()
     skipped = recovery.lost(chunk, alone=True, reason="the replica's engine raised X")
 
     assert isinstance(skipped, ResultRow) and not skipped.ok
@@ -64,10 +66,11 @@ def test_bisecting_finds_the_poison_row_and_runs_every_other_row_again() -> None
     outcome = recovery.lost(suspects.pop(), alone=False, reason="died")
     assert isinstance(outcome, list)
     suspects.extend(outcome)
-    while suspects:  # each suspect runs alone
-        chunk = suspects.pop()
+    while suspects:  # each suspect runs alone, in turn (the executor's deque)
+        chunk = suspects.pop(0)
         if all(r.row_index != poison for r in chunk.rows):
             finished.extend(r.row_index for r in chunk.rows)
+            recovery.done()
             continue
         failures += 1
         outcome = recovery.lost(chunk, alone=True, reason="died")
@@ -141,50 +144,64 @@ def test_a_row_failing_alone_while_nothing_finishes_is_parked_not_counted() -> N
     (row,) = _rows(1)
     chunk = recovery.chunk([row], failures=POISON_FAILURES - 1)
 
-    parked = recovery.lost(chunk, alone=True, reason="died", other_work=True)
+    parked = recovery.lost(chunk, alone=True, reason="died")
     assert isinstance(parked, Parked) and parked.chunk.failures == POISON_FAILURES - 1
     # still no chunk finished: parked again, however often it fails
-    again = recovery.lost(parked.chunk, alone=True, reason="died", other_work=True)
+    again = recovery.lost(parked.chunk, alone=True, reason="died")
     assert isinstance(again, Parked) and again.chunk.failures == POISON_FAILURES - 1
 
     recovery.done()  # a chunk finished: the cluster works, so the row's failure is its own
-    skipped = recovery.lost(again.chunk, alone=True, reason="died", other_work=True)
+    skipped = recovery.lost(again.chunk, alone=True, reason="died")
     assert isinstance(skipped, ResultRow) and not skipped.ok
 
 
-def test_a_parked_row_counts_when_no_evidence_can_come() -> None:
-    """Nothing else queued or in flight: no chunk can finish to vouch for the cluster, so
-    the failure counts (a poison row that is the last work left is still isolated), and
-    so does the next failure of a row released for that reason."""
+def test_a_lost_probe_counts_against_no_row_and_a_finished_one_is_evidence() -> None:
+    """A probe is one known-good request of no job row: lost, nothing runs again (the
+    failure is the cluster's); finished, it vouches for the cluster like any chunk, so a
+    parked row's next failure counts."""
     recovery = ChunkRecovery("m")
-    first, second = (recovery.chunk([r], failures=POISON_FAILURES - 1) for r in _rows(2))
-
-    assert isinstance(recovery.lost(first, alone=True, reason="x", other_work=False), ResultRow)
-    parked = recovery.lost(second, alone=True, reason="x", other_work=True)
+    (row,) = _rows(1)
+    parked = recovery.lost(recovery.chunk([row], failures=POISON_FAILURES - 1), True, "x")
     assert isinstance(parked, Parked)
-    (released,) = recovery.release_unproven([parked.chunk])
-    assert isinstance(recovery.lost(released, alone=True, reason="x", other_work=True), ResultRow)
+
+    probe = recovery.probe()
+    assert probe.probe and len(probe) == 1 and probe.rows[0].row_index < 0
+    assert probe.rows[0].prompt and probe.rows[0].sampling["max_tokens"] == 1
+    assert recovery.probe().rows[0].row_index != probe.rows[0].row_index
+    assert recovery.lost(probe, alone=True, reason="x") == []
+    assert isinstance(recovery.lost(parked.chunk, True, "x"), Parked)  # no evidence yet
+
+    recovery.done()  # the probe finished
+    assert isinstance(recovery.lost(parked.chunk, True, "x"), ResultRow)
 
 
 def test_chunks_of_several_rows_are_halved_during_an_outage_as_before() -> None:
     recovery = ChunkRecovery("m")
-    halves = recovery.lost(recovery.chunk(_rows(4), failures=1), True, "x", other_work=True)
+    halves = recovery.lost(recovery.chunk(_rows(4), failures=1), True, "x")
     assert isinstance(halves, list) and [len(h) for h in halves] == [2, 2]
 
 
 class _FakePool:
     """ReplicaPool's interface without Ray. Each poll settles one busy replica (in turn):
-    while ``outage`` failures are left, or when it holds a ``poison`` row, it fails with
-    every chunk it holds (and is replaced at once); else each of its chunks finishes."""
+    while ``outage`` failures are left (once ``outage_after`` chunks have finished), or when
+    it holds a ``poison`` row, it fails with every chunk it holds (and is replaced at once);
+    else each of its chunks finishes."""
 
-    def __init__(self, replicas: int, outage: int = 0, poison: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        replicas: int,
+        outage: int = 0,
+        poison: frozenset[int] = frozenset(),
+        outage_after: int = 0,
+    ):
         from tokenmill.jobs.ray_replica import ReplicaInfo
         from tokenmill.jobs.ray_replica_pool import ReplicaSlot
 
         info = ReplicaInfo(pid=1, node_id="n", load_seconds=0.0)
         self.slots = [ReplicaSlot(i, info=info) for i in range(replicas)]
-        self.outage, self.poison = outage, poison
+        self.outage, self.poison, self.outage_after = outage, poison, outage_after
         self.polls = 0
+        self.finished = 0
         self._turn = 0
         self._refs = itertools.count()
 
@@ -207,19 +224,29 @@ class _FakePool:
         self._turn += 1
         chunks = list(slot.running.values())
         rows = [r.row_index for c in chunks for r in c.rows]
-        if self.outage or self.poison.intersection(rows):
-            self.outage = max(0, self.outage - 1)
+        in_outage = self.outage and self.finished >= self.outage_after
+        if in_outage or self.poison.intersection(rows):
+            self.outage -= 1 if in_outage else 0
             slot.running.clear()
             slot.isolated = False
             return [ReplicaLost(slot, chunks, alone=len(chunks) == 1, reason="engine raised")]
         slot.running.clear()
         slot.isolated = False
+        self.finished += len(chunks)
         done = [ResultRow(r.row_index, r.row_id, text="ok") for c in chunks for r in c.rows]
         return [ChunkDone(slot, chunks[0], ChunkResult(done, EngineCounters(), StepBatches()))]
 
 
 def _simulate(rows: int, pool: _FakePool, chunk_rows: int = 2) -> tuple[Any, list[ResultRow]]:
     """Run ``rows`` rows through a RayExecutor's process loop on ``pool``: its results."""
+    executor = _executor(pool, chunk_rows)
+    results = list(executor.process(_rows(rows)))
+    assert sorted(r.row_index for r in results) == list(range(rows))  # each row once
+    return executor, results
+
+
+def _executor(pool: _FakePool, chunk_rows: int = 2) -> Any:
+    """A RayExecutor on ``pool``, without Ray."""
     pytest.importorskip("ray")
     from tokenmill.jobs.ray_executor import CHUNKS_PER_REPLICA, RayExecutor
     from tokenmill.jobs.ray_replica_failures import ReplicaFailures
@@ -233,9 +260,7 @@ def _simulate(rows: int, pool: _FakePool, chunk_rows: int = 2) -> tuple[Any, lis
     executor._stats, executor._batches, executor._load_seconds = {}, {}, {}
     executor._rows_in_flight = 0
     executor._watch = _ClusterUp()
-    results = list(executor.process(_rows(rows)))
-    assert sorted(r.row_index for r in results) == list(range(rows))  # each row once
-    return executor, results
+    return executor
 
 
 @pytest.mark.parametrize("outage", [8, 12, 15])
@@ -262,15 +287,66 @@ def test_poison_rows_are_still_isolated_also_when_they_are_the_last_work(
     rows: int, poison: set[int]
 ) -> None:
     """The reverted rule waited for completions that could not come when poison rows were
-    the last work, and the breaker ended the job instead of isolating them."""
+    the last work, and the breaker ended the job instead of isolating them. Now a probe
+    (a known-good request) finishes where no row's chunk can: the poison row's next
+    failure counts, and it is isolated."""
     executor, results = _simulate(rows, _FakePool(2, poison=frozenset(poison)))
     assert sorted(r.row_index for r in results if not r.ok) == sorted(poison)
     assert executor.failures.rows_isolated == len(poison)
+    if rows <= 2:  # nothing but the poison rows: only probes can vouch for the cluster
+        assert executor.failures.probes >= 1
 
 
-def test_an_outage_with_poison_rows_last_isolates_them_and_no_other() -> None:
-    executor, results = _simulate(8, _FakePool(2, outage=6, poison=frozenset({6, 7})))
+@pytest.mark.parametrize(
+    ("rows", "outage_after", "outage"),
+    [
+        (1, 0, 3),  # a one-row job: its row was skipped after 3 failures
+        (1, 0, 15),
+        (2, 0, 8),  # two rows: both skipped from 9 failures on
+        (32, 8, 15),  # the last 8 of 16 chunks
+        (32, 12, 15),  # the last 4 chunks (one replica's)
+    ],
+)
+def test_an_outage_in_the_jobs_tail_costs_no_row(rows: int, outage_after: int, outage: int) -> None:
+    """The defect: with only rows that had failed alone left (parked), they were released
+    unproven and each failure counted, so an outage in a job's tail (or a small job) wrote
+    good rows as error rows ("failed every engine replica that ran it"). Probes fail
+    through the outage, counting against no row; the first to finish releases them."""
+    pool = _FakePool(2, outage=outage, outage_after=outage_after)
+    executor, results = _simulate(rows, pool)
+    assert [r.row_id for r in results if not r.ok] == []
+    assert pool.outage == 0  # the whole outage happened
+    assert executor.failures.replicas == outage and executor.failures.rows_isolated == 0
+    if rows <= 2:  # nothing else left from the start: only probes can end the wait
+        assert executor.failures.probes >= 1
+
+
+@pytest.mark.parametrize(("rows", "outage_after"), [(2, 0), (32, 12)])
+def test_an_outage_in_the_tail_that_outlasts_the_breaker_ends_the_job_with_no_error_row(
+    rows: int, outage_after: int
+) -> None:
+    """Replicas failing for good once only parked rows are left: probes keep failing, and
+    the breaker ends the job (ReplicasFailingError: rows unwritten, a rerun resumes); no
+    row is written as an error. The released rows' failures counted before: the job
+    "completed" with its last rows as error rows."""
+    from tokenmill.jobs.ray_chunks import ReplicasFailingError
+
+    executor = _executor(_FakePool(2, outage=1_000, outage_after=outage_after))
+    results: list[ResultRow] = []
+    with pytest.raises(ReplicasFailingError, match="failed 16 times in a row"):
+        for result in executor.process(_rows(rows)):
+            results.append(result)
+    assert [r.row_id for r in results if not r.ok] == []
+    assert len(results) == 2 * outage_after  # every chunk before the outage, none after
+    assert executor.failures.rows_isolated == 0 and executor.failures.probes >= 1
+
+
+@pytest.mark.parametrize("outage_after", [0, 2])
+def test_an_outage_with_poison_rows_last_isolates_them_and_no_other(outage_after: int) -> None:
+    pool = _FakePool(2, outage=6, poison=frozenset({6, 7}), outage_after=outage_after)
+    executor, results = _simulate(8, pool)
     assert sorted(r.row_index for r in results if not r.ok) == [6, 7]
+    assert executor.failures.rows_isolated == 2
 
 
 class _ClusterUp:

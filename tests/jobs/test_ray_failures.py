@@ -218,6 +218,35 @@ def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_p
     assert failures["replicas"] == 12 and failures["rows_isolated"] == 0, failures
 
 
+def test_an_outage_with_nothing_but_parked_rows_left_costs_no_row(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A one-row job (or a job's tail) in an outage: the row fails alone with no chunk
+    finishing, so it is parked, and nothing else is left to show that the cluster works.
+    It was released unproven, each failure counting: after 3 failures the good row was
+    written as an error row ("failed every engine replica that ran it"). A probe (one
+    known-good request through a real replica's engine) runs instead; the outage's failures
+    count against no row, and the first probe to finish releases it."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
+    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
+    outage = Path(OUTAGE_DIR)
+    shutil.rmtree(outage, ignore_errors=True)
+    outage.mkdir()
+    for i in range(3):
+        (outage / f"failure-{i}").touch()
+    try:
+        out = tmp_path / "ray"
+        assert _run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
+        assert list(outage.iterdir()) == []  # the whole outage happened
+    finally:
+        shutil.rmtree(outage, ignore_errors=True)
+    assert read_jsonl_dir(out / "errors") == []
+    assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards")
+    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    assert failures["replicas"] == 3 and failures["rows_isolated"] == 0, failures
+    assert failures["probes"] >= 1, failures
+
+
 def test_rows_waiting_on_a_replica_whose_start_hangs_go_to_one_that_is_up(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,24 +20,35 @@ takes about log2(n) + 2 replica failures (3 at least).
 
 An outage is not a row: with every replica failing for a while (a 20 s engine failure, a
 cluster hiccup), bisection would go on down to single rows and skip good ones. So a one-row
-chunk's failure alone counts towards its verdict only with evidence that the cluster works
-(a chunk finished since its lineage's previous failure), or when none can come: nothing
-else is queued or in flight, so that a poison row that is the last work left is still
-isolated. Otherwise the row is *parked* (``Parked``), not run (during an outage it would
-only fail again), until a chunk finishes (its next failure then counts), or until nothing
-but parked rows is left: then they are all released, and each one's next failure counts
-whatever finished (``release_unproven``). Halving a chunk of several rows goes on as
-before: it loses nothing.
+chunk's failure alone counts towards its verdict only with evidence that the cluster works:
+a chunk finished since its lineage's previous failure. Otherwise the row is *parked*
+(``Parked``), not run (during an outage it would only fail again), until a chunk finishes;
+its next failure then counts. Halving a chunk of several rows goes on as before: it loses
+nothing.
+
+When nothing but parked rows is left (a small job, or its tail), no row's chunk can finish
+to vouch for the cluster, so the executor makes the evidence: a *probe* (``probe``), one
+known-good request (a two-letter prompt, ``max_tokens`` 1), runs alone on a replica. If it
+finishes, the cluster works, the parked rows run again and their next failure counts: a
+poison row that is the last work left is still isolated (each of its counted failures
+costs one probe more). If it fails too, that is the outage's failure, not a row's: nothing
+is counted against a row, and another probe follows (on the new replica) until one
+finishes or the breaker below ends the job. Releasing the parked rows unproven instead
+let an outage in the tail write good rows as error rows: a one-row job lost its row to 3
+failures in a row.
 
 Replica failures in a row with nothing finishing between them end the job
 (``ReplicasFailingError``, exit 1, the rows in flight unwritten: a rerun resumes), as the
 local executor ends on its engine's first error: with every replica failing whatever it ran,
 a job of 12 rows "completed" with 12 error rows (an audit). Isolating a poison row never
-takes that many: a bisection's innocent half finishes every other failure, and a row alone
-fails ``POISON_FAILURES`` times (once more where it was parked). An outage longer than that
-ends the job the same way; a shorter one costs no row while other work is left to show that
-the cluster works again. Not told apart: an outage that outlasts all the other work (a small
-job, or its tail) counts against the rows left, as a poison row there must.
+takes that many: a bisection's innocent half, or a probe, finishes every other failure, and
+a row alone fails ``POISON_FAILURES`` times (once more where it was parked). An outage
+longer than that ends the job the same way, a shorter one costs no row: the work left, or
+a probe, shows when the cluster works again. Not told apart: an outage that begins after a
+chunk or probe finished and before a row's next failure alone, which counts against that
+row. A row alone is skipped only when that happens at each of its lineage's counted
+failures, or, for the good neighbour of a poison row (its lineage's failures are the
+bisection's), at its first failure alone: rare, and its error row says how to rerun it.
 """
 
 from __future__ import annotations
@@ -51,6 +62,16 @@ from tokenmill.jobs.requests import error_result
 __all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery", "Parked", "ReplicasFailingError"]
 
 POISON_FAILURES = 3  # failures of a row's lineage, the last one alone, before it is skipped
+PROBE_PROMPT = "hi"  # a raw prompt: no chat template needed, any model can run it
+# The probe's own sampling over the job's: one token, and none of the job's settings that
+# could refuse or slow a request (structured output, several completions, a long minimum).
+PROBE_SAMPLING = {
+    "max_tokens": 1,
+    "min_tokens": 0,
+    "n": 1,
+    "best_of": None,
+    "structured_output": None,
+}
 
 
 class ReplicasFailingError(RuntimeError):
@@ -62,13 +83,14 @@ class Chunk:
     """Rows that travel to one replica together and come back together. ``failures``: how
     often this chunk or the chunks it was split from were lost with a failed replica.
     ``evidence_after``: ChunkRecovery.finished when the chunk was made (at its lineage's last
-    failure, for a suspect): a chunk finishing after that shows the cluster works; None: its
-    next failure counts whatever finished (released for lack of any evidence to wait for)."""
+    failure, for a suspect): a chunk finishing after that shows the cluster works.
+    ``probe``: the one known-good request of a probe (``ChunkRecovery.probe``), no job row."""
 
     id: int
     rows: tuple[InputRow, ...]
     failures: int = 0
-    evidence_after: int | None = None
+    evidence_after: int = 0
+    probe: bool = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -77,7 +99,7 @@ class Chunk:
 @dataclass(frozen=True)
 class Parked:
     """A one-row chunk that failed alone with no evidence that the cluster works: it waits
-    (not run, not counted) until a chunk finishes or nothing else is queued or in flight."""
+    (not run, not counted) until a chunk finishes (a probe's, when nothing else is left)."""
 
     chunk: Chunk
 
@@ -98,6 +120,7 @@ class ChunkRecovery:
         self.poison_failures = poison_failures
         self.give_up_after = give_up_after
         self._ids = itertools.count()
+        self._probe_ids = itertools.count(-1, -1)  # probes' row indexes: no job row's
         self.failures_since_done = 0  # replica failures since a chunk last finished
         self.finished = 0  # chunks finished so far: the clock of Chunk.evidence_after
 
@@ -114,12 +137,18 @@ class ChunkRecovery:
         self.failures_since_done = 0
         self.finished += 1
 
-    def release_unproven(self, parked: list[Chunk]) -> list[Chunk]:
-        """``parked`` to run again when nothing else is queued or in flight: no chunk can
-        finish to show that the cluster works, so their next failure counts whatever
-        finished. Waiting longer starved poison rows that were the last work left (the
-        breaker ended the job instead of isolating them)."""
-        return [replace(chunk, evidence_after=None) for chunk in parked]
+    def probe(self) -> Chunk:
+        """A chunk of one known-good request (no job row: a negative row index, which no
+        result is written for), to run alone when only parked rows are left: its finishing
+        is the evidence that releases them (``done``), its failure is the outage's. Neither
+        waiting on (a poison row that is the last work would never be isolated: the breaker
+        ended the job) nor releasing them unproven (an outage in the tail wrote good rows
+        as error rows) tells an outage from a poison row; a probe does."""
+        index = next(self._probe_ids)
+        row = InputRow(
+            index, f"probe{index}", "probe", prompt=PROBE_PROMPT, sampling=dict(PROBE_SAMPLING)
+        )
+        return Chunk(next(self._ids), (row,), evidence_after=self.finished, probe=True)
 
     def failed(self, reason: str) -> None:
         """A replica failed (before ``lost`` for each chunk it held).
@@ -134,14 +163,13 @@ class ChunkRecovery:
                 "cause and rerun the same command to resume"
             )
 
-    def lost(
-        self, chunk: Chunk, alone: bool, reason: str, other_work: bool = False
-    ) -> list[Chunk] | Parked | ResultRow:
+    def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | Parked | ResultRow:
         """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
-        it was the only chunk there; ``other_work``: other rows are queued or in flight
-        (parked ones included), so a chunk may yet finish and show that the cluster works.
-        Returns the suspects to run next (each alone), a one-row chunk parked, or the error
-        result of a poison row."""
+        it was the only chunk there. Returns the suspects to run next (each alone; none for
+        a probe: the executor sends another while rows are parked), a one-row chunk parked,
+        or the error result of a poison row."""
+        if chunk.probe:  # a known-good request failed: the cluster fails, not a row
+            return []
         failures = chunk.failures + 1
         if not alone:  # any of the replica's chunks may have done it: run this one alone
             return [self.chunk(chunk.rows, failures)]
@@ -151,9 +179,10 @@ class ChunkRecovery:
                 self.chunk(chunk.rows[:half], failures),
                 self.chunk(chunk.rows[half:], failures),
             ]
-        if not self._counts(chunk, other_work):
-            # an outage fails every replica whatever it runs: rerunning the row now would
-            # fail again and count against a good row; it waits for evidence instead
+        if self.finished <= chunk.evidence_after:
+            # no chunk finished since the lineage's previous failure: an outage fails every
+            # replica whatever it runs, so rerunning the row now would fail again and count
+            # against a good row; it waits for evidence instead
             return Parked(replace(chunk, evidence_after=self.finished))
         if failures < self.poison_failures:
             return [self.chunk(chunk.rows, failures)]
@@ -165,12 +194,3 @@ class ChunkRecovery:
             "could finish; run it alone (e.g. with executor: local) to reproduce the failure",
             self.model,
         )
-
-    def _counts(self, chunk: Chunk, other_work: bool) -> bool:
-        """Whether a one-row chunk's failure alone counts towards its verdict: a chunk
-        finished since its lineage's previous failure (the cluster works, so the row failed
-        on its own), it was released for lack of evidence, or none can come (nothing else
-        queued or in flight)."""
-        if chunk.evidence_after is None or not other_work:
-            return True
-        return self.finished > chunk.evidence_after

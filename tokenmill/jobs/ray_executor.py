@@ -25,8 +25,10 @@ raises, loses only the chunks it held; a new replica takes its place (the model 
 the lost chunks run again, each alone on a replica, so that a chunk that fails again is
 known to be the culprit and is bisected down to the row that does it; that row is written
 to the error file with what happened, and the job goes on. A row that fails alone while no
-chunk finishes is parked (``_Run.parked``) until one does, or until nothing else is queued
-or in flight: an outage fails every replica, and is not the row's fault. A result arriving
+chunk finishes is parked (``_Run.parked``) until one does: an outage fails every replica,
+and is not the row's fault. With nothing else queued or in flight, a probe (one known-good
+request) runs alone to show that the cluster works; its failure is the outage's, never a
+row's, and leads to another probe, or to the breaker. A result arriving
 for a row already answered is dropped, so every row is answered once. Commits stay on the
 driver, through the runner's exactly-once writer.
 
@@ -201,7 +203,7 @@ class RayExecutor:
         try:
             while not cancel.is_set():
                 results = run.pull(self.max_in_flight, self._route)
-                self._release_parked(run)
+                self._probe_for_parked(run)
                 self._send(run)
                 if run.finished:
                     yield from results
@@ -313,7 +315,7 @@ class RayExecutor:
     def _lost(self, event: ReplicaLost, run: _Run) -> list[ResultRow]:
         """A replica failed: its chunks run again as suspects, a poison row gets its error,
         and the rows waiting for it go to the replicas still up."""
-        rows = sum(len(c) for c in event.chunks)
+        rows = sum(len(c) for c in event.chunks if not c.probe)  # a probe runs no job row
         self.failures.replicas += 1
         log.warning(
             "Ray replica %d failed with %d rows in flight (%s); a new replica takes its place%s",
@@ -324,13 +326,8 @@ class RayExecutor:
         )
         self._recovery.failed(event.reason)
         poisoned = []
-        # only a chunk lost alone can be parked. Parked rows are other work too: a row
-        # failing alone with only parked rows left joins them, and they are released
-        # together, each with its next failure counting, rather than this one counting
-        # every failure while the others wait
-        other_work = event.alone and (bool(run.parked) or self._evidence_may_come(run))
         for chunk in event.chunks:
-            outcome = self._recovery.lost(chunk, event.alone, event.reason, other_work)
+            outcome = self._recovery.lost(chunk, event.alone, event.reason)
             if isinstance(outcome, ResultRow):
                 log.error("row %s skipped: %s", outcome.row_id, outcome.error)
                 poisoned.append(outcome)
@@ -360,13 +357,20 @@ class RayExecutor:
             or (not run.source.exhausted and len(run.in_flight) < self.max_in_flight)
         )
 
-    def _release_parked(self, run: _Run) -> None:
-        """Parked rows run again, their next failure counting, once no chunk can finish to
-        release them: waiting on would hang the job, or leave poison rows that are the last
-        work to the breaker, unisolated."""
+    def _probe_for_parked(self, run: _Run) -> None:
+        """With only parked rows left, no chunk of theirs can finish to show that the cluster
+        works: a probe runs alone instead (ray_chunks.py). Its finishing releases them, their
+        next failure counting; its failure counts against no row, and another probe follows
+        at the next call, one at a time (a probe queued or running is evidence that may
+        come), until one finishes or the breaker ends the job."""
         if run.parked and not self._evidence_may_come(run):
-            run.suspects.extend(self._recovery.release_unproven(run.parked))
-            run.parked.clear()
+            run.suspects.append(self._recovery.probe())
+            self.failures.probes += 1
+            log.info(
+                "%d rows wait to run again, and nothing else is left to show that the cluster "
+                "works: a probe (one short request) runs first",
+                len(run.parked),
+            )
 
     def _note_up(self, event: ReplicaUp) -> None:
         slot, info = event.slot, event.info

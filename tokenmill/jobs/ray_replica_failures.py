@@ -17,3 +17,6 @@ class ReplicaFailures:
     replicas: int = 0  # replicas lost (process died, or engine raised) and replaced
     rows_rerun: int = 0  # rows a lost replica held, sent again (a row counts at each loss)
     rows_isolated: int = 0  # poison rows: skipped, each with its error row
+    # known-good requests sent to tell an outage from a poison row (ray_chunks.py), when
+    # only rows parked after failing alone were left
+    probes: int = 0
