@@ -136,13 +136,14 @@ def test_abandon_leaves_a_hung_write_behind_and_records_nothing_after_it(
     assert gate.started == 1  # the queued shard was dropped
 
 
-def test_a_shard_whose_record_is_written_as_the_run_stops_is_not_counted(
+def test_a_shard_whose_record_is_written_as_the_run_stops_is_counted_once_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An audit: a second stop signal during a shard's (slow) journal write; the manifest
-    here had the record before the write and the counts came after it, so the run's report
-    said rows_ok 8 (the record, not yet written) beside rows_this_run 4. Once abandoned,
-    the writer changes neither: a write that lands after it is a rerun's to find."""
+    """A second stop signal during a shard's (slow) journal write: the write lands after the
+    stop. Counted at the stop, the run's report said one shard fewer than a rerun finds; the
+    record was once put in the manifest before its write, and the report said rows_ok 8
+    beside rows_this_run 4 (an audit). ``abandon`` does not wait for the write; ``settle``
+    does, and then the manifest here, the counts and the store agree."""
     writer, store, manifest = _writer(tmp_path, max_queued=2)
     writer.submit(0, _results(0))
     writer.submit(1, _results(1))
@@ -159,15 +160,17 @@ def test_a_shard_whose_record_is_written_as_the_run_stops_is_not_counted(
     monkeypatch.setattr(store, "write_atomic", slow)
     writer = ShardWriter(store, manifest, "jsonl", 2)
     writer.submit(2, _results(2))
+    writer.submit(3, _results(3))
     assert started.wait(10)
+    stopped = time.monotonic()
     writer.abandon()
-    before = (dict(manifest.shards), writer.shards_committed, writer.rows_committed)
+    assert time.monotonic() - stopped < 1  # a hung record write does not hold the stop
+    assert not writer.settle(timeout=0.2)  # the record is still being written
+    assert sorted(manifest.shards) == [0, 1]  # not counted before it is written
     release.set()
-    writer._thread.join(10)
-    assert not writer._thread.is_alive()
-    assert before == (dict(manifest.shards), writer.shards_committed, writer.rows_committed)
-    assert sorted(manifest.shards) == [0, 1] and writer.shards_committed == 0
-    assert _saved_shards(store) == [0, 1, 2]  # written after all: a rerun finds it
+    assert writer.settle(timeout=10)
+    assert sorted(manifest.shards) == _saved_shards(store) == [0, 1, 2]  # shard 3: dropped
+    assert (writer.shards_committed, writer.rows_committed) == (1, ROWS)
 
 
 def test_the_manifest_journal_is_folded_in_and_reloads_whole(tmp_path: Path, monkeypatch) -> None:

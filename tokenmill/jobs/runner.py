@@ -295,9 +295,10 @@ def _run_locked(
         manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
     if not saved:  # (a rerun with nothing new rewrote it whole: 0.7 s, 7 MB at 30k shards)
         manifest.save(store)
+    recount: list[Callable[[], None]] = []  # _run_owned's, for a second signal's report
     try:
         return _run_owned(spec, cfg, store, manifest, report, start, cancel,
-                          progress_interval_s, on_progress)  # fmt: skip
+                          progress_interval_s, on_progress, recount)  # fmt: skip
     except Exception as exc:
         _fill_totals(report, manifest)  # the rows committed so far (they were 0)
         changed = _rewritten_while_read(exc, cfg)
@@ -306,12 +307,11 @@ def _run_locked(
             raise changed from exc
         raise
     except (JobInterrupted, KeyboardInterrupt) as exc:  # a second signal: gone at once
-        _fill_totals(report, manifest)
         # The report as a parting word, not a wait: the store may be what hangs (a PUT
         # stuck for 30 s held a second SIGTERM's exit that long).
         writer = threading.Thread(
-            target=_record_failure,
-            args=(store, report, exc, start, "cancelled"),
+            target=_last_report,
+            args=(store, report, manifest, exc, start, recount),
             name="tokenmill-last-report",
             daemon=True,
         )
@@ -330,9 +330,11 @@ def _run_owned(
     cancel: threading.Event,
     progress_interval_s: float | None,
     on_progress: Callable[[Progress], None] | None,
+    recount: list[Callable[[], None]],
 ) -> JobReport:
     """The run, once the output is the job's (claimed, its manifest saved), over the input
-    files ``cfg`` lists."""
+    files ``cfg`` lists. Appends to ``recount`` what brings ``report``'s counts of this
+    run's commits up to date once its writer has settled (``_last_report``)."""
     removed = store.cleanup_temp()
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
@@ -395,6 +397,22 @@ def _run_owned(
             executor.close()
         raise
     history = progress.history  # what report.html plots
+
+    def count_commits() -> None:
+        """``report``'s counts of what this run committed, from the writer and manifest."""
+        report.shards_committed = writer.shards_committed
+        report.rows_this_run = writer.rows_committed
+        # the copies this run committed (a cancel's others are made again by the next run;
+        # a failed run's too: its report said 0 beside committed copies, an audit)
+        committed = set(manifest.shards) - done_before
+        report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
+
+    def settled_counts() -> None:
+        writer.settle()
+        count_commits()
+        report.rows_not_committed = _rows_not_committed(progress, writer)
+
+    recount.append(settled_counts)
     generating = time.monotonic()
     generated: float | None = None  # when the executor's stream ended
     try:
@@ -428,12 +446,7 @@ def _run_owned(
         # Rows dropped at a cancel generated tokens too (the live count has them): this run's
         # engine work, as README says (the finished rows' alone made the rate ~6x too low).
         report.completion_tokens = max(report.completion_tokens, progress.tokens)
-        report.shards_committed = writer.shards_committed
-        report.rows_this_run = writer.rows_committed
-        # the copies this run committed (a cancel's others are made again by the next run;
-        # a failed run's too: its report said 0 beside committed copies, an audit)
-        committed = set(manifest.shards) - done_before
-        report.rows_deduplicated, report.deduplicated_tokens = feed.deduplicated_in(committed)
+        count_commits()
         # Ray replicas load their models inside the generation loop: that is load time
         late_load = min(getattr(executor, "load_seconds", 0.0), generated - generating)
         report.model_load_seconds = round(report.model_load_seconds + late_load, 3)
@@ -542,6 +555,25 @@ def _rewritten_while_read(exc: Exception, cfg: InputConfig) -> InputChangedError
 
 # How long a run stopped by a second signal waits for its report to be written.
 _LAST_REPORT_S = 2.0
+
+
+def _last_report(
+    store: OutputStore,
+    report: JobReport,
+    manifest: Manifest,
+    exc: BaseException,
+    start: float,
+    recount: list[Callable[[], None]],
+) -> None:
+    """Write the report of a run cut short by a second stop signal, on a thread the run
+    waits for ``_LAST_REPORT_S`` at most. A shard record being written at the stop may still
+    land: ``recount`` waits for it before the counts are read, so they are what a rerun finds
+    (read at the stop, they said one shard fewer than the manifest). Where that write hangs,
+    so does this, and no report is written: none would be true."""
+    for settle in recount:
+        settle()
+    _fill_totals(report, manifest)
+    _record_failure(store, report, exc, start, "cancelled")
 
 
 def _record_failure(

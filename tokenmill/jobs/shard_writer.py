@@ -9,9 +9,11 @@
 The commit protocol is unchanged (files first, then the manifest naming them), and shards are
 committed in the order they complete, one at a time. While the writer runs, it alone touches
 the manifest; the runner reads it again after ``finish``. ``abandon`` (a second SIGTERM)
-stops it without waiting: a write in progress finishes in the background, and its shard is
-then not recorded, so a rerun recomputes it. The manifest saved by a write that was already
-recording is true (its files are committed), never ahead of the files.
+stops it without waiting: no record is written after it, and a shard's files being written
+then are left for a rerun to recompute. A record already being written (the commit point)
+is waited for by ``settle``, and counted: the run's last report reads the counts after it,
+so they are what a rerun finds (they once stopped before a record that landed after the
+stop: the report said one shard fewer than the manifest).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class ShardWriter:
         self._queue: queue.Queue[tuple[int, list[ResultRow]] | None] = queue.Queue(max_queued)
         self._error: BaseException | None = None
         self._abandoned = threading.Event()
-        self._counted = threading.Lock()  # a commit is counted, or the writer abandoned: not both
+        # held over a record's write and its count: ``settle`` waits for both or neither
+        self._recording = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tokenmill-writer", daemon=True)
         self._thread.start()
 
@@ -100,11 +103,10 @@ class ShardWriter:
             )
 
     def abandon(self) -> None:
-        """Stop now, without waiting: shards not yet recorded are left for a rerun (one
-        being written as this is called is not counted here, as it may not be written:
-        the manifest and the counts stay what they are now)."""
-        with self._counted:
-            self._abandoned.set()
+        """Stop now, without waiting (a record being written may hang on the store): no
+        record is written after this, queued shards are dropped for a rerun. A record being
+        written as this is called may still land; ``settle`` waits for it."""
+        self._abandoned.set()
         try:
             while True:  # what is queued is dropped; make room for the end marker
                 self._queue.get_nowait()
@@ -114,6 +116,16 @@ class ShardWriter:
             self._queue.put_nowait(_END)
         except queue.Full:  # only the writer thread takes from the queue: it cannot refill
             pass
+
+    def settle(self, timeout: float = -1) -> bool:
+        """After ``abandon``: wait until no record is being written (the one in progress, if
+        any, is then in the manifest and the counts); none is written later, so the manifest
+        here and ``shards_committed`` are final, what a rerun finds. Returns False when
+        ``timeout`` (seconds; -1: none) passed first, the counts then not final."""
+        if not self._recording.acquire(timeout=timeout):
+            return False
+        self._recording.release()
+        return True
 
     def _put(self, item: tuple[int, list[ResultRow]] | None) -> None:
         while True:
@@ -141,12 +153,10 @@ class ShardWriter:
                     self.manifest.rows_per_shard,
                     self.schema,
                 )
-                if self._abandoned.is_set():
-                    return
-                compacted = self.manifest.write_record(self.store, shard, record)
-                with self._counted:  # a run stopped during the write counts it not
-                    if self._abandoned.is_set():  # (its report was read at the stop)
+                with self._recording:  # written and counted, or neither (settle)
+                    if self._abandoned.is_set():
                         return
+                    compacted = self.manifest.write_record(self.store, shard, record)
                     self.manifest.add_record(shard, record, compacted)
                     self.shards_committed += 1
                     self.rows_committed += len(results)
