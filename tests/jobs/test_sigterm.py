@@ -287,3 +287,77 @@ def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
     assert report["status"] == "cancelled"
     assert report["error"] == "JobInterrupted: SIGTERM received again: stopping now"
     assert "cancelled" in (out / "report.html").read_text()
+
+
+def test_a_second_signal_during_a_shards_record_write_reports_what_was_committed(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second stop signal while the writer wrote a shard's manifest record (the commit
+    point): the record landed after the stop, and the report, read at the stop, counted one
+    shard fewer than the manifest (and the rerun) had. It now waits for that write."""
+    from tokenmill.io.storage import OutputStore
+    from tokenmill.jobs import runner
+    from tokenmill.jobs.shard_writer import ShardWriter
+    from tokenmill.jobs.stop_signals import JobInterrupted
+
+    started = threading.Event()
+    write = OutputStore.write_atomic
+
+    def slow_last_record(self: OutputStore, name: str, data: bytes) -> None:
+        if name == "test.manifest.d/00000001.json":  # the last shard's record
+            started.set()
+            time.sleep(0.5)
+        write(self, name, data)
+
+    def interrupted_finish(self: ShardWriter) -> None:
+        assert started.wait(60), "the last shard's record was never written"
+        raise JobInterrupted("SIGTERM received again: stopping now")
+
+    monkeypatch.setattr(OutputStore, "write_atomic", slow_last_record)
+    monkeypatch.setattr(ShardWriter, "finish", interrupted_finish)
+    # the counts are under test, not the time the report's plots take on a busy CI host
+    monkeypatch.setattr(runner, "_LAST_REPORT_S", 60.0)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))  # 2 shards of 4
+    out = tmp_path / "out"
+    with pytest.raises(JobInterrupted):
+        run_job(job_dict(tiny_model, src, out, **SETTINGS), show_progress=False)
+    report = json.loads((out / "report.json").read_text())
+    committed = _local_shards(out)
+    assert report["status"] == "cancelled" and len(committed) == 2
+    assert report["shards_committed"] == len(committed), report
+    assert report["rows_ok"] == report["rows_this_run"] == 8, report
+    assert report["rows_not_committed"] == 0, report
+
+
+_STOP_WHILE_IMPORTING = """
+import os, runpy, sys
+
+class StopOnImport:  # a SIGTERM while the job runner's modules import (before its handlers)
+    def find_spec(self, name, path=None, target=None):
+        if name == "tokenmill.jobs.spec":
+            os.kill(os.getpid(), {sig})
+        return None
+
+sys.meta_path.insert(0, StopOnImport())
+sys.argv = [{module!r}, {job!r}, "--quiet"]
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module", ["tokenmill.jobs.command", "tokenmill.jobs.cli"])
+def test_a_stop_while_either_entry_form_imports_exits_75(
+    tiny_model: Path, tmp_path: Path, module: str
+) -> None:
+    """``run-job`` (tokenmill.jobs.command) held stop signals before its imports; ``python
+    -m tokenmill.jobs.cli`` (reachable, used by these tests) did not, and a SIGTERM while
+    it imported killed it (exit 143, no message). Both exit 75, as README's table says."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
+    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, tmp_path / "out"))
+    script = _STOP_WHILE_IMPORTING.format(sig=int(signal.SIGTERM), module=module, job=str(job))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )  # fmt: skip
+    assert proc.returncode == 75, (proc.returncode, proc.stderr)
+    assert "stopped by SIGTERM" in proc.stderr and RESUME_HINT in proc.stderr, proc.stderr
+    assert not _local_shards(tmp_path / "out")

@@ -20,6 +20,12 @@ The flags build the JobSpec a job.yaml with ``model.source``, ``input.path`` and
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # ``python -m tokenmill.jobs.cli``: hold stops as run-job does,
+    # before the imports below (up to a second): a SIGTERM then exited 143, not 75
+    from tokenmill.jobs.stop_signals import hold_signals
+
+    hold_signals()
+
 import argparse
 import logging
 import os
