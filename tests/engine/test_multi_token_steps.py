@@ -176,6 +176,32 @@ def test_drafts_accepted_past_a_stop_are_not_counted(model_path: Path) -> None:
     assert stats.num_accepted_tokens == len(got["r0"].token_ids) - steps == end - 1
 
 
+def test_drafts_accepted_past_a_stop_string_are_not_counted(model_path: Path) -> None:
+    """As a stop id's, a stop string completed by an accepted draft ends the row at that
+    token: the tokens the step accepted after it are cut off, and the drafts among them are
+    not counted as accepted either (one row: its tokens are its steps plus the drafts)."""
+    greedy = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    probe, _, engine = _run(model_path, [SamplingParams(**greedy)])
+    tokens, decode = probe["r0"].token_ids, engine.tokenizer.decode
+
+    def stop_at(j: int) -> str | None:  # the character token j completes, new to the text
+        text, before = decode(tokens[: j + 1]), decode(tokens[:j])
+        new = text[-1] if len(text) > len(before) else ""
+        return new if new not in ("", "\ufffd") and new not in before else None
+
+    # a draft of step 2 (the prefill samples token 0) with the step's tokens after it
+    end = next(j for j in range(1, K + 1) if stop_at(j) is not None)
+    oracle = ContinuationProposer({"r0": tokens}, K)  # drafts past the stop, all accepted
+    params = [SamplingParams(**greedy, stop=[stop_at(end)])]
+    got, steps, engine = _run(model_path, params, oracle)
+    assert got["r0"].token_ids == tokens[: end + 1] and got["r0"].finish_reason == "stop"
+    assert got["r0"].text == decode(tokens[:end])
+    assert steps == 2  # the prefill, then one drafted step that meets the stop string
+    stats = engine.scheduler.stats
+    assert stats.num_draft_tokens == K
+    assert stats.num_accepted_tokens == len(got["r0"].token_ids) - steps == end - 1
+
+
 def test_acceptance_takes_the_leading_matches() -> None:
     drafts = np.array([[5, 6, 7], [5, 6, 7], [5, -1, -1], [-1, -1, -1]])
     lengths = draft_lengths(drafts)

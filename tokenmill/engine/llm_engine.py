@@ -681,12 +681,13 @@ class LLMEngine:
         update = self.scheduler.update_from_output(
             sched, out.rows, out.sampled_token_ids, out.counts
         )
-        launched.accepted = self.scheduler.stats.num_accepted_tokens - accepted
         finished = update.finished
         if out.sampler_output is not None and out.sampler_output.logprobs is not None:
             self._record_logprobs(sched, out, update.applied)
         if self._watched:
             finished += self._check_stop_strings()
+        # (after the stop strings: drafts past the token that completed one are not counted)
+        launched.accepted = self.scheduler.stats.num_accepted_tokens - accepted
         if len(self._grammars):
             finished += self._end_grammars()
         self._finish(finished)
@@ -707,8 +708,10 @@ class LLMEngine:
             match = detokenizer.append(new)
             if match is None:
                 continue
-            # a drafted step's tokens after the one that completed the stop string go
+            # a drafted step's tokens after the one that completed the stop string go, and
+            # the drafts among them were not accepted (they saved no step)
             req.truncate_output(len(detokenizer.output_token_ids))
+            self.scheduler.uncount_accepted(req, tracked.num_detokenized - req.num_output_tokens)
             tracked.num_detokenized = req.num_output_tokens
             req.stop_reason = match
             if req.finished:

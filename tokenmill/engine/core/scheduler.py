@@ -155,6 +155,15 @@ class Scheduler:
             self.waiting.remove(req)
             self._retire(req, status)
 
+    def uncount_accepted(self, req: Request, num_tokens: int) -> None:
+        """Take back ``num_tokens`` drafts counted as accepted for ``req``: a stop string
+        completed mid-step cut them off its output (``Request.truncate_output``), so, as the
+        ones past an EOS or stop id (``update_from_output``), they saved no step. Call it
+        before the request finishes, while its slot still holds its yield."""
+        self.stats.num_accepted_tokens -= num_tokens
+        if req.slot >= 0:
+            self.slots.accepted_drafts[req.slot] -= num_tokens
+
     # ---- one step ---------------------------------------------------------------------
     @property
     def num_running(self) -> int:
