@@ -338,3 +338,47 @@ def test_a_stop_in_a_byte_run_before_min_tokens_is_not_found(run: list[int], wan
     detok = IncrementalDetokenizer(tokenizer, [], params)
     stops = [detok.append([t]) for t in ids]
     assert stops[-1] == "\n" and detok.output_text == want
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_cleaned_up_tokenizer_streams_the_text_decode_gives(skip_special_tokens: bool) -> None:
+    """Where transformers cleans up the spaces (WordPiece, clean_up_tokenization_spaces), a
+    request with stop strings, decoded a few tokens at a time, gets the text decoding its
+    tokens at the end gives (a request without them does): windows cleaned one by one gave
+    ``a ' s`` for ``a's``, a pattern over three tokens."""
+    tokenizer = _wordpiece(True)
+    rng = random.Random(2)
+    rows = [tokenizer.encode("hello . go ? a ' s ! b , c ' t", add_special_tokens=False)]
+    rows += [[rng.randrange(14) for _ in range(rng.randrange(1, 16))] for _ in range(200)]
+    params = SamplingParams(stop=["z"], max_tokens=64, skip_special_tokens=skip_special_tokens)
+    for ids in rows:
+        for chunks in ([1], [3, 1, 2]):
+            detok, stop = _stream(tokenizer, ids, params, chunks)
+            assert stop is None
+            assert detok.output_text == tokenizer.decode(
+                ids, skip_special_tokens=skip_special_tokens
+            ), ids
+
+
+@pytest.mark.parametrize(
+    ("stop", "include", "want", "taken"),
+    [
+        ("'s", False, "c", 3),  # in the cleaned "c's" only: the raw text is "c ' s"
+        ("'s", True, "c's", 3),
+        (",", False, "c's", 4),  # decode(c ' s), not the raw text's "c ' s " before " ,"
+        ("s,", True, "c's,", 4),
+        (" ,", False, "c's, go? a's. b", 11),  # the raw text's " ," is cleaned away
+    ],
+)
+def test_a_cleaned_up_tokenizer_stops_in_the_cleaned_text(
+    stop: str, include: bool, want: str, taken: int
+) -> None:
+    """Stop strings are looked for in the cleaned text, the one output: the text a stop
+    string cuts is what decoding the tokens before it gives (``decode([c]) == "c"``)."""
+    tokenizer = _wordpiece(True)
+    ids = tokenizer.encode("c ' s , go ? a ' s . b", add_special_tokens=False)
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=include, max_tokens=64)
+    detok, got = _stream(tokenizer, ids, params)
+    assert (got, detok.output_text) == (stop if taken < len(ids) else None, want)
+    assert len(detok.output_token_ids) == taken
+    assert tokenizer.decode(ids[:3]) == "c's"  # (the tokens' text, as ``want`` spells it)

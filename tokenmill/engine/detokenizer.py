@@ -25,16 +25,25 @@ accepted ones) are taken one at a time while there are stop strings to watch, as
 one-token steps would: a stop string ends the text at the token that completed it (the
 tokens after it are not taken: ``output_token_ids`` says how many were), and ``min_tokens``
 counts to the token, not to the step.
+
+Where transformers cleans up the decoded text's spaces (``clean_up_tokenization_spaces`` on
+a WordPiece / Unigram tokenizer: ``a . b ' s`` -> ``a. b's``), the windows are decoded raw
+and the whole text is cleaned as it grows (space_cleanup.py), so that it is what decoding
+the output at the end gives, as for a request without stop strings. Stop strings are looked
+for in that cleaned text, the text the request outputs: a stop ``"."`` after ``a`` cuts
+before the ``.`` of ``a.``, leaving ``a``, not the ``a `` of the raw ``a .``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.space_cleanup import CleanedText, cleanup_policy
 from tokenmill.engine.special_ids import special_token_ids
 
 __all__ = ["IncrementalDetokenizer"]
@@ -90,8 +99,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self._num_pending_chars = 0  # text emitted past read_offset's (incomplete tail held)
-        self._text = ""
+        self._text = ""  # the raw decoded text (before any space clean-up)
         self._stop_string: str | None = None
+        # With transformers' space clean-up: the cleaned text, which stop strings end.
+        self._cleaner = CleanedText(tokenizer) if cleanup_policy(tokenizer) is True else None
+        self._cleaned = ""
         # Tokens the text may not settle on: byte tokens, and (skipped) special tokens after
         # which a run of byte tokens may go on, as decode joins the two sides.
         # ids past the tokenizer's vocabulary (a model's padding rows) decode to nothing too.
@@ -103,7 +115,7 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """Text so far; after a stop string, cut before it (or after it, when included)."""
-        return self._text
+        return self._text if self._cleaner is None else self._cleaned
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -174,13 +186,25 @@ class IncrementalDetokenizer:
             # Offsets stay (nothing new, e.g. skipped special tokens, or an incomplete
             # character); remember what of this window's text was already emitted.
             self._num_pending_chars = len(new_text)
+        if self._cleaner is not None:
+            searched_from = self._clean(self._cleaner, searched_from)
         if (
-            len(self._text) > searched_from
+            len(self.output_text) > searched_from
             and self._watch_stops
             and len(ids) > self._params.min_tokens
         ):
             return self._find_stop(searched_from)
         return None
+
+    def _clean(self, cleaner: CleanedText, raw_from: int) -> int:
+        """Clean the raw text grown since the last call; return where in the cleaned text the
+        raw text past ``raw_from`` begins: past what the cleaned text up to it and the new one
+        share (a clean-up can rewrite the last few characters: ``a `` became ``a.``)."""
+        settled = len(cleaner.settled)  # (both texts start with it)
+        before = cleaner.peek(self._text[:raw_from])  # first: update settles past raw_from
+        self._cleaned = cleaner.update(self._text)
+        shared = os.path.commonprefix([before[settled:], self._cleaned[settled:]])
+        return settled + len(shared)
 
     def _text_through_min_tokens(self, new_text: str) -> int:
         """How much of ``new_text`` (the window's text past ``read_offset``) the tokens up to
@@ -196,8 +220,15 @@ class IncrementalDetokenizer:
         return most
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._cleaner is None:
+            return self._tokenizer.decode(
+                token_ids, skip_special_tokens=self._params.skip_special_tokens
+            )
+        # raw: a clean-up of the window alone would miss a pattern reaching before it
         return self._tokenizer.decode(
-            token_ids, skip_special_tokens=self._params.skip_special_tokens
+            token_ids,
+            skip_special_tokens=self._params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
         )
 
     def _find_stop(self, new_from: int) -> str | None:
@@ -210,14 +241,19 @@ class IncrementalDetokenizer:
         ``min_tokens`` was not searched, and a stop it holds must not be found later (a
         longer stop string's look-back reached it, so the result depended on the others).
         """
+        text = self.output_text
         best: tuple[int, int, str] | None = None  # (end, start, stop string)
         for stop in self._params.stop:
-            start = self._text.find(stop, max(0, new_from - len(stop) + 1))
+            start = text.find(stop, max(0, new_from - len(stop) + 1))
             if start >= 0 and (best is None or start + len(stop) < best[0]):
                 best = (start + len(stop), start, stop)
         if best is None:
             return None
         end, start, stop = best
-        self._text = self._text[: end if self._params.include_stop_str_in_output else start]
+        text = text[: end if self._params.include_stop_str_in_output else start]
+        if self._cleaner is None:
+            self._text = text
+        else:
+            self._cleaned = text
         self._stop_string = stop
         return stop

@@ -30,6 +30,7 @@ from tokenmill.engine.core.request import Request, RequestStatus
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.logprob_texts import logprob_texts
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
+from tokenmill.engine.space_cleanup import cleanup_policy
 
 __all__ = ["Finished", "OutputBuilder"]
 
@@ -163,37 +164,3 @@ def decode_rows(
         return tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
     texts = tokenizer.backend_tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
     return [tokenizer.clean_up_tokenization(t) for t in texts] if cleanup else texts
-
-
-# Every pattern transformers' clean_up_tokenization rewrites (" ." -> "." and so on).
-_CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
-
-
-def cleanup_policy(tokenizer: Any) -> bool | None:
-    """What ``tokenizer.decode`` does to its Rust tokenizer's text, seen on a probe: False
-    (returns it as is), True (applies ``clean_up_tokenization``), None (something else, not
-    a fast tokenizer, or a class with a decode of its own). Asked of the tokenizer because
-    the answer depends on the transformers release, not only on
-    ``clean_up_tokenization_spaces``: recent ones ignore that setting for BPE tokenizers."""
-    from transformers import PreTrainedTokenizerFast
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(tokenizer, "clean_up_tokenization"):
-        return None
-    # A model's tokenizer class that decodes its own way (transformers has a dozen) may
-    # differ only on text the probe lacks: such classes go through transformers.
-    kind = type(tokenizer)
-    if any(
-        getattr(kind, name, None) is not getattr(PreTrainedTokenizerFast, name)
-        for name in ("decode", "_decode", "batch_decode")
-    ):
-        return None
-    try:  # an optimisation's probe: a tokenizer it trips up decodes through transformers
-        ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
-        raw = backend.decode(ids, skip_special_tokens=False)
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-    except Exception:
-        return None
-    if text == raw:
-        return False
-    return True if text == tokenizer.clean_up_tokenization(raw) else None
