@@ -15,19 +15,17 @@ run 7% shorter. Shorter turns cost nothing measurable on a 2-core CPU run. ``LLM
 loop with short turns too (structured output, whose steps wait on worker pipes, gave up the
 GIL most: BENCHMARKS.md, session 22).
 
-The interval is process-wide: it is set when the first loop starts and put back as it was
-when the last one ends (loops in several threads count together: while_running.py), as
-``frozen_heap`` does for the garbage collector. An interval someone set shorter already is
-left as it is.
+The interval is process-wide, and both spans here set it through its one owner
+(switch_interval.py): the shortest any open span asks for, and the one found before the
+first put back when the last ends, however they nest or overlap across threads. An
+interval someone set shorter already is left as it is.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
-from tokenmill.engine.while_running import WhileRunning
+from tokenmill.engine.switch_interval import SWITCH_INTERVAL
 
 __all__ = ["BRIEF_TURN_S", "TURN_S", "brief_gil_turns", "short_gil_turns"]
 
@@ -38,32 +36,13 @@ TURN_S = 0.0005  # seconds a thread waits for the GIL before it asks the holder 
 BRIEF_TURN_S = 0.00002
 
 
-def _shorten() -> float | None:
-    """Set the interval to TURN_S unless it is that short already; the interval before."""
-    before = sys.getswitchinterval()
-    if before <= TURN_S:
-        return None
-    sys.setswitchinterval(TURN_S)
-    return before
+def short_gil_turns() -> AbstractContextManager[None]:
+    """The switch interval at most TURN_S inside the block: an engine loop's (re-entrant,
+    any thread)."""
+    return SWITCH_INTERVAL.at_most(TURN_S)
 
 
-def _restore(before: float | None) -> None:
-    if before is not None:
-        sys.setswitchinterval(before)
-
-
-# Set the GIL switch interval to at most TURN_S for the duration (re-entrant, any thread).
-short_gil_turns = WhileRunning(_shorten, _restore)
-
-
-@contextlib.contextmanager
-def brief_gil_turns() -> Iterator[None]:
-    """The switch interval at most BRIEF_TURN_S inside the block (this thread's span; it is
-    process-wide, and put back as it was at the block's end)."""
-    before = sys.getswitchinterval()
-    if before > BRIEF_TURN_S:
-        sys.setswitchinterval(BRIEF_TURN_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
+def brief_gil_turns() -> AbstractContextManager[None]:
+    """The switch interval at most BRIEF_TURN_S inside the block: a short wait's (a
+    proposer's for the device), inside a loop's span or not."""
+    return SWITCH_INTERVAL.at_most(BRIEF_TURN_S)

@@ -1,9 +1,10 @@
 """WhileRunning: a process-wide change held while at least one engine loop runs.
 
 Some settings belong to the process, not to one engine: the garbage collector's frozen heap
-(frozen_heap.py), the GIL switch interval (short_gil_turns.py). Loops may nest (a loop
-inside another's callback) or run at once in several threads; the change is made when the
-first starts and undone when the last ends, whatever the order they end in:
+(frozen_heap.py; the GIL switch interval, which spans of two kinds ask for, has its own
+owner: switch_interval.py). Loops may nest (a loop inside another's callback) or run at once
+in several threads; the change is made when the first starts and undone when the last ends,
+whatever the order they end in:
 
     loop A  ├──────────────────────────┤
     loop B          ├─────────┤
