@@ -287,6 +287,25 @@ def test_a_replicas_kv_cache_too_small_for_the_context_names_the_setting(
     assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
 
 
+def test_a_kv_cache_memory_too_small_on_a_replica_names_the_setting(
+    tiny_model: Path, tmp_path: Path, job_input: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A KV cache too small for 2 blocks fails as the local executor's does (exit 2 naming
+    engine.kv_cache_memory), not as "model.source cannot be loaded", which blamed the model."""
+    import yaml
+
+    from tokenmill.jobs.cli import main as cli_main
+
+    job = tmp_path / "job.yaml"
+    spec = job_dict(tiny_model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1},
+                    engine={"kv_cache_memory": 1000})  # fmt: skip
+    job.write_text(yaml.safe_dump(spec))
+    assert cli_main([str(job), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "engine.kv_cache_memory: expected room for at least 2 KV blocks" in err, err
+    assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
+
+
 def test_a_lost_cluster_fails_the_run_with_its_report_and_exit_75(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.row_source import FeedItem
@@ -53,7 +54,8 @@ class ReplicaModelError(ValueError):
 
 class ReplicaSettingsError(ValueError):
     """The job's settings cannot run on the replica's engine (its KV cache holds less than
-    the job's context): a rerun does not help until they are changed."""
+    the job's context, or too little for 2 blocks): a rerun does not help until they are
+    changed."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class EngineReplica:
             self._processor = RowProcessor(JobSpec.from_dict(spec_dict))
         except ContextCutError as exc:  # (a ValueError: the settings', not the model's)
             self._settings_error = str(exc)
+            return
+        except EngineSettingError as exc:  # checked against the device, as the local
+            self._settings_error = f"engine.{exc}"  # executor's (runner._load_executor)
             return
         except (ValueError, FileNotFoundError) as exc:
             self._load_error = f"{type(exc).__name__}: {exc}"
