@@ -88,3 +88,22 @@ def test_resolve_dtype_on_either_device() -> None:
         assert auto.resolve_dtype(config, cpu) == torch.float32  # type: ignore[arg-type]
     bf16 = EngineConfig(model="m", dtype="bf16")
     assert bf16.resolve_dtype(SimpleNamespace(torch_dtype="float32"), cpu) == torch.bfloat16  # type: ignore[arg-type]
+
+
+def test_a_gpu_past_those_visible_is_refused_naming_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An audit: cuda:1 where one GPU is visible (a Ray replica sees its own alone, as
+    cuda:0) passed, to fail deep in the model's load with CUDA's invalid device ordinal."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert EngineConfig(model="m", device="cuda:0").resolve_device() == torch.device("cuda:0")
+    assert EngineConfig(model="m", device="cuda").resolve_device() == torch.device("cuda")
+    said = r"^device: expected cuda, auto or cuda:0 to cuda:0 \(the GPUs visible\), got 'cuda:1'$"
+    with pytest.raises(EngineSettingError, match=said):
+        EngineConfig(model="m", device="cuda:1").resolve_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(EngineSettingError, match=r"^device: expected cpu or auto \(no CUDA"):
+        EngineConfig(model="m", device="cuda:0").resolve_device()

@@ -282,6 +282,25 @@ def test_a_kv_cache_with_no_room_for_blocks_names_the_setting(
         run_job(spec, show_progress=False)
 
 
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_a_device_this_machine_lacks_names_the_setting(
+    tiny_model: Path, tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: engine.device cuda without a GPU said "model.source '...' cannot be
+    loaded" under a set model.dtype (the model was fine), and "engine.device: device=..."
+    under auto; both now name engine.device and what it accepts here."""
+    from tokenmill.jobs.spec import JobSpecError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine={"device": "cuda"})
+    spec["model"]["dtype"] = dtype
+    said = r"^engine.device: expected cpu or auto \(no CUDA GPU is visible\), got 'cuda'$"
+    with pytest.raises(JobSpecError, match=said):
+        run_job(spec, show_progress=False)
+    assert not (tmp_path / "out" / "shards").exists()
+
+
 def test_a_cpu_kv_cache_larger_than_the_memory_available_is_refused_up_front(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -330,13 +330,25 @@ class EngineConfig:
         return cls(model=model, **settings)
 
     def resolve_device(self) -> torch.device:
+        """The device ``device`` names here. Raises EngineSettingError naming ``device`` for
+        a GPU this process does not see (none visible, or an index past those visible: a
+        Ray replica sees its own GPU alone, as cuda:0)."""
         import torch
 
         if self.device == "auto":
             return torch.device(auto_device())
         device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but no CUDA GPU is visible; use device=cpu")
+        if device.type != "cuda":
+            return device
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible == 0:
+            raise EngineSettingError("device", self.device, "cpu or auto (no CUDA GPU is visible)")
+        if (device.index or 0) >= visible:
+            raise EngineSettingError(
+                "device",
+                self.device,
+                f"cuda, auto or cuda:0 to cuda:{visible - 1} (the GPUs visible)",
+            )
         return device
 
     def resolve_async_scheduling(self, device: torch.device) -> bool:

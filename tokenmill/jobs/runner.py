@@ -194,8 +194,8 @@ def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     engine = engine_config(spec)
     try:
         device = engine.resolve_device()
-    except ValueError as exc:
-        raise JobSpecError(f"engine.device: {exc}") from None
+    except EngineSettingError as exc:
+        raise JobSpecError(f"engine.{exc}") from None
     return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
 
 
