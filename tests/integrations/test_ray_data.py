@@ -89,6 +89,11 @@ def test_bad_settings_are_refused_when_building() -> None:
         ProcessorConfig(sampling={"temperature": -1.0})
     with pytest.raises(ValueError, match="n=2, but a row's generated_text holds one"):
         ProcessorConfig(sampling={"n": 2})
+    for engine in (None, [("max_num_seqs", 4)], "max_num_seqs=4"):
+        with pytest.raises(TypeError, match=r"^ProcessorConfig.engine must be a mapping of Eng"):
+            ProcessorConfig(engine=engine)
+    with pytest.raises(TypeError, match=r"^ProcessorConfig.sampling must be a mapping of Sam"):
+        ProcessorConfig(sampling=None)
 
 
 def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path) -> None:

@@ -74,6 +74,12 @@ class ProcessorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {value!r}")
+        for name, of in (("engine", "EngineConfig's"), ("sampling", "SamplingParams'")):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):  # dict() and ** took a list of pairs, or
+                raise TypeError(  # said "'NoneType' object is not iterable"
+                    f"ProcessorConfig.{name} must be a mapping of {of} fields, got {value!r}"
+                )
         from tokenmill.engine.engine_config import EngineConfig
         from tokenmill.engine.prompts import ChatTemplate
         from tokenmill.engine.sampling_params import SamplingParams
