@@ -12,7 +12,7 @@ import yaml
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.jobs.cli import main as cli_main
-from tokenmill.jobs.engine_section import NOT_IN_SECTION, EngineSection
+from tokenmill.jobs.engine_section import ELSEWHERE, NOT_IN_SECTION, EngineSection
 from tokenmill.jobs.fingerprint import fingerprint, job_settings
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.spec import JobSpec, JobSpecError
@@ -69,6 +69,21 @@ def test_out_of_range_values_name_the_engine_key(key: str, value: Any, what: str
 def test_keys_outside_the_section_stay_unknown() -> None:
     for key in ("max_num_seq", "attention_backend", "dtype", "model"):
         assert f"  engine.{key}: unknown key" in _error(_raw(**{key: "auto"}))
+
+
+def test_an_llm_setting_the_section_lacks_says_where_a_job_sets_it() -> None:
+    """An audit: engine.dtype (LLM(dtype=...)'s spelling) or vLLM's gpu_memory_utilization
+    said "unknown key" alone; LLM takes them, so say where a job sets them, if anywhere."""
+    said = {
+        "dtype": "model.dtype sets it",
+        "quantization": "model.quantization sets it",
+        "seed": "an LLM(...) setting only; rows are seeded by sampling.seed",
+        "gpu_memory_utilization": "vLLM's name: engine.kv_cache_memory takes the fraction",
+        "enforce_eager": "vLLM's name: engine.cuda_graphs: false",
+    }
+    for key, where in said.items():
+        assert f"  engine.{key}: unknown key ({where})\n" in _error(_raw(**{key: 1})) + "\n"
+    assert NOT_IN_SECTION <= ELSEWHERE.keys()  # each EngineConfig field a job lacks is said
 
 
 def test_max_model_len_auto_is_unset() -> None:

@@ -40,6 +40,19 @@ NOT_IN_SECTION = frozenset(
     {"model", "dtype", "quantization", "attention_backend", "load_format", "profile_steps", "seed"}
 )
 RENAMED = {"prefix_caching": "enable_prefix_caching"}  # old job.yaml key -> the key now
+# An unknown engine.<key> that LLM(...) takes: where a job sets it, if anywhere.
+ELSEWHERE = {
+    "model": "model.source sets it",
+    "dtype": "model.dtype sets it",
+    "quantization": "model.quantization sets it",
+    "attention_backend": "an LLM(...) setting only",
+    "load_format": "an LLM(...) setting only",
+    "profile_steps": "an LLM(...) setting only",
+    "seed": "an LLM(...) setting only; rows are seeded by sampling.seed",
+    "gpu_memory_utilization": "vLLM's name: engine.kv_cache_memory takes the fraction",
+    "enforce_eager": "vLLM's name: engine.cuda_graphs: false",
+    "tensor_parallel_size": "vLLM's name: model.tensor_parallel",
+}
 
 
 class _EngineSectionBase(BaseModel):

@@ -53,7 +53,7 @@ from tokenmill.jobs.chat_template_setting import (
     chat_template_kwargs_setting,
     chat_template_setting,
 )
-from tokenmill.jobs.engine_section import EngineSection
+from tokenmill.jobs.engine_section import ELSEWHERE, EngineSection
 from tokenmill.jobs.yaml_limits import (
     MAX_FILE_BYTES,
     dotted_key,
@@ -598,7 +598,10 @@ def _did_you_mean(loc: tuple[int | str, ...]) -> str:
 def _describe(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
-        return "unknown key" + _did_you_mean(err["loc"])
+        loc = err["loc"]
+        if len(loc) == 2 and loc[0] == "engine" and loc[1] in ELSEWHERE:
+            return f"unknown key ({ELSEWHERE[str(loc[1])]})"
+        return "unknown key" + _did_you_mean(loc)
     if kind == "missing":
         return "required key is missing"
     if kind == "value_error":  # our validators' messages say what they got
