@@ -547,7 +547,11 @@ def test_openai_response_format_is_the_structured_output_it_means() -> None:
     ("text", "said"),
     [("sampling: {temperature: 1e-3}", "'1e-3' (YAML reads 1e-3 as text: write 0.001)"),
      ("sampling: {max_tokens: 1e3}", "(YAML reads 1e3 as text: write 1000)"),
-     ("engine: {kv_cache_memory: 2e9}", "2e9 as text: write 2000000000.0 or 2000000000)"),
+     ("engine: {kv_cache_memory: 2e9}", "2e9 as text: write 2000000000)"),  # bytes: no float
+     ("engine: {kv_cache_memory: 5e-1}", "5e-1 as text: write 0.5)"),
+     ("engine: {max_num_seqs: 1e3}", "(YAML reads 1e3 as text: write 1000)"),
+     ("engine: {max_model_len: '512'}", "got the string '512' (YAML reads 512 as text: write 512)"),
+     ("engine: {max_num_seqs: -1e3}", "expected a positive integer, got the string '-1e3'\n"),
      ("name: 2024-12-01", "got datetime.date(2024, 12, 1) (YAML read it as a date: quote it"),
      ("name: 007", "got 7 (YAML read it as a number: quote it to keep it text)"),
      ("sampling: {temperature: .inf}", "expected a finite number, got inf\n"),

@@ -43,7 +43,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from tokenmill.engine.engine_config import EngineSettingError
+from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
 from tokenmill.engine.prompts import ChatTemplate
 from tokenmill.engine.sampling_params import SamplingParamError, SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
@@ -73,6 +73,7 @@ RESERVED_OUTPUT_COLUMNS = {
 }
 
 
+_ENGINE_RULES = {f.name: f.metadata["rule"] for f in fields(EngineConfig)}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 MAX_ERROR_LINES = 20
 
@@ -580,6 +581,22 @@ def _yaml_hint(kind: str, value: Any) -> str:
     return ""
 
 
+def _engine_hint(error: EngineSettingError) -> str:
+    """``_yaml_hint`` for an engine setting's text that reads as a number, offering only
+    what the setting's rule accepts: ``max_num_seqs: 1e3`` is 1000, not "1000.0 or 1000"
+    (a float is no batch size), and ``kv_cache_memory: 2e9`` bytes is 2000000000."""
+    rule = _ENGINE_RULES.get(error.key)
+    hint = _yaml_hint("float_type", error.value)
+    if rule is None or not hint:
+        return hint
+    number = float(error.value)  # _yaml_hint read it as a finite number
+    written = [int(number)] if number.is_integer() and abs(number) < 1e18 else []
+    written = [v for v in (*written, number) if rule.accepts(v)]
+    if not written:  # no spelling of it would do: the expected values say what does
+        return ""
+    return f" (YAML reads {error.value} as text: write {' or '.join(map(repr, written))})"
+
+
 def _did_you_mean(loc: tuple[int | str, ...]) -> str:
     """`` (did you mean sampling.max_tokens?)`` for an unknown key close to one of its
     section's (a typo), else ''."""
@@ -607,7 +624,7 @@ def _describe(err: ErrorDetails) -> str:
     if kind == "value_error":  # our validators' messages say what they got
         error = err.get("ctx", {}).get("error", err["msg"])
         if isinstance(error, EngineSettingError):  # the value as YAML spells it
-            hint = _yaml_hint("float_type", error.value)
+            hint = _engine_hint(error)
             return f"expected {error.expected}, got {_shown_with_type(error.value)}{hint}"
         return str(error)
     if "storage_options" in err.get("loc", ()):  # may hold credentials: never echoed
