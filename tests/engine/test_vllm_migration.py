@@ -124,6 +124,10 @@ def test_vllm_spellings_run_as_written(model: Path) -> None:
         ({"trust_remote_code": True}, "never a checkpoint's own code"),
         ({"tokenizer": "/some/other/tokenizer"}, "the engine uses the model's own tokenizer"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
+        # an audit: 0 passed the `is False` check and True the `in (1, None)` one
+        ({"enable_chunked_prefill": 0}, "enable_chunked_prefill=0 is not supported"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size must be 1.*got True"),
+        ({"pipeline_parallel_size": 1.0}, "pipeline_parallel_size must be 1.*got 1.0"),
         ({"gpu_memory_utilization": 0.5, "kv_cache_memory": 0.4, "device": "cuda"}, "keep one"),
         ({"gpu_memory_utilization": 1.5, "device": "cuda"}, "must be in \\(0, 1\\]"),
     ],

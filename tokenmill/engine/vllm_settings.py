@@ -62,8 +62,9 @@ def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
         if eager:
             _set(out, "cuda_graphs", False, "enforce_eager")
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if name in out and out.pop(name) not in (1, None):
-            raise ValueError(f"{name} must be 1: an engine runs on one device here")
+        size = out.pop(name, None)  # (True == 1: a bool is no size)
+        if size is not None and (type(size) is not int or size != 1):
+            raise ValueError(f"{name} must be 1: an engine runs on one device here, got {size!r}")
     if out.pop("trust_remote_code", False):
         raise ValueError(
             "trust_remote_code=True is refused: tokenmill runs only the model families it "
@@ -76,9 +77,12 @@ def engine_settings(model: str, settings: dict[str, Any]) -> dict[str, Any]:
         )
     if "seed" in out and out["seed"] is None:
         out["seed"] = 0
-    if out.get("enable_chunked_prefill") is False:
-        raise ValueError("enable_chunked_prefill=False is not supported: prompts are chunked")
-    out.pop("enable_chunked_prefill", None)
+    chunked = out.pop("enable_chunked_prefill", None)
+    if chunked is not None and chunked is not True:  # 0 or "false" meant False too
+        raise ValueError(
+            f"enable_chunked_prefill={chunked!r} is not supported: prompts are chunked "
+            "(True or None)"
+        )
     for name in _UNUSED:
         out.pop(name, None)
     for name in _NONE_IS_DEFAULT:
