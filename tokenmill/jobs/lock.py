@@ -6,6 +6,14 @@ two jobs pointed at one prefix can never write it at once (the ownership record 
 the one that does not own it). Local outputs keep the lock file in the output folder;
 object-store outputs keep it in ``~/.cache/tokenmill/locks`` (one machine at a time: runs on
 several machines against one bucket prefix are not prevented).
+
+A lock file removed while its run holds it (a person's ``rm``, a cleanup script's) lets a
+second run create and lock a new one: the kernel's lock is on the removed file. The holder
+cannot prevent that, so it fences itself: before each write that commits (a shard's files,
+its manifest record, the final manifest and report) it checks that the file at the path is
+still the one it locked (``check_held``) and otherwise stops with ``LockLostError`` (exit
+75), writing nothing more. The newer run is then the only writer; committed shards are
+kept, and a rerun resumes once it has finished.
 """
 
 from __future__ import annotations
@@ -69,6 +77,11 @@ class JobLockedError(RuntimeError):
         # The holder is a process of this machine that is stopped or frozen: it keeps the
         # lock until someone resumes or ends it, so retrying alone never gets through.
         self.holder_stopped = holder_stopped
+
+
+class LockLostError(JobLockedError):
+    """The run's lock file was removed or replaced while it ran: another run may hold the
+    output now, so this one must not commit anything more."""
 
 
 class JobLock:
@@ -164,6 +177,20 @@ class JobLock:
                 raise
             raise type(exc)(exc.errno, exc.strerror, str(self.path)) from exc
         return True
+
+    def check_held(self) -> None:
+        """Raise LockLostError unless this run still holds the lock through the file at the
+        path: once that file is removed, another run can lock a new one and write beside
+        this run. Cheap (two stats): called before each commit."""
+        if self._fd is not None and _still_at(self._fd, self.path):
+            return
+        raise LockLostError(
+            f"output {self.output_url}: job {self.job!r} lost its lock, the file {self.path} "
+            "was removed or replaced while it ran (by a person or a cleanup script; "
+            "another run may be writing the output now), so it stopped before committing "
+            "more. Do not delete a running job's lock file; rerun the same command to "
+            "resume once no other run is writing the output."
+        )
 
     def release(self) -> None:
         """Let go of the lock. An object-store output's lock file goes (one was left in

@@ -58,7 +58,7 @@ from tokenmill.jobs.fingerprint import (
 )
 from tokenmill.jobs.input_changes import file_changes
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
-from tokenmill.jobs.lock import JobLock, JobLockedError
+from tokenmill.jobs.lock import JobLock, JobLockedError, LockLostError
 from tokenmill.jobs.manifest import (
     InputChangedError,
     Manifest,
@@ -239,7 +239,9 @@ def run_job(
         raise
     try:
         shown = progress_interval_s if show_progress else None
-        return _run_locked(spec, cfg, store, fresh, cancel or threading.Event(), shown, on_progress)
+        return _run_locked(
+            spec, cfg, store, lock, fresh, cancel or threading.Event(), shown, on_progress
+        )
     finally:
         lock.release()
 
@@ -261,11 +263,14 @@ def _run_locked(
     spec: JobSpec,
     cfg: InputConfig,
     store: OutputStore,
+    lock: JobLock,
     fresh: bool,
     cancel: threading.Event,
     progress_interval_s: float | None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> JobReport:
+    """The run under ``lock``, held: its ``check_held`` fences every commit (lock.py)."""
+    still_held = lock.check_held
     start = time.monotonic()
     report = JobReport(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
@@ -298,7 +303,9 @@ def _run_locked(
     recount: list[Callable[[], None]] = []  # _run_owned's, for a second signal's report
     try:
         return _run_owned(spec, cfg, store, manifest, report, start, cancel,
-                          progress_interval_s, on_progress, recount)  # fmt: skip
+                          progress_interval_s, on_progress, recount, still_held)  # fmt: skip
+    except LockLostError:  # the output may be another run's now: not even a report
+        raise
     except Exception as exc:
         _fill_totals(report, manifest)  # the rows committed so far (they were 0)
         changed = _rewritten_while_read(exc, cfg)
@@ -331,10 +338,13 @@ def _run_owned(
     progress_interval_s: float | None,
     on_progress: Callable[[Progress], None] | None,
     recount: list[Callable[[], None]],
+    still_held: Callable[[], None],
 ) -> JobReport:
     """The run, once the output is the job's (claimed, its manifest saved), over the input
     files ``cfg`` lists. Appends to ``recount`` what brings ``report``'s counts of this
-    run's commits up to date once its writer has settled (``_last_report``)."""
+    run's commits up to date once its writer has settled (``_last_report``).
+    ``still_held`` raises once the output's lock is no longer this run's; it runs before
+    each commit (the writer's) and before the final manifest and report."""
     removed = store.cleanup_temp()
     if removed:
         log.info("removed %d temporary files left by an interrupted run", removed)
@@ -376,7 +386,9 @@ def _run_owned(
             on_progress(progress)
         tracker = ShardTracker(spec.output.rows_per_shard)
         bounds = pipeline_bounds(spec)
-        writer = ShardWriter(store, manifest, spec.output.format, bounds.queued_shards, schema)
+        writer = ShardWriter(
+            store, manifest, spec.output.format, bounds.queued_shards, schema, still_held
+        )
         done_before = frozenset(manifest.shards)
         feed = RowFeed(
             cfg,
@@ -467,6 +479,7 @@ def _run_owned(
                 report.replica_failures = asdict(failures)
             executor.close()
 
+    still_held()  # (the writer checked at each commit; the manifest and report are next)
     # A cancel that came once the input was read to its end and every row had its result
     # changes nothing: the run is complete.
     if cancel.is_set() and not (feed.exhausted and not tracker.num_pending_rows):

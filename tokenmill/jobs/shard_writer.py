@@ -14,6 +14,10 @@ then are left for a rerun to recompute. A record already being written (the comm
 is waited for by ``settle``, and counted: the run's last report reads the counts after it,
 so they are what a rerun finds (they once stopped before a record that landed after the
 stop: the report said one shard fewer than the manifest).
+
+``still_held`` (the output lock's ``check_held``) runs before a shard's files and again
+before its record: a run whose lock file was removed meanwhile may share the output with
+another run, and must stop before it overwrites that run's files or manifest.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs.lock import LockLostError
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.shard_commit import commit_shard
 
@@ -48,11 +54,13 @@ class ShardWriter:
         fmt: str,
         max_queued: int,
         schema: OutputSchema | None = None,
+        still_held: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.manifest = manifest
         self.fmt = fmt
         self.schema = schema
+        self._still_held = still_held  # raises when the output's lock is no longer this run's
         self.shards_committed = 0
         self.rows_committed = 0
         self._queue: queue.Queue[tuple[int, list[ResultRow]] | None] = queue.Queue(max_queued)
@@ -145,6 +153,7 @@ class ShardWriter:
                 if item is _END or self._abandoned.is_set():
                     return
                 shard, results = item
+                self._still_held()
                 record = commit_shard(
                     self.store,
                     shard,
@@ -156,6 +165,7 @@ class ShardWriter:
                 with self._recording:  # written and counted, or neither (settle)
                     if self._abandoned.is_set():
                         return
+                    self._still_held()
                     compacted = self.manifest.write_record(self.store, shard, record)
                     self.manifest.add_record(shard, record, compacted)
                     self.shards_committed += 1
@@ -164,3 +174,9 @@ class ShardWriter:
                     self.manifest.drop_journal(self.store)
         except BaseException as exc:  # re-raised on the engine thread by check() / finish()
             self._error = exc
+            if isinstance(exc, Exception) and not isinstance(exc, LockLostError):
+                try:  # a write that failed as another run took the output (its start
+                    self._still_held()  # removes temporary files) says so, not the symptom
+                except LockLostError as lost:
+                    lost.__cause__ = exc
+                    self._error = lost
