@@ -101,3 +101,32 @@ def test_a_slow_consumer_can_be_interrupted_while_it_waits() -> None:
 def test_max_batches_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_batches"):
         ReadAhead(iter([]), max_batches=0, name="x")
+
+
+def test_with_size_of_the_queued_batches_stay_within_max_bytes_but_one_always_passes() -> None:
+    """A count of batches bounds nothing when batches can be any size (wide rows); with
+    ``size_of`` the batches waiting hold ``max_bytes`` at most, and a batch larger than
+    that alone still passes (when the queue is empty)."""
+    sizes = [3, 4, 2, 50, 1, 5, 5, 5, 9, 1] * 20
+    made = [0]
+
+    def batches() -> Iterator[list[int]]:
+        for i, n in enumerate(sizes):
+            made[0] += 1
+            yield [i] * n
+
+    ahead = ReadAhead(batches(), max_batches=100, name="test-reader", size_of=len, max_bytes=10)
+    got: list[list[int]] = []
+    try:
+        while not ahead.exhausted:
+            _wait_until(lambda: made[0] == len(sizes) or ahead.queued_bytes > 0)
+            time.sleep(0.01)  # the worker as far ahead as it may get
+            queued = ahead.queued_bytes
+            assert queued <= 10 or ahead._queue.qsize() == 1, queued
+            batch = ahead.get(timeout=1.0)
+            if batch is not None:
+                got.append(batch)
+    finally:
+        ahead.close()
+    assert [len(b) for b in got] == sizes and [b[0] for b in got] == list(range(len(sizes)))
+    assert ahead.queued_bytes == 0

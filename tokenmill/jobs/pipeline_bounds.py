@@ -7,6 +7,13 @@ Every queue is bounded in rows, so a run holds about ``read_ahead_rows + 2 * bat
 2 * max_num_seqs`` rows before the engine and a few shards after it, whatever the input's
 size. The defaults follow ``engine.max_num_seqs``: enough rows ready to refill the batch
 many steps over, few enough to stay small next to the engine's own memory.
+
+The queues before the engine are bounded in bytes too (row_bytes.py estimates a row's):
+rows of a 5 MB passthrough column each filled 5.6 GB within the row bounds (an audit). A
+batch ends at ``batch_bytes``, the read-ahead queue holds up to ``read_ahead_bytes`` and the
+planner's window (with what one ``take`` reads) up to ``window_bytes``; each lets one row
+through however large, so a huge row still runs. Small rows never reach the byte bounds:
+256 rows of 1 KB are 256 KB.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ __all__ = ["PipelineBounds"]
 
 _BATCH_ROWS = 64  # rows templated and tokenized in one call: enough to amortise the call
 _MIN_READ_AHEAD = 256
+_MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,9 @@ class PipelineBounds:
     batch_rows: int = _BATCH_ROWS  # rows read and prepared (template, tokens) together
     read_ahead_rows: int = 2 * _MIN_READ_AHEAD  # ready rows waiting for the engine
     queued_shards: int = 2  # complete shards waiting for the writer thread
+    batch_bytes: int = 16 * _MIB  # a batch ends once its rows hold this much
+    read_ahead_bytes: int = 128 * _MIB  # ready rows waiting for the engine, in bytes
+    window_bytes: int = 128 * _MIB  # rows in the planner's window and read by one take
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -5,8 +5,10 @@
                     an exception ─► get() re-raises it, after the batches made before it
 
 At most ``max_batches`` batches wait in the queue and one more is in the worker's hands, so
-memory stays bounded however long the input. The worker is a daemon thread: a run that
-stops at once (a second SIGTERM) never waits for it.
+memory stays bounded however long the input. With ``size_of``, the batches waiting also hold
+at most ``max_bytes`` together, or a single batch when one alone is larger: a count of
+batches bounds nothing when a batch can be any size (wide rows). The worker is a daemon
+thread: a run that stops at once (a second SIGTERM) never waits for it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["ReadAhead"]
@@ -35,13 +37,28 @@ class _End:
 
 
 class ReadAhead(Generic[T]):
-    """Runs ``batches`` on a daemon thread named ``name``, at most ``max_batches`` ahead."""
+    """Runs ``batches`` on a daemon thread named ``name``, at most ``max_batches`` ahead and,
+    with ``size_of`` (a batch's bytes), at most ``max_bytes`` of batches ahead (never fewer
+    than one batch)."""
 
-    def __init__(self, batches: Iterator[T], max_batches: int, name: str) -> None:
+    def __init__(
+        self,
+        batches: Iterator[T],
+        max_batches: int,
+        name: str,
+        size_of: Callable[[T], int] | None = None,
+        max_bytes: int = 0,
+    ) -> None:
         if max_batches < 1:
             raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        if size_of is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 with size_of, got {max_bytes}")
         self._batches = batches
-        self._queue: queue.Queue[T | _End] = queue.Queue(maxsize=max_batches)
+        self._queue: queue.Queue[tuple[T | _End, int]] = queue.Queue(maxsize=max_batches)
+        self._size_of = size_of
+        self._max_bytes = max_bytes
+        self._room = threading.Condition()  # guards ``queued_bytes``; get() notifies
+        self.queued_bytes = 0  # the sizes of the batches in the queue
         self._stop = threading.Event()
         self.exhausted = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -54,9 +71,12 @@ class ReadAhead(Generic[T]):
         if self.exhausted:
             return None
         try:
-            item = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            item, size = (
+                self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+            )
         except queue.Empty:
             return None
+        self._release(size)
         if isinstance(item, _End):
             self.exhausted = True
             if item.error is not None:
@@ -71,7 +91,7 @@ class ReadAhead(Generic[T]):
         self.exhausted = True
         try:  # make room, so that a worker blocked on a full queue sees the stop
             while True:
-                self._queue.get_nowait()
+                self._release(self._queue.get_nowait()[1])
         except queue.Empty:
             pass
         self._thread.join(timeout)
@@ -109,11 +129,28 @@ class ReadAhead(Generic[T]):
             log.debug("closing the input: %s: %s", type(exc).__name__, exc)
 
     def _put(self, item: T | _End) -> bool:
-        """Queue ``item`` when there is room; False when closed meanwhile."""
+        """Queue ``item`` when there is room (in batches and in bytes); False when closed
+        meanwhile."""
+        size = 0
+        if self._size_of is not None and not isinstance(item, _End):
+            size = self._size_of(item)
+            with self._room:  # an empty queue takes any batch: a huge row still runs
+                while self.queued_bytes > 0 and self.queued_bytes + size > self._max_bytes:
+                    if self._stop.is_set():
+                        return False
+                    self._room.wait(_POLL_S)
+                self.queued_bytes += size
         while not self._stop.is_set():
             try:
-                self._queue.put(item, timeout=_POLL_S)
+                self._queue.put((item, size), timeout=_POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
+
+    def _release(self, size: int) -> None:
+        """A batch of ``size`` bytes left the queue: room for the worker's next."""
+        if size:
+            with self._room:
+                self.queued_bytes -= size
+                self._room.notify()

@@ -3,8 +3,9 @@
     reader thread                                     engine thread (the runner's)
     iter_input_rows ─► skip committed shards          take(n) ─► shard tracker: row seen
       ─► batches of ``batch_rows`` ─► prepare           ├─► bad row: its error result at once
-         (template + one batch encode)                 └─► ready rows, to the executor
-      ─► ReadAhead queue (read_ahead_rows at most) ──►
+         (or batch_bytes)                              └─► ready rows, to the executor
+         (template + one batch encode)
+      ─► ReadAhead queue (read_ahead_rows, read_ahead_bytes at most) ──►
 
 Row order, ids and bad-row checks are the reader's, as before; what moved off the engine
 thread is the work (parsing, templating, tokenizing). The shard tracker and the progress
@@ -20,6 +21,10 @@ in a window before ``take`` hands them out:
          copy is written when that one's result comes: ``finished``) or copied at once
       ─► ReorderWindow (``window`` rows): longest predicted work first, each row at most
          ``window`` rows later than input order ─► take(n)
+
+Each bound in rows has one in bytes beside it (pipeline_bounds.py, row_bytes.py), so that wide
+rows are not held by the thousand: a ``take`` stops reading once the rows queued or held
+here and those it read hold ``window_bytes``, having read at least one batch.
 
 Exactly once is unchanged: a row's shard is fixed by its row index whatever the order it
 runs in, the tracker has seen every row before it runs, and a shard is complete only when
@@ -41,6 +46,7 @@ from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.read_ahead import ReadAhead
 from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.requests import error_result
+from tokenmill.jobs.row_bytes import input_row_bytes, item_bytes
 from tokenmill.jobs.row_source import FeedItem, Prepare
 from tokenmill.jobs.shard_tracker import ShardTracker
 
@@ -57,7 +63,12 @@ _NO_FACTS: Facts = (0.0, None)  # without a plan: no work to sort by, no dedup k
 class _FeedBatch:
     items: list[FeedItem]  # in input order; bad InputRows included
     rows_read: int  # input rows this batch accounts for, skipped ones included
+    sizes: list[int]  # each item's bytes (row_bytes.py)
     facts: list[Facts] | None = None  # each good item's (work, dedup key), with a plan
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
 
 
 def _row_index(item: FeedItem) -> int:
@@ -101,17 +112,20 @@ class RowFeed:
         self._progress = progress
         self._model = model
         self._batch_rows = bounds.batch_rows
+        self._window_bytes = bounds.window_bytes
         self._ready = PlannedRows(plan)
         self._input_done = False
         self.rows_read = 0
         self._direct = 0  # results given to the tracker without the engine
         self._copies: dict[int, tuple[int, int]] = {}  # shard -> copies' (rows, tokens)
         facts = RowFacts(plan) if plan is not None else None
-        batches = _read(
-            cfg, committed, tracker.rows_per_shard, prepare, bounds.batch_rows, schema, facts
-        )
+        batches = _read(cfg, committed, tracker.rows_per_shard, prepare, bounds, schema, facts)
         self._ahead: ReadAhead[_FeedBatch] = ReadAhead(
-            batches, bounds.read_ahead_batches, name="tokenmill-reader"
+            batches,
+            bounds.read_ahead_batches,
+            name="tokenmill-reader",
+            size_of=lambda batch: batch.nbytes,
+            max_bytes=bounds.read_ahead_bytes,
         )
 
     @property
@@ -124,10 +138,11 @@ class RowFeed:
         to it as results here, and so do copies for duplicates of finished rows."""
         gather = max(max_rows, self._ready.gather)
         budget = self.rows_read + max(gather, TAKE_READ_ROWS)
+        held = self._ready.nbytes  # queued and held rows, then what this take reads
         direct = self._direct
         while len(self._ready) < gather and not self._input_done:
-            if self.rows_read >= budget:
-                break  # bad rows or copies only so far: hand them on, come back
+            if self.rows_read >= budget or held >= self._window_bytes:
+                break  # wide rows, or bad rows and copies only so far: hand them on
             batch = self._ahead.get(_WAIT_S if wait and not self._ready else 0.0)
             if batch is None:
                 if self._ahead.exhausted:
@@ -135,6 +150,7 @@ class RowFeed:
                     self._tracker.input_done()
                 break
             self._accept(batch)
+            held += batch.nbytes
         if self._direct != direct and self._on_results is not None:
             self._on_results()
         return self._ready.take(max_rows)
@@ -170,7 +186,8 @@ class RowFeed:
                 self._progress.update(1, 0)
                 self._direct += 1
                 continue
-            copy = self._ready.add(item, batch.facts[i] if batch.facts else _NO_FACTS)
+            facts = batch.facts[i] if batch.facts else _NO_FACTS
+            copy = self._ready.add(item, facts, batch.sizes[i])
             if copy is not None:
                 self._add_copy(copy)
 
@@ -202,38 +219,43 @@ def _read(
     committed: frozenset[int],
     rows_per_shard: int,
     prepare: Prepare | None,
-    batch_rows: int,
+    bounds: PipelineBounds,
     schema: OutputSchema | None,
     facts_of: Callable[[FeedItem], Facts] | None,
 ) -> Iterator[_FeedBatch]:
-    """The reader thread's work: the input in batches, committed shards skipped, good rows
-    prepared and, with ``facts_of``, planned. The last batch carries the counts of the rows
-    after the last item."""
+    """The reader thread's work: the input in batches (``bounds.batch_rows`` rows, or fewer
+    holding ``bounds.batch_bytes``), committed shards skipped, good rows prepared and, with
+    ``facts_of``, planned. The last batch carries the counts of the rows after the last
+    item."""
     rows: list[InputRow] = []
+    sizes: list[int] = []
     read = 0
     for row in iter_input_rows(cfg, schema):
         read += 1
         if row.row_index // rows_per_shard in committed:
             continue
         rows.append(row)
-        if len(rows) == batch_rows:
-            yield _batch(rows, prepare, facts_of, read)
-            rows, read = [], 0
-    yield _batch(rows, prepare, facts_of, read)
+        sizes.append(input_row_bytes(row))
+        if len(rows) == bounds.batch_rows or sum(sizes) >= bounds.batch_bytes:
+            yield _batch(rows, sizes, prepare, facts_of, read)
+            rows, sizes, read = [], [], 0
+    yield _batch(rows, sizes, prepare, facts_of, read)
 
 
 def _batch(
     rows: list[InputRow],
+    row_sizes: list[int],
     prepare: Prepare | None,
     facts_of: Callable[[FeedItem], Facts] | None,
     read: int,
 ) -> _FeedBatch:
-    """``rows`` prepared and, with ``facts_of``, planned (bad rows get no facts)."""
+    """``rows`` prepared, sized and, with ``facts_of``, planned (bad rows get no facts)."""
     items = _prepared(rows, prepare)
+    sizes = [item_bytes(item, n) for item, n in zip(items, row_sizes, strict=True)]
     facts = None
     if facts_of is not None:
         facts = [_NO_FACTS if _bad(item) else facts_of(item) for item in items]
-    return _FeedBatch(items, read, facts)
+    return _FeedBatch(items, read, sizes, facts)
 
 
 def _bad(item: FeedItem) -> bool:
