@@ -215,3 +215,29 @@ def test_an_empty_binary_prompt_is_missing_as_an_empty_string_is(tmp_path):
     prompts = pa.array([b"", None], pa.binary())
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": prompts}), tmp_path / "in.parquet")
     assert all("missing prompt" in r.error for r in read(tmp_path / "in.parquet"))
+
+
+def test_wide_rows_are_decoded_a_few_at_a_time(tmp_path, monkeypatch):
+    """1,024 rows of a 5 MB column were 5 GB of Python strings at once (an audit): a batch
+    holds about PARQUET_BATCH_BYTES of the columns read, at least one row."""
+    monkeypatch.setattr(parquet_records, "PARQUET_BATCH_BYTES", 1 << 20, raising=False)
+    decoded: list[int] = []
+    records = parquet_records._records
+
+    def counting(batch: pa.RecordBatch, start: int) -> list:
+        decoded.append(batch.num_rows)
+        return records(batch, start)
+
+    monkeypatch.setattr(parquet_records, "_records", counting)
+    wide = [f"{i:06d}" * 50_000 for i in range(40)]  # 300 KB each, in one row group
+    f = write_parquet(
+        tmp_path / "in.parquet", {"prompt": [f"p{i}" for i in range(40)], "big": wide}, 40
+    )
+    rows = read(f, passthrough_columns=("big",))
+    assert [r.passthrough["big"] for r in rows] == wide
+    assert max(decoded) <= 4 and sum(decoded) == 40  # 1 MiB: 3 rows of 300 KB a batch
+    decoded.clear()
+    huge = ["y" * (3 << 20)]  # one row larger than a batch: still read
+    f = write_parquet(tmp_path / "huge.parquet", {"prompt": ["p"], "big": huge})
+    assert [r.passthrough["big"] for r in read(f, passthrough_columns=("big",))] == huge
+    assert decoded == [1]

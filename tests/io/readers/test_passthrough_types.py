@@ -189,3 +189,27 @@ def test_dictionaries_inside_lists_structs_and_maps_are_their_values(tmp_path) -
     rows = list(iter_input_rows(_cfg(tmp_path, "t", "m"), schema))
     assert [r.passthrough for r in rows] == [{"t": ["a", "b"], "m": {"k": "x"}}] * 2
     assert all(r.error is None for r in rows)
+
+
+def test_a_sample_of_wide_values_is_bounded_in_bytes(tmp_path, monkeypatch):
+    """A 400-row input of a 5 MB column each was held whole while its types were inferred
+    (an audit): long texts are kept as empty ones of their type, and the sample ends once
+    what it keeps holds SAMPLE_BYTES."""
+    monkeypatch.setattr(passthrough_types, "SAMPLE_BYTES", 4096, raising=False)
+    held: list[int] = []
+    inferred = passthrough_types.inferred_field
+
+    def measuring(name, values):
+        held.append(sum(len(v) for v in values if isinstance(v, str)))
+        return inferred(name, values)
+
+    monkeypatch.setattr(passthrough_types, "inferred_field", measuring)
+    rows = [
+        {"id": i, "prompt": "p", "big": "x" * 100_000, "tags": ["t" * 10] * 20} for i in range(50)
+    ]
+    f = write_jsonl(tmp_path / "in.jsonl", rows)
+    schema = passthrough_schema(_cfg(f, "big", "tags"))
+    assert schema.schema.field("big").type == pa.string()
+    assert schema.schema.field("tags").type == pa.list_(pa.string())
+    assert held[0] == 0  # the 100 KB texts: none kept
+    assert schema.origin.startswith("inferred from the first ")  # 4 KB: some of the 50 rows

@@ -24,6 +24,9 @@ from tokenmill.io.readers.storage import resolve
 # Rows per decoded batch: bounds the Python objects alive at once. Arrow still holds one row
 # group's column chunks of the selected columns, a size the file's writer chose.
 PARQUET_BATCH_ROWS = 1024
+# Bytes per decoded batch (by the footer's uncompressed sizes): fewer rows a batch when rows
+# are wide, as 1,024 rows of a 5 MB column were 5 GB of Python strings at once (an audit).
+PARQUET_BATCH_BYTES = 16 << 20
 
 
 class ParquetRecords:
@@ -89,9 +92,10 @@ class ParquetRecords:
         if self._parquet is None:
             raise RuntimeError(f"ParquetRecords({self.url!r}) used outside its 'with' block")
         columns = [c for c in self._wanted if c in self._columns]
+        batch_rows = _batch_rows(self._parquet.metadata, columns)
         position = 0
         try:
-            for batch in self._parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for batch in self._parquet.iter_batches(batch_size=batch_rows, columns=columns):
                 for record in _records(batch, position):
                     yield record
                     position += 1
@@ -102,6 +106,28 @@ class ParquetRecords:
                 f"{self.url}: Parquet read failed after row {position - 1}: {e}; "
                 "the file is truncated or corrupt"
             ) from e
+
+
+def _batch_rows(metadata: pq.FileMetaData, columns: Sequence[str]) -> int:
+    """Rows a decoded batch: ``PARQUET_BATCH_ROWS``, or fewer so that a batch of the widest
+    row group's rows holds about ``PARQUET_BATCH_BYTES`` of ``columns`` (at least one row)."""
+    prefixes = tuple(f"{c}." for c in columns)  # a nested column's leaves: "col.list.element"
+    wanted = set(columns)
+    widest = 0.0  # uncompressed bytes a row, in the row group of the widest rows
+    for g in range(metadata.num_row_groups):
+        group = metadata.row_group(g)
+        if group.num_rows == 0:
+            continue
+        size = 0
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            path = chunk.path_in_schema
+            if path in wanted or path.startswith(prefixes):
+                size += chunk.total_uncompressed_size
+        widest = max(widest, size / group.num_rows)
+    if widest <= 0:
+        return PARQUET_BATCH_ROWS
+    return max(1, min(PARQUET_BATCH_ROWS, int(PARQUET_BATCH_BYTES // widest)))
 
 
 def _corrupt(exc: BaseException) -> bool:

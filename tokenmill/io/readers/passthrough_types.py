@@ -5,8 +5,9 @@
                       dictionary columns as their values, extension types as their storage
                       (but UUIDs, which Parquet stores as they are)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
-                      ``SAMPLE_ROWS`` ─► Arrow's inference (``inferred_field``: JSON text
-                      where the sample has no usable type)
+                      ``SAMPLE_ROWS`` (fewer once the values kept hold ``SAMPLE_BYTES``; a
+                      long text kept as an empty one, of its type) ─► Arrow's inference
+                      (``inferred_field``: JSON text where the sample has no usable type)
 
 The types are then fixed for the job (``OutputSchema``): a later value that does not fit is
 its row's error (``iter_input_rows(cfg, schema)``), never a change of the column's type.
@@ -31,6 +32,7 @@ from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.io.value_bytes import value_bytes
 
 __all__ = ["SAMPLE_ROWS", "passthrough_schema"]
 
@@ -39,6 +41,10 @@ log = logging.getLogger("tokenmill.jobs")
 # Rows whose values decide a JSONL input's passthrough types: large enough that a column that
 # is sparse at the start still shows its type, small enough to read in a second or two.
 SAMPLE_ROWS = 10_000
+# The sample's bound in bytes: 10,000 rows of a 5 MB column were 50 GB (an audit; a 400-row
+# input was read whole into memory before its first row ran).
+SAMPLE_BYTES = 64 << 20
+_LONG_TEXT = 64  # characters past which a text's type is all the sample keeps of it
 
 
 def passthrough_schema(cfg: InputConfig) -> OutputSchema:
@@ -63,20 +69,33 @@ def _sampled(cfg: InputConfig) -> OutputSchema:
     columns = cfg.passthrough_columns
     values: dict[str, list[Any]] = {name: [] for name in columns}
     read = 0
+    kept_bytes = 0
+    ended = True  # every row sampled
     rows = iter_input_rows(cfg)
     try:
         for row in rows:
-            if read == SAMPLE_ROWS:
+            if read == SAMPLE_ROWS or kept_bytes >= SAMPLE_BYTES:
+                ended = False
                 break
             read += 1
             if row.error is None:
                 for name in columns:
-                    values[name].append(row.passthrough.get(name))
+                    value = _kept(row.passthrough.get(name))
+                    kept_bytes += value_bytes(value)
+                    values[name].append(value)
     finally:
         rows.close()
-    which = f"the first {read}" if read == SAMPLE_ROWS else f"all {read}"
+    which = f"all {read}" if ended else f"the first {read}"
     fields = [inferred_field(name, values[name]) for name in columns]
     return OutputSchema.of(fields, f"inferred from {which} input rows")
+
+
+def _kept(value: Any) -> Any:
+    """What the sample keeps of ``value``: a long text as an empty one (its type is all
+    inference reads of it); other values as they are."""
+    if isinstance(value, str | bytes) and len(value) > _LONG_TEXT:
+        return value[:0]
+    return value
 
 
 def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
