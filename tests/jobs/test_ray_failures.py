@@ -194,17 +194,16 @@ def test_replicas_failing_whatever_they_run_end_the_job(
     assert json.loads((out / "report.json").read_text())["status"] == "failed"
 
 
-def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_path: Path) -> None:
-    """Every replica's engine failing whatever it runs, 12 times (an engine or cluster
-    outage, fewer failures than the breaker's 16): the chunks were bisected down to single
-    rows, and good rows were skipped as poison rows. A row failing alone while no chunk
-    finishes now waits for one; every row is written, no error row."""
-    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(16))
+def _through_an_outage(tiny_model: Path, tmp_path: Path, rows: int, failures: int) -> dict:
+    """Run a job of ``rows`` on Ray while every replica's engine fails ``failures`` times
+    (an outage: tests/jobs/ray_poison.py), check it wrote every row as the local run does
+    and no error row, and return its report's ``replica_failures``."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(rows))
     assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
     outage = Path(OUTAGE_DIR)
     shutil.rmtree(outage, ignore_errors=True)
     outage.mkdir()
-    for i in range(12):
+    for i in range(failures):
         (outage / f"failure-{i}").touch()
     try:
         out = tmp_path / "ray"
@@ -214,7 +213,15 @@ def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_p
         shutil.rmtree(outage, ignore_errors=True)
     assert read_jsonl_dir(out / "errors") == []
     assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards")
-    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    return json.loads((out / "report.json").read_text())["replica_failures"]
+
+
+def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_path: Path) -> None:
+    """Every replica's engine failing whatever it runs, 12 times (an engine or cluster
+    outage, fewer failures than the breaker's 16): the chunks were bisected down to single
+    rows, and good rows were skipped as poison rows. A row failing alone while no chunk
+    finishes now waits for one; every row is written, no error row."""
+    failures = _through_an_outage(tiny_model, tmp_path, rows=16, failures=12)
     assert failures["replicas"] == 12 and failures["rows_isolated"] == 0, failures
 
 
@@ -227,22 +234,7 @@ def test_an_outage_with_nothing_but_parked_rows_left_costs_no_row(
     written as an error row ("failed every engine replica that ran it"). A probe (one
     known-good request through a real replica's engine) runs instead; the outage's failures
     count against no row, and the first probe to finish releases it."""
-    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(1))
-    assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
-    outage = Path(OUTAGE_DIR)
-    shutil.rmtree(outage, ignore_errors=True)
-    outage.mkdir()
-    for i in range(3):
-        (outage / f"failure-{i}").touch()
-    try:
-        out = tmp_path / "ray"
-        assert _run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
-        assert list(outage.iterdir()) == []  # the whole outage happened
-    finally:
-        shutil.rmtree(outage, ignore_errors=True)
-    assert read_jsonl_dir(out / "errors") == []
-    assert _rows_by_id(out, "shards") == _rows_by_id(tmp_path / "local", "shards")
-    failures = json.loads((out / "report.json").read_text())["replica_failures"]
+    failures = _through_an_outage(tiny_model, tmp_path, rows=1, failures=3)
     assert failures["replicas"] == 3 and failures["rows_isolated"] == 0, failures
     assert failures["probes"] >= 1, failures
 
