@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import threading
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
@@ -49,6 +49,8 @@ log = logging.getLogger("tokenmill.jobs")
 EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TEMPORARY = 0, 1, 2, 75
 
 _RESUME = "committed shards are kept; rerun the same command to resume"
+# Set where a second stop signal ended the run (``main``): ``entry`` then leaves at once.
+_STOPPED_AT_ONCE = threading.Event()
 _DRY_RUN_AGAIN = "a dry run writes nothing; rerun it"
 
 
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         except JobLockedError as exc:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
+            _STOPPED_AT_ONCE.set()
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)
@@ -269,7 +272,26 @@ def entry() -> None:
     code = main()
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    if _STOPPED_AT_ONCE.is_set():
+        _leave_now(code)
     sys.exit(code)
+
+
+def _leave_now(code: int) -> NoReturn:
+    """Exit with ``code`` without the interpreter's shutdown, once a second stop signal ended
+    the run: it left its threads at work (a hung write, the last report, the reader), and
+    shutdown stops each as it next takes the GIL, which inside C++ code (matplotlib's,
+    pyarrow's) aborts the process: exit -6, "terminate called without an active exception",
+    not 75 (test_sigterm failed so at times). Nothing committed is lost: a commit is whole
+    files, then the record naming them, as after a SIGKILL; the logs, stdout and stderr are
+    flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _fail(message: str, code: int) -> int:

@@ -97,12 +97,18 @@ def import_plots_in_background() -> threading.Thread:
     return thread
 
 
-def write_report_html(store: OutputStore, report: JobReport, history: RunHistory | None) -> None:
+def write_report_html(
+    store: OutputStore,
+    report: JobReport,
+    history: RunHistory | None,
+    without_plots: str | None = None,
+) -> None:
     """Write report.html under ``store`` (atomically, as report.json). A page that cannot be
     drawn (matplotlib missing or failing) is a warning, not a failed job: the rows are
-    committed and report.json has every number. A failing store raises, as for report.json."""
+    committed and report.json has every number. A failing store raises, as for report.json.
+    ``without_plots``, where given, says why the page has no plots (none are drawn)."""
     try:
-        page = render_report_html(report, history)
+        page = render_report_html(report, history, without_plots)
     except Exception as exc:
         hint = " (pip install matplotlib)" if isinstance(exc, ImportError) else ""
         log.warning(
@@ -124,13 +130,27 @@ def page_shows(page: bytes | None, report: JobReport) -> bool:
     return page is not None and table.encode() in page
 
 
-def render_report_html(report: JobReport, history: RunHistory | None = None) -> str:
-    """The page for ``report`` with the plots of ``history``. Raises ImportError without
-    matplotlib (imported here, not with the module: only a finished run draws plots)."""
-    from tokenmill.jobs import report_plots as plots
-
+def render_report_html(
+    report: JobReport, history: RunHistory | None = None, without_plots: str | None = None
+) -> str:
+    """The page for ``report`` with the plots of ``history``, or, where ``without_plots``
+    says why, the summary table alone (matplotlib is then neither imported nor used: a
+    second stop signal's report has no time for it). Raises ImportError without matplotlib
+    (imported here, not with the module: only a finished run draws plots)."""
     raw = json.loads(report.to_json())
     title = f"tokenmill job {report.job}: {report.status}"
+    if without_plots is not None:
+        sections = [f'<p class="empty">{_e(without_plots)}</p>']
+    else:
+        from tokenmill.jobs import report_plots as plots
+
+        sections = [
+            _throughput(plots, report),
+            _lengths(plots, report),
+            _prefix_cache(plots, report, history),
+            _replicas(plots, report, history),
+            _speculative(plots, report, history),
+        ]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -138,11 +158,7 @@ def render_report_html(report: JobReport, history: RunHistory | None = None) -> 
         f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
         _summary_table(raw),
-        _throughput(plots, report),
-        _lengths(plots, report),
-        _prefix_cache(plots, report, history),
-        _replicas(plots, report, history),
-        _speculative(plots, report, history),
+        *sections,
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"

@@ -582,11 +582,14 @@ def _last_report(
     waits for ``_LAST_REPORT_S`` at most. A shard record being written at the stop may still
     land: ``recount`` waits for it before the counts are read, so they are what a rerun finds
     (read at the stop, they said one shard fewer than the manifest). Where that write hangs,
-    so does this, and no report is written: none would be true."""
+    so does this, and no report is written: none would be true. report.json goes first and
+    report.html has no plots (``_report_writes``' ``at_once``): drawing them took longer
+    than the wait on a slow host, which left an earlier run's report.json (4 of 10 second
+    signals, an audit), and a thread still drawing as the process exited aborted it."""
     for settle in recount:
         settle()
     _fill_totals(report, manifest)
-    _record_failure(store, report, exc, start, "cancelled")
+    _record_failure(store, report, exc, start, "cancelled", at_once=True)
 
 
 def _record_failure(
@@ -595,28 +598,31 @@ def _record_failure(
     exc: BaseException,
     start: float,
     status: str = "failed",
+    at_once: bool = False,
 ) -> None:
     """Write report.json and report.html saying the run failed (or, ``status``, was cut
     short by a second stop signal) and why: the last run's report stayed, its status
     ("cancelled", "complete") read as this run's by whatever watches the job (the page's
-    too, beside a report.json that said "failed"). Best effort: the store may be what
-    failed."""
+    too, beside a report.json that said "failed"). ``at_once``: the writes of a second
+    signal's report (``_report_writes``). Best effort: the store may be what failed."""
     report.status = status
     report.error = hide_url_secrets(f"{type(exc).__name__}: {exc}")
     report.wall_seconds = round(time.monotonic() - start, 3)
-    for name, write in _report_writes(store, report):
+    for name, write in _report_writes(store, report, at_once=at_once):
         try:
             write()
         except Exception as write_error:
-            # Name the file that failed: report.json is written last, so whichever it was,
-            # report.json still holds what an earlier run wrote (or nothing).
+            # Name the file that failed; report.json, unless it was written, still holds
+            # what an earlier run wrote (or nothing).
+            kept = "" if name == REPORT_NAME or not at_once else "not "
             log.warning(
-                "could not write %s saying the run %s (%s); %s is left as it was, and a "
+                "could not write %s saying the run %s (%s); %s is %sleft as it was, and a "
                 "rerun writes both",
                 name,
                 status,
                 write_error,
                 REPORT_NAME,
+                kept,
             )
             return
 
@@ -636,18 +642,36 @@ def feed_plan(spec: JobSpec) -> FeedPlan:
 
 
 def _report_writes(
-    store: OutputStore, report: JobReport, history: RunHistory | None = None
+    store: OutputStore,
+    report: JobReport,
+    history: RunHistory | None = None,
+    at_once: bool = False,
 ) -> list[tuple[str, Callable[[], None]]]:
     """The writes of a report, (file name, write) in the order they must run: report.html
     (with the plots of ``history``, where the run has one), then report.json. report.json
     is the commit point: a found-complete job keeps a report.json that says complete, so
     written first it outlived a report.html that failed after it (disk full), and the page
     stayed missing or another run's for good (an audit). Written last, a failure leaves
-    report.json as it was (not "complete" from this run) and the rerun writes both."""
-    return [
-        (REPORT_HTML_NAME, lambda: write_report_html(store, report, history)),
-        (REPORT_NAME, lambda: store.write_atomic(REPORT_NAME, report.to_json().encode())),
-    ]
+    report.json as it was (not "complete" from this run) and the rerun writes both.
+
+    ``at_once`` (a second stop signal's report, ``_last_report``, with a moment to be
+    written): report.json first, the truth a rerun or a scheduler reads, then report.html
+    without plots. Its status is never "complete", so the rerun writes both anyway."""
+
+    def write_json() -> None:
+        store.write_atomic(REPORT_NAME, report.to_json().encode())
+
+    if at_once:
+        plain = (REPORT_HTML_NAME, lambda: write_report_html(store, report, None, _NO_PLOTS))
+        return [(REPORT_NAME, write_json), plain]
+    return [(REPORT_HTML_NAME, lambda: write_report_html(store, report, history)),
+            (REPORT_NAME, write_json)]  # fmt: skip
+
+
+_NO_PLOTS = (
+    "no plots: the run was stopped at once by a second stop signal; the summary above has "
+    "its numbers, and the rerun's page its plots"
+)
 
 
 def _write_report(store: OutputStore, report: JobReport, history: RunHistory | None = None) -> None:
