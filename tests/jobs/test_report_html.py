@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from html.parser import HTMLParser
@@ -240,7 +241,7 @@ def test_the_page_goes_to_object_storage_through_the_output_store() -> None:
 def test_a_page_that_cannot_be_drawn_is_a_warning_not_a_failure(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def broken(report: JobReport, history: RunHistory | None) -> str:
+    def broken(report: JobReport, history: RunHistory | None, *why: str | None) -> str:
         raise ImportError("No module named 'matplotlib'")
 
     monkeypatch.setattr(report_html, "render_report_html", broken)
@@ -248,6 +249,16 @@ def test_a_page_that_cannot_be_drawn_is_a_warning_not_a_failure(
     write_report_html(store, JobReport(job="j", output=str(tmp_path)), None)
     assert not (tmp_path / "report.html").exists()
     assert "report.html not written (ImportError" in caplog.text and "matplotlib" in caplog.text
+
+
+def test_a_page_without_plots_draws_none_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second stop signal's page (runner's ``_last_report``) has no time for matplotlib:
+    the summary table alone, and the reason in place of the plots."""
+    report, history = _synthetic_run()
+    monkeypatch.setitem(sys.modules, "tokenmill.jobs.report_plots", None)  # import fails
+    page = render_report_html(report, history, "no plots: stopped at once")
+    assert "<svg" not in page and "no plots: stopped at once" in page
+    assert report_html.page_shows(page.encode(), report)
 
 
 def test_a_page_is_checked_against_report_json_without_drawing() -> None:
