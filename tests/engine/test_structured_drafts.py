@@ -151,3 +151,60 @@ def test_walking_drafts_fills_the_masks_one_token_at_a_time_would(backend) -> No
     status, took = consume_runs(grammars, rows, tokens, np.array([3, 5, 3]))
     assert took.tolist() == [3, 4, 3]  # the second stops at "abcd": its EOS is not taken
     assert status.tolist() == [STOPPED, STOPPED, TAKEN]
+
+
+def test_a_grammar_cut_inside_a_drafted_step_leaves_no_cut_token_in_a_watched_text(
+    tiny_path,
+) -> None:
+    """A row with stop strings decodes its tokens as they come (its detokenizer): the
+    tokens kept after its grammar's end (EOS, not a stop token with ignore_eos, and spelled
+    out) are cut from its text too, not from its token ids alone."""
+    params = [
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            structured_output='choice:["x", "xy"]',
+            ignore_eos=True,
+            skip_special_tokens=False,
+            stop=["zzz"],
+        )
+    ] * 3
+    want, _ = _run(tiny_path, params)
+    outputs = {rid: [*o.token_ids, EOS_ID, EOS_ID, EOS_ID] for rid, o in want.items()}
+    got, engine = _run(tiny_path, params, ContinuationProposer(outputs, 3), False)
+    assert _summary(got) == _summary(want)
+    assert engine.scheduler.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_token_the_grammar_rejects_after_a_stop_string_leaves_the_stop(
+    tiny_path, processes: int
+) -> None:
+    """xgrammar lets a surrogate half written over two tokens through its mask, and its
+    grammar rejects the second token: an error. Drafted in the step whose first token
+    completes a stop string, the request still stops there, as token by token, where those
+    tokens are never sampled."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = save_tiny_tokenizer(tmp)
+    grammars = XgrammarGrammars(tokenizer, 261, [EOS_ID], threads=1)
+    grammars.matcher('{"type":"string"}')  # (loads the token tables)
+    lead, tail = int(np.flatnonzero(grammars._ends_lead)[0]), grammars._continues.index(1)
+    schema = '{"type":"object","properties":{"a":{"type":"string"}},"required":["a"]}'
+    params = [
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            structured_output=schema,
+            logit_bias={lead: 100.0, tail: 50.0},  # '{"a":"' (forced), then the two halves
+            stop=[':"'],
+        )
+    ]
+    want, _ = _run(tiny_path, params, backend="xgrammar", processes=processes)
+    assert (want["r0"].finish_reason, want["r0"].stop_reason) == ("stop", ':"')
+    outputs = {"r0": [*want["r0"].token_ids, lead, tail]}
+    got, engine = _run(
+        tiny_path, params, ContinuationProposer(outputs, 3), False, "xgrammar", processes
+    )
+    assert _summary(got) == _summary(want)
+    assert got["r0"].error is None
+    assert engine.scheduler.stats.num_draft_tokens > 0

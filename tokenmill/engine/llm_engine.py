@@ -731,13 +731,25 @@ class LLMEngine:
         and one whose last token was rejected failed."""
         done: dict[RequestStatus, list[Request]] = {}
         for rid in self._grammars.take_ended():
-            req, why = self._tracked[rid].request, self._grammars.rejection(rid)
+            tracked = self._tracked[rid]
+            req, why = tracked.request, self._grammars.rejection(rid)
             took = self._grammars.took(rid)
             kept = None if took is None else self._fed_from[rid] + took
+            if kept is not None and kept > req.num_output_tokens and req.finished:
+                # the token that ended the grammar came after a stop string or stop token
+                # had ended the output: token-by-token decoding never sampled it
+                continue
             if kept is not None and kept < req.num_output_tokens:
                 # a drafted step kept tokens after the one that ended the grammar
                 req.truncate_output(kept)
                 req.stop_reason = None
+                if tracked.detokenizer is not None and tracked.num_detokenized > kept:
+                    # its text holds the cut tokens: decode the kept ones afresh
+                    tracked.detokenizer = IncrementalDetokenizer(
+                        self.tokenizer, req.prompt_token_ids, req.sampling_params
+                    )
+                    tracked.detokenizer.append(req.output_token_ids)
+                    tracked.num_detokenized = kept
             if why is not None:
                 req.error = f"structured output: the grammar rejected a sampled token ({why})"
             status = RequestStatus.FINISHED_STOPPED if why is None else RequestStatus.FINISHED_ERROR
