@@ -98,18 +98,21 @@ def test_drafted_constrained_rows_give_token_by_token_outputs(
 
 def test_a_grammar_ended_inside_a_drafted_step_cuts_the_tokens_after_it(tiny_path) -> None:
     """A choice completed by an accepted draft, with the stop token drafted and accepted
-    after it: the output ends where the grammar did, as without drafts."""
+    after it: the output ends where the grammar did, as without drafts, and the drafts cut
+    are not counted as accepted."""
     params = [
         SamplingParams(max_tokens=12, temperature=0, structured_output='choice:["x", "xy"]')
     ] * 3
     want, _ = _run(tiny_path, params)
     assert any(o.token_ids[-1] != EOS_ID for o in want.values())  # ended by the grammar
-    outputs = {
-        rid: [*o.token_ids, EOS_ID, EOS_ID, EOS_ID] for rid, o in want.items()
-    }  # EOS after them
+    outputs = {rid: [*o.token_ids, EOS_ID, EOS_ID, EOS_ID] for rid, o in want.items()}
     got, engine = _run(tiny_path, params, ContinuationProposer(outputs, 3), False)
     assert _summary(got) == _summary(want)
     assert engine._grammars.stats.drafts_walked > 0
+    # a row's first token is its prompt step's, its second the drafted step's own sample:
+    # only the tokens after them can be accepted drafts (all of them, with these drafts)
+    drafted = sum(max(len(o.token_ids) - 2, 0) for o in got.values())
+    assert engine.scheduler.stats.num_accepted_tokens == drafted
 
 
 @pytest.mark.parametrize("backend", [LlguidanceGrammars, XgrammarGrammars])

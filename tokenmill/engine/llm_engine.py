@@ -740,7 +740,9 @@ class LLMEngine:
                 # had ended the output: token-by-token decoding never sampled it
                 continue
             if kept is not None and kept < req.num_output_tokens:
-                # a drafted step kept tokens after the one that ended the grammar
+                # a drafted step kept tokens after the one that ended the grammar: they
+                # saved no step either
+                self.scheduler.uncount_accepted(req, req.num_output_tokens - kept)
                 req.truncate_output(kept)
                 req.stop_reason = None
                 if tracked.detokenizer is not None and tracked.num_detokenized > kept:
