@@ -132,3 +132,42 @@ def test_results_kept_for_later_twins_keep_no_passthrough_values() -> None:
     copy = planned.add(rows[1], facts(rows[1]), 200)  # its twin's result, its own values
     assert copy is not None and copy.text == "done" and copy.passthrough == {"big": "1" * 99}
     assert planned.nbytes == 0
+
+
+class _TwinsFirst(_WideInput):
+    """``twins`` rows with one prompt and greedy settings (duplicates of the first), then
+    rows of their own."""
+
+    def __init__(self, n: int, twins: int) -> None:
+        super().__init__(n)
+        self.twins = twins
+
+    def rows(self, cfg: InputConfig, schema: object = None) -> Iterator[InputRow]:
+        for i in range(self.n):
+            self.read += 1
+            prompt = "same" if i < self.twins else f"p{i}"
+            yield InputRow(i, f"r{i}", f"in:{i}", prompt=prompt, passthrough={"big": WIDE})
+
+    def prepare(self, rows: list[InputRow]) -> list[ReadyRow | ResultRow]:
+        tokens = {"same": [7, 7]}
+        greedy = SamplingParams(max_tokens=4, temperature=0.0)
+        return [ReadyRow(r, tokens.get(r.prompt, [1, r.row_index]), greedy) for r in rows]
+
+
+def test_rows_held_for_a_running_twin_do_not_stop_the_next_take(monkeypatch) -> None:
+    """Rows held for a twin that runs weigh on the byte budget, but none of them can be
+    handed out: a take that stopped reading on their weight alone returned nothing while
+    the input still had rows to run (a caller that waits on the engine could then wait on
+    rows that never come). It reads on until a row is queued."""
+    source = _TwinsFirst(12, twins=4)
+    bounds = PipelineBounds(
+        batch_rows=4, read_ahead_rows=8, batch_bytes=MIB, read_ahead_bytes=MIB, window_bytes=MIB
+    )
+    feed = _feed(monkeypatch, source, bounds, FeedPlan(PlannerSettings("input", 64, dedup=True)))
+    try:
+        (first,) = feed.take(1, wait=True)  # row 0 runs; rows 1-3 are held for it
+        assert first.row.row_index == 0
+        nxt = feed.take(1, wait=True)
+        assert [item.row.row_index for item in nxt] == [4]
+    finally:
+        feed.close()

@@ -24,7 +24,9 @@ in a window before ``take`` hands them out:
 
 Each bound in rows has one in bytes beside it (pipeline_bounds.py, row_bytes.py), so that wide
 rows are not held by the thousand: a ``take`` stops reading once the rows queued or held
-here and those it read hold ``window_bytes``, having read at least one batch.
+here and those it read hold ``window_bytes`` and one of them is queued (rows held for a
+twin that runs cannot be handed out: on their weight alone a take returned nothing while
+the input had rows left).
 
 Exactly once is unchanged: a row's shard is fixed by its row index whatever the order it
 runs in, the tracker has seen every row before it runs, and a shard is complete only when
@@ -141,8 +143,10 @@ class RowFeed:
         held = self._ready.nbytes  # queued and held rows, then what this take reads
         direct = self._direct
         while len(self._ready) < gather and not self._input_done:
-            if self.rows_read >= budget or held >= self._window_bytes:
-                break  # wide rows, or bad rows and copies only so far: hand them on
+            if self.rows_read >= budget:
+                break  # bad rows and copies only so far: hand them on
+            if held >= self._window_bytes and len(self._ready):
+                break  # wide rows: hand on those queued (rows held for a twin are not)
             batch = self._ahead.get(_WAIT_S if wait and not self._ready else 0.0)
             if batch is None:
                 if self._ahead.exhausted:
