@@ -405,9 +405,8 @@ def test_a_stop_while_either_entry_form_imports_exits_75(
 
 
 _LEFT_DRAWING = """
-import sys, threading, time
+import signal, sys, threading, time
 from tokenmill.jobs import cli, report_plots
-from tokenmill.jobs.stop_signals import JobInterrupted
 
 SAMPLES = [(i * 0.5, i * 100 + i % 7 * 13) for i in range(100)]
 
@@ -419,7 +418,8 @@ def stopped_at_once(args, cancel, stop):
     for _ in range(4):
         threading.Thread(target=drawing, daemon=True).start()
     time.sleep(0.3)
-    raise JobInterrupted("SIGTERM received again: stopping now")
+    stop._handle(signal.SIGTERM, None)  # the first signal: stop at the next commit
+    stop._handle(signal.SIGTERM, None)  # the second: JobInterrupted, stopping now
 
 cli._run = stopped_at_once
 sys.argv = ["run-job", "job.yaml", "--quiet"]
@@ -444,3 +444,31 @@ def test_a_second_signal_exits_75_while_threads_are_left_in_native_code() -> Non
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 75, (proc.returncode, stderr)
         assert "stopped (SIGTERM received again" in stderr and RESUME_HINT in stderr, stderr
+
+
+_STOPPED_WHILE_RAY_STARTED = """
+import atexit, sys
+from tokenmill.jobs import cli
+from tokenmill.jobs.stop_signals import JobInterrupted
+
+def stopped_while_ray_started(args, cancel, stop):
+    atexit.register(print, "shutdown handlers ran", flush=True)  # as ray.init registers one
+    raise JobInterrupted("SIGTERM received while Ray started: stopping now")
+
+cli._run = stopped_while_ray_started
+sys.argv = ["run-job", "job.yaml", "--quiet"]
+cli.entry()
+"""
+
+
+def test_a_stop_while_ray_starts_lets_the_shutdown_handlers_run() -> None:
+    """Only a second signal leaves without the interpreter's shutdown: a first one while
+    Ray started (its handlers turn it into JobInterrupted) exits 75 through the shutdown,
+    so ray.init's own atexit handler stops the local cluster it started."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, "-c", _STOPPED_WHILE_RAY_STARTED],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 75, done.stderr
+    assert "shutdown handlers ran" in done.stdout

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         except JobLockedError as exc:
             return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
-            _STOPPED_AT_ONCE.set()
+            if stop.again:  # (not a stop while Ray started: its shutdown must run)
+                _STOPPED_AT_ONCE.set()
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
             return _fail(str(exc), EXIT_INVALID)

@@ -56,6 +56,7 @@ class StopOnSignals:
     def __init__(self, cancel: threading.Event) -> None:
         self.cancel = cancel
         self.received: str | None = None
+        self.again = False  # a second signal came: the run was cut short, threads at work
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopOnSignals:
@@ -75,6 +76,7 @@ class StopOnSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
+            self.again = True
             raise JobInterrupted(f"{name} received again: stopping now")
         self.received = name
         self.cancel.set()
