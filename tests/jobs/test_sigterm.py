@@ -259,24 +259,31 @@ def test_a_signal_during_or_after_ray_shutdown_reaches_the_jobs_handler() -> Non
     assert "JobInterrupted: SIGTERM received again" in done.stderr
 
 
+def _second_signal_at_request(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """The engine's ``n``-th ``add_request`` raises what a second stop signal raises."""
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.jobs.stop_signals import JobInterrupted
+
+    add, calls = LLMEngine.add_request, []
+
+    def interrupted_on_the_nth(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == n:
+            raise JobInterrupted("SIGTERM received again: stopping now")
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "add_request", interrupted_on_the_nth)
+
+
 def test_a_second_signal_while_a_row_is_added_stops_the_run_and_errs_no_row(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The executor takes an error of ``add_request`` for the row's; a second signal landing
     there became the row's committed error (never rerun) and the run went on. The run
     writes its report, cancelled (none was written)."""
-    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.jobs.stop_signals import JobInterrupted
 
-    add, calls = LLMEngine.add_request, []
-
-    def interrupted_on_the_5th(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 5:
-            raise JobInterrupted("SIGTERM received again: stopping now")
-        return add(self, *args, **kwargs)
-
-    monkeypatch.setattr(LLMEngine, "add_request", interrupted_on_the_5th)
+    _second_signal_at_request(monkeypatch, 5)
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
     out = tmp_path / "out"
     with pytest.raises(JobInterrupted):
@@ -296,7 +303,6 @@ def test_a_second_signals_report_json_is_written_however_slow_the_plots(
     first and took longer on a slow host, so report.json was not written (an earlier run's
     stayed; 4 of 10 second signals, an audit). report.json now comes first and the page has
     no plots: no matplotlib at all, however slow it is."""
-    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.jobs import report_plots
     from tokenmill.jobs.stop_signals import JobInterrupted
 
@@ -309,15 +315,7 @@ def test_a_second_signals_report_json_is_written_however_slow_the_plots(
 
     for name in report_plots.__all__:
         monkeypatch.setattr(report_plots, name, slow(getattr(report_plots, name)))
-    add, calls = LLMEngine.add_request, []
-
-    def interrupted_on_the_7th(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        if len(calls) == 7:
-            raise JobInterrupted("SIGTERM received again: stopping now")
-        return add(self, *args, **kwargs)
-
-    monkeypatch.setattr(LLMEngine, "add_request", interrupted_on_the_7th)
+    _second_signal_at_request(monkeypatch, 7)
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
     out = tmp_path / "out"
     with pytest.raises(JobInterrupted):
