@@ -336,3 +336,18 @@ def test_rows_near_the_context_end_beside_rows_with_more_drafts(
     got = [(o.token_ids, o.finish_reason) for o in spec.generate(prompts, params)]
     assert [len(t) for t, _ in want] == [7, 5]
     assert got == want
+
+
+def test_a_batch_of_rows_that_take_no_drafts_keeps_its_steps_async(model_path: Path) -> None:
+    """Rows that ask for logprobs take no drafts: a batch of only those drafted nothing, yet
+    each step with a proposer ran synchronously (the step in flight processed first), losing
+    the overlap with the device for nothing. Such steps now stay async, outputs unchanged."""
+    params = [SamplingParams(max_tokens=12, temperature=0, logprobs=1)] * 3
+    want, _, _ = _run(model_path, params, async_scheduling=True)
+    outputs = {rid: list(o.token_ids) for rid, o in want.items()}
+    got, _, engine = _run(
+        model_path, params, ContinuationProposer(outputs, K), async_scheduling=True
+    )
+    assert _summary(got) == _summary(want)
+    assert engine.scheduler.stats.num_drafted_rows == 0
+    assert engine.step_profile()["synchronous_steps"] == 0

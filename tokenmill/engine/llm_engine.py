@@ -558,15 +558,17 @@ class LLMEngine:
         return self._outputs.collect(wait=done)
 
     def _wants_drafts(self) -> bool:
-        """Whether this step gives decode rows drafts: always with a proposer and no policy,
-        else as the policy says for the running batch (and, once nothing waits, for its
-        slowest row)."""
+        """Whether this step gives decode rows drafts: never while no running row may take
+        any (all ask for logprobs); always with a proposer and no policy; else as the policy
+        says for the running batch (and, once nothing waits, for its slowest row)."""
         scheduler = self.scheduler
         if scheduler.proposer is None:
             return False
         running = scheduler.num_running
-        if self.policy is None or running == 0:
-            return running > 0
+        if running == 0 or not scheduler.can_draft():
+            return False
+        if self.policy is None:
+            return True
         slowest = None if scheduler.waiting else scheduler.slowest_yield()
         return self.policy.wants_drafts(running, slowest)
 

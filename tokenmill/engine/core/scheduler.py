@@ -169,6 +169,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._order)
 
+    def can_draft(self) -> bool:
+        """Whether a running row may take drafts at all: rows that ask for logprobs never do
+        (core/drafts.py), so a batch of only those gains nothing from a drafted step and
+        would only lose its overlap with the device."""
+        return bool((self.slots.sampling.columns["logprobs"][self._order] < 0).any())
+
     def slowest_yield(self, min_steps: int = 2) -> float | None:
         """The fewest tokens a drafted step gives any running row, by the rows' own history:
         1 + accepted drafts per drafted step it was in, over rows in at least ``min_steps``
