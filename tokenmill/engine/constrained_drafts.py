@@ -17,7 +17,7 @@ import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
 from tokenmill.engine.core.drafts import accepted_counts
-from tokenmill.engine.grammar_drafts import within_runs
+from tokenmill.engine.core.runs import within_runs
 
 __all__ = ["kept_tokens", "step_drafts"]
 

@@ -28,14 +28,7 @@ import numpy as np
 
 from tokenmill.engine.structured_output_params import TAKEN
 
-__all__ = ["consume_runs", "fill_with_drafts", "mask_rows", "within_runs"]
-
-
-def within_runs(counts: np.ndarray) -> np.ndarray:
-    """[sum(counts)] each entry's place within its run, for runs of ``counts[i]`` entries
-    one after another: 0 .. counts[i] - 1 for run i."""
-    counts = np.asarray(counts, dtype=np.int64)
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+__all__ = ["consume_runs", "fill_with_drafts", "mask_rows"]
 
 
 def mask_rows(counts: np.ndarray | None, rows: int) -> int:

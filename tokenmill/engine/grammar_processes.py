@@ -55,7 +55,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts, within_runs
+from tokenmill.engine.core.runs import run_entries, within_runs
+from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_wire import Link
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
@@ -161,7 +162,7 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             mine, rows = own(keys)
             if len(mine):
                 status, took = consume_runs(
-                    backend, rows, tokens[_runs(counts, mine)], counts[mine]
+                    backend, rows, tokens[run_entries(counts, mine)], counts[mine]
                 )
                 took = counts[mine] if took is None else took
                 hit = np.flatnonzero(status)
@@ -175,7 +176,7 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             if len(mine):
                 mask = segments[slot][1]
                 fill_with_drafts(
-                    backend, rows, mask, places[mine], drafts[_runs(walks, mine)], walks[mine]
+                    backend, rows, mask, places[mine], drafts[run_entries(walks, mine)], walks[mine]
                 )
                 conn.send_bytes(b"")
         elif kind == ADD:
@@ -196,13 +197,6 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             break
     for shm, _ in segments.values():
         shm.close()
-
-
-def _runs(counts: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Where ``rows``' entries are in an array holding every row's ``counts[i]`` entries
-    one row after another."""
-    starts = np.cumsum(counts) - counts
-    return np.repeat(starts[rows], counts[rows]) + within_runs(counts[rows])
 
 
 def _attach(name: str) -> SharedMemory:

@@ -53,11 +53,11 @@ from tokenmill.engine.constrained_drafts import kept_tokens, step_drafts
 from tokenmill.engine.core import KVCacheManager
 from tokenmill.engine.core.drafts import DraftProposer, PredictsAhead
 from tokenmill.engine.core.request import Request, RequestStatus
+from tokenmill.engine.core.runs import run_entries
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
-from tokenmill.engine.grammar_drafts import within_runs
 from tokenmill.engine.grammar_processes import auto_processes
 from tokenmill.engine.launched_step import LaunchedStep
 from tokenmill.engine.loader import ModelSource, resolve_model_source
@@ -656,11 +656,10 @@ class LLMEngine:
         if int(out.counts.max()) == 1:  # no row drafted: one token each
             self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids)
             return
-        first = np.cumsum(out.counts) - out.counts
         mine = np.flatnonzero(self.scheduler.slots.sampling.columns["structured"][slots])
         if not len(mine):
             return
-        rows = np.repeat(first[mine], out.counts[mine]) + within_runs(out.counts[mine])
+        rows = run_entries(out.counts, mine)
         kept, tokens, accepted = kept_tokens(
             self.scheduler.slots, slots[mine], out.sampled_token_ids[rows], out.counts[mine]
         )

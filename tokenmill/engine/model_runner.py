@@ -34,6 +34,7 @@ from tokenmill.engine.attention.backend import AttentionBackend
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
 from tokenmill.engine.core.draft_tree import branch_drafts
 from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.runs import within_runs
 from tokenmill.engine.core.scheduler_output import SchedulerOutput
 from tokenmill.engine.host_batch import HostBatch
 from tokenmill.engine.launched_step import LaunchedStep
@@ -353,7 +354,7 @@ class ModelRunner:
         outputs = [r.output_token_ids for r in requests]
         table = sched.table
         slots = np.repeat(batch.sample_slots, counts)
-        within = np.arange(len(slots)) - np.repeat(np.cumsum(counts) - counts, counts)
+        within = within_runs(counts)
         for i in np.flatnonzero(within).tolist():
             slot, n = slots[i], int(table.num_tokens[slots[i]])
             if table.draft_tree[slot]:

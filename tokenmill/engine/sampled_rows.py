@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenmill.engine.core.runs import within_runs
 from tokenmill.engine.host_batch import HostBatch
 
 __all__ = ["SampledRows", "accept_arrays", "sampled_rows", "shift_arrays", "shift_inputs"]
@@ -99,12 +100,12 @@ def shift_arrays(
     arrays: list[np.ndarray] = []
     if moved:
         q = batch.query_lens[reqs].astype(np.int64)
-        tok = np.repeat(batch.pending_rows, q) + _within(q)  # every token of the pending rows
+        tok = np.repeat(batch.pending_rows, q) + within_runs(q)  # every token of the pending rows
         arrays += [_mapped(tok, index_of), np.repeat(src, q), np.repeat(reqs, q), reqs, src]
     if batch.ahead_window is not None:
         k = batch.pending_drafts.astype(np.int64)
         row = np.repeat(np.arange(len(k)), k)
-        j = _within(k)
+        j = within_runs(k)
         width = batch.ahead_window.shape[1]
         tok = batch.pending_rows[row] + 1 + j
         arrays += [_mapped(tok, index_of), src[row], row * width + j, batch.ahead_window]
@@ -142,11 +143,6 @@ def shift_inputs(
         if last is not None and last.accepted is not None:
             at = at + last.accepted[draft_src]
         input_ids[tok_d] = window.reshape(-1)[at]
-
-
-def _within(counts: np.ndarray) -> np.ndarray:
-    """0 .. counts[i] - 1 for each i, concatenated."""
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _mapped(tokens: np.ndarray, index_of: np.ndarray | None) -> np.ndarray:

@@ -90,13 +90,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tokenmill.engine.core.runs import run_entries
 from tokenmill.engine.device_copy import record_event
-from tokenmill.engine.grammar_drafts import (
-    consume_runs,
-    fill_with_drafts,
-    mask_rows,
-    within_runs,
-)
+from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts, mask_rows
 from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses, TokenizerNotPicklable
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
@@ -525,9 +521,8 @@ class StructuredOutputs:
             tokens_fed = tokens[kept]
         else:
             counts = np.asarray(counts, dtype=np.int64)
-            starts = np.cumsum(counts) - counts
             fed = counts[kept]
-            tokens_fed = tokens[np.repeat(starts[kept], fed) + within_runs(fed)]
+            tokens_fed = tokens[run_entries(counts, kept)]
         rids = self._rids[index]  # as they are now: the outcome may come after drops
         if self._processes:
             # Sent with the next ``bitmask``'s fill, or alone by whatever reads the outcome

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tokenmill.engine.core.draft_tree import MAX_TREE_DRAFTS
+from tokenmill.engine.core.runs import within_runs
 from tokenmill.engine.sampling_columns import SamplingColumns
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class BatchSlots:
         # every request's tokens in one assignment: row slot[i], columns 0 .. lens[i] - 1
         total = int(lens.sum())
         at = np.repeat(slots, lens)
-        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        cols = within_runs(lens)
         self.token_ids[at, cols] = np.fromiter(chain.from_iterable(tokens), np.int64, total)
         params = [r.sampling_params for r in requests]
         self.num_tokens[slots] = lens

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.runs import within_runs
 from tokenmill.engine.short_gil_turns import brief_gil_turns
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 from tokenmill.kernels.ngram_match import ngram_suffix_match, ngram_suffix_match_ref
@@ -101,10 +102,9 @@ class DeviceNgramProposer(NgramProposer):
         self._copied[fresh] = 0
         lo = self._copied[rows]
         count = n - lo
-        total = int(count.sum())
         self._copied[rows] = n
         which = np.repeat(np.arange(len(rows)), count)
-        pos = lo[which] + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        pos = lo[which] + within_runs(count)
         known = slots.token_ids.reshape(-1).take(rows[which] * slots.token_ids.shape[1] + pos)
         return rows[which] * self._tokens.shape[1] + pos, known.astype(np.int64)
 

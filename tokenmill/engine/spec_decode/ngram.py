@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.engine.core.batch_slots import BatchSlots
+from tokenmill.engine.core.runs import within_runs
 from tokenmill.engine.spec_decode.gram_hash import GramHasher
 
 __all__ = ["NgramProposer"]
@@ -80,7 +81,7 @@ class NgramProposer:
         lo, hi = self._indexed[rows], np.maximum(n - 1, 0)
         count = np.maximum(hi - lo, 0)
         which = np.repeat(np.arange(len(rows)), count)
-        new = lo[which] + np.arange(len(which)) - np.repeat(np.cumsum(count) - count, count)
+        new = lo[which] + within_runs(count)
         slot = np.concatenate([rows[which], rows])
         pos = np.concatenate([new, np.maximum(n - 1, 0)])
         h = self.hasher
