@@ -273,18 +273,30 @@ def test_a_replicas_kv_cache_too_small_for_the_context_names_the_setting(
 ) -> None:
     """The local executor's refusal (engine.max_model_len to set), not "model.source cannot
     be loaded", which blamed the model's files."""
+    err = _refused_on_one_replica(tiny_model, tmp_path, job_input, capsys, 200_000)
+    assert "engine: the KV cache holds 384 tokens, less than the 1024-token context" in err, err
+    assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
+
+
+def _refused_on_one_replica(
+    tiny_model: Path,
+    tmp_path: Path,
+    job_input: Path,
+    capsys: pytest.CaptureFixture[str],
+    kv_cache_memory: int,
+) -> str:
+    """Run the job on one Ray replica with ``engine.kv_cache_memory`` through the CLI; it must
+    be refused with exit 2: its stderr."""
     import yaml
 
     from tokenmill.jobs.cli import main as cli_main
 
     job = tmp_path / "job.yaml"
     spec = job_dict(tiny_model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1},
-                    engine={"kv_cache_memory": 200_000})  # fmt: skip
+                    engine={"kv_cache_memory": kv_cache_memory})  # fmt: skip
     job.write_text(yaml.safe_dump(spec))
     assert cli_main([str(job), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "engine: the KV cache holds 384 tokens, less than the 1024-token context" in err, err
-    assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
+    return capsys.readouterr().err
 
 
 def test_a_kv_cache_memory_too_small_on_a_replica_names_the_setting(
@@ -292,16 +304,7 @@ def test_a_kv_cache_memory_too_small_on_a_replica_names_the_setting(
 ) -> None:
     """A KV cache too small for 2 blocks fails as the local executor's does (exit 2 naming
     engine.kv_cache_memory), not as "model.source cannot be loaded", which blamed the model."""
-    import yaml
-
-    from tokenmill.jobs.cli import main as cli_main
-
-    job = tmp_path / "job.yaml"
-    spec = job_dict(tiny_model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1},
-                    engine={"kv_cache_memory": 1000})  # fmt: skip
-    job.write_text(yaml.safe_dump(spec))
-    assert cli_main([str(job), "--quiet"]) == 2
-    err = capsys.readouterr().err
+    err = _refused_on_one_replica(tiny_model, tmp_path, job_input, capsys, 1000)
     assert "engine.kv_cache_memory: expected room for at least 2 KV blocks" in err, err
     assert "(on Ray replica 0)" in err and "cannot be loaded" not in err
 
