@@ -23,7 +23,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.requests import sampling_params_for
-from tokenmill.jobs.row_source import FeedItem
+from tokenmill.jobs.row_source import FeedItem, row_index_of
 from tokenmill.scheduling.dedup import (
     HELD,
     Cached,
@@ -126,7 +126,7 @@ class PlannedRows:
                 return None
             if isinstance(claim, Cached):
                 return copy_result(claim.result, row)
-        self._hold(_row_index(item), nbytes)
+        self._hold(row_index_of(item), nbytes)
         self._window.push(item, work)
         return None
 
@@ -134,7 +134,7 @@ class PlannedRows:
         """Up to ``n`` queued rows, in the plan's order."""
         items = self._window.pop_many(n)
         for item in items:
-            self._release(_row_index(item))
+            self._release(row_index_of(item))
         return items
 
     def finished(self, result: ResultRow) -> list[ResultRow]:
@@ -156,7 +156,3 @@ class PlannedRows:
 
     def _release(self, row_index: int) -> None:
         self.nbytes -= self._sizes.pop(row_index, 0)
-
-
-def _row_index(item: FeedItem) -> int:
-    return item.row.row_index if isinstance(item, ReadyRow) else item.row_index

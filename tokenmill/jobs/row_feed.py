@@ -49,7 +49,7 @@ from tokenmill.jobs.read_ahead import ReadAhead
 from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.requests import error_result
 from tokenmill.jobs.row_bytes import input_row_bytes, item_bytes
-from tokenmill.jobs.row_source import FeedItem, Prepare
+from tokenmill.jobs.row_source import FeedItem, Prepare, row_index_of
 from tokenmill.jobs.shard_tracker import ShardTracker
 
 __all__ = ["FeedPlan", "RowFeed"]
@@ -71,10 +71,6 @@ class _FeedBatch:
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
-
-
-def _row_index(item: FeedItem) -> int:
-    return item.row.row_index if isinstance(item, ReadyRow) else item.row_index
 
 
 class RowFeed:
@@ -184,7 +180,7 @@ class RowFeed:
     def _accept(self, batch: _FeedBatch) -> None:
         self.rows_read += batch.rows_read
         for i, item in enumerate(batch.items):
-            self._tracker.row_seen(_row_index(item))
+            self._tracker.row_seen(row_index_of(item))
             if isinstance(item, InputRow) and item.error is not None:
                 self._tracker.add_result(error_result(item, item.error, self._model))
                 self._progress.update(1, 0)

@@ -15,10 +15,15 @@ from typing import Protocol, runtime_checkable
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.ready_rows import ReadyRow
 
-__all__ = ["FeedItem", "Prepare", "RowList", "RowSource"]
+__all__ = ["FeedItem", "Prepare", "RowList", "RowSource", "row_index_of"]
 
 FeedItem = InputRow | ReadyRow | ResultRow
 Prepare = Callable[[list[InputRow]], list[ReadyRow | ResultRow]]
+
+
+def row_index_of(item: FeedItem) -> int:
+    """The input row index of any feed item."""
+    return item.row.row_index if isinstance(item, ReadyRow) else item.row_index
 
 
 @runtime_checkable
