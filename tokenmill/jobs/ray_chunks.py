@@ -11,7 +11,7 @@ while alone is then the chunk's own, and the chunk is bisected until the row is 
 
 A one-row chunk is written as the row's error (the "poison row") once its lineage (the chunk
 it came from and that chunk's own ancestors) has failed ``POISON_FAILURES`` times, at least
-once with the row alone; before that it runs again (or waits: below). Three failures, not
+once with the row alone; before that it runs again (after a wait: below). Three failures, not
 one, so that a replica killed by chance (preempted, OOM-killed for another reason) while it
 ran an innocent row alone does not cost that row its result: a row is only skipped after it
 failed every time it ran alone, and a chunk's innocent half simply succeeds. Suspects stay
@@ -20,35 +20,40 @@ takes about log2(n) + 2 replica failures (3 at least).
 
 An outage is not a row: with every replica failing for a while (a 20 s engine failure, a
 cluster hiccup), bisection would go on down to single rows and skip good ones. So a one-row
-chunk's failure alone counts towards its verdict only with evidence that the cluster works:
-a chunk finished since its lineage's previous failure. Otherwise the row is *parked*
-(``Parked``), not run (during an outage it would only fail again), until a chunk finishes;
-its next failure then counts. Halving a chunk of several rows goes on as before: it loses
-nothing.
+chunk that fails alone is *parked* (``Parked``), not run (during an outage it would only
+fail again), and its failure counts only if it was the one failure between two finishes
+(``Verdict``): a chunk finished before it with no failure since, and one finishes after it
+with none between. An outage fails every replica whatever it runs, so its failures come in
+a row and none of them counts; evidence from before the failure alone was not enough (an
+outage that began after the last finish counted against the rows it failed: the good
+neighbour of a poison row, its lineage's failures the bisection's, became an error row at
+its first failure alone). A chunk finishing releases one parked row, so that in a job's
+tail parked rows run one at a time: two poison rows released together fail together,
+neither failure counts, and the probe after them released them together again, forever.
+Halving a chunk of several rows goes on as before: it loses nothing.
+
+    p fails alone ─ finish ─► counts        p fails alone ─ q fails ─► neither counts
 
 When nothing but parked rows is left (a small job, or its tail), no row's chunk can finish
 to vouch for the cluster, so the executor makes the evidence: a *probe* (``probe``), one
 known-good request (a two-letter prompt, ``max_tokens`` 1), runs alone on a replica. If it
-finishes, the cluster works, the parked rows run again and their next failure counts: a
-poison row that is the last work left is still isolated (each of its counted failures
-costs one probe more). If it fails too, that is the outage's failure, not a row's: nothing
-is counted against a row, and another probe follows (on the new replica) until one
-finishes or the breaker below ends the job. Releasing the parked rows unproven instead
-let an outage in the tail write good rows as error rows: a one-row job lost its row to 3
-failures in a row.
+finishes, the cluster works: the failure before it counts if it was the only one, and a
+parked row runs again. A poison row that is the last work left is still isolated (each of
+its counted failures costs one probe more). If the probe fails too, that is the outage's
+failure, not a row's: nothing is counted against a row, and another probe follows (on the
+new replica) until one finishes or the breaker below ends the job.
 
 Replica failures in a row with nothing finishing between them end the job
 (``ReplicasFailingError``, exit 1, the rows in flight unwritten: a rerun resumes), as the
 local executor ends on its engine's first error: with every replica failing whatever it ran,
 a job of 12 rows "completed" with 12 error rows (an audit). Isolating a poison row never
 takes that many: a bisection's innocent half, or a probe, finishes every other failure, and
-a row alone fails ``POISON_FAILURES`` times (once more where it was parked). An outage
-longer than that ends the job the same way, a shorter one costs no row: the work left, or
-a probe, shows when the cluster works again. Not told apart: an outage that begins after a
-chunk or probe finished and before a row's next failure alone, which counts against that
-row. A row alone is skipped only when that happens at each of its lineage's counted
-failures, or, for the good neighbour of a poison row (its lineage's failures are the
-bisection's), at its first failure alone: rare, and its error row says how to rerun it.
+a row's counted failures alone each have a finish on either side. An outage of more
+failures than the breaker's ends the job the same way, a shorter one costs no row: the
+work left, or a probe, shows when the cluster works again. Not told apart: a replica killed
+by chance (or an "outage" of one failure) while a row ran alone, with nothing else failing,
+counts against that row; it is skipped only when that happens at each of its lineage's
+counted failures.
 """
 
 from __future__ import annotations
@@ -59,7 +64,14 @@ from dataclasses import dataclass, replace
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.requests import error_result
 
-__all__ = ["POISON_FAILURES", "Chunk", "ChunkRecovery", "Parked", "ReplicasFailingError"]
+__all__ = [
+    "POISON_FAILURES",
+    "Chunk",
+    "ChunkRecovery",
+    "Parked",
+    "ReplicasFailingError",
+    "Verdict",
+]
 
 POISON_FAILURES = 3  # failures of a row's lineage, the last one alone, before it is skipped
 PROBE_PROMPT = "hi"  # a raw prompt: no chat template needed, any model can run it
@@ -81,15 +93,13 @@ class ReplicasFailingError(RuntimeError):
 @dataclass(frozen=True)
 class Chunk:
     """Rows that travel to one replica together and come back together. ``failures``: how
-    often this chunk or the chunks it was split from were lost with a failed replica.
-    ``evidence_after``: ChunkRecovery.finished when the chunk was made (at its lineage's last
-    failure, for a suspect): a chunk finishing after that shows the cluster works.
-    ``probe``: the one known-good request of a probe (``ChunkRecovery.probe``), no job row."""
+    often this chunk or the chunks it was split from were lost with a failed replica (a
+    one-row chunk's failure alone once its verdict counts it: ``Verdict``). ``probe``: the
+    one known-good request of a probe (``ChunkRecovery.probe``), no job row."""
 
     id: int
     rows: tuple[InputRow, ...]
     failures: int = 0
-    evidence_after: int = 0
     probe: bool = False
 
     def __len__(self) -> int:
@@ -98,15 +108,28 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Parked:
-    """A one-row chunk that failed alone with no evidence that the cluster works: it waits
-    (not run, not counted) until a chunk finishes (a probe's, when nothing else is left)."""
+    """A one-row chunk that failed alone: it waits (not run, its failure not yet counted)
+    until a chunk finishes (a probe's, when nothing else is left)."""
 
     chunk: Chunk
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A chunk finished right after a parked row's failure alone, the one failure since the
+    previous finish: the failure was the row's. ``parked``: the chunk as parked;
+    ``outcome``: it with that failure counted, to park again (its turn to run comes), or
+    the row's error result once its lineage has failed ``poison_failures`` times."""
+
+    parked: Chunk
+    outcome: Chunk | ResultRow
+
+
 class ChunkRecovery:
     """Numbers chunks, and decides what happens to the chunks of a failed replica: run
-    again as suspects (whole, or split in halves), or, for a poison row, its error result.
+    again as suspects (whole, or split in halves), or parked, a row that failed alone, until
+    a chunk finishing gives the verdict on its failure (``done``): to run again, or, for a
+    poison row, its error result.
     ``model`` names the model in error results (the spec's model.source)."""
 
     def __init__(
@@ -122,20 +145,25 @@ class ChunkRecovery:
         self._ids = itertools.count()
         self._probe_ids = itertools.count(-1, -1)  # probes' row indexes: no job row's
         self.failures_since_done = 0  # replica failures since a chunk last finished
-        self.finished = 0  # chunks finished so far: the clock of Chunk.evidence_after
+        # the parked row whose failure is the only one since a chunk last finished, and why
+        self._accused: tuple[Chunk, str] | None = None
 
     def chunk(self, rows: list[InputRow] | tuple[InputRow, ...], failures: int = 0) -> Chunk:
-        """A new chunk of ``rows`` (at least one), with the next id; only chunks finishing
-        from now on are evidence for it."""
+        """A new chunk of ``rows`` (at least one), with the next id."""
         if not rows:
             raise ValueError("a chunk needs at least one row")
-        return Chunk(next(self._ids), tuple(rows), failures, self.finished)
+        return Chunk(next(self._ids), tuple(rows), failures)
 
-    def done(self) -> None:
-        """A chunk finished (its replica answered for all its rows): the cluster works, so
-        parked rows may run again, and their next failure counts."""
+    def done(self) -> Verdict | None:
+        """A chunk finished (its replica answered for all its rows): the cluster works, so a
+        parked row may run again. Returns the verdict on the row whose failure alone was the
+        only failure since the previous finish, if any: that failure was the row's."""
         self.failures_since_done = 0
-        self.finished += 1
+        accused, self._accused = self._accused, None
+        if accused is None:
+            return None
+        chunk, reason = accused
+        return Verdict(chunk, self._counted(chunk, reason))
 
     def probe(self) -> Chunk:
         """A chunk of one known-good request (no job row: a negative row index, which no
@@ -148,13 +176,14 @@ class ChunkRecovery:
         row = InputRow(
             index, f"probe{index}", "probe", prompt=PROBE_PROMPT, sampling=dict(PROBE_SAMPLING)
         )
-        return Chunk(next(self._ids), (row,), evidence_after=self.finished, probe=True)
+        return Chunk(next(self._ids), (row,), probe=True)
 
     def failed(self, reason: str) -> None:
         """A replica failed (before ``lost`` for each chunk it held).
         Raises ReplicasFailingError once replicas have failed ``give_up_after`` times in a
         row with nothing finishing."""
         self.failures_since_done += 1
+        self._accused = None  # a failure besides it: an outage may have failed them both
         if self.failures_since_done >= self.give_up_after:
             raise ReplicasFailingError(
                 f"Ray replicas failed {self.failures_since_done} times in a row with no chunk "
@@ -163,11 +192,11 @@ class ChunkRecovery:
                 "cause and rerun the same command to resume"
             )
 
-    def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | Parked | ResultRow:
+    def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | Parked:
         """``chunk`` was running when its replica failed because of ``reason``; ``alone``:
         it was the only chunk there. Returns the suspects to run next (each alone; none for
-        a probe: the executor sends another while rows are parked), a one-row chunk parked,
-        or the error result of a poison row."""
+        a probe: the executor sends another while rows are parked), or a one-row chunk
+        parked (``done`` gives the verdict on its failure)."""
         if chunk.probe:  # a known-good request failed: the cluster fails, not a row
             return []
         failures = chunk.failures + 1
@@ -179,13 +208,16 @@ class ChunkRecovery:
                 self.chunk(chunk.rows[:half], failures),
                 self.chunk(chunk.rows[half:], failures),
             ]
-        if self.finished <= chunk.evidence_after:
-            # no chunk finished since the lineage's previous failure: an outage fails every
-            # replica whatever it runs, so rerunning the row now would fail again and count
-            # against a good row; it waits for evidence instead
-            return Parked(replace(chunk, evidence_after=self.finished))
+        if self.failures_since_done == 1:  # no other failure since a chunk last finished
+            self._accused = (chunk, reason)
+        return Parked(chunk)
+
+    def _counted(self, chunk: Chunk, reason: str) -> Chunk | ResultRow:
+        """``chunk``, a one-row chunk, with its failure alone counted: itself to run again, or
+        its row's error result once its lineage has failed ``poison_failures`` times."""
+        failures = chunk.failures + 1
         if failures < self.poison_failures:
-            return [self.chunk(chunk.rows, failures)]
+            return replace(chunk, failures=failures)
         row = chunk.rows[0]
         return error_result(
             row,

@@ -24,11 +24,12 @@ Failures (ray_replica_pool.py, ray_chunks.py): a replica whose process dies, or 
 raises, loses only the chunks it held; a new replica takes its place (the model reloads) and
 the lost chunks run again, each alone on a replica, so that a chunk that fails again is
 known to be the culprit and is bisected down to the row that does it; that row is written
-to the error file with what happened, and the job goes on. A row that fails alone while no
-chunk finishes is parked (``_Run.parked``) until one does: an outage fails every replica,
-and is not the row's fault. With nothing else queued or in flight, a probe (one known-good
-request) runs alone to show that the cluster works; its failure is the outage's, never a
-row's, and leads to another probe, or to the breaker. A result arriving
+to the error file with what happened, and the job goes on. A row that fails alone is parked
+(``_Run.parked``) until a chunk finishes, and its failure counts only if nothing else failed
+between the finishes before and after it: an outage fails every replica, and is not the
+row's fault. Each finish releases one parked row. With nothing else queued or in flight, a
+probe (one known-good request) runs alone to show that the cluster works; its failure is
+the outage's, never a row's, and leads to another probe, or to the breaker. A result arriving
 for a row already answered is dropped, so every row is answered once. Commits stay on the
 driver, through the runner's exactly-once writer.
 
@@ -64,7 +65,7 @@ import ray
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
-from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked
+from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked, Verdict
 from tokenmill.jobs.ray_cluster_watch import GcsWatch, wait_for_head
 from tokenmill.jobs.ray_replica_failures import ReplicaFailures
 from tokenmill.jobs.ray_replica_pool import (
@@ -302,19 +303,35 @@ class RayExecutor:
             self._note_up(event)
             return []
         if isinstance(event, ChunkDone):
-            self._recovery.done()
-            # the cluster works: parked rows run again, and their next failure counts
-            run.suspects.extend(run.parked)
-            run.parked.clear()
             key = event.slot.key
             self._stats[key] = event.result.counters
             self._batches[key] = event.result.batches
-            return run.answered(event.result.results)
-        return self._lost(event, run)
+            poisoned = self._judge(self._recovery.done(), run)
+            # the cluster works: a parked row runs again; one at a time, for parked poison
+            # rows run together fail together, and neither failure would count
+            if run.parked:
+                run.suspects.append(run.parked.popleft())
+            return run.answered(event.result.results + poisoned)
+        self._lost(event, run)
+        return []
 
-    def _lost(self, event: ReplicaLost, run: _Run) -> list[ResultRow]:
-        """A replica failed: its chunks run again as suspects, a poison row gets its error,
-        and the rows waiting for it go to the replicas still up."""
+    def _judge(self, verdict: Verdict | None, run: _Run) -> list[ResultRow]:
+        """Apply the verdict on a parked row's failure (ray_chunks.py): the row waits its
+        turn with the failure counted, or, a poison row, is skipped. Its error result, if
+        any."""
+        if verdict is None or verdict.parked not in run.parked:  # (an earlier process call's)
+            return []
+        run.parked.remove(verdict.parked)
+        if isinstance(verdict.outcome, Chunk):
+            run.parked.append(verdict.outcome)
+            return []
+        log.error("row %s skipped: %s", verdict.outcome.row_id, verdict.outcome.error)
+        self.failures.rows_isolated += 1
+        return [verdict.outcome]
+
+    def _lost(self, event: ReplicaLost, run: _Run) -> None:
+        """A replica failed: its chunks run again as suspects (a row that failed alone is
+        parked), and the rows waiting for it go to the replicas still up."""
         rows = sum(len(c) for c in event.chunks if not c.probe)  # a probe runs no job row
         self.failures.replicas += 1
         log.warning(
@@ -325,17 +342,12 @@ class RayExecutor:
             ", and its rows run again" if rows else "",
         )
         self._recovery.failed(event.reason)
-        poisoned = []
         for chunk in event.chunks:
             outcome = self._recovery.lost(chunk, event.alone, event.reason)
-            if isinstance(outcome, ResultRow):
-                log.error("row %s skipped: %s", outcome.row_id, outcome.error)
-                poisoned.append(outcome)
-                self.failures.rows_isolated += 1
-            elif isinstance(outcome, Parked):
+            if isinstance(outcome, Parked):
                 log.info(
-                    "row %s waits to run again: it failed alone with no chunk finishing since "
-                    "its previous failure (the cluster may be failing, not the row)",
+                    "row %s waits to run again: it failed alone, and it counts only if a chunk "
+                    "finishes next (else the cluster may be failing, not the row)",
                     outcome.chunk.rows[0].row_id,
                 )
                 run.parked.append(outcome.chunk)
@@ -344,7 +356,6 @@ class RayExecutor:
                 run.suspects.extend(outcome)
                 self.failures.rows_rerun += sum(len(c) for c in outcome)
         self._reroute_waiting(event.slot, run)
-        return run.answered(poisoned)
 
     def _evidence_may_come(self, run: _Run) -> bool:
         """Whether rows are queued or running, or may still come from the source, so that
@@ -461,7 +472,7 @@ class _Run:
         self.source = source
         self.pending: list[list[InputRow]] = [[] for _ in pool.slots]
         self.suspects: deque[Chunk] = deque()
-        self.parked: list[Chunk] = []
+        self.parked: deque[Chunk] = deque()
         self.in_flight: set[int] = set()
 
     @property
