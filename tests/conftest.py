@@ -40,6 +40,7 @@ XDIST_GROUPS: dict[str, str] = {
     "tests/jobs/test_prefix_routing.py": "ray",
     "tests/jobs/test_ray_executor.py": "ray",
     "tests/jobs/test_ray_failures.py": "ray",
+    "tests/jobs/test_ray_poison_rows.py": "ray",
     "tests/engine/loader/test_smollm2_gguf.py": "smollm2",
     "tests/engine/models/test_int4.py": "smollm2",
     "tests/engine/test_llm.py": "smollm2",

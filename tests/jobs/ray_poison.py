@@ -7,39 +7,59 @@ engines change; the driver's do not. From then on, an engine step taken while a 
 whose prompt holds ``RAISE`` is in the engine raises RuntimeError (the replica's engine
 fails mid-batch), one holding ``KILL`` SIGKILLs its own process (a native crash), and one
 holding ``HANG`` never returns (a hung engine: the process lives, and answers calls). An
-outage: while ``OUTAGE_DIR`` holds files, each engine step takes one away and raises, whatever
-its rows (one replica failure a file). The recovery that follows is the executor's own;
-nothing here touches it.
+outage: while ``outage_dir()`` holds files, each engine step takes one away and raises,
+whatever its rows (one replica failure a file). The recovery that follows is the executor's
+own; nothing here touches it.
+
+The outage folder and the hung-start flag lie in the folder named by ``$POISON_DIR_VAR``, which
+the test process sets and its Ray workers get through the runtime env's ``env_vars``: each
+pytest-xdist worker (each its own local Ray) has its own, so two failure modules can run at
+once without one's outage failing the other's replicas.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 RAISE = "POISON-RAISE"
 KILL = "POISON-KILL"
 HANG = "POISON-HANG"
-# While this file exists, the first actor of replica slot 1 never answers ready() (a start
-# that hangs: a model load stuck on a network file system, a CUDA init that never returns).
-HANG_START_FLAG = os.path.join(tempfile.gettempdir(), f"tokenmill-test-hang-start-{os.getuid()}")
-OUTAGE_DIR = os.path.join(tempfile.gettempdir(), f"tokenmill-test-outage-{os.getuid()}")
+POISON_DIR_VAR = "TOKENMILL_TEST_POISON_DIR"
+
+
+def _poison_dir() -> Path:
+    # read at each call: the variable is set (by the poisoned_ray fixture) after the import
+    return Path(os.environ[POISON_DIR_VAR])
+
+
+def hang_start_flag() -> Path:
+    """While this file exists, the first actor of replica slot 1 never answers ready() (a
+    start that hangs: a model load stuck on a network file system, a CUDA init that never
+    returns)."""
+    return _poison_dir() / "hang-start"
+
+
+def outage_dir() -> Path:
+    """The outage's folder: one file a failure still to come."""
+    return _poison_dir() / "outage"
 
 
 def outage_failure() -> bool:
     """Whether this engine step is one of the outage's failures: it takes one of
-    ``OUTAGE_DIR``'s files (os.remove is atomic: of two replicas racing for one file, one
+    ``outage_dir()``'s files (os.remove is atomic: of two replicas racing for one file, one
     gets it, so the outage is exactly as many failures as files)."""
+    outage = outage_dir()
     try:
-        tokens = os.listdir(OUTAGE_DIR)
+        tokens = os.listdir(outage)
     except FileNotFoundError:
         return False
     for token in tokens:
         try:
-            os.remove(os.path.join(OUTAGE_DIR, token))
+            os.remove(outage / token)
         except FileNotFoundError:
             continue
         return True
@@ -82,7 +102,7 @@ def install() -> None:
         import ray
 
         name = ray.get_runtime_context().get_actor_name() or ""
-        if os.path.exists(HANG_START_FLAG) and name.endswith("-replica-1"):
+        if hang_start_flag().exists() and name.endswith("-replica-1"):
             threading.Event().wait()
         return ready(self)
 
