@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tokenmill.kernels.paged_decode_attention import (
     MAX_SPLITS,
     DecodeWorkspace,
+    _split_of_tile,
+    _split_start,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
@@ -258,6 +262,66 @@ def test_fixed_split_boundaries_make_results_batch_invariant() -> None:
         q[2:3], kv[0], kv[1], bt[2:3], seq[2:3], scale, 3, block_n=16, split_keys=32
     )
     assert torch.equal(alone[0], outs[0][2])
+
+
+@pytest.mark.parametrize("max_query_len", [1, 3])
+def test_programs_sharing_splits_give_the_same_bits(max_query_len: int) -> None:
+    """Fewer programs than splits (each walking a run of a request's splits) give exactly
+    the bits of one program a split: the engine picks the program count per step and batch
+    size, so it must not change a token. Requests of 0 keys (zeros), under a split, and of
+    9 splits (8 one-tile splits, then a tier of two-tile ones); fixed and equal-run splits."""
+    seq_lens = [0, 1, 40, 160]
+    q_lens = [min(max_query_len, max(n, 1)) for n in seq_lens]
+    _, kv, bt, seq = _make_case(seq_lens, 4, 2, 32, 16, torch.float32)
+    q, qsl = _multi_query(q_lens, 4, 32, torch.float32)
+    scale = 32**-0.5
+    multi = {"query_start_loc": qsl, "max_query_len": max_query_len}
+    ref = paged_decode_attention_ref(q, kv[0], kv[1], bt, seq, scale, query_start_loc=qsl)
+    for split_keys in (16, None):
+        outs = [
+            paged_decode_attention(
+                q,
+                kv[0],
+                kv[1],
+                bt,
+                seq,
+                scale,
+                9,
+                block_n=16,
+                split_keys=split_keys,
+                split_programs=programs,
+                **multi,
+            )  # fmt: skip
+            for programs in (9, 1, 4)
+        ]
+        torch.testing.assert_close(outs[0], ref, **TOL[torch.float32])
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0])
+    assert not outs[0][: q_lens[0]].any()  # the empty request
+
+
+@triton.jit
+def _split_round_trip(tiles_ptr, split_ptr, start_ptr, next_ptr, base, N: tl.constexpr):
+    tiles = tl.load(tiles_ptr + tl.arange(0, N))
+    split = _split_of_tile(tiles, base, True)
+    tl.store(split_ptr + tl.arange(0, N), split)
+    tl.store(start_ptr + tl.arange(0, N), _split_start(split, base, True))
+    tl.store(next_ptr + tl.arange(0, N), _split_start(split + 1, base, True))
+
+
+@pytest.mark.parametrize("base", [1, 4, 32])
+def test_growing_splits_cover_every_tile_once(base: int) -> None:
+    """Split s of the growing fixed splits: 8 of ``base`` tiles, 8 of twice that, ...; each
+    tile up to 2^21 lies in exactly one, found by _split_of_tile (a float log2 corrected
+    by one) and bounded by _split_start: start(s) <= t < start(s + 1), s non-decreasing."""
+    n = 1 << 16
+    tiles = torch.cat([torch.arange(n // 2), torch.randint(0, 1 << 21, (n // 2,)).sort().values])
+    tiles = tiles.to(torch.int32).to(DEVICE)
+    split, start, nxt = (torch.empty_like(tiles) for _ in range(3))
+    _split_round_trip[(1,)](tiles, split, start, nxt, base, N=n)
+    assert bool(((start <= tiles) & (tiles < nxt)).all())
+    assert bool((split[1 : n // 2] - split[: n // 2 - 1] <= 1).all())
+    assert split[8 * base].item() == 8 and nxt[8 * base].item() == 8 * base + 2 * base
 
 
 # --- a few query tokens per request (draft tokens) -----------------------------------------

@@ -13,7 +13,8 @@ request has one):
     block_tables  [B, max_blocks] int32      cache block of each BS-token slice of a request
     seq_lens      [B] int32                  keys per request, its query tokens' own included
     out           [T, Hq, d]
-    workspace     partial_out [T, Hq, S, d] fp32, lse [T, Hq, S] fp32   (S = num_splits)
+    workspace     partial_out [T, Hq, S, d] fp32, lse [T, Hq, S] fp32   (S = num_splits,
+                  the most splits of a request; P = split_programs <= S share them)
 
 Query token i of a request with q tokens sees keys j < seq_len - q + 1 + i (causal: the last
 one sees every key, the first all but the q - 1 after it):
@@ -22,30 +23,37 @@ one sees every key, the first all but the q - 1 after it):
     query 0 (p4) x x x x x . .
     query 2 (p6) x x x x x x x
 
-Algorithm (two kernels, grid sized from B, Hkv, S only, so the launch is CUDA-graph safe):
+Algorithm (two kernels, grid sized from B, Hkv, P, S only, so the launch is CUDA-graph safe):
 
-1. ``_split_kernel``, grid (B, Hkv, S). Program (b, h, s) takes request b, KV head h and the
-   s-th contiguous slice of the request's keys, for all G = Hq // Hkv query heads of that KV
-   head and all q query tokens of the request at once (a tile of q * G query rows): every
-   K/V tile is read from HBM once per request and GQA group, not once per head or token.
-   Keys are walked in tiles of BLOCK_N rows; an online softmax in fp32 keeps the running max
-   m, sum l and output acc; the program stores acc / l and lse = m + log(l). A split with no
-   keys stores lse = -inf and a zero output.
-2. ``_merge_kernel``, grid (T, Hq): out = sum_s exp(lse_s - M) * o_s / sum_s exp(lse_s - M),
-   M = max_s lse_s, summed split after split in order (one order for every S: trailing
-   empty splits add exact zeros); -inf splits weigh 0, and an empty request (seq_len 0, a
-   padded graph row) gets zeros rather than NaN. With S == 1 the split kernel writes
-   ``out`` itself.
+1. ``_split_kernel``, grid (B, Hkv, P). The request's keys are cut into splits (below);
+   program (b, h, p) takes request b, KV head h and the p-th run of consecutive splits
+   (cdiv(splits, P) of them), for all G = Hq // Hkv query heads of that KV head and all q
+   query tokens of the request at once (a tile of q * G query rows): every K/V tile is read
+   from HBM once per request and GQA group, not once per head or token. Keys are walked in
+   tiles of BLOCK_N rows; an online softmax in fp32 keeps the running max m, sum l and
+   output acc; at each split's last tile the program stores acc / l and lse = m + log(l)
+   for that split and starts afresh, as a program of the split's own would: the bits do
+   not depend on P. A query token that sees none of a split's keys stores lse = -inf and
+   a zero output.
+2. ``_merge_kernel``, grid (B, Hq): for each query token of request b, out = sum_s
+   exp(lse_s - M) * o_s / sum_s exp(lse_s - M), M = max_s lse_s, over the request's own
+   splits in order (the workspace past them is never read); -inf splits weigh 0, and an
+   empty request (seq_len 0, a padded graph row) gets zeros rather than NaN. With S == 1
+   the split kernel writes ``out`` itself.
 
-Splitting is per request: its n_tiles = cdiv(seq_len, BLOCK_N) key tiles are cut into S runs
-of cdiv(n_tiles, S) tiles, so a short request is not split into a long request's slices and
-the result of a request never depends on the rest of the batch (or on block_tables' width).
+Splitting is per request, so a short request is not split into a long request's slices and
+the result of a request never depends on the rest of the batch (or on block_tables' width):
+either fixed splits (``split_keys``, the engine's), SPLITS_PER_TIER of split_keys keys from
+the sequence start, then as many of twice that, and so on (a request's result then depends
+on its own length alone, whatever S and P), or its n_tiles = cdiv(seq_len, BLOCK_N) key
+tiles cut into S runs of cdiv(n_tiles, S) tiles.
 Example: seq_len = 19, BLOCK_SIZE = 4, BLOCK_N = 8, S = 4 -> 3 tiles, 1 tile per split:
 
     token             0..3    4..7    8..11   12..15  16..18
     block_tables[b]  [   7   |   2   |   9   |   4   |  5 x  ]   x: past seq_len, masked
     key tile         [      t0       |      t1       |  t2   ]
-    split program    [      s0       |      s1       |  s2   ]   s3: no tile, lse = -inf
+    split            [      s0       |      s1       |  s2   ]   s3: none (never merged)
+    program (P = 2)  [             p0                |  p1   ]
 
 A tile may span several cache blocks (BS < BLOCK_N: every row looks up its own block id) or
 sit inside one (BS % BLOCK_N == 0: one block id per tile). Rows of a tile are d contiguous
@@ -84,6 +92,8 @@ from tokenmill.kernels.tile_block_ids import tile_block_ids
 __all__ = [
     "DecodeWorkspace",
     "choose_num_splits",
+    "choose_split_programs",
+    "fixed_split_count",
     "paged_decode_attention",
     "paged_decode_attention_ref",
 ]
@@ -91,6 +101,13 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64
+# Fixed splits (``split_keys``) grow with the key position: SPLITS_PER_TIER of split_keys
+# keys, then as many twice as long, ... (256-key splits: 8 up to 2,048 keys, 512 up to 6,144,
+# 35 splits cover 40,960), so short requests split finely and a long context still needs few.
+TIER_SPLITS = 8
+SPLITS_PER_TIER = tl.constexpr(TIER_SPLITS)  # the kernels' name for it
+# Programs a SM that choose_split_programs aims at (enough loads in flight to fill HBM).
+PROGRAMS_PER_SM = 4
 # An FP8 cache's tiles take half the bytes and a conversion each: on the H200 (B=256, 4k
 # keys, block_n 64) 2 warps read it at 77-87% of the copy ceiling where 4 read 52-62%
 # (session 14, BENCHMARKS.md). A bf16 cache at 4 warps is at the ceiling already.
@@ -98,7 +115,46 @@ FP8_NUM_WARPS = 2
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) outweighs its keys
 
 
-@triton.jit(do_not_specialize=["max_blocks", "num_splits", "stride_btb"])
+@triton.jit
+def _split_start(split, base_tiles, growing):
+    """First key tile of a request's split ``split``: splits of ``base_tiles`` tiles, or
+    (``growing``) SPLITS_PER_TIER of them, then SPLITS_PER_TIER twice as long, and so on."""
+    tier = tl.where(growing, split // SPLITS_PER_TIER, 0)
+    in_tier = split - tier * SPLITS_PER_TIER
+    return base_tiles * (SPLITS_PER_TIER * ((1 << tier) - 1) + in_tier * (1 << tier))
+
+
+@triton.jit
+def _split_of_tile(tile, base_tiles, growing):
+    """The split holding key tile ``tile`` (>= 0), the inverse of _split_start. Tile t is in
+    tier k when 2^k <= u < 2^(k+1), u = t // (base * SPLITS_PER_TIER) + 1: k = floor(log2 u),
+    from a float log2 corrected by one either way (u < 2^24 is exact in float32)."""
+    u = tile // (base_tiles * SPLITS_PER_TIER) + 1
+    tier = tl.floor(tl.log2(u.to(tl.float32))).to(tl.int32)
+    tier = tl.where((1 << (tier + 1)) <= u, tier + 1, tier)
+    tier = tl.where((1 << tier) > u, tier - 1, tier)
+    tier = tl.where(growing, tier, 0)
+    first = base_tiles * SPLITS_PER_TIER * ((1 << tier) - 1)
+    return tier * SPLITS_PER_TIER + (tile - first) // (base_tiles << tier)
+
+
+@triton.jit
+def _split_geometry(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
+    """(key tiles read, splits, their base length in tiles, growing) of a request with
+    ``seq_len`` keys: the fixed, growing splits of ``split_tiles`` tiles (see _split_start),
+    or (split_tiles == 0) its tiles cut into num_splits equal runs. Never more than
+    num_splits splits (the workspace's width): fixed splits that do not cover the request
+    leave its keys past them unread (the caller's error)."""
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    growing = split_tiles > 0
+    base = tl.where(growing, split_tiles, tl.maximum(tl.cdiv(n_tiles, num_splits), 1))
+    n_splits = tl.where(n_tiles > 0, _split_of_tile(n_tiles - 1, base, growing) + 1, 0)
+    n_splits = tl.minimum(n_splits, num_splits)
+    read = tl.minimum(n_tiles, _split_start(n_splits, base, growing))
+    return read, n_splits, base, growing
+
+
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "split_tiles", "stride_btb"])
 def _split_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, lse_ptr,
@@ -130,16 +186,17 @@ def _split_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    program = tl.program_id(2)  # of num_programs: each takes a run of the request's splits
+    num_programs = tl.num_programs(2)
 
     # Clamp to the table's width: a bad seq_len must not read past a row of block_tables.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
-    n_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(n_tiles, num_splits)
-    if split_tiles > 0:
-        tiles_per_split = split_tiles
-    tile_start = split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, n_tiles)
+    n_tiles, n_splits, base, growing = _split_geometry(seq_len, num_splits, split_tiles, BLOCK_N)
+    splits_each = tl.cdiv(n_splits, num_programs)
+    split = program * splits_each  # this program's first split, and its tiles:
+    tile_start = _split_start(split, base, growing)
+    tile_end = tl.minimum(_split_start(split + splits_each, base, growing), n_tiles)
+    split_end = _split_start(split + 1, base, growing)
 
     # Query rows of the tile: token i of the request, head g of the GQA group.
     offs_r = tl.arange(0, ROWS_PAD)
@@ -231,9 +288,37 @@ def _split_kernel(
             pv = tl.dot(p.to(v.dtype), v)  # P in 16 bits, as flash attention does
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        if (t + 1 == split_end) | (t + 1 == tile_end):
+            # The split's last tile: its result out, and a fresh softmax for the next one, as
+            # a program of its own would start it (the same bits whatever the program count).
+            _store_split(
+                o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, split,
+                stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                STORE_LSE,
+            )  # fmt: skip
+            split += 1
+            split_end = _split_start(split + 1, base, growing)
+            m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
+            acc = tl.zeros([ROWS_PAD, HEAD_DIM], dtype=tl.float32)
+    if not STORE_LSE:
+        if n_tiles == 0:  # an empty request (a padded graph row): zeros, as the merge gives
+            _store_split(
+                o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, 0,
+                stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                STORE_LSE,
+            )  # fmt: skip
 
+
+@triton.jit
+def _store_split(
+    o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, split,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    STORE_LSE: tl.constexpr,
+):  # fmt: skip
+    """A split's normalized output (and its lse, when there are several splits)."""
     has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty split: zeros, not 0/0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys seen: zeros, not 0/0
     o_ptrs = (
         o_ptr
         + q_rows[:, None].to(tl.int64) * stride_ob
@@ -253,40 +338,55 @@ def _split_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["max_blocks", "num_splits", "split_tiles"])
 def _merge_kernel(
     # pointers
-    part_ptr, lse_ptr, out_ptr,
+    part_ptr, lse_ptr, out_ptr, seq_lens_ptr, qsl_ptr,
     # sizes
-    num_splits,
+    max_blocks, num_splits, split_tiles,  # as the split kernel's
     # strides
     stride_pb, stride_ph, stride_ps, stride_pd,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUERY_MAX: tl.constexpr,
 ):  # fmt: skip
-    # The splits are summed one after another in split order, so a request's result is the
-    # same bits whatever the call's split count past its last non-empty split: an empty split
-    # (lse -inf, zero output) adds exact zeros. Loads and work follow the splits that exist,
-    # not a padded width (session 13 padded a tree reduction to MAX_SPLITS instead).
+    # Program (b, head) merges the request's own splits for each of its query tokens, summed
+    # one after another in split order: a request's result is the same bits whatever the
+    # call's split count (the workspace past its splits is never read, nor written). Loads
+    # and work follow the splits that exist, not a padded width (session 13 padded a tree
+    # reduction to MAX_SPLITS instead).
     b = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
+    n_splits = _split_geometry(seq_len, num_splits, split_tiles, BLOCK_N)[1]
+    if QUERY_MAX == 1:
+        q_start = b
+        q_len = 1
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
     offs_d = tl.arange(0, HEAD_DIM)
-    lse_row = lse_ptr + b * stride_lb + head * stride_lh
-    part_row = part_ptr + b * stride_pb + head * stride_ph + offs_d * stride_pd
-    lse_max = float("-inf")
-    for s in range(num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_ls))
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: weights exp(-inf)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    denom = 0.0
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_row + s * stride_ls) - lse_max)
-        acc += w * tl.load(part_row + s * stride_ps)
-        denom += w
-    out = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + offs_d * stride_od, out)
+    for i in tl.static_range(QUERY_MAX):
+        if i < q_len:
+            row = (q_start + i).to(tl.int64)
+            lse_row = lse_ptr + row * stride_lb + head * stride_lh
+            part_row = part_ptr + row * stride_pb + head * stride_ph + offs_d * stride_pd
+            lse_max = float("-inf")
+            for s in range(n_splits):
+                lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_ls))
+            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # none: exp(-inf) = 0
+            acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+            denom = 0.0
+            for s in range(n_splits):
+                w = tl.exp(tl.load(lse_row + s * stride_ls) - lse_max)
+                acc += w * tl.load(part_row + s * stride_ps)
+                denom += w
+            out = acc / tl.where(denom > 0.0, denom, 1.0)  # no keys at all: zeros
+            tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od, out)
 
 
 @dataclass(frozen=True)
@@ -331,6 +431,28 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, useful, MAX_SPLITS))
 
 
+def fixed_split_count(num_keys: int, split_keys: int) -> int:
+    """Splits of a request of ``num_keys`` keys under fixed, growing splits of ``split_keys``
+    (a multiple of the kernel's tile; the host's mirror of _split_geometry): the splits a
+    call's ``num_splits`` must cover for it. 0 for no keys."""
+    if num_keys <= 0:
+        return 0
+    u = (num_keys - 1) // (split_keys * TIER_SPLITS) + 1
+    tier = u.bit_length() - 1  # 2^tier <= u < 2^(tier + 1)
+    first = split_keys * TIER_SPLITS * ((1 << tier) - 1)
+    return tier * TIER_SPLITS + (num_keys - 1 - first) // (split_keys << tier) + 1
+
+
+def choose_split_programs(
+    batch: int, num_kv_heads: int, num_splits: int, num_sms: int, per_sm: int = PROGRAMS_PER_SM
+) -> int:
+    """Programs per (request, KV head) sharing its splits: enough that batch * num_kv_heads
+    * programs fill ``num_sms`` SMs ``per_sm`` times over, never more than the splits. A
+    pure function of its arguments, so a CUDA graph captured for a batch keeps its grid."""
+    wanted = -(-per_sm * num_sms // max(batch * num_kv_heads, 1))
+    return max(1, min(wanted, num_splits))
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"paged_decode_attention: {msg}")
@@ -354,6 +476,7 @@ def paged_decode_attention(
     query_start_loc: Tensor | None = None,
     max_query_len: int = 1,
     prefetch_ids: bool = False,
+    split_programs: int | None = None,
 ) -> Tensor:
     """Attention of a few query tokens per request over its paged K/V (flash-decoding).
 
@@ -369,9 +492,13 @@ def paged_decode_attention(
     tile), ``num_warps``, ``num_stages`` and ``prefetch_ids`` (load the next key tile's block
     ids one iteration early) are tuning knobs; ``num_warps`` defaults to 2 for a 1-byte (FP8)
     cache and 4 otherwise (``FP8_NUM_WARPS``). ``split_keys`` fixes the split
-    boundaries at multiples of that many keys (rounded up to whole tiles): a request's result
-    then depends only on its own length, whatever the batch, the grid or a CUDA graph's
-    bucket; ``num_splits`` must then cover the longest request (``cdiv(len, split_keys)``).
+    boundaries: SPLITS_PER_TIER splits of that many keys (rounded up to whole tiles), then
+    as many twice as long, and so on; a request's result then depends only on its own
+    length, whatever the batch, the grid or a CUDA graph's bucket; ``num_splits`` must then
+    cover the longest request (``fixed_split_count(len, split_keys)``).
+    ``split_programs`` (default and at most ``num_splits``) programs per request and KV head
+    share its splits, each taking a run of consecutive ones: fewer programs than splits
+    keep small splits' boundaries (and bits) at large batches without their launch cost.
     No host syncs: capturable in a CUDA graph when out and workspace are preallocated. Raises
     ValueError on bad shapes or dtypes.
     """
@@ -398,6 +525,8 @@ def paged_decode_attention(
     num_q_heads, num_kv_heads = shapes.num_q_heads, shapes.num_kv_heads
     head_dim, block_size = shapes.head_dim, shapes.block_size
     _check(num_splits >= 1, f"num_splits={num_splits} must be >= 1")
+    programs = num_splits if split_programs is None else min(split_programs, num_splits)
+    _check(programs >= 1, f"split_programs={split_programs} must be >= 1")
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     if num_warps is None:
@@ -447,11 +576,11 @@ def paged_decode_attention(
     if batch == 0 or rows == 0:
         return out
     qsl = seq_lens if query_start_loc is None else query_start_loc  # unread when QUERY_MAX = 1
+    split_tiles = 0 if split_keys is None else -(-split_keys // block_n)
     launch(
-        _split_kernel, (batch, num_kv_heads, num_splits),
+        _split_kernel, (batch, num_kv_heads, programs),
         q, k_cache, v_cache, block_tables, seq_lens, qsl, part, lse,
-        scale * _LOG2E, block_tables.shape[1], num_splits,
-        0 if split_keys is None else -(-split_keys // block_n),
+        scale * _LOG2E, block_tables.shape[1], num_splits, split_tiles,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *part_strides, *lse_strides,
         GROUP=group,
@@ -469,11 +598,14 @@ def paged_decode_attention(
     )  # fmt: skip
     if num_splits > 1:
         launch(
-            _merge_kernel, (rows, num_q_heads),
-            part, lse, out,
-            num_splits,
+            _merge_kernel, (batch, num_q_heads),
+            part, lse, out, seq_lens, qsl,
+            block_tables.shape[1], num_splits, split_tiles,
             *part.stride(), *lse.stride(), *out.stride(),
             HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
+            QUERY_MAX=max_query_len,
             num_warps=1,  # a program merges one head's [S, d] partials: d / 32 lanes each
         )  # fmt: skip
     return out
