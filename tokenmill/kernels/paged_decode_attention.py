@@ -157,7 +157,7 @@ def _split_geometry(seq_len, num_splits, split_tiles, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["max_blocks", "num_splits", "split_tiles", "stride_btb"])
 def _split_kernel(
     # pointers
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, o_ptr, lse_ptr, out_ptr,
     # sizes
     qk_scale,  # softmax scale * log2(e): scores are exponentiated with exp2
     max_blocks,  # block_tables.shape[1]
@@ -172,6 +172,7 @@ def _split_kernel(
     stride_btb, stride_btn,
     stride_ob, stride_oh, stride_os, stride_od,  # partial_out, or out itself when S == 1
     stride_lb, stride_lh, stride_ls,
+    stride_yb, stride_yh, stride_yd,  # out (read with FUSE_MERGE only)
     # meta-parameters
     GROUP: tl.constexpr,  # query heads per KV head
     QUERY_MAX: tl.constexpr,  # most query tokens of one request (1: qsl_ptr is unused)
@@ -183,6 +184,7 @@ def _split_kernel(
     DOT_FP32: tl.constexpr,  # dots in fp32 (fp32 inputs; bf16 in the interpreter)
     FP16_DOTS: tl.constexpr,  # an FP8 cache with 16-bit q: q, K, V and P go through fp16
     PREFETCH_IDS: tl.constexpr,  # load the next tile's block ids one iteration early
+    FUSE_MERGE: tl.constexpr,  # one program a (request, KV head): it merges its splits
 ):  # fmt: skip
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -291,11 +293,17 @@ def _split_kernel(
         if (t + 1 == split_end) | (t + 1 == tile_end):
             # The split's last tile: its result out, and a fresh softmax for the next one, as
             # a program of its own would start it (the same bits whatever the program count).
-            _store_split(
-                o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, split,
-                stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                STORE_LSE,
-            )  # fmt: skip
+            if FUSE_MERGE and n_splits == 1:  # the answer itself (a merge of one split is it)
+                _store_split(
+                    out_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, 0,
+                    stride_yb, stride_yh, 0, stride_yd, stride_lb, stride_lh, stride_ls, False,
+                )  # fmt: skip
+            else:
+                _store_split(
+                    o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, split,
+                    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                    STORE_LSE,
+                )  # fmt: skip
             split += 1
             split_end = _split_start(split + 1, base, growing)
             m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
@@ -308,6 +316,45 @@ def _split_kernel(
                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
                 STORE_LSE,
             )  # fmt: skip
+    if FUSE_MERGE:
+        if n_splits != 1:  # several splits merged, or none: zeros
+            tl.debug_barrier()  # the block's partial stores, visible to all its threads
+            _merge_splits(
+                o_ptr, lse_ptr, out_ptr, q_rows, q_heads, mask_r, offs_d, n_splits,
+                stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                stride_yb, stride_yh, stride_yd,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(
+    part_ptr, lse_ptr, out_ptr, rows, heads, mask, offs_d, n_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+):  # fmt: skip
+    """out[row, head] for each (rows, heads) pair under ``mask``: sum_s exp(lse_s - M) * o_s
+    / sum_s exp(lse_s - M), M = max_s lse_s, over splits 0 .. n_splits - 1 in order; -inf
+    splits weigh 0 and a row with none (or no keys at all) gets zeros, not NaN. The one
+    merge of both kernels (_merge_kernel's and a fused one's), so their bits agree."""
+    rows = rows.to(tl.int64)
+    lse_rows = lse_ptr + rows * stride_lb + heads * stride_lh
+    part_rows = part_ptr + rows[:, None] * stride_pb + heads[:, None] * stride_ph
+    part_rows += offs_d[None, :] * stride_pd
+    lse_max = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    for s in range(n_splits):
+        lse = tl.load(lse_rows + s * stride_ls, mask=mask, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # none: exp(-inf) = 0
+    acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
+    denom = tl.zeros(rows.shape, dtype=tl.float32)
+    for s in range(n_splits):
+        w = tl.exp(tl.load(lse_rows + s * stride_ls, mask=mask, other=float("-inf")) - lse_max)
+        acc += w[:, None] * tl.load(part_rows + s * stride_ps, mask=mask[:, None], other=0.0)
+        denom += w
+    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh
+    tl.store(out_ptrs + offs_d[None, :] * stride_od, out, mask=mask[:, None])
 
 
 @triton.jit
@@ -353,6 +400,7 @@ def _merge_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     QUERY_MAX: tl.constexpr,
+    QUERY_PAD: tl.constexpr,  # next_pow2(QUERY_MAX)
 ):  # fmt: skip
     # Program (b, head) merges the request's own splits for each of its query tokens, summed
     # one after another in split order: a request's result is the same bits whatever the
@@ -369,24 +417,13 @@ def _merge_kernel(
     else:
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
-    offs_d = tl.arange(0, HEAD_DIM)
-    for i in tl.static_range(QUERY_MAX):
-        if i < q_len:
-            row = (q_start + i).to(tl.int64)
-            lse_row = lse_ptr + row * stride_lb + head * stride_lh
-            part_row = part_ptr + row * stride_pb + head * stride_ph + offs_d * stride_pd
-            lse_max = float("-inf")
-            for s in range(n_splits):
-                lse_max = tl.maximum(lse_max, tl.load(lse_row + s * stride_ls))
-            lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # none: exp(-inf) = 0
-            acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-            denom = 0.0
-            for s in range(n_splits):
-                w = tl.exp(tl.load(lse_row + s * stride_ls) - lse_max)
-                acc += w * tl.load(part_row + s * stride_ps)
-                denom += w
-            out = acc / tl.where(denom > 0.0, denom, 1.0)  # no keys at all: zeros
-            tl.store(out_ptr + row * stride_ob + head * stride_oh + offs_d * stride_od, out)
+    offs_i = tl.arange(0, QUERY_PAD)
+    _merge_splits(
+        part_ptr, lse_ptr, out_ptr, q_start + offs_i, head + 0 * offs_i, offs_i < q_len,
+        tl.arange(0, HEAD_DIM), n_splits,
+        stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
+        stride_ob, stride_oh, stride_od,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -577,12 +614,13 @@ def paged_decode_attention(
         return out
     qsl = seq_lens if query_start_loc is None else query_start_loc  # unread when QUERY_MAX = 1
     split_tiles = 0 if split_keys is None else -(-split_keys // block_n)
+    fuse_merge = programs == 1 and num_splits > 1  # the one program merges its own splits
     launch(
         _split_kernel, (batch, num_kv_heads, programs),
-        q, k_cache, v_cache, block_tables, seq_lens, qsl, part, lse,
+        q, k_cache, v_cache, block_tables, seq_lens, qsl, part, lse, out,
         scale * _LOG2E, block_tables.shape[1], num_splits, split_tiles,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *part_strides, *lse_strides,
+        *part_strides, *lse_strides, *out.stride(),
         GROUP=group,
         QUERY_MAX=max_query_len,
         ROWS_PAD=max(16, triton.next_power_of_2(max_query_len * group)),
@@ -593,10 +631,11 @@ def paged_decode_attention(
         DOT_FP32=dot_fp32,
         FP16_DOTS=k_cache.element_size() == 1 and q.element_size() == 2,
         PREFETCH_IDS=prefetch_ids,
+        FUSE_MERGE=fuse_merge,
         num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fuse_merge:
         launch(
             _merge_kernel, (batch, num_q_heads),
             part, lse, out, seq_lens, qsl,
@@ -606,6 +645,7 @@ def paged_decode_attention(
             BLOCK_SIZE=block_size,
             BLOCK_N=block_n,
             QUERY_MAX=max_query_len,
+            QUERY_PAD=triton.next_power_of_2(max_query_len),
             num_warps=1,  # a program merges one head's [S, d] partials: d / 32 lanes each
         )  # fmt: skip
     return out
