@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.jobs.job_helpers import job_dict
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import row_feed
+from tokenmill.jobs.local_executor import RowProcessor
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.planned_rows import FeedPlan, PlannedRows, RowFacts
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.ready_rows import ReadyRow
+from tokenmill.jobs.row_bytes import input_row_bytes
 from tokenmill.jobs.row_feed import RowFeed
+from tokenmill.jobs.row_source import FeedItem, RowList
 from tokenmill.jobs.shard_tracker import ShardTracker
+from tokenmill.jobs.spec import coerce_spec
 from tokenmill.scheduling.planner_settings import PlannerSettings
 
 CFG = InputConfig(path="unused.jsonl")
@@ -171,3 +177,53 @@ def test_rows_held_for_a_running_twin_do_not_stop_the_next_take(monkeypatch) -> 
         assert [item.row.row_index for item in nxt] == [4]
     finally:
         feed.close()
+
+
+class _OneAtATime:
+    """A RowList handing out one row a take, noting the rows in flight at each take."""
+
+    def __init__(self, rows: RowList, processor: RowProcessor) -> None:
+        self._rows = rows
+        self._processor = processor
+        self.most_in_flight = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self._rows.exhausted
+
+    def take(self, max_rows: int, wait: bool) -> list[FeedItem]:
+        items = self._rows.take(1, wait)
+        held = len(self._processor._in_flight) + len(items)
+        self.most_in_flight = max(self.most_in_flight, held)
+        return items
+
+
+@pytest.mark.parametrize(("bound_rows", "most"), [(2.5, 3), (0.1, 1)], ids=["bytes", "one-row"])
+def test_rows_in_the_engine_stay_within_engine_bytes_but_one_always_runs(
+    tiny_model: Path, tmp_path: Path, bound_rows: float, most: int
+) -> None:
+    """A row keeps its passthrough values in the engine: 2 x max_num_seqs rows in flight
+    (16 here, 512 by default) of 5 MB each were 2.5 GB. No row is added while those in
+    flight hold ``engine_bytes``, and a row larger than that alone still runs."""
+    spec = coerce_spec(job_dict(tiny_model, tmp_path / "in.jsonl", tmp_path / "out"))
+    processor = RowProcessor(spec)
+    rows = [
+        InputRow(
+            i,
+            f"r{i}",
+            f"in:{i}",
+            messages=[{"role": "user", "content": f"hi {i}"}],
+            passthrough={"topic": WIDE},
+        )  # fmt: skip
+        for i in range(12)
+    ]
+    processor.max_in_flight_bytes = int(bound_rows * input_row_bytes(rows[0]))
+    source = _OneAtATime(RowList(rows, processor.prepare), processor)
+    try:
+        results = list(processor.process(source))
+    finally:
+        processor.close()
+    assert sorted(r.row_index for r in results) == list(range(12))
+    assert all(r.error is None and r.passthrough == {"topic": WIDE} for r in results)
+    assert source.most_in_flight == most  # (8 without the bound: its first rows finish)
+    assert processor._in_flight.nbytes == 0

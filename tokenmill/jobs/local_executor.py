@@ -4,7 +4,9 @@
 
 The engine's batch never drains while there is input: before every step the executor tops
 the engine up to ``2 * max_num_seqs`` requests (a row asking for n completions is n of them:
-rows_in_flight.py) from what the source has ready, without
+rows_in_flight.py), or while its rows hold less than ``max_in_flight_bytes`` (wide rows keep
+their passthrough values in flight: 512 rows of 5 MB could hold 2.5 GB), from what the source has
+ready, without
 waiting (it waits only when the engine has nothing to do), so the scheduler always has a
 queue to batch from and the queued-but-not-running requests stay bounded. Results are
 yielded as requests finish (any order); ``on_step`` is called after every step (and at
@@ -25,6 +27,7 @@ from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.engine.short_gil_turns import short_gil_turns
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.engine_counters import EngineCounters
+from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ready_rows import RowPreparer, own_tokenizer
 from tokenmill.jobs.requests import (
@@ -84,6 +87,7 @@ class RowProcessor:
         _check_context(self.engine)
         self.tokenizer = self.engine.tokenizer
         self.max_in_flight = 2 * spec.engine.max_num_seqs
+        self.max_in_flight_bytes = PipelineBounds.for_engine(spec.engine.max_num_seqs).engine_bytes
         self.prepare = RowPreparer(
             own_tokenizer(self.tokenizer),
             spec.sampling.model_dump(),
@@ -138,7 +142,8 @@ class RowProcessor:
             while not cancel.is_set():
                 busy = self.engine.has_unfinished()
                 room = self.max_in_flight - in_flight.num_requests
-                if room > 0 and not source.exhausted:
+                full = len(in_flight) > 0 and in_flight.nbytes >= self.max_in_flight_bytes
+                if room > 0 and not full and not source.exhausted:
                     for item in source.take(room, wait=not busy):
                         failed = self._add(item, in_flight)
                         if failed is not None:

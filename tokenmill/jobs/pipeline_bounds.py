@@ -13,7 +13,9 @@ rows of a 5 MB passthrough column each filled 5.6 GB within the row bounds (an a
 batch ends at ``batch_bytes``, the read-ahead queue holds up to ``read_ahead_bytes`` and the
 planner's window (with what one ``take`` reads) up to ``window_bytes``; each lets one row
 through however large, so a huge row still runs. Small rows never reach the byte bounds:
-256 rows of 1 KB are 256 KB.
+256 rows of 1 KB are 256 KB. The rows in the engine keep their passthrough values until
+their results: the executor adds no row while those it has in flight hold ``engine_bytes``
+(one take past it at most, and always one row, so a huge row still runs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PipelineBounds:
     batch_bytes: int = 16 * _MIB  # a batch ends once its rows hold this much
     read_ahead_bytes: int = 128 * _MIB  # ready rows waiting for the engine, in bytes
     window_bytes: int = 128 * _MIB  # rows in the planner's window and read by one take
+    engine_bytes: int = 256 * _MIB  # rows in the engine: no row is added past it
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -9,6 +9,9 @@ together so the later ones reuse the prompt's cached KV blocks; its result waits
                   finish("7.2"), finish("7"): None ... finish("7.1") ─┘    RequestOutput
 
 A plain row is one request under its own id, as before.
+
+``nbytes`` is about what the rows in flight hold (row_bytes.py): a row keeps its passthrough
+values while its requests run, so the executor stops adding rows past a bound in bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow
+from tokenmill.jobs.row_bytes import input_row_bytes
 
 __all__ = ["FinishedRow", "RowsInFlight"]
 
@@ -38,6 +42,7 @@ class FinishedRow:
 class _Row:
     row: InputRow
     group: SampleGroup
+    nbytes: int
     samples: dict[str, RequestOutput] = field(default_factory=dict)
 
 
@@ -48,13 +53,15 @@ class RowsInFlight:
     def __init__(self) -> None:
         self._by_request: dict[str, _Row] = {}
         self._rows = 0
+        self.nbytes = 0  # about the bytes the rows in flight hold (input_row_bytes)
 
     def add(self, row: InputRow, group: SampleGroup) -> None:
         """Track ``row`` once all of ``group``'s requests are in the engine."""
-        entry = _Row(row, group)
+        entry = _Row(row, group, input_row_bytes(row))
         for rid, _ in group.requests():
             self._by_request[rid] = entry
         self._rows += 1
+        self.nbytes += entry.nbytes
 
     def finish(self, out: RequestOutput) -> FinishedRow | None:
         """Record a finished request; the row once its last request finished, else None.
@@ -65,6 +72,7 @@ class RowsInFlight:
         if len(entry.samples) < entry.group.num_samples:
             return None
         self._rows -= 1
+        self.nbytes -= entry.nbytes
         generated = sum(s.num_completion_tokens for s in entry.samples.values())
         failed = next((s for s in entry.samples.values() if s.error is not None), None)
         whole = failed if failed is not None else entry.group.gather(entry.samples)
@@ -96,3 +104,4 @@ class RowsInFlight:
     def clear(self) -> None:
         self._by_request.clear()
         self._rows = 0
+        self.nbytes = 0
