@@ -1,20 +1,21 @@
 """Decode attention's split geometry at the batch sizes a job's tail runs (GPU).
 
-The engine fixes a request's decode splits at multiples of ``split_keys`` keys (its result
-then depends on its own length alone) and today sizes them from ``max_model_len``: a
-Qwen3-0.6B engine (40,960 tokens) splits every key run under 5,120 into one program per
-(request, KV head), so at 8 rows the grid is 64 programs on 132 SMs. ``split_programs``
-lets fewer programs than splits share a request's (small, fixed) splits, each walking a run
-of them, so the split size can stay small at any batch without a program per split.
+The engine fixes a request's decode splits (its result then depends on its own length
+alone) and used to size them from ``max_model_len``: a Qwen3-0.6B engine (40,960 tokens)
+ran every key run under 5,120 as one program per (request, KV head), so at 8 rows the grid
+was 64 programs on 132 SMs. ``split_programs`` lets fewer programs than splits share a
+request's (small, fixed) splits, each walking a run of them, so the split size can stay
+small at any batch without a program per split.
 
 Times, on Qwen3-0.6B's attention shape (16 q / 8 KV heads, d 128, bf16, block_size 16), at
 each batch and key-length profile (every row at 1,400 keys, or lengths uniform in
-[200, 2048] as mid-run rows of the nano-vllm workload): the engine's current geometry, and
-for fixed splits of 256 / 512 / 1,024 keys every program count 1, 2, 4, ... up to the
-splits. Each call is captured in a CUDA graph (as the engine's decode steps replay them),
-L2 flushed before each (``bench.gpu_timing.time_ms``); every variant is checked against the
-first's output (bit-identical across program counts of one split size) and two rows against
-the fp32 reference. Prints a table and the fastest variant per case; JSON to --out.
+[200, 2048] as mid-run rows of the nano-vllm workload): the engine's geometry before
+(5,120-key splits, one program each), the engine's policy now (DECODE_SPLIT_KEYS,
+choose_split_programs), and for fixed splits of 256 / 512 / 1,024 keys every program count
+1, 2, 4, ... up to the splits. Each call is captured in a CUDA graph (as the engine's decode
+steps replay them), L2 flushed before each (``bench.gpu_timing.time_ms``); every variant is
+checked against the first of its split size (bit-identical across program counts) and two
+rows against the fp32 reference. Prints a table and the fastest variant per case; JSON to --out.
 
     PYTHONPATH=$PWD python3 bench/decode_split_programs.py [--batches 1,8,64,256] [--out F]
 """
@@ -32,15 +33,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_timing import time_ms, warm_up_gpu  # noqa: E402
-from tokenmill.engine.attention.triton_backend import split_keys_for_batch  # noqa: E402
+from tokenmill.engine.attention.triton_backend import DECODE_SPLIT_KEYS  # noqa: E402
 from tokenmill.kernels.paged_decode_attention import (  # noqa: E402
     DecodeWorkspace,
+    choose_split_programs,
+    fixed_split_count,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
 
 HQ, HKV, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
-MAX_MODEL_LEN, MAX_NUM_SEQS = 40960, 256  # the nano-vllm workload's engine
+MAX_MODEL_LEN = 40960  # Qwen3-0.6B's context, the nano-vllm workload engine's
 BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 SPLIT_KEYS = (256, 512, 1024)
 CEILING_TBPS = 4.25  # H200 device-to-device copy (BENCHMARKS.md)
@@ -74,15 +77,18 @@ def bench_case(batch: int, profile: str) -> list[dict]:
     scale = HEAD_DIM**-0.5
     nbytes = sum(lengths) * HKV * HEAD_DIM * 2 * 2
     ref = paged_decode_attention_ref(q[:2], kv[0], kv[1], bt[:2], seq[:2], scale).float()
-    engine_keys = max(split_keys_for_batch(MAX_NUM_SEQS), -(-MAX_MODEL_LEN // 8))
-    variants = [("engine now", engine_keys, None)]
+    old_keys = max(1024, -(-MAX_MODEL_LEN // 8))  # the engine's splits before 446bf1e
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = fixed_split_count(max(lengths), DECODE_SPLIT_KEYS)
+    chosen = choose_split_programs(batch, HKV, splits, sms)
+    variants = [("engine before", old_keys, None), ("engine policy", DECODE_SPLIT_KEYS, chosen)]
     for keys in SPLIT_KEYS:
-        splits = -(-max(lengths) // keys)
+        splits = fixed_split_count(max(lengths), keys)
         programs = sorted({min(1 << i, splits) for i in range(7)})
         variants += [(f"keys {keys} P {p}", keys, p) for p in programs]
     rows, firsts = [], {}
     for name, keys, programs in variants:
-        splits = -(-max(lengths) // keys)
+        splits = fixed_split_count(max(lengths), keys)
         out = torch.full_like(q, float("nan"))
         ws = DecodeWorkspace.allocate(batch, HQ, splits, HEAD_DIM, q.device) if splits > 1 else None
 
@@ -133,7 +139,11 @@ def main() -> None:
                 )
             best = min(case, key=lambda r: r["ms"])
             now = case[0]["ms"]
-            print(f"  fastest: {best['variant']} ({now / best['ms']:.2f}x the engine's now)")
+            policy = case[1]["ms"]
+            print(
+                f"  fastest: {best['variant']} ({now / best['ms']:.2f}x the engine before); "
+                f"the policy {now / policy:.2f}x"
+            )
             rows += case
     out = args.out or (Path(os.environ["OUT"]) / "decode_split_programs.json")
     out.write_text(json.dumps(rows, indent=1))
