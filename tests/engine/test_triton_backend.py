@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ from bench.prompts import chat_prompts
 from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.attention.backend import check_backend_takes, default_backend_name
+from tokenmill.engine.attention.metadata import CommonAttentionMetadata
+from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
 
 
 @pytest.mark.parametrize(
@@ -126,17 +129,33 @@ def test_smollm2_triton_backend_on_gpu() -> None:
     assert faithfulness("triton") >= faithfulness("torch") - 3.0
 
 
-def test_decode_splits_are_sized_for_the_engines_full_batch() -> None:
-    """Few requests a step: short splits keep the SMs busy; a full batch of hundreds: long
-    ones (fewer program starts and merges). Long contexts keep at most 8 splits a request."""
-    from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
-
+def test_decode_splits_are_fixed_and_their_programs_follow_the_batch() -> None:
+    """A decode row's splits depend on its length alone (256-key splits, growing past 2,048
+    keys; a graph captured for 40,960 keys has 35); the programs sharing them fill the GPU:
+    8 rows of 1,400 keys on 132 SMs get all 6 of their splits' programs, 256 rows one
+    program a row and KV head (no program per split, as at a job's full batch)."""
     backend = TritonAttentionBackend(num_kv_heads=8)
-    keys = {}
-    for max_len, seqs in ((2048, 8), (2048, 64), (2048, 384), (32768, 384)):
-        backend.set_engine_limits(max_len, seqs)
-        keys[max_len, seqs] = backend.split_keys
-    assert keys == {(2048, 8): 256, (2048, 64): 512, (2048, 384): 1024, (32768, 384): 4096}
+    backend.num_sms = 132
+
+    def meta(rows: int, keys: int):
+        empty = torch.empty(0)
+        common = CommonAttentionMetadata(
+            empty, empty, empty, empty, np.ones(rows, dtype=np.int64),
+            np.full(rows, keys, dtype=np.int64), block_size=16, num_decodes=rows,
+        )  # fmt: skip
+        return backend.build(common)
+
+    shapes = {
+        (rows, keys): (meta(rows, keys).num_splits, meta(rows, keys).split_programs)
+        for rows, keys in ((8, 1400), (64, 1400), (256, 1400), (8, 100), (1, 40960))
+    }
+    assert shapes == {
+        (8, 1400): (6, 6),
+        (64, 1400): (6, 2),
+        (256, 1400): (6, 1),
+        (8, 100): (1, 1),
+        (1, 40960): (35, 35),
+    }
 
 
 def test_a_head_dim_the_kernels_do_not_take_runs_in_the_torch_backend(

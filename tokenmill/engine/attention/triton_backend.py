@@ -31,6 +31,7 @@ class TritonAttentionMetadata:
     decode_query_len: int  # most query tokens of a decode row (1 + drafts)
     decode_tokens: int  # query tokens of the decode rows
     num_splits: int  # decode splits, covering the longest decode row
+    split_programs: int  # programs a (decode row, KV head), each taking a run of its splits
     prefill_max_query_len: int
     prefills_fresh: bool  # no prefill row has keys from earlier steps (a new prompt each)
 
@@ -44,19 +45,10 @@ class TritonAttentionMetadata:
 MAX_DECODE_QUERY = 8
 
 
-def split_keys_for_batch(max_num_seqs: int) -> int:
-    """Keys per decode split for an engine running up to ``max_num_seqs`` requests a step.
-
-    A split costs a program's start and a merge; more of them only pay while the batch
-    leaves SMs idle. Measured on the H200 (session 15, FP8 cache, Llama-3-8B heads, 1k-16k
-    keys): at 256 and 384 requests one split per 1,024 keys was within 0-6% of the fastest
-    (256-key splits cost 10-18%); at 64 requests 512-1,024 keys were best; at 16 and below
-    256 keys (1,024 doubled the attention time of a lone request at 2k keys)."""
-    if max_num_seqs <= 16:
-        return 256
-    if max_num_seqs <= 64:
-        return 512
-    return 1024
+# Keys of a request's first decode splits (later ones grow: kernels/paged_decode_attention.py,
+# SPLITS_PER_TIER). Fixed for every engine, so a request's result depends only on its own
+# length; the programs sharing a request's splits follow the batch (choose_split_programs).
+DECODE_SPLIT_KEYS = 256
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -75,28 +67,36 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
         self.num_kv_heads = num_kv_heads
-        self.split_keys = 0  # set by set_engine_limits
+        self.split_keys = DECODE_SPLIT_KEYS
+        self.num_sms = 1  # set by set_engine_limits
 
     def set_engine_limits(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Fix decode's split-K boundaries for this engine: every request's keys split at
-        multiples of ``split_keys``, so its result depends on nothing but its own length
-        (eager and CUDA-graph steps, any batch, give the same tokens). At most 8 splits a
-        request at the longest context, and splits sized for a full batch
-        (``split_keys_for_batch``)."""
-        self.split_keys = max(split_keys_for_batch(max_num_seqs), -(-max_model_len // 8))
+        """Take the SM count of the GPU the engine runs on (the decode grid fills it). A
+        request's decode splits are fixed (``split_keys``, growing), so its result depends
+        on nothing but its own length: eager and CUDA-graph steps, any batch, give the same
+        tokens; only how many programs share its splits follows the step's batch."""
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            self.num_sms = props.multi_processor_count
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        from tokenmill.kernels.paged_decode_attention import (
+            choose_split_programs,
+            fixed_split_count,
+        )
+
         nd = common.num_decodes
         query_len = common.max_decode_query_len
         if query_len > MAX_DECODE_QUERY:
             nd, query_len = 0, 0  # every row through the prefill kernel
         longest = int(common.seq_lens_host[:nd].max(initial=0))
-        splits = max(1, -(-longest // self.split_keys))
+        splits = max(1, fixed_split_count(longest, self.split_keys))
+        programs = choose_split_programs(nd, self.num_kv_heads, splits, self.num_sms)
         prefill_max = int(common.query_lens_host[nd:].max(initial=0))
         fresh = bool((common.seq_lens_host[nd:] == common.query_lens_host[nd:]).all())
         decode_tokens = int(common.query_lens_host[:nd].sum())
         return TritonAttentionMetadata(
-            common, nd, query_len, decode_tokens, splits, prefill_max, fresh
+            common, nd, query_len, decode_tokens, splits, programs, prefill_max, fresh
         )
 
     def rope_kv_slots(self, meta: object) -> torch.Tensor | None:
@@ -138,6 +138,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 meta.num_splits,
                 split_keys=self.split_keys,
+                split_programs=meta.split_programs,
                 out=out[:rows],
                 query_start_loc=c.query_start_loc[: nd + 1] if multi else None,
                 max_query_len=meta.decode_query_len,
