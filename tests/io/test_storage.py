@@ -116,6 +116,29 @@ def test_a_full_disk_names_the_file_it_was_writing(tmp_path, monkeypatch) -> Non
     assert os.listdir(tmp_path / "shards") == []  # the temporary file went too
 
 
+def _written_in_a_block_or_not(store: OutputStore) -> None:
+    """``writing`` commits what the block wrote once it ends, and nothing when it raises (a
+    shard's row that cannot be encoded, part of the shard written)."""
+    store.write_atomic("shards/part-00000.jsonl", b"old\n")
+    with pytest.raises(ValueError, match="row 3"), store.writing("shards/part-00000.jsonl") as f:
+        f.write(b"new, in part")
+        raise ValueError("row 3 cannot be written")
+    assert store.read_bytes("shards/part-00000.jsonl") == b"old\n"
+    with pytest.raises(ValueError, match="row 3"), store.writing("shards/part-00001.jsonl") as f:
+        f.write(b"new, in part")
+        raise ValueError("row 3 cannot be written")
+    assert store.list() == ["shards/part-00000.jsonl"]  # no partial file or object
+    with store.writing("shards/part-00000.jsonl") as f:
+        f.write(b"new\n")
+        f.write(b"lines\n")
+    assert store.read_bytes("shards/part-00000.jsonl") == b"new\nlines\n"
+
+
+def test_writing_commits_all_or_nothing(tmp_path) -> None:
+    _written_in_a_block_or_not(OutputStore(str(tmp_path), owner="t"))
+    assert os.listdir(tmp_path / "shards") == ["part-00000.jsonl"]  # no temporary file left
+
+
 def test_killed_writer_leaves_temp_that_cleanup_removes(tmp_path, monkeypatch) -> None:
     store = OutputStore(str(tmp_path))
 
@@ -204,6 +227,16 @@ def test_s3_round_trip(s3_endpoint) -> None:
     store.delete_many([*names, "j.d/gone.json"])
     assert len(requests) == 1 and store.list("j.d/") == []
     store.delete_many(names)  # all gone: fine
+
+
+def test_writing_commits_all_or_nothing_on_s3(s3_endpoint) -> None:
+    """On an object store the block's bytes are spooled locally, then uploaded whole: a
+    file of ``fs.open`` would complete its upload on the block's error, a partial object."""
+    fsspec = pytest.importorskip("fsspec")
+    _, options = s3_endpoint
+    bucket = f"tm-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    _written_in_a_block_or_not(OutputStore(f"s3://{bucket}/out", storage_options=options))
 
 
 @pytest.mark.parametrize("glob", ["out[1]", "out?", "ou*"])

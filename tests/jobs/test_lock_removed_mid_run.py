@@ -74,7 +74,7 @@ def test_a_run_whose_lock_file_is_removed_commits_nothing_beside_the_next_run(
     def cleanup_then_run_b(_: object) -> None:  # A has its model, about to generate
         lock_path.unlink()  # a cleanup script's rm of A's live lock file
         b_reports.append(run_job(spec, show_progress=False))  # B gets in: a new lock file
-        for method in ("write_atomic", "delete", "delete_many"):
+        for method in ("write_atomic", "writing", "delete", "delete_many"):
             real = getattr(OutputStore, method)
             monkeypatch.setattr(OutputStore, method, _recording(real, method, a_writes))
 

@@ -5,7 +5,8 @@ Every file lands under the prefix with all of its bytes or not at all:
     local        <dir>/.<name>.tmp-<hex>  --write, fsync-->  os.replace  -->  <dir>/<name>
                  (then fsync <dir>, so the rename itself survives a power cut)
     object store one PUT of the whole bytes to the final key (S3/GCS/Azure show an object
-                 only once its upload completes, multipart uploads included)
+                 only once its upload completes, multipart uploads included); ``writing``
+                 spools them to a local temporary file first and uploads that
 
 A writer killed between the two local steps leaves a ``.<name>.tmp-<owner>-<hex>`` file and
 never a partial ``<name>``; ``cleanup_temp`` removes those leftovers. ``<owner>`` is a token
@@ -20,8 +21,9 @@ import hashlib
 import os
 import re
 import secrets
+import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -172,27 +174,56 @@ class OutputStore:
         ValueError for a bad name; OSError (or the store client's error) when the write fails,
         in which case ``name`` keeps its previous content, if any.
         """
+        self._check_writable(name)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"write_atomic({name!r}) takes bytes, got {type(data).__name__}")
+        if self.is_local:
+            with self._local_file(self.path(name)) as f:
+                f.write(data)
+        else:
+            with _client_errors(self.url, f"writing {name}"):
+                self.fs.pipe_file(self._fs_path(name), bytes(data))
+
+    @contextlib.contextmanager
+    def writing(self, name: str) -> Iterator[BinaryIO]:
+        """A binary file to write ``name``'s content into, committed as ``name`` when the block
+        ends, all or nothing as ``write_atomic`` commits bytes: a large file (a shard) is
+        never held in memory whole. When the block raises, ``name`` keeps its previous
+        content, if any, and nothing is uploaded.
+
+        Local: ``write_atomic``'s temp file, fsync and ``os.replace``. Object store: spooled
+        to a local temporary file, then one ``fs.put_file`` (one PUT, or a multipart upload
+        the store shows only once complete). Not a file of ``fs.open`` written as we go: its
+        ``close``, on an error too, completes the upload, leaving a partial object. Raises
+        as ``write_atomic`` does.
+        """
+        self._check_writable(name)
+        if self.is_local:
+            with self._local_file(self.path(name)) as f:
+                yield f
+            return
+        with tempfile.NamedTemporaryFile(prefix="tokenmill-") as spool:
+            yield spool
+            spool.flush()
+            with _client_errors(self.url, f"writing {name}"):
+                self.fs.put_file(spool.name, self._fs_path(name))
+
+    def _check_writable(self, name: str) -> None:
         _check_name(name, f"output {self.url}")
         if is_temp_name(name.rsplit("/", 1)[-1]):
             raise ValueError(
                 f"output {self.url}: {name!r} looks like a temporary file name; "
                 "choose another name (cleanup_temp would delete it)"
             )
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"write_atomic({name!r}) takes bytes, got {type(data).__name__}")
-        if self.is_local:
-            self._write_local(self.path(name), bytes(data))
-        else:
-            with _client_errors(self.url, f"writing {name}"):
-                self.fs.pipe_file(self._fs_path(name), bytes(data))
 
-    def _write_local(self, final: str, data: bytes) -> None:
+    @contextlib.contextmanager
+    def _local_file(self, final: str) -> Iterator[BinaryIO]:
         folder, base = os.path.split(final)
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{base}.tmp-{self._token}-{secrets.token_hex(8)}")
         try:
             with open(tmp, "xb") as f:
-                f.write(data)
+                yield f
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)

@@ -1,6 +1,7 @@
-"""Shard serialization: result rows to bytes, so that one shard file is one atomic write.
+"""Shard serialization: result rows to a shard file's bytes, written to a file as they are
+made (``write_results``: a shard's data file is never held in memory whole) or returned.
 
-    shard k ──► shards/part-<k:05d>.parquet | .jsonl   the good rows (encode_results)
+    shard k ──► shards/part-<k:05d>.parquet | .jsonl   the good rows (write_results)
            └──► errors/part-<k:05d>.jsonl              the failed rows (encode_errors), written
                                                        only when the shard has any
 
@@ -9,7 +10,8 @@ completion_tokens``, then ``prompt_logprobs`` and ``logprobs`` for rows that ask
 (Parquet: in every row when the job's schema has the column; see prompt_logprobs_column.py
 and logprobs_column.py), then the passthrough columns, each under its own name. Parquet files
 are written with the job's one ``OutputSchema`` (fixed columns and passthrough types alike),
-so every shard of a job, empty ones included, reads back as one dataset. Error files are JSONL
+so every shard of a job, empty ones included, reads back as one dataset, in row groups of
+about ``ROW_GROUP_BYTES`` of values (one row at least). Error files are JSONL
 in every format. Rows are written in ``row_index`` order, whatever order they finished in:
 the same results give the same bytes, so a recomputed shard is identical to the one a crash
 interrupted.
@@ -17,8 +19,10 @@ interrupted.
 
 from __future__ import annotations
 
+import io
 import json
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,18 +33,24 @@ from tokenmill.io.output_schema import FIXED_COLUMNS, FIXED_SCHEMA, OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS, PROMPT_LOGPROBS_FIELD
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
+from tokenmill.io.value_bytes import value_bytes
 
 __all__ = [
     "FIXED_COLUMNS",
     "OUTPUT_FORMATS",
+    "ROW_GROUP_BYTES",
     "encode_errors",
     "encode_results",
     "read_results",
     "shard_index",
     "shard_names",
+    "write_results",
 ]
 
 OUTPUT_FORMATS = ("parquet", "jsonl", "openai-batch")
+# A Parquet row group's values, about (value_bytes): writing one holds the group's Arrow
+# columns and encoded pages beside the rows. Shards under it are one row group, as before.
+ROW_GROUP_BYTES = 64 << 20
 
 
 def _check_format(fmt: str) -> None:
@@ -74,8 +84,22 @@ def shard_index(name: str) -> int:
 def encode_results(
     rows: list[ResultRow], fmt: str, created: int = 0, schema: OutputSchema | None = None
 ) -> bytes:
-    """The data file of a shard holding the good rows of ``rows`` (failed rows are skipped:
-    pass the same list to ``encode_errors``). ``created`` is the OpenAI ``created`` field
+    """The bytes ``write_results`` writes, for a few rows (a shard's are written to a file)."""
+    out = io.BytesIO()
+    write_results(rows, fmt, out, created, schema)
+    return out.getvalue()
+
+
+def write_results(
+    rows: list[ResultRow],
+    fmt: str,
+    out: BinaryIO,
+    created: int = 0,
+    schema: OutputSchema | None = None,
+) -> None:
+    """Write to ``out`` the data file of a shard holding the good rows of ``rows`` (failed
+    rows are skipped: pass the same list to ``encode_errors``), a line or a row group at a
+    time; on an error, ``out`` holds part of it. ``created`` is the OpenAI ``created`` field
     (openai-batch only). ``schema`` is the job's Parquet schema (parquet only; None: inferred
     from these rows alone, which another shard's rows may not share). Raises ValueError for an
     unknown format, a passthrough column that clashes with an output column or is not in
@@ -91,10 +115,11 @@ def encode_results(
                 schema = schema.with_prompt_logprobs()
             if any(r.logprobs is not None for r in good):
                 schema = schema.with_logprobs()
-        return _parquet_bytes(good, schema)
-    if fmt == "jsonl":
-        return _jsonl_bytes(_plain_record(r) for r in good)
-    return _jsonl_bytes(result_line(r, created) for r in good)
+        _write_parquet(good, schema, out)
+    elif fmt == "jsonl":
+        _write_jsonl((_plain_record(r) for r in good), out)
+    else:
+        _write_jsonl((result_line(r, created) for r in good), out)
 
 
 def encode_errors(rows: list[ResultRow], fmt: str) -> bytes:
@@ -160,7 +185,28 @@ def _plain_record(row: ResultRow) -> dict[str, Any]:
     return record
 
 
-def _parquet_bytes(rows: list[ResultRow], schema: OutputSchema) -> bytes:
+def _write_parquet(rows: list[ResultRow], schema: OutputSchema, out: BinaryIO) -> None:
+    with pq.ParquetWriter(out, schema.schema) as writer:
+        for group in _row_groups(rows):
+            writer.write_table(_parquet_table(group, schema))
+
+
+def _row_groups(rows: list[ResultRow]) -> Iterator[list[ResultRow]]:
+    """``rows`` in consecutive groups of at most ``ROW_GROUP_BYTES`` of values, one row at
+    least; one empty group for no rows (``pq.write_table`` writes one for an empty table)."""
+    group: list[ResultRow] = []
+    size = 0
+    for row in rows:
+        weight = value_bytes((row.text, row.passthrough, row.prompt_logprobs, row.logprobs))
+        if group and size + weight > ROW_GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(row)
+        size += weight
+    yield group
+
+
+def _parquet_table(rows: list[ResultRow], schema: OutputSchema) -> pa.Table:
     records = [_plain_record(r) for r in rows]  # raises for a clash with a fixed column
     known = set(schema.schema.names)
     for row in rows:
@@ -185,10 +231,7 @@ def _parquet_bytes(rows: list[ResultRow], schema: OutputSchema) -> bytes:
     for f in schema.passthrough:
         values = [r.passthrough.get(f.name) for r in rows]
         columns.append(schema.column(f.name, values, row_ids))
-    table = pa.Table.from_arrays(columns, schema=schema.schema)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
+    return pa.Table.from_arrays(columns, schema=schema.schema)
 
 
 def _entries_column(
@@ -216,9 +259,16 @@ def _entries_column(
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
-def _jsonl_bytes(records: Any) -> bytes:
-    lines = [strict_json(rec).translate(_LINE_BREAKS) + "\n" for rec in records]
-    return "".join(lines).encode("utf-8")
+def _jsonl_bytes(records: Iterable[Any]) -> bytes:
+    out = io.BytesIO()
+    _write_jsonl(records, out)
+    return out.getvalue()
+
+
+def _write_jsonl(records: Iterable[Any], out: BinaryIO) -> None:
+    for rec in records:  # a line at a time: a shard's lines are never all held at once
+        out.write(strict_json(rec).translate(_LINE_BREAKS).encode("utf-8"))
+        out.write(b"\n")
 
 
 def _read_jsonl(data: bytes, where: str) -> list[dict[str, Any]]:

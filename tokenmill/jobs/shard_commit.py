@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
-from tokenmill.io.shard_encoding import encode_shard
+from tokenmill.io.shard_encoding import write_shard
 from tokenmill.io.storage import OutputStore
 from tokenmill.io.writers import shard_index, shard_names
 from tokenmill.jobs.manifest import Manifest, ShardRecord
@@ -34,30 +34,28 @@ def commit_shard(
 ) -> ShardRecord:
     """Write shard ``shard``'s data file, and its error file when a row failed; return the
     manifest's record of them. ``schema`` is the job's Parquet schema. A row that cannot be
-    written in ``fmt`` (or does not fit ``schema``) goes to the error file (``encode_shard``).
+    written in ``fmt`` (or does not fit ``schema``) goes to the error file (``write_shard``).
 
     No error file is written for a shard without bad rows; one left at its name by a crashed
     run must be gone first (``remove_stray_files``, at the start of a run)."""
     data_name, error_name = shard_names(shard, fmt)
-    encoded = encode_shard(results, fmt, schema)
-    data_file = data_name if encoded.ok_rows or fmt == "parquet" else None  # (see above)
-    if data_file is not None:  # (a Parquet file holds the schema, rows or not)
-        store.write_atomic(data_file, encoded.data)
-    error_file = error_name if encoded.error_rows else None
+    written = write_shard(store, data_name, results, fmt, schema)  # no empty .jsonl (see above)
+    data_file = data_name if written.data_bytes is not None else None
+    error_file = error_name if written.error_rows else None
     if error_file is not None:
-        store.write_atomic(error_file, encoded.errors)
+        store.write_atomic(error_file, written.errors)
     first = shard * rows_per_shard
     return ShardRecord(
         first_row=first,
         end_row=first + len(results),
-        ok=len(encoded.ok_rows),
-        errors=len(encoded.error_rows),
+        ok=len(written.ok_rows),
+        errors=len(written.error_rows),
         data=data_file,
         error_file=error_file,
-        prompt_tokens=sum(r.prompt_tokens for r in encoded.ok_rows),
-        completion_tokens=sum(r.completion_tokens for r in encoded.ok_rows),
-        data_bytes=len(encoded.data) if data_file is not None else None,
-        error_bytes=len(encoded.errors) if error_file is not None else None,
+        prompt_tokens=sum(r.prompt_tokens for r in written.ok_rows),
+        completion_tokens=sum(r.completion_tokens for r in written.ok_rows),
+        data_bytes=written.data_bytes,
+        error_bytes=len(written.errors) if error_file is not None else None,
     )
 
 
