@@ -116,6 +116,18 @@ MIN_TOKENS_PER_SPLIT = 256  # below this, a split's fixed cost (q load, merge) o
 
 
 @triton.jit
+def _query_tokens(qsl_ptr, b, QUERY_MAX: tl.constexpr):
+    """(first row, count) of request b's query tokens: row b alone when QUERY_MAX == 1."""
+    if QUERY_MAX == 1:
+        q_start = b
+        q_len = tl.full([], 1, tl.int32)  # a tensor either way (a jit function's result)
+    else:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+    return q_start, q_len
+
+
+@triton.jit
 def _split_start(split, base_tiles, growing):
     """First key tile of a request's split ``split``: splits of ``base_tiles`` tiles, or
     (``growing``) SPLITS_PER_TIER of them, then SPLITS_PER_TIER twice as long, and so on."""
@@ -206,12 +218,7 @@ def _split_kernel(
     offs_g = offs_r % GROUP
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    if QUERY_MAX == 1:
-        q_start = b
-        q_len = 1
-    else:
-        q_start = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q_start, q_len = _query_tokens(qsl_ptr, b, QUERY_MAX)
     mask_r = (offs_r < QUERY_MAX * GROUP) & (offs_i < q_len)
     q_heads = kv_head * GROUP + offs_g
     q_rows = q_start + offs_i  # [ROWS_PAD] row of q / out / the workspace
@@ -411,12 +418,7 @@ def _merge_kernel(
     head = tl.program_id(1)
     seq_len = tl.minimum(tl.load(seq_lens_ptr + b), max_blocks * BLOCK_SIZE)
     n_splits = _split_geometry(seq_len, num_splits, split_tiles, BLOCK_N)[1]
-    if QUERY_MAX == 1:
-        q_start = b
-        q_len = 1
-    else:
-        q_start = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q_start, q_len = _query_tokens(qsl_ptr, b, QUERY_MAX)
     offs_i = tl.arange(0, QUERY_PAD)
     _merge_splits(
         part_ptr, lse_ptr, out_ptr, q_start + offs_i, head + 0 * offs_i, offs_i < q_len,
