@@ -60,11 +60,17 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_kv_heads: int) -> None:
         # Imported here so the CPU path never needs Triton.
         from tokenmill.kernels.kv_store import store_kv
-        from tokenmill.kernels.paged_decode_attention import paged_decode_attention
+        from tokenmill.kernels.paged_decode_attention import (
+            choose_split_programs,
+            fixed_split_count,
+            paged_decode_attention,
+        )
         from tokenmill.kernels.paged_prefill_attention import paged_prefill_attention
 
         self._store_kv = store_kv
         self._decode = paged_decode_attention
+        self._split_count = fixed_split_count
+        self._split_programs = choose_split_programs
         self._prefill = paged_prefill_attention
         self.num_kv_heads = num_kv_heads
         self.split_keys = DECODE_SPLIT_KEYS
@@ -80,18 +86,13 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_sms = props.multi_processor_count
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-        from tokenmill.kernels.paged_decode_attention import (
-            choose_split_programs,
-            fixed_split_count,
-        )
-
         nd = common.num_decodes
         query_len = common.max_decode_query_len
         if query_len > MAX_DECODE_QUERY:
             nd, query_len = 0, 0  # every row through the prefill kernel
         longest = int(common.seq_lens_host[:nd].max(initial=0))
-        splits = max(1, fixed_split_count(longest, self.split_keys))
-        programs = choose_split_programs(nd, self.num_kv_heads, splits, self.num_sms)
+        splits = max(1, self._split_count(longest, self.split_keys))
+        programs = self._split_programs(nd, self.num_kv_heads, splits, self.num_sms)
         prefill_max = int(common.query_lens_host[nd:].max(initial=0))
         fresh = bool((common.seq_lens_host[nd:] == common.query_lens_host[nd:]).all())
         decode_tokens = int(common.query_lens_host[:nd].sum())
