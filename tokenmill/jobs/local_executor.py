@@ -4,11 +4,11 @@
 
 The engine's batch never drains while there is input: before every step the executor tops
 the engine up to ``2 * max_num_seqs`` requests (a row asking for n completions is n of them:
-rows_in_flight.py), or while its rows hold less than ``max_in_flight_bytes`` (wide rows keep
-their passthrough values in flight: 512 rows of 5 MB could hold 2.5 GB), from what the source has
-ready, without
-waiting (it waits only when the engine has nothing to do), so the scheduler always has a
-queue to batch from and the queued-but-not-running requests stay bounded. Results are
+rows_in_flight.py), and no further once its rows hold ``max_in_flight_bytes`` (wide rows keep
+their passthrough values in flight: 512 rows of 5 MB could hold 2.5 GB), from what the
+source has ready, without waiting (it waits only when the engine has nothing to do), so the
+scheduler always has a queue to batch from and the queued-but-not-running requests stay
+bounded. Results are
 yielded as requests finish (any order); ``on_step`` is called after every step (and at
 every wait for rows), so the runner's progress can show tokens before any row finishes
 (``live``), and keeps showing while no row comes.
