@@ -12,6 +12,7 @@ and the full run's shard size and ``max_num_seqs`` come from ``--rows-per-shard`
 
     .venv/bin/python bench/job_memory.py [--rows 1000000] [--skip-full]
     .venv/bin/python bench/job_memory.py --rows 400 --wide-mb 5 --skip-dry-run
+    (``--rows-per-shard 0``: the job picks its shard size, as one that leaves it out)
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--skip-full", action="store_true")
     parser.add_argument("--skip-dry-run", action="store_true")
     parser.add_argument("--wide-mb", type=float, default=0.0)
+    # 0: left out of the job, which picks it from its rows' size (jobs/shard_size.py)
     parser.add_argument("--rows-per-shard", type=int, default=10000)
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=1)
@@ -78,13 +80,11 @@ def main() -> None:
             "model": {"source": "smollm2-135m-instruct"},
             "input": {"path": str(data), "passthrough_columns": ["blob"] if args.wide_mb else []},
             "sampling": {"max_tokens": args.max_tokens},
-            "output": {
-                "path": str(tmp_path / "out"),
-                "format": "jsonl",
-                "rows_per_shard": args.rows_per_shard,
-            },
+            "output": {"path": str(tmp_path / "out"), "format": "jsonl"},
             "engine": {"device": "cpu"},
         }
+        if args.rows_per_shard:
+            spec["output"]["rows_per_shard"] = args.rows_per_shard
         rss = 0.0
         if not args.skip_dry_run:
             job = tmp_path / "dry.yaml"

@@ -42,6 +42,7 @@ from tokenmill.jobs.requests import (
     sampling_params_for,
 )
 from tokenmill.jobs.runner import settings_of
+from tokenmill.jobs.shard_size import with_shard_size
 from tokenmill.jobs.spec import JobSpec
 from tokenmill.jobs.stop_signals import JobInterrupted
 from tokenmill.jobs.throughput_table import Estimate, estimate_time, model_params
@@ -183,6 +184,10 @@ def dry_run(
     manifest = None if fresh else Manifest.load(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
+    resumed = None if manifest is None else with_shard_size(spec, cfg, manifest)
+    if resumed is not None and resumed != spec:  # the count a run's fingerprint covers
+        spec = resumed
+        settings, earlier = settings_of(spec, cfg)
     resumable = manifest is not None and manifest.matches(
         fingerprint(settings), settings_record(settings), earlier
     )  # as a run decides

@@ -92,6 +92,7 @@ from tokenmill.jobs.row_count import count_input_rows
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
 from tokenmill.jobs.shard_commit import discard_progress, progress_files, remove_stray_files
+from tokenmill.jobs.shard_size import with_shard_size
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
 from tokenmill.jobs.spec import JobSpec, JobSpecError, coerce_spec
@@ -276,17 +277,16 @@ def _run_locked(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
     )
     owner = _reachable(store, lambda: check_claimable(store, spec.name))
+    manifest = None if fresh else Manifest.load(store, spec.name)
+    if manifest is None and not fresh:
+        _refuse_progress_without_manifest(store, spec.name)
+    if manifest is not None and not manifest.shards and not manifest.complete:
+        manifest = None  # no progress to mix (a run that stopped before its first shard)
+    spec = with_shard_size(spec, cfg, manifest)  # (the count the fingerprint covers)
     settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
     fp, record = fingerprint(settings), settings_record(settings)
     if fresh:
         discard_progress(store, spec.name)
-        manifest = None
-    else:
-        manifest = Manifest.load(store, spec.name)
-        if manifest is None:
-            _refuse_progress_without_manifest(store, spec.name)
-    if manifest is not None and not manifest.shards and not manifest.complete:
-        manifest = None  # no progress to mix (a run that stopped before its first shard)
     saved = (
         manifest is not None
         and (manifest.fingerprint, manifest.settings) == (fp, record)

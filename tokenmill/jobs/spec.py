@@ -305,8 +305,14 @@ class SamplingSection(_Section):
 class OutputSection(_Section):
     path: Location
     format: Literal["parquet", "jsonl", "openai-batch"] = "parquet"
+    # Left out: as many rows as hold about 64 MiB, 1000 at most (shard_size.py)
     rows_per_shard: StrictInt = Field(1000, ge=1)
     storage_options: dict[StrictStr, Any] = Field(default_factory=dict)
+
+    @property
+    def rows_per_shard_given(self) -> bool:
+        """Whether the job set ``rows_per_shard`` (else its run picks it: shard_size.py)."""
+        return "rows_per_shard" in self.model_fields_set
 
 
 class ExecutionSection(_Section):
@@ -455,7 +461,12 @@ class JobSpec(_Section):
             raise JobSpecError(_format_errors(exc, where, given)) from None
 
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        """The spec as job.yaml's sections; ``output.rows_per_shard`` left out where the job
+        left it out, so that a job file written from it still has its run pick one."""
+        data = self.model_dump(mode="json")
+        if not self.output.rows_per_shard_given:
+            del data["output"]["rows_per_shard"]
+        return data
 
 
 def _read_yaml(path: Path) -> Any:
