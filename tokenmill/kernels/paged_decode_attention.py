@@ -36,10 +36,13 @@ Algorithm (two kernels, grid sized from B, Hkv, P, S only, so the launch is CUDA
    not depend on P. A query token that sees none of a split's keys stores lse = -inf and
    a zero output.
 2. ``_merge_kernel``, grid (B, Hq): for each query token of request b, out = sum_s
-   exp(lse_s - M) * o_s / sum_s exp(lse_s - M), M = max_s lse_s, over the request's own
-   splits in order (the workspace past them is never read); -inf splits weigh 0, and an
-   empty request (seq_len 0, a padded graph row) gets zeros rather than NaN. With S == 1
-   the split kernel writes ``out`` itself.
+   exp(lse_s - M) * o_s / sum_s exp(lse_s - M) over the request's own splits (the
+   workspace past them is never read), in one pass split after split (a running max M
+   rescales what came before: ``_fold_split``); -inf splits weigh 0, and an empty request
+   (seq_len 0, a padded graph row) gets zeros rather than NaN. With S == 1 the split kernel
+   writes ``out`` itself, and with P == 1 (a full batch) each program folds its splits in
+   registers as they end, with the same ops, and writes ``out``: no workspace traffic and
+   no second kernel.
 
 Splitting is per request, so a short request is not split into a long request's slices and
 the result of a request never depends on the rest of the batch (or on block_tables' width):
@@ -242,6 +245,10 @@ def _split_kernel(
     m_i = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS_PAD], dtype=tl.float32)
     acc = tl.zeros([ROWS_PAD, HEAD_DIM], dtype=tl.float32)
+    # FUSE_MERGE: the merge of this program's finished splits (_fold_split)
+    mrg_m = tl.full([ROWS_PAD], float("-inf"), dtype=tl.float32)
+    mrg_acc = tl.zeros([ROWS_PAD, HEAD_DIM], dtype=tl.float32)
+    mrg_den = tl.zeros([ROWS_PAD], dtype=tl.float32)
 
     # Every tile in [tile_start, tile_end) holds at least one key < seq_len, but an early
     # query token may see none of a split's keys: its running max stays -inf, and the
@@ -300,11 +307,9 @@ def _split_kernel(
         if (t + 1 == split_end) | (t + 1 == tile_end):
             # The split's last tile: its result out, and a fresh softmax for the next one, as
             # a program of its own would start it (the same bits whatever the program count).
-            if FUSE_MERGE and n_splits == 1:  # the answer itself (a merge of one split is it)
-                _store_split(
-                    out_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, 0,
-                    stride_yb, stride_yh, 0, stride_yd, stride_lb, stride_lh, stride_ls, False,
-                )  # fmt: skip
+            if FUSE_MERGE:  # merged here, in registers, as _merge_splits merges stored ones
+                o, lse = _split_result(acc, l_i, m_i)
+                mrg_m, mrg_acc, mrg_den = _fold_split(mrg_m, mrg_acc, mrg_den, o, lse)
             else:
                 _store_split(
                     o_ptr, lse_ptr, acc, l_i, m_i, q_rows, q_heads, mask_r, offs_d, split,
@@ -323,14 +328,33 @@ def _split_kernel(
                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
                 STORE_LSE,
             )  # fmt: skip
-    if FUSE_MERGE:
-        if n_splits != 1:  # several splits merged, or none: zeros
-            tl.debug_barrier()  # the block's partial stores, visible to all its threads
-            _merge_splits(
-                o_ptr, lse_ptr, out_ptr, q_rows, q_heads, mask_r, offs_d, n_splits,
-                stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                stride_yb, stride_yh, stride_yd,
-            )  # fmt: skip
+    if FUSE_MERGE:  # (no splits, an empty request: zeros)
+        out = mrg_acc / tl.where(mrg_den > 0.0, mrg_den, 1.0)[:, None]
+        out_ptrs = out_ptr + q_rows[:, None].to(tl.int64) * stride_yb + q_heads[:, None] * stride_yh
+        tl.store(out_ptrs + offs_d[None, :] * stride_yd, out, mask=mask_r[:, None])
+
+
+@triton.jit
+def _split_result(acc, l_i, m_i):
+    """A split's normalized output and its natural-log sum of exponentials (-inf, and a zero
+    output, for a query row that saw none of its keys)."""
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # not 0/0
+    # m_i is in log2 units (scores were scaled by log2(e)); lse is in natural-log units.
+    lse = m_i * _LN2 + tl.log(tl.where(has_keys, l_i, 1.0))
+    return out, tl.where(has_keys, lse, float("-inf"))
+
+
+@triton.jit
+def _fold_split(m, acc, den, o, lse):
+    """The merge of splits so far (running max m, sum acc of weighted outputs, sum den of
+    weights) with the next split's (o, lse): one pass, split after split in order. -inf
+    splits weigh 0; a first split of lse x gives exactly (x, o, 1)."""
+    new = tl.maximum(m, lse)
+    ref = tl.where(new == float("-inf"), 0.0, new)  # none yet: exp(-inf) = 0, not NaN
+    old_w = tl.exp(m - ref)
+    w = tl.exp(lse - ref)
+    return new, acc * old_w[:, None] + o * w[:, None], den * old_w + w
 
 
 @triton.jit
@@ -340,25 +364,20 @@ def _merge_splits(
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
 ):  # fmt: skip
-    """out[row, head] for each (rows, heads) pair under ``mask``: sum_s exp(lse_s - M) * o_s
-    / sum_s exp(lse_s - M), M = max_s lse_s, over splits 0 .. n_splits - 1 in order; -inf
-    splits weigh 0 and a row with none (or no keys at all) gets zeros, not NaN. The one
-    merge of both kernels (_merge_kernel's and a fused one's), so their bits agree."""
+    """out[row, head] for each (rows, heads) pair under ``mask``: the stored splits 0 ..
+    n_splits - 1 folded in order (_fold_split, as a program merging its own splits folds
+    them in registers: the same bits); a row with none (or no keys at all) gets zeros."""
     rows = rows.to(tl.int64)
     lse_rows = lse_ptr + rows * stride_lb + heads * stride_lh
     part_rows = part_ptr + rows[:, None] * stride_pb + heads[:, None] * stride_ph
     part_rows += offs_d[None, :] * stride_pd
-    lse_max = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
-    for s in range(n_splits):
-        lse = tl.load(lse_rows + s * stride_ls, mask=mask, other=float("-inf"))
-        lse_max = tl.maximum(lse_max, lse)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # none: exp(-inf) = 0
+    m = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
     acc = tl.zeros([rows.shape[0], offs_d.shape[0]], dtype=tl.float32)
     denom = tl.zeros(rows.shape, dtype=tl.float32)
     for s in range(n_splits):
-        w = tl.exp(tl.load(lse_rows + s * stride_ls, mask=mask, other=float("-inf")) - lse_max)
-        acc += w[:, None] * tl.load(part_rows + s * stride_ps, mask=mask[:, None], other=0.0)
-        denom += w
+        lse = tl.load(lse_rows + s * stride_ls, mask=mask, other=float("-inf"))
+        o = tl.load(part_rows + s * stride_ps, mask=mask[:, None], other=0.0)
+        m, acc, denom = _fold_split(m, acc, denom, o, lse)
     out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh
     tl.store(out_ptrs + offs_d[None, :] * stride_od, out, mask=mask[:, None])
@@ -371,8 +390,7 @@ def _store_split(
     STORE_LSE: tl.constexpr,
 ):  # fmt: skip
     """A split's normalized output (and its lse, when there are several splits)."""
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # no keys seen: zeros, not 0/0
+    out, lse = _split_result(acc, l_i, m_i)
     o_ptrs = (
         o_ptr
         + q_rows[:, None].to(tl.int64) * stride_ob
@@ -382,9 +400,6 @@ def _store_split(
     )
     tl.store(o_ptrs, out, mask=mask_r[:, None])
     if STORE_LSE:
-        # m_i is in log2 units (scores were scaled by log2(e)); lse is in natural-log units.
-        lse = m_i * _LN2 + tl.log(tl.where(has_keys, l_i, 1.0))
-        lse = tl.where(has_keys, lse, float("-inf"))
         tl.store(
             lse_ptr + q_rows * stride_lb + q_heads * stride_lh + split * stride_ls,
             lse,
