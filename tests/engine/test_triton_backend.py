@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,10 @@ from tests.tiny_models import save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.attention.backend import check_backend_takes, default_backend_name
 from tokenmill.engine.attention.metadata import CommonAttentionMetadata
-from tokenmill.engine.attention.triton_backend import TritonAttentionBackend
+from tokenmill.engine.attention.triton_backend import DECODE_SPLIT_KEYS, TritonAttentionBackend
+from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.loader.safetensors_loader import load_hf_config
+from tokenmill.kernels.paged_decode_attention import DecodeWorkspace, fixed_split_count
 
 
 @pytest.mark.parametrize(
@@ -176,3 +180,84 @@ def test_a_head_dim_the_kernels_do_not_take_runs_in_the_torch_backend(
         LLM(str(path), device="cpu", attention_backend="triton")
     llm = LLM(str(path), device="cpu", dtype="float32")  # auto: torch on CPU, as ever
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].error is None
+
+
+def _workspace_bytes(rows: int, heads: int, splits: int, head_dim: int) -> int:
+    ws = DecodeWorkspace.allocate(rows, heads, splits, head_dim, torch.device("meta"))
+    return ws.partial_out.nbytes + ws.lse.nbytes
+
+
+def test_workspace_bytes_are_the_decode_partials_at_the_longest_request() -> None:
+    """The split partials of ``max_decode_tokens`` rows with a ``max_model_len``-key request's
+    splits; none while one split covers every request."""
+    backend = TritonAttentionBackend(num_kv_heads=2)
+    splits = fixed_split_count(4096, backend.split_keys)
+    assert splits == 12  # 8 of 256 keys, 4 of 512
+    assert backend.workspace_bytes(4096, 48, 4, 64) == _workspace_bytes(48, 4, splits, 64)
+    assert backend.workspace_bytes(backend.split_keys, 48, 4, 64) == 0
+
+
+def test_the_kv_cache_budget_leaves_the_decode_workspace_its_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV cache took all the free memory it was given and the decode partials came out of
+    what was left (a large max_num_seqs at a long max_model_len ran out of memory). The
+    budget now reserves them: max_num_seqs rows at the settings' longest request, times
+    1 + k with k drafts a row."""
+    path = save_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
+    reserves: dict[tuple[str, str], int] = {}
+    budget = EngineConfig.kv_cache_budget
+
+    def recorded(self: EngineConfig, device: torch.device, reserve_bytes: int = 0) -> int:
+        reserves[self.attention_backend, self.speculative.method] = reserve_bytes
+        return budget(self, device, reserve_bytes)
+
+    monkeypatch.setattr(EngineConfig, "kv_cache_budget", recorded)
+    for backend, method in (("torch", "off"), ("triton", "off"), ("triton", "ngram")):
+        LLM(
+            str(path),
+            device="cpu",
+            kv_cache_memory=4 << 20,
+            max_num_seqs=16,
+            attention_backend=backend,
+            speculative={"method": method, "max_tokens": 3},
+        ).close()
+    mc = load_hf_config(path)
+    splits = fixed_split_count(4096, DECODE_SPLIT_KEYS)
+
+    def workspace(rows: int) -> int:
+        return _workspace_bytes(rows, mc.num_attention_heads, splits, mc.head_dim)
+
+    assert reserves["triton", "off"] - reserves["torch", "off"] == workspace(16)
+    assert reserves["triton", "ngram"] - reserves["torch", "off"] == workspace(16 * 4)
+
+
+def test_engine_limits_take_the_sm_count_of_the_engines_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine on cuda:1 while cuda:0 is current took cuda:0's SM count. The SM counts here
+    are made up per index (no GPU on CPU): the backend must ask for its engine's device
+    ("cuda" alone: the current one), and leave num_sms as it is on a CPU device."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: SimpleNamespace(multi_processor_count=100 + index),
+    )
+    backend = TritonAttentionBackend(num_kv_heads=8)
+    backend.set_engine_limits(2048, 8, torch.device("cuda", 1))
+    assert backend.num_sms == 101
+    backend.set_engine_limits(2048, 8, torch.device("cuda"))
+    assert backend.num_sms == 102
+    backend.num_sms = 7
+    backend.set_engine_limits(2048, 8, torch.device("cpu"))
+    assert backend.num_sms == 7
+
+
+@pytest.mark.gpu
+def test_engine_limits_take_each_gpus_own_sm_count() -> None:
+    backend = TritonAttentionBackend(num_kv_heads=8)
+    for index in range(torch.cuda.device_count()):
+        backend.set_engine_limits(2048, 8, torch.device("cuda", index))
+        props = torch.cuda.get_device_properties(index)
+        assert backend.num_sms == props.multi_processor_count

@@ -60,7 +60,7 @@ def test_gpu_replayed_layers_equal_launched_layers(dtype, cache_dtype) -> None:
     layers = 4
     common, q, k, v, cache = _mixed_step("cuda", dtype, layers, cache_dtype)
     backend = TritonAttentionBackend(HKV)
-    backend.set_engine_limits(max_model_len=2048, max_num_seqs=8)
+    backend.set_engine_limits(max_model_len=2048, max_num_seqs=8, device=torch.device("cuda"))
     meta = backend.build(common)
     assert meta.num_splits > 1 and not meta.decode_only  # the decode merge and prefill too
     want_cache, replay_cache = cache.clone(), cache.clone()
@@ -89,7 +89,7 @@ def test_gpu_replayed_layers_equal_launched_layers(dtype, cache_dtype) -> None:
 def test_gpu_replay_refuses_another_layout() -> None:
     common, q, k, v, cache = _mixed_step("cuda", torch.float32, 2, torch.float32)
     backend = TritonAttentionBackend(HKV)
-    backend.set_engine_limits(max_model_len=2048, max_num_seqs=8)
+    backend.set_engine_limits(max_model_len=2048, max_num_seqs=8, device=torch.device("cuda"))
     meta = backend.build(common)
     with LaunchLog.recording() as log:
         backend.forward(q, k, v, cache[0], meta, 0.125, out=torch.empty_like(q))

@@ -146,6 +146,16 @@ def test_reuses_out_and_a_larger_workspace() -> None:
         assert (out_buf[:, hq] == 7.0).all()
 
 
+@pytest.mark.parametrize(
+    ("batch", "hq", "splits", "d"), [(1, 1, 2, 16), (6, 4, 3, 64), (256, 32, 49, 128)]
+)
+def test_workspace_nbytes_is_what_allocate_takes(batch: int, hq: int, splits: int, d: int) -> None:
+    # The engine reserves nbytes before it sizes the KV cache: it must be the tensors' bytes.
+    ws = DecodeWorkspace.allocate(batch, hq, splits, d, torch.device("meta"))
+    allocated = ws.partial_out.nbytes + ws.lse.nbytes
+    assert DecodeWorkspace.nbytes(batch, hq, splits, d) == allocated
+
+
 def test_choose_num_splits() -> None:
     assert choose_num_splits(256, 8, 16384) == 1  # 2048 programs already fill 132 SMs
     assert choose_num_splits(64, 8, 4096) == 2

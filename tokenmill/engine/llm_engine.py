@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from tokenmill.engine.attention.backend import (
+    AttentionBackend,
     check_backend_takes,
     default_backend_name,
     get_attention_backend,
@@ -180,7 +181,10 @@ class LLMEngine:
         # An FP8 KV cache holds e4m3 values (kernels/fp8_kv.py): twice the blocks.
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         block_bytes = kv_bytes_per_block(mc, backend, config.block_size, kv_dtype, parallel)
-        budget = config.kv_cache_budget(self.device, self._activation_reserve())
+        # The decode workspace at the longest request the settings allow: the KV cache's
+        # size can only lower that length.
+        workspace = self._attention_workspace(backend, max_len, proposer, parallel)
+        budget = config.kv_cache_budget(self.device, self._activation_reserve() + workspace)
         num_blocks = budget // block_bytes
         if config.kv_cache_memory is None and self.device.type == "cpu":
             # The 2 GiB default is zeroed at start: a small model would hold far more blocks
@@ -219,7 +223,7 @@ class LLMEngine:
             parallel=parallel,
             kv_dtype=kv_dtype,
         )
-        backend.set_engine_limits(self.max_model_len, config.max_num_seqs)
+        backend.set_engine_limits(self.max_model_len, config.max_num_seqs, self.device)
         self.runner.profiler.enabled = config.profile_steps
         if config.cuda_graphs:
             self.runner.enable_cuda_graphs(
@@ -303,6 +307,26 @@ class LLMEngine:
             config.block_size,
             " (fp8)" if config.kv_cache_dtype == "fp8" else "",
             self.max_model_len,
+        )
+
+    def _attention_workspace(
+        self,
+        backend: AttentionBackend,
+        max_model_len: int,
+        proposer: DraftProposer | None,
+        parallel: ParallelConfig,
+    ) -> int:
+        # Bytes of the attention backend's scratch at the engine's limits: every row a
+        # decode row, each with its drafts as far as the decode path takes them (longer
+        # rows go to the prefill kernel).
+        drafts = 0 if proposer is None else proposer.max_drafts
+        query_len = min(1 + drafts, backend.max_decode_query_len)
+        mc = self.model_config
+        return backend.workspace_bytes(
+            max_model_len,
+            self.config.max_num_seqs * query_len,
+            parallel.per_rank(mc.num_attention_heads, "num_attention_heads"),
+            mc.head_dim,
         )
 
     def _activation_reserve(self) -> int:

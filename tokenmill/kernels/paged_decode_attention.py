@@ -104,6 +104,7 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64
+WORKSPACE_DTYPE = torch.float32  # the split partials (DecodeWorkspace)
 # Fixed splits (``split_keys``) grow with the key position: SPLITS_PER_TIER of split_keys
 # keys, then as many twice as long, ... (256-key splits: 8 up to 2,048 keys, 512 up to 6,144,
 # 35 splits cover 40,960), so short requests split finely and a long context still needs few.
@@ -456,14 +457,28 @@ class DecodeWorkspace:
     lse: Tensor
 
     @staticmethod
+    def shapes(
+        max_batch: int, num_q_heads: int, num_splits: int, head_dim: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(partial_out, lse) shapes for these sizes; both fp32 (WORKSPACE_DTYPE)."""
+        lse = (max_batch, num_q_heads, num_splits)
+        return (*lse, head_dim), lse
+
+    @staticmethod
+    def nbytes(max_batch: int, num_q_heads: int, num_splits: int, head_dim: int) -> int:
+        """Device bytes ``allocate`` takes for these sizes, without allocating: what an
+        engine sizing its KV cache from free memory must leave for the workspace."""
+        shapes = DecodeWorkspace.shapes(max_batch, num_q_heads, num_splits, head_dim)
+        return sum(math.prod(shape) for shape in shapes) * WORKSPACE_DTYPE.itemsize
+
+    @staticmethod
     def allocate(
         max_batch: int, num_q_heads: int, num_splits: int, head_dim: int, device: torch.device
     ) -> DecodeWorkspace:
+        part, lse = DecodeWorkspace.shapes(max_batch, num_q_heads, num_splits, head_dim)
         return DecodeWorkspace(
-            partial_out=torch.empty(
-                max_batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device
-            ),
-            lse=torch.empty(max_batch, num_q_heads, num_splits, dtype=torch.float32, device=device),
+            partial_out=torch.empty(part, dtype=WORKSPACE_DTYPE, device=device),
+            lse=torch.empty(lse, dtype=WORKSPACE_DTYPE, device=device),
         )
 
 
@@ -608,7 +623,7 @@ def paged_decode_attention(
             part.dim() == 4
             and part.shape[0] >= rows
             and tuple(part.shape[1:]) == (num_q_heads, num_splits, head_dim)
-            and part.dtype == torch.float32,
+            and part.dtype == WORKSPACE_DTYPE,
             f"workspace.partial_out must be [>={rows}, {num_q_heads}, {num_splits}, {head_dim}] "
             f"fp32, got {tuple(part.shape)} {part.dtype}",
         )
@@ -616,7 +631,7 @@ def paged_decode_attention(
             lse.dim() == 3
             and lse.shape[0] >= rows
             and tuple(lse.shape[1:]) == (num_q_heads, num_splits)
-            and lse.dtype == torch.float32,
+            and lse.dtype == WORKSPACE_DTYPE,
             f"workspace.lse must be [>={rows}, {num_q_heads}, {num_splits}] fp32, got "
             f"{tuple(lse.shape)} {lse.dtype}",
         )

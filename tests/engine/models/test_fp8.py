@@ -158,7 +158,7 @@ def test_producers_quantize_for_fp8_layers_with_the_same_bits(
     those of the same model with every layer quantizing its own input."""
     config = _tiny_config()
     backend = get_attention_backend(backend_name, config.num_key_value_heads)
-    backend.set_engine_limits(64, 8)
+    backend.set_engine_limits(64, 8, torch.device(device))
     model = build_model(config, backend, 64, torch.device(device), torch.bfloat16, None,
                         quantization="fp8")  # fmt: skip
     layers = model.model.layers

@@ -41,9 +41,23 @@ class AttentionBackend(ABC):
     cuda_graphs: ClassVar[bool] = False
     max_decode_query_len: ClassVar[int] = 1
 
-    def set_engine_limits(self, max_model_len: int, max_num_seqs: int) -> None:  # noqa: B027
-        """Told once, after the engine sized its KV cache: the longest request and the most
-        requests a step. An optional hook: a no-op unless a backend needs them."""
+    def workspace_bytes(
+        self, max_model_len: int, max_decode_tokens: int, num_q_heads: int, head_dim: int
+    ) -> int:
+        """Device bytes of the scratch that ``forward`` allocates beside the KV cache at the
+        engine's limits: requests of up to ``max_model_len`` keys, up to
+        ``max_decode_tokens`` query tokens of decode rows a step, ``num_q_heads`` query heads
+        (the rank's) of ``head_dim``. The engine asks before it sizes the KV cache, and a
+        budget taken from free memory (a fraction) leaves these bytes out; 0 (the default)
+        for a backend whose scratch is too small to count."""
+        return 0
+
+    def set_engine_limits(  # noqa: B027
+        self, max_model_len: int, max_num_seqs: int, device: torch.device
+    ) -> None:
+        """Told once, after the engine sized its KV cache: the longest request, the most
+        requests a step and the device the engine runs on. An optional hook: a no-op unless
+        a backend needs them."""
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -61,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
         # Imported here so the CPU path never needs Triton.
         from tokenmill.kernels.kv_store import store_kv
         from tokenmill.kernels.paged_decode_attention import (
+            DecodeWorkspace,
             choose_split_programs,
             fixed_split_count,
             paged_decode_attention,
@@ -71,19 +72,37 @@ class TritonAttentionBackend(AttentionBackend):
         self._decode = paged_decode_attention
         self._split_count = fixed_split_count
         self._split_programs = choose_split_programs
+        self._workspace_nbytes = DecodeWorkspace.nbytes
         self._prefill = paged_prefill_attention
         self.num_kv_heads = num_kv_heads
         self.split_keys = DECODE_SPLIT_KEYS
         self.num_sms = 1  # set by set_engine_limits
 
-    def set_engine_limits(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Take the SM count of the GPU the engine runs on (the decode grid fills it). A
-        request's decode splits are fixed (``split_keys``, growing), so its result depends
-        on nothing but its own length: eager and CUDA-graph steps, any batch, give the same
-        tokens; only how many programs share its splits follows the step's batch."""
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            self.num_sms = props.multi_processor_count
+    def workspace_bytes(
+        self, max_model_len: int, max_decode_tokens: int, num_q_heads: int, head_dim: int
+    ) -> int:
+        """The decode kernel's split partials (DecodeWorkspace) for ``max_decode_tokens`` rows
+        with the splits of a ``max_model_len``-key request: at 256 rows of 32 heads, d = 128
+        and 131,072 keys (49 splits), 207 MB. A decode call allocates them (one layer's at a
+        time), eager or in the CUDA graphs' pool; 0 when one split covers every request (the
+        kernel then writes its output directly)."""
+        splits = self._split_count(max_model_len, self.split_keys)
+        if splits <= 1 or max_decode_tokens <= 0:
+            return 0
+        return self._workspace_nbytes(max_decode_tokens, num_q_heads, splits, head_dim)
+
+    def set_engine_limits(
+        self, max_model_len: int, max_num_seqs: int, device: torch.device
+    ) -> None:
+        """Take the SM count of ``device``, the GPU the engine runs on (the decode grid fills
+        it; the current CUDA device may be another); a CPU device leaves ``num_sms`` as it
+        is. A request's decode splits are fixed (``split_keys``, growing), so its result
+        depends on nothing but its own length: eager and CUDA-graph steps, any batch, give
+        the same tokens; only how many programs share its splits follows the step's batch."""
+        if device.type == "cuda":
+            # "cuda" without an index is the current device, where its tensors go.
+            index = torch.cuda.current_device() if device.index is None else device.index
+            self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
 
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         nd = common.num_decodes
