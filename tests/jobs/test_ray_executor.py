@@ -18,6 +18,7 @@ from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_js
 from tokenmill import run_job
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import runner
+from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.spec import JobSpec
 
 ray = pytest.importorskip("ray")
@@ -129,6 +130,31 @@ def test_ray_resumes_a_cancelled_job_with_every_row_once(
     assert resumed.rows_resumed == first.rows_this_run
     assert first.rows_this_run + resumed.rows_this_run == 15
     assert _outputs(out) == local_outputs
+
+
+def test_a_ray_resume_checks_and_records_the_resolved_dtype(
+    tiny_model: Path, job_input: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.dtype auto is float32 on these CPU replicas: progress made in bfloat16 (begun
+    on a GPU) is refused, as a local resume refuses it, and a manifest without the dtype
+    (a Ray run's, before it was recorded) gets the replicas'."""
+    out = job_input.parent / "dtype"
+    cancel = _cancel_at_first_shard(monkeypatch)
+    run_job(job_dict(tiny_model, job_input, out, **SMALL), cancel=cancel, show_progress=False)
+    monkeypatch.undo()
+    path = out / "test.manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["settings"]["resolved_dtype"] = "bfloat16"
+    path.write_text(json.dumps(manifest))
+    ray_job = job_dict(tiny_model, job_input, out, execution=RAY, **SMALL)
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(ray_job, show_progress=False)
+    assert 'resolved_dtype: "bfloat16" -> "float32" (model.dtype auto on another' in str(info.value)
+
+    del manifest["settings"]["resolved_dtype"]
+    path.write_text(json.dumps(manifest))
+    assert run_job(ray_job, show_progress=False).status == "complete"
+    assert json.loads(path.read_text())["settings"]["resolved_dtype"] == "float32"
 
 
 def test_executor_streams_through_every_replica_and_cancels(

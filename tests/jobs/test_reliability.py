@@ -603,15 +603,16 @@ def test_a_manifest_without_sizes_is_still_checked_for_missing_files(
     assert report.shards_recomputed == 1 and report.rows_ok == 8
 
 
-def test_resume_refuses_a_changed_kv_cache_dtype_grammar_library_or_model_length(
+def test_resume_refuses_a_changed_kv_cache_dtype_or_model_length(
     tiny_model: Path, tmp_path: Path
 ) -> None:
+    """(The grammar library, which counts only for constrained rows:
+    test_grammar_library_resume.py.)"""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
     out = tmp_path / "out"
     run_job(job_dict(tiny_model, src, out), show_progress=False)
     for key, value, expected in (
         ("kv_cache_dtype", "fp8", 'engine.kv_cache_dtype: "auto" -> "fp8"'),
-        ("structured_output_backend", "xgrammar", '"llguidance" -> "xgrammar"'),
         ("max_model_len", 40, "engine.max_model_len: null -> 40"),  # cuts rows elsewhere
     ):
         changed = job_dict(tiny_model, src, out, engine={key: value})

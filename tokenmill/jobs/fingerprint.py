@@ -9,6 +9,11 @@ prompts fit and where outputs are cut). Those count only when set away from thei
 so a job begun before they counted still resumes. Engine tuning (batch sizes, block size,
 speculation, replicas) is left out: it does not change greedy results.
 
+The grammar library counts only where a row may carry a constraint (``may_constrain``): a
+job without one writes the same rows under either, and changing it there blocked a resume
+for nothing. Versions before that hashed it in every job (set away from its default): such
+a job's earlier fingerprint is one of ``earlier_fingerprints``, so it still resumes.
+
 The model's content is sampled too (``model_content``: small files whole, weights at 32
 places each), so a checkpoint saved again into the same folder at the same sizes is told
 apart. It sits beside the hash, not in it (``UNHASHED``): a job whose manifest predates it
@@ -37,13 +42,23 @@ JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 
 RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len")  # engine.*
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
+_BACKEND = "structured_output_backend"  # counts only where rows may be constrained
 # Kept and compared beside the hash (module docstring); resolved_dtype: what model.dtype
 # auto is on the device of a local run (runner.settings_of); input_files: how many input
 # files and bytes (what a changed input fingerprint changed: a file added, one rewritten);
 # input_versions: {url: version} of the input files an object store versions (none for
 # local files).
 # input_entries: {url: a short hash of the file's entry} (input_changes.py: which files).
-UNHASHED = ("model_content", "resolved_dtype", "input_files", "input_versions", "input_entries")
+# constraints: false where no row may carry a structured-output constraint (may_constrain),
+# so a refused resume does not name the grammar library it left out (absent where one may).
+UNHASHED = (
+    "model_content",
+    "resolved_dtype",
+    "input_files",
+    "input_versions",
+    "input_entries",
+    "constraints",
+)
 
 # What model_content reads: files up to _WHOLE bytes whole, larger ones _SAMPLES chunks of
 # _CHUNK bytes spread from the first byte to the last.
@@ -82,6 +97,21 @@ def model_content(path: Path) -> str:
     return digest.hexdigest()
 
 
+def may_constrain(spec: JobSpec, input_format: str) -> bool:
+    """Whether a row of the job may carry a structured-output constraint, so that
+    engine.structured_output_backend (the grammar library) may change its result: the job's
+    own sampling.structured_output (or sampling.response_format), a constraint column
+    (input.structured_output_column), or an OpenAI Batch input (``input_format``, the format
+    the input resolved to: "auto" where unknown), whose bodies may each hold a
+    response_format. The last is not told from the spec: a batch input counts whether or not
+    any body holds one (knowing would take reading every body before the run)."""
+    return (
+        spec.sampling.structured_output is not None
+        or spec.input.structured_output_column is not None
+        or input_format in ("openai-batch", "auto")
+    )
+
+
 def job_settings(
     spec: JobSpec,
     model_path: Path,
@@ -90,10 +120,13 @@ def job_settings(
     input_files: dict[str, int] | None = None,
     input_versions: dict[str, str] | None = None,
     input_entries: dict[str, str] | None = None,
+    input_format: str = "auto",
 ) -> JobSettings:
     """Everything that changes results, as plain JSON values (and ``input_files``, the
     input's file and byte counts, ``input_versions``, its objects' versions where the store
-    gives them, and ``input_entries``, each file's entry hashed, beside them: ``UNHASHED``)."""
+    gives them, and ``input_entries``, each file's entry hashed, beside them: ``UNHASHED``).
+    ``input_format``: the format the input resolved to, which says whether its rows may
+    carry constraints (``may_constrain``; "auto": they may)."""
     settings = {
         "model": model_identity(model_path),
         "model_content": model_content(model_path),
@@ -112,10 +145,13 @@ def job_settings(
         settings["input_entries"] = input_entries
     if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
         settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
+    constrained = may_constrain(spec, input_format)
+    if not constrained:
+        settings["constraints"] = False
     engine = {
         key: getattr(spec.engine, key)
         for key in RESULT_SETTINGS
-        if getattr(spec.engine, key) != _DEFAULTS[key]
+        if getattr(spec.engine, key) != _DEFAULTS[key] and (key != _BACKEND or constrained)
     }
     if engine:
         settings["engine"] = engine
@@ -128,20 +164,34 @@ def fingerprint(settings: JobSettings) -> str:
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
 
 
-def earlier_fingerprints(settings: JobSettings, earlier_input: str | None) -> tuple[str, ...]:
+def earlier_fingerprints(
+    settings: JobSettings, earlier_input: str | None, spec: JobSpec | None = None
+) -> tuple[str, ...]:
     """The fingerprints earlier versions gave a job of these ``settings`` where this one's
-    differs only by how it hashes its input (``earlier_input``: InputFingerprint.earlier,
-    each URL hashed whole, a presigned URL's signature or a password in it; None where it
-    is hashed as then): a job begun then resumes, its manifest then taking this version's
-    fingerprint. Neither hashed nor kept in the manifest."""
-    if earlier_input is None:
-        return ()
-    return (fingerprint({**settings, "input": earlier_input}),)
+    differs: by how it hashes its input (``earlier_input``: InputFingerprint.earlier, each
+    URL hashed whole, a presigned URL's signature or a password in it; None where it is
+    hashed as then), or by the grammar library ``spec`` sets away from its default where its
+    rows carry no constraint (hashed then, left out now: ``may_constrain``). A job begun
+    then resumes, its manifest then taking this version's fingerprint. Neither hashed nor
+    kept in the manifest."""
+    inputs = [settings["input"]] + ([] if earlier_input is None else [earlier_input])
+    engines = [settings.get("engine")]
+    backend = None if spec is None else spec.engine.structured_output_backend
+    if backend not in (None, _DEFAULTS[_BACKEND]) and _BACKEND not in settings.get("engine", {}):
+        engines.append({**settings.get("engine", {}), _BACKEND: backend})
+    out = []
+    for digest in inputs:
+        for engine in engines:
+            earlier = {**settings, "input": digest}
+            if engine is not None:
+                earlier["engine"] = engine
+            out.append(fingerprint(earlier))
+    return tuple(out[1:])  # (the first is this version's own)
 
 
 def same_content(old: JobSettings | None, new: JobSettings) -> bool:
     """Whether the ``UNHASHED`` settings agree, where both the manifest's ``old`` and
-    ``new`` have them (a Ray run resolves no dtype here)."""
+    ``new`` have them (a Ray run resolves its dtype later: replica_dtype.py)."""
     return all(
         old is None or key not in old or key not in new or old[key] == new[key] for key in UNHASHED
     )
@@ -167,6 +217,8 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
             continue
         if top == "input_entries":  # said file by file below
             continue
+        if key == f"engine.{_BACKEND}" and new.get("constraints") is False:
+            continue  # (left out: it changes no row now)
         if key in _HASHED:  # two hex digests say nothing to a reader
             out.append(f"{key}: {_HASHED[key]} (fingerprint {_short(before)} -> {_short(after)})")
         else:

@@ -100,11 +100,16 @@ START_GRACE_FACTOR = 2.0
 def replica_resources(spec: JobSpec, cluster_gpus: float) -> dict[str, float]:
     """Ray resources of one engine replica: ``tensor_parallel * pipeline_parallel`` GPUs when
     the engine runs on CUDA (``device: auto`` means: when the cluster has GPUs), else 1 CPU."""
-    device = spec.engine.device
-    on_gpu = cluster_gpus > 0 if device == "auto" else device.startswith("cuda")
-    if on_gpu:
+    if replicas_on_gpu(spec, cluster_gpus):
         return {"num_gpus": spec.model.tensor_parallel * spec.model.pipeline_parallel}
     return {"num_cpus": 1}
+
+
+def replicas_on_gpu(spec: JobSpec, cluster_gpus: float) -> bool:
+    """Whether the replicas' engines run on CUDA: ``device: auto`` where the cluster has
+    GPUs (``cluster_gpus``), or a cuda device named."""
+    device = spec.engine.device
+    return cluster_gpus > 0 if device == "auto" else device.startswith("cuda")
 
 
 class RayExecutor:
@@ -138,6 +143,8 @@ class RayExecutor:
         self._watch = GcsWatch(ray.get_runtime_context().gcs_address)
         total = ray.cluster_resources()
         self._resources = replica_resources(spec, total.get("GPU", 0))
+        # what model.dtype auto resolves to on them (replica_dtype.py)
+        self.on_gpu = replicas_on_gpu(spec, total.get("GPU", 0))
         self._room_for_all = True  # the cluster can run every replica at once
         for key, amount in self._resources.items():
             name = {"num_gpus": "GPU", "num_cpus": "CPU"}[key]

@@ -82,6 +82,7 @@ from tokenmill.jobs.preflight import (
     store_failure,
 )
 from tokenmill.jobs.progress import Progress
+from tokenmill.jobs.replica_dtype import check_replica_dtype, kept_dtype, replica_dtype
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.report_html import (
     import_plots_in_background,
@@ -146,11 +147,18 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> tuple[JobSettings, tuple[str
         )
     found = fingerprint_input(cfg)
     settings = job_settings(
-        spec, source.path, template, found.digest, found.counts, found.versions, found.entries
+        spec,
+        source.path,
+        template,
+        found.digest,
+        found.counts,
+        found.versions,
+        found.entries,
+        found.format,
     )
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
-    return settings, earlier_fingerprints(settings, found.earlier)
+    return settings, earlier_fingerprints(settings, found.earlier, spec)
 
 
 def _check_chat_template(template: str | None, spec: JobSpec) -> None:
@@ -189,7 +197,7 @@ def _check_chat_template(template: str | None, spec: JobSpec) -> None:
 def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     """What ``model.dtype: auto`` is on the device this process runs the engine on (fp32 on
     a CPU, the checkpoint's on a GPU): a job begun on one and resumed on the other would mix
-    them. (Ray replicas resolve it on their own nodes.)"""
+    them. (Ray replicas resolve it on their own nodes: replica_dtype.py.)"""
     from tokenmill.jobs.local_executor import engine_config
 
     engine = engine_config(spec)
@@ -285,6 +293,7 @@ def _run_locked(
     spec = with_shard_size(spec, cfg, manifest)  # (the count the fingerprint covers)
     settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
     fp, record = fingerprint(settings), settings_record(settings)
+    record = kept_dtype(spec, None if manifest is None else manifest.settings, record)
     if fresh:
         discard_progress(store, spec.name)
     saved = (
@@ -372,6 +381,9 @@ def _run_owned(
     report.rows_total = total  # (None: stopped before the count; a complete run's is read)
     writer: ShardWriter | None = None
     try:  # the loaded engine is closed below, or here where the run fails before that
+        if spec.execution.executor == "ray" and executor is not None:  # (its cluster joined)
+            dtype = replica_dtype(spec, executor.on_gpu)
+            check_replica_dtype(manifest, dtype, store, still_held)
         progress = Progress(
             total,
             manifest.rows_done,
@@ -517,7 +529,7 @@ def _check_input_unchanged(cfg: InputConfig, manifest: Manifest) -> None:
     try:
         if unchanged_by_versions(cfg, started, settings.get("input_files")):
             return  # every object's version as at the start: no file read again
-        now, files, versions, entries, _ = fingerprint_input(cfg, fresh=True)  # not cached
+        now, files, versions, entries, *_ = fingerprint_input(cfg, fresh=True)  # not cached
     except FileNotFoundError as exc:  # an input file deleted or moved since the start
         gone = shown_url(str(exc.filename or exc))
         raise _input_changed(cfg, f" (input files gone: {gone})") from None

@@ -58,6 +58,9 @@ class InputFingerprint(NamedTuple):
     # HTTP(S) URL's query string, a password): a job begun then resumes. None where every
     # URL is hashed as it was then.
     earlier: str | None = None
+    # the format the input resolved to (input.format, or what "auto" found): whether its
+    # rows may carry their own constraints (OpenAI Batch bodies' response_format)
+    format: str = "auto"
 
 
 def input_fingerprint(cfg: InputConfig) -> str:
@@ -115,6 +118,7 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
         _named_versions(versions),
         named,
         None if whole else earlier.hexdigest(),
+        fmt,
     )
 
 
