@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import fsspec
+import pytest
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -108,3 +110,20 @@ def committed_shards(out: Path | str, job: str = "test", fs: Any = None) -> dict
         except (FileNotFoundError, ValueError):  # folded into the file since the listing
             continue
     return shards
+
+
+def count_rows_read(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """{row_index: times read}: from now on (until ``monkeypatch`` is undone), each InputRow
+    that ``iter_input_rows`` makes of an input record, whoever reads (a sample, the run's
+    feed, a dry run), is counted by its row index."""
+    from tokenmill.io.readers import input_rows
+
+    made: Counter[int] = Counter()
+    make = input_rows._RowMaker.row
+
+    def counted(self: Any, record: Any, row_index: int, ids: Any) -> Any:
+        made[row_index] += 1
+        return make(self, record, row_index, ids)
+
+    monkeypatch.setattr(input_rows._RowMaker, "row", counted)
+    return made

@@ -14,7 +14,13 @@ import fsspec
 import pytest
 import yaml
 
-from tests.jobs.job_helpers import chat_rows, committed_shards, job_dict, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    committed_shards,
+    count_rows_read,
+    job_dict,
+    write_jsonl,
+)
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.spec import JobSpecError
@@ -91,3 +97,31 @@ def test_an_existing_object_as_output_is_refused(
     with pytest.raises(JobSpecError, match="is an existing object; output.path must be a prefix"):
         run_job(spec, show_progress=False)
     assert fs.find("held") == ["held/data/existing.csv"]
+
+
+def test_s3_input_rows_sampled_for_the_shard_size_are_downloaded_once(
+    tiny_model: Path,
+    tmp_path: Path,
+    s3_endpoint,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """output.rows_per_shard left out: the first rows, read to size the shards, are the
+    run's own first rows (shard_size.py), not fetched from S3 a second time."""
+    from tokenmill.jobs import shard_size
+
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("jobs")
+    rows = [{**row, "topic": "x" * 20_000} for row in chat_rows(12)]
+    fs.pipe_file("jobs/in/rows.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    spec = job_dict(tiny_model, "s3://jobs/in/rows.jsonl", tmp_path / "out")
+    del spec["output"]["rows_per_shard"]
+    spec["input"]["storage_options"] = options
+    monkeypatch.setattr(shard_size, "SHARD_BYTES", 64 << 10)  # 3 rows of 20 KB a shard
+
+    made = count_rows_read(monkeypatch)
+    assert run_job(spec, show_progress=False).rows_ok == len(rows)
+    manifest = json.loads((tmp_path / "out" / "test.manifest.json").read_text())
+    assert manifest["rows_per_shard"] == 3
+    assert sorted(made) == list(range(len(rows)))
+    assert max(made.values()) == 1, f"rows read twice: {[i for i, n in made.items() if n > 1]}"

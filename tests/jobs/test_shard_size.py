@@ -18,6 +18,7 @@ import yaml
 from tests.jobs.job_helpers import (
     chat_rows,
     committed_shards,
+    count_rows_read,
     job_dict,
     read_jsonl_dir,
     write_jsonl,
@@ -146,3 +147,34 @@ def test_a_job_begun_with_1000_for_every_job_resumes(
     report = run_job(spec, show_progress=False)
     assert report.status == "complete" and report.rows_this_run == 0
     assert _manifest_rows_per_shard(out) == 1000
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_the_sampled_rows_are_the_runs_own(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
+    """The rows weighed to size the shards are the first rows the run processes: each
+    input row is read (parsed into an InputRow) once in the whole run, not once for the
+    sample and again for the engine. (Parquet: input and output, the rows read with the
+    schema the job fixes. An input on S3: test_s3_job.py.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = _wide_rows(ROWS)
+    src = tmp_path / f"in.{fmt}"
+    if fmt == "jsonl":
+        write_jsonl(src, rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), src)
+    spec = _spec(tiny_model, src, tmp_path / "out", format=fmt)
+    monkeypatch.setattr(shard_size, "SHARD_BYTES", SMALL_SHARD)
+    expected = shard_size.sampled_rows_per_shard(input_config(coerce_spec(spec)))[0]
+    assert expected == 3  # 64 KiB of 20 KB rows
+
+    made = count_rows_read(monkeypatch)
+    report = run_job(spec, show_progress=False)
+    assert report.rows_ok == ROWS
+    assert _manifest_rows_per_shard(tmp_path / "out") == expected
+    assert len(committed_shards(tmp_path / "out")) == ROWS // expected
+    assert sorted(made) == list(range(ROWS))
+    assert max(made.values()) == 1, f"rows read twice: {[i for i, n in made.items() if n > 1]}"

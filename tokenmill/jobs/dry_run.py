@@ -184,7 +184,7 @@ def dry_run(
     manifest = None if fresh else Manifest.load(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
-    resumed = None if manifest is None else with_shard_size(spec, cfg, manifest)
+    resumed = None if manifest is None else with_shard_size(spec, None, manifest)
     if resumed is not None and resumed != spec:  # the count a run's fingerprint covers
         spec = resumed
         settings, earlier = settings_of(spec, cfg)

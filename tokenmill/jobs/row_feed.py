@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.planned_rows import Facts, FeedPlan, PlannedRows, RowFacts
 from tokenmill.jobs.progress import Progress
@@ -85,6 +86,9 @@ class RowFeed:
     and completion tokens (the engine's work saved). Call ``finished`` with each result the
     executor gives, and ``close`` when done (it stops the reader).
 
+    With ``source`` (a PeekableInput of ``cfg`` and ``schema``) the rows are its: the first
+    rows a fresh job sized its shards from (shard_size.py) are not read again.
+
     Rows that need no engine (bad rows, copies for duplicates) go to the tracker as results
     while ``take`` reads; ``on_results`` is called after a ``take`` that gave it some, so
     that their shards are committed then, not when the engine next returns a result. A
@@ -104,7 +108,10 @@ class RowFeed:
         schema: OutputSchema | None = None,
         plan: FeedPlan | None = None,
         on_results: Callable[[], None] | None = None,
+        source: PeekableInput | None = None,
     ) -> None:
+        if source is not None and (source.cfg is not cfg or source.schema != schema):
+            raise ValueError("RowFeed: source reads another input or schema than the feed's")
         self._tracker = tracker
         self._on_results = on_results
         self._progress = progress
@@ -117,7 +124,8 @@ class RowFeed:
         self._direct = 0  # results given to the tracker without the engine
         self._copies: dict[int, tuple[int, int]] = {}  # shard -> copies' (rows, tokens)
         facts = RowFacts(plan) if plan is not None else None
-        batches = _read(cfg, committed, tracker.rows_per_shard, prepare, bounds, schema, facts)
+        rows = source.rows if source is not None else lambda: iter_input_rows(cfg, schema)
+        batches = _read(rows, committed, tracker.rows_per_shard, prepare, bounds, facts)
         self._ahead: ReadAhead[_FeedBatch] = ReadAhead(
             batches,
             bounds.read_ahead_batches,
@@ -215,22 +223,22 @@ class RowFeed:
 
 
 def _read(
-    cfg: InputConfig,
+    input_rows: Callable[[], Iterator[InputRow]],
     committed: frozenset[int],
     rows_per_shard: int,
     prepare: Prepare | None,
     bounds: PipelineBounds,
-    schema: OutputSchema | None,
     facts_of: Callable[[FeedItem], Facts] | None,
 ) -> Iterator[_FeedBatch]:
-    """The reader thread's work: the input in batches (``bounds.batch_rows`` rows, or fewer
+    """The reader thread's work: the input (``input_rows``, opened here, on the reader
+    thread) in batches (``bounds.batch_rows`` rows, or fewer
     holding ``bounds.batch_bytes``), committed shards skipped, good rows prepared and, with
     ``facts_of``, planned. The last batch carries the counts of the rows after the last
     item."""
     rows: list[InputRow] = []
     sizes: list[int] = []
     read = 0
-    for row in iter_input_rows(cfg, schema):
+    for row in input_rows():
         read += 1
         if row.row_index // rows_per_shard in committed:
             continue

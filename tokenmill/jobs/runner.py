@@ -74,6 +74,7 @@ from tokenmill.jobs.ownership import (
     check_not_inside_another,
     claim_output,
 )
+from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.preflight import (
     check_up_front,
@@ -290,55 +291,64 @@ def _run_locked(
         _refuse_progress_without_manifest(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix (a run that stopped before its first shard)
-    spec = with_shard_size(spec, cfg, manifest)  # (the count the fingerprint covers)
-    settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
-    fp, record = fingerprint(settings), settings_record(settings)
-    record = kept_dtype(spec, None if manifest is None else manifest.settings, record)
-    if fresh:
-        discard_progress(store, spec.name)
-    saved = (
-        manifest is not None
-        and (manifest.fingerprint, manifest.settings) == (fp, record)
-        and not manifest.journaled
-    )
-    if manifest is not None:
-        manifest.check_fingerprint(fp, record, store.url, earlier)
-        manifest.fingerprint, manifest.settings = fp, record
-    claim_output(store, spec.name, fp, owner)
-    if manifest is None:
-        manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
-    if not saved:  # (a rerun with nothing new rewrote it whole: 0.7 s, 7 MB at 30k shards)
-        manifest.save(store)
-    recount: list[Callable[[], None]] = []  # _run_owned's, for a second signal's report
+    # A fresh job reads its first rows here, to size its shards, and its feed goes on from
+    # them (not read twice); they are read with the Parquet schema it fixes now, as the feed's.
+    source = None if manifest is not None else PeekableInput(cfg, output_schema(spec, cfg))
     try:
-        return _run_owned(spec, cfg, store, manifest, report, start, cancel,
-                          progress_interval_s, on_progress, recount, still_held)  # fmt: skip
-    except LockLostError:  # the output may be another run's now: not even a report
-        raise
-    except Exception as exc:
-        _fill_totals(report, manifest)  # the rows committed so far (they were 0)
-        changed = _rewritten_while_read(exc, cfg)
-        _record_failure(store, report, changed or exc, start)
-        if changed is not None:
-            raise changed from exc
-        raise
-    except (JobInterrupted, KeyboardInterrupt) as exc:  # a second signal: gone at once
-        # The report as a parting word, not a wait: the store may be what hangs (a PUT
-        # stuck for 30 s held a second SIGTERM's exit that long).
-        writer = threading.Thread(
-            target=_last_report,
-            args=(store, report, manifest, exc, start, recount),
-            name="tokenmill-last-report",
-            daemon=True,
+        spec = with_shard_size(spec, source, manifest)  # (the count the fingerprint covers)
+        settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
+        fp, record = fingerprint(settings), settings_record(settings)
+        record = kept_dtype(spec, None if manifest is None else manifest.settings, record)
+        if fresh:
+            discard_progress(store, spec.name)
+        saved = (
+            manifest is not None
+            and (manifest.fingerprint, manifest.settings) == (fp, record)
+            and not manifest.journaled
         )
-        writer.start()
-        writer.join(_LAST_REPORT_S)
-        raise
+        if manifest is not None:
+            manifest.check_fingerprint(fp, record, store.url, earlier)
+            manifest.fingerprint, manifest.settings = fp, record
+        claim_output(store, spec.name, fp, owner)
+        if manifest is None:
+            manifest = Manifest(spec.name, fp, spec.output.rows_per_shard, settings=record)
+            manifest.output_schema = None if source is None else source.schema
+        if not saved:  # (a rerun with nothing new rewrote it whole: 0.7 s, 7 MB at 30k shards)
+            manifest.save(store)
+        recount: list[Callable[[], None]] = []  # _run_owned's, for a second signal's report
+        try:
+            return _run_owned(spec, cfg, source, store, manifest, report, start, cancel,
+                              progress_interval_s, on_progress, recount, still_held)  # fmt: skip
+        except LockLostError:  # the output may be another run's now: not even a report
+            raise
+        except Exception as exc:
+            _fill_totals(report, manifest)  # the rows committed so far (they were 0)
+            changed = _rewritten_while_read(exc, cfg)
+            _record_failure(store, report, changed or exc, start)
+            if changed is not None:
+                raise changed from exc
+            raise
+        except (JobInterrupted, KeyboardInterrupt) as exc:  # a second signal: gone at once
+            # The report as a parting word, not a wait: the store may be what hangs (a PUT
+            # stuck for 30 s held a second SIGTERM's exit that long).
+            writer = threading.Thread(
+                target=_last_report,
+                args=(store, report, manifest, exc, start, recount),
+                name="tokenmill-last-report",
+                daemon=True,
+            )
+            writer.start()
+            writer.join(_LAST_REPORT_S)
+            raise
+    finally:  # (a run that failed before its feed: the read ends here)
+        if source is not None:
+            source.close()
 
 
 def _run_owned(
     spec: JobSpec,
     cfg: InputConfig,
+    source: PeekableInput | None,
     store: OutputStore,
     manifest: Manifest,
     report: JobReport,
@@ -350,8 +360,9 @@ def _run_owned(
     still_held: Callable[[], None],
 ) -> JobReport:
     """The run, once the output is the job's (claimed, its manifest saved), over the input
-    files ``cfg`` lists. Appends to ``recount`` what brings ``report``'s counts of this
-    run's commits up to date once its writer has settled (``_last_report``).
+    files ``cfg`` lists (a fresh job's through ``source``, its first rows read already).
+    Appends to ``recount`` what brings ``report``'s counts of this run's commits up to date
+    once its writer has settled (``_last_report``).
     ``still_held`` raises once the output's lock is no longer this run's; it runs before
     each commit (the writer's) and before the final manifest and report."""
     removed = store.cleanup_temp()
@@ -413,6 +424,7 @@ def _run_owned(
             schema,
             feed_plan(spec),
             on_results=lambda: _hand_over_complete(tracker, writer),  # bad rows' shards too
+            source=source,
         )
     except BaseException:  # an on_progress that raised kept the engine (and its KV cache) for
         if writer is not None:  # as long as its exception lived: +260 MB a run (an audit)

@@ -13,6 +13,9 @@ it, and a resumed job keeps the manifest's (a job begun by a version that had 10
 job resumes with 1000), whatever a new sample would say. An explicit ``output.rows_per_shard``
 always wins; one other than the manifest's is a changed setting, as before (the fingerprint
 covers the count in effect).
+
+The sampled rows are the run's own first rows (PeekableInput): the reader thread starts
+from them rather than reading them again.
 """
 
 from __future__ import annotations
@@ -20,10 +23,9 @@ from __future__ import annotations
 import logging
 
 from tokenmill.io.readers import InputConfig
-from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.preflight import input_error
-from tokenmill.jobs.row_bytes import input_row_bytes
 from tokenmill.jobs.spec import JobSpec
 
 __all__ = ["DEFAULT_ROWS_PER_SHARD", "SHARD_BYTES", "sampled_rows_per_shard", "with_shard_size"]
@@ -38,34 +40,32 @@ SHARD_BYTES = 64 << 20
 
 def sampled_rows_per_shard(cfg: InputConfig) -> tuple[int, int, int]:
     """(rows per shard, rows sampled, their mean bytes) for the input of ``cfg``, from its
-    first rows. Raises what ``iter_input_rows`` raises for an input that cannot be read."""
-    read = total = 0
-    rows = iter_input_rows(cfg)
+    first rows, read apart from any run. Raises what ``iter_input_rows`` raises for an input
+    that cannot be read."""
+    source = PeekableInput(cfg, None)
     try:
-        for row in rows:
-            read += 1
-            total += input_row_bytes(row)
-            if read == DEFAULT_ROWS_PER_SHARD or total >= SHARD_BYTES:
-                break
+        return _peeked_rows_per_shard(source)
     finally:
-        rows.close()
-    if read == 0:
-        return DEFAULT_ROWS_PER_SHARD, 0, 0
-    mean = max(1, total // read)
-    return max(1, min(DEFAULT_ROWS_PER_SHARD, SHARD_BYTES // mean)), read, mean
+        source.close()
 
 
-def with_shard_size(spec: JobSpec, cfg: InputConfig, manifest: Manifest | None) -> JobSpec:
+def with_shard_size(
+    spec: JobSpec, source: PeekableInput | None, manifest: Manifest | None
+) -> JobSpec:
     """``spec`` with the ``output.rows_per_shard`` its run uses: the one job.yaml gives, else
-    the ``manifest``'s (its progress, resumed), else one sampled from the input of ``cfg``
-    (logged). Raises JobSpecError naming input.path for an input that cannot be read."""
+    the ``manifest``'s (its progress, resumed), else one picked from the first rows of
+    ``source`` (logged), which ``source`` keeps for the run: they are not read again.
+    ``source`` may be None only with a ``manifest``. Raises JobSpecError naming input.path
+    for an input that cannot be read."""
     if spec.output.rows_per_shard_given:
         return spec
     if manifest is not None:
         count = manifest.rows_per_shard
+    elif source is None:
+        raise ValueError("with_shard_size: a job without a manifest needs its input to sample")
     else:
         try:
-            count, read, mean = sampled_rows_per_shard(cfg)
+            count, read, mean = _peeked_rows_per_shard(source)
         except (FileNotFoundError, ValueError) as exc:
             raise input_error(exc) from None
         log.info(
@@ -78,3 +78,13 @@ def with_shard_size(spec: JobSpec, cfg: InputConfig, manifest: Manifest | None) 
         )
     output = spec.output.model_copy(update={"rows_per_shard": count})
     return spec.model_copy(update={"output": output})
+
+
+def _peeked_rows_per_shard(source: PeekableInput) -> tuple[int, int, int]:
+    """(rows per shard, rows sampled, their mean bytes) from the first rows of ``source``,
+    which it keeps (``PeekableInput.peek``)."""
+    read, total = source.peek(DEFAULT_ROWS_PER_SHARD, SHARD_BYTES)
+    if read == 0:
+        return DEFAULT_ROWS_PER_SHARD, 0, 0
+    mean = max(1, total // read)
+    return max(1, min(DEFAULT_ROWS_PER_SHARD, SHARD_BYTES // mean)), read, mean
