@@ -119,10 +119,13 @@ def test_a_replica_killed_mid_job_costs_no_row(
     assert "Ray replica failures" in (out / "report.html").read_text()
 
 
-def _through_an_outage(tiny_model: Path, tmp_path: Path, rows: int, failures: int) -> dict:
+def _through_an_outage(
+    tiny_model: Path, tmp_path: Path, rows: int, failures: int, breaker: int | None = None
+) -> dict:
     """Run a job of ``rows`` on Ray while every replica's engine fails ``failures`` times
-    (an outage: tests/jobs/ray_poison.py), check it wrote every row as the local run does
-    and no error row, and return its report's ``replica_failures``."""
+    (an outage: tests/jobs/ray_poison.py), with ``execution.replica_failures_in_a_row:
+    breaker``, check it wrote every row as the local run does and no error row, and return
+    its report's ``replica_failures``."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(rows))
     assert run_job(job_dict(tiny_model, src, tmp_path / "local", **SMALL), show_progress=False)
     outage = ray_poison.outage_dir()
@@ -132,7 +135,8 @@ def _through_an_outage(tiny_model: Path, tmp_path: Path, rows: int, failures: in
         (outage / f"failure-{i}").touch()
     try:
         out = tmp_path / "ray"
-        assert run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
+        execution = {**RAY, "replica_failures_in_a_row": breaker}
+        assert run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 0
         assert list(outage.iterdir()) == []  # the whole outage happened
     finally:
         shutil.rmtree(outage, ignore_errors=True)
@@ -143,15 +147,17 @@ def _through_an_outage(tiny_model: Path, tmp_path: Path, rows: int, failures: in
 
 def test_an_outage_shorter_than_the_breaker_costs_no_row(tiny_model: Path, tmp_path: Path) -> None:
     """Every replica's engine failing whatever it runs, 8 times (an engine or cluster
-    outage, fewer failures than the breaker's 16): the chunks were bisected down to single
-    rows, and good rows were skipped as poison rows. A row failing alone while no chunk
-    finishes now waits for one; every row is written, no error row.
+    outage, one failure fewer than the breaker, set to 9): the chunks were bisected down to
+    single rows, and good rows were skipped as poison rows. A row failing alone while no
+    chunk finishes now waits for one; every row is written, no error row, and the breaker
+    does not trip one failure early.
 
     8, not more: each failure is a replica restart (a new Ray worker importing torch, ~5 s
-    on 2 cores), the suite's costliest step. 8 still takes the chunks down to rows failing
-    alone: the executor before 0762287 wrote 3 of the 16 good rows as error rows here (7
-    with 12 failures)."""
-    failures = _through_an_outage(tiny_model, tmp_path, rows=16, failures=8)
+    on 2 cores), the suite's costliest step. Not fewer either: 8 still takes the chunks
+    down to rows failing alone: the executor before 0762287 wrote 3 of the 16 good rows as
+    error rows here (7 with 12 failures); a shorter outage ends before any row has failed
+    the 3 times, alone at the last, that a poison row takes."""
+    failures = _through_an_outage(tiny_model, tmp_path, rows=16, failures=8, breaker=9)
     assert failures["replicas"] == 8 and failures["rows_isolated"] == 0, failures
 
 

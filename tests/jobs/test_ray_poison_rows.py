@@ -79,15 +79,22 @@ def test_replicas_failing_whatever_they_run_end_the_job(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An audit: with every replica's engine failing, 12 rows "completed", exit 0, every row
-    written as an error ("failed every engine replica that ran it"). Replicas failing 16
-    times in a row with nothing finishing end the job, exit 1, as the local executor ends
-    on its engine's first error; rows in flight are not written, a rerun runs them."""
+    written as an error ("failed every engine replica that ran it"). Replicas failing
+    ``execution.replica_failures_in_a_row`` times in a row with nothing finishing end the
+    job, exit 1, as the local executor ends on its engine's first error; rows in flight are
+    not written, a rerun runs them.
+
+    A breaker of 4, not the default 16: each failure is a replica restart (a new Ray worker
+    importing torch, ~5 s on 2 cores). The failure count in the message is the breaker's
+    own, so a breaker one off either way fails here."""
     rows = chat_rows(12)
     for row in rows:
         row["messages"][0]["content"] += f" {RAISE}"
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "ray"
-    assert run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 1
-    assert "failed 16 times in a row with no chunk of rows finishing" in capsys.readouterr().err
+    execution = {**RAY, "replica_failures_in_a_row": 4}
+    assert run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 1
+    assert "failed 4 times in a row with no chunk of rows finishing" in capsys.readouterr().err
     assert len(read_jsonl_dir(out / "errors")) < 12 and read_jsonl_dir(out / "shards") == []
-    assert json.loads((out / "report.json").read_text())["status"] == "failed"
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "failed" and report["replica_failures"]["replicas"] == 4, report

@@ -81,6 +81,8 @@ WRONG_TYPES = [
     ("execution", "ray_address", 5, "expected a string, got 5"),
     ("execution", "stall_timeout_s", "60", "expected a number, got the string '60'"),
     ("execution", "stall_timeout_s", 0, "must be greater than 0, got 0"),
+    ("execution", "replica_failures_in_a_row", 0, "must be greater than or equal to 1, got 0"),
+    ("execution", "replica_failures_in_a_row", 4.0, "expected an integer, got 4.0"),
     # said why, with what to do instead (it said "must be less than or equal to 1, got 2")
     ("model", "tensor_parallel", 2, "2 is not supported yet: an engine runs on one device"),
     ("model", "pipeline_parallel", 4, "run several engines, with execution.executor: ray"),
@@ -512,7 +514,8 @@ def test_passthrough_names_are_compared_without_case_and_must_be_unicode(
     [({"replicas": 3}, "replicas: 3: needs executor: ray"),
      ({"ray_address": "ray://head:10001"}, "ray_address: ray://head:10001: needs"),
      ({"replicas": 2, "ray_address": "auto"}, "replicas: 2, ray_address: auto: need"),
-     ({"stall_timeout_s": 5}, "stall_timeout_s: 5.0: needs")],  # (an audit: it was taken)
+     ({"stall_timeout_s": 5}, "stall_timeout_s: 5.0: needs"),  # (an audit: it was taken)
+     ({"replica_failures_in_a_row": 4}, "replica_failures_in_a_row: 4: needs")],
 )  # fmt: skip
 def test_ray_settings_with_the_local_executor_are_refused(
     execution: dict[str, Any], named: str

@@ -43,7 +43,8 @@ its counted failures costs one probe more). If the probe fails too, that is the 
 failure, not a row's: nothing is counted against a row, and another probe follows (on the
 new replica) until one finishes or the breaker below ends the job.
 
-Replica failures in a row with nothing finishing between them end the job
+Replica failures in a row with nothing finishing between them (``give_up_after``: the job's
+``execution.replica_failures_in_a_row``, by default max(16, 4 x replicas)) end the job
 (``ReplicasFailingError``, exit 1, the rows in flight unwritten: a rerun resumes), as the
 local executor ends on its engine's first error: with every replica failing whatever it ran,
 a job of 12 rows "completed" with 12 error rows (an audit). Isolating a poison row never
@@ -136,9 +137,11 @@ class ChunkRecovery:
         self, model: str, poison_failures: int = POISON_FAILURES, give_up_after: int = 16
     ) -> None:
         """``give_up_after``: replica failures in a row, nothing finishing between them,
-        that end the job."""
+        that end the job (the job's execution.replica_failures_in_a_row)."""
         if poison_failures < 1:
             raise ValueError(f"poison_failures must be >= 1, got {poison_failures}")
+        if give_up_after < 1:
+            raise ValueError(f"give_up_after must be >= 1, got {give_up_after}")
         self.model = model
         self.poison_failures = poison_failures
         self.give_up_after = give_up_after
@@ -189,7 +192,8 @@ class ChunkRecovery:
                 f"Ray replicas failed {self.failures_since_done} times in a row with no chunk "
                 f"of rows finishing between the failures (the last: {reason}): the engine or "
                 "the cluster fails, not a row. The rows in flight were not written; fix the "
-                "cause and rerun the same command to resume"
+                "cause and rerun the same command to resume (a cluster known to be flaky: "
+                "raise execution.replica_failures_in_a_row)"
             )
 
     def lost(self, chunk: Chunk, alone: bool, reason: str) -> list[Chunk] | Parked:

@@ -158,7 +158,8 @@ class RayExecutor:
                     name,
                     total.get(name, 0),
                 )
-        self._recovery = ChunkRecovery(spec.model.source, give_up_after=max(16, 4 * self.replicas))
+        breaker = spec.execution.replica_failures_in_a_row or max(16, 4 * self.replicas)
+        self._recovery = ChunkRecovery(spec.model.source, give_up_after=breaker)
         self._pool: ReplicaPool | None = None
         self._started = 0.0
         self._stats: dict[str, EngineCounters] = {}  # replica process -> its last counts

@@ -322,6 +322,10 @@ class ExecutionSection(_Section):
     # Ray: a replica that holds rows and takes no engine step for this long is hung: it is
     # killed and replaced, and its rows run again. null: wait forever
     stall_timeout_s: Number | None = Field(600.0, gt=0)
+    # Ray: replica failures in a row, no chunk finishing between them, that end the job (the
+    # breaker: ray_chunks.py). null: max(16, 4 x replicas). More for a cluster known to be
+    # flaky; fewer to fail fast (1: the first failure, as the local executor's first error)
+    replica_failures_in_a_row: StrictInt | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _for_ray(self) -> ExecutionSection:
@@ -330,7 +334,12 @@ class ExecutionSection(_Section):
             defaults = ExecutionSection.model_fields
             given = [
                 f"{key}: {getattr(self, key)}"
-                for key in ("replicas", "ray_address", "stall_timeout_s")
+                for key in (
+                    "replicas",
+                    "ray_address",
+                    "stall_timeout_s",
+                    "replica_failures_in_a_row",
+                )
                 if getattr(self, key) != defaults[key].default
             ]
             if given:
