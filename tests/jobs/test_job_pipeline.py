@@ -25,7 +25,7 @@ from tokenmill import run_job
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.io.readers.compression import CorruptInputError
-from tokenmill.jobs import row_feed, runner, shard_writer
+from tokenmill.jobs import peekable_input, runner, shard_writer
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.shard_commit import commit_shard
@@ -140,7 +140,7 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
                 raise error
             yield row
 
-    monkeypatch.setattr(row_feed, "iter_input_rows", failing)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", failing)
     monkeypatch.setattr(runner, "pipeline_bounds", lambda s: PipelineBounds(4, 8, 1))
     assert _cli(_job_file(tmp_path, spec)) == code
     last = capsys.readouterr().err.strip().splitlines()[-1]

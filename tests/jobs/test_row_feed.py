@@ -11,7 +11,7 @@ import pytest
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.rows import InputRow, ResultRow
-from tokenmill.jobs import row_feed
+from tokenmill.jobs import peekable_input, row_feed
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.ready_rows import ReadyRow
@@ -57,7 +57,7 @@ def _feed(
     committed: frozenset[int] = frozenset(),
     rows_per_shard: int = 1000,
 ) -> tuple[RowFeed, ShardTracker, Progress]:
-    monkeypatch.setattr(row_feed, "iter_input_rows", source.rows)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", source.rows)
     tracker = ShardTracker(rows_per_shard)
     progress = Progress(None, 0, enabled=False)
     feed = RowFeed(CFG, committed, tracker, progress, "m", source.prepare, bounds)
@@ -126,7 +126,7 @@ def test_a_stretch_of_bad_rows_is_handed_on_a_bounded_read_at_a_time(monkeypatch
     monkeypatch.setattr(row_feed, "TAKE_READ_ROWS", 20)
     source = _Input(200, bad_every=1)  # every row bad
     bounds = PipelineBounds(batch_rows=5, read_ahead_rows=10, queued_shards=1)
-    monkeypatch.setattr(row_feed, "iter_input_rows", source.rows)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", source.rows)
     tracker = ShardTracker(10)
     calls: list[int] = []
     feed = RowFeed(

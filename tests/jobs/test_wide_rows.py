@@ -14,7 +14,7 @@ from tests.jobs.job_helpers import job_dict
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.rows import InputRow, ResultRow
-from tokenmill.jobs import row_feed
+from tokenmill.jobs import peekable_input
 from tokenmill.jobs.local_executor import RowProcessor
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.planned_rows import FeedPlan, PlannedRows, RowFacts
@@ -68,7 +68,7 @@ def _feed(
     bounds: PipelineBounds,
     plan: FeedPlan | None,
 ) -> RowFeed:
-    monkeypatch.setattr(row_feed, "iter_input_rows", source.rows)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", source.rows)
     tracker = ShardTracker(10)
     progress = Progress(None, 0, enabled=False)
     return RowFeed(CFG, frozenset(), tracker, progress, "m", source.prepare, bounds, plan=plan)

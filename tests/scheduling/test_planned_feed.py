@@ -15,7 +15,7 @@ import pytest
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.rows import InputRow, ResultRow
-from tokenmill.jobs import row_feed
+from tokenmill.jobs import peekable_input
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.ready_rows import ReadyRow
@@ -78,7 +78,7 @@ def _feed(
 ) -> tuple[RowFeed, ShardTracker]:
     """A feed over ``source``; the whole input read ahead before it returns, so the window
     holds what it may at the first ``take`` whatever the threads' timing."""
-    monkeypatch.setattr(row_feed, "iter_input_rows", source.rows)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", source.rows)
     tracker = ShardTracker(rows_per_shard)
     progress = Progress(None, 0, enabled=False)
     plan = None if settings is None else FeedPlan(settings, {}, prefill_tokens_per_step=64)
@@ -198,7 +198,7 @@ def test_unprepared_rows_are_ordered_and_deduplicated_by_their_text(monkeypatch)
         InputRow(i, f"r{i}", f"in:{i}", prompt=p, sampling={} if m is None else {"max_tokens": m})
         for i, (p, m) in enumerate(spelled)
     ]
-    monkeypatch.setattr(row_feed, "iter_input_rows", lambda cfg, schema=None: iter(rows))
+    monkeypatch.setattr(peekable_input, "iter_input_rows", lambda cfg, schema=None: iter(rows))
     tracker = ShardTracker(100)
     plan = FeedPlan(PlannerSettings(), {"max_tokens": 4, "temperature": 0.0}, 8192)
     progress = Progress(None, 0, enabled=False)
@@ -230,7 +230,7 @@ def test_memory_stays_bounded_on_a_long_input(monkeypatch) -> None:
             read += 1
             yield row
 
-    monkeypatch.setattr(row_feed, "iter_input_rows", counting)
+    monkeypatch.setattr(peekable_input, "iter_input_rows", counting)
     tracker = ShardTracker(50)
     feed = RowFeed(
         CFG, frozenset(), tracker, Progress(None, 0, enabled=False), "m", source.prepare,

@@ -1,7 +1,7 @@
 """RowFeed: the job's input, read and prepared ahead of the engine on a reader thread.
 
     reader thread                                     engine thread (the runner's)
-    iter_input_rows ─► skip committed shards          take(n) ─► shard tracker: row seen
+    PeekableInput.rows ─► skip committed shards       take(n) ─► shard tracker: row seen
       ─► batches of ``batch_rows`` ─► prepare           ├─► bad row: its error result at once
          (or batch_bytes)                              └─► ready rows, to the executor
          (template + one batch encode)
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import InputConfig, iter_input_rows
+from tokenmill.io.readers import InputConfig
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -86,8 +86,9 @@ class RowFeed:
     and completion tokens (the engine's work saved). Call ``finished`` with each result the
     executor gives, and ``close`` when done (it stops the reader).
 
-    With ``source`` (a PeekableInput of ``cfg`` and ``schema``) the rows are its: the first
-    rows a fresh job sized its shards from (shard_size.py) are not read again.
+    The rows are read through ``source`` (a PeekableInput of ``cfg`` and ``schema``; a fresh
+    one when left out), the job's one read of its input: the first rows a fresh job sized
+    its shards from (shard_size.py) are not read again.
 
     Rows that need no engine (bad rows, copies for duplicates) go to the tracker as results
     while ``take`` reads; ``on_results`` is called after a ``take`` that gave it some, so
@@ -124,7 +125,7 @@ class RowFeed:
         self._direct = 0  # results given to the tracker without the engine
         self._copies: dict[int, tuple[int, int]] = {}  # shard -> copies' (rows, tokens)
         facts = RowFacts(plan) if plan is not None else None
-        rows = source.rows if source is not None else lambda: iter_input_rows(cfg, schema)
+        rows = (source if source is not None else PeekableInput(cfg, schema)).rows
         batches = _read(rows, committed, tracker.rows_per_shard, prepare, bounds, facts)
         self._ahead: ReadAhead[_FeedBatch] = ReadAhead(
             batches,
