@@ -121,6 +121,7 @@ def _cli(job: Path) -> int:
     ],
     ids=["storage", "bug", "corrupt-input", "missing-file"],
 )
+@pytest.mark.parametrize("sized", [True, False], ids=["rows_per_shard", "sampled"])
 def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     tiny_model: Path,
     tmp_path: Path,
@@ -129,10 +130,15 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     error: Exception,
     code: int,
     message: str,
+    sized: bool,
 ) -> None:
+    """Also where the error comes among the rows a job with output.rows_per_shard left out
+    sizes its shards from (the first 1,000 here): the run gets to them, not a refusal."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(40))
     out = tmp_path / "out"
     spec = job_dict(tiny_model, src, out, engine={"max_num_seqs": 2})
+    if not sized:
+        del spec["output"]["rows_per_shard"]  # (1,000: no shard commits before the error)
 
     def failing(cfg: InputConfig, schema: Any = None) -> Iterator[Any]:
         for row in iter_input_rows(cfg, schema):
@@ -147,6 +153,7 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     assert last.startswith(f"run-job: {message}; {RESUME}")
     # a file to fix: rerunning as it is does not help (exit 2, and it says so)
     assert last.endswith("(rerunning as it is does not help)") is (code == 2)
+    assert json.loads((out / "report.json").read_text())["status"] == "failed"
     committed = committed_shards(out)
     assert set(committed) <= {"0", "1", "2", "3", "4"}  # rows before 22 only
 

@@ -11,7 +11,10 @@ object storage, a second download of up to 64 MiB). Here they are read once:
 
 Without a ``peek``, ``rows`` is a plain read from the start. The rows are read with the
 job's ``schema`` (its Parquet output schema, or None): the rows peeked at are the rows run,
-passthrough checks included.
+passthrough checks included. An error the peek meets (a storage error, a corrupt file
+part-way) is kept and raised by ``rows`` after the rows before it, where the same error
+later in the input would be: the run commits what it can and ends through its own failure
+path (exit code, failed report), not before it has begun.
 """
 
 from __future__ import annotations
@@ -37,14 +40,15 @@ class PeekableInput:
         self.schema = schema
         self._read: Iterator[InputRow] | None = None  # the open read, once peeked
         self._head: deque[InputRow] = deque()
+        self._error: Exception | None = None  # what the peek's read raised, for ``rows``
         self._taken = False
 
     def peek(self, max_rows: int, max_bytes: int) -> tuple[int, int]:
         """Read the first rows, up to ``max_rows`` of them or until they hold ``max_bytes``
         (``input_row_bytes``; the row that crosses it included), and keep them for
-        ``rows``. Returns (rows read, their bytes). Raises what ``iter_input_rows`` raises
-        for an input that cannot be read, and RuntimeError when called twice or after
-        ``rows`` (those rows would be read again)."""
+        ``rows``. Returns (rows read, their bytes): the rows before a read error, which
+        ``rows`` raises after them (module docstring). RuntimeError when called twice or
+        after ``rows`` (those rows would be read again)."""
         if self._read is not None or self._taken:
             raise RuntimeError("PeekableInput.peek: the input's first rows were read already")
         self._read = iter_input_rows(self.cfg, self.schema)
@@ -55,6 +59,8 @@ class PeekableInput:
                 total += input_row_bytes(row)
                 if len(self._head) == max_rows or total >= max_bytes:
                     break
+        except Exception as exc:  # (the read is over: a generator that raised is closed)
+            self._error = exc
         except BaseException:
             self.close()
             raise
@@ -84,6 +90,8 @@ class PeekableInput:
         try:
             while self._head:
                 yield self._head.popleft()
+            if self._error is not None:
+                raise self._error
             yield from read
         finally:  # ended early (the feed closed): the read's files are closed now
             close = getattr(read, "close", None)

@@ -25,7 +25,6 @@ import logging
 from tokenmill.io.readers import InputConfig
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.peekable_input import PeekableInput
-from tokenmill.jobs.preflight import input_error
 from tokenmill.jobs.spec import JobSpec
 
 __all__ = ["DEFAULT_ROWS_PER_SHARD", "SHARD_BYTES", "sampled_rows_per_shard", "with_shard_size"]
@@ -40,8 +39,7 @@ SHARD_BYTES = 64 << 20
 
 def sampled_rows_per_shard(cfg: InputConfig) -> tuple[int, int, int]:
     """(rows per shard, rows sampled, their mean bytes) for the input of ``cfg``, from its
-    first rows, read apart from any run. Raises what ``iter_input_rows`` raises for an input
-    that cannot be read."""
+    first rows (those before a read error), read apart from any run."""
     source = PeekableInput(cfg, None)
     try:
         return _peeked_rows_per_shard(source)
@@ -55,8 +53,9 @@ def with_shard_size(
     """``spec`` with the ``output.rows_per_shard`` its run uses: the one job.yaml gives, else
     the ``manifest``'s (its progress, resumed), else one picked from the first rows of
     ``source`` (logged), which ``source`` keeps for the run: they are not read again.
-    ``source`` may be None only with a ``manifest``. Raises JobSpecError naming input.path
-    for an input that cannot be read."""
+    ``source`` may be None only with a ``manifest``. A read error among the first rows is
+    not raised here: the run meets it after the rows before it (PeekableInput), and the
+    count is picked from those."""
     if spec.output.rows_per_shard_given:
         return spec
     if manifest is not None:
@@ -64,10 +63,7 @@ def with_shard_size(
     elif source is None:
         raise ValueError("with_shard_size: a job without a manifest needs its input to sample")
     else:
-        try:
-            count, read, mean = _peeked_rows_per_shard(source)
-        except (FileNotFoundError, ValueError) as exc:
-            raise input_error(exc) from None
+        count, read, mean = _peeked_rows_per_shard(source)
         log.info(
             "output.rows_per_shard: %d (the first %d input rows hold about %d bytes each; a "
             "shard's rows at most about %d MiB); set output.rows_per_shard to choose",
