@@ -407,3 +407,16 @@ def test_counting_the_rows_holds_one_line_at_a_time(tmp_path) -> None:
     finally:
         tracemalloc.stop()
     assert peak < 10 << 20, peak  # a few lines and the reader's buffers, not the file
+
+
+def test_an_estimated_total_reads_as_one_in_the_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a terminal, the log line shows an estimate with "~" (README's example)."""
+    from tokenmill.jobs.row_estimate import RowTotal
+
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    now = [0.0]
+    progress = Progress(None, 0, interval_s=1.0, clock=lambda: now[0])
+    progress.set_total(RowTotal(2_000, estimated=True))
+    now[0] += 1.0
+    progress.update(120, 0)
+    assert caplog.records[-1].getMessage().startswith("120 of ~2,000 rows done (6%), ")

@@ -180,3 +180,37 @@ def test_a_terminal_with_columns_and_no_rows_gets_log_lines() -> None:
         assert progress._bar is None
         progress.close()
     os.close(leader)
+
+
+def test_a_total_counted_later_brings_the_bar_and_an_estimate_reads_as_one(
+    term: FakeTerminal,
+) -> None:
+    """The run starts before its rows are counted (the count runs beside it): text only,
+    then the bar once an estimate comes (remote JSONL, row_estimate.py), marked "~", then
+    the counted total; an estimate never replaces a count, nor is it the snapshot's total."""
+    from tokenmill.jobs.row_estimate import RowTotal
+
+    drive = Driver(total=None, done=0, stream=term)
+    drive.run(seconds=3, tok_per_s=300, rows_per_s=1)
+    assert term.frames()[-1].startswith("3 rows, ")
+    drive.progress.set_total(RowTotal(12_300, estimated=True))
+    drive.run(seconds=2, tok_per_s=300, rows_per_s=1)
+    assert "| 5 of ~12,300 rows, 300 output tok/s, ETA " in term.frames()[-1]
+    snap = drive.progress.snapshot()
+    assert (snap.rows_total, snap.rows_estimate, drive.progress.exact_total) == (None, 12_300, None)
+    drive.progress.set_total(RowTotal(12_000, estimated=False))
+    drive.progress.set_total(RowTotal(99, estimated=True))  # (a late estimate: ignored)
+    drive.run(seconds=1, tok_per_s=300, rows_per_s=1)
+    assert "| 6 of 12,000 rows, " in term.frames()[-1]
+    assert drive.progress.snapshot().rows_total == drive.progress.exact_total == 12_000
+
+
+def test_an_estimate_the_rows_done_passed_is_no_total(term: FakeTerminal) -> None:
+    """Rows done past an estimate: the rows left are unknown (it said "ETA 0 s" and 110%)."""
+    from tokenmill.jobs.row_estimate import RowTotal
+
+    drive = Driver(total=None, done=0, stream=term)
+    drive.progress.set_total(RowTotal(5, estimated=True))
+    drive.run(seconds=8, tok_per_s=300, rows_per_s=1)
+    assert term.frames()[-1] == "8 rows, 300 output tok/s, ETA unknown, 8 in flight"
+    assert drive.progress.eta_seconds is None

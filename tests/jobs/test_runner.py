@@ -585,9 +585,9 @@ def test_a_job_cancelled_before_its_input_is_counted_reports_no_total(
 
     def slow_count(cfg, stop=None):
         assert stop is not None and stop.wait(30), "the count was not stopped"
-        return None  # as count_input_rows does once stopped
+        return None  # as input_row_total does once stopped
 
-    monkeypatch.setattr(runner, "count_input_rows", slow_count)
+    monkeypatch.setattr(runner, "input_row_total", slow_count)
     handle = submit(job_dict(tiny_model, src, tmp_path / "out"))
     assert loading.wait(30)
     handle.cancel()
@@ -596,6 +596,37 @@ def test_a_job_cancelled_before_its_input_is_counted_reports_no_total(
     assert json.loads((tmp_path / "out" / "report.json").read_text())["rows_total"] is None
     assert "job " in report.summary()
     assert "not counted" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_the_first_rows_never_wait_for_the_input_count(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A count that has not ended (a large input on S3 took 26 s) holds no row back: the
+    job commits rows, and completes, while it still runs; the total comes when it ends,
+    and the count is stopped with the job."""
+    from tokenmill.jobs import runner
+    from tokenmill.jobs.row_estimate import RowTotal
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(20))
+    release, counting, stopped = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_count(cfg, stop=None):
+        counting.set()
+        while not release.wait(0.05):
+            if stop is not None and stop.is_set():
+                stopped.set()
+                return None
+        return RowTotal(20, estimated=False)
+
+    monkeypatch.setattr(runner, "input_row_total", slow_count)
+    handle = submit(job_dict(tiny_model, src, tmp_path / "out", output={"rows_per_shard": 5}))
+    try:
+        report = handle.result(30)  # (a job that waited for the count timed out here)
+    finally:
+        release.set()
+    assert counting.is_set() and stopped.wait(5), "the count ran on past the job"
+    assert report.status == "complete" and report.rows_ok == 20
+    assert report.rows_total == 20  # (a complete job's: the rows read, the count never ended)
 
 
 def test_ctrl_c_while_waiting_on_a_handle_stops_the_job_at_a_boundary(

@@ -20,6 +20,12 @@ of the rate's window. Rates are over a recent window (rate_window.py):
                   alone said too little); "ETA unknown" until some row has finished (and
                   without an input row count)
 
+The input's row total comes when it is known (``set_total``, from any thread): the first
+row never waits for it. A local run counts it beside the run; remote JSONL is estimated
+from a sample (row_estimate.py), shown as "~12,300 rows" until the reader reaches the end of
+the input and the feed gives the exact total. An estimate is never ``exact_total``, so never
+the report's ``rows_total``.
+
 A log line reads (with the row count known):
 
     120 of 2,000 rows done (6%), 256 in flight, 41,280 output tokens so far, 1,650 output
@@ -39,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,6 +59,7 @@ from tokenmill.jobs.run_history import RunHistory
 if TYPE_CHECKING:
     from tokenmill.jobs.engine_counters import EngineCounters
     from tokenmill.jobs.progress_bar import ProgressBar
+    from tokenmill.jobs.row_estimate import RowTotal
 
 __all__ = ["LiveCounts", "Progress", "format_duration"]
 
@@ -79,19 +87,22 @@ class LiveCounts:
 @dataclass(frozen=True)
 class ProgressSnapshot:
     """A running job's progress, as its progress line says it (``JobHandle.progress``).
-    ``rows_total`` and the rates are None until known."""
+    ``rows_total`` and the rates are None until known; ``rows_estimate`` is the input's
+    rows estimated (remote JSONL: row_estimate.py) while ``rows_total`` is not known."""
 
     rows_done: int  # committed or finished, earlier runs included
-    rows_total: int | None
+    rows_total: int | None  # counted, never estimated
     rows_in_flight: int
     output_tokens: int  # generated this run
     output_tokens_per_s: float | None  # over the recent window
     eta_seconds: float | None
+    rows_estimate: int | None = None
 
 
 class Progress:
     """Counts rows and tokens of one run and shows them. ``total``: the input's rows (None if
-    not counted); ``already_done``: rows committed by earlier runs. A line is logged every
+    not counted yet: ``set_total`` gives them later), ``total_estimated`` whether that is an
+    estimate; ``already_done``: rows committed by earlier runs. A line is logged every
     ``interval_s`` seconds, or a bar is redrawn at every sample when ``stream`` (default:
     stderr) is a terminal; ``live`` is called at most every ``sample_s`` seconds (default:
     1 s, or ``interval_s`` if shorter), on the caller's thread; rates need a sample's span of
@@ -110,11 +121,14 @@ class Progress:
         stream: TextIO | None = None,
         counters: Callable[[], Mapping[str, EngineCounters]] | None = None,
         max_tokens: int | None = None,
+        total_estimated: bool = False,
     ) -> None:
         if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
         sample_s = min(1.0, interval_s) if sample_s is None else sample_s
-        self.total = total
+        self.total = total  # shown: counted, or estimated (``total_estimated``)
+        self.total_estimated = total_estimated and total is not None
+        self._total_lock = threading.Lock()  # (set_total comes from the count's thread)
         # the output tokens a row takes at most by the job's settings (max_tokens x best_of;
         # OpenAI Batch rows may set their own)
         self.max_tokens = max_tokens
@@ -153,6 +167,33 @@ class Progress:
 
             self._bar = ProgressBar(stream, total, already_done)
 
+    def set_total(self, total: RowTotal | None) -> None:
+        """The input's rows, counted or estimated, once known (from any thread: the count
+        runs beside the run). An estimate never replaces a counted total; None changes
+        nothing. Shown from the next sample on."""
+        if total is None:
+            return
+        with self._total_lock:
+            if total.estimated and self.total is not None and not self.total_estimated:
+                return
+            self.total, self.total_estimated = total.rows, total.estimated
+
+    @property
+    def exact_total(self) -> int | None:
+        """The input's rows if counted (None while unknown or only estimated): what the
+        report may say."""
+        with self._total_lock:
+            return None if self.total_estimated else self.total
+
+    @property
+    def _total_now(self) -> int | None:
+        """The total to show and to take the ETA from: an estimate that the rows done have
+        passed says nothing any more (the rows left are unknown)."""
+        total = self.total
+        if total is not None and self.total_estimated and self.done >= total:
+            return None
+        return total
+
     @property
     def samples(self) -> list[tuple[float, int]]:
         """(seconds since the clock started, output tokens so far): the report's throughput
@@ -181,7 +222,7 @@ class Progress:
         self._last_sample = now
         self._sample(now)
         if self._bar is not None:
-            self._bar.show(self.done, self.bar_text())
+            self._bar.show(self.done, self.bar_text(), self._total_now)
         elif self.enabled and now - self._last_log >= self.interval_s:
             self._last_log = now
             log.info("%s", self.line())
@@ -202,9 +243,10 @@ class Progress:
         a row in flight has run past every finished row without a ``max_tokens`` to bound
         it. None without a basis (no row count, nothing finished in the window), or once
         the run has ended with rows left (stopped)."""
-        if self.total is None:
+        total = self._total_now
+        if total is None:
             return None
-        remaining = max(self.total - self.done, 0)
+        remaining = max(total - self.done, 0)
         if remaining == 0:
             return 0.0
         if self.ended or not self.tokens:
@@ -237,15 +279,18 @@ class Progress:
 
     def snapshot(self) -> ProgressSnapshot:
         """The numbers of the progress line (read from another thread: each is one read)."""
+        with self._total_lock:
+            total, estimated = self.total, self.total_estimated
         return ProgressSnapshot(
-            self.done, self.total, self.in_flight, self.tokens, self.tokens_per_s,
-            self.eta_seconds,
+            self.done, None if estimated else total, self.in_flight, self.tokens,
+            self.tokens_per_s, self.eta_seconds, total if estimated else None,
         )  # fmt: skip
 
     def line(self) -> str:
         """The progress line, as logged."""
-        if self.total:
-            rows = f"{self._rows()} done ({self.done / self.total:.0%})"
+        total = self._total_now
+        if total:
+            rows = f"{self._rows()} done ({self.done / total:.0%})"
         else:
             rows = f"{self._rows()} done"
         return ", ".join(
@@ -270,7 +315,10 @@ class Progress:
         )
 
     def _rows(self) -> str:
-        return f"{self.done:,} of {self.total:,} rows" if self.total else f"{self.done:,} rows"
+        total = self._total_now
+        if not total:
+            return f"{self.done:,} rows"
+        return f"{self.done:,} of {'~' if self.total_estimated else ''}{total:,} rows"
 
     def _rate(self, unmeasured: str) -> str:
         rate = self.tokens_per_s
@@ -292,7 +340,7 @@ class Progress:
             self.ended = True
             self.in_flight = 0
         if self._bar is not None:
-            self._bar.show(self.done, self.bar_text())
+            self._bar.show(self.done, self.bar_text(), self._total_now)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -307,9 +355,10 @@ class Progress:
             # 0 in flight, ETA 0 s" while 35 rows were being handed on); ``update`` takes
             # each off as it is counted.
             self.in_flight = counts.rows_in_flight + counts.rows_finishing
-            if self.total is not None and self.generated_rows:
+            total = self._total_now
+            if total is not None and self.generated_rows:
                 running = self._running_tokens(counts)
-                queued = max(self.total - self.done - len(running) - counts.rows_finishing, 0)
+                queued = max(total - self.done - len(running) - counts.rows_finishing, 0)
                 self._tokens_left = self._lengths.tokens_left(queued, running)
             if counts.load_seconds > self.load_seconds:
                 self.load_seconds = counts.load_seconds

@@ -7,7 +7,7 @@ the recent window, ETA from the rows left): tqdm draws the bar and the line, fit
 terminal's width and leaves it on screen when closed, but its own rate and remaining-time
 estimates are not shown, because they count only finished rows and would contradict the
 model (rows finish in waves; tokens flow all the time). Without a row count there is no
-bar, only the text.
+bar, only the text; the count may come later (it runs beside the run), and the bar with it.
 
 While the bar is up, log records that the root logger would print on the console (a
 warning, a Ray replica's load time) are printed above it through tqdm, instead of being
@@ -53,8 +53,12 @@ class ProgressBar:
         ):
             self._logs.enter_context(logging_redirect_tqdm())
 
-    def show(self, done: int, text: str) -> None:
-        """Redraw with ``done`` rows and ``text`` (rows, rate, ETA, as the model gives them)."""
+    def show(self, done: int, text: str, total: int | None) -> None:
+        """Redraw with ``done`` rows of ``total`` (counted or estimated: None, no bar) and
+        ``text`` (rows, rate, ETA, as the model gives them)."""
+        if total != self._bar.total:
+            self._bar.total = total
+            self._bar.bar_format = _WITH_TOTAL if total else _WITHOUT_TOTAL
         self._bar.n = done
         self._bar.set_description_str(text, refresh=False)
         self._bar.refresh()

@@ -1,4 +1,9 @@
-"""Counting input rows cheaply, for the progress bar's total and ETA."""
+"""Counting input rows cheaply, for the progress bar's total and ETA.
+
+``count_input_rows`` counts every row (reading each JSONL file whole); ``input_row_total``,
+what a run uses, counts local files and Parquet metadata exactly and estimates remote JSONL
+files from a sample of each (row_estimate.py): counting those exactly was a second download
+of the whole input."""
 
 from __future__ import annotations
 
@@ -11,14 +16,13 @@ from tokenmill.io.readers import InputConfig, detect_format, list_input_files
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.jsonl_records import blank_line
+from tokenmill.jobs.row_estimate import RowTotal, Stopped, estimate_rows, is_local
+
+__all__ = ["RowTotal", "count_input_rows", "input_row_total"]
 
 log = logging.getLogger("tokenmill.jobs")
 
 _STOP_EVERY = (1 << 16) - 1  # lines between looks at ``stop`` (a mask)
-
-
-class _Stopped(Exception):
-    pass
 
 
 def count_input_rows(cfg: InputConfig, stop: threading.Event | None = None) -> int | None:
@@ -30,7 +34,36 @@ def count_input_rows(cfg: InputConfig, stop: threading.Event | None = None) -> i
         files = list_input_files(cfg)
         fmt = detect_format(files, cfg.format, cfg.storage_options)
         return sum(map_files(lambda url: _rows_of(url, fmt, cfg, stop), files))
-    except _Stopped:
+    except Stopped:
+        return None
+    except Exception as exc:  # the reader reports real problems with the input itself
+        log.debug("could not count input rows: %s", exc)
+        return None
+
+
+def input_row_total(cfg: InputConfig, stop: threading.Event | None = None) -> RowTotal | None:
+    """The input's rows for progress: Parquet files' from their metadata and local JSONL
+    files' counted (both exact), remote JSONL files' estimated from a sample of each
+    (``estimate_rows``: the rows of a file no larger than the sample are counted); None if
+    they cannot be counted or estimated, or once ``stop`` is set. Never raises: a total only
+    feeds the progress bar (and, estimated, never the manifest or the report)."""
+    try:
+        files = list_input_files(cfg)
+        fmt = _format_by_name(cfg, files)
+
+        def count(url: str) -> int:
+            return _rows_of(url, fmt, cfg, stop)
+
+        local: list[str] = []
+        remote: list[str] = []
+        for f in files:
+            (local if fmt == "parquet" or is_local(f, cfg.storage_options) else remote).append(f)
+        counted = sum(map_files(count, local))
+        if not remote:
+            return RowTotal(counted, estimated=False)
+        estimate = estimate_rows(remote, cfg.storage_options, count, stop)
+        return None if estimate is None else RowTotal(counted + estimate.rows, estimate.estimated)
+    except Stopped:
         return None
     except Exception as exc:  # the reader reports real problems with the input itself
         log.debug("could not count input rows: %s", exc)
@@ -39,7 +72,7 @@ def count_input_rows(cfg: InputConfig, stop: threading.Event | None = None) -> i
 
 def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None) -> int:
     if stop is not None and stop.is_set():
-        raise _Stopped
+        raise Stopped
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -52,5 +85,14 @@ def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None)
         for i, line in enumerate(f, start=1):
             rows += not blank_line(line, i)
             if not i & _STOP_EVERY and stop is not None and stop.is_set():
-                raise _Stopped
+                raise Stopped
     return rows
+
+
+def _format_by_name(cfg: InputConfig, files: list[str]) -> str:
+    """ "parquet" or "jsonl", by the setting or the first file's name: detect_format opens the
+    first file, which fetched a whole block of it from an object store (s3fs: up to 50 MiB)
+    just to count; the reader checks the format itself."""
+    if cfg.format != "auto":
+        return "parquet" if cfg.format == "parquet" else "jsonl"
+    return "parquet" if files and files[0].lower().endswith(".parquet") else "jsonl"

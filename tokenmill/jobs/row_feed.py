@@ -50,6 +50,7 @@ from tokenmill.jobs.read_ahead import ReadAhead
 from tokenmill.jobs.ready_rows import ReadyRow
 from tokenmill.jobs.requests import error_result
 from tokenmill.jobs.row_bytes import input_row_bytes, item_bytes
+from tokenmill.jobs.row_estimate import RowTotal
 from tokenmill.jobs.row_source import FeedItem, Prepare, row_index_of
 from tokenmill.jobs.shard_tracker import ShardTracker
 
@@ -157,6 +158,8 @@ class RowFeed:
                 if self._ahead.exhausted:
                     self._input_done = True
                     self._tracker.input_done()
+                    # read to its end: the input's rows are known, an estimate's no more
+                    self._progress.set_total(RowTotal(self.rows_read, estimated=False))
                 break
             self._accept(batch)
             held += batch.nbytes

@@ -36,7 +36,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -57,6 +56,7 @@ from tokenmill.jobs.fingerprint import (
     settings_record,
 )
 from tokenmill.jobs.input_changes import file_changes
+from tokenmill.jobs.input_count import InputCount
 from tokenmill.jobs.legacy_shards import conform_legacy_shards
 from tokenmill.jobs.lock import JobLock, JobLockedError, LockLostError
 from tokenmill.jobs.manifest import (
@@ -90,7 +90,7 @@ from tokenmill.jobs.report_html import (
     page_shows,
     write_report_html,
 )
-from tokenmill.jobs.row_count import count_input_rows
+from tokenmill.jobs.row_count import input_row_total
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
 from tokenmill.jobs.shard_commit import discard_progress, progress_files, remove_stray_files
@@ -388,15 +388,14 @@ def _run_owned(
         return report
 
     import_plots_in_background()  # report.html's, hidden by the model load
-    total, executor = _count_and_load(spec, cfg, cancel, report)
-    report.rows_total = total  # (None: stopped before the count; a complete run's is read)
+    count, executor = _count_and_load(spec, cfg, cancel, report)
     writer: ShardWriter | None = None
     try:  # the loaded engine is closed below, or here where the run fails before that
         if spec.execution.executor == "ray" and executor is not None:  # (its cluster joined)
             dtype = replica_dtype(spec, executor.on_gpu)
             check_replica_dtype(manifest, dtype, store, still_held)
         progress = Progress(
-            total,
+            None,  # (until counted: the first row never waits for the count)
             manifest.rows_done,
             enabled=progress_interval_s is not None,
             interval_s=progress_interval_s or 10.0,
@@ -404,6 +403,7 @@ def _run_owned(
             counters=None if executor is None else replica_counters(executor),
             max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
         )
+        count.show_in(progress)
         generate = executor is not None and not cancel.is_set()  # (cancelled: it never does)
         if on_progress is not None and generate:
             on_progress(progress)
@@ -427,6 +427,7 @@ def _run_owned(
             source=source,
         )
     except BaseException:  # an on_progress that raised kept the engine (and its KV cache) for
+        count.stop()
         if writer is not None:  # as long as its exception lived: +260 MB a run (an audit)
             writer.abandon()
         if executor is not None:
@@ -475,6 +476,9 @@ def _run_owned(
         raise
     finally:
         generated = generated or time.monotonic()
+        count.stop()
+        # counted, never estimated (None: stopped before the count; a complete run's is read)
+        report.rows_total = progress.exact_total
         feed.close(timeout=0.5 if writer.abandoned else 5.0)
         progress.close()
         report.wall_seconds = round(time.monotonic() - start, 3)
@@ -867,25 +871,26 @@ def _fill_totals(report: JobReport, manifest: Manifest) -> None:
 
 def _count_and_load(
     spec: JobSpec, cfg: InputConfig, cancel: threading.Event, report: JobReport
-) -> tuple[int | None, Any]:
-    """(the input's row count, for progress; the executor, None once cancelled). A local
-    run counts beside its model load (reading every JSONL file whole: 26 s for 5,000 files
-    on S3, all before the first row); a Ray one first, its chunks being sized by it."""
+) -> tuple[InputCount, Any]:
+    """(the input's row total, for progress; the executor, None once cancelled). A local
+    run counts beside its model load and its rows, never waiting for the count (local JSONL
+    counted row by row, remote JSONL estimated from a sample: row_estimate.py); a Ray one
+    first, its chunks being sized by it (an estimate sizes them as well: the rows read, not
+    the count, decide when the input has ended)."""
     if spec.execution.executor == "ray":
-        total = count_input_rows(cfg)
-        return total, None if cancel.is_set() else _load_executor(spec, total, report)
-    pool, stop = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-count"), threading.Event()
-    counted = pool.submit(count_input_rows, cfg, stop)
+        total = input_row_total(cfg)
+        rows = None if total is None else total.rows
+        executor = None if cancel.is_set() else _load_executor(spec, rows, report)
+        return InputCount.known(total), executor
+    count = InputCount.start(input_row_total, cfg)
     try:
         executor = None if cancel.is_set() else _load_executor(spec, None, report)
     except BaseException:
-        stop.set()  # (the process would wait for the count to end)
+        count.stop()  # (the process would wait for the count to end)
         raise
-    finally:
-        pool.shutdown(wait=False)
     if executor is None or cancel.is_set():  # cancelled: no progress to show, no count
-        stop.set()  # (a cancel during the load waited for the whole count: 26 s on S3)
-    return counted.result(), executor
+        count.stop()  # (a cancel during the load waited for the whole count: 26 s on S3)
+    return count, executor
 
 
 def _load_executor(spec: JobSpec, expected_rows: int | None, report: JobReport) -> Any:
