@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import pytest
+import yaml
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
@@ -69,6 +71,43 @@ def job_dict(
     for section, values in sections.items():
         spec.setdefault(section, {}).update(values)
     return spec
+
+
+def write_job(folder: Path, spec: dict[str, Any]) -> Path:
+    """Write ``spec`` (a job_dict) as ``folder/job.yaml``, the file a user hands ``run-job``;
+    return its path. A job file written there before is replaced."""
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def run_cli(job: Path | str, *args: str, timeout_s: float | None = None) -> int:
+    """``run-job job *args`` in this process (tokenmill.jobs.cli.main, the command's own entry
+    point, its messages on this process's stdout and stderr); return its exit code.
+
+    With ``timeout_s`` the command runs in a thread joined for that long, so a run that hangs
+    fails the test (an AssertionError naming the command) instead of blocking the suite; the
+    thread is a daemon, left behind. An exception the command raises is raised here."""
+    from tokenmill.jobs.cli import main as cli_main
+
+    argv = [str(job), *args]
+    if timeout_s is None:
+        return cli_main(argv)
+    ended: list[int | BaseException] = []
+
+    def run() -> None:
+        try:
+            ended.append(cli_main(argv))
+        except BaseException as e:  # raised again in the test's thread, below
+            ended.append(e)
+
+    thread = threading.Thread(target=run, name="run-job", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"run-job {' '.join(argv)} did not end within {timeout_s} s"
+    if isinstance(ended[0], BaseException):
+        raise ended[0]
+    return ended[0]
 
 
 def read_jsonl_dir(folder: Path) -> list[dict[str, Any]]:

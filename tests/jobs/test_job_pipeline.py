@@ -6,19 +6,19 @@ hanging; the engine's batch stays full across shard boundaries, with a bounded q
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.jobs.job_helpers import (
     chat_rows,
     committed_shards,
     job_dict,
     read_jsonl_dir,
+    run_cli,
+    write_job,
     write_jsonl,
 )
 from tokenmill import run_job
@@ -26,7 +26,6 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.jobs import peekable_input, runner, shard_writer
-from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.shard_commit import commit_shard
 from tokenmill.jobs.spec import JobSpec
@@ -83,22 +82,6 @@ def test_shards_are_byte_identical_to_a_serialized_run(
     assert manifests[0]["shards"] == manifests[1]["shards"]
 
 
-def _job_file(tmp_path: Path, spec: dict[str, Any]) -> Path:
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def _cli(job: Path) -> int:
-    """run-job in a thread: a hang fails the test instead of blocking it."""
-    codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(cli_main([str(job), "--quiet"])))
-    thread.start()
-    thread.join(120)
-    assert not thread.is_alive(), "run-job hung after a worker's error"
-    return codes[0]
-
-
 @pytest.mark.parametrize(
     ("error", "code", "message"),
     [
@@ -148,7 +131,7 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
 
     monkeypatch.setattr(peekable_input, "iter_input_rows", failing)
     monkeypatch.setattr(runner, "pipeline_bounds", lambda s: PipelineBounds(4, 8, 1))
-    assert _cli(_job_file(tmp_path, spec)) == code
+    assert run_cli(write_job(tmp_path, spec), "--quiet", timeout_s=120) == code
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"run-job: {message}; {RESUME}")
     # a file to fix: rerunning as it is does not help (exit 2, and it says so)
@@ -195,7 +178,7 @@ def test_a_writer_error_ends_the_run_as_a_serial_run_would(
         return commit_shard(*args)
 
     monkeypatch.setattr(shard_writer, "commit_shard", failing)
-    assert _cli(_job_file(tmp_path, spec)) == code
+    assert run_cli(write_job(tmp_path, spec), "--quiet", timeout_s=120) == code
     err = capsys.readouterr().err
     assert f"run-job: {message}" in err and err.strip().endswith(RESUME)
     assert len(calls) == 3  # nothing was committed after the failure

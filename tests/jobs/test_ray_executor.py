@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    run_cli,
+    write_job,
+    write_jsonl,
+)
 from tokenmill import run_job
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import runner
@@ -275,20 +282,15 @@ def test_a_model_a_replica_cannot_load_exits_2(
     model.source, 'rerunning does not help'), not as a failed job to rerun (exit 1)."""
     import shutil
 
-    import yaml
     from safetensors.torch import load_file, save_file
-
-    from tokenmill.jobs.cli import main as cli_main
 
     model = shutil.copytree(tiny_model, tmp_path / "model")
     weights = model / "model.safetensors"
     tensors = load_file(weights)  # damaged inside: found only when a replica loads them
     tensors["model.norm.weight"][0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
-    job = tmp_path / "job.yaml"
     spec = job_dict(model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1})
-    job.write_text(yaml.safe_dump(spec))
-    assert cli_main([str(job), "--quiet"]) == 2
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 2
     err = capsys.readouterr().err
     assert f"model.source '{model}' cannot be loaded on Ray replica 0" in err, err
     assert "model.norm.weight" in err and "NaN" in err
@@ -313,15 +315,9 @@ def _refused_on_one_replica(
 ) -> str:
     """Run the job on one Ray replica with ``engine.kv_cache_memory`` through the CLI; it must
     be refused with exit 2: its stderr."""
-    import yaml
-
-    from tokenmill.jobs.cli import main as cli_main
-
-    job = tmp_path / "job.yaml"
     spec = job_dict(tiny_model, job_input, tmp_path / "out", execution={**RAY, "replicas": 1},
                     engine={"kv_cache_memory": kv_cache_memory})  # fmt: skip
-    job.write_text(yaml.safe_dump(spec))
-    assert cli_main([str(job), "--quiet"]) == 2
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 2
     return capsys.readouterr().err
 
 
@@ -344,10 +340,8 @@ def test_a_lost_cluster_fails_the_run_with_its_report_and_exit_75(
     60+ s and would end this test process): the run fails with its committed shards'
     report, exit 75, naming the cause."""
     import ray
-    import yaml
 
     from tokenmill.jobs import ray_cluster_watch
-    from tokenmill.jobs.cli import main as cli_main
 
     out = tmp_path / "out"
     # the head "goes away" once a shard is committed
@@ -358,10 +352,9 @@ def test_a_lost_cluster_fails_the_run_with_its_report_and_exit_75(
     spec = job_dict(tiny_model, src, out, execution={"executor": "ray", "replicas": 1},
                     engine={"max_num_seqs": 2}, sampling={"max_tokens": 16})  # fmt: skip
     spec["output"]["rows_per_shard"] = 2
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec))
+    job = write_job(tmp_path, spec)
     try:
-        assert cli_main([str(job), "--quiet"]) == 75
+        assert run_cli(job, "--quiet") == 75
     finally:  # the cluster is up in fact: the replicas the lost run left go
         for name in ray.util.list_named_actors():
             if name.startswith("tokenmill-"):
@@ -386,10 +379,8 @@ def test_a_head_lost_with_its_replicas_still_fails_the_run_with_exit_75(
     import signal
 
     import ray
-    import yaml
 
     from tokenmill.jobs import ray_cluster_watch
-    from tokenmill.jobs.cli import main as cli_main
 
     out = tmp_path / "out"
     head_gone = threading.Event()
@@ -412,13 +403,12 @@ def test_a_head_lost_with_its_replicas_still_fails_the_run_with_exit_75(
     spec = job_dict(tiny_model, src, out, name="headloss", execution=ray_1,
                     engine={"max_num_seqs": 2}, sampling={"max_tokens": 16})  # fmt: skip
     spec["output"]["rows_per_shard"] = 2
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec))
+    job = write_job(tmp_path, spec)
     killer = threading.Thread(target=kill_head_and_replica, daemon=True)
     killer.start()
     try:
         with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
-            assert cli_main([str(job), "--quiet"]) == 75
+            assert run_cli(job, "--quiet") == 75
         started = [n for n in ray.util.list_named_actors() if n.startswith("tokenmill-headloss-")]
     finally:  # the cluster is up in fact: the replicas the lost run left go
         killer.join(5)

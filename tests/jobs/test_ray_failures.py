@@ -28,9 +28,11 @@ from tests.jobs.job_helpers import (
     committed_shards,
     job_dict,
     read_jsonl_dir,
+    run_cli,
+    write_job,
     write_jsonl,
 )
-from tests.jobs.ray_failure_helpers import RAY, SMALL, rows_by_id, run_cli
+from tests.jobs.ray_failure_helpers import RAY, SMALL, rows_by_id
 from tokenmill import run_job
 
 ray = pytest.importorskip("ray")
@@ -106,7 +108,7 @@ def test_a_replica_killed_mid_job_costs_no_row(
     killer.start()
     spec = job_dict(tiny_model, src, out, name="kill", execution=RAY, **LONG_ROWS)
     with caplog.at_level(logging.WARNING, logger="tokenmill.jobs"):
-        assert run_cli(spec, tmp_path) == 0, f"seed {seed}"
+        assert run_cli(write_job(tmp_path, spec), "--quiet") == 0, f"seed {seed}"
     killer.join(5)
 
     assert killer.killed_pid is not None and 0 < killer.shards_at_kill < SHARDS, f"seed {seed}"
@@ -136,7 +138,8 @@ def _through_an_outage(
     try:
         out = tmp_path / "ray"
         execution = {**RAY, "replica_failures_in_a_row": breaker}
-        assert run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 0
+        spec = job_dict(tiny_model, src, out, execution=execution, **SMALL)
+        assert run_cli(write_job(tmp_path, spec), "--quiet") == 0
         assert list(outage.iterdir()) == []  # the whole outage happened
     finally:
         shutil.rmtree(outage, ignore_errors=True)

@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
-from tests.jobs.ray_failure_helpers import RAY, SMALL, rows_by_id, run_cli
+from tests.jobs.job_helpers import (
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    run_cli,
+    write_job,
+    write_jsonl,
+)
+from tests.jobs.ray_failure_helpers import RAY, SMALL, rows_by_id
 from tests.jobs.ray_poison import HANG, KILL, RAISE
 from tokenmill import run_job
 
@@ -36,7 +43,8 @@ def test_poison_rows_are_isolated_and_every_other_row_is_written(
     expected = rows_by_id(tmp_path / "local", "shards")
 
     out = tmp_path / "ray"
-    assert run_cli(job_dict(tiny_model, src, out, execution=RAY, **SMALL), tmp_path) == 0
+    spec = job_dict(tiny_model, src, out, execution=RAY, **SMALL)
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 0
 
     errors = rows_by_id(out, "errors")
     assert sorted(errors) == ["r0005", "r0014"]
@@ -64,7 +72,8 @@ def test_a_hung_engine_is_replaced_and_its_row_isolated(tiny_model: Path, tmp_pa
     # a while; only the hung engine should stall (1 s saved ~3 s here, not worth a flake)
     execution = {**RAY, "stall_timeout_s": 2.0}
     started = time.monotonic()
-    assert run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 0
+    spec = job_dict(tiny_model, src, out, execution=execution, **SMALL)
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 0
     assert time.monotonic() - started < 120
 
     errors = rows_by_id(out, "errors")
@@ -93,7 +102,8 @@ def test_replicas_failing_whatever_they_run_end_the_job(
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "ray"
     execution = {**RAY, "replica_failures_in_a_row": 4}
-    assert run_cli(job_dict(tiny_model, src, out, execution=execution, **SMALL), tmp_path) == 1
+    spec = job_dict(tiny_model, src, out, execution=execution, **SMALL)
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 1
     assert "failed 4 times in a row with no chunk of rows finishing" in capsys.readouterr().err
     assert len(read_jsonl_dir(out / "errors")) < 12 and read_jsonl_dir(out / "shards") == []
     report = json.loads((out / "report.json").read_text())

@@ -23,21 +23,21 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    run_cli,
+    write_job,
+    write_jsonl,
+)
 from tokenmill import run_job
-from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.lock import JobLock
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.ownership import OWNER_FILE, OutputOwnedError
 from tokenmill.jobs.spec import JobSpecError
 
 INVALID, TEMPORARY = 2, 75
-
-
-def _job_file(tmp_path: Path, spec: dict, name: str = "job.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 def _ids(folder: Path) -> list[str]:
@@ -71,9 +71,7 @@ def test_second_job_on_an_output_is_refused_and_the_first_keeps_its_rows(
         run_job(job_dict(tiny_model, b_in, out, name="b"), show_progress=False)
     with pytest.raises(OutputOwnedError):  # --fresh discards only a job's own progress
         run_job(job_dict(tiny_model, b_in, out, name="b"), fresh=True, show_progress=False)
-    assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, b_in, out, name="b")))]) == (
-        INVALID
-    )
+    assert run_cli(write_job(tmp_path, job_dict(tiny_model, b_in, out, name="b"))) == INVALID
     assert "belongs to job 'a'" in capsys.readouterr().err
 
     assert {p.name: p.read_bytes() for p in (out / "shards").iterdir()} == before
@@ -112,12 +110,8 @@ def test_job_blocked_by_another_jobs_running_run_is_refused_not_retried(
     out = tmp_path / "out"
     run_job(job_dict(tiny_model, src, out, name="a"), show_progress=False)
     with JobLock("a", str(out), str(out)):  # job a is running
-        assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, src, out, name="b")))]) == (
-            INVALID
-        )
-        assert cli_main([str(_job_file(tmp_path, job_dict(tiny_model, src, out, name="a")))]) == (
-            TEMPORARY
-        )
+        assert run_cli(write_job(tmp_path, job_dict(tiny_model, src, out, name="b"))) == INVALID
+        assert run_cli(write_job(tmp_path, job_dict(tiny_model, src, out, name="a"))) == TEMPORARY
 
 
 def test_a_job_starting_beside_another_on_a_new_output_is_told_whose_it_becomes(
@@ -130,11 +124,11 @@ def test_a_job_starting_beside_another_on_a_new_output_is_told_whose_it_becomes(
     out = tmp_path / "out"
     out.mkdir()
     with JobLock("a", str(out), str(out)):  # a's run, before it wrote its owner record
-        b = _job_file(tmp_path, job_dict(tiny_model, src, out, name="b"))
-        assert cli_main([str(b), "--quiet"]) == INVALID
+        b = write_job(tmp_path, job_dict(tiny_model, src, out, name="b"))
+        assert run_cli(b, "--quiet") == INVALID
         assert "is being claimed by job 'a', running now" in capsys.readouterr().err
-        a = _job_file(tmp_path, job_dict(tiny_model, src, out, name="a"))
-        assert cli_main([str(a), "--quiet"]) == TEMPORARY
+        a = write_job(tmp_path, job_dict(tiny_model, src, out, name="a"))
+        assert run_cli(a, "--quiet") == TEMPORARY
 
 
 def test_unclaimed_output_with_files_at_our_names_is_refused(
@@ -204,10 +198,10 @@ def test_root_and_input_ancestors_are_refused(
     data = tmp_path / "work" / "data"
     src = write_jsonl(data / "in.jsonl", chat_rows(2))
     monkeypatch.chdir(data)  # "../.." and "." are then ancestors of the input
-    job = _job_file(tmp_path, job_dict(tiny_model, src, path))
+    job = write_job(tmp_path, job_dict(tiny_model, src, path))
     before = sorted(p for p in tmp_path.rglob("*"))
-    assert cli_main([str(job), "--dry-run"]) == INVALID
-    assert cli_main([str(job)]) == INVALID
+    assert run_cli(job, "--dry-run") == INVALID
+    assert run_cli(job) == INVALID
     assert "output.path" in capsys.readouterr().err
     assert sorted(p for p in tmp_path.rglob("*")) == before
     assert not Path("/.tokenmill.lock").exists()
@@ -303,8 +297,8 @@ def test_unpaired_surrogates_are_row_errors(
     for path in (out / "errors").iterdir():
         path.read_bytes().decode("utf-8")  # every byte written is valid UTF-8
 
-    job = _job_file(tmp_path, spec)
-    assert cli_main([str(job), "--dry-run"]) == 0
+    job = write_job(tmp_path, spec)
+    assert run_cli(job, "--dry-run") == 0
     assert "(4 bad)" in capsys.readouterr().out
 
 
@@ -331,11 +325,11 @@ def test_openai_batch_output_needs_batch_input_up_front(
     tiny_model: Path, tmp_path: Path, capsys
 ) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(3))
-    job = _job_file(tmp_path, job_dict(tiny_model, src, tmp_path / "out", output={
+    job = write_job(tmp_path, job_dict(tiny_model, src, tmp_path / "out", output={
         "format": "openai-batch"}))  # fmt: skip
     start = time.monotonic()
-    assert cli_main([str(job), "--dry-run"]) == INVALID
-    assert cli_main([str(job)]) == INVALID
+    assert run_cli(job, "--dry-run") == INVALID
+    assert run_cli(job) == INVALID
     assert time.monotonic() - start < 10  # no model loaded, no inference
     err = capsys.readouterr().err
     assert "output.format" in err and "OpenAI Batch" in err
@@ -349,8 +343,8 @@ def test_parquet_without_the_prompt_column_fails_up_front(
     pq.write_table(pa.table({"id": ["a", "b"], "question": ["q1", "q2"]}), src)
     spec = job_dict(tiny_model, src, tmp_path / "out")
     spec["input"] |= {"messages_column": None, "prompt_column": "prompt", "passthrough_columns": []}
-    job = _job_file(tmp_path, spec)
-    assert cli_main([str(job)]) == INVALID
+    job = write_job(tmp_path, spec)
+    assert run_cli(job) == INVALID
     err = capsys.readouterr().err
     assert "input.prompt_column" in err and "question" in err
     assert not (tmp_path / "out").exists()
@@ -382,7 +376,7 @@ def test_yaml_bomb_is_refused_at_once(tiny_model: Path, tmp_path: Path, capsys) 
     job = tmp_path / "bomb.yaml"
     job.write_text("\n".join(lines) + "\n" + body)
     start = time.monotonic()
-    assert cli_main([str(job)]) == INVALID
+    assert run_cli(job) == INVALID
     assert time.monotonic() - start < 2
     err = capsys.readouterr().err
     assert len(err) < 2000 and str(job) in err
@@ -414,7 +408,7 @@ def test_bad_spec_values_exit_2_naming_the_key(
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
     spec = job_dict(tiny_model, src, tmp_path / "out")
     spec[section] |= values
-    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == INVALID
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == INVALID
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
 
@@ -436,13 +430,13 @@ def test_unreachable_s3_endpoint_exits_75_naming_the_key(
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
     spec = job_dict(tiny_model, src, "s3://bucket/out/")
     spec["output"]["storage_options"] = options
-    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == TEMPORARY
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == TEMPORARY
     err = capsys.readouterr().err
     assert "output.path" in err and "endpoint_url" in err and "testing" not in err
 
     spec = job_dict(tiny_model, "s3://bucket/in.jsonl", tmp_path / "out")
     spec["input"]["storage_options"] = options
-    assert cli_main([str(_job_file(tmp_path, spec)), "--quiet"]) == TEMPORARY
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == TEMPORARY
     err = capsys.readouterr().err
     assert "input.path" in err and "testing" not in err
 
@@ -555,10 +549,9 @@ def test_run_job_says_a_vanished_shard_without_a_traceback(
     as for a failure nobody foresaw (an audit)."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
     out = tmp_path / "out"
-    job = tmp_path / "job.yaml"
-    job.write_text(yaml.safe_dump(job_dict(tiny_model, src, out)))
+    job = write_job(tmp_path, job_dict(tiny_model, src, out))
     _lose_shard_0_after_shard_2(out, monkeypatch)
-    assert cli_main([str(job), "--quiet"]) == 1
+    assert run_cli(job, "--quiet") == 1
     err = capsys.readouterr().err
     assert "shards this job committed changed under this run" in err and "rerun" in err
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
@@ -728,12 +721,12 @@ def test_a_model_that_fails_to_load_exits_2_and_the_fixed_rerun_is_not_refused(
     tensors["model.norm.weight"][0] = float("nan")
     save_file(tensors, weights, metadata={"format": "pt"})
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(4))
-    job = _job_file(tmp_path, job_dict(model, src, tmp_path / "out"))
-    assert cli_main([str(job), "--quiet"]) == INVALID
+    job = write_job(tmp_path, job_dict(model, src, tmp_path / "out"))
+    assert run_cli(job, "--quiet") == INVALID
     err = capsys.readouterr().err
     assert f"model.source '{model}' cannot be loaded" in err and "NaN" in err
     weights.write_bytes(whole)
-    assert cli_main([str(job), "--quiet"]) == 0
+    assert run_cli(job, "--quiet") == 0
 
 
 def test_a_run_reads_the_files_its_fingerprint_holds_while_its_folder_fills(

@@ -18,7 +18,6 @@ from typing import Any
 
 import fsspec
 import pytest
-import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
 from tests.jobs.job_helpers import (
@@ -27,11 +26,12 @@ from tests.jobs.job_helpers import (
     job_dict,
     read_jsonl_dir,
     reference_run,
+    run_cli,
+    write_job,
     write_jsonl,
 )
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
-from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.runner import open_output
 from tokenmill.jobs.spec import JobSpec
 
@@ -80,11 +80,6 @@ class _RunJob:
         return rc
 
 
-def _write_job(path: Path, spec: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
 def _local_shards(out: Path) -> dict[str, Any]:
     return committed_shards(out)
 
@@ -105,7 +100,7 @@ def test_sigterm_stops_at_a_commit_boundary_then_resumes(
 ) -> None:
     src, want = reference
     out = tmp_path / "out"
-    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, out, **SETTINGS))
+    job = write_job(tmp_path, job_dict(tiny_model, src, out, **SETTINGS))
 
     run = _RunJob(job)
     assert run.wait_until(lambda: bool(_local_shards(out))), "finished before its first commit"
@@ -123,7 +118,7 @@ def test_sigterm_stops_at_a_commit_boundary_then_resumes(
 
     # The resume in this process: run-job's own entry point, without a second start of
     # Python, torch and the model's imports (3 s); the stop above is what needs a process.
-    assert cli_main([str(job), "--quiet"]) == 0
+    assert run_cli(job, "--quiet") == 0
     _assert_same_rows(read_jsonl_dir(out / "shards"), want)
     assert not read_jsonl_dir(out / "errors")
     assert not [p for p in out.rglob("*") if ".tmp-" in p.name]
@@ -139,7 +134,7 @@ def test_a_stop_while_run_job_imports_exits_75_and_the_rerun_finishes(
     killed the process (exit -15 / -2); the rerun finishes every row once."""
     src, want = reference
     out = tmp_path / "out"
-    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, out, **SETTINGS))
+    job = write_job(tmp_path, job_dict(tiny_model, src, out, **SETTINGS))
     script = (
         "import os, sys\n"
         "from tokenmill.jobs.stop_signals import hold_signals\n"
@@ -158,7 +153,7 @@ def test_a_stop_while_run_job_imports_exits_75_and_the_rerun_finishes(
     )
     assert proc.returncode == 75, proc.stderr
     assert sig.name in proc.stderr and RESUME_HINT in proc.stderr, proc.stderr
-    assert cli_main([str(job), "--quiet"]) == 0
+    assert run_cli(job, "--quiet") == 0
     _assert_same_rows(read_jsonl_dir(out / "shards"), want)
 
 
@@ -176,7 +171,7 @@ def test_second_sigterm_stops_at_once_while_a_write_hangs(
     spec = job_dict(tiny_model, src, f"s3://{bucket}/out", **SETTINGS)
     # A hung PUT would block the run for 30 s: long past the signals.
     spec["output"]["storage_options"] = faulty_s3.options(read_timeout_s=30, retries=0)
-    job = _write_job(tmp_path / "job.yaml", spec)
+    job = write_job(tmp_path, spec)
     # The lock file of an S3 output lives in ~/.cache/tokenmill/locks: leave none behind.
     lock_file = open_output(JobSpec.from_dict(spec))[1].path
     request.addfinalizer(lambda: lock_file.unlink(missing_ok=True))
@@ -391,7 +386,7 @@ def test_a_stop_while_either_entry_form_imports_exits_75(
     -m tokenmill.jobs.cli`` (reachable, used by these tests) did not, and a SIGTERM while
     it imported killed it (exit 143, no message). Both exit 75, as README's table says."""
     src = write_jsonl(tmp_path / "in.jsonl", chat_rows(8))
-    job = _write_job(tmp_path / "job.yaml", job_dict(tiny_model, src, tmp_path / "out"))
+    job = write_job(tmp_path, job_dict(tiny_model, src, tmp_path / "out"))
     script = _STOP_WHILE_IMPORTING.format(sig=int(signal.SIGTERM), module=module, job=str(job))
     proc = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

@@ -10,12 +10,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl
+from tests.jobs.job_helpers import chat_rows, job_dict, run_cli, write_job, write_jsonl
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill.jobs import preflight
-from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.stop_signals import JobInterrupted
 
 
@@ -30,9 +28,7 @@ def _job(tmp_path: Path, model: Path, input_path: str, output_path: str, options
     spec = job_dict(model, input_path, output_path)
     spec["input"]["storage_options"] = dict(options) if input_path.startswith("s3") else {}
     spec["output"]["storage_options"] = dict(options) if output_path.startswith("s3") else {}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+    return write_job(tmp_path, spec)
 
 
 @pytest.mark.parametrize("down", ["input", "output"])
@@ -45,7 +41,7 @@ def test_a_store_out_of_reach_at_the_start_exits_75_naming_the_path(
     input_path = "s3://bkt/in/p.jsonl" if down == "input" else local_in
     output_path = "s3://bkt/out" if down == "output" else str(tmp_path / "out")
     job = _job(tmp_path, tiny_model, input_path, output_path, options)
-    assert cli_main([str(job), "--quiet"]) == 75
+    assert run_cli(job, "--quiet") == 75
     err = capsys.readouterr().err
     where = input_path if down == "input" else output_path
     assert f"{down}.path '{where}' cannot be reached" in err
@@ -61,7 +57,7 @@ def test_a_missing_output_bucket_exits_2_naming_the_output(
     _, options = s3_endpoint
     local_in = str(write_jsonl(tmp_path / "in.jsonl", chat_rows(3)))
     output = f"s3://no-bucket-{uuid.uuid4().hex[:8]}/out"
-    assert cli_main([str(_job(tmp_path, tiny_model, local_in, output, options)), "--quiet"]) == 2
+    assert run_cli(_job(tmp_path, tiny_model, local_in, output, options), "--quiet") == 2
     err = capsys.readouterr().err
     assert f"{output}: writing _tokenmill_owner.json failed" in err, err
 
@@ -75,6 +71,6 @@ def test_a_stop_while_the_start_reads_the_input_stops_the_run(
     monkeypatch.setattr(preflight, "list_input_files", interrupted)
     local_in = str(write_jsonl(tmp_path / "in.jsonl", chat_rows(3)))
     job = _job(tmp_path, tiny_model, local_in, str(tmp_path / "out"), {})
-    assert cli_main([str(job), "--quiet"]) == 75
+    assert run_cli(job, "--quiet") == 75
     err = capsys.readouterr().err
     assert "stopped (SIGTERM received again" in err and "cannot be read" not in err

@@ -14,14 +14,19 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    run_cli,
+    write_job,
+    write_jsonl,
+)
 from tokenmill import LLM, SamplingParams, run_job
 from tokenmill.engine.seeds import input_row_seed
 from tokenmill.io.readers import InputConfig
 from tokenmill.io.readers.input_fingerprint import input_fingerprint
-from tokenmill.jobs.cli import main as cli_main
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -132,13 +137,6 @@ def test_parquet_text_column_overrides_the_job_constraint(tiny_model: Path, tmp_
             _check(row, kind)
 
 
-def _exit_code(spec: dict[str, Any], path: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    job = path / "job.yaml"
-    job.write_text(yaml.safe_dump(spec))
-    assert cli_main([str(job), "--quiet"]) == 2
-    return capsys.readouterr().err
-
-
 def test_a_column_the_input_cannot_have_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,7 +144,8 @@ def test_a_column_the_input_cannot_have_exits_2(
     pq.write_table(pa.table({"id": ["a"], "prompt": ["hi"]}), parquet)
     spec = job_dict(Path("unused-model"), parquet, tmp_path / "out")
     spec["input"] = {"path": str(parquet), "structured_output_column": "rulez"}
-    err = _exit_code(spec, tmp_path, capsys)
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 2
+    err = capsys.readouterr().err
     assert "input.structured_output_column: 'rulez' is not a column of" in err, err
 
     batch = write_jsonl(
@@ -155,7 +154,8 @@ def test_a_column_the_input_cannot_have_exits_2(
     )
     spec["input"] = {"path": str(batch), "structured_output_column": "rule"}
     spec["output"]["format"] = "openai-batch"
-    err = _exit_code(spec, tmp_path, capsys)
+    assert run_cli(write_job(tmp_path, spec), "--quiet") == 2
+    err = capsys.readouterr().err
     assert "input.structured_output_column: OpenAI Batch input" in err, err
     assert not (tmp_path / "out").exists()
 
