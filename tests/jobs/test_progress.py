@@ -395,14 +395,14 @@ def test_counting_the_rows_holds_one_line_at_a_time(tmp_path) -> None:
     import tracemalloc
 
     from tokenmill.io.readers import InputConfig
-    from tokenmill.jobs.row_count import count_input_rows
+    from tokenmill.jobs.row_count import RowTotal, input_row_total
 
     f = tmp_path / "long.jsonl"
     row = json.dumps({"prompt": "x" * 200_000}).encode() + b"\n"
     f.write_bytes(row * 200 + b"\n  \n" + row)  # 40 MB; two blank lines
     tracemalloc.start()
     try:
-        assert count_input_rows(InputConfig(path=str(f))) == 201
+        assert input_row_total(InputConfig(path=str(f))) == RowTotal(201, estimated=False)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

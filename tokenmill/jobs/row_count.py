@@ -1,9 +1,8 @@
 """Counting input rows cheaply, for the progress bar's total and ETA.
 
-``count_input_rows`` counts every row (reading each JSONL file whole); ``input_row_total``,
-what a run uses, counts local files and Parquet metadata exactly and estimates remote JSONL
-files from a sample of each (row_estimate.py): counting those exactly was a second download
-of the whole input."""
+``input_row_total`` counts local files and Parquet metadata exactly and estimates remote
+JSONL files from a sample of each (row_estimate.py): counting those exactly was a second
+download of the whole input."""
 
 from __future__ import annotations
 
@@ -12,33 +11,17 @@ import threading
 
 import fsspec
 
-from tokenmill.io.readers import InputConfig, detect_format, list_input_files
+from tokenmill.io.readers import InputConfig, list_input_files
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.jobs.row_estimate import RowTotal, Stopped, estimate_rows, is_local
 
-__all__ = ["RowTotal", "count_input_rows", "input_row_total"]
+__all__ = ["RowTotal", "input_row_total"]
 
 log = logging.getLogger("tokenmill.jobs")
 
 _STOP_EVERY = (1 << 16) - 1  # lines between looks at ``stop`` (a mask)
-
-
-def count_input_rows(cfg: InputConfig, stop: threading.Event | None = None) -> int | None:
-    """Rows in the input (non-blank JSONL lines, after decompression for a compressed file;
-    Parquet metadata row counts), its files read ``READERS`` at a time; None if they
-    cannot be counted, or once ``stop`` is set (checked between files and every 65,536
-    lines). Never raises: a count only feeds the progress bar."""
-    try:
-        files = list_input_files(cfg)
-        fmt = detect_format(files, cfg.format, cfg.storage_options)
-        return sum(map_files(lambda url: _rows_of(url, fmt, cfg, stop), files))
-    except Stopped:
-        return None
-    except Exception as exc:  # the reader reports real problems with the input itself
-        log.debug("could not count input rows: %s", exc)
-        return None
 
 
 def input_row_total(cfg: InputConfig, stop: threading.Event | None = None) -> RowTotal | None:

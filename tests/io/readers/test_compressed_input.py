@@ -19,7 +19,7 @@ from tests.io.readers.reader_files import batch_line, chat_body, read, summary, 
 from tests.s3_server import s3_endpoint  # noqa: F401 (the fixture)
 from tokenmill.io.readers import InputConfig, detect_format, list_input_files
 from tokenmill.io.readers.compression import open_input
-from tokenmill.jobs.row_count import count_input_rows
+from tokenmill.jobs.row_count import RowTotal, input_row_total
 
 COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
     ".gz": gzip.compress,
@@ -83,7 +83,7 @@ def test_compressed_files_on_s3(s3_endpoint):  # noqa: F811
     rows = read(cfg.path, storage_options=options)
     assert summary(rows) == [(0, "a", True), (1, "b", True), (2, "c", True)]
     assert rows[2].source == "s3://zipped/in/b.jsonl.zst:1"
-    assert count_input_rows(cfg) == 3
+    assert input_row_total(cfg) == RowTotal(3, estimated=False)  # (small: counted)
 
 
 def test_directory_picks_up_compressed_jsonl(tmp_path):
@@ -124,7 +124,7 @@ def test_format_jsonl_with_a_gzip_file(tmp_path, name):
 def test_compressed_bytes_without_a_compression_suffix_are_decompressed_by_magic(tmp_path, suffix):
     f = write_compressed(tmp_path / "in.jsonl", ROWS, suffix)
     assert summary(read(f)) == [(0, "a", True), (1, "b", True)]
-    assert count_input_rows(InputConfig(path=str(f))) == 2
+    assert input_row_total(InputConfig(path=str(f))) == RowTotal(2, estimated=False)
 
 
 def test_text_that_starts_like_a_bzip2_magic_stays_text(tmp_path):
@@ -200,7 +200,7 @@ def test_compressed_parquet_is_refused_naming_the_file(tmp_path, fmt):
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_row_count_counts_decompressed_lines(tmp_path, suffix):
     f = write_compressed(tmp_path / f"in.jsonl{suffix}", ROWS + ["", {"id": "c", "prompt": "z"}])
-    assert count_input_rows(InputConfig(path=str(f))) == 3
+    assert input_row_total(InputConfig(path=str(f))) == RowTotal(3, estimated=False)
 
 
 def test_open_input_closes_the_file_under_the_codec(tmp_path):

@@ -66,13 +66,13 @@ def test_a_byte_order_mark_alone_on_line_one_is_a_blank_line(tmp_path, line_one)
     """It was a bad row ("expecting value at column 1"), where blank lines are no rows; the
     row count (progress) and the format detection read it as blank too."""
     from tokenmill.io.readers import InputConfig, detect_format
-    from tokenmill.jobs.row_count import count_input_rows
+    from tokenmill.jobs.row_count import RowTotal, input_row_total
 
     f = tmp_path / "in.jsonl"
     f.write_bytes(line_one + GOOD + b"\xef\xbb\xbf\n")  # (a mark on another line is no mark)
     rows = read(f)
     assert [(r.row_id, r.error is None) for r in rows] == [("ok", True), ("in.jsonl:3", False)]
-    assert count_input_rows(InputConfig(path=str(f))) == 2
+    assert input_row_total(InputConfig(path=str(f))) == RowTotal(2, estimated=False)
     batch = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
     f.write_bytes(line_one + batch)
     assert detect_format([str(f)], "auto", {}) == "openai-batch"
