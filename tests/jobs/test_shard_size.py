@@ -24,9 +24,11 @@ from tests.jobs.job_helpers import (
     write_jsonl,
 )
 from tokenmill import run_job
+from tokenmill.io.readers import InputConfig
 from tokenmill.jobs import shard_size
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.preflight import input_config
 from tokenmill.jobs.spec import coerce_spec
 
@@ -63,7 +65,7 @@ def test_the_sample_picks_a_count_within_bounds(
     def sampled(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
         src = write_jsonl(tmp_path / "in.jsonl", rows)
         cfg = input_config(coerce_spec(_spec(Path("m"), src, tmp_path / "out")))
-        return shard_size.sampled_rows_per_shard(cfg)
+        return _sampled(cfg)
 
     count, read, mean = sampled(_wide_rows(ROWS))
     assert (count, read) == (1000, ROWS) and 20_000 < mean < 21_000  # 3,200 would fit
@@ -168,7 +170,7 @@ def test_the_sampled_rows_are_the_runs_own(
         pq.write_table(pa.Table.from_pylist(rows), src)
     spec = _spec(tiny_model, src, tmp_path / "out", format=fmt)
     monkeypatch.setattr(shard_size, "SHARD_BYTES", SMALL_SHARD)
-    expected = shard_size.sampled_rows_per_shard(input_config(coerce_spec(spec)))[0]
+    expected = _sampled(input_config(coerce_spec(spec)))[0]
     assert expected == 3  # 64 KiB of 20 KB rows
 
     made = count_rows_read(monkeypatch)
@@ -178,3 +180,13 @@ def test_the_sampled_rows_are_the_runs_own(
     assert len(committed_shards(tmp_path / "out")) == ROWS // expected
     assert sorted(made) == list(range(ROWS))
     assert max(made.values()) == 1, f"rows read twice: {[i for i, n in made.items() if n > 1]}"
+
+
+def _sampled(cfg: InputConfig) -> tuple[int, int, int]:
+    """(rows per shard, rows sampled, their mean bytes) from the first rows of ``cfg``'s
+    input, read apart from any run."""
+    source = PeekableInput(cfg, None)
+    try:
+        return shard_size.peeked_rows_per_shard(source)
+    finally:
+        source.close()

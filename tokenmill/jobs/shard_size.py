@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import logging
 
-from tokenmill.io.readers import InputConfig
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.spec import JobSpec
 
-__all__ = ["DEFAULT_ROWS_PER_SHARD", "SHARD_BYTES", "sampled_rows_per_shard", "with_shard_size"]
+__all__ = ["DEFAULT_ROWS_PER_SHARD", "SHARD_BYTES", "peeked_rows_per_shard", "with_shard_size"]
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -35,16 +34,6 @@ DEFAULT_ROWS_PER_SHARD = 1000  # the most; what every job had before the count a
 # An open shard's rows, about: a few of them are open at once (the writer's queue), and the
 # estimate is within a small factor of what Python holds.
 SHARD_BYTES = 64 << 20
-
-
-def sampled_rows_per_shard(cfg: InputConfig) -> tuple[int, int, int]:
-    """(rows per shard, rows sampled, their mean bytes) for the input of ``cfg``, from its
-    first rows (those before a read error), read apart from any run."""
-    source = PeekableInput(cfg, None)
-    try:
-        return _peeked_rows_per_shard(source)
-    finally:
-        source.close()
 
 
 def with_shard_size(
@@ -63,7 +52,7 @@ def with_shard_size(
     elif source is None:
         raise ValueError("with_shard_size: a job without a manifest needs its input to sample")
     else:
-        count, read, mean = _peeked_rows_per_shard(source)
+        count, read, mean = peeked_rows_per_shard(source)
         log.info(
             "output.rows_per_shard: %d (the first %d input rows hold about %d bytes each; a "
             "shard's rows at most about %d MiB); set output.rows_per_shard to choose",
@@ -76,7 +65,7 @@ def with_shard_size(
     return spec.model_copy(update={"output": output})
 
 
-def _peeked_rows_per_shard(source: PeekableInput) -> tuple[int, int, int]:
+def peeked_rows_per_shard(source: PeekableInput) -> tuple[int, int, int]:
     """(rows per shard, rows sampled, their mean bytes) from the first rows of ``source``,
     which it keeps (``PeekableInput.peek``)."""
     read, total = source.peek(DEFAULT_ROWS_PER_SHARD, SHARD_BYTES)
