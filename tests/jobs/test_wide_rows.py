@@ -74,6 +74,27 @@ def _feed(
     return RowFeed(CFG, frozenset(), tracker, progress, "m", source.prepare, bounds, plan=plan)
 
 
+# How long _take_rows takes again before failing. A take with ``wait`` blocks 0.1 s at most
+# (RowFeed's _WAIT_S, for its caller to see a cancel) and returns nothing when no batch came:
+# a reader thread not scheduled that long (a loaded 2-core CI box) is no bug. A take that
+# stops reading returns nothing at once, every time, and only it gets here: a reader needs
+# microseconds a row, so 10 s is far past any scheduling delay while a failure stays short.
+_NO_ROWS_S = 10.0
+
+
+def _take_rows(feed: RowFeed, n: int) -> list[FeedItem]:
+    """``feed.take(n, wait=True)`` until it gives rows, as the executor's loop takes. Taken
+    once, the twins' test failed now and then under load (a first take that returned
+    nothing in time: ``(first,) = []``)."""
+    deadline = time.monotonic() + _NO_ROWS_S
+    while not (items := feed.take(n, wait=True)):
+        assert not feed.exhausted, "the input ended before another row was handed out"
+        assert time.monotonic() < deadline, (
+            f"take returned no row for {_NO_ROWS_S:g} s while the input had rows left"
+        )
+    return items
+
+
 @pytest.mark.parametrize(
     "plan",
     [None, FeedPlan(PlannerSettings("length", 2048, dedup=False))],
@@ -171,9 +192,9 @@ def test_rows_held_for_a_running_twin_do_not_stop_the_next_take(monkeypatch) -> 
     )
     feed = _feed(monkeypatch, source, bounds, FeedPlan(PlannerSettings("input", 64, dedup=True)))
     try:
-        (first,) = feed.take(1, wait=True)  # row 0 runs; rows 1-3 are held for it
+        (first,) = _take_rows(feed, 1)  # row 0 runs; rows 1-3 are held for it
         assert first.row.row_index == 0
-        nxt = feed.take(1, wait=True)
+        nxt = _take_rows(feed, 1)
         assert [item.row.row_index for item in nxt] == [4]
     finally:
         feed.close()
