@@ -49,16 +49,16 @@ def test_many_files_read_at_once_give_what_one_at_a_time_gave(tmp_path, monkeypa
     kept a job from its first row for a minute); the fingerprint is the one a file-by-file
     read gives, so outputs of earlier versions resume, and so is the count."""
     from tokenmill.io.readers import file_reads
-    from tokenmill.jobs.row_count import count_input_rows
+    from tokenmill.jobs.row_count import RowTotal, input_row_total
 
     for i in range(40):
         rows = [{"id": f"r{i}-{j}", "prompt": "x" * (i * 7 + j)} for j in range(i % 5 + 1)]
         write_jsonl(tmp_path / f"part-{i:02d}.jsonl", rows)
     cfg = InputConfig(path=str(tmp_path))
-    together = (input_fingerprint(cfg), count_input_rows(cfg))
+    together = (input_fingerprint(cfg), input_row_total(cfg))
     monkeypatch.setattr(file_reads, "READERS", 1)
-    assert (input_fingerprint(cfg), count_input_rows(cfg)) == together
-    assert together[1] == sum(i % 5 + 1 for i in range(40))
+    assert (input_fingerprint(cfg), input_row_total(cfg)) == together
+    assert together[1] == RowTotal(sum(i % 5 + 1 for i in range(40)), estimated=False)
 
 
 def test_files_are_read_side_by_side() -> None:
