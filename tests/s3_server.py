@@ -3,6 +3,7 @@
 Import the fixture into a test module (``from tests.s3_server import s3_endpoint``) and take
 ``s3_endpoint``: it yields ``(endpoint_url, storage_options)``, where storage_options are what
 ``fsspec``/``s3fs`` need (``InputConfig.storage_options``). Each test gets a fresh, empty S3.
+``count_fetched`` counts the bytes s3fs downloads from it.
 """
 
 from __future__ import annotations
@@ -83,3 +84,26 @@ def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str
         yield endpoint_url, storage_options
     finally:
         server.stop()
+
+
+def count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every object read s3fs makes from now on (until ``monkeypatch`` is undone),
+    one entry a request: ranged reads of an open file and ``cat_file`` reads alike."""
+    import s3fs.core
+
+    fetched: list[int] = []
+    cat, fetch_range = s3fs.core.S3FileSystem._cat_file, s3fs.core._fetch_range
+
+    async def counting_cat(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
+        data = await cat(self, path, *args, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    def counting_fetch_range(*args: Any, **kwargs: Any) -> bytes:
+        data = fetch_range(*args, **kwargs)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_cat_file", counting_cat)
+    monkeypatch.setattr(s3fs.core, "_fetch_range", counting_fetch_range)
+    return fetched

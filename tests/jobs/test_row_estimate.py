@@ -12,7 +12,7 @@ from typing import Any
 import fsspec
 import pytest
 
-from tests.s3_server import s3_endpoint  # noqa: F401
+from tests.s3_server import count_fetched, s3_endpoint  # noqa: F401
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.jobs import row_estimate
 from tokenmill.jobs.row_count import input_row_total
@@ -28,28 +28,6 @@ def _rows(n: int, seed: int = 0) -> bytes:
         + b"\n"
         for i in range(n)
     )
-
-
-def _count_fetched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The bytes of every object read s3fs fetches (ranged reads and file reads alike)."""
-    import s3fs.core
-
-    fetched: list[int] = []
-    cat, fetch_range = s3fs.core.S3FileSystem._cat_file, s3fs.core._fetch_range
-
-    async def counting_cat(self: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
-        data = await cat(self, path, *args, **kwargs)
-        fetched.append(len(data))
-        return data
-
-    def counting_fetch_range(*args: Any, **kwargs: Any) -> bytes:
-        data = fetch_range(*args, **kwargs)
-        fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(s3fs.core.S3FileSystem, "_cat_file", counting_cat)
-    monkeypatch.setattr(s3fs.core, "_fetch_range", counting_fetch_range)
-    return fetched
 
 
 def _s3(s3_endpoint: tuple[str, dict[str, Any]]) -> tuple[Any, dict[str, Any]]:  # noqa: F811
@@ -69,7 +47,7 @@ def test_remote_jsonl_is_estimated_from_its_first_mib_not_downloaded(
     data = _rows(12_000)
     fs.pipe_file("data/rows.jsonl", data)
     cfg = InputConfig(path="s3://data/rows.jsonl", storage_options=options)
-    fetched = _count_fetched(monkeypatch)
+    fetched = count_fetched(monkeypatch)
     total = input_row_total(cfg)
     assert total is not None and total.estimated
     assert abs(total.rows - 12_000) / 12_000 < 0.02, total
@@ -91,7 +69,7 @@ def test_compressed_remote_jsonl_is_estimated_from_compressed_bytes(
     data = _rows(6_000)
     fs.pipe_file("data/rows.jsonl.gz", gzip.compress(data))
     fs.pipe_file("data/other/rows.jsonl.bz2", bz2.compress(data))
-    fetched = _count_fetched(monkeypatch)
+    fetched = count_fetched(monkeypatch)
     total = input_row_total(InputConfig(path="s3://data/rows.jsonl.gz", storage_options=options))
     assert total is not None and total.estimated
     assert abs(total.rows - 6_000) / 6_000 < 0.05, total
@@ -112,7 +90,7 @@ def test_many_remote_files_take_the_sampled_files_bytes_per_row(
         fs.pipe_file(f"data/in/part-{part:03d}.jsonl", _rows(100 + part, seed=part))
     fs.pipe_file("data/small/a.jsonl", _rows(7))
     truth = sum(100 + part for part in range(80))
-    fetched = _count_fetched(monkeypatch)
+    fetched = count_fetched(monkeypatch)
     total = input_row_total(InputConfig(path="s3://data/in/", storage_options=options))
     assert total is not None and total.estimated
     assert abs(total.rows - truth) / truth < 0.03, (total, truth)

@@ -159,7 +159,7 @@ def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
     "complete"), and so is a structured-output or id column (every row would run
     unconstrained, or get file:line ids, silently); passthrough columns are warned about."""
     for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
-        with JsonlRecords(url, cfg.storage_options) as records:
+        with JsonlRecords(url, cfg.storage_options, peek=True) as records:
             keys, objects = records.keys_seen()
         if objects:
             break

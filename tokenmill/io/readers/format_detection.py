@@ -128,6 +128,7 @@ LOOK_AT_LINES = 20
 _PARQUET_MAGIC = b"PAR1"  # a Parquet file's first (and last) four bytes
 _HEAD_BYTES = 1 << 16  # what an explicit format's check reads of the first file
 _LINE_CAP = 16 << 20  # the longest first line read whole (a file with no \n is one line)
+_LINES_READ = 1 << 16  # bytes read at a time looking for the first lines (most are shorter)
 # One JSON value ends and another begins with only a carriage return between them: never
 # valid JSON on one line (a raw CR cannot sit inside a string either), but a file whose
 # lines end in CR alone (classic Mac OS, some spreadsheet exports) read as one line.
@@ -138,7 +139,7 @@ def _refuse_first_file(files: list[str], why: str, storage_options: dict[str, An
     """``_refuse_unreadable_start`` on the first line of the first input file that holds
     bytes (of the first ``LOOK_AT_FILES``; its first ``_HEAD_BYTES`` read)."""
     for url in files[:LOOK_AT_FILES]:
-        with open_input(url, storage_options) as f:
+        with open_input(url, storage_options, peek=True) as f:
             head = f.read(_HEAD_BYTES)
         if head:
             first_line = head.split(b"\n", 1)[0].decode("utf-8-sig", errors="replace").strip()
@@ -188,14 +189,15 @@ def _lines_end_in_cr(url: str) -> ValueError:
 
 
 def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[str]:
-    """The first ``count`` non-blank lines of ``url``, stripped; read a MiB at a time, and
+    """The first ``count`` non-blank lines of ``url``, stripped; read ``_LINES_READ`` bytes
+    at a time (fetched as they are read: ``open_input``'s peek), and
     a line longer than ``_LINE_CAP`` bytes is its beginning (a file with no \\n, or lines
     ending in \\r alone, is one line: not read whole)."""
     lines: list[str] = []
     rest = b""
-    with open_input(url, storage_options) as f:
+    with open_input(url, storage_options, peek=True) as f:
         while len(lines) < count:
-            chunk = f.read(1 << 20)
+            chunk = f.read(_LINES_READ)
             *complete, rest = (rest + chunk).split(b"\n")
             if not chunk or len(rest) > _LINE_CAP:
                 complete.append(rest)

@@ -12,6 +12,7 @@ from tokenmill.io.readers.compression import (
     compression_by_magic,
     compression_by_suffix,
     open_input,
+    peek_block_size,
 )
 from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.file_reads import map_files
@@ -182,7 +183,8 @@ def _file_entry(
     fs, path = resolve(url, storage_options)
     info = fs.info(path)
     size = info.get("size")
-    with fs.open(path, "rb") as f:
+    # (a small block: the default's 50 MiB on S3 fetched whole files for their edges)
+    with fs.open(path, "rb", block_size=peek_block_size(fs)) as f:
         head = _read_up_to(f, EDGE_BYTES)
         if size is None:  # an HTTP server that sends no length: read through to the end
             size, tail = _read_to_end(f, head)
@@ -214,7 +216,7 @@ def _mark_alone_first(url: str, head: bytes, storage_options: dict[str, Any]) ->
     ``head``: the file's first bytes, which hold the line unless the file is compressed
     (then it is opened again, decompressing its first line)."""
     if compression_by_suffix(url) or compression_by_magic(head[:10]):
-        with open_input(url, storage_options) as f:
+        with open_input(url, storage_options, peek=True) as f:
             first = f.readline()
     else:
         first = head.split(b"\n", 1)[0]

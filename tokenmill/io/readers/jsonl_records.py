@@ -26,17 +26,20 @@ class JsonlRecords:
     Blank lines are skipped but keep their line numbers, so ``position`` is the line an editor
     shows. Use as a context manager; the file is read through fsspec in blocks, never whole,
     and decompressed on the fly when compressed (see ``compression.open_input``).
+    ``peek``: only the first lines are looked at (``keys_seen``): fetched in small blocks
+    (``open_input``'s peek), not the whole blocks a read through the file wants.
     """
 
-    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+    def __init__(self, url: str, storage_options: dict[str, Any], peek: bool = False) -> None:
         self.url = url
         self._storage_options = storage_options
+        self._peek = peek
         self._file: IO[bytes] | None = None
         self._fresh = False  # _file is at its first byte, nothing read from it yet
         self._first_keys: frozenset[str] | None = None
 
     def __enter__(self) -> JsonlRecords:
-        self._file = open_input(self.url, self._storage_options)
+        self._file = open_input(self.url, self._storage_options, self._peek)
         self._fresh = True
         return self
 
@@ -92,7 +95,7 @@ class JsonlRecords:
             self._file.seek(0)
         else:
             self._file.close()
-            self._file = open_input(self.url, self._storage_options)
+            self._file = open_input(self.url, self._storage_options, self._peek)
         return self._file
 
 

@@ -1,0 +1,132 @@
+"""What a job's start-up checks download from an object store (moto's S3): about what they
+read, not a whole s3fs block (50 MiB) of each file they look at. The run's own reader keeps
+whole-file requests."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from typing import Any
+
+import fsspec
+import pytest
+
+from tests.jobs.job_helpers import job_dict
+from tests.s3_server import count_fetched, s3_endpoint  # noqa: F401
+from tokenmill.io.readers import InputConfig, detect_format, iter_input_rows, list_input_files
+from tokenmill.io.readers.compression import PEEK_BLOCK_SIZE
+from tokenmill.io.readers.input_fingerprint import EDGE_BYTES, fingerprint_input
+from tokenmill.jobs.preflight import check_input
+from tokenmill.jobs.spec import coerce_spec
+
+FILES = 20
+MiB = 1 << 20
+# A look at a file's start reads at most ~260 KB here (its first 20 lines for the format,
+# 1,000 for the columns: lines of ~260 bytes) and fetches a block or two past it: bounded well
+# under the 3 MB file it fetched whole before (the whole of a larger one, up to 50 MiB).
+LOOK_BOUND = 1 * MiB
+
+
+def _rows(n: int, start: int = 0) -> bytes:
+    """``n`` chat rows of ~260 bytes (random letters: they compress as text does)."""
+    rng = random.Random(start)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    return b"".join(
+        json.dumps(
+            {
+                "id": f"{i:08d}",
+                "topic": "t",
+                "messages": [{"role": "user", "content": "".join(rng.choices(letters, k=200))}],
+            }
+        ).encode()
+        + b"\n"
+        for i in range(start, start + n)
+    )
+
+
+def _spec(options: dict[str, Any], path: str) -> Any:
+    spec = job_dict("unused-model", path, "s3://data/out/", output={"format": "parquet"})
+    spec["input"]["storage_options"] = options
+    spec["output"]["storage_options"] = options
+    return coerce_spec(spec)
+
+
+@pytest.fixture
+def twenty_files(s3_endpoint: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any], int]:  # noqa: F811
+    """(input path, storage options, bytes per file): 20 JSONL files of ~3 MB on S3."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("data")
+    data = _rows(12_000)
+    for k in range(FILES):
+        fs.pipe_file(f"data/in/part-{k:03d}.jsonl", data)
+    return "s3://data/in/", options, len(data)
+
+
+def test_start_up_checks_fetch_what_they_read_not_whole_files(
+    twenty_files: tuple[str, dict[str, Any], int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """detect_format and the preflight look at the first file's start; the fingerprint at
+    each file's first and last MiB. Before, each look fetched the whole 3 MB file (s3fs's
+    50 MiB block): detect_format 3.1 MiB, check_input 6.1, the fingerprint 61 of 61."""
+    path, options, size = twenty_files
+    cfg = InputConfig(path=path, storage_options=options)
+    files = list_input_files(cfg)
+    fetched = count_fetched(monkeypatch)
+
+    assert detect_format(files, "auto", options) == "jsonl"
+    assert sum(fetched) <= LOOK_BOUND < size
+
+    fetched.clear()
+    checked = check_input(_spec(options, path))  # the format again, and the columns
+    assert len(checked.files) == FILES
+    assert sum(fetched) <= 2 * LOOK_BOUND < size
+
+    fetched.clear()
+    assert fingerprint_input(checked).counts == {"files": FILES, "bytes": FILES * size}
+    # each file's edges and a block past the first (2.25 MiB a file), and the format's look
+    per_file = 2 * EDGE_BYTES + PEEK_BLOCK_SIZE
+    assert sum(fetched) <= LOOK_BOUND + FILES * per_file < FILES * size
+
+
+def test_compressed_input_is_sniffed_from_its_first_compressed_bytes(
+    s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A .jsonl.gz file's format and columns come from its first compressed bytes, not from
+    the whole file (fetched whole before: 3.6 MB for each of detect_format and the
+    preflight's look at its columns)."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("data")
+    packed = gzip.compress(_rows(24_000))
+    fs.pipe_file("data/gz/rows.jsonl.gz", packed)
+    path = "s3://data/gz/"
+    fetched = count_fetched(monkeypatch)
+
+    files = list_input_files(InputConfig(path=path, storage_options=options))
+    assert detect_format(files, "auto", options) == "jsonl"
+    checked = check_input(_spec(options, path))
+    assert sum(fetched) <= 2 * LOOK_BOUND < len(packed)
+    fetched.clear()
+    assert sum(1 for _ in iter_input_rows(checked)) == 24_000  # read through, still whole
+    assert sum(fetched) >= len(packed)
+
+
+def test_the_run_reads_a_file_in_one_request(
+    s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run's reader reads whole files: it keeps s3fs's default block (one request for a
+    3 MB file), not the start-up looks' small one."""
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("data")
+    data = _rows(12_000)
+    fs.pipe_file("data/one/rows.jsonl", data)
+    cfg = InputConfig(path="s3://data/one/", storage_options=options, messages_column="messages")
+    fetched = count_fetched(monkeypatch)
+    assert sum(1 for _ in iter_input_rows(cfg)) == 12_000
+    assert len(data) in fetched  # the whole file in one request
+    assert sum(fetched) <= len(data) + LOOK_BOUND  # and the look at its format
