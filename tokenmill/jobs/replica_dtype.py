@@ -12,13 +12,17 @@ back, mixing the two in one output.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import JobSettings
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.spec import JobSpec
 
-__all__ = ["check_replica_dtype", "kept_dtype", "replica_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["check_replica_dtype", "dtype_on", "kept_dtype", "replica_dtype"]
 
 
 def replica_dtype(spec: JobSpec, on_gpu: bool) -> str | None:
@@ -31,10 +35,16 @@ def replica_dtype(spec: JobSpec, on_gpu: bool) -> str | None:
     import torch
 
     from tokenmill.engine.loader import resolve_model_source
-    from tokenmill.jobs.local_executor import engine_config
 
     config = resolve_model_source(spec.model.source).load_config()
-    device = torch.device("cuda" if on_gpu else "cpu")
+    return dtype_on(spec, config, torch.device("cuda" if on_gpu else "cpu"))
+
+
+def dtype_on(spec: JobSpec, config: Any, device: torch.device) -> str:
+    """What the job's model.dtype is on ``device`` for the model ``config`` (auto: fp32 on a
+    CPU, the checkpoint's on a GPU), named as the manifest records it ("bfloat16")."""
+    from tokenmill.jobs.local_executor import engine_config
+
     return str(engine_config(spec).resolve_dtype(config, device)).removeprefix("torch.")
 
 

@@ -83,7 +83,7 @@ from tokenmill.jobs.preflight import (
     store_failure,
 )
 from tokenmill.jobs.progress import Progress
-from tokenmill.jobs.replica_dtype import check_replica_dtype, kept_dtype, replica_dtype
+from tokenmill.jobs.replica_dtype import check_replica_dtype, dtype_on, kept_dtype, replica_dtype
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.report_html import (
     import_plots_in_background,
@@ -201,12 +201,11 @@ def _resolved_dtype(spec: JobSpec, config: Any) -> str:
     them. (Ray replicas resolve it on their own nodes: replica_dtype.py.)"""
     from tokenmill.jobs.local_executor import engine_config
 
-    engine = engine_config(spec)
     try:
-        device = engine.resolve_device()
+        device = engine_config(spec).resolve_device()
     except EngineSettingError as exc:
         raise JobSpecError(f"engine.{exc}") from None
-    return str(engine.resolve_dtype(config, device)).removeprefix("torch.")
+    return dtype_on(spec, config, device)
 
 
 def run_job(
