@@ -73,9 +73,9 @@ def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None)
 
 
 def _format_by_name(cfg: InputConfig, files: list[str]) -> str:
-    """ "parquet" or "jsonl", by the setting or the first file's name: detect_format opens the
-    first file, which fetched a whole block of it from an object store (s3fs: up to 50 MiB)
-    just to count; the reader checks the format itself."""
+    """ "parquet" or "jsonl", by the setting or the first file's name: detect_format peeks
+    into the first file (a 256 KiB block from an object store, more than an estimate's
+    sample of a small file), which the count does not need; the reader checks the format."""
     if cfg.format != "auto":
         return "parquet" if cfg.format == "parquet" else "jsonl"
     return "parquet" if files and files[0].lower().endswith(".parquet") else "jsonl"
