@@ -100,9 +100,9 @@ class ProgressSnapshot:
 
 
 class Progress:
-    """Counts rows and tokens of one run and shows them. ``total``: the input's rows (None if
-    not counted yet: ``set_total`` gives them later), ``total_estimated`` whether that is an
-    estimate; ``already_done``: rows committed by earlier runs. A line is logged every
+    """Counts rows and tokens of one run and shows them. ``total``: the input's rows, counted
+    (None if not counted yet: ``set_total`` gives them later, counted or estimated);
+    ``already_done``: rows committed by earlier runs. A line is logged every
     ``interval_s`` seconds, or a bar is redrawn at every sample when ``stream`` (default:
     stderr) is a terminal; ``live`` is called at most every ``sample_s`` seconds (default:
     1 s, or ``interval_s`` if shorter), on the caller's thread; rates need a sample's span of
@@ -121,13 +121,12 @@ class Progress:
         stream: TextIO | None = None,
         counters: Callable[[], Mapping[str, EngineCounters]] | None = None,
         max_tokens: int | None = None,
-        total_estimated: bool = False,
     ) -> None:
         if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
         sample_s = min(1.0, interval_s) if sample_s is None else sample_s
         self.total = total  # shown: counted, or estimated (``total_estimated``)
-        self.total_estimated = total_estimated and total is not None
+        self.total_estimated = False  # (set_total's)
         self._total_lock = threading.Lock()  # (set_total comes from the count's thread)
         # the output tokens a row takes at most by the job's settings (max_tokens x best_of;
         # OpenAI Batch rows may set their own)
