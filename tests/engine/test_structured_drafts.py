@@ -16,7 +16,7 @@ from tests.engine.test_multi_token_steps import AheadProposer, ContinuationPropo
 from tests.engine.test_structured_async import _check_valid, _params, _prompts
 from tests.tiny_models import EOS_ID, save_tiny_model, save_tiny_tokenizer
 from tokenmill import SamplingParams
-from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.engine_config import EngineConfig, SpeculativeConfig
 from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
@@ -222,3 +222,58 @@ def test_a_token_the_grammar_rejects_after_a_stop_string_leaves_the_stop(
     assert _summary(got) == _summary(want)
     assert got["r0"].error is None
     assert engine.scheduler.stats.num_draft_tokens > 0
+
+
+class _AlwaysDraft:
+    """A speculation policy that wants drafts on every step it is asked about."""
+
+    def wants_drafts(self, batch: int, slowest_yield: float | None = None) -> bool:
+        return True
+
+    def record(self, sample) -> None:
+        pass
+
+    def charge_switch_back(self, batch: int, wall_ms: float) -> None:
+        pass
+
+    def estimates(self) -> dict:
+        return {}
+
+
+def _run_auto(path: Path, params: list[SamplingParams]) -> tuple[dict, LLMEngine]:
+    """``_run`` under ``speculative: auto`` with a policy that always wants drafts."""
+    config = EngineConfig(
+        model=str(path), device="cpu", dtype="float32", block_size=4,
+        kv_cache_memory=1 << 24, max_num_seqs=5, async_scheduling=True, profile_steps=True,
+        speculative=SpeculativeConfig(method="auto", max_tokens=3),
+    )  # fmt: skip
+    engine = LLMEngine(config)
+    engine.policy = _AlwaysDraft()
+    for i, (prompt, p) in enumerate(zip(_prompts(len(params)), params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    return done, engine
+
+
+def test_auto_leaves_constrained_rows_plain(tiny_path) -> None:
+    """Under ``auto`` rows with a grammar take no drafts (their drafted steps lost on the
+    GPU): a batch of only constrained rows never asks the proposer nor leaves async
+    scheduling, however much the policy wants drafts; in a mixed batch the plain rows
+    draft and the constrained ones do not. Outputs are token-by-token decoding's."""
+    params = [p for p in _params(N) if p.structured_output is not None]
+    want, _ = _run(tiny_path, params)
+    got, engine = _run_auto(tiny_path, params)
+    assert _summary(got) == _summary(want)
+    assert engine.scheduler.stats.num_propose_calls == 0
+    assert engine.step_profile()["synchronous_steps"] == 0
+    assert engine._grammars.stats.drafts_walked == 0
+
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mixed = [p if i % 2 else plain for i, p in enumerate(params)]
+    want, _ = _run(tiny_path, mixed)
+    got, engine = _run_auto(tiny_path, mixed)
+    assert _summary(got) == _summary(want)
+    assert engine.scheduler.stats.num_propose_calls > 0  # the plain rows were offered drafts
+    assert engine._grammars.stats.drafts_walked == 0

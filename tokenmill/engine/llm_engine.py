@@ -252,6 +252,7 @@ class LLMEngine:
                     and isinstance(proposer, PredictsAhead)
                     and 1 + proposer.max_drafts <= backend.max_decode_query_len
                 ),
+                constrained_drafts=not auto,
             ),
             kv,
             proposer,

@@ -49,7 +49,8 @@ How it meets the rest of the engine:
 - **Preemption.** Preemption recomputes: the request keeps its output tokens (they were all
   fed) and re-runs prompt + output; only its next sampled token is new to the grammar.
 - **Speculative decoding.** A row with a grammar takes draft tokens like any other (a chain,
-  not a tree: ``core/drafts.py``). Its step's logits rows are masked by the grammar after
+  not a tree: ``core/drafts.py``) under a method by name; not under ``auto``
+  (``SchedulerConfig.constrained_drafts``). Its step's logits rows are masked by the grammar after
   its output and after each draft in turn (``bitmask(drafts=...)``: the grammar walks the
   drafts and rolls back, grammar_drafts.py), and its kept tokens (the accepted drafts and
   the one after them) are fed in turn (``feed(counts=...)``); tokens kept after the one

@@ -58,6 +58,7 @@ __all__ = [
     "PredictsAhead",
     "accepted_counts",
     "add_drafts",
+    "may_draft",
     "draft_lengths",
     "install_ahead",
     "verify_drafts",
@@ -123,12 +124,14 @@ def add_drafts(
     budget: int,
     max_model_len: int,
     ahead: bool = False,
+    constrained: bool = True,
 ) -> np.ndarray:
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
     how many each row got. Rows that ask for logprobs take none (a step records one
-    logprob entry per row), nor do rows with a grammar from a tree of drafts (structured
-    output: their masks walk a chain, grammar_drafts.py), nor do drafts go past max_tokens,
+    logprob entry per row), nor do rows with a grammar unless ``constrained`` (``may_draft``)
+    or from a tree of drafts (structured output: their masks walk a chain,
+    grammar_drafts.py), nor do drafts go past max_tokens,
     max_model_len or the step's token ``budget``. Penalties follow the drafts: the sampler
     sees each draft position's output as the row's output plus the drafts before it
     (ModelRunner._histories).
@@ -141,7 +144,7 @@ def add_drafts(
     the engine processes before the next is scheduled, every row's position is known.)"""
     t = table
     cols = t.sampling.columns
-    eligible = (num_new == 1) & (cols["logprobs"][order] < 0)
+    eligible = (num_new == 1) & may_draft(cols, order, constrained)
     if ahead:  # the next step may start where only the device knows
         eligible &= ~_samples_by_position(cols, order)
         # short of min_tokens: the stop tokens' ban depends on the position (min_tokens.py)
@@ -174,6 +177,15 @@ def add_drafts(
         t.num_ahead[rows] = k_ahead
         counts[lagging] = k_ahead
     return counts
+
+
+def may_draft(cols: dict[str, np.ndarray], order: np.ndarray, constrained: bool) -> np.ndarray:
+    """[R] rows among ``order`` that may take drafts: not those that ask for logprobs, nor,
+    unless ``constrained``, those with a grammar."""
+    rows = cols["logprobs"][order] < 0
+    if not constrained:
+        rows &= ~cols["structured"][order]
+    return rows
 
 
 def _samples_by_position(cols: dict[str, np.ndarray], order: np.ndarray) -> np.ndarray:

@@ -46,6 +46,7 @@ from tokenmill.engine.core.drafts import (
     PredictsAhead,
     add_drafts,
     install_ahead,
+    may_draft,
     verify_drafts,
 )
 from tokenmill.engine.core.kv_cache_manager import KVCacheManager
@@ -70,6 +71,12 @@ class SchedulerConfig:
     # With async scheduling and a proposer that predicts ahead: rows with a step in flight
     # draft too (drafts.py), so drafted steps need not wait for the one before.
     drafts_ahead: bool = False
+    # Whether rows with a grammar take drafts. Off under the ``auto`` policy: a constrained
+    # drafted step walks the grammar once per draft and masks 1 + k logits rows a row, and
+    # on an H100 it lost at 8 and 64 rows (suffix 0.94x / 0.88x of off on a structured job,
+    # BENCHMARKS.md session 49), so auto leaves them plain and an all-constrained batch
+    # never switches to drafted steps.
+    constrained_drafts: bool = True
 
     def __post_init__(self) -> None:
         for key in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "admit_batch"):
@@ -171,9 +178,11 @@ class Scheduler:
 
     def can_draft(self) -> bool:
         """Whether a running row may take drafts at all: rows that ask for logprobs never do
-        (core/drafts.py), so a batch of only those gains nothing from a drafted step and
-        would only lose its overlap with the device."""
-        return bool((self.slots.sampling.columns["logprobs"][self._order] < 0).any())
+        (core/drafts.py), nor rows with a grammar without ``constrained_drafts``, so a batch
+        of only those gains nothing from a drafted step and would only lose its overlap
+        with the device."""
+        cols = self.slots.sampling.columns
+        return bool(may_draft(cols, self._order, self.config.constrained_drafts).any())
 
     def slowest_yield(self, min_steps: int = 2) -> float | None:
         """The fewest tokens a drafted step gives any running row, by the rows' own history:
@@ -246,7 +255,7 @@ class Scheduler:
             t0 = time.perf_counter()
             drafts = add_drafts(
                 s, order, num_new, self.proposer, draft_budget, self.config.max_model_len,
-                ahead=ahead,
+                ahead=ahead, constrained=self.config.constrained_drafts,
             )  # fmt: skip
             self.stats.propose_seconds += time.perf_counter() - t0
             self.stats.num_propose_calls += 1
