@@ -240,15 +240,24 @@ class _AlwaysDraft:
         return {}
 
 
-def _run_auto(path: Path, params: list[SamplingParams]) -> tuple[dict, LLMEngine]:
-    """``_run`` under ``speculative: auto`` with a policy that always wants drafts."""
+def _run_auto(
+    path: Path,
+    params: list[SamplingParams],
+    policy: object = None,
+    prepared: list | None = None,
+) -> tuple[dict, LLMEngine]:
+    """``_run`` under ``speculative: auto`` with ``policy`` (default one that always wants
+    drafts); the steps flattened ahead of their launch go to ``prepared``."""
     config = EngineConfig(
         model=str(path), device="cpu", dtype="float32", block_size=4,
         kv_cache_memory=1 << 24, max_num_seqs=5, async_scheduling=True, profile_steps=True,
         speculative=SpeculativeConfig(method="auto", max_tokens=3),
     )  # fmt: skip
     engine = LLMEngine(config)
-    engine.policy = _AlwaysDraft()
+    engine.policy = _AlwaysDraft() if policy is None else policy
+    if prepared is not None:
+        prepare = engine.runner.prepare
+        engine.runner.prepare = lambda step: prepared.append(step) or prepare(step)
     for i, (prompt, p) in enumerate(zip(_prompts(len(params)), params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
     done: dict[str, RequestOutput] = {}
@@ -277,3 +286,27 @@ def test_auto_leaves_constrained_rows_plain(tiny_path) -> None:
     assert _summary(got) == _summary(want)
     assert engine.scheduler.stats.num_propose_calls > 0  # the plain rows were offered drafts
     assert engine._grammars.stats.drafts_walked == 0
+
+
+def test_auto_schedules_ahead_while_masks_fill(tiny_path) -> None:
+    """With a proposer, a step that will not draft is still scheduled and flattened while
+    the grammars fill the masks of the step before (the overlap a batch of constrained rows
+    under ``auto`` had lost); a step the policy wants drafted is not (its drafts come from
+    the state when it is launched). Outputs are token-by-token decoding's either way."""
+    params = [p for p in _params(N) if p.structured_output is not None]
+    want, _ = _run(tiny_path, params)
+    prepared: list = []
+    got, _ = _run_auto(tiny_path, params, _AlwaysDraft(), prepared)
+    assert _summary(got) == _summary(want)
+    assert len(prepared) > 5  # (they take no drafts, however much the policy wants them)
+    # Plain rows beside them, which the policy wants drafted: no step of theirs is
+    # scheduled ahead.
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    mixed = [p if i % 2 else plain for i, p in enumerate(_params(N))]
+    want, _ = _run(tiny_path, mixed)
+    prepared = []
+    got, _ = _run_auto(tiny_path, mixed, _AlwaysDraft(), prepared)
+    assert _summary(got) == _summary(want)
+    assert prepared  # once the plain rows are done
+    for step in prepared:  # none while a plain row runs
+        assert all(req.sampling_params.structured_output for req in step.requests)
