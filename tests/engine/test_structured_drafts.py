@@ -255,6 +255,7 @@ def _run_auto(
     )  # fmt: skip
     engine = LLMEngine(config)
     engine.policy = _AlwaysDraft() if policy is None else policy
+    engine.policy.scheduler = engine.scheduler
     if prepared is not None:
         prepare = engine.runner.prepare
         engine.runner.prepare = lambda step: prepared.append(step) or prepare(step)
@@ -310,3 +311,28 @@ def test_auto_schedules_ahead_while_masks_fill(tiny_path) -> None:
     assert prepared  # once the plain rows are done
     for step in prepared:  # none while a plain row runs
         assert all(req.sampling_params.structured_output for req in step.requests)
+
+
+class _EveryOther(_AlwaysDraft):
+    """A policy that wants every other step the scheduler makes drafted."""
+
+    def __init__(self) -> None:
+        self.scheduler = None
+
+    def wants_drafts(self, batch: int, slowest_yield: float | None = None) -> bool:
+        return self.scheduler.stats.num_steps % 2 == 0
+
+
+def test_a_step_scheduled_ahead_after_a_drafted_one_keeps_the_outputs(tiny_path) -> None:
+    """Drafted steps (drafted ahead of the step in flight: fewer than 8 rows) and plain
+    steps scheduled ahead while masks fill, in turn: the outputs of constrained and plain
+    rows are still token-by-token decoding's."""
+    plain = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    mixed = [p if i % 2 else plain for i, p in enumerate(_params(N))]
+    want, _ = _run(tiny_path, mixed)
+    policy = _EveryOther()
+    prepared: list = []
+    got, engine = _run_auto(tiny_path, mixed, policy, prepared)
+    assert engine.scheduler.config.drafts_ahead
+    assert _summary(got) == _summary(want)
+    assert prepared and engine.scheduler.stats.num_drafted_rows > 0
