@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+import pyarrow as pa
+
 from tokenmill.io.logprobs_column import LOGPROBS
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.prompt_logprobs_column import PROMPT_LOGPROBS
@@ -211,6 +213,7 @@ def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> Non
         with ParquetRecords(url, cfg.storage_options, []) as records:
             have = records.columns_hint()
             has_prompt = column is None or records.has_column(column)
+            prompt_type = records.column_types().get(column) if column is not None else None
             has_constraint = constraint is None or records.has_column(constraint)
             has_id = cfg.id_column in (None, DEFAULT_ID_COLUMN) or records.has_column(cfg.id_column)
             absent = [n for n in cfg.passthrough_columns if not records.has_column(n)]
@@ -228,12 +231,43 @@ def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> Non
             f"input.id_column: {cfg.id_column!r} is not a column of {url} (it has: "
             f"{have or 'no columns'}); leave it out for file:row ids"
         )
-    if has_prompt:
-        return
-    raise JobSpecError(
-        f"input.{key}: {column!r} is not a column of {url} (it has: {have or 'no columns'}); "
-        "set input.prompt_column, or input.messages_column for chat rows"
+    if not has_prompt:
+        raise JobSpecError(
+            f"input.{key}: {column!r} is not a column of {url} (it has: {have or 'no columns'}); "
+            "set input.prompt_column, or input.messages_column for chat rows"
+        )
+    if prompt_type is not None and not _can_hold(key, prompt_type):
+        what = "text" if key == "prompt_column" else "a list of messages or their JSON text"
+        raise JobSpecError(  # every row of the file would be a bad row, and the job "complete"
+            f"input.{key}: column {column!r} of {url} is of type {prompt_type}, which cannot "
+            f"hold {what}; name the column that holds them, or cast this one to string"
+        )
+
+
+def _can_hold(key: str, dtype: pa.DataType) -> bool:
+    """Whether a Parquet column of ``dtype`` can hold a row's prompt (``key``
+    "prompt_column": text, or bytes read as UTF-8 text) or conversation ("messages_column":
+    a list of messages, or JSON text). An all-null column (type null) can: its rows are each
+    a "missing prompt", as a JSONL file's null prompts are."""
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    text = (
+        pa.types.is_string(dtype)
+        or pa.types.is_large_string(dtype)
+        or pa.types.is_string_view(dtype)
+        or pa.types.is_null(dtype)
     )
+    if key == "messages_column":
+        lists = (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+        lists += (pa.types.is_list_view, pa.types.is_large_list_view)
+        return text or any(is_list(dtype) for is_list in lists)
+    binary = (
+        pa.types.is_binary(dtype)
+        or pa.types.is_large_binary(dtype)
+        or pa.types.is_binary_view(dtype)
+        or pa.types.is_fixed_size_binary(dtype)
+    )
+    return text or binary
 
 
 def output_schema(spec: JobSpec, cfg: InputConfig) -> OutputSchema | None:

@@ -156,7 +156,8 @@ def _refuse_unreadable_start(url: str, first_line: str, why: str) -> None:
         raise _parquet_as_json_lines(url, why)
     if "\x00" in first_line[:4]:
         raise _not_utf8_text(url)
-    if _CR_BETWEEN_RECORDS.search(first_line):
+    # a look for \r first: the search alone took 0.17 s over a 16 MiB line, the look 1 ms
+    if "\r" in first_line and _CR_BETWEEN_RECORDS.search(first_line):
         raise _lines_end_in_cr(url)
 
 
@@ -194,13 +195,20 @@ def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[
     a line longer than ``_LINE_CAP`` bytes is its beginning (a file with no \\n, or lines
     ending in \\r alone, is one line: not read whole)."""
     lines: list[str] = []
-    rest = b""
+    # The line being read: only each new block is searched for \n (splitting the whole line
+    # again at every block was quadratic: 1.7-3.0 s for a 20 MB first line, now 0.06 s).
+    rest = bytearray()
     with open_input(url, storage_options, peek=True) as f:
         while len(lines) < count:
             chunk = f.read(_LINES_READ)
-            *complete, rest = (rest + chunk).split(b"\n")
+            *complete, tail = chunk.split(b"\n")
+            if complete:
+                complete[0] = bytes(rest) + complete[0]
+                rest = bytearray(tail)
+            else:
+                rest += tail
             if not chunk or len(rest) > _LINE_CAP:
-                complete.append(rest)
+                complete.append(bytes(rest))
             for raw in complete:
                 text = raw.decode("utf-8-sig", errors="replace").strip()  # (a mark alone: blank)
                 if text:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -116,13 +117,36 @@ def _decode(line_no: int, raw: bytes) -> Record:
     # Without its line break, an unterminated string reads as one, not as a control character.
     text = text.rstrip("\r\n")
     try:
-        return Record(line_no, value=json.loads(text))
+        return Record(line_no, value=json.loads(text, object_pairs_hook=_object))
+    except _DuplicateKeyError as e:
+        return Record(line_no, error=f"line is ambiguous JSON: {e}")
     except json.JSONDecodeError as e:
         return Record(line_no, error=f"line is not valid JSON: {_json_error(e, text)}")
     except RecursionError:
         return Record(line_no, error="line is nested too deeply to read (over ~1000 levels)")
     except ValueError as e:  # an integer of more than 4,300 digits
         return Record(line_no, error=f"line cannot be read: {e}")
+
+
+class _DuplicateKeyError(ValueError):
+    """One JSON object holds a key twice."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The dict of one JSON object's ``pairs``; _DuplicateKeyError when a key repeats.
+
+    JSON leaves the meaning of a repeated key open: Python keeps the last value, other
+    readers the first. A row such as ``{"id": "a", "prompt": "x", "id": "b"}`` has no one
+    meaning, so it is a bad row naming the key rather than a guess without a word.
+    """
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice = next(key for key, n in Counter(key for key, _ in pairs).items() if n > 1)
+        raise _DuplicateKeyError(
+            f"key {twice!r} appears twice in one object (which value is meant is not "
+            "defined); keep one of them"
+        )
+    return value
 
 
 def _json_error(e: json.JSONDecodeError, text: str) -> str:
