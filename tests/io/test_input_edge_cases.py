@@ -158,5 +158,6 @@ def test_format_detection_reads_a_long_first_line_in_linear_time(tmp_path: Path)
     start = time.perf_counter()
     assert detect_format([str(src)], "auto") == "jsonl"
     detect_s = time.perf_counter() - start
-    # the reader parses all 20 MiB, detection splits 16: a linear scan is no slower
-    assert detect_s < 3 * read_s + 0.05, f"detect {detect_s:.3f} s, read {read_s:.3f} s"
+    # the reader parses all 20 MiB, detection splits 16: a linear scan is no slower (the
+    # quadratic one was 15x; the margin is for a loaded machine)
+    assert detect_s < 5 * read_s + 0.2, f"detect {detect_s:.3f} s, read {read_s:.3f} s"
