@@ -5,6 +5,8 @@
                                    a rerun completes
     the store down for good     ─► exit 75 naming the storage error, committed shards kept;
                                    a rerun after the fault clears completes
+    input GETs failing for good ─► exit 75 naming the input object, no credentials shown;
+                                   a rerun after the fault clears completes
 
 Every finished output is compared with an uninterrupted local run: each row exactly once,
 the same greedy text. Client timeouts are small (storage_options.config_kwargs) so that each
@@ -13,6 +15,7 @@ fault costs seconds. All traffic stays on 127.0.0.1.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -28,7 +31,7 @@ import pytest
 import yaml
 
 from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
-from tests.jobs.job_helpers import committed_shards, job_dict, reference_run
+from tests.jobs.job_helpers import committed_shards, job_dict, reference_run, run_cli
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.jobs.runner import open_output
@@ -222,4 +225,52 @@ def test_store_down_for_good_exits_75_then_resumes(
     faulty_s3.proxy.clear()
     report = run_job(job.spec, show_progress=False)
     assert report.status == "complete" and report.rows_resumed > 0
+    job.assert_rows(want)
+
+
+# Credentials no message, log or report may show (moto takes any).
+_KEY, _SECRET = "AKIAFAULTPROXYTEST01", "fault/proxy+SECRET-value"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_input_reads_failing_for_good_exit_75_naming_the_object_then_resume(
+    reference: tuple[Path, dict],
+    faulty_s3: FaultyS3,  # noqa: F811
+    s3_job: Callable[..., _S3Job],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    suffix: str,
+) -> None:
+    """The input is 4 objects on the store; once the run has saved its manifest (the first
+    file's rows are read by then, to size the shards), every GET of an input object fails
+    (503 SlowDown, after the client's retries). Exit 75 naming the object, the credentials
+    shown nowhere; a rerun after the fault clears completes, each row once. A gzip input's
+    failed read exited 2 as "truncated or corrupt", rerunning said not to help (an audit)."""
+    src, want = reference
+    job = s3_job(timeout_s=1.0, retries=0)  # (s3fs retries a SlowDown 5 times: ~2 s a read)
+    lines = src.read_bytes().splitlines(keepends=True)
+    for part in range(4):
+        data = b"".join(lines[part * 8 : (part + 1) * 8])
+        data = gzip.compress(data) if suffix.endswith(".gz") else data
+        job.direct.pipe_file(f"{job.bucket}/in/part-{part}{suffix}", data)
+    job.spec["output"]["storage_options"] |= {"key": _KEY, "secret": _SECRET}
+    job.spec["input"]["path"] = f"s3://{job.bucket}/in/"
+    job.spec["input"]["storage_options"] = job.spec["output"]["storage_options"]
+    job.job.write_text(yaml.safe_dump(job.spec))
+    faulty_s3.proxy.fail(
+        503, "SlowDown", methods=("GET",), path_contains="/in/part-", armed_by="test.manifest.json"
+    )
+
+    rc = run_cli(job.job, "--quiet", timeout_s=120)
+    stderr = capsys.readouterr().err
+    _assert_storage_exit(rc, stderr)
+    assert f"s3://{job.bucket}/in/part-" in stderr, stderr
+    assert faulty_s3.proxy.stats["failed"] > 0, faulty_s3.proxy.stats
+    report = job.direct.cat_file(f"{job.bucket}/out/report.json").decode()
+    assert json.loads(report)["status"] == "failed"
+    for shown in (stderr, report):
+        assert _KEY not in shown and _SECRET not in shown
+
+    faulty_s3.proxy.clear()
+    assert run_cli(job.job, "--quiet", timeout_s=120) == 0, capsys.readouterr().err
     job.assert_rows(want)

@@ -38,7 +38,8 @@ from typing import IO, Any
 import fsspec
 from fsspec.compression import compr
 
-from tokenmill.io.readers.storage import protocols, resolve
+from tokenmill.io.readers.storage import protocols, read_failed, resolve
+from tokenmill.io.storage import StorageError
 
 # Suffix -> fsspec codec name.
 COMPRESSION_SUFFIXES: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
@@ -119,7 +120,10 @@ def open_input(url: str, storage_options: dict[str, Any], peek: bool = False) ->
     """
     fs, path = resolve(url, storage_options)
     block_size = peek_block_size(fs) if peek else None
-    raw = fs.open(path, "rb", block_size=block_size)
+    try:
+        raw = fs.open(path, "rb", block_size=block_size)
+    except OSError as e:  # (its first look at the object: the store's error names none)
+        raise read_failed(url, e) from e
     streamed = False
     try:
         head = raw.read(_MAGIC_BYTES)
@@ -143,8 +147,12 @@ def open_input(url: str, storage_options: dict[str, Any], peek: bool = False) ->
                 f"{url} is {codec}-compressed but this Python has no {codec} codec; "
                 + ("pip install zstandard" if codec == "zstd" else "decompress it first")
             )
-        stream = _ZstdFrames(raw) if codec == "zstd" else compr[codec](raw, mode="r")
-        return io.BufferedReader(_Decompressed(url, codec, stream, raw), _STREAM_BUFFER)
+        source = _SourceReads(raw)
+        stream = _ZstdFrames(source) if codec == "zstd" else compr[codec](source, mode="r")
+        return io.BufferedReader(_Decompressed(url, codec, stream, source, raw), _STREAM_BUFFER)
+    except OSError as e:
+        raw.close()
+        raise read_failed(url, e) from e
     except BaseException:
         raw.close()
         raise
@@ -164,17 +172,39 @@ def _codec(url: str, head: bytes) -> str | None:
     )
 
 
+class _SourceReads:
+    """The compressed file under a codec, keeping the error a read of it raised: codecs pass
+    it on as it came, and it is then told apart from their own (``_Decompressed``)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._raw.read(size)
+        except BaseException as e:
+            self.error = e
+            raise
+
+
 class _Decompressed(io.RawIOBase):
     """The decompressed bytes of one file, for io.BufferedReader.
 
     Closing closes the codec's stream and the file under it (fsspec's gzip, bz2 and xz codecs
-    leave that file open). Codec errors become ValueErrors naming the file.
+    leave that file open). Codec errors become CorruptInputErrors naming the file; a read of
+    the file itself that failed (the object store out of reach, 503 SlowDown after the
+    client's retries) keeps its type, named the same way: as corrupt data it exited 2,
+    "rerunning does not help", for an outage a rerun gets past (an audit).
     """
 
-    def __init__(self, url: str, codec: str, stream: Any, raw: IO[bytes]) -> None:
+    def __init__(
+        self, url: str, codec: str, stream: Any, source: _SourceReads, raw: IO[bytes]
+    ) -> None:
         self._url = url
         self._codec = codec
         self._stream = stream
+        self._source = source
         self._raw = raw
         self._done = 0  # decompressed bytes handed out so far
 
@@ -185,6 +215,8 @@ class _Decompressed(io.RawIOBase):
         try:
             n = self._stream.readinto(buffer)
         except Exception as e:
+            if e is self._source.error:
+                raise _read_failed(self._url, self._done, e) from e
             raise CorruptInputError(
                 f"{self._url}: {self._codec} decompression failed after {self._done} bytes "
                 f"({type(e).__name__}: {e}); the file may be truncated or corrupt"
@@ -199,6 +231,15 @@ class _Decompressed(io.RawIOBase):
             finally:
                 self._raw.close()
         super().close()
+
+
+def _read_failed(url: str, done: int, exc: Exception) -> Exception:
+    """The error of a read of ``url`` (``done`` decompressed bytes in) that failed with
+    ``exc``: ``read_failed``'s for an OSError, else a StorageError (a store client's own
+    exception types), naming the file."""
+    if isinstance(exc, OSError):
+        return read_failed(url, exc)
+    return StorageError(f"{url}: reading failed after {done} bytes ({type(exc).__name__}: {exc})")
 
 
 class _Streamed(io.RawIOBase):

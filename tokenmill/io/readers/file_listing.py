@@ -62,7 +62,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
                 "with '.' or '_' are left out); point it at the data"
             )
         holders = {root}
-    elif fs.isfile(root):
+    elif _is_file_there(fs, root):
         paths = [root]
         holders = {root.rpartition("/")[0]}
     else:
@@ -100,6 +100,17 @@ def _folder_marker(path: str) -> bool:
     Listed as files, a folder of Parquet files failed as "Parquet file size is 0 bytes", an
     auto-format one "cannot tell the format of s3://b/in/" (an audit)."""
     return path.endswith(("/", "_$folder$"))
+
+
+def _is_file_there(fs: Any, path: str) -> bool:
+    """Whether ``path`` is a file, where only its absence answers False: fsspec's ``isfile``
+    answers False to any error, so an input object the store would not show (503 SlowDown,
+    500 after the client's retries) was "input.path ... does not exist", exit 2 ("rerunning
+    does not help") for an outage a rerun gets past (an audit). The store's error raises."""
+    try:
+        return fs.info(path).get("type") == "file"
+    except FileNotFoundError:
+        return False
 
 
 def _is_file(fs: Any, path: str, info: dict[str, Any]) -> bool:

@@ -9,6 +9,7 @@ from typing import IO, Any
 
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.record import Record
+from tokenmill.io.readers.storage import read_failed
 
 # How many lines to look through for the first JSON object when deciding which columns
 # the file has; a file that starts with more unreadable lines than this is treated as
@@ -70,7 +71,14 @@ class JsonlRecords:
 
     def __iter__(self) -> Iterator[Record]:
         f = self._from_start()
-        for line_no, raw in enumerate(f, start=1):
+        lines = enumerate(f, start=1)
+        while True:
+            try:
+                line_no, raw = next(lines)
+            except StopIteration:
+                return
+            except OSError as e:  # the store's or the disk's: name the file read
+                raise read_failed(self.url, e) from e
             if not blank_line(raw, line_no):
                 yield _decode(line_no, raw)
 

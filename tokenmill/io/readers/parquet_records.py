@@ -19,7 +19,7 @@ from tokenmill.io.nested_types import with_child_types
 from tokenmill.io.output_schema import zones_in_utc
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.readers.record import Record
-from tokenmill.io.readers.storage import resolve
+from tokenmill.io.readers.storage import read_failed, resolve
 
 # Rows per decoded batch: bounds the Python objects alive at once. Arrow still holds one row
 # group's column chunks of the selected columns, a size the file's writer chose.
@@ -101,7 +101,7 @@ class ParquetRecords:
                     position += 1
         except (pa.ArrowException, OSError) as e:
             if not _corrupt(e):
-                raise
+                raise read_failed(self.url, e) if isinstance(e, OSError) else e from e
             raise CorruptInputError(
                 f"{self.url}: Parquet read failed after row {position - 1}: {e}; "
                 "the file is truncated or corrupt"

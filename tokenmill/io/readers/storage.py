@@ -68,5 +68,20 @@ def relative_note(path: str) -> str:
     )
 
 
+def read_failed(url: str, exc: OSError) -> OSError:
+    """``exc``, a failed read of input file ``url``, as an OSError of its type that names
+    the file (``exc`` itself where it does already): s3fs's errors name no object ("[Errno
+    16] Please reduce your request rate."), and run-job's message then said which store
+    failed but not what it was reading. The type, and so the exit code, stays (a missing
+    file is still FileNotFoundError)."""
+    if url in str(exc):
+        return exc
+    what = f"{url}: reading failed ({exc.strerror or exc})"
+    try:
+        return type(exc)(what) if exc.errno is None else type(exc)(exc.errno, what)
+    except Exception:  # an OSError subclass with other constructor arguments
+        return exc
+
+
 def has_protocol(url: str) -> bool:
     return split_protocol(url)[0] is not None
