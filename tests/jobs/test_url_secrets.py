@@ -37,6 +37,17 @@ SECRET = "S3CRETPW"
         ("http://alice:SE C@h/in.jsonl:2: bad", "http://alice:***@h/in.jsonl:2: bad"),
         ("http://alice:SE@C@h/in.jsonl:2: bad", "http://alice:***@h/in.jsonl:2: bad"),
         ("file://u:pw@localhost/tmp/o", "file://***@localhost/tmp/o"),
+        # A presigned URL's query string holds its signature, key id and session token
+        (
+            "https://b.s3.amazonaws.com/a.jsonl?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=5e1"
+            "&X-Amz-Security-Token=IQo+b/c= failed",
+            "https://b.s3.amazonaws.com/a.jsonl?X-Amz-Credential=***&X-Amz-Signature=***"
+            "&X-Amz-Security-Token=*** failed",
+        ),
+        ("'http://u:pw@h/a.jsonl?sig=S3CR'", "'http://u:***@h/a.jsonl?sig=***'"),
+        ("http://h/a.jsonl?TOKEN:2: bad", "http://h/a.jsonl?***:2: bad"),  # a row's source
+        ("http://h/a.jsonl?sig=S:2: bad", "http://h/a.jsonl?sig=***:2: bad"),
+        ("s3://bucket/a?b.jsonl:2: bad", "s3://bucket/a?b.jsonl:2: bad"),  # an object's name
     ],
 )
 def test_url_secrets_are_masked(text: str, shown: str) -> None:
@@ -105,6 +116,34 @@ def test_a_password_in_the_input_url_stays_out_of_what_the_job_writes_and_says(
     written = b"".join(p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert SECRET not in text.out + text.err and SECRET.encode() not in written
     assert "alice:***@" in text.out  # the dry run names the bad row, password masked
+
+
+def test_a_presigned_urls_signature_and_token_stay_out_of_what_the_job_writes_and_says(
+    tiny_model: Path, tmp_path: Path, served: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The row ids built from the file's name, the dry run's bad-row lines, the error files
+    and the messages showed a presigned URL's query string whole: its signature, access key
+    id and STS session token (an audit)."""
+    query = f"X-Amz-Credential=AKIAKEYID&X-Amz-Signature={SECRET}&X-Amz-Security-Token=TOKN"
+    url = f"http://alice:{SECRET}@{served}/rows.jsonl?{query}"
+    jsonl = ("--set", "input.format=jsonl")  # (the format is not told from such a name)
+    assert _run(tiny_model, url, tmp_path / "dry", "--dry-run", *jsonl) == 0
+    assert _run(tiny_model, url, tmp_path / "out", *jsonl) == 0
+    gone = url.replace(f"{served}/", "127.0.0.1:1/")  # a store that cannot be reached
+    assert _run(tiny_model, gone, tmp_path / "gone", *jsonl) != 0
+    errors = read_jsonl_dir(tmp_path / "out" / "errors")
+    shown = "X-Amz-Credential=***&X-Amz-Signature=***&X-Amz-Security-Token=***"
+    assert [e["error"].split(": ")[0] for e in errors] == [
+        f"http://alice:***@{served}/rows.jsonl?{shown}:2"
+    ]
+    text = capfd.readouterr()
+    said = text.out + text.err
+    written = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    for secret in (SECRET, "AKIAKEYID", "TOKN"):
+        assert secret not in said and secret.encode() not in written, secret
+    assert f"rows.jsonl?{shown}:2" in text.out  # the dry run names the bad row
+    assert f"127.0.0.1:1/rows.jsonl?{shown}'" in text.err
+    assert {e["id"] for e in errors} == {"rows.jsonl:2"}
 
 
 def test_a_refused_password_exits_2_without_showing_it(

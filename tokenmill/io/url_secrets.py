@@ -7,6 +7,12 @@ error files, messages, logs and the report to leave them out, as they leave out
 store's ``key:secret@`` becomes ``***@``. Object stores' clients (s3fs, gcsfs, adlfs) take no
 credentials there, nor do local files: ``url_credentials_refusal`` says so before one tries
 (s3fs took ``key:secret@bucket`` for a bucket name and repeated it, unmasked, in its error).
+
+An HTTP(S) URL's query string is a credential too: a presigned URL carries its signature, the
+access key and often an STS session token there (``?X-Amz-Signature=...&X-Amz-Security-Token
+=...``; GCS's ``X-Goog-Signature``, an Azure SAS's ``sig``). Every value in it is shown as
+``***``, names kept (``?X-Amz-Signature=***``), so a message still says which file and which
+kind of URL. Other schemes' "?" is part of a file or object name and stays.
 """
 
 from __future__ import annotations
@@ -20,6 +26,15 @@ _SCHEME = re.compile(r"\b(?P<name>[A-Za-z][A-Za-z0-9+.-]*):/+")
 # fragment, white space and quotes. A secret may hold any of them (an AWS secret key holds
 # "/", a password a quote or an "@"), so a secret runs to the "@" before the host.
 _NOT_IN_USER = re.compile(r"[/?#\s'\"]")
+
+# Schemes whose query strings carry credentials (presigned URLs, SAS tokens).
+_QUERY_SCHEMES = ("http", "https")
+# Where a URL's text ends in a message: white space or a quote.
+_URL_END = re.compile(r"[\s'\"]")
+# One query parameter's value: up to the next "&" or "#", or a row source's ":<line>:" suffix
+# (``...?sig=abc:3: bad row``; a signature, a key id or a token holds no unencoded ":").
+_QUERY_VALUE = re.compile(r"=[^&#]*?(?=[&#]|:\d+:|$)")
+_BARE_TOKEN = re.compile(r"^.+?(?=:\d+:|$)")
 
 # Schemes whose fsspec clients read credentials only from their options or the environment
 # (object stores), or take none at all (local files).
@@ -70,6 +85,12 @@ def url_credentials_refusal(key: str, url: str) -> str | None:
 
 
 def hide_url_secrets(text: str) -> str:
+    """``text`` with the userinfo secret of every URL in it, and every query value of an
+    HTTP(S) URL in it, replaced by ``***``."""
+    return _hide_query_values(_hide_userinfo(text))
+
+
+def _hide_userinfo(text: str) -> str:
     """``text`` with the userinfo secret of every URL in it replaced by ``***``."""
     if "@" not in text:
         return text
@@ -83,6 +104,51 @@ def hide_url_secrets(text: str) -> str:
         out += [text[done : match.end()], _masked(match["name"], text[match.end() : at])]
         done = at
     return "".join(out) + text[done:]
+
+
+def without_query(url: str) -> str:
+    """``url`` without its query string and fragment where it is an HTTP(S) URL (a presigned
+    URL's signature and token), for names built from it: a row's id. Other URLs whole."""
+    match = _SCHEME.match(url)
+    if match is None or match["name"].lower() not in _QUERY_SCHEMES:
+        return url
+    return url.split("?", 1)[0].split("#", 1)[0]
+
+
+def _hide_query_values(text: str) -> str:
+    """``text`` with every query value of its HTTP(S) URLs as ``***`` (a part with no "=",
+    a bare token, as ``***`` whole)."""
+    if "?" not in text:
+        return text
+    out, done = [], 0
+    for match in _SCHEME.finditer(text):
+        if match["name"].lower() not in _QUERY_SCHEMES or match.start() < done:
+            continue
+        end = _URL_END.search(text, match.end())
+        stop = len(text) if end is None else end.start()
+        start = text.find("?", match.end(), stop)
+        if start < 0:
+            continue
+        out += [text[done : start + 1], _masked_query(text[start + 1 : stop])]
+        done = stop
+    return "".join(out) + text[done:]
+
+
+def _masked_query(query: str) -> str:
+    """A query string (and what follows it up to the URL's end) with its values as ``***``."""
+    fragment = query.find("#")
+    tail = ""
+    if fragment >= 0:
+        query, tail = query[:fragment], query[fragment:]
+    parts = []
+    for part in query.split("&"):
+        if "=" in part:
+            parts.append(_QUERY_VALUE.sub("=***", part, count=1))
+        elif part:  # a bare token (a row source's ":<line>:" suffix kept)
+            parts.append(_BARE_TOKEN.sub("***", part, count=1))
+        else:
+            parts.append(part)
+    return "&".join(parts) + tail
 
 
 class HideUrlSecrets(logging.Filter):

@@ -9,6 +9,7 @@ from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.listing_cache import forget_listings
 from tokenmill.io.readers.storage import has_protocol, location_problem, relative_note, resolve
+from tokenmill.io.url_secrets import without_query
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -84,8 +85,10 @@ def display_names(files: list[str]) -> list[str]:
 
     For files in one directory this is the base name; files in subdirectories keep the
     subdirectory (``a/part-0.jsonl``), so two ``part-0.jsonl`` never give the same ids.
+    An HTTP(S) URL's query string is left out: a presigned URL's signature and token would
+    otherwise land in every row id of the output.
     """
-    parts = [f.split("/") for f in files]
+    parts = [without_query(f).split("/") for f in files]
     common = min((len(p) - 1 for p in parts), default=0)
     for i in range(common):
         if len({p[i] for p in parts}) > 1:
