@@ -229,10 +229,12 @@ class OutputStore:
             os.replace(tmp, final)
         except OSError as exc:
             _remove_quietly(tmp)
-            if exc.filename is not None or exc.errno is None:
+            if exc.errno is None or exc.filename not in (None, tmp):
                 raise
-            # A failed write or fsync (disk full, EFBIG, EIO) names no file: name the one
-            # being written, so that the message says which output (and disk) to look at.
+            # A failed write or fsync (disk full, EFBIG, EIO) names no file, a failed open or
+            # rename the temporary one, just removed (a hidden ".part-00001.jsonl.tmp-…"
+            # the user never made and cannot find): name the file being written, so that
+            # the message says which output (and disk or folder) to look at.
             raise type(exc)(exc.errno, exc.strerror, final) from exc
         except BaseException:
             _remove_quietly(tmp)
