@@ -40,6 +40,7 @@ from fsspec.compression import compr
 
 from tokenmill.io.readers.storage import protocols, read_failed, resolve
 from tokenmill.io.storage import StorageError
+from tokenmill.io.url_secrets import without_query
 
 # Suffix -> fsspec codec name.
 COMPRESSION_SUFFIXES: dict[str, str] = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "xz"}
@@ -67,8 +68,9 @@ class CorruptInputError(ValueError):
 
 
 def compression_by_suffix(url: str) -> str | None:
-    """The fsspec codec name the suffix of ``url`` names ("gzip", "zstd", "bz2", "xz"), or None."""
-    lower = url.lower()
+    """The fsspec codec name the suffix of ``url`` names ("gzip", "zstd", "bz2", "xz"), or None
+    (an HTTP(S) URL's query string, a presigned URL's signature, is not its name)."""
+    lower = without_query(url).lower()
     for suffix, name in COMPRESSION_SUFFIXES.items():
         if lower.endswith(suffix):
             return name

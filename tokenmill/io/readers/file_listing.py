@@ -41,7 +41,8 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         return list(cfg.files)
     forget_listings(cfg.path, cfg.storage_options)  # the store as it is now (listing_cache.py)
     fs, root = resolve(cfg.path, cfg.storage_options)
-    if any(ch in root for ch in "*?[") and not fs.exists(root):  # (a file named a[1] is a file)
+    # (a file named a[1] is a file; an HTTP(S) URL's "?" starts its query, not a pattern)
+    if any(ch in without_query(root) for ch in "*?[") and not fs.exists(root):
         matches = fs.glob(root, detail=True)
         paths = [
             p for p, info in matches.items() if _is_file(fs, p, info) and not _folder_marker(p)

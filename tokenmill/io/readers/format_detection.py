@@ -14,6 +14,7 @@ from tokenmill.io.readers.compression import (
 )
 from tokenmill.io.readers.file_listing import JSONL_SUFFIXES, PARQUET_SUFFIXES
 from tokenmill.io.readers.input_config import FORMATS
+from tokenmill.io.url_secrets import without_query
 
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
@@ -80,7 +81,9 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
 
 
 def _kind_by_suffix(url: str) -> str:
-    lower = strip_compression_suffix(url.lower())
+    """The format ``url``'s name says (an HTTP(S) URL's query string is not part of it: a
+    presigned ``rows.jsonl?X-Amz-Signature=...`` is JSONL)."""
+    lower = strip_compression_suffix(without_query(url).lower())
     if lower.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if lower.endswith(PARQUET_SUFFIXES):
@@ -99,7 +102,7 @@ UNREADABLE_PACKING = (".lz4", ".snappy", ".sz", ".lzo", ".br", ".zip", ".tar", "
 
 
 def _refuse_unreadable_packing(url: str) -> None:
-    lower = url.lower()
+    lower = without_query(url).lower()
     suffix = next((s for s in UNREADABLE_PACKING if lower.endswith(s)), None)
     if suffix is not None:
         raise ValueError(
