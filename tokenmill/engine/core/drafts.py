@@ -58,9 +58,9 @@ __all__ = [
     "PredictsAhead",
     "accepted_counts",
     "add_drafts",
-    "may_draft",
     "draft_lengths",
     "install_ahead",
+    "may_draft",
     "verify_drafts",
 ]
 
@@ -129,10 +129,10 @@ def add_drafts(
     """Ask ``proposer`` for drafts for the plain decode rows among ``order`` ([R] slots, each
     computing ``num_new`` tokens); write them after each row's known tokens and return [R]
     how many each row got. Rows that ask for logprobs take none (a step records one
-    logprob entry per row), nor do rows with a grammar unless ``constrained`` (``may_draft``)
-    or from a tree of drafts (structured output: their masks walk a chain,
-    grammar_drafts.py), nor do drafts go past max_tokens,
-    max_model_len or the step's token ``budget``. Penalties follow the drafts: the sampler
+    logprob entry per row); rows with a grammar take none without ``constrained``
+    (``may_draft``) and none from a tree of drafts (their masks walk a chain,
+    grammar_drafts.py); no drafts go past max_tokens, max_model_len or the step's token
+    ``budget``. Penalties follow the drafts: the sampler
     sees each draft position's output as the row's output plus the drafts before it
     (ModelRunner._histories).
 
