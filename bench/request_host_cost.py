@@ -15,6 +15,16 @@ Wall-clock wrappers installed here (not in the engine; a renamed method fails lo
     schedule_rest_us / process_rest_us   the rest of ``Scheduler.schedule`` and of
                 ``LLMEngine._process``, per step
 
+and count ``evicted_blocks``: cached blocks the block pool's ``allocate`` dropped from the
+prefix cache during the measured rounds. The default KV cache (``--kv-cache-memory`` unset:
+twice what ``max_num_seqs`` full-length requests hold) is never full, so nothing is evicted;
+on a GPU the cache is full of cached free blocks and every allocation evicts. A small
+``--kv-cache-memory`` in bytes makes admission and decode growth evict as there: 30000000
+gives 3,662 blocks of 8 KiB, room for the running rows (no preemption: as many steps as the
+default) but not for the ~12,000 blocks the measured rounds fill, so ~8,500 are evicted,
+every allocation once the warm-up round has left no block unused. Too small a cache
+preempts and runs far more steps: compare ``steps``.
+
 Other work on the machine moves these numbers by 10-20%: compare runs alternated with the
 code under test, and take medians.
 
@@ -39,6 +49,25 @@ from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.engine.engine_config import EngineConfig  # noqa: E402
 from tokenmill.engine.frozen_heap import frozen_heap  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+def count_evictions(engine: LLMEngine) -> Callable[[], int]:
+    """Count the cached blocks the pool's ``allocate`` evicts (it only ever uncaches: the
+    drop in ``num_cached_blocks`` across a call, cascaded descendants included); returns a
+    reader of the count. A wrapper on the pool instance, as ``Clocks`` wraps methods."""
+    pool = engine.scheduler.kv.pool
+    inner = pool.allocate
+    evicted = [0]
+
+    def allocate(num_blocks: int) -> list:
+        before = pool.num_cached_blocks
+        try:
+            return inner(num_blocks)
+        finally:
+            evicted[0] += before - pool.num_cached_blocks
+
+    pool.allocate = allocate
+    return lambda: evicted[0]
 
 
 class Clocks:
@@ -95,6 +124,12 @@ def main() -> None:
     parser.add_argument(
         "--shared-prefix", type=int, default=0, help="leading prompt tokens all requests share"
     )
+    parser.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes; small enough that allocations evict cached blocks (see above)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -109,8 +144,11 @@ def main() -> None:
                 device="cpu",
                 async_scheduling=True,
                 max_num_seqs=args.max_num_seqs,
+                kv_cache_memory=args.kv_cache_memory,
             )
         )
+        num_blocks = engine.scheduler.kv.num_blocks
+        evictions = count_evictions(engine)
         shared = [
             rng.randrange(3, engine.model_config.vocab_size) for _ in range(args.shared_prefix)
         ]
@@ -123,9 +161,11 @@ def main() -> None:
         with frozen_heap():
             run_round(engine, rng, args.requests, shared, "warm")
             clocks.clear()
+            evicted_before = evictions()
             start = time.perf_counter()
             steps, outputs = run_round(engine, rng, args.rounds * args.requests, shared, "run")
             seconds = time.perf_counter() - start
+            evicted = evictions() - evicted_before
     engine.close()
     us, requests = clocks.seconds, args.rounds * args.requests
     if outputs != requests:
@@ -135,6 +175,8 @@ def main() -> None:
             {
                 "requests": requests,
                 "steps": steps,
+                "num_blocks": num_blocks,
+                "evicted_blocks": evicted,
                 "admit_us": round(us["_admit"] * 1e6 / requests, 1),
                 "finish_us": round((us["_finish_ended"] + us["_finish"]) * 1e6 / requests, 1),
                 "schedule_rest_us": round((us["schedule"] - us["_admit"]) * 1e6 / steps, 1),
