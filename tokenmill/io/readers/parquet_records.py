@@ -101,7 +101,9 @@ class ParquetRecords:
                     position += 1
         except (pa.ArrowException, OSError) as e:
             if not _corrupt(e):
-                raise read_failed(self.url, e) if isinstance(e, OSError) else e from e
+                if isinstance(e, OSError):  # the store's or the disk's: name the file read
+                    raise read_failed(self.url, e) from e
+                raise
             raise CorruptInputError(
                 f"{self.url}: Parquet read failed after row {position - 1}: {e}; "
                 "the file is truncated or corrupt"
