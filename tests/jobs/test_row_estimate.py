@@ -15,7 +15,7 @@ import pytest
 from tests.s3_server import count_fetched, s3_endpoint  # noqa: F401
 from tokenmill.io.readers import InputConfig, iter_input_rows
 from tokenmill.jobs import row_estimate
-from tokenmill.jobs.row_count import input_row_total
+from tokenmill.jobs.row_count import _format_by_name, input_row_total
 from tokenmill.jobs.row_estimate import RowTotal
 
 
@@ -105,3 +105,13 @@ def test_local_jsonl_is_counted_exactly(tmp_path: Path, monkeypatch: pytest.Monk
     path = tmp_path / "rows.jsonl"
     path.write_bytes(_rows(301) + b"\n\n")
     assert input_row_total(InputConfig(path=str(path))) == RowTotal(301, estimated=False)
+
+
+def test_the_count_takes_the_format_from_the_name_as_detect_format_does() -> None:
+    """One rule for both (format_detection.format_by_name): a presigned URL's query is no
+    part of the name, and a compressed JSONL name is JSONL."""
+    cfg = InputConfig(path="unused")
+    presigned = "https://h/part-0.parquet?X-Amz-Signature=abc.jsonl"
+    assert _format_by_name(cfg, [presigned]) == "parquet"
+    assert _format_by_name(cfg, ["s3://b/rows.JSONL.gz"]) == "jsonl"
+    assert _format_by_name(InputConfig(path="unused", format="parquet"), ["x.jsonl"]) == "parquet"

@@ -14,6 +14,7 @@ import fsspec
 from tokenmill.io.readers import InputConfig, list_input_files
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.file_reads import map_files
+from tokenmill.io.readers.format_detection import format_by_name
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.jobs.row_estimate import RowTotal, Stopped, estimate_rows, is_local
 
@@ -73,9 +74,11 @@ def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None)
 
 
 def _format_by_name(cfg: InputConfig, files: list[str]) -> str:
-    """ "parquet" or "jsonl", by the setting or the first file's name: detect_format peeks
-    into the first file (a 256 KiB block from an object store, more than an estimate's
-    sample of a small file), which the count does not need; the reader checks the format."""
+    """ "parquet" or "jsonl", by the setting or the first file's name (detect_format's rule,
+    ``format_by_name``): detect_format also peeks into the first file (a 256 KiB block from
+    an object store, more than an estimate's sample of a small file), which the count does
+    not need; the reader checks the format. A name that says no format raises (the job
+    refuses such an input: no total)."""
     if cfg.format != "auto":
         return "parquet" if cfg.format == "parquet" else "jsonl"
-    return "parquet" if files and files[0].lower().endswith(".parquet") else "jsonl"
+    return format_by_name(files[0]) if files else "jsonl"

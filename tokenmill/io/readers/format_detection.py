@@ -47,7 +47,7 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         return fmt
     if not files:
         raise ValueError("detect_format: no input files to look at")
-    kinds = {f: _kind_by_suffix(f) for f in files}
+    kinds = {f: format_by_name(f) for f in files}
     first = files[0]
     for f, kind in kinds.items():
         if kind != kinds[first]:
@@ -80,9 +80,10 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
     return "jsonl"
 
 
-def _kind_by_suffix(url: str) -> str:
-    """The format ``url``'s name says (an HTTP(S) URL's query string is not part of it: a
-    presigned ``rows.jsonl?X-Amz-Signature=...`` is JSONL)."""
+def format_by_name(url: str) -> str:
+    """The format ``url``'s name says, "jsonl" or "parquet" (an HTTP(S) URL's query string
+    is not part of it: a presigned ``rows.jsonl?X-Amz-Signature=...`` is JSONL). Raises
+    ValueError for a name that says neither, or a compressed Parquet file."""
     lower = strip_compression_suffix(without_query(url).lower())
     if lower.endswith(JSONL_SUFFIXES):
         return "jsonl"
