@@ -7,8 +7,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import fsspec
 import pytest
 
+from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
 from tokenmill.io import storage
 from tokenmill.io.storage import OutputStore, is_temp_name
 
@@ -277,3 +279,23 @@ def test_empty_dot_and_dot_dot_segments_of_a_prefix_are_refused(s3_endpoint, url
     _, options = s3_endpoint
     with pytest.raises(ValueError, match="has an empty, '.' or '..' segment"):
         OutputStore(url, options)
+
+
+@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError")])
+def test_a_file_the_store_will_not_show_is_an_error_not_absent(
+    faulty_s3: FaultyS3,  # noqa: F811
+    status: int,
+    code: str,
+) -> None:
+    """``exists`` over a failing HEAD: fsspec's ``isfile`` answered False ("not there")."""
+    fsspec.filesystem("s3", **faulty_s3.direct).mkdir("exists-faults")
+    store = OutputStore("s3://exists-faults/out", storage_options=faulty_s3.options(retries=0))
+    store.write_atomic("m.json", b"{}")
+    assert store.exists("m.json") and not store.exists("gone.json")
+    faulty_s3.proxy.fail(status, code, methods=("HEAD",))
+    with pytest.raises(OSError) as raised:
+        store.exists("m.json")
+    assert not isinstance(raised.value, FileNotFoundError), raised.value
+    assert "s3://exists-faults/out" in str(raised.value)
+    faulty_s3.proxy.clear()
+    assert store.exists("m.json")

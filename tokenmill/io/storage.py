@@ -317,13 +317,18 @@ class OutputStore:
             return None
 
     def exists(self, name: str) -> bool:
-        """Whether ``name`` exists (as a file)."""
+        """Whether ``name`` exists (as a file). A store that fails to answer raises (an
+        OSError naming the output): fsspec's ``isfile`` answers False on any error, and
+        "not there" is what a store that is down must never be taken to say."""
         if self.is_local:
             return os.path.isfile(self.path(name))
         path = self._fs_path(name)
         self.fs.invalidate_cache(path)  # another process may have written it
-        with _client_errors(self.url, f"looking for {name}"):
-            return bool(self.fs.isfile(path))
+        try:
+            with _client_errors(self.url, f"looking for {name}"):
+                return self.fs.info(path).get("type") == "file"
+        except FileNotFoundError:
+            return False
 
     def list(self, prefix: str = "") -> list[str]:
         """Names (relative to the store, '/'-separated) that start with ``prefix``, sorted.
