@@ -86,6 +86,25 @@ def test_display_names_are_relative_to_the_common_directory():
     ]
 
 
+def test_display_names_of_urls_differing_only_in_their_query_differ():
+    """An HTTP folder listing two versions of one object (``rows.jsonl?versionId=1``, ``=2``):
+    with their queries left out (a signature must not land in row ids) both were
+    ``rows.jsonl``, so the second file's rows, given the same ``rows.jsonl:<line>`` ids, were
+    all refused as duplicates. The later ones are numbered; no query value is shown."""
+    urls = [
+        "https://h/d/rows.jsonl?versionId=1&sig=S3CR1",
+        "https://h/d/rows.jsonl?versionId=2&sig=S3CR2",
+        "https://h/d/other.jsonl?sig=S3CR3",
+    ]
+    names = display_names(urls)
+    assert names == ["rows.jsonl", "rows.jsonl~2", "other.jsonl"]
+    assert not any("S3CR" in n or "versionId" in n for n in names)
+    # a real file of the numbered name keeps it; the copy takes the next free one
+    assert display_names(["/d/a.jsonl~2", "/d/b.jsonl"]) == ["a.jsonl~2", "b.jsonl"]
+    taken = ["https://h/a.jsonl?v=1", "https://h/a.jsonl?v=2", "https://h/a.jsonl~2"]
+    assert display_names(taken) == ["a.jsonl", "a.jsonl~3", "a.jsonl~2"]
+
+
 def test_a_glob_keeps_links_to_files_and_dangling_links(tmp_path):
     """Links matched by a glob are files to read (their rows went missing without a word);
     a dangling one is kept so that reading it fails naming it; a link to a folder is not."""

@@ -87,7 +87,10 @@ def display_names(files: list[str]) -> list[str]:
     For files in one directory this is the base name; files in subdirectories keep the
     subdirectory (``a/part-0.jsonl``), so two ``part-0.jsonl`` never give the same ids.
     An HTTP(S) URL's query string is left out: a presigned URL's signature and token would
-    otherwise land in every row id of the output.
+    otherwise land in every row id of the output. URLs that differ only there (an HTTP
+    folder listing ``rows.jsonl?versionId=1`` and ``=2``) get ``rows.jsonl``,
+    ``rows.jsonl~2``, ...: one name for both gave their rows the same ids, and every row of
+    the second was refused as a duplicate.
     """
     parts = [without_query(f).split("/") for f in files]
     common = min((len(p) - 1 for p in parts), default=0)
@@ -95,7 +98,27 @@ def display_names(files: list[str]) -> list[str]:
         if len({p[i] for p in parts}) > 1:
             common = i
             break
-    return ["/".join(p[common:]) for p in parts]
+    return _numbered_repeats(["/".join(p[common:]) for p in parts])
+
+
+def _numbered_repeats(names: list[str]) -> list[str]:
+    """``names`` with each repeat of an earlier one as ``<name>~2``, ``~3``, ... (the first
+    number no name in the list has)."""
+    taken = set(names)
+    if len(taken) == len(names):
+        return names
+    seen: set[str] = set()
+    out = []
+    for name in names:
+        if name in seen:
+            n = 2
+            while f"{name}~{n}" in taken:
+                n += 1
+            name = f"{name}~{n}"
+            taken.add(name)
+        seen.add(name)
+        out.append(name)
+    return out
 
 
 def _folder_marker(path: str) -> bool:
