@@ -382,3 +382,62 @@ def test_a_cleaned_up_tokenizer_stops_in_the_cleaned_text(
     assert (got, detok.output_text) == (stop if taken < len(ids) else None, want)
     assert len(detok.output_token_ids) == taken
     assert tokenizer.decode(ids[:3]) == "c's"  # (the tokens' text, as ``want`` spells it)
+
+
+def _unigram_spelling_no_probe() -> PreTrainedTokenizerBase:
+    """A T5-like Unigram tokenizer (Metaspace, clean_up_tokenization_spaces) whose pieces all
+    start a word: the clean-up probe's text, split into words first, is all ``<unk>`` and
+    ``s``/``t`` pieces with no space between them, so it decodes the same cleaned or not."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "▁a", "▁'", "s", "t", "▁.", "▁,", "▁b", "▁n"]
+    backend = Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=0))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", clean_up_tokenization_spaces=True
+    )
+
+
+A, QUOTE, S, T, DOT, COMMA, B, N = range(1, 9)  # the pieces' ids above
+
+
+@pytest.mark.parametrize("chunks", [[1], [2, 1]])
+def test_a_clean_up_the_probe_text_does_not_show_is_applied_with_and_without_stops(
+    chunks: list[int],
+) -> None:
+    """The clean-up policy was read from the probe's text: unchanged by the clean-up, it
+    said False, and a request without stop strings got the raw ``a 's . b n 't`` while one
+    with them got windows cleaned one by one, ``a 's. b n 't``; decode gives ``a's. b n 't``."""
+    from tokenmill.engine.output_builder import decode_rows
+    from tokenmill.engine.space_cleanup import cleanup_policy
+
+    tokenizer = _unigram_spelling_no_probe()
+    ids = [A, QUOTE, S, DOT, B, N, QUOTE, T]
+    want = tokenizer.decode(ids)
+    assert want == "a's. b n 't"
+    [no_stops] = decode_rows(tokenizer, [ids], True, cleanup_policy(tokenizer))
+    detok, stop = _stream(tokenizer, ids, SamplingParams(stop=["zz"], max_tokens=64), chunks)
+    assert (no_stops, stop, detok.output_text) == (want, None, want)
+
+
+@pytest.mark.parametrize(
+    ("stop", "include", "want", "taken"),
+    [
+        ("'s", False, "a", 3),  # only in the cleaned text: the raw one is "a 's"
+        ("'s", True, "a's", 3),
+        ("s.", True, "a's.", 4),  # spans the space the clean-up removed ("s ." -> "s.")
+        ("s.", False, "a'", 4),
+        (" .", False, "a's. b n 't", 8),  # the raw text's " ." is cleaned away: no stop
+    ],
+)
+def test_a_clean_up_the_probe_text_does_not_show_is_what_stops_see(
+    stop: str, include: bool, want: str, taken: int
+) -> None:
+    tokenizer = _unigram_spelling_no_probe()
+    ids = [A, QUOTE, S, DOT, B, N, QUOTE, T]
+    params = SamplingParams(stop=[stop], include_stop_str_in_output=include, max_tokens=64)
+    detok, got = _stream(tokenizer, ids, params)
+    assert (got, detok.output_text) == (stop if taken < len(ids) else None, want)
+    assert len(detok.output_token_ids) == taken

@@ -20,12 +20,13 @@ matches on either side as on the whole.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
 __all__ = ["CleanedText", "cleanup_policy"]
 
-# Every pattern transformers' clean_up_tokenization rewrites (" ." -> "." and so on).
+# Text for the probe's decode: every pattern clean_up_tokenization rewrites (" ." -> "."...).
 _CLEANUP_PROBE = "a . b ? c ! d , e ' f n't g 'm h 's i 've j 're"
 _PATTERN_CHARS = frozenset(" .?!,'ntmsvre")  # the characters those patterns are made of
 # tokenizer -> (its clean_up_tokenization_spaces when probed, its policy)
@@ -65,15 +66,27 @@ def _probe(tokenizer: Any) -> bool | None:
         for name in ("decode", "_decode", "batch_decode")
     ):
         return None
+    # Whether decode cleans up is seen by its call, not by its text: a vocabulary that does
+    # not spell the probe's " ." and " 's" (unknown pieces, no spaces between them) decodes
+    # it the same cleaned or not, and read as False, text a few tokens at a time was cleaned
+    # window by window ("a ' s") and text decoded whole not at all, where decode gives "a's".
+    cleaned: list[str] = []
+
+    def clean_up(text: str) -> str:
+        cleaned.append(text)
+        return text
+
     try:  # an optimisation's probe: a tokenizer it trips up decodes through transformers
+        watched = copy.copy(tokenizer)  # (shares the Rust tokenizer; the original is untouched)
+        watched.clean_up_tokenization = clean_up
         ids = tokenizer.encode(_CLEANUP_PROBE, add_special_tokens=False)
         raw = backend.decode(ids, skip_special_tokens=False)
-        text = tokenizer.decode(ids, skip_special_tokens=False)
+        text = watched.decode(ids, skip_special_tokens=False)
     except Exception:
         return None
-    if text == raw:
-        return False
-    return True if text == tokenizer.clean_up_tokenization(raw) else None
+    if text != raw or cleaned not in ([], [raw]):
+        return None  # decode changes the text some other way
+    return cleaned == [raw]
 
 
 class CleanedText:
