@@ -108,7 +108,7 @@ def main() -> None:
     )
     parser.add_argument("--cprofile", action="store_true", help="profile each run's functions")
     args = parser.parse_args()
-    SpeculationPolicy.wants_drafts = lambda self, batch: False  # auto, never drafting
+    SpeculationPolicy.wants_drafts = lambda self, *args: False  # auto, never drafting
     convs = WORKLOADS[args.workload](args.rows)
     sequence = (args.sequence or ",".join(["off,auto"] * args.runs)).split(",")
     if "off" not in sequence or not set(sequence) <= set(VARIANTS) or len(set(sequence)) < 2:
