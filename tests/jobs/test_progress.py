@@ -420,3 +420,18 @@ def test_an_estimated_total_reads_as_one_in_the_log_line(caplog: pytest.LogCaptu
     now[0] += 1.0
     progress.update(120, 0)
     assert caplog.records[-1].getMessage().startswith("120 of ~2,000 rows done (6%), ")
+
+
+def test_the_line_never_says_100_percent_with_rows_left(caplog: pytest.LogCaptureFixture) -> None:
+    """1,995 of 2,000 rows read "(100%)", rounded, with 5 rows still to run: the share is
+    the rows done, rounded down, so 100% means every row is done."""
+    clock = FakeClock()
+    progress = Progress(2000, 1994, interval_s=1, clock=clock)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    clock.now += 1
+    progress.update(1, 10)
+    assert caplog.records[-1].getMessage().startswith("1,995 of 2,000 rows done (99%), ")
+    for _ in range(5):
+        clock.now += 1
+        progress.update(1, 10)
+    assert caplog.records[-1].getMessage().startswith("2,000 of 2,000 rows done (100%), ")

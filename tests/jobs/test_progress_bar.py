@@ -214,3 +214,14 @@ def test_an_estimate_the_rows_done_passed_is_no_total(term: FakeTerminal) -> Non
     drive.run(seconds=8, tok_per_s=300, rows_per_s=1)
     assert term.frames()[-1] == "8 rows, 300 output tok/s, ETA unknown, 8 in flight"
     assert drive.progress.eta_seconds is None
+
+
+def test_the_bar_never_says_100_percent_with_rows_left(term: FakeTerminal) -> None:
+    """tqdm rounds its percentage: 1,995 of 2,000 rows drew " 100%" with 5 rows to run."""
+    drive = Driver(total=2000, done=1995, stream=term)
+    drive.now += 1.0
+    drive.progress.tick()
+    assert term.frames()[-1].startswith(" 99%|")
+    drive.now += 1.0
+    drive.progress.update(5, 50)
+    assert term.frames()[-1].startswith("100%|")

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from tokenmill.jobs.progress_bar import ProgressBar
     from tokenmill.jobs.row_estimate import RowTotal
 
-__all__ = ["LiveCounts", "Progress", "format_duration"]
+__all__ = ["LiveCounts", "Progress", "format_duration", "percent_done"]
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -289,7 +289,7 @@ class Progress:
         """The progress line, as logged."""
         total = self._total_now
         if total:
-            rows = f"{self._rows()} done ({self.done / total:.0%})"
+            rows = f"{self._rows()} done ({percent_done(self.done, total)}%)"
         else:
             rows = f"{self._rows()} done"
         return ", ".join(
@@ -369,6 +369,12 @@ class Progress:
         self._row_rate.add(now, self.done_this_run)
         self._samples.add(now - self.start, self.tokens, last)
         self.history.sample(now - self.start, self.tokens, self.done_this_run, last)
+
+
+def percent_done(done: int, total: int) -> int:
+    """The share of ``total`` rows done, in whole percent rounded down: rounded to nearest,
+    1,995 of 2,000 rows read 100% with rows still to run, and 100% is what says "done"."""
+    return min(100 * done // total, 100) if total > 0 else 0
 
 
 def format_duration(seconds: float) -> str:
