@@ -55,13 +55,14 @@ from tokenmill.jobs.bounded_series import BoundedSeries
 from tokenmill.jobs.rate_window import RateWindow
 from tokenmill.jobs.row_lengths import RowLengths
 from tokenmill.jobs.run_history import RunHistory
+from tokenmill.jobs.share_done import percent_done
 
 if TYPE_CHECKING:
     from tokenmill.jobs.engine_counters import EngineCounters
     from tokenmill.jobs.progress_bar import ProgressBar
     from tokenmill.jobs.row_estimate import RowTotal
 
-__all__ = ["LiveCounts", "Progress", "format_duration", "percent_done"]
+__all__ = ["LiveCounts", "Progress", "format_duration"]
 
 log = logging.getLogger("tokenmill.jobs")
 
@@ -369,12 +370,6 @@ class Progress:
         self._row_rate.add(now, self.done_this_run)
         self._samples.add(now - self.start, self.tokens, last)
         self.history.sample(now - self.start, self.tokens, self.done_this_run, last)
-
-
-def percent_done(done: int, total: int) -> int:
-    """The share of ``total`` rows done, in whole percent rounded down: rounded to nearest,
-    1,995 of 2,000 rows read 100% with rows still to run, and 100% is what says "done"."""
-    return min(100 * done // total, 100) if total > 0 else 0
 
 
 def format_duration(seconds: float) -> str:

@@ -24,6 +24,8 @@ from typing import TextIO
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from tokenmill.jobs.share_done import percent_done
+
 __all__ = ["ProgressBar"]
 
 _WITH_TOTAL = "{percent_done:3d}%|{bar}| {desc}"
@@ -31,15 +33,12 @@ _WITHOUT_TOTAL = "{desc}"
 
 
 class _Bar(tqdm):
-    """tqdm with ``percent_done`` for its format: the share done rounded down, as the log
-    line's (progress.py's ``percent_done``; tqdm's own ``percentage``, rounded, drew 100%
-    at 1,995 of 2,000 rows). Not imported from progress.py: that module imports this one."""
+    """tqdm with ``percent_done`` for its format (tqdm's own ``percentage`` is rounded)."""
 
     @property
     def format_dict(self) -> dict[str, object]:
         values = super().format_dict
-        done, total = int(self.n), int(self.total or 0)
-        values["percent_done"] = min(100 * done // total, 100) if total > 0 else 0
+        values["percent_done"] = percent_done(int(self.n), int(self.total or 0))
         return values
 
 
