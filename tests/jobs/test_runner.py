@@ -268,6 +268,25 @@ def test_a_kv_cache_too_small_for_the_jobs_context_is_refused(
     assert run_job(fits, show_progress=False).rows_ok == 2
 
 
+def test_preemptions_for_want_of_kv_cache_are_reported(tiny_model: Path, tmp_path: Path) -> None:
+    """An audit: rows preempted over and over in a small KV cache (the run several times
+    slower, each preempted row recomputed) left no trace in report.json or the summary."""
+    src = write_jsonl(tmp_path / "in.jsonl", [json.dumps(r) for r in chat_rows(4)])
+    # 9 blocks of 16 tokens: two ~55-token prompts fit, not both once they grow 40 tokens
+    small = {"kv_cache_memory": 9 * 8192, "max_model_len": 144}
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine=small)
+    spec["sampling"].update(max_tokens=40, ignore_eos=True)
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 4
+    assert report.preemptions > 0
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["preemptions"] > 0
+    assert f"preempted   {report.preemptions} times" in report.summary()
+    assert "engine.kv_cache_memory" in report.summary()
+    roomy = job_dict(tiny_model, src, tmp_path / "roomy", engine={"max_model_len": 144})
+    roomy["sampling"].update(max_tokens=40, ignore_eos=True)
+    assert run_job(roomy, show_progress=False).preemptions == 0
+
+
 def test_a_kv_cache_with_no_room_for_blocks_names_the_setting(
     tiny_model: Path, tmp_path: Path
 ) -> None:

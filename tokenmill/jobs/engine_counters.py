@@ -27,6 +27,9 @@ class EngineCounters:
     drafted_rows: int = 0  # (step, row) pairs that carried drafts
     # Output tokens generated so far, rows still generating included (what a live rate counts)
     output_tokens: int = 0
+    # Rows put back in the queue, their KV freed and recomputed later, for want of free KV
+    # blocks: a job that does this often runs at a fraction of its speed with no other sign
+    preemptions: int = 0
 
     @classmethod
     def of(cls, engine: LLMEngine, output_tokens: int = 0) -> EngineCounters:
@@ -41,6 +44,7 @@ class EngineCounters:
             steps.num_accepted_tokens,
             steps.num_drafted_rows,
             output_tokens,
+            steps.num_preemptions,
         )
 
     def __add__(self, other: EngineCounters) -> EngineCounters:

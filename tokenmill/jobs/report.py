@@ -35,6 +35,9 @@ class JobReport:
     model_load_seconds: float = 0.0
     generation_seconds: float = 0.0  # model loaded to last result: what throughput is over
     prefix_cache_hit_rate: float = 0.0
+    # rows the engines preempted this run (KV cache full): each recomputes its prompt and
+    # output so far; many of them mean the cache is too small for max_num_seqs rows
+    preemptions: int = 0
     speculative: dict | None = None  # draft counts when engine.speculative is on (this run)
     # Ray only: ReplicaFailures as a dict (replicas lost and replaced, rows they held sent
     # again, poison rows isolated into the error file); None for the local executor
@@ -117,6 +120,12 @@ class JobReport:
         if self.status != "complete" and self.rows_total and left > 0:
             lines.append(f"  left        {left} of the input's {self.rows_total} rows: a rerun "
                          "resumes with them")  # fmt: skip
+        if self.preemptions:
+            lines.append(
+                f"  preempted   {self.preemptions} times a row was put back for want of KV "
+                "cache and recomputed: raise engine.kv_cache_memory, or lower "
+                "engine.max_num_seqs, for speed"
+            )
         if self.rows_deduplicated:
             lines.append(
                 f"  dedup       {self.rows_deduplicated} rows copied from identical rows "

@@ -73,6 +73,7 @@ _SUMMARY: list[tuple[str, str, Callable[[Any], str]]] = [
     ("model_load_seconds", "model load time", show_seconds),
     ("wall_seconds", "whole run", show_seconds),
     ("prefix_cache_hit_rate", "prefix-cache hit rate", lambda v: f"{v:.1%}"),
+    ("preemptions", "rows preempted for want of KV cache (this run)", lambda v: f"{v:,}"),
     ("shards_committed", "shards committed this run", lambda v: f"{v:,}"),
     ("shards_recomputed", "shards recomputed (files gone)", lambda v: f"{v:,}"),
     ("output", "output", str),

@@ -498,6 +498,7 @@ def _run_owned(
             report.device = device_of(executor)
             counters = executor.counters
             report.prefix_cache_hit_rate = counters.prefix_cache_hit_rate
+            report.preemptions = counters.preemptions
             method = spec.engine.speculative.method
             if method != "off":
                 report.speculative = counters.speculative(method)
