@@ -250,6 +250,37 @@ def test_a_failed_run_says_so_in_report_json(
     assert saved["error"] == "RuntimeError: DefaultCPUAllocator: can't allocate memory"
 
 
+def test_wall_seconds_runs_from_the_call_to_the_reports_writing(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wall_seconds was taken as the engine's stream ended, before the input's re-check, the
+    manifest's save and the engine's close: a 9.05 s job said 8.2 s, against the scheduler's
+    time. It now runs from run_job's call to the report's writing."""
+    from tokenmill.jobs import runner
+
+    check, write = runner._check_input_unchanged, runner._write_report
+    written: list[float] = []
+
+    def slow_check(*args: object) -> None:  # a re-read input on a slow store
+        time.sleep(0.5)
+        check(*args)
+
+    def timed_write(*args: object) -> None:
+        written.append(time.monotonic())
+        write(*args)
+
+    monkeypatch.setattr(runner, "_check_input_unchanged", slow_check)
+    monkeypatch.setattr(runner, "_write_report", timed_write)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    called = time.monotonic()
+    report = run_job(job_dict(tiny_model, src, tmp_path / "out"), show_progress=False)
+    assert report.status == "complete"
+    assert report.wall_seconds == pytest.approx(written[0] - called, abs=0.05)
+    assert report.wall_seconds >= report.model_load_seconds + report.generation_seconds + 0.5
+    saved = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert saved["wall_seconds"] == report.wall_seconds
+
+
 def test_a_kv_cache_too_small_for_the_jobs_context_is_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -29,7 +29,9 @@ class JobReport:
     # rows_failed too, and the prompt + completion tokens the engine was spared by it
     rows_deduplicated: int = 0
     deduplicated_tokens: int = 0
-    wall_seconds: float = 0.0  # the whole run: checks, model load, generation, last commits
+    # the whole run, run_job's call to the reports' writing: checks, model load, generation,
+    # last commits, the input's re-check, the manifest's save, the engine's close
+    wall_seconds: float = 0.0
     # loading the model: the local engine's construction; Ray: starting Ray plus the slowest
     # replica's own load (replicas load in parallel when their first rows arrive)
     model_load_seconds: float = 0.0

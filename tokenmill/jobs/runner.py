@@ -18,9 +18,11 @@ committed; a second signal (JobInterrupted) leaves at once.
 
 Times: ``model_load_seconds`` is building the executor (the local engine), plus the slowest
 Ray replica's own load; ``generation_seconds``, what throughput is over, runs from the model
-loaded to the executor's last result. A job found complete loads nothing, says so ("nothing
-to do") and leaves its report.json as the run that completed it wrote it (written anew
-only when it is missing or does not say complete: that run was killed before writing it).
+loaded to the executor's last result; ``wall_seconds`` from ``run_job``'s call to the
+report's writing (taken just before it: the end's checks and saves are the run's). A job
+found complete loads nothing, says so ("nothing to do") and leaves its report.json as the
+run that completed it wrote it (written anew only when it is missing or does not say
+complete: that run was killed before writing it).
 report.json is the commit point of the pair: report.html is written first, so a run that
 stops between the two (killed, disk full) leaves a report.json that does not say complete
 and the rerun writes both. A found-complete run also rewrites report.html from report.json
@@ -230,6 +232,7 @@ def run_job(
     the output, FingerprintMismatchError when the output holds another configuration's
     progress (unless ``fresh``). Per-row problems never raise: they go to the error files.
     """
+    start = time.monotonic()  # report.json's wall_seconds: the checks are the run's too
     spec = coerce_spec(spec)
     cfg = check_up_front(spec)
     store, lock = open_output(spec)
@@ -249,7 +252,7 @@ def run_job(
     try:
         shown = progress_interval_s if show_progress else None
         return _run_locked(
-            spec, cfg, store, lock, fresh, cancel or threading.Event(), shown, on_progress
+            spec, cfg, store, lock, fresh, cancel or threading.Event(), shown, on_progress, start
         )
     finally:
         lock.release()
@@ -276,11 +279,12 @@ def _run_locked(
     fresh: bool,
     cancel: threading.Event,
     progress_interval_s: float | None,
-    on_progress: Callable[[Progress], None] | None = None,
+    on_progress: Callable[[Progress], None] | None,
+    start: float,
 ) -> JobReport:
-    """The run under ``lock``, held: its ``check_held`` fences every commit (lock.py)."""
+    """The run under ``lock``, held: its ``check_held`` fences every commit (lock.py).
+    ``start``: when ``run_job`` was called (``time.monotonic()``), what wall_seconds counts from."""
     still_held = lock.check_held
-    start = time.monotonic()
     report = JobReport(
         job=spec.name, output=hide_url_secrets(store.url), executor=spec.execution.executor
     )
@@ -480,7 +484,6 @@ def _run_owned(
         report.rows_total = progress.exact_total
         feed.close(timeout=0.5 if writer.abandoned else 5.0)
         progress.close()
-        report.wall_seconds = round(time.monotonic() - start, 3)
         report.throughput_over_time = progress.samples
         # Rows dropped at a cancel generated tokens too (the live count has them): this run's
         # engine work, as README says (the finished rows' alone made the rate ~6x too low).
@@ -528,6 +531,8 @@ def _run_owned(
         if store.is_local:  # readers open shards/ even when no row landed there (no input)
             os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
     _fill_totals(report, manifest)
+    # (taken last: the input re-check, manifest save and engine close above are the run's)
+    report.wall_seconds = round(time.monotonic() - start, 3)
     _write_report(store, report, history)
     return report
 
