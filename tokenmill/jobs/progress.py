@@ -138,6 +138,7 @@ class Progress:
         self.finished_tokens = 0  # of which in finished rows
         self.generated_rows = 0  # rows finished with tokens (not bad rows, nor copies)
         self.ended = False  # the run's stream of results has ended (finish)
+        self.ended_at: float | None = None  # the clock at ``finish``: the report's last sample
         self.in_flight = 0
         self.load_seconds = 0.0
         self._lengths = RowLengths(max_tokens)
@@ -154,6 +155,7 @@ class Progress:
         self._live = live
         self._clock = clock
         self._sample_s = sample_s
+        # the model loaded: the report's samples and its generation_seconds count from here
         self.start = clock()
         self._last_sample = self._last_log = self.start
         self._token_rate = RateWindow(TOKENS_WINDOW_S, min_span_s=sample_s)
@@ -333,7 +335,7 @@ class Progress:
         row is in flight any more, and no ETA is given for rows left (a stopped run), even
         when the sample raises (it reads the executor, which may be what failed)."""
         now = self._clock()
-        self._last_sample = now
+        self._last_sample = self.ended_at = now
         try:
             self._sample(now, last=True)
         finally:

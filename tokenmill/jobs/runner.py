@@ -453,7 +453,9 @@ def _run_owned(
         report.rows_not_committed = _rows_not_committed(progress, writer)
 
     recount.append(settled_counts)
-    generating = time.monotonic()
+    # From the model loaded, as the plot's samples (Progress's clock): taken after the feed's
+    # set-up, the plot's last point read 5.61 s against 4.92 s of generation (tok/s 14% high).
+    generating = progress.start
     generated: float | None = None  # when the executor's stream ended
     try:
         if generate:
@@ -466,14 +468,14 @@ def _run_owned(
                 progress.update(1, result.generated_tokens)
                 _hand_over_complete(tracker, writer)
         progress.finish()
-        generated = time.monotonic()
+        generated = progress.ended_at  # the instant of the plot's last point
         _hand_over_complete(tracker, writer)
         writer.finish()
     except BaseException as exc:
-        generated = generated or time.monotonic()
-        _stop_writer(writer, exc)
         if not progress.ended:  # a failed run shows no rows in flight, no ETA
-            _finish_quietly(progress)
+            _finish_quietly(progress)  # (before the last commits: its sample ends the plot)
+        generated = generated or progress.ended_at or time.monotonic()
+        _stop_writer(writer, exc)
         # as a cancel's: rows finished in shards not complete, computed again by a rerun
         report.rows_not_committed = _rows_not_committed(progress, writer)
         raise
