@@ -220,6 +220,23 @@ def test_a_short_generation_is_not_shown_as_0_s_beside_its_rate() -> None:
     assert "0.0 s" not in page and "0.015 s of generation" in report.summary()
 
 
+def test_the_pages_output_rate_is_the_summarys() -> None:
+    """report.json rounds the rate to 2 decimals and the page rounded that to 1: 240 tokens
+    over 5.016 s (47.846 tok/s) read 47.8 in the summary, 47.9 on the page."""
+    report = JobReport(
+        job="j", output="out", status="complete", completion_tokens=240, rows_this_run=30,
+        generation_seconds=5.016,
+    )  # fmt: skip
+    page = render_report_html(report, None)
+    shown = re.search(r'data-key="output_tokens_per_s"[^>]*>([^<]*)<', page)
+    assert shown is not None and shown[1] == "47.8"
+    assert "47.8 output tokens/s over 5.0 s of generation" in report.summary()
+    assert _check_self_contained(page).values["output_tokens_per_s"] == 47.85  # report.json's
+    # drawn again from report.json (a found-complete run's repair): the same
+    again = JobReport.from_json(report.to_json())
+    assert report_html.page_shows(page.encode(), again)
+
+
 def test_a_page_without_samples_says_why() -> None:
     report = JobReport(job="j", output="out", status="cancelled", wall_seconds=1.0)
     page = render_report_html(report, None)

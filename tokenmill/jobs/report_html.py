@@ -6,8 +6,9 @@
 One file with nothing to fetch (no scripts, stylesheets, fonts or images from elsewhere; the
 plots are inline SVG: report_plots.py), so it opens from an object store, a mail attachment
 or an air-gapped machine alike. Every number in the summary table is the value report.json
-holds, rendered from the same JSON, and carries it raw in ``data-key``/``data-value``
-attributes so that a script can read the page as well as a person. The time series come from
+holds, rendered from the same JSON (output tok/s as the end-of-run summary shows it, from the
+unrounded rate), and carries it raw in ``data-key``/``data-value`` attributes so that a
+script can read the page as well as a person. The time series come from
 the run's history (run_history.py); a report without one (a run that generated nothing)
 shows the table and says why each plot is missing.
 """
@@ -127,7 +128,7 @@ def page_shows(page: bytes | None, report: JobReport) -> bool:
     the summary table ``report`` gives, byte for byte. The table carries every number of
     report.json (wall_seconds to the millisecond among them), so another run's page differs;
     drawing it needs no matplotlib, so checking a page is cheap."""
-    table = _summary_table(json.loads(report.to_json()))
+    table = _summary_table(report)
     return page is not None and table.encode() in page
 
 
@@ -138,7 +139,6 @@ def render_report_html(
     says why, the summary table alone (matplotlib is then neither imported nor used: a
     second stop signal's report has no time for it). Raises ImportError without matplotlib
     (imported here, not with the module: only a finished run draws plots)."""
-    raw = json.loads(report.to_json())
     title = f"tokenmill job {report.job}: {report.status}"
     if without_plots is not None:
         sections = [f'<p class="empty">{_e(without_plots)}</p>']
@@ -158,21 +158,26 @@ def render_report_html(
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        _summary_table(raw),
+        _summary_table(report),
         *sections,
         "</body></html>",
     ]
     return "\n".join(parts) + "\n"
 
 
-def _summary_table(raw: dict[str, Any]) -> str:
+def _summary_table(report: JobReport) -> str:
+    """report.json's numbers as a table, each carried raw in data-value."""
+    raw = json.loads(report.to_json())
+    # The rate shown is the summary's, from the report's unrounded one: report.json's, rounded
+    # to 2 decimals, rounded again to 1 here read 47.9 beside the summary's 47.8.
+    shown = {"output_tokens_per_s": report.output_tokens_per_s}
     rows = []
     for key, label, show in _SUMMARY:
         value = raw.get(key)
         if (value is None and key not in _UNKNOWN) or value == "":
             continue
         cls = ' class="num"' if isinstance(value, (int, float)) else ""
-        text = _UNKNOWN[key] if value is None else show(value)
+        text = _UNKNOWN[key] if value is None else show(shown.get(key, value))
         rows.append(
             f'<tr><th>{_e(label)}</th><td{cls} data-key="{key}" '
             f'data-value="{_e(json.dumps(value))}">{_e(text)}</td></tr>'
