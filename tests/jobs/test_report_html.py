@@ -187,7 +187,7 @@ def test_a_page_with_every_plot() -> None:
     assert {"model", "device", "rows_ok", "output_tokens_per_s", "wall_seconds"} <= set(
         check.values
     )
-    assert "actor-1" in page and "actor-2" in page and "replica 2" in page
+    assert "<th>actor-1</th>" in page and "<th>actor-2</th>" in page
     assert "Speculative decoding (suffix): 45.0% of drafts accepted" in page
     assert check.values["replica_failures"] == report.replica_failures
     assert "3 replicas replaced; 40 rows ran again, 1 isolated" in page
@@ -235,6 +235,32 @@ def test_the_pages_output_rate_is_the_summarys() -> None:
     # drawn again from report.json (a found-complete run's repair): the same
     again = JobReport.from_json(report.to_json())
     assert report_html.page_shows(page.encode(), again)
+
+
+def test_replicas_are_named_by_their_ids_in_the_ids_order() -> None:
+    """The page numbered replicas in the order first heard from: "replica 1" was the
+    replica with id replica-1 and "replica 2" replica-0."""
+    counts: dict[str, EngineCounters] = {}
+    history = RunHistory(lambda: counts)
+    for t in range(5):
+        counts["replica-1"] = EngineCounters(output_tokens=100 * t)
+        if t >= 2:
+            counts["replica-0"] = EngineCounters(output_tokens=50 * t)
+        if t >= 3:
+            counts["replica-10"] = EngineCounters(output_tokens=10 * t)
+            counts["replica-0.restart-1"] = EngineCounters(output_tokens=5 * t)
+        history.sample(float(t), 165 * t, t, last=t == 4)
+    report = JobReport(
+        job="j", output="out", status="complete", executor="ray", completion_tokens=660,
+        generation_seconds=4.0, throughput_over_time=[(float(t), 165 * t) for t in range(5)],
+    )  # fmt: skip
+    page = render_report_html(report, history)
+    rows = re.findall(r'<tr><th>([^<]*)</th><td class="num">([\d,]+)</td>', page)
+    assert rows == [("replica-0", "200"), ("replica-0.restart-1", "20"), ("replica-1", "400"),
+                    ("replica-10", "40")]  # fmt: skip
+    assert "replica 1" not in page and "replica 2" not in page
+    legend = re.findall(r"<text[^>]*>([^<]*replica[^<]*)</text>", page)  # (SVG text)
+    assert legend == ["replica-0", "replica-0.restart-1", "replica-1", "replica-10"], legend
 
 
 def test_a_page_without_samples_says_why() -> None:
@@ -346,7 +372,7 @@ def test_a_job_writes_report_html_beside_report_json(
     # throughput, two histograms, prefix-cache hit rate, the one local replica
     assert check.tags["svg"] == 5, re.findall(r'class="empty">([^<]*)', page)
     assert f"Prefix-cache hit rate: {raw['prefix_cache_hit_rate']:.1%}" in page
-    assert "replica 1" in page and "off for this job" in page
+    assert "<th>local</th>" in page and "off for this job" in page
 
 
 def test_plots_are_imported_on_a_daemon_thread_and_a_failure_is_left_quiet(

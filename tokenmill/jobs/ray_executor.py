@@ -402,12 +402,13 @@ class RayExecutor:
             )
         elif slot.index not in self._load_seconds:
             self._load_seconds[slot.index] = time.monotonic() - self._started
-            log.info(
-                "Ray replica %d of %d up in %.1f s (model loaded in %.1f s)",
-                len(self._load_seconds),
-                self.replicas,
+            log.info(  # (by its index, as report.html's replica-<index>, not its place)
+                "Ray replica %d up in %.1f s (model loaded in %.1f s; %d of %d up)",
+                slot.index,
                 self._load_seconds[slot.index],
                 info.load_seconds,
+                len(self._load_seconds),
+                self.replicas,
             )
 
     @property

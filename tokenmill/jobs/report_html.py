@@ -19,6 +19,7 @@ import html
 import importlib
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -256,26 +257,30 @@ def _prefix_cache(plots: ModuleType, report: JobReport, history: RunHistory | No
 def _replicas(plots: ModuleType, report: JobReport, history: RunHistory | None) -> str:
     if history is None or not history.replicas or not history.points:
         return _section("Per-replica progress", None, "", "no replica reported this run")
-    names = _replica_labels(history.replicas)
     t = [s for s, _ in history.points]
-    # a point taken before a replica was first heard from has no entry for it yet: 0
+    # Each replica by its id, in the ids' order: numbered in the order first heard from,
+    # "replica 1" was replica-1 and "replica 2" replica-0. A point taken before a replica
+    # was first heard from has no entry for it yet: 0.
+    order = sorted(range(len(history.replicas)), key=lambda i: _id_order(history.replicas[i]))
     series = {
-        name: [p.replica_tokens[i] if i < len(p.replica_tokens) else 0 for _, p in history.points]
-        for i, name in enumerate(names)
+        history.replicas[i]: [
+            p.replica_tokens[i] if i < len(p.replica_tokens) else 0 for _, p in history.points
+        ]
+        for i in order
     }
     svg = plots.replica_progress_plot(t, series)
     caption = "output tokens each replica generated"
     rows = []
-    for replica, label in zip(history.replicas, names, strict=True):
+    for replica in series:
         c = history.last_counters[replica]
         rows.append(
-            f"<tr><th>{_e(label)}</th><td>{_e(replica)}</td>"
+            f"<tr><th>{_e(replica)}</th>"
             f'<td class="num">{c.output_tokens:,}</td>'
             f'<td class="num">{c.prefix_cache_hit_rate:.1%}</td>'
             f'<td class="num">{c.accepted_tokens:,} of {c.draft_tokens:,}</td></tr>'
         )
     table = (
-        "<table><tr><th>replica</th><th>id</th><th>output tokens</th>"
+        "<table><tr><th>replica</th><th>output tokens</th>"
         "<th>prefix-cache hit rate</th><th>drafts accepted</th></tr>" + "".join(rows) + "</table>"
     )
     return _section("Per-replica progress", svg, caption, _too_short(report)) + table
@@ -317,9 +322,10 @@ def _section(title: str, svg: str | None, caption: str, empty: str) -> str:
     return f"<h2>{_e(title)}</h2><figure>{svg}{note}</figure>"
 
 
-def _replica_labels(replicas: list[str]) -> list[str]:
-    """Short names for the plot's legend: Ray actor ids are 32 hex digits."""
-    return [f"replica {i + 1}" for i in range(len(replicas))]
+def _id_order(replica: str) -> list[int | str]:
+    """A replica id's place among the others: its numbers as numbers, so that replica-2
+    comes before replica-10 and replica-0 before its restart replica-0.restart-1."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", replica)]
 
 
 def _e(text: str) -> str:
