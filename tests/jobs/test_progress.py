@@ -330,6 +330,22 @@ def test_a_stopped_runs_summary_says_how_many_rows_are_left() -> None:
     assert "left" not in done.summary() and "left" not in uncounted.summary()
 
 
+def test_a_resumed_runs_summary_says_whose_hit_rate_and_copies_it_gives() -> None:
+    """The rows line covers the whole job, earlier runs included; the prefix-hit and dedup
+    lines below it, this run's alone, did not say so and read as the job's."""
+    report = JobReport(
+        job="j", output="out/", status="complete", rows_total=40, rows_ok=40, rows_this_run=20,
+        rows_resumed=20, completion_tokens=160, generation_seconds=2.0,
+        prefix_cache_hit_rate=0.342, rows_deduplicated=6, deduplicated_tokens=300,
+    )  # fmt: skip
+    lines = report.summary().splitlines()
+    assert "  prefix cache hit rate 34.2% (this run)" in lines
+    assert (
+        "  dedup       6 rows copied from identical rows (300 tokens not computed, this run)"
+        in (lines)
+    )
+
+
 def test_summary_of_a_job_with_nothing_to_do() -> None:
     report = JobReport(job="j", output="out/", status="complete", rows_total=5, rows_ok=4)
     report.rows_failed = 1

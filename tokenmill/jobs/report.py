@@ -111,7 +111,7 @@ class JobReport:
             f"({self.rows_this_run} this run, {self.rows_resumed} resumed from earlier runs)",
             f"  tokens      {self.prompt_tokens} in, {self.completion_tokens} out (this run)",
             f"  throughput  {self._throughput()}",
-            f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%}",
+            f"  prefix cache hit rate {self.prefix_cache_hit_rate:.1%} (this run)",
         ]
         if self.rows_not_committed:
             lines.append(
@@ -131,7 +131,7 @@ class JobReport:
         if self.rows_deduplicated:
             lines.append(
                 f"  dedup       {self.rows_deduplicated} rows copied from identical rows "
-                f"({self.deduplicated_tokens} tokens not computed)"
+                f"({self.deduplicated_tokens} tokens not computed, this run)"
             )
         if self.speculative:
             s = self.speculative
