@@ -389,3 +389,19 @@ def test_plots_are_imported_on_a_daemon_thread_and_a_failure_is_left_quiet(
     assert thread.daemon
     thread.join(10)
     assert imported == ["tokenmill.jobs.report_plots"]  # and the thread ended without raising
+
+
+def test_a_page_is_checked_by_its_values_not_its_wording() -> None:
+    """A rerun of a complete job checks report.html against report.json: compared as
+    text, a newer version's labels (or its new keys) made an older, right page read as
+    another run's, and it was drawn again without the run's history plots."""
+    report, history = _synthetic_run()
+    report.status = "complete"
+    page = render_report_html(report, history)
+    assert "<svg" in page
+    older = page.replace("whole run", "run time").replace('data-key="preemptions"', "")
+    saved = JobReport.from_json(report.to_json())
+    assert report_html.page_shows(older.encode(), saved)
+    saved.wall_seconds += 0.001  # another run of the same job
+    assert not report_html.page_shows(older.encode(), saved)
+    assert not report_html.page_shows(b"<p>no table</p>", report)

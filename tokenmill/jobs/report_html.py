@@ -125,12 +125,25 @@ def write_report_html(
 
 
 def page_shows(page: bytes | None, report: JobReport) -> bool:
-    """Whether ``page`` (report.html's bytes; None: missing) is ``report``'s page: it holds
-    the summary table ``report`` gives, byte for byte. The table carries every number of
-    report.json (wall_seconds to the millisecond among them), so another run's page differs;
-    drawing it needs no matplotlib, so checking a page is cheap."""
-    table = _summary_table(report)
-    return page is not None and table.encode() in page
+    """Whether ``page`` (report.html's bytes; None: missing) is ``report``'s page: every
+    number its summary table carries (``data-key`` / ``data-value``: report.json's values,
+    wall_seconds to the millisecond among them, so another run's page differs) is
+    ``report``'s. Values, not the table's text: a newer version's labels or formats (or a
+    key it adds, absent from an older page) do not make a rerun of a complete job redraw
+    the page without its run's history plots. Needs no matplotlib: checking is cheap."""
+    if page is None:
+        return False
+    shown = _table_values(page.decode("utf-8", errors="replace"))
+    ours = _table_values(_summary_table(report))
+    return "wall_seconds" in shown and all(ours.get(k) == v for k, v in shown.items())
+
+
+_TABLE_VALUE = re.compile(r'data-key="([^"]*)" data-value="([^"]*)"')
+
+
+def _table_values(text: str) -> dict[str, str]:
+    """The summary table's ``data-key``: ``data-value`` pairs (the JSON text of each)."""
+    return {key: html.unescape(value) for key, value in _TABLE_VALUE.findall(text)}
 
 
 def render_report_html(
