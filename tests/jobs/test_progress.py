@@ -53,7 +53,8 @@ def _run(
     for _ in range(seconds):
         clock.now += 1.0
         tokens = engine.counts.output_tokens + tok_per_s
-        engine.counts = LiveCounts(tokens, in_flight, engine.counts.load_seconds)
+        load, preempted = engine.counts.load_seconds, engine.counts.preemptions
+        engine.counts = LiveCounts(tokens, in_flight, load, preemptions=preempted)
         owed += rows_per_s
         if owed >= 1:
             progress.update(int(owed), 0)  # the rows' tokens are already in the live count
@@ -451,3 +452,20 @@ def test_the_line_never_says_100_percent_with_rows_left(caplog: pytest.LogCaptur
         clock.now += 1
         progress.update(1, 10)
     assert caplog.records[-1].getMessage().startswith("2,000 of 2,000 rows done (100%), ")
+
+
+def test_the_line_says_when_rows_are_preempted(caplog: pytest.LogCaptureFixture) -> None:
+    """A run thrashing for want of KV cache (rows preempted and recomputed) showed nothing
+    on its line until its summary: the line now says how many, and what to change."""
+    progress, clock, engine = _progress(total=50, interval_s=10)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    _run(progress, clock, engine, seconds=10, tok_per_s=120, in_flight=16)
+    assert "preempted" not in caplog.records[-1].getMessage()
+    engine.counts = LiveCounts(engine.counts.output_tokens, 16, preemptions=37)
+    _run(progress, clock, engine, seconds=10, tok_per_s=120, in_flight=16)
+    line = caplog.records[-1].getMessage()
+    assert "16 in flight" in line and line.endswith(
+        ", 37 rows preempted for want of KV cache (recomputed: raise "
+        "engine.kv_cache_memory or lower engine.max_num_seqs)"
+    )
+    assert progress.bar_text().endswith(", 16 in flight, 37 preempted")

@@ -307,9 +307,11 @@ def test_preemptions_for_want_of_kv_cache_are_reported(tiny_model: Path, tmp_pat
     small = {"kv_cache_memory": 9 * 8192, "max_model_len": 144}
     spec = job_dict(tiny_model, src, tmp_path / "out", engine=small)
     spec["sampling"].update(max_tokens=40, ignore_eos=True)
-    report = run_job(spec, show_progress=False)
+    shown: list = []  # the run's Progress: its last sample reads the executor's live counts
+    report = run_job(spec, show_progress=False, on_progress=shown.append)
     assert report.status == "complete" and report.rows_ok == 4
     assert report.preemptions > 0
+    assert shown[0].preemptions == report.preemptions and "rows preempted" in shown[0].line()
     assert json.loads((tmp_path / "out" / "report.json").read_text())["preemptions"] > 0
     assert f"preempted   {report.preemptions} times" in report.summary()
     assert "engine.kv_cache_memory" in report.summary()

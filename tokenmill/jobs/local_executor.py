@@ -240,6 +240,7 @@ class RowProcessor:
             len(self._in_flight),
             row_tokens=row_tokens,
             rows_finishing=self._finishing,
+            preemptions=self.engine.scheduler.stats.num_preemptions,
         )
 
     @property

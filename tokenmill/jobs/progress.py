@@ -83,6 +83,9 @@ class LiveCounts:
     row_tokens: tuple[int, ...] | None = None
     # rows finished and out of the rows in flight, not handed on yet (so not counted done)
     rows_finishing: int = 0
+    # rows the engines put back for want of KV cache this run (each recomputed): shown on
+    # the line, as a run that thrashes runs at a fraction of its speed with no other sign
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class Progress:
         self.ended = False  # the run's stream of results has ended (finish)
         self.ended_at: float | None = None  # the clock at ``finish``: the report's last sample
         self.in_flight = 0
+        self.preemptions = 0  # this run's, as the executor last reported them
         self.load_seconds = 0.0
         self._lengths = RowLengths(max_tokens)
         # The output tokens the rows left will take, as of the last sample (RowLengths):
@@ -295,26 +299,31 @@ class Progress:
             rows = f"{self._rows()} done ({percent_done(self.done, total)}%)"
         else:
             rows = f"{self._rows()} done"
-        return ", ".join(
-            [
-                rows,
-                f"{self.in_flight:,} in flight",
-                f"{self.tokens:,} output tokens so far",
-                self._rate("output tok/s not measured yet"),
-                self._eta(),
-            ]
-        )
+        parts = [
+            rows,
+            f"{self.in_flight:,} in flight",
+            f"{self.tokens:,} output tokens so far",
+            self._rate("output tok/s not measured yet"),
+            self._eta(),
+        ]
+        if self.preemptions:
+            parts.append(
+                f"{self.preemptions:,} rows preempted for want of KV cache (recomputed: "
+                "raise engine.kv_cache_memory or lower engine.max_num_seqs)"
+            )
+        return ", ".join(parts)
 
     def bar_text(self) -> str:
         """The text beside the bar on a terminal: the line's numbers, shorter."""
-        return ", ".join(
-            [
-                self._rows(),
-                self._rate("output tok/s: measuring"),
-                self._eta(),
-                f"{self.in_flight:,} in flight",
-            ]
-        )
+        parts = [
+            self._rows(),
+            self._rate("output tok/s: measuring"),
+            self._eta(),
+            f"{self.in_flight:,} in flight",
+        ]
+        if self.preemptions:
+            parts.append(f"{self.preemptions:,} preempted")
+        return ", ".join(parts)
 
     def _rows(self) -> str:
         total = self._total_now
@@ -352,6 +361,7 @@ class Progress:
         if self._live is not None:
             counts = self._live()
             self.tokens = max(self.tokens, counts.output_tokens)
+            self.preemptions = max(self.preemptions, counts.preemptions)
             # Rows a step just finished and the runner has not counted yet are still in
             # flight to the reader of the line (a run's last line read "15 of 50 rows done,
             # 0 in flight, ETA 0 s" while 35 rows were being handed on); ``update`` takes

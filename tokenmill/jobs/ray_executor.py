@@ -430,7 +430,13 @@ class RayExecutor:
     def live(self) -> LiveCounts:
         """The replicas' output tokens as of their last chunks, the rows sent and not answered,
         and the replicas' start time inside ``process`` so far (for the progress line)."""
-        return LiveCounts(self.counters.output_tokens, self._rows_in_flight, self.load_seconds)
+        counters = self.counters
+        return LiveCounts(
+            counters.output_tokens,
+            self._rows_in_flight,
+            self.load_seconds,
+            preemptions=counters.preemptions,
+        )
 
     @property
     def counters_by_replica(self) -> dict[str, EngineCounters]:
