@@ -89,13 +89,21 @@ def _check_unicode(texts: Sequence[str]) -> None:
     """Raise ValueError naming the first text that is not valid Unicode (a lone surrogate,
     which no UTF-8 tokenizer can take)."""
     for i, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as bad:
+        bad = _not_unicode(text)
+        if bad is not None:
             raise ValueError(
-                f"prompt {i} is not valid Unicode (a lone surrogate, {text[bad.start]!r}, at "
-                f"character {bad.start}); nothing ran. Fix or drop that prompt"
-            ) from None
+                f"prompt {i} is not valid Unicode ({bad}); nothing ran. Fix or drop that prompt"
+            )
+
+
+def _not_unicode(text: str) -> str | None:
+    """Where ``text`` is not valid Unicode ("a lone surrogate, '\\ud800', at character 4"),
+    or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as bad:
+        return f"a lone surrogate, {text[bad.start]!r}, at character {bad.start}"
+    return None
 
 
 def render_chat(
@@ -156,7 +164,8 @@ def encode_chat(
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template (``render_chat``,
     which says what the arguments do and what it raises). The template writes the special
-    tokens, so none are added."""
+    tokens, so none are added. Also raises ValueError when the text is not valid Unicode (a
+    lone surrogate, which JSON may spell: the tokenizer's own TypeError named no cause)."""
     text = render_chat(
         tokenizer,
         messages,
@@ -165,7 +174,16 @@ def encode_chat(
         chat_template_kwargs,
         continue_final_message,
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except (TypeError, ValueError):
+        bad = _not_unicode(text)
+        if bad is None:
+            raise
+        raise ValueError(
+            f"the conversation is not valid Unicode ({bad} of its rendered text); fix or drop "
+            "the text holding it"
+        ) from None
 
 
 def check_chat_options(add_generation_prompt: Any, continue_final_message: Any) -> None:
