@@ -228,3 +228,36 @@ def test_a_json_null_sampling_params_cell_is_no_params(model: Path) -> None:
     replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
     (result,) = replica.run([{"prompt": "a b", "sampling_params": "null"}])
     assert result["error"] is None
+
+
+def test_the_processor_continues_a_reply_begun_as_transformers_renders_it(model: Path) -> None:
+    """ProcessorConfig's add_generation_prompt / continue_final_message end every
+    conversation as apply_chat_template(tokenize=True) does with them (and LLM.chat); a row
+    with no assistant reply to continue is that row's error; both true is refused."""
+    import json
+
+    import pyarrow as pa
+    from transformers import AutoTokenizer
+
+    ending = {"add_generation_prompt": False, "continue_final_message": True}
+    config = ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING, **ending)
+    replica = EngineReplica(config)
+    begun = [*_question(2), {"role": "assistant", "content": '{"answer": '}]
+    want_ids = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        begun, tokenize=True, **ending
+    )["input_ids"]
+    assert replica._prompt_tokens({"messages": begun}) == want_ids
+    got = replica(pa.table({"messages": [json.dumps(begun), json.dumps(_question(3))]}))
+    continued, asked = got.to_pylist()
+    want = LLM(str(model), **ENGINE).chat([begun], SamplingParams(**SAMPLING), **ending)[0]
+    assert list(want.prompt_token_ids) == want_ids
+    assert continued["error"] is None, continued["error"]
+    assert continued["num_input_tokens"] == len(want_ids)
+    assert continued["generated_text"] == want.text
+    assert asked["finish_reason"] == "error"
+    assert asked["error"].startswith("row 1 of the batch: continue_final_message is set, but")
+    assert "ends with a user message" in asked["error"]
+    with pytest.raises(ValueError, match="ProcessorConfig.continue_final_message and add_gen"):
+        ProcessorConfig(str(model), continue_final_message=True)
+    with pytest.raises(ValueError, match="ProcessorConfig.add_generation_prompt must be true"):
+        ProcessorConfig(str(model), add_generation_prompt="no")  # type: ignore[arg-type]

@@ -199,3 +199,59 @@ def test_a_special_tokens_text_in_a_message_is_that_token_as_in_llm_chat(tokeniz
     assert ready.prompt_ids == encode_chat(tokenizer, messages)
     assert ready.prompt_ids == prompt_ids_for(ready.row, tokenizer)
     assert ready.prompt_ids.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
+
+
+def test_the_jobs_ending_gives_transformers_ids_and_a_user_ending_is_the_rows_error(
+    tiny_model: Path, tokenizer: Any
+) -> None:
+    """model.add_generation_prompt / continue_final_message (a ChatTemplate's ending) render
+    every conversation of a job as apply_chat_template(tokenize=True) does with them, in a
+    batch and alone; a row's own (an OpenAI Batch body's) wins; a row to be continued whose
+    last message is not an assistant's is that row's error, naming it."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.prompts import ChatTemplate
+
+    reference = AutoTokenizer.from_pretrained(tiny_model)
+    begun = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "{"}]
+    asked = [{"role": "user", "content": "JSON please"}]
+    for job, rows, wants in (
+        (
+            ChatTemplate(add_generation_prompt=False, continue_final_message=True),
+            [
+                _row(0, messages=begun),
+                _row(1, messages=begun, add_generation_prompt=True),  # a body's own, vLLM's
+                _row(2, messages=asked),
+            ],
+            [
+                {"add_generation_prompt": False, "continue_final_message": True},
+                {"add_generation_prompt": True},
+                None,
+            ],
+        ),
+        (
+            ChatTemplate(add_generation_prompt=False),
+            [_row(0, messages=asked), _row(1, messages=begun)],
+            [{"add_generation_prompt": False}] * 2,
+        ),
+    ):
+        got = RowPreparer(tokenizer, DEFAULTS, "m", chat=job)(rows)
+        for row, item, want in zip(rows, got, wants, strict=True):
+            if want is None:
+                assert isinstance(item, ResultRow)
+                assert item.error == (
+                    f"{row.source}: continue_final_message is set, but the conversation ends "
+                    "with a user message, not an assistant's: there is no reply to go on "
+                    'writing; end it with the reply begun (e.g. {"role": "assistant", '
+                    '"content": "{"}), or run it without continue_final_message'
+                )
+                with pytest.raises(ValueError, match="ends with a user message"):
+                    prompt_ids_for(row, tokenizer, job)
+                continue
+            assert row.messages is not None
+            ids = reference.apply_chat_template(row.messages, tokenize=True, **want)
+            assert isinstance(item, ReadyRow)
+            assert item.prompt_ids == ids["input_ids"] == prompt_ids_for(row, tokenizer, job)
+    ending = ChatTemplate(add_generation_prompt=False, continue_final_message=True)
+    text = tokenizer.decode(prompt_ids_for(_row(0, messages=begun), tokenizer, ending))
+    assert text.endswith("assistant\n{")  # the reply goes on from its "{"

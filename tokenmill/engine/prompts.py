@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
@@ -33,10 +33,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 @dataclass(frozen=True)
 class ChatTemplate:
     """How a job renders its conversations: ``template`` (Jinja text) in place of the
-    model's own when set, with ``kwargs`` as extra template variables."""
+    model's own when set, with ``kwargs`` as extra template variables, and how a
+    conversation ends: a new assistant turn opened after it (``add_generation_prompt``), or
+    its last, assistant, message left open for the model to go on writing
+    (``continue_final_message``, with ``add_generation_prompt`` false)."""
 
     template: str | None = None
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def of(self, tokenizer: Any) -> str | None:
         """The template conversations are rendered with: this one, else the model's."""
@@ -52,7 +57,37 @@ class ChatTemplate:
 
     def with_variables(self, kwargs: Mapping[str, Any]) -> ChatTemplate:
         """This template with ``kwargs`` over its variables (a row's own)."""
-        return ChatTemplate(self.template, {**self.kwargs, **kwargs}) if kwargs else self
+        return replace(self, kwargs={**self.kwargs, **kwargs}) if kwargs else self
+
+    def ending(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool | None = None,
+    ) -> tuple[bool, bool]:
+        """``(add_generation_prompt, continue_final_message)`` for one row's ``messages``:
+        the row's own when it gives either (an OpenAI Batch body's, the other then vLLM's
+        default, as vLLM reads the body), else these. Raises ValueError when both are true,
+        or when the last message is to be continued but is not an assistant's: a user's
+        would be written on as if the model were the user (a row the job-wide setting
+        reached without the reply begun in its data)."""
+        if add_generation_prompt is None and continue_final_message is None:
+            generation, final = self.add_generation_prompt, self.continue_final_message
+        else:
+            generation = True if add_generation_prompt is None else add_generation_prompt
+            final = False if continue_final_message is None else continue_final_message
+        check_chat_options(generation, final)
+        if final:
+            last = messages[-1] if messages else None
+            role = last.get("role") if isinstance(last, Mapping) else None
+            if role != "assistant":
+                raise ValueError(
+                    f"continue_final_message is set, but the conversation ends with a {role} "
+                    "message, not an assistant's: there is no reply to go on writing; end it "
+                    'with the reply begun (e.g. {"role": "assistant", "content": "{"}), or '
+                    "run it without continue_final_message"
+                )
+        return generation, final
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:

@@ -26,7 +26,10 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.engine.prompts import ChatTemplate
 
 __all__ = ["OUTPUT_COLUMNS", "EngineReplica", "ProcessorConfig", "build_processor"]
 
@@ -56,7 +59,10 @@ class ProcessorConfig:
     the engine's device is cuda, or auto on a cluster with GPUs, else 0).
     ``chat_template`` (Jinja text, or a local file holding it, read here so replicas get
     the text) replaces the model's for the ``messages`` rows;
-    ``chat_template_kwargs`` are variables it reads (``{"enable_thinking": False}``).
+    ``chat_template_kwargs`` are variables it reads (``{"enable_thinking": False}``);
+    ``add_generation_prompt`` / ``continue_final_message`` how every conversation ends: a
+    new assistant turn, or (False / True) the last message, an assistant's reply begun,
+    continued (a row whose last message is not an assistant's is then that row's error).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -68,6 +74,8 @@ class ProcessorConfig:
     num_cpus: float = 1
     chat_template: str | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def __post_init__(self) -> None:
         for name in ("concurrency", "batch_size"):
@@ -81,7 +89,7 @@ class ProcessorConfig:
                     f"ProcessorConfig.{name} must be a mapping of {of} fields, got {value!r}"
                 )
         from tokenmill.engine.engine_config import EngineConfig
-        from tokenmill.engine.prompts import ChatTemplate
+        from tokenmill.engine.prompts import check_chat_options
         from tokenmill.engine.sampling_params import SamplingParams
         from tokenmill.engine.vllm_settings import engine_settings as vllm_engine_settings
         from tokenmill.jobs.chat_template_setting import chat_template_setting
@@ -102,9 +110,21 @@ class ProcessorConfig:
                 raise ValueError(f"ProcessorConfig.chat_template: {exc}") from None
             object.__setattr__(self, "chat_template", text)  # replicas get the text
         try:
-            ChatTemplate(self.chat_template, self.chat_template_kwargs).arguments()
+            self.chat().arguments()
+            check_chat_options(self.add_generation_prompt, self.continue_final_message)
         except ValueError as exc:
             raise ValueError(f"ProcessorConfig.{exc}") from None
+
+    def chat(self) -> ChatTemplate:
+        """How the ``messages`` rows are rendered."""
+        from tokenmill.engine.prompts import ChatTemplate
+
+        return ChatTemplate(
+            self.chat_template,
+            self.chat_template_kwargs,
+            self.add_generation_prompt,
+            self.continue_final_message,
+        )
 
     def gpus_per_replica(self, cluster_gpus: float = 0.0) -> float:
         """GPUs a replica asks Ray for: ``num_gpus``, else one when the engine runs on
@@ -124,6 +144,7 @@ class EngineReplica:
         from tokenmill.engine.llm import LLM
 
         self.config = config
+        self.chat = config.chat()
         self.llm = LLM(config.model, **config.engine)
 
     def __call__(self, batch: Any) -> Any:
@@ -167,14 +188,18 @@ class EngineReplica:
         return results  # type: ignore[return-value]
 
     def _prompt_tokens(self, row: Row) -> list[int]:
-        from tokenmill.engine.chat_messages import conversation_cell
+        from tokenmill.engine.chat_messages import conversation_cell, normalize_messages
         from tokenmill.engine.prompts import encode_prompt
 
         if row.get("messages") is not None:
+            messages = normalize_messages(conversation_cell(row["messages"]))
+            generation, final = self.chat.ending(messages)
             return self.llm.encode_chat(
-                conversation_cell(row["messages"]),
+                messages,
+                add_generation_prompt=generation,
                 chat_template=self.config.chat_template,
                 chat_template_kwargs=self.config.chat_template_kwargs,
+                continue_final_message=final,
             )
         if row.get("prompt") is not None:
             if not isinstance(row["prompt"], str):

@@ -20,7 +20,8 @@ class InputRow:
     ``sampling`` holds per-row SamplingParams keyword overrides (OpenAI Batch bodies);
     ``chat_template_kwargs`` the row's own chat template variables and
     ``add_generation_prompt`` / ``continue_final_message`` how its conversation ends (an
-    OpenAI Batch chat body's, vLLM's extensions); ``passthrough`` the columns copied to the
+    OpenAI Batch chat body's, vLLM's extensions; None: as the job's ``model`` section says,
+    see ``ChatTemplate.ending``); ``passthrough`` the columns copied to the
     output as they are. ``custom_id``/``endpoint`` are set for OpenAI Batch rows.
     """
 
@@ -36,8 +37,8 @@ class InputRow:
     endpoint: str | None = None  # "/v1/chat/completions" | "/v1/completions"
     error: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """The job fingerprint: a hash of everything that changes results.
 
 Model identity (resolved file or directory, its size), dtype, quantization, the sampling
-section, the chat template, the input (files, sizes, content samples, columns), the output
-format and shard size (they decide which file holds which row), and the engine settings that
-change what a row gets (``RESULT_SETTINGS``: an FP8 KV cache rounds every key and value; the
-two grammar libraries tokenize the same JSON differently; ``max_model_len`` decides which
-prompts fit and where outputs are cut). Those count only when set away from their defaults,
-so a job begun before they counted still resumes. Engine tuning (batch sizes, block size,
-speculation, replicas) is left out: it does not change greedy results.
+section, the chat template (its variables and how conversations end), the input (files,
+sizes, content samples, columns), the output format and shard size (they decide which file
+holds which row), and the engine settings that change what a row gets (``RESULT_SETTINGS``:
+an FP8 KV cache rounds every key and value; the two grammar libraries tokenize the same JSON
+differently; ``max_model_len`` decides which prompts fit and where outputs are cut). Those
+count only when set away from their defaults, so a job begun before they counted still
+resumes. Engine tuning (batch sizes, block size, speculation, replicas) is left out: it does
+not change greedy results.
 
 The grammar library counts only where a row may carry a constraint (``may_constrain``): a
 job without one writes the same rows under either, and changing it there blocked a resume
@@ -42,6 +43,8 @@ JobSettings = dict[str, Any]  # JSON-able: what the fingerprint hashes
 
 RESULT_SETTINGS = ("kv_cache_dtype", "structured_output_backend", "max_model_len")  # engine.*
 _DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.name in RESULT_SETTINGS}
+# model.add_generation_prompt / continue_final_message: how every conversation ends.
+_ENDING_DEFAULTS = {"add_generation_prompt": True, "continue_final_message": False}
 _BACKEND = "structured_output_backend"  # counts only where rows may be constrained
 # Kept and compared beside the hash (module docstring); resolved_dtype: what model.dtype
 # auto is on the device of a local run (runner.settings_of); input_files: how many input
@@ -145,6 +148,9 @@ def job_settings(
         settings["input_entries"] = input_entries
     if spec.model.chat_template_kwargs:  # absent when unset: older jobs resume
         settings["chat_template_kwargs"] = dict(spec.model.chat_template_kwargs)
+    for key, default in _ENDING_DEFAULTS.items():  # absent at their defaults, as above
+        if getattr(spec.model, key) != default:
+            settings[key] = getattr(spec.model, key)
     constrained = may_constrain(spec, input_format)
     if not constrained:
         settings["constraints"] = False
@@ -208,7 +214,7 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
     unhashed setting's leaf that one side lacks is left out: a manifest that predates the
     setting compares it from then on, and a file added or gone is said by the input's hash
     and ``input_files``, not as ``input_versions.<url>: (unset) -> ...``."""
-    old_flat, new_flat = _flatten(_engine_defaults(old)), _flatten(_engine_defaults(new))
+    old_flat, new_flat = _flatten(_with_defaults(old)), _flatten(_with_defaults(new))
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
@@ -233,7 +239,9 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
 
 # Settings kept at the top level that job.yaml writes in its model section: a change is
 # named by its job.yaml key (model.dtype, not dtype).
-_MODEL_KEYS = frozenset({"dtype", "quantization", "chat_template", "chat_template_kwargs"})
+_MODEL_KEYS = frozenset(
+    {"dtype", "quantization", "chat_template", "chat_template_kwargs", *_ENDING_DEFAULTS}
+)
 # Settings kept as a hash, and what a change of it means.
 _HASHED = {
     "input": "the input changed: its files (which, their sizes, their first or last MiB) or "
@@ -251,10 +259,11 @@ _MEANING = {
 }
 
 
-def _engine_defaults(settings: JobSettings) -> JobSettings:
-    """``settings`` with the result settings at their defaults written out (they are left
-    out of the hash there), so a change reads "auto -> fp8", not "(unset) -> fp8"."""
-    return {**settings, "engine": {**_DEFAULTS, **settings.get("engine", {})}}
+def _with_defaults(settings: JobSettings) -> JobSettings:
+    """``settings`` with the result settings and the conversations' ending at their defaults
+    written out (they are left out of the hash there), so a change reads "auto -> fp8", not
+    "(unset) -> fp8"."""
+    return {**_ENDING_DEFAULTS, **settings, "engine": {**_DEFAULTS, **settings.get("engine", {})}}
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -68,7 +68,8 @@ class RowPreparer:
     ) -> None:
         """``max_model_len``: the engine's; a text too long for it by its length alone is
         the row's error before it is tokenized (see ``_too_long``). ``chat``: the job's own
-        chat template and variables (model.chat_template, model.chat_template_kwargs)."""
+        chat template, variables and ending (model.chat_template, model.chat_template_kwargs,
+        model.add_generation_prompt, model.continue_final_message)."""
         self.tokenizer = tokenizer
         self.chat = chat or ChatTemplate()
         self._chat_arguments = self.chat.arguments()
@@ -139,14 +140,17 @@ class RowPreparer:
                 return None
             try:
                 check_tool_calls_rendered(template, row.messages)
+                generation, final = self.chat.ending(
+                    row.messages, row.add_generation_prompt, row.continue_final_message
+                )
                 arguments = self._chat_arguments
                 if row.chat_template_kwargs:
                     arguments = {**arguments, **row.chat_template_kwargs}
                 return self.tokenizer.apply_chat_template(
                     list(row.messages),
                     tokenize=False,
-                    add_generation_prompt=row.add_generation_prompt,
-                    continue_final_message=row.continue_final_message,
+                    add_generation_prompt=generation,
+                    continue_final_message=final,
                     **arguments,
                 )
             except Exception:

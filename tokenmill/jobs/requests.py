@@ -98,21 +98,18 @@ def check_output_holds(
 
 
 def prompt_ids_for(row: InputRow, tokenizer: Any, chat: ChatTemplate | None = None) -> list[int]:
-    """Token ids of the row's prompt or conversation (rendered with ``chat``'s template and
-    variables when given, else the model's template; the row's own variables over them).
-    Raises ValueError when it has neither."""
+    """Token ids of the row's prompt or conversation (rendered with ``chat``'s template,
+    variables and ending when given, else the model's template; the row's own variables and
+    ending over them). Raises ValueError when it has neither, or when its ending cannot be
+    (``ChatTemplate.ending``)."""
     if row.prompt_token_ids is not None:
         return list(row.prompt_token_ids)
     if row.messages is not None:
         chat = (chat or ChatTemplate()).with_variables(row.chat_template_kwargs)
-        return encode_chat(
-            tokenizer,
-            row.messages,
-            row.add_generation_prompt,
-            chat.template,
-            chat.kwargs,
-            row.continue_final_message,
+        generation, final = chat.ending(
+            row.messages, row.add_generation_prompt, row.continue_final_message
         )
+        return encode_chat(tokenizer, row.messages, generation, chat.template, chat.kwargs, final)
     if row.prompt is not None:
         return encode_prompt(tokenizer, row.prompt)
     raise ValueError("the row has neither a prompt nor messages")

@@ -37,6 +37,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -141,6 +142,21 @@ class ModelSection(_Section):
     chat_template: StrictStr | None = None
     # Extra variables the chat template reads, e.g. {enable_thinking: false} for Qwen3.
     chat_template_kwargs: dict[StrictStr, Any] = Field(default_factory=dict)
+    # How every conversation ends (an OpenAI Batch body's own win for its row): a new
+    # assistant turn, or the last, assistant, message continued (the reply begun in the data).
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):  # (validated before this key)
+            raise ValueError(
+                "true with model.add_generation_prompt true too, which transformers refuses: "
+                "the last message is continued, or a new assistant turn is started; set "
+                "model.add_generation_prompt: false to continue the last message"
+            )
+        return value
 
     @field_validator("tensor_parallel", "pipeline_parallel", mode="before")
     @classmethod
@@ -165,7 +181,12 @@ class ModelSection(_Section):
 
     def chat(self) -> ChatTemplate:
         """How the job renders its conversations."""
-        return ChatTemplate(self.chat_template, self.chat_template_kwargs)
+        return ChatTemplate(
+            self.chat_template,
+            self.chat_template_kwargs,
+            self.add_generation_prompt,
+            self.continue_final_message,
+        )
 
 
 class InputSection(_Section):

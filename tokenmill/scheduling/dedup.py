@@ -81,7 +81,7 @@ def text_prompt_bytes(row: InputRow) -> bytes:
         return token_prompt_bytes(row.prompt_token_ids)
     if row.messages is not None:
         own = repr(sorted(row.chat_template_kwargs.items())) if row.chat_template_kwargs else ""
-        if not row.add_generation_prompt or row.continue_final_message:
+        if (row.add_generation_prompt, row.continue_final_message) != (None, None):
             own += f"|{row.add_generation_prompt}|{row.continue_final_message}"
         return b"M" + (repr(row.messages) + own).encode("utf-8", "surrogatepass")
     return b"P" + (row.prompt or "").encode("utf-8", "surrogatepass")

@@ -75,9 +75,13 @@ def _template_kwargs(body: dict[str, Any], custom_id: str) -> dict[str, Any]:
 def _conversation_end(body: dict[str, Any], custom_id: str) -> dict[str, bool]:
     """A chat body's ``add_generation_prompt`` (true unless given) and
     ``continue_final_message`` (false unless given): vLLM's, for a row that has the model
-    go on writing an assistant message its conversation began."""
+    go on writing an assistant message its conversation began. Neither given: none (the
+    job's ``model`` section says)."""
     options = {"add_generation_prompt": True, "continue_final_message": False}
-    options |= {k: body[k] for k in options if body.get(k) is not None}
+    given = {k: body[k] for k in options if body.get(k) is not None}
+    if not given:
+        return {}
+    options |= given
     try:
         check_chat_options(**options)
     except ValueError as exc:
