@@ -206,8 +206,9 @@ def test_the_jobs_ending_gives_transformers_ids_and_a_user_ending_is_the_rows_er
 ) -> None:
     """model.add_generation_prompt / continue_final_message (a ChatTemplate's ending) render
     every conversation of a job as apply_chat_template(tokenize=True) does with them, in a
-    batch and alone; a row's own (an OpenAI Batch body's) wins; a row to be continued whose
-    last message is not an assistant's is that row's error, naming it."""
+    batch and alone; a row's own (an OpenAI Batch body's) wins; a row the job's setting has
+    continued whose last message is not an assistant's is that row's error, naming it (a
+    body asking it itself is continued, as vLLM does)."""
     from transformers import AutoTokenizer
 
     from tokenmill.engine.prompts import ChatTemplate
@@ -233,6 +234,11 @@ def test_the_jobs_ending_gives_transformers_ids_and_a_user_ending_is_the_rows_er
             ChatTemplate(add_generation_prompt=False),
             [_row(0, messages=asked), _row(1, messages=begun)],
             [{"add_generation_prompt": False}] * 2,
+        ),
+        (  # a body that asks to continue a user's message itself gets it, as from vLLM
+            ChatTemplate(),
+            [_row(0, messages=asked, add_generation_prompt=False, continue_final_message=True)],
+            [{"add_generation_prompt": False, "continue_final_message": True}],
         ),
     ):
         got = RowPreparer(tokenizer, DEFAULTS, "m", chat=job)(rows)

@@ -67,17 +67,19 @@ class ChatTemplate:
     ) -> tuple[bool, bool]:
         """``(add_generation_prompt, continue_final_message)`` for one row's ``messages``:
         the row's own when it gives either (an OpenAI Batch body's, the other then vLLM's
-        default, as vLLM reads the body), else these. Raises ValueError when both are true,
-        or when the last message is to be continued but is not an assistant's: a user's
-        would be written on as if the model were the user (a row the job-wide setting
-        reached without the reply begun in its data)."""
-        if add_generation_prompt is None and continue_final_message is None:
+        default, as vLLM reads the body, which continues whatever message ends it), else
+        these. Raises ValueError when both are true, or when the job's setting has a row's
+        last message continued and it is not an assistant's: a user's would be written on
+        as if the model were the user (a row the job-wide setting reached without the reply
+        begun in its data)."""
+        own = add_generation_prompt is not None or continue_final_message is not None
+        if not own:
             generation, final = self.add_generation_prompt, self.continue_final_message
         else:
             generation = True if add_generation_prompt is None else add_generation_prompt
             final = False if continue_final_message is None else continue_final_message
         check_chat_options(generation, final)
-        if final:
+        if final and not own:
             last = messages[-1] if messages else None
             role = last.get("role") if isinstance(last, Mapping) else None
             if role != "assistant":
