@@ -18,6 +18,7 @@ from tests.engine.test_structured_output import TINY_SCHEMA, validate
 from tests.tiny_models import EOS_ID, save_tiny_model, save_tiny_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core.request import Request
+from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.model_runner import PreparedStep
 from tokenmill.engine.outputs import RequestOutput
@@ -184,6 +185,30 @@ def test_an_abort_while_its_steps_are_in_flight_and_ahead_leaves_the_others_be(t
     assert "r0" not in outs
     assert [_summary([outs[f"r{i}"]])[0] for i in range(1, 4)] == want[1:]
     assert len(engine._grammars) == 0
+
+
+def test_an_aborted_requests_id_added_again_at_once_gets_its_own_grammar(tiny_path) -> None:
+    """A retry: a constrained request aborted while its step is in flight and one scheduled
+    ahead, and its id added again before the next step. The step in flight's token was the
+    aborted request's: fed to the new one's grammar it raised (no mask asked for it)."""
+    config = EngineConfig(model=str(tiny_path), device="cpu", dtype="float32", block_size=BLOCK,
+                          kv_cache_memory=1 << 24, async_scheduling=True)  # fmt: skip
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=40, temperature=0, structured_output=TINY_SCHEMA)
+    engine.add_request("x", [5, 6, 7, 8], params)
+    engine.add_request("y", [9, 10, 11], params)
+    done: dict[str, RequestOutput] = {}
+    for _ in range(3):
+        done.update((o.request_id, o) for o in engine.step())
+    assert engine._in_flight is not None and engine._ahead is not None and not done
+    engine.abort_requests(["x"])
+    engine.add_request("x", [5, 6, 7, 8], params)
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    engine.close()
+    assert done["x"].finish_reason == "stop" and done["y"].finish_reason == "stop"
+    validate(done["x"].text, TINY_SCHEMA)
+    validate(done["y"].text, TINY_SCHEMA)
 
 
 def test_lexer_groups_give_the_outputs_of_one(tiny_path, monkeypatch) -> None:

@@ -172,6 +172,26 @@ def test_a_rejected_token_ends_the_request_and_a_stale_grammar_is_refused(gramma
     grammars.drop(["b"])
 
 
+def test_a_dropped_requests_row_is_not_fed_to_a_new_grammar_under_its_id(grammars) -> None:
+    """A finished or aborted request's last row is fed after its id was given to a new
+    request: the token is the old request's, not the new grammar's; and an id that has a
+    grammar cannot get a second one."""
+    old, new = _request("c"), _request("c")
+    grammars.add(old)
+    first = grammars.bitmask([old]).copy()
+    brace = int(np.flatnonzero(np.unpackbits(first[0].view(np.uint8), bitorder="little"))[0])
+    grammars.drop(["c"])
+    grammars.add(new)
+    with pytest.raises(ValueError, match="already has a grammar"):
+        grammars.add(_request("c"))
+    grammars.feed([old], [brace])  # skipped: ``old`` has no grammar now
+    with pytest.raises(RuntimeError, match="has no grammar"):
+        grammars.bitmask([old])
+    assert np.array_equal(grammars.bitmask([new]), first)
+    grammars.drop(["c"])
+    assert len(grammars) == 0
+
+
 # ---- the sampler's mask -------------------------------------------------------------------
 
 

@@ -256,6 +256,7 @@ class StructuredOutputs:
         self._index: dict[str, int] = {}
         self._free: list[int] = []
         self._rids: np.ndarray = np.empty(0, dtype=object)
+        self._owners: np.ndarray = np.empty(0, dtype=object)  # the Request (None: free)
         self._rows: np.ndarray = np.empty(0, dtype=object)
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
@@ -301,6 +302,9 @@ class StructuredOutputs:
         spec = request.sampling_params.structured_output
         if spec is None:
             raise ValueError(f"request {request.request_id} has no structured_output")
+        if request.request_id in self._index:
+            # (its old grammar would linger under a stale index: drop it first)
+            raise ValueError(f"request {request.request_id} already has a grammar")
         try:
             row = self.backend.matcher(spec)
         except TokenizerNotPicklable as exc:
@@ -314,6 +318,7 @@ class StructuredOutputs:
         index = self._free.pop()
         self._index[request.request_id] = index
         self._rids[index] = request.request_id
+        self._owners[index] = request
         self._rows[index] = row
         self._num_masked[index] = self._num_fed[index] = 0
 
@@ -329,6 +334,7 @@ class StructuredOutputs:
         size = len(self._rows)
         new = max(64, 2 * size)
         self._rids = np.concatenate([self._rids, np.empty(new - size, dtype=object)])
+        self._owners = np.concatenate([self._owners, np.full(new - size, None, dtype=object)])
         self._rows = np.concatenate([self._rows, np.empty(new - size, dtype=object)])
         self._num_masked = np.concatenate([self._num_masked, np.zeros(new - size, np.int64)])
         self._num_fed = np.concatenate([self._num_fed, np.zeros(new - size, np.int64)])
@@ -362,16 +368,17 @@ class StructuredOutputs:
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
         The engine drops a request's grammar as soon as the request finishes."""
-        rows = []
+        rows, freed = [], []
         for rid in request_ids:
             self._rejections.pop(rid, None)
             self._took.pop(rid, None)
             index = self._index.pop(rid, None)
             if index is not None:
                 rows.append(self._rows[index])
-                self._rows[index] = None
-                self._free.append(index)
-        if rows:
+                self._rows[index] = self._owners[index] = None
+                freed.append(index)
+        if freed:
+            self._free += freed
             self.backend.release(rows)
 
     def bitmask(
@@ -398,7 +405,7 @@ class StructuredOutputs:
         Raises RuntimeError when a request has no grammar or its last mask's token has not
         been fed (a step launched before the previous one's tokens were fed).
         """
-        index = self._indices(requests, missing="raise")
+        index = self._indices(requests, "raise")
         behind = self._num_fed[index] != self._num_masked[index]
         if behind.any():
             rid = requests[int(np.argmax(behind))].request_id
@@ -475,13 +482,23 @@ class StructuredOutputs:
     def _indices(self, requests: Sequence[Request], missing: str) -> np.ndarray:
         """The grammar index of each request, int64; a request without a grammar raises
         (``missing="raise"``) or is -1 (``"keep"``)."""
+        reqs = _objects(requests)
+        index = self._find(reqs)
+        if missing == "raise" and len(index) and index.min() < 0:
+            rid = reqs[int(np.argmin(index))].request_id
+            raise RuntimeError(f"request {rid} has no grammar")
+        return index
+
+    def _find(self, requests: np.ndarray) -> np.ndarray:
+        """The grammar index of each request [R] int64 by its id, -1 where it has none: its
+        id's grammar may be another request's (a finished one's row fed after a request of
+        the same id was added)."""
         get = self._index.get
         index = np.fromiter(
             (get(req.request_id, -1) for req in requests), dtype=np.int64, count=len(requests)
         )
-        if missing == "raise" and len(index) and index.min() < 0:
-            rid = requests[int(np.argmin(index))].request_id
-            raise RuntimeError(f"request {rid} has no grammar")
+        found = np.flatnonzero(index >= 0)
+        index[found[self._owners[index[found]] != requests[found]]] = -1
         return index
 
     def feed(
@@ -502,7 +519,7 @@ class StructuredOutputs:
         """
         self._finish_feed()
         t0 = time.perf_counter()
-        index = self._indices(requests, missing="keep")
+        index = self._indices(requests, "keep")
         kept = np.flatnonzero(index >= 0)
         if not len(kept):
             return
@@ -590,3 +607,10 @@ class StructuredOutputs:
         """Why the grammar of an ended request rejected its last token, once; None when the
         grammar completed instead."""
         return self._rejections.pop(request_id, None)
+
+
+def _objects(requests: Sequence[Request]) -> np.ndarray:
+    """``requests`` as an [R] object array (the engine's rows already are one)."""
+    if isinstance(requests, np.ndarray) and requests.dtype == object:
+        return requests
+    return np.fromiter(requests, dtype=object, count=len(requests))
