@@ -630,7 +630,9 @@ class LLMEngine:
     ) -> np.ndarray:
         """``_token_bitmask`` of rows whose requests all have their grammar."""
         if self._in_flight is None:
-            return self._grammars.bitmask(requests, drafts=self._drafts_of(slots, drafts))
+            return self._grammars.bitmask(
+                requests, drafts=self._drafts_of(slots, drafts), slots=slots
+            )
         sched, launched = self._in_flight
         t0 = time.perf_counter()
         launched.output()  # the wait, timed by the step itself
@@ -642,6 +644,7 @@ class LLMEngine:
             requests,
             beside=lambda: self._while_masks_fill(sched, launched),
             drafts=self._drafts_of(slots, drafts),
+            slots=slots,
         )
         self._processed_early = launched
         return masks
@@ -688,7 +691,7 @@ class LLMEngine:
         self._accepted_ahead, self._fed_from = {}, {}
         slots = sched.slots[out.rows]
         if int(out.counts.max()) == 1:  # no row drafted: one token each
-            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids)
+            self._grammars.feed(sched.requests[out.rows], out.sampled_token_ids, slots=slots)
             return
         mine = np.flatnonzero(self.scheduler.slots.sampling.columns["structured"][slots])
         if not len(mine):
@@ -701,7 +704,7 @@ class LLMEngine:
         requests = sched.requests[out.rows[mine]]
         for req in requests[kept > 1]:  # where ``_end_grammars`` may cut its output
             self._fed_from[req.request_id] = req.num_output_tokens
-        self._grammars.feed(requests, tokens, kept)
+        self._grammars.feed(requests, tokens, kept, slots=slots[mine])
 
     def _process(self, sched: SchedulerOutput, launched: LaunchedStep) -> float:
         """Apply a step's sampled tokens and hand its finished requests on; return the host

@@ -71,7 +71,9 @@ of the requests' matchers and writing masks straight into the mask buffers below
 engine thread then processes step n itself while the workers fill (no worker thread, so
 no turns taken at the GIL). A step's constrained rows are looked up once, by request id,
 and then handled as arrays of grammar indices: counters, statuses and the rows sent to
-the workers, with Python per row only where a grammar ended.
+the workers, with Python per row only where a grammar ended. The engine passes each row's
+batch slot, and the lookup is by slot (grammar_slots.py: an entry per slot, taken only for
+the very request it was looked up for); without slots, by request id.
 
 JSON is generated compactly (llguidance's ``whitespace_flexible`` off; xgrammar without
 free whitespace): no free whitespace between tokens, so a small model cannot wander off
@@ -95,6 +97,7 @@ from tokenmill.engine.core.runs import run_entries
 from tokenmill.engine.device_copy import record_event
 from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts, mask_rows
 from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses, TokenizerNotPicklable
+from tokenmill.engine.grammar_slots import GrammarSlots
 from tokenmill.engine.structured_output_params import (
     JSON_OBJECT,
     REJECTED,
@@ -257,6 +260,7 @@ class StructuredOutputs:
         self._free: list[int] = []
         self._rids: np.ndarray = np.empty(0, dtype=object)
         self._owners: np.ndarray = np.empty(0, dtype=object)  # the Request (None: free)
+        self._by_slot = GrammarSlots()
         self._rows: np.ndarray = np.empty(0, dtype=object)
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
@@ -358,6 +362,7 @@ class StructuredOutputs:
         """Forget every grammar and what was on its way to them (a call cut short, every
         request gone); worker processes start afresh, since a message may have been cut."""
         self.drop(list(self._index))
+        self._by_slot.clear()
         self._fed_pending = self._filling = None
         self._ended = []
         self._rejections.clear()
@@ -378,6 +383,7 @@ class StructuredOutputs:
                 self._rows[index] = self._owners[index] = None
                 freed.append(index)
         if freed:
+            self._by_slot.forget(freed)  # before the indices can go to other requests
             self._free += freed
             self.backend.release(rows)
 
@@ -386,6 +392,7 @@ class StructuredOutputs:
         requests: Sequence[Request],
         beside: Callable[[], object] | None = None,
         drafts: tuple[np.ndarray, np.ndarray] | None = None,
+        slots: np.ndarray | None = None,
     ) -> np.ndarray:
         """[G, ceil(vocab_size / 32)] int32: bit t of row i (little-endian within each int32)
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
@@ -401,11 +408,14 @@ class StructuredOutputs:
         both are done (and raises what ``beside`` raised, after the workers' answers are
         read). It may drop grammars (finish requests): the fill holds its own matchers.
 
+        ``slots`` [G] int64, the rows' batch slots, makes the grammars' lookup one by slot
+        (grammar_slots.py); without it, by request id.
+
         The array is a reused buffer: valid until the second call after this one.
         Raises RuntimeError when a request has no grammar or its last mask's token has not
         been fed (a step launched before the previous one's tokens were fed).
         """
-        index = self._indices(requests, "raise")
+        index = self._indices(requests, "raise", slots)
         behind = self._num_fed[index] != self._num_masked[index]
         if behind.any():
             rid = requests[int(np.argmax(behind))].request_id
@@ -479,11 +489,17 @@ class StructuredOutputs:
         the interpreter's switches, not on the work left."""
         return self._filling is not None and self.backend.answered(self._filling)
 
-    def _indices(self, requests: Sequence[Request], missing: str) -> np.ndarray:
-        """The grammar index of each request, int64; a request without a grammar raises
+    def _indices(
+        self, requests: Sequence[Request], missing: str, slots: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The grammar index of each request, int64, by its batch slot ``slots[i]`` when
+        given (grammar_slots.py), else by request id; a request without a grammar raises
         (``missing="raise"``) or is -1 (``"keep"``)."""
         reqs = _objects(requests)
-        index = self._find(reqs)
+        if slots is None:
+            index = self._find(reqs)
+        else:
+            index = self._by_slot.lookup(reqs, slots, self._find, _constrained)
         if missing == "raise" and len(index) and index.min() < 0:
             rid = reqs[int(np.argmin(index))].request_id
             raise RuntimeError(f"request {rid} has no grammar")
@@ -506,20 +522,22 @@ class StructuredOutputs:
         requests: Sequence[Request],
         tokens: Sequence[int] | np.ndarray,
         counts: np.ndarray | None = None,
+        slots: np.ndarray | None = None,
     ) -> None:
         """Give each request that still has a grammar its token ``tokens[i]`` (sampled with
         that grammar's last mask); the others (plain rows, finished requests) are skipped.
         With ``counts``, request i's tokens are its ``counts[i]`` ones in turn in ``tokens``
         (a drafted row's kept tokens: its accepted drafts and the one after them). Requests
         whose grammar now stops or rejects a token (logged) go to ``take_ended``; tokens
-        after it are not taken (``took``).
+        after it are not taken (``took``). ``slots`` [R]: the batch slots the rows ran in, as
+        for ``bitmask`` (a request may have left its slot since: the lookup allows for it).
 
         Call it once per step, before the scheduler applies the step's tokens. Raises
         RuntimeError for a token no mask asked for (a step's tokens fed twice).
         """
         self._finish_feed()
         t0 = time.perf_counter()
-        index = self._indices(requests, "keep")
+        index = self._indices(requests, "keep", slots)
         kept = np.flatnonzero(index >= 0)
         if not len(kept):
             return
@@ -614,3 +632,13 @@ def _objects(requests: Sequence[Request]) -> np.ndarray:
     if isinstance(requests, np.ndarray) and requests.dtype == object:
         return requests
     return np.fromiter(requests, dtype=object, count=len(requests))
+
+
+def _constrained(requests: np.ndarray) -> np.ndarray:
+    """[R] bool: whether each request has a ``structured_output`` (only those may have a
+    grammar)."""
+    return np.fromiter(
+        (req.sampling_params.structured_output is not None for req in requests),
+        dtype=np.bool_,
+        count=len(requests),
+    )
