@@ -55,6 +55,18 @@ class ChatTemplate:
             extra["chat_template"] = self.template
         return extra
 
+    @classmethod
+    def of_settings(cls, settings: Any) -> ChatTemplate:
+        """From an object holding the four settings under their names (chat_template,
+        chat_template_kwargs, add_generation_prompt, continue_final_message): job.yaml's
+        model section, the Ray Data processor's config."""
+        return cls(
+            settings.chat_template,
+            settings.chat_template_kwargs,
+            settings.add_generation_prompt,
+            settings.continue_final_message,
+        )
+
     def with_variables(self, kwargs: Mapping[str, Any]) -> ChatTemplate:
         """This template with ``kwargs`` over its variables (a row's own)."""
         return replace(self, kwargs={**self.kwargs, **kwargs}) if kwargs else self

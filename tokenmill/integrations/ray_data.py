@@ -119,12 +119,7 @@ class ProcessorConfig:
         """How the ``messages`` rows are rendered."""
         from tokenmill.engine.prompts import ChatTemplate
 
-        return ChatTemplate(
-            self.chat_template,
-            self.chat_template_kwargs,
-            self.add_generation_prompt,
-            self.continue_final_message,
-        )
+        return ChatTemplate.of_settings(self)
 
     def gpus_per_replica(self, cluster_gpus: float = 0.0) -> float:
         """GPUs a replica asks Ray for: ``num_gpus``, else one when the engine runs on

@@ -181,12 +181,7 @@ class ModelSection(_Section):
 
     def chat(self) -> ChatTemplate:
         """How the job renders its conversations."""
-        return ChatTemplate(
-            self.chat_template,
-            self.chat_template_kwargs,
-            self.add_generation_prompt,
-            self.continue_final_message,
-        )
+        return ChatTemplate.of_settings(self)
 
 
 class InputSection(_Section):
