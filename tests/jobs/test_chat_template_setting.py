@@ -80,7 +80,12 @@ def test_the_template_may_be_a_file(tiny_model: Path, tmp_path: Path) -> None:
         ({"chat_template": "templates/none.jinja"}, "model.chat_template: no file"),
         ({"chat_template": ""}, "model.chat_template"),
         ({"chat_template": 5}, "model.chat_template"),
-        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "may not set add_generation"),
+        (  # the message names the setting of its own a job has for it
+            {"chat_template_kwargs": {"add_generation_prompt": False}},
+            "may not set add_generation_prompt: chat_template, add_generation_prompt and "
+            "continue_final_message are settings of their own (job.yaml: model.chat_template, "
+            "model.add_generation_prompt",
+        ),
         # transformers renders the conversation under these names: every row failed, exit 0
         ({"chat_template_kwargs": {"messages": 1}}, "may not set messages"),
         ({"chat_template_kwargs": {"conversations": []}}, "may not set conversations"),

@@ -268,7 +268,10 @@ def template_variables(chat_template_kwargs: Mapping[str, Any] | None) -> dict[s
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs))
     if reserved:
         raise ValueError(
-            f"chat_template_kwargs may not set {', '.join(reserved)}: pass chat_template and "
-            "add_generation_prompt as arguments of their own; the others are fixed"
+            f"chat_template_kwargs may not set {', '.join(reserved)}: chat_template, "
+            "add_generation_prompt and continue_final_message are settings of their own "
+            "(job.yaml: model.chat_template, model.add_generation_prompt, "
+            "model.continue_final_message; LLM.chat's and a batch body's own keys); the "
+            "others are fixed"
         )
     return dict(chat_template_kwargs)
