@@ -106,9 +106,10 @@ def progress_files(store: OutputStore, job: str) -> list[str]:
 
 def discard_progress(store: OutputStore, job: str) -> None:
     """--fresh: remove job ``job``'s shards (committed or not), reports, manifest journal and
-    manifest; nothing else. Needs no readable manifest."""
-    for name in progress_files(store, job):  # the journal before the manifest
-        store.delete(name)
+    manifest; nothing else. Needs no readable manifest. On an object store the files go in
+    batched requests (``delete_many``): one request a file took 10 s for 2,400 shards on a
+    local S3, and at ~30 ms a request would take 50 min for 100,000 on a remote one (an audit)."""
+    store.delete_many(progress_files(store, job))  # the journal before the manifest
     store.delete(REPORT_NAME)
     store.delete(REPORT_HTML_NAME)
     store.delete(Manifest.file_name(job))
