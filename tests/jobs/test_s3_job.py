@@ -167,3 +167,26 @@ def test_fresh_discards_a_job_s_files_in_batched_requests(
     assert requests.count("delete_objects") == 1
     # the reports and the manifest, one by one after the batch; no file of the batch
     assert requests.count("delete_object") <= 3, requests
+
+
+def test_fresh_says_which_files_the_store_refused_to_delete(s3_endpoint) -> None:  # noqa: F811
+    """S3's batched delete answers per key, and s3fs drops the refusals: a journal record
+    --fresh left behind would be read back by the fresh run as its own progress. The
+    files still there after the delete are named, and nothing is said to be discarded."""
+    from tokenmill.io.storage import OutputStore, StorageError
+    from tokenmill.jobs.shard_commit import discard_progress
+
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("refusing")
+    names = [f"shards/part-{i:05d}.jsonl" for i in range(4)] + ["test.manifest.d/00000001.json"]
+    fs.pipe({f"refusing/out/{name}": b"{}\n" for name in names})
+    store = OutputStore("s3://refusing/out", options, owner="test")
+    rm = store.fs.rm
+    store.fs.rm = lambda paths, *a, **k: rm(  # the store refuses the journal's key
+        [p for p in paths if "manifest.d" not in p] if isinstance(paths, list) else paths, *a, **k
+    )
+    with pytest.raises(StorageError, match=r"could not delete 1 of job 'test'.*00000001\.json"):
+        discard_progress(store, "test")
+    fs.invalidate_cache()
+    assert fs.find("refusing/out") == ["refusing/out/test.manifest.d/00000001.json"]

@@ -18,7 +18,8 @@ from dataclasses import replace
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.shard_encoding import write_shard
-from tokenmill.io.storage import OutputStore
+from tokenmill.io.storage import OutputStore, StorageError
+from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.io.writers import shard_index, shard_names
 from tokenmill.jobs.manifest import Manifest, ShardRecord
 from tokenmill.jobs.ownership import REPORT_HTML_NAME, REPORT_NAME
@@ -110,6 +111,18 @@ def discard_progress(store: OutputStore, job: str) -> None:
     batched requests (``delete_many``): one request a file took 10 s for 2,400 shards on a
     local S3, and at ~30 ms a request would take 50 min for 100,000 on a remote one (an audit)."""
     store.delete_many(progress_files(store, job))  # the journal before the manifest
+    if not store.is_local:
+        # S3's batched delete answers per key and s3fs drops the refusals (AccessDenied on
+        # some keys): a journal record left behind would be read back by the fresh run
+        # as its own progress. Local deletes raise by themselves.
+        left = progress_files(store, job)
+        if left:
+            shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+            raise StorageError(
+                f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of job "
+                f"{job!r}'s files ({shown}): the store refused them; check that the "
+                "credentials may delete objects there, and rerun with --fresh"
+            )
     store.delete(REPORT_NAME)
     store.delete(REPORT_HTML_NAME)
     store.delete(Manifest.file_name(job))
