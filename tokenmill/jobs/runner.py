@@ -95,7 +95,12 @@ from tokenmill.jobs.report_html import (
 from tokenmill.jobs.row_count import input_row_total
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
 from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
-from tokenmill.jobs.shard_commit import discard_progress, progress_files, remove_stray_files
+from tokenmill.jobs.shard_commit import (
+    discard_progress,
+    progress_files,
+    remove_stray_files,
+    some_files,
+)
 from tokenmill.jobs.shard_size import with_shard_size
 from tokenmill.jobs.shard_tracker import ShardTracker
 from tokenmill.jobs.shard_writer import ShardWriter
@@ -743,12 +748,11 @@ def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
     manifest (moved or deleted): nothing says which settings made them."""
     files = progress_files(store, job)
     if files:
-        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise ManifestError(
             f"{hide_url_secrets(store.url)} holds {len(files)} files of job {job!r}'s progress "
-            f"({shown}) but not its manifest, {Manifest.file_name(job)}: which settings made "
-            "them is unknown, so they cannot be resumed; rerun with --fresh to discard them "
-            "and start over"
+            f"({some_files(files)}) but not its manifest, {Manifest.file_name(job)}: which "
+            "settings made them is unknown, so they cannot be resumed; rerun with --fresh to "
+            "discard them and start over"
         )
 
 

@@ -105,6 +105,11 @@ def progress_files(store: OutputStore, job: str) -> list[str]:
     return shards + store.list(Manifest.journal_prefix(job))
 
 
+def some_files(names: list[str]) -> str:
+    """The first three of ``names`` and how many more: for a message."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def discard_progress(store: OutputStore, job: str) -> None:
     """--fresh: remove job ``job``'s shards (committed or not), reports, manifest journal and
     manifest; nothing else. Needs no readable manifest. On an object store the files go in
@@ -117,10 +122,9 @@ def discard_progress(store: OutputStore, job: str) -> None:
         # as its own progress. Local deletes raise by themselves.
         left = progress_files(store, job)
         if left:
-            shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
             raise StorageError(
                 f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of job "
-                f"{job!r}'s files ({shown}): the store refused them; check that the "
+                f"{job!r}'s files ({some_files(left)}): the store refused them; check that the "
                 "credentials may delete objects there, and rerun with --fresh"
             )
     store.delete(REPORT_NAME)
