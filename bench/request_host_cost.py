@@ -71,28 +71,34 @@ def count_evictions(engine: LLMEngine) -> Callable[[], int]:
 
 
 class Clocks:
-    """Seconds and calls per timed method (a wrapper costs about a microsecond a call)."""
+    """Wall seconds, the calling thread's CPU seconds and calls per timed method (a wrapper
+    costs about a microsecond a call)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)  # time.thread_time: waits not counted
         self.calls: dict[str, int] = defaultdict(int)
 
-    def wrap(self, owner: object, name: str) -> None:
-        """Replace the instance attribute ``owner.name`` with a timed call."""
+    def wrap(self, owner: object, name: str, label: str | None = None) -> None:
+        """Replace the instance attribute ``owner.name`` with a timed call, counted under
+        ``label`` (default: ``name``)."""
         inner: Callable = getattr(owner, name)
+        key = name if label is None else label
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
+                self.cpu[key] += time.thread_time() - cpu
+                self.seconds[key] += time.perf_counter() - start
+                self.calls[key] += 1
 
         setattr(owner, name, timed)
 
     def clear(self) -> None:
         self.seconds.clear()
+        self.cpu.clear()
         self.calls.clear()
 
 

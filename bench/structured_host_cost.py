@@ -38,14 +38,11 @@ import random
 import statistics
 import sys
 import tempfile
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.request_host_cost import Clocks  # noqa: E402
 from bench.structured_output import BOUNDED_ORDER_SCHEMA, check_order  # noqa: E402
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.engine.engine_config import EngineConfig  # noqa: E402
@@ -79,35 +76,6 @@ TIMED = (
     ("runner", "prepare"),
     ("runner", "sampler"),
 )
-
-
-class Clocks:
-    """Seconds and calls per timed function (a wrapper costs about a microsecond a call)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.cpu: dict[str, float] = defaultdict(float)  # the engine thread's CPU seconds
-        self.calls: dict[str, int] = defaultdict(int)
-
-    def wrap(self, owner: object, name: str, label: str) -> None:
-        """Replace the instance attribute ``owner.name`` with a timed call."""
-        inner: Callable = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.cpu[label] += time.thread_time() - cpu
-                self.seconds[label] += time.perf_counter() - start
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
-
-    def clear(self) -> None:
-        self.seconds.clear()
-        self.cpu.clear()
-        self.calls.clear()
 
 
 def install(engine: LLMEngine, clocks: Clocks) -> None:
