@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,6 +64,8 @@ class PhaseClock:
         if scheduler.proposer is not None:
             # (not ``predict``: the suffix proposer's ``propose`` calls it)
             self._originals[(scheduler.proposer, "propose")] = scheduler.proposer.propose
+        if engine.runner.graphs is not None:  # whether each step replays a CUDA graph
+            self._originals[(engine.runner.graphs, "kind")] = engine.runner.graphs.kind
         self._output = LaunchedStep.output
         for (owner, name), original in self._originals.items():
             setattr(owner, name, self._wrap(name, original))
@@ -89,15 +92,17 @@ class PhaseClock:
                 return self._call(original)
             if name == "schedule":
                 self._scheduled = True
-            if phase == "process" and not self._scheduled:
-                phase_now = "switch_in"
-            else:
-                phase_now = phase
+            phase_now = "switch_in" if phase == "process" and not self._scheduled else phase
             t0 = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                out = original(*args, **kwargs)
             finally:
                 self._add(phase_now, t0)
+            if self._now is not None and name == "schedule":
+                self._now["mixed"] = not out.decode_only
+            if self._now is not None and name == "kind":
+                self._now["graph"] = out is not None
+            return out
 
         return timed
 
@@ -133,13 +138,17 @@ class PhaseClock:
         after = False
         for r in self.records:
             kind = "drafted" if r["drafted"] else "after" if after else "plain"
+            if r.get("mixed"):
+                kind += "_mixed"
+            elif not r.get("graph", True):
+                kind += "_eager"
             groups[(r["bucket"], kind)].append(r)
             after = r["drafted"]
         lines = []
         for (bucket, kind), records in sorted(groups.items()):
             line: dict = {"bucket": bucket, "kind": kind, "calls": len(records)}
             for phase in PHASES:
-                values = [r.get(phase, 0.0) for r in records]
+                values = [float(r.get(phase, 0.0)) for r in records]
                 line[phase] = [
                     round(statistics.median(values), 2),
                     round(statistics.fmean(values), 2),
@@ -153,6 +162,13 @@ class PhaseClock:
         return [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in top]
 
 
+def _triton_kernels() -> set[str]:
+    """The kernels in Triton's on-disk cache (one ``<name>.json`` each a compiled variant):
+    what appears during a run was compiled in it."""
+    root = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    return {str(p.relative_to(root)) for p in root.glob("*/*.json")} if root.is_dir() else set()
+
+
 def run(args, method: str, convs, warm) -> dict:
     llm = LLM(
         args.model,
@@ -162,11 +178,13 @@ def run(args, method: str, convs, warm) -> dict:
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))  # see bench/speculative.py
+    kernels = _triton_kernels()
     clock = PhaseClock(llm.engine)
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - start
     clock.detach()
+    compiled = sorted(Path(k).stem for k in _triton_kernels() - kernels)
     llm.engine.close()
     del llm
     gc.collect()
@@ -180,6 +198,7 @@ def run(args, method: str, convs, warm) -> dict:
         "tokens": [o.token_ids for o in outs],
         "phases": clock.summary(),
         "slowest_drafted": clock.slowest_drafted(),
+        "compiled_in_run": compiled,
     }
 
 
@@ -199,7 +218,12 @@ def main() -> None:
     off, auto = runs
     for r in runs:
         head = {"workload": args.workload, "batch": args.batch, "method": r["method"]}
-        print(json.dumps({**head, "tok_per_s": r["tok_per_s"], "seconds": r["seconds"]}))
+        first = {
+            "tok_per_s": r["tok_per_s"],
+            "seconds": r["seconds"],
+            "compiled_in_run": r["compiled_in_run"],
+        }
+        print(json.dumps({**head, **first}))
         for line in r["phases"]:
             print(json.dumps({**head, **line}))
     print(
