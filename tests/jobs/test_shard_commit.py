@@ -1,5 +1,6 @@
 """commit_shard streams a shard's data file into the store: the bytes the whole-shard encoding
-gave, without holding them (or its lines) in memory beside the rows."""
+gave, without holding them (or its lines) in memory beside the rows; remove_stray_files
+removes a crash's leftovers in batched requests on an object store."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill.io import writers
 from tokenmill.io.openai_batch_output import result_line
 from tokenmill.io.output_schema import OutputSchema, strict_json
 from tokenmill.io.rows import ResultRow
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.shard_commit import commit_shard
+from tokenmill.jobs.manifest import Manifest
+from tokenmill.jobs.shard_commit import commit_shard, remove_stray_files
 
 MIB = 1 << 20
 
@@ -116,3 +119,30 @@ def test_an_unwritable_row_is_a_row_error_and_the_rest_are_streamed(tmp_path) ->
     data = (tmp_path / record.data).read_bytes()
     assert data == _whole_shard_bytes([rows[0], rows[2]], "jsonl", OutputSchema.of([]))
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["part-00000.jsonl"]
+
+
+def test_leftover_shard_files_on_s3_go_in_batched_deletes(s3_endpoint, monkeypatch) -> None:  # noqa: F811
+    """A resume removes the shard files no committed shard names before its first row: one
+    DELETE a file took 3.5 s for 500 of them on a local S3 (an audit); a batched delete
+    (1,000 keys a request) takes one request, and the committed shard's file stays."""
+    import s3fs.core
+
+    _, options = s3_endpoint
+    store = OutputStore("s3://jobs/out", options, owner="test")
+    store.fs.mkdir("jobs")
+    manifest = Manifest("test", "fp", rows_per_shard=3)
+    manifest.add_record(0, commit_shard(store, 0, _rows(3, 8), "jsonl", 3), compacted=False)
+    for shard in range(1, 41):
+        store.write_atomic(f"shards/part-{shard:05d}.jsonl", b'{"id": "x"}\n')
+    calls: list[str] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        calls.append(method if isinstance(method, str) else method.__name__)
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counting)
+    assert remove_stray_files(store, manifest, store.sizes("shards/")) == 40
+    deletes = [c for c in calls if c.startswith("delete_object")]
+    assert deletes == ["delete_objects"], deletes
+    assert store.list("shards/") == ["shards/part-00000.jsonl"]

@@ -82,8 +82,9 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
         manifest.save(store)  # before the deletes: the manifest never names a missing file
     named = {name for record in manifest.shards.values() for name in record.files()}
     stray = sorted(n for n in names if _is_shard_file(n) and n not in named)
-    for name in stray:
-        store.delete(name)
+    # Batched on an object store: one DELETE a file took 3.5 s for 500 leftovers on a local
+    # S3 before the run's first row (tens of seconds on a remote one; an audit).
+    store.delete_many(stray)
     return len(stray)
 
 
