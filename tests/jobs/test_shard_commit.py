@@ -146,3 +146,25 @@ def test_leftover_shard_files_on_s3_go_in_batched_deletes(s3_endpoint, monkeypat
     deletes = [c for c in calls if c.startswith("delete_object")]
     assert deletes == ["delete_objects"], deletes
     assert store.list("shards/") == ["shards/part-00000.jsonl"]
+
+
+def test_leftover_shard_files_the_store_refuses_to_delete_are_named(s3_endpoint) -> None:  # noqa: F811
+    """S3's batched delete answers per key and s3fs drops the refusals: an error file left
+    beside its recomputed shard would show its rows as failed as well as done. The files
+    still there after the delete are named."""
+    from tokenmill.io.storage import StorageError
+
+    _, options = s3_endpoint
+    store = OutputStore("s3://refusing-leftovers/out", options, owner="test")
+    store.fs.mkdir("refusing-leftovers")
+    names = ["shards/part-00001.jsonl", "errors/part-00001.jsonl", "errors/part-00002.jsonl"]
+    for name in names:
+        store.write_atomic(name, b'{"id": "x"}\n')
+    rm = store.fs.rm
+    store.fs.rm = lambda paths, *a, **k: rm(  # the store refuses the error files' keys
+        [p for p in paths if "errors/" not in p] if isinstance(paths, list) else paths, *a, **k
+    )
+    manifest = Manifest("test", "fp", rows_per_shard=3)
+    with pytest.raises(StorageError, match=r"could not delete 2 shard files.*part-00001"):
+        remove_stray_files(store, manifest, names)
+    assert store.list("shards/") == []

@@ -85,6 +85,18 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     # Batched on an object store: one DELETE a file took 3.5 s for 500 leftovers on a local
     # S3 before the run's first row (tens of seconds on a remote one; an audit).
     store.delete_many(stray)
+    if stray and not store.is_local:
+        # S3's batched delete answers per key and s3fs drops the refusals: a stale error file
+        # left beside its recomputed shard would show its rows as failed as well as done.
+        folders = sorted({name.rsplit("/", 1)[0] + "/" for name in stray})
+        still = {name for folder in folders for name in store.list(folder)}
+        left = [name for name in stray if name in still]
+        if left:
+            raise StorageError(
+                f"{hide_url_secrets(store.url)}: could not delete {len(left)} shard files an "
+                f"earlier run left ({some_files(left)}): the store refused them; check that "
+                "the credentials may delete objects there, and rerun"
+            )
     return len(stray)
 
 
