@@ -301,3 +301,26 @@ def test_aborts_mid_run_leave_the_other_rows_their_grammars(
     want = {f"r{i}": _summary([o]) for i, o in enumerate(reference[:11])}
     got = {rid: _summary([o]) for rid, o in done.items()}
     assert len(got) >= 8 and got == {rid: want[rid] for rid in got}
+
+
+def test_forget_clears_exactly_the_entries_holding_the_dropped_indices() -> None:
+    """Entries holding a dropped index go, whatever else the table holds: indices above
+    and below the dropped ones, and -1 (a request without a grammar) stay."""
+    from tokenmill.engine.grammar_slots import GrammarSlots
+
+    owners = np.array([object() for _ in range(8)], dtype=object)
+    indices = np.array([5, -1, 2, 9, 2, 0, 7, -1], dtype=np.int64)
+    slots = GrammarSlots()
+    got = slots.lookup(
+        owners,
+        np.arange(8),
+        find=lambda reqs: indices[[list(owners).index(r) for r in reqs]],
+        constrained=lambda reqs: np.zeros(len(reqs), dtype=np.bool_),
+    )
+    assert got.tolist() == indices.tolist()
+    slots.forget([2, 7, 4])  # 4: held by no entry
+    kept = slots._owner != None  # noqa: E711 (elementwise)
+    assert slots._index.tolist() == [5, -1, -1, 9, -1, 0, -1, -1]
+    assert kept.tolist() == [True, True, False, True, False, True, False, True]
+    slots.forget([0])
+    assert slots._index.tolist() == [5, -1, -1, 9, -1, -1, -1, -1]
