@@ -300,9 +300,10 @@ class GrammarProcesses:
         # These three change in place only (the finalizer holds them).
         self._links: list[Link] = []
         self._procs: list[subprocess.Popen] = []
-        # slot -> (memory, its [rows, words] masks, registered with CUDA): slots 0 and 1
-        # are the engine's two mask buffers (``shared_masks``), SCRATCH any other array's
-        self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool]] = {}
+        # slot -> (memory, its [rows, words] masks, registered with CUDA, the masks'
+        # address): slots 0 and 1 are the engine's two mask buffers (``shared_masks``),
+        # SCRATCH any other array's
+        self._segments: dict[int, tuple[SharedMemory, np.ndarray, bool, int]] = {}
         self._owner = os.getpid()  # the process whose workers and masks these are
         weakref.finalize(self, _release, self._links, self._procs, self._segments, self._owner)
         self._closed = False
@@ -528,13 +529,13 @@ class GrammarProcesses:
         shm = SharedMemory(create=True, size=rows * self._words * 4)
         masks = np.ndarray((rows, self._words), dtype=np.int32, buffer=shm.buf)
         registered = pinned and _register(masks)
-        self._segments[slot] = (shm, masks, registered)
+        self._segments[slot] = (shm, masks, registered, masks.ctypes.data)
         self._announce(slot)
         return masks
 
     def _announce(self, slot: int) -> None:
         """Tell every worker where ``slot``'s masks are (its shared memory's name, rows)."""
-        shm, masks, _ = self._segments[slot]
+        shm, masks, *_ = self._segments[slot]
         for worker in range(self._num):
             self._send(worker, _message(SHM, [slot, len(masks), self._words], text=shm.name))
 
@@ -548,7 +549,7 @@ class GrammarProcesses:
         held = self._segments.pop(slot, None)
         if held is None:
             return
-        shm, masks, registered = held
+        shm, masks, registered, _ = held
         if registered:
             _unregister(masks)
         del masks  # before its memory goes
@@ -557,11 +558,12 @@ class GrammarProcesses:
 
     def _slot_of(self, mask: np.ndarray) -> int | None:
         """The slot whose buffer ``mask`` is the head of (its first rows), if any."""
-        address = mask.__array_interface__["data"][0]
-        for slot, (_, masks, _) in self._segments.items():
+        # (the segments' addresses are kept: reading an array's costs ~5-10 us, CPU)
+        address = mask.ctypes.data
+        for slot, (_, masks, _, head) in self._segments.items():
             if (
                 slot != SCRATCH
-                and masks.__array_interface__["data"][0] == address
+                and head == address
                 and mask.shape[1:] == masks.shape[1:]
                 and mask.flags.c_contiguous
             ):
