@@ -23,6 +23,7 @@ import re
 import secrets
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import fsspec
@@ -33,6 +34,8 @@ __all__ = ["OutputStore", "StorageError", "is_temp_name", "owner_token"]
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(?:[0-9a-f]{8}-)?[0-9a-f]{16}$")
 # The only folders a job writes to, below its prefix: cleanup looks nowhere else.
 _WRITTEN_FOLDERS = ("", "shards", "errors")
+# Reads in flight at once in ``read_many`` where the filesystem has no async client of its own.
+_READ_THREADS = 16
 
 
 class StorageError(OSError):
@@ -315,6 +318,31 @@ class OutputStore:
                 return self.fs.cat_file(self._fs_path(name))
         except FileNotFoundError:
             return None
+
+    def read_many(self, names: list[str]) -> list[bytes | None]:
+        """``read_bytes`` of each of ``names``, in their order, fetched concurrently: on an
+        object store each GET costs 10-50 ms, so reading a manifest's journal of 1,000 records
+        one after another had taken 10-50 s. Async filesystems (s3fs, gcsfs, adlfs) take them
+        all in one ``cat_ranges`` call (not ``cat``, which reads ``*?[`` in a path as a
+        pattern: ``delete_many``'s audit); others, local folders included, a pool of threads.
+        A file missing is None; a store that fails raises (as ``read_bytes``), the error of
+        the first failed name in the list's order."""
+        if self.is_local or not getattr(self.fs, "async_impl", False) or len(names) < 2:
+            with ThreadPoolExecutor(min(_READ_THREADS, max(1, len(names)))) as pool:
+                return list(pool.map(self.read_bytes, names))
+        paths = [self._fs_path(n) for n in names]
+        with _client_errors(self.url, f"reading {len(names)} files"):
+            found = self.fs.cat_ranges(paths, None, None, on_error="return")
+        out: list[bytes | None] = []
+        for name, got in zip(names, found, strict=True):
+            if isinstance(got, FileNotFoundError):
+                out.append(None)
+            elif isinstance(got, BaseException):
+                with _client_errors(self.url, f"reading {name}"):
+                    raise got
+            else:
+                out.append(got)
+        return out
 
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists (as a file). A store that fails to answer raises (an

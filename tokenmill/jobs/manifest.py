@@ -144,9 +144,11 @@ class Manifest:
 
     @classmethod
     def load(cls, store: OutputStore, job: str) -> Manifest | None:
-        """The job's manifest with its journal's records; None when it has none. Raises
-        ManifestError when the file or a record is not one (files in the journal's folder
-        with other names are not records: left alone)."""
+        """The job's manifest with its journal's records (read concurrently:
+        ``OutputStore.read_many``), applied in shard order; None when it has none. Raises
+        ManifestError naming the file or record that is not one (files in the journal's
+        folder with other names are not records: left alone), and the store's OSError when
+        it fails."""
         name = cls.file_name(job)
         data = store.read_bytes(name)
         if data is None:
@@ -164,22 +166,25 @@ class Manifest:
                 settings=raw.get("settings"),
                 output_schema=None if schema is None else OutputSchema.from_record(schema),
             )
-            for name in store.list(cls.journal_prefix(job)):
-                base = name.rsplit("/", 1)[1]
-                if not _JOURNAL_NAME.match(base):
-                    continue
-                index = int(base.removesuffix(".json"))
-                entry = store.read_bytes(name)
-                if entry is not None:  # (deleted by a compaction since the listing)
-                    if index in manifest.shards:
-                        manifest.superseded[index] = manifest.shards[index]
-                    manifest.shards[index] = ShardRecord(**json.loads(entry))
-                    manifest.journaled.add(index)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ManifestError(
-                f"{store.path(name)} is not a tokenmill manifest record ({exc}); the job's "
-                "progress cannot be trusted: rerun with --fresh to start it over"
-            ) from None
+        except _NOT_A_RECORD as exc:
+            raise _manifest_error(store, name, exc) from None
+        entries = sorted(
+            (int(base.removesuffix(".json")), entry)
+            for entry in store.list(cls.journal_prefix(job))
+            if _JOURNAL_NAME.match(base := entry.rsplit("/", 1)[1])
+        )
+        found = store.read_many([entry for _, entry in entries])
+        for (index, entry), text in zip(entries, found, strict=True):
+            if text is None:  # deleted by a compaction since the listing
+                continue
+            try:
+                record = ShardRecord(**json.loads(text))
+            except _NOT_A_RECORD as exc:
+                raise _manifest_error(store, entry, exc) from None
+            if index in manifest.shards:
+                manifest.superseded[index] = manifest.shards[index]
+            manifest.shards[index] = record
+            manifest.journaled.add(index)
         return manifest
 
     def matches(
@@ -277,6 +282,16 @@ class Manifest:
     @property
     def rows_done(self) -> int:
         return sum(s.end_row - s.first_row for s in self.shards.values())
+
+
+_NOT_A_RECORD = (ValueError, KeyError, TypeError, AttributeError)  # what bad JSON raises here
+
+
+def _manifest_error(store: OutputStore, name: str, exc: Exception) -> ManifestError:
+    return ManifestError(
+        f"{store.path(name)} is not a tokenmill manifest record ({exc}); the job's "
+        "progress cannot be trusted: rerun with --fresh to start it over"
+    )
 
 
 def _problems(record: ShardRecord, sizes: dict[str, int]) -> list[str]:
