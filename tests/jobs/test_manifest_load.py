@@ -108,6 +108,17 @@ def test_a_record_deleted_after_the_listing_is_skipped(
     assert loaded.journaled == set(JOURNAL) - {35, 77}
 
 
+def test_names_in_folders_below_the_journal_are_not_records(store: OutputStore) -> None:
+    """Only names directly in the journal's folder are records: a copy a person kept in
+    ``<job>.manifest.d/old/`` had been read as shard 3's record."""
+    _output(store)
+    old = f"{Manifest.journal_prefix(JOB)}old/00000003.json"
+    store.write_atomic(old, json.dumps(vars(_record(3, 1))).encode())
+    loaded = Manifest.load(store, JOB)
+    assert loaded is not None and loaded.shards[3] == _record(3, 10)
+    assert 3 not in loaded.journaled
+
+
 def test_a_malformed_record_is_named(store: OutputStore) -> None:
     _output(store)
     bad = Manifest(JOB, "fp", 10)._journal_entry(100)

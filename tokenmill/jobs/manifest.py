@@ -168,10 +168,11 @@ class Manifest:
             )
         except _NOT_A_RECORD as exc:
             raise _manifest_error(store, name, exc) from None
-        entries = sorted(
+        prefix = cls.journal_prefix(job)
+        entries = sorted(  # (names in folders below the journal's are not its records)
             (int(base.removesuffix(".json")), entry)
-            for entry in store.list(cls.journal_prefix(job))
-            if _JOURNAL_NAME.match(base := entry.rsplit("/", 1)[1])
+            for entry in store.list(prefix)
+            if _JOURNAL_NAME.match(base := entry.removeprefix(prefix))
         )
         found = store.read_many([entry for _, entry in entries])
         for (index, entry), text in zip(entries, found, strict=True):
