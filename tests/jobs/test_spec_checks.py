@@ -185,6 +185,11 @@ def test_blank_paths_and_sources_are_refused(section: str, key: str, value: str)
     [
         ("/data/results::v2", "holds '::', which fsspec reads as a chain"),
         ("s3://bucket/results::v2", "holds '::', which fsspec reads as a chain"),
+        # relative names: fsspec wrote out::v2's files into ./out (exit 0), read in.jsonl
+        # for in.jsonl::x, and opened data::v2 as a data: URI
+        ("out::v2", "holds '::', which fsspec reads as a chain"),
+        ("in.jsonl::x", "holds '::', which fsspec reads as a chain"),
+        ("data::v2", "holds '::', which fsspec reads as a chain"),
         ("s3://bucket/in/p?versionId=1.jsonl", "holds '?versionId=', which s3fs reads"),
         # written under the working directory, as ./localhost/data/out (exit 0)
         ("file://localhost/data/out", "reads as a folder under the working directory"),
@@ -204,6 +209,8 @@ def test_paths_fsspec_would_open_as_something_else_are_refused(
 def test_a_chain_of_filesystems_is_still_taken() -> None:
     raw = _raw(input={"path": "simplecache::s3://bucket/in/"})
     assert JobSpec.from_dict(raw).input.path == "simplecache::s3://bucket/in/"
+    raw = _raw(input={"path": "blockcache::simplecache::s3://bucket/in/"})
+    assert JobSpec.from_dict(raw).input.path == "blockcache::simplecache::s3://bucket/in/"
     raw = _raw(output={"path": "file:///data/out"})
     assert JobSpec.from_dict(raw).output.path == "file:///data/out"
 

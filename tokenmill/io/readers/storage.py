@@ -27,11 +27,20 @@ def location_problem(url: str) -> str | None:
     another folder is read or written), a ``file://`` URL naming a host (``localhost``) or a
     relative path, which fsspec puts under the working directory, or ``?versionId=`` in an
     S3 key."""
-    head, sep, _ = url.partition("::")
-    if sep and not _CHAIN_HEAD.fullmatch(head):
+    head, sep, rest = url.partition("::")
+    # A chain names a filesystem fsspec knows, then the URL it wraps ("simplecache::s3://
+    # ..."); a relative name such as ``out::v2`` looks like a chain head, but fsspec then
+    # writes to ``out``, or opens a data: URI for ``data::v2``.
+    chained = (
+        _CHAIN_HEAD.fullmatch(head) is not None
+        and head in fsspec.available_protocols()
+        and ("://" in rest or "::" in rest)
+    )
+    if sep and not chained:
         return (
             f"{url!r} holds '::', which fsspec reads as a chain of filesystems (it would use "
-            f"{head!r}); rename the file or folder"
+            f"{head!r}); rename the file or folder (a chain is <protocol>::<url>, as in "
+            "simplecache::s3://bucket/key)"
         )
     protocol, rest = split_protocol(url)
     host = rest.split("/", 1)[0]  # (rest: after "://"; credentials are refused elsewhere)
