@@ -12,7 +12,7 @@ with every row in the error file.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -189,36 +189,50 @@ def _check_jsonl_columns(files: list[str], cfg: InputConfig) -> None:
         log.warning(_ABSENT_PASSTHROUGH, ", ".join(repr(n) for n in absent), "key", where)
 
 
-def _first_with_rows(files: list[str], cfg: InputConfig) -> str:
-    """The first Parquet file holding rows (an empty part file says nothing of the columns
-    the rows have); the first file when none does."""
+@dataclass(frozen=True)
+class _ParquetLook:
+    """What a look at one Parquet file's footer found: its columns, their types, its rows."""
+
+    url: str
+    columns: tuple[str, ...]
+    types: dict[str, pa.DataType]
+    num_rows: int
+
+
+def _look_at(url: str, cfg: InputConfig) -> _ParquetLook:
+    with ParquetRecords(url, cfg.storage_options, []) as records:
+        return _ParquetLook(url, records.columns(), records.column_types(), records.num_rows)
+
+
+def _first_with_rows(files: list[str], cfg: InputConfig) -> _ParquetLook:
+    """The footer of the first Parquet file holding rows (an empty part file says nothing of
+    the columns the rows have); the first file's when none does. Each file is opened once
+    (its footer read again for the column check was a second HEAD and GET of it)."""
+    first: _ParquetLook | None = None
     for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
-        with ParquetRecords(url, cfg.storage_options, []) as records:
-            if records.num_rows:
-                return url
-    return files[0]
+        look = _look_at(url, cfg)
+        if look.num_rows:
+            return look
+        first = first or look
+    return first or _look_at(files[0], cfg)  # (files: never empty, as listed)
 
 
-def _check_parquet_columns(url: str, cfg: InputConfig, passthrough: bool) -> None:
-    """Configured column names against the columns of ``url``: a prompt, id or
-    structured-output column it lacks is refused; with ``passthrough``, passthrough columns
-    it lacks are warned about."""
+def _check_parquet_columns(look: _ParquetLook, cfg: InputConfig, passthrough: bool) -> None:
+    """Configured column names against the columns ``look`` found in its file: a prompt, id
+    or structured-output column it lacks is refused; with ``passthrough``, passthrough
+    columns it lacks are warned about."""
     key, column = (
         ("messages_column", cfg.messages_column)
         if cfg.messages_column is not None
         else ("prompt_column", cfg.prompt_column)
     )
     constraint = cfg.structured_output_column
-    try:
-        with ParquetRecords(url, cfg.storage_options, []) as records:
-            have = records.columns_hint()
-            has_prompt = column is None or records.has_column(column)
-            prompt_type = records.column_types().get(column) if column is not None else None
-            has_constraint = constraint is None or records.has_column(constraint)
-            has_id = cfg.id_column in (None, DEFAULT_ID_COLUMN) or records.has_column(cfg.id_column)
-            absent = [n for n in cfg.passthrough_columns if not records.has_column(n)]
-    except ValueError as exc:
-        raise JobSpecError(f"input.path: {exc}") from None
+    url, have = look.url, ", ".join(look.columns)
+    has_prompt = column is None or column in look.columns
+    prompt_type = look.types.get(column) if column is not None else None
+    has_constraint = constraint is None or constraint in look.columns
+    has_id = cfg.id_column in (None, DEFAULT_ID_COLUMN) or cfg.id_column in look.columns
+    absent = [n for n in cfg.passthrough_columns if n not in look.columns]
     if passthrough and absent:
         log.warning(_ABSENT_PASSTHROUGH, ", ".join(repr(n) for n in absent), "column", url)
     if not has_constraint:  # a misspelt name would leave every row unconstrained, silently

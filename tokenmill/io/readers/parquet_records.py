@@ -85,6 +85,10 @@ class ParquetRecords:
         """{column: its Arrow type} from the file's schema."""
         return dict(self._types)
 
+    def columns(self) -> tuple[str, ...]:
+        """The file's column names, in its schema's order."""
+        return self._columns
+
     def columns_hint(self) -> str:
         return ", ".join(self._columns)
 
