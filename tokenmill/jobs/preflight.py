@@ -145,7 +145,7 @@ def check_input(spec: JobSpec) -> InputConfig:
         _check_parquet_columns(_first_with_rows(files, cfg), cfg, spec.output.format != "parquet")
     elif fmt == "jsonl":
         _check_jsonl_columns(files, cfg)
-    return replace(cfg, files=tuple(files))
+    return replace(cfg, files=tuple(files), files_format=fmt)
 
 
 _ABSENT_PASSTHROUGH = (

@@ -13,7 +13,7 @@ from tokenmill.io.readers.compression import (
     strip_compression_suffix,
 )
 from tokenmill.io.readers.file_listing import JSONL_SUFFIXES, PARQUET_SUFFIXES
-from tokenmill.io.readers.input_config import FORMATS
+from tokenmill.io.readers.input_config import FORMATS, InputConfig
 from tokenmill.io.url_secrets import without_query
 
 OPENAI_BATCH_KEYS = frozenset({"custom_id", "method", "url", "body"})
@@ -78,6 +78,16 @@ def detect_format(files: list[str], fmt: str, storage_options: dict[str, Any] | 
         if isinstance(value, dict) and OPENAI_BATCH_KEYS <= value.keys():
             return "openai-batch"
     return "jsonl"
+
+
+def input_format(cfg: InputConfig, files: list[str]) -> str:
+    """The format of the input ``files`` of ``cfg``: the one found when they were listed
+    (``InputConfig.files_format``), else ``detect_format``'s. A run's checks, fingerprint,
+    schema and reader each detected it again: on an object store, a HEAD and a GET of the
+    first file each time."""
+    if cfg.files_format is not None and cfg.files is not None:
+        return cfg.files_format
+    return detect_format(files, cfg.format, cfg.storage_options)
 
 
 def format_by_name(url: str) -> str:

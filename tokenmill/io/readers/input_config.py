@@ -23,7 +23,9 @@ class InputConfig:
     (``endpoint_url``, credentials, ...) and never into the input fingerprint. ``files``: the
     input's files as listed once for a run (``preflight.check_input``), so that its
     fingerprint and its reads see the same files while a folder fills; None: listed from
-    ``path`` at each use.
+    ``path`` at each use. ``files_format``: the format ``files`` resolved to as the same
+    check found it (``detect_format``, which looks into the first file: on an object store
+    a request each time), taken by every later reader of those files; None: detected anew.
     Raises ValueError naming the key when a value is invalid.
     """
 
@@ -36,6 +38,7 @@ class InputConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     structured_output_column: str | None = None
     files: tuple[str, ...] | None = None
+    files_format: str | None = None
 
     def __post_init__(self) -> None:
         # Lists from YAML are accepted and frozen into a tuple.

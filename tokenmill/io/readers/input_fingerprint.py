@@ -16,7 +16,7 @@ from tokenmill.io.readers.compression import (
 )
 from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.file_reads import map_files
-from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.format_detection import detect_format, input_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.io.readers.listing_cache import list_again
@@ -85,7 +85,9 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     files = list_input_files(cfg)
     if fresh:  # (listing_cache.py says why)
         list_again(files, cfg.storage_options, set(_VERSION_FIELDS))
-    fmt = detect_format(files, cfg.format, cfg.storage_options)
+        fmt = detect_format(files, cfg.format, cfg.storage_options)  # as the store has it now
+    else:
+        fmt = input_format(cfg, files)
     how: dict[str, Any] = {"v": _VERSION, "format": fmt, "passthrough": cfg.passthrough_columns}
     if fmt != "openai-batch":
         how |= {"id": cfg.id_column, "prompt": cfg.prompt_column, "messages": cfg.messages_column}

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers.file_listing import display_names, list_input_files
-from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.format_detection import input_format
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN, InputConfig
 from tokenmill.io.readers.jsonl_records import JsonlRecords
 from tokenmill.io.readers.openai_batch_rows import parse_openai_batch_row
@@ -48,7 +48,7 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
     Raises FileNotFoundError / ValueError naming the path for a missing or unreadable input.
     """
     files = list_input_files(cfg)
-    fmt = detect_format(files, cfg.format, cfg.storage_options)
+    fmt = input_format(cfg, files)
     if fmt != "openai-batch":
         cfg.check_plain_columns()
     ids = _Ids()

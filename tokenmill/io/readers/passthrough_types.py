@@ -28,7 +28,7 @@ from tokenmill.io.output_schema import (
     storable_type,
 )
 from tokenmill.io.readers.file_listing import list_input_files
-from tokenmill.io.readers.format_detection import detect_format
+from tokenmill.io.readers.format_detection import input_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.io.readers.parquet_records import ParquetRecords
@@ -58,7 +58,7 @@ def passthrough_schema(cfg: InputConfig) -> OutputSchema:
     if not cfg.passthrough_columns:
         return OutputSchema.of([])
     files = list_input_files(cfg)
-    fmt = detect_format(files, cfg.format, cfg.storage_options)
+    fmt = input_format(cfg, files)
     if fmt == "parquet":
         origin = "the input's Parquet type, combined over its files"
         return OutputSchema.of(_parquet_fields(files, cfg), origin)
