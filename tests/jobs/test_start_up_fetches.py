@@ -130,3 +130,71 @@ def test_the_run_reads_a_file_in_one_request(
     assert sum(1 for _ in iter_input_rows(cfg)) == 12_000
     assert len(data) in fetched  # the whole file in one request
     assert sum(fetched) <= len(data) + LOOK_BOUND  # and the look at its format
+
+
+def _count_requests(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """(S3 method, key) of every request s3fs makes from now on."""
+    import s3fs.core
+
+    calls: list[tuple[str, str]] = []
+    call_s3 = s3fs.core.S3FileSystem._call_s3
+
+    async def counting(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        name = method if isinstance(method, str) else method.__name__
+        calls.append((name, kwargs.get("Key", "")))
+        return await call_s3(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_start_up_reads_each_input_file_once_for_the_fingerprint(
+    s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    tiny_model: Any,
+    kind: str,
+) -> None:
+    """check_up_front looks at the first file once per thing it needs, and settings_of (the
+    fingerprint) reads each file's edges without detecting the format again or asking for
+    a file's info twice. Before: the format was detected again (a HEAD and a GET of the
+    first file), a Parquet footer read twice, and each single file HEAD-ed twice."""
+    from tokenmill.jobs.preflight import check_up_front
+    from tokenmill.jobs.runner import settings_of
+
+    _, options = s3_endpoint
+    options = {k: v for k, v in options.items() if k != "skip_instance_cache"}  # one client
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("data")
+    for k in range(3):
+        rows = _rows(20, 20 * k)
+        if kind == "parquet":
+            import io
+
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.Table.from_pylist([json.loads(line) for line in rows.splitlines()])
+            table = table.set_column(2, "messages", pa.array(
+                [json.dumps(m) for m in table.column("messages").to_pylist()]
+            ))  # fmt: skip
+            buf = io.BytesIO()
+            pq.write_table(table, buf)
+            rows = buf.getvalue()
+        fs.pipe_file(f"data/in/part-{k}.{kind}", rows)
+    for path in ("s3://data/in/", f"s3://data/in/part-0.{kind}"):
+        spec = job_dict(tiny_model, path, "s3://data/out/")
+        spec["input"] |= {"storage_options": options, "passthrough_columns": ["topic"]}
+        spec["output"]["storage_options"] = options
+        spec = coerce_spec(spec)
+        calls = _count_requests(monkeypatch)
+        cfg = check_up_front(spec)
+        first = [c for c in calls if c[1] == f"in/part-0.{kind}"]
+        # JSONL: the format's first lines and the columns' first rows; Parquet: one footer
+        assert [m for m, _ in first].count("get_object") == (2 if kind == "jsonl" else 1)
+        calls.clear()
+        settings, _ = settings_of(spec, cfg)
+        files = len(cfg.files or ())
+        assert [m for m, _ in calls].count("get_object") == files, calls  # its edges, once
+        assert [m for m, _ in calls].count("head_object") == (1 if files == 1 else 0), calls
+        assert settings["input_files"]["files"] == files

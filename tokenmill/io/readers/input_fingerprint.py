@@ -183,10 +183,10 @@ def _file_entry(
     "bom-line" too; the version is the store's (``content_version``), from the file info
     its size comes from."""
     fs, path = resolve(url, storage_options)
-    info = fs.info(path)
-    size = info.get("size")
     # (a small block: the default's 50 MiB on S3 fetched whole files for their edges)
     with fs.open(path, "rb", block_size=peek_block_size(fs)) as f:
+        info = _opened_info(fs, path, f)
+        size = info.get("size")
         head = _read_up_to(f, EDGE_BYTES)
         if size is None:  # an HTTP server that sends no length: read through to the end
             size, tail = _read_to_end(f, head)
@@ -197,6 +197,18 @@ def _file_entry(
     if lines and not head.startswith(b"{") and _mark_alone_first(url, head, storage_options):
         entry.append("bom-line")
     return entry, content_version(fs, info)
+
+
+def _opened_info(fs: fsspec.AbstractFileSystem, path: str, f: Any) -> dict[str, Any]:
+    """The file info of ``path``, open as ``f``: on an object store (``_VERSION_FIELDS``)
+    the one its open asked the store for (fsspec's buffered files keep it as ``details``,
+    and s3fs reads with its ETag), else the filesystem's. Asking again cost a second HEAD a
+    file where no listing held it (a single-file input)."""
+    if set(protocols(fs)) & set(_VERSION_FIELDS):
+        details = getattr(f, "details", None)
+        if isinstance(details, dict):
+            return details
+    return fs.info(path)
 
 
 def content_version(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> str | None:
