@@ -35,6 +35,7 @@ import threading
 from typing import NoReturn, TextIO
 
 from tokenmill.io.readers.compression import CorruptInputError
+from tokenmill.io.readers.storage import STORE_CLIENTS
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.lock import JobLockedError
@@ -242,12 +243,6 @@ def _write_or_drop(stream: TextIO, text: str) -> None:
             pass
 
 
-# Object-store client packages: their exceptions are storage failures, not tokenmill bugs.
-_STORE_CLIENTS = frozenset(
-    {"botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "gcsfs", "adlfs", "azure"}
-)
-
-
 # Failures that stay until someone fixes a file, a path or a permission.
 _LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectoryError,
             IsADirectoryError)  # fmt: skip
@@ -264,7 +259,7 @@ def _cluster_lost(exc: BaseException) -> BaseException | None:
 
 
 def _from_a_store_client(exc: BaseException) -> bool:
-    return in_chain(exc, lambda e: type(e).__module__.split(".")[0] in _STORE_CLIENTS) is not None
+    return in_chain(exc, lambda e: type(e).__module__.split(".")[0] in STORE_CLIENTS) is not None
 
 
 def entry() -> None:

@@ -69,3 +69,36 @@ def test_a_read_that_fails_midway_names_the_file_and_keeps_its_type(
             list(rows)
     assert not isinstance(raised.value, CorruptInputError)
     assert url in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("outage", ["refuse", "hang"])
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz"])
+def test_a_store_out_of_reach_midway_is_a_storage_error_naming_the_file(
+    faulty_s3: FaultyS3,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    outage: str,
+) -> None:
+    """The store goes out of reach once the first row is read: connections refused
+    (botocore's EndpointConnectionError, no OSError) or every GET held past the read timeout
+    (its ReadTimeoutError, an OSError built from keywords only, as its ConnectTimeoutError
+    is). Each came out as botocore raised it, naming the endpoint but not the object (run-job:
+    "storage error: ConnectTimeoutError: Connect timeout on endpoint URL: ..."); now an
+    OSError naming the file, which run-job reports as a storage error (exit 75)."""
+    url = _put(faulty_s3, name, gzip.compress(LINES) if name.endswith(".gz") else LINES)
+    # A short timeout, and one try of s3fs's (it retries a timeout 5 times, backing off, for
+    # each of its reads' own 5 retries: ~18 s of held GETs), which no storage option sets
+    monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
+    options = faulty_s3.options(timeout_s=0.2, retries=0) | {"default_block_size": 1 << 16}
+    with JsonlRecords(url, options) as records:
+        rows = iter(records)
+        next(rows)
+        if outage == "refuse":
+            faulty_s3.proxy.pause()
+        else:
+            faulty_s3.proxy.hang(methods=("GET",))
+        with pytest.raises(OSError) as raised:
+            list(rows)
+    assert not isinstance(raised.value, (CorruptInputError, FileNotFoundError)), raised.value
+    assert url in str(raised.value), raised.value
+    assert outage == "refuse" or faulty_s3.proxy.stats["hung"] > 0, faulty_s3.proxy.stats

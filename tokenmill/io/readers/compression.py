@@ -38,7 +38,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.compression import compr
 
-from tokenmill.io.readers.storage import protocols, read_failed, resolve
+from tokenmill.io.readers.storage import is_read_error, protocols, read_failed, resolve
 from tokenmill.io.storage import StorageError
 from tokenmill.io.url_secrets import without_query
 
@@ -124,8 +124,10 @@ def open_input(url: str, storage_options: dict[str, Any], peek: bool = False) ->
     block_size = peek_block_size(fs) if peek else None
     try:
         raw = fs.open(path, "rb", block_size=block_size)
-    except OSError as e:  # (its first look at the object: the store's error names none)
-        raise read_failed(url, e) from e
+    except Exception as e:  # (its first look at the object: the store's error names none)
+        if is_read_error(e):
+            raise read_failed(url, e) from e
+        raise
     streamed = False
     try:
         head = raw.read(_MAGIC_BYTES)
@@ -152,9 +154,11 @@ def open_input(url: str, storage_options: dict[str, Any], peek: bool = False) ->
         source = _SourceReads(raw)
         stream = _ZstdFrames(source) if codec == "zstd" else compr[codec](source, mode="r")
         return io.BufferedReader(_Decompressed(url, codec, stream, source, raw), _STREAM_BUFFER)
-    except OSError as e:
+    except Exception as e:
         raw.close()
-        raise read_failed(url, e) from e
+        if is_read_error(e):
+            raise read_failed(url, e) from e
+        raise
     except BaseException:
         raw.close()
         raise

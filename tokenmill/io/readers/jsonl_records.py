@@ -9,7 +9,7 @@ from typing import IO, Any
 
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.record import Record
-from tokenmill.io.readers.storage import read_failed
+from tokenmill.io.readers.storage import is_read_error, read_failed
 
 # How many lines to look through for the first JSON object when deciding which columns
 # the file has; a file that starts with more unreadable lines than this is treated as
@@ -77,8 +77,10 @@ class JsonlRecords:
                 line_no, raw = next(lines)
             except StopIteration:
                 return
-            except OSError as e:  # the store's or the disk's: name the file read
-                raise read_failed(self.url, e) from e
+            except Exception as e:
+                if is_read_error(e):  # the store's or the disk's: name the file read
+                    raise read_failed(self.url, e) from e
+                raise
             if not blank_line(raw, line_no):
                 yield _decode(line_no, raw)
 

@@ -19,7 +19,7 @@ from tokenmill.io.nested_types import with_child_types
 from tokenmill.io.output_schema import zones_in_utc
 from tokenmill.io.readers.compression import CorruptInputError
 from tokenmill.io.readers.record import Record
-from tokenmill.io.readers.storage import read_failed, resolve
+from tokenmill.io.readers.storage import is_read_error, read_failed, resolve
 
 # Rows per decoded batch: bounds the Python objects alive at once. Arrow still holds one row
 # group's column chunks of the selected columns, a size the file's writer chose.
@@ -112,6 +112,10 @@ class ParquetRecords:
                 f"{self.url}: Parquet read failed after row {position - 1}: {e}; "
                 "the file is truncated or corrupt"
             ) from e
+        except Exception as e:
+            if is_read_error(e):  # a store client's own type (botocore's), through pyarrow
+                raise read_failed(self.url, e) from e
+            raise
 
 
 def _batch_rows(metadata: pq.FileMetaData, columns: Sequence[str]) -> int:

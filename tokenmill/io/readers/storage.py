@@ -9,6 +9,8 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
+from tokenmill.io.storage import StorageError
+
 
 def resolve(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem for ``url`` and the path inside it (``~`` expanded for local paths)."""
@@ -77,19 +79,42 @@ def relative_note(path: str) -> str:
     )
 
 
-def read_failed(url: str, exc: OSError) -> OSError:
-    """``exc``, a failed read of input file ``url``, as an OSError of its type that names
-    the file (``exc`` itself where it does already): s3fs's errors name no object ("[Errno
-    16] Please reduce your request rate."), and run-job's message then said which store
-    failed but not what it was reading. The type, and so the exit code, stays (a missing
-    file is still FileNotFoundError)."""
-    if url in str(exc):
+# Object-store client packages: an exception of theirs met reading a file is the store's
+# failure (botocore's EndpointConnectionError is no OSError), not a bug of the reader's.
+STORE_CLIENTS = frozenset(
+    {"botocore", "aiobotocore", "aiohttp", "urllib3", "s3fs", "gcsfs", "adlfs", "azure"}
+)
+
+
+def is_read_error(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a read of an input file, is the read's own failure: an
+    OSError (the disk's, s3fs's) or any exception type of an object-store client."""
+    return isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in STORE_CLIENTS
+
+
+def read_failed(url: str, exc: BaseException) -> OSError:
+    """``exc``, a failed read of input file ``url`` (``is_read_error``), as an OSError that
+    names the file (``exc`` itself where it is one and does already): s3fs's errors name no
+    object ("[Errno 16] Please reduce your request rate.", botocore's "Connect timeout on
+    endpoint URL: ..."), and run-job's message then said which store failed but not what
+    it was reading. An OSError keeps its type where it can be built from a message, else
+    becomes the builtin one it is (a missing file is still FileNotFoundError, exit 2); any
+    other error (a store client's own, botocore's timeouts, whose types take keywords only)
+    becomes a StorageError, a storage failure a rerun gets past (exit 75)."""
+    if isinstance(exc, OSError) and url in str(exc):
         return exc
-    what = f"{url}: reading failed ({exc.strerror or exc})"
-    try:
-        return type(exc)(what) if exc.errno is None else type(exc)(exc.errno, what)
-    except Exception:  # an OSError subclass with other constructor arguments
-        return exc
+    if isinstance(exc, OSError):
+        what = f"{url}: reading failed ({exc.strerror or exc})"
+        try:
+            return type(exc)(what) if exc.errno is None else type(exc)(exc.errno, what)
+        except Exception:  # a client's OSError subclass: botocore's take keywords only
+            pass
+    what = f"{url}: reading failed ({type(exc).__name__}: {exc})"
+    if isinstance(exc, OSError):
+        builtin = next(t for t in type(exc).__mro__ if t.__module__ == "builtins")
+        if builtin is not OSError:
+            return builtin(what) if exc.errno is None else builtin(exc.errno, what)
+    return StorageError(what)
 
 
 def has_protocol(url: str) -> bool:
