@@ -279,6 +279,13 @@ class FaultProxy:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # The listen backlog (socketserver's default: 5). The proxy accepts in a thread of the
+    # test process, which shares the GIL with an in-process job; a burst of connections
+    # past a backlog of 5 while it waited had its SYNs dropped, retried by the kernel after
+    # 1 s, past the 1 s connect timeout: a ConnectTimeoutError no fault was injected for
+    # (test_s3_faults' rerun after the fault cleared exited 75). Queued, a connection is
+    # only as late as its request, which the read timeout and s3fs's retries cover.
+    request_queue_size = 128
     proxy: FaultProxy
 
     def handle_error(self, request: Any, client_address: Any) -> None:

@@ -1,16 +1,20 @@
 """The fault proxy itself: a request whose body the connection cuts short is never
-forwarded (a store keeps no truncated object; the proxy must not make moto keep one), and a
-fault ``armed_by`` a path waits for the first PUT there."""
+forwarded (a store keeps no truncated object; the proxy must not make moto keep one), a
+fault ``armed_by`` a path waits for the first PUT there, and connections made while the
+proxy's thread waits are queued, not timed out."""
 
 from __future__ import annotations
 
+import random
 import socket
+import subprocess
+import sys
 import time
 
 import fsspec
 import pytest
 
-from tests.fault_proxy import FaultyS3, faulty_s3  # noqa: F401
+from tests.fault_proxy import FaultProxy, FaultyS3, faulty_s3  # noqa: F401
 from tests.s3_server import s3_endpoint  # noqa: F401
 
 
@@ -51,3 +55,43 @@ def test_an_armed_fault_waits_for_the_put_that_arms_it(faulty_s3: FaultyS3) -> N
     direct.invalidate_cache()
     assert direct.cat_file("armed/job.manifest.json") == b"{}"
     assert not direct.exists("armed/shard-1.jsonl")
+
+
+# Connects a child process makes once told to, each given 1 s (the job's connect timeout).
+_BURST = """
+import socket, sys
+port, opened = int(sys.argv[1]), []
+sys.stdin.readline()
+for _ in range(20):
+    sock = socket.socket()
+    sock.settimeout(1.0)
+    try:
+        sock.connect(("127.0.0.1", port))
+        opened.append(sock)
+    except OSError:
+        pass
+print(len(opened))
+"""
+
+
+def test_a_burst_of_connections_waits_for_a_busy_proxy() -> None:
+    """The proxy accepts in a thread of the test process, which shares the GIL with an
+    in-process job. Here the test holds the GIL (a sort, a second or more) while another
+    process opens 20 connections: each is queued until the proxy accepts it. With
+    socketserver's backlog of 5, the 7th on timed out after 1 s (its SYN dropped), the
+    ConnectTimeoutError test_s3_faults' rerun after the fault cleared met at times."""
+    keys = [random.random() for _ in range(4_000_000)]
+    with FaultProxy(("127.0.0.1", 9)) as proxy:  # (never forwards: nothing is sent)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _BURST, str(proxy.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(0.5)  # the child started, waiting for its line
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        sorted(keys)  # holds the GIL throughout: the proxy's accept thread waits
+        opened, _ = child.communicate(timeout=60)
+    assert int(opened) == 20, f"{20 - int(opened)} of 20 connections timed out"
