@@ -299,3 +299,20 @@ def test_a_file_the_store_will_not_show_is_an_error_not_absent(
     assert "s3://exists-faults/out" in str(raised.value)
     faulty_s3.proxy.clear()
     assert store.exists("m.json")
+
+
+def test_a_client_error_that_takes_keywords_only_still_names_the_output() -> None:
+    """botocore's ConnectTimeoutError (an OSError subclass built from keywords only) could
+    not be rebuilt with a message and was re-raised as it was: a write that timed out named
+    the endpoint, never the output. Its builtin type is OSError itself, so it is now a
+    StorageError (a storage failure: exit 75) naming the output."""
+    from botocore.exceptions import ConnectTimeoutError
+
+    from tokenmill.io.storage import StorageError, _client_errors
+
+    with pytest.raises(StorageError) as caught:
+        with _client_errors("s3://bucket/out", "writing shards/part-00000.jsonl"):
+            raise ConnectTimeoutError(endpoint_url="http://127.0.0.1:9/bucket")
+    assert str(caught.value).startswith("s3://bucket/out: writing shards/part-00000.jsonl failed")
+    assert "ConnectTimeoutError" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ConnectTimeoutError)

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["OutputStore", "StorageError", "is_temp_name", "owner_token"]
+__all__ = ["OutputStore", "StorageError", "builtin_error", "is_temp_name", "owner_token"]
 
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(?:[0-9a-f]{8}-)?[0-9a-f]{16}$")
 # The only folders a job writes to, below its prefix: cleanup looks nowhere else.
@@ -57,11 +57,23 @@ def _client_errors(url: str, what: str) -> Iterator[None]:
             raise
         try:
             named = type(exc)(f"{url}: {what} failed ({exc})")
-        except Exception:  # an OSError subclass with other constructor arguments
-            raise exc from None
+        except Exception:  # a client's OSError subclass: botocore's take keywords only
+            named = builtin_error(exc, f"{url}: {what} failed ({type(exc).__name__}: {exc})")
         raise named from exc
     except Exception as exc:
         raise StorageError(f"{url}: {what} failed ({type(exc).__name__}: {exc})") from exc
+
+
+def builtin_error(exc: OSError, message: str) -> OSError:
+    """An error saying ``message`` of the builtin OSError type ``exc`` is, for a client's
+    subclass that cannot be built from a message (botocore's ConnectTimeoutError takes
+    keywords only, and re-raised as it was it named no file): a missing file stays
+    FileNotFoundError, a refused connection ConnectionError; a StorageError where that type
+    is OSError itself."""
+    builtin = next(t for t in type(exc).__mro__ if t.__module__ == "builtins")
+    if builtin is OSError:
+        return StorageError(message)
+    return builtin(message) if exc.errno is None else builtin(exc.errno, message)
 
 
 def is_temp_name(basename: str) -> bool:

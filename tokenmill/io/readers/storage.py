@@ -9,7 +9,7 @@ from typing import Any
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
-from tokenmill.io.storage import StorageError
+from tokenmill.io.storage import StorageError, builtin_error
 
 
 def resolve(url: str, storage_options: dict[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -108,13 +108,8 @@ def read_failed(url: str, exc: BaseException) -> OSError:
         try:
             return type(exc)(what) if exc.errno is None else type(exc)(exc.errno, what)
         except Exception:  # a client's OSError subclass: botocore's take keywords only
-            pass
-    what = f"{url}: reading failed ({type(exc).__name__}: {exc})"
-    if isinstance(exc, OSError):
-        builtin = next(t for t in type(exc).__mro__ if t.__module__ == "builtins")
-        if builtin is not OSError:
-            return builtin(what) if exc.errno is None else builtin(exc.errno, what)
-    return StorageError(what)
+            return builtin_error(exc, f"{url}: reading failed ({type(exc).__name__}: {exc})")
+    return StorageError(f"{url}: reading failed ({type(exc).__name__}: {exc})")
 
 
 def has_protocol(url: str) -> bool:
