@@ -230,3 +230,21 @@ def test_an_openai_batch_line_read_as_a_plain_row_says_what_it_is(tmp_path):
         lines = [{**plain, **({"id": f"p{i}"} if "id" in plain else {})} for i in range(20)]
         rows = read(write_jsonl(tmp_path / "in.jsonl", [*lines, line]))
         assert rows[0].error is None and "input.format: openai-batch" in rows[20].error
+
+
+def test_a_row_failing_past_its_id_in_a_surprising_way_keeps_its_id(tmp_path):
+    # A messages cell of JSON text nested past Python's recursion limit makes the parser
+    # raise RecursionError, not RowError: the row is still an error row under its own id,
+    # and claims it, as any other bad row does (a later row with it is a duplicate).
+    deep = "[" * 100_000
+    f = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [
+            {"id": "a", "messages": deep},
+            {"id": "a", "messages": [{"role": "user", "content": "x"}]},
+        ],
+    )
+    rows = read(f, prompt_column=None, messages_column="messages")
+    assert summary(rows) == [(0, "a", False), (1, "chat.jsonl:2", False)]
+    assert "could not be read (RecursionError" in rows[0].error
+    assert "duplicate id 'a'" in rows[1].error

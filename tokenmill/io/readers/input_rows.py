@@ -20,10 +20,10 @@ from tokenmill.io.readers.file_listing import display_names, list_input_files
 from tokenmill.io.readers.format_detection import input_format
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN, InputConfig
 from tokenmill.io.readers.jsonl_records import JsonlRecords
-from tokenmill.io.readers.openai_batch_rows import parse_openai_batch_row
+from tokenmill.io.readers.openai_batch_rows import batch_row_id, parse_openai_batch_row
 from tokenmill.io.readers.openai_sampling import CHAT, COMPLETIONS
 from tokenmill.io.readers.parquet_records import ParquetRecords
-from tokenmill.io.readers.plain_rows import PlainColumns, parse_plain_row
+from tokenmill.io.readers.plain_rows import PlainColumns, parse_plain_row, plain_row_id
 from tokenmill.io.readers.record import Record, RecordSource
 from tokenmill.io.readers.row_error import RowError
 from tokenmill.io.readers.text_check import unwritable_field
@@ -33,6 +33,7 @@ from tokenmill.io.url_secrets import hide_url_secrets
 log = logging.getLogger("tokenmill.jobs")
 
 Parse = Callable[[Any, int, str, str], InputRow]  # (value, row_index, source, fallback_id)
+IdOf = Callable[[Any, str], str]  # (value, fallback_id): the id Parse reads first, or RowError
 Check = Callable[[InputRow], str | None]  # why a parsed row cannot be written, or None
 
 
@@ -58,7 +59,7 @@ def iter_input_rows(cfg: InputConfig, schema: OutputSchema | None = None) -> Ite
             maker = _RowMaker(
                 hide_url_secrets(url),  # the rows' sources name the file, never a password
                 name,
-                _parser(fmt, cfg, source),
+                *_parser(fmt, cfg, source),
                 fmt == "openai-batch",
                 cfg.passthrough_columns,
                 _passthrough_check(schema, source),
@@ -115,7 +116,8 @@ def _passthrough_check(schema: OutputSchema | None, source: RecordSource) -> Che
     return check
 
 
-def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
+def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> tuple[Parse, IdOf]:
+    """How the rows of ``source`` are parsed, and how their ids alone are read."""
     if fmt == "openai-batch":
         passthrough = cfg.passthrough_columns
 
@@ -124,7 +126,7 @@ def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
                 value, passthrough_columns=passthrough, row_index=row_index, source=source
             )
 
-        return parse_batch
+        return parse_batch, lambda value, fallback_id: batch_row_id(value)
     columns = PlainColumns.for_file(cfg, source.has_column, source.columns_hint())
     if columns.id_column is None and cfg.id_column == DEFAULT_ID_COLUMN:
         _warn_of_an_id_in_other_case(source)
@@ -134,7 +136,10 @@ def _parser(fmt: str, cfg: InputConfig, source: RecordSource) -> Parse:
             value, columns=columns, row_index=row_index, source=source, fallback_id=fallback_id
         )
 
-    return parse_plain
+    def plain_id(value: Any, fallback_id: str) -> str:
+        return plain_row_id(value, columns=columns, fallback_id=fallback_id)
+
+    return parse_plain, plain_id
 
 
 _WARNED_ID_CASE: set[str] = set()  # files warned about, once a process (rows are read more
@@ -169,6 +174,7 @@ class _RowMaker:
     url: str  # as shown: a password in it masked
     name: str  # the file's display name, for fallback ids
     parse: Parse
+    id_of: IdOf
     batch: bool  # OpenAI Batch input: error rows carry custom_id and endpoint
     passthrough_columns: tuple[str, ...]
     check: Check | None = None
@@ -199,8 +205,10 @@ class _RowMaker:
             row = self.parse(record.value, row_index, source, fallback_id)
         except RowError as e:
             return refuse(str(e), e.row_id)
-        except Exception as e:  # any surprise in a row is that row's error, never the job's
-            return refuse(f"the row could not be read ({type(e).__name__}: {e})", None)
+        except Exception as e:  # any surprise in a row is that row's error, never the job's;
+            # it keeps the id read before it, as a RowError past the id would
+            own_id = self._id_or_none(record.value, fallback_id)
+            return refuse(f"the row could not be read ({type(e).__name__}: {e})", own_id)
         if row.row_id in ids.own:
             return refuse(
                 f"duplicate id {row.row_id!r}: an earlier row already has it; "
@@ -226,6 +234,13 @@ class _RowMaker:
         except Exception:
             return None
         return None if row.row_id == fallback_id else row.row_id
+
+    def _id_or_none(self, value: Any, fallback_id: str) -> str | None:
+        """The id of the row ``value`` (``id_of``), or None when it has none it can keep."""
+        try:
+            return self.id_of(value, fallback_id)
+        except Exception:
+            return None
 
     def _bad_row(
         self,

@@ -20,14 +20,7 @@ def parse_openai_batch_row(
     value: Any, *, passthrough_columns: tuple[str, ...], row_index: int, source: str
 ) -> InputRow:
     """The InputRow for one batch line (row_id = custom_id), or RowError saying what is wrong."""
-    if not isinstance(value, dict):
-        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
-    custom_id = value.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise RowError(
-            f"missing id: custom_id must be a non-empty string, got {type_name(custom_id)}; "
-            "every batch line needs a unique custom_id"
-        )
+    custom_id = batch_row_id(value)
     method = value.get("method")
     if method != "POST":
         raise RowError(f'method must be "POST", got {short_repr(method)}', custom_id)
@@ -60,6 +53,20 @@ def parse_openai_batch_row(
         endpoint=url,
         **fields,
     )
+
+
+def batch_row_id(value: Any) -> str:
+    """The custom_id of the batch line ``value``, the first thing ``parse_openai_batch_row``
+    reads: RowError (without a row id) when it has none; any error past it carries it."""
+    if not isinstance(value, dict):
+        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
+    custom_id = value.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RowError(
+            f"missing id: custom_id must be a non-empty string, got {type_name(custom_id)}; "
+            "every batch line needs a unique custom_id"
+        )
+    return custom_id
 
 
 def _template_kwargs(body: dict[str, Any], custom_id: str) -> dict[str, Any]:

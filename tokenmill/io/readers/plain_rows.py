@@ -59,9 +59,7 @@ def parse_plain_row(
     value: Any, *, columns: PlainColumns, row_index: int, source: str, fallback_id: str
 ) -> InputRow:
     """The InputRow for one plain row, or RowError saying what is wrong with it."""
-    if not isinstance(value, dict):
-        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
-    row_id = _row_id(value, columns, fallback_id)
+    row_id = plain_row_id(value, columns=columns, fallback_id=fallback_id)
     passthrough = {name: value.get(name) for name in columns.passthrough_columns}
     sampling = _row_sampling(value, columns, row_id)
     if columns.messages_column is not None:
@@ -101,6 +99,15 @@ def _row_sampling(value: dict[str, Any], columns: PlainColumns, row_id: str) -> 
     except (ValueError, ImportError) as exc:
         raise RowError(f"column {name!r}: {exc}", row_id) from None
     return {"structured_output": canonical}
+
+
+def plain_row_id(value: Any, *, columns: PlainColumns, fallback_id: str) -> str:
+    """The id of the plain row ``value`` (``fallback_id`` where the file has no id column and
+    the row none of its own), the first thing ``parse_plain_row`` reads: RowError (without a
+    row id) when it has none it can keep; any error past it carries this id."""
+    if not isinstance(value, dict):
+        raise RowError(f"expected a JSON object per line, got {type_name(value)}")
+    return _row_id(value, columns, fallback_id)
 
 
 def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> str:
