@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.io.readers import InputConfig
+from tokenmill.io.readers import IdOnlyRow, InputConfig, RowPredicate
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import peekable_input, row_feed
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -30,11 +30,16 @@ class _Input:
         self.read = 0
         self.prepared = 0
 
-    def rows(self, cfg: InputConfig, schema: object = None) -> Iterator[InputRow]:
+    def rows(
+        self, cfg: InputConfig, schema: object = None, *, id_only: RowPredicate | None = None
+    ) -> Iterator[InputRow | IdOnlyRow]:
         for i in range(self.n):
             if i == self.fail_at:
                 raise OSError(f"connection reset reading row {i}")
             self.read += 1
+            if id_only is not None and id_only(i):
+                yield IdOnlyRow(i)  # (read for its id alone, as iter_input_rows does)
+                continue
             bad = self.bad_every and i % self.bad_every == 0
             yield InputRow(i, f"r{i}", f"in:{i}", prompt=f"p{i}", error="bad" if bad else None)
 

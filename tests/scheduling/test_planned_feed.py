@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.io.readers import InputConfig
+from tokenmill.io.readers import IdOnlyRow, InputConfig, RowPredicate
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import peekable_input
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -45,8 +45,13 @@ class _Input:
         self.specs = specs
         self.all_read = threading.Event()
 
-    def rows(self, cfg: InputConfig, schema: object = None) -> Iterator[InputRow]:
+    def rows(
+        self, cfg: InputConfig, schema: object = None, *, id_only: RowPredicate | None = None
+    ) -> Iterator[InputRow | IdOnlyRow]:
         for i, spec in enumerate(self.specs):
+            if id_only is not None and id_only(i):
+                yield IdOnlyRow(i)  # (a committed shard's row: read for its id alone)
+                continue
             yield InputRow(i, f"r{i}", f"in.jsonl:{i + 1}", prompt=f"p{spec.prompt}")
         self.all_read.set()
 

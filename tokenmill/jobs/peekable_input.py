@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import InputConfig, iter_input_rows
+from tokenmill.io.readers import IdOnlyRow, InputConfig, RowPredicate, iter_input_rows
 from tokenmill.io.rows import InputRow
 from tokenmill.jobs.row_bytes import input_row_bytes
 
@@ -66,14 +66,22 @@ class PeekableInput:
             raise
         return len(self._head), total
 
-    def rows(self) -> Iterator[InputRow]:
+    def rows(self, id_only: RowPredicate | None = None) -> Iterator[InputRow | IdOnlyRow]:
         """Every row of the input in order: the peeked ones, then the rest of the same read
         (or, without a peek, a read from the start). Once only: the peeked rows are let go as
-        they are handed out, so they are not held beside the feed's own read-ahead."""
+        they are handed out, so they are not held beside the feed's own read-ahead. Without
+        a peek, the rows ``id_only`` holds for come as IdOnlyRows (``iter_input_rows``); a
+        peeked read was begun in full and goes on so."""
         if self._taken:
             raise RuntimeError("PeekableInput.rows: the input was handed out already")
         self._taken = True
-        read = self._read if self._read is not None else iter_input_rows(self.cfg, self.schema)
+        read: Iterator[InputRow | IdOnlyRow]
+        if self._read is not None:
+            read = self._read
+        elif id_only is None:
+            read = iter_input_rows(self.cfg, self.schema)
+        else:
+            read = iter_input_rows(self.cfg, self.schema, id_only=id_only)
         return self._chain(read)
 
     def close(self) -> None:
@@ -86,7 +94,7 @@ class PeekableInput:
         if close is not None:
             close()
 
-    def _chain(self, read: Iterator[InputRow]) -> Iterator[InputRow]:
+    def _chain(self, read: Iterator[InputRow | IdOnlyRow]) -> Iterator[InputRow | IdOnlyRow]:
         try:
             while self._head:
                 yield self._head.popleft()

@@ -2,6 +2,7 @@
 
     reader thread                                     engine thread (the runner's)
     PeekableInput.rows ─► skip committed shards       take(n) ─► shard tracker: row seen
+      (their rows read for their ids alone)
       ─► batches of ``batch_rows`` ─► prepare           ├─► bad row: its error result at once
          (or batch_bytes)                              └─► ready rows, to the executor
          (template + one batch encode)
@@ -40,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from tokenmill.io.output_schema import OutputSchema
-from tokenmill.io.readers import InputConfig
+from tokenmill.io.readers import IdOnlyRow, InputConfig, RowPredicate
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs.peekable_input import PeekableInput
 from tokenmill.jobs.pipeline_bounds import PipelineBounds
@@ -227,7 +228,7 @@ class RowFeed:
 
 
 def _read(
-    input_rows: Callable[[], Iterator[InputRow]],
+    input_rows: Callable[[RowPredicate | None], Iterator[InputRow | IdOnlyRow]],
     committed: frozenset[int],
     rows_per_shard: int,
     prepare: Prepare | None,
@@ -236,15 +237,19 @@ def _read(
 ) -> Iterator[_FeedBatch]:
     """The reader thread's work: the input (``input_rows``, opened here, on the reader
     thread) in batches (``bounds.batch_rows`` rows, or fewer
-    holding ``bounds.batch_bytes``), committed shards skipped, good rows prepared and, with
-    ``facts_of``, planned. The last batch carries the counts of the rows after the last
-    item."""
+    holding ``bounds.batch_bytes``), committed shards skipped (their rows read for their ids
+    alone: later rows' duplicates), good rows prepared and, with ``facts_of``, planned. The
+    last batch carries the counts of the rows after the last item."""
+
+    def in_committed(row_index: int) -> bool:
+        return row_index // rows_per_shard in committed
+
     rows: list[InputRow] = []
     sizes: list[int] = []
     read = 0
-    for row in input_rows():
+    for row in input_rows(in_committed if committed else None):
         read += 1
-        if row.row_index // rows_per_shard in committed:
+        if isinstance(row, IdOnlyRow) or in_committed(row.row_index):
             continue
         rows.append(row)
         sizes.append(input_row_bytes(row))

@@ -9,11 +9,12 @@ from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.format_detection import detect_format
 from tokenmill.io.readers.input_config import FORMATS, InputConfig
 from tokenmill.io.readers.input_fingerprint import fingerprint_input, input_fingerprint
-from tokenmill.io.readers.input_rows import iter_input_rows
+from tokenmill.io.readers.input_rows import IdOnlyRow, RowPredicate, iter_input_rows
 from tokenmill.io.readers.passthrough_types import passthrough_schema
 
 __all__ = [
     "FORMATS",
+    "IdOnlyRow",
     "InputConfig",
     "detect_format",
     "fingerprint_input",
@@ -21,4 +22,5 @@ __all__ = [
     "iter_input_rows",
     "list_input_files",
     "passthrough_schema",
+    "RowPredicate",
 ]

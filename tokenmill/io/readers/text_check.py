@@ -51,12 +51,12 @@ def _json_problem(value: Any) -> str | None:
 
 def _first_bad(value: Any, where: str, depth: int) -> str | None:
     if isinstance(value, str):
-        return None if _encodes(value) else where
+        return None if writable_text(value) else where
     if depth > _MAX_DEPTH:
         return None
     if isinstance(value, dict):
         for key, item in value.items():
-            if isinstance(key, str) and not _encodes(key):
+            if isinstance(key, str) and not writable_text(key):
                 return f"{where} (a key)"
             found = _first_bad(item, "", depth + 1)
             if found is not None:
@@ -69,7 +69,8 @@ def _first_bad(value: Any, where: str, depth: int) -> str | None:
     return None
 
 
-def _encodes(text: str) -> bool:
+def writable_text(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (holds no lone surrogate)."""
     try:
         text.encode("utf-8")
         return True
