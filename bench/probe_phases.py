@@ -156,10 +156,37 @@ class PhaseClock:
             lines.append(line)
         return lines
 
-    def slowest_drafted(self, n: int = 5) -> list[dict]:
-        drafted = [r for r in self.records if r["drafted"]]
+    def slowest_drafted(self, n: int = 5, drafted_only: bool = True) -> list[dict]:
+        """The ``n`` slowest calls' records whole (drafted ones, or of any kind)."""
+        drafted = [r for r in self.records if r["drafted"] or not drafted_only]
         top = sorted(drafted, key=lambda r: r.get("call", 0.0))[-n:][::-1]
         return [{k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in top]
+
+
+class GcClock:
+    """The garbage collector's passes during a run (``gc.callbacks``): per generation, how
+    many, their total and longest ms. A full pass over an unfrozen heap stalled runs by
+    250-560 ms before the engine froze it (engine/frozen_heap.py); a stall of one step call
+    (741 ms in one of session 54's runs) may be one."""
+
+    def __init__(self) -> None:
+        self.passes: dict[int, list[float]] = {}
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            ms = (time.perf_counter() - self._start) * 1e3
+            self.passes.setdefault(info["generation"], []).append(ms)
+
+    def detach(self) -> dict[int, list[float]]:
+        """{generation: [passes, total ms, longest ms]}; stops listening."""
+        gc.callbacks.remove(self._callback)
+        return {
+            g: [len(v), round(sum(v), 1), round(max(v), 1)] for g, v in sorted(self.passes.items())
+        }
 
 
 def _triton_kernels() -> set[str]:
@@ -180,10 +207,12 @@ def run(args, method: str, convs, warm) -> dict:
     llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))  # see bench/speculative.py
     kernels = _triton_kernels()
     clock = PhaseClock(llm.engine)
+    collections = GcClock()
     start = time.perf_counter()
     outs = llm.chat(convs, params)
     seconds = time.perf_counter() - start
     clock.detach()
+    gc_passes = collections.detach()
     compiled = sorted(Path(k).stem for k in _triton_kernels() - kernels)
     llm.engine.close()
     del llm
@@ -198,7 +227,9 @@ def run(args, method: str, convs, warm) -> dict:
         "tokens": [o.token_ids for o in outs],
         "phases": clock.summary(),
         "slowest_drafted": clock.slowest_drafted(),
+        "slowest_calls": clock.slowest_drafted(3, drafted_only=False),
         "compiled_in_run": compiled,
+        "gc_passes": gc_passes,
     }
 
 
@@ -222,6 +253,7 @@ def main() -> None:
             "tok_per_s": r["tok_per_s"],
             "seconds": r["seconds"],
             "compiled_in_run": r["compiled_in_run"],
+            "gc_passes": r["gc_passes"],
         }
         print(json.dumps({**head, **first}))
         for line in r["phases"]:
@@ -232,6 +264,7 @@ def main() -> None:
                 "auto_vs_off": round(auto["tok_per_s"] / off["tok_per_s"], 3),
                 "same_tokens": auto["tokens"] == off["tokens"],
                 "slowest_drafted": auto["slowest_drafted"],
+                "slowest_calls": {"off": off["slowest_calls"], "auto": auto["slowest_calls"]},
             }
         ),
         flush=True,
