@@ -215,6 +215,13 @@ def test_a_chain_of_filesystems_is_still_taken() -> None:
     assert JobSpec.from_dict(raw).output.path == "file:///data/out"
 
 
+def test_a_chain_onto_an_absolute_local_path_is_still_taken() -> None:
+    """simplecache::/data/in.jsonl (a chain onto a local file, as fsspec opens it) was taken
+    until a chain had to go on to a URL: then refused (exit 2), saying to rename a file."""
+    raw = _raw(input={"path": "simplecache::/data/in.jsonl"})
+    assert JobSpec.from_dict(raw).input.path == "simplecache::/data/in.jsonl"
+
+
 # -- 4. YAML bombs and bounded messages ----------------------------------------------------
 
 

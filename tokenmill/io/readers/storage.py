@@ -30,13 +30,14 @@ def location_problem(url: str) -> str | None:
     relative path, which fsspec puts under the working directory, or ``?versionId=`` in an
     S3 key."""
     head, sep, rest = url.partition("::")
-    # A chain names a filesystem fsspec knows, then the URL it wraps ("simplecache::s3://
-    # ..."); a relative name such as ``out::v2`` looks like a chain head, but fsspec then
-    # writes to ``out``, or opens a data: URI for ``data::v2``.
+    # A chain names a filesystem fsspec knows, then the URL or absolute local path it wraps
+    # ("simplecache::s3://...", "simplecache::/data/in.jsonl", taken before '::' was checked);
+    # a relative name such as ``out::v2`` looks like a chain head, but fsspec then writes
+    # to ``out``, or opens a data: URI for ``data::v2``.
     chained = (
         _CHAIN_HEAD.fullmatch(head) is not None
         and head in fsspec.available_protocols()
-        and ("://" in rest or "::" in rest)
+        and ("://" in rest or "::" in rest or rest.startswith("/"))
     )
     if sep and not chained:
         return (
