@@ -291,6 +291,32 @@ def test_a_feed_to_the_workers_is_answered_when_its_outcome_is_needed(tiny_path)
     grammars.close()
 
 
+@pytest.mark.parametrize("sent", [False, True], ids=["feed-unsent", "feed-sent-unread"])
+def test_a_dropped_requests_feed_outcome_is_not_its_reused_ids(tiny_path, sent) -> None:  # noqa: F811
+    """With worker processes a feed's outcome is read later. A request dropped (aborted)
+    after its refused token was fed: unsent, the feed went out after the drop and the worker
+    died on the dropped matcher; sent and unread, its id given at once to a new request had
+    the old grammar's rejection read as the new one's (the new request ended before its
+    first token). A review; only direct LLMEngine users reuse ids."""
+    from tokenmill.engine.core.request import Request
+
+    tokenizer, grammars, reqs = _three_choice_rows(tiny_path)
+    a, x = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "x"))
+    grammars.feed(reqs, [a, x, a])  # r1's token is refused: its outcome not read yet
+    pending = grammars._fed_pending
+    assert pending is not None
+    if sent:  # as a fill beside the engine's other work sends it (``_while_masks_fill``)
+        pending.sent = grammars.backend.send_step(pending.consumed())
+    grammars.drop(["r1"])
+    again = Request("r1", [5, 6], SamplingParams(structured_output='choice:["ab", "cd"]'))
+    grammars.add(again)
+    assert grammars.take_ended() == []
+    assert grammars.rejection("r1") is None
+    masks = grammars.bitmask([again])  # the new grammar in its start state
+    assert masks.any()
+    grammars.close()
+
+
 def test_work_beside_the_fill_that_raises_leaves_the_workers_answers_read(tiny_path) -> None:  # noqa: F811
     """With worker processes the step in flight is processed on the engine's thread while
     they fill; if that raises, their answers are still read, so the next step's are its own."""
@@ -561,3 +587,21 @@ def test_a_forked_child_leaves_its_parents_workers_and_masks_alone(tiny_path) ->
     assert all(p.poll() is None for p in llm.engine._grammars.backend._procs)
     assert _summary(llm.generate(_prompts(3), params)) == want
     llm.engine.close()
+
+
+def test_a_pending_feed_less_dropped_rows_keeps_the_others_token_runs() -> None:
+    """A drafted step's feed holds each row's run of tokens: a dropped row's run leaves with
+    it, the others' stay whole and in order."""
+    from tokenmill.engine.structured_output import _PendingFeed
+
+    rids = np.array(["a", "b", "c"], dtype=object)
+    rows = np.array([10, 11, 12], dtype=object)
+    feed = _PendingFeed(rids, rows, np.array([1, 2, 3, 4, 5, 6]), np.array([1, 3, 2]))
+    left = feed.without({"b"})
+    assert left is not None
+    assert left.rids.tolist() == ["a", "c"] and left.rows.tolist() == [10, 12]
+    assert left.tokens.tolist() == [1, 5, 6] and left.counts.tolist() == [1, 2]
+    single = _PendingFeed(rids, rows, np.array([7, 8, 9]), None).without({"a", "c"})
+    assert single is not None and single.tokens.tolist() == [8] and single.counts is None
+    assert feed.without({"a", "b", "c"}) is None
+    assert feed.without({"z"}) is feed

@@ -138,6 +138,18 @@ class _PendingFeed:
         """The consume part of a step's message (``GrammarProcesses.send_step``)."""
         return self.rows, self.tokens, self.counts
 
+    def without(self, request_ids: set[str]) -> _PendingFeed | None:
+        """This feed (unsent) less the rows of ``request_ids``; None when none is left."""
+        keep = np.flatnonzero([rid not in request_ids for rid in self.rids.tolist()])
+        if len(keep) == len(self.rids):
+            return self
+        if not len(keep):
+            return None
+        if self.counts is None:
+            return _PendingFeed(self.rids[keep], self.rows[keep], self.tokens[keep], None)
+        tokens = self.tokens[run_entries(self.counts, keep)]
+        return _PendingFeed(self.rids[keep], self.rows[keep], tokens, self.counts[keep])
+
 
 @dataclass
 class GrammarStats:
@@ -373,6 +385,15 @@ class StructuredOutputs:
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the grammars of finished or aborted requests (unknown ids are ignored).
         The engine drops a request's grammar as soon as the request finishes."""
+        request_ids = list(request_ids)
+        gone = set(request_ids)
+        pending = self._fed_pending
+        if pending is not None and pending.sent is None:
+            # A feed not yet sent would name their matchers after the drop, which the
+            # workers apply first: the worker died on it (an abort between a step's feed
+            # and its outcome). Their rows leave it.
+            self._fed_pending = pending.without(gone)
+        self._ended = [rid for rid in self._ended if rid not in gone]  # (an id reused next)
         rows, freed = [], []
         for rid in request_ids:
             self._rejections.pop(rid, None)
@@ -592,6 +613,11 @@ class StructuredOutputs:
         with how many of their ``counts`` tokens they ``took``; the feed's time since ``t0``
         is counted."""
         for i in np.flatnonzero(status).tolist():
+            index = self._index.get(rids[i])
+            if index is None or self._rows[index] is not rows[i]:
+                # Dropped since it was fed (worker processes answer later), maybe its id
+                # given to a new request since: the outcome is no grammar's now.
+                continue
             if status[i] == REJECTED:  # the matcher is left in its error state
                 why = self.backend.error(rows[i])
                 log.warning("request %s: its grammar rejected a sampled token (%s)", rids[i], why)
