@@ -57,6 +57,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.moto_env import MOTO_ENV  # noqa: E402
 from tests.jobs.job_helpers import chat_rows, job_dict, write_jsonl  # noqa: E402
 
 FORMATS = ("parquet", "jsonl", "openai-batch")
@@ -78,13 +79,6 @@ COLUMNS = ("format", "store", *TOTALED)
 RESUME_HINT = "rerun the same command to resume"
 JOB = "soak"
 RUN_TIMEOUT_S = 180.0
-_FAKE_AWS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
 
 
 @dataclass
@@ -507,7 +501,7 @@ def main() -> int:
         parser.error(f"--formats from {FORMATS}, --stores from {STORES}")
     combos = [Combo(f, s) for f in formats for s in stores]
 
-    os.environ.update(_FAKE_AWS)  # moto only; the children inherit them
+    os.environ.update(MOTO_ENV)  # moto only; the children inherit them
     os.environ.pop("AWS_PROFILE", None)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = None

@@ -32,17 +32,11 @@ import time
 from collections import Counter
 from typing import Any
 
+from bench.moto_env import MOTO_ENV
 from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.manifest import Manifest, ShardRecord
 
 JOB = "bench"
-_FAKE_AWS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
 
 
 def record(index: int) -> ShardRecord:
@@ -124,7 +118,7 @@ def main() -> int:
         print(json.dumps({"store": "local", "records": args.records, "seconds": seconds}))
         return 0
 
-    os.environ.update(_FAKE_AWS)  # moto only
+    os.environ.update(MOTO_ENV)  # moto only
     os.environ.pop("AWS_PROFILE", None)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = None

@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.spec_workloads import WORKLOADS  # noqa: E402
+from bench.speculative import close_llm  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine.launched_step import LaunchedStep  # noqa: E402
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy  # noqa: E402
@@ -214,11 +215,8 @@ def run(args, method: str, convs, warm) -> dict:
     clock.detach()
     gc_passes = collections.detach()
     compiled = sorted(Path(k).stem for k in _triton_kernels() - kernels)
-    llm.engine.close()
+    close_llm(llm)
     del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     tokens = sum(o.num_completion_tokens for o in outs)
     return {
         "method": method,

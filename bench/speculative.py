@@ -195,13 +195,20 @@ def run(
         stats = {**stats, "step_profile": llm.engine.step_profile(), "by_bucket": clock.table(),
                  "drafted_ms": clock.drafted_spread(), "run": clock.run_summary(seconds),
                  "proposer": _proposer_host(llm.engine.scheduler.stats, host_before)}  # fmt: skip
-    llm.engine.close()
+    close_llm(llm)
     del llm
+    tokens = sum(o.num_completion_tokens for o in outs)
+    return tokens / seconds, [o.token_ids for o in outs], stats, tokens, seconds
+
+
+def close_llm(llm: LLM) -> None:
+    """Close ``llm``'s engine and give its GPU memory back before the next run's engine
+    (the caller drops its own reference too)."""
+    llm.engine.close()
+    llm.engine = None
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    tokens = sum(o.num_completion_tokens for o in outs)
-    return tokens / seconds, [o.token_ids for o in outs], stats, tokens, seconds
 
 
 def main() -> None:
