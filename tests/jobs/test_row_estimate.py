@@ -78,6 +78,60 @@ def test_compressed_remote_jsonl_is_estimated_from_compressed_bytes(
     assert input_row_total(bzip2) is None
 
 
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "xz"])
+def test_a_highly_compressed_sample_is_decompressed_only_so_far(
+    s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    codec: str,
+) -> None:
+    """One prompt repeated (a benchmark's input): a 1 MiB sample of it as zstd is GiBs of
+    text, all held (and split into lines) by the count beside the run. The sample is
+    decompressed up to DECOMPRESSED_BYTES, its rows counted per compressed byte used, and
+    the estimate stays within 10% of the rows."""
+    import lzma
+    import tracemalloc
+
+    import zstandard
+
+    fs, options = _s3(s3_endpoint)
+    # samples that decompress to 13..20 MiB (a file no larger is counted whole)
+    sample = {"gzip": 64 << 10, "zstd": 2 << 10, "xz": 2 << 10}[codec]
+    monkeypatch.setattr(row_estimate, "SAMPLE_BYTES", sample)
+    monkeypatch.setattr(row_estimate, "DECOMPRESSED_BYTES", 6 << 20)
+    row = b'{"prompt": "Summarize the following text in one sentence, please."}\n'
+    rows = (24 << 20) // len(row)
+    compress = {
+        "gzip": gzip.compress,
+        "zstd": zstandard.ZstdCompressor().compress,
+        "xz": lzma.compress,
+    }[codec]
+    packed = compress(row * rows)
+    suffix = {"gzip": "gz", "zstd": "zst", "xz": "xz"}[codec]
+    fs.pipe_file(f"data/same.jsonl.{suffix}", packed + compress(row * rows))  # two members
+    cfg = InputConfig(path=f"s3://data/same.jsonl.{suffix}", storage_options=options)
+    peaks: list[int] = []
+    sample_file = row_estimate._sample
+
+    def measured(*args: Any) -> Any:  # (the sample's own memory, not s3fs's client's)
+        tracemalloc.reset_peak()
+        start = tracemalloc.get_traced_memory()[0]
+        try:
+            return sample_file(*args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1] - start)
+
+    monkeypatch.setattr(row_estimate, "_sample", measured)
+    tracemalloc.start()
+    try:
+        total = input_row_total(cfg)
+    finally:
+        tracemalloc.stop()
+    assert total is not None and total.estimated
+    # (the first compressed bytes, a frame's header and its first row, weigh more)
+    assert abs(total.rows - 2 * rows) / (2 * rows) < 0.1, (total, 2 * rows)
+    assert len(peaks) == 1 and peaks[0] < 20 << 20, peaks  # (its whole text: 13..20 MiB)
+
+
 def test_many_remote_files_take_the_sampled_files_bytes_per_row(
     s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
