@@ -141,6 +141,32 @@ def test_preemption_computes_each_position_once(tiny_path) -> None:
             assert a.logprob == pytest.approx(b.logprob, abs=ATOL)
 
 
+@pytest.mark.parametrize("chunk", [None, 8], ids=["one-step", "mid-prefill"])
+def test_an_aborted_requests_id_reused_while_its_step_is_in_flight(
+    tiny_path, hf_logprobs, chunk: int | None
+) -> None:
+    """A retry through LLMEngine: a request with prompt_logprobs aborted while the step
+    prefilling (a chunk of) its prompt is in flight, its id added again at once with another
+    prompt. That step's positions were recorded into the new request's (the engine raised
+    "arrived after": the new prompt's came from 0 again)."""
+    settings = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    engine = _llm(tiny_path, async_scheduling=True, **settings).engine
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    old, new = _prompts()[3], _prompts()[5]
+    engine.add_request("x", old, params)
+    engine.step()  # launches its (first) prefill step, processed by the next call
+    assert engine._in_flight is not None
+    engine.abort_requests(["x"])
+    engine.add_request("x", new, params)
+    outs: list[RequestOutput] = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == ["x"]
+    _check_against_hf(outs[0], new, 2, hf_logprobs)
+    assert outs[0].token_ids == _llm(tiny_path).generate([new], params)[0].token_ids
+    engine.close()
+
+
 def test_n_completions_share_one_set_of_prompt_logprobs(tiny_path) -> None:
     llm = _llm(tiny_path)
     prompt = _prompts()[2]

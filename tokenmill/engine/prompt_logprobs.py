@@ -71,13 +71,15 @@ class PromptLogitsPlan:
 
     ``token_rows[i]`` is the row of the step's hidden states [T, H] at a prompt position
     whose logits score ``target_ids[i]`` (the next prompt token). ``segments`` cut the P
-    rows into runs of consecutive positions: (request id, first position, count).
+    rows into runs of consecutive positions: (request, first position, count). The request
+    itself, not its id: one aborted while its step is in flight may have its id given to a
+    new request before the step's results are recorded.
     """
 
     token_rows: np.ndarray  # [P] int64
     target_ids: np.ndarray  # [P] int64
     num_top: int  # the largest prompt_logprobs asked for among them
-    segments: tuple[tuple[str, int, int], ...]
+    segments: tuple[tuple[Request, int, int], ...]
 
 
 @dataclass
@@ -210,12 +212,12 @@ class PromptLogprobs:
         bs, table = self.block_size, sched.table
         token_rows: list[np.ndarray] = []
         targets: list[np.ndarray] = []
-        segments: list[tuple[str, int, int]] = []
+        segments: list[tuple[Request, int, int]] = []
         num_top = 0
         for j in rows.tolist():
             req: Request = sched.requests[j]
             state = self._unplanned.get(req.request_id)
-            if state is None:
+            if state is None or state.request is not req:  # (aborted, its id reused since)
                 continue
             start, count = int(sched.starts[j]), int(sched.num_new[j])
             last = req.num_prompt_tokens - 1  # positions 0 .. last - 1 score a prompt token
@@ -236,7 +238,7 @@ class PromptLogprobs:
                 base = int(qsl[found[0]]) - start
                 token_rows.append(np.arange(lo, hi, dtype=np.int64) + base)
                 targets.append(np.asarray(req.prompt_token_ids[lo + 1 : hi + 1], dtype=np.int64))
-                segments.append((req.request_id, lo, hi - lo))
+                segments.append((req, lo, hi - lo))
                 num_top = max(num_top, state.k)
                 state.num_planned = hi
             if state.num_planned >= last:
@@ -249,8 +251,9 @@ class PromptLogprobs:
 
     def record(self, result: PromptLogprobsTensors) -> None:
         """Append a step's results to their requests' entries, in prompt order (waits for
-        the host copies). Requests dropped since are skipped. Raises RuntimeError when a
-        run of positions does not continue its request's entries (an engine bug)."""
+        the host copies). Requests dropped since are skipped, and so are their ids if given
+        to new requests since. Raises RuntimeError when a run of positions does not continue
+        its request's entries (an engine bug)."""
         result.wait()
         lps = result.target_logprobs.tolist()
         ranks = result.ranks.tolist()
@@ -258,9 +261,10 @@ class PromptLogprobs:
         top_lps = result.top_logprobs.tolist()
         targets = result.plan.target_ids.tolist()
         i = 0
-        for rid, first, count in result.plan.segments:
+        for req, first, count in result.plan.segments:
+            rid = req.request_id
             state = self._states.get(rid)
-            if state is None:
+            if state is None or state.request is not req:
                 i += count
                 continue
             if len(state.entries) != first + 1:
