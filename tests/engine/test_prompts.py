@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from tests.tiny_models import save_tiny_tokenizer
 from tokenmill.engine.loader.tokenizer import load_hf_tokenizer
-from tokenmill.engine.prompts import encode_chat
+from tokenmill.engine.prompts import check_prompt_ids, encode_chat
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,26 @@ def test_a_conversation_that_is_not_unicode_is_named(tiny_dir: Path) -> None:
     messages = [{"role": "user", "content": "ok \ud800"}]
     with pytest.raises(ValueError, match=r"not valid Unicode \(a lone surrogate, '\\ud800', at"):
         encode_chat(tokenizer, messages)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("Hello", r"the prompt is text, not token ids: encode it first"),  # vLLM's add_request
+        ([5, 6.5, 7], r"prompt token ids must be integers, got \[6.5\]"),  # was run as 6
+        ([5.0, 6], r"prompt token ids must be integers, got \[5.0\]"),
+        ({"prompt_token_ids": [5, 6]}, r"the prompt is a mapping: .* prompt_token_ids list"),
+        ([], "the prompt is empty"),
+        ([5, 288], r"outside the vocabulary \[0, 288\): \[288\]"),
+    ],
+)
+def test_a_prompt_that_is_not_token_ids_is_refused_naming_why(prompt, message: str) -> None:
+    """LLMEngine.add_request checks its prompt here: text and floats raised a TypeError
+    naming neither, or ran (5.5 as 5)."""
+    with pytest.raises(ValueError, match=message):
+        check_prompt_ids(prompt, 288)
+
+
+def test_a_numpy_array_of_ids_is_taken() -> None:
+    check_prompt_ids(np.arange(5, 10), 288)  # its truth value raised "ambiguous"
+    check_prompt_ids([np.int64(5), 6], 288)

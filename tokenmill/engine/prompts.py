@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import numpy as np
 
 from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
 
@@ -110,12 +113,34 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
-    """Raise ValueError when a prompt is empty or holds ids outside ``[0, vocab_size)``."""
-    if not prompt_token_ids:
+    """Raise ValueError when a prompt is text or a mapping (vLLM's prompt types), is empty,
+    or holds anything but integer ids in ``[0, vocab_size)`` (a float such as 5.5 was cut
+    to 5, and text raised a TypeError naming neither the prompt nor the fix). A numpy array
+    of ids is taken."""
+    if isinstance(prompt_token_ids, str | bytes):
+        raise ValueError(
+            "the prompt is text, not token ids: encode it first (engine.tokenizer.encode) "
+            "or give the text to LLM.generate"
+        )
+    if isinstance(prompt_token_ids, Mapping):  # vLLM's TokensPrompt
+        raise ValueError(
+            "the prompt is a mapping: LLMEngine.add_request takes the token ids themselves "
+            "(its prompt_token_ids list)"
+        )
+    if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty")
+    # One C loop takes only integers (isinstance per id tripled a 500-token prompt's check)
+    try:
+        ids = np.frombuffer(array.array("q", prompt_token_ids), dtype=np.int64)  # [L]
+    except TypeError:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int | np.integer)]
+        raise ValueError(f"prompt token ids must be integers, got {bad[:5]!r}") from None
+    except OverflowError:  # past int64: outside any vocabulary
+        ids = None
+    if ids is not None and ids.min() >= 0 and ids.max() < vocab_size:
+        return
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
