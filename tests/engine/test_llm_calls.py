@@ -202,3 +202,44 @@ def test_an_interrupt_anywhere_in_a_call_leaves_the_llm_as_new(
     for _ in range(2):  # the second call hits what the first cached
         outs = llm.generate(prompts, params)
         assert [[c.token_ids for c in o.outputs] for o in outs] == want
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_that_raised_is_named_by_the_next_until_cut_short(
+    model: Path, monkeypatch, async_scheduling: bool
+) -> None:
+    """LLMEngine driven directly, its forward pass failing once (a CUDA OOM, say): each later
+    step raised an error naming another cause ("the KV cache is too small for the waiting
+    prompt" synchronously, a request's "pending input token was not sampled" async). Now
+    they name the first error and the way out, which runs the same ids as a fresh engine."""
+    llm = LLM(str(model), device="cpu", dtype="float32", async_scheduling=async_scheduling)
+    engine, prompts = llm.engine, _prompts(3)[:4]
+    ids = [f"r{i}" for i in range(len(prompts))]
+
+    def run() -> dict[str, list[int]]:
+        for rid, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(rid, prompt, PARAMS)
+        outs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            outs.update((o.request_id, o.token_ids) for o in engine.step())
+        return outs
+
+    want = run()
+    forward = engine.runner.model.forward
+    calls = [0]
+
+    def fails_once(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("out of memory (injected)")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.model, "forward", fails_once)
+    with pytest.raises(MemoryError):
+        run()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"earlier LLMEngine.step raised \(MemoryError: "):
+            engine.step()
+    engine.cut_short(ids)
+    assert run() == want
+    llm.close()

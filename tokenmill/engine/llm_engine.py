@@ -105,6 +105,9 @@ class LLMEngine:
         else they run synchronously."""
         self.config = config
         self._closed = False
+        # What an exception raised mid-step (the state it left is part-updated), until
+        # ``cut_short`` starts afresh: ``step`` refuses meanwhile.
+        self._torn: str | None = None
         self.policy: SpeculationPolicy | None = None
         # Drafted steps of fewer running rows than this draft ahead (async) where they can;
         # larger ones run synchronously. On the H200 (SmolLM2, k = 4, BENCHMARKS session
@@ -470,6 +473,7 @@ class LLMEngine:
         self._watched.clear()
         self._prompt_logprobs.clear()
         self._in_flight = self._ahead = self._processed_early = self._fed = None
+        self._torn = None
         self._aborted_ahead = set()
         self._unscored.clear()
         self._last_sync = 0
@@ -495,8 +499,34 @@ class LLMEngine:
 
         With async scheduling the step launched here is processed by the next call, and the
         outputs of its finished requests are built on a worker thread: they come one or more
-        calls later, and ``has_unfinished`` stays True until they have."""
+        calls later, and ``has_unfinished`` stays True until they have.
+
+        Raises RuntimeError when an earlier call raised inside its step (its scheduler,
+        runner and grammar state are then part-updated: each later step raised an error
+        naming some other cause, such as a KV cache too small), until ``cut_short`` is
+        given the requests in flight."""
         self._check_open()
+        if self._torn is not None:
+            raise RuntimeError(
+                f"an earlier LLMEngine.step raised ({self._torn}) and left its requests "
+                "part-updated: call cut_short with the ids of the requests in flight (they "
+                "are aborted and the engine starts afresh), or make a new engine"
+            )
+        try:
+            wait = self._step()
+        except BaseException as exc:
+            self._torn = f"{type(exc).__name__}: {exc}"
+            raise
+        if wait is None:  # (nothing changed: aborting the waiting prompt is enough)
+            raise RuntimeError(
+                "the scheduler could not schedule any request: the KV cache is too small for "
+                "the waiting prompt"
+            )
+        return self._outputs.collect(wait=wait)
+
+    def _step(self) -> bool | None:
+        """``step`` up to collecting the outputs: whether to wait for all of them; None
+        when nothing could be scheduled while requests wait."""
         # A step scheduled ahead (``_while_masks_fill``) was decided plain there.
         draft = self._ahead is None and self._wants_drafts()
         # Unless drafted ahead, a drafted row's inputs need every earlier token on the host:
@@ -524,12 +554,7 @@ class LLMEngine:
             sched, prepared = scheduled
         host_ms = (time.perf_counter() - t0) * 1e3
         if sched.is_empty and self._in_flight is None:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(
-                    "the scheduler could not schedule any request: the KV "
-                    "cache is too small for the waiting prompt"
-                )
-            return self._outputs.collect(wait=True)
+            return None if self.scheduler.has_unfinished() else True
         launched = None
         if not sched.is_empty:
             # Only while a request has prompt positions left to score.
@@ -580,8 +605,7 @@ class LLMEngine:
         while self._unscored and self._unscored[0][1].accepted is not None:
             sample, step = self._unscored.popleft()
             self.policy.record(dataclasses.replace(sample, accepted=step.accepted))
-        done = not self.scheduler.has_unfinished() and self._in_flight is None
-        return self._outputs.collect(wait=done)
+        return not self.scheduler.has_unfinished() and self._in_flight is None
 
     def _wants_drafts(self) -> bool:
         """Whether this step gives decode rows drafts: never while no running row may take
