@@ -54,6 +54,8 @@ def test_a_conversation_that_is_not_unicode_is_named(tiny_dir: Path) -> None:
         ("Hello", r"the prompt is text, not token ids: encode it first"),  # vLLM's add_request
         ([5, 6.5, 7], r"prompt token ids must be integers, got \[6.5\]"),  # was run as 6
         ([5.0, 6], r"prompt token ids must be integers, got \[5.0\]"),
+        ([True, 6], r"integers, got True at position 0: a bool is no token id"),  # ran as 1
+        ([5, 0, False], r"integers, got False at position 2: a bool"),  # LLM.generate refused
         ({"prompt_token_ids": [5, 6]}, r"the prompt is a mapping: .* prompt_token_ids list"),
         ([], "the prompt is empty"),
         ([5, 288], r"outside the vocabulary \[0, 288\): \[288\]"),

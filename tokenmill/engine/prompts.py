@@ -115,8 +115,8 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
     """Raise ValueError when a prompt is text or a mapping (vLLM's prompt types), is empty,
     or holds anything but integer ids in ``[0, vocab_size)`` (a float such as 5.5 was cut
-    to 5, and text raised a TypeError naming neither the prompt nor the fix). A numpy array
-    of ids is taken."""
+    to 5, and text raised a TypeError naming neither the prompt nor the fix; True ran as
+    id 1). A numpy array of ids is taken."""
     if isinstance(prompt_token_ids, str | bytes):
         raise ValueError(
             "the prompt is text, not token ids: encode it first (engine.tokenizer.encode) "
@@ -137,10 +137,25 @@ def check_prompt_ids(prompt_token_ids: Sequence[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be integers, got {bad[:5]!r}") from None
     except OverflowError:  # past int64: outside any vocabulary
         ids = None
-    if ids is not None and ids.min() >= 0 and ids.max() < vocab_size:
-        return
+    if ids is not None:
+        lowest = ids.min()
+        if lowest >= 0 and ids.max() < vocab_size:
+            if lowest <= 1:  # a bool passed as 0 or 1: look at those ids alone
+                _refuse_bools(prompt_token_ids, np.flatnonzero(ids <= 1))
+            return
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def _refuse_bools(prompt_token_ids: Sequence[int], at: np.ndarray) -> None:
+    """Raise ValueError when an id at a position in ``at`` is a bool: True is no token id
+    (LLM.generate refuses it), though it is the integer 1."""
+    bad = [i for i in at.tolist() if isinstance(prompt_token_ids[i], bool)]
+    if bad:
+        raise ValueError(
+            f"prompt token ids must be integers, got {prompt_token_ids[bad[0]]!r} at position "
+            f"{bad[0]}: a bool is no token id"
+        )
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
