@@ -243,3 +243,18 @@ def test_a_step_that_raised_is_named_by_the_next_until_cut_short(
     engine.cut_short(ids)
     assert run() == want
     llm.close()
+
+
+def test_add_request_without_sampling_params_names_the_argument(model: Path) -> None:
+    """params=None raised "'NoneType' object has no attribute 'num_samples'" (vLLM's
+    add_request takes no default either); the engine runs on after the refusal."""
+    with LLM(str(model), device="cpu", dtype="float32") as llm:
+        engine = llm.engine
+        for params in (None, {"max_tokens": 4}):
+            with pytest.raises(TypeError, match=r"params must be a SamplingParams, got "):
+                engine.add_request("x", [5, 6, 7], params)  # type: ignore[arg-type]
+        assert not engine.has_unfinished()
+        engine.add_request("x", [5, 6, 7], PARAMS)  # the id was not taken
+        outs = [o for _ in range(20) if engine.has_unfinished() for o in engine.step()]
+        assert [len(o.token_ids) for o in outs] == [PARAMS.max_tokens]
+

@@ -352,8 +352,15 @@ class LLMEngine:
         empty, holds ids outside the vocabulary, or leaves no room in the context, and when
         ``params`` asks for more than one completion (LLM expands n / best_of into requests),
         biases ids outside the vocabulary (``logit_bias``) or its ``structured_output`` does
-        not compile for this model's tokenizer."""
+        not compile for this model's tokenizer; TypeError when ``params`` is not a
+        SamplingParams (None included: vLLM's ``add_request`` takes no default either, and
+        a forgotten one run as ``SamplingParams()``, 16 tokens, would cut outputs short)."""
         self._check_open()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"add_request's params must be a SamplingParams, got {type(params).__name__}: "
+                "pass SamplingParams() for the defaults"
+            )
         if params.num_samples != 1:
             raise ValueError(
                 f"an engine request makes one completion: SamplingParams n={params.n}, "
