@@ -258,3 +258,18 @@ def test_add_request_without_sampling_params_names_the_argument(model: Path) -> 
         outs = [o for _ in range(20) if engine.has_unfinished() for o in engine.step()]
         assert [len(o.token_ids) for o in outs] == [PARAMS.max_tokens]
 
+
+def test_aborting_after_close_releases_without_raising(model: Path) -> None:
+    """A closed engine refuses requests and steps, but an abort still releases: the call
+    LLM.close stops in another thread aborts its requests after the close (cut_short), as
+    cleanup code after a close in a finally block does; raising there would hide the
+    error that stopped it."""
+    llm = LLM(str(model), device="cpu", dtype="float32")
+    engine = llm.engine
+    engine.add_request("x", [5, 6, 7], PARAMS)
+    engine.step()
+    llm.close()
+    engine.abort_requests(["x", "never added"])
+    assert not engine.scheduler.has_unfinished() and not engine.unfinished_output_tokens()
+    with pytest.raises(RuntimeError, match="this engine was closed"):
+        engine.step()

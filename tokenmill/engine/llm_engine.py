@@ -489,7 +489,10 @@ class LLMEngine:
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Drop requests (finished or not) and free their KV blocks; nothing is returned."""
+        """Drop requests (finished or not) and free their KV blocks; nothing is returned.
+        Also after ``close`` (a release, as a second close is): a call stopped by a close
+        in another thread aborts its requests after it (``cut_short``), and cleanup code
+        aborting after a close in a finally block would else hide the error it handles."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._outputs.drop(request_ids)
         for rid in request_ids:
