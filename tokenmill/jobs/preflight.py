@@ -24,6 +24,7 @@ from tokenmill.io.readers.file_listing import warn_hidden_matches
 from tokenmill.io.readers.format_detection import LOOK_AT_FILES
 from tokenmill.io.readers.input_config import DEFAULT_ID_COLUMN
 from tokenmill.io.readers.jsonl_records import JsonlRecords
+from tokenmill.io.readers.parquet_footers import ParquetFooter, ParquetFooters
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.storage import StorageError
 from tokenmill.io.url_secrets import url_credentials_refusal
@@ -140,12 +141,14 @@ def check_input(spec: JobSpec) -> InputConfig:
                 f"{column!r} ({why}; names are compared without case, as duckdb and Spark "
                 "read them); rename it in the input or leave it out"
             )
-    if fmt == "parquet":
+    footers = ParquetFooters() if fmt == "parquet" else None
+    if footers is not None:
         # (Parquet output warns of absent passthrough columns over every file: output_schema)
-        _check_parquet_columns(_first_with_rows(files, cfg), cfg, spec.output.format != "parquet")
+        look = _first_with_rows(files, cfg, footers)
+        _check_parquet_columns(look, cfg, spec.output.format != "parquet")
     elif fmt == "jsonl":
         _check_jsonl_columns(files, cfg)
-    return replace(cfg, files=tuple(files), files_format=fmt)
+    return replace(cfg, files=tuple(files), files_format=fmt, footers=footers)
 
 
 _ABSENT_PASSTHROUGH = (
@@ -199,22 +202,26 @@ class _ParquetLook:
     num_rows: int
 
 
-def _look_at(url: str, cfg: InputConfig) -> _ParquetLook:
+def _look_at(url: str, cfg: InputConfig, footers: ParquetFooters) -> _ParquetLook:
+    """``url``'s footer, kept in ``footers`` for the run's later readers of it."""
     with ParquetRecords(url, cfg.storage_options, []) as records:
-        return _ParquetLook(url, records.columns(), records.column_types(), records.num_rows)
+        look = _ParquetLook(url, records.columns(), records.column_types(), records.num_rows)
+    kept = {c: look.types[c] for c in cfg.passthrough_columns if c in look.types}
+    footers.keep(url, ParquetFooter(look.num_rows, kept))
+    return look
 
 
-def _first_with_rows(files: list[str], cfg: InputConfig) -> _ParquetLook:
+def _first_with_rows(files: list[str], cfg: InputConfig, footers: ParquetFooters) -> _ParquetLook:
     """The footer of the first Parquet file holding rows (an empty part file says nothing of
     the columns the rows have); the first file's when none does. Each file is opened once
     (its footer read again for the column check was a second HEAD and GET of it)."""
     first: _ParquetLook | None = None
     for url in files[:LOOK_AT_FILES]:  # as format detection, a bounded look
-        look = _look_at(url, cfg)
+        look = _look_at(url, cfg, footers)
         if look.num_rows:
             return look
         first = first or look
-    return first or _look_at(files[0], cfg)  # (files: never empty, as listed)
+    return first or _look_at(files[0], cfg, footers)  # (files: never empty, as listed)
 
 
 def _check_parquet_columns(look: _ParquetLook, cfg: InputConfig, passthrough: bool) -> None:

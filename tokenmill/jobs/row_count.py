@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import threading
 
-import fsspec
-
 from tokenmill.io.readers import InputConfig, list_input_files
 from tokenmill.io.readers.compression import open_input
 from tokenmill.io.readers.file_reads import map_files
 from tokenmill.io.readers.format_detection import format_by_name
 from tokenmill.io.readers.jsonl_records import blank_line
+from tokenmill.io.readers.parquet_footers import footer_of
 from tokenmill.jobs.row_estimate import RowTotal, Stopped, estimate_rows, is_local
 
 __all__ = ["RowTotal", "input_row_total"]
@@ -57,11 +56,8 @@ def input_row_total(cfg: InputConfig, stop: threading.Event | None = None) -> Ro
 def _rows_of(url: str, fmt: str, cfg: InputConfig, stop: threading.Event | None) -> int:
     if stop is not None and stop.is_set():
         raise Stopped
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        with fsspec.open(url, "rb", **cfg.storage_options) as f:
-            return pq.ParquetFile(f).metadata.num_rows
+    if fmt == "parquet":  # (a footer the fingerprint read already: not again)
+        return footer_of(url, cfg).num_rows
     rows = 0
     with open_input(url, cfg.storage_options) as f:
         # one line at a time: 65,536 of them held at once were a whole file of long

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenmill.io.readers.parquet_footers import ParquetFooters
 
 DEFAULT_ID_COLUMN = "id"  # optional: a file without it gets file:line ids
 
@@ -26,6 +29,8 @@ class InputConfig:
     ``path`` at each use. ``files_format``: the format ``files`` resolved to as the same
     check found it (``detect_format``, which looks into the first file: on an object store
     a request each time), taken by every later reader of those files; None: detected anew.
+    ``footers``: Parquet ``files``' footers as the run read them (parquet_footers.py), so
+    that its row count and passthrough types do not read each again; None: read anew.
     Raises ValueError naming the key when a value is invalid.
     """
 
@@ -39,6 +44,7 @@ class InputConfig:
     structured_output_column: str | None = None
     files: tuple[str, ...] | None = None
     files_format: str | None = None
+    footers: ParquetFooters | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # Lists from YAML are accepted and frozen into a tuple.

@@ -20,6 +20,7 @@ from tokenmill.io.readers.format_detection import detect_format, input_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.jsonl_records import blank_line
 from tokenmill.io.readers.listing_cache import list_again
+from tokenmill.io.readers.parquet_footers import ParquetFooters, footer_from_tail
 from tokenmill.io.readers.storage import protocols, resolve
 from tokenmill.io.url_secrets import hide_url_secrets
 
@@ -100,7 +101,13 @@ def fingerprint_input(cfg: InputConfig, fresh: bool = False) -> InputFingerprint
     lines = fmt != "parquet"
     versions: dict[str, str] = {}
     named: dict[str, str] = {}
-    entries = map_files(lambda url: _file_entry(url, cfg.storage_options, lines), files)
+    # (Parquet: each file's last MiB holds its footer, kept for the row count and the schema)
+    footers = None if lines else cfg.footers
+
+    def entry_of(url: str) -> tuple[list[Any], str | None]:
+        return _file_entry(url, cfg.storage_options, lines, footers, cfg.passthrough_columns)
+
+    entries = map_files(entry_of, files)
     for entry, version in entries:
         # hashed under the URL as shown: a presigned URL signed again or a new password names
         # the same file (the same as before for a URL without either)
@@ -176,12 +183,17 @@ def _named_versions(versions: dict[str, str]) -> dict[str, str]:
 
 
 def _file_entry(
-    url: str, storage_options: dict[str, Any], lines: bool = False
+    url: str,
+    storage_options: dict[str, Any],
+    lines: bool = False,
+    footers: ParquetFooters | None = None,
+    columns: tuple[str, ...] = (),
 ) -> tuple[list[Any], str | None]:
     """(entry, version): the entry is the file's URL, size and hashes of its first and last
     MiB, for a line format (``lines``) whose first line is a byte-order mark alone
     "bom-line" too; the version is the store's (``content_version``), from the file info
-    its size comes from."""
+    its size comes from. Keeps in ``footers`` the Parquet footer its last MiB holds (with
+    the types of ``columns``), where it holds one whole."""
     fs, path = resolve(url, storage_options)
     # (a small block: the default's 50 MiB on S3 fetched whole files for their edges)
     with fs.open(path, "rb", block_size=peek_block_size(fs)) as f:
@@ -194,6 +206,9 @@ def _file_entry(
             f.seek(max(size - EDGE_BYTES, 0))
             tail = f.read(EDGE_BYTES)
     entry = [url, size, hashlib.sha256(head).hexdigest(), hashlib.sha256(tail).hexdigest()]
+    footer = None if footers is None else footer_from_tail(tail, columns)
+    if footer is not None:
+        footers.keep(url, footer)
     if lines and not head.startswith(b"{") and _mark_alone_first(url, head, storage_options):
         entry.append("bom-line")
     return entry, content_version(fs, info)

@@ -31,7 +31,7 @@ from tokenmill.io.readers.file_listing import list_input_files
 from tokenmill.io.readers.format_detection import input_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.input_rows import iter_input_rows
-from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.io.readers.parquet_footers import footer_of
 from tokenmill.io.value_bytes import value_bytes
 
 __all__ = ["SAMPLE_ROWS", "passthrough_schema"]
@@ -103,9 +103,9 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
     # (url, types, whether it has no rows): an empty file gives a type only where no file
     # with rows does (an empty Spark part file's string must not clash with int64 rows)
     schemas = []
-    for url in files:
-        with ParquetRecords(url, cfg.storage_options, []) as records:
-            schemas.append((url, records.column_types(), records.num_rows == 0))
+    for url in files:  # (footers the run's checks or fingerprint read already: not again)
+        footer = footer_of(url, cfg)
+        schemas.append((url, footer.types, footer.num_rows == 0))
     schemas.sort(key=lambda s: s[2])
     for url, types, no_rows in schemas:
         for name in cfg.passthrough_columns:
