@@ -308,7 +308,7 @@ def _prompt_part(prompt: Any, index: int) -> tuple[str | None, list[int] | None]
         if ids is None:
             raise ValueError(
                 f"prompt {index}: 'prompt_token_ids' holds a list of token ids; got "
-                f"{type(used['prompt_token_ids']).__name__}"
+                f"{_shown(used['prompt_token_ids'])}"
             )
         return text, ids
     if isinstance(prompt, str):
@@ -316,9 +316,25 @@ def _prompt_part(prompt: Any, index: int) -> tuple[str | None, list[int] | None]
     ids = _ids_of(prompt)
     if ids is not None:
         return None, ids
-    raise ValueError(
-        f"prompt {index}: expected text or a list of token ids, got {type(prompt).__name__}"
-    )
+    raise ValueError(f"prompt {index}: expected text or a list of token ids, got {_shown(prompt)}")
+
+
+def _shown(value: Any) -> str:
+    """What a refused prompt is: its type, and for a list of ids the kinds that are not
+    integers ("got list" alone did not say that [True, 2, 3] failed for its bool), for an
+    array its dtype and shape."""
+    name = type(value).__name__
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        return name
+    shape = getattr(value, "shape", None)
+    if shape is not None:  # a numpy array or a tensor
+        return f"{name} of {getattr(value, 'dtype', '?')} with shape {tuple(shape)}"
+    kinds = sorted({type(v).__name__ for v in value if not _is_id(v)})
+    return f"{name} holding {', '.join(kinds[:3])} (ids are integers)" if kinds else name
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _ids_of(value: Any) -> list[int] | None:
