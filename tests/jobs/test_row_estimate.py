@@ -129,7 +129,11 @@ def test_a_highly_compressed_sample_is_decompressed_only_so_far(
     assert total is not None and total.estimated
     # (the first compressed bytes, a frame's header and its first row, weigh more)
     assert abs(total.rows - 2 * rows) / (2 * rows) < 0.1, (total, 2 * rows)
-    assert len(peaks) == 1 and peaks[0] < 20 << 20, peaks  # (its whole text: 13..20 MiB)
+    # Whole texts held took 52 / 58 / 35 MiB here (gzip / zstd / xz); decompressed so far,
+    # ~8-15, and xz's decoder adds its 8 MiB dictionary, which tracemalloc counts (liblzma
+    # allocates through Python): a run beside the suite read 21.5 MiB for xz.
+    bound = (28 if codec == "xz" else 20) << 20
+    assert len(peaks) == 1 and peaks[0] < bound, peaks
 
 
 def test_many_remote_files_take_the_sampled_files_bytes_per_row(
