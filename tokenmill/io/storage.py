@@ -287,6 +287,17 @@ class OutputStore:
         for path in paths:
             self.fs.invalidate_cache(path)
 
+    def still_there(self, names: list[str]) -> list[str]:
+        """Those of ``names`` the store still holds, listed again a folder at a time: after
+        ``delete_many`` on an object store, whose batched delete S3 answers per key and s3fs
+        drops the refusals (AccessDenied on some keys). [] on a local store, whose deletes
+        raise by themselves."""
+        if self.is_local or not names:
+            return []
+        folders = sorted({name.rsplit("/", 1)[0] + "/" if "/" in name else "" for name in names})
+        held = {name for folder in folders for name in self.list(folder)}
+        return [name for name in names if name in held]
+
     def cleanup_temp(self) -> int:
         """Remove temporary files a killed writer of this owner left behind; return how many.
 

@@ -85,18 +85,15 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     # Batched on an object store: one DELETE a file took 3.5 s for 500 leftovers on a local
     # S3 before the run's first row (tens of seconds on a remote one; an audit).
     store.delete_many(stray)
-    if stray and not store.is_local:
-        # S3's batched delete answers per key and s3fs drops the refusals: a stale error file
-        # left beside its recomputed shard would show its rows as failed as well as done.
-        folders = sorted({name.rsplit("/", 1)[0] + "/" for name in stray})
-        still = {name for folder in folders for name in store.list(folder)}
-        left = [name for name in stray if name in still]
-        if left:
-            raise StorageError(
-                f"{hide_url_secrets(store.url)}: could not delete {len(left)} shard files an "
-                f"earlier run left ({some_files(left)}): the store refused them; check that "
-                "the credentials may delete objects there, and rerun"
-            )
+    # (a stale error file left beside its recomputed shard would show its rows as failed
+    # as well as done)
+    left = store.still_there(stray)
+    if left:
+        raise StorageError(
+            f"{hide_url_secrets(store.url)}: could not delete {len(left)} shard files an "
+            f"earlier run left ({some_files(left)}): the store refused them; check that "
+            "the credentials may delete objects there, and rerun"
+        )
     return len(stray)
 
 
@@ -128,18 +125,16 @@ def discard_progress(store: OutputStore, job: str) -> None:
     manifest; nothing else. Needs no readable manifest. On an object store the files go in
     batched requests (``delete_many``): one request a file took 10 s for 2,400 shards on a
     local S3, and at ~30 ms a request would take 50 min for 100,000 on a remote one (an audit)."""
-    store.delete_many(progress_files(store, job))  # the journal before the manifest
-    if not store.is_local:
-        # S3's batched delete answers per key and s3fs drops the refusals (AccessDenied on
-        # some keys): a journal record left behind would be read back by the fresh run
-        # as its own progress. Local deletes raise by themselves.
-        left = progress_files(store, job)
-        if left:
-            raise StorageError(
-                f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of job "
-                f"{job!r}'s files ({some_files(left)}): the store refused them; check that the "
-                "credentials may delete objects there, and rerun with --fresh"
-            )
+    files = progress_files(store, job)
+    store.delete_many(files)  # the journal before the manifest
+    # (a journal record left behind would be read back by the fresh run as its progress)
+    left = store.still_there(files)
+    if left:
+        raise StorageError(
+            f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of job "
+            f"{job!r}'s files ({some_files(left)}): the store refused them; check that the "
+            "credentials may delete objects there, and rerun with --fresh"
+        )
     store.delete(REPORT_NAME)
     store.delete(REPORT_HTML_NAME)
     store.delete(Manifest.file_name(job))
