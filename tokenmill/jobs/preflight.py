@@ -206,8 +206,7 @@ def _look_at(url: str, cfg: InputConfig, footers: ParquetFooters) -> _ParquetLoo
     """``url``'s footer, kept in ``footers`` for the run's later readers of it."""
     with ParquetRecords(url, cfg.storage_options, []) as records:
         look = _ParquetLook(url, records.columns(), records.column_types(), records.num_rows)
-    kept = {c: look.types[c] for c in cfg.passthrough_columns if c in look.types}
-    footers.keep(url, ParquetFooter(look.num_rows, kept))
+    footers.keep(url, ParquetFooter.of_types(look.num_rows, look.types, cfg.passthrough_columns))
     return look
 
 

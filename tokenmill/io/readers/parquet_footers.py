@@ -39,7 +39,14 @@ class ParquetFooter:
     @classmethod
     def of(cls, parquet: pq.ParquetFile, columns: tuple[str, ...]) -> ParquetFooter:
         types = {f.name: f.type for f in parquet.schema_arrow}  # (ParquetRecords': last wins)
-        return cls(parquet.metadata.num_rows, {c: types[c] for c in columns if c in types})
+        return cls.of_types(parquet.metadata.num_rows, types, columns)
+
+    @classmethod
+    def of_types(
+        cls, num_rows: int, types: dict[str, pa.DataType], columns: tuple[str, ...]
+    ) -> ParquetFooter:
+        """From a file's rows and column types: those of ``columns`` it has kept."""
+        return cls(num_rows, {c: types[c] for c in columns if c in types})
 
 
 class ParquetFooters:
@@ -82,9 +89,9 @@ def footer_of(url: str, cfg: InputConfig) -> ParquetFooter:
         if footer is not None:
             return footer
     with ParquetRecords(url, cfg.storage_options, []) as records:
-        types = records.column_types()
-        kept = {c: types[c] for c in cfg.passthrough_columns if c in types}
-        footer = ParquetFooter(records.num_rows, kept)
+        footer = ParquetFooter.of_types(
+            records.num_rows, records.column_types(), cfg.passthrough_columns
+        )
     if cfg.footers is not None:
         cfg.footers.keep(url, footer)
     return footer
