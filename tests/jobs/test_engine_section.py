@@ -130,3 +130,14 @@ def test_readme_job_yaml_reference_gives_the_engine_defaults() -> None:
     raw = yaml.safe_load(block.split("```", 1)[0])
     assert set(raw["engine"]) == set(EngineSection.model_fields)
     assert JobSpec.from_dict(raw, "README.md").engine == EngineSection()
+
+
+def test_an_unknown_speculative_key_reads_as_every_section_s_unknown_key() -> None:
+    """An audit: ``speculative: {max_token: 3}`` said "expected no such key (the keys:
+    ...), got 3", where every other section says "unknown key" and suggests the key meant."""
+    error = _error(_raw(speculative={"max_token": 3, "method": "ngram"}))
+    assert error.splitlines()[1] == (
+        "  engine.speculative.max_token: unknown key (did you mean engine.speculative.max_tokens?)"
+    )
+    assert error.splitlines()[1:] == [error.splitlines()[1]]  # one error line
+    assert _error(_raw(speculative={"zzz": 1})).endswith("  engine.speculative.zzz: unknown key")

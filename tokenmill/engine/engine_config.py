@@ -28,7 +28,14 @@ from tokenmill.engine.model_config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EngineConfig", "EngineSettingError", "Rule", "SpeculativeConfig", "auto_device"]
+__all__ = [
+    "EngineConfig",
+    "EngineSettingError",
+    "Rule",
+    "SpeculativeConfig",
+    "UnknownSettingError",
+    "auto_device",
+]
 
 
 def auto_device() -> str:
@@ -74,6 +81,22 @@ class EngineSettingError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.key}: expected {self.expected}, got {_shown(self.value)}"
+
+
+class UnknownSettingError(EngineSettingError):
+    """A settings group's mapping names a key the group lacks (``speculative.max_token``):
+    ``close`` is the group's key it most likely misspells (``max_tokens``), else None."""
+
+    def __init__(self, key: str, value: Any, known: list[str]) -> None:
+        super().__init__(key, value, f"one of the keys {', '.join(known)}")
+        found = difflib.get_close_matches(key.rpartition(".")[2], known, n=1, cutoff=0.75)
+        self.close = found[0] if found else None
+        self.known = known
+
+    def __str__(self) -> str:
+        group = self.key.rpartition(".")[0]
+        guess = f"did you mean {group}.{self.close}? " if self.close else ""
+        return f"{self.key}: unknown key ({guess}the keys: {', '.join(self.known)})"
 
 
 @dataclass(frozen=True)
@@ -229,11 +252,7 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         for key in value:
             if key not in known:
-                raise EngineSettingError(
-                    f"speculative.{key}",
-                    value[key],
-                    f"no such key (the keys: {', '.join(sorted(known))})",
-                )
+                raise UnknownSettingError(f"speculative.{key}", value[key], sorted(known))
         if value.get("method") is False:
             value = {**value, "method": "off"}
         return cls(**value)

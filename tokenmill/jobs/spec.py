@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
+from tokenmill.engine.engine_config import EngineConfig, EngineSettingError, UnknownSettingError
 from tokenmill.engine.prompts import ChatTemplate
 from tokenmill.engine.sampling_params import SamplingParamError, SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
@@ -659,6 +659,11 @@ def _describe(err: ErrorDetails) -> str:
         return "required key is missing"
     if kind == "value_error":  # our validators' messages say what they got
         error = err.get("ctx", {}).get("error", err["msg"])
+        if isinstance(error, UnknownSettingError):  # in a group: engine.speculative.<key>
+            group = _error_key(err).rpartition(".")[0]
+            return "unknown key" + (
+                f" (did you mean {group}.{error.close}?)" if error.close else ""
+            )
         if isinstance(error, EngineSettingError):  # the value as YAML spells it
             hint = _engine_hint(error)
             return f"expected {error.expected}, got {_shown_with_type(error.value)}{hint}"

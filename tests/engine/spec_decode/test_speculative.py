@@ -111,7 +111,7 @@ def test_drafted_ahead_greedy_output_equals_off_on_120_prompts(
         ({"method": "ngram", "max_tokens": 8}, "speculative.max_tokens", "from 1 to 7"),
         ({"max_tokens": True}, "speculative.max_tokens", "from 1 to 7"),
         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_max", "from ngram_min (3)"),
-        ({"k": 3}, "speculative.k", "no such key"),
+        ({"k": 3}, "speculative.k", "unknown key (the keys: lookahead_candidates,"),
         ("ngram", "speculative", "a mapping"),
     ],
 )
