@@ -525,18 +525,32 @@ def test_passthrough_names_are_compared_without_case_and_must_be_unicode(
 
 @pytest.mark.parametrize(
     ("execution", "named"),
-    [({"replicas": 3}, "replicas: 3: needs executor: ray"),
-     ({"ray_address": "ray://head:10001"}, "ray_address: ray://head:10001: needs"),
-     ({"replicas": 2, "ray_address": "auto"}, "replicas: 2, ray_address: auto: need"),
-     ({"stall_timeout_s": 5}, "stall_timeout_s: 5.0: needs"),  # (an audit: it was taken)
-     ({"replica_failures_in_a_row": 4}, "replica_failures_in_a_row: 4: needs")],
+    [({"replicas": 3}, ["replicas: needs executor: ray, got 3 "]),
+     ({"ray_address": "ray://head:10001"}, ["ray_address: needs executor: ray, got 'ray://"]),
+     ({"replicas": 2, "ray_address": "auto"}, ["replicas: needs", "ray_address: needs"]),
+     ({"stall_timeout_s": 5}, ["stall_timeout_s: needs executor: ray, got 5.0 "]),  # (taken once)
+     ({"stall_timeout_s": None}, ["stall_timeout_s: needs executor: ray, got null "]),
+     ({"replica_failures_in_a_row": 4}, ["replica_failures_in_a_row: needs executor: ray"])],
 )  # fmt: skip
 def test_ray_settings_with_the_local_executor_are_refused(
-    execution: dict[str, Any], named: str
+    execution: dict[str, Any], named: list[str]
 ) -> None:
-    """They were ignored: replicas: 3 ran one engine, exit 0."""
-    assert f"execution: {named}" in _error(_raw(execution=execution))
+    """They were ignored: replicas: 3 ran one engine, exit 0. Each error names its own key
+    (an audit: they were all ``execution: ...``, a null shown as Python's None)."""
+    lines = _error(_raw(execution=execution)).splitlines()[1:]
+    assert len(lines) == len(named), lines
+    for line, said in zip(lines, named, strict=True):
+        assert line.startswith(f"  execution.{said}"), line
     JobSpec.from_dict(_raw(execution={**execution, "executor": "ray"}))
+
+
+def test_a_ray_setting_given_with_set_says_the_command_line_set_it(tmp_path: Path) -> None:
+    """An audit: ``--set execution.replicas=4`` on a local job was reported against the
+    section (``execution: replicas: 4: needs ...``), not as set on the command line."""
+    with pytest.raises(JobSpecError) as info:
+        JobSpec.load(_write(tmp_path, BASE_YAML), ["execution.replicas=4"])
+    assert str(info.value).splitlines()[1].startswith("  execution.replicas: needs executor: ray")
+    assert str(info.value).endswith("(set on the command line)")
 
 
 def test_openai_response_format_is_the_structured_output_it_means() -> None:

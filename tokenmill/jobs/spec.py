@@ -343,28 +343,18 @@ class ExecutionSection(_Section):
     # flaky; fewer to fail fast (1: the first failure, as the local executor's first error)
     replica_failures_in_a_row: StrictInt | None = Field(None, ge=1)
 
-    @model_validator(mode="after")
-    def _for_ray(self) -> ExecutionSection:
-        """Ray's settings with the local executor would be ignored, silently."""
-        if self.executor == "local":
-            defaults = ExecutionSection.model_fields
-            given = [
-                f"{key}: {getattr(self, key)}"
-                for key in (
-                    "replicas",
-                    "ray_address",
-                    "stall_timeout_s",
-                    "replica_failures_in_a_row",
-                )
-                if getattr(self, key) != defaults[key].default
-            ]
-            if given:
-                raise ValueError(
-                    f"{', '.join(given)}: {'needs' if len(given) == 1 else 'need'} executor: "
-                    "ray (the local executor runs one engine in this process); set executor: "
-                    "ray or leave it out"
-                )
-        return self
+    @field_validator("replicas", "ray_address", "stall_timeout_s", "replica_failures_in_a_row")
+    @classmethod
+    def _for_ray(cls, value: Any, info: ValidationInfo) -> Any:
+        """Ray's settings with the local executor would be ignored, silently. Each is named
+        by its own key (``execution.replicas``), so a ``--set`` of it says so."""
+        default = ExecutionSection.model_fields[str(info.field_name)].default
+        if info.data.get("executor") == "local" and value != default:  # (validated before)
+            raise ValueError(
+                f"needs executor: ray, got {show_value(value)} (the local executor runs one "
+                "engine in this process); set execution.executor: ray or leave this key out"
+            )
+        return value
 
 
 _PLANNER = PlannerSettings()
