@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tokenmill.jobs.spec import JobSpec, JobSpecError
+from tokenmill.jobs.spec import RAY_ONLY, JobSpec, JobSpecError
 from tokenmill.jobs.yaml_limits import MAX_SHOWN, find_oversize, show_value
 
 REPO = Path(__file__).resolve().parents[2]
@@ -551,6 +551,17 @@ def test_a_ray_setting_given_with_set_says_the_command_line_set_it(tmp_path: Pat
         JobSpec.load(_write(tmp_path, BASE_YAML), ["execution.replicas=4"])
     assert str(info.value).splitlines()[1].startswith("  execution.replicas: needs executor: ray")
     assert str(info.value).endswith("(set on the command line)")
+
+
+def test_readme_names_every_key_the_local_executor_refuses() -> None:
+    """An audit: the job.yaml reference said "replicas, ray_address or stall_timeout_s with
+    local: exit 2" and left out replica_failures_in_a_row, refused as well."""
+    readme = (REPO / "README.md").read_text()
+    reference = readme.split("### job.yaml reference", 1)[1].split("```yaml\n", 1)[1]
+    execution = reference.split("\nexecution:", 1)[1].split("\nplanner:", 1)[0]
+    said = " ".join(line.split("#", 1)[-1].strip() for line in execution.splitlines())
+    refused = said.split("(", 1)[1].split("with local: exit 2", 1)[0]
+    assert [key for key in RAY_ONLY if key not in refused] == [], refused
 
 
 def test_openai_response_format_is_the_structured_output_it_means() -> None:

@@ -331,6 +331,10 @@ class OutputSection(_Section):
         return "rows_per_shard" in self.model_fields_set
 
 
+# execution's keys that only a Ray run reads: set with the local executor, they are refused.
+RAY_ONLY = ("replicas", "ray_address", "stall_timeout_s", "replica_failures_in_a_row")
+
+
 class ExecutionSection(_Section):
     executor: Literal["local", "ray"] = "local"
     replicas: StrictInt = Field(1, ge=1)
@@ -343,7 +347,7 @@ class ExecutionSection(_Section):
     # flaky; fewer to fail fast (1: the first failure, as the local executor's first error)
     replica_failures_in_a_row: StrictInt | None = Field(None, ge=1)
 
-    @field_validator("replicas", "ray_address", "stall_timeout_s", "replica_failures_in_a_row")
+    @field_validator(*RAY_ONLY)
     @classmethod
     def _for_ray(cls, value: Any, info: ValidationInfo) -> Any:
         """Ray's settings with the local executor would be ignored, silently. Each is named
