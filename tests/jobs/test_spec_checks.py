@@ -416,13 +416,21 @@ def test_logprobs_unset_leaves_the_sampling_record_as_it_was() -> None:
         assert (spec.to_dict()["sampling"]["logprobs"], spec.sampling.logprobs) == (k, k)
 
 
-@pytest.mark.parametrize("value", ["key=AKIA1,secret=Shh_123", ["AKIA1", "Shh_123"]])
-def test_a_wrongly_typed_storage_options_is_not_echoed(value: Any) -> None:
-    """storage_options carry credentials: the error says what was expected, not the value."""
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        ("key=AKIA1,secret=Shh_123", "a string"),
+        (["AKIA1", "Shh_123"], "a list"),
+        (1234, "a number"),
+    ],
+)
+def test_a_wrongly_typed_storage_options_is_not_echoed(value: Any, kind: str) -> None:
+    """storage_options carry credentials: the error says what was expected and the kind of
+    value given (as YAML names it: 'a number', not Python's 'a int'), not the value."""
     for section in ("input", "output"):
         message = _error(_raw(**{section: {"storage_options": value}}))
-        assert f"{section}.storage_options: expected a mapping, got a " in message, message
-        assert "Shh_123" not in message and "AKIA1" not in message
+        assert f"{section}.storage_options: expected a mapping, got {kind} (" in message, message
+        assert "Shh_123" not in message and "AKIA1" not in message and "1234" not in message
 
 
 def test_a_broken_yaml_line_or_set_item_is_not_echoed(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Values as error messages name them: ``short_repr`` (a bounded repr) and ``type_name``
-('expected X, got a list')."""
+"""Values as error messages name them: ``short_repr`` (a bounded repr), ``type_name``
+('expected X, got a list'), and ``kind_name`` (the type alone, for values never shown)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ def type_name(value: object) -> str:
     if isinstance(value, dict):
         return "an object"
     return type(value).__name__
+
+
+def kind_name(value: object) -> str:
+    """``type_name`` without the value itself (``a number``, not ``the number 5``), for
+    values an error must not echo (storage options may hold credentials)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return type_name(value)

@@ -48,6 +48,7 @@ from tokenmill.engine.engine_config import EngineConfig, EngineSettingError, Unk
 from tokenmill.engine.prompts import ChatTemplate
 from tokenmill.engine.sampling_params import SamplingParamError, SamplingParams, check_logit_bias
 from tokenmill.engine.structured_output_params import structured_output_setting
+from tokenmill.engine.value_text import kind_name
 from tokenmill.io.readers.openai_sampling import MAX_N, response_format_setting
 from tokenmill.io.readers.storage import location_problem
 from tokenmill.jobs.chat_template_setting import (
@@ -663,7 +664,7 @@ def _describe(err: ErrorDetails) -> str:
             return f"expected {error.expected}, got {_shown_with_type(error.value)}{hint}"
         return str(error)
     if "storage_options" in err.get("loc", ()):  # may hold credentials: never echoed
-        got = f"a {type(err.get('input')).__name__} (its value is not shown)"
+        got = f"{kind_name(err.get('input'))} (its value is not shown)"
     else:
         got = _shown_with_type(err.get("input"))
     if kind in _EXPECTED:
