@@ -261,3 +261,18 @@ def test_the_processor_continues_a_reply_begun_as_transformers_renders_it(model:
         ProcessorConfig(str(model), continue_final_message=True)
     with pytest.raises(ValueError, match="ProcessorConfig.add_generation_prompt must be true"):
         ProcessorConfig(str(model), add_generation_prompt="no")  # type: ignore[arg-type]
+
+
+def test_columns_the_replica_does_not_read_pass_through_unconverted(model: Path) -> None:
+    """Every column of a batch was turned into Python values: a timestamp past year 9999
+    in a column the engine never reads raised OverflowError, failing the whole dataset."""
+    import pyarrow as pa
+
+    far = pa.array([0, 253402300800 * 10], pa.timestamp("s"))  # year 10000 and later
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    got = replica(pa.table({"prompt": ["a b", "c d"], "when": far}))
+    assert got.column("when").equals(pa.chunked_array([far]))
+    assert got.column("error").to_pylist() == [None, None]
+    assert got.column("num_generated_tokens").to_pylist() == [SAMPLING["max_tokens"]] * 2
+    (missing,) = replica(pa.table({"text": ["a b"], "when": far[:1]})).column("error").to_pylist()
+    assert missing.endswith("it has ['text', 'when']")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,12 @@ OUTPUT_COLUMNS = (
     "finish_reason",
     "error",
 )
+
+# The columns a replica reads; every other column passes through as Arrow, never turned
+# into Python values (a timestamp past year 9999 raised OverflowError there, failing the
+# dataset over a column the engine never reads, and a large passthrough column was copied
+# into Python objects for nothing).
+INPUT_COLUMNS = ("messages", "prompt", "prompt_token_ids", "sampling_params")
 
 Row = dict[str, Any]
 
@@ -146,7 +152,8 @@ class EngineReplica:
         """``batch`` (an Arrow table) with the output columns set."""
         import pyarrow as pa
 
-        results = self.run(batch.to_pylist())
+        read = [name for name in INPUT_COLUMNS if name in batch.column_names]
+        results = self.run(batch.select(read).to_pylist(), columns=batch.column_names)
         for name, kind in _output_types().items():
             column = pa.array([r[name] for r in results], type=kind)
             if name in batch.column_names:
@@ -154,15 +161,16 @@ class EngineReplica:
             batch = batch.append_column(name, column)
         return batch
 
-    def run(self, rows: list[Row]) -> list[Row]:
-        """The generated columns for each row, in order."""
+    def run(self, rows: list[Row], columns: list[str] | None = None) -> list[Row]:
+        """The generated columns for each row, in order. ``columns``: the batch's, named in
+        the error of a row with no prompt column (default: the row's keys)."""
         from tokenmill.engine.sampling_params import SamplingParams
 
         results: list[Row | None] = [None] * len(rows)
         prompts, params, where = [], [], []
         for i, row in enumerate(rows):
             try:
-                tokens = self._prompt_tokens(row)
+                tokens = self._prompt_tokens(row, columns)
                 sampling = {**self.config.sampling, **_mapping(row.get("sampling_params"))}
                 params.append(_one_completion(SamplingParams(**sampling), "sampling_params"))
             except (ValueError, TypeError) as exc:
@@ -182,7 +190,7 @@ class EngineReplica:
             }
         return results  # type: ignore[return-value]
 
-    def _prompt_tokens(self, row: Row) -> list[int]:
+    def _prompt_tokens(self, row: Row, columns: Iterable[str] | None = None) -> list[int]:
         from tokenmill.engine.chat_messages import conversation_cell, normalize_messages
         from tokenmill.engine.prompts import encode_prompt
 
@@ -213,7 +221,7 @@ class EngineReplica:
             raise ValueError(f"its {' and '.join(map(repr, null))} {verb} null")
         raise ValueError(
             "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
-            f"function can build one); it has {sorted(row)}"
+            f"function can build one); it has {sorted(row if columns is None else columns)}"
         )
 
 
