@@ -276,3 +276,19 @@ def test_columns_the_replica_does_not_read_pass_through_unconverted(model: Path)
     assert got.column("num_generated_tokens").to_pylist() == [SAMPLING["max_tokens"]] * 2
     (missing,) = replica(pa.table({"text": ["a b"], "when": far[:1]})).column("error").to_pylist()
     assert missing.endswith("it has ['text', 'when']")
+
+
+def test_a_rows_guided_decoding_dict_as_ray_data_llm_gives_it_runs(model: Path) -> None:
+    """Ray Data LLM rows give sampling_params={"guided_decoding": {"json": schema}} (a
+    column holds no StructuredOutputsParams): every such row was an error."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    settings = [
+        {"guided_decoding": {"json": {"enum": ["yes", "no"]}}},
+        {"structured_outputs": {"json_object": True, "json": None}},  # a struct column's null
+        {"structured_outputs": {"json": {"type": "integer"}, "backend": "xgrammar"}},
+    ]
+    rows = [{"prompt": "a b", "sampling_params": {**s, "max_tokens": 12}} for s in settings]
+    schema, any_object, backend = replica.run(rows)
+    assert schema["error"] is None and schema["generated_text"] in ('"yes"', '"no"')
+    assert any_object["error"] is None and any_object["generated_text"].startswith("{")
+    assert backend["finish_reason"] == "error" and "backend" in backend["error"]

@@ -304,8 +304,26 @@ def _mapping(value: Any) -> dict[str, Any]:
         v = _without_nulls(v)
         if isinstance(v, float) and v.is_integer() and key in _int_fields():
             v = int(v)
-        out[key] = v
+        out[key] = _structured_outputs(v) if key in _STRUCTURED_KEYS else v
     return out
+
+
+_STRUCTURED_KEYS = ("structured_output", "structured_outputs", "guided_decoding")
+
+
+def _structured_outputs(value: Any) -> Any:
+    """A row's ``guided_decoding`` / ``structured_outputs`` as Ray Data LLM rows give it (a
+    dict of StructuredOutputsParams' fields, ``{"json": schema}``: a column cannot hold the
+    object), built into one; every such row was an error telling it to pass the object.
+    Anything else (a schema, a one-key setting) as it is."""
+    from dataclasses import fields as fields_of
+
+    from tokenmill.engine.structured_output_params import StructuredOutputsParams
+
+    names = {f.name for f in fields_of(StructuredOutputsParams)}
+    if isinstance(value, dict) and value and set(value) <= names:
+        return StructuredOutputsParams(**value)
+    return value
 
 
 def _without_nulls(value: Any) -> Any:
