@@ -316,11 +316,9 @@ def _structured_outputs(value: Any) -> Any:
     dict of StructuredOutputsParams' fields, ``{"json": schema}``: a column cannot hold the
     object), built into one; every such row was an error telling it to pass the object.
     Anything else (a schema, a one-key setting) as it is."""
-    from dataclasses import fields as fields_of
-
     from tokenmill.engine.structured_output_params import StructuredOutputsParams
 
-    names = {f.name for f in fields_of(StructuredOutputsParams)}
+    names = {f.name for f in fields(StructuredOutputsParams)}
     if isinstance(value, dict) and value and set(value) <= names:
         return StructuredOutputsParams(**value)
     return value
