@@ -31,6 +31,22 @@ def test_a_bad_first_line_does_not_make_a_batch_file_plain(tmp_path):
     assert detect_format([str(plain)], "auto") == "jsonl"
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        '{"custom_id": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",  # RecursionError
+        '{"custom_id": "a", "body": {"seed": ' + "1" * 5000 + "}}",  # int past 4300 digits
+    ],
+    ids=["nested", "long-integer"],
+)
+def test_an_unreadable_first_line_is_a_bad_row_not_a_failed_detection(tmp_path, first):
+    """json.loads raises RecursionError or a plain ValueError (not JSONDecodeError) for such a
+    line: detection crashed, as a storage error (exit 75) or an input.path error (exit 2),
+    where the reader makes the line one bad row and runs the rest."""
+    f = write_jsonl(tmp_path / "batch.jsonl", [first, batch_line("r1", chat_body())])
+    assert detect_format([str(f)], "auto") == "openai-batch"
+
+
 def test_explicit_format_wins(tmp_path):
     f = write_jsonl(tmp_path / "data.txt", [{"prompt": "x"}])
     assert detect_format([str(f)], "jsonl") == "jsonl"

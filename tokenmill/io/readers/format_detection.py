@@ -233,7 +233,11 @@ def _first_lines(url: str, storage_options: dict[str, Any], count: int) -> list[
 
 
 def _json_or_none(text: str) -> Any:
+    """``text`` as JSON, or None where it cannot be read: the reader makes such a line a bad
+    row (jsonl_records), so it must not fail the detection either. Beside JSONDecodeError,
+    json raises RecursionError for nesting past ~1000 levels and a plain ValueError for an
+    integer of more than 4,300 digits (they failed the job: exit 75, as a storage error)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
