@@ -3,6 +3,7 @@ per-row path (prompt_ids_for, sampling_params_for) that the engine loop used bef
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +262,29 @@ def test_the_jobs_ending_gives_transformers_ids_and_a_user_ending_is_the_rows_er
     ending = ChatTemplate(add_generation_prompt=False, continue_final_message=True)
     text = tokenizer.decode(prompt_ids_for(_row(0, messages=begun), tokenizer, ending))
     assert text.endswith("assistant\n{")  # the reply goes on from its "{"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "named"),
+    [
+        ({"temperature": 1e39}, "body.temperature must be a number >= 0"),
+        (
+            {"structured_output": {"type": "nonsense"}},
+            "body.response_format: llguidance cannot use this JSON schema",
+        ),
+    ],
+)
+def test_a_batch_bodys_value_the_engine_refuses_is_named_by_its_body_key(
+    sampling: dict[str, Any], named: str
+) -> None:
+    """The reader's checks pass these (any temperature >= 0; the schema is compiled with the
+    row's SamplingParams), and the engine's refusal named SamplingParams.<field>, a key no
+    input line has (response_format is the body's spelling of structured_output)."""
+    batch = _row(0, messages=[{"role": "user", "content": "hi"}], sampling=sampling)
+    batch = replace(batch, custom_id="r0", endpoint="/v1/chat/completions")
+    with pytest.raises(ValueError) as raised:
+        sampling_params_for(batch, DEFAULTS)
+    assert row_error_reason(raised.value).startswith(named)
+    plain = _row(1, prompt="x", sampling=sampling)  # a Python caller's row keeps the engine's
+    with pytest.raises(ValueError, match="SamplingParams"):
+        sampling_params_for(plain, DEFAULTS)

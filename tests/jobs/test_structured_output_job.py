@@ -78,7 +78,7 @@ def test_openai_batch_response_format(tiny_model: Path, tmp_path: Path) -> None:
 
     errors = {r["custom_id"]: r["error"]["message"] for r in read_jsonl_dir(out / "errors")}
     assert set(errors) == {"bad-schema", "bad-format", "bad-keys"}
-    assert "structured_output" in errors["bad-schema"] and "objectx" in errors["bad-schema"]
+    assert "body.response_format: " in errors["bad-schema"] and "objectx" in errors["bad-schema"]
     assert "body.response_format must be" in errors["bad-format"]
     assert "body.response_format of type 'json_schema' takes no schema" in errors["bad-keys"]
     assert all(message.startswith(f"{src}:") for message in errors.values())  # file:line

@@ -47,9 +47,29 @@ def sampling_params_for(
         params = SamplingParams(**merged)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+    except ValueError as exc:
+        raise _named_as_in_the_body(exc, row) from None
     if not per_row_seed or "seed" in row.sampling:
         return params
     return seeded_for_row(params, row)
+
+
+# The OpenAI Batch body key of a SamplingParams field, where it is spelled otherwise.
+_BODY_KEYS = {"structured_output": "response_format"}
+
+
+def _named_as_in_the_body(exc: ValueError, row: InputRow) -> ValueError:
+    """``exc`` naming the OpenAI Batch body key where the row's own value broke the
+    engine's rule (a temperature past float32, a schema llguidance cannot compile): the
+    engine's ``SamplingParams.<field>`` is no key of the input line. Other rows' as it is."""
+    message = str(exc)
+    if row.endpoint is None:
+        return exc
+    for name in row.sampling:
+        param = f"SamplingParams.{name}"
+        if message.startswith(param):
+            return ValueError(f"body.{_BODY_KEYS.get(name, name)}{message[len(param) :]}")
+    return exc
 
 
 def seeded_for_row(params: SamplingParams, row: InputRow) -> SamplingParams:
