@@ -534,3 +534,21 @@ def test_a_failed_render_does_not_log_the_overrides_unmasked(
     text = out.out + out.err + caplog.text
     assert "Exception rendering Jinja template" in text
     assert "RenderFail_0071" not in text, text
+
+
+def test_a_stop_before_execute_keeps_run_job_from_starting(
+    airflow: Airflow, model: Path, work: Path
+) -> None:
+    """Airflow's SIGTERM handler calls on_kill from the task's start-up on, before execute:
+    that stop was cleared as execute began, and the whole job ran (to be SIGKILLed)."""
+    from airflow.sdk.exceptions import AirflowException
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    out = work / "stopped_early"
+    spec = job_dict(model, work / "in.jsonl", out, **SETTINGS)
+    operator = TokenmillJobOperator(task_id="t", job=spec)
+    operator.on_kill()
+    with pytest.raises(AirflowException, match="stopped before run-job started"):
+        operator.execute({})
+    assert not out.exists()

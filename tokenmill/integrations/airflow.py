@@ -131,8 +131,9 @@ class TokenmillJobOperator(BaseOperator):
         self.overrides = list(overrides)
         self.stop_timeout_s = stop_timeout_s
         self._child: subprocess.Popen[str] | None = None
-        self._stop_requested = False  # on_kill was called during this execute
+        self._stop_requested = False  # on_kill was called during (or before) this execute
         self._stop_sent = False  # the child got its SIGTERM
+        self._executed = False  # execute ran on this object before (dag.test() reuses it)
 
     def _do_render_template_fields(
         self, parent: Any, template_fields: Any, context: Any, jinja_env: Any, seen_oids: Any
@@ -152,7 +153,13 @@ class TokenmillJobOperator(BaseOperator):
     def execute(self, context: Any) -> str:
         from tokenmill.jobs.cli import EXIT_INVALID, EXIT_OK
 
-        self._stop_requested = self._stop_sent = False  # dag.test() reuses the operator
+        # A reused operator's (dag.test()'s retries) stop was its earlier try's. A first
+        # execute keeps one: Airflow's SIGTERM handler, set before the task's start-up (its
+        # API calls, rendering), calls on_kill then; clearing it ran the whole job, and the
+        # task was SIGKILLed 5 s later.
+        if self._executed:
+            self._stop_requested = self._stop_sent = False
+        self._executed = True
         with tempfile.TemporaryDirectory(prefix="tokenmill-airflow-") as scratch:
             args, report = self._prepare(Path(scratch))
             self.log.info("running the job: run-job %s (report: %s)", " ".join(args), report)
