@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from tests.tiny_models import save_tiny_tokenizer
 from tokenmill.engine.loader.tokenizer import load_hf_tokenizer
-from tokenmill.engine.prompts import check_prompt_ids, encode_chat
+from tokenmill.engine.prompts import check_prompt_ids, encode_chat, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,18 @@ def test_a_conversation_that_is_not_unicode_is_named(tiny_dir: Path) -> None:
     messages = [{"role": "user", "content": "ok \ud800"}]
     with pytest.raises(ValueError, match=r"not valid Unicode \(a lone surrogate, '\\ud800', at"):
         encode_chat(tokenizer, messages)
+
+
+def test_a_template_path_is_refused_not_rendered_as_the_prompt(tiny_dir: Path) -> None:
+    """LLM.chat's chat_template is the template's text: a file's path (as job.yaml's
+    model.chat_template takes one) rendered as itself, every conversation's whole prompt.
+    The name of one of the tokenizer's own templates is still taken, as transformers does."""
+    tokenizer = load_hf_tokenizer(tiny_dir)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"'templates/chat.jinja' holds no Jinja .* not its path"):
+        render_chat(tokenizer, messages, chat_template="templates/chat.jinja")
+    tokenizer.chat_template = {"default": tokenizer.chat_template, "shout": "{{ 'HI' }}"}
+    assert render_chat(tokenizer, messages, chat_template="shout") == "HI"
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,10 @@ import numpy as np
 from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
 
 __all__ = [
+    "JINJA_MARKS",
     "ChatTemplate",
     "check_chat_options",
+    "check_template_text",
     "check_prompt_ids",
     "encode_chat",
     "encode_prompt",
@@ -21,6 +23,9 @@ __all__ = [
     "render_chat",
     "template_variables",
 ]
+
+# What marks text as a Jinja template rather than a file's path or a template's name.
+JINJA_MARKS = ("{{", "{%", "{#")
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
 # so chat_template_kwargs may not set them (tools and documents are template variables);
@@ -216,11 +221,8 @@ def render_chat(
     template rejects the conversation (e.g. roles out of order).
     """
     check_chat_options(add_generation_prompt, continue_final_message)
-    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template):
-        raise ValueError(
-            f"chat_template must be a non-empty Jinja template string or None, "
-            f"got {chat_template!r}"
-        )
+    if chat_template is not None:
+        check_template_text(tokenizer, chat_template)
     chat = ChatTemplate(chat_template, {} if chat_template_kwargs is None else chat_template_kwargs)
     extra = chat.arguments()
     template = chat.of(tokenizer)
@@ -273,6 +275,29 @@ def encode_chat(
             f"the conversation is not valid Unicode ({bad} of its rendered text); fix or drop "
             "the text holding it"
         ) from None
+
+
+def check_template_text(tokenizer: Any, chat_template: Any) -> None:
+    """Raise ValueError unless ``chat_template`` is Jinja text, or the name of one of the
+    tokenizer's own templates (transformers takes both). Text holding no Jinja delimiter
+    rendered as itself: a file's path given here (as ``model.chat_template`` takes one) was
+    every conversation's whole prompt, the model never shown the messages."""
+    if not isinstance(chat_template, str) or not chat_template:
+        raise ValueError(
+            f"chat_template must be a non-empty Jinja template string or None, "
+            f"got {chat_template!r}"
+        )
+    own = getattr(tokenizer, "chat_template", None)
+    if any(mark in chat_template for mark in JINJA_MARKS) or (
+        isinstance(own, Mapping) and chat_template in own
+    ):
+        return
+    shown = chat_template if len(chat_template) <= 200 else chat_template[:200] + "..."
+    raise ValueError(
+        f"chat_template {shown!r} holds no Jinja ('{{{{', '{{%' or '{{#'): it would be "
+        "every conversation's whole prompt; pass the template's text (a file's: "
+        "Path(name).read_text()), not its path"
+    )
 
 
 def check_chat_options(add_generation_prompt: Any, continue_final_message: Any) -> None:
