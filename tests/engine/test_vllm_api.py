@@ -349,6 +349,15 @@ def test_invalid_chat_arguments_are_refused(smollm2_llm, kwargs, name) -> None:
         smollm2_llm.chat(CONV, SamplingParams(max_tokens=1), **kwargs)
 
 
+def test_a_bad_conversation_of_several_is_named_by_its_index(smollm2_llm) -> None:
+    """'messages[0].content must be a string' named no conversation of the call's many."""
+    bad = [{"role": "user", "content": None}]
+    with pytest.raises(ValueError, match=r"^conversation 2: messages\[0\]\.content must be"):
+        smollm2_llm.chat([CONV, CONV, bad], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content must be"):  # one: no index
+        smollm2_llm.chat(bad, SamplingParams(max_tokens=1))
+
+
 def test_the_engine_refuses_several_completions_per_request(smollm2_llm, prompt) -> None:
     with pytest.raises(ValueError, match="n=2, best_of=None must be 1"):
         smollm2_llm.engine.add_request("direct", prompt, SamplingParams(n=2))

@@ -135,8 +135,8 @@ class LLM:
         begun for it. The template gets each message's content as a string (text parts
         joined): ``chat_template_content_format`` "auto" or "string"; "openai" (content as
         a list of parts) is refused. Each result's ``prompt`` is the rendered text. Raises
-        ValueError when a conversation cannot be rendered (see ``render_chat``): nothing
-        runs then.
+        ValueError when a conversation cannot be rendered (see ``render_chat``), naming
+        which of several by its index: nothing runs then.
         """
         _no_lora(lora_request)
         if chat_template_content_format not in ("auto", "string"):
@@ -149,17 +149,22 @@ class LLM:
             chat_template_kwargs = {"tools": tools, **(chat_template_kwargs or {})}
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # type: ignore[list-item]
-        texts = [
-            render_chat(
-                self.tokenizer,
-                c,
-                add_generation_prompt,
-                chat_template,
-                chat_template_kwargs,
-                continue_final_message,
-            )
-            for c in messages
-        ]
+        texts = []
+        for i, conversation in enumerate(messages):
+            try:
+                text = render_chat(
+                    self.tokenizer,
+                    conversation,
+                    add_generation_prompt,
+                    chat_template,
+                    chat_template_kwargs,
+                    continue_final_message,
+                )
+            except ValueError as exc:  # which of many: "messages[1].role" named none
+                if len(messages) == 1:
+                    raise
+                raise ValueError(f"conversation {i}: {exc}") from None
+            texts.append(text)
         token_lists = encode_texts(self.tokenizer, texts, add_special_tokens=False)
         return self._run(token_lists, texts, sampling_params)
 
