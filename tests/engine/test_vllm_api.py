@@ -358,6 +358,19 @@ def test_a_bad_conversation_of_several_is_named_by_its_index(smollm2_llm) -> Non
         smollm2_llm.chat(bad, SamplingParams(max_tokens=1))
 
 
+def test_tools_a_template_never_reads_are_refused(smollm2_llm) -> None:
+    """SmolLM2's template reads no ``tools``: they were dropped, the model never told of
+    them; a template that reads them takes them."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    with pytest.raises(ValueError, match="tools are given, but the model's chat template"):
+        smollm2_llm.chat(CONV, SamplingParams(max_tokens=1), tools=tools)
+    with pytest.raises(ValueError, match="does not render them"):
+        smollm2_llm.encode_chat(CONV, chat_template_kwargs={"tools": tools})
+    reads = "{% for t in tools %}{{ t.function.name }}:{% endfor %}{{ messages[-1].content }}"
+    out = smollm2_llm.chat(CONV, SamplingParams(max_tokens=1), chat_template=reads, tools=tools)
+    assert out[0].prompt == "weather:Name a river."
+
+
 def test_the_engine_refuses_several_completions_per_request(smollm2_llm, prompt) -> None:
     with pytest.raises(ValueError, match="n=2, best_of=None must be 1"):
         smollm2_llm.engine.add_request("direct", prompt, SamplingParams(n=2))

@@ -110,6 +110,18 @@ def test_a_yaml_date_variable_is_refused(tiny_model: Path, tmp_path: Path) -> No
         )
 
 
+def test_tools_the_template_never_reads_fail_the_job(tiny_model: Path, tmp_path: Path) -> None:
+    """Tools in model.chat_template_kwargs that the template never reads were dropped from
+    every prompt; the job ran as if none had been given."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    spec = _spec(
+        tiny_model, tmp_path, chat_template=TEMPLATE, chat_template_kwargs={"tools": tools}
+    )
+    with pytest.raises(JobSpecError, match="model.chat_template_kwargs.tools: tools are given"):
+        run_job(spec, show_progress=False)
+    assert not (tmp_path / "out" / "shards").exists()
+
+
 def test_a_template_that_does_not_compile_fails_the_job(tiny_model: Path, tmp_path: Path) -> None:
     spec = _spec(tiny_model, tmp_path, chat_template="{% for m in messages %}{{ m }")
     with pytest.raises(JobSpecError, match="model.chat_template: the template does not compile"):

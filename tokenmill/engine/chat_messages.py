@@ -17,6 +17,7 @@ since Parquet structs fill absent fields with nulls; so are a tool call's and it
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from tokenmill.engine.value_text import short_repr, type_name
@@ -38,6 +39,19 @@ def check_tool_calls_rendered(template: Any, messages: list[dict[str, Any]]) -> 
                 "not render tool calls: they would be left out of the prompt; write them "
                 "into the message's content, or pass a chat_template that renders them"
             )
+
+
+def check_tools_rendered(template: Any, variables: Mapping[str, Any]) -> None:
+    """Raise ValueError when the template variables give ``tools`` but the chat ``template``
+    never reads them: the model would answer never told of the tools it was given (a ChatML
+    template rendered the conversation alone, as if no tools had been passed)."""
+    if template is None or not variables.get("tools") or "tools" in str(template):
+        return
+    raise ValueError(
+        "tools are given, but the model's chat template does not render them: the model "
+        "would never see them; describe them in a system message, or pass a chat_template "
+        "that renders tools"
+    )
 
 
 def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, Any]]:

@@ -9,7 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.engine.chat_messages import check_tool_calls_rendered, normalize_messages
+from tokenmill.engine.chat_messages import (
+    check_tool_calls_rendered,
+    check_tools_rendered,
+    normalize_messages,
+)
 
 __all__ = [
     "JINJA_MARKS",
@@ -232,6 +236,7 @@ def render_chat(
         )
     conversation = normalize_messages(messages)
     check_tool_calls_rendered(template, conversation)
+    check_tools_rendered(template, extra)
     try:
         text = tokenizer.apply_chat_template(
             conversation,

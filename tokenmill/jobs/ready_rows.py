@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.chat_messages import check_tool_calls_rendered
+from tokenmill.engine.chat_messages import check_tool_calls_rendered, check_tools_rendered
 from tokenmill.engine.prompts import ChatTemplate, encode_texts
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.io.rows import InputRow, ResultRow
@@ -146,6 +146,7 @@ class RowPreparer:
                 arguments = self._chat_arguments
                 if row.chat_template_kwargs:
                     arguments = {**arguments, **row.chat_template_kwargs}
+                check_tools_rendered(template, arguments)
                 return self.tokenizer.apply_chat_template(
                     list(row.messages),
                     tokenize=False,

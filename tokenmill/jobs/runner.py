@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from tokenmill.engine.chat_messages import check_tools_rendered
 from tokenmill.engine.engine_config import EngineSettingError
 from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
@@ -171,8 +172,9 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> tuple[JobSettings, tuple[str
 
 def _check_chat_template(template: str | None, spec: JobSpec) -> None:
     """Raise JobSpecError when the job has no chat template (neither the model nor
-    model.chat_template), or one (any of its named ones) that does not compile, as
-    transformers compiles it to render conversations."""
+    model.chat_template), one that never reads the tools model.chat_template_kwargs gives,
+    or one (any of its named ones) that does not compile, as transformers compiles it to
+    render conversations."""
     model = spec.model.source
     if template is None:
         raise JobSpecError(
@@ -180,6 +182,10 @@ def _check_chat_template(template: str | None, spec: JobSpec) -> None:
             "conversations with; use a chat model, give one in model.chat_template, or "
             "plain prompts (prompt_column)"
         )
+    try:
+        check_tools_rendered(template, spec.model.chat_template_kwargs)
+    except ValueError as exc:  # else every conversation would fail on it
+        raise JobSpecError(f"model.chat_template_kwargs.tools: {exc}") from None
     try:  # (transformers' own compiler, with its extensions; skipped where it moved)
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import _compile_jinja_template
