@@ -136,7 +136,7 @@ def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
     the sample has no usable one (no non-null value, no common type, a null or empty nested
     type that later values could not fill, a type Parquet cannot store, a struct with field
     names equal but for case: duckdb renames the second, ``A`` to ``A_1``, and then reads
-    ``meta.A`` as the value of ``meta.a``)."""
+    ``meta.A`` as the value of ``meta.a``). Every value of the sample fits the type given."""
     present = [v for v in values if v is not None]
     if not present:
         return json_text_field(name)
@@ -146,7 +146,13 @@ def inferred_field(name: str, values: Iterable[Any]) -> pa.Field:
         return json_text_field(name)
     if _has_unknown_part(inferred) or _has_case_twins(inferred) or not storable_type(inferred):
         return json_text_field(name)
-    return pa.field(name, inferred)
+    column = pa.field(name, inferred)
+    # Arrow's inference is looser than the column's fit check: [1.5, True] gives double
+    # (True as 1.0), and the sampled rows holding a boolean would then be errors
+    fits = _fit_check(column)
+    if not all(fits(v) for v in present):
+        return json_text_field(name)
+    return column
 
 
 def storable_type(dtype: pa.DataType) -> bool:
