@@ -425,6 +425,30 @@ def test_overrides_reach_run_job_in_a_scratch_job_yaml_not_its_arguments(
     ]
 
 
+@pytest.mark.parametrize(
+    "output",
+    [
+        "s3://AKIA_ZX9:UrlSecret_ZX9@bucket/out",  # the report's path, logged as the task ran
+        "https://u:UrlSecret_ZX9@host/out?X-Amz-Signature=UrlSecret_ZX9",  # an error's text
+        "gs://AKIA_ZX9:UrlSecret_ZX9@bucket/out",  # (gcsfs not installed: an error's text too)
+    ],
+)
+def test_credentials_in_an_output_url_reach_no_task_log(
+    airflow: Airflow, tmp_path: Path, output: str
+) -> None:
+    """A URL's password or signature is refused before the task logs the report's path, and
+    the refusal (which Airflow logs and keeps) shows it masked."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tokenmill.integrations.airflow import TokenmillJobOperator
+
+    spec = job_dict(tmp_path / "model", tmp_path / "in.jsonl", output)
+    op = TokenmillJobOperator(task_id="t", job=spec)
+    with pytest.raises(AirflowFailException, match="the job spec cannot work") as err:
+        op._prepare(tmp_path)
+    assert "UrlSecret_ZX9" not in str(err.value), err.value
+
+
 def test_a_dict_jobs_chat_template_is_not_rendered_by_airflow(
     airflow: Airflow, tmp_path: Path
 ) -> None:

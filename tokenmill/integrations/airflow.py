@@ -201,6 +201,7 @@ class TokenmillJobOperator(BaseOperator):
         """run-job's arguments and the report's path, after checking the spec here, so a spec
         that cannot work fails the task without a retry before any process starts."""
         from tokenmill.io.storage import OutputStore
+        from tokenmill.io.url_secrets import hide_url_secrets, url_credentials_refusal
         from tokenmill.jobs.ownership import REPORT_NAME
         from tokenmill.jobs.spec import JobSpec, JobSpecError, apply_override
 
@@ -215,6 +216,12 @@ class TokenmillJobOperator(BaseOperator):
                 for item in self.overrides:
                     apply_override(raw, item, where)
                 spec = JobSpec.from_dict(raw, where)
+            # run-job refuses these too, but only after the task log has shown the report's
+            # path, with the output's credentials in it, which no masker knows.
+            for key, url in (("input.path", spec.input.path), ("output.path", spec.output.path)):
+                refusal = url_credentials_refusal(key, url)
+                if refusal is not None:
+                    raise JobSpecError(refusal)
             if isinstance(self.job, str) and not self.overrides:
                 args = [self.job]
             else:
@@ -226,7 +233,10 @@ class TokenmillJobOperator(BaseOperator):
                 args = [str(job_file)]
             store = OutputStore(spec.output.path, dict(spec.output.storage_options), spec.name)
         except (JobSpecError, ValueError) as exc:
-            raise AirflowFailException(f"the job spec cannot work: {exc}") from None
+            # (Airflow logs and keeps the message: a URL's password or signature masked)
+            raise AirflowFailException(
+                f"the job spec cannot work: {hide_url_secrets(str(exc))}"
+            ) from None
         return args, store.path(REPORT_NAME)
 
     def _run(self, args: list[str]) -> tuple[int, str]:
