@@ -265,6 +265,8 @@ def test_no_stores_credentials_reach_a_replicas_arguments(
     raw = job_dict(tiny_model, tmp_path / "in.jsonl", tmp_path / "out", execution=RAY)
     raw["input"]["storage_options"] = {"secret": "IN-SECRET"}
     raw["output"]["storage_options"] = {"token": "OUT-SECRET"}
+    # nor an HTTP(S) input's password or presigned query (taken, and read by the driver)
+    raw["input"]["path"] = "https://u:PW-SECRET@host/in.jsonl?X-Amz-Signature=SIG-SECRET"
     executor = RayExecutor(JobSpec.from_dict(raw))
     try:
         executor.start()

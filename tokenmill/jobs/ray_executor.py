@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterable, Iterator
 import ray
 
 from tokenmill.io.rows import InputRow, ResultRow
+from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked, Verdict
@@ -178,9 +179,11 @@ class RayExecutor:
             source = self.spec.model.source
             spec_dict = self.spec.to_dict()
             # A replica reads no input and writes no output: no store's credentials in its
-            # actor's arguments, which Ray keeps in the cluster's state (an audit).
+            # actor's arguments, which Ray keeps in the cluster's state (an audit), nor an
+            # HTTP(S) input's password or presigned signature.
             for section in ("input", "output"):
                 spec_dict[section]["storage_options"] = {}
+                spec_dict[section]["path"] = hide_url_secrets(spec_dict[section]["path"])
             spec_dict["execution"]["ray_address"] = None
             if os.path.exists(source):  # a relative path means the driver's directory
                 spec_dict["model"]["source"] = os.path.abspath(source)
