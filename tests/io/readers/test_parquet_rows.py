@@ -211,6 +211,17 @@ def test_a_binary_prompt_column_is_read_as_utf8_text(tmp_path):
     assert "bad prompt: column 'prompt' must be a non-empty string, got the number 3" in row.error
 
 
+def test_a_binary_messages_column_of_json_text_is_read_as_a_prompt_column_is(tmp_path):
+    """Messages kept as JSON text in a BINARY column (Impala, old Hive, Spark) were refused
+    on every row ("got bytes") where a BINARY prompt column is read as UTF-8 text; they are
+    read the same way now, bytes that are not UTF-8 their row's error."""
+    cells = pa.array([b'[{"role": "user", "content": "H\xc3\xa9"}]', b"\xff["], pa.binary())
+    pq.write_table(pa.table({"id": ["a", "b"], "chat": cells}), tmp_path / "in.parquet")
+    good, bad = read(tmp_path / "in.parquet", messages_column="chat")
+    assert good.error is None and good.messages == [{"role": "user", "content": "Hé"}]
+    assert "bad messages: column 'chat' holds bytes that are not UTF-8 text" in bad.error
+
+
 def test_an_empty_binary_prompt_is_missing_as_an_empty_string_is(tmp_path):
     prompts = pa.array([b"", None], pa.binary())
     pq.write_table(pa.table({"id": ["a", "b"], "prompt": prompts}), tmp_path / "in.parquet")

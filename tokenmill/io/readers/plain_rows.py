@@ -65,10 +65,11 @@ def parse_plain_row(
     if columns.messages_column is not None:
         if columns.messages_column not in value:
             raise RowError(_missing_column(value, columns, columns.messages_column), row_id)
+        cell = value.get(columns.messages_column)
+        if isinstance(cell, bytes):  # JSON text in a BINARY column, as a prompt's may be
+            cell = _utf8(cell, columns.messages_column, row_id, "messages")
         messages = check_messages(
-            conversation_cell(value.get(columns.messages_column)),
-            f"column {columns.messages_column!r}",
-            row_id,
+            conversation_cell(cell), f"column {columns.messages_column!r}", row_id
         )
         return InputRow(
             row_index, row_id, source, messages=messages, sampling=sampling, passthrough=passthrough
@@ -137,15 +138,15 @@ def _row_id(value: dict[str, Any], columns: PlainColumns, fallback_id: str) -> s
     )
 
 
-def _utf8(raw: bytes, name: str, row_id: str) -> str:
-    """A binary prompt cell as text (what Spark's ``binaryAsString`` reads such a column as);
-    RowError when its bytes are not UTF-8."""
+def _utf8(raw: bytes, name: str, row_id: str, what: str = "prompt") -> str:
+    """A binary prompt (or messages) cell as text (what Spark's ``binaryAsString`` reads
+    such a column as); RowError when its bytes are not UTF-8."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise RowError(
-            f"bad prompt: column {name!r} holds bytes that are not UTF-8 text ({exc.reason} "
-            f"at byte {exc.start}); a prompt must be text",
+            f"bad {what}: column {name!r} holds bytes that are not UTF-8 text ({exc.reason} "
+            f"at byte {exc.start}); {'a prompt' if what == 'prompt' else what} must be text",
             row_id,
         ) from None
 
