@@ -180,3 +180,18 @@ def test_a_glob_matching_hidden_folders_says_so(tmp_path, caplog, monkeypatch):
     with caplog.at_level("WARNING"):
         warn_hidden_matches(cfg, list_input_files(cfg))
     assert not caplog.text
+
+
+def test_a_request_the_http_client_refuses_is_not_a_missing_file():
+    """A URL with a password beside an Authorization header: aiohttp refuses to send the
+    request and fsspec's HTTP ``info`` turns that into FileNotFoundError, so the job said
+    "input.path ... does not exist" (an audit). It says the client refused, secrets masked;
+    no request leaves (port 9: nothing listens there, and it is never asked)."""
+    cfg = InputConfig(
+        path="http://alice:pw-SECRET@127.0.0.1:9/rows.jsonl",
+        storage_options={"headers": {"Authorization": "Bearer x"}},
+    )
+    with pytest.raises(ValueError, match="the storage client refused the request") as err:
+        list_input_files(cfg)
+    assert "Cannot combine AUTHORIZATION header" in str(err.value)
+    assert "pw-SECRET" not in str(err.value) and "does not exist" not in str(err.value)

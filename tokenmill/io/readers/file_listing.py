@@ -9,7 +9,7 @@ from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.listing_cache import forget_listings
 from tokenmill.io.readers.storage import has_protocol, location_problem, relative_note, resolve
-from tokenmill.io.url_secrets import without_query
+from tokenmill.io.url_secrets import hide_url_secrets, without_query
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -64,7 +64,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
                 "with '.' or '_' are left out); point it at the data"
             )
         holders = {root}
-    elif _is_file_there(fs, root):
+    elif _is_file_there(fs, root, cfg.path):
         paths = [root]
         holders = {root.rpartition("/")[0]}
     else:
@@ -129,14 +129,24 @@ def _folder_marker(path: str) -> bool:
     return path.endswith(("/", "_$folder$"))
 
 
-def _is_file_there(fs: Any, path: str) -> bool:
-    """Whether ``path`` is a file, where only its absence answers False: fsspec's ``isfile``
-    answers False to any error, so an input object the store would not show (503 SlowDown,
-    500 after the client's retries) was "input.path ... does not exist", exit 2 ("rerunning
-    does not help") for an outage a rerun gets past (an audit). The store's error raises."""
+def _is_file_there(fs: Any, path: str, given: str) -> bool:
+    """Whether ``path`` (input.path ``given``) is a file, where only its absence answers
+    False: fsspec's ``isfile`` answers False to any error, so an input object the store
+    would not show (503 SlowDown, 500 after the client's retries) was "input.path ... does
+    not exist", exit 2 ("rerunning does not help") for an outage a rerun gets past (an
+    audit). The store's error raises. So does the client's refusal to send the request at
+    all, which fsspec's HTTP ``info`` also turns into FileNotFoundError (aiohttp: "Cannot
+    combine AUTHORIZATION header with ... credentials encoded in URL"): ValueError, saying
+    so, where it read "does not exist"."""
     try:
         return fs.info(path).get("type") == "file"
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if isinstance(exc.__cause__, ValueError | TypeError):  # never sent: not an answer
+            raise ValueError(
+                f"input.path {hide_url_secrets(given)!r}: the storage client refused the "
+                f"request ({hide_url_secrets(str(exc.__cause__))}); check input.storage_options "
+                "against the path"
+            ) from None
         return False
 
 
