@@ -18,6 +18,7 @@ from tokenmill import run_job
 from tokenmill.io.rows import InputRow
 from tokenmill.jobs.cli import main as cli_main
 from tokenmill.jobs.local_executor import RowProcessor
+from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.row_source import FeedItem
 from tokenmill.jobs.spec import JobSpec
 
@@ -194,3 +195,40 @@ def test_generation_seconds_and_the_plots_samples_count_from_the_same_instant(
     assert report.status == "complete" and report.generation_seconds > 0.5
     last_point = report.throughput_over_time[-1][0]  # (rounded to 10 ms)
     assert report.generation_seconds == pytest.approx(last_point, abs=0.006)
+
+
+def test_the_eta_bounds_a_row_by_the_context_where_max_tokens_is_past_it(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A ``max_tokens`` past the context (100,000 with a 64-token max_model_len: "no limit")
+    was the ETA's bound on a row: a row in flight longer than every finished row was taken
+    to go on to 100,000 tokens, and a 3-row run 10 s from its end read "ETA 3 h 25 min". A
+    row's prompt and output fit the context, so no row left takes more than that."""
+    context = 64
+    rows = [{"id": f"r{i}", "prompt": "x" * (4 + 3 * i)} for i in range(12)]  # 4..37 tokens
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    spec = job_dict(
+        tiny_model,
+        src,
+        tmp_path / "out",
+        input={"prompt_column": "prompt", "messages_column": None, "passthrough_columns": []},
+        sampling={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True},
+        engine={"max_model_len": context},
+    )
+    etas: list[tuple[float, int]] = []  # (the tokens the ETA counts on, rows left)
+
+    def watch(progress: Progress) -> None:
+        tick = progress.tick
+
+        def tick_and_read() -> None:
+            tick()
+            eta, rate = progress.eta_seconds, progress.tokens_per_s
+            if eta and rate and progress.total is not None:
+                etas.append((eta * rate, progress.total - progress.done))
+
+        progress.tick = tick_and_read  # type: ignore[method-assign]
+
+    report = run_job(spec, progress_interval_s=0.05, on_progress=watch)  # (a sample a step)
+    assert report.status == "complete" and report.rows_ok == 12
+    assert etas, "no ETA while the rows generated"
+    assert all(tokens <= left * context for tokens, left in etas), max(etas)

@@ -223,6 +223,11 @@ class RowProcessor:
         return None
 
     @property
+    def max_model_len(self) -> int:
+        """The engine's context: a row's prompt and output tokens together, at most."""
+        return self.engine.max_model_len
+
+    @property
     def output_tokens(self) -> int:
         """Output tokens generated so far: the finished rows' and those of the requests still
         generating. Never decreases (a finished request's tokens leave the engine's count a

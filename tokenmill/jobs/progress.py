@@ -132,8 +132,8 @@ class Progress:
         self.total = total  # shown: counted, or estimated (``total_estimated``)
         self.total_estimated = False  # (set_total's)
         self._total_lock = threading.Lock()  # (set_total comes from the count's thread)
-        # the output tokens a row takes at most by the job's settings (max_tokens x best_of;
-        # OpenAI Batch rows may set their own)
+        # the output tokens a row takes at most by the job's settings (max_tokens, within the
+        # context, x best_of; OpenAI Batch rows may set their own)
         self.max_tokens = max_tokens
         self.done = already_done
         self.done_this_run = 0

@@ -415,7 +415,7 @@ def _run_owned(
             interval_s=progress_interval_s or 10.0,
             live=None if executor is None else executor.live,
             counters=None if executor is None else replica_counters(executor),
-            max_tokens=spec.sampling.max_tokens * (spec.sampling.best_of or 1),
+            max_tokens=_row_output_bound(spec, executor),
         )
         count.show_in(progress)
         generate = executor is not None and not cancel.is_set()  # (cancelled: it never does)
@@ -676,6 +676,19 @@ def _record_failure(
 def pipeline_bounds(spec: JobSpec) -> PipelineBounds:
     """How far the reader and the writer threads may get ahead (rows, shards)."""
     return PipelineBounds.for_engine(spec.engine.max_num_seqs)
+
+
+def _row_output_bound(spec: JobSpec, executor: Any) -> int:
+    """The output tokens a row takes at most, the ETA's bound on a row in flight: max_tokens
+    a completion, x best_of. A completion's prompt and output fit the context, so a
+    max_tokens past it (100,000 for "no limit") bounds nothing: taken as the bound, a row
+    longer than every finished one was taken to go on to it ("ETA 3 h 25 min" 10 s from the
+    end). The context is the local engine's; Ray replicas load theirs later: the spec's."""
+    per_completion = spec.sampling.max_tokens
+    context = getattr(executor, "max_model_len", None) or spec.engine.max_model_len
+    if context is not None:
+        per_completion = min(per_completion, context)
+    return per_completion * (spec.sampling.best_of or 1)
 
 
 def feed_plan(spec: JobSpec) -> FeedPlan:
