@@ -6,6 +6,7 @@ import bz2
 import gzip
 import json
 import lzma
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,27 @@ def test_a_zstd_file_of_several_frames_is_read_whole_and_a_cut_one_refused(tmp_p
         cut.write_bytes(data[: int(len(data) * keep)])
         with pytest.raises(ValueError, match="zstd decompression failed .* inside a zstd frame"):
             read(cut)
+
+
+def pzstd_bytes(data: bytes, frame_bytes: int) -> bytes:
+    """``data`` as pzstd (zstd's parallel CLI) writes it: each frame after a skippable frame
+    (magic 0x184D2A50, 4 bytes of payload: the frame's compressed size)."""
+    out = b""
+    for at in range(0, len(data), frame_bytes):
+        frame = zstandard.ZstdCompressor().compress(data[at : at + frame_bytes])
+        out += struct.pack("<III", 0x184D2A50, 4, len(frame)) + frame
+    return out
+
+
+@pytest.mark.parametrize("name", ["in.jsonl.zst", "in.jsonl"])
+def test_a_pzstd_file_starting_with_a_skippable_frame_is_read_whole(tmp_path, name):
+    """pzstd's files start with a skippable frame (zstd -d reads them): the magic check took
+    the name's zstd for a lie and refused the file ("the name says zstd but the file is not
+    zstd data"); without the suffix its bytes were read as text, every line a bad row."""
+    rows = [{"id": f"r{i}", "prompt": "x" * (1 + i % 7)} for i in range(300)]
+    f = tmp_path / name
+    f.write_bytes(pzstd_bytes(jsonl_bytes(rows), 1000))
+    assert [(r.row_id, r.error) for r in read(f)] == [(r["id"], None) for r in rows]
 
 
 def test_missing_codec_says_what_to_install(tmp_path, monkeypatch):

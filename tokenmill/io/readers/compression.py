@@ -12,8 +12,9 @@ never close the file under them, and zstandard's reader cannot iterate lines.
 A file whose name names no compression but whose first bytes are a gzip, zstd, bzip2 or xz
 magic number is **decompressed by its magic**. That is safe: none of those magics can start
 UTF-8 JSON text (gzip ``1f 8b``, zstd ``28 b5 2f fd`` and xz ``fd 37 7a 58 5a 00`` are not
-valid UTF-8; bzip2's ASCII ``BZh9`` is only taken with the block or end-of-stream magic that
-must follow it, ten bytes in all), and it reads a misnamed ``prompts.jsonl`` that is really
+valid UTF-8, a zstd skippable frame's ``5? 2a 4d 18``, pzstd's start, is no JSON; bzip2's
+ASCII ``BZh9`` is only taken with the block or end-of-stream magic that must follow it, ten
+bytes in all), and it reads a misnamed ``prompts.jsonl`` that is really
 gzip instead of failing every row as "not valid UTF-8". A name whose compression the bytes do
 not carry (``x.jsonl.gz`` holding plain text) is a ValueError naming the file.
 
@@ -55,6 +56,10 @@ DECOMPRESS_COMMANDS: dict[str, str] = {
 
 _MAGIC_BYTES = 10
 _BZIP2_STREAM_MAGICS = (b"1AY&SY", b"\x17rE8P\x90")  # first block / end of an empty stream
+# A zstd skippable frame starts with one of 16 magics, 0x184D2A50-5F little-endian: pzstd
+# (zstd's parallel CLI) puts one before each frame, so its files start with one; zstd -d
+# reads them. (Its first byte is an ASCII letter P-Z or [\]^_, which never starts JSON.)
+_ZSTD_SKIPPABLE_TAIL = b"\x2a\x4d\x18"
 _STREAM_BUFFER = 1 << 18  # decompressed bytes buffered for line iteration
 # fsspec's block for a look at a file's start: what a read fetches past its own bytes. A
 # request to an object store costs tens of milliseconds, so not smaller: 1,000 lines of 10 KB
@@ -91,6 +96,8 @@ def compression_by_magic(head: bytes) -> str | None:
     if head.startswith(b"\x1f\x8b"):
         return "gzip"
     if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "zstd"
+    if head[:1] and 0x50 <= head[0] <= 0x5F and head[1:4] == _ZSTD_SKIPPABLE_TAIL:
         return "zstd"
     if head.startswith(b"\xfd7zXZ\x00"):
         return "xz"
