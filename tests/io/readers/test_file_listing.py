@@ -118,6 +118,21 @@ def test_a_glob_keeps_links_to_files_and_dangling_links(tmp_path):
     assert [p.rsplit("/", 1)[1] for p in found] == ["a.jsonl", "b.jsonl", "c.jsonl"]
 
 
+def test_a_folder_reads_the_files_below_its_links_to_folders(tmp_path):
+    """fsspec's find listed a link to a folder (``latest -> v3/``) as a file: the job
+    failed on it ("cannot tell the format of .../more", or "Is a directory" with a format
+    set); now its files are read as find -L and Spark read them, and a link back to a
+    folder holding it is refused by name."""
+    _touch(tmp_path / "in" / "a.jsonl")
+    _touch(tmp_path / "elsewhere" / "sub" / "b.jsonl")
+    (tmp_path / "in" / "more").symlink_to(tmp_path / "elsewhere")
+    found = list_input_files(InputConfig(path=str(tmp_path / "in")))
+    assert found == [str(tmp_path / "in" / "a.jsonl"), str(tmp_path / "in/more/sub/b.jsonl")]
+    (tmp_path / "elsewhere" / "sub" / "up").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/in/more/sub/up is a link to a")):
+        list_input_files(InputConfig(path=str(tmp_path / "in")))
+
+
 def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     wanted = _touch(tmp_path / "batch[1].jsonl")
     _touch(tmp_path / "batch1.jsonl")  # what the pattern batch[1] matches

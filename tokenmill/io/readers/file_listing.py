@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
 
 from tokenmill.io.readers.compression import strip_compression_suffix
 from tokenmill.io.readers.input_config import InputConfig
@@ -54,7 +57,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
             )
         holders = {p.rpartition("/")[0] for p in paths}
     elif fs.isdir(root):
-        found = [p for p in fs.find(root) if not _folder_marker(p)]
+        found = _through_folder_links(fs, [p for p in fs.find(root) if not _folder_marker(p)])
         _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
         paths = [p for p in found if not _hidden(p[len(root) :])]
         paths = _without_documents(cfg.path, paths)
@@ -127,6 +130,31 @@ def _folder_marker(path: str) -> bool:
     Listed as files, a folder of Parquet files failed as "Parquet file size is 0 bytes", an
     auto-format one "cannot tell the format of s3://b/in/" (an audit)."""
     return path.endswith(("/", "_$folder$"))
+
+
+def _through_folder_links(fs: Any, paths: list[str], chain: tuple[str, ...] = ()) -> list[str]:
+    """``paths`` (a local folder's ``find``) with each link to a folder replaced by the files
+    below it, as ``find -L``, Python's glob and Spark read them: fsspec's ``find`` lists such
+    a link as a file, and the job failed on it as a file of no format ("cannot tell the
+    format of .../more") or "Is a directory". Raises ValueError naming a link to a folder
+    that holds it (its files would be read forever)."""
+    if not isinstance(fs, LocalFileSystem):
+        return paths
+    out = []
+    for path in paths:
+        if not (os.path.islink(path) and os.path.isdir(path)):
+            out.append(path)
+            continue
+        real = os.path.realpath(path)
+        holders = chain or (os.path.realpath(os.path.dirname(path)),)
+        if any(real == h or h.startswith(real + os.sep) for h in holders):
+            raise ValueError(
+                f"input.path: {path} is a link to a folder that holds it ({real}), so its "
+                "files would be read again and again; remove the link or point input.path "
+                "at the data below it"
+            )
+        out += _through_folder_links(fs, fs.find(path), (*holders, real))
+    return out
 
 
 def _is_file_there(fs: Any, path: str, given: str) -> bool:
