@@ -133,6 +133,28 @@ def test_a_folder_reads_the_files_below_its_links_to_folders(tmp_path):
         list_input_files(InputConfig(path=str(tmp_path / "in")))
 
 
+def test_a_glob_matches_files_below_links_to_folders_as_a_folder_input_does(tmp_path):
+    """fsspec's glob never entered a link to a folder: ``in/**`` and ``in/*/*.jsonl`` left
+    out ``in/more/b.jsonl`` (``more -> ../other/``) without a word, where the folder input
+    and Python's glob read it; a link to a folder holding it is refused by name, once the
+    pattern reaches below it."""
+    _touch(tmp_path / "in" / "a.jsonl")
+    _touch(tmp_path / "other" / "b.jsonl")
+    _touch(tmp_path / "other" / ".h" / "c.jsonl")
+    (tmp_path / "in" / "more").symlink_to("../other")
+    folder = list_input_files(InputConfig(path=str(tmp_path / "in")))
+    everything = sorted([*folder, str(tmp_path / "in/more/.h/c.jsonl")])  # (a glob keeps those)
+    assert list_input_files(InputConfig(path=str(tmp_path / "in" / "**"))) == everything
+    assert list_input_files(InputConfig(path=str(tmp_path / "in/**/*.jsonl"))) == everything
+    below = list_input_files(InputConfig(path=str(tmp_path / "in/*/*.jsonl")))
+    assert below == [str(tmp_path / "in/more/b.jsonl")]
+    assert list_input_files(InputConfig(path=str(tmp_path / "*/m*/*"))) == below
+    (tmp_path / "other" / "up").symlink_to(tmp_path)
+    assert list_input_files(InputConfig(path=str(tmp_path / "in/*/*.jsonl"))) == below
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}/in/more/up is a link to a")):
+        list_input_files(InputConfig(path=str(tmp_path / "in" / "**")))
+
+
 def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     wanted = _touch(tmp_path / "batch[1].jsonl")
     _touch(tmp_path / "batch1.jsonl")  # what the pattern batch[1] matches

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from tokenmill.io.readers.compression import strip_compression_suffix
+from tokenmill.io.readers.folder_links import glob_through_links, through_folder_links
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.listing_cache import forget_listings
 from tokenmill.io.readers.storage import has_protocol, location_problem, relative_note, resolve
@@ -33,6 +31,8 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     ``input.format`` says where it is set, refused by name by detect_format where it is auto
     or the suffix is an archive it cannot open, never left out without a word (their rows
     would be lost). Compressed Parquet is listed for the same reason.
+    Both read a local path's files below links to folders, as Python's glob does
+    (folder_links.py: a link to a folder that holds it raises ValueError naming it).
     URLs keep their protocol (``s3://bucket/key``); local paths stay plain absolute paths.
     Raises FileNotFoundError naming the path when nothing matches, and ValueError when the
     files are a Delta Lake or Iceberg table's (a folder with ``_delta_log/`` or
@@ -46,7 +46,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
     fs, root = resolve(cfg.path, cfg.storage_options)
     # (a file named a[1] is a file; an HTTP(S) URL's "?" starts its query, not a pattern)
     if any(ch in without_query(root) for ch in "*?[") and not fs.exists(root):
-        matches = fs.glob(root, detail=True)
+        matches = glob_through_links(fs, root)  # (below links to folders too)
         paths = [
             p for p, info in matches.items() if _is_file(fs, p, info) and not _folder_marker(p)
         ]
@@ -57,7 +57,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
             )
         holders = {p.rpartition("/")[0] for p in paths}
     elif fs.isdir(root):
-        found = _through_folder_links(fs, [p for p in fs.find(root) if not _folder_marker(p)])
+        found = through_folder_links(fs, [p for p in fs.find(root) if not _folder_marker(p)])
         _refuse_table_files(cfg.path, [_table_inside(p[len(root) :]) for p in found])
         paths = [p for p in found if not _hidden(p[len(root) :])]
         paths = _without_documents(cfg.path, paths)
@@ -130,31 +130,6 @@ def _folder_marker(path: str) -> bool:
     Listed as files, a folder of Parquet files failed as "Parquet file size is 0 bytes", an
     auto-format one "cannot tell the format of s3://b/in/" (an audit)."""
     return path.endswith(("/", "_$folder$"))
-
-
-def _through_folder_links(fs: Any, paths: list[str], chain: tuple[str, ...] = ()) -> list[str]:
-    """``paths`` (a local folder's ``find``) with each link to a folder replaced by the files
-    below it, as ``find -L``, Python's glob and Spark read them: fsspec's ``find`` lists such
-    a link as a file, and the job failed on it as a file of no format ("cannot tell the
-    format of .../more") or "Is a directory". Raises ValueError naming a link to a folder
-    that holds it (its files would be read forever)."""
-    if not isinstance(fs, LocalFileSystem):
-        return paths
-    out = []
-    for path in paths:
-        if not (os.path.islink(path) and os.path.isdir(path)):
-            out.append(path)
-            continue
-        real = os.path.realpath(path)
-        holders = chain or (os.path.realpath(os.path.dirname(path)),)
-        if any(real == h or h.startswith(real + os.sep) for h in holders):
-            raise ValueError(
-                f"input.path: {path} is a link to a folder that holds it ({real}), so its "
-                "files would be read again and again; remove the link or point input.path "
-                "at the data below it"
-            )
-        out += _through_folder_links(fs, fs.find(path), (*holders, real))
-    return out
 
 
 def _is_file_there(fs: Any, path: str, given: str) -> bool:
