@@ -233,6 +233,48 @@ def test_output_inside_or_over_the_input_is_refused(
     assert sorted(p.name for p in data.iterdir()) == ["in.jsonl"]
 
 
+@pytest.mark.parametrize(
+    ("pattern", "target", "output", "needle"),
+    [
+        ("in", "../other", "other/out", "is inside"),
+        ("in/**", "../other", "other/out", "is inside"),
+        ("in/*/*/*/*.jsonl", "../other", "other/out", "is inside"),  # (reaches its shards)
+        ("in", "../other", "other", "is inside"),  # the link leads to the output itself
+        ("in", "../out/shards", "out", "contains"),  # the input inside the output
+    ],
+    ids=["dir", "recursive-glob", "glob-reaches-it", "the-output", "output-over-it"],
+)
+def test_output_inside_or_over_a_linked_input_folder_is_refused(
+    tiny_model: Path, tmp_path: Path, pattern: str, target: str, output: str, needle: str
+) -> None:
+    """in/more -> ../other, read by the listing as in/more/...: an output other/out was let
+    through (the check compared real paths only), and its rerun read in/more/out's files as
+    input ("cannot tell the format of .../more/out/.tokenmill.lock"; --fresh read them as rows)."""
+    write_jsonl(tmp_path / "in" / "a.jsonl", chat_rows(3))
+    (tmp_path / "other").mkdir()
+    write_jsonl(tmp_path / "out" / "shards" / "part-00000.jsonl", chat_rows(2, start=3))
+    (tmp_path / "in" / "more").symlink_to(target)
+    before = sorted(tmp_path.rglob("*"))
+    spec = job_dict(tiny_model, tmp_path / pattern, tmp_path / output)
+    with pytest.raises(JobSpecError, match=needle) as refused:
+        run_job(spec, show_progress=False)
+    assert str(tmp_path / "in" / "more") in str(refused.value)  # names the link
+    assert repr(str(tmp_path / output)) in str(refused.value)  # and the output
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_output_in_a_linked_folder_the_input_never_reaches_is_fine(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    write_jsonl(tmp_path / "in" / "a.jsonl", chat_rows(3))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "in" / "more").symlink_to("../other")
+    spec = job_dict(tiny_model, tmp_path / "in" / "*.jsonl", tmp_path / "other" / "out")
+    for _ in range(2):  # the rerun lists the same single file
+        report = run_job(spec, show_progress=False)
+        assert report.status == "complete" and report.rows_ok == 3
+
+
 @pytest.mark.parametrize("output_of", [lambda d: d / "out", lambda d: d], ids=["inside", "over"])
 def test_a_folder_named_like_a_glob_is_that_folder(tiny_model: Path, tmp_path: Path, output_of):
     """run[1] is a folder (the reader reads it as one), not a glob of run1: an output inside

@@ -5,22 +5,26 @@
              output.path = an ancestor of the input       (shards would land among the inputs)
              output.path inside an input directory        (the next read takes the job's own
                                                            files as input rows)
+             output.path inside, or over, a folder that   (the same, reached through the
+             a local input's listing enters by a link      link: folder_links.py)
              output.path = a local model folder, or inside one (the job's files would change
                                                            the model's fingerprint)
 
 Checks compare paths only (local paths after resolving ``..`` and symlinks), so they cost no
-request to object storage. Raised as OutputPathError, a spec error (exit 2) naming the key.
+request to object storage; the links a local listing enters are found by reading its folders,
+not its files. Raised as OutputPathError, a spec error (exit 2) naming the key.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsspec.implementations.local import LocalFileSystem
 
 from tokenmill.io.readers.file_listing import SUPPORTED_SUFFIXES
+from tokenmill.io.readers.folder_links import folder_links_entered
 from tokenmill.io.readers.storage import resolve
 from tokenmill.jobs.spec import JobSpecError
 
@@ -49,7 +53,8 @@ def check_output_location(
     input_options: dict[str, Any],
 ) -> None:
     """Raise OutputPathError naming ``output.path`` when it is the root, a whole bucket, a
-    file, the input, an ancestor of the input, or inside an input directory."""
+    file, the input, an ancestor of the input, or inside an input directory, that directory
+    reached through a link to a folder too."""
     if not isinstance(output_path, str) or not output_path.strip():
         raise OutputPathError("output.path is empty; give a folder or an s3://bucket/prefix")
     try:
@@ -83,20 +88,41 @@ def check_output_location(
         )
     if type(in_fs) is not type(out_fs):
         return
-    base, is_folder, pattern = _input_base(in_root, in_fs, local)
-    if _within(base, out):
+    shape = _input_base(in_root, in_fs, local)
+    if _within(shape.base, out):
         raise OutputPathError(
             f"{where} contains the input {input_path!r}; the job's shards would land among "
             "its inputs. Give output.path a folder outside the input."
         )
-    inside = is_folder and _within(out, base)
-    if pattern is not None and not inside:
-        inside = any(pattern.fullmatch(f"{out}/{name}") for name in _WRITTEN_EXAMPLES)
-    if inside:
+    if (shape.is_folder and _within(out, shape.base)) or _reaches(shape.pattern, out):
         raise OutputPathError(
             f"{where} is inside the input folder {input_path!r}; the next read would take "
             "the job's own files as input rows. Give output.path a folder outside the input."
         )
+    if local and (shape.is_folder or shape.pattern is not None):
+        _check_linked_folders(where, out, input_path, shape)
+
+
+def _check_linked_folders(where: str, out: str, input_path: str, shape: _InputShape) -> None:
+    """Raise OutputPathError naming the link when the real ``out`` is inside, or holds, a
+    folder that the listing of the local input ``shape`` enters through a link: the paths
+    compared above are real ones, where the listing reads ``in/more/out/shards/...`` for
+    ``in/more -> ../other`` and an output ``other/out``."""
+    for link, real in folder_links_entered(shape.base, shape.depth):
+        seen = link + out[len(real) :]  # output.path as the listing would reach it
+        if _within(out, real) and (shape.is_folder or _reaches(shape.pattern, seen)):
+            raise OutputPathError(
+                f"{where} is inside {real!r}, which input.path {input_path!r} reads through "
+                f"the link {link!r}; the next read would take the job's own files as input "
+                f"rows (as {seen!r}). Give output.path a folder outside the input, or remove "
+                "the link."
+            )
+        if _within(real, out):
+            raise OutputPathError(
+                f"{where} contains {real!r}, which input.path {input_path!r} reads through "
+                f"the link {link!r}; the job's shards would land among its inputs. Give "
+                "output.path a folder outside the input, or remove the link."
+            )
 
 
 def _existing_ancestor(path: str) -> str:
@@ -132,9 +158,24 @@ def check_output_outside_model(output_path: str, model_source: str) -> None:
         )
 
 
-def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool, re.Pattern[str] | None]:
-    """(the input's fixed folder or file, whether everything below it is input, the glob as a
-    regex over full paths when the input is a glob).
+class _InputShape(NamedTuple):
+    """What a listing of the input reads, as paths."""
+
+    base: str  # its fixed folder or file (local: the real path)
+    is_folder: bool  # whether everything below ``base`` is input
+    pattern: re.Pattern[str] | None  # a glob, as a regex over full paths
+    depth: int | None  # how many levels below ``base`` a glob without "**" reaches
+
+
+def _reaches(pattern: re.Pattern[str] | None, folder: str) -> bool:
+    """Whether the glob ``pattern`` matches a file a job writes below ``folder``."""
+    return pattern is not None and any(
+        pattern.fullmatch(f"{folder}/{name}") for name in _WRITTEN_EXAMPLES
+    )
+
+
+def _input_base(root: str, fs: Any, local: bool) -> _InputShape:
+    """The input's shape (``_InputShape``).
 
     A glob's base is its part before the first wildcard component; with ``**`` everything
     below the base is input, otherwise only what the pattern reaches (``dir/*.jsonl`` reads
@@ -145,11 +186,13 @@ def _input_base(root: str, fs: Any, local: bool) -> tuple[str, bool, re.Pattern[
         # as the reader takes it: file_listing.list_input_files)
         base = _normal("/".join(parts[:wild]) or "/", local)
         rest = "/".join(parts[wild:])
-        return base, "**" in rest, re.compile(re.escape(base.rstrip("/")) + "/" + _glob_regex(rest))
+        regex = re.compile(re.escape(base.rstrip("/")) + "/" + _glob_regex(rest))
+        recursive = "**" in rest
+        return _InputShape(base, recursive, regex, None if recursive else rest.count("/") + 1)
     path = _normal(root, local)
     if local:
-        return path, os.path.isdir(path), None
-    return path, not path.lower().endswith(SUPPORTED_SUFFIXES), None
+        return _InputShape(path, os.path.isdir(path), None, None)
+    return _InputShape(path, not path.lower().endswith(SUPPORTED_SUFFIXES), None, None)
 
 
 def _glob_regex(pattern: str) -> str:

@@ -93,3 +93,36 @@ def _entered(link: str, chain: tuple[str, ...]) -> tuple[str, ...]:
             "at the data below it"
         )
     return (*holders, real)
+
+
+def folder_links_entered(top: str, depth: int | None = None) -> list[tuple[str, str]]:
+    """Each link to a folder that a listing of the local folder ``top`` enters (a folder
+    input's: ``depth`` None; a glob's: fsspec's depth from ``top``, its fixed part), links
+    below links too, as (its path below ``top``, the real folder it leads to). A link that
+    holds it is left out (the listing refuses it by name), and so is a folder that cannot be
+    read (the listing reports it).
+
+    One ``scandir`` per folder, and a ``stat`` per link only: cheaper than the listing, which
+    looks at every file."""
+    found = []
+    pending: list[tuple[str, int | None, tuple[str, ...]]] = [(top, depth, ())]
+    while pending:
+        folder, left, chain = pending.pop()
+        if left is not None and left <= 1:
+            continue  # (what lies below its folders is past the listing's depth)
+        below = None if left is None else left - 1
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_symlink() and os.path.isdir(entry.path):
+                        try:
+                            inner = _entered(entry.path, chain)
+                        except ValueError:
+                            continue
+                        found.append((entry.path, inner[-1]))
+                        pending.append((entry.path, below, inner))
+                    elif entry.is_dir(follow_symlinks=False):
+                        pending.append((entry.path, below, chain))
+        except OSError:
+            continue
+    return sorted(found)
