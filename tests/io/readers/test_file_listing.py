@@ -232,3 +232,17 @@ def test_a_request_the_http_client_refuses_is_not_a_missing_file():
         list_input_files(cfg)
     assert "Cannot combine AUTHORIZATION header" in str(err.value)
     assert "pw-SECRET" not in str(err.value) and "does not exist" not in str(err.value)
+
+
+def test_a_partition_folder_starting_with_an_underscore_is_read_as_spark_reads_it(tmp_path):
+    """Spark leaves out names starting with "_" unless they hold "=": a Hive partition of a
+    column named _col (``_col=1/``) is data. Its files were left out as hidden, rows lost
+    without a word; ``_SUCCESS`` and ``_temporary/`` still are."""
+    for name in ["_col=1/part-0.jsonl", "_col=2/part-0.jsonl", "_temporary/part-0.jsonl",
+                 "_col=3/_SUCCESS", "_col=3/.part-0.jsonl.crc", "_SUCCESS"]:  # fmt: skip
+        _touch(tmp_path / name)
+    found = list_input_files(InputConfig(path=str(tmp_path)))
+    assert [f[len(str(tmp_path)) + 1 :] for f in found] == [
+        "_col=1/part-0.jsonl",
+        "_col=2/part-0.jsonl",
+    ]

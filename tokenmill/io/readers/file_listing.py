@@ -223,7 +223,14 @@ def _is_document(name: str) -> bool:
 
 
 def _hidden(relative: str) -> bool:
-    return any(part.startswith((".", "_")) for part in relative.strip("/").split("/"))
+    """Whether a path below the input folder lies below, or is, a name Spark and Hadoop
+    leave out: one starting with "." or "_" (``_SUCCESS``, ``_temporary/``, ``.crc``), but
+    not a Hive partition ``_key=value`` (Spark reads ``_col=1/``: its rows were left out
+    without a word, an audit)."""
+    return any(
+        part.startswith(".") or (part.startswith("_") and "=" not in part)
+        for part in relative.strip("/").split("/")
+    )
 
 
 _TABLE_LOOKS = 16  # folders whose ancestors are looked at: any one finds its table
