@@ -69,7 +69,7 @@ TIMED = (
     ("scheduler", "update_from_output"),
     ("", "_end_grammars"),
     ("grammars", "take_ended"),
-    ("scheduler", "finish_requests"),
+    ("scheduler", "finish"),
     ("", "_finish"),
     ("grammars", "drop"),
     ("scheduler", "schedule"),

@@ -792,8 +792,9 @@ class LLMEngine:
                 stopped.append(rid)
         if not stopped:
             return []
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        return [self._tracked[rid].request for rid in stopped]
+        requests = [self._tracked[rid].request for rid in stopped]
+        self.scheduler.finish(requests, RequestStatus.FINISHED_STOPPED)
+        return requests
 
     def _end_grammars(self) -> list[Request]:
         """Finish the requests whose grammar the fed tokens completed, "stop", or that
@@ -832,7 +833,7 @@ class LLMEngine:
             elif why is not None or req.status is RequestStatus.FINISHED_LENGTH:
                 req.status = status
         for status, reqs in done.items():
-            self.scheduler.finish_requests([req.request_id for req in reqs], status)
+            self.scheduler.finish(reqs, status)
         return [req for reqs in done.values() for req in reqs]
 
     def reset_step_profile(self) -> None:

@@ -271,6 +271,44 @@ def test_finish_requests_takes_running_and_waiting_ones_in_one_call() -> None:
     assert not sched.waiting and reqs[2].status is RequestStatus.FINISHED_ABORTED
 
 
+def _finish_order(by_request: bool) -> tuple[list[str], list[int]]:
+    """Finish two running and two waiting requests, given out of order, through ``finish``
+    or ``finish_requests``; (the ids in the order retired, the free block ids after)."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_seqs=3)
+    reqs = make_requests(6, seed=5)
+    for r in reqs:
+        sched.add_request(r)
+    sched.schedule()  # r0, r1, r2 run; r3, r4, r5 wait
+    retired: list[str] = []
+    retire = sched._retire
+
+    def recorded(req: Request, status: RequestStatus) -> None:
+        retired.append(req.request_id)
+        retire(req, status)
+
+    sched._retire = recorded
+    given = [reqs[4], reqs[2], reqs[3], reqs[0]]
+    if by_request:
+        sched.finish(given, RequestStatus.FINISHED_STOPPED)
+    else:
+        sched.finish_requests([r.request_id for r in given], RequestStatus.FINISHED_STOPPED)
+    sched.kv.check_integrity()
+    assert [r.request_id for r in sched.running] == ["r1"]
+    assert [r.request_id for r in sched.waiting] == ["r5"]
+    sched.finish([reqs[0]], RequestStatus.FINISHED_ABORTED)  # finished: left as it is
+    assert reqs[0].status is RequestStatus.FINISHED_STOPPED
+    return retired, sched.kv.pool.free_block_ids()
+
+
+def test_finish_takes_requests_in_admission_then_queue_order() -> None:
+    """``finish`` (the engine's, by request) retires as ``finish_requests`` does: running
+    rows oldest admission first, then waiting ones in queue order, whatever order they are
+    given in; so their blocks join the free queue in the same order."""
+    by_id = _finish_order(by_request=False)
+    assert by_id[0] == ["r0", "r2", "r3", "r4"]
+    assert _finish_order(by_request=True) == by_id
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_configs_give_identical_outputs(block_size: int, seed: int) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -149,16 +149,34 @@ class Scheduler:
         return len(self.waiting) + len(self._order)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """Finish requests from outside (stop strings, aborts) and free their blocks."""
+        """Finish requests by id from outside (aborts; unknown or finished ids are ignored)
+        and free their blocks, as ``finish``. Walks the running rows, and the queue for
+        ids not among them."""
         ids = set(request_ids)
-        running = [r for r in self.running if r.request_id in ids]
-        self._drop_running([r.slot for r in running])
-        for req in running:
-            self._retire(req, status)
-        ids.difference_update(r.request_id for r in running)
-        if not ids:  # the common case (a grammar or stop string ended running rows): the
-            return  # queue, thousands long in a batch job, is not walked
-        for req in [r for r in self.waiting if r.request_id in ids]:
+        found = [r for r in self.running if r.request_id in ids]
+        ids.difference_update(r.request_id for r in found)
+        if ids:  # the queue, thousands long in a batch job, only when some are not running
+            found += [r for r in self.waiting if r.request_id in ids]
+        self.finish(found, status)
+
+    def finish(self, requests: Sequence[Request], status: RequestStatus) -> None:
+        """Finish ``requests`` from outside (a grammar or a stop string ended them; finished
+        ones are ignored) and free their blocks: the running ones in their admission order,
+        then the waiting ones in queue order. Python runs per request given, not per running
+        row: the engine holds the requests, and walking 512 running rows to find them by id
+        cost a structured decode step ~35 us of the engine thread (CPU)."""
+        slots = [r.slot for r in requests if r.slot >= 0]
+        if slots:
+            dropped = np.zeros(self.slots.capacity, dtype=np.bool_)
+            dropped[slots] = True
+            ended = self._order[dropped[self._order]]
+            self._order = self._order[~dropped[self._order]]
+            for slot in ended.tolist():
+                self._retire(self.slots.requests[slot], status)
+        waiting = {r for r in requests if r.slot < 0 and not r.finished}
+        if not waiting:  # the common case (a grammar or stop string ended running rows):
+            return  # the queue, thousands long in a batch job, is not walked
+        for req in [r for r in self.waiting if r in waiting]:
             self.waiting.remove(req)
             self._retire(req, status)
 
