@@ -235,7 +235,7 @@ def main() -> None:
     }
     print(json.dumps(summary))
     if args.json:
-        args.json.write_text(json.dumps({"table": table, "runs": results, **summary}, indent=2))
+        args.json.write_text(json.dumps({"table": table, "per_run": results, **summary}, indent=2))
 
 
 def _valid(text: str) -> bool:
