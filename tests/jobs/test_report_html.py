@@ -271,6 +271,21 @@ def test_a_page_without_samples_says_why() -> None:
     assert "no output tokens generated this run" in page and "off for this job" in page
 
 
+def test_a_run_that_generated_nothing_says_so_not_too_short_or_0_per_s() -> None:
+    """An audit: a run whose every row was bad (0.066 s of "generation") read "no plot:
+    0.066 s of generation gave fewer than two samples" and "0.0" output tokens/s."""
+    report = JobReport(
+        job="j", output="out", status="complete", rows_failed=30, generation_seconds=0.066,
+    )  # fmt: skip
+    page = render_report_html(report, None)
+    check = _check_self_contained(page)
+    assert "fewer than two samples" not in page
+    shown = re.search(r'data-key="output_tokens_per_s"[^>]*>([^<]*)<', page)
+    assert shown is not None and shown[1] == "none generated this run"
+    assert check.values["output_tokens_per_s"] == 0.0  # report.json's value kept
+    assert report_html.page_shows(page.encode(), JobReport.from_json(report.to_json()))
+
+
 def test_the_page_goes_to_object_storage_through_the_output_store() -> None:
     store = OutputStore("memory://tokenmill-report-test/out", owner="demo")
     assert not store.is_local

@@ -192,6 +192,8 @@ def _summary_table(report: JobReport) -> str:
             continue
         cls = ' class="num"' if isinstance(value, (int, float)) else ""
         text = _UNKNOWN[key] if value is None else show(shown.get(key, value))
+        if key == "output_tokens_per_s" and not report.completion_tokens:
+            text = "none generated this run"  # (not "0.0 output tokens/s")
         rows.append(
             f'<tr><th>{_e(label)}</th><td{cls} data-key="{key}" '
             f'data-value="{_e(json.dumps(value))}">{_e(text)}</td></tr>'
@@ -225,7 +227,7 @@ def _throughput(plots: ModuleType, report: JobReport) -> str:
         "Throughput over time",
         svg,
         "output tokens generated per second between samples (rows still generating included)",
-        _too_short(report) if report.completion_tokens else "no output tokens generated this run",
+        _too_short(report),
     )
 
 
@@ -321,7 +323,10 @@ def _speculative(plots: ModuleType, report: JobReport, history: RunHistory | Non
 
 
 def _too_short(report: JobReport) -> str:
-    """Why a plot over time is missing from a run that did generate."""
+    """Why a plot over time is missing: a run that generated nothing (every row bad, or
+    stopped before a token) has none to draw; one that did was too short to sample."""
+    if not report.completion_tokens:
+        return "no output tokens generated this run"
     return (
         f"no plot: {show_seconds(report.generation_seconds)} of generation gave fewer than "
         "two samples (about one a second); the run's totals are in the summary"
