@@ -5,6 +5,7 @@ same output, and both committed shards and manifests over each other (lock.py)."
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,30 @@ def test_check_held_fails_once_the_file_at_the_path_is_not_the_one_locked(
             b.check_held()
             with pytest.raises(JobLockedError, match="being written by job 'b'"):
                 JobLock("c", out, out).acquire()
+
+
+@pytest.mark.parametrize("how", ["renamed", "deleted"])
+def test_a_run_whose_output_folder_goes_mid_run_stops_as_lock_lost_and_the_rerun_completes(
+    tiny_model: Path, tmp_path: Path, how: str
+) -> None:
+    """An audit: once the output folder was renamed or deleted mid-run, releasing the lock
+    listed the folder that was no longer there, and that FileNotFoundError replaced the run's
+    own LockLostError (run-job: exit 2, "rerunning as it is does not help", when it does)."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    out, moved = tmp_path / "out", tmp_path / "moved"
+    spec = job_dict(tiny_model, src, out, output={"rows_per_shard": 2})
+
+    def take_the_folder_away(_: object) -> None:  # the model loaded, nothing committed yet
+        if how == "renamed" and out.exists():
+            out.rename(moved)
+        elif out.exists():
+            shutil.rmtree(out)
+
+    with pytest.raises(LockLostError, match="lost its lock"):
+        run_job(spec, show_progress=False, on_progress=take_the_folder_away)
+    assert not out.exists()  # nothing written at the path once the folder went
+    if how == "renamed":
+        moved.rename(out)  # put back as it was: the rerun resumes it
+    again = run_job(spec, show_progress=False)
+    assert again.status == "complete"
+    assert _output_ids(spec) == sorted(r["id"] for r in chat_rows(ROWS))  # each row once

@@ -216,8 +216,15 @@ class JobLock:
         (a cache cleaner's ``rm``, a person's) may have been replaced by another run's, and
         unlinking that one let a third run lock a new file and write beside it (an audit).
         The folder stays when another run's lock file appeared in it meanwhile."""
-        if not self._in_cache and os.listdir(self.path.parent) != [LOCK_FILE]:
-            return
+        if not self._in_cache:
+            try:
+                if os.listdir(self.path.parent) != [LOCK_FILE]:
+                    return
+            except (FileNotFoundError, NotADirectoryError):
+                # The output folder was renamed or deleted mid-run: the lock file went with
+                # it. Raising here replaced the run's own error (its LockLostError, exit 75)
+                # with this one (exit 2, "rerunning does not help"): an audit.
+                return
         if not _still_at(fd, self.path):
             return
         self.path.unlink(missing_ok=True)
