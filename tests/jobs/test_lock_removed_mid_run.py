@@ -5,6 +5,7 @@ same output, and both committed shards and manifests over each other (lock.py)."
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -128,7 +129,8 @@ def test_a_run_whose_output_folder_goes_mid_run_stops_as_lock_lost_and_the_rerun
         elif out.exists():
             shutil.rmtree(out)
 
-    with pytest.raises(LockLostError, match="lost its lock"):
+    folder_went = rf"lost its lock, the output folder {re.escape(str(out))} was removed or renamed"
+    with pytest.raises(LockLostError, match=folder_went):
         run_job(spec, show_progress=False, on_progress=take_the_folder_away)
     assert not out.exists()  # nothing written at the path once the folder went
     if how == "renamed":

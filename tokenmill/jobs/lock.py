@@ -184,6 +184,14 @@ class JobLock:
         this run. Cheap (two stats): called before each commit."""
         if self._fd is not None and _still_at(self._fd, self.path):
             return
+        folder = self.path.parent
+        if not self._in_cache and not folder.is_dir():  # not the lock file alone: all of it
+            raise LockLostError(
+                f"output {self.output_url}: job {self.job!r} lost its lock, the output folder "
+                f"{folder} was removed or renamed while it ran, so it stopped before "
+                "committing more. Its committed shards are where the folder went: move it "
+                "back and rerun the same command to resume (or rerun to start over)."
+            )
         raise LockLostError(
             f"output {self.output_url}: job {self.job!r} lost its lock, the file {self.path} "
             "was removed or replaced while it ran (by a person or a cleanup script; "
