@@ -539,6 +539,30 @@ def test_vanished_shards_are_recomputed(tiny_model: Path, tmp_path: Path, damage
     assert saved["shards_recomputed"] == 1
 
 
+def test_a_removed_shards_folder_is_one_warning_not_one_per_shard(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An audit: a rerun after ``shards/`` was removed logged "shard N is recomputed" once
+    per shard (800+ lines before the summary); now one line gives the count and the first
+    shards, and report.json keeps the whole list beside the count."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 2})
+    spec["output"]["rows_per_shard"] = 1
+    run_job(spec, show_progress=False)
+    shutil.rmtree(out / "shards")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        report = run_job(spec, show_progress=False)
+    lines = [r.getMessage() for r in caplog.records if "recomputed" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("12 committed shards are recomputed")
+    assert "shards 0, 1, 2, 3, 4, ..." in lines[0] and "shards_recomputed_list" in lines[0]
+    assert (report.status, report.shards_recomputed, report.rows_ok) == ("complete", 12, 12)
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["shards_recomputed"] == 12 and saved["shards_recomputed_list"] == list(range(12))
+
+
 def _lose_shard_0_after_shard_2(out: Path, monkeypatch: pytest.MonkeyPatch) -> Callable:
     """Make the run's commit of shard 2 remove shard 0's file (another machine's run, or a
     person); returns the real ``commit_shard`` to put back."""

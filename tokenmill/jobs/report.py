@@ -46,6 +46,7 @@ class JobReport:
     replica_failures: dict | None = None
     shards_committed: int = 0
     shards_recomputed: int = 0  # committed earlier, but their files had gone missing
+    shards_recomputed_list: list[int] = field(default_factory=list)  # those shards' numbers
     executor: str = "local"
     model: str = ""  # model.source, as the spec gives it
     device: str = ""  # where the engine ran: "cpu", "cuda:0 (NVIDIA H200)", "ray: 4 replicas"

@@ -810,15 +810,30 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
             restored[0],
         )
     dropped = manifest.drop_missing_shards(sizes)
-    for index, problems in dropped.items():
-        log.warning("shard %d is recomputed: %s", index, "; ".join(problems))
     if dropped:
+        log.warning(_recomputed_line(dropped))
         report.shards_recomputed = len(dropped)
+        report.shards_recomputed_list = sorted(dropped)
     if dropped or restored:
         manifest.save(store)
     removed = remove_stray_files(store, manifest, sizes)
     if removed:
         log.info("removed %d shard files no committed shard names (an earlier run's)", removed)
+
+
+def _recomputed_line(dropped: dict[int, list[str]]) -> str:
+    """One warning for the shards ``drop_missing_shards`` dropped: a removed ``shards/``
+    folder drops every shard, and a line each put hundreds of lines before the summary."""
+    first, problems = next(iter(dropped.items()))
+    if len(dropped) == 1:
+        return f"shard {first} is recomputed: {'; '.join(problems)}"
+    shown = ", ".join(str(i) for i in sorted(dropped)[:5])
+    more = ", ..." if len(dropped) > 5 else ""
+    return (
+        f"{len(dropped)} committed shards are recomputed, their files gone or changed "
+        f"(shards {shown}{more}; shard {first}: {'; '.join(problems)}); report.json's "
+        "shards_recomputed_list names them all"
+    )
 
 
 def _fix_output_schema(
