@@ -136,6 +136,47 @@ def test_a_highly_compressed_sample_is_decompressed_only_so_far(
     assert len(peaks) == 1 and peaks[0] < bound, peaks
 
 
+def _members(codec: str, data: bytes, rows_each: int) -> bytes:
+    """``data`` (JSONL) as one member or frame per ``rows_each`` rows, concatenated: what
+    ``cat a.gz b.gz`` and pigz's independent blocks give, and pzstd's layout for zstd (a
+    skippable frame naming the next frame's size before each frame)."""
+    import lzma
+    import struct
+
+    import zstandard
+
+    lines = data.splitlines(keepends=True)
+    parts = [b"".join(lines[i : i + rows_each]) for i in range(0, len(lines), rows_each)]
+    if codec == "gzip":
+        return b"".join(gzip.compress(part) for part in parts)
+    if codec == "xz":
+        return b"".join(lzma.compress(part) for part in parts)
+    frames = [zstandard.ZstdCompressor().compress(part) for part in parts]
+    return b"".join(struct.pack("<III", 0x184D2A50, 4, len(f)) + f for f in frames)
+
+
+@pytest.mark.parametrize("codec", ["gzip", "zstd", "xz"])
+def test_a_sample_of_many_members_or_frames_is_decompressed_across_them(
+    s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    codec: str,
+) -> None:
+    """An audit: the sample was decompressed to its first member's end, so concatenated gzip
+    was estimated from a few rows (and 256 bytes past them: too low) and pzstd's file, a
+    skippable frame first, from none (no total). Read across members, it is within 5%."""
+    fs, options = _s3(s3_endpoint)
+    monkeypatch.setattr(row_estimate, "SAMPLE_BYTES", 64 << 10)
+    suffix = {"gzip": "gz", "zstd": "zst", "xz": "xz"}[codec]
+    fs.pipe_file(f"data/parts.jsonl.{suffix}", _members(codec, _rows(6_000), rows_each=3))
+    cfg = InputConfig(path=f"s3://data/parts.jsonl.{suffix}", storage_options=options)
+    assert sum(1 for _ in iter_input_rows(cfg)) == 6_000  # (the reader reads them all)
+    fetched = count_fetched(monkeypatch)
+    total = input_row_total(cfg)
+    assert total is not None and total.estimated
+    assert abs(total.rows - 6_000) / 6_000 < 0.05, total
+    assert sum(fetched) <= 64 << 10
+
+
 def test_many_remote_files_take_the_sampled_files_bytes_per_row(
     s3_endpoint: tuple[str, dict[str, Any]],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

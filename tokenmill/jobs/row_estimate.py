@@ -13,15 +13,14 @@ reader reaches the end of the input.
 
 Compressed files are estimated from their compressed size and the rows per compressed byte
 of their sample's decompressed prefix (gzip, zstd and xz decompress a prefix as far as it
-goes), decompressed up to DECOMPRESSED_BYTES only: one prompt repeated packs 300x in gzip and
-10,000x in zstd, so a 1 MiB sample was 0.3 to 10 GiB of text, held and split into lines on
-the count's threads. bzip2 is left unknown: its 900 KB blocks give a 1 MiB prefix one block
-of rows at most, and the estimate would be far too low.
+goes, across members and frames), decompressed up to DECOMPRESSED_BYTES only: one prompt
+repeated packs 300x in gzip and 10,000x in zstd, so a 1 MiB sample was 0.3 to 10 GiB of
+text, held and split into lines on the count's threads. bzip2 is left unknown: its 900 KB
+blocks give a 1 MiB prefix one block of rows at most, and the estimate would be far too low.
 """
 
 from __future__ import annotations
 
-import bz2
 import lzma
 import threading
 import zlib
@@ -161,24 +160,31 @@ def _rows_in(text: bytes) -> int:
 def _rows_decompressed(codec: str, head: bytes) -> tuple[int, int]:
     """(Non-blank complete lines in what the first bytes ``head`` of a ``codec`` file
     decompress to, as far as they go or until DECOMPRESSED_BYTES; ``head``'s bytes that
-    took). The text is counted as it comes, never held whole."""
-    if codec == "gzip":
-        decompressor: Any = zlib.decompressobj(wbits=31)
-    elif codec == "xz":
-        decompressor = lzma.LZMADecompressor()
-    elif codec == "zstd":
-        import zstandard
-
-        decompressor = zstandard.ZstdDecompressor().decompressobj()
-    else:
-        decompressor = bz2.BZ2Decompressor()  # (not sampled: see the module docstring)
+    took). The text is counted as it comes, never held whole. A file of many members or
+    frames (``cat a.gz b.gz``, pigz's blocks, pzstd's skippable frame before each frame)
+    is read across them: its first member alone was a few rows, or none."""
+    decompressor, errors = _decompressor(codec)
+    first = True  # still in the first member: an error there is the input's
     rows = lines = used = made = 0
+    pending = b""  # bytes fed past a member's end, the next member's start
     line = bytearray()  # the line being decompressed (a long one grows here, not copied)
-    while used < len(head) and made < DECOMPRESSED_BYTES:
-        if getattr(decompressor, "eof", False):  # its first stream ended (xz refuses more)
+    while made < DECOMPRESSED_BYTES:
+        if decompressor.eof:  # a decompressor takes one member (xz and zstd refuse more)
+            pending, first = decompressor.unused_data, False
+            decompressor, _ = _decompressor(codec)
+        if pending:
+            chunk, pending = pending, b""
+        elif used < len(head):
+            chunk = head[used : used + _FEED_BYTES]
+            used += len(chunk)
+        else:
             break
-        text = decompressor.decompress(head[used : used + _FEED_BYTES])
-        used = min(used + _FEED_BYTES, len(head))
+        try:
+            text = decompressor.decompress(chunk)
+        except errors:
+            if first:
+                raise
+            break  # padding or other bytes after the last member: the rows so far count
         made += len(text)
         end = text.rfind(b"\n")
         if end < 0:
@@ -190,6 +196,20 @@ def _rows_decompressed(codec: str, head: bytes) -> tuple[int, int]:
             rows += not blank_line(complete, lines)
         line = bytearray(text[end + 1 :])
     return rows, used
+
+
+def _decompressor(codec: str) -> tuple[Any, tuple[type[Exception], ...]]:
+    """A decompressor of one ``codec`` member (gzip, xz or zstd), and the errors it raises
+    on bytes that are not one."""
+    if codec == "gzip":
+        return zlib.decompressobj(wbits=31), (zlib.error,)
+    if codec == "xz":
+        return lzma.LZMADecompressor(), (lzma.LZMAError,)
+    if codec != "zstd":  # bzip2 is not sampled: see the module docstring
+        raise ValueError(f"no sample decompressor for {codec!r} files")
+    import zstandard
+
+    return zstandard.ZstdDecompressor().decompressobj(), (zstandard.ZstdError,)
 
 
 def _sizes(fs: AbstractFileSystem, paths: dict[str, str]) -> dict[str, int | None]:
