@@ -62,6 +62,21 @@ class _S3Job:
         self.job = tmp / "job.yaml"
         self.job.write_text(yaml.safe_dump(self.spec))
 
+    def patient(self) -> None:
+        """The job's client settings, for a rerun once the fault is cleared: timeouts of 10 s
+        and 3 retries, not the 1 s and few the faults are timed for. A rerun on a loaded box
+        (the suite beside a demo and helpers) met a 1 s connect timeout with no fault
+        injected, and failed its resume (exit 75)."""
+        for section in ("input", "output"):
+            options = self.spec[section].get("storage_options")
+            if options and "config_kwargs" in options:
+                options["config_kwargs"] = {
+                    "connect_timeout": 10.0,
+                    "read_timeout": 10.0,
+                    "retries": {"max_attempts": 3, "mode": "standard"},
+                }
+        self.job.write_text(yaml.safe_dump(self.spec))
+
     def remove_lock_file(self) -> None:
         _, lock = open_output(JobSpec.from_dict(self.spec))
         lock.path.unlink(missing_ok=True)
@@ -194,6 +209,7 @@ def test_store_out_for_seconds_mid_run(
         _assert_storage_exit(rc, stderr)
     assert committed.items() <= job.shards().items(), "a committed shard was lost"
 
+    job.patient()
     report = run_job(job.spec, show_progress=False)
     assert report.status == "complete"
     job.assert_rows(want)
@@ -223,6 +239,7 @@ def test_store_down_for_good_exits_75_then_resumes(
     assert len(job.shards()) < ROWS // 4
 
     faulty_s3.proxy.clear()
+    job.patient()
     report = run_job(job.spec, show_progress=False)
     assert report.status == "complete" and report.rows_resumed > 0
     job.assert_rows(want)
@@ -274,5 +291,6 @@ def test_input_reads_failing_for_good_exit_75_naming_the_object_then_resume(
         assert _KEY not in shown and _SECRET not in shown
 
     faulty_s3.proxy.clear()
+    job.patient()
     assert run_cli(job.job, "--quiet", timeout_s=120) == 0, capsys.readouterr().err
     job.assert_rows(want)
