@@ -218,15 +218,17 @@ def test_the_eta_bounds_a_row_by_the_context_where_max_tokens_is_past_it(
     etas: list[tuple[float, int]] = []  # (the tokens the ETA counts on, rows left)
 
     def watch(progress: Progress) -> None:
-        tick = progress.tick
+        lengths = progress._lengths
+        tokens_left = lengths.tokens_left
 
-        def tick_and_read() -> None:
-            tick()
-            eta, rate = progress.eta_seconds, progress.tokens_per_s
-            if eta and rate and progress.total is not None:
-                etas.append((eta * rate, progress.total - progress.done))
+        def counted(queued: int, running: tuple[int, ...]) -> float:
+            # what the ETA divides by the rate, beside the rows it is for (read together:
+            # the product of the ETA and a rate sampled apart drifted with timing)
+            left = tokens_left(queued, running)
+            etas.append((left, queued + len(running)))
+            return left
 
-        progress.tick = tick_and_read  # type: ignore[method-assign]
+        lengths.tokens_left = counted  # type: ignore[method-assign]
 
     report = run_job(spec, progress_interval_s=0.05, on_progress=watch)  # (a sample a step)
     assert report.status == "complete" and report.rows_ok == 12
