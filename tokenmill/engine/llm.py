@@ -338,10 +338,6 @@ def _shown(value: Any) -> str:
     return f"{name} holding {', '.join(kinds[:3])} (ids are integers)" if kinds else name
 
 
-def _is_id(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _ids_of(value: Any) -> list[int] | None:
     """``value`` as token ids: a list, tuple, numpy array or tensor of them (an array's
     tolist gives Python values); None when it is not one."""
