@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from tokenmill.engine.date_format import with_date_patterns
@@ -47,6 +47,7 @@ __all__ = [
     "grammar_error",
     "grammar_text",
     "load_llguidance",
+    "params_of_fields",
     "require_tokenizer",
     "structured_output_setting",
 ]
@@ -143,6 +144,17 @@ class StructuredOutputsParams:
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before 0.10.2
+
+
+def params_of_fields(value: Any) -> Any:
+    """``value`` built into StructuredOutputsParams where it is a mapping of only the
+    class's own fields (``{"json": schema}``, as Ray Data LLM rows carry it: a column
+    cannot hold the object); anything else as it is. A mapping naming vLLM's other fields
+    (``backend``) stays a mapping, which ``check_structured_output`` refuses by name."""
+    own = {f.name for f in fields(StructuredOutputsParams)}
+    if isinstance(value, dict) and value and set(value) <= own:
+        return StructuredOutputsParams(**value)
+    return value
 
 
 def check_structured_output(value: Any, name: str = _PARAM) -> str | None:

@@ -283,7 +283,11 @@ def _mapping(value: Any) -> dict[str, Any]:
     """A row's ``sampling_params`` as Python values: a mapping, or its JSON text. An Arrow
     struct column holds every row's fields in every row (None where a row has none: dropped
     here, nested ones too, so a JSON schema given as a struct cannot hold a null: give it as
-    JSON text), and integers as floats where the column has nulls (6.0: an int again)."""
+    JSON text), and integers as floats where the column has nulls (6.0: an int again). A
+    structured-output mapping of StructuredOutputsParams' fields is built into one, as Ray
+    Data LLM rows give it (``params_of_fields``)."""
+    from tokenmill.engine.structured_output_params import params_of_fields
+
     if value is None:
         return {}
     if isinstance(value, str):
@@ -304,24 +308,11 @@ def _mapping(value: Any) -> dict[str, Any]:
         v = _without_nulls(v)
         if isinstance(v, float) and v.is_integer() and key in _int_fields():
             v = int(v)
-        out[key] = _structured_outputs(v) if key in _STRUCTURED_KEYS else v
+        out[key] = params_of_fields(v) if key in _STRUCTURED_KEYS else v
     return out
 
 
 _STRUCTURED_KEYS = ("structured_output", "structured_outputs", "guided_decoding")
-
-
-def _structured_outputs(value: Any) -> Any:
-    """A row's ``guided_decoding`` / ``structured_outputs`` as Ray Data LLM rows give it (a
-    dict of StructuredOutputsParams' fields, ``{"json": schema}``: a column cannot hold the
-    object), built into one; every such row was an error telling it to pass the object.
-    Anything else (a schema, a one-key setting) as it is."""
-    from tokenmill.engine.structured_output_params import StructuredOutputsParams
-
-    names = {f.name for f in fields(StructuredOutputsParams)}
-    if isinstance(value, dict) and value and set(value) <= names:
-        return StructuredOutputsParams(**value)
-    return value
 
 
 def _without_nulls(value: Any) -> Any:
