@@ -165,14 +165,9 @@ class Scheduler:
         then the waiting ones in queue order. Python runs per request given, not per running
         row: the engine holds the requests, and walking 512 running rows to find them by id
         cost a structured decode step ~35 us of the engine thread (CPU)."""
-        slots = [r.slot for r in requests if r.slot >= 0]
-        if slots:
-            dropped = np.zeros(self.slots.capacity, dtype=np.bool_)
-            dropped[slots] = True
-            ended = self._order[dropped[self._order]]
-            self._order = self._order[~dropped[self._order]]
-            for slot in ended.tolist():
-                self._retire(self.slots.requests[slot], status)
+        ended = self._drop_running([r.slot for r in requests if r.slot >= 0])
+        for slot in ended.tolist():
+            self._retire(self.slots.requests[slot], status)
         waiting = {r for r in requests if r.slot < 0 and not r.finished}
         if not waiting:  # the common case (a grammar or stop string ended running rows):
             return  # the queue, thousands long in a batch job, is not walked
@@ -611,13 +606,18 @@ class Scheduler:
         self._retire(req, status)
         return True
 
-    def _drop_running(self, slots: np.ndarray | list[int]) -> None:
-        """Take ``slots`` out of the running order, which keeps its order. A mask over the
-        slots, not ``np.isin`` (which sorts both: 49 against 7 us at 256 rows, CPU)."""
-        if len(slots):
-            dropped = np.zeros(self.slots.capacity, dtype=np.bool_)
-            dropped[slots] = True
-            self._order = self._order[~dropped[self._order]]
+    def _drop_running(self, slots: np.ndarray | list[int]) -> np.ndarray:
+        """Take ``slots`` out of the running order, which keeps its order; return those of
+        them that were running, in that order. A mask over the slots, not ``np.isin`` (which
+        sorts both: 49 against 7 us at 256 rows, CPU)."""
+        if not len(slots):
+            return self._order[:0]
+        dropped = np.zeros(self.slots.capacity, dtype=np.bool_)
+        dropped[slots] = True
+        running = dropped[self._order]
+        ended = self._order[running]
+        self._order = self._order[~running]
+        return ended
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
         """Finish ``req``: its status, its KV blocks freed, its slot (if any) given back."""
