@@ -16,7 +16,6 @@ from tokenmill.engine.chat_messages import (
 )
 
 __all__ = [
-    "JINJA_MARKS",
     "ChatTemplate",
     "check_chat_options",
     "check_template_text",
@@ -24,12 +23,20 @@ __all__ = [
     "encode_chat",
     "encode_prompt",
     "encode_texts",
+    "is_jinja",
     "render_chat",
     "template_variables",
 ]
 
 # What marks text as a Jinja template rather than a file's path or a template's name.
-JINJA_MARKS = ("{{", "{%", "{#")
+_JINJA_MARKS = ("{{", "{%", "{#")
+
+
+def is_jinja(text: str) -> bool:
+    """Whether ``text`` holds a Jinja delimiter (``_JINJA_MARKS``): a template's text, not a
+    file's path or a template's name."""
+    return any(mark in text for mark in _JINJA_MARKS)
+
 
 # apply_chat_template's own arguments: they steer the call rather than reach the template,
 # so chat_template_kwargs may not set them (tools and documents are template variables);
@@ -293,9 +300,7 @@ def check_template_text(tokenizer: Any, chat_template: Any) -> None:
             f"got {chat_template!r}"
         )
     own = getattr(tokenizer, "chat_template", None)
-    if any(mark in chat_template for mark in JINJA_MARKS) or (
-        isinstance(own, Mapping) and chat_template in own
-    ):
+    if is_jinja(chat_template) or (isinstance(own, Mapping) and chat_template in own):
         return
     shown = chat_template if len(chat_template) <= 200 else chat_template[:200] + "..."
     raise ValueError(

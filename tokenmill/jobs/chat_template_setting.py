@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenmill.engine.prompts import JINJA_MARKS, template_variables
+from tokenmill.engine.prompts import is_jinja, template_variables
 from tokenmill.io.readers.storage import relative_note
 
 __all__ = ["MAX_TEMPLATE_BYTES", "chat_template_kwargs_setting", "chat_template_setting"]
@@ -33,7 +33,7 @@ def chat_template_setting(value: str) -> str:
     Raises ValueError saying which it took ``value`` for and what is wrong."""
     if not value.strip():
         raise ValueError("must be a Jinja template or the path of a file holding one, got ''")
-    if any(mark in value for mark in JINJA_MARKS):
+    if is_jinja(value):
         return value
     shown = value if len(value) <= 200 else value[:200] + "..."
     try:
@@ -52,7 +52,7 @@ def chat_template_setting(value: str) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{shown!r} is not UTF-8 text: not a chat template") from None
-    if not any(mark in text for mark in JINJA_MARKS):
+    if not is_jinja(text):
         raise ValueError(f"{shown!r} holds no Jinja ('{{{{' or '{{%'): not a chat template")
     return text
 
