@@ -66,7 +66,7 @@ def _proposer_host(stats, before: dict | None = None) -> dict:
 def compact_profile(profile: dict) -> dict:
     """The step profile's figures that explain a run, small enough to read in a log line:
     per kind of step its count, graph replays, host and device ms; the synchronous steps;
-    the policy's estimates (``auto``)."""
+    the policy's estimates (``auto``); the grammars' host ms (structured rows)."""
     out: dict = {"synchronous": profile.get("synchronous_steps")}
     for kind in ("decode", "prefill_or_mixed"):
         if kind in profile:
@@ -76,6 +76,8 @@ def compact_profile(profile: dict) -> dict:
     policy = profile.get("speculative", {}).get("policy")
     if policy:
         out["policy"] = policy
+    if "structured_output" in profile:
+        out["structured_output"] = profile["structured_output"]
     return out
 
 
