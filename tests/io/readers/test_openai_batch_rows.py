@@ -129,6 +129,51 @@ def test_best_of_and_prompt_logprobs(tmp_path):
     assert rows[2].sampling == {"prompt_logprobs": 0}
 
 
+def test_whole_floats_count_as_integers_in_every_integer_field(tmp_path):
+    """A whole float (``5.0``) is its integer in every integer field, as JSON Schema's
+    "integer" and OpenAI's and vLLM's servers take it: pandas writes every number of a
+    column holding a null as a float. max_tokens, seed, top_logprobs, logprobs and
+    prompt_logprobs refused 5.0 while n and best_of took it."""
+    chat = chat_body(
+        max_tokens=5.0, seed=3.0, n=2.0, logprobs=True, top_logprobs=2.0, prompt_logprobs=1.0
+    )
+    completion = {"prompt": "p", "max_completion_tokens": 5.0, "logprobs": 2.0, "best_of": 3.0}
+    lines = [
+        batch_line("a", chat),
+        batch_line(
+            "b", {**completion, "max_completion_tokens": None, "max_tokens": 7.0}, COMPLETIONS
+        ),
+        batch_line("c", chat_body(max_tokens=5.0, max_completion_tokens=5, best_of=1.0)),
+    ]
+    rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
+    assert [r.error for r in rows] == [None] * 3
+    assert rows[0].sampling == {
+        "max_tokens": 5, "seed": 3, "n": 2, "logprobs": 2, "prompt_logprobs": 1
+    }  # fmt: skip
+    assert rows[1].sampling == {"max_tokens": 7, "logprobs": 2, "best_of": 3}
+    assert rows[2].sampling == {"max_tokens": 5}
+    assert all(type(v) is int for r in rows for v in r.sampling.values())
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "seed", "n",
+                                   "top_logprobs", "prompt_logprobs"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (2.5, "must be an integer"),
+        (True, "must be an integer"),
+        (1e20, "got the float 1e+20: past 2**53 a float may not be the integer written"),
+    ],
+)
+def test_a_fraction_a_bool_or_an_inexact_float_is_a_bad_row(tmp_path, field, value, message):
+    body = chat_body(**{field: value}, **({"logprobs": True} if field == "top_logprobs" else {}))
+    (row,) = read(write_jsonl(tmp_path / "b.jsonl", [batch_line("bad", body)]))
+    assert row.error is not None and f"body.{field} " in row.error, row.error
+    assert message in row.error and "bad" in row.row_id, row.error
+    if value is not True:
+        assert repr(value) in row.error, row.error  # the value as given, not as converted
+
+
 def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
     lines = [batch_line("a", chat_body(logprobs=True)), batch_line("b", chat_body(logprobs=False))]
     rows = read(write_jsonl(tmp_path / "b.jsonl", lines))
@@ -157,8 +202,8 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("logprobs", 3, "body.logprobs must be true or false"),
         ("top_logprobs", 21, "body.top_logprobs must be an integer in [0, 20], got 21"),
         ("top_logprobs", 2, "needs body.logprobs: true"),
-        ("n", 0, "body.n must be in [1, 128], got 0"),
-        ("n", 129, "body.n must be in [1, 128], got 129"),
+        ("n", 0, "body.n must be an integer in [1, 128], got 0"),
+        ("n", 129, "body.n must be an integer in [1, 128], got 129"),
         ("n", True, "body.n"),
         ("tools", [{"type": "function"}], "body.tools="),
         ("response_format", {"type": "xml"}, "body.response_format must be"),
@@ -212,9 +257,9 @@ def test_completions_prompt_as_token_ids(tmp_path, prompt):
         ({}, "missing prompt"),
         ({"prompt": "x", "logprobs": 21}, "body.logprobs must be an integer in [0, 20]"),
         ({"prompt": "x", "logprobs": True}, "body.logprobs"),
-        ({"prompt": "x", "best_of": 0}, "body.best_of must be in [1, 128], got 0"),
-        ({"prompt": "x", "best_of": 129}, "body.best_of must be in [1, 128], got 129"),
-        ({"prompt": "x", "best_of": True}, "body.best_of must be in [1, 128], got True"),
+        ({"prompt": "x", "best_of": 0}, "body.best_of must be an integer in [1, 128], got 0"),
+        ({"prompt": "x", "best_of": 129}, "body.best_of must be an integer in [1, 128], got 129"),
+        ({"prompt": "x", "best_of": True}, "body.best_of must be an integer in [1, 128], got True"),
         ({"prompt": "x", "n": 3, "best_of": 2}, "body.best_of=2 is less than body.n=3"),
         ({"prompt": "x", "prompt_logprobs": -1}, "body.prompt_logprobs must be an integer in"),
         ({"prompt": "x", "max_tokens": 4, "echo": True}, "body.echo=True is not supported"),

@@ -3,7 +3,8 @@
 Every field is checked here, so a bad value becomes a bad row naming the field instead of
 failing later inside the engine. Fields that would change results but that tokenmill does not
 implement are refused rather than silently ignored; unknown fields are refused too (a typo like
-``temprature`` must not pass unnoticed).
+``temprature`` must not pass unnoticed). Every integer field takes a whole float (``5.0``)
+as its integer, as OpenAI's API does; a fraction or a bool is refused (``_integer``).
 
 ``response_format`` maps to ``structured_output``: ``{"type": "json_schema", "json_schema":
 {"name", "schema", "strict", "description"}}`` to the schema (enforced whatever ``strict``
@@ -59,7 +60,6 @@ _UNSUPPORTED_UNLESS = {"best_of": 1, "tools": [], "modalities": ["text"], "echo"
 _ENDPOINT_OF = {"best_of": COMPLETIONS}
 # Refused with where the job can say it instead.
 _JOB_INSTEAD = {"chat_template": "model.chat_template"}
-_LOGPROBS = "an integer in [0, 20]"
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
@@ -86,24 +86,21 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
             _expect(is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]", row_id)
             sampling[name] = value
     if "seed" in fields:
-        value = fields["seed"]
-        _expect(is_int(value), "seed", value, "an integer", row_id)
-        sampling["seed"] = value
+        sampling["seed"] = _integer("seed", fields["seed"], row_id)
     # A body's explicit empty value overrides the job's (stop [], logit_bias {}, logprobs
     # false, response_format text): each left the job's own in force.
     if "stop" in fields:
         sampling["stop"] = _stop(fields["stop"], row_id)
     if "n" in fields:
-        value = _count(fields["n"])
-        _expect(is_int(value) and 1 <= value <= MAX_N, "n", value, f"in [1, {MAX_N}]", row_id)
+        value = _integer("n", fields["n"], row_id, 1, MAX_N)
         if value > 1:
             sampling["n"] = value
     if "best_of" in fields and endpoint == COMPLETIONS:
         sampling["best_of"] = _best_of(fields["best_of"], sampling.get("n", 1), row_id)
     if "prompt_logprobs" in fields:
-        value = fields["prompt_logprobs"]
-        _expect(is_int(value) and 0 <= value <= 20, "prompt_logprobs", value, _LOGPROBS, row_id)
-        sampling["prompt_logprobs"] = value
+        sampling["prompt_logprobs"] = _integer(
+            "prompt_logprobs", fields["prompt_logprobs"], row_id, 0, 20
+        )
     if "logit_bias" in fields:
         try:
             bias = check_logit_bias(fields["logit_bias"], "body.logit_bias")
@@ -129,7 +126,8 @@ def _refuse_unsupported(body: dict[str, Any], endpoint: str, row_id: str) -> Non
             continue
         elif name in _UNSUPPORTED_UNLESS:
             noop = _UNSUPPORTED_UNLESS[name]
-            if value != noop or type(value) is not type(noop):  # (True == 1)
+            given = _whole(value)  # (a chat body's best_of 1.0 is the no-op 1)
+            if given != noop or type(given) is not type(noop):  # (True == 1)
                 only = _ENDPOINT_OF.get(name)
                 where = "by tokenmill" if only is None else f"for {endpoint} (only {only} has it)"
                 raise RowError(
@@ -210,8 +208,7 @@ def _given_keys(value: dict[str, Any], allowed: Collection[str]) -> list[str]:
 
 def _best_of(value: Any, n: int, row_id: str) -> int:
     """A completions body's best_of (kept when it equals n: it overrides the job's)."""
-    value = _count(value)
-    _expect(is_int(value) and 1 <= value <= MAX_N, "best_of", value, f"in [1, {MAX_N}]", row_id)
+    value = _integer("best_of", value, row_id, 1, MAX_N)
     if value < n:
         raise RowError(
             f"body.best_of={value} is less than body.n={n}: best_of completions are generated "
@@ -222,10 +219,11 @@ def _best_of(value: Any, n: int, row_id: str) -> int:
 
 
 def _max_tokens(fields: dict[str, Any], row_id: str) -> int | None:
-    found = {n: fields[n] for n in ("max_tokens", "max_completion_tokens") if n in fields}
-    for name, value in found.items():
-        _expect(is_int(value) and value >= 1, name, value, "an integer >= 1", row_id)
-        _expect(value < 2**31, name, value, "at most 2**31 - 1", row_id)  # (int32 columns)
+    found: dict[str, int] = {}
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in fields:
+            found[name] = _integer(name, fields[name], row_id, 1)
+            _expect(found[name] < 2**31, name, fields[name], "at most 2**31 - 1", row_id)  # int32
     if len(set(found.values())) > 1:
         raise RowError(
             f"body.max_tokens={found['max_tokens']} and body.max_completion_tokens="
@@ -252,13 +250,12 @@ def _logprobs(fields: dict[str, Any], endpoint: str, row_id: str) -> int | None:
     if endpoint == COMPLETIONS:
         if value is None:
             return None
-        _expect(is_int(value) and 0 <= value <= 20, "logprobs", value, _LOGPROBS, row_id)
-        return value
+        return _integer("logprobs", value, row_id, 0, 20)
     top = fields.get("top_logprobs")
     if value is not None:
         _expect(isinstance(value, bool), "logprobs", value, "true or false", row_id)
     if top is not None:
-        _expect(is_int(top) and 0 <= top <= 20, "top_logprobs", top, _LOGPROBS, row_id)
+        top = _integer("top_logprobs", top, row_id, 0, 20)
         if not value:
             raise RowError("body.top_logprobs needs body.logprobs: true", row_id)
     return (top or 0) if value else None
@@ -269,8 +266,36 @@ def _expect(ok: bool, name: str, value: Any, expected: str, row_id: str) -> None
         raise RowError(f"body.{name} must be {expected}, got {short_repr(value)}", row_id)
 
 
-def _count(value: Any) -> Any:
-    """A whole float as an int (JSON writers may give any count as ``1.0``); else ``value``."""
-    if isinstance(value, float) and value.is_integer():
+def _integer(
+    name: str, value: Any, row_id: str, low: int | None = None, high: int | None = None
+) -> int:
+    """``value`` of the body's integer field ``name``, in [low, high] where given. A whole
+    float counts as its integer (``5.0``), as JSON Schema's "integer" and OpenAI's and vLLM's
+    servers take it: JSON writers give every number of a column holding a null as a float.
+    A bool, a fraction or a value out of range is RowError naming the field and the value."""
+    whole = _whole(value)
+    if isinstance(whole, float) and whole.is_integer():
+        raise RowError(
+            f"body.{name} must be an integer, got the float {short_repr(value)}: past 2**53 a "
+            "float may not be the integer written; write it without a fraction or exponent",
+            row_id,
+        )
+    if low is None:
+        expected = "an integer"
+    elif high is None:
+        expected = f"an integer >= {low}"
+    else:
+        expected = f"an integer in [{low}, {high}]"
+    ok = is_int(whole) and (low is None or whole >= low) and (high is None or whole <= high)
+    _expect(ok, name, value, expected, row_id)
+    return whole
+
+
+_EXACT = 2**53  # every integer up to here is a float; past it, floats skip integers
+
+
+def _whole(value: Any) -> Any:
+    """A whole float (up to 2**53) as its int; else ``value``."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= _EXACT:
         return int(value)
     return value
