@@ -105,6 +105,24 @@ def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path)
     assert best["error"] is None and best["num_generated_tokens"] > 0
 
 
+def test_a_rows_error_names_no_place_in_a_batch_the_user_never_sees(model: Path) -> None:
+    """A row that failed before the engine had its error prefixed "row i of the batch", i
+    its place in one of Ray Data's batches (the dataset's row 7 read "row 3 of the batch"
+    with batch_size 4), a row the user cannot find; one the engine refused had none. The
+    error is on the row itself, among its own columns: both read the same way now."""
+    replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))
+    rows = [
+        {"prompt": "a b"},
+        {"prompt": "x " * 3000},  # longer than the context: the engine's error
+        {"prompt": "a", "sampling_params": {"temperature": -1.0}},
+        {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 5}]},
+    ]
+    good, long, sampling, messages = (r["error"] for r in replica.run(rows))
+    assert good is None and long.startswith("prompt has 6000 tokens"), long
+    assert sampling.startswith("SamplingParams.temperature must be a number >= 0"), sampling
+    assert messages.startswith("messages[1].content must be a string"), messages
+
+
 def test_a_null_prompt_is_named_null_not_missing(model: Path) -> None:
     """A row whose prompt cell is null was told it "needs a ... 'prompt' ... column; it has
     ['id', 'prompt']" (an audit)."""
@@ -255,7 +273,7 @@ def test_the_processor_continues_a_reply_begun_as_transformers_renders_it(model:
     assert continued["num_input_tokens"] == len(want_ids)
     assert continued["generated_text"] == want.text
     assert asked["finish_reason"] == "error"
-    assert asked["error"].startswith("row 1 of the batch: continue_final_message is set, but")
+    assert asked["error"].startswith("continue_final_message is set, but")
     assert "ends with a user message" in asked["error"]
     with pytest.raises(ValueError, match="ProcessorConfig.continue_final_message and add_gen"):
         ProcessorConfig(str(model), continue_final_message=True)

@@ -174,7 +174,9 @@ class EngineReplica:
                 sampling = {**self.config.sampling, **_mapping(row.get("sampling_params"))}
                 params.append(_one_completion(SamplingParams(**sampling), "sampling_params"))
             except (ValueError, TypeError) as exc:
-                results[i] = _failed(f"row {i} of the batch: {exc}")
+                # The error lands on the row itself; its index in this batch (one Ray Data
+                # cut, never shown to the user) named no row the user can find.
+                results[i] = _failed(str(exc))
                 continue
             prompts.append(tokens)
             where.append(i)
