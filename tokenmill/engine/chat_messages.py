@@ -72,7 +72,7 @@ def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, An
         role = ALIASES.get(role, role) if isinstance(role, str) else None
         if role not in ROLES:
             raise ValueError(
-                f"{where}[{i}].role is {short_repr(message.get('role'))}; expected one of "
+                f"{where}[{i}].role is {_shown(message.get('role'))}; expected one of "
                 f"{', '.join((*ROLES, *ALIASES))}"
             )
         kept = {k: v for k, v in message.items() if v is not None}
@@ -90,6 +90,11 @@ def normalize_messages(value: Any, where: str = "messages") -> list[dict[str, An
     return messages
 
 
+def _shown(value: Any) -> str:
+    """``value`` as an error shows it: JSON's null for None (a missing role read "None")."""
+    return "null" if value is None else short_repr(value)
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content as one string: itself, or its text parts joined by newlines."""
     if isinstance(content, str):
@@ -101,7 +106,11 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"{where}[{j}].text must be a string, got {type_name(part.get('text'))}"
+            )
+        if kind != "text":
             shown = f"type {short_repr(kind)}" if kind is not None else type_name(part)
             raise ValueError(
                 f"{where}[{j}] is not a text part (got {shown}); only text parts "

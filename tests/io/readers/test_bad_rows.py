@@ -48,7 +48,16 @@ def test_bad_row_between_good_rows(tmp_path, line, row_id, message):
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
             "[0].content[0] is not a text part (got type 'image_url'); only text parts",
         ),
-        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "only text parts"),
+        # a text part whose text is not a string was "not a text part (got type 'text')"
+        (
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            "[0].content[0].text must be a string, got the number 5",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text"}]}],
+            "[0].content[0].text must be a string, got null",
+        ),
+        ([{"content": "x"}], "[0].role is null; expected one of"),  # was "is None"
         ([{"role": "user", "content": ["x"]}], "[0].content[0] is not a text part (got a string)"),
     ],
 )

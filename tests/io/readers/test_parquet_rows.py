@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.io.readers.reader_files import read, summary, write_parquet
+from tests.io.readers.reader_files import read, summary, write_jsonl, write_parquet
 from tokenmill.io.readers import parquet_records
 from tokenmill.io.readers.compression import CorruptInputError
 
@@ -59,6 +59,31 @@ def test_messages_column_of_structs(tmp_path):
         {"role": "user", "content": "Hi", "name": "ann"},
     ]
     assert rows[1].row_id == "c2" and "role is 'wizard'" in rows[1].error
+
+
+def test_a_bad_conversation_reads_the_same_from_parquet_structs_and_jsonl(tmp_path):
+    """The same bad messages give the same error whichever file holds them, indexes 0-based
+    as in a JSON path; a role or a part's text left null was shown as Python's None, or as
+    "not a text part (got type 'text')"."""
+    part = pa.struct([("type", pa.string()), ("text", pa.string())])
+    message = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+    conversations = [
+        [{"role": "user", "content": [{"type": "text", "text": "a"}]},
+         {"role": "user", "content": [{"type": "text", "text": None}]}],
+        [{"role": None, "content": [{"type": "text", "text": "a"}]}],
+    ]  # fmt: skip
+    ids = ["t", "r"]
+    table = pa.table({"id": ids, "messages": pa.array(conversations, type=pa.list_(message))})
+    pq.write_table(table, tmp_path / "chat.parquet")
+    lines = [{"id": i, "messages": m} for i, m in zip(ids, conversations, strict=True)]
+    write_jsonl(tmp_path / "chat.jsonl", lines)
+    from_parquet = read(tmp_path / "chat.parquet", messages_column="messages")
+    from_jsonl = read(tmp_path / "chat.jsonl", messages_column="messages")
+    assert [r.error for r in from_parquet] == [r.error for r in from_jsonl]
+    assert (
+        from_parquet[0].error == "column 'messages'[1].content[0].text must be a string, got null"
+    )
+    assert from_parquet[1].error.startswith("column 'messages'[0].role is null; expected one of")
 
 
 def test_missing_prompt_column_lists_the_file_columns(tmp_path):
