@@ -2,12 +2,14 @@
 file, the manifest's journal record, the manifest, report.html, report.json) and at each step
 of a local write (opening the temporary file, writing it, renaming it over the final name).
 
-The failures are those of a full disk (ENOSPC), a failing disk (EIO) and a folder made
-read-only mid-run (EACCES; chmod does not stop root, so the open is refused here). Once a
+The failures are those of a full disk (ENOSPC), a failing disk (EIO), a folder made
+read-only mid-run (EACCES; chmod does not stop root, so the open is refused here) and a
+read-only file system (EROFS: a read-only mount, or a disk remounted read-only). Once a
 write has failed, every later one into the output fails too, as on a full disk, until the
-fault is removed. Each run must exit with README's code (75 temporary, 2 for a permission to
-fix), say which file and why without a traceback, commit only readable files, leave no
-temporary file behind, and its rerun must complete with each input row exactly once.
+fault is removed. Each run must exit with README's code (75 temporary, 2 for a permission or
+a read-only file system to fix), say which file and why without a traceback, commit only
+readable files, leave no temporary file behind, and its rerun must complete with each input
+row exactly once.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ POINTS = {
 # (step, errno, the exit code README gives it)
 STEPS = {
     "read-only folder": ("open", errno.EACCES, 2),
+    "read-only file system": ("open", errno.EROFS, 2),  # a read-only mount: not temporary
     "disk full at the rename": ("replace", errno.ENOSPC, 75),
     "disk error mid-write": ("write", errno.EIO, 75),
 }

@@ -27,6 +27,7 @@ if __name__ == "__main__":  # ``python -m tokenmill.jobs.cli``: hold stops as ru
     hold_signals()
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -126,8 +127,9 @@ examples:
 true, [a, b]). Without a job.yaml the job is named "job" (--set name=... to change it).
 
 exit codes: 0 complete, 1 failed, 2 invalid spec or usage, or a file, path or permission
-to fix (a missing or corrupt input, an output not allowed), 75 temporary (locked, stopped
-by a signal, storage failure, Ray cluster lost): rerun to resume
+to fix (a missing or corrupt input, an output not allowed or on a read-only file system),
+75 temporary (locked, stopped by a signal, storage failure, Ray cluster lost): rerun to
+resume
 """
 
 
@@ -246,11 +248,21 @@ def _write_or_drop(stream: TextIO, text: str) -> None:
 # Failures that stay until someone fixes a file, a path or a permission.
 _LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectoryError,
             IsADirectoryError)  # fmt: skip
+# The same by errno where Python has no OSError subclass for it: a read-only file system
+# (a read-only mount, or a disk the kernel remounted read-only after an error) is not
+# writable on a rerun either; as a "storage error" it exited 75, which cron and Airflow
+# retry without telling anyone (README's cron line counts 75 as fine): an audit.
+_LASTING_ERRNOS = (errno.EROFS,)
 
 
 def _lasting(exc: BaseException) -> BaseException | None:
     """The exception in ``exc``'s chain that will not go away on a rerun, if any."""
-    return in_chain(exc, lambda e: isinstance(e, _LASTING))
+    return in_chain(
+        exc,
+        lambda e: (
+            isinstance(e, _LASTING) or (isinstance(e, OSError) and e.errno in _LASTING_ERRNOS)
+        ),
+    )
 
 
 def _cluster_lost(exc: BaseException) -> BaseException | None:
