@@ -7,15 +7,26 @@ shard size, allowed while nothing is committed). Every row ends up in the output
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_jsonl
+from tests.jobs.job_helpers import (
+    chat_rows,
+    job_dict,
+    read_jsonl_dir,
+    run_cli,
+    write_job,
+    write_jsonl,
+)
 from tokenmill import run_job
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs import shard_writer
 from tokenmill.jobs.cli import main as cli_main
+from tokenmill.jobs.lock import LOCK_FILE
 from tokenmill.jobs.manifest import Manifest, ManifestError
+from tokenmill.jobs.ownership import OWNER_FILE
 
 ROWS = 10
 
@@ -66,6 +77,41 @@ def test_journal_records_without_their_manifest_are_refused(
         run_job(spec, show_progress=False)
     assert run_job(spec, fresh=True, show_progress=False).rows_this_run == ROWS
     assert not list(journal.iterdir())
+    _ids_once(out)
+
+
+def test_an_output_emptied_under_its_run_exits_2_naming_fresh_and_fresh_completes(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """An audit: ``rm -rf out/*`` while a job ran (the glob keeps ``.tokenmill.lock``, so the
+    run goes on) took its ownership record and manifest; the run committed more shards and
+    journal records, and its rerun was refused as an output holding files "job 'test' did not
+    write", with --fresh as well. The journal is the job's own: the rerun asks for --fresh."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, job_dict(tiny_model, src, out, output={"rows_per_shard": 2}))
+    commit = shard_writer.commit_shard
+
+    def emptied_before_shard_3(store: OutputStore, shard: int, *args, **kwargs):
+        if shard == 3:  # shards 0-2 committed: the user's rm -rf out/* lands here
+            for path in out.iterdir():
+                if path.name != LOCK_FILE:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+        return commit(store, shard, *args, **kwargs)
+
+    monkeypatch.setattr(shard_writer, "commit_shard", emptied_before_shard_3)
+    assert run_cli(job, "--quiet") == 1  # its committed shards went: not complete
+    monkeypatch.undo()
+    assert list((out / "test.manifest.d").iterdir()) and not (out / OWNER_FILE).exists()
+    capsys.readouterr()
+
+    assert run_cli(job, "--quiet") == 2
+    said = capsys.readouterr().err
+    assert str(out) in said and "--fresh" in said and "did not write" not in said, said
+    assert run_cli(job, "--quiet", "--fresh") == 0
     _ids_once(out)
 
 

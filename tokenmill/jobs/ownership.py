@@ -6,7 +6,8 @@ The first run of a job writes this record before any shard. A run of another job
 at the same prefix is refused (``OutputOwnedError``, a spec error: exit 2), so two jobs can
 never overwrite each other's shards and both report complete. A prefix with no record is
 claimed only when none of the names a job writes are already taken by files it did not
-write; outputs made before the record existed are recognised by their manifest.
+write; outputs made before the record existed (or whose record was deleted) are recognised
+by their manifest or its journal.
 
 The leading underscore keeps the record out of the datasets that pyarrow, Spark and duckdb
 read from the prefix.
@@ -74,7 +75,12 @@ def check_claimable(store: OutputStore, job: str) -> Owner | None:
     others = [m[: -len(_MANIFEST_SUFFIX)] for m in manifests if m != Manifest.file_name(job)]
     if others:
         raise OutputOwnedError(_owned_by(store, others[0], "", job))
-    if not manifests:  # not an output of an earlier run of this job: must be free of our names
+    # This job's manifest journal is its own as much as its manifest: a run whose output was
+    # emptied under it (``rm -rf out/*``, the lock file kept) went on committing shards and
+    # records, and its rerun was refused as holding files "job 'x' did not write", --fresh
+    # too (an audit); now the rerun says the manifest is gone and --fresh starts over.
+    if not manifests and not store.list(Manifest.journal_prefix(job)):
+        # not an output of an earlier run of this job: must be free of our names
         taken = [
             n for n in names if n.startswith(_JOB_FOLDERS) or n in (REPORT_NAME, REPORT_HTML_NAME)
         ]
