@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -134,6 +135,23 @@ def _written_in_a_block_or_not(store: OutputStore) -> None:
         f.write(b"new\n")
         f.write(b"lines\n")
     assert store.read_bytes("shards/part-00000.jsonl") == b"new\nlines\n"
+
+
+def test_a_removed_output_folder_is_not_made_again_by_a_write(tmp_path) -> None:
+    """An audit: ``rm -rf out/`` under a running job, and its next shard's write made the
+    folder again holding that shard alone, which the next run refused as another's files.
+    A root never seen yet is made (a new output), and subfolders below a root that is there."""
+    store = OutputStore(str(tmp_path / "new" / "out"))
+    store.write_atomic("shards/a.jsonl", b"1")  # a new output: its folders are made
+    shutil.rmtree(tmp_path / "new")
+    with pytest.raises(FileNotFoundError, match="output folder was removed"):
+        store.write_atomic("shards/b.jsonl", b"2")
+    with pytest.raises(FileNotFoundError), store.writing("shards/c.jsonl") as f:
+        f.write(b"3")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new" / "out").mkdir(parents=True)  # put back: written as before
+    store.write_atomic("errors/d.jsonl", b"4")
+    assert store.read_bytes("errors/d.jsonl") == b"4"
 
 
 def test_writing_commits_all_or_nothing(tmp_path) -> None:

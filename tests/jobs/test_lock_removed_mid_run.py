@@ -18,6 +18,7 @@ from tests.jobs.job_helpers import chat_rows, job_dict, read_jsonl_dir, write_js
 from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill import run_job
 from tokenmill.io.storage import OutputStore
+from tokenmill.jobs import shard_writer
 from tokenmill.jobs.lock import JobLock, JobLockedError, LockLostError
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.runner import open_output
@@ -137,4 +138,32 @@ def test_a_run_whose_output_folder_goes_mid_run_stops_as_lock_lost_and_the_rerun
         moved.rename(out)  # put back as it was: the rerun resumes it
     again = run_job(spec, show_progress=False)
     assert again.status == "complete"
+    assert _output_ids(spec) == sorted(r["id"] for r in chat_rows(ROWS))  # each row once
+
+
+def test_an_output_folder_removed_between_the_fence_and_a_shard_write_is_not_made_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit: ``rm -rf out/`` landing after a commit's lock check, before its shard's
+    write. The write made the folder again, holding that shard alone; the run exited 75
+    saying its lock file was removed, and every rerun, --fresh too, exited 2 refusing an
+    output holding files "job 'test' did not write"."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, output={"rows_per_shard": 2})
+    commit = shard_writer.commit_shard
+
+    def removed_before_shard_2(store: OutputStore, shard: int, *args: Any, **kwargs: Any) -> Any:
+        if shard == 2 and out.exists():
+            shutil.rmtree(out)
+        return commit(store, shard, *args, **kwargs)
+
+    monkeypatch.setattr(shard_writer, "commit_shard", removed_before_shard_2)
+    folder_went = rf"lost its lock, the output folder {re.escape(str(out))} was removed"
+    with pytest.raises(LockLostError, match=folder_went):
+        run_job(spec, show_progress=False)
+    monkeypatch.undo()
+    assert not out.exists()  # nothing written at the path once the folder went
+    again = run_job(spec, show_progress=False)
+    assert again.status == "complete" and again.rows_this_run == ROWS
     assert _output_ids(spec) == sorted(r["id"] for r in chat_rows(ROWS))  # each row once

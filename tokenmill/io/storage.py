@@ -17,6 +17,7 @@ writes, in the folders it writes to, and never a file someone else put there.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -137,6 +138,8 @@ class OutputStore:
         self.fs: fsspec.AbstractFileSystem = fs
         self.is_local: bool = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(root) if self.is_local else root.rstrip("/")
+        # A local root once seen is not made again by a write: see ``_local_file``.
+        self._root_seen = self.is_local and os.path.isdir(self.root)
         if not self.is_local and not self.root:
             raise ValueError(f"output.path {url!r} names no bucket; give e.g. s3://bucket/prefix")
         if not self.is_local and {"", ".", ".."} & set(self.root.strip("/").split("/")):
@@ -234,7 +237,13 @@ class OutputStore:
     @contextlib.contextmanager
     def _local_file(self, final: str) -> Iterator[BinaryIO]:
         folder, base = os.path.split(final)
+        if self._root_seen and not os.path.isdir(self.root):
+            # Removed since (``rm -rf out/``, under a running job): made again, it held
+            # a lone shard the next run took for another's files and refused, --fresh too
+            # (an audit). The job's lock fence then says the folder went (lock.py).
+            raise FileNotFoundError(errno.ENOENT, "the output folder was removed", self.root)
         os.makedirs(folder, exist_ok=True)
+        self._root_seen = True
         tmp = os.path.join(folder, f".{base}.tmp-{self._token}-{secrets.token_hex(8)}")
         try:
             with open(tmp, "xb") as f:
