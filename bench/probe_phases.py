@@ -1,4 +1,4 @@
-"""What a drafted step of ``auto`` spends, phase by phase, beside the plain steps of its run.
+"""What a drafted step spends, phase by phase, beside the plain steps of its run.
 
 On an H100 (SmolLM2, open chat / random text, 256 rows, BENCHMARKS sessions 42-53) the
 policy's drafting probes took 11-38 ms a step call where a plain one took ~2.75, and a
@@ -12,14 +12,21 @@ every ``LLMEngine.step`` call, by wrapping the engine's methods in this process:
     launch      ``ModelRunner.launch`` (host preparation and enqueueing)
     process     ``LLMEngine._process`` of the step itself or of the one before (async);
                 ``wait``: its block on the device's tokens, inside it
+    masks       (``--structured``) the grammars' masks of the step, inside ``launch``:
+                ``StructuredOutputs.bitmask``, with what runs beside the fill (the step in
+                flight processed, the next scheduled) and the wait for the workers' fill
 
 Per running-batch bucket it prints one JSON line a kind of call: ``plain`` (async calls
 that ran no draft and followed none), ``drafted`` (synchronous drafted calls) and ``after``
 (the call right after a drafted one: the switch back), each with its count and the median
 and mean ms of every phase; plus the slowest drafted calls' phases whole. Off runs beside it
-on the same prompts for the plain steps' reference.
+on the same prompts for the plain steps' reference. ``--method`` names another method than
+auto (suffix drafts every step it can); ``--structured`` constrains every row by the records
+workload's JSON schema (bench/speculative.py's structured job).
 
     PYTHONPATH=$PWD python3 bench/probe_phases.py --workload open_chat --batch 256 --rounds 16
+    PYTHONPATH=$PWD python3 bench/probe_phases.py --workload records --batch 64 --rounds 4 \
+        --method suffix --structured
 """
 
 from __future__ import annotations
@@ -38,13 +45,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.spec_workloads import WORKLOADS  # noqa: E402
+from bench.spec_workloads import RECORD_SCHEMA, WORKLOADS  # noqa: E402
 from bench.speculative import close_llm  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.engine.launched_step import LaunchedStep  # noqa: E402
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy  # noqa: E402
 
-PHASES = ("call", "switch_in", "schedule", "propose", "launch", "process", "wait")
+PHASES = ("call", "switch_in", "schedule", "propose", "launch", "masks", "process", "wait")
 
 
 class PhaseClock:
@@ -65,6 +72,8 @@ class PhaseClock:
         if scheduler.proposer is not None:
             # (not ``predict``: the suffix proposer's ``propose`` calls it)
             self._originals[(scheduler.proposer, "propose")] = scheduler.proposer.propose
+        if hasattr(engine, "_grammars"):
+            self._originals[(engine._grammars, "bitmask")] = engine._grammars.bitmask
         if engine.runner.graphs is not None:  # whether each step replays a CUDA graph
             self._originals[(engine.runner.graphs, "kind")] = engine.runner.graphs.kind
         self._output = LaunchedStep.output
@@ -86,7 +95,7 @@ class PhaseClock:
             self._now[phase] = self._now.get(phase, 0.0) + (time.perf_counter() - t0) * 1e3
 
     def _wrap(self, name: str, original):
-        phase = {"step": "call", "_process": "process"}.get(name, name)
+        phase = {"step": "call", "_process": "process", "bitmask": "masks"}.get(name, name)
 
         def timed(*args, **kwargs):
             if name == "step":
@@ -204,8 +213,10 @@ def run(args, method: str, convs, warm) -> dict:
         max_num_seqs=args.batch,
         speculative={"method": method, "max_tokens": args.draft_tokens},
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    llm.chat(warm, SamplingParams(max_tokens=16, temperature=0.0))  # see bench/speculative.py
+    schema = RECORD_SCHEMA if args.structured else None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_output=schema)
+    warm_params = SamplingParams(max_tokens=16, temperature=0.0, structured_output=schema)
+    llm.chat(warm, warm_params)  # see bench/speculative.py
     kernels = _triton_kernels()
     clock = PhaseClock(llm.engine)
     collections = GcClock()
@@ -240,10 +251,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=16, help="prompts = rounds x batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--method", default="auto", help="the speculative method beside off")
+    parser.add_argument(
+        "--structured", action="store_true", help="every row constrained by RECORD_SCHEMA"
+    )
     args = parser.parse_args()
     convs = WORKLOADS[args.workload](args.rounds * args.batch)
     warm = WORKLOADS[args.workload](args.batch, seed=1000)
-    runs = [run(args, method, convs, warm) for method in ("off", "auto")]
+    runs = [run(args, method, convs, warm) for method in ("off", args.method)]
     off, auto = runs
     for r in runs:
         head = {"workload": args.workload, "batch": args.batch, "method": r["method"]}
@@ -259,7 +274,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "auto_vs_off": round(auto["tok_per_s"] / off["tok_per_s"], 3),
+                f"{args.method}_vs_off": round(auto["tok_per_s"] / off["tok_per_s"], 3),
                 "same_tokens": auto["tokens"] == off["tokens"],
                 "slowest_drafted": auto["slowest_drafted"],
                 "slowest_calls": {"off": off["slowest_calls"], "auto": auto["slowest_calls"]},
