@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -213,3 +215,49 @@ def test_a_sample_of_wide_values_is_bounded_in_bytes(tmp_path, monkeypatch):
     assert schema.schema.field("tags").type == pa.list_(pa.string())
     assert held[0] == 0  # the 100 KB texts: none kept
     assert schema.origin.startswith("inferred from the first ")  # 4 KB: some of the 50 rows
+
+
+def _two_files(folder, a: pa.Array, b: pa.Array) -> InputConfig:
+    """Column ``c`` as ``a`` in folder/a.parquet and as ``b`` in folder/b.parquet."""
+    folder.mkdir(exist_ok=True)
+    for name, column in (("a", a), ("b", b)):
+        ids = [f"{name}{i}" for i in range(len(column))]
+        table = pa.table({"id": ids, "prompt": ["p"] * len(column), "c": column})
+        pq.write_table(table, folder / f"{name}.parquet")
+    return _cfg(folder / "*.parquet", "c")
+
+
+def test_integers_beside_decimals_widen_to_a_decimal_that_holds_every_integer(tmp_path) -> None:
+    """Arrow counts an int64 as 18 digits: int64 beside decimal128(10, 2) was decimal128(20, 2),
+    and each int64 row past 10**18 was its row's error after the run had read it."""
+    big = [2**62, -(2**63)]
+    structs = pa.array([{"n": 2**62}], pa.struct([("n", pa.int64())]))
+    cfg = _two_files(
+        tmp_path,
+        pa.array(big + [None], pa.int64()),
+        pa.array([Decimal("1.25"), None, None], pa.decimal128(10, 2)),
+    )
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"c": "decimal128(21, 2)"}
+    rows = {r.row_id: r for r in iter_input_rows(cfg, schema)}
+    assert [rows[i].error for i in ("a0", "a1", "b0")] == [None, None, None]
+    written = schema.column(
+        "c", [rows["a0"].passthrough["c"], rows["a1"].passthrough["c"]], ["a0", "a1"]
+    )
+    assert written.to_pylist() == [Decimal(2**62), Decimal(-(2**63))]
+    nested = _two_files(
+        tmp_path / "nested",
+        structs,
+        pa.array([{"n": Decimal("0.5")}], pa.struct([("n", pa.decimal128(3, 1))])),
+    )
+    assert passthrough_schema(nested).describe() == {"c": "struct<n: decimal128(20, 1)>"}
+
+
+def test_decimals_that_no_decimal128_holds_are_refused_up_front(tmp_path) -> None:
+    """int64 beside decimal128(38, 30) became decimal256(48, 30), which duckdb reads as
+    double: every value rounded to 16 digits, silently."""
+    cfg = _two_files(
+        tmp_path, pa.array([1], pa.int64()), pa.array([Decimal("1.5")], pa.decimal128(38, 30))
+    )
+    with pytest.raises(ValueError, match=r"'c' is int64 in .*a\.parquet but decimal128\(38, 30\)"):
+        passthrough_schema(cfg)

@@ -1,7 +1,8 @@
 """The types of a job's passthrough columns, decided once from its input, before any shard.
 
     Parquet input  ─► every file's schema (footers only) ─► one type per column: the files'
-                      types unified as Arrow promotes them (null -> double, int32 -> int64);
+                      types unified as Arrow promotes them (null -> double, int32 -> int64;
+                      an integer beside a decimal: a decimal128 holding both, else refused);
                       dictionary columns as their values, extension types as their storage
                       (but UUIDs, which Parquet stores as they are)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
@@ -44,6 +45,8 @@ SAMPLE_ROWS = 10_000
 # The sample's bound in bytes: 10,000 rows of a 5 MB column were 50 GB (an audit; a 400-row
 # input was read whole into memory before its first row ran).
 SAMPLE_BYTES = 64 << 20
+# The most digits a decimal128 holds; a decimal256's.
+_DECIMAL128_DIGITS, _DECIMAL256_DIGITS = 38, 76
 _LONG_TEXT = 64  # characters past which a text's type is all the sample keeps of it
 
 
@@ -170,7 +173,7 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
         merged = pa.unify_schemas(
             [pa.schema([(name, have)]), pa.schema([(name, dtype)])], promote_options="permissive"
         )
-        combined = merged.field(name).type
+        combined = _exact_decimals(merged.field(name).type, have, dtype)
         lossy = _lossy(have, combined) or _lossy(dtype, combined)
         if lossy:
             raise TypeError(lossy)
@@ -190,6 +193,63 @@ def _unified(name: str, have: pa.DataType, where: str, dtype: pa.DataType, url: 
                 name, have, where, dtype, url, combined, file,
             )  # fmt: skip
     return combined
+
+
+def _exact_decimals(merged: pa.DataType, *sides: pa.DataType | None) -> pa.DataType:
+    """``merged`` with each decimal in it (inside lists, structs and maps too) wide enough for
+    the ``sides``' values there: Arrow counts an integer one digit short (int64 beside
+    decimal128(10, 2) gave decimal128(20, 2), and each row past 10**18 was refused). Raises
+    TypeError where that takes more than 38 digits and no side is a decimal256 already (a
+    decimal256 column duckdb reads as double, rounding every value), or more than 76."""
+    if pa.types.is_decimal(merged):
+        return _exact_decimal(merged, [s for s in sides if s is not None])
+    if pa.types.is_struct(merged):
+        return pa.struct(
+            [
+                f.with_type(_exact_decimals(f.type, *(_field(s, f.name) for s in sides)))
+                for f in merged
+            ]
+        )
+    if pa.types.is_map(merged):
+        maps = [s if s is not None and pa.types.is_map(s) else None for s in sides]
+        key = _exact_decimals(merged.key_type, *(m.key_type if m else None for m in maps))
+        item = _exact_decimals(merged.item_type, *(m.item_type if m else None for m in maps))
+        return pa.map_(merged.key_field.with_type(key), merged.item_field.with_type(item))
+    if hasattr(merged, "value_type") and not pa.types.is_dictionary(merged):  # lists
+        values = [getattr(s, "value_type", None) for s in sides]
+        return with_child_types(merged, lambda t: _exact_decimals(t, *values))
+    return merged
+
+
+def _exact_decimal(merged: pa.DataType, sides: list[pa.DataType]) -> pa.DataType:
+    whole = max(_whole_digits(s) for s in sides)
+    precision = max(whole + merged.scale, 1)
+    if precision <= _DECIMAL128_DIGITS:
+        return pa.decimal128(precision, merged.scale)
+    if precision <= _DECIMAL256_DIGITS and any(pa.types.is_decimal256(s) for s in sides):
+        return pa.decimal256(precision, merged.scale)
+    raise TypeError(
+        f"holding both takes {whole} digits before the point and {merged.scale} after it, "
+        f"past a decimal128's {_DECIMAL128_DIGITS} (duckdb reads a decimal256 as double)"
+    )
+
+
+def _field(side: pa.DataType | None, name: str) -> pa.DataType | None:
+    if side is not None and pa.types.is_struct(side) and side.get_field_index(name) >= 0:
+        return side.field(name).type
+    return None
+
+
+def _whole_digits(dtype: pa.DataType) -> int:
+    """Digits before the point that ``dtype``'s values take (an integer's widest, sign
+    aside); 0 for a type without them (null)."""
+    if pa.types.is_decimal(dtype):
+        return dtype.precision - dtype.scale
+    if pa.types.is_integer(dtype):
+        unsigned = pa.types.is_unsigned_integer(dtype)
+        widest = 2**dtype.bit_width - 1 if unsigned else 2 ** (dtype.bit_width - 1)  # -128
+        return len(str(widest))
+    return 0
 
 
 def _lossy(side: pa.DataType, merged: pa.DataType) -> str | None:
