@@ -117,11 +117,12 @@ def test_arrows_own_extension_types_pass_through(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("a", "b", "why"),
     [(pa.array([b"\x00"], pa.binary()), pa.array(["x"]), "string values would be written"),
-     (pa.array([2**63 + 1], pa.uint64()), pa.array([-1], pa.int64()), "uint64 values past")],
+     (pa.array([2**63 + 1], pa.uint64()), pa.array([-1], pa.int64()), "uint64 values past"),
+     (pa.array([Decimal("0.10")], pa.decimal128(10, 2)), pa.array([0.5]), "decimal128.10, 2. val")],
 )  # fmt: skip
 def test_types_arrow_combines_with_loss_are_refused_up_front(tmp_path, a, b, why) -> None:
-    """Arrow combines them (binary; int64), and every row whose value did not fit was
-    refused one by one: exit 2 up front instead, as for types that do not combine."""
+    """Arrow combines them (binary; int64; double), and every row whose value did not fit
+    was refused one by one: exit 2 up front instead, as for types that do not combine."""
     for name, column in (("a", a), ("b", b)):
         pq.write_table(
             pa.table({"id": [name], "prompt": ["p"], "c": column}), tmp_path / f"{name}.parquet"

@@ -254,11 +254,15 @@ def _whole_digits(dtype: pa.DataType) -> int:
 
 def _lossy(side: pa.DataType, merged: pa.DataType) -> str | None:
     """Why ``side``'s values do not all fit ``merged``, the type Arrow combined it into
-    (text into binary, uint64 past 2**63 into int64: every such row would be refused)."""
+    (text into binary, uint64 past 2**63 into int64, decimals into double: every such row
+    would be refused)."""
     if _is_text(side) and not _is_text(merged):
         return f"{side} values would be written as {merged}"
     if pa.types.is_uint64(side) and pa.types.is_int64(merged):
         return "uint64 values past 2**63 do not fit int64"
+    if pa.types.is_decimal(side) and pa.types.is_floating(merged):
+        # (0.10 is no double: every row holding a fraction was its row's error)
+        return f"{side} values would be written as {merged}, which holds few decimals exactly"
     return None
 
 
