@@ -744,6 +744,48 @@ def test_a_failed_handles_error_keeps_its_traceback(tmp_path: Path) -> None:
     assert lengths[0] == lengths[1] == lengths[2], lengths
 
 
+def test_a_handle_says_run_jobs_exit_code_for_how_its_job_ended(
+    tiny_model: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """An audit: a program holding handles could not tell "fix the spec" (2) from "retry
+    later" (75) from "failed" (1) without run-job's private checks: a settings change and a
+    locked output raised RuntimeErrors both, a file gone mid-run and a full disk OSErrors
+    both. exit_code() says what run-job exits with, the same for the same job."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(120))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out, sampling={"max_tokens": 16}, engine={"max_num_seqs": 2})
+    running = submit(spec)
+    assert running.exit_code() is None  # still running
+    deadline = time.monotonic() + 60
+    while not committed_shards(out) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    locked = submit(spec)  # the same output while the first writes it: retry later
+    with pytest.raises(RuntimeError):
+        locked.result(60)
+    assert locked.exit_code() == 75
+    running.cancel()
+    assert running.result(60).status == "cancelled" and running.exit_code() == 75
+    changed = job_dict(tiny_model, src, out, sampling={"max_tokens": 3})
+    other_settings = submit(changed)  # progress made with other settings: fix it first
+    with pytest.raises(FingerprintMismatchError):
+        other_settings.result(60)
+    job = tmp_path / "changed.json"
+    job.write_text(json.dumps(changed))
+    assert other_settings.exit_code() == cli_main([str(job), "--quiet"]) == 2
+    _fail_after(monkeypatch, 3)
+    failed = submit(spec)
+    with pytest.raises(RuntimeError, match="injected"):
+        failed.result(60)
+    assert failed.exit_code() == 1
+    monkeypatch.undo()
+    done = submit(spec)
+    assert done.result(60).status == "complete" and done.exit_code() == 0
+    no_model = submit(job_dict(tmp_path / "no-model", src, tmp_path / "out2"))
+    with pytest.raises(ValueError):
+        no_model.result(60)
+    assert no_model.exit_code() == 2
+
+
 def test_a_process_exiting_with_a_job_running_stops_it_at_a_commit_boundary(
     tiny_model: Path, tmp_path: Path
 ) -> None:

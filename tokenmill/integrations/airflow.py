@@ -151,7 +151,7 @@ class TokenmillJobOperator(BaseOperator):
             _mask_storage_options(self.job, self.overrides)
 
     def execute(self, context: Any) -> str:
-        from tokenmill.jobs.cli import EXIT_INVALID, EXIT_OK
+        from tokenmill.jobs.exit_codes import EXIT_INVALID, EXIT_OK
 
         # A reused operator's (dag.test()'s retries) stop was its earlier try's. A first
         # execute keeps one: Airflow's SIGTERM handler, set before the task's start-up (its
@@ -267,7 +267,7 @@ class TokenmillJobOperator(BaseOperator):
         try:
             code = child.wait()
         except BaseException as exc:  # e.g. execution_timeout: stop the job before leaving
-            from tokenmill.jobs.cli import EXIT_OK
+            from tokenmill.jobs.exit_codes import EXIT_OK
 
             self._stop(child)
             if child.returncode != EXIT_OK or isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -362,7 +362,7 @@ def _to_yaml(spec: dict[str, Any]) -> str:
 
 def _exit_meaning(code: int) -> str:
     """What a retryable exit code of run-job means, for the task's error."""
-    from tokenmill.jobs.cli import EXIT_FAILED, EXIT_TEMPORARY
+    from tokenmill.jobs.exit_codes import EXIT_FAILED, EXIT_TEMPORARY
 
     resumes = "committed shards are kept and Airflow's retry resumes from them"
     if code == EXIT_TEMPORARY:

@@ -27,7 +27,6 @@ if __name__ == "__main__":  # ``python -m tokenmill.jobs.cli``: hold stops as ru
     hold_signals()
 
 import argparse
-import errno
 import logging
 import os
 import signal
@@ -35,20 +34,22 @@ import sys
 import threading
 from typing import NoReturn, TextIO
 
-from tokenmill.io.readers.compression import CorruptInputError
-from tokenmill.io.readers.storage import STORE_CLIENTS
 from tokenmill.io.url_secrets import HideUrlSecrets, hide_url_secrets
-from tokenmill.jobs.error_chain import in_chain
+from tokenmill.jobs.exit_codes import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_TEMPORARY,
+    cluster_lost,
+    exit_code,
+    lasting,
+)
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError, OutputChangedError
-from tokenmill.jobs.ray_cluster_watch import ClusterLostError
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
 from tokenmill.jobs.store_loop_noise import quiet_store_loop_errors
 
 log = logging.getLogger("tokenmill.jobs")
-
-EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_TEMPORARY = 0, 1, 2, 75
 
 _RESUME = "committed shards are kept; rerun the same command to resume"
 # Set where a second stop signal ended the run (``main``): ``entry`` then leaves at once.
@@ -80,37 +81,37 @@ def main(argv: list[str] | None = None) -> int:
     with StopOnSignals(cancel) as stop:
         try:
             return _run(args, cancel, stop)
-        except JobSpecError as exc:
-            return _fail(str(exc), EXIT_INVALID)
-        except JobLockedError as exc:
-            return _fail(str(exc), EXIT_TEMPORARY)
         except (JobInterrupted, KeyboardInterrupt) as exc:
             if stop.again:  # (not a stop while Ray started: its shutdown must run)
                 _STOPPED_AT_ONCE.set()
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
-        except (FingerprintMismatchError, ManifestError) as exc:  # needs --fresh or another path
-            return _fail(str(exc), EXIT_INVALID)
-        except OutputChangedError as exc:  # explained in full: no traceback to add
-            return _fail(str(exc), EXIT_FAILED)
         except Exception as exc:
-            lost = _cluster_lost(exc)
-            if lost is not None:  # the Ray cluster went away: once it is up, a rerun resumes
-                return _fail(f"{lost}; {again}", EXIT_TEMPORARY)
-            # A file that is not there, or not allowed, or an input cut short does not come
-            # right by waiting.
-            lasting = _lasting(exc)
-            if lasting is not None:
-                return _fail(
-                    f"{type(lasting).__name__}: {lasting}; {again} once it is fixed "
-                    "(rerunning as it is does not help)",
-                    EXIT_INVALID,
-                )
-            # The storage (disk full, object store down after retries; a store client's own
-            # exception types, e.g. botocore's while reading the input) is temporary.
-            if isinstance(exc, OSError) or _from_a_store_client(exc):
-                return _fail(f"storage error: {type(exc).__name__}: {exc}; {again}", EXIT_TEMPORARY)
-            log.exception("the job failed")
-            return _fail(f"the job failed ({type(exc).__name__}: {exc}); {again}", EXIT_FAILED)
+            code = exit_code(exc)  # (what a submit() handle's exit_code() says too)
+            return _fail(_explain(exc, code, again), code)
+
+
+def _explain(exc: Exception, code: int, again: str) -> str:
+    """run-job's line for a run that raised ``exc`` and exits ``code``."""
+    if isinstance(exc, _EXPLAINED):
+        return str(exc)
+    lost = cluster_lost(exc)
+    if lost is not None:
+        return f"{lost}; {again}"
+    fix = lasting(exc)
+    if fix is not None:
+        return (
+            f"{type(fix).__name__}: {fix}; {again} once it is fixed "
+            "(rerunning as it is does not help)"
+        )
+    if code == EXIT_TEMPORARY:
+        return f"storage error: {type(exc).__name__}: {exc}; {again}"
+    log.exception("the job failed")
+    return f"the job failed ({type(exc).__name__}: {exc}); {again}"
+
+
+# Errors whose message says all there is to do: no traceback or advice to add.
+_EXPLAINED = (JobSpecError, JobLockedError, FingerprintMismatchError, ManifestError,
+              OutputChangedError)  # fmt: skip
 
 
 # The flags that stand for a job.yaml's required keys (and set them over a job.yaml's).
@@ -243,35 +244,6 @@ def _write_or_drop(stream: TextIO, text: str) -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
         except (OSError, ValueError, AttributeError):
             pass
-
-
-# Failures that stay until someone fixes a file, a path or a permission.
-_LASTING = (CorruptInputError, FileNotFoundError, PermissionError, NotADirectoryError,
-            IsADirectoryError)  # fmt: skip
-# The same by errno where Python has no OSError subclass for it: a read-only file system
-# (a read-only mount, or a disk the kernel remounted read-only after an error) is not
-# writable on a rerun either; as a "storage error" it exited 75, which cron and Airflow
-# retry without telling anyone (README's cron line counts 75 as fine): an audit.
-_LASTING_ERRNOS = (errno.EROFS,)
-
-
-def _lasting(exc: BaseException) -> BaseException | None:
-    """The exception in ``exc``'s chain that will not go away on a rerun, if any."""
-    return in_chain(
-        exc,
-        lambda e: (
-            isinstance(e, _LASTING) or (isinstance(e, OSError) and e.errno in _LASTING_ERRNOS)
-        ),
-    )
-
-
-def _cluster_lost(exc: BaseException) -> BaseException | None:
-    """The ClusterLostError in ``exc``'s chain (a Ray run's driver lost its cluster), if any."""
-    return in_chain(exc, lambda e: isinstance(e, ClusterLostError))
-
-
-def _from_a_store_client(exc: BaseException) -> bool:
-    return in_chain(exc, lambda e: type(e).__module__.split(".")[0] in STORE_CLIENTS) is not None
 
 
 def entry() -> None:

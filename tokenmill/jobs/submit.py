@@ -10,6 +10,7 @@ import traceback
 import weakref
 from typing import Any
 
+from tokenmill.jobs.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_TEMPORARY, exit_code
 from tokenmill.jobs.progress import Progress, ProgressSnapshot
 from tokenmill.jobs.report import JobReport
 from tokenmill.jobs.runner import run_job
@@ -73,6 +74,23 @@ class JobHandle:
         if self._error is not None:
             return "failed"
         return self._report.status if self._report else "failed"
+
+    def exit_code(self) -> int | None:
+        """What run-job would have exited with (README's table), None while it runs: 0
+        complete, 1 failed (rerun to resume), 2 fix the spec, a file or a path first (or
+        rerun with fresh=True where the output holds progress made with other settings),
+        75 temporary (another run holds the output, the job was cancelled, the storage
+        failed): rerun later to resume. The exception result() raises does not say which
+        by its type: a JobLockedError (75) and a FingerprintMismatchError (2) are both
+        RuntimeErrors, a file gone mid-run (2) and a full disk (75) both OSErrors."""
+        if not self._done.is_set():
+            return None
+        if self._error is not None:
+            return exit_code(self._error)
+        status = self._report.status if self._report else "failed"
+        if status == "complete":
+            return EXIT_OK
+        return EXIT_TEMPORARY if status == "cancelled" else EXIT_FAILED
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the job ends or ``timeout`` seconds pass; True when it ended.
