@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from decimal import Decimal
 
 import pyarrow as pa
@@ -262,3 +263,63 @@ def test_decimals_that_no_decimal128_holds_are_refused_up_front(tmp_path) -> Non
     )
     with pytest.raises(ValueError, match=r"'c' is int64 in .*a\.parquet but decimal128\(38, 30\)"):
         passthrough_schema(cfg)
+
+
+def test_coarser_times_that_ns_does_not_hold_are_refused_up_front(tmp_path) -> None:
+    """pandas' timestamp[ns] beside pyarrow's (duckdb's, Spark's) timestamp[us] combined into
+    ns, which holds only 1677-2262: each 9999-12-31 "no end" row was its row's error, exit 0."""
+    import pandas as pd
+
+    end = datetime.datetime(9999, 12, 31)
+    ns = pd.DataFrame({"id": ["a"], "prompt": ["p"], "end": pd.to_datetime(["2024-01-01"])})
+    ns["end"] = ns["end"].astype("datetime64[ns]")
+    ns.to_parquet(tmp_path / "a.parquet")
+    us = pa.table({"id": ["b"], "prompt": ["p"], "end": pa.array([end], pa.timestamp("us"))})
+    pq.write_table(us, tmp_path / "b.parquet")
+    with pytest.raises(ValueError) as caught:
+        passthrough_schema(_cfg(tmp_path / "*.parquet", "end"))
+    said = str(caught.value)
+    assert f"'end' is timestamp[us] in {tmp_path / 'b.parquet'} but timestamp[ns] in " in said
+    assert "holds 9999-12-31 00:00:00.000000 there" in said
+    assert "cast the column to timestamp[us] in " + str(tmp_path / "a.parquet") in said
+
+
+def test_coarser_times_are_ns_where_the_footers_statistics_say_they_fit(tmp_path) -> None:
+    """In struct, list and map too; a row group of nulls only has no min/max, and fits."""
+    when = datetime.datetime(2024, 5, 6, 7, 8, 9)
+    at = pa.struct([("t", pa.timestamp("ns"))])
+    cfg = _two_files(
+        tmp_path,
+        pa.array([{"t": when}, {"t": None}], pa.struct([("t", pa.timestamp("ms"))])),
+        pa.array([{"t": when}, {"t": when}], at),
+    )
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"c": "struct<t: timestamp[ns]>"}
+    assert [r.error for r in iter_input_rows(cfg, schema)] == [None] * 4
+    lists = _two_files(
+        tmp_path / "lists",
+        pa.array([[datetime.timedelta(days=1)]], pa.list_(pa.duration("s"))),
+        pa.array([[datetime.timedelta(0)]], pa.list_(pa.duration("ns"))),
+    )
+    assert passthrough_schema(lists).describe() == {"c": "list<element: duration[ns]>"}
+
+
+@pytest.mark.parametrize(
+    ("coarse", "fine", "statistics", "said"),
+    [(pa.array([{1: datetime.datetime(3000, 1, 1)}], pa.map_(pa.int64(), pa.timestamp("ms"))),
+      pa.array([{1: datetime.datetime(2000, 1, 1)}], pa.map_(pa.int64(), pa.timestamp("ns"))),
+      True, "holds 3000-01-01 00:00:00.000 there"),
+     (pa.array([datetime.timedelta(days=400 * 366)], pa.duration("s")),
+      pa.array([datetime.timedelta(0)], pa.duration("ns")), True, "holds 12648960000 s there"),
+     (pa.array([datetime.datetime(2024, 1, 1)], pa.timestamp("us")),
+      pa.array([datetime.datetime(2024, 1, 1)], pa.timestamp("ns")), False,
+      "has no min/max statistics for it")],
+)  # fmt: skip
+def test_coarser_times_past_ns_or_without_statistics_are_refused(
+    tmp_path, coarse, fine, statistics, said
+) -> None:
+    for name, column in (("a", coarse), ("b", fine)):
+        table = pa.table({"id": [name], "prompt": ["p"], "c": column})
+        pq.write_table(table, tmp_path / f"{name}.parquet", write_statistics=statistics)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'a.parquet'} {said}"):
+        passthrough_schema(_cfg(tmp_path / "*.parquet", "c"))

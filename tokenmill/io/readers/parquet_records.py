@@ -85,6 +85,12 @@ class ParquetRecords:
         """{column: its Arrow type} from the file's schema."""
         return dict(self._types)
 
+    def footer(self) -> tuple[pq.FileMetaData, pa.Schema]:
+        """The file's Parquet metadata (its row groups' statistics too) and Arrow schema."""
+        if self._parquet is None:
+            raise RuntimeError(f"ParquetRecords({self.url!r}) used outside its 'with' block")
+        return self._parquet.metadata, self._parquet.schema_arrow
+
     def columns(self) -> tuple[str, ...]:
         """The file's column names, in its schema's order."""
         return self._columns

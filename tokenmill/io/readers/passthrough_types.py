@@ -4,7 +4,9 @@
                       types unified as Arrow promotes them (null -> double, int32 -> int64;
                       an integer beside a decimal: a decimal128 holding both, else refused);
                       dictionary columns as their values, extension types as their storage
-                      (but UUIDs, which Parquet stores as they are)
+                      (but UUIDs, which Parquet stores as they are); a timestamp or duration
+                      combined into a finer unit (ms beside ns) refused unless the coarser
+                      files' footer statistics say each value fits (parquet_time_ranges.py)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
                       ``SAMPLE_ROWS`` (fewer once the values kept hold ``SAMPLE_BYTES``; a
                       long text kept as an empty one, of its type) ─► Arrow's inference
@@ -33,6 +35,8 @@ from tokenmill.io.readers.format_detection import input_format
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.io.readers.parquet_footers import footer_of
+from tokenmill.io.readers.parquet_records import ParquetRecords
+from tokenmill.io.readers.parquet_time_ranges import has_finer_units, unit_overflow
 from tokenmill.io.value_bytes import value_bytes
 
 __all__ = ["SAMPLE_ROWS", "passthrough_schema"]
@@ -121,6 +125,7 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
             have, where = found[name]
             if dtype != have:
                 found[name] = (_unified(name, have, where, dtype, url), where)
+    _refuse_finer_units_that_overflow(schemas, {n: t for n, (t, _) in found.items()}, cfg)
     fields = []
     for name in cfg.passthrough_columns:
         if name in found and storable_type(found[name][0]):
@@ -144,6 +149,62 @@ def _parquet_fields(files: list[str], cfg: InputConfig) -> list[pa.Field]:
             len(files),
         )
     return fields
+
+
+def _refuse_finer_units_that_overflow(
+    schemas: list[tuple[str, dict[str, pa.DataType], bool]],
+    combined: dict[str, pa.DataType],
+    cfg: InputConfig,
+) -> None:
+    """Raises ValueError where a file's timestamps or durations do not fit the finer unit
+    their column was combined into (ms beside ns: ns holds only 1677-2262), or where its
+    footer's statistics cannot tell. A coarser unit for the column is no way out: the finer
+    file's values are whole units of the coarser one only by chance, which no footer says."""
+    for url, types, no_rows in schemas:
+        finer = {
+            name: want
+            for name, want in combined.items()
+            if name in types and not no_rows and has_finer_units(types[name], want)
+        }
+        if not finer:
+            continue
+        with ParquetRecords(url, cfg.storage_options, []) as records:
+            metadata, schema = records.footer()
+        for name, want in finer.items():
+            over = unit_overflow(metadata, schema, name, want)
+            if over is None:
+                continue
+            finer_files = (
+                (u, _plain(t[name]))
+                for u, t, _ in schemas
+                if name in t and has_finer_units(types[name], _plain(t[name]))
+            )
+            other, its = next(finer_files, ("another input file", want))
+            what = (
+                f"holds {over.value} there"
+                if over.value is not None
+                else "has no min/max statistics for it, so whether its values fit is unknown"
+            )
+            raise ValueError(
+                f"input.passthrough_columns: column {name!r} is {types[name]} in {url} but "
+                f"{its} in {other}, so its values would be written as {over.wanted}, which "
+                f"holds {_span(over.wanted)}; {url} {what}, and its rows would be errors: cast "
+                f"the column to {over.file_type} in {other} (pandas: "
+                f".astype('{_numpy_name(over.file_type)}') before to_parquet), or leave it "
+                "out of input.passthrough_columns"
+            )
+
+
+def _span(dtype: pa.DataType) -> str:
+    """What ``dtype`` (a finer unit's timestamp or duration) holds, as a user reads it."""
+    if dtype.unit == "ns":
+        return "only the years 1677 to 2262" if pa.types.is_timestamp(dtype) else "only 292 years"
+    return f"only what an int64 of {dtype.unit} holds"
+
+
+def _numpy_name(dtype: pa.DataType) -> str:
+    kind = "datetime64" if pa.types.is_timestamp(dtype) else "timedelta64"
+    return f"{kind}[{dtype.unit}]"
 
 
 def _plain(dtype: pa.DataType) -> pa.DataType:
