@@ -323,3 +323,37 @@ def test_coarser_times_past_ns_or_without_statistics_are_refused(
         pq.write_table(table, tmp_path / f"{name}.parquet", write_statistics=statistics)
     with pytest.raises(ValueError, match=f"{tmp_path / 'a.parquet'} {said}"):
         passthrough_schema(_cfg(tmp_path / "*.parquet", "c"))
+
+
+def test_every_jsonl_file_is_sampled_from_its_start(tmp_path, monkeypatch) -> None:
+    """A first file of SAMPLE_ROWS integers filled the sample: a later file's 2.5 was never
+    seen, and each of its rows was an error while the job exited 0."""
+    monkeypatch.setattr(passthrough_types, "SAMPLE_ROWS", 4)
+    write_jsonl(tmp_path / "a.jsonl", [{"id": f"a{i}", "prompt": "p", "v": i} for i in range(5)])
+    write_jsonl(tmp_path / "b.jsonl", [{"id": f"b{i}", "prompt": "p", "v": 2.5} for i in range(3)])
+    cfg = _cfg(tmp_path, "v")
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"v": "double"}
+    assert schema.origin == "inferred from 4 input rows, the first of each of 2 input files"
+    assert [r.error for r in iter_input_rows(cfg, schema)] == [None] * 8
+
+
+def test_the_sample_of_many_files_stays_bounded(tmp_path, monkeypatch) -> None:
+    """SAMPLE_ROWS shared among the files (3 files of 10 rows: 2 rows each), a row of each
+    at least (10 files: one each, the last one's type seen too)."""
+    monkeypatch.setattr(passthrough_types, "SAMPLE_ROWS", 6)
+    (tmp_path / "three").mkdir()
+    for f in range(3):
+        rows = [{"id": f"{f}-{i}", "prompt": "p", "v": i} for i in range(10)]
+        write_jsonl(tmp_path / "three" / f"{f}.jsonl", rows)
+    assert passthrough_schema(_cfg(tmp_path / "three", "v")).origin == (
+        "inferred from 6 input rows, the first of each of 3 input files"
+    )
+    (tmp_path / "ten").mkdir()
+    for f in range(10):
+        value = 0.5 if f == 9 else 1  # in the last file only
+        rows = [{"id": f"{f}-{i}", "prompt": "p", "v": value} for i in range(10)]
+        write_jsonl(tmp_path / "ten" / f"{f:02d}.jsonl", rows)
+    schema = passthrough_schema(_cfg(tmp_path / "ten", "v"))
+    assert schema.describe() == {"v": "double"}
+    assert schema.origin == "inferred from 10 input rows, the first of each of 10 input files"

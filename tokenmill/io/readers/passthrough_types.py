@@ -8,8 +8,9 @@
                       combined into a finer unit (ms beside ns) refused unless the coarser
                       files' footer statistics say each value fits (parquet_time_ranges.py)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
-                      ``SAMPLE_ROWS`` (fewer once the values kept hold ``SAMPLE_BYTES``; a
-                      long text kept as an empty one, of its type) ─► Arrow's inference
+                      rows of each file, ``SAMPLE_ROWS`` in all shared among the files (a
+                      row of each at least; fewer once the values kept hold ``SAMPLE_BYTES``;
+                      a long text kept as an empty one, of its type) ─► Arrow's inference
                       (``inferred_field``: JSON text where the sample has no usable type)
 
 The types are then fixed for the job (``OutputSchema``): a later value that does not fit is
@@ -19,6 +20,7 @@ its row's error (``iter_input_rows(cfg, schema)``), never a change of the column
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
@@ -69,32 +71,63 @@ def passthrough_schema(cfg: InputConfig) -> OutputSchema:
     if fmt == "parquet":
         origin = "the input's Parquet type, combined over its files"
         return OutputSchema.of(_parquet_fields(files, cfg), origin)
-    return _sampled(cfg)
+    return _sampled(cfg, files, fmt)
 
 
-def _sampled(cfg: InputConfig) -> OutputSchema:
+def _sampled(cfg: InputConfig, files: list[str], fmt: str) -> OutputSchema:
+    """Types inferred from the first rows of each of ``files``: ``SAMPLE_ROWS`` and
+    ``SAMPLE_BYTES`` shared among the files yet to be read, a row of each at least (once
+    the first file alone filled the sample, a later file's other type made each of its rows
+    an error), until the values kept hold ``SAMPLE_BYTES``."""
     columns = cfg.passthrough_columns
     values: dict[str, list[Any]] = {name: [] for name in columns}
-    read = 0
-    kept_bytes = 0
-    ended = True  # every row sampled
+    read = kept_bytes = sampled_files = 0
+    ended = True  # every row of every file sampled
+    for url in files:
+        if kept_bytes >= SAMPLE_BYTES:
+            ended = False
+            break
+        left = len(files) - sampled_files
+        one = replace(cfg, files=(url,), files_format=fmt)
+        rows_quota = max((SAMPLE_ROWS - read) // left, 1)
+        bytes_quota = (SAMPLE_BYTES - kept_bytes) // left
+        file_rows, file_bytes, whole = _sample_file(one, values, rows_quota, bytes_quota)
+        read += file_rows
+        kept_bytes += file_bytes
+        sampled_files += 1
+        ended = ended and whole
+    if ended:
+        which = f"all {read} input rows"
+    elif len(files) == 1:
+        which = f"the first {read} input rows"
+    else:
+        of = f" of {len(files)}" if sampled_files < len(files) else ""
+        which = f"{read} input rows, the first of each of {sampled_files}{of} input files"
+    fields = [inferred_field(name, values[name]) for name in columns]
+    return OutputSchema.of(fields, f"inferred from {which}")
+
+
+def _sample_file(
+    cfg: InputConfig, values: dict[str, list[Any]], rows_quota: int, bytes_quota: int
+) -> tuple[int, int, bool]:
+    """Adds to ``values`` the passthrough values of the good rows among the first
+    ``rows_quota`` rows of ``cfg``'s one file, fewer once they hold ``bytes_quota`` (a row
+    at least); returns (rows read, bytes kept, whether every row of the file was read)."""
+    read = kept_bytes = 0
     rows = iter_input_rows(cfg)
     try:
         for row in rows:
-            if read == SAMPLE_ROWS or kept_bytes >= SAMPLE_BYTES:
-                ended = False
-                break
+            if read == rows_quota or (read and kept_bytes >= bytes_quota):
+                return read, kept_bytes, False
             read += 1
             if row.error is None:
-                for name in columns:
+                for name in values:
                     value = _kept(row.passthrough.get(name))
                     kept_bytes += value_bytes(value)
                     values[name].append(value)
     finally:
         rows.close()
-    which = f"all {read}" if ended else f"the first {read}"
-    fields = [inferred_field(name, values[name]) for name in columns]
-    return OutputSchema.of(fields, f"inferred from {which} input rows")
+    return read, kept_bytes, True
 
 
 def _kept(value: Any) -> Any:
