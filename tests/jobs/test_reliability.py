@@ -623,6 +623,40 @@ def test_run_job_says_a_vanished_shard_without_a_traceback(
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
+def test_a_vanished_shard_and_manifest_say_to_rerun_with_fresh(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another machine's --fresh took the manifest and its journal too: the run said "rerun
+    to recompute them", and that rerun was refused (the shards left have no manifest); the
+    advice is now the one that works, --fresh."""
+    from tokenmill.jobs import shard_writer
+    from tokenmill.jobs.manifest import ManifestError, OutputChangedError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(12))
+    out = tmp_path / "out"
+    spec = job_dict(tiny_model, src, out)
+    commit = shard_writer.commit_shard
+
+    def commit_then_lose_shard_0_and_the_manifest(store, shard, *args, **kwargs):
+        record = commit(store, shard, *args, **kwargs)
+        if shard == 2:
+            os.remove(out / "shards" / "part-00000.jsonl")
+            os.remove(out / "test.manifest.json")
+            shutil.rmtree(out / "test.manifest.d", ignore_errors=True)
+        return record
+
+    monkeypatch.setattr(shard_writer, "commit_shard", commit_then_lose_shard_0_and_the_manifest)
+    with pytest.raises(OutputChangedError) as failed:
+        run_job(spec, show_progress=False)
+    assert "rerun with --fresh" in str(failed.value)
+    assert "rerun to recompute" not in str(failed.value)
+    monkeypatch.setattr(shard_writer, "commit_shard", commit)
+    with pytest.raises(ManifestError, match="--fresh"):  # what a plain rerun says
+        run_job(spec, show_progress=False)
+    report = run_job(spec, fresh=True, show_progress=False)  # what the advice says works
+    assert (report.status, report.rows_ok) == ("complete", 12)
+
+
 def test_a_stale_journal_record_does_not_override_a_manifest_that_matches_the_files(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -788,12 +788,20 @@ def _check_commits_stand(store: OutputStore, manifest: Manifest) -> None:
     missing = manifest.missing_shards(_shard_file_sizes(store))
     if missing:
         first, problems = next(iter(missing.items()))
+        # A rerun recomputes the shards only from the manifest: where it went too (another
+        # run's --fresh), the rerun refuses the shards left and --fresh is what works.
+        if store.exists(Manifest.file_name(manifest.job)):
+            again = "rerun to recompute them"
+        else:
+            again = (
+                f"its manifest, {Manifest.file_name(manifest.job)}, is gone too, so a rerun "
+                "cannot resume: rerun with --fresh to discard them and start over"
+            )
         raise OutputChangedError(
             f"{len(missing)} shards this job committed changed under this run (shard {first}: "
             f"{'; '.join(problems)}): another run on {hide_url_secrets(store.url)} (from a "
             "machine or HOME whose lock this run cannot see) or a person removed or rewrote "
-            "them, so the job is not complete; rerun to recompute them, one run per output "
-            "at a time"
+            f"them, so the job is not complete; {again}, one run per output at a time"
         )
 
 
