@@ -30,7 +30,7 @@ from tokenmill.jobs.pipeline_bounds import PipelineBounds
 from tokenmill.jobs.shard_commit import commit_shard
 from tokenmill.jobs.spec import JobSpec
 
-RESUME = "committed shards are kept; rerun the same command to resume"
+RESUME = "committed rows are kept; rerun the same command to resume"  # (how many: rows_kept.py)
 BAD_LINES = [
     "{not json",
     json.dumps({"id": "too-long", "messages": [{"role": "user", "content": "x" * 2000}]}),
@@ -133,12 +133,15 @@ def test_a_reader_error_ends_the_run_as_a_serial_run_would(
     monkeypatch.setattr(runner, "pipeline_bounds", lambda s: PipelineBounds(4, 8, 1))
     assert run_cli(write_job(tmp_path, spec), "--quiet", timeout_s=120) == code
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"run-job: {message}; {RESUME}")
+    assert last.startswith(f"run-job: {message}; ")
     # a file to fix: rerunning as it is does not help (exit 2, and it says so)
     assert last.endswith("(rerunning as it is does not help)") is (code == 2)
     assert json.loads((out / "report.json").read_text())["status"] == "failed"
     committed = committed_shards(out)
     assert set(committed) <= {"0", "1", "2", "3", "4"}  # rows before 22 only
+    # what it says is kept is what is (1,000 rows a shard: nothing)
+    kept = f"the {4 * len(committed)} {RESUME}" if committed else "nothing was committed yet"
+    assert kept in last, last
 
     monkeypatch.undo()
     report = run_job(spec, show_progress=False)

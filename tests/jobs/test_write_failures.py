@@ -185,3 +185,29 @@ def _check_output(out: Path) -> None:
     assert not left, f"temporary files left: {left}"
     if (out / "shards").exists():
         ds.dataset(out / "shards", format="parquet").to_table()
+
+
+def test_a_run_that_committed_nothing_does_not_say_its_shards_are_kept(
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An audit: the first shard's write failed (a read-only folder), nothing was committed,
+    and run-job still ended "committed shards are kept; rerun the same command to resume".
+    It now says nothing was committed; with rows committed it says how many are kept."""
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(ROWS))
+    out = tmp_path / "out"
+    job = write_job(tmp_path, job_dict(tiny_model, src, out))
+    fault = OutputFault(out, r"shards/part-\d+\.jsonl$", "open", errno.EACCES)
+    _inject(monkeypatch, fault)
+    assert run_cli(job, "--quiet", timeout_s=60) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert not committed_shards(out)
+    assert "nothing was committed yet" in said and "are kept" not in said, said
+
+    fault.removed, fault.tripped, fault.nth = False, False, 3  # two shards commit
+    assert run_cli(job, "--quiet", timeout_s=60) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    kept = sum(r["ok"] + r["errors"] for r in committed_shards(out).values())
+    assert kept > 0 and f"the {kept} committed rows are kept; rerun" in said, said

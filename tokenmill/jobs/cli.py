@@ -45,13 +45,13 @@ from tokenmill.jobs.exit_codes import (
 )
 from tokenmill.jobs.lock import JobLockedError
 from tokenmill.jobs.manifest import FingerprintMismatchError, ManifestError, OutputChangedError
+from tokenmill.jobs.rows_kept import resume_advice, rows_kept
 from tokenmill.jobs.spec import JobSpec, JobSpecError
 from tokenmill.jobs.stop_signals import STOP_SIGNALS, JobInterrupted, StopOnSignals
 from tokenmill.jobs.store_loop_noise import quiet_store_loop_errors
 
 log = logging.getLogger("tokenmill.jobs")
 
-_RESUME = "committed shards are kept; rerun the same command to resume"
 # Set where a second stop signal ended the run (``main``): ``entry`` then leaves at once.
 _STOPPED_AT_ONCE = threading.Event()
 _DRY_RUN_AGAIN = "a dry run writes nothing; rerun it"
@@ -77,17 +77,23 @@ def main(argv: list[str] | None = None) -> int:
         handler.addFilter(HideUrlSecrets())
     quiet_store_loop_errors()
     cancel = threading.Event()
-    again = _DRY_RUN_AGAIN if args.dry_run else _RESUME
     with StopOnSignals(cancel) as stop:
         try:
             return _run(args, cancel, stop)
         except (JobInterrupted, KeyboardInterrupt) as exc:
             if stop.again:  # (not a stop while Ray started: its shutdown must run)
                 _STOPPED_AT_ONCE.set()
+            again = _again(args, exc)
             return _fail(f"stopped ({str(exc) or 'interrupted'}); {again}", EXIT_TEMPORARY)
         except Exception as exc:
             code = exit_code(exc)  # (what a submit() handle's exit_code() says too)
-            return _fail(_explain(exc, code, again), code)
+            return _fail(_explain(exc, code, _again(args, exc)), code)
+
+
+def _again(args: argparse.Namespace, exc: BaseException) -> str:
+    """What a rerun after ``exc`` does: a dry run's writes nothing; a run's resumes from the
+    rows its output holds, where the runner said how many (``rows_kept``)."""
+    return _DRY_RUN_AGAIN if args.dry_run else resume_advice(rows_kept(exc))
 
 
 def _explain(exc: Exception, code: int, again: str) -> str:
@@ -213,7 +219,8 @@ def _run(args: argparse.Namespace, cancel: threading.Event, stop: StopOnSignals)
     if report.status == "complete":
         return EXIT_OK
     if stop.received is not None:
-        _say(f"run-job: stopped by {stop.received}; {_RESUME}")
+        kept = resume_advice(report.rows_ok + report.rows_failed)
+        _say(f"run-job: stopped by {stop.received}; {kept}")
         return EXIT_TEMPORARY
     return EXIT_FAILED
 

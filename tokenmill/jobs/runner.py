@@ -95,6 +95,7 @@ from tokenmill.jobs.report_html import (
 )
 from tokenmill.jobs.row_count import input_row_total
 from tokenmill.jobs.row_feed import FeedPlan, RowFeed
+from tokenmill.jobs.rows_kept import mark_rows_kept
 from tokenmill.jobs.run_history import RunHistory, device_of, replica_counters
 from tokenmill.jobs.shard_commit import (
     discard_progress,
@@ -339,6 +340,7 @@ def _run_locked(
             _fill_totals(report, manifest)  # the rows committed so far (they were 0)
             changed = _rewritten_while_read(exc, cfg)
             _record_failure(store, report, changed or exc, start)
+            mark_rows_kept(changed or exc, report.rows_ok + report.rows_failed)
             if changed is not None:
                 raise changed from exc
             raise
