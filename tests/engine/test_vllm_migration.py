@@ -8,6 +8,7 @@ logprob mappings). Only ``from vllm import`` becomes ``from tokenmill import``.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -348,3 +349,32 @@ def test_fields_cannot_be_deleted_and_subclasses_keep_their_own() -> None:
     assert (tagged.tag, tagged.max_tokens) == ("z", 5)
     params.structured_outputs = {"type": "object"}  # vLLM's name, set as an attribute too
     assert params.structured_output == '{"type":"object"}'
+
+
+def test_calls_without_sampling_params_take_the_models_generation_config(
+    tmp_path: Path,
+) -> None:
+    """vLLM's generation_config="auto": generation_config.json's sampling values are the
+    defaults of get_default_sampling_params() and of a call given no SamplingParams (they
+    were SamplingParams(): Qwen3's temperature 0.6 / top_k 20 sampled at 1.0 with no top-k).
+    transformers' own defaults (top_k 50) are left out, as vLLM's to_diff_dict leaves them."""
+    from tokenmill import LLM, SamplingParams
+
+    path = save_tiny_model("llama", tmp_path / "m")
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation.update(temperature=0.0, top_p=0.9, min_p=0.05, max_new_tokens=7)
+    (path / "generation_config.json").write_text(json.dumps({**generation, "top_k": 50}))
+    llm = LLM(str(path), device="cpu", kv_cache_memory=16 << 20)
+    defaults = llm.get_default_sampling_params()
+    expected = SamplingParams(temperature=0.0, top_p=0.9, min_p=0.05, max_tokens=7)
+    assert defaults == expected and defaults is not llm.get_default_sampling_params()
+    assert llm.generate("Hello")[0].token_ids == llm.generate("Hello", expected)[0].token_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert llm.chat(chat)[0].token_ids == llm.chat(chat, expected)[0].token_ids
+    plain = LLM(str(path), device="cpu", kv_cache_memory=16 << 20, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config must be 'auto'"):
+        LLM(str(path), device="cpu", generation_config="model")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: SamplingParams.temperature"):
+        LLM(str(path), device="cpu", kv_cache_memory=16 << 20)

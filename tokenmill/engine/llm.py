@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.frozen_heap import frozen_heap
+from tokenmill.engine.generation_defaults import default_sampling_params, sampling_defaults
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.prompts import encode_chat, encode_texts, render_chat
@@ -45,10 +46,21 @@ class LLM:
         tensor_parallel_size=1, ...) are taken too (vllm_settings.py). Raises TypeError for
         an unknown setting (naming it and listing the valid ones) and ValueError
         (EngineSettingError) for a value out of range.
+
+        ``generation_config`` is vLLM's: "auto" (the default) takes the sampling defaults
+        of the model folder's generation_config.json for ``get_default_sampling_params``
+        and calls given no SamplingParams, "vllm" leaves them out, a folder reads its file
+        (generation_defaults.py); ValueError for another value.
         """
+        generation_config = engine_settings.pop("generation_config", "auto")
+        # Checked before the weights load; "auto" needs the model's resolved folder.
+        defaults = None if generation_config == "auto" else sampling_defaults("", generation_config)
         settings = vllm_engine_settings(str(model), engine_settings)
         self.config = EngineConfig.from_settings(str(model), **settings)
         self.engine = LLMEngine(self.config)
+        if defaults is None:
+            defaults = sampling_defaults(self.engine.model_path)
+        self._sampling_defaults = defaults
         self.tokenizer = self.engine.tokenizer
         self._batches = 0
         # Reentrant: a close() from a signal handler in the calling thread must not wait
@@ -77,10 +89,12 @@ class LLM:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """A new ``SamplingParams()``: what a call without any uses (vLLM's accessor, whose
-        scripts then set fields on it, e.g. ``params.max_tokens = 64``). Unlike vLLM's, it
-        does not read the model's generation_config.json for temperature or top_p."""
-        return SamplingParams()
+        """A new SamplingParams: what a call without any uses (vLLM's accessor, whose
+        scripts then set fields on it, e.g. ``params.max_tokens = 64``). As vLLM's, it holds
+        the model's generation_config.json sampling defaults (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens) unless the LLM was made
+        with ``generation_config="vllm"``."""
+        return default_sampling_params(self._sampling_defaults)
 
     def generate(
         self,
@@ -208,6 +222,8 @@ class LLM:
         texts: list[str | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
     ) -> list[RequestOutput]:
+        if sampling_params is None:  # vLLM's: the model's defaults (generation_config)
+            sampling_params = self.get_default_sampling_params()
         groups = sample_groups(str(self._batches), _per_prompt(sampling_params, len(token_lists)))
         self._batches += 1
         failed: dict[str, RequestOutput] = {}

@@ -137,6 +137,7 @@ class LLMEngine:
             self.model_config = source.load_config()
             self.tokenizer = source.load_tokenizer()
             model_path = str(source.path)
+        self.model_path = model_path  # the resolved file or folder (an alias's GGUF file)
         self.device = config.resolve_device()
         async_scheduling = config.resolve_async_scheduling(self.device)
         if auto:
