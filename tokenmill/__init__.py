@@ -18,6 +18,8 @@ __all__ = [
     "run_job",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 __version__ = "0.1.0"
 
@@ -32,12 +34,15 @@ _LAZY = {
     # vLLM's names, so its scripts import them from here
     "StructuredOutputsParams": "tokenmill.engine.structured_output_params",
     "GuidedDecodingParams": "tokenmill.engine.structured_output_params",
+    "TextPrompt": "tokenmill.engine.prompt_dicts",
+    "TokensPrompt": "tokenmill.engine.prompt_dicts",
 }
 
 if TYPE_CHECKING:
     from tokenmill.engine.engine_config import EngineConfig
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.outputs import RequestOutput
+    from tokenmill.engine.prompt_dicts import TextPrompt, TokensPrompt
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.engine.structured_output_params import (
         GuidedDecodingParams,

@@ -267,10 +267,38 @@ def test_sampling_params_clone_and_vllm_prompt_dicts(model: Path) -> None:
     )  # fmt: skip
     assert [o.token_ids for o in outs] == [plain.token_ids] * 2
     assert [o.prompt for o in outs] == ["its text", None]
-    with pytest.raises(ValueError, match="prompt 0: a dict prompt .* text-only models"):
+    with pytest.raises(ValueError, match="prompt 0: 'multi_modal_data' .* text-only models"):
         llm.generate({"prompt": "a", "multi_modal_data": {"image": 1}}, params)
     with pytest.raises(ValueError, match="prompt 0: 'prompt_token_ids' holds a list"):
         llm.generate({"prompt_token_ids": "abc"}, params)
+
+
+def test_vllms_prompt_typeddicts_import_and_run(model: Path) -> None:
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` had nothing to become: importing
+    them from tokenmill was an ImportError, though the dicts they build ran. Their keys for
+    other kinds of models are refused by name when they hold something."""
+    from tokenmill import LLM, SamplingParams, TextPrompt, TokensPrompt
+
+    params = SamplingParams(max_tokens=3, temperature=0)
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    ids = list(range(5, 12))
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt="a b"),
+         TokensPrompt(prompt_token_ids=ids, prompt="its text", multi_modal_data=None)],
+        params,
+    )  # fmt: skip
+    assert outs[0].token_ids == llm.generate([ids], params)[0].token_ids == outs[2].token_ids
+    assert outs[1].token_ids == llm.generate("a b", params)[0].token_ids
+    assert [o.prompt for o in outs] == [None, "a b", "its text"]
+    refused = {
+        "multi_modal_data": {"image": object()},
+        "mm_processor_kwargs": {"size": 1},
+        "cache_salt": "x",
+        "token_type_ids": [0] * len(ids),
+    }
+    for key, value in refused.items():
+        with pytest.raises(ValueError, match=f"prompt 1: '{key}' is not supported"):
+            llm.generate([ids, TokensPrompt(prompt_token_ids=ids, **{key: value})], params)
 
 
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:

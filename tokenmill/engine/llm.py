@@ -15,6 +15,12 @@ from tokenmill.engine.frozen_heap import frozen_heap
 from tokenmill.engine.generation_defaults import default_sampling_params, sampling_defaults
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.prompt_dicts import (
+    PROMPT_KEYS,
+    UNSUPPORTED_PROMPT_KEYS,
+    TextPrompt,
+    TokensPrompt,
+)
 from tokenmill.engine.prompts import encode_chat, encode_texts, render_chat
 from tokenmill.engine.sample_groups import sample_groups
 from tokenmill.engine.sampling_params import SamplingParams
@@ -23,8 +29,8 @@ from tokenmill.engine.vllm_settings import engine_settings as vllm_engine_settin
 
 log = logging.getLogger(__name__)
 
-# text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}
-Prompt = str | list[int] | dict[str, Any]
+# text, token ids, or vLLM's TextPrompt / TokensPrompt dicts (prompt_dicts.py)
+Prompt = str | list[int] | TextPrompt | TokensPrompt | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -104,7 +110,8 @@ class LLM:
         lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Complete text prompts (tokenized with the model's BOS rules) or token-id lists;
-        vLLM's dict forms ``{"prompt": text}`` and ``{"prompt_token_ids": ids}`` are taken too.
+        vLLM's dict forms ``TextPrompt(prompt=text)`` and ``TokensPrompt(prompt_token_ids=ids)``
+        (``{"prompt": text}``, ``{"prompt_token_ids": ids}``) are taken too.
 
         Returns one RequestOutput per prompt, in input order, holding ``SamplingParams.n``
         completions in ``outputs``; a prompt that cannot run (too long, empty) gets
@@ -302,23 +309,25 @@ def _token_ids(values: list[Any]) -> list[int] | None:
     return None
 
 
-# Keys of vLLM's prompt dicts for other kinds of models: taken where they hold nothing.
-_UNUSED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
-
-
 def _prompt_part(prompt: Any, index: int) -> tuple[str | None, list[int] | None]:
     """One prompt of ``LLM.generate`` as (its text, its token ids), one or both known: text
     alone is encoded; ids are run as they are (vLLM's ``{"prompt_token_ids": ids, "prompt":
-    text}`` keeps the text for the result). ValueError naming the prompt when it is neither
-    (nor a dict holding one)."""
+    text}`` keeps the text for the result; prompt_dicts.py). ValueError naming the prompt
+    when it is neither (nor a dict holding one), and the key when a dict gives one of vLLM's
+    that the engine cannot honour (``multi_modal_data``, ...)."""
     if isinstance(prompt, dict):
-        used = {k: v for k, v in prompt.items() if not (k in _UNUSED_PROMPT_KEYS and v is None)}
-        extra = sorted(set(used) - {"prompt", "prompt_token_ids"})
-        if extra or not used:
+        used = {k: v for k, v in prompt.items() if not (k in UNSUPPORTED_PROMPT_KEYS and v is None)}
+        refused = sorted(used.keys() & UNSUPPORTED_PROMPT_KEYS.keys())
+        if refused:
+            key = refused[0]
+            raise ValueError(
+                f"prompt {index}: {key!r} is not supported ({UNSUPPORTED_PROMPT_KEYS[key]}); "
+                "leave it out or None"
+            )
+        if not used or used.keys() - PROMPT_KEYS:
             raise ValueError(
                 f"prompt {index}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids' "
                 f"(with its text as 'prompt' if you like); got keys {sorted(prompt)}"
-                + (" (the engine runs text-only models)" if extra else "")
             )
         text = used.get("prompt")
         if "prompt" in used and not isinstance(text, str):
