@@ -301,6 +301,29 @@ def test_vllms_prompt_typeddicts_import_and_run(model: Path) -> None:
             llm.generate([ids, TokensPrompt(prompt_token_ids=ids, **{key: value})], params)
 
 
+def test_seeds_the_engine_cannot_tell_apart_are_refused(model: Path) -> None:
+    """The engine keeps a seed's 64 bits: seed 2**64 sampled as seed 0, 2**64 - 1 as -1.
+    Seeds are now signed 64-bit integers (vLLM's server's range), each sampling its own."""
+    from tokenmill import LLM, SamplingParams
+
+    for seed in (2**64, 2**63, -(2**63) - 1, 10**40):
+        with pytest.raises(ValueError) as info:
+            SamplingParams(seed=seed)
+        assert str(info.value) == (
+            "SamplingParams.seed must be None or an integer in [-2**63, 2**63 - 1] (the engine "
+            f"keeps a seed's 64 bits: one outside would sample as one inside), got {seed}"
+        )
+    params = SamplingParams(seed=5)
+    with pytest.raises(ValueError, match="SamplingParams.seed must be"):
+        params.seed = 2**64
+    assert params.seed == 5
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    seeds = (0, 1, -1, -2, 2**63 - 1, -(2**63))
+    sampled = llm.generate([[5, 6, 7]] * len(seeds), [SamplingParams(max_tokens=6, seed=s)
+                                                      for s in seeds])  # fmt: skip
+    assert len({tuple(o.token_ids) for o in sampled}) == len(seeds)
+
+
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:
     from tokenmill import LLM, StructuredOutputsParams
 

@@ -224,7 +224,7 @@ class Fuzzer:
             "top_p": r.choice([1, 0.5, 1e-300]),
             "presence_penalty": r.choice([-2, 0, 2]),
             "frequency_penalty": r.uniform(-2, 2),
-            "seed": r.choice([0, -1, 2**64, 10**40]),
+            "seed": r.choice([0, -1, 2**63 - 1, -(2**63)]),
             "stop": r.choice(["\x00", ["\u202e", "\U0001f600"], []]),
             self.text(6) + "_unknown": None,  # null fields are skipped
         }
@@ -472,7 +472,8 @@ class Fuzzer:
             ("top_p", 0), ("top_p", -0.5), ("top_p", 1.0000001), ("top_p", Raw("NaN")),
             ("top_p", "1"), ("presence_penalty", 2.01), ("frequency_penalty", -2.5),
             ("presence_penalty", Raw("-1e999")), ("frequency_penalty", "0"),
-            ("seed", 1.5), ("seed", "1"), ("seed", True), ("seed", Raw("NaN")),
+            ("seed", 1.5), ("seed", "1"), ("seed", True), ("seed", Raw("NaN")), ("seed", 2**64),
+            ("seed", -(2**63) - 1), ("seed", 10**40),
             ("stop", ""), ("stop", [""]), ("stop", [1]), ("stop", ["a", None]), ("stop", {}),
             ("stop", 5), ("stop", self.lone()), ("stop", ["ok", self.lone()]),
         ]  # fmt: skip

@@ -466,6 +466,8 @@ def test_a_set_item_without_a_key_says_so_not_that_it_has_no_equals_sign(
         ({"stop": [""]}, "stop: expected non-empty strings, got ['']"),
         ({"stop": ["ok", ""]}, "stop: expected non-empty strings, got ['ok', '']"),
         ({"top_k": 2**32}, "top_k: expected -1"),
+        # (2**64 sampled as seed 0)
+        ({"seed": 2**64}, "seed: expected None or an integer in [-2**63, 2**63 - 1]"),
     ],
 )
 def test_sampling_values_every_row_would_refuse_fail_the_spec(

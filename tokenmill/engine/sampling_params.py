@@ -23,7 +23,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy; so does one below 1e-5 (kept as 0: dividing the
     logits by it would overflow float32, as vLLM's rule has it). ``top_k <= 0`` and
     ``top_p == 1`` disable those filters.
-    ``seed`` makes the request's samples reproducible whatever else shares its batch.
+    ``seed`` makes the request's samples reproducible whatever else shares its batch; it is
+    a signed 64-bit integer (``SEED_RANGE``).
     ``logprobs`` asks for the sampled token's logprob plus that many top alternatives.
     ``n`` completions are returned per prompt; with ``best_of``, that many are generated and
     the ``n`` with the highest cumulative logprob are returned, best first. With a ``seed``,
@@ -157,7 +158,14 @@ class SamplingParams:
             self.repetition_penalty,
             "a number > 0 (at most 3.4e38: the sampler's columns are float32)",
         )
-        _check(self.seed is None or is_int(self.seed), "seed", self.seed, "an integer or None")
+        low, high = SEED_RANGE
+        _check(
+            self.seed is None or (is_int(self.seed) and low <= self.seed <= high),
+            "seed",
+            self.seed,
+            "None or an integer in [-2**63, 2**63 - 1] (the engine keeps a seed's 64 bits: "
+            "one outside would sample as one inside)",
+        )
         _check(
             all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
         )
@@ -306,6 +314,10 @@ def _short(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# The seeds told apart: the engine keeps a seed's low 64 bits (sampling_columns.py), so a
+# wider range had 2**64 sample as 0 and -1 as 2**64 - 1. Signed, as vLLM's OpenAI server
+# takes seeds (torch.long), so negative seeds keep their samples.
+SEED_RANGE = (-(2**63), 2**63 - 1)
 _FLOAT32_MAX = 3.4028234663852886e38  # larger values overflow the sampler's float32 columns
 _INT_MAX = 2**31 - 1  # counts and top_k beyond it mean nothing more (and overflow the columns)
 

@@ -197,6 +197,7 @@ def test_chat_logprobs_without_top_logprobs_is_zero_and_false_is_none(tmp_path):
         ("frequency_penalty", -3, "body.frequency_penalty"),
         ("seed", 1.5, "body.seed must be an integer"),
         ("seed", "7", "body.seed"),
+        ("seed", 2**64, "body.seed must be an integer in [-9223372036854775808, 9223"),  # as 0
         ("stop", ["ok", 3], "body.stop"),
         ("stop", "", "body.stop"),
         ("logprobs", 3, "body.logprobs must be true or false"),

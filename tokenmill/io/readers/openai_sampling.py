@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from tokenmill.engine.sampling_params import check_logit_bias, is_int, is_number
+from tokenmill.engine.sampling_params import SEED_RANGE, check_logit_bias, is_int, is_number
 from tokenmill.io.readers.row_error import RowError, short_repr
 
 CHAT = "/v1/chat/completions"
@@ -86,7 +86,7 @@ def openai_sampling(body: dict[str, Any], endpoint: str, row_id: str) -> dict[st
             _expect(is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]", row_id)
             sampling[name] = value
     if "seed" in fields:
-        sampling["seed"] = _integer("seed", fields["seed"], row_id)
+        sampling["seed"] = _integer("seed", fields["seed"], row_id, *SEED_RANGE)
     # A body's explicit empty value overrides the job's (stop [], logit_bias {}, logprobs
     # false, response_format text): each left the job's own in force.
     if "stop" in fields:
