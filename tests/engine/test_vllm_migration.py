@@ -379,6 +379,28 @@ def test_a_call_runs_with_the_params_as_they_were_when_it_started(model: Path) -
     assert [[len(c.token_ids) for c in o.outputs] for o in outs] == [[12, 12]] * 3
 
 
+def test_stop_lists_read_back_as_tuples_as_readme_says() -> None:
+    """vLLM's ``params.stop`` is a list; tokenmill's is a tuple, kept so that a field changes
+    only through the checked assignment (a call's shallow copy of its params holds, and an
+    empty stop string or a negative stop id cannot slip in). README's vLLM list said nothing
+    of it, so ``params.stop.append`` failed unexplained."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(stop=["a"], stop_token_ids=[3])
+    assert (params.stop, params.stop_token_ids) == (("a",), (3,))
+    with pytest.raises(AttributeError):
+        params.stop.append("b")  # type: ignore[attr-defined]
+    params.stop = [*params.stop, "b"]  # what README says to write instead
+    params.stop_token_ids = [*params.stop_token_ids, 4]
+    assert (params.stop, params.stop_token_ids) == (("a", "b"), (3, 4))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        params.stop_token_ids = [*params.stop_token_ids, -1]
+    assert params.stop_token_ids == (3, 4)
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    differs = readme.split("Not there: LoRA", 1)[1].split("\n- ", 1)[0]
+    assert "`params.stop.append(" in differs and "`params.stop = [*params.stop, " in differs
+
+
 def test_fields_cannot_be_deleted_and_subclasses_keep_their_own() -> None:
     import dataclasses
 

@@ -98,8 +98,9 @@ class SamplingParams:
             )
         if given:
             object.__setattr__(self, "structured_output", given[0])
-        # Lists are accepted for convenience and frozen into tuples; None (vLLM's default
-        # spelling) is none.
+        # Lists are accepted for convenience and frozen into tuples (vLLM keeps lists): so
+        # they change only through __setattr__'s checks, and a call's shallow snapshot of
+        # its params (llm.py) holds. None (vLLM's default spelling) is none.
         if self.stop is None:
             object.__setattr__(self, "stop", ())
         if self.stop_token_ids is None:
