@@ -175,6 +175,31 @@ def test_eta_while_the_short_rows_finished_first_is_not_zero(max_tokens: int | N
         assert progress.eta_seconds == pytest.approx(38 * 24 / progress.tokens_per_s)
 
 
+@pytest.mark.parametrize("completions", [1, 2])
+def test_a_context_known_only_once_an_engine_loaded_bounds_the_rows_eta(
+    completions: int,
+) -> None:
+    """A Ray run's replicas load their engines after the run's Progress is built, so its
+    bound on a row was max_tokens (100,000: "no limit") whatever the context: the 38 rows
+    in flight, past every finished row, were taken to go on to 100,000 tokens each. Once
+    the live counts give the context (64 tokens a completion), no row takes more."""
+    clock, engine = FakeClock(), FakeEngine()
+    progress = Progress(
+        50, 0, live=engine, clock=clock, max_tokens=100_000 * completions,
+        completions=completions,
+    )  # fmt: skip
+    for second in range(1, 6):  # the replicas loading: no context yet
+        clock.now += 1.0
+        engine.counts = LiveCounts(50 * 7 * second, 50)
+        progress.tick()
+    assert progress.max_tokens == 100_000 * completions
+    clock.now += 1.0
+    engine.counts = LiveCounts(12 * 30 + 38 * 40, 38, max_model_len=64 // completions)
+    progress.update(12, 12 * 30)
+    assert progress.max_tokens == 64
+    assert progress.eta_seconds == pytest.approx(38 * 24 / progress.tokens_per_s)
+
+
 def test_bad_rows_and_copies_do_not_speed_up_the_eta() -> None:
     """100 bad rows (no engine work) counted at once made the first ETA 2 s, with 100 s left."""
     progress, clock, engine = _progress(total=300)

@@ -229,7 +229,7 @@ class _FakePool:
         from tokenmill.jobs.ray_replica import ReplicaInfo
         from tokenmill.jobs.ray_replica_pool import ReplicaSlot
 
-        info = ReplicaInfo(pid=1, node_id="n", load_seconds=0.0)
+        info = ReplicaInfo(pid=1, node_id="n", load_seconds=0.0, max_model_len=1024)
         self.slots = [ReplicaSlot(i, info=info) for i in range(replicas)]
         self.outage, self.poison, self.outage_after = outage, poison, outage_after
         self.polls = 0

@@ -26,6 +26,7 @@ from tokenmill import run_job
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.jobs import runner
 from tokenmill.jobs.manifest import FingerprintMismatchError
+from tokenmill.jobs.progress import Progress
 from tokenmill.jobs.spec import JobSpec
 
 ray = pytest.importorskip("ray")
@@ -220,6 +221,28 @@ def test_executor_streams_through_every_replica_and_cancels(
     # its engine runs out, not after each chunk has drained (then it would never hold 4)
     assert batches.steps_below(2) == 0, batches
     assert batches.steps_below(3) <= batches.steps // 10, batches
+
+
+def test_a_ray_runs_eta_bounds_a_row_by_the_replicas_context(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The bound on a row in the ETA came from the spec alone under Ray (its replicas load
+    their engines later): max_tokens 100,000 ("no limit"), where the model's context is
+    1,024 tokens, so a row in flight past every finished one read as running to 100,000
+    tokens near the run's end. The replicas' context reaches the driver when one is up."""
+    rows = [{"id": f"r{i}", "prompt": "x" * (1000 + i)} for i in range(4)]  # <= 24 tokens out
+    spec = job_dict(
+        tiny_model,
+        write_jsonl(tmp_path / "in.jsonl", rows),
+        tmp_path / "out",
+        input={"prompt_column": "prompt", "messages_column": None, "passthrough_columns": []},
+        sampling={"max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True},
+        execution={**RAY, "replicas": 1},
+    )
+    seen: list[Progress] = []
+    report = run_job(spec, progress_interval_s=0.05, on_progress=seen.append)
+    assert report.status == "complete" and report.rows_ok == 4
+    assert seen[0].max_tokens == 1024  # the tiny model's max_position_embeddings
 
 
 def test_replica_resources_and_chunk_sizes(tiny_model: Path, tmp_path: Path) -> None:

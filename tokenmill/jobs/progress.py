@@ -86,6 +86,9 @@ class LiveCounts:
     # rows the engines put back for want of KV cache this run (each recomputed): shown on
     # the line, as a run that thrashes runs at a fraction of its speed with no other sign
     preemptions: int = 0
+    # the engines' context (a row's prompt and output tokens at most), where the executor
+    # knows it only once an engine has loaded (a Ray replica): it bounds each completion
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,9 @@ class Progress:
     stderr) is a terminal; ``live`` is called at most every ``sample_s`` seconds (default:
     1 s, or ``interval_s`` if shorter), on the caller's thread; rates need a sample's span of
     history. ``history`` (a RunHistory) records every sample for report.html, with each
-    replica's engine counters from ``counters`` if given. ``clock`` is injectable for tests."""
+    replica's engine counters from ``counters`` if given. ``max_tokens``: the output tokens
+    a row takes at most by the job's settings, lowered to ``completions`` (a row's) times
+    the context once ``live`` gives one. ``clock`` is injectable for tests."""
 
     def __init__(
         self,
@@ -125,6 +130,7 @@ class Progress:
         stream: TextIO | None = None,
         counters: Callable[[], Mapping[str, EngineCounters]] | None = None,
         max_tokens: int | None = None,
+        completions: int = 1,
     ) -> None:
         if interval_s <= 0 or (sample_s is not None and sample_s <= 0):
             raise ValueError(f"interval_s and sample_s must be > 0, got {interval_s}, {sample_s}")
@@ -135,6 +141,7 @@ class Progress:
         # the output tokens a row takes at most by the job's settings (max_tokens, within the
         # context, x best_of; OpenAI Batch rows may set their own)
         self.max_tokens = max_tokens
+        self._completions = completions
         self.done = already_done
         self.done_this_run = 0
         self.tokens = 0  # output tokens generated this run (the live count when it is larger)
@@ -367,6 +374,8 @@ class Progress:
             # 0 in flight, ETA 0 s" while 35 rows were being handed on); ``update`` takes
             # each off as it is counted.
             self.in_flight = counts.rows_in_flight + counts.rows_finishing
+            if counts.max_model_len is not None:
+                self._bound_by_context(counts.max_model_len)
             total = self._total_now
             if total is not None and self.generated_rows:
                 running = self._running_tokens(counts)
@@ -382,6 +391,14 @@ class Progress:
         self._row_rate.add(now, self.done_this_run)
         self._samples.add(now - self.start, self.tokens, last)
         self.history.sample(now - self.start, self.tokens, self.done_this_run, last)
+
+    def _bound_by_context(self, max_model_len: int) -> None:
+        """Lower the bound on a row to its completions' context: a Ray run's bound was
+        max_tokens (100,000 for "no limit") until then, and a row in flight past every
+        finished one was taken to go on to it ("ETA 3 h 25 min" near the end)."""
+        within = max_model_len * self._completions
+        if self.max_tokens is not None and within < self.max_tokens:
+            self.max_tokens = self._lengths.horizon = within
 
 
 def format_duration(seconds: float) -> str:

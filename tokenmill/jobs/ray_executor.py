@@ -166,6 +166,9 @@ class RayExecutor:
         self._stats: dict[str, EngineCounters] = {}  # replica process -> its last counts
         self._batches: dict[str, StepBatches] = {}
         self._load_seconds: dict[int, float] = {}  # replica -> seconds to its first start
+        # the replicas' engines' context: the same on each (the job's settings', or the
+        # replica refuses to start: local_executor._check_context), known once one is up
+        self._max_model_len: int | None = None
         self._rows_in_flight = 0
         self._by_prefix = spec.planner.settings().by_prefix and self.replicas > 1
         self._router: PrefixRouter | None = None  # one per process() call, for prefix
@@ -396,6 +399,7 @@ class RayExecutor:
 
     def _note_up(self, event: ReplicaUp) -> None:
         slot, info = event.slot, event.info
+        self._max_model_len = info.max_model_len
         if slot.restarts:
             log.info(
                 "Ray replica %d restarted (pid %d, model loaded in %.1f s)",
@@ -432,13 +436,15 @@ class RayExecutor:
 
     def live(self) -> LiveCounts:
         """The replicas' output tokens as of their last chunks, the rows sent and not answered,
-        and the replicas' start time inside ``process`` so far (for the progress line)."""
+        the replicas' start time inside ``process`` so far and their engines' context once
+        one is up (for the progress line and its ETA)."""
         counters = self.counters
         return LiveCounts(
             counters.output_tokens,
             self._rows_in_flight,
             self.load_seconds,
             preemptions=counters.preemptions,
+            max_model_len=self._max_model_len,
         )
 
     @property

@@ -61,11 +61,13 @@ class ReplicaSettingsError(ValueError):
 @dataclass(frozen=True)
 class ReplicaInfo:
     """A replica process that has loaded its model: its pid (one process per incarnation),
-    its Ray node and how long the model took to load."""
+    its Ray node, how long the model took to load and its engine's context (a row's prompt
+    and output tokens at most: the driver knows it only from here)."""
 
     pid: int
     node_id: str
     load_seconds: float
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,10 @@ class EngineReplica:
             return
         self._processor.model_name = model_name  # the spec's own spelling, as local names it
         self._info = ReplicaInfo(
-            os.getpid(), ray.get_runtime_context().get_node_id(), time.monotonic() - start
+            os.getpid(),
+            ray.get_runtime_context().get_node_id(),
+            time.monotonic() - start,
+            self._processor.max_model_len,
         )
         self._inbox = _Inbox()
         self._prepare_lock = threading.Lock()  # one tokenizer, several calling threads

@@ -418,6 +418,7 @@ def _run_owned(
             live=None if executor is None else executor.live,
             counters=None if executor is None else replica_counters(executor),
             max_tokens=_row_output_bound(spec, executor),
+            completions=spec.sampling.best_of or 1,
         )
         count.show_in(progress)
         generate = executor is not None and not cancel.is_set()  # (cancelled: it never does)
@@ -685,7 +686,8 @@ def _row_output_bound(spec: JobSpec, executor: Any) -> int:
     a completion, x best_of. A completion's prompt and output fit the context, so a
     max_tokens past it (100,000 for "no limit") bounds nothing: taken as the bound, a row
     longer than every finished one was taken to go on to it ("ETA 3 h 25 min" 10 s from the
-    end). The context is the local engine's; Ray replicas load theirs later: the spec's."""
+    end). The context is the local engine's, else the spec's; Ray replicas load theirs
+    later, and Progress lowers the bound to it once one is up (LiveCounts.max_model_len)."""
     per_completion = spec.sampling.max_tokens
     context = getattr(executor, "max_model_len", None) or spec.engine.max_model_len
     if context is not None:
