@@ -211,3 +211,37 @@ def test_a_run_that_committed_nothing_does_not_say_its_shards_are_kept(
     said = capsys.readouterr().err.strip().splitlines()[-1]
     kept = sum(r["ok"] + r["errors"] for r in committed_shards(out).values())
     assert kept > 0 and f"the {kept} committed rows are kept; rerun" in said, said
+
+
+@pytest.mark.parametrize(
+    ("folder", "rows"),
+    [("shards", ROWS), ("errors", ROWS), ("shards", 0)],
+    ids=["shards", "errors", "shards-of-no-input"],
+)
+def test_a_file_where_an_output_folder_goes_exits_2_naming_it(
+    tiny_model: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    folder: str,
+    rows: int,
+) -> None:
+    """An audit: a file at out/shards (or out/errors) made os.makedirs raise FileExistsError,
+    a "storage error" exiting 75 that cron and Airflow retry, while every rerun met the
+    same file. It is a path to fix (exit 2), named; once it is moved, a rerun completes.
+    (No input: the folder readers open is made at the end, the same way.)"""
+    lines = [json.dumps(r) for r in chat_rows(rows)]
+    src = write_jsonl(tmp_path / "in.jsonl", [BAD_LINE, *lines] if rows else [])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, job_dict(tiny_model, src, out))
+    out.mkdir()
+    (out / folder).write_text("")
+    assert run_cli(job, "--quiet", timeout_s=60) == 2
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "NotADirectoryError" in said and str(out / folder) in said, said
+    assert "rerunning as it is does not help" in said, said
+
+    (out / folder).unlink()
+    assert run_cli(job, "--quiet", timeout_s=60) == 0
+    assert sum(r["ok"] + r["errors"] for r in committed_shards(out).values()) == (
+        rows + 1 if rows else 0
+    )

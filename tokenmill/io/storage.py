@@ -30,7 +30,14 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-__all__ = ["OutputStore", "StorageError", "builtin_error", "is_temp_name", "owner_token"]
+__all__ = [
+    "OutputStore",
+    "StorageError",
+    "builtin_error",
+    "is_temp_name",
+    "make_folder",
+    "owner_token",
+]
 
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(?:[0-9a-f]{8}-)?[0-9a-f]{16}$")
 # The only folders a job writes to, below its prefix: cleanup looks nowhere else.
@@ -75,6 +82,20 @@ def builtin_error(exc: OSError, message: str) -> OSError:
     if builtin is OSError:
         return StorageError(message)
     return builtin(message) if exc.errno is None else builtin(exc.errno, message)
+
+
+def make_folder(path: str) -> None:
+    """Make the local folder ``path`` and its parents, if missing. Raises NotADirectoryError
+    naming ``path`` where a file (or a dangling link) is there: os.makedirs' FileExistsError
+    read as a storage error (exit 75, "rerun to resume"), and every rerun met the same file
+    (an audit). Not FileExistsError as such: a temporary file's exclusive create may meet
+    another's name by chance, which a rerun gets past."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(
+            errno.ENOTDIR, "a file is where the job writes a folder; move or remove it", path
+        ) from None
 
 
 def is_temp_name(basename: str) -> bool:
@@ -242,7 +263,7 @@ class OutputStore:
             # a lone shard the next run took for another's files and refused, --fresh too
             # (an audit). The job's lock fence then says the folder went (lock.py).
             raise FileNotFoundError(errno.ENOENT, "the output folder was removed", self.root)
-        os.makedirs(folder, exist_ok=True)
+        make_folder(folder)
         self._root_seen = True
         tmp = os.path.join(folder, f".{base}.tmp-{self._token}-{secrets.token_hex(8)}")
         try:

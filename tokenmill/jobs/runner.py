@@ -48,7 +48,7 @@ from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, fingerprint_input
 from tokenmill.io.readers.input_fingerprint import shown_url, unchanged_by_versions
-from tokenmill.io.storage import OutputStore
+from tokenmill.io.storage import OutputStore, make_folder
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.fingerprint import (
@@ -545,7 +545,7 @@ def _run_owned(
         manifest.save(store)
         report.status = "complete"
         if store.is_local:  # readers open shards/ even when no row landed there (no input)
-            os.makedirs(os.path.join(store.root, "shards"), exist_ok=True)
+            make_folder(os.path.join(store.root, "shards"))
     _fill_totals(report, manifest)
     # (taken last: the input re-check, manifest save and engine close above are the run's)
     report.wall_seconds = round(time.monotonic() - start, 3)
