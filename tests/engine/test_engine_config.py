@@ -107,3 +107,19 @@ def test_a_gpu_past_those_visible_is_refused_naming_device(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(EngineSettingError, match=r"^device: expected cpu or auto \(no CUDA"):
         EngineConfig(model="m", device="cuda:0").resolve_device()
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -(2**63) - 1])
+def test_a_seed_past_64_signed_bits_is_refused_naming_seed(seed: int) -> None:
+    """An audit: LLM(seed=2**64) passed, loaded the weights and failed in torch's
+    manual_seed ("Overflow when unpacking long long"), naming no setting; 2**63 ran. The
+    engine seed now has SamplingParams.seed's range, and is refused before any loading."""
+    from tokenmill import LLM
+
+    said = rf"^seed: expected an integer in \[-2\*\*63, 2\*\*63 - 1\] .*, got {seed}$"
+    with pytest.raises(EngineSettingError, match=said):
+        EngineConfig(model="m", seed=seed)
+    with pytest.raises(EngineSettingError, match=said):  # no such model: nothing was loaded
+        LLM("/no/such/model", seed=seed)
+    for kept in (2**63 - 1, -(2**63)):
+        assert EngineConfig(model="m", seed=kept).seed == kept

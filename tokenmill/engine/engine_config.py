@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenmill.engine.core.draft_tree import MAX_TREE_DRAFTS
 from tokenmill.engine.model_config import ModelConfig
+from tokenmill.engine.sampling_params import SEED_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -169,7 +170,12 @@ BOOL = _rule("true or false", lambda v: isinstance(v, bool))
 BOOL_OR_UNSET = _rule(
     "true or false, or unset (on with CUDA only)", lambda v: v is None or isinstance(v, bool)
 )
-INT = _rule("an integer", _is_int)
+# The engine's own seed follows a request's rule: torch's manual_seed refused 2**64 only
+# once the weights had loaded ("Overflow when unpacking long long", naming no setting).
+SEED = _rule(
+    "an integer in [-2**63, 2**63 - 1] (a signed 64-bit seed, as SamplingParams.seed)",
+    lambda v: _is_int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1],
+)
 PROCESSES = _rule(
     "an integer >= 0, or unset (on CUDA a worker per two CPU cores, at most 8; 0 on CPU)",
     lambda v: v is None or (_is_int(v) and v >= 0),
@@ -312,7 +318,7 @@ class EngineConfig:
     load_format: str = field(default="auto", metadata=_one_of("auto", "random"))
     profile_steps: bool = field(default=False, metadata=BOOL)
     async_scheduling: bool | None = field(default=None, metadata=BOOL_OR_UNSET)
-    seed: int = field(default=0, metadata=INT)
+    seed: int = field(default=0, metadata=SEED)
     speculative: SpeculativeConfig = field(default=SpeculativeConfig(), metadata=SPECULATIVE)
     quantization: str = field(default="none", metadata=_one_of("none", "fp8", "int4", "int8"))
     kv_cache_dtype: str = field(default="auto", metadata=_one_of("auto", "fp8"))
