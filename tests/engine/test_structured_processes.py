@@ -24,7 +24,7 @@ from tests.engine.test_structured_async import (
     tiny_path,  # noqa: F401  (the module's tiny model fixture)
 )
 from tokenmill import SamplingParams
-from tokenmill.engine.engine_config import EngineConfig
+from tokenmill.engine.engine_config import EngineConfig, EngineSettingError
 from tokenmill.engine.grammar_processes import (
     GrammarProcesses,
     TokenizerNotPicklable,
@@ -124,6 +124,17 @@ def test_workers_ignore_signals_to_the_engines_process_group(tiny_path) -> None:
 def test_a_negative_process_count_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="structured_output_processes"):
         EngineConfig(model="m", structured_output_processes=-1)
+
+
+@pytest.mark.parametrize("processes", [65, 10**12])
+def test_more_processes_than_a_host_could_run_are_refused(processes: int) -> None:
+    """An audit: structured_output_processes=10**12 passed, and the first structured
+    request had the engine start worker interpreters one after another until the host
+    gave out; now refused with the settings, naming the range."""
+    said = r"^structured_output_processes: expected an integer from 0 to 64, or unset"
+    with pytest.raises(EngineSettingError, match=said):
+        EngineConfig(model="m", structured_output_processes=processes)
+    assert EngineConfig(model="m", structured_output_processes=64).structured_output_processes == 64
 
 
 @pytest.mark.parametrize(("cores", "cuda", "cpu"), [(16, 8, 0), (40, 8, 0), (6, 3, 0), (1, 1, 0)])

@@ -176,9 +176,14 @@ SEED = _rule(
     "an integer in [-2**63, 2**63 - 1] (a signed 64-bit seed, as SamplingParams.seed)",
     lambda v: _is_int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1],
 )
+# Each worker is a Python interpreter holding the tokenizer, all started at the first
+# structured request: 10**12 passed here and had the engine start interpreters until the
+# host gave out. A worker per core is the most that helps; unset picks at most 8.
+MAX_GRAMMAR_PROCESSES = 64
 PROCESSES = _rule(
-    "an integer >= 0, or unset (on CUDA a worker per two CPU cores, at most 8; 0 on CPU)",
-    lambda v: v is None or (_is_int(v) and v >= 0),
+    f"an integer from 0 to {MAX_GRAMMAR_PROCESSES}, or unset (on CUDA a worker per two CPU "
+    "cores, at most 8; 0 on CPU)",
+    lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_GRAMMAR_PROCESSES),
 )
 
 SPECULATIVE_METHODS = ("off", "ngram", "suffix", "lookahead", "auto")
