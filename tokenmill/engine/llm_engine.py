@@ -50,6 +50,7 @@ from tokenmill.engine.attention.backend import (
     default_backend_name,
     get_attention_backend,
 )
+from tokenmill.engine.batch_slot_memory import check_slots_fit
 from tokenmill.engine.constrained_drafts import kept_tokens, step_drafts
 from tokenmill.engine.core import KVCacheManager
 from tokenmill.engine.core.drafts import DraftProposer, PredictsAhead
@@ -157,6 +158,7 @@ class LLMEngine:
             max_len, self._max_len_why = config.max_model_len, "as set"
         elif mc.sliding_window is not None and max_len == mc.sliding_window:
             log.warning("max_model_len %d: %s", max_len, self._max_len_why)
+        check_slots_fit(config.max_num_seqs, max_len)
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device, mc.head_dim)
