@@ -87,7 +87,10 @@ def test_generate_takes_vllm_dict_prompts(llm: LLM) -> None:
     ("prompt", "message"),
     [
         ({}, "a dict prompt holds 'prompt' (text) or 'prompt_token_ids'"),
-        ({"multi_modal_data": {}}, "got keys ['multi_modal_data'] (the engine runs text-only"),
+        (
+            {"multi_modal_data": {}},
+            "'multi_modal_data' is not supported (the engine runs text-only",
+        ),
         ({"prompt_token_ids": [1, 2.5]}, "'prompt_token_ids' holds a list of token ids; got list"),
         ({"prompt_token_ids": [True, 1]}, "token ids; got list holding bool (ids are integers)"),
         ([True, 2, 3], "expected text or a list of token ids, got list holding bool"),
