@@ -14,6 +14,7 @@ from tokenmill.engine.models.quant_methods import quantized_layers
 from tokenmill.engine.models.registry import model_class
 from tokenmill.engine.models.rope import RotaryEmbedding
 from tokenmill.engine.parallel import ParallelConfig
+from tokenmill.engine.seeds import generator_seed
 
 
 def build_model(
@@ -118,7 +119,9 @@ def init_random_weights(model: torch.nn.Module, seed: int) -> None:
             param.zero_()
         else:
             if param.device not in gens:
-                gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                gens[param.device] = torch.Generator(device=param.device).manual_seed(
+                    generator_seed(seed, param.device.type)
+                )
             if param.is_floating_point():
                 param.normal_(0, 0.02, generator=gens[param.device])
             else:

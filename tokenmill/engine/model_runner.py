@@ -53,6 +53,7 @@ from tokenmill.engine.sampled_rows import (
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_metadata import SamplingMetadata
 from tokenmill.engine.sampling_reuse import SamplingReuse
+from tokenmill.engine.seeds import generator_seed
 from tokenmill.engine.step_profile import StepProfiler
 from tokenmill.engine.upload_ring import UploadRing
 
@@ -135,7 +136,7 @@ class ModelRunner:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.generator.manual_seed(generator_seed(seed, device.type))
         self.graphs = None  # a DecodeGraphRunner once enable_cuda_graphs() captured them
         self.pieces = None  # a PiecewiseGraphRunner (the other steps), likewise
         self.profiler = StepProfiler(device)

@@ -4,11 +4,12 @@ splitmix64's finalizer, so derived seeds are reproducible and unrelated to one a
     request seed s ──► sample_seed(s, i)       completion i of n / best_of (i = 0: s itself)
                    ──► row_seed(s, position)   the draw at an output position (the sampler)
     job seed j     ──► input_row_seed(j, r)    input row r's own seed (jobs/requests.py)
+    engine seed e  ──► generator_seed(e, dev)  what a generator on dev is seeded with
 """
 
 from __future__ import annotations
 
-__all__ = ["input_row_seed", "row_seed", "sample_seed"]
+__all__ = ["generator_seed", "input_row_seed", "row_seed", "sample_seed"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: consecutive indexes spread apart
@@ -31,6 +32,16 @@ def sample_seed(seed: int, index: int) -> int:
 def input_row_seed(seed: int, row_index: int) -> int:
     """The seed of input row ``row_index`` of a job whose sampling section has ``seed``."""
     return _finish(((seed & _MASK64) ^ 0xD1B54A32D192ED03) + (row_index + 1) * _GOLDEN)
+
+
+def generator_seed(seed: int, device_type: str) -> int:
+    """What a ``torch.Generator`` on a ``device_type`` device is seeded with for a 64-bit
+    ``seed`` (the engine's: unseeded requests, random weights). CUDA's Philox keeps all 64
+    bits, so it takes the seed as it is. The CPU's mt19937 keeps the low 32 bits alone, so
+    0 and 2**32 (or -1 and 2**63 - 1) drew alike; there the 64 bits are mixed in first."""
+    if device_type == "cuda":
+        return seed
+    return _finish((seed & _MASK64) ^ 0x2545F4914F6CDD1D)
 
 
 def _finish(x: int) -> int:
