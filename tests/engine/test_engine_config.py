@@ -123,3 +123,18 @@ def test_a_seed_past_64_signed_bits_is_refused_naming_seed(seed: int) -> None:
         LLM("/no/such/model", seed=seed)
     for kept in (2**63 - 1, -(2**63)):
         assert EngineConfig(model="m", seed=kept).seed == kept
+
+
+@pytest.mark.parametrize("block_size", [2**40, 2**31])
+def test_a_block_size_past_the_kernels_range_is_refused_naming_block_size(block_size: int) -> None:
+    """An audit: block_size=2**40 passed, loaded the weights and was refused naming
+    kv_cache_memory ("room for at least 2 KV blocks"). The kernels count keys in int32: a
+    block past 2**30 is refused before any loading, naming block_size and the range."""
+    from tokenmill import LLM
+
+    said = rf"^block_size: expected a power of two from 1 to 2\*\*30 .*, got {block_size}$"
+    with pytest.raises(EngineSettingError, match=said):
+        EngineConfig(model="m", block_size=block_size)
+    with pytest.raises(EngineSettingError, match=said):  # no such model: nothing was loaded
+        LLM("/no/such/model", block_size=block_size)
+    assert EngineConfig(model="m", block_size=2**30).block_size == 2**30

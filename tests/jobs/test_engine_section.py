@@ -50,7 +50,12 @@ def test_the_section_is_engine_configs_fields_and_defaults() -> None:
     [
         ("max_num_seqs", 0, "expected a positive integer, got 0"),
         ("max_num_batched_tokens", -8, "expected a positive integer, got -8"),
-        ("block_size", 24, "expected a power of two (1, 2, 4, 8, 16, ...), got 24"),
+        ("block_size", 24, "expected a power of two from 1 to 2**30 ("),
+        (
+            "block_size",
+            2**40,
+            "the attention kernels count keys in int32; 16 to 128 are usual), got",
+        ),
         ("max_model_len", 1, "expected an integer >= 2, or unset for the model's own"),
         ("kv_cache_memory", 0, "a number in (0, 1]), got 0"),
         ("kv_cache_memory", 1.5, "a number in (0, 1]), got 1.5"),

@@ -159,8 +159,14 @@ MODEL_LEN = _rule(
     "an integer >= 2, or unset for the model's own context length",
     lambda v: v is None or (_is_int(v) and v >= 2),
 )
-POWER_OF_TWO = _rule(
-    "a power of two (1, 2, 4, 8, 16, ...)", lambda v: _is_int(v) and v >= 1 and v & (v - 1) == 0
+# The attention kernels count a request's keys in int32 (seq_lens, and the decode kernel's
+# max_blocks * BLOCK_SIZE): a block past 2**30 tokens could never fill, and 2**40 was refused
+# only once the weights had loaded, blaming kv_cache_memory.
+MAX_BLOCK_SIZE = 2**30
+BLOCK_SIZE = _rule(
+    "a power of two from 1 to 2**30 (1, 2, 4, 8, 16, ...: the attention kernels count keys "
+    "in int32; 16 to 128 are usual)",
+    lambda v: _is_int(v) and 1 <= v <= MAX_BLOCK_SIZE and v & (v - 1) == 0,
 )
 KV_MEMORY = _rule(
     "bytes (a positive integer) or a fraction of the device's memory (a number in (0, 1])",
@@ -315,7 +321,7 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata=POSITIVE_INT)
     max_num_batched_tokens: int = field(default=8192, metadata=POSITIVE_INT)
     max_model_len: int | None = field(default=None, metadata=MODEL_LEN)
-    block_size: int = field(default=16, metadata=POWER_OF_TWO)
+    block_size: int = field(default=16, metadata=BLOCK_SIZE)
     kv_cache_memory: int | float | None = field(default=None, metadata=KV_MEMORY)
     enable_prefix_caching: bool = field(default=True, metadata=BOOL)
     attention_backend: str = field(default="auto", metadata=_one_of("auto", "torch", "triton"))
