@@ -208,9 +208,11 @@ def test_the_kv_cache_budget_leaves_the_decode_workspace_its_bytes(
     reserves: dict[tuple[str, str], int] = {}
     budget = EngineConfig.kv_cache_budget
 
-    def recorded(self: EngineConfig, device: torch.device, reserve_bytes: int = 0) -> int:
+    def recorded(
+        self: EngineConfig, device: torch.device, reserve_bytes: int = 0, reserve_for: str = ""
+    ) -> int:
         reserves[self.attention_backend, self.speculative.method] = reserve_bytes
-        return budget(self, device, reserve_bytes)
+        return budget(self, device, reserve_bytes, reserve_for)
 
     monkeypatch.setattr(EngineConfig, "kv_cache_budget", recorded)
     for backend, method in (("torch", "off"), ("triton", "off"), ("triton", "ngram")):

@@ -402,11 +402,14 @@ class EngineConfig:
         stored = _DTYPES.get(model_config.torch_dtype.replace("torch.", ""), "bfloat16")
         return torch.bfloat16 if stored == "float32" else getattr(torch, stored)
 
-    def kv_cache_budget(self, device: torch.device, reserve_bytes: int = 0) -> int:
-        """Bytes for the KV cache on ``device``, after ``reserve_bytes`` for activations. A
-        fraction counts what the device (or the host) holds already; on CPU, a byte count
-        above the memory available raises EngineSettingError (it failed the allocation,
-        or woke the out-of-memory killer, after the model had loaded)."""
+    def kv_cache_budget(
+        self, device: torch.device, reserve_bytes: int = 0, reserve_for: str = "activations"
+    ) -> int:
+        """Bytes for the KV cache on ``device``, after ``reserve_bytes`` for activations
+        (``reserve_for`` says what they are for, and what to lower). A fraction counts what
+        the device (or the host) holds already; on CPU, a byte count above the memory
+        available raises EngineSettingError (it failed the allocation, or woke the
+        out-of-memory killer, after the model had loaded)."""
         mem = self.kv_cache_memory
         if isinstance(mem, int) and device.type != "cpu":
             return mem
@@ -430,11 +433,17 @@ class EngineConfig:
                     mem,
                     f"at most the {available / 2**30:.1f} GiB of host memory available now "
                     f"(of {total / 2**30:.1f} GiB) less {reserve_bytes / 2**30:.2f} GiB for "
-                    "activations (the KV cache is allocated and zeroed at start)",
+                    f"{reserve_for}; the KV cache is allocated and zeroed at start",
                 )
             return mem
         # As on a GPU: the share of the memory this engine may bring the host's use up to.
         return int(mem * total) - (total - available) - reserve_bytes
+
+    def budget_less_reserve(self, device: torch.device) -> bool:
+        """Whether ``kv_cache_budget`` on ``device`` is what is left after the reserve (a
+        share of the memory); a byte count, and the CPU's default, is the budget as set."""
+        mem = self.kv_cache_memory
+        return isinstance(mem, float) or (mem is None and device.type != "cpu")
 
 
 def host_memory() -> tuple[int, int]:

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.engine.activation_reserve import ActivationReserve, activation_reserve
 from tokenmill.engine.attention.backend import (
     AttentionBackend,
     check_backend_takes,
@@ -190,7 +191,11 @@ class LLMEngine:
         # The decode workspace at the longest request the settings allow: the KV cache's
         # size can only lower that length.
         workspace = self._attention_workspace(backend, max_len, proposer, parallel)
-        budget = config.kv_cache_budget(self.device, self._activation_reserve() + workspace)
+        activations = activation_reserve(
+            mc, self.dtype, config.max_num_batched_tokens, config.max_num_seqs
+        )
+        reserve = activations.nbytes + workspace
+        budget = config.kv_cache_budget(self.device, reserve, activations.why())
         num_blocks = budget // block_bytes
         if config.kv_cache_memory is None and self.device.type == "cpu":
             # The 2 GiB default is zeroed at start: a small model would hold far more blocks
@@ -202,7 +207,9 @@ class LLMEngine:
                 "kv_cache_memory",
                 config.kv_cache_memory,
                 f"room for at least 2 KV blocks of {block_bytes} bytes (it leaves room for "
-                f"{max(num_blocks, 0)}: raise it, or lower block_size)"
+                f"{max(num_blocks, 0)}: raise it, or lower block_size"
+                + _reserve_hint(config, self.device, budget, reserve, block_bytes, activations)
+                + ")"
                 + _gpu_use_hint(self.device),
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
@@ -335,16 +342,6 @@ class LLMEngine:
             parallel.per_rank(mc.num_attention_heads, "num_attention_heads"),
             mc.head_dim,
         )
-
-    def _activation_reserve(self) -> int:
-        # Peak activations of one full step: a few [T, hidden] and one [T, 2 * intermediate]
-        # tensor, plus fp32 logits of the sampled rows. Only GPU sizing subtracts it.
-        mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        tokens = self.config.max_num_batched_tokens
-        per_token = (6 * mc.hidden_size + 3 * mc.intermediate_size) * elem
-        logits = self.config.max_num_seqs * mc.vocab_size * 4 * 3
-        return tokens * per_token + logits
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(
@@ -919,6 +916,21 @@ def _linear_weights(source: ModelSource | None, quantization: str, dtype: torch.
     runs = next((m for m, native in NATIVE_TYPES.items() if types <= set(native)), None)
     hint = f"; quantization {runs} runs them as they are" if runs else ""
     return f"{kept} (the file's {listed} weights dequantized at load{hint})"
+
+
+def _reserve_hint(
+    config: EngineConfig,
+    device: torch.device,
+    budget: int,
+    reserve: int,
+    block_bytes: int,
+    activations: ActivationReserve,
+) -> str:
+    """What the activation reserve took, when the KV cache would have had its 2 blocks
+    without it (the settings behind it are what to lower, not only kv_cache_memory)."""
+    if not config.budget_less_reserve(device) or (budget + reserve) // block_bytes < 2:
+        return ""
+    return f"; {reserve / 2**30:.2f} GiB of it is held back for {activations.why()}"
 
 
 def _gpu_use_hint(device: torch.device) -> str:
