@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import json
 from decimal import Decimal
 
+import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from tests.io.readers.reader_files import write_jsonl, write_parquet
+from tests.s3_server import s3_endpoint  # noqa: F401
 from tokenmill.io.readers import InputConfig, iter_input_rows, passthrough_schema, passthrough_types
 
 
@@ -357,3 +360,33 @@ def test_the_sample_of_many_files_stays_bounded(tmp_path, monkeypatch) -> None:
     schema = passthrough_schema(_cfg(tmp_path / "ten", "v"))
     assert schema.describe() == {"v": "double"}
     assert schema.origin == "inferred from 10 input rows, the first of each of 10 input files"
+
+
+def test_a_remote_inputs_sample_is_files_spread_over_its_list(s3_endpoint, monkeypatch) -> None:  # noqa: F811
+    """Sampled one after another, each remote file a request or more: a remote input of more
+    than REMOTE_SAMPLED_FILES files is sampled at that many, its first and last among them
+    (the last one's 0.5 is seen); a local one at every file."""
+    monkeypatch.setattr(passthrough_types, "REMOTE_SAMPLED_FILES", 4)
+    _, options = s3_endpoint
+    fs = fsspec.filesystem("s3", **options)
+    fs.mkdir("data")
+    for f in range(7):
+        value = 0.5 if f == 6 else 1  # in the last file only
+        body = "".join(
+            json.dumps({"id": f"{f}-{i}", "prompt": "p", "v": value}) + "\n" for i in range(3)
+        )
+        fs.pipe_file(f"data/in/{f}.jsonl", body.encode())
+    opened: list[str] = []
+    sample_file = passthrough_types._sample_file
+
+    def counted(cfg, *args):
+        opened.extend(cfg.files)
+        return sample_file(cfg, *args)
+
+    monkeypatch.setattr(passthrough_types, "_sample_file", counted)
+    cfg = InputConfig(path="s3://data/in/", storage_options=options, passthrough_columns=("v",))
+    schema = passthrough_schema(cfg)
+    assert schema.describe() == {"v": "double"}
+    assert [u.rsplit("/", 1)[1] for u in opened] == ["0.jsonl", "2.jsonl", "4.jsonl", "6.jsonl"]
+    assert schema.origin == "inferred from 12 input rows, the first of each of 4 of 7 input files"
+    assert [r.error for r in iter_input_rows(cfg, schema)] == [None] * 21

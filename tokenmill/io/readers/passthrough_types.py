@@ -8,7 +8,8 @@
                       combined into a finer unit (ms beside ns) refused unless the coarser
                       files' footer statistics say each value fits (parquet_time_ranges.py)
     JSONL / OpenAI Batch input ─► the passthrough values of the good rows among the first
-                      rows of each file, ``SAMPLE_ROWS`` in all shared among the files (a
+                      rows of each file (``REMOTE_SAMPLED_FILES`` of a remote input's,
+                      spread), ``SAMPLE_ROWS`` in all shared among the files (a
                       row of each at least; fewer once the values kept hold ``SAMPLE_BYTES``;
                       a long text kept as an empty one, of its type) ─► Arrow's inference
                       (``inferred_field``: JSON text where the sample has no usable type)
@@ -24,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 import pyarrow as pa
+from fsspec.implementations.local import LocalFileSystem
 
 from tokenmill.io.nested_types import with_child_types
 from tokenmill.io.output_schema import (
@@ -39,6 +41,7 @@ from tokenmill.io.readers.input_rows import iter_input_rows
 from tokenmill.io.readers.parquet_footers import footer_of
 from tokenmill.io.readers.parquet_records import ParquetRecords
 from tokenmill.io.readers.parquet_time_ranges import has_finer_units, unit_overflow
+from tokenmill.io.readers.storage import resolve
 from tokenmill.io.value_bytes import value_bytes
 
 __all__ = ["SAMPLE_ROWS", "passthrough_schema"]
@@ -51,6 +54,10 @@ SAMPLE_ROWS = 10_000
 # The sample's bound in bytes: 10,000 rows of a 5 MB column were 50 GB (an audit; a 400-row
 # input was read whole into memory before its first row ran).
 SAMPLE_BYTES = 64 << 20
+# A remote file's sample costs a request or more (~50 ms on S3), one file after another: a
+# remote input of thousands of files is sampled at this many, spread over its list (the
+# first and the last among them); a local input at every file (10,000 in ~2 s).
+REMOTE_SAMPLED_FILES = 64
 # The most digits a decimal128 holds; a decimal256's.
 _DECIMAL128_DIGITS, _DECIMAL256_DIGITS = 38, 76
 _LONG_TEXT = 64  # characters past which a text's type is all the sample keeps of it
@@ -82,12 +89,13 @@ def _sampled(cfg: InputConfig, files: list[str], fmt: str) -> OutputSchema:
     columns = cfg.passthrough_columns
     values: dict[str, list[Any]] = {name: [] for name in columns}
     read = kept_bytes = sampled_files = 0
-    ended = True  # every row of every file sampled
-    for url in files:
+    chosen = _files_to_sample(files, cfg)
+    ended = len(chosen) == len(files)  # every row of every file sampled
+    for url in chosen:
         if kept_bytes >= SAMPLE_BYTES:
             ended = False
             break
-        left = len(files) - sampled_files
+        left = len(chosen) - sampled_files
         one = replace(cfg, files=(url,), files_format=fmt)
         rows_quota = max((SAMPLE_ROWS - read) // left, 1)
         bytes_quota = (SAMPLE_BYTES - kept_bytes) // left
@@ -105,6 +113,19 @@ def _sampled(cfg: InputConfig, files: list[str], fmt: str) -> OutputSchema:
         which = f"{read} input rows, the first of each of {sampled_files}{of} input files"
     fields = [inferred_field(name, values[name]) for name in columns]
     return OutputSchema.of(fields, f"inferred from {which}")
+
+
+def _files_to_sample(files: list[str], cfg: InputConfig) -> list[str]:
+    """Every file of a local input; of a remote one, ``REMOTE_SAMPLED_FILES`` spread evenly
+    over the list, its first and last among them (sampled one after another, thousands of
+    remote files would hold the job's start for minutes)."""
+    if len(files) <= REMOTE_SAMPLED_FILES:
+        return files
+    fs, _ = resolve(files[0], cfg.storage_options)
+    if isinstance(fs, LocalFileSystem):
+        return files
+    step = (len(files) - 1) / (REMOTE_SAMPLED_FILES - 1)
+    return [files[round(i * step)] for i in range(REMOTE_SAMPLED_FILES)]
 
 
 def _sample_file(
