@@ -41,7 +41,9 @@ map_batches call runs one block at a time, so the engine drained at every block'
 Progress: each chunk's result carries its replica's running counts (EngineCounters, output
 tokens included) and its per-step batch histogram (StepBatches); the driver's live counts are
 the replicas' sums as of their last chunks. A replica's start (process, imports, model) is
-load time, not generation time: ``load_seconds`` is the slowest replica's first start.
+load time, not generation time until the first is up (``first_up_seconds``: the report's
+generation time starts there, the slower replicas' loads overlapping the first's work);
+``load_seconds`` is the slowest replica's first start.
 
 ``ray_address: null`` starts a local Ray (or reuses the one already initialised in this
 process; ``RAY_ADDRESS`` in the environment is honoured as Ray always does); an address joins
@@ -427,6 +429,12 @@ class RayExecutor:
     def step_batches(self) -> StepBatches:
         """Rows each replica's engine held at each step, summed over replicas."""
         return sum(self._batches.values(), StepBatches())
+
+    @property
+    def first_up_seconds(self) -> float:
+        """The first replica's start (0 before one is up): from then a replica generates,
+        while the slower ones still load, so the report's generation time starts there."""
+        return min(self._load_seconds.values(), default=0.0)
 
     @property
     def load_seconds(self) -> float:

@@ -32,8 +32,9 @@ class JobReport:
     # the whole run, run_job's call to the reports' writing: checks, model load, generation,
     # last commits, the input's re-check, the manifest's save, the engine's close
     wall_seconds: float = 0.0
-    # loading the model: the local engine's construction; Ray: starting Ray plus the slowest
-    # replica's own load (replicas load in parallel when their first rows arrive)
+    # loading the model: the local engine's construction; Ray: starting Ray plus the first
+    # replica's start (replicas load in parallel when their first rows arrive; the first up
+    # generates while the others finish theirs)
     model_load_seconds: float = 0.0
     generation_seconds: float = 0.0  # model loaded to last result: what throughput is over
     prefix_cache_hit_rate: float = 0.0
