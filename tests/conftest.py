@@ -18,6 +18,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["RAY_worker_niceness"] = "0"
 
+# Ray workers and run-job subprocesses import tokenmill from the tree under test, first on
+# their path: pytest puts the tree on this process's path alone, and elsewhere the import
+# went to whatever tree the environment's editable install pointed at (a venv shared by two
+# clones ran one clone's Ray tests against the other's replicas: AttributeError on a field
+# the tree under test had added).
+_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_TREE, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _TREE)]
+)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
