@@ -32,10 +32,18 @@ from tests.jobs.job_helpers import (
     write_jsonl,
 )
 from tokenmill import run_job
+from tokenmill.jobs.dry_run import dry_run
+from tokenmill.jobs.fingerprint import (
+    changed_settings,
+    earlier_fingerprints,
+    fingerprint,
+    model_content,
+    model_identity,
+)
 from tokenmill.jobs.lock import JobLock
 from tokenmill.jobs.manifest import FingerprintMismatchError
 from tokenmill.jobs.ownership import OWNER_FILE, OutputOwnedError
-from tokenmill.jobs.spec import JobSpecError
+from tokenmill.jobs.spec import JobSpec, JobSpecError
 
 INVALID, TEMPORARY = 2, 75
 
@@ -743,6 +751,66 @@ def test_resume_refuses_a_model_saved_again_at_the_same_sizes(
     with _manifest(out) as manifest:
         del manifest["settings"]["model_content"]
     assert run_job(spec, show_progress=False).status == "complete"
+
+
+def test_a_moved_model_resumes_and_a_changed_one_is_refused(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The model's folder copied elsewhere (a fresh clone, a venv rebuilt in another folder,
+    a mount at another path), same files and content: the job resumes, its committed rows
+    kept, each row once. The copy then changed in one byte at the same size: refused, named
+    as the content, not as the path."""
+    first, moved = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    shutil.copytree(tiny_model, first)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(10))
+    out = tmp_path / "out"
+    run_job(job_dict(first, src, out), show_progress=False)
+    reference = {r["id"]: r["text"] for r in read_jsonl_dir(out / "shards")}
+    (out / "shards" / "part-00002.jsonl").unlink()  # the last shard: computed again
+    shutil.copytree(first, moved)
+    shutil.rmtree(first)
+    spec = job_dict(moved, src, out)
+    assert dry_run(JobSpec.from_dict(spec)).resumable  # as the run decides
+    other = job_dict(moved, src, out, sampling={"max_tokens": 5})
+    with pytest.raises(FingerprintMismatchError) as info:  # named: what refused it, not the move
+        run_job(other, show_progress=False)
+    assert "sampling.max_tokens: 8 -> 5" in str(info.value) and "model.dir" not in str(info.value)
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_resumed == 8
+    assert report.rows_this_run == 2 and report.rows_ok == 10
+    assert {r["id"]: r["text"] for r in read_jsonl_dir(out / "shards")} == reference
+    assert _ids(out / "shards") == sorted(reference)  # each row once
+    with _manifest(out) as manifest:  # the manifest now holds the new place
+        assert manifest["settings"]["model"]["dir"] == str(moved.resolve())
+        manifest["complete"] = False
+    weights = moved / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last weight's lowest bits: same size, other content
+    weights.write_bytes(bytes(data))
+    with pytest.raises(FingerprintMismatchError) as info:
+        run_job(spec, show_progress=False)
+    assert "model_content: the model's files changed" in str(info.value)
+
+
+def test_a_model_file_in_another_venv_is_the_same_model(tmp_path: Path) -> None:
+    """An alias's GGUF file inside a venv built again elsewhere: the fingerprint its old path
+    gave is one of the new settings' earlier ones; a file of the same name and size whose
+    sampled content differs is not, nor is any where the manifest has no content."""
+    first, again = tmp_path / "old" / "m.gguf", tmp_path / "new" / "m.gguf"
+    for path in (first, again):
+        path.parent.mkdir()
+        path.write_bytes(bytes(range(256)) * (40 << 10))  # 10 MiB: past what is read whole
+    kept = {"model": model_identity(first), "model_content": model_content(first), "input": "i"}
+    now = {**kept, "model": model_identity(again), "model_content": model_content(again)}
+    assert fingerprint(kept) != fingerprint(now)  # (the hash holds the path)
+    assert fingerprint(kept) in earlier_fingerprints(now, None, kept=kept)
+    assert changed_settings(kept, now) == []  # nothing to name: the move alone resumes
+    old_manifest = {key: value for key, value in kept.items() if key != "model_content"}
+    assert fingerprint(kept) not in earlier_fingerprints(now, None, kept=old_manifest)
+    with again.open("r+b") as f:  # the first sampled chunk
+        f.write(b"\xff")
+    now["model_content"] = model_content(again)
+    assert fingerprint(kept) not in earlier_fingerprints(now, None, kept=kept)
 
 
 def test_resume_refuses_dtype_auto_resolved_on_another_kind_of_device(

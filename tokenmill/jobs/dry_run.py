@@ -25,7 +25,12 @@ from tokenmill.engine.prompts import check_prompt_ids
 from tokenmill.engine.sampling_params import check_vocab_ids
 from tokenmill.io.readers import iter_input_rows
 from tokenmill.io.storage import OutputStore
-from tokenmill.jobs.fingerprint import changed_settings, fingerprint, settings_record
+from tokenmill.jobs.fingerprint import (
+    changed_settings,
+    fingerprint,
+    moved_model,
+    settings_record,
+)
 from tokenmill.jobs.local_executor import engine_config
 from tokenmill.jobs.manifest import Manifest
 from tokenmill.jobs.output_links import check_no_links
@@ -185,9 +190,10 @@ def dry_run(
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
     resumed = None if manifest is None else with_shard_size(spec, None, manifest)
-    if resumed is not None and resumed != spec:  # the count a run's fingerprint covers
+    # the count a run's fingerprint covers, and the path of a model moved since the manifest
+    if resumed is not None and (resumed != spec or moved_model(manifest.settings, settings)):
         spec = resumed
-        settings, earlier = settings_of(spec, cfg)
+        settings, earlier = settings_of(spec, cfg, manifest.settings)
     resumable = manifest is not None and manifest.matches(
         fingerprint(settings), settings_record(settings), earlier
     )  # as a run decides

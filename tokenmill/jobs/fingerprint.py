@@ -23,6 +23,13 @@ are the input objects' versions (``input_versions``: an object store's ETag or M
 file), which tell an object rewritten in its middle at the same size, where the input's
 hash reads only each file's first and last MiB.
 
+The model's identity holds its resolved path, but a job resumes wherever the model lies: the
+same files at another path (a folder moved or mounted elsewhere, an alias's file in a venv
+built again in another folder) with the same sampled content is the same model
+(``moved_model``), so the fingerprint the manifest holds, made with the old path, is one of
+``earlier_fingerprints`` and the manifest then takes the new one. A manifest without
+``model_content`` cannot tell a moved model from another one at the same sizes: refused.
+
 The settings themselves are kept beside the hash in the manifest, so that a refused resume
 can say which of them changed (``changed_settings``).
 """
@@ -68,6 +75,7 @@ UNHASHED = (
 _WHOLE, _CHUNK, _SAMPLES = 8 << 20, 64 << 10, 32
 # The files of a model directory whose content decides results (weights, configs, tokenizer).
 _MODEL_FILES = (".safetensors", ".json", ".model", ".jinja", ".txt", ".tiktoken")
+_PLACE = ("file", "dir")  # model_identity's keys that say where the model lies
 
 
 def model_identity(path: Path) -> dict[str, Any]:
@@ -170,8 +178,28 @@ def fingerprint(settings: JobSettings) -> str:
     return hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()
 
 
+def moved_model(kept: JobSettings | None, settings: JobSettings) -> dict[str, Any] | None:
+    """The model identity of ``kept`` (the settings of the progress a run may resume: the
+    manifest's) where the model has moved since and is otherwise the same as ``settings``
+    says: another path (``_PLACE``), the same file names and sizes, and ``model_content`` in
+    both and equal. None where it did not move, changed, or ``kept`` predates
+    ``model_content`` (a move cannot be told from a model saved again at the same sizes)."""
+    if kept is None or "model_content" not in kept:
+        return None
+    old, new = kept.get("model"), settings["model"]
+    if kept["model_content"] != settings.get("model_content") or not isinstance(old, dict):
+        return None
+    if old == new or old.keys() != new.keys():  # (a file where a folder was: another model)
+        return None
+    same_files = all(old[key] == new[key] for key in new if key not in _PLACE)
+    return old if same_files else None
+
+
 def earlier_fingerprints(
-    settings: JobSettings, earlier_input: str | None, spec: JobSpec | None = None
+    settings: JobSettings,
+    earlier_input: str | None,
+    spec: JobSpec | None = None,
+    kept: JobSettings | None = None,
 ) -> tuple[str, ...]:
     """The fingerprints earlier versions gave a job of these ``settings`` where this one's
     differs: by how it hashes its input (``earlier_input``: InputFingerprint.earlier, each
@@ -179,19 +207,23 @@ def earlier_fingerprints(
     hashed as then), or by the grammar library ``spec`` sets away from its default where its
     rows carry no constraint (hashed then, left out now: ``may_constrain``). A job begun
     then resumes, its manifest then taking this version's fingerprint. Neither hashed nor
-    kept in the manifest."""
+    kept in the manifest. So too the fingerprint a run with the model at its earlier path
+    gave, where ``kept`` (the manifest's settings) says it moved since (``moved_model``)."""
     inputs = [settings["input"]] + ([] if earlier_input is None else [earlier_input])
+    moved = moved_model(kept, settings)
+    models = [settings["model"]] + ([] if moved is None else [moved])
     engines = [settings.get("engine")]
     backend = None if spec is None else spec.engine.structured_output_backend
     if backend not in (None, _DEFAULTS[_BACKEND]) and _BACKEND not in settings.get("engine", {}):
         engines.append({**settings.get("engine", {}), _BACKEND: backend})
     out = []
-    for digest in inputs:
-        for engine in engines:
-            earlier = {**settings, "input": digest}
-            if engine is not None:
-                earlier["engine"] = engine
-            out.append(fingerprint(earlier))
+    for model in models:
+        for digest in inputs:
+            for engine in engines:
+                earlier = {**settings, "model": model, "input": digest}
+                if engine is not None:
+                    earlier["engine"] = engine
+                out.append(fingerprint(earlier))
     return tuple(out[1:])  # (the first is this version's own)
 
 
@@ -213,8 +245,10 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
     """``["sampling.max_tokens: 8 -> 12", ...]`` for every leaf that differs (sorted). An
     unhashed setting's leaf that one side lacks is left out: a manifest that predates the
     setting compares it from then on, and a file added or gone is said by the input's hash
-    and ``input_files``, not as ``input_versions.<url>: (unset) -> ...``."""
+    and ``input_files``, not as ``input_versions.<url>: (unset) -> ...``. A moved model's
+    path is left out too: the move alone resumes (``moved_model``)."""
     old_flat, new_flat = _flatten(_with_defaults(old)), _flatten(_with_defaults(new))
+    moved = moved_model(old, new) is not None
     out = []
     for key in sorted(old_flat.keys() | new_flat.keys()):
         before, after = old_flat.get(key, "(unset)"), new_flat.get(key, "(unset)")
@@ -223,6 +257,8 @@ def changed_settings(old: JobSettings, new: JobSettings) -> list[str]:
             continue
         if top == "input_entries":  # said file by file below
             continue
+        if moved and key in (f"model.{place}" for place in _PLACE):
+            continue  # (not what refused the resume)
         if key == f"engine.{_BACKEND}" and new.get("constraints") is False:
             continue  # (left out: it changes no row now)
         if key in _HASHED:  # two hex digests say nothing to a reader

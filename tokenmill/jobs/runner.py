@@ -134,9 +134,12 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
     return store, JobLock(spec.name, store.url, local_dir, store.identity)
 
 
-def settings_of(spec: JobSpec, cfg: InputConfig) -> tuple[JobSettings, tuple[str, ...]]:
+def settings_of(
+    spec: JobSpec, cfg: InputConfig, kept: JobSettings | None = None
+) -> tuple[JobSettings, tuple[str, ...]]:
     """What the job's fingerprint covers (the input's files as ``cfg`` lists them), and the
-    fingerprints earlier versions gave it where they differ (``earlier_fingerprints``). Raises
+    fingerprints earlier versions gave it where they differ (``earlier_fingerprints``), or
+    the model's earlier path did where ``kept`` (the manifest's settings) says it moved. Raises
     JobSpecError naming model.source when the model cannot be found, and
     sampling.logit_bias when it names ids past the model's vocabulary (a check only the
     model can make)."""
@@ -168,7 +171,7 @@ def settings_of(spec: JobSpec, cfg: InputConfig) -> tuple[JobSettings, tuple[str
     )
     if spec.model.dtype == "auto" and spec.execution.executor == "local":
         settings["resolved_dtype"] = _resolved_dtype(spec, config)
-    return settings, earlier_fingerprints(settings, found.earlier, spec)
+    return settings, earlier_fingerprints(settings, found.earlier, spec, kept)
 
 
 def _check_chat_template(template: str | None, spec: JobSpec) -> None:
@@ -311,9 +314,10 @@ def _run_locked(
     source = None if manifest is not None else PeekableInput(cfg, output_schema(spec, cfg))
     try:
         spec = with_shard_size(spec, source, manifest)  # (the count the fingerprint covers)
-        settings, earlier = settings_of(spec, cfg)  # over the files the checks listed (check_input)
+        kept = None if manifest is None else manifest.settings  # (the model may have moved)
+        settings, earlier = settings_of(spec, cfg, kept)  # over the files check_input listed
         fp, record = fingerprint(settings), settings_record(settings)
-        record = kept_dtype(spec, None if manifest is None else manifest.settings, record)
+        record = kept_dtype(spec, kept, record)
         if fresh:
             discard_progress(store, spec.name)
         saved = (
