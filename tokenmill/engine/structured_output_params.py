@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tokenmill.engine.date_format import with_date_patterns
+from tokenmill.engine.llguidance_limits import check_llguidance_schema
 
 __all__ = [
     "CHOICE_PREFIX",
@@ -342,6 +343,10 @@ def _check_text(text: str, name: str) -> str:
         canonical = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except ValueError as exc:  # NaN or Infinity, which JSON itself does not have
         raise ValueError(f"{name}: the schema is not valid JSON ({exc})") from None
+    try:  # what llguidance compiles but would not enforce
+        check_llguidance_schema(canonical)
+    except ValueError as exc:
+        raise ValueError(f"{name}: llguidance cannot use this JSON schema: {exc}") from None
     return _validated(canonical, name)
 
 
