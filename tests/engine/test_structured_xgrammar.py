@@ -210,3 +210,32 @@ def test_schema_patterns_are_read_as_written(tiny_path) -> None:  # noqa: F811
     anchored = {"type": "object", "properties": {"a": {"type": "string", "pattern": r"\Aab"}}}
     with pytest.raises(ValueError, match=r"schema.properties.a.pattern: the regex uses \\A"):
         _built(json.dumps(anchored), None, None, compiler.compile_json_schema)
+
+
+def test_ipv4_and_hostname_formats_are_enforced_on_xgrammar(tiny_path) -> None:  # noqa: F811
+    """xgrammar's ``format: ipv4`` took leading zeros ("48.050.181.041" ended a job's row
+    "stop"; jsonschema refuses it) and its ``hostname`` a 64-character label: both are given
+    their patterns, which take what jsonschema's checker takes."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.grammar_xgrammar import _built
+
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_path))
+    compiler = xgrammar.GrammarCompiler(info)
+
+    def accepts(fmt: str, value: str) -> bool:
+        schema = json.dumps({"type": "object", "properties": {"a": {"type": "string",
+                                                                    "format": fmt}}})  # fmt: skip
+        matcher = xgrammar.GrammarMatcher(_built(schema, None, None, compiler.compile_json_schema))
+        return matcher.accept_string(json.dumps({"a": value}, separators=(",", ":"))) and (
+            matcher.is_completed()
+        )
+
+    ipv4 = {"48.050.181.041": False, "1.2.3.04": False, "256.1.1.1": False, "1.2.3": False,
+            "0.0.0.0": True, "255.249.10.199": True}  # fmt: skip
+    for value, valid in ipv4.items():
+        assert accepts("ipv4", value) == valid, value
+    for value, valid in (("a" * 64, False), ("b" * 63 + ".a-b", True), ("-a", False),
+                         ("a..b", False), ("a", True)):  # fmt: skip
+        assert accepts("hostname", value) == valid, value

@@ -46,6 +46,7 @@ from tokenmill.engine.xgrammar_limits import (
     check_schema,
     surrogate_edges,
     token_masks,
+    xgrammar_format_patterns,
     xgrammar_regex,
     xgrammar_schema_patterns,
 )
@@ -107,6 +108,7 @@ def _built(
         # JSON Schema says and llguidance does (xgrammar's default allowed none, and refused
         # minProperties past the properties listed)
         text = with_date_patterns(text)  # (its "date" lets 2024-04-31 through)
+        text = xgrammar_format_patterns(text)  # (its "ipv4" lets 01.2.3.4 through)
         text = xgrammar_schema_patterns(text)  # (and the date patterns' optional parts)
         return schema(text, any_whitespace=False, separators=(",", ":"), strict_mode=False)
     except (RuntimeError, ValueError, TypeError) as exc:

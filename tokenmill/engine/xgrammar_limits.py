@@ -22,6 +22,12 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   lost its first character (``^a(?:-[0-9]+)?$`` took "a12"): every ``(...)?`` is written
   ``(...){0,1}``, which it reads right. Schema patterns go through the same checks
   (``xgrammar_schema_patterns``).
+- Formats. ``format: ipv4`` took octets with leading zeros ("48.050.181.041", which
+  jsonschema's checker and RFC 2673's dotted quad refuse: read as octal by some parsers) and
+  ``format: hostname`` a 64-character label (RFC 1123 allows 63): each such subschema without
+  a pattern of its own gets the format's pattern instead (``xgrammar_format_patterns``), as
+  date_format.py does for dates on both libraries. (Its ``ipv6`` also takes a leading zero in
+  an embedded IPv4 part, "::1.2.3.04"; not yet kept out.)
 
 A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked ahead;
 ``surrogate_edges`` lets the backend reject the second token (the request ends "error").
@@ -167,6 +173,34 @@ def xgrammar_regex(pattern: str) -> str:
         out.append("[^\\n]" if c == "." else c)
         i += 1
     return "".join(out)
+
+
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"  # 0-255, no leading zero
+# A label: 1-63 letters, digits and hyphens, a letter or digit at each end. No optional
+# group: xgrammar misread some (see Regexes above).
+_LABEL = "(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]{0,61}[A-Za-z0-9])"
+IPV4_PATTERN = f"^(?:{_OCTET}\\.){{3}}{_OCTET}$"
+HOSTNAME_PATTERN = f"^{_LABEL}(?:\\.{_LABEL})*$"
+_FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "hostname": HOSTNAME_PATTERN}
+
+
+def xgrammar_format_patterns(schema_text: str) -> str:
+    """``schema_text`` with each ``format`` xgrammar lets too much through (ipv4, hostname)
+    given its pattern instead, where the subschema has no ``pattern`` of its own (two
+    patterns cannot be one); the text itself when it has none."""
+    if '"ipv4"' not in schema_text and '"hostname"' not in schema_text:
+        return schema_text
+
+    def rewrite(where: str, node: dict[str, Any]) -> bool:
+        fmt = node.get("format")
+        pattern = _FORMAT_PATTERNS.get(fmt) if isinstance(fmt, str) else None
+        if pattern is None or "pattern" in node:
+            return False
+        del node["format"]
+        node["pattern"] = pattern
+        return True
+
+    return edit_subschemas(schema_text, rewrite)
 
 
 def xgrammar_schema_patterns(schema_text: str) -> str:
