@@ -28,9 +28,7 @@ schema users give (a job's fingerprint, the validation of its outputs) is unchan
 
 from __future__ import annotations
 
-from typing import Any
-
-from tokenmill.engine.xgrammar_limits import edit_subschemas
+from tokenmill.engine.xgrammar_limits import formats_as_patterns
 
 __all__ = ["DATE_PATTERN", "DATE_TIME_PATTERN", "TIME_PATTERN", "with_date_patterns"]
 
@@ -62,14 +60,4 @@ def with_date_patterns(schema_text: str) -> str:
     ``pattern`` of its own) given its pattern instead; the text itself when it has none."""
     if '"date' not in schema_text and '"time"' not in schema_text:
         return schema_text
-    return edit_subschemas(schema_text, _pattern_for_format)
-
-
-def _pattern_for_format(where: str, node: dict[str, Any]) -> bool:
-    fmt = node.get("format")
-    pattern = _PATTERNS.get(fmt) if isinstance(fmt, str) else None
-    if pattern is None or "pattern" in node:
-        return False
-    del node["format"]
-    node["pattern"] = pattern
-    return True
+    return formats_as_patterns(schema_text, _PATTERNS)

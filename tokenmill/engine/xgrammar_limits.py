@@ -36,7 +36,7 @@ A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -190,10 +190,16 @@ def xgrammar_format_patterns(schema_text: str) -> str:
     patterns cannot be one); the text itself when it has none."""
     if '"ipv4"' not in schema_text and '"hostname"' not in schema_text:
         return schema_text
+    return formats_as_patterns(schema_text, _FORMAT_PATTERNS)
+
+
+def formats_as_patterns(schema_text: str, patterns: Mapping[str, str]) -> str:
+    """``schema_text`` with each subschema whose ``format`` is a key of ``patterns`` given
+    that pattern instead, unless it has a ``pattern`` of its own (two cannot be one)."""
 
     def rewrite(where: str, node: dict[str, Any]) -> bool:
         fmt = node.get("format")
-        pattern = _FORMAT_PATTERNS.get(fmt) if isinstance(fmt, str) else None
+        pattern = patterns.get(fmt) if isinstance(fmt, str) else None
         if pattern is None or "pattern" in node:
             return False
         del node["format"]
