@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 
@@ -97,6 +98,60 @@ def test_a_line_and_a_rate_before_any_row_finishes(caplog: pytest.LogCaptureFixt
         "0 of 50 rows done (0%), 16 in flight, 1,200 output tokens so far, "
         "120 output tok/s, ETA unknown"
     )
+
+
+def test_a_line_is_written_on_time_while_an_engine_step_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The line was written between engine steps only: on a CPU the first steps took 8 and
+    21 s, and the first line came 30 s after the model loaded (README: every 10 s). The
+    heartbeat's ``write_overdue`` writes it on time from the last sample, and only then: not
+    while ticks come (the engine thread writes it), nor before it is due, nor twice."""
+    progress, clock, engine = _progress(total=50, interval_s=10)
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    clock.now += 10.0  # the first step, still running
+    progress.write_overdue()
+    (first,) = caplog.records
+    assert first.getMessage() == (
+        "0 of 50 rows done, the engine's first step running for 10 s (no output token yet: "
+        "on a CPU the first steps take seconds each)"
+    )
+    clock.now += 9.0
+    progress.write_overdue()  # not due again yet
+    engine.counts = LiveCounts(16, 16)
+    progress.tick()  # the first step ends (its sample), and the second starts
+    clock.now += 3.0
+    progress.write_overdue()
+    assert len(caplog.records) == 2
+    assert caplog.records[1].getMessage() == (
+        "0 of 50 rows done (0%), 16 in flight, 16 output tokens so far, 1 output tok/s, "
+        "ETA unknown (counted 3 s ago: an engine step is running)"
+    )
+    # steps shorter than a sample: the engine's thread writes the line, not the heartbeat
+    _run(progress, clock, engine, seconds=10, tok_per_s=10, in_flight=16)
+    progress.write_overdue()
+    assert len(caplog.records) == 3 and "counted" not in caplog.records[2].getMessage()
+    progress.finish()
+    clock.now += 60.0
+    progress.write_overdue()
+    assert len(caplog.records) == 3
+
+
+def test_the_heartbeat_writes_the_line_through_a_long_step_and_stops_at_finish(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The heartbeat thread itself: a line while no tick comes, none once finished."""
+    caplog.set_level(logging.INFO, "tokenmill.jobs")
+    progress = Progress(50, 0, interval_s=0.05, live=FakeEngine())
+    progress.start_heartbeat()
+    deadline = time.monotonic() + 5.0
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.01)  # the engine's thread inside a long step: no tick
+    progress.finish()
+    written = len(caplog.records)
+    assert written and "first step running for" in caplog.records[0].getMessage()
+    time.sleep(0.2)
+    assert len(caplog.records) == written
 
 
 def test_the_rate_counts_generated_tokens_not_finished_rows() -> None:

@@ -4,6 +4,8 @@
     runner   ── each finished row ────────► update() ─────┴─► every sample_s: live() ─► rate
                                                               windows, report samples, the bar;
                                                               every interval_s: a log line
+    heartbeat thread ── a step spans the line's moment ──► write_overdue(): the last sample's
+                                                              line, said to be that old
 
 What it counts is what the engine generates, not only what finished rows hold: ``live()``
 gives the output tokens generated so far (rows still generating included) and the rows in
@@ -60,6 +62,7 @@ from tokenmill.jobs.share_done import percent_done
 if TYPE_CHECKING:
     from tokenmill.jobs.engine_counters import EngineCounters
     from tokenmill.jobs.progress_bar import ProgressBar
+    from tokenmill.jobs.progress_heartbeat import ProgressHeartbeat
     from tokenmill.jobs.row_estimate import RowTotal
 
 __all__ = ["LiveCounts", "Progress", "format_duration"]
@@ -168,7 +171,12 @@ class Progress:
         self._sample_s = sample_s
         # the model loaded: the report's samples and its generation_seconds count from here
         self.start = clock()
-        self._last_sample = self._last_log = self.start
+        self._last_sample = self._last_log = self._last_tick = self.start
+        self._sampled = False  # (no sample yet: the rows in flight are not known)
+        # The engine's thread and the heartbeat's write the line: one at a time, and never
+        # while a sample is half taken
+        self._line_lock = threading.Lock()
+        self._heartbeat: ProgressHeartbeat | None = None
         self._token_rate = RateWindow(TOKENS_WINDOW_S, min_span_s=sample_s)
         self._row_rate = RateWindow(ROWS_WINDOW_S, min_span_s=sample_s)
         self._token_rate.add(self.start, 0)
@@ -229,16 +237,47 @@ class Progress:
     def tick(self) -> None:
         """Take a sample and show progress when they are due; cheap otherwise (the local
         executor calls it after every engine step)."""
-        now = self._clock()
+        now = self._last_tick = self._clock()
         if now - self._last_sample < self._sample_s:
             return
-        self._last_sample = now
-        self._sample(now)
-        if self._bar is not None:
-            self._bar.show(self.done, self.bar_text(), self._total_now)
-        elif self.enabled and now - self._last_log >= self.interval_s:
+        with self._line_lock:
+            now = self._clock()  # (after the heartbeat's line, if it held the lock)
+            self._last_sample = now
+            self._sample(now)
+            if self._bar is not None:
+                self._bar.show(self.done, self.bar_text(), self._total_now)
+            elif self.enabled and now - self._last_log >= self.interval_s:
+                self._last_log = now
+                log.info("%s", self.line())
+
+    def start_heartbeat(self) -> None:
+        """Write the log line on time through engine steps longer than a second, from a
+        thread of its own (progress_heartbeat.py) until ``finish`` or ``close``; nothing
+        without log lines (disabled, or a bar)."""
+        if self.enabled and self._bar is None and self._heartbeat is None and not self.ended:
+            from tokenmill.jobs.progress_heartbeat import ProgressHeartbeat
+
+            self._heartbeat = ProgressHeartbeat(self, self._sample_s)
+
+    def write_overdue(self) -> None:
+        """Log the line if it is due and no tick came for a sample's span (the engine's
+        thread is inside a step): the last sample's numbers, said to be that old; before any
+        sample, how long the first step has run. The heartbeat's thread calls it."""
+        with self._line_lock:
+            now = self._clock()
+            late = now - self._last_log >= self.interval_s
+            if self.ended or not late or now - self._last_tick < self._sample_s:
+                return
             self._last_log = now
-            log.info("%s", self.line())
+            if self._sampled:
+                age = format_duration(now - self._last_sample)
+                log.info("%s (counted %s ago: an engine step is running)", self.line(), age)
+            else:
+                log.info(
+                    "%s done, the engine's first step running for %s (no output token yet: "
+                    "on a CPU the first steps take seconds each)",
+                    self._rows(), format_duration(now - self.start),
+                )  # fmt: skip
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -350,6 +389,7 @@ class Progress:
         """Take a last sample (the run's stream of results has ended), for the report; no
         row is in flight any more, and no ETA is given for rows left (a stopped run), even
         when the sample raises (it reads the executor, which may be what failed)."""
+        self._stop_heartbeat()
         now = self._clock()
         self._last_sample = self.ended_at = now
         try:
@@ -361,10 +401,18 @@ class Progress:
             self._bar.show(self.done, self.bar_text(), self._total_now)
 
     def close(self) -> None:
+        self._stop_heartbeat()
         if self._bar is not None:
             self._bar.close()
 
+    def _stop_heartbeat(self) -> None:
+        # (outside the line's lock: the heartbeat may be waiting for it)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
     def _sample(self, now: float, last: bool = False) -> None:
+        self._sampled = True
         if self._live is not None:
             counts = self._live()
             self.tokens = max(self.tokens, counts.output_tokens)

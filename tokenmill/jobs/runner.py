@@ -477,6 +477,7 @@ def _run_owned(
     generated: float | None = None  # when the executor's stream ended
     try:
         if generate:
+            progress.start_heartbeat()  # (finish and close stop it)
             for result in executor.process(feed, cancel, progress.tick):
                 tracker.add_result(result)
                 feed.finished(result)  # copies for the rows held as its duplicates
