@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -297,6 +298,22 @@ def test_a_kv_cache_too_small_for_the_jobs_context_is_refused(
     assert not (tmp_path / "out" / "shards").exists()
     fits = job_dict(tiny_model, src, tmp_path / "out", engine={**small, "max_model_len": 384})
     assert run_job(fits, show_progress=False).rows_ok == 2
+
+
+def test_a_refused_kv_cache_logs_no_lowered_context(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine logged "max_model_len 1024 lowered to 384" and built its KV cache, then the
+    job refused to run below 1,024 tokens: a lowering that never ran, just before the exit's
+    real reason. The engine now refuses before the cache, and says nothing of lowering."""
+    from tokenmill.jobs.spec import JobSpecError
+
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(2))
+    spec = job_dict(tiny_model, src, tmp_path / "out", engine={"kv_cache_memory": 200_000})
+    caplog.set_level(logging.INFO)
+    with pytest.raises(JobSpecError, match="the KV cache holds 384 tokens"):
+        run_job(spec, show_progress=False)
+    assert "lowered to" not in caplog.text and "engine ready" not in caplog.text
 
 
 def test_preemptions_for_want_of_kv_cache_are_reported(tiny_model: Path, tmp_path: Path) -> None:

@@ -94,12 +94,32 @@ class _Tracked:
     num_detokenized: int = 0  # output tokens given to ``detokenizer`` so far
 
 
+class ContextCutError(ValueError):
+    """The KV cache holds fewer tokens than the context the settings give, and the engine
+    was asked not to lower its ``max_model_len`` to it (``LLMEngine(lower_context=False)``).
+    ``held``: the tokens the KV cache holds; ``wanted``: the context."""
+
+    def __init__(self, held: int, wanted: int, why: str) -> None:
+        super().__init__(f"max_model_len {wanted} is more than {why}")
+        self.held, self.wanted = held, wanted
+
+
 class LLMEngine:
     """One engine replica: the model, its KV cache, the scheduler and the tokenizer."""
 
-    def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
-        """Load the model and size the KV cache. ``proposer`` gives decode rows draft tokens
-        on every step (multi-token steps, see core/drafts.py); None: the one
+    def __init__(
+        self,
+        config: EngineConfig,
+        proposer: DraftProposer | None = None,
+        *,
+        lower_context: bool = True,
+    ) -> None:
+        """Load the model and size the KV cache; where the cache holds less than the context
+        (``max_model_len``, else the model's), lower the context to it with a warning, or,
+        without ``lower_context``, raise ContextCutError before the cache is allocated (a
+        caller that refuses to run then had the warning of a lowering that never ran, and
+        waited for a KV cache and CUDA graphs it did not use). ``proposer`` gives decode
+        rows draft tokens on every step (multi-token steps, see core/drafts.py); None: the one
         ``config.speculative`` names, if any, drafting on every step (a method by name) or
         where the goodput policy expects it to pay (``auto``). Drafted steps of fewer than
         ``draft_ahead_below`` rows keep async scheduling where the proposer drafts ahead
@@ -213,15 +233,14 @@ class LLMEngine:
                 + _gpu_use_hint(self.device),
             )
         self.max_model_len = min(max_len, num_blocks * config.block_size)
-        # What the settings and the model give, before the KV cache's size lowers it: a job
-        # refuses to run below it (local_executor.py), as its rows would be cut at a length
-        # that memory decides.
-        self.settings_max_model_len = max_len
         if self.max_model_len < max_len:
             self._max_len_why = (
                 f"all the KV cache holds ({num_blocks} blocks of {config.block_size} tokens; "
                 "raise kv_cache_memory for longer sequences)"
             )
+            if not lower_context:
+                del model  # (the exception's frames would hold its weights while it lives)
+                raise ContextCutError(self.max_model_len, max_len, self._max_len_why)
             log.warning("max_model_len %d lowered to %d: %s", max_len, self.max_model_len,
                         self._max_len_why)  # fmt: skip
         self.runner = ModelRunner(

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.frozen_heap import frozen_heap
+from tokenmill.engine.llm_engine import ContextCutError as EngineContextCut
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.sample_groups import SampleGroup
 from tokenmill.engine.short_gil_turns import short_gil_turns
@@ -56,18 +57,19 @@ def engine_config(spec: JobSpec) -> EngineConfig:
 
 
 class ContextCutError(ValueError):
-    """The KV cache holds less than the job's context (``_check_context``)."""
+    """The KV cache holds less than the job's context (``_load_engine``)."""
 
 
-def _check_context(engine: LLMEngine) -> None:
-    """Raise ContextCutError (the engine closed) when the KV cache holds less than the context
-    the job's settings give: its rows would be cut where memory decides (the engine lowers
+def _load_engine(spec: JobSpec) -> LLMEngine:
+    """The job's engine; ContextCutError where the KV cache holds less than the context the
+    job's settings give: its rows would be cut where memory decides (an engine lowers
     max_model_len to fit), and a resume with other memory or on another device would cut
-    others elsewhere, so one job's output would mix the two without a word."""
-    if engine.max_model_len >= engine.settings_max_model_len:
-        return
-    held, wanted = engine.max_model_len, engine.settings_max_model_len
-    engine.close()
+    others elsewhere, so one job's output would mix the two without a word. The engine
+    refuses before it allocates the cache and logs no lowering: the job does not run."""
+    try:
+        return LLMEngine(engine_config(spec), lower_context=False)
+    except EngineContextCut as exc:
+        held, wanted = exc.held, exc.wanted
     raise ContextCutError(
         f"engine: the KV cache holds {held} tokens, less than the {wanted}-token context the "
         f"job's settings give (engine.max_model_len, else the model's); rows would be cut "
@@ -83,8 +85,7 @@ class RowProcessor:
     runner's reader thread while the engine decodes with the engine's)."""
 
     def __init__(self, spec: JobSpec) -> None:
-        self.engine = LLMEngine(engine_config(spec))
-        _check_context(self.engine)
+        self.engine = _load_engine(spec)
         self.tokenizer = self.engine.tokenizer
         self.max_in_flight = 2 * spec.engine.max_num_seqs
         self.max_in_flight_bytes = PipelineBounds.for_engine(spec.engine.max_num_seqs).engine_bytes
