@@ -61,6 +61,15 @@ def test_shards_without_their_manifest_are_refused_until_fresh(
     _ids_once(out)
 
 
+def test_one_shard_without_its_manifest_is_one_file(tiny_model: Path, tmp_path: Path) -> None:
+    """The refusal read "holds 1 files of job 'test''s progress ... which settings made them"."""
+    spec, out = _complete_job(tiny_model, tmp_path, output={"rows_per_shard": ROWS})
+    (out / "test.manifest.json").unlink()
+    with pytest.raises(ManifestError, match=r"holds 1 file of job 'test'") as refused:
+        run_job(spec, show_progress=False)
+    assert "them" not in str(refused.value)
+
+
 def test_journal_records_without_their_manifest_are_refused(
     tiny_model: Path, tmp_path: Path
 ) -> None:

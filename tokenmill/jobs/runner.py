@@ -50,6 +50,7 @@ from tokenmill.io.readers import InputConfig, fingerprint_input
 from tokenmill.io.readers.input_fingerprint import shown_url, unchanged_by_versions
 from tokenmill.io.storage import OutputStore, make_folder
 from tokenmill.io.url_secrets import hide_url_secrets
+from tokenmill.jobs.counted import counted
 from tokenmill.jobs.error_chain import in_chain
 from tokenmill.jobs.fingerprint import (
     JobSettings,
@@ -387,7 +388,7 @@ def _run_owned(
     each commit (the writer's) and before the final manifest and report."""
     removed = store.cleanup_temp()
     if removed:
-        log.info("removed %d temporary files left by an interrupted run", removed)
+        log.info("removed %s left by an interrupted run", counted(removed, "temporary file"))
     _verify_committed(store, manifest, report)
     schema = _fix_output_schema(spec, store, manifest, cfg)
     # Committed by earlier runs: whether or not this run's reader gets to them (it had
@@ -779,10 +780,10 @@ def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
     files = progress_files(store, job)
     if files:
         raise ManifestError(
-            f"{hide_url_secrets(store.url)} holds {len(files)} files of job {job!r}'s progress "
-            f"({some_files(files)}) but not its manifest, {Manifest.file_name(job)}: which "
-            "settings made them is unknown, so they cannot be resumed; rerun with --fresh to "
-            "discard them and start over"
+            f"{hide_url_secrets(store.url)} holds {counted(len(files), 'file')} of job "
+            f"{job!r}'s progress ({some_files(files)}) but not its manifest, "
+            f"{Manifest.file_name(job)}: the settings that made this progress are unknown, so "
+            "it cannot be resumed; rerun with --fresh to discard it and start over"
         )
 
 
@@ -809,7 +810,8 @@ def _check_commits_stand(store: OutputStore, manifest: Manifest) -> None:
                 "cannot resume: rerun with --fresh to discard them and start over"
             )
         raise OutputChangedError(
-            f"{len(missing)} shards this job committed changed under this run (shard {first}: "
+            f"{counted(len(missing), 'shard')} this job committed changed under this run "
+            f"(shard {first}: "
             f"{'; '.join(problems)}): another run on {hide_url_secrets(store.url)} (from a "
             "machine or HOME whose lock this run cannot see) or a person removed or rewrote "
             f"them, so the job is not complete; {again}, one run per output at a time"
@@ -837,7 +839,9 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
         manifest.save(store)
     removed = remove_stray_files(store, manifest, sizes)
     if removed:
-        log.info("removed %d shard files no committed shard names (an earlier run's)", removed)
+        log.info(
+            "removed %s no committed shard names (an earlier run's)", counted(removed, "shard file")
+        )
 
 
 def _recomputed_line(dropped: dict[int, list[str]]) -> str:
@@ -870,7 +874,9 @@ def _fix_output_schema(
         return manifest.output_schema
     schema = manifest.output_schema = output_schema(spec, cfg)
     if manifest.shards:
-        log.info("bringing %d earlier shards to the job's one schema", len(manifest.shards))
+        log.info(
+            "bringing %s to the job's one schema", counted(len(manifest.shards), "earlier shard")
+        )
         kept = conform_legacy_shards(store, manifest, schema)
         if kept:
             columns = ", ".join(f"{k}: {v}" for k, v in schema.describe().items())

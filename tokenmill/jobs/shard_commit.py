@@ -21,6 +21,7 @@ from tokenmill.io.shard_encoding import write_shard
 from tokenmill.io.storage import OutputStore, StorageError
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.io.writers import shard_index, shard_names
+from tokenmill.jobs.counted import counted
 from tokenmill.jobs.manifest import Manifest, ShardRecord
 from tokenmill.jobs.ownership import REPORT_HTML_NAME, REPORT_NAME
 
@@ -90,8 +91,8 @@ def remove_stray_files(store: OutputStore, manifest: Manifest, names: Iterable[s
     left = store.still_there(stray)
     if left:
         raise StorageError(
-            f"{hide_url_secrets(store.url)}: could not delete {len(left)} shard files an "
-            f"earlier run left ({some_files(left)}): the store refused them; check that "
+            f"{hide_url_secrets(store.url)}: could not delete {counted(len(left), 'shard file')} "
+            f"an earlier run left ({some_files(left)}): the store refused; check that "
             "the credentials may delete objects there, and rerun"
         )
     return len(stray)
