@@ -37,4 +37,4 @@ def test_a_failed_handle_does_not_keep_the_engine(tmp_path: Path, monkeypatch) -
     with pytest.raises(JobSpecError, match="KV cache holds") as caught:
         handle.result()
     text = "".join(traceback.format_exception(caught.value))
-    assert "_check_context" in text  # the traceback still names where it failed
+    assert "_load_engine" in text  # the traceback still names where it failed

@@ -627,7 +627,7 @@ def test_run_job_says_a_vanished_shard_without_a_traceback(
     _lose_shard_0_after_shard_2(out, monkeypatch)
     assert run_cli(job, "--quiet") == 1
     err = capsys.readouterr().err
-    assert "shards this job committed changed under this run" in err and "rerun" in err
+    assert "1 shard this job committed changed under this run" in err and "rerun" in err
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
