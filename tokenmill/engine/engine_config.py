@@ -439,12 +439,6 @@ class EngineConfig:
         # As on a GPU: the share of the memory this engine may bring the host's use up to.
         return int(mem * total) - (total - available) - reserve_bytes
 
-    def budget_less_reserve(self, device: torch.device) -> bool:
-        """Whether ``kv_cache_budget`` on ``device`` is what is left after the reserve (a
-        share of the memory); a byte count, and the CPU's default, is the budget as set."""
-        mem = self.kv_cache_memory
-        return isinstance(mem, float) or (mem is None and device.type != "cpu")
-
 
 def host_memory() -> tuple[int, int]:
     """(total, available) bytes of this host's memory: Linux's MemAvailable (free memory plus

@@ -946,8 +946,10 @@ def _reserve_hint(
     activations: ActivationReserve,
 ) -> str:
     """What the activation reserve took, when the KV cache would have had its 2 blocks
-    without it (the settings behind it are what to lower, not only kv_cache_memory)."""
-    if not config.budget_less_reserve(device) or (budget + reserve) // block_bytes < 2:
+    without it (the settings behind it are what to lower, not only kv_cache_memory). A
+    budget the reserve does not change (a byte count, the CPU's default) gets no hint."""
+    without = config.kv_cache_budget(device)  # (this error's path only)
+    if without == budget or without // block_bytes < 2:
         return ""
     return f"; {reserve / 2**30:.2f} GiB of it is held back for {activations.why()}"
 
