@@ -21,7 +21,7 @@ from typing import Any
 
 from tokenmill.engine.sampling_params import SamplingParams
 
-__all__ = ["default_sampling_params", "sampling_defaults"]
+__all__ = ["sampling_defaults"]
 
 FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field (vLLM's list)
@@ -40,7 +40,8 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penal
 
 def sampling_defaults(model_path: str | Path, generation_config: Any = "auto") -> dict[str, Any]:
     """The SamplingParams fields that ``generation_config`` ("auto", "vllm" or a folder;
-    see the module docstring) sets for the model at ``model_path``.
+    see the module docstring) sets for the model at ``model_path`` (checked: a
+    ``SamplingParams(**defaults)`` of them does not fail).
 
     Raises ValueError naming ``generation_config`` for another value or a folder without
     the file, and naming the file when it is not a JSON object or a value is out of range.
@@ -64,12 +65,6 @@ def sampling_defaults(model_path: str | Path, generation_config: Any = "auto") -
             f"defaults) or a folder holding a {FILE}; got {generation_config!r}"
         )
     return _read(folder / FILE)
-
-
-def default_sampling_params(defaults: dict[str, Any]) -> SamplingParams:
-    """A new SamplingParams with ``defaults`` over its own (checked when ``defaults`` were
-    read, so this does not fail)."""
-    return SamplingParams(**defaults)
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill.engine.engine_config import EngineConfig
 from tokenmill.engine.frozen_heap import frozen_heap
-from tokenmill.engine.generation_defaults import default_sampling_params, sampling_defaults
+from tokenmill.engine.generation_defaults import sampling_defaults
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.prompt_dicts import (
@@ -100,7 +100,7 @@ class LLM:
         the model's generation_config.json sampling defaults (temperature, top_p, top_k,
         min_p, repetition_penalty, max_new_tokens as max_tokens) unless the LLM was made
         with ``generation_config="vllm"``."""
-        return default_sampling_params(self._sampling_defaults)
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
