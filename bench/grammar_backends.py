@@ -26,7 +26,13 @@ gives each row its next token, until the shortest record ends. Per library, sche
 maxLength) and thread count, one JSON line: ms per step for the masks and for the tokens.
 A library that is not installed is reported as such, not skipped silently.
 
+``--drafts K`` makes every step a drafted one, as speculative decoding's are: each row's
+masks after its output and after each of its next K tokens (the record's own, so every
+draft is taken), walked as the engine walks them (grammar_drafts.py: advance, fill,
+rollback; in worker processes, the walk sent with the fill), 1 + K masks a row.
+
     PYTHONPATH=. python bench/grammar_backends.py [--threads 1,2] [--processes 1,2] [--rows 433]
+    PYTHONPATH=. python bench/grammar_backends.py --rows 64 --drafts 3 --processes 8
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.structured_output import SCHEMAS  # noqa: E402
+from tokenmill.engine.grammar_drafts import fill_with_drafts  # noqa: E402
 from tokenmill.engine.grammar_llguidance import LlguidanceGrammars  # noqa: E402
 from tokenmill.engine.grammar_processes import GrammarProcesses  # noqa: E402
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars  # noqa: E402
@@ -102,17 +109,41 @@ def time_backend(
     backend: LlguidanceGrammars | XgrammarGrammars | GrammarProcesses,
     spec: str,
     seqs: list[list[int]],
+    drafts: int = 0,
 ) -> tuple[float, float]:
     """(mask ms, token ms) per step of ``backend`` doing the engine's calls: a matcher per
-    row, then every step one ``fill`` of all rows' masks and one ``consume``."""
+    row, then every step one ``fill`` of all rows' masks (1 + ``drafts`` a row, walking
+    the record's next tokens) and one ``consume``."""
     rows = [backend.matcher(spec) for _ in seqs]
-    mask = np.zeros((len(seqs), -(-backend.vocab_size // 32)), dtype=np.int32)
+    size = len(seqs) * (1 + drafts)
+    if isinstance(backend, GrammarProcesses):  # the engine's buffer: the workers write it
+        mask = backend.shared_masks(0, size, pinned=False)
+    else:
+        mask = np.zeros((size, -(-backend.vocab_size // 32)), dtype=np.int32)
+    places = np.arange(len(seqs)) * (1 + drafts)
+    counts = np.full(len(seqs), drafts, dtype=np.int64)
+    step = [0]
+
+    def fill() -> None:
+        if not drafts:
+            backend.fill(rows, mask)
+            return
+        at = step[0]
+        walk = np.array([s[at + 1 : at + 1 + drafts] for s in seqs], dtype=np.int64)
+        if isinstance(backend, GrammarProcesses):
+            backend.finish_fill(
+                backend.send_step(fill=(rows, mask, places, (walk.reshape(-1), counts)))
+            )
+        else:
+            fill_with_drafts(backend, rows, mask, places, walk.reshape(-1), counts)
 
     def consume(tokens: list[int]) -> None:
+        step[0] += 1
         if (np.asarray(backend.consume(rows, tokens)) == REJECTED).any():
             raise RuntimeError(f"{backend.name} rejected a token of a valid record")
 
-    return time_steps(seqs, lambda: backend.fill(rows, mask), consume)
+    # the last ``drafts`` steps would walk past the shortest record: not timed
+    return time_steps([s[: len(s) - drafts] for s in seqs], fill, consume)
 
 
 LEGS = {"llguidance": LlguidanceGrammars, "xgrammar": XgrammarGrammars}
@@ -127,6 +158,9 @@ def main() -> None:
         "--processes", default="", help="comma-separated worker process counts (also timed: "
         "GrammarProcesses, the engine's structured_output_processes)",
     )  # fmt: skip
+    parser.add_argument(
+        "--drafts", type=int, default=0, help="draft tokens a row walks each step (k)"
+    )
     args = parser.parse_args()
     source = resolve_model_source(args.model)
     tokenizer = source.load_tokenizer()
@@ -143,6 +177,7 @@ def main() -> None:
                     "schema": schema_name,
                     how: count,
                     "rows": args.rows,
+                    "drafts": args.drafts,
                 }
                 eos = [tokenizer.eos_token_id]
                 try:
@@ -151,7 +186,7 @@ def main() -> None:
                     else:
                         backend = GrammarProcesses(library, tokenizer, vocab, eos, count)
                     try:
-                        mask_ms, token_ms = time_backend(backend, spec, seqs)
+                        mask_ms, token_ms = time_backend(backend, spec, seqs, args.drafts)
                     finally:
                         if how == "processes":
                             backend.close()

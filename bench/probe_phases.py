@@ -212,6 +212,7 @@ def run(args, method: str, convs, warm) -> dict:
         device=args.device,
         max_num_seqs=args.batch,
         speculative={"method": method, "max_tokens": args.draft_tokens},
+        structured_output_backend=args.backend,
     )
     schema = RECORD_SCHEMA if args.structured else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_output=schema)
@@ -255,6 +256,10 @@ def main() -> None:
     parser.add_argument(
         "--structured", action="store_true", help="every row constrained by RECORD_SCHEMA"
     )
+    parser.add_argument(
+        "--backend", choices=("llguidance", "xgrammar"), default="llguidance",
+        help="the grammar library of --structured (the engine's structured_output_backend)",
+    )  # fmt: skip
     args = parser.parse_args()
     convs = WORKLOADS[args.workload](args.rounds * args.batch)
     warm = WORKLOADS[args.workload](args.batch, seed=1000)
