@@ -53,6 +53,29 @@ def test_byte_order_mark_on_line_one_takes_no_column(tmp_path):
     )
 
 
+def test_byte_order_mark_starting_a_later_line_is_dropped(tmp_path):
+    """``cat a.jsonl b.jsonl`` where b.jsonl starts with a mark: b's first row was refused
+    ("expecting value at column 1, near '\\ufeff{...'"); a mark alone stays a bad row that
+    says what it is (a blank line would renumber the rows after it)."""
+    f = tmp_path / "in.jsonl"
+    mark = b"\xef\xbb\xbf"
+    f.write_bytes(
+        GOOD + mark + b'{"id": "b", "prompt": "y"}\r\n' + mark + b"\n" + mark + b'{"id" 1}'
+    )
+    rows = read(f)
+    assert [(r.row_id, r.prompt, r.source) for r in rows[:2]] == [
+        ("ok", "x", f"{f}:1"),
+        ("b", "y", f"{f}:2"),
+    ]
+    assert rows[1].error is None
+    assert (rows[2].source, rows[2].error) == (
+        f"{f}:3",
+        "line holds only a byte-order mark (U+FEFF), as where files were joined with cat; "
+        "delete the line",
+    )
+    assert rows[3].error.endswith("""expecting ':' delimiter at column 7, near '{"id" 1}'""")
+
+
 def test_excerpt_is_at_most_twenty_characters_and_escaped(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_bytes(b'{"prompt": "' + b"y" * 200 + b'\x01 and the line goes on"}\n')

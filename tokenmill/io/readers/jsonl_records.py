@@ -119,11 +119,24 @@ def blank_line(raw: bytes, line_no: int) -> bool:
 
 
 def _decode(line_no: int, raw: bytes) -> Record:
+    # A byte-order mark starts any line, not only line 1: files joined with ``cat`` keep
+    # each one's mark, and json reads a line starting with one as "expecting value at
+    # column 1" (a good row refused for a character no editor shows). No JSON value starts
+    # with U+FEFF, so dropping it changes no line's meaning.
+    marked = raw.startswith(_BOM)
     try:
-        # utf-8-sig on line 1 drops a byte-order mark some editors write (and never show).
-        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        text = raw[len(_BOM) :].decode("utf-8") if marked else raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        return Record(line_no, error=f"line is not valid UTF-8 ({e.reason} at byte {e.start})")
+        start = e.start + len(_BOM) if marked else e.start
+        return Record(line_no, error=f"line is not valid UTF-8 ({e.reason} at byte {start})")
+    if marked and not text.strip():
+        # (still a row, as it was: a blank line here would renumber the rows after it,
+        # and a resumed run would take its committed shards for other rows)
+        return Record(
+            line_no,
+            error="line holds only a byte-order mark (U+FEFF), as where files were joined "
+            "with cat; delete the line",
+        )
     # Without its line break, an unterminated string reads as one, not as a control character.
     text = text.rstrip("\r\n")
     try:
