@@ -289,6 +289,35 @@ def test_the_dry_run_of_a_resumed_job_counts_the_work_left(
     assert (fresh.rows, fresh.rows_already_done, fresh.output_tokens) == (6, 0, 48)
 
 
+def test_the_dry_run_of_a_job_whose_model_moved_hashes_its_input_once(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed job whose model folder moved (or whose manifest's shard size differs) took
+    the job's settings twice: every input file's edges hashed again, the model's config read
+    again (on an object store, two more requests a file). A run takes them once."""
+    import shutil
+
+    from tokenmill import run_job
+    from tokenmill.jobs import runner
+
+    first, moved = tmp_path / "a" / "model", tmp_path / "b" / "model"
+    shutil.copytree(tiny_model, first)
+    src = write_jsonl(tmp_path / "in.jsonl", chat_rows(6))
+    run_job(job_dict(first, src, tmp_path / "out"), show_progress=False)
+    shutil.move(first, moved)
+    hashed: list[object] = []
+    fingerprint_input = runner.fingerprint_input
+
+    def counted(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        hashed.append(cfg)
+        return fingerprint_input(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "fingerprint_input", counted)
+    report = dry_run(JobSpec.from_dict(job_dict(moved, src, tmp_path / "out")))
+    assert report.resumable and report.rows_already_done == 6
+    assert len(hashed) == 1
+
+
 def test_the_dry_run_refuses_a_link_inside_the_output_as_a_run_does(
     tiny_model: Path, tmp_path: Path
 ) -> None:

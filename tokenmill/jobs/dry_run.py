@@ -28,7 +28,6 @@ from tokenmill.io.storage import OutputStore
 from tokenmill.jobs.fingerprint import (
     changed_settings,
     fingerprint,
-    moved_model,
     settings_record,
 )
 from tokenmill.jobs.local_executor import engine_config
@@ -180,7 +179,6 @@ def dry_run(
     once ``cancel`` is set (a stop signal: with nothing to commit, a dry run stops at once).
     ``fresh``: as a ``--fresh`` run would, counting none of the output's earlier progress."""
     cfg = check_up_front(spec)  # with the files the verdicts below all see
-    settings, earlier = settings_of(spec, cfg)  # also checks model.source
     store = OutputStore(spec.output.path, dict(spec.output.storage_options))
     if store.is_local:
         check_no_links(store.root)  # a link inside a local output: refused, as a run would
@@ -189,11 +187,12 @@ def dry_run(
     manifest = None if fresh else Manifest.load(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix: a run starts over (runner._run_locked)
-    resumed = None if manifest is None else with_shard_size(spec, None, manifest)
-    # the count a run's fingerprint covers, and the path of a model moved since the manifest
-    if resumed is not None and (resumed != spec or moved_model(manifest.settings, settings)):
-        spec = resumed
-        settings, earlier = settings_of(spec, cfg, manifest.settings)
+    if manifest is not None:  # the count a run's fingerprint covers
+        spec = with_shard_size(spec, None, manifest)
+    # Once, as a run does (it hashes every input file's edges and reads the model's config),
+    # with the manifest's settings: the fingerprint of a model moved since is an earlier one.
+    kept = None if manifest is None else manifest.settings
+    settings, earlier = settings_of(spec, cfg, kept)  # also checks model.source
     resumable = manifest is not None and manifest.matches(
         fingerprint(settings), settings_record(settings), earlier
     )  # as a run decides
