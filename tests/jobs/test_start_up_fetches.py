@@ -264,3 +264,35 @@ def test_row_total_and_schema_take_the_footers_the_fingerprint_read(
     assert total == input_row_total(unkept) and total is not None and total.rows == n + 6
     assert schema == output_schema(spec, unkept)
     assert {key for _, key in calls} == {f"in/{name}" for name in files}  # (read anew)
+
+
+def test_a_fresh_run_takes_its_passthrough_types_from_the_footers_the_fingerprint_read(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, tiny_model: Any
+) -> None:
+    """A fresh run fixed its Parquet schema before it took its fingerprint: the passthrough
+    types read every footer but the first (check_input's look) again, one file after
+    another, before the fingerprint read the last MiB holding each (a GET a file more on an
+    object store). Now none is read for them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenmill import run_job
+    from tokenmill.io.readers import parquet_footers
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(4):
+        pq.write_table(pa.table({"prompt": [f"p{i}"], "topic": [f"t{i}"]}), folder / f"{i}.parquet")
+    opened: list[str] = []
+    records = parquet_footers.ParquetRecords
+
+    def counted(url: str, *args: Any) -> Any:
+        opened.append(url)
+        return records(url, *args)
+
+    monkeypatch.setattr(parquet_footers, "ParquetRecords", counted)
+    spec = job_dict(tiny_model, folder, tmp_path / "out", output={"format": "parquet"})
+    spec["input"] |= {"prompt_column": "prompt", "messages_column": None}
+    report = run_job(spec, show_progress=False)
+    assert report.status == "complete" and report.rows_ok == 4
+    assert opened == []

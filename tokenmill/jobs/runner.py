@@ -47,7 +47,11 @@ from tokenmill.engine.loader import resolve_model_source
 from tokenmill.engine.sampling_params import ids_outside_vocab
 from tokenmill.io.output_schema import OutputSchema
 from tokenmill.io.readers import InputConfig, fingerprint_input
-from tokenmill.io.readers.input_fingerprint import shown_url, unchanged_by_versions
+from tokenmill.io.readers.input_fingerprint import (
+    InputFingerprint,
+    shown_url,
+    unchanged_by_versions,
+)
 from tokenmill.io.storage import OutputStore, make_folder
 from tokenmill.io.url_secrets import hide_url_secrets
 from tokenmill.jobs.counted import counted
@@ -136,11 +140,15 @@ def open_output(spec: JobSpec) -> tuple[OutputStore, JobLock]:
 
 
 def settings_of(
-    spec: JobSpec, cfg: InputConfig, kept: JobSettings | None = None
+    spec: JobSpec,
+    cfg: InputConfig,
+    kept: JobSettings | None = None,
+    found: InputFingerprint | None = None,
 ) -> tuple[JobSettings, tuple[str, ...]]:
     """What the job's fingerprint covers (the input's files as ``cfg`` lists them), and the
     fingerprints earlier versions gave it where they differ (``earlier_fingerprints``), or
-    the model's earlier path did where ``kept`` (the manifest's settings) says it moved. Raises
+    the model's earlier path did where ``kept`` (the manifest's settings) says it moved.
+    ``found``: the input's fingerprint (``fingerprint_input(cfg)``) where taken already. Raises
     JobSpecError naming model.source when the model cannot be found, and
     sampling.logit_bias when it names ids past the model's vocabulary (a check only the
     model can make)."""
@@ -159,7 +167,8 @@ def settings_of(
             f"sampling.logit_bias: token ids {outside[:5]} are outside the model's vocabulary "
             f"[0, {vocab})"
         )
-    found = fingerprint_input(cfg)
+    if found is None:
+        found = fingerprint_input(cfg)
     settings = job_settings(
         spec,
         source.path,
@@ -310,13 +319,19 @@ def _run_locked(
         _refuse_progress_without_manifest(store, spec.name)
     if manifest is not None and not manifest.shards and not manifest.complete:
         manifest = None  # no progress to mix (a run that stopped before its first shard)
+    # Before a Parquet schema's passthrough types: the fingerprint reads each file's last MiB
+    # in parallel and keeps the footer there (cfg.footers), which the types are then taken
+    # from; after them, every footer but the first was read again, one file after another.
+    # (Else after the model's checks, which a typo in model.source fails at once.)
+    early = manifest is None and cfg.footers is not None and bool(cfg.passthrough_columns)
+    found = fingerprint_input(cfg) if early else None
     # A fresh job reads its first rows here, to size its shards, and its feed goes on from
     # them (not read twice); they are read with the Parquet schema it fixes now, as the feed's.
     source = None if manifest is not None else PeekableInput(cfg, output_schema(spec, cfg))
     try:
         spec = with_shard_size(spec, source, manifest)  # (the count the fingerprint covers)
         kept = None if manifest is None else manifest.settings  # (the model may have moved)
-        settings, earlier = settings_of(spec, cfg, kept)  # over the files check_input listed
+        settings, earlier = settings_of(spec, cfg, kept, found)  # the files check_input listed
         fp, record = fingerprint(settings), settings_record(settings)
         record = kept_dtype(spec, kept, record)
         if fresh:
