@@ -155,6 +155,25 @@ def test_a_glob_matches_files_below_links_to_folders_as_a_folder_input_does(tmp_
         list_input_files(InputConfig(path=str(tmp_path / "in" / "**")))
 
 
+def test_a_file_a_link_names_twice_is_listed_once_with_a_warning(tmp_path, caplog):
+    """``latest -> v3/`` beside ``v3/`` (and a link to a file beside it) listed one file
+    under each name: its rows were read two or three times, each copy in the output (or,
+    with ids, every later copy's rows duplicate-id errors). The file's own path is kept."""
+    real = _touch(tmp_path / "in" / "v3" / "a.jsonl")
+    other = _touch(tmp_path / "in" / "v3" / "b.jsonl")
+    (tmp_path / "in" / "latest").symlink_to("v3")
+    (tmp_path / "in" / "c.jsonl").symlink_to("v3/a.jsonl")
+    _touch(tmp_path / "elsewhere" / "d.jsonl")
+    (tmp_path / "in" / "d1.jsonl").symlink_to(tmp_path / "elsewhere" / "d.jsonl")
+    (tmp_path / "in" / "d2.jsonl").symlink_to(tmp_path / "elsewhere" / "d.jsonl")
+    once = [str(real), str(other), str(tmp_path / "in" / "d1.jsonl")]
+    with caplog.at_level("WARNING", logger="tokenmill.io.readers.file_listing"):
+        assert list_input_files(InputConfig(path=str(tmp_path / "in"))) == sorted(once)
+    assert "left out 4 file(s) that a link makes a second name of a file" in caplog.text
+    assert f"{tmp_path}/in/latest/a.jsonl is {real}" in caplog.text
+    assert list_input_files(InputConfig(path=str(tmp_path / "in/**/*.jsonl"))) == sorted(once)
+
+
 def test_an_existing_file_whose_name_looks_like_a_glob_is_that_file(tmp_path):
     wanted = _touch(tmp_path / "batch[1].jsonl")
     _touch(tmp_path / "batch1.jsonl")  # what the pattern batch[1] matches

@@ -6,7 +6,11 @@ import logging
 from typing import Any
 
 from tokenmill.io.readers.compression import strip_compression_suffix
-from tokenmill.io.readers.folder_links import glob_through_links, through_folder_links
+from tokenmill.io.readers.folder_links import (
+    glob_through_links,
+    one_path_per_file,
+    through_folder_links,
+)
 from tokenmill.io.readers.input_config import InputConfig
 from tokenmill.io.readers.listing_cache import forget_listings
 from tokenmill.io.readers.storage import has_protocol, location_problem, relative_note, resolve
@@ -72,6 +76,7 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         holders = {root.rpartition("/")[0]}
     else:
         raise FileNotFoundError(f"input.path {cfg.path!r} does not exist{relative_note(cfg.path)}")
+    paths = _each_file_once(cfg.path, fs, paths)
     if not cfg.path.lower().startswith(("http://", "https://")):  # (no tables served so)
         # the folders that hold the files, and theirs: a glob's, a file's, a partition's
         _refuse_table_files(cfg.path, _tables_above(fs, sorted(holders)[:_TABLE_LOOKS]))
@@ -82,6 +87,23 @@ def list_input_files(cfg: InputConfig) -> list[str]:
         if problem is not None:
             raise ValueError(f"input.path {cfg.path!r}: an input file {problem}")
     return sorted(paths)
+
+
+def _each_file_once(shown: str, fs: Any, paths: list[str]) -> list[str]:
+    """``paths`` with a file listed under two names (through a link) once, with a warning
+    naming the names left out (``one_path_per_file``)."""
+    paths, repeats = one_path_per_file(fs, paths)
+    if repeats:
+        more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
+        log.warning(
+            "input.path %r: left out %d file(s) that a link makes a second name of a file "
+            "read already (%s%s); each file's rows are read once",
+            shown,
+            len(repeats),
+            ", ".join(f"{left} is {kept}" for left, kept in repeats[:3]),
+            more,
+        )
+    return paths
 
 
 def display_names(files: list[str]) -> list[str]:

@@ -126,3 +126,24 @@ def folder_links_entered(top: str, depth: int | None = None) -> list[tuple[str, 
         except OSError:
             continue
     return sorted(found)
+
+
+def one_path_per_file(fs: Any, paths: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(``paths`` with each local file once, (a path left out, the path kept for its file)
+    for each repeat). A link inside the input to a folder or file also there (``latest ->
+    v3/`` beside ``v3/``) listed one file under two names, and its rows were read twice:
+    twice in the output, or (with an id column) the second copy's rows all duplicate-id
+    errors. The path kept is the file's own where listed (no link in it), else the first
+    in sorted order; object stores have no links: ``paths`` as they are."""
+    if not isinstance(fs, LocalFileSystem):
+        return paths, []
+    by_file: dict[str, list[str]] = {}
+    for path in paths:
+        by_file.setdefault(os.path.realpath(path), []).append(path)
+    kept: set[str] = set()
+    repeats: list[tuple[str, str]] = []
+    for real, names in by_file.items():
+        keep = real if real in names else min(names)
+        kept.add(keep)
+        repeats += [(name, keep) for name in sorted(names) if name != keep]
+    return [p for p in paths if p in kept], sorted(repeats)
