@@ -318,10 +318,25 @@ def test_seeds_the_engine_cannot_tell_apart_are_refused(model: Path) -> None:
         params.seed = 2**64
     assert params.seed == 5
     llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
-    seeds = (0, 1, -1, -2, 2**63 - 1, -(2**63))
+    seeds = (0, 1, -2, 2**63 - 1, -(2**63))  # (-1 is vLLM's "no seed": the test below)
     sampled = llm.generate([[5, 6, 7]] * len(seeds), [SamplingParams(max_tokens=6, seed=s)
                                                       for s in seeds])  # fmt: skip
     assert len({tuple(o.token_ids) for o in sampled}) == len(seeds)
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm(model: Path) -> None:
+    """vLLM's SamplingParams reads seed=-1 as None, and scripts pass it for "random"; it was
+    a fixed seed here, so every run of such a script drew the same completions."""
+    from tokenmill import LLM, SamplingParams
+
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(seed=5)
+    params.seed = -1
+    assert params.seed is None
+    llm = LLM(str(model), device="cpu", kv_cache_memory=16 << 20)
+    random = SamplingParams(max_tokens=8, temperature=1.0, seed=-1)
+    runs = {tuple(llm.generate([[5, 6, 7]], random)[0].token_ids) for _ in range(4)}
+    assert len(runs) > 1  # unseeded: each call draws anew
 
 
 def test_lora_and_grammars_are_refused_by_name(model: Path) -> None:

@@ -24,7 +24,8 @@ class SamplingParams:
     logits by it would overflow float32, as vLLM's rule has it). ``top_k <= 0`` and
     ``top_p == 1`` disable those filters.
     ``seed`` makes the request's samples reproducible whatever else shares its batch; it is
-    a signed 64-bit integer (``SEED_RANGE``).
+    a signed 64-bit integer (``SEED_RANGE``). -1 is no seed, kept as None (vLLM's meaning:
+    scripts pass it for "random").
     ``logprobs`` asks for the sampled token's logprob plus that many top alternatives.
     ``n`` completions are returned per prompt; with ``best_of``, that many are generated and
     the ``n`` with the highest cumulative logprob are returned, best first. With a ``seed``,
@@ -159,6 +160,8 @@ class SamplingParams:
             self.repetition_penalty,
             "a number > 0 (at most 3.4e38: the sampler's columns are float32)",
         )
+        if is_int(self.seed) and self.seed == -1:  # vLLM's "unseeded" (its rule)
+            object.__setattr__(self, "seed", None)
         low, high = SEED_RANGE
         _check(
             self.seed is None or (is_int(self.seed) and low <= self.seed <= high),
