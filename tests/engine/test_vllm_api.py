@@ -68,6 +68,16 @@ def test_request_output_keeps_flat_and_nested_in_step() -> None:
         RequestOutput.from_completions("r", [1], [second])
 
 
+def test_the_attributes_vllm_code_reads_are_there() -> None:
+    """vLLM's RequestOutput and CompletionOutput attributes the engine has nothing for read
+    as vLLM's do without them (they raised AttributeError in migrated code)."""
+    out = RequestOutput("r", [1, 2], "ab", [5, 6], "length", num_cached_tokens=2)
+    assert (out.metrics, out.lora_request, out.encoder_prompt) == (None, None, None)
+    assert (out.encoder_prompt_token_ids, out.kv_transfer_params) == (None, None)
+    assert out.multi_modal_placeholders == {} and out.num_cached_tokens == 2
+    assert out.outputs[0].lora_request is None
+
+
 # ---- n ----------------------------------------------------------------------------------
 def test_a_positions_mapping_gives_the_chosen_token_first() -> None:
     """vLLM's order: the chosen token, then the alternatives by rank (a chosen token of rank

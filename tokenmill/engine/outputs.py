@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["CompletionOutput", "Logprob", "RequestOutput", "TokenLogprob"]
 
@@ -85,6 +86,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         """Always True: the engine returns finished requests only."""
         return True
+
+    @property
+    def lora_request(self) -> None:
+        """vLLM's: always None (no LoRA adapters)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -182,6 +188,38 @@ class RequestOutput:
     def finished(self) -> bool:
         """Always True: the engine returns finished requests only."""
         return True
+
+    # vLLM's attributes for what the engine has no such thing for (migrated code reads them:
+    # they raised AttributeError); ``num_cached_tokens`` and the rest hold real values.
+    @property
+    def metrics(self) -> None:
+        """None: no per-request timings are kept (vLLM's is None too without stats)."""
+        return None
+
+    @property
+    def lora_request(self) -> None:
+        """None: no LoRA adapters."""
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        """None: decoder-only models only."""
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        """None: decoder-only models only."""
+        return None
+
+    @property
+    def multi_modal_placeholders(self) -> dict[str, list[Any]]:
+        """Empty (vLLM's value without multi-modal inputs): text prompts only."""
+        return {}
+
+    @property
+    def kv_transfer_params(self) -> None:
+        """None: no disaggregated prefill."""
+        return None
 
     @property
     def num_prompt_tokens(self) -> int:
