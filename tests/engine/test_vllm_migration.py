@@ -118,6 +118,28 @@ def test_vllm_spellings_run_as_written(model: Path) -> None:
     assert scope["chat"][0].prompt == "[weather]hi"
 
 
+def test_vllms_no_op_sampling_arguments_are_taken_and_others_named() -> None:
+    """vLLM scripts spell out ``detokenize=True``, ``bad_words=None``...: a TypeError
+    ("unexpected keyword argument") stopped them; a value that would change the output is
+    refused, naming the argument and what to use instead."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=3, detokenize=True, spaces_between_special_tokens=True,
+        allowed_token_ids=None, bad_words=[], logits_processors=None, extra_args=None,
+    )  # fmt: skip
+    assert params == SamplingParams(max_tokens=3) and params.detokenize is True
+    refused = {
+        "detokenize": (False, "always decodes"),
+        "allowed_token_ids": ([5, 6], "logit_bias"),
+        "bad_words": (["no"], "logit_bias"),
+        "spaces_between_special_tokens": (1, "tokenizer's decode"),
+    }
+    for name, (value, hint) in refused.items():
+        with pytest.raises(ValueError, match=f"SamplingParams.{name}=.*is not supported.*{hint}"):
+            SamplingParams(**{name: value})
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -14,6 +14,7 @@ from tokenmill.engine.structured_output_params import (
     StructuredOutputsParams,
     check_structured_output,
 )
+from tokenmill.engine.vllm_sampling_fields import check_vllm_only
 
 
 @dataclass
@@ -84,12 +85,36 @@ class SamplingParams:
     # instead of it (not a field: kept as structured_output)
     structured_outputs: InitVar[StructuredOutputsParams | None] = None
     guided_decoding: InitVar[StructuredOutputsParams | None] = None
+    # vLLM's arguments with no setting here: taken at vLLM's defaults, which change nothing,
+    # refused by name otherwise (vllm_sampling_fields.py)
+    detokenize: InitVar[bool] = True
+    spaces_between_special_tokens: InitVar[bool] = True
+    allowed_token_ids: InitVar[list[int] | None] = None
+    bad_words: InitVar[list[str] | None] = None
+    logits_processors: InitVar[list[Any] | None] = None
+    extra_args: InitVar[dict[str, Any] | None] = None
 
     def __post_init__(
         self,
         structured_outputs: StructuredOutputsParams | None,
         guided_decoding: StructuredOutputsParams | None,
+        detokenize: bool,
+        spaces_between_special_tokens: bool,
+        allowed_token_ids: list[int] | None,
+        bad_words: list[str] | None,
+        logits_processors: list[Any] | None,
+        extra_args: dict[str, Any] | None,
     ) -> None:
+        check_vllm_only(
+            {
+                "detokenize": detokenize,
+                "spaces_between_special_tokens": spaces_between_special_tokens,
+                "allowed_token_ids": allowed_token_ids,
+                "bad_words": bad_words,
+                "logits_processors": logits_processors,
+                "extra_args": extra_args,
+            }
+        )
         spellings = (self.structured_output, structured_outputs, guided_decoding)
         given = [v for v in spellings if v is not None]
         if len(given) > 1:
