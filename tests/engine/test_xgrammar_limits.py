@@ -5,14 +5,16 @@ a constrained text, and an astral-plane choice is written as itself."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.tiny_models import save_tiny_tokenizer
-from tokenmill.engine.structured_output_params import REJECTED, TAKEN
+from tokenmill.engine.structured_output_params import REJECTED, STOPPED, TAKEN
 from tokenmill.engine.xgrammar_limits import (
+    IPV6_PATTERN,
     UNENFORCED,
     check_schema,
     surrogate_edges,
@@ -129,3 +131,33 @@ def test_an_astral_choice_is_written_as_itself(tmp_path: Path) -> None:
     )
     outs = llm.generate([[11, 42, 73], [5, 6, 7]], params)
     assert {o.text for o in outs} <= {"😀", "🎉"} and {o.finish_reason for o in outs} == {"stop"}
+
+
+IPV6 = {"::ffff:192.168.1.1": True, "::ffff:192.168.01.1": False, "::1.2.3.04": False,
+        "1:2:3:4:5:6:1.2.3.4": True, "1:2:3:4:5:6:7::": True, "::2:3:4:5:6:7:8": True,
+        "::": True, "::1": True, "ABCD:ef::0": True, "1::2::3": False, "12345::": False,
+        "1:2:3:4:5:6:7:8:9": False, "::1.2.3.256": False, "1:2:3:4:5:6:7:1.2.3.4": False,
+        "fe80::1%eth0": False, "1:2:3:4:5:6:7": False}  # fmt: skip
+
+
+def test_the_ipv6_pattern_takes_what_jsonschema_takes() -> None:
+    from jsonschema import Draft202012Validator
+
+    checker = Draft202012Validator.FORMAT_CHECKER
+    assert {v: bool(re.fullmatch(IPV6_PATTERN, v)) for v in IPV6} == IPV6
+    assert {v: checker.conforms(v, "ipv6") for v in IPV6} == IPV6
+
+
+def test_ipv6_takes_no_leading_zero_in_its_dotted_quad_on_xgrammar(xgr_grammars) -> None:  # noqa: ANN001
+    """xgrammar's own ``format: ipv6`` took "::ffff:192.168.01.1", which jsonschema refuses
+    (a dotted quad has no leading zeros), and refused "1:2:3:4:5:6:1.2.3.4"."""
+    tokenizer = xgr_grammars._tokenizer
+    spec = json.dumps({"type": "string", "format": "ipv6"})
+    taken = {}
+    for value in IPV6:
+        row = xgr_grammars.matcher(spec)
+        tokens = tokenizer.encode(json.dumps(value), add_special_tokens=False)
+        status = [xgr_grammars.consume([row], [t])[0] for t in tokens]
+        taken[value] = REJECTED not in status and status[-1] == STOPPED
+        xgr_grammars.release([row])
+    assert taken == IPV6

@@ -26,8 +26,8 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   jsonschema's checker and RFC 2673's dotted quad refuse: read as octal by some parsers) and
   ``format: hostname`` a 64-character label (RFC 1123 allows 63): each such subschema without
   a pattern of its own gets the format's pattern instead (``xgrammar_format_patterns``), as
-  date_format.py does for dates on both libraries. (Its ``ipv6`` also takes a leading zero in
-  an embedded IPv4 part, "::1.2.3.04"; not yet kept out.)
+  date_format.py does for dates on both libraries. Its ``ipv6`` took a leading zero in an
+  embedded IPv4 part ("::ffff:192.168.01.1"): given RFC 3986's pattern the same way.
 
 A surrogate split across two tokens (``...ED`` then ``A0...``) cannot be masked ahead;
 ``surrogate_edges`` lets the backend reject the second token (the request ends "error").
@@ -179,16 +179,34 @@ _OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"  # 0-255, no lea
 # A label: 1-63 letters, digits and hyphens, a letter or digit at each end. No optional
 # group: xgrammar misread some (see Regexes above).
 _LABEL = "(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]{0,61}[A-Za-z0-9])"
-IPV4_PATTERN = f"^(?:{_OCTET}\\.){{3}}{_OCTET}$"
+_IPV4 = f"(?:{_OCTET}\\.){{3}}{_OCTET}"
+IPV4_PATTERN = f"^{_IPV4}$"
 HOSTNAME_PATTERN = f"^{_LABEL}(?:\\.{_LABEL})*$"
-_FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "hostname": HOSTNAME_PATTERN}
+
+
+def _ipv6_pattern() -> str:
+    """RFC 3986's IPv6address, its dotted quad without leading zeros (as IPV4_PATTERN):
+    eight 16-bit groups, or fewer around one "::", the last two of them as a dotted quad or
+    not. An optional part is written {0,1} (xgrammar misread some "?"s)."""
+    h16 = "[0-9A-Fa-f]{1,4}"
+    ls32 = f"(?:{h16}:{h16}|{_IPV4})"  # the last 32 bits
+    # after "::": 5 groups and ls32, 4 and ls32, ... ls32, one group, nothing
+    tails = [f"(?:{h16}:){{{n}}}{ls32}" for n in (5, 4, 3, 2)] + [f"{h16}:{ls32}", ls32, h16, ""]
+    forms = [f"(?:{h16}:){{6}}{ls32}", f"::{tails[0]}"]
+    # before "::", at most k + 1 groups where k + 2 groups follow it (8 - 1 in all)
+    forms += [f"(?:(?:{h16}:){{0,{k}}}{h16}){{0,1}}::{tail}" for k, tail in enumerate(tails[1:])]
+    return "^(?:" + "|".join(forms) + ")$"
+
+
+IPV6_PATTERN = _ipv6_pattern()
+_FORMAT_PATTERNS = {"ipv4": IPV4_PATTERN, "ipv6": IPV6_PATTERN, "hostname": HOSTNAME_PATTERN}
 
 
 def xgrammar_format_patterns(schema_text: str) -> str:
-    """``schema_text`` with each ``format`` xgrammar lets too much through (ipv4, hostname)
-    given its pattern instead, where the subschema has no ``pattern`` of its own (two
-    patterns cannot be one); the text itself when it has none."""
-    if '"ipv4"' not in schema_text and '"hostname"' not in schema_text:
+    """``schema_text`` with each ``format`` xgrammar lets too much through (ipv4, ipv6,
+    hostname) given its pattern instead, where the subschema has no ``pattern`` of its own
+    (two patterns cannot be one); the text itself when it has none."""
+    if not any(f'"{fmt}"' in schema_text for fmt in _FORMAT_PATTERNS):
         return schema_text
     return formats_as_patterns(schema_text, _FORMAT_PATTERNS)
 
