@@ -10,8 +10,9 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   UTF-8) gets into strings. ``token_masks`` gives the masks every row's is ANDed with.
 - Schemas. Some keywords compile but are not enforced (``allOf`` wrote ``null``,
   ``multipleOf: 0.5`` wrote 1.125764, ``required`` without ``properties`` wrote ``{}``,
-  ``format`` with ``maxLength`` wrote longer strings, ``format`` or ``pattern`` without a
-  ``type`` was no constraint at all), others are not verified.
+  ``format`` or ``pattern`` with ``maxLength`` wrote longer strings (a ``pattern`` with
+  ``minLength`` shorter ones), ``format`` or ``pattern`` without a ``type`` was no
+  constraint at all), others are not verified.
   ``check_schema`` refuses a schema holding one, naming it, so a row is an error at once
   instead of an output that does not follow its schema; llguidance (the default backend)
   runs them.
@@ -49,7 +50,7 @@ UNENFORCED = frozenset(
         "unevaluatedProperties", "unevaluatedItems", "propertyNames",
     }
 )  # fmt: skip
-_LENGTHS = ("minLength", "maxLength")
+_LENGTHS = frozenset({"minLength", "maxLength"})
 
 
 def token_masks(
@@ -103,9 +104,14 @@ def check_schema(schema_text: str) -> None:
         untyped = [k for k in ("format", "pattern") if k in node and "type" not in node]
         if untyped:  # ({"items": {"pattern": "^a$"}} wrote ["b"])
             raise ValueError(f"{where} has {untyped[0]!r} without 'type', which xgrammar ignores")
-        if "format" in node and any(k in node for k in _LENGTHS):
+        if "format" in node and _LENGTHS & set(node):
             raise ValueError(
                 f"{where} has 'format' with a length bound, which xgrammar does not enforce"
+            )
+        if "pattern" in node and _LENGTHS & set(node):  # ("^a+$" with maxLength 3 wrote "aaaa")
+            raise ValueError(
+                f"{where} has 'pattern' with a length bound, which xgrammar does not enforce "
+                "(write the bound into the pattern: ^a{1,3}$ for ^a+$ with maxLength 3)"
             )
         required, properties = node.get("required"), node.get("properties")
         if isinstance(required, list) and required:
