@@ -16,9 +16,9 @@ import torch
 
 from tokenmill.engine.model_config import ModelConfig
 
-__all__ = ["ActivationReserve", "activation_reserve"]
+__all__ = ["LOGITS_BYTES", "ActivationReserve", "activation_reserve"]
 
-_LOGITS_BYTES = 4 * 3  # fp32, the logits and two copies the sampler makes of them
+LOGITS_BYTES = 4 * 3  # fp32, the logits and two copies the sampler makes of them
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def activation_reserve(
     per_token = (6 * config.hidden_size + 3 * config.intermediate_size) * elem
     return ActivationReserve(
         tokens_bytes=max_num_batched_tokens * per_token,
-        logits_bytes=max_num_seqs * config.vocab_size * _LOGITS_BYTES,
+        logits_bytes=max_num_seqs * config.vocab_size * LOGITS_BYTES,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
     )

@@ -179,7 +179,12 @@ class LLMEngine:
             max_len, self._max_len_why = config.max_model_len, "as set"
         elif mc.sliding_window is not None and max_len == mc.sliding_window:
             log.warning("max_model_len %d: %s", max_len, self._max_len_why)
-        check_slots_fit(config.max_num_seqs, max_len)
+        check_slots_fit(
+            config.max_num_seqs,
+            max_len,
+            host_logits_vocab=mc.vocab_size if self.device.type == "cpu" else 0,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = default_backend_name(self.device, mc.head_dim)
