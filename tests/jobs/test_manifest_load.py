@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -189,3 +190,22 @@ def test_a_store_error_is_raised_not_a_missing_record(faulty_s3: FaultyS3) -> No
     faulty_s3.proxy.clear()
     loaded = Manifest.load(store, JOB)
     assert loaded is not None and loaded.shards[77] == _record(77, 9)
+
+
+def test_one_restored_shard_is_logged_in_the_singular(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard whose journal record names files that are gone while the manifest file's
+    record matches: the record is restored, and the line said "1 shards keep"."""
+    from tokenmill.jobs.report import JobReport
+    from tokenmill.jobs.runner import _verify_committed
+
+    store = _store("local", tmp_path, None)
+    store.write_atomic("shards/0.jsonl", b"12345")
+    kept = ShardRecord(0, 10, 10, 0, "shards/0.jsonl", None, data_bytes=5)
+    gone = ShardRecord(0, 10, 10, 0, "shards/0-new.jsonl", None, data_bytes=5)
+    manifest = Manifest(JOB, "fp", 10, {0: gone}, superseded={0: kept})
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        _verify_committed(store, manifest, JobReport(job=JOB, output="out/"))
+    assert manifest.shards == {0: kept}
+    assert "1 shard keeps the manifest's record (the files match it;" in caplog.text

@@ -411,6 +411,28 @@ def test_a_stopped_runs_summary_says_how_many_rows_are_left() -> None:
     assert "left" not in done.summary() and "left" not in uncounted.summary()
 
 
+def test_a_summarys_counts_of_one_read_in_the_singular() -> None:
+    """A cancelled run with one of each said "1 rows finished ... computes them again",
+    "1 times a row was put back", "1 failed and were replaced", "1 committed shards"."""
+    report = JobReport(
+        job="j", output="out/", status="cancelled", rows_total=1, rows_not_committed=1,
+        preemptions=1, rows_deduplicated=1, deduplicated_tokens=1, shards_recomputed=1,
+        replica_failures={"replicas": 1, "rows_rerun": 1, "rows_isolated": 0},
+    )  # fmt: skip
+    lines = report.summary().splitlines()
+    for line in (
+        "  not kept    1 row finished in shards not complete at the stop: a rerun computes it "
+        "again",
+        "  left        1 of the input's 1 row: a rerun resumes with it",
+        "  dedup       1 row copied from identical rows (1 token not computed, this run)",
+        "  replicas    1 failed and was replaced; 1 row they held ran again, 0 isolated (error "
+        "file)",
+        "  recomputed  1 committed shard whose files were gone or changed",
+    ):
+        assert line in lines
+    assert any(line.startswith("  preempted   1 time a row was put back ") for line in lines)
+
+
 def test_a_resumed_runs_summary_says_whose_hit_rate_and_copies_it_gives() -> None:
     """The rows line covers the whole job, earlier runs included; the prefix-hit and dedup
     lines below it, this run's alone, did not say so and read as the job's."""

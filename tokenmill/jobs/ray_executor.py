@@ -66,6 +66,7 @@ import ray
 
 from tokenmill.io.rows import InputRow, ResultRow
 from tokenmill.io.url_secrets import hide_url_secrets
+from tokenmill.jobs.counted import counted
 from tokenmill.jobs.engine_counters import EngineCounters
 from tokenmill.jobs.progress import LiveCounts
 from tokenmill.jobs.ray_chunks import Chunk, ChunkRecovery, Parked, Verdict
@@ -394,9 +395,9 @@ class RayExecutor:
             run.suspects.append(self._recovery.probe())
             self.failures.probes += 1
             log.info(
-                "%d rows wait to run again, and nothing else is left to show that the cluster "
-                "works: a probe (one short request) runs first",
-                len(run.parked),
+                "%s to run again, and nothing else is left to show that the cluster works: a "
+                "probe (one short request) runs first",
+                counted(len(run.parked), "row waits", "rows wait"),
             )
 
     def _note_up(self, event: ReplicaUp) -> None:

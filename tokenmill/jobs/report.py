@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from tokenmill.jobs.counted import counted
+
 
 @dataclass
 class JobReport:
@@ -117,23 +119,24 @@ class JobReport:
         ]
         if self.rows_not_committed:
             lines.append(
-                f"  not kept    {self.rows_not_committed} rows finished in shards not complete "
-                "at the stop: a rerun computes them again"
+                f"  not kept    {counted(self.rows_not_committed, 'row')} finished in shards not "
+                "complete at the stop: a rerun computes "
+                f"{'it' if self.rows_not_committed == 1 else 'them'} again"
             )
         left = (self.rows_total or 0) - self.rows_ok - self.rows_failed
         if self.status != "complete" and self.rows_total and left > 0:
-            lines.append(f"  left        {left} of the input's {self.rows_total} rows: a rerun "
-                         "resumes with them")  # fmt: skip
+            lines.append(f"  left        {left} of the input's {counted(self.rows_total, 'row')}: "
+                         f"a rerun resumes with {'it' if left == 1 else 'them'}")  # fmt: skip
         if self.preemptions:
             lines.append(
-                f"  preempted   {self.preemptions} times a row was put back for want of KV "
-                "cache and recomputed: raise engine.kv_cache_memory, or lower "
+                f"  preempted   {counted(self.preemptions, 'time')} a row was put back for want "
+                "of KV cache and recomputed: raise engine.kv_cache_memory, or lower "
                 "engine.max_num_seqs, for speed"
             )
         if self.rows_deduplicated:
             lines.append(
-                f"  dedup       {self.rows_deduplicated} rows copied from identical rows "
-                f"({self.deduplicated_tokens} tokens not computed, this run)"
+                f"  dedup       {counted(self.rows_deduplicated, 'row')} copied from identical "
+                f"rows ({counted(self.deduplicated_tokens, 'token')} not computed, this run)"
             )
         if self.speculative:
             s = self.speculative
@@ -145,14 +148,16 @@ class JobReport:
         if self.replica_failures and self.replica_failures["replicas"]:
             f = self.replica_failures
             lines.append(
-                f"  replicas    {f['replicas']} failed and were replaced; {f['rows_rerun']} "
-                f"rows they held ran again, {f['rows_isolated']} isolated (error file)"
+                f"  replicas    {f['replicas']} failed and "
+                f"{'was' if f['replicas'] == 1 else 'were'} replaced; "
+                f"{counted(f['rows_rerun'], 'row')} they held ran again, "
+                f"{f['rows_isolated']} isolated (error file)"
             )
         lines.append(f"  output      {self.output}")
         if self.shards_recomputed:
             lines.append(
-                f"  recomputed  {self.shards_recomputed} committed shards whose files were gone or "
-                "changed"
+                f"  recomputed  {counted(self.shards_recomputed, 'committed shard')} whose files "
+                "were gone or changed"
             )
         if self.error:
             lines.append(f"  error       {self.error}")

@@ -840,9 +840,9 @@ def _verify_committed(store: OutputStore, manifest: Manifest, report: JobReport)
     restored = manifest.restore_superseded(sizes)
     if restored:
         log.info(
-            "%d shards keep the manifest's record (their files match it; journal records left "
-            "by an earlier run of a newer version did not): shard %d first",
-            len(restored),
+            "%s the manifest's record (the files match it; journal records left by an "
+            "earlier run of a newer version did not): shard %d first",
+            counted(len(restored), "shard keeps", "shards keep"),
             restored[0],
         )
     dropped = manifest.drop_missing_shards(sizes)
