@@ -48,7 +48,7 @@ def test_shards_without_their_manifest_are_refused_until_fresh(
 ) -> None:
     spec, out = _complete_job(tiny_model, tmp_path)  # 3 shards of 4 rows
     (out / "test.manifest.json").unlink()
-    with pytest.raises(ManifestError, match=r"3 files of job 'test'.*--fresh"):
+    with pytest.raises(ManifestError, match=r"3 files of the progress of job 'test'.*--fresh"):
         run_job(spec, show_progress=False)
     # --fresh, with a new shard size: the old shards go, though no manifest named them.
     spec["output"]["rows_per_shard"] = 6
@@ -62,12 +62,15 @@ def test_shards_without_their_manifest_are_refused_until_fresh(
 
 
 def test_one_shard_without_its_manifest_is_one_file(tiny_model: Path, tmp_path: Path) -> None:
-    """The refusal read "holds 1 files of job 'test''s progress ... which settings made them"."""
+    """The refusal read "holds 1 files of job 'test''s progress ... which settings made them"
+    (a quoted name and 's run together)."""
     spec, out = _complete_job(tiny_model, tmp_path, output={"rows_per_shard": ROWS})
     (out / "test.manifest.json").unlink()
-    with pytest.raises(ManifestError, match=r"holds 1 file of job 'test'") as refused:
+    with pytest.raises(ManifestError, match=r"holds 1 file of the progress of job 'test' \(") as (
+        refused
+    ):
         run_job(spec, show_progress=False)
-    assert "them" not in str(refused.value)
+    assert "them" not in str(refused.value) and "''s" not in str(refused.value)
 
 
 def test_journal_records_without_their_manifest_are_refused(

@@ -186,7 +186,9 @@ def test_fresh_says_which_files_the_store_refused_to_delete(s3_endpoint) -> None
     store.fs.rm = lambda paths, *a, **k: rm(  # the store refuses the journal's key
         [p for p in paths if "manifest.d" not in p] if isinstance(paths, list) else paths, *a, **k
     )
-    with pytest.raises(StorageError, match=r"could not delete 1 of job 'test'.*00000001\.json"):
+    with pytest.raises(
+        StorageError, match=r"could not delete 1 of the files of job 'test' \(.*00000001\.json"
+    ):
         discard_progress(store, "test")
     fs.invalidate_cache()
     assert fs.find("refusing/out") == ["refusing/out/test.manifest.d/00000001.json"]

@@ -795,8 +795,8 @@ def _refuse_progress_without_manifest(store: OutputStore, job: str) -> None:
     files = progress_files(store, job)
     if files:
         raise ManifestError(
-            f"{hide_url_secrets(store.url)} holds {counted(len(files), 'file')} of job "
-            f"{job!r}'s progress ({some_files(files)}) but not its manifest, "
+            f"{hide_url_secrets(store.url)} holds {counted(len(files), 'file')} of the "
+            f"progress of job {job!r} ({some_files(files)}) but not its manifest, "
             f"{Manifest.file_name(job)}: the settings that made this progress are unknown, so "
             "it cannot be resumed; rerun with --fresh to discard it and start over"
         )

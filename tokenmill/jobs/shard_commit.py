@@ -132,8 +132,8 @@ def discard_progress(store: OutputStore, job: str) -> None:
     left = store.still_there(files)
     if left:
         raise StorageError(
-            f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of job "
-            f"{job!r}'s files ({some_files(left)}): the store refused them; check that the "
+            f"{hide_url_secrets(store.url)}: --fresh could not delete {len(left)} of the "
+            f"files of job {job!r} ({some_files(left)}): the store refused them; check that the "
             "credentials may delete objects there, and rerun with --fresh"
         )
     store.delete(REPORT_NAME)
