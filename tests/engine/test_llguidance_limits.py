@@ -50,3 +50,26 @@ def test_bounds_up_to_2_53_are_kept() -> None:
     # a property named like a bound is no bound
     named = {"type": "object", "properties": {"minimum": {"type": "integer"}}}
     assert check_structured_output(named) is not None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "minProperties": 2},  # both libraries took {"b":2,"b":3}
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+        {"type": "object", "patternProperties": {"^x": {}}, "additionalProperties": False,
+         "minProperties": 2},  # llguidance took {"x1":1,"x1":2}
+        {"type": "object", "properties": {"a": {}}, "required": ["a"], "minProperties": 2},
+    ],
+)  # fmt: skip
+def test_min_properties_a_repeated_key_would_meet_is_refused(schema: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"schema\.minProperties is 2, more than the [01] keys"):
+        check_structured_output({"json_schema": schema})
+
+
+def test_min_properties_the_required_keys_meet_is_kept() -> None:
+    required = {"type": "object", "required": ["a", "b"], "minProperties": 2}
+    closed = {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"],
+              "additionalProperties": False, "minProperties": 1}  # fmt: skip
+    for schema in (required, closed, {"type": "object", "minProperties": 1}):
+        assert check_structured_output({"json_schema": schema}) is not None
