@@ -22,7 +22,12 @@ from tokenmill.engine.grammar_llguidance import LlguidanceGrammars
 from tokenmill.engine.grammar_xgrammar import XgrammarGrammars
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput
-from tokenmill.engine.structured_output_params import STOPPED, TAKEN, check_structured_output
+from tokenmill.engine.structured_output_params import (
+    DROPPED,
+    STOPPED,
+    TAKEN,
+    check_structured_output,
+)
 
 N = 12
 
@@ -163,6 +168,62 @@ def test_walking_drafts_fills_the_masks_one_token_at_a_time_would(backend) -> No
     status, took = consume_runs(grammars, rows, tokens, np.array([3, 5, 3]))
     assert took.tolist() == [3, 4, 3]  # the second stops at "abcd": its EOS is not taken
     assert status.tolist() == [STOPPED, STOPPED, TAKEN]
+
+
+def test_masks_after_drafts_are_left_open_where_the_argmax_decides() -> None:
+    """With ``open_rows``, a position after a taken draft gets the open mask (every token
+    but EOS) instead of a fill, except where the grammar could end there, and the position
+    before a refused draft is filled (its sample must not be that draft); a last token
+    sampled at an open position is taken if the grammar allows it, else DROPPED with the
+    matcher left where it was."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = save_tiny_tokenizer(tmp)
+    grammars = LlguidanceGrammars(tokenizer, 261, [EOS_ID])
+    spec = check_structured_output('choice:["abcd", "abx"]')
+    a, b, c, d, x, q = (tokenizer.convert_tokens_to_ids(ch) for ch in "abcdxq")
+    rows = [grammars.matcher(spec) for _ in range(4)]
+    # all taken; refused at x; "abx" complete at 3 (EOS allowed there); a stop token
+    drafts = [[a, b, c], [a, x, c], [a, b, x], [a, EOS_ID]]
+    counts = np.array([3, 3, 3, 2])
+    words = -(-261 // 32)
+    places = np.array([0, 4, 8, 12])
+    mask = np.zeros((15, words), dtype=np.int32)
+    opened = fill_with_drafts(
+        grammars, rows, mask, places, np.concatenate(drafts), counts, np.ones(4, dtype=bool)
+    )
+    assert opened.tolist() == [0b1110, 0, 0b0110, 0]
+    full = np.zeros((15, words), dtype=np.int32)
+    fill_with_drafts(grammars, rows, full, places, np.concatenate(drafts), counts)
+    open_row = grammars.open_mask()
+    bits = np.unpackbits(open_row.view(np.uint8), bitorder="little")
+    assert np.flatnonzero(bits == 0).tolist() == [EOS_ID, *range(261, 32 * words)]
+    for i in range(4):
+        for j in range(counts[i] + 1):
+            at = places[i] + j
+            want = open_row if (opened[i] >> j) & 1 else full[at]
+            np.testing.assert_array_equal(mask[at], want, err_msg=f"row {i} position {j}")
+    try_last = np.array([True, False, True, False])
+    tokens = [a, b, q, a, a, b, x, a]
+    status, took = consume_runs(grammars, rows, tokens, np.array([3, 1, 3, 1]), try_last)
+    assert status.tolist() == [DROPPED, TAKEN, STOPPED, TAKEN]
+    assert took.tolist() == [2, 1, 3, 1]
+    assert grammars.consume([rows[0]], [c]).tolist() == [TAKEN]  # still after "ab"
+
+
+def test_masks_left_open_keep_token_by_token_outputs(tiny_path) -> None:
+    """Synchronous drafted steps of true drafts with the masks after drafts left open
+    (llguidance, in this process and in workers): the outputs are those of no drafts and
+    of every mask filled, and the tiny model's favourite token, mostly one its grammar
+    refuses, is dropped where it was sampled at an open position."""
+    params = _params(N)
+    want, _ = _run(tiny_path, params)
+    outputs = {rid: list(o.token_ids) for rid, o in want.items()}
+    for processes in (0, 2):
+        got, engine = _run(tiny_path, params, ContinuationProposer(outputs, 3), False,
+                           processes=processes)  # fmt: skip
+        assert _summary(got) == _summary(want)
+        assert engine._grammars.stats.tokens_dropped > 0
+        _check_valid([got[f"r{i}"] for i in range(N)], params)
 
 
 def test_a_grammar_cut_inside_a_drafted_step_leaves_no_cut_token_in_a_watched_text(

@@ -40,6 +40,9 @@ class LlguidanceGrammars:
     """Matchers, masks and token consumption through llguidance (loaded on first use)."""
 
     name = "llguidance"
+    # positions after a draft may go unmasked (grammar_drafts.py): ``accepting`` and
+    # ``allows`` answer without changing a matcher
+    leaves_masks_open = True
 
     def __init__(
         self,
@@ -116,6 +119,32 @@ class LlguidanceGrammars:
         """Each row's matcher gives back its last ``counts[i]`` tokens (``advance``'s)."""
         for (matcher, _), count in zip(rows, counts, strict=True):
             matcher.rollback(int(count))
+
+    def accepting(self, rows: Sequence[Row]) -> np.ndarray:
+        """[rows] bool: whether each row's grammar could end where it is (EOS allowed)."""
+        return np.fromiter((m.is_accepting() for m, _ in rows), dtype=bool, count=len(rows))
+
+    def allows(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
+        """[rows] bool: whether each row's matcher would take its token (not a stop token);
+        no matcher changes."""
+        eos = self._eos
+        return np.fromiter(
+            (
+                int(t) not in eos and m.validate_tokens([int(t)]) == 1
+                for (m, _), t in zip(rows, tokens, strict=True)
+            ),
+            dtype=bool,
+            count=len(rows),
+        )
+
+    def open_mask(self) -> np.ndarray:
+        """[words] int32: every token of the vocabulary but the stop tokens, the mask of a
+        position left open (grammar_drafts.py)."""
+        words = -(-self.vocab_size // 32)
+        allowed = np.ones(words * 32, dtype=bool)
+        allowed[self.vocab_size :] = False
+        allowed[[t for t in self._eos if 0 <= t < self.vocab_size]] = False
+        return np.packbits(allowed, bitorder="little").view(np.int32)
 
     def release(self, rows: Sequence[Row]) -> None:
         """Finished requests' matchers: nothing to do (they go with their last reference)."""

@@ -78,8 +78,9 @@ ADD, STEP, SHM, STOP = range(4)
 #   ADD      key, then the spec (UTF-8)
 #   STEP     slot, d, n, t, m, w, then d keys of finished requests to drop, then n keys,
 #            how many tokens each consumes and their t tokens one row after another, then
-#            m keys, their places in the slot's masks to fill, how many drafts each walks
-#            and their w drafts (grammar_drafts.py): every worker's rows, each worker takes
+#            m keys, their places in the slot's masks to fill, how many drafts each walks,
+#            whether its masks may be left open (1 or 0) and their w drafts
+#            (grammar_drafts.py): every worker's rows, each worker takes
 #            those it holds. It drops, answers the tokens, then goes straight on to the
 #            masks and answers them (a part with none of its rows is not answered)
 #   (tokens' answer: int64 k, then k row numbers within the step's n, their statuses and
@@ -143,6 +144,7 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
     until STOP. It holds the matchers whose key modulo ``workers`` is ``me``."""
     matchers: dict[int, Any] = {}
     segments: dict[int, tuple[SharedMemory, np.ndarray]] = {}  # slot -> memory, masks
+    opened: dict[int, int] = {}  # key -> positions its last fill left open, as bits
 
     def own(keys: np.ndarray) -> tuple[np.ndarray, list[Any]]:
         """Where this worker's keys are among a step's ``keys``, and their matchers."""
@@ -155,14 +157,22 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
         kind = int(ints[0])
         if kind == STEP:
             slot, d, n, t, m, w = (int(v) for v in ints[1:7])
-            parts = np.split(ints[7:], np.cumsum([d, n, n, t, m, m, m, w])[:-1])
-            dropped_keys, keys, counts, tokens, fill_keys, places, walks, drafts = parts
+            parts = np.split(ints[7:], np.cumsum([d, n, n, t, m, m, m, m, w])[:-1])
+            dropped_keys, keys, counts, tokens, fill_keys, places, walks, opens, drafts = parts
+            for key in dropped_keys.tolist():
+                opened.pop(key, None)
             dropped = [matchers.pop(key, None) for key in dropped_keys.tolist()]
             backend.release([row for row in dropped if row is not None])
             mine, rows = own(keys)
             if len(mine):
+                # each row's last token tried where its mask was left open (grammar_drafts)
+                bits = np.array([opened.pop(key, 0) for key in keys[mine].tolist()], np.int64)
                 status, took = consume_runs(
-                    backend, rows, tokens[run_entries(counts, mine)], counts[mine]
+                    backend,
+                    rows,
+                    tokens[run_entries(counts, mine)],
+                    counts[mine],
+                    (bits >> (counts[mine] - 1)) & 1 == 1,
                 )
                 took = counts[mine] if took is None else took
                 hit = np.flatnonzero(status)
@@ -175,9 +185,18 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             mine, rows = own(fill_keys)
             if len(mine):
                 mask = segments[slot][1]
-                fill_with_drafts(
-                    backend, rows, mask, places[mine], drafts[run_entries(walks, mine)], walks[mine]
+                bits = fill_with_drafts(
+                    backend,
+                    rows,
+                    mask,
+                    places[mine],
+                    drafts[run_entries(walks, mine)],
+                    walks[mine],
+                    opens[mine] != 0,
                 )
+                for key, row_bits in zip(fill_keys[mine].tolist(), bits.tolist(), strict=True):
+                    if row_bits:
+                        opened[key] = row_bits
                 conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
@@ -290,6 +309,7 @@ class GrammarProcesses:
         if processes < 1:
             raise ValueError(f"structured_output_processes must be >= 1, got {processes}")
         self.name = name
+        self.leaves_masks_open = BACKENDS[name].leaves_masks_open
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -361,11 +381,14 @@ class GrammarProcesses:
         self,
         consume: tuple[Sequence[int], Sequence[int], np.ndarray | None] | None = None,
         fill: tuple[Sequence[int], np.ndarray, np.ndarray, tuple | None] | None = None,
+        open_rows: np.ndarray | None = None,
     ) -> _Sent:
         """Send a step's work, one message per worker: with ``consume`` (rows, their
         tokens, how many each takes: None for one) the drops of the requests released since
         the last one and then the tokens, then ``fill`` (rows, mask, each row's first
-        place, and None or (drafts, counts) to walk: grammar_drafts.py);
+        place, and None or (drafts, counts) to walk: grammar_drafts.py), with ``open_rows``
+        [rows] bool the fill's rows whose masks after drafts may be left open (each worker
+        keeps what it left open and tries those rows' last tokens when they come);
         ``finish_consume`` and then ``finish_fill`` read the answers. A worker goes from the
         tokens to the masks without waiting for another message."""
         sent = _Sent()
@@ -375,7 +398,7 @@ class GrammarProcesses:
             self._errors.pop(key, None)
         dropped = np.asarray(released, dtype=np.int64)
         none = np.zeros(0, dtype=np.int64)
-        keys_c = counts_c = tokens_c = keys_f = places = walks = drafts = none
+        keys_c = counts_c = tokens_c = keys_f = places = walks = opens = drafts = none
         if consume is not None:
             keys_c = sent.keys = np.asarray(consume[0], dtype=np.int64)
             tokens_c = np.asarray(consume[1], dtype=np.int64)
@@ -391,6 +414,9 @@ class GrammarProcesses:
             walks = np.zeros(len(keys_f), np.int64)
             if walk is not None:
                 drafts, walks = (np.asarray(a, dtype=np.int64) for a in walk)
+            opens = np.zeros(len(keys_f), np.int64)
+            if open_rows is not None:
+                opens = np.asarray(open_rows, dtype=np.int64)
             shared = self._slot_of(sent.mask)
             if shared is None:  # every row's masks, its first and one per draft
                 sent.scratch_places = np.repeat(places, walks + 1) + within_runs(walks + 1)
@@ -398,7 +424,7 @@ class GrammarProcesses:
             slot = SCRATCH if shared is None else shared
             sent.filled = self._holders(keys_f)
         head = [slot, len(dropped), len(keys_c), len(tokens_c), len(keys_f), len(drafts)]
-        parts = (dropped, keys_c, counts_c, tokens_c, keys_f, places, walks, drafts)
+        parts = (dropped, keys_c, counts_c, tokens_c, keys_f, places, walks, opens, drafts)
         message = _message(STEP, head, *parts)
         for worker in sorted({*self._holders(dropped), *sent.consumed, *sent.filled}):
             self._send(worker, message)

@@ -121,6 +121,7 @@ class XgrammarGrammars:
     """Matchers, masks and token consumption through xgrammar (loaded on first use)."""
 
     name = "xgrammar"
+    leaves_masks_open = False  # (grammar_drafts.py; it has no side-effect-free token check)
 
     def __init__(
         self,

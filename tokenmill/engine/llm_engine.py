@@ -76,6 +76,7 @@ from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.engine.parallel import ParallelConfig
 from tokenmill.engine.prompt_logprobs import PromptLogprobs
 from tokenmill.engine.prompts import check_prompt_ids
+from tokenmill.engine.sampling_columns import NO_LOGPROBS
 from tokenmill.engine.sampling_params import SamplingParams, check_vocab_ids
 from tokenmill.engine.spec_decode import LearnsFromOutputs, build_proposer
 from tokenmill.engine.spec_decode.policy import SpeculationPolicy, StepSample
@@ -137,6 +138,13 @@ class LLMEngine:
         # from 8 rows on (auto 1.06x vs 1.36x at 8, ngram 0.81x vs 0.91x at 64): its drafts
         # are a step older, so fewer are accepted and more compute is wasted.
         self.draft_ahead_below = 8
+        # Greedy constrained rows of a drafted step processed before the next is scheduled
+        # leave their masks after drafts open where they can (grammar_drafts.py: only the
+        # first position's mask is filled: a half to a third of the grammar's work a
+        # drafted row on a JSON schema, BENCHMARKS session 57); False fills
+        # every one (a benchmark's A/B).
+        self.leave_draft_masks_open = True
+        self._processed_now = False  # whether the step being launched is processed at once
         auto = proposer is None and config.speculative.method == "auto"
         if proposer is None:
             proposer = build_proposer(config.speculative)
@@ -571,6 +579,7 @@ class LLMEngine:
             and self.scheduler.num_running < self.draft_ahead_below
         )
         sync = draft and not drafts_ahead
+        self._processed_now = sync or not self.scheduler.config.async_scheduling
         switch_in_ms = 0.0
         if sync and self._in_flight is not None:
             # Finish the step in flight first (its host time is that step's; the synchronous
@@ -689,7 +698,10 @@ class LLMEngine:
         """``_token_bitmask`` of rows whose requests all have their grammar."""
         if self._in_flight is None:
             return self._grammars.bitmask(
-                requests, drafts=self._drafts_of(slots, drafts), slots=slots
+                requests,
+                drafts=self._drafts_of(slots, drafts),
+                slots=slots,
+                open_rows=self._open_rows(requests, slots, drafts),
             )
         sched, launched = self._in_flight
         t0 = time.perf_counter()
@@ -706,6 +718,36 @@ class LLMEngine:
         )
         self._processed_early = launched
         return masks
+
+    def _open_rows(
+        self, requests: Sequence[Request], slots: np.ndarray, drafts: np.ndarray
+    ) -> np.ndarray | None:
+        """[G] bool: the drafted constrained rows whose masks after drafts may be left open
+        (grammar_drafts.py), or None for none: only where the step is processed before the
+        next is scheduled (a token dropped there is no later step's input yet), and only
+        greedy rows without logprobs (an open argmax is the masked one where allowed; a
+        distribution is not), without stop strings or stop ids (a token dropped after it
+        ended the output would leave it ended), and with room for every token of the step
+        before max_tokens or the context (likewise)."""
+        if not (self.leave_draft_masks_open and self._processed_now and drafts.any()):
+            return None
+        if not self._grammars.leaves_masks_open:
+            return None
+        columns = self.scheduler.slots.sampling.columns
+        eligible = (drafts > 0) & columns["greedy"][slots]
+        eligible &= columns["logprobs"][slots] == NO_LOGPROBS
+        max_len = self.scheduler.config.max_model_len
+        for i in np.flatnonzero(eligible).tolist():
+            req, room = requests[i], 1 + int(drafts[i])  # the most tokens the step gives it
+            params = req.sampling_params
+            limit = params.max_tokens if params.max_tokens is not None else max_len
+            eligible[i] = not (
+                req.request_id in self._watched
+                or params.stop_token_ids
+                or req.num_output_tokens + room >= limit
+                or req.num_tokens + room >= max_len
+            )
+        return eligible if eligible.any() else None
 
     def _drafts_of(
         self, slots: np.ndarray, counts: np.ndarray
@@ -856,6 +898,15 @@ class LLMEngine:
                 done.setdefault(status, []).append(req)
             elif why is not None or req.status is RequestStatus.FINISHED_LENGTH:
                 req.status = status
+        for rid in self._grammars.take_dropped():
+            # sampled where its mask was left open, and not what the mask would have let
+            # through: the next step samples its position again under a filled mask
+            req = self._tracked[rid].request
+            if req.finished:  # (_open_rows leaves no way to: never passed off as complete)
+                req.error = "structured output: a token sampled without its mask was refused"
+                req.status = RequestStatus.FINISHED_ERROR
+                continue
+            req.retract_output_token()
         for status, reqs in done.items():
             self.scheduler.finish(reqs, status)
         return [req for reqs in done.values() for req in reqs]

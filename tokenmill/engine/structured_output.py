@@ -56,7 +56,10 @@ How it meets the rest of the engine:
   the one after them) are fed in turn (``feed(counts=...)``); tokens kept after the one
   that ended the grammar are cut by the engine (``took``), so the output is token-by-token
   decoding's. A row drafted ahead of the step in flight gets its drafts from where that
-  step's accepted tokens put it (llm_engine.py ``_drafts_of``).
+  step's accepted tokens put it (llm_engine.py ``_drafts_of``). A greedy row of a step
+  processed at once has its masks after drafts left open where the argmax decides alone
+  (``bitmask(open_rows=...)``, grammar_drafts.py): a token sampled there that its grammar
+  refuses is dropped (``take_dropped``) and its position sampled again.
 - **The invariant.** Each mask handed out is answered by exactly one fed token before the
   row's next mask: ``bitmask`` raises if a row's previous token was not fed, ``feed`` if no
   mask asked for the token.
@@ -99,6 +102,7 @@ from tokenmill.engine.grammar_drafts import consume_runs, fill_with_drafts, mask
 from tokenmill.engine.grammar_processes import BACKENDS, GrammarProcesses, TokenizerNotPicklable
 from tokenmill.engine.grammar_slots import GrammarSlots
 from tokenmill.engine.structured_output_params import (
+    DROPPED,
     JSON_OBJECT,
     REJECTED,
     StructuredOutputsParams,
@@ -166,6 +170,7 @@ class GrammarStats:
     mask_ms: float = 0.0
     mask_wait_ms: float = 0.0
     drafts_walked: int = 0  # masks filled after a draft token (grammar_drafts.py)
+    tokens_dropped: int = 0  # sampled where a mask was left open and refused (DROPPED)
     feeds: int = 0  # feed calls that fed a row
     fed_rows: int = 0
     feed_ms: float = 0.0
@@ -178,6 +183,7 @@ class GrammarStats:
             "mask_ms": round(self.mask_ms / max(self.masks, 1), 3),
             "mask_wait_ms": round(self.mask_wait_ms / max(self.masks, 1), 3),
             "drafts_walked": self.drafts_walked,
+            "tokens_dropped": self.tokens_dropped,
             "feed_calls": self.feeds,
             "rows_per_feed": round(self.fed_rows / max(self.feeds, 1), 1),
             "feed_ms": round(self.feed_ms / max(self.feeds, 1), 3),
@@ -276,9 +282,13 @@ class StructuredOutputs:
         self._rows: np.ndarray = np.empty(0, dtype=object)
         self._num_masked = np.zeros(0, dtype=np.int64)
         self._num_fed = np.zeros(0, dtype=np.int64)
+        # in this process: the positions each grammar's last fill left open, as bits
+        # (grammar_drafts.py; worker processes keep their own)
+        self._opened = np.zeros(0, dtype=np.int64)
         self._ended: list[str] = []  # fed to a stop or an error, not yet taken
         self._rejections: dict[str, str] = {}  # ended requests whose grammar rejected a token
         self._took: dict[str, int] = {}  # ended requests' tokens taken of a several-token feed
+        self._dropped: list[str] = []  # fed a refused token where a mask was left open
         self._fed_pending: _PendingFeed | None = None
         # While ``bitmask`` runs ``beside`` with worker processes: the step sent to them
         # (``masks_in`` asks whether they have answered).
@@ -309,6 +319,11 @@ class StructuredOutputs:
         """The worker processes holding the grammars; 0 when they are in this process."""
         return self.backend.num_processes if self._processes else 0
 
+    @property
+    def leaves_masks_open(self) -> bool:
+        """Whether the backend can leave a drafted row's masks open (grammar_drafts.py)."""
+        return bool(getattr(self.backend, "leaves_masks_open", False))
+
     def add(self, request: Request) -> None:
         """Give ``request`` (whose SamplingParams has ``structured_output``) its matcher.
 
@@ -336,7 +351,7 @@ class StructuredOutputs:
         self._rids[index] = request.request_id
         self._owners[index] = request
         self._rows[index] = row
-        self._num_masked[index] = self._num_fed[index] = 0
+        self._num_masked[index] = self._num_fed[index] = self._opened[index] = 0
 
     def _keep_in_process(self) -> None:
         """The in-process backend instead of worker processes that never started (the
@@ -354,6 +369,7 @@ class StructuredOutputs:
         self._rows = np.concatenate([self._rows, np.empty(new - size, dtype=object)])
         self._num_masked = np.concatenate([self._num_masked, np.zeros(new - size, np.int64)])
         self._num_fed = np.concatenate([self._num_fed, np.zeros(new - size, np.int64)])
+        self._opened = np.concatenate([self._opened, np.zeros(new - size, np.int64)])
         self._free += range(new - 1, size - 1, -1)  # lowest first
 
     def close(self) -> None:
@@ -377,6 +393,7 @@ class StructuredOutputs:
         self._by_slot.clear()
         self._fed_pending = self._filling = None
         self._ended = []
+        self._dropped = []
         self._rejections.clear()
         self._took.clear()
         if self._processes:
@@ -394,6 +411,7 @@ class StructuredOutputs:
             # and its outcome). Their rows leave it.
             self._fed_pending = pending.without(gone)
         self._ended = [rid for rid in self._ended if rid not in gone]  # (an id reused next)
+        self._dropped = [rid for rid in self._dropped if rid not in gone]
         rows, freed = [], []
         for rid in request_ids:
             self._rejections.pop(rid, None)
@@ -414,6 +432,7 @@ class StructuredOutputs:
         beside: Callable[[], object] | None = None,
         drafts: tuple[np.ndarray, np.ndarray] | None = None,
         slots: np.ndarray | None = None,
+        open_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """[G, ceil(vocab_size / 32)] int32: bit t of row i (little-endian within each int32)
         is set when token t may follow ``requests[i]``'s output so far. Each row counts as a
@@ -431,6 +450,12 @@ class StructuredOutputs:
 
         ``slots`` [G] int64, the rows' batch slots, makes the grammars' lookup one by slot
         (grammar_slots.py); without it, by request id.
+
+        ``open_rows`` [G] bool: drafted rows whose masks after drafts may be left open
+        (greedy rows whose step is processed before the next is scheduled: the engine's
+        call; grammar_drafts.py), with a backend that ``leaves_masks_open``. A token such
+        a row samples at an open position that its grammar refuses comes back from the
+        feed in ``take_dropped``.
 
         The array is a reused buffer: valid until the second call after this one.
         Raises RuntimeError when a request has no grammar or its last mask's token has not
@@ -453,6 +478,8 @@ class StructuredOutputs:
         size = mask_rows(counts, len(rows))
         places = np.arange(len(rows)) if counts is None else np.cumsum(counts + 1) - counts - 1
         walk = None if counts is None else (np.asarray(draft_tokens, np.int64), counts)
+        if walk is None or not self.leaves_masks_open:
+            open_rows = None
         mask = self._buffers.next(size)
         if self._processes:
             # The fed tokens (kept by ``feed``) go out with the masks to fill, one message
@@ -463,10 +490,10 @@ class StructuredOutputs:
             pending = self._fed_pending
             fill = (rows, mask, places, walk)
             if pending is not None and pending.sent is None:
-                sent = self.backend.send_step(pending.consumed(), fill)
+                sent = self.backend.send_step(pending.consumed(), fill, open_rows)
                 pending.sent = sent
             else:
-                sent = self.backend.send_step(fill=fill)
+                sent = self.backend.send_step(fill=fill, open_rows=open_rows)
             t1 = time.perf_counter()
             self._filling = sent
             try:
@@ -489,7 +516,10 @@ class StructuredOutputs:
                 side = self._worker.submit(beside)
             t0 = time.perf_counter()
             try:
-                fill_with_drafts(self.backend, rows, mask, places, *(walk or (None, None)))
+                walked = walk or (None, None)
+                self._opened[index] = fill_with_drafts(
+                    self.backend, rows, mask, places, *walked, open_rows
+                )
             finally:
                 t1 = time.perf_counter()
                 if side is not None:
@@ -587,7 +617,9 @@ class StructuredOutputs:
             self._fed_pending = _PendingFeed(rids, rows, tokens_fed, fed)
             self.stats.feed_ms += (time.perf_counter() - t0) * 1e3
             return
-        status, took = consume_runs(self.backend, rows, tokens_fed, fed)
+        opened, self._opened[index] = self._opened[index], 0
+        try_last = (opened >> ((1 if fed is None else fed) - 1)) & 1 == 1
+        status, took = consume_runs(self.backend, rows, tokens_fed, fed, try_last)
         self._fed_outcome(rids, rows, status, t0, fed, took)
 
     def _finish_feed(self) -> None:
@@ -610,13 +642,18 @@ class StructuredOutputs:
         took: np.ndarray | None = None,
     ) -> None:
         """Requests whose grammar rejected or completed with a token go to ``take_ended``,
-        with how many of their ``counts`` tokens they ``took``; the feed's time since ``t0``
-        is counted."""
+        with how many of their ``counts`` tokens they ``took``, those whose last token was
+        refused where its mask was left open to ``take_dropped``; the feed's time since
+        ``t0`` is counted."""
         for i in np.flatnonzero(status).tolist():
             index = self._index.get(rids[i])
             if index is None or self._rows[index] is not rows[i]:
                 # Dropped since it was fed (worker processes answer later), maybe its id
                 # given to a new request since: the outcome is no grammar's now.
+                continue
+            if status[i] == DROPPED:
+                self._dropped.append(rids[i])
+                self.stats.tokens_dropped += 1
                 continue
             if status[i] == REJECTED:  # the matcher is left in its error state
                 why = self.backend.error(rows[i])
@@ -640,6 +677,17 @@ class StructuredOutputs:
         ended = [rid for rid in self._ended if rid in self._index]
         self._ended = []
         return ended
+
+    def take_dropped(self) -> list[str]:
+        """The ids of requests (still with their grammar) whose last fed token was sampled
+        where its mask was left open and the grammar refuses it, since the last call: the
+        caller drops that token from the output (``bitmask(open_rows=...)``). Call it after
+        ``take_ended``, which reads the feed's outcome."""
+        if not self._dropped:
+            return []
+        dropped = [rid for rid in self._dropped if rid in self._index]
+        self._dropped = []
+        return dropped
 
     def took(self, request_id: str) -> int | None:
         """How many of the tokens last fed to an ended request's grammar it took, the one

@@ -36,6 +36,7 @@ from tokenmill.engine.llguidance_limits import check_llguidance_schema
 
 __all__ = [
     "CHOICE_PREFIX",
+    "DROPPED",
     "JSON_OBJECT",
     "REGEX_PREFIX",
     "REJECTED",
@@ -60,6 +61,9 @@ CHOICE_PREFIX = "choice:"
 TAKEN = 0  # accepted; the output goes on
 STOPPED = 1  # accepted, and the output is complete: nothing but EOS may follow
 REJECTED = 2  # not allowed here: the matcher is in its error state (``error`` says why)
+# not allowed where its mask was left open (grammar_drafts.py): not taken, the matcher as it
+# was; the engine drops the token and computes the position again under a mask
+DROPPED = 3
 SETTING_KEYS = ("json_schema", "regex", "choice")  # the one-key mapping form's keys
 # StructuredOutputsParams' fields (vLLM's too): a dict of only these is not a schema
 _PARAMS_FIELDS = frozenset(

@@ -208,6 +208,17 @@ class Request:
             t.num_tokens[self.slot] = keep
             t.num_computed[self.slot] = min(int(t.num_computed[self.slot]), keep)
 
+    def retract_output_token(self) -> None:
+        """Take back the last output token of a running request, computed or not: its
+        position is sampled again by the next step, which takes the token before it as its
+        input (computed again; its KV is rewritten as it was). For a token sampled where a
+        grammar's mask was left open and the grammar refuses (grammar_drafts.py)."""
+        if self.num_output_tokens == 0:
+            raise RuntimeError(f"request {self.request_id} has no output token to take back")
+        keep = self.num_tokens - 1
+        self.truncate_output(self.num_output_tokens - 1)
+        self.num_computed_tokens = min(self.num_computed_tokens, keep - 1)
+
     def append_output_token(self, token_id: int) -> None:
         t = self._table
         if t is None:
