@@ -29,10 +29,12 @@ A library that is not installed is reported as such, not skipped silently.
 ``--drafts K`` makes every step a drafted one, as speculative decoding's are: each row's
 masks after its output and after each of its next K tokens (the record's own, so every
 draft is taken), walked as the engine walks them (grammar_drafts.py: advance, fill,
-rollback; in worker processes, the walk sent with the fill), 1 + K masks a row.
+rollback; in worker processes, the walk sent with the fill), 1 + K masks a row. With
+``--open`` the masks after drafts are left open where the engine leaves them for greedy
+rows (grammar_drafts.py; llguidance only: xgrammar fills them all).
 
     PYTHONPATH=. python bench/grammar_backends.py [--threads 1,2] [--processes 1,2] [--rows 433]
-    PYTHONPATH=. python bench/grammar_backends.py --rows 64 --drafts 3 --processes 8
+    PYTHONPATH=. python bench/grammar_backends.py --rows 64 --drafts 3 --processes 8 [--open]
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def time_backend(
     spec: str,
     seqs: list[list[int]],
     drafts: int = 0,
+    leave_open: bool = False,
 ) -> tuple[float, float]:
     """(mask ms, token ms) per step of ``backend`` doing the engine's calls: a matcher per
     row, then every step one ``fill`` of all rows' masks (1 + ``drafts`` a row, walking
@@ -122,6 +125,7 @@ def time_backend(
         mask = np.zeros((size, -(-backend.vocab_size // 32)), dtype=np.int32)
     places = np.arange(len(seqs)) * (1 + drafts)
     counts = np.full(len(seqs), drafts, dtype=np.int64)
+    opens = np.full(len(seqs), leave_open and backend.leaves_masks_open)
     step = [0]
 
     def fill() -> None:
@@ -131,11 +135,10 @@ def time_backend(
         at = step[0]
         walk = np.array([s[at + 1 : at + 1 + drafts] for s in seqs], dtype=np.int64)
         if isinstance(backend, GrammarProcesses):
-            backend.finish_fill(
-                backend.send_step(fill=(rows, mask, places, (walk.reshape(-1), counts)))
-            )
+            fill = (rows, mask, places, (walk.reshape(-1), counts))
+            backend.finish_fill(backend.send_step(fill=fill, open_rows=opens))
         else:
-            fill_with_drafts(backend, rows, mask, places, walk.reshape(-1), counts)
+            fill_with_drafts(backend, rows, mask, places, walk.reshape(-1), counts, opens)
 
     def consume(tokens: list[int]) -> None:
         step[0] += 1
@@ -161,6 +164,9 @@ def main() -> None:
     parser.add_argument(
         "--drafts", type=int, default=0, help="draft tokens a row walks each step (k)"
     )
+    parser.add_argument(
+        "--open", action="store_true", help="leave the masks after drafts open (greedy rows)"
+    )
     args = parser.parse_args()
     source = resolve_model_source(args.model)
     tokenizer = source.load_tokenizer()
@@ -178,6 +184,7 @@ def main() -> None:
                     how: count,
                     "rows": args.rows,
                     "drafts": args.drafts,
+                    "open": args.open,
                 }
                 eos = [tokenizer.eos_token_id]
                 try:
@@ -186,7 +193,8 @@ def main() -> None:
                     else:
                         backend = GrammarProcesses(library, tokenizer, vocab, eos, count)
                     try:
-                        mask_ms, token_ms = time_backend(backend, spec, seqs, args.drafts)
+                        times = time_backend(backend, spec, seqs, args.drafts, args.open)
+                        mask_ms, token_ms = times
                     finally:
                         if how == "processes":
                             backend.close()

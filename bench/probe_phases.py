@@ -214,6 +214,7 @@ def run(args, method: str, convs, warm) -> dict:
         speculative={"method": method, "max_tokens": args.draft_tokens},
         structured_output_backend=args.backend,
     )
+    llm.engine.leave_draft_masks_open = not args.fill_draft_masks
     schema = RECORD_SCHEMA if args.structured else None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_output=schema)
     warm_params = SamplingParams(max_tokens=16, temperature=0.0, structured_output=schema)
@@ -256,6 +257,11 @@ def main() -> None:
     parser.add_argument(
         "--structured", action="store_true", help="every row constrained by RECORD_SCHEMA"
     )
+    parser.add_argument(
+        "--fill-draft-masks", action="store_true",
+        help="fill every grammar mask after a draft (else a greedy row's are left open where "
+        "they can be: grammar_drafts.py)",
+    )  # fmt: skip
     parser.add_argument(
         "--backend", choices=("llguidance", "xgrammar"), default="llguidance",
         help="the grammar library of --structured (the engine's structured_output_backend)",

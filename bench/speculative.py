@@ -166,6 +166,7 @@ class StepClock:
 def run(
     model: str, device: str, batch: int, method: str, k: int, convs, warm, max_tokens: int,
     profile: bool = False, ahead_below: int | None = None, structured: bool = False,
+    fill_draft_masks: bool = False,
 ):  # fmt: skip
     llm = LLM(
         model,
@@ -176,6 +177,7 @@ def run(
     )
     if ahead_below is not None:
         llm.engine.draft_ahead_below = ahead_below
+    llm.engine.leave_draft_masks_open = not fill_draft_masks
     schema = RECORD_SCHEMA if structured else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=schema)
     # Warm-up on a full batch of other prompts of the workload, long enough to draft, so the
@@ -249,6 +251,12 @@ def main() -> None:
         help="every row constrained by the records workload's JSON schema (RECORD_SCHEMA)",
     )
     parser.add_argument(
+        "--fill-draft-masks",
+        action="store_true",
+        help="fill every grammar mask after a draft (the engine leaves a greedy row's open "
+        "where it can: grammar_drafts.py)",
+    )
+    parser.add_argument(
         "--auto-never-drafts",
         action="store_true",
         help="auto's policy is asked every step but never drafts: what having a proposer "
@@ -276,7 +284,7 @@ def main() -> None:
                     runs[method].append(
                         run(args.model, args.device, batch, method, args.draft_tokens, convs,
                             warm, args.max_tokens, args.profile, args.ahead_below,
-                        args.structured)
+                            args.structured, args.fill_draft_masks)
                     )  # fmt: skip
             for method, done in runs.items():
                 line = _line(workload, batch, method, args, done, runs["off"])
