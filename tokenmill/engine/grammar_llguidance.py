@@ -105,15 +105,7 @@ class LlguidanceGrammars:
         (grammar_drafts.py): [rows] bool, whether it took it (a token it does not allow
         leaves it as it was, not in its error state); no stop token. ``rollback`` undoes
         it."""
-        eos = self._eos
-        return np.fromiter(
-            (
-                int(t) not in eos and m.try_consume_tokens([int(t)]) == 1
-                for (m, _), t in zip(rows, tokens, strict=True)
-            ),
-            dtype=bool,
-            count=len(rows),
-        )
+        return self._each_takes(rows, tokens, "try_consume_tokens")
 
     def rollback(self, rows: Sequence[Row], counts: Sequence[int]) -> None:
         """Each row's matcher gives back its last ``counts[i]`` tokens (``advance``'s)."""
@@ -127,10 +119,15 @@ class LlguidanceGrammars:
     def allows(self, rows: Sequence[Row], tokens: Sequence[int]) -> np.ndarray:
         """[rows] bool: whether each row's matcher would take its token (not a stop token);
         no matcher changes."""
+        return self._each_takes(rows, tokens, "validate_tokens")
+
+    def _each_takes(self, rows: Sequence[Row], tokens: Sequence[int], how: str) -> np.ndarray:
+        """[rows] bool: each row's token not a stop token and one its matcher's ``how``
+        (try_consume_tokens: takes it; validate_tokens: only checks) counts as taken."""
         eos = self._eos
         return np.fromiter(
             (
-                int(t) not in eos and m.validate_tokens([int(t)]) == 1
+                int(t) not in eos and getattr(m, how)([int(t)]) == 1
                 for (m, _), t in zip(rows, tokens, strict=True)
             ),
             dtype=bool,
