@@ -203,6 +203,23 @@ def test_the_model_folder_as_its_own_tokenizer_is_taken_however_spelled(model: P
     assert engine_settings(str(model), {"tokenizer": f"{model}/"}) == {}
 
 
+def test_llm_engine_is_the_engine_under_vllms_name(model: Path) -> None:
+    """vLLM scripts read ``llm.llm_engine.get_tokenizer()`` and
+    ``llm.llm_engine.model_config.max_model_len``: an AttributeError on ``llm_engine``
+    stopped them. The engine's model_config is the model's config.json: vLLM's engine
+    settings read from it say where they are."""
+    from tokenmill import LLM
+
+    llm = LLM(model=str(model), dtype="float32", max_model_len=128)
+    assert llm.llm_engine is llm.engine
+    assert llm.llm_engine.get_tokenizer() is llm.get_tokenizer() is llm.tokenizer
+    assert llm.llm_engine.max_model_len == 128
+    with pytest.raises(AttributeError, match=r"no 'max_model_len'.*llm.llm_engine.max_model_len"):
+        llm.llm_engine.model_config.max_model_len  # noqa: B018
+    with pytest.raises(AttributeError, match=r"has no attribute 'no_such_name'$"):
+        llm.llm_engine.model_config.no_such_name  # noqa: B018
+
+
 def test_sampling_params_fields_may_be_set_after_it_is_made(model: Path) -> None:
     """vLLM's example: params = llm.get_default_sampling_params(); params.max_tokens = n.
     A bad value is refused and leaves the params as they were."""

@@ -90,6 +90,14 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, ``llm.engine``, under vLLM's name: its ``get_tokenizer()`` and
+        ``max_model_len`` (vLLM's ``model_config.max_model_len``: the context as the KV cache
+        left it) are there; its ``model_config`` is the model's config.json, which refuses
+        vLLM's engine settings by name (model_config.py)."""
+        return self.engine
+
     def get_tokenizer(self) -> Any:
         """The model's tokenizer (vLLM's accessor; also ``llm.tokenizer``)."""
         return self.tokenizer

@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -519,6 +520,11 @@ class LLMEngine:
         self.runner.forget_launches()
         self._grammars.reset()
         self._outputs.collect(wait=True)  # the aborted requests' (dropped)
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's ``llm.llm_engine.get_tokenizer()``); None with
+        ``load_format='random'``, which loads none."""
+        return self.tokenizer
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Drop requests (finished or not) and free their KV blocks; nothing is returned.

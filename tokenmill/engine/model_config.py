@@ -18,6 +18,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
+# vLLM's ModelConfig attributes its scripts read (llm.llm_engine.model_config.<name>) ->
+# where the value is here
+_VLLM_NAMES = {
+    "max_model_len": (
+        "the engine's context (vLLM's model_config.max_model_len) is "
+        "llm.llm_engine.max_model_len; the model's own is max_position_embeddings"
+    ),
+    "hf_config": "its fields (vocab_size, hidden_size, ...) are on it, as hf_config's are",
+    "model": "the model's path is llm.llm_engine.model_path",
+    "dtype": "the dtype the engine runs in is llm.llm_engine.dtype",
+}
 # Rope scaling types implemented in models/rope.py.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # The bias switches transformers' model of each architecture reads (it ignores the others).
@@ -126,6 +137,18 @@ class ModelConfig:
                 f"rope_scaling of type {rope_type!r} needs {', '.join(needed)} (numbers){where}; "
                 f"missing or not a number: {', '.join(missing)}"
             )
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute: vLLM's ModelConfig names the engine's
+        settings, which this one (the model's config.json) does not hold; say where they
+        are instead of a bare AttributeError."""
+        instead = _VLLM_NAMES.get(name)
+        if instead is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise AttributeError(
+            f"ModelConfig has no {name!r}: it holds the model's config.json, not vLLM's "
+            f"engine settings; {instead}"
+        )
 
     @property
     def rope_type(self) -> str:
