@@ -20,6 +20,7 @@ __all__ = [
     "GuidedDecodingParams",
     "TextPrompt",
     "TokensPrompt",
+    "RequestOutputKind",
 ]
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ _LAZY = {
     "GuidedDecodingParams": "tokenmill.engine.structured_output_params",
     "TextPrompt": "tokenmill.engine.prompt_dicts",
     "TokensPrompt": "tokenmill.engine.prompt_dicts",
+    "RequestOutputKind": "tokenmill.engine.vllm_sampling_fields",
 }
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         GuidedDecodingParams,
         StructuredOutputsParams,
     )
+    from tokenmill.engine.vllm_sampling_fields import RequestOutputKind
     from tokenmill.jobs.runner import run_job
     from tokenmill.jobs.spec import JobSpec
     from tokenmill.jobs.submit import submit

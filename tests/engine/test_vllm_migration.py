@@ -140,6 +140,19 @@ def test_vllms_no_op_sampling_arguments_are_taken_and_others_named() -> None:
             SamplingParams(**{name: value})
 
 
+def test_output_kinds_that_change_nothing_offline_are_taken_and_delta_named() -> None:
+    """vLLM's ``output_kind`` was a TypeError. Offline calls return final outputs only, as
+    CUMULATIVE (vLLM's default) and FINAL_ONLY do; DELTA would be silently ignored."""
+    from tokenmill import RequestOutputKind, SamplingParams
+
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY, 2):
+        assert SamplingParams(max_tokens=3, output_kind=kind) == SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match=r"output_kind=RequestOutputKind.DELTA is not supported"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(ValueError, match=r"output_kind must be .*got 'final_only'"):
+        SamplingParams(output_kind="final_only")
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -14,7 +14,11 @@ from tokenmill.engine.structured_output_params import (
     StructuredOutputsParams,
     check_structured_output,
 )
-from tokenmill.engine.vllm_sampling_fields import check_vllm_only
+from tokenmill.engine.vllm_sampling_fields import (
+    RequestOutputKind,
+    check_output_kind,
+    check_vllm_only,
+)
 
 
 @dataclass
@@ -93,6 +97,7 @@ class SamplingParams:
     bad_words: InitVar[list[str] | None] = None
     logits_processors: InitVar[list[Any] | None] = None
     extra_args: InitVar[dict[str, Any] | None] = None
+    output_kind: InitVar[RequestOutputKind] = RequestOutputKind.CUMULATIVE
 
     def __post_init__(
         self,
@@ -104,6 +109,7 @@ class SamplingParams:
         bad_words: list[str] | None,
         logits_processors: list[Any] | None,
         extra_args: dict[str, Any] | None,
+        output_kind: RequestOutputKind,
     ) -> None:
         check_vllm_only(
             {
@@ -115,6 +121,7 @@ class SamplingParams:
                 "extra_args": extra_args,
             }
         )
+        check_output_kind(output_kind)
         spellings = (self.structured_output, structured_outputs, guided_decoding)
         given = [v for v in spellings if v is not None]
         if len(given) > 1:

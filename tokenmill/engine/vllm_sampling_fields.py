@@ -9,13 +9,27 @@ is refused, naming the argument and what to do instead:
     allowed_token_ids, bad_words,      None or empty: no restriction (logit_bias bans or
       logits_processors                  forces tokens; structured_output constrains text)
     extra_args=None                    no custom sampler reads them
+    output_kind=CUMULATIVE or          LLM.generate / chat return each request's final
+      FINAL_ONLY                         output only (LLMEngine.step too): DELTA refused
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
-__all__ = ["check_vllm_only"]
+__all__ = ["RequestOutputKind", "check_output_kind", "check_vllm_only"]
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's ``RequestOutputKind`` (``vllm.sampling_params``), with its values: what a
+    streaming caller is handed as a request runs. Offline calls hand back the final output
+    only, so CUMULATIVE (vLLM's default) and FINAL_ONLY are the same here."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 # argument -> (the value that changes nothing: True or None, what to do instead of another)
 _TAKEN: dict[str, tuple[bool | None, str]] = {
@@ -48,3 +62,23 @@ def check_vllm_only(values: dict[str, Any]) -> None:
                 f"SamplingParams.{name}={value!r} is not supported (vLLM's; only {default} "
                 f"is taken): {instead}"
             )
+
+
+def check_output_kind(value: Any) -> None:
+    """Raise ValueError unless ``value`` is RequestOutputKind CUMULATIVE or FINAL_ONLY
+    (ours or vLLM's enum, or its int), naming DELTA when it is that."""
+    kind = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        kind = RequestOutputKind._value2member_map_.get(int(value))
+    if kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        return
+    if kind is RequestOutputKind.DELTA:
+        raise ValueError(
+            "SamplingParams.output_kind=RequestOutputKind.DELTA is not supported: LLM.generate "
+            "and chat return each request's final output only, never the new tokens of a "
+            "step; leave it out (CUMULATIVE, vLLM's default) or pass FINAL_ONLY"
+        )
+    raise ValueError(
+        f"SamplingParams.output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY "
+        f"(from tokenmill import RequestOutputKind), got {value!r}"
+    )
