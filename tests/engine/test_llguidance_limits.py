@@ -41,7 +41,7 @@ def test_a_bound_past_2_53_is_refused_naming_it(bounds: dict[str, Any], keyword:
         SamplingParams(structured_output=_integer(**bounds))
     message = str(info.value)
     assert f"schema.properties.n.{keyword} is " in message
-    assert "llguidance cannot use this JSON schema" in message and "2**53" in message
+    assert "this JSON schema cannot be enforced" in message and "2**53" in message
 
 
 def test_bounds_up_to_2_53_are_kept() -> None:

@@ -60,7 +60,7 @@ def test_each_form_keeps_one_canonical_text() -> None:
         (StructuredOutputsParams(choice="ab"), "must be a list of strings"),
         ("choice:[]", "at least one string"),
         ("choice:yes", "after 'choice:' comes a JSON list"),
-        ({"regex": "(ab"}, "structured_output: regex: llguidance cannot use this regex '(ab'"),
+        ({"regex": "(ab"}, "structured_output: regex: cannot compile this regex '(ab'"),
     ],
 )
 def test_bad_regex_or_choice_is_a_value_error_naming_it(value: Any, message: str) -> None:
@@ -96,7 +96,7 @@ def test_structured_outputs_params_takes_exactly_one() -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"regex": "(ab"}, "regex: llguidance cannot use this regex '(ab'"),
+        ({"regex": "(ab"}, "regex: cannot compile this regex '(ab'"),
         ({"choice": []}, "choice must list at least one string"),
         ({"regex": "a", "choice": ["a"]}, "a mapping with one key"),
         ({"pattern": "a"}, "got a mapping with keys ['pattern']"),

@@ -89,8 +89,8 @@ def test_structured_output_is_validated_and_kept_as_compact_json() -> None:
         ("{not json", "not JSON"),
         ("[1, 2]", "JSON schema object"),
         (7, "a JSON schema (a dict or a JSON string)"),
-        ({"type": "object", "properties": {"a": {"type": "strng"}}}, "llguidance cannot use"),
-        ({"type": "string", "format": "no-such-format"}, "llguidance cannot use"),
+        ({"type": "object", "properties": {"a": {"type": "strng"}}}, "cannot compile this"),
+        ({"type": "string", "format": "no-such-format"}, "cannot compile this JSON schema"),
         ({"type": "object", "default": {1, 2}}, "not JSON-serializable"),
     ],
 )

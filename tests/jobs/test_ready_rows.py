@@ -270,7 +270,7 @@ def test_the_jobs_ending_gives_transformers_ids_and_a_user_ending_is_the_rows_er
         ({"temperature": 1e39}, "body.temperature must be a number >= 0"),
         (
             {"structured_output": {"type": "nonsense"}},
-            "body.response_format: llguidance cannot use this JSON schema",
+            "body.response_format: cannot compile this JSON schema",
         ),
     ],
 )

@@ -500,6 +500,25 @@ def test_a_constraint_xgrammar_cannot_run_fails_a_spec_that_picks_xgrammar(
     assert what in message
 
 
+@pytest.mark.parametrize(
+    ("schema", "what"),
+    [
+        ({"type": "object", "minProperties": 2}, "schema.minProperties is 2"),  # both libraries
+        ({"type": "integer", "minimum": 2**53 + 1}, "schema.minimum is"),
+        ({"type": "objectx"}, "cannot compile this JSON schema"),  # the check compiles it
+    ],
+)
+def test_a_schema_every_backend_is_refused_names_no_library_for_xgrammar(
+    schema: dict[str, Any], what: str
+) -> None:
+    """The sampling section checks every constraint as llguidance reads it, whatever the
+    backend: a job on xgrammar was told "llguidance cannot use this JSON schema"."""
+    engine = {"structured_output_backend": "xgrammar"}
+    message = _error(_raw(sampling={"structured_output": {"json_schema": schema}}, engine=engine))
+    assert "sampling.structured_output: json_schema: " in message and what in message
+    assert "llguidance" not in message
+
+
 def test_a_job_wide_logit_bias_past_the_vocabulary_fails_the_spec(
     tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -53,7 +53,7 @@ CELLS: dict[str, Any] = {
     "none": None,
 }
 BAD_CELLS: dict[str, tuple[Any, str]] = {
-    "bad-regex": ({"regex": "[0-9"}, "regex: llguidance cannot use this regex '[0-9'"),
+    "bad-regex": ({"regex": "[0-9"}, "regex: cannot compile this regex '[0-9'"),
     "empty-choice": ({"choice": []}, "choice must list at least one string"),
     "two-keys": ({"regex": "a", "choice": ["a"]}, "a mapping with one key"),
 }

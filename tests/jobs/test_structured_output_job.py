@@ -106,14 +106,14 @@ def test_job_yaml_structured_output_applies_to_every_row(tiny_model: Path, tmp_p
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({"json_schema": {"type": "objectx"}}, "json_schema: llguidance cannot use"),
+        ({"json_schema": {"type": "objectx"}}, "json_schema: cannot compile this JSON schema"),
         (
             {"schema": SCHEMA},
             "expected json_object or a mapping with one key: {json_schema: <JSON Schema>}, "
             "{regex: <pattern>} or {choice: [<string>, ...]}; got a mapping with keys ['schema']",
         ),
         ("{not json", "not JSON"),
-        ({"regex": "(ab"}, "regex: llguidance cannot use this regex '(ab': unclosed group"),
+        ({"regex": "(ab"}, "regex: cannot compile this regex '(ab': unclosed group"),
         ({"regex": ""}, "regex must be a non-empty regular expression"),
         ({"choice": []}, "choice must list at least one string; the list is empty"),
         ({"choice": "yes"}, "choice must be a list of strings"),

@@ -47,10 +47,10 @@ def check_llguidance_schema(schema_text: str) -> None:
             bound = node.get(key)
             if _is_number(bound) and _past_exact(bound, exclusive=key in _EXCLUSIVE):
                 raise ValueError(
-                    f"{where}.{key} is {bound}, past what llguidance bounds exactly "
-                    f"(magnitude at most 2**53 = {EXACT_BOUND}, an exclusive bound below it): "
-                    "it would let numbers outside the bound through; use a smaller bound, or "
-                    "a string with a pattern for larger numbers"
+                    f"{where}.{key} is {bound}, past what a bound read as a float keeps "
+                    f"exactly (magnitude at most 2**53 = {EXACT_BOUND}, an exclusive bound "
+                    "below it): it would let numbers outside the bound through; use a smaller "
+                    "bound, or a string with a pattern for larger numbers"
                 )
 
 

@@ -349,8 +349,8 @@ def _check_text(text: str, name: str) -> str:
         raise ValueError(f"{name}: the schema is not valid JSON ({exc})") from None
     try:  # what llguidance compiles but would not enforce
         check_llguidance_schema(canonical)
-    except ValueError as exc:
-        raise ValueError(f"{name}: llguidance cannot use this JSON schema: {exc}") from None
+    except ValueError as exc:  # (checked whatever the backend: the message names neither)
+        raise ValueError(f"{name}: this JSON schema cannot be enforced: {exc}") from None
     return _validated(canonical, name)
 
 
@@ -367,7 +367,9 @@ def _validated(canonical: str, name: str) -> str:
         what = describe(canonical)
         if canonical.startswith(REGEX_PREFIX):
             what += f" {_short(canonical[len(REGEX_PREFIX) :])}"
-        raise ValueError(f"{name}: llguidance cannot use this {what}: {grammar_error(messages[0])}")
+        # (every backend's constraints are checked here, as llguidance reads them: the
+        # message names no library, as the user may have chosen xgrammar)
+        raise ValueError(f"{name}: cannot compile this {what}: {grammar_error(messages[0])}")
     return canonical
 
 
