@@ -19,6 +19,7 @@ from tokenmill.engine.xgrammar_limits import (
     check_schema,
     surrogate_edges,
     token_masks,
+    xgrammar_false_properties,
     xgrammar_regex,
 )
 
@@ -164,3 +165,53 @@ def test_ipv6_takes_no_leading_zero_in_its_dotted_quad_on_xgrammar(xgr_grammars)
         taken[value] = REJECTED not in status and status[-1] == STOPPED
         xgr_grammars.release([row])
     assert taken == IPV6
+
+
+CLOSED = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": False},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+
+
+def test_a_false_property_of_a_closed_object_is_forbidden_on_xgrammar(xgr_grammars) -> None:  # noqa: ANN001
+    """``"b": false`` (valid JSON Schema: the key is forbidden) failed to compile on
+    xgrammar ("Schema 'false' cannot accept any value", naming neither key nor path); on an
+    object taking no other keys it is left out of properties, which forbids it the same."""
+    from jsonschema import Draft202012Validator
+
+    tokenizer = xgr_grammars._tokenizer
+
+    def status(text: str) -> list[int]:
+        row = xgr_grammars.matcher(json.dumps(CLOSED))
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        got = [xgr_grammars.consume([row], [t])[0] for t in tokens]
+        xgr_grammars.release([row])
+        return got
+
+    taken = status('{"a":1}')
+    assert REJECTED not in taken and taken[-1] == STOPPED
+    assert Draft202012Validator(CLOSED).is_valid({"a": 1})
+    assert REJECTED in status('{"a":1,"b":2}')
+    assert not Draft202012Validator(CLOSED).is_valid({"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize(
+    ("schema", "what"),
+    [
+        ({**CLOSED, "additionalProperties": True}, "schema.properties.b is false"),
+        ({key: v for key, v in CLOSED.items() if key != "additionalProperties"},
+         "set schema.additionalProperties to false"),
+        ({**CLOSED, "patternProperties": {"^b$": {}}}, "without patternProperties"),
+        ({**CLOSED, "required": ["a", "b"]}, "schema.required names 'b': no object can match"),
+        ({"type": "object", "properties": {"x": {**CLOSED, "additionalProperties": {}}}},
+         "schema.properties.x.properties.b is false"),
+    ],
+)  # fmt: skip
+def test_a_false_property_xgrammar_cannot_keep_out_is_refused_naming_it(
+    schema: dict, what: str
+) -> None:
+    with pytest.raises(ValueError, match="is false") as info:
+        xgrammar_false_properties(json.dumps(schema))
+    assert what in str(info.value)

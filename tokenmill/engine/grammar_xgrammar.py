@@ -46,6 +46,7 @@ from tokenmill.engine.xgrammar_limits import (
     check_schema,
     surrogate_edges,
     token_masks,
+    xgrammar_false_properties,
     xgrammar_format_patterns,
     xgrammar_regex,
     xgrammar_schema_patterns,
@@ -104,6 +105,7 @@ def _built(
             )
         text = _ANY_OBJECT if spec == JSON_OBJECT else spec
         check_schema(text)
+        text = xgrammar_false_properties(text)  # (it compiles no "b": false)
         # strict_mode off: an object without additionalProperties takes other keys, as
         # JSON Schema says and llguidance does (xgrammar's default allowed none, and refused
         # minProperties past the properties listed)

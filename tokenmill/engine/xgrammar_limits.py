@@ -15,7 +15,10 @@ Found by checking its outputs against the schema (jsonschema) and against llguid
   constraint at all), others are not verified.
   ``check_schema`` refuses a schema holding one, naming it, so a row is an error at once
   instead of an output that does not follow its schema; llguidance (the default backend)
-  runs them.
+  runs them. A property whose schema is ``false`` (the key forbidden) failed to compile
+  ("Schema 'false' cannot accept any value"): on an object whose ``additionalProperties``
+  is false the key is left out of ``properties``, which forbids it the same; elsewhere it is
+  refused, naming its path (``xgrammar_false_properties``).
 - Regexes. POSIX classes (``[[:digit:]]``), escapes of letters it does not know (``\\A``,
   ``\\z``), class set operations and nested classes are read as something else: refused;
   its ``.`` takes a newline, which the documented syntax's does not: written ``[^\\n]``
@@ -123,6 +126,44 @@ def check_schema(schema_text: str) -> None:
                     f"{where} requires {missing[0]!r} without listing it in 'properties', "
                     "which xgrammar does not enforce"
                 )
+
+
+def xgrammar_false_properties(schema_text: str) -> str:
+    """``schema_text`` with each property whose schema is ``false`` left out of its
+    object's ``properties`` where ``additionalProperties`` is false (and no
+    ``patternProperties`` could take the key back): the key is forbidden either way, and
+    xgrammar compiles no ``false``. Raises ValueError naming the property's path where the
+    object takes keys it does not list (leaving it out would let it in) or ``required``
+    names it (no object matches)."""
+    if "false" not in schema_text:
+        return schema_text
+
+    def rewrite(where: str, node: dict[str, Any]) -> bool:
+        properties = node.get("properties")
+        if not isinstance(properties, dict):
+            return False
+        banned = [name for name, sub in properties.items() if sub is False]
+        for name in banned:
+            path = f"{where}.properties.{name}"
+            required = node.get("required")
+            if isinstance(required, list) and name in required:
+                raise ValueError(
+                    f"{path} is false (the key is forbidden) but {where}.required names "
+                    f"{name!r}: no object can match; drop one of them"
+                )
+            if node.get("additionalProperties") is not False or "patternProperties" in node:
+                raise ValueError(
+                    f"{path} is false (the key is forbidden), which xgrammar keeps out only "
+                    f"of an object taking no other keys: set {where}.additionalProperties "
+                    "to false (without patternProperties; the key is then left out), or use "
+                    "structured_output_backend llguidance"
+                )
+        if not banned:
+            return False
+        node["properties"] = {k: v for k, v in properties.items() if k not in banned}
+        return True
+
+    return edit_subschemas(schema_text, rewrite)
 
 
 # Escapes of a letter xgrammar knows; any other letter it matches as itself (\\A as "A").
