@@ -197,6 +197,8 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
                 for key, row_bits in zip(fill_keys[mine].tolist(), bits.tolist(), strict=True):
                     if row_bits:
                         opened[key] = row_bits
+                    else:  # (a feed pops each entry; none outlives a fill that opens none)
+                        opened.pop(key, None)
                 conn.send_bytes(b"")
         elif kind == ADD:
             matchers[int(ints[1])] = backend.matcher(message[16:].decode())
