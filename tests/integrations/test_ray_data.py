@@ -96,6 +96,18 @@ def test_bad_settings_are_refused_when_building() -> None:
         ProcessorConfig(sampling=None)
 
 
+def test_replica_resources_are_refused_when_building_naming_the_key() -> None:
+    """num_cpus / num_gpus were taken as given: Ray refused a negative one only once the
+    dataset ran ("The quantity of resource num_cpus cannot be negative", no
+    ProcessorConfig key), and num_cpus="1" was a TypeError comparing str and float."""
+    for name in ("num_cpus", "num_gpus"):
+        for bad in (-1, "1", True, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=rf"^ProcessorConfig.{name} must be a finite"):
+                ProcessorConfig(**{name: bad})
+    assert ProcessorConfig(num_cpus=0, num_gpus=0.5).gpus_per_replica() == 0.5
+    assert ProcessorConfig(num_cpus=2.5, num_gpus=None).num_cpus == 2.5
+
+
 def test_a_row_asking_for_several_completions_is_an_error_not_a_cut(model: Path) -> None:
     """Its columns hold one completion: n=3 used to return the first and drop two."""
     replica = EngineReplica(ProcessorConfig(str(model), engine=ENGINE, sampling=SAMPLING))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,15 @@ class ProcessorConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ProcessorConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("num_cpus", "num_gpus"):  # Ray refused these only once the dataset ran,
+            value = getattr(self, name)  # naming no ProcessorConfig key ('1' was a TypeError)
+            if value is None and name == "num_gpus":
+                continue
+            if not _is_resource_quantity(value):
+                raise ValueError(
+                    f"ProcessorConfig.{name} must be a finite number >= 0 (what one replica "
+                    f"asks Ray for){' or None' if name == 'num_gpus' else ''}, got {value!r}"
+                )
         for name, of in (("engine", "EngineConfig's"), ("sampling", "SamplingParams'")):
             value = getattr(self, name)
             if not isinstance(value, Mapping):  # dict() and ** took a list of pairs, or
@@ -225,6 +235,12 @@ class EngineReplica:
             "needs a 'messages', 'prompt' or 'prompt_token_ids' column (a preprocess "
             f"function can build one); it has {sorted(row if columns is None else columns)}"
         )
+
+
+def _is_resource_quantity(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value >= 0
 
 
 def _one_completion(params: Any, where: str) -> Any:
