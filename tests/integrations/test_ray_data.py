@@ -181,6 +181,24 @@ def test_replicas_ask_for_a_gpu_on_a_cluster_with_gpus_under_device_auto() -> No
     assert ProcessorConfig(num_gpus=0.5).gpus_per_replica(cluster_gpus=8) == 0.5
 
 
+def test_replicas_asking_for_gpus_a_cluster_lacks_are_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """num_gpus=1 (or engine device cuda) on a cluster of CPUs: no replica could start and
+    the pipeline waited forever, saying nothing but "pending: 1 GPU" in its progress."""
+    import logging
+
+    assert ray.cluster_resources().get("GPU", 0.0) == 0.0  # the tests' local Ray
+    ds = ray.data.from_items([{"prompt": "a"}])
+    with caplog.at_level(logging.WARNING, logger="tokenmill.integrations"):
+        for config in (ProcessorConfig(num_gpus=1), ProcessorConfig(engine={"device": "cuda"})):
+            build_processor(config)(ds)  # lazy: warned before anything runs
+        build_processor(ProcessorConfig(engine={"device": "cpu"}))(ds)
+    warned = [r.getMessage() for r in caplog.records if "GPUs" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("each engine replica asks Ray for 1 GPUs, but the cluster has 0")
+
+
 def test_messages_cells_read_as_run_job_reads_them_with_the_configs_template(
     model: Path,
 ) -> None:

@@ -278,6 +278,8 @@ def build_processor(
             ray.init()  # (Ray Data would at execution) to see what the cluster has
         resources = ray.cluster_resources()
         _warn_if_replicas_take_every_cpu(config, resources.get("CPU", 0.0))
+        num_gpus = config.gpus_per_replica(resources.get("GPU", 0.0))
+        _warn_if_replicas_want_more_gpus(num_gpus, resources.get("GPU", 0.0))
         if preprocess is not None:
             ds = ds.map(preprocess)
         ds = ds.map_batches(
@@ -287,7 +289,7 @@ def build_processor(
             batch_format="pyarrow",
             compute=ActorPoolStrategy(size=config.concurrency),  # (`concurrency=`
             # is deprecated from Ray 2.51)
-            num_gpus=config.gpus_per_replica(resources.get("GPU", 0.0)),
+            num_gpus=num_gpus,
             num_cpus=config.num_cpus,
         )
         if postprocess is not None:
@@ -365,6 +367,19 @@ def _warn_if_replicas_take_every_cpu(config: ProcessorConfig, cluster_cpus: floa
             "the %d engine replicas ask for %g CPUs, all the cluster's %g: Ray Data's read "
             "and map tasks get none and the pipeline waits; lower concurrency or num_cpus",
             config.concurrency, wanted, cluster_cpus,
+        )  # fmt: skip
+
+
+def _warn_if_replicas_want_more_gpus(num_gpus: float, cluster_gpus: float) -> None:
+    """A replica asking for more GPUs than the cluster has (``num_gpus=1``, or an engine
+    device of cuda, on a cluster of CPUs) never starts: the pipeline waited forever, its
+    progress line the only sign. A warning, not an error: an autoscaler may add GPUs."""
+    if num_gpus > cluster_gpus:
+        log.warning(
+            "each engine replica asks Ray for %g GPUs, but the cluster has %g: no replica "
+            "starts and the pipeline waits (unless GPU nodes join); to run on CPUs, set "
+            "ProcessorConfig(num_gpus=0, engine={'device': 'cpu'})",
+            num_gpus, cluster_gpus,
         )  # fmt: skip
 
 
