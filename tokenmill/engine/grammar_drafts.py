@@ -21,13 +21,12 @@ process or in a grammar worker (grammar_processes.py).
 Masks left open. A row's masks after its drafts cost most of a drafted step's grammar
 work (k = 3 on a JSON schema, llguidance: 2-3x the first mask's, BENCHMARKS session 57;
 on an H100 a drafted step's masks took 7.9 ms at 64 rows, its forward pass 1.5). For a
-greedy row
-most of them can go: where the draft is one the grammar takes, the position's argmax over
-every token is the argmax over the allowed ones whenever it is allowed itself. So with
-``open_rows`` a row's positions after its taken drafts get ``open_mask`` (every token but
-the stop tokens) instead of a fill, except where the grammar could end (EOS allowed: a
-fill, or EOS would be lost) and the last position before a draft the grammar refuses (a
-fill, which forbids that draft):
+greedy row most of them can go: where the draft is one the grammar takes, the position's
+argmax over every token is the argmax over the allowed ones whenever it is allowed itself.
+So with ``open_rows`` a row's positions after its taken drafts get ``open_mask`` (every
+token but the stop tokens) instead of a fill, except where the grammar could end (EOS
+allowed: a fill, or EOS would be lost) and the last position before a draft the grammar
+refuses (a fill, which forbids that draft):
 
     drafts d1 d2 d3 (d3 refused):   mask 0 filled | 1 open | 2 filled (forbids d3) | 3 = 2
 
