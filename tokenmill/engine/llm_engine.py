@@ -140,10 +140,9 @@ class LLMEngine:
         # are a step older, so fewer are accepted and more compute is wasted.
         self.draft_ahead_below = 8
         # Greedy constrained rows of a drafted step processed before the next is scheduled
-        # leave their masks after drafts open where they can (grammar_drafts.py: only the
-        # first position's mask is filled: a half to a third of the grammar's work a
-        # drafted row on a JSON schema, BENCHMARKS session 57); False fills
-        # every one (a benchmark's A/B).
+        # leave their masks after drafts open where they can (grammar_drafts.py: a half to
+        # a third of a drafted row's grammar work on a JSON schema, BENCHMARKS session 57);
+        # False fills every one (a benchmark's A/B).
         self.leave_draft_masks_open = True
         self._processed_now = False  # whether the step being launched is processed at once
         auto = proposer is None and config.speculative.method == "auto"
