@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -238,9 +237,9 @@ class EngineReplica:
 
 
 def _is_resource_quantity(value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and value >= 0
+    from tokenmill.engine.sampling_params import is_number  # (as the module's other uses)
+
+    return is_number(value) and value >= 0
 
 
 def _one_completion(params: Any, where: str) -> Any:
