@@ -135,8 +135,8 @@ def time_backend(
         at = step[0]
         walk = np.array([s[at + 1 : at + 1 + drafts] for s in seqs], dtype=np.int64)
         if isinstance(backend, GrammarProcesses):
-            fill = (rows, mask, places, (walk.reshape(-1), counts))
-            backend.finish_fill(backend.send_step(fill=fill, open_rows=opens))
+            step_fill = (rows, mask, places, (walk.reshape(-1), counts))
+            backend.finish_fill(backend.send_step(fill=step_fill, open_rows=opens))
         else:
             fill_with_drafts(backend, rows, mask, places, walk.reshape(-1), counts, opens)
 
