@@ -165,14 +165,14 @@ def _serve(conn: Connection, backend: Any, me: int = 0, workers: int = 1) -> Non
             backend.release([row for row in dropped if row is not None])
             mine, rows = own(keys)
             if len(mine):
-                # each row's last token tried where its mask was left open (grammar_drafts)
-                bits = np.array([opened.pop(key, 0) for key in keys[mine].tolist()], np.int64)
+                # each row's last token tried where its mask was left open (grammar_drafts);
+                # a plain step's rows have no open masks: no lookup a row
+                try_last = None
+                if opened:
+                    bits = [opened.pop(key, 0) for key in keys[mine].tolist()]
+                    try_last = (np.array(bits, np.int64) >> (counts[mine] - 1)) & 1 == 1
                 status, took = consume_runs(
-                    backend,
-                    rows,
-                    tokens[run_entries(counts, mine)],
-                    counts[mine],
-                    (bits >> (counts[mine] - 1)) & 1 == 1,
+                    backend, rows, tokens[run_entries(counts, mine)], counts[mine], try_last
                 )
                 took = counts[mine] if took is None else took
                 hit = np.flatnonzero(status)
